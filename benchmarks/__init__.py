@@ -1,0 +1,1 @@
+"""megarl benchmark suite: one module per benchmark, run by ``benchmarks/run.py``."""

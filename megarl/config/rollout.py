@@ -1,0 +1,157 @@
+"""Configs of the rollout side: sampling, the inference client and pool, the servers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from megarl.config.base import require
+
+
+@dataclass
+class GenerationHyperparameters:
+    """How each trajectory is sampled (AReaL's ``gconfig``)."""
+
+    n_samples: int = 4
+    """Samples per prompt: the GRPO group size."""
+    max_new_tokens: int = 256
+    """Upper bound on generated tokens per sample (an interrupted sample keeps its budget)."""
+    min_new_tokens: int = 0
+    """Lower bound on generated tokens before a stop is allowed."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores logprobs at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    greedy: bool = False
+    """Greedy decoding (evaluation); ignores temperature, top_p and top_k."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings, in addition to the tokenizer's end-of-sequence token."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop token ids."""
+
+    def new(self, **changes) -> "GenerationHyperparameters":
+        """A copy with ``changes`` applied (e.g. ``gconfig.new(n_samples=1)``)."""
+        return replace(self, **changes)
+
+    def check(self) -> None:
+        require(self.n_samples >= 1, "n_samples", self.n_samples, "must be >= 1")
+        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        require(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            self.min_new_tokens,
+            f"must be in [0, max_new_tokens={self.max_new_tokens}]",
+        )
+        require(self.greedy or self.temperature > 0, "temperature", self.temperature, "must be > 0 (or set greedy)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        require(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+
+
+@dataclass
+class InferenceEngineConfig:
+    """The rollout client and pool: where the servers are and how hard to drive them."""
+
+    server_addrs: list[str] = field(default_factory=list)
+    """``host:port`` of every inference server. Empty: read ``server_addrs_env``."""
+    server_addrs_env: str = "MEGARL_LLM_SERVER_ADDRS"
+    """Environment variable (comma-separated ``host:port``) set by the launchers."""
+    max_concurrent_rollouts: int | None = None
+    """Episodes in flight at once; None means the train batch size."""
+    max_staleness: int = 1
+    """Max versions an accepted sample may lag the trainer (AReaL's max_head_offpolicyness); 0 is synchronous RL."""
+    queue_size: int | None = None
+    """Bound of the input and output queues; None means 4x max_concurrent_rollouts."""
+    request_timeout: float = 3600.0
+    """Seconds one HTTP generation request may take before it counts as failed."""
+    request_retries: int = 3
+    """Retries of a failed request (connection error, 5xx, timeout) before the server is marked unhealthy."""
+    retry_backoff: float = 1.0
+    """Initial backoff in seconds between retries, doubled after each."""
+    setup_timeout: float = 300.0
+    """Seconds to wait for every server to answer its health check."""
+    pause_grace_period: float = 0.5
+    """Seconds an interrupted request waits before it is continued (lets the weight update finish)."""
+    schedule_policy: Literal["least_loaded", "round_robin"] = "least_loaded"
+    """Server choice for a new request; requests continuing an episode stick to their server."""
+    dump_trajectories: bool = False
+    """Write every trajectory to ``{fileroot}/{experiment}/{trial}/rollout/{version}/{task_id}.jsonl``."""
+
+    def check(self) -> None:
+        for i, addr in enumerate(self.server_addrs):
+            host, sep, port = addr.rpartition(":")
+            require(bool(host) and sep == ":" and port.isdigit(), f"server_addrs[{i}]", addr, "expected 'host:port'")
+        if self.max_concurrent_rollouts is not None:
+            require(self.max_concurrent_rollouts >= 1, "max_concurrent_rollouts", self.max_concurrent_rollouts, ">= 1")
+        if self.queue_size is not None:
+            require(self.queue_size >= 1, "queue_size", self.queue_size, "must be >= 1")
+        require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+        require(self.request_timeout > 0, "request_timeout", self.request_timeout, "must be > 0 seconds")
+        require(self.request_retries >= 0, "request_retries", self.request_retries, "must be >= 0")
+        require(self.retry_backoff >= 0, "retry_backoff", self.retry_backoff, "must be >= 0 seconds")
+        require(self.setup_timeout > 0, "setup_timeout", self.setup_timeout, "must be > 0 seconds")
+
+
+@dataclass
+class VLLMConfig:
+    """Options of ``python -m vllm.entrypoints.openai.api_server`` (one server per replica)."""
+
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    """Weights and activations dtype of the server."""
+    max_model_len: int = 2048
+    """Context length (prompt + generation) the server accepts."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory for weights and KV cache (GPU only)."""
+    cpu_kvcache_space_gb: int = 1
+    """KV cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation: faster start, needed on CPU."""
+    enable_prefix_caching: bool = True
+    """Reuse KV cache across requests sharing a prefix (continued generations)."""
+    max_num_seqs: int = 256
+    """Sequences batched at once by the scheduler."""
+    seed: int = 1
+    """Sampling seed of the server (each replica adds its index)."""
+    startup_timeout: float = 600.0
+    """Seconds to wait for the server's health check after launch."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further command-line arguments passed verbatim, e.g. ``["--swap-space", "4"]``."""
+
+    def check(self) -> None:
+        require(self.max_model_len >= 16, "max_model_len", self.max_model_len, "must be >= 16")
+        require(
+            0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]"
+        )
+        require(self.cpu_kvcache_space_gb >= 1, "cpu_kvcache_space_gb", self.cpu_kvcache_space_gb, "must be >= 1")
+        require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        require(self.startup_timeout > 0, "startup_timeout", self.startup_timeout, "must be > 0 seconds")
+
+
+@dataclass
+class SGLangConfig:
+    """Options of ``python -m sglang.launch_server`` (one server per replica; CUDA only)."""
+
+    dtype: Literal["bfloat16", "float16", "auto"] = "bfloat16"
+    """Weights and activations dtype of the server."""
+    context_length: int = 2048
+    """Context length (prompt + generation) the server accepts."""
+    mem_fraction_static: float = 0.8
+    """Fraction of GPU memory for weights and KV cache."""
+    attention_backend: str | None = None
+    """SGLang attention backend (``fa3``, ``flashinfer``, ``triton``); None lets SGLang choose."""
+    disable_cuda_graph: bool = False
+    """Disable CUDA graphs (faster start, slower decode)."""
+    enable_metrics: bool = True
+    """Expose Prometheus metrics."""
+    random_seed: int = 1
+    """Sampling seed of the server (each replica adds its index)."""
+    startup_timeout: float = 600.0
+    """Seconds to wait for the server's health check after launch."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further command-line arguments passed verbatim."""
+
+    def check(self) -> None:
+        require(self.context_length >= 16, "context_length", self.context_length, "must be >= 16")
+        require(0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static, "in (0, 1)")
+        require(self.startup_timeout > 0, "startup_timeout", self.startup_timeout, "must be > 0 seconds")

@@ -1,0 +1,156 @@
+"""Configs of a run's surroundings: cluster, data, saving, evaluation, recovery, logging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarl.config.base import require
+
+
+@dataclass
+class ClusterConfig:
+    """The machines of the run. On CPU a "GPU" is a process slot."""
+
+    n_nodes: int = 1
+    """Number of nodes."""
+    n_gpus_per_node: int = 2
+    """Devices per node; nodes x devices must equal the devices of ``allocation_mode``."""
+    fileroot: str = "outputs"
+    """Root of every run's outputs: ``{fileroot}/{experiment_name}/{trial_name}/``."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the trainer runs; ``auto`` is CUDA when available, else CPU (gloo)."""
+
+    def check(self) -> None:
+        require(self.n_nodes >= 1, "n_nodes", self.n_nodes, "must be >= 1")
+        require(self.n_gpus_per_node >= 1, "n_gpus_per_node", self.n_gpus_per_node, "must be >= 1")
+        require(bool(self.fileroot), "fileroot", self.fileroot, "an output directory is required")
+
+
+@dataclass
+class DatasetConfig:
+    """A prompt dataset and its loader."""
+
+    path: str = "gsm8k"
+    """``gsm8k`` (the bundled copy), a local directory or .jsonl/.parquet file, or a hub name."""
+    type: Literal["gsm8k", "chat"] = "gsm8k"
+    """Row format: GSM8K (question/answer) or chat (messages or prompt, plus answer)."""
+    split: str = "train"
+    """Split to read (a directory's ``{split}.jsonl``)."""
+    batch_size: int = 8
+    """Prompts per training step, over all data-parallel ranks (each yields n_samples trajectories)."""
+    shuffle: bool = True
+    """Reshuffle every epoch (seeded by the experiment seed and the epoch)."""
+    num_workers: int = 0
+    """Dataloader worker processes."""
+    drop_last: bool = True
+    """Drop the last incomplete batch of an epoch."""
+    max_prompt_tokens: int | None = None
+    """Drop prompts longer than this many tokens; None keeps all."""
+
+    def check(self) -> None:
+        require(bool(self.path), "path", self.path, "a dataset path or name is required")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
+        if self.max_prompt_tokens is not None:
+            require(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
+
+
+@dataclass
+class SaverConfig:
+    """Periodic checkpoints. A save happens when any frequency that is set is reached."""
+
+    freq_epochs: int | None = None
+    """Save every this many epochs."""
+    freq_steps: int | None = None
+    """Save every this many training steps."""
+    freq_secs: int | None = None
+    """Save when this many seconds passed since the last save."""
+    export_hf: bool = False
+    """Also export an HF directory (safetensors) next to the Megatron checkpoint."""
+    keep_last: int = 2
+    """Checkpoints kept on disk; older ones are deleted."""
+
+    def check(self) -> None:
+        for name in ("freq_epochs", "freq_steps", "freq_secs"):
+            value = getattr(self, name)
+            if value is not None:
+                require(value >= 1, name, value, "must be >= 1 (or null to disable)")
+        require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+
+
+@dataclass
+class EvaluatorConfig:
+    """Periodic greedy evaluation on the validation split (pass@1)."""
+
+    freq_epochs: int | None = None
+    """Evaluate every this many epochs."""
+    freq_steps: int | None = None
+    """Evaluate every this many training steps."""
+    freq_secs: int | None = None
+    """Evaluate when this many seconds passed since the last evaluation."""
+    max_samples: int | None = None
+    """Evaluate on at most this many prompts; None uses the whole split."""
+
+    def check(self) -> None:
+        for name in ("freq_epochs", "freq_steps", "freq_secs", "max_samples"):
+            value = getattr(self, name)
+            if value is not None:
+                require(value >= 1, name, value, "must be >= 1 (or null to disable)")
+
+
+@dataclass
+class RecoverConfig:
+    """Crash recovery: model, optimizer, dataloader position, rollout version and RNG."""
+
+    mode: Literal["disabled", "auto", "resume"] = "disabled"
+    """``auto`` resumes when a recover checkpoint exists; ``resume`` requires one; ``disabled`` starts fresh."""
+    freq_steps: int | None = 1
+    """Write the recover checkpoint every this many steps."""
+    freq_secs: int | None = None
+    """Write the recover checkpoint when this many seconds passed since the last one."""
+    retries: int = 3
+    """Times the launcher restarts a failed trainer in ``auto`` mode."""
+
+    def check(self) -> None:
+        for name in ("freq_steps", "freq_secs"):
+            value = getattr(self, name)
+            if value is not None:
+                require(value >= 1, name, value, "must be >= 1 (or null to disable)")
+        require(self.retries >= 0, "retries", self.retries, "must be >= 0")
+
+
+@dataclass
+class WandBConfig:
+    """Weights & Biases logging."""
+
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    """``offline`` writes runs locally (sync later with ``wandb sync``)."""
+    project: str = "megarl"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+    tags: list[str] = field(default_factory=list)
+    """Run tags."""
+
+
+@dataclass
+class TensorBoardConfig:
+    """TensorBoard logging."""
+
+    enabled: bool = False
+    """Write event files to ``{run dir}/tensorboard``."""
+
+
+@dataclass
+class StatsLoggerConfig:
+    """Where the exported ``stats_tracker`` values go (rank 0 only)."""
+
+    console: bool = True
+    """Print a table of stats at each step."""
+    wandb: WandBConfig = field(default_factory=WandBConfig)
+    """Weights & Biases."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """TensorBoard."""
+    plot_keys: list[str] = field(default_factory=lambda: ["rollout/reward", "eval/pass@1"])
+    """Curves drawn into ``{run dir}/curves.png`` at each log step."""

