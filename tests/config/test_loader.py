@@ -17,7 +17,8 @@ def load(*overrides, files=(CPU_YAML,)):
     return load_expr_config(argv, GRPOConfig)
 
 
-def test_acceptance_call_applies_override():
+def test_acceptance_call_applies_override(monkeypatch):
+    monkeypatch.chdir(REPO)
     config, rest = load_expr_config(["--config", "configs/gsm8k_grpo_cpu.yaml", "actor.optimizer.lr=2e-6"], GRPOConfig)
     assert isinstance(config, GRPOConfig)
     assert isinstance(config.actor.optimizer, OptimizerConfig)

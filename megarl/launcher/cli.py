@@ -1,0 +1,108 @@
+"""The ``megarl`` command line. Every user-facing print of the package goes through here.
+
+    megarl config --config configs/gsm8k_grpo_cpu.yaml actor.optimizer.lr=2e-6
+    megarl allocation vllm:d4t2+megatron:d2p2t2e2 --nodes 3 --gpus-per-node 8
+    megarl models fetch smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from megarl.config import AllocationError, AllocationMode, ConfigError, GRPOConfig, ModelShape
+from megarl.config import load_expr_config, save_config, to_yaml, validate_allocation
+from megarl.config.experiment import read_model_shape
+
+
+def _cmd_config(args: argparse.Namespace, console: Console) -> int:
+    argv = [a for path in args.config for a in ("--config", path)] + args.overrides
+    config, rest = load_expr_config(argv, GRPOConfig)
+    if rest:
+        raise ConfigError("", f"unexpected arguments {rest}; overrides are key.path=value")
+    console.print(to_yaml(config), end="", markup=False, highlight=False)
+    if args.save:
+        console.print(f"# written to {save_config(config)}", markup=False)
+    return 0
+
+
+def _cmd_allocation(args: argparse.Namespace, console: Console) -> int:
+    alloc = AllocationMode.from_str(args.mode)
+    model = None
+    if args.model:
+        model = read_model_shape(args.model)
+        if model is None:
+            raise AllocationError(f"--model {args.model!r} is not a directory with a config.json")
+    validate_allocation(alloc, n_nodes=args.nodes, n_gpus_per_node=args.gpus_per_node, model=model)
+    console.print(_allocation_table(alloc, model))
+    return 0
+
+
+def _allocation_table(alloc: AllocationMode, model: ModelShape | None) -> Table:
+    table = Table(title=f"allocation_mode {alloc}" + (" (checked against the model)" if model else ""))
+    for column in ("part", "backend", "layout", "devices"):
+        table.add_column(column)
+    if alloc.inference:
+        inf = alloc.inference
+        layout = f"{inf.dp} servers x TP {inf.tp} x PP {inf.pp}"
+        table.add_row("inference", inf.backend, layout, str(inf.world_size))
+    if alloc.train:
+        t = alloc.train
+        layout = f"DP {t.dp} x PP {t.pp} x TP {t.tp} x CP {t.cp}; VPP {t.vpp}; EP {t.ep} x ETP {t.expert_tp} (EDP {t.edp})"
+        table.add_row("training", t.backend, layout, str(t.world_size))
+    table.add_row("total", "", "", str(alloc.world_size))
+    return table
+
+
+def _cmd_models(args: argparse.Namespace, console: Console) -> int:
+    from megarl import models
+
+    if args.action == "list":
+        for name, description in models.KNOWN_MODELS.items():
+            console.print(f"{name}: {description}", markup=False)
+        return 0
+    console.print(models.resolve_model_path(args.name, cache_dir=args.cache_dir), markup=False)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl", description="Asynchronous RL for LLMs on Megatron-Core.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    config = sub.add_parser("config", help="load, validate and print an experiment config")
+    config.add_argument("--save", action="store_true", help="also write it to {fileroot}/{experiment}/{trial}")
+    config.add_argument("--config", action="append", default=[], help="YAML file (repeatable; later files win)")
+    config.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    config.set_defaults(func=_cmd_config)
+
+    alloc = sub.add_parser("allocation", help="parse and check an allocation_mode string")
+    alloc.add_argument("mode", help="e.g. vllm:d4t2+megatron:d2p2t2e2")
+    alloc.add_argument("--nodes", type=int, help="cluster nodes (with --gpus-per-node: check the device count)")
+    alloc.add_argument("--gpus-per-node", type=int, help="devices per node")
+    alloc.add_argument("--model", help="HF model directory: check heads, layers and experts split evenly")
+    alloc.set_defaults(func=_cmd_allocation)
+
+    models = sub.add_parser("models", help="list or provision models known by short name")
+    models.add_argument("action", choices=["list", "fetch"])
+    models.add_argument("name", nargs="?", default="smollm2-135m-instruct", help="short name or HF directory")
+    models.add_argument("--cache-dir", help="where provisioned models go (default $MEGARL_CACHE_DIR or ~/.cache/megarl)")
+    models.set_defaults(func=_cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; user errors print one clear line and exit with status 2."""
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        return args.func(args, console)
+    except (ConfigError, AllocationError, ValueError, FileNotFoundError) as err:
+        Console(stderr=True, soft_wrap=True).print(f"megarl {args.command}: error: {err}", markup=False, highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
