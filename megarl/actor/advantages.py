@@ -1,0 +1,163 @@
+"""Rewards to advantages: reward shaping, GRPO group normalisation, GAE.
+
+Sequences arrive grouped: ``group_size`` consecutive sequences answer the same
+prompt (the rollout side keeps groups contiguous and the coordinator splits the
+batch on group boundaries). Tensors are packed token tensors [T] with
+``cu_seqlens`` [N+1], as in :mod:`megarl.actor.losses`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from megarl.actor.losses import sequence_ids
+
+NormLevel = Literal["group", "batch", "none"]
+
+
+def shape_rewards(rewards: torch.Tensor, bias: float, scaling: float, clip: float) -> torch.Tensor:
+    """``clip((r + bias) * scaling, -clip, clip)`` per sequence."""
+    return ((rewards + bias) * scaling).clamp(-clip, clip)
+
+
+def normalize_rewards(
+    rewards: torch.Tensor,
+    group_size: int,
+    mean_level: NormLevel = "group",
+    std_level: NormLevel = "group",
+    leave_one_out: bool = False,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """GRPO-style normalisation of per-sequence rewards [N] → advantages [N].
+
+    ``mean_level``/``std_level`` pick the statistics' scope (each prompt's group or the
+    whole batch); ``none`` skips that step (Dr.GRPO: ``std_level="none"``). With
+    ``leave_one_out`` the baseline of a sample is the mean of the *other* samples of
+    its scope (RLOO), which keeps the estimator unbiased.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of group_size={group_size}")
+    adv = rewards.float()
+    if mean_level != "none":
+        adv = adv - _baseline(adv, _scope(adv, group_size, mean_level), leave_one_out)
+    if std_level != "none":
+        scoped = _scope(rewards.float(), group_size, std_level)
+        std = scoped.std(dim=1, unbiased=False, keepdim=True).expand_as(scoped).reshape(-1)
+        adv = adv / (std + eps)
+    return adv
+
+
+def _scope(values: torch.Tensor, group_size: int, level: NormLevel) -> torch.Tensor:
+    """[groups, members] view of ``values`` for the statistics of ``level``."""
+    if level == "group":
+        return values.view(-1, group_size)
+    if level == "batch":
+        return values.view(1, -1)
+    raise ValueError(f"unknown normalisation level {level!r}; expected 'group', 'batch' or 'none'")
+
+
+def _baseline(values: torch.Tensor, scoped: torch.Tensor, leave_one_out: bool) -> torch.Tensor:
+    members = scoped.shape[1]
+    if not leave_one_out:
+        return scoped.mean(dim=1, keepdim=True).expand_as(scoped).reshape(-1)
+    if members < 2:
+        raise ValueError("leave-one-out baselines need at least 2 samples per scope")
+    total = scoped.sum(dim=1, keepdim=True)
+    return ((total - scoped) / (members - 1)).reshape(-1)
+
+
+def broadcast_to_tokens(per_sequence: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[N] → [T]: every token carries its sequence's value."""
+    return per_sequence[sequence_ids(cu_seqlens, total)]
+
+
+def last_token_mask(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the last loss-masked token of each sequence (where the outcome reward lands)."""
+    positions = torch.arange(loss_mask.numel(), device=loss_mask.device)
+    marked = torch.where(loss_mask.bool(), positions, torch.full_like(positions, -1))
+    seq = sequence_ids(cu_seqlens, loss_mask.numel())
+    last = torch.full((len(cu_seqlens) - 1,), -1, dtype=positions.dtype, device=positions.device)
+    last = last.scatter_reduce(0, seq, marked, reduce="amax")
+    out = torch.zeros_like(loss_mask, dtype=torch.bool)
+    out[last[last >= 0]] = True
+    return out
+
+
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation within each sequence, over loss-masked tokens.
+
+    ``values`` None means a zero critic (then GAE with lambda 1 is the return-to-go).
+    Returns (advantages [T], returns [T]), zero outside the mask. The recursion runs
+    over token positions, vectorised across sequences.
+    """
+    mask = loss_mask.bool()
+    values = torch.zeros_like(token_rewards) if values is None else values
+    rewards_nl, where = _to_rows(token_rewards.float(), mask, cu_seqlens)  # [N, L]
+    values_nl, _ = _to_rows(values.float(), mask, cu_seqlens)
+    next_values = torch.nn.functional.pad(values_nl[:, 1:], (0, 1))  # [N, L], 0 after the last token
+    running = torch.zeros(rewards_nl.shape[0], dtype=torch.float32, device=rewards_nl.device)
+    adv_nl = torch.zeros_like(rewards_nl)
+    for t in reversed(range(rewards_nl.shape[1])):
+        delta = rewards_nl[:, t] + gamma * next_values[:, t] - values_nl[:, t]
+        running = delta + gamma * lam * running
+        adv_nl[:, t] = running
+    advantages = torch.zeros_like(token_rewards, dtype=torch.float32)
+    advantages[where[0]] = adv_nl[where[1], where[2]]
+    return advantages, torch.where(mask, advantages + values.float(), torch.zeros_like(advantages))
+
+
+def _to_rows(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor):
+    """Scatter the masked tokens of each sequence into row n of a padded [N, L] tensor.
+
+    Returns the tensor and (token index, row, column) of every masked token.
+    """
+    token = torch.nonzero(mask).flatten()
+    row = sequence_ids(cu_seqlens, mask.numel())[token]
+    counts = torch.bincount(row, minlength=len(cu_seqlens) - 1)
+    starts = torch.cumsum(counts, 0) - counts
+    col = torch.arange(token.numel(), device=mask.device) - starts[row]
+    width = int(counts.max()) if token.numel() else 0
+    rows = torch.zeros(len(cu_seqlens) - 1, width, dtype=values.dtype, device=values.device)
+    rows[row, col] = values[token]
+    return rows, (token, row, col)
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group_size: int,
+    *,
+    mean_level: NormLevel = "group",
+    std_level: NormLevel = "group",
+    leave_one_out: bool = False,
+    eps: float = 1e-5,
+    kl_token_rewards: torch.Tensor | None = None,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """Token advantages [T] for GRPO.
+
+    Each sequence's normalised reward is its advantage at every loss token. With
+    ``kl_token_rewards`` (KL penalty in the reward, [T], e.g. ``-kl_ctl * kl``) the
+    return-to-go of those per-token penalties is added, so a token is charged for
+    the divergence of itself and what follows it.
+    """
+    seq_adv = normalize_rewards(rewards, group_size, mean_level, std_level, leave_one_out, eps)
+    mask = loss_mask.bool()
+    adv = torch.where(mask, broadcast_to_tokens(seq_adv, cu_seqlens, mask.numel()), torch.zeros_like(mask, dtype=torch.float32))
+    if kl_token_rewards is not None:
+        kl_returns, _ = gae(kl_token_rewards.float(), None, mask, cu_seqlens, gamma=gamma, lam=1.0)
+        adv = adv + kl_returns
+    return adv
+

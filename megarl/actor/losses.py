@@ -1,0 +1,191 @@
+"""PPO / GRPO policy losses as pure functions of per-token tensors.
+
+Every function takes packed token tensors of shape [T] (several sequences laid end
+to end, as the Megatron engine feeds them) and, where sequences matter,
+``cu_seqlens`` [N+1] with the start offset of each sequence. A padded [B, S] batch
+is the special case ``cu_seqlens = arange(B + 1) * S`` after flattening.
+
+The variants and where they come from:
+- clipped surrogate, asymmetric clip (``eps_clip_higher``, DAPO) and dual clip
+  (``c_clip``, for negative advantages);
+- decoupled PPO (AReaL): clip against the proximal policy, weight each token by
+  the behaviour importance weight ``exp(prox - old)``, drop tokens above a cap;
+- GSPO: one length-normalised ratio per sequence instead of one per token;
+- KL to a reference policy with Schulman's k1 / k2 / k3 estimators;
+- aggregation: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm
+  (Dr.GRPO).
+
+Aggregation returns a (sum, weight) pair rather than a mean so that the engine can
+divide by the weight summed over micro-batches, data-parallel ranks and pipeline
+stages: the loss of a mini-batch is then exact however it was split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass
+class PolicyLossOutput:
+    """Per-token policy loss and what the stats need; ``mask`` excludes dropped tokens."""
+
+    loss: torch.Tensor  # [T], zero where mask is False
+    mask: torch.Tensor  # [T] bool: loss_mask minus tokens over the behaviour cap
+    ratio: torch.Tensor  # [T] ratio used in the surrogate (token or broadcast sequence ratio)
+    clipped: torch.Tensor  # [T] bool: the clipped branch was taken
+    dual_clipped: torch.Tensor  # [T] bool: the dual clip bound was taken
+    behav_weight: torch.Tensor | None  # [T] exp(prox - old) when decoupled, else None
+
+
+def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[T] index of the sequence each packed token belongs to."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=total)
+
+
+def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[N] sum of ``values`` [T] over each sequence."""
+    seq = sequence_ids(cu_seqlens, values.numel())
+    out = torch.zeros(len(cu_seqlens) - 1, dtype=values.dtype, device=values.device)
+    return out.index_add(0, seq, values)
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic surrogate ``max(-A r, -A clip(r, 1-eps, 1+eps_high))`` per token.
+
+    With ``c_clip`` (> 1), the loss of a negative-advantage token is further bounded by
+    ``-c_clip * A`` (dual clip), so one huge ratio cannot dominate the update.
+    Returns (loss, clipped, dual_clipped).
+    """
+    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    dual_clipped = torch.zeros_like(clipped)
+    if c_clip is not None:
+        bound = -advantages * c_clip
+        dual_clipped = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual_clipped, bound, loss)
+    return loss, clipped, dual_clipped
+
+
+def gspo_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence ratio ``exp(mean_t log r_t)``, broadcast to tokens as GSPO-token does.
+
+    The value of every token is its sequence's ratio; its gradient flows through the
+    token's own logprob: ``r_seq.detach() * exp(log r_t - log r_t.detach())``.
+    """
+    masked = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    lengths = segment_sum(mask.to(log_ratio.dtype), cu_seqlens).clamp(min=1)
+    seq_log_ratio = segment_sum(masked.detach(), cu_seqlens) / lengths  # [N]
+    per_token = seq_log_ratio[sequence_ids(cu_seqlens, log_ratio.numel())]
+    return torch.exp(per_token) * torch.exp(log_ratio - log_ratio.detach())
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    proximal_logprobs: torch.Tensor | None = None,
+    behav_imp_weight_cap: float | None = None,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
+    cu_seqlens: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """The PPO policy-gradient loss per token, plain or decoupled, token or GSPO ratio.
+
+    ``old_logprobs`` are the behaviour policy's (the servers' sampling logprobs).
+    With ``proximal_logprobs`` (decoupled PPO) the ratio is taken against the proximal
+    policy and each token is weighted by ``exp(prox - old)``; tokens whose weight
+    exceeds ``behav_imp_weight_cap`` leave the loss (and its denominator).
+    """
+    mask = loss_mask.bool()
+    anchor = old_logprobs if proximal_logprobs is None else proximal_logprobs
+    log_ratio = torch.where(mask, logprobs - anchor, torch.zeros_like(logprobs))
+    if importance_sampling_level == "sequence":
+        if cu_seqlens is None:
+            raise ValueError("importance_sampling_level='sequence' (GSPO) needs cu_seqlens")
+        ratio = gspo_ratio(log_ratio, mask, cu_seqlens)
+    else:
+        ratio = torch.exp(log_ratio)
+    loss, clipped, dual_clipped = clipped_surrogate(ratio, advantages, eps_clip, eps_clip_higher, c_clip)
+    behav_weight = None
+    if proximal_logprobs is not None:
+        behav_weight = torch.exp(proximal_logprobs - old_logprobs).detach()
+        if behav_imp_weight_cap is not None:
+            mask = mask & (behav_weight <= behav_imp_weight_cap)
+        loss = loss * behav_weight
+    zero = torch.zeros_like(loss)
+    return PolicyLossOutput(
+        loss=torch.where(mask, loss, zero),
+        mask=mask,
+        ratio=ratio.detach(),
+        clipped=clipped & mask,
+        dual_clipped=dual_clipped & mask,
+        behav_weight=behav_weight,
+    )
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Literal["k1", "k2", "k3"]
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
+
+
+def aggregate(
+    token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: AggMode,
+    cu_seqlens: torch.Tensor | None = None,
+    norm_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce a per-token loss to ``(sum, weight)``; the loss is ``sum / weight``.
+
+    - token-mean: every unmasked token weighs the same (DAPO).
+    - seq-mean-token-mean: mean over tokens within a sequence, then over sequences (GRPO).
+    - seq-mean-token-sum-norm: token sum divided by the constant ``norm_len`` (the
+      generation budget), then mean over sequences (Dr.GRPO: no length bias).
+    Sequences with no unmasked token do not count.
+    """
+    mask = mask.bool()
+    values = torch.where(mask, token_loss, torch.zeros_like(token_loss))
+    if mode == "token-mean":
+        return values.sum(), mask.sum().to(values.dtype)
+    if cu_seqlens is None:
+        raise ValueError(f"loss aggregation {mode!r} needs cu_seqlens")
+    per_seq = segment_sum(values, cu_seqlens)
+    counts = segment_sum(mask.to(values.dtype), cu_seqlens)
+    present = counts > 0
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / counts.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if not norm_len:
+            raise ValueError("loss aggregation 'seq-mean-token-sum-norm' (Dr.GRPO) needs norm_len > 0")
+        per_seq = per_seq / norm_len
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}")
+    return torch.where(present, per_seq, torch.zeros_like(per_seq)).sum(), present.sum().to(values.dtype)
