@@ -9,6 +9,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.megarl-installed
 PYTEST_ARGS ?=
+# Tests spawn `megarl`, `torchrun` and friends: the venv's bin comes first.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 # No hub at run time: models and data come from the project or local paths.
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1

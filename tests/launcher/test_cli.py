@@ -13,7 +13,7 @@ CPU_YAML = str(Path(__file__).resolve().parents[2] / "configs" / "gsm8k_grpo_cpu
 
 
 def test_console_script_help():
-    exe = shutil.which("megarl")
+    exe = shutil.which("megarl", path=str(Path(sys.executable).parent))
     assert exe, "the megarl console script is not installed"
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
     for command in ("config", "allocation", "models"):
