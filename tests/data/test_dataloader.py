@@ -1,0 +1,99 @@
+"""create_dataloader: batches of rows, deterministic reshuffles, state that survives a restart."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+
+import datasets
+import pytest
+import torch
+
+from megarl.data import create_dataloader, load_rl_dataset
+from megarl.data.dataloader import collate_rows
+
+N_ROWS, BATCH = 22, 4  # 5 full batches per epoch, 2 rows dropped
+
+
+@pytest.fixture
+def rows():
+    return datasets.Dataset.from_dict({"id": list(range(N_ROWS))})
+
+
+def ids(batches):
+    return [[row["id"] for row in batch] for batch in batches]
+
+
+def epochs(loader, n):
+    """``n`` consecutive epochs of ``loader``, each a list of batches of row ids."""
+    return [ids(loader) for _ in range(n)]
+
+
+def restart(loader, tmp_path, **kwargs):
+    """A fresh loader restored from ``loader``'s state, saved and loaded like a checkpoint."""
+    torch.save(loader.state_dict(), tmp_path / "loader.pt")
+    fresh = create_dataloader(kwargs.pop("dataset"), batch_size=BATCH, **kwargs)
+    fresh.load_state_dict(torch.load(tmp_path / "loader.pt", weights_only=False))
+    return fresh
+
+
+def test_batches_are_lists_of_rows_and_drop_last(rows):
+    (epoch,) = epochs(create_dataloader(rows, batch_size=BATCH), 1)
+    assert len(epoch) == N_ROWS // BATCH and all(len(b) == BATCH for b in epoch)
+    assert len(set(itertools.chain(*epoch))) == N_ROWS // BATCH * BATCH
+    kept = epochs(create_dataloader(rows, batch_size=BATCH, drop_last=False), 1)[0]
+    assert sorted(itertools.chain(*kept)) == list(range(N_ROWS))
+
+
+def test_gsm8k_rows_come_out_as_dicts():
+    loader = create_dataloader(load_rl_dataset("gsm8k", "test"), batch_size=8, shuffle=False)
+    first = next(iter(loader))
+    assert isinstance(first, list) and len(first) == 8
+    assert {"messages", "answer", "solution"} <= set(first[0])
+
+
+def test_shuffle_is_seeded_and_reshuffles_each_epoch(rows):
+    one, two = epochs(create_dataloader(rows, batch_size=BATCH, seed=7), 2)
+    assert one != two  # a new order each epoch
+    assert epochs(create_dataloader(rows, batch_size=BATCH, seed=7), 2) == [one, two]
+    assert epochs(create_dataloader(rows, batch_size=BATCH, seed=8), 1)[0] != one
+    ordered = epochs(create_dataloader(rows, batch_size=BATCH, shuffle=False), 1)[0]
+    assert list(itertools.chain(*ordered)) == list(range(N_ROWS // BATCH * BATCH))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("epochs_before", [0, 1])
+@pytest.mark.parametrize("consumed", [0, 2, 5])  # 5: every full batch of the epoch taken
+def test_state_round_trips_mid_epoch_and_across_epochs(
+    rows, tmp_path, num_workers, epochs_before, consumed
+):
+    reference = epochs(create_dataloader(rows, batch_size=BATCH, num_workers=num_workers), 3)
+    loader = create_dataloader(rows, batch_size=BATCH, num_workers=num_workers)
+    assert epochs(loader, epochs_before) == reference[:epochs_before]
+    head = ids(itertools.islice(iter(loader), consumed))
+
+    resumed = restart(loader, tmp_path, dataset=rows, num_workers=num_workers)
+    assert head + ids(resumed) == reference[epochs_before]  # the rest of the epoch
+    assert ids(resumed) == reference[epochs_before + 1]  # and the next, reshuffled
+
+
+def test_state_saved_after_a_finished_epoch_starts_the_next(rows, tmp_path):
+    reference = epochs(create_dataloader(rows, batch_size=BATCH), 2)
+    loader = create_dataloader(rows, batch_size=BATCH)
+    epochs(loader, 1)
+    assert ids(restart(loader, tmp_path, dataset=rows)) == reference[1]
+
+
+def test_a_new_iterator_after_an_abandoned_one_is_a_new_epoch(rows):
+    reference = epochs(create_dataloader(rows, batch_size=BATCH), 2)
+    loader = create_dataloader(rows, batch_size=BATCH)
+    next(iter(loader))
+    assert ids(loader) == reference[1]
+
+
+def test_collate_is_picklable_and_bad_sizes_are_rejected(rows):
+    assert pickle.loads(pickle.dumps(collate_rows))([{"a": 1}]) == [{"a": 1}]
+    with pytest.raises(ValueError, match="batch_size=30 exceeds the 22 rows"):
+        create_dataloader(rows, batch_size=30)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        create_dataloader(rows, batch_size=0)
