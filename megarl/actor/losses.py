@@ -35,11 +35,12 @@ class PolicyLossOutput:
     """Per-token policy loss and what the stats need; ``mask`` excludes dropped tokens."""
 
     loss: torch.Tensor  # [T], zero where mask is False
-    mask: torch.Tensor  # [T] bool: loss_mask minus tokens over the behaviour cap
+    mask: torch.Tensor  # [T] bool: loss_mask (capped tokens stay in it: they count in the denominator)
     ratio: torch.Tensor  # [T] ratio used in the surrogate (token or broadcast sequence ratio)
     clipped: torch.Tensor  # [T] bool: the clipped branch was taken
     dual_clipped: torch.Tensor  # [T] bool: the dual clip bound was taken
     behav_weight: torch.Tensor | None  # [T] exp(prox - old) when decoupled, else None
+    capped: torch.Tensor  # [T] bool: tokens whose behaviour weight exceeds the cap (loss zeroed)
 
 
 def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -113,7 +114,8 @@ def policy_loss(
     ``old_logprobs`` are the behaviour policy's (the servers' sampling logprobs).
     With ``proximal_logprobs`` (decoupled PPO) the ratio is taken against the proximal
     policy and each token is weighted by ``exp(prox - old)``; tokens whose weight
-    exceeds ``behav_imp_weight_cap`` leave the loss (and its denominator).
+    exceeds ``behav_imp_weight_cap`` contribute zero loss but, as in AReaL, still count
+    in the token denominator (so a stale batch does not get a larger step size).
     """
     mask = loss_mask.bool()
     anchor = old_logprobs if proximal_logprobs is None else proximal_logprobs
@@ -126,19 +128,21 @@ def policy_loss(
         ratio = torch.exp(log_ratio)
     loss, clipped, dual_clipped = clipped_surrogate(ratio, advantages, eps_clip, eps_clip_higher, c_clip)
     behav_weight = None
+    capped = torch.zeros_like(mask)
     if proximal_logprobs is not None:
         behav_weight = torch.exp(proximal_logprobs - old_logprobs).detach()
         if behav_imp_weight_cap is not None:
-            mask = mask & (behav_weight <= behav_imp_weight_cap)
+            capped = mask & (behav_weight > behav_imp_weight_cap)
         loss = loss * behav_weight
-    zero = torch.zeros_like(loss)
+    kept = mask & ~capped
     return PolicyLossOutput(
-        loss=torch.where(mask, loss, zero),
+        loss=torch.where(kept, loss, torch.zeros_like(loss)),
         mask=mask,
         ratio=ratio.detach(),
-        clipped=clipped & mask,
-        dual_clipped=dual_clipped & mask,
+        clipped=clipped & kept,
+        dual_clipped=dual_clipped & kept,
         behav_weight=behav_weight,
+        capped=capped,
     )
 
 

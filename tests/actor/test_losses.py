@@ -56,10 +56,10 @@ def test_decoupled_ppo_weights_and_caps_behaviour_ratio():
     out = policy_loss(logp, old, adv, T([1, 1, 1]), eps_clip=0.2, proximal_logprobs=prox, behav_imp_weight_cap=5.0)
     # ratios vs proximal: 1, 2 (clipped to 1.2), 1; behaviour weights exp(prox-old): 2, 0.5, 10 (> cap: dropped)
     assert torch.allclose(out.behav_weight, T([2.0, 0.5, 10.0]), rtol=1e-5)
-    assert out.mask.tolist() == [True, True, False]
+    assert out.capped.tolist() == [False, False, True]
     assert torch.allclose(out.loss, T([-2.0, -0.6, 0.0]), rtol=1e-5)
     total, weight = aggregate(out.loss, out.mask, "token-mean")
-    assert torch.isclose(total / weight, T(-1.3))  # the dropped token leaves the denominator too
+    assert torch.isclose(total / weight, T(-2.6 / 3))  # as AReaL: a capped token still counts in the denominator
 
 
 def test_policy_gradient_flows_only_through_logprobs():
