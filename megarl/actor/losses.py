@@ -139,8 +139,8 @@ def policy_loss(
         loss=torch.where(kept, loss, torch.zeros_like(loss)),
         mask=mask,
         ratio=ratio.detach(),
-        clipped=clipped & kept,
-        dual_clipped=dual_clipped & kept,
+        clipped=clipped & mask,
+        dual_clipped=dual_clipped & mask,
         behav_weight=behav_weight,
         capped=capped,
     )

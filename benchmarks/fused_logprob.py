@@ -1,0 +1,207 @@
+"""Fused logprob + entropy from hidden states: time, TFLOP/s and peak extra memory.
+
+Variants per shape (T tokens, H hidden, V vocab):
+  naive    matmul -> log_softmax -> gather ([T, V] fp32 logits materialised)
+  chunked  megarl.kernels, torch path (chunks of 1024 tokens x 4096 vocab, fp32)
+  cuda     megarl.kernels, CUDA kernels (GPU only)
+  liger    Liger-Kernel's fused linear cross entropy, summed (GPU only, when installed;
+           it computes its gradients inside the forward, so only its fwd+bwd row is comparable)
+  matmul   a bare [T,H] x [H,V] GEMM (fwd) and the three GEMMs of a linear layer's fwd+bwd:
+           the ceiling
+FLOPs are model FLOPs: 2 T V H for fwd, 6 T V H for fwd+bwd (recomputation not counted).
+
+On a GPU: bf16 inputs, CUDA-event timing (median of repeats after a warm-up), peak extra
+memory = torch.cuda.max_memory_allocated during the call minus what was allocated before it
+(inputs excluded, gradients included). Full grid T in {4k,16k,32k} x H in {2048,4096} x
+V in {32k,152k} at TP 1, plus simulated TP shards (one rank's V/tp rows, no collectives).
+
+On CPU: fp32 inputs, naive vs chunked vs matmul at shapes two cores finish in about a minute
+each (timings there are noisy on shared cores). Peak extra memory = peak RSS (ru_maxrss) of
+a fresh process over its run minus its RSS after building the inputs, so allocator caching
+cannot hide a peak; each (shape, variant) runs in its own process. ``extra/logits``
+compares that with the fp32 [T, V] logits; ``grads_MiB`` is the part every fwd+bwd must
+hold anyway (dW + dH).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import multiprocessing
+import resource
+import statistics
+import time
+
+import torch
+
+from benchmarks._harness import main_for
+
+TITLE = "Fused logprob + entropy: naive torch vs chunked torch vs CUDA kernel vs Liger vs bare matmul"
+
+CPU_SHAPES_QUICK = [(256, 128, 2048)]
+CPU_SHAPES = [(1024, 512, 32768), (512, 256, 152064)]
+GPU_SHAPES_QUICK = [(4096, 2048, 32768)]
+GPU_SHAPES = [(t, h, v) for t in (4096, 16384, 32768) for h in (2048, 4096) for v in (32768, 152064)]
+GPU_TP_SHARDS = (4, 8)  # simulated shards, CUDA kernel and matmul only
+MIB = 2**20
+
+
+def _inputs(T: int, H: int, V: int, dtype: torch.dtype, device: str):
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(T, H, generator=g, device=device).to(dtype)
+    weight = (torch.randn(V, H, generator=g, device=device) * H**-0.5).to(dtype)
+    labels = torch.randint(0, V, (T,), generator=g, device=device)
+    return hidden, weight, labels
+
+
+def _step(variant: str, hidden, weight, labels, backward: bool):
+    """One forward (and backward) of a variant; returns nothing, frees its outputs."""
+    from megarl.kernels import fused_logprobs_entropy, logprobs_entropy_naive
+
+    h = hidden.detach().requires_grad_(backward)
+    w = weight.detach().requires_grad_(backward)
+    if variant == "matmul":
+        out = h @ w.T
+        if backward:
+            grad = torch.ones_like(out)
+            _ = grad @ w, grad.T @ h
+        return
+    if variant == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, labels).backward()
+        return
+    if variant == "naive":
+        logp, ent = logprobs_entropy_naive(h, w, labels)
+    else:
+        logp, ent = fused_logprobs_entropy(h, w, labels, backend="torch" if variant == "chunked" else "cuda")
+    if backward:
+        (logp.sum() + ent.sum()).backward()
+
+
+def _row(device, T, H, V, variant, tp, passes: dict, elem_bytes: int) -> dict:
+    row = {"device": device, "T": T, "H": H, "V": V, "tp": tp, "variant": variant}
+    logits_mib = T * V * 4 / MIB
+    for name, (ms, extra_mib) in passes.items():
+        flops = (2 if name == "fwd" else 6) * T * V * H
+        row[f"{name}_ms"] = ms
+        row[f"{name}_TFLOP/s"] = None if ms is None else flops / (ms * 1e-3) / 1e12
+        row[f"{name}_extra_MiB"] = extra_mib
+        row[f"{name}_extra/logits_%"] = None if extra_mib is None else 100 * extra_mib / logits_mib
+    row["fp32_logits_MiB"] = logits_mib
+    row["grads_MiB"] = (V + T) * H * elem_bytes / MIB  # dW + dH, inside every fwd+bwd extra
+    return row
+
+
+# ---------------------------------------------------------------- CPU
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _measure_cpu(variant: str, T: int, H: int, V: int, repeats: int) -> dict:
+    """Runs in a fresh process: (ms, peak extra MiB) for fwd and fwd+bwd."""
+    for backward in (False, True):  # lazy library set-up (BLAS buffers, autograd) outside the measurement
+        _step(variant, *_inputs(16, 16, 64, torch.float32, "cpu"), backward)
+    hidden, weight, labels = _inputs(T, H, V, torch.float32, "cpu")
+    gc.collect()
+    base = _rss_bytes()
+    result = {}
+    for name, backward in (("fwd", False), ("fwd+bwd", True)):
+        _step(variant, hidden, weight, labels, backward)  # cold run: sets the high-water mark
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _step(variant, hidden, weight, labels, backward)
+            times.append((time.perf_counter() - start) * 1e3)
+        result[name] = (statistics.median(times), max(0, peak - base) / MIB)
+    return result
+
+
+def _run_cpu(quick: bool) -> list[dict]:
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    for T, H, V in CPU_SHAPES_QUICK if quick else CPU_SHAPES:
+        for variant in ("naive", "chunked", "matmul"):
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                passes = pool.submit(_measure_cpu, variant, T, H, V, 1 if quick else 2).result()
+            rows.append(_row("cpu", T, H, V, variant, 1, passes, elem_bytes=4))
+    _add_ceiling_ratios(rows)
+    return rows
+
+
+# ---------------------------------------------------------------- GPU
+def _measure_gpu(variant: str, hidden, weight, labels, backward: bool, repeats: int):
+    try:
+        _step(variant, hidden, weight, labels, backward)  # warm-up (and JIT build)
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _step(variant, hidden, weight, labels, backward)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / MIB
+    except torch.cuda.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return None, None  # reported as an empty cell: out of memory
+
+
+def _gpu_variants() -> list[str]:
+    variants = ["naive", "chunked", "cuda", "matmul"]
+    try:
+        import liger_kernel  # noqa: F401
+
+        variants.insert(3, "liger")
+    except ImportError:
+        pass
+    return variants
+
+
+def _run_gpu(quick: bool) -> list[dict]:
+    rows = []
+    device = torch.cuda.get_device_name(0)
+    repeats = 3 if quick else 5
+    for T, H, V in GPU_SHAPES_QUICK if quick else GPU_SHAPES:
+        for tp in (1, *(() if quick else GPU_TP_SHARDS)):
+            hidden, weight, labels = _inputs(T, H, V // tp, torch.bfloat16, "cuda")
+            for variant in _gpu_variants() if tp == 1 else ["cuda", "matmul"]:
+                passes = {}
+                for name, backward in (("fwd", False), ("fwd+bwd", True)):
+                    if variant == "liger" and not backward:
+                        passes[name] = (None, None)
+                    else:
+                        slow = variant in ("naive", "chunked")  # fp32 SIMT GEMMs: fewer repeats
+                        passes[name] = _measure_gpu(variant, hidden, weight, labels, backward, 2 if slow else repeats)
+                rows.append(_row(device, T, H, V // tp, variant, tp, passes, elem_bytes=2))
+            del hidden, weight, labels
+    _add_ceiling_ratios(rows)
+    return rows
+
+
+def _add_ceiling_ratios(rows: list[dict]) -> None:
+    """vs_matmul = TFLOP/s relative to the bare matmul of the same shape (targets: fwd >= 0.85, fwd+bwd >= 0.75)."""
+    ceilings = {(r["T"], r["H"], r["V"]): r for r in rows if r["variant"] == "matmul"}
+    for r in rows:
+        ceiling = ceilings.get((r["T"], r["H"], r["V"]))
+        for name in ("fwd", "fwd+bwd"):
+            ours, best = r.get(f"{name}_TFLOP/s"), ceiling and ceiling.get(f"{name}_TFLOP/s")
+            r[f"{name}_vs_matmul"] = ours / best if ours and best else None
+
+
+def run(quick: bool) -> list[dict]:
+    """Benchmark rows: GPU grid when CUDA is available, else the CPU comparison."""
+    return _run_gpu(quick) if torch.cuda.is_available() else _run_cpu(quick)
+
+
+if __name__ == "__main__":
+    main_for(__name__)

@@ -1,0 +1,133 @@
+// Torch bindings of the fused kernels (module megarl._C, or megarl_C when JIT-built).
+// Shape and dtype checks live here; the Python layer (megarl/kernels) decides when to call.
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace {
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+}
+
+void check_operands(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels) {
+  TORCH_CHECK(hidden.is_cuda() && weight.is_cuda() && labels.is_cuda(), "tensors must be on CUDA");
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2, "hidden [T,H] and weight [V,H] must be 2-D, got ",
+              hidden.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(hidden.size(1) == weight.size(1), "hidden size mismatch: hidden ", hidden.sizes(),
+              " weight ", weight.sizes());
+  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "hidden and weight must be bfloat16, got ", hidden.scalar_type(), " and ",
+              weight.scalar_type());
+  TORCH_CHECK(hidden.is_contiguous() && weight.is_contiguous(), "hidden and weight must be contiguous");
+  TORCH_CHECK(hidden.size(1) % 8 == 0, "hidden size must be a multiple of 8, got ", hidden.size(1));
+  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.is_contiguous() && labels.dim() == 1 &&
+                  labels.size(0) == hidden.size(0),
+              "labels must be contiguous int64 [T], got ", labels.scalar_type(), " ", labels.sizes());
+}
+
+void check_vec(const at::Tensor& x, int64_t T, const char* name) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1 &&
+                  x.size(0) == T,
+              name, " must be contiguous float32 [", T, "], got ", x.scalar_type(), " ", x.sizes());
+}
+
+// Returns (part [3, num_splits, T] fp32, label_logit [T] fp32); see launch_logprob_forward.
+std::vector<at::Tensor> logprob_forward(const at::Tensor& hidden, const at::Tensor& weight,
+                                        const at::Tensor& labels, int64_t valid_v,
+                                        int64_t vocab_start, double inv_tau, int64_t num_splits) {
+  check_operands(hidden, weight, labels);
+  TORCH_CHECK(valid_v >= 0 && valid_v <= weight.size(0), "valid_v out of range: ", valid_v);
+  TORCH_CHECK(num_splits >= 1, "num_splits must be >= 1, got ", num_splits);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  const int64_t T = hidden.size(0);
+  auto opts = hidden.options().dtype(at::kFloat);
+  auto part = at::empty({3, num_splits, T}, opts);
+  auto label_logit = at::zeros({T}, opts);
+  check_cuda(megarl::launch_logprob_forward(
+                 hidden.data_ptr(), weight.data_ptr(), labels.data_ptr<int64_t>(),
+                 static_cast<int>(T), static_cast<int>(hidden.size(1)), static_cast<int>(valid_v),
+                 vocab_start, static_cast<float>(inv_tau), static_cast<int>(num_splits),
+                 part.data_ptr<float>(), label_logit.data_ptr<float>(),
+                 c10::cuda::getCurrentCUDAStream()),
+             "logprob_forward");
+  return {part, label_logit};
+}
+
+// Writes dL/dx for shard rows [col_begin, col_begin + col_count) into dz[:, :col_count].
+void logprob_backward_dz(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                         int64_t valid_v, int64_t vocab_start, double inv_tau, const at::Tensor& lse,
+                         const at::Tensor& mean_z, const at::Tensor& g_lp, const at::Tensor& g_ent,
+                         int64_t col_begin, int64_t col_count, const at::Tensor& dz) {
+  check_operands(hidden, weight, labels);
+  const int64_t T = hidden.size(0);
+  check_vec(lse, T, "lse");
+  check_vec(mean_z, T, "mean_z");
+  check_vec(g_lp, T, "g_lp");
+  check_vec(g_ent, T, "g_ent");
+  TORCH_CHECK(dz.is_cuda() && dz.scalar_type() == at::kBFloat16 && dz.dim() == 2 &&
+                  dz.size(0) == T && dz.stride(1) == 1 && dz.stride(0) % 2 == 0 &&
+                  dz.size(1) >= col_count,
+              "dz must be bfloat16 [T, >=col_count] with unit column stride and even row stride, got ",
+              dz.sizes(), " strides ", dz.strides());
+  TORCH_CHECK(col_begin % 2 == 0, "col_begin must be even, got ", col_begin);
+  TORCH_CHECK(col_begin >= 0 && col_count >= 0 && col_begin + col_count <= weight.size(0),
+              "column range out of bounds: ", col_begin, "+", col_count);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  check_cuda(megarl::launch_logprob_backward_dz(
+                 hidden.data_ptr(), weight.data_ptr(), labels.data_ptr<int64_t>(),
+                 static_cast<int>(T), static_cast<int>(hidden.size(1)), static_cast<int>(valid_v),
+                 vocab_start, static_cast<float>(inv_tau), lse.data_ptr<float>(),
+                 mean_z.data_ptr<float>(), g_lp.data_ptr<float>(), g_ent.data_ptr<float>(),
+                 static_cast<int>(col_begin), static_cast<int>(col_count), dz.data_ptr(),
+                 static_cast<int>(dz.stride(0)),
+                 c10::cuda::getCurrentCUDAStream()),
+             "logprob_backward_dz");
+}
+
+// Returns (loss_tok [T], grad_tok [T], raw stats [kNumPPOStats]); see launch_ppo_loss.
+std::vector<at::Tensor> ppo_loss(const at::Tensor& logp, const at::Tensor& old_logp,
+                                 const std::optional<at::Tensor>& prox_logp, const at::Tensor& adv,
+                                 const at::Tensor& mask, double eps_low, double eps_high,
+                                 double dual_clip, double behav_cap) {
+  const int64_t T = logp.numel();
+  check_vec(logp, T, "logprobs");
+  check_vec(old_logp, T, "old_logprobs");
+  check_vec(adv, T, "advantages");
+  if (prox_logp) check_vec(*prox_logp, T, "prox_logprobs");
+  TORCH_CHECK(mask.is_cuda() && mask.scalar_type() == at::kBool && mask.is_contiguous() &&
+                  mask.numel() == T,
+              "loss_mask must be contiguous bool [", T, "], got ", mask.scalar_type(), " ", mask.sizes());
+  const c10::cuda::CUDAGuard guard(logp.device());
+  auto loss_tok = at::empty_like(logp);
+  auto grad_tok = at::empty_like(logp);
+  auto stats = at::zeros({megarl::kNumPPOStats}, logp.options());
+  stats.narrow(0, megarl::kStatRatioMin, 1).fill_(std::numeric_limits<float>::infinity());
+  check_cuda(megarl::launch_ppo_loss(
+                 logp.data_ptr<float>(), old_logp.data_ptr<float>(),
+                 prox_logp ? prox_logp->data_ptr<float>() : nullptr, adv.data_ptr<float>(),
+                 mask.data_ptr<bool>(), T, static_cast<float>(eps_low), static_cast<float>(eps_high),
+                 static_cast<float>(dual_clip), static_cast<float>(behav_cap),
+                 loss_tok.data_ptr<float>(), grad_tok.data_ptr<float>(), stats.data_ptr<float>(),
+                 c10::cuda::getCurrentCUDAStream()),
+             "ppo_loss");
+  return {loss_tok, grad_tok, stats};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megarl fused kernels: logprob + entropy over a vocab-parallel LM head, PPO loss";
+  m.def("logprob_forward", &logprob_forward, "fused logprob/entropy forward partials");
+  m.def("logprob_backward_dz", &logprob_backward_dz, "recomputed-logit softmax gradient chunk");
+  m.def("ppo_loss", &ppo_loss, "PPO clipped surrogate: per-token loss, gradient, stats");
+  m.attr("TILE_TOKENS") = megarl::kTileTokens;
+  m.attr("TILE_VOCAB") = megarl::kTileVocab;
+  m.attr("NUM_PPO_STATS") = static_cast<int>(megarl::kNumPPOStats);
+}

@@ -1,0 +1,62 @@
+// Host entry points of the fused kernels: raw pointers and a stream, no torch types,
+// so that the .cu files compile with the CUDA toolkit alone and bindings.cpp holds
+// everything that needs torch.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace megarl {
+
+// Tile sizes shared by the host (grid and partial-buffer sizes) and the kernels.
+constexpr int kTileTokens = 128;  // BM: token rows per CTA tile
+constexpr int kTileVocab = 128;   // BN: vocabulary rows per CTA tile
+
+// Forward of the fused logprob + entropy: per (token block, vocab split) CTA, an online
+// logsumexp over the split's vocab tiles. Writes per-split partial statistics of
+// z = hidden . weight^T * inv_tau, over the first `valid_v` rows of the shard:
+//   part[0][split][t] = max_v z, part[1] = sum_v exp(z - max), part[2] = sum_v exp(z - max) * (z - max)
+// and label_logit[t] = z[t, labels[t] - vocab_start] where that row is in this shard
+// (label_logit must be zeroed by the caller; exactly one CTA writes each owned token).
+// hidden [T,H] bf16, weight [V,H] bf16 (row-major, contiguous), labels [T] int64,
+// part [3, num_splits, T] fp32. H must be a multiple of 8 (16-byte cp.async rows).
+cudaError_t launch_logprob_forward(const void* hidden, const void* weight, const int64_t* labels,
+                                   int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
+                                   int num_splits, float* part, float* label_logit, cudaStream_t stream);
+
+// Backward: recompute logits for vocab rows [col_begin, col_begin + col_count) of the shard and
+// write dL/dx = inv_tau * dL/dz as bf16 into dz[t * ld + (v - col_begin)], where
+//   dL/dz_v = g_lp * (1[v == label] - p_v) - g_ent * p_v * (z_v - mean_z),  p_v = exp(z_v - lse).
+// lse, mean_z, g_lp, g_ent: [T] fp32 (g_lp already zero for ignored labels). Rows >= valid_v get 0.
+// col_begin must be even; ld must be even.
+cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, const int64_t* labels,
+                                       int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
+                                       const float* lse, const float* mean_z, const float* g_lp,
+                                       const float* g_ent, int col_begin, int col_count, void* dz,
+                                       int ld, cudaStream_t stream);
+
+// Indices into the raw statistics vector written by launch_ppo_loss.
+enum PPOStat : int {
+  kStatCount = 0,        // masked tokens
+  kStatClipped = 1,      // masked tokens where the clipped surrogate is active
+  kStatDualClipped = 2,  // masked tokens where the dual clip is active
+  kStatRatioSum = 3,     // sum of the importance ratio exp(logp - prox)
+  kStatKLSum = 4,        // sum of logp - prox
+  kStatBehavSum = 5,     // sum of the behaviour weight after the cap (1 without prox)
+  kStatBehavCapped = 6,  // masked tokens dropped by the behaviour-weight cap
+  kStatRatioMax = 7,     // max ratio (float bits, atomicMax on int: ratios are >= 0)
+  kStatRatioMin = 8,     // min ratio (caller initialises to +inf)
+  kNumPPOStats = 9,
+};
+
+// Elementwise PPO/GRPO clipped surrogate over T tokens (fp32 in, bool mask).
+// prox may be null (then ratio = exp(logp - old) and no behaviour weight).
+// dual_clip <= 0 disables the dual clip, behav_cap <= 0 disables the cap.
+// Writes loss_tok[t] = mask * w * pg, grad_tok[t] = d loss_tok / d logp, and accumulates stats.
+cudaError_t launch_ppo_loss(const float* logp, const float* old_logp, const float* prox_logp,
+                            const float* adv, const bool* mask, int64_t T, float eps_low,
+                            float eps_high, float dual_clip, float behav_cap, float* loss_tok,
+                            float* grad_tok, float* stats, cudaStream_t stream);
+
+}  // namespace megarl

@@ -1,0 +1,152 @@
+"""The CUDA path: loading ``megarl._C`` (prebuilt by setup.py, else JIT-built from ``csrc/``)
+and the thin Python drivers around its kernels.
+
+What is fused (see ``csrc/``): the forward is one kernel per shard (tiled bf16 GEMM with an
+online-logsumexp epilogue; per-split partials merged here in torch: O(splits x T) floats).
+The backward recomputes logit tiles in a kernel that writes the softmax gradient as a bf16
+chunk dz [T, chunk]; the two gradient GEMMs (dH += dz . W_c, dW_c = dz^T . H) run on cuBLAS.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from megarl.kernels.reference import VocabShard, merge_stats
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+TILE = 128  # kTileTokens == kTileVocab in csrc/kernels.h
+
+
+@functools.cache
+def load_extension() -> ModuleType | None:
+    """The compiled kernels, or None where CUDA is absent or they cannot be built.
+
+    Order: the ``megarl._C`` module that setup.py builds; else a JIT build of ``csrc/`` with
+    ``torch.utils.cpp_extension.load`` (cached by torch under ``TORCH_EXTENSIONS_DIR``).
+    ``MEGARL_DISABLE_CUDA_KERNELS=1`` turns the CUDA path off.
+    """
+    if os.environ.get("MEGARL_DISABLE_CUDA_KERNELS") == "1" or not torch.cuda.is_available():
+        return None
+    try:
+        from megarl import _C  # type: ignore[attr-defined]
+
+        return _C
+    except ImportError:
+        pass
+    sources = sorted(str(p) for p in CSRC.glob("*") if p.suffix in (".cu", ".cpp"))
+    if not sources:
+        logger.warning("megarl._C is not built and %s has no sources: using the torch path", CSRC)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("JIT-building the megarl CUDA kernels from %s (first use only)", CSRC)
+        return load(
+            name="megarl_C",
+            sources=sources,
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "--use_fast_math"],
+        )
+    except Exception as exc:  # a failed build must not take training down: fall back
+        logger.warning("could not JIT-build the megarl CUDA kernels (%s): using the torch path", exc)
+        return None
+
+
+def supports(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the CUDA logprob kernel applies to these operands (and is loadable)."""
+    return (
+        hidden.is_cuda
+        and hidden.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and hidden.shape[-1] % 8 == 0
+        and load_extension() is not None
+    )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(num_tokens: int, valid: int, device: torch.device) -> int:
+    """Vocab splits per token block: enough CTAs for two waves, and at least 16 splits so that
+    the CTAs running together share few token blocks of hidden (L2 reuse)."""
+    token_blocks = math.ceil(num_tokens / TILE)
+    vocab_tiles = max(1, math.ceil(valid / TILE))
+    wanted = max(16, math.ceil(2 * _num_sms(device.index or 0) / token_blocks))
+    return min(vocab_tiles, wanted)
+
+
+def local_stats(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard, inv_tau: float
+) -> tuple[torch.Tensor, ...]:
+    """This shard's (m, s, u, label_logit) ``[T]`` from the fused forward kernel."""
+    ext = load_extension()
+    splits = num_splits(hidden.shape[0], shard.valid, hidden.device)
+    part, label_logit = ext.logprob_forward(
+        hidden.contiguous(), weight.contiguous(), labels.long().contiguous(),
+        shard.valid, shard.start, inv_tau, splits,
+    )  # part: [3, splits, T]
+    m, s, u = merge_stats(part[0], part[1], part[2])
+    return m, s, u, label_logit
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc(fp32) += a @ b for bf16 a, b, accumulating in fp32 inside cuBLAS where torch can."""
+    try:
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (TypeError, RuntimeError):  # torch without addmm(out_dtype=...)
+        return acc.add_(a @ b)
+
+
+def grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    shard: VocabShard,
+    inv_tau: float,
+    lse: torch.Tensor,
+    mean_z: torch.Tensor,
+    g_logprob: torch.Tensor,
+    g_entropy: torch.Tensor,
+    chunk_vocab: int,
+    need_hidden: bool = True,
+    need_weight: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dhidden [T,H] fp32, dweight [V_local,H] bf16), same contract as ``reference.grads_chunked``.
+
+    Extra memory: a bf16 dz chunk [T, chunk_vocab] and the fp32 dhidden accumulator.
+    """
+    ext = load_extension()
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    labels = labels.long().contiguous()
+    num_tokens = hidden.shape[0]
+    chunk = max(TILE, chunk_vocab // TILE * TILE)  # even, tile-aligned chunk starts
+    d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+    d_weight = torch.empty_like(weight) if need_weight else None
+    if d_weight is not None:
+        d_weight[shard.valid :].zero_()  # padding rows
+    width = min(chunk, shard.valid + shard.valid % 2)  # even row stride for bf16x2 stores
+    dz_buf = torch.empty(num_tokens, width, dtype=torch.bfloat16, device=hidden.device)
+    vectors = [t.float().contiguous() for t in (lse, mean_z, g_logprob, g_entropy)]
+    for v0 in range(0, shard.valid, chunk):
+        v1 = min(v0 + chunk, shard.valid)
+        ext.logprob_backward_dz(
+            hidden, weight, labels, shard.valid, shard.start, inv_tau, *vectors, v0, v1 - v0, dz_buf
+        )
+        dz = dz_buf[:, : v1 - v0]  # [T,vc]
+        if d_weight is not None:
+            torch.mm(dz.T, hidden, out=d_weight[v0:v1])
+        if d_hidden is not None:
+            _addmm_fp32(d_hidden, dz, weight[v0:v1])
+    return d_hidden, d_weight

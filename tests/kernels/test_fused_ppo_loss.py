@@ -1,0 +1,136 @@
+"""fused_ppo_loss against a plain-torch autograd implementation and hand-computed examples."""
+
+import math
+
+import pytest
+import torch
+
+from megarl.actor.losses import aggregate, policy_loss
+from megarl.kernels import fused_ppo_loss
+
+
+def plain_ppo_loss(logp, prox, old, adv, eps, mask, c_clip=None, cap=None, eps_high=None):
+    """The actor's pure loss (megarl.actor.losses, autograd) as the independent reference."""
+    out = policy_loss(
+        logp, old, adv, mask, eps_clip=eps, eps_clip_higher=eps_high, c_clip=c_clip, proximal_logprobs=prox,
+        behav_imp_weight_cap=cap,
+    )
+    total, count = aggregate(out.loss, out.mask, "token-mean")
+    count = count.clamp(min=1)
+    return total / count, out.clipped.sum() / count, out.dual_clipped.sum() / count
+
+
+def random_batch(seed, n=257):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(n, generator=g) * 3
+    logp = old + 0.3 * torch.randn(n, generator=g)
+    logp[::17] += 1.6  # large ratios, for the dual clip
+    prox = old + 0.2 * torch.randn(n, generator=g)
+    adv = torch.randn(n, generator=g)
+    mask = torch.rand(n, generator=g) > 0.25
+    return logp, old, prox, adv, mask
+
+
+CONFIGS = [
+    dict(),
+    dict(eps_clip_high=0.28),
+    dict(dual_clip=3.0),
+    dict(use_prox=True),
+    dict(use_prox=True, behav_imp_weight_cap=1.15, dual_clip=2.0, eps_clip_high=0.3),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: ",".join(c) or "plain")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_plain_torch_autograd(cfg, seed):
+    cfg = dict(cfg)
+    logp, old, prox, adv, mask = random_batch(seed)
+    prox = prox if cfg.pop("use_prox", False) else None
+    x = logp.clone().requires_grad_(True)
+    loss, stats = fused_ppo_loss(x, old, adv, mask, prox_logprobs=prox, eps_clip=0.2, backend="torch", **cfg)
+    loss.backward()
+
+    y = logp.clone().requires_grad_(True)
+    want, clip_frac, dual_frac = plain_ppo_loss(
+        y, prox, old, adv, 0.2, mask, cfg.get("dual_clip"), cfg.get("behav_imp_weight_cap"), cfg.get("eps_clip_high")
+    )
+    want.backward()
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.grad, y.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(stats.clip_fraction, clip_frac.float())
+    torch.testing.assert_close(stats.dual_clip_fraction, dual_frac.float())
+    assert stats.num_tokens.item() == mask.sum().item()
+    if "dual_clip" in cfg:
+        assert dual_frac > 0, "the batch should exercise the dual clip"
+
+
+def test_hand_computed_classic_ppo():
+    # r = 1.5, 0.5, 4.0, 0.5 against old = 0; eps 0.2, dual clip 3
+    logp = torch.tensor([math.log(1.5), math.log(0.5), math.log(4.0), math.log(0.5)], requires_grad=True)
+    old = torch.zeros(4)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, stats = fused_ppo_loss(logp, old, adv, torch.ones(4, dtype=torch.bool), eps_clip=0.2, dual_clip=3.0)
+    loss.backward()
+    # pg: -1.2 (clipped high), -0.5 (unclipped), min(4, 3) = 3 (dual), 0.8 (clipped low)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 3.0 + 0.8) / 4, abs=1e-6)
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, -0.5 / 4, 0.0, 0.0]))
+    assert stats.clip_fraction.item() == pytest.approx(0.5)
+    assert stats.dual_clip_fraction.item() == pytest.approx(0.25)
+    assert stats.importance_weight_max.item() == pytest.approx(4.0)
+    assert stats.importance_weight_min.item() == pytest.approx(0.5)
+    assert stats.importance_weight_mean.item() == pytest.approx(6.5 / 4)
+
+
+def test_hand_computed_asymmetric_clip():
+    logp = torch.tensor([math.log(1.25)], requires_grad=True)
+    args = (torch.zeros(1), torch.ones(1), torch.ones(1, dtype=torch.bool))
+    loss, _ = fused_ppo_loss(logp, *args, eps_clip=0.2, eps_clip_high=0.28)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.25) and logp.grad.item() == pytest.approx(-1.25)
+    symmetric, stats = fused_ppo_loss(logp.detach(), *args, eps_clip=0.2)
+    assert symmetric.item() == pytest.approx(-1.2) and stats.clip_fraction.item() == 1.0
+
+
+def test_hand_computed_behaviour_cap():
+    old = torch.zeros(3)
+    prox = torch.tensor([math.log(1.2), math.log(2.0), 0.0])
+    logp = (prox + torch.tensor([math.log(1.1), 0.0, 0.0])).requires_grad_(True)
+    adv = torch.tensor([2.0, 1.0, 5.0])
+    mask = torch.tensor([True, True, False])
+    loss, stats = fused_ppo_loss(logp, old, adv, mask, prox_logprobs=prox, behav_imp_weight_cap=1.5)
+    loss.backward()
+    # token 0: w 1.2, pg -2.2 -> -2.64; token 1: w 2 > cap, dropped but counted; token 2 masked
+    assert loss.item() == pytest.approx(-2.64 / 2, abs=1e-6)
+    torch.testing.assert_close(logp.grad, torch.tensor([-2.64 / 2, 0.0, 0.0]))
+    assert stats.behav_capped_fraction.item() == pytest.approx(0.5)
+    assert stats.behav_weight_mean.item() == pytest.approx(1.2 / 2)
+
+
+def test_denominator_shapes_and_empty_mask():
+    logp, old, _, adv, mask = random_batch(3, n=24)
+    x = logp.view(4, 6).clone().requires_grad_(True)
+    loss, _ = fused_ppo_loss(x, old.view(4, 6), adv.view(4, 6), mask.view(4, 6), denominator=100.0)
+    ref, _ = fused_ppo_loss(logp, old, adv, mask)
+    torch.testing.assert_close(loss * 100.0, ref * mask.sum())
+    loss.backward()
+    assert x.grad.shape == (4, 6)
+    empty, stats = fused_ppo_loss(logp, old, adv, torch.zeros_like(mask))
+    assert empty.item() == 0.0 and stats.num_tokens.item() == 0 and stats.importance_weight_min.item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(eps_clip=1.5), "eps_clip"),
+        (dict(eps_clip_high=-0.1), "eps_clip"),
+        (dict(dual_clip=0.9), "dual_clip"),
+        (dict(behav_imp_weight_cap=0.0), "behav_imp_weight_cap"),
+        (dict(backend="cuda"), "backend='cuda'"),
+    ],
+)
+def test_rejects_bad_arguments(kwargs, match):
+    logp, old, _, adv, mask = random_batch(4, n=8)
+    with pytest.raises(ValueError, match=match):
+        fused_ppo_loss(logp, old, adv, mask, **kwargs)
+    with pytest.raises(ValueError, match="advantages shape"):
+        fused_ppo_loss(logp, old, adv[:3], mask)
