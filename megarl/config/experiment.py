@@ -14,6 +14,7 @@ from megarl.config.run import (
     ClusterConfig,
     DatasetConfig,
     EvaluatorConfig,
+    LauncherConfig,
     RecoverConfig,
     SaverConfig,
     StatsLoggerConfig,
@@ -53,6 +54,8 @@ class BaseExperimentConfig:
     """Crash recovery."""
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
     """Metrics output."""
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """How the launchers start servers and trainer."""
 
     def check(self) -> None:
         for name in ("experiment_name", "trial_name"):

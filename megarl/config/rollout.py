@@ -77,6 +77,10 @@ class InferenceEngineConfig:
     """Server choice for a new request; requests continuing an episode stick to their server."""
     dump_trajectories: bool = False
     """Write every trajectory to ``{fileroot}/{experiment}/{trial}/rollout/{version}/{task_id}.jsonl``."""
+    max_connections: int | None = None
+    """Open HTTP connections to the servers at once (more requests wait for one); None: 16 x max_concurrent_rollouts, at least 64."""
+    unhealthy_retry_interval: float = 30.0
+    """Seconds a server marked unhealthy (unreachable after all retries) is skipped before it is tried again."""
 
     def check(self) -> None:
         for i, addr in enumerate(self.server_addrs):
@@ -91,6 +95,15 @@ class InferenceEngineConfig:
         require(self.request_retries >= 0, "request_retries", self.request_retries, "must be >= 0")
         require(self.retry_backoff >= 0, "retry_backoff", self.retry_backoff, "must be >= 0 seconds")
         require(self.setup_timeout > 0, "setup_timeout", self.setup_timeout, "must be > 0 seconds")
+        require(self.pause_grace_period >= 0, "pause_grace_period", self.pause_grace_period, "must be >= 0 seconds")
+        if self.max_connections is not None:
+            require(self.max_connections >= 1, "max_connections", self.max_connections, "must be >= 1")
+        require(
+            self.unhealthy_retry_interval >= 0,
+            "unhealthy_retry_interval",
+            self.unhealthy_retry_interval,
+            "must be >= 0 seconds",
+        )
 
 
 @dataclass

@@ -154,3 +154,56 @@ class StatsLoggerConfig:
     """TensorBoard."""
     plot_keys: list[str] = field(default_factory=lambda: ["rollout/reward", "eval/pass@1"])
     """Curves drawn into ``{run dir}/curves.png`` at each log step."""
+
+
+@dataclass
+class SlurmConfig:
+    """How ``megarl slurm`` renders and submits the sbatch script."""
+
+    partition: str | None = None
+    """``--partition``; None uses the cluster default."""
+    account: str | None = None
+    """``--account``."""
+    qos: str | None = None
+    """``--qos``."""
+    time_limit: str = "24:00:00"
+    """``--time`` of the whole job."""
+    cpus_per_node: int | None = None
+    """``--cpus-per-task`` of the one task per node; None leaves Slurm's default."""
+    mem: str | None = None
+    """``--mem`` per node, e.g. ``"0"`` (all) or ``"512G"``."""
+    exclusive: bool = True
+    """``--exclusive``: the nodes are the job's alone."""
+    extra_sbatch_args: list[str] = field(default_factory=list)
+    """More ``#SBATCH`` lines, e.g. ``["--constraint=h100"]``."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run first in the script, e.g. ``source /shared/venv/bin/activate``."""
+    server_port: int = 18000
+    """Port of the first server on a node; the next servers on that node count up."""
+    trainer_port: int = 29500
+    """torchrun rendezvous port on the first training node."""
+    server_wait_timeout: int = 1800
+    """Seconds the script waits for every server to be healthy before it fails the job."""
+
+    def check(self) -> None:
+        for name in ("server_port", "trainer_port"):
+            value = getattr(self, name)
+            require(1024 <= value <= 65000, name, value, "must be a port in [1024, 65000]")
+        require(self.server_wait_timeout >= 1, "server_wait_timeout", self.server_wait_timeout, "must be >= 1")
+        if self.cpus_per_node is not None:
+            require(self.cpus_per_node >= 1, "cpus_per_node", self.cpus_per_node, "must be >= 1")
+
+
+@dataclass
+class LauncherConfig:
+    """How the launchers start the trainer (``megarl run`` locally, ``megarl slurm`` on a cluster)."""
+
+    trainer_entry: str = "megarl.train"
+    """Trainer entry: a module (``pkg.mod``, run with ``torchrun -m``) or a ``.py`` script path."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of every server and trainer process."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """Slurm specifics."""
+
+    def check(self) -> None:
+        require(bool(self.trainer_entry), "trainer_entry", self.trainer_entry, "a module or script is required")

@@ -181,6 +181,11 @@ class PPOActorConfig(TrainEngineConfig):
     """Discount factor gamma over tokens (GAE; 1 for GRPO)."""
     gae_lambda: float = 1.0
     """GAE lambda (1 for GRPO)."""
+    group_size: int = 1
+    """Consecutive sequences answering one prompt (GRPO groups; equal to the rollout's n_samples)."""
+    dr_grpo_norm_len: int | None = None
+    """Constant divisor of a sequence's token-loss sum for ``seq-mean-token-sum-norm`` (Dr.GRPO):
+    the generation budget (max_new_tokens). None uses the padded length of the batch."""
 
     def check(self) -> None:
         super().check()
@@ -199,4 +204,7 @@ class PPOActorConfig(TrainEngineConfig):
         require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")
         require(0 < self.discount <= 1, "discount", self.discount, "must be in (0, 1]")
         require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
+        require(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
+        if self.dr_grpo_norm_len is not None:
+            require(self.dr_grpo_norm_len >= 1, "dr_grpo_norm_len", self.dr_grpo_norm_len, "must be >= 1")
         require(self.optimizer is not None, "optimizer", None, "the actor trains, so it needs an optimizer")

@@ -3,12 +3,14 @@
     megarl config --config configs/gsm8k_grpo_cpu.yaml actor.optimizer.lr=2e-6
     megarl allocation vllm:d4t2+megatron:d2p2t2e2 --nodes 3 --gpus-per-node 8
     megarl models fetch smollm2-135m-instruct
+    megarl slurm --dry-run --config configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -19,10 +21,7 @@ from megarl.config.experiment import read_model_shape
 
 
 def _cmd_config(args: argparse.Namespace, console: Console) -> int:
-    argv = [a for path in args.config for a in ("--config", path)] + args.overrides
-    config, rest = load_expr_config(argv, GRPOConfig)
-    if rest:
-        raise ConfigError("", f"unexpected arguments {rest}; overrides are key.path=value")
+    config = _load(args)
     console.print(to_yaml(config), end="", markup=False, highlight=False)
     if args.save:
         console.print(f"# written to {save_config(config)}", markup=False)
@@ -68,14 +67,51 @@ def _cmd_models(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace) -> GRPOConfig:
+    argv = [a for path in args.config for a in ("--config", path)] + args.overrides
+    config, rest = load_expr_config(argv, GRPOConfig)
+    if rest:
+        raise ConfigError("", f"unexpected arguments {rest}; overrides are key.path=value")
+    return config
+
+
+def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from megarl.launcher.serve import serve
+
+    devices = [int(d) for d in args.devices.split(",")] if args.devices else []
+    addr_file = Path(args.addr_file) if args.addr_file else None
+    return serve(_load(args), args.index, devices, args.port, addr_file)
+
+
+def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
+    from megarl.launcher.slurm import render_sbatch, submit
+
+    config = _load(args)
+    config_file = (config.run_dir / "config.yaml").resolve()
+    script = render_sbatch(config, config_file, requeue=args.requeue)
+    if args.dry_run:
+        console.print(script, end="", markup=False, highlight=False)
+        return 0
+    save_config(config, config_file)
+    (config.run_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch --output does not create it
+    path = Path(args.output) if args.output else config.run_dir / "job.sbatch"
+    job = submit(script, path)
+    console.print(f"submitted job {job}: {path} (config {config_file})", markup=False)
+    return 0
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", action="append", default=[], help="YAML file (repeatable; later files win)")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Asynchronous RL for LLMs on Megatron-Core.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     config = sub.add_parser("config", help="load, validate and print an experiment config")
     config.add_argument("--save", action="store_true", help="also write it to {fileroot}/{experiment}/{trial}")
-    config.add_argument("--config", action="append", default=[], help="YAML file (repeatable; later files win)")
-    config.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    _add_config_args(config)
     config.set_defaults(func=_cmd_config)
 
     alloc = sub.add_parser("allocation", help="parse and check an allocation_mode string")
@@ -84,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
     alloc.add_argument("--gpus-per-node", type=int, help="devices per node")
     alloc.add_argument("--model", help="HF model directory: check heads, layers and experts split evenly")
     alloc.set_defaults(func=_cmd_allocation)
+
+    serve = sub.add_parser("serve", help="start one inference server of an experiment (used by the launchers)")
+    serve.add_argument("--index", type=int, default=0, help="which server of the allocation's inference part")
+    serve.add_argument("--devices", default="", help="comma-separated device ids (GPUs, or CPU cores on CPU)")
+    serve.add_argument("--port", type=int, required=True, help="port to listen on")
+    serve.add_argument("--addr-file", help="write host:port here once the server is healthy")
+    _add_config_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    slurm = sub.add_parser("slurm", help="render the sbatch script of an experiment and submit it")
+    slurm.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    slurm.add_argument("--requeue", action="store_true", help="let Slurm requeue the job; it resumes (recover.mode=auto)")
+    slurm.add_argument("--output", help="where to write the script (default {run_dir}/job.sbatch)")
+    _add_config_args(slurm)
+    slurm.set_defaults(func=_cmd_slurm)
 
     models = sub.add_parser("models", help="list or provision models known by short name")
     models.add_argument("action", choices=["list", "fetch"])
@@ -96,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; user errors print one clear line and exit with status 2."""
     args = build_parser().parse_args(argv)
-    console = Console()
+    console = Console(soft_wrap=True)
     try:
         return args.func(args, console)
     except (ConfigError, AllocationError, ValueError, FileNotFoundError) as err:

@@ -1,0 +1,167 @@
+"""Render (and submit) the sbatch script of an experiment.
+
+The script is self-contained and readable, so it can be edited and resubmitted by
+hand (``launch/`` holds rendered examples). Its shape:
+
+1. one ``srun`` step per inference server (``megarl serve``), on the node and
+   devices the placement plan gives it; each writes its address to
+   ``{run_dir}/servers/{i}.addr`` once healthy;
+2. wait until every server wrote its address (or one step died, or a deadline);
+3. one ``srun`` step running ``torchrun`` on the training nodes, with the
+   servers' addresses in ``MEGARL_LLM_SERVER_ADDRS``;
+4. the first step to end decides: the trainer finishing ends the job with its exit
+   status; any other step ending first fails the job. Everything left is stopped.
+
+With ``--requeue`` a preempted or failed job comes back and the trainer resumes
+from its recover checkpoint (``recover.mode`` must be ``auto``).
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+from megarl.config.experiment import GRPOConfig
+from megarl.launcher.placement import Placement, plan_placement
+
+
+def _sbatch_header(config: GRPOConfig, requeue: bool) -> list[str]:
+    slurm = config.launcher.slurm
+    run_dir = config.run_dir.resolve()
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={config.experiment_name}-{config.trial_name}",
+        f"#SBATCH --nodes={config.cluster.n_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --time={slurm.time_limit}",
+        f"#SBATCH --output={run_dir}/slurm/%j.out",
+        "#SBATCH --open-mode=append",
+    ]
+    if config.cluster.device != "cpu":
+        lines.append(f"#SBATCH --gpus-per-node={config.cluster.n_gpus_per_node}")
+    optional = {
+        "--partition": slurm.partition,
+        "--account": slurm.account,
+        "--qos": slurm.qos,
+        "--cpus-per-task": slurm.cpus_per_node,
+        "--mem": slurm.mem,
+    }
+    lines += [f"#SBATCH {flag}={value}" for flag, value in optional.items() if value is not None]
+    if slurm.exclusive:
+        lines.append("#SBATCH --exclusive")
+    if requeue:
+        lines.append("#SBATCH --requeue")
+    lines += [f"#SBATCH {arg}" for arg in slurm.extra_sbatch_args]
+    return lines
+
+
+def _body(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
+    slurm = config.launcher.slurm
+    run_dir = config.run_dir.resolve()
+    cfg = shlex.quote(str(config_file))
+    lines = ["set -uo pipefail", *slurm.setup]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in config.launcher.env.items()]
+    lines += [
+        f"RUN_DIR={shlex.quote(str(run_dir))}",
+        'mkdir -p "$RUN_DIR/servers" "$RUN_DIR/slurm"',
+        'rm -f "$RUN_DIR"/servers/*.addr',
+        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "PIDS=()",
+        'cleanup() { for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done; wait; }',
+        "trap cleanup EXIT",
+        "",
+        "# 1. inference servers",
+    ]
+    lines.append("# index node devices port (node: index into NODES)")
+    lines.append("SERVERS=(")
+    for slot in plan.servers:
+        devices = ",".join(map(str, slot.devices))
+        lines.append(f'  "{slot.index} {slot.node} {devices} {slurm.server_port + slot.devices[0]}"')
+    lines += [
+        ")",
+        'for server in "${SERVERS[@]}"; do',
+        '  read -r idx node devices port <<< "$server"',
+        '  srun --overlap --nodes=1 --ntasks=1 -w "${NODES[$node]}" --output="$RUN_DIR/slurm/server-$idx-%j.log" \\',
+        f'    megarl serve --config {cfg} --index "$idx" --devices "$devices" --port "$port" \\',
+        '    --addr-file "$RUN_DIR/servers/$idx.addr" &',
+        "  PIDS+=($!)",
+        "done",
+    ]
+    if plan.servers:
+        lines += _wait_for_servers(len(plan.servers), slurm.server_wait_timeout)
+    lines += ["", "# 3. trainer", *_trainer(config, cfg, plan)]
+    lines += ["", "# 4. the first step to end decides the job's fate", *_first_exit()]
+    return lines
+
+
+def _wait_for_servers(count: int, timeout: int) -> list[str]:
+    return [
+        "",
+        "# 2. wait until every server is healthy (each wrote its address)",
+        f"deadline=$((SECONDS + {timeout}))",
+        f'while [ "$(ls "$RUN_DIR"/servers/*.addr 2>/dev/null | wc -l)" -lt {count} ]; do',
+        '  for pid in "${PIDS[@]}"; do',
+        '    kill -0 "$pid" 2>/dev/null || { echo "megarl: a server step exited before it was healthy" >&2; exit 1; }',
+        "  done",
+        f'  [ $SECONDS -lt $deadline ] || {{ echo "megarl: servers not healthy after {timeout} s" >&2; exit 1; }}',
+        "  sleep 2",
+        "done",
+        'export MEGARL_LLM_SERVER_ADDRS=$(cat "$RUN_DIR"/servers/*.addr | paste -sd, -)',
+        'echo "megarl: servers at $MEGARL_LLM_SERVER_ADDRS"',
+    ]
+
+
+def _trainer(config: GRPOConfig, cfg: str, plan: Placement) -> list[str]:
+    slurm = config.launcher.slurm
+    entry = config.launcher.trainer_entry
+    target = shlex.quote(entry) if entry.endswith(".py") else f"-m {shlex.quote(entry)}"
+    nodes = plan.trainer_nodes
+    node_list = ",".join(f"${{NODES[{n}]}}" for n in nodes)
+    visible = ""
+    if config.cluster.device != "cpu" and len(nodes) == 1 and config.cluster.n_nodes == 1:
+        visible = f"CUDA_VISIBLE_DEVICES={','.join(map(str, plan.trainer_devices))} "
+    torchrun = (
+        f"{visible}torchrun --nnodes={len(nodes)} --nproc-per-node={plan.trainer_procs_per_node} "
+        f"--rdzv-backend=c10d --rdzv-endpoint=$MEGARL_TRAIN_MASTER:{slurm.trainer_port} "
+        f"--rdzv-id=$SLURM_JOB_ID {target} --config {cfg}"
+    )
+    return [
+        f'export MEGARL_TRAIN_MASTER="${{NODES[{nodes[0]}]}}"',
+        f'srun --overlap --nodes={len(nodes)} --ntasks-per-node=1 -w "{node_list}" '
+        f"--kill-on-bad-exit=1 bash -c {shlex.quote(torchrun)} &",
+        "TRAINER=$!",
+    ]
+
+
+def _first_exit() -> list[str]:
+    return [
+        'wait -n "$TRAINER" "${PIDS[@]}"',
+        "if kill -0 \"$TRAINER\" 2>/dev/null; then",
+        '  echo "megarl: a server step ended during training; failing the job" >&2',
+        "  kill -TERM \"$TRAINER\"; exit 1",
+        "fi",
+        'wait "$TRAINER"; status=$?',
+        'echo "megarl: trainer exited with status $status"',
+        "exit $status",
+    ]
+
+
+def render_sbatch(config: GRPOConfig, config_file: Path, *, requeue: bool = False) -> str:
+    """The sbatch script of ``config``; every step reads the resolved config at ``config_file``."""
+    if requeue and config.recover.mode != "auto":
+        raise ValueError(
+            f"--requeue needs recover.mode=auto so a requeued job resumes, got recover.mode={config.recover.mode!r}"
+        )
+    plan = plan_placement(config.allocation, config.cluster.n_nodes, config.cluster.n_gpus_per_node)
+    return "\n".join(_sbatch_header(config, requeue) + [""] + _body(config, config_file, plan)) + "\n"
+
+
+def submit(script: str, path: Path) -> str:
+    """Write ``script`` to ``path`` and ``sbatch`` it; returns the job id."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script)
+    result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"sbatch {path} failed ({result.returncode}): {result.stderr.strip()}")
+    return result.stdout.strip().split(";")[0]

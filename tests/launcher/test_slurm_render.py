@@ -1,0 +1,71 @@
+"""The rendered sbatch script: header, placement, ordering, failure handling (no Slurm needed)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megarl.config import GRPOConfig, load_expr_config
+from megarl.launcher.cli import main
+from megarl.launcher.slurm import render_sbatch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config(name, *overrides):
+    cfg, _ = load_expr_config(["--config", str(REPO / "configs" / name), *overrides], GRPOConfig)
+    return cfg
+
+
+def test_128gpu_script(tmp_path):
+    cfg = config("gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "launcher.slurm.partition=gpu", "launcher.slurm.account=rl")
+    script = render_sbatch(cfg, tmp_path / "config.yaml", requeue=True)
+    for line in ["#SBATCH --nodes=16", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --account=rl", "#SBATCH --requeue", "#SBATCH --exclusive"]:  # fmt: skip
+        assert line in script.splitlines()
+    assert script.count('\n  "') == 48  # one row per vLLM server
+    assert '  "47 11 6,7 18006"' in script
+    assert "torchrun --nnodes=4 --nproc-per-node=8" in script
+    assert 'NODES[12]' in script and "-m megarl.train" in script
+    assert f"--config {tmp_path / 'config.yaml'}" in script
+    # servers start, become healthy, then the trainer starts; the first step to end decides
+    assert script.index("megarl serve") < script.index("MEGARL_LLM_SERVER_ADDRS") < script.index("torchrun")
+    assert "wait -n" in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
+
+
+def test_cpu_script_has_no_gpu_request(tmp_path):
+    script = render_sbatch(config("gsm8k_grpo_cpu.yaml"), tmp_path / "c.yaml")
+    assert "--gpus-per-node" not in script and "CUDA_VISIBLE_DEVICES" not in script
+    assert "torchrun --nnodes=1 --nproc-per-node=1" in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_requeue_needs_auto_recover(tmp_path):
+    with pytest.raises(ValueError, match="--requeue needs recover.mode=auto.*'disabled'"):
+        render_sbatch(config("gsm8k_grpo_cpu.yaml"), tmp_path / "c.yaml", requeue=True)
+
+
+def test_script_entry_path_and_env(tmp_path):
+    cfg = config("gsm8k_grpo_cpu.yaml", "launcher.trainer_entry=my/train.py", "launcher.env.FOO=bar")
+    script = render_sbatch(cfg, tmp_path / "c.yaml")
+    assert "my/train.py --config" in script and "-m my/train.py" not in script
+    assert "export FOO=bar" in script
+
+
+def test_dry_run_cli_prints_without_writing(tmp_path, capsys):
+    argv = ["slurm", "--dry-run", "--config", str(REPO / "configs" / "gsm8k_grpo_cpu.yaml"), f"cluster.fileroot={tmp_path}"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash")
+    assert not any(tmp_path.iterdir())
+
+
+def test_shipped_launch_scripts_are_current():
+    """launch/*.sbatch are what the launcher renders from configs/ today."""
+    for name in ("qwen2.5-7b_128gpu", "qwen3-30b-a3b_256gpu"):
+        cfg = config(
+            f"gsm8k_grpo_{name}.yaml", "launcher.slurm.partition=gpu",
+            "launcher.slurm.setup=['source /shared/megarl/.venv/bin/activate']",
+        )  # fmt: skip
+        expected = render_sbatch(cfg, (cfg.run_dir / "config.yaml").resolve())
+        assert (REPO / "launch" / f"gsm8k_grpo_{name}.sbatch").read_text() == expected
