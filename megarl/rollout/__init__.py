@@ -1,0 +1,36 @@
+"""The rollout side: remote inference engine, server backends and launch, rollout pool, staleness."""
+
+from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
+from megarl.rollout.engine import NoHealthyServerError, RemoteInferenceEngine, make_backend
+from megarl.rollout.http import InferenceServerError, MalformedResponseError, RetryPolicy, ServerUnavailableError
+from megarl.rollout.pool import RolloutError, RolloutPool
+from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError, launch_servers, resolve_server_addrs
+from megarl.rollout.sglang import SGLangBackend, sglang_launch_spec
+from megarl.rollout.staleness import RolloutStat, StalenessManager
+from megarl.rollout.vllm import VLLMBackend, vllm_launch_spec
+
+__all__ = [
+    "GenerationChunk",
+    "HttpCall",
+    "InferenceBackend",
+    "InferenceServer",
+    "InferenceServerError",
+    "LaunchSpec",
+    "MalformedResponseError",
+    "NoHealthyServerError",
+    "RemoteInferenceEngine",
+    "RetryPolicy",
+    "RolloutError",
+    "RolloutPool",
+    "RolloutStat",
+    "SGLangBackend",
+    "ServerLaunchError",
+    "ServerUnavailableError",
+    "StalenessManager",
+    "VLLMBackend",
+    "launch_servers",
+    "make_backend",
+    "resolve_server_addrs",
+    "sglang_launch_spec",
+    "vllm_launch_spec",
+]

@@ -1,0 +1,87 @@
+"""The inference-engine contract seen by workflows and the training loop."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from megarl.api.io_struct import ModelRequest, ModelResponse
+
+if TYPE_CHECKING:
+    from megarl.api.workflow_api import WorkflowLike
+
+
+class InferenceEngine(abc.ABC):
+    """Streams generations for workflows and batches of trajectories for the trainer.
+
+    ``agenerate`` is what a :class:`~megarl.api.workflow_api.RolloutWorkflow` calls;
+    ``submit / wait / rollout_batch / prepare_batch`` are what the training loop calls;
+    ``pause / set_version / resume`` bracket a weight update.
+    """
+
+    @abc.abstractmethod
+    def initialize(self, **kwargs: Any) -> None:
+        """Connect to the servers and start the rollout machinery."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Stop the rollout machinery and release connections."""
+
+    @abc.abstractmethod
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate one sample for ``req`` (continuing across weight updates)."""
+
+    @abc.abstractmethod
+    def submit(
+        self,
+        data: dict[str, Any],
+        workflow: WorkflowLike,
+        should_accept_fn: Callable[[dict[str, Any]], bool] | None = None,
+        group_size: int = 1,
+        workflow_kwargs: dict[str, Any] | None = None,
+        is_eval: bool = False,
+    ) -> None:
+        """Queue one episode of ``workflow`` on ``data`` (blocks while the input queue is full)."""
+
+    @abc.abstractmethod
+    def wait(self, count: int, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Return ``count`` accepted trajectories, oldest first; ``TimeoutError`` after ``timeout`` s."""
+
+    @abc.abstractmethod
+    def rollout_batch(
+        self,
+        data: list[dict[str, Any]],
+        workflow: WorkflowLike,
+        should_accept_fn: Callable[[dict[str, Any]], bool] | None = None,
+        group_size: int = 1,
+        workflow_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Run one episode per item of ``data`` and return the accepted ones, concatenated and padded."""
+
+    @abc.abstractmethod
+    def prepare_batch(
+        self,
+        dataloader: Iterable[list[dict[str, Any]]],
+        workflow: WorkflowLike,
+        should_accept_fn: Callable[[dict[str, Any]], bool] | None = None,
+        group_size: int = 1,
+        workflow_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Keep episodes flowing from ``dataloader``; return ``dataloader.batch_size`` accepted ones."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stop starting episodes and interrupt in-flight generations (before a weight update)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Continue interrupted generations and start episodes again."""
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None:
+        """Set the weight version stamped on tokens generated from now on."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int:
+        """The current weight version."""

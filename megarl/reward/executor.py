@@ -1,0 +1,125 @@
+"""Run reward functions in worker processes, with a timeout, from asyncio code.
+
+Rewards can be slow (sympy) or hang (pathological expressions), and they must not
+block the rollout event loop. :class:`AsyncRewardWrapper` sends each call to a
+``ProcessPoolExecutor`` started with ``spawn`` (forking a process that runs an event
+loop thread and holds sockets is unsafe) and waits at most ``timeout_seconds``. Inside
+the workers a task runs on the process's main thread, so math-verify's own signal-based
+timeouts work there too.
+
+Spawned workers import the parent's main module, so a training script must guard its
+entry point with ``if __name__ == "__main__":`` (as with any spawn-based pool); without
+it, the first reward call fails with multiprocessing's "bootstrapping phase" error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+import torch
+
+from megarl.reward.base import ScoredReward
+from megarl.utils import stats_tracker
+
+logger = logging.getLogger(__name__)
+
+
+def _call_reward(reward_fn: Callable[..., Any], args: tuple, kwargs: dict) -> ScoredReward:
+    """Worker side: call ``reward_fn`` and turn anything it does into a ScoredReward."""
+    try:
+        value = reward_fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- reported as outcome "error", never raised
+        logging.getLogger(__name__).warning("reward function %r raised %r", reward_fn, e)
+        return ScoredReward(0.0, "error")
+    if isinstance(value, ScoredReward):
+        return value
+    try:
+        return ScoredReward(float(value), "ok")
+    except (TypeError, ValueError):
+        return ScoredReward(0.0, "error")
+
+
+class AsyncRewardWrapper:
+    """``await wrapper(*args, **kwargs)`` runs ``reward_fn`` in a process pool; never raises.
+
+    A call that exceeds ``timeout_seconds``, crashes its worker or raises scores 0.
+    Every call records ``reward/n_calls`` and ``reward/<outcome>`` counts (and
+    ``reward/failures`` for parse failures, errors and timeouts) to ``stats_tracker``
+    in the caller's scope.
+
+    Args:
+        reward_fn: A picklable (module-level) function returning a float or a ScoredReward.
+        timeout_seconds: Wall-clock bound per call, queueing in the pool included.
+        max_workers: Worker processes (default: CPU count, at most 8).
+    """
+
+    FAILURE_OUTCOMES = ("no_answer", "bad_reference", "error", "timeout")
+
+    def __init__(self, reward_fn: Callable[..., Any], timeout_seconds: float = 15.0, max_workers: int | None = None):
+        if timeout_seconds <= 0:
+            raise ValueError(f"AsyncRewardWrapper: timeout_seconds must be > 0, got {timeout_seconds}")
+        self.reward_fn = reward_fn
+        self.timeout_seconds = timeout_seconds
+        self.max_workers = max_workers or min(8, multiprocessing.cpu_count())
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _get_executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                ctx = multiprocessing.get_context("spawn")
+                self._executor = concurrent.futures.ProcessPoolExecutor(self.max_workers, mp_context=ctx)
+            return self._executor
+
+    def _replace_executor(self, broken: concurrent.futures.ProcessPoolExecutor) -> None:
+        """Drop ``broken`` (hung or crashed); the next call starts a fresh pool.
+
+        A hung worker is not killed: calls still running in the old pool may finish,
+        and it exits once its task returns (math-verify's own timeout ends most hangs).
+        """
+        with self._lock:
+            if self._executor is broken:
+                self._executor = None
+        broken.shutdown(wait=False, cancel_futures=False)
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> ScoredReward:
+        executor = self._get_executor()
+        call = functools.partial(_call_reward, self.reward_fn, args, kwargs)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(executor, call)
+            result = await asyncio.wait_for(future, self.timeout_seconds)
+        except TimeoutError:
+            logger.warning("reward %r timed out after %.1fs; scoring 0", self.reward_fn, self.timeout_seconds)
+            self._replace_executor(executor)
+            result = ScoredReward(0.0, "timeout")
+        except BrokenProcessPool as e:
+            logger.warning("reward worker died (%s); scoring 0", e)
+            self._replace_executor(executor)
+            result = ScoredReward(0.0, "error")
+        self._record(result.outcome)
+        return result
+
+    def _record(self, outcome: str) -> None:
+        true = torch.ones(1, dtype=torch.bool)
+        counts = {"reward/n_calls": true, f"reward/{outcome}": true}
+        if outcome in self.FAILURE_OUTCOMES:
+            counts["reward/failures"] = true
+        stats_tracker.denominator(**counts)
+
+    def close(self) -> None:
+        """Shut the worker processes down (waits for running calls)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    def __getstate__(self):
+        raise TypeError("AsyncRewardWrapper holds a process pool and cannot be pickled")

@@ -1,0 +1,62 @@
+"""The small interface behind which each inference server's HTTP dialect lives.
+
+One implementation per file: :mod:`megarl.rollout.vllm` and :mod:`megarl.rollout.sglang`.
+A backend only translates: a generation step into a request body and the reply into a
+:class:`GenerationChunk`, and pause / resume into endpoint calls. Retries, routing and
+continuation are the engine's.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megarl.config.rollout import GenerationHyperparameters
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class GenerationChunk:
+    """What one ``/generate``-style call produced (possibly cut short by a pause)."""
+
+    output_tokens: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class HttpCall:
+    """One control-plane call: ``method endpoint`` with an optional JSON body and query."""
+
+    endpoint: str
+    payload: Any = None
+    method: str = "POST"
+    params: dict[str, str] = field(default_factory=dict)
+
+
+class InferenceBackend(abc.ABC):
+    """Translates generation and pause/resume into one server family's HTTP API."""
+
+    name: str
+    generate_endpoint: str
+    health_endpoint: str = "/health"
+
+    @abc.abstractmethod
+    def generate_payload(
+        self, input_ids: list[int], gconfig: GenerationHyperparameters, max_new_tokens: int, min_new_tokens: int
+    ) -> dict[str, Any]:
+        """Body of a request generating at most ``max_new_tokens`` after ``input_ids``."""
+
+    @abc.abstractmethod
+    def parse_generate(self, body: Any) -> GenerationChunk:
+        """The chunk in a generate reply; ``MalformedResponseError`` if the body is not one."""
+
+    @abc.abstractmethod
+    def pause_calls(self) -> list[HttpCall]:
+        """Calls that stop generation on a server, aborting in-flight requests with their tokens so far."""
+
+    @abc.abstractmethod
+    def resume_calls(self) -> list[HttpCall]:
+        """Calls that let a paused server generate again (and drop caches made stale by new weights)."""

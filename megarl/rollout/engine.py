@@ -1,0 +1,405 @@
+"""The remote inference engine: the ``InferenceEngine`` API over HTTP inference servers.
+
+``agenerate`` is interruptible: when a weight update pauses the servers, a request comes
+back with ``finish_reason == "abort"`` and the tokens so far; it waits until the engine
+is resumed and is sent again with those tokens appended to the prompt (to the same
+server, whose prefix cache holds them), until it stops or its token budget is spent.
+Each token is stamped with the weight version current when its chunk was sent (a
+chunk never spans a weight update: the update aborts it first).
+
+Routing: requests sharing a ``rid`` stick to one server; others go to the least-loaded
+(or next, round-robin) healthy server. A server unreachable after all retries is
+marked unhealthy for ``unhealthy_retry_interval`` seconds and the request is re-issued
+elsewhere with the tokens it already has. Batching (``submit``, ``wait``,
+``prepare_batch`` ...) is delegated to a :class:`RolloutPool`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from megarl.api.engine_api import InferenceEngine
+from megarl.api.io_struct import ModelRequest, ModelResponse
+from megarl.api.workflow_api import WorkflowLike
+from megarl.config.rollout import InferenceEngineConfig
+from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
+from megarl.rollout.http import (
+    InferenceServerError,
+    RetryPolicy,
+    ServerUnavailableError,
+    arequest_with_retry,
+    make_session,
+)
+from megarl.rollout.pool import RolloutPool
+from megarl.rollout.server import resolve_server_addrs
+from megarl.utils import stats_tracker
+from megarl.workflow.dump import TrajectoryDumper
+
+logger = logging.getLogger(__name__)
+
+_STICKY_CAPACITY = 100_000  # rids remembered for sticky routing (LRU)
+_PAUSE_POLL_S = 0.05
+_CONTROL_POLICY = RetryPolicy(timeout=120.0, retries=3, backoff=0.5)
+
+
+class NoHealthyServerError(InferenceServerError):
+    """Every server is marked unhealthy."""
+
+
+@dataclass
+class _Server:
+    address: str
+    in_flight: int = 0
+    unhealthy_until: float = 0.0
+
+    def usable(self, now: float) -> bool:
+        return now >= self.unhealthy_until
+
+
+def make_backend(name: str) -> InferenceBackend:
+    """The backend called ``name`` (``"vllm"`` or ``"sglang"``)."""
+    if name == "vllm":
+        from megarl.rollout.vllm import VLLMBackend
+
+        return VLLMBackend()
+    if name == "sglang":
+        from megarl.rollout.sglang import SGLangBackend
+
+        return SGLangBackend()
+    raise ValueError(f"unknown inference backend {name!r}: expected 'vllm' or 'sglang'")
+
+
+class RemoteInferenceEngine(InferenceEngine):
+    """Generation on remote vLLM / SGLang servers, and the rollout pool on top.
+
+    Args:
+        config: The ``rollout`` section of the experiment config.
+        backend: A backend instance or its name (``"vllm"``, ``"sglang"``).
+    """
+
+    def __init__(self, config: InferenceEngineConfig, backend: InferenceBackend | str = "vllm"):
+        config.check()
+        self.config = config
+        self.backend = make_backend(backend) if isinstance(backend, str) else backend
+        self.policy = RetryPolicy(config.request_timeout, config.request_retries, config.retry_backoff)
+        self._servers: list[_Server] = []
+        self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._version = 0
+        self._paused = False
+        self._destroyed = False
+        self._max_connections = 64
+        self.pool: RolloutPool | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def initialize(
+        self,
+        server_addrs: list[str] | None = None,
+        batch_size: int | None = None,
+        dump_dir: str | None = None,
+        tokenizer: Any = None,
+        wait_healthy: bool = True,
+        **_: Any,
+    ) -> RemoteInferenceEngine:
+        """Find the servers, check their health and start the rollout pool.
+
+        Args:
+            server_addrs: ``host:port`` list; default: ``config.server_addrs`` or the env variable.
+            batch_size: Trajectories per training step (the staleness unit); default
+                ``config.max_concurrent_rollouts``.
+            dump_dir: The run directory (``{fileroot}/{experiment}/{trial}``) for
+                ``config.dump_trajectories``.
+            tokenizer: Decodes dumped trajectories.
+            wait_healthy: Wait (up to ``config.setup_timeout``) until every server answers.
+        """
+        addrs = list(server_addrs) if server_addrs else resolve_server_addrs(self.config)
+        self._servers = [_Server(a) for a in addrs]
+        batch_size = batch_size or self.config.max_concurrent_rollouts
+        if batch_size is None:
+            raise ValueError("RemoteInferenceEngine.initialize: pass batch_size or set rollout.max_concurrent_rollouts")
+        concurrency = self.config.max_concurrent_rollouts or batch_size
+        self._max_connections = self.config.max_connections or max(64, 16 * concurrency)
+        if wait_healthy:
+            self._wait_healthy(self.config.setup_timeout)
+        dumper = None
+        if self.config.dump_trajectories:
+            if dump_dir is None:
+                raise ValueError("rollout.dump_trajectories is set: initialize() needs dump_dir (the run directory)")
+            dumper = TrajectoryDumper(dump_dir, tokenizer)
+        self.pool = RolloutPool(self, self.config, batch_size, dumper).start()
+        logger.info("inference engine ready: %d %s server(s) %s", len(addrs), self.backend.name, addrs)
+        return self
+
+    def destroy(self) -> None:
+        """Stop the pool (cancelling running episodes) and close connections."""
+        self._destroyed = True
+        if self.pool is not None:
+            self.pool.destroy()
+            self.pool = None
+
+    def _wait_healthy(self, timeout: float) -> None:
+        async def probe_all() -> list[bool]:
+            async with make_session(len(self._servers) + 1) as session:
+                return await asyncio.gather(*(self._probe(session, s.address) for s in self._servers))
+
+        deadline = time.monotonic() + timeout
+        while True:
+            healthy = asyncio.run(probe_all())
+            if all(healthy):
+                return
+            if time.monotonic() > deadline:
+                down = [s.address for s, ok in zip(self._servers, healthy) if not ok]
+                raise InferenceServerError(
+                    ",".join(down),
+                    self.backend.health_endpoint,
+                    f"not healthy within setup_timeout={timeout:g}s",
+                    attempts=0,
+                )
+            time.sleep(1.0)
+
+    async def _probe(self, session: aiohttp.ClientSession, address: str) -> bool:
+        url = f"http://{address}{self.backend.health_endpoint}"
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    def _session(self) -> aiohttp.ClientSession:
+        """The session of the running event loop (one per loop: sessions are loop-bound)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            session = self._sessions.get(loop)
+            if session is None or session.closed:
+                for old in [lp for lp in self._sessions if lp.is_closed()]:
+                    del self._sessions[old]
+                session = self._sessions[loop] = make_session(self._max_connections)
+            return session
+
+    async def aclose(self) -> None:
+        """Close the running loop's session (the pool calls this when it stops)."""
+        with self._lock:
+            session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
+
+    # ------------------------------------------------------------------ routing
+
+    def choose_server(self, rid: str | None = None) -> _Server:
+        """The sticky server of ``rid`` if usable, else the least-loaded (or next) usable one."""
+        now = time.monotonic()
+        with self._lock:
+            server = self._sticky.get(rid) if rid is not None else None
+            if server is not None and server.usable(now):
+                self._sticky.move_to_end(rid)
+                return server
+            usable = [s for s in self._servers if s.usable(now)]
+            if not usable:
+                raise NoHealthyServerError(
+                    ",".join(s.address for s in self._servers), "", "every inference server is marked unhealthy", 0
+                )
+            if self.config.schedule_policy == "round_robin":
+                server = usable[next(self._rr) % len(usable)]
+            else:
+                server = min(usable, key=lambda s: s.in_flight)
+            if rid is not None:
+                self._sticky[rid] = server
+                if len(self._sticky) > _STICKY_CAPACITY:
+                    self._sticky.popitem(last=False)
+            return server
+
+    def _mark_unhealthy(self, server: _Server, error: Exception) -> None:
+        with self._lock:
+            if server.usable(time.monotonic()):
+                logger.warning(
+                    "marking %s unhealthy for %.0fs: %s", server.address, self.config.unhealthy_retry_interval, error
+                )
+            server.unhealthy_until = time.monotonic() + self.config.unhealthy_retry_interval
+
+    # ------------------------------------------------------------------ generation
+
+    async def _send(self, server: _Server, payload: dict[str, Any]) -> GenerationChunk:
+        server.in_flight += 1
+        try:
+            return await arequest_with_retry(
+                self._session(),
+                server.address,
+                self.backend.generate_endpoint,
+                payload,
+                policy=self.policy,
+                parse=self.backend.parse_generate,
+                give_up=lambda: not server.usable(time.monotonic()),
+            )
+        finally:
+            server.in_flight -= 1
+
+    async def _wait_while_paused(self) -> None:
+        while self._paused and not self._destroyed:
+            await asyncio.sleep(_PAUSE_POLL_S)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate one sample, continuing across pauses and re-issuing around dead servers."""
+        start = time.perf_counter()
+        gconfig = req.gconfig
+        resp = ModelResponse(input_tokens=list(req.input_ids), tokenizer=req.tokenizer)
+        stalled = 0  # consecutive aborts that brought no token while not paused
+        while True:
+            await self._wait_while_paused()
+            remaining = gconfig.max_new_tokens - resp.output_len
+            if remaining <= 0:
+                resp.stop_reason = "length"
+                break
+            server = self.choose_server(req.rid)
+            version = self._version
+            payload = self.backend.generate_payload(
+                resp.input_tokens + resp.output_tokens,
+                gconfig,
+                remaining,
+                max(0, gconfig.min_new_tokens - resp.output_len),
+            )
+            try:
+                chunk = await self._send(server, payload)
+            except ServerUnavailableError as e:
+                self._mark_unhealthy(server, e)
+                continue  # same tokens, another server
+            if not resp.ttft:
+                resp.ttft = time.perf_counter() - start
+            resp.server = server.address
+            self._append(resp, chunk, version, remaining)
+            if chunk.finish_reason != "abort" or self._destroyed:
+                resp.stop_reason = chunk.finish_reason
+                break
+            resp.n_interruptions += 1
+            stalled = 0 if (chunk.output_tokens or self._paused) else stalled + 1
+            if stalled > self.policy.retries:
+                raise InferenceServerError(
+                    server.address,
+                    self.backend.generate_endpoint,
+                    "the server keeps aborting the request without pausing",
+                    stalled,
+                )
+            await asyncio.sleep(self.config.pause_grace_period)
+        resp.latency = time.perf_counter() - start
+        stats_tracker.scalar(
+            generate_latency_s=resp.latency, generate_ttft_s=resp.ttft, generate_interruptions=resp.n_interruptions
+        )
+        return resp
+
+    @staticmethod
+    def _append(resp: ModelResponse, chunk: GenerationChunk, version: int, remaining: int) -> None:
+        if len(chunk.output_tokens) > remaining:
+            raise InferenceServerError(
+                resp.server, "", f"{len(chunk.output_tokens)} tokens for a budget of {remaining}"
+            )
+        resp.output_tokens += chunk.output_tokens
+        resp.output_logprobs += chunk.output_logprobs
+        resp.output_versions += [version] * len(chunk.output_tokens)
+
+    # ------------------------------------------------------------------ pause / resume / version
+
+    def _run_sync(self, coro) -> Any:
+        """Run a control coroutine from a plain thread (on the pool's loop when it runs)."""
+        loop = self.pool.loop if self.pool is not None else None
+        if loop is not None and loop.is_running():
+            return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        return asyncio.run(coro)
+
+    async def _control(self, calls: list[HttpCall]) -> None:
+        """Send ``calls`` in order to every server (concurrently across servers)."""
+
+        async def run_on(session: aiohttp.ClientSession, server: _Server) -> None:
+            for call in calls:
+                await arequest_with_retry(
+                    session,
+                    server.address,
+                    call.endpoint,
+                    call.payload,
+                    method=call.method,
+                    params=call.params or None,
+                    policy=_CONTROL_POLICY,
+                    expect_json=False,
+                )
+
+        async with make_session(2 * len(self._servers) + 1) as session:
+            results = await asyncio.gather(*(run_on(session, s) for s in self._servers), return_exceptions=True)
+        for server, result in zip(self._servers, results):
+            if isinstance(result, ServerUnavailableError):
+                self._mark_unhealthy(server, result)  # a dead server is skipped, not fatal
+            elif isinstance(result, BaseException):
+                raise result
+
+    def pause(self) -> None:
+        """Stop new episodes and abort in-flight generations on every server (they continue after resume)."""
+        if self.pool is not None:
+            self.pool.pause()
+        self._paused = True
+        self._run_sync(self._control(self.backend.pause_calls()))
+
+    def resume(self) -> None:
+        """Let the servers generate again, continue interrupted generations, start episodes."""
+        self._run_sync(self._control(self.backend.resume_calls()))
+        self._paused = False
+        if self.pool is not None:
+            self.pool.resume()
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
+        if self.pool is not None:
+            self.pool.notify_version()
+
+    def get_version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------------ batching (the pool)
+
+    def _require_pool(self) -> RolloutPool:
+        if self.pool is None:
+            raise RuntimeError("RemoteInferenceEngine is not initialized: call initialize() first")
+        return self.pool
+
+    def submit(
+        self,
+        data: dict[str, Any],
+        workflow: WorkflowLike,
+        should_accept_fn: Callable | None = None,
+        group_size: int = 1,
+        workflow_kwargs: dict[str, Any] | None = None,
+        is_eval: bool = False,
+    ) -> None:
+        self._require_pool().submit(data, workflow, should_accept_fn, group_size, workflow_kwargs, is_eval)
+
+    def wait(self, count: int, timeout: float | None = None) -> list[dict[str, Any]]:
+        return self._require_pool().wait(count, timeout)
+
+    def rollout_batch(
+        self,
+        data: list[dict[str, Any]],
+        workflow: WorkflowLike,
+        should_accept_fn: Callable | None = None,
+        group_size: int = 1,
+        workflow_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return self._require_pool().rollout_batch(data, workflow, should_accept_fn, group_size, workflow_kwargs)
+
+    def prepare_batch(
+        self,
+        dataloader: Iterable,
+        workflow: WorkflowLike,
+        should_accept_fn: Callable | None = None,
+        group_size: int = 1,
+        workflow_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return self._require_pool().prepare_batch(dataloader, workflow, should_accept_fn, group_size, workflow_kwargs)

@@ -1,0 +1,147 @@
+"""HTTP plumbing of the inference client: sessions, retries, and the errors they raise.
+
+Failures fall in three groups:
+
+* connection failures (refused, reset, server gone mid-response): retried with backoff;
+  when the budget is spent, :class:`ServerUnavailableError`, which the engine answers by
+  marking the server unhealthy and re-issuing the request elsewhere;
+* 5xx replies, timeouts and malformed bodies: retried with backoff, then
+  :class:`InferenceServerError` naming the server, endpoint, attempts and last failure;
+* 4xx replies: the request itself is wrong; :class:`InferenceServerError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_BODY_SNIPPET = 300
+
+
+class InferenceServerError(RuntimeError):
+    """A request to an inference server failed for good (see the message for why)."""
+
+    def __init__(self, address: str, endpoint: str, reason: str, attempts: int = 1):
+        self.address = address
+        self.endpoint = endpoint
+        self.reason = reason
+        self.attempts = attempts
+        tries = f" after {attempts} attempt{'s' if attempts != 1 else ''}" if attempts else ""
+        super().__init__(f"inference server {address}{endpoint} failed{tries}: {reason}")
+
+
+class ServerUnavailableError(InferenceServerError):
+    """The server could not be reached (or dropped the connection) on every attempt."""
+
+
+class MalformedResponseError(ValueError):
+    """A 200 reply whose body is not what the endpoint promises."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard to try one request: timeout per attempt, retries, initial backoff (doubling)."""
+
+    timeout: float = 3600.0
+    retries: int = 3
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (1-based)."""
+        return min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, connection: bool):
+        super().__init__(reason)
+        self.reason = reason
+        self.connection = connection
+
+
+async def _attempt(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    payload: Any,
+    params: dict | None,
+    timeout: float,
+    parse: Callable[[Any], T],
+    expect_json: bool,
+) -> T:
+    """One try; raises _Retryable for retryable failures, InferenceServerError for 4xx."""
+    try:
+        async with session.request(
+            method, url, json=payload, params=params, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            text = await resp.text()
+            status = resp.status
+    except TimeoutError:
+        raise _Retryable(f"no complete reply within {timeout:g}s (request_timeout)", connection=False) from None
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as e:
+        raise _Retryable(f"connection failed: {type(e).__name__}: {e}", connection=True) from None
+    if status >= 500:
+        raise _Retryable(f"HTTP {status}: {text[:_BODY_SNIPPET]!r}", connection=False)
+    if status >= 400:
+        raise InferenceServerError(url, "", f"HTTP {status} (bad request, not retried): {text[:_BODY_SNIPPET]!r}")
+    try:
+        body = (json.loads(text) if text else None) if expect_json else text
+        return parse(body)
+    except (json.JSONDecodeError, MalformedResponseError) as e:
+        raise _Retryable(f"malformed reply ({e}): {text[:_BODY_SNIPPET]!r}", connection=False) from None
+
+
+async def arequest_with_retry(
+    session: aiohttp.ClientSession,
+    address: str,
+    endpoint: str,
+    payload: Any = None,
+    *,
+    method: str = "POST",
+    params: dict | None = None,
+    policy: RetryPolicy = RetryPolicy(),
+    parse: Callable[[Any], T] = lambda body: body,
+    give_up: Callable[[], bool] = lambda: False,
+    expect_json: bool = True,
+) -> T:
+    """Send one request to ``http://{address}{endpoint}`` with retries; return ``parse(json_body)``.
+
+    ``parse`` may raise :class:`MalformedResponseError` for a body of the wrong shape;
+    that is retried like malformed JSON. ``give_up()`` is asked after a connection
+    failure; true (e.g. another request already found the server dead) ends the
+    retries at once with :class:`ServerUnavailableError`. ``expect_json=False`` hands
+    ``parse`` the body text (control endpoints that answer in plain text).
+    """
+    url = f"http://{address}{endpoint}"
+    last: _Retryable | None = None
+    for attempt in range(policy.retries + 1):
+        if attempt:
+            await asyncio.sleep(policy.delay(attempt))
+        try:
+            return await _attempt(session, method, url, payload, params, policy.timeout, parse, expect_json)
+        except _Retryable as e:
+            last = e
+            logger.debug("attempt %d/%d on %s failed: %s", attempt + 1, policy.retries + 1, url, e.reason)
+            if e.connection and give_up():
+                raise ServerUnavailableError(address, endpoint, e.reason, attempt + 1) from None
+        except InferenceServerError as e:
+            raise InferenceServerError(address, endpoint, e.reason, attempt + 1) from None
+    assert last is not None
+    error_cls = ServerUnavailableError if last.connection else InferenceServerError
+    raise error_cls(address, endpoint, last.reason, policy.retries + 1)
+
+
+def make_session(max_connections: int) -> aiohttp.ClientSession:
+    """A client session for the running loop with at most ``max_connections`` open sockets."""
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, ttl_dns_cache=300)
+    # Per-request timeouts come from RetryPolicy; the session default must not cut them short.
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))

@@ -1,0 +1,126 @@
+"""SGLang: the native ``/generate`` dialect and the server launch command.
+
+Payloads follow SGLang 0.5's own request schema (``sglang.api.v1.api_types``:
+``GenerateRequest`` / ``SamplingParams`` / ``GenerateResponse``; the tests validate
+them there). ``/pause_generation`` with ``mode: "abort"`` ends in-flight requests with
+``meta_info.finish_reason.type == "abort"`` and the tokens so far;
+``/continue_generation`` resumes; ``/flush_cache`` drops the radix cache that new
+weights make stale (it only works while nothing runs, i.e. while paused).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from megarl.config.rollout import GenerationHyperparameters, SGLangConfig
+from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
+from megarl.rollout.http import MalformedResponseError
+from megarl.rollout.server import LaunchSpec
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class SGLangBackend(InferenceBackend):
+    """Generation through SGLang's ``/generate`` with ``input_ids``."""
+
+    name = "sglang"
+    generate_endpoint = "/generate"
+    health_endpoint = "/health"
+
+    def generate_payload(
+        self, input_ids: list[int], gconfig: GenerationHyperparameters, max_new_tokens: int, min_new_tokens: int
+    ) -> dict[str, Any]:
+        sampling: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": min_new_tokens,
+            "temperature": 0.0 if gconfig.greedy else gconfig.temperature,
+            "top_p": 1.0 if gconfig.greedy else gconfig.top_p,
+            "skip_special_tokens": False,
+        }
+        if not gconfig.greedy and gconfig.top_k > 0:
+            sampling["top_k"] = gconfig.top_k
+        if gconfig.greedy:
+            sampling["top_k"] = 1
+        if gconfig.stop:
+            sampling["stop"] = list(gconfig.stop)
+        if gconfig.stop_token_ids:
+            sampling["stop_token_ids"] = list(gconfig.stop_token_ids)
+        return {
+            "input_ids": input_ids,
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "stream": False,
+        }
+
+    def parse_generate(self, body: Any) -> GenerationChunk:
+        try:
+            meta = body["meta_info"]
+            finish = meta["finish_reason"]
+            finish_type = finish["type"] if isinstance(finish, dict) else finish
+            entries = meta["output_token_logprobs"] or []
+            logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
+            tokens = [int(e[1]) for e in entries]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise MalformedResponseError(f"not a /generate reply with logprobs ({type(e).__name__}: {e})") from None
+        output_ids = body.get("output_ids")
+        if output_ids is not None and list(output_ids) != tokens:
+            raise MalformedResponseError("output_ids disagree with output_token_logprobs")
+        if finish_type not in _FINISH:
+            raise MalformedResponseError(f"unknown finish_reason {finish!r}")
+        return GenerationChunk(output_tokens=tokens, output_logprobs=logprobs, finish_reason=_FINISH[finish_type])
+
+    def pause_calls(self) -> list[HttpCall]:
+        return [HttpCall("/pause_generation", payload={"mode": "abort"})]
+
+    def resume_calls(self) -> list[HttpCall]:
+        return [HttpCall("/flush_cache"), HttpCall("/continue_generation", payload={})]
+
+
+def sglang_launch_spec(
+    config: SGLangConfig,
+    model_path: str,
+    host: str,
+    port: int,
+    *,
+    tp: int = 1,
+    devices: Sequence[int] | None = None,
+    replica: int = 0,
+) -> LaunchSpec:
+    """The command and environment of one SGLang server on GPUs ``devices`` (CUDA only)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp),
+        "--dtype",
+        config.dtype,
+        "--context-length",
+        str(config.context_length),
+        "--mem-fraction-static",
+        str(config.mem_fraction_static),
+        "--random-seed",
+        str(config.random_seed + replica),
+        "--skip-server-warmup",
+    ]
+    if config.attention_backend:
+        cmd += ["--attention-backend", config.attention_backend]
+    if config.disable_cuda_graph:
+        cmd.append("--disable-cuda-graph")
+    if config.enable_metrics:
+        cmd.append("--enable-metrics")
+    env: dict[str, str] = {}
+    if devices is not None:
+        if len(devices) != tp:
+            raise ValueError(f"sglang_launch_spec: tp={tp} needs {tp} devices, got {list(devices)}")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    cmd += list(config.extra_args)
+    return LaunchSpec(cmd=cmd, env=env, host=host, port=port, health_endpoint=SGLangBackend.health_endpoint)

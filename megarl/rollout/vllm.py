@@ -1,0 +1,171 @@
+"""vLLM: the OpenAI-compatible ``/v1/completions`` dialect and the server launch command.
+
+Verified against vLLM 0.32 (``vllm/entrypoints/openai/completion/protocol.py`` and
+``vllm/entrypoints/rl/online/api_router.py``):
+
+* ``prompt`` may be a list of token ids; ``logprobs: 0`` returns the sampled token's
+  logprob per position, ``return_token_ids: true`` the generated ids in
+  ``choices[0].token_ids`` (``return_tokens_as_token_ids`` also spells tokens as
+  ``"token_id:N"``, our fallback).
+* With ``VLLM_SERVER_DEV_MODE=1``: ``POST /pause?mode=abort`` ends in-flight requests
+  with ``finish_reason: "abort"`` and the tokens so far, and queues new ones;
+  ``POST /resume`` lets them run. ``clear_cache`` (default true) drops the prefix cache,
+  which new weights make stale.
+* ``--logprobs-mode processed_logprobs`` makes logprobs those of the distribution
+  actually sampled from (after temperature / top-p / top-k), which is what the PPO
+  ratio needs; vLLM's default is the raw model's.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from megarl.config.rollout import GenerationHyperparameters, VLLMConfig
+from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
+from megarl.rollout.http import MalformedResponseError
+from megarl.rollout.server import LaunchSpec
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VLLMBackend(InferenceBackend):
+    """Generation through ``/v1/completions`` with token-id prompts."""
+
+    name = "vllm"
+    generate_endpoint = "/v1/completions"
+    health_endpoint = "/health"
+
+    def generate_payload(
+        self, input_ids: list[int], gconfig: GenerationHyperparameters, max_new_tokens: int, min_new_tokens: int
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "prompt": input_ids,
+            "max_tokens": max_new_tokens,
+            "min_tokens": min_new_tokens,
+            "temperature": 0.0 if gconfig.greedy else gconfig.temperature,
+            "top_p": 1.0 if gconfig.greedy else gconfig.top_p,
+            "top_k": -1 if gconfig.greedy else gconfig.top_k,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "stream": False,
+        }
+        if gconfig.stop:
+            payload["stop"] = list(gconfig.stop)
+        if gconfig.stop_token_ids:
+            payload["stop_token_ids"] = list(gconfig.stop_token_ids)
+        return payload
+
+    def parse_generate(self, body: Any) -> GenerationChunk:
+        try:
+            choice = body["choices"][0]
+            finish = choice.get("finish_reason")
+            logprobs = choice["logprobs"]
+            token_logprobs = logprobs["token_logprobs"]
+            tokens = choice.get("token_ids")
+            if tokens is None:
+                tokens = [_token_id(t) for t in logprobs["tokens"]]
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            raise MalformedResponseError(
+                f"not a /v1/completions reply with logprobs ({type(e).__name__}: {e})"
+            ) from None
+        if finish not in _FINISH:
+            raise MalformedResponseError(f"unknown finish_reason {finish!r}")
+        if len(tokens) != len(token_logprobs):
+            raise MalformedResponseError(f"{len(tokens)} token ids but {len(token_logprobs)} logprobs")
+        return GenerationChunk(
+            output_tokens=[int(t) for t in tokens],
+            output_logprobs=[float(lp) if lp is not None else 0.0 for lp in token_logprobs],
+            finish_reason=_FINISH[finish],
+        )
+
+    def pause_calls(self) -> list[HttpCall]:
+        return [HttpCall("/pause", params={"mode": "abort"})]
+
+    def resume_calls(self) -> list[HttpCall]:
+        return [HttpCall("/resume")]
+
+
+def _token_id(token: str) -> int:
+    prefix, sep, value = str(token).partition("token_id:")
+    if not sep or prefix:
+        raise MalformedResponseError(f"token {token!r} is not 'token_id:N' (return_tokens_as_token_ids)")
+    return int(value)
+
+
+def _cpu_bind(cpus: Sequence[int], tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` workers over ``cpus``: e.g. ``"0-3|4-7"``."""
+    if len(cpus) < tp:
+        raise ValueError(f"vLLM on CPU with tp={tp} needs at least {tp} cores, got {list(cpus)}")
+    per = len(cpus) // tp
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tp)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
+def vllm_launch_spec(
+    config: VLLMConfig,
+    model_path: str,
+    host: str,
+    port: int,
+    *,
+    tp: int = 1,
+    devices: Sequence[int] | None = None,
+    device_type: str = "cpu",
+    replica: int = 0,
+) -> LaunchSpec:
+    """The command and environment of one vLLM server.
+
+    Args:
+        config: Server options.
+        model_path: HF model directory.
+        host, port: Where it listens.
+        tp: Tensor-parallel size.
+        devices: GPU ids (``device_type="cuda"``) or CPU core ids (``"cpu"``) to run on;
+            None lets vLLM choose.
+        device_type: ``"cpu"`` (vllm-cpu) or ``"cuda"``.
+        replica: Index of this server among its replicas (offsets the seed).
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        config.dtype,
+        "--max-model-len",
+        str(config.max_model_len),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--seed",
+        str(config.seed + replica),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if config.enforce_eager:
+        cmd.append("--enforce-eager")
+    if tp > 1:
+        cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume and the weight-update routes
+    if device_type == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gb)
+        if devices is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(list(devices), tp)
+        elif tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(list(range(tp)), tp)
+    elif device_type == "cuda":
+        cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    else:
+        raise ValueError(f"vllm_launch_spec: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    cmd += list(config.extra_args)
+    return LaunchSpec(cmd=cmd, env=env, host=host, port=port, health_endpoint=VLLMBackend.health_endpoint)

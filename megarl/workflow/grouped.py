@@ -1,0 +1,30 @@
+"""Run a workflow ``group_size`` times on the same item (GRPO groups)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from megarl.api.engine_api import InferenceEngine
+from megarl.api.trajectory import concat_padded_tensors
+from megarl.api.workflow_api import RolloutWorkflow
+
+
+class GroupedRolloutWorkflow(RolloutWorkflow):
+    """Runs ``workflow.arun_episode`` ``group_size`` times concurrently and concatenates.
+
+    Members that return None are dropped; if all do, the group is None (rejected).
+    """
+
+    def __init__(self, workflow: RolloutWorkflow, group_size: int):
+        if group_size < 1:
+            raise ValueError(f"GroupedRolloutWorkflow: group_size must be >= 1, got {group_size}")
+        self.workflow = workflow
+        self.group_size = group_size
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any] | None:
+        results = await asyncio.gather(*(self.workflow.arun_episode(engine, data) for _ in range(self.group_size)))
+        valid = [r for r in results if r is not None]
+        if not valid:
+            return None
+        return concat_padded_tensors(valid)

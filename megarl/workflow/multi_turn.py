@@ -1,0 +1,153 @@
+"""Multi-turn reflection: on a wrong answer, ask the model to try again (the AReaL notebook).
+
+Each turn appends the model's answer, an end-of-sequence token if it did not stop
+with one, and a reflection prompt given as token ids (tokenised once up front:
+decoding and re-encoding a sequence does not always give back the same ids). The
+trajectory is the whole conversation; only the model's tokens are trained on. The
+reward of a correct answer at turn ``t`` (0-based) is ``turn_discount ** t``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from megarl.api.engine_api import InferenceEngine
+from megarl.api.io_struct import ModelRequest
+from megarl.api.trajectory import build_trajectory, concat_padded_tensors
+from megarl.api.workflow_api import RolloutWorkflow
+from megarl.config.rollout import GenerationHyperparameters
+from megarl.utils import stats_tracker
+from megarl.workflow.rlvr import RLVRWorkflow, default_data_extract_prompt_fn, default_get_input_ids_fn
+
+DEFAULT_REFLECTION_PROMPT = (
+    "\nYour answer is either wrong or not parsable to the reward function. Please try to answer it again."
+)
+
+
+def reflection_token_ids(tokenizer, prompt: str = DEFAULT_REFLECTION_PROMPT) -> list[int]:
+    """Token ids the chat template puts between an assistant turn and the next assistant turn.
+
+    Computed as in the notebook: template([assistant]) is a prefix of
+    template([assistant, user(prompt)], add_generation_prompt=True); the rest is it.
+    """
+    messages = [{"role": "assistant", "content": "some random message."}]
+    before = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    messages.append({"role": "user", "content": prompt})
+    after = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    if list(after[: len(before)]) != list(before):
+        raise ValueError("the chat template does not render the reflection turn as a suffix; pass reflection_ids")
+    return list(after[len(before) :])
+
+
+class _Episode:
+    """Token-aligned lists of one conversation as it grows."""
+
+    def __init__(self) -> None:
+        self.input_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def add_prompt(self, ids: list[int]) -> None:
+        self.input_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        self.input_ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
+
+
+class MultiTurnReflectionWorkflow(RolloutWorkflow):
+    """Up to ``max_turns`` attempts per sample; ``gconfig.n_samples`` samples run concurrently.
+
+    Args:
+        reward_fn: As for :class:`RLVRWorkflow`.
+        gconfig: Sampling settings per turn.
+        tokenizer: HF tokenizer with a chat template.
+        max_turns: Attempts before giving up.
+        turn_discount: Reward factor per extra turn.
+        reflection_prompt: User message injected after a wrong answer.
+        max_context_len: Stop before a turn whose prompt plus ``max_new_tokens`` would
+            exceed this (the server's context length); None: no limit.
+    """
+
+    def __init__(
+        self,
+        reward_fn: Callable[..., float],
+        gconfig: GenerationHyperparameters,
+        tokenizer,
+        max_turns: int = 5,
+        turn_discount: float = 0.9,
+        reflection_prompt: str = DEFAULT_REFLECTION_PROMPT,
+        max_context_len: int | None = None,
+        enable_thinking: bool = False,
+        get_input_ids_fn: Callable[..., list[int]] = default_get_input_ids_fn,
+        data_extract_prompt_fn: Callable[[dict[str, Any]], Any] = default_data_extract_prompt_fn,
+        reward_timeout_seconds: float = 15.0,
+    ):
+        if max_turns < 1:
+            raise ValueError(f"MultiTurnReflectionWorkflow: max_turns must be >= 1, got {max_turns}")
+        if not 0 < turn_discount <= 1:
+            raise ValueError(f"MultiTurnReflectionWorkflow: turn_discount must be in (0, 1], got {turn_discount}")
+        self.rlvr = RLVRWorkflow(
+            reward_fn,
+            gconfig,
+            tokenizer,
+            enable_thinking,
+            get_input_ids_fn,
+            data_extract_prompt_fn,
+            reward_timeout_seconds,
+        )
+        self.gconfig = gconfig
+        self.tokenizer = tokenizer
+        self.max_turns = max_turns
+        self.turn_discount = turn_discount
+        self.max_context_len = max_context_len
+        self.reflection_ids = reflection_token_ids(tokenizer, reflection_prompt)
+
+    def _turn_budget(self, prompt_len: int) -> int:
+        if self.max_context_len is None:
+            return self.gconfig.max_new_tokens
+        return min(self.gconfig.max_new_tokens, self.max_context_len - prompt_len)
+
+    async def _run_one(self, engine: InferenceEngine, data: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
+        episode = _Episode()
+        rid = uuid.uuid4().hex  # every turn on the same server: the conversation is its cached prefix
+        next_prompt = list(prompt_ids)
+        reward, discount, turns = 0.0, 1.0, 0
+        while turns < self.max_turns:
+            budget = self._turn_budget(len(next_prompt))
+            if budget < 1:
+                break
+            gconfig = self.gconfig.new(n_samples=1, max_new_tokens=budget)
+            resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=next_prompt, gconfig=gconfig))
+            episode.add_prompt(resp.input_tokens[len(episode.input_ids) :])
+            episode.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
+            reward = await self.rlvr.score(resp, data)
+            turns += 1
+            if reward > 0 or turns == self.max_turns:
+                break
+            discount *= self.turn_discount
+            eos = self.tokenizer.eos_token_id
+            tail = [eos] if eos is not None and episode.input_ids[-1] != eos else []
+            next_prompt = episode.input_ids + tail + self.reflection_ids
+        stats_tracker.scalar(turns=turns)
+        final = reward * discount
+        return build_trajectory(episode.input_ids, episode.loss_mask, episode.logprobs, episode.versions, final)
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any]:
+        rlvr = self.rlvr
+        prompt_ids = rlvr.get_input_ids_fn(rlvr.data_extract_prompt_fn(data), self.tokenizer, rlvr.enable_thinking)
+        trajs = await asyncio.gather(*(self._run_one(engine, data, prompt_ids) for _ in range(self.gconfig.n_samples)))
+        return concat_padded_tensors(trajs)
+
+    def close(self) -> None:
+        """Stop the reward worker processes."""
+        self.rlvr.close()

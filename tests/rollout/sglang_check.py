@@ -1,0 +1,67 @@
+"""Validate megarl's SGLang payloads and launch command with SGLang's own classes (a subprocess).
+
+``sglang.srt.managers.io_struct`` imports ``torchvision`` transitively (multimodal
+utilities) although request parsing never uses it; the torchvision on PyPI is a CUDA
+build that breaks this CPU torch, so it is not installed. This script runs in its own
+process and gives ``torchvision`` an inert stand-in, so nothing else is affected.
+
+Reads JSON ``{"generate": [...], "pause": {...}, "resume": {...}, "launch_args": [...]}``
+on stdin; prints ``{"ok": true}`` or the first error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+from unittest import mock
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = mock.MagicMock(name=spec.name)
+        module.__path__, module.__spec__, module.__name__, module.__version__ = [], spec, spec.name, "0.0.0"
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    sys.meta_path.insert(0, _StubFinder())
+    from pydantic import TypeAdapter
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput, GenerateReqInput, PauseGenerationReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+
+    known = {f.name for f in dataclasses.fields(GenerateReqInput)}
+    for payload in request["generate"]:
+        unknown = set(payload) - known
+        assert not unknown, f"fields GenerateReqInput does not have: {sorted(unknown)}"
+        error = generate_contract_error(payload)  # the /generate route's schema gate
+        assert error is None, error
+        obj = TypeAdapter(GenerateReqInput).validate_python(payload)  # what FastAPI does with the body
+        obj.normalize_batch_and_arguments()
+        assert obj.input_ids == payload["input_ids"] and obj.return_logprob is True, obj
+        SamplingParams(**payload["sampling_params"]).verify(vocab_size=request["vocab_size"])
+    pause = TypeAdapter(PauseGenerationReqInput).validate_python(request["pause"])
+    assert pause.mode == "abort", pause
+    TypeAdapter(ContinueGenerationReqInput).validate_python(request["resume"])
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(request["launch_args"])
+    print(json.dumps({"ok": True, "model_path": args.model_path, "tp_size": args.tp_size, "port": args.port}))
+
+
+if __name__ == "__main__":
+    main()

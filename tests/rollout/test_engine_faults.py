@@ -1,0 +1,217 @@
+"""RemoteInferenceEngine against fault-injecting fake servers: continuation, retries, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from megarl.api import ModelRequest
+from megarl.config.rollout import GenerationHyperparameters
+from megarl.rollout import InferenceServerError, RemoteInferenceEngine
+from tests.rollout.conftest import fast_config, make_engine
+from tests.rollout.helpers import OneShotWorkflow, expected_tokens
+
+PROMPT = [101, 102, 103, 104, 105]
+
+
+def _post(addr: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        f"http://{addr}{path}",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _stats(addr: str) -> dict:
+    with urllib.request.urlopen(f"http://{addr}/_stats", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _generate(engine: RemoteInferenceEngine, max_new_tokens: int = 12, rid: str | None = None):
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=max_new_tokens)
+    req = ModelRequest(input_ids=PROMPT, gconfig=gconfig) if rid is None else ModelRequest(rid, PROMPT, gconfig)
+    return asyncio.run(engine.agenerate(req))
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_agenerate_token_aligned(fake_servers, dialect):
+    (server,) = fake_servers(1, dialect=dialect, eos_every=0)
+    engine = RemoteInferenceEngine(fast_config(), dialect)
+    engine.initialize(server_addrs=[server.address], batch_size=2)
+    try:
+        engine.set_version(3)
+        resp = _generate(engine, 12)
+    finally:
+        engine.destroy()
+    tokens, logprobs = expected_tokens(len(PROMPT), 12)
+    assert resp.output_tokens == tokens
+    assert resp.output_logprobs == pytest.approx(logprobs)
+    assert resp.output_versions == [3] * 12
+    assert resp.stop_reason == "length" and resp.input_tokens == PROMPT
+    assert resp.latency > 0 and resp.ttft > 0
+
+
+def test_stop_reason_stop(fake_servers):
+    (server,) = fake_servers(1, eos_every=9)  # EOS at absolute position 9: 4 tokens after the 5-token prompt
+    engine = make_engine([server.address])
+    try:
+        resp = _generate(engine, 50)
+    finally:
+        engine.destroy()
+    assert resp.stop_reason == "stop" and resp.output_len == 5 and resp.output_tokens[-1] == 2
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_pause_aborts_and_resume_continues(fake_servers, dialect):
+    (server,) = fake_servers(1, dialect=dialect, token_delay=0.01)
+    engine = RemoteInferenceEngine(fast_config(), dialect).initialize(server_addrs=[server.address], batch_size=2)
+    result = {}
+
+    def generate():
+        result["resp"] = _generate(engine, 60)  # ~0.6 s uninterrupted
+
+    try:
+        thread = threading.Thread(target=generate)
+        thread.start()
+        time.sleep(0.25)
+        engine.pause()
+        assert _stats(server.address)["paused"]
+        time.sleep(0.3)  # the "weight update"
+        engine.set_version(1)
+        engine.resume()
+        thread.join(30)
+    finally:
+        engine.destroy()
+    resp = result["resp"]
+    tokens, logprobs = expected_tokens(len(PROMPT), 60)
+    assert resp.output_tokens == tokens, "interrupted generation lost or duplicated tokens"
+    assert resp.output_logprobs == pytest.approx(logprobs)
+    assert resp.n_interruptions >= 1
+    first_new = resp.output_versions.index(1)
+    assert 0 < first_new < 60
+    assert resp.output_versions == [0] * first_new + [1] * (60 - first_new)
+    stats = _stats(server.address)
+    assert stats["pause"] == 1 and stats["resume"] == 1
+    if dialect == "sglang":
+        assert stats["flush_cache"] == 1
+
+
+def test_retries_then_succeeds(fake_servers):
+    (server,) = fake_servers(1)
+    engine = make_engine([server.address], request_retries=3)
+    try:
+        _post(server.address, "/_faults", {"faults": ["500", "malformed", "bad_shape"]})
+        resp = _generate(engine, 8)
+    finally:
+        engine.destroy()
+    assert resp.output_tokens == expected_tokens(len(PROMPT), 8)[0]
+    assert _stats(server.address)["generate"] == 4
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("500", "HTTP 500"),
+        ("malformed", "malformed reply"),
+        ("bad_shape", "malformed reply"),
+        ("hang", "no complete reply"),
+    ],
+)
+def test_retry_budget_spent_raises_clear_error(fake_servers, fault, message):
+    (server,) = fake_servers(1)
+    engine = make_engine([server.address], request_retries=2, request_timeout=0.5)
+    try:
+        _post(server.address, "/_faults", {"faults": [fault] * 3})
+        with pytest.raises(InferenceServerError) as info:
+            _generate(engine, 8)
+    finally:
+        engine.destroy()
+    err = info.value
+    assert message in str(err) and server.address in str(err) and "after 3 attempts" in str(err)
+    assert err.endpoint == "/v1/completions"
+
+
+def test_disconnect_is_retried_on_the_same_server(fake_servers):
+    (server,) = fake_servers(1)
+    engine = make_engine([server.address])
+    try:
+        _post(server.address, "/_faults", {"faults": ["disconnect"]})
+        resp = _generate(engine, 6)
+    finally:
+        engine.destroy()
+    assert resp.output_tokens == expected_tokens(len(PROMPT), 6)[0]
+
+
+def test_sticky_and_least_loaded_routing(fake_servers):
+    servers = fake_servers(2)
+    engine = make_engine([s.address for s in servers])
+
+    async def many():
+        gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=20)
+        same = [engine.agenerate(ModelRequest("rid-a", PROMPT, gconfig)) for _ in range(4)]
+        spread = [engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=gconfig)) for _ in range(8)]
+        return await asyncio.gather(*same), await asyncio.gather(*spread)
+
+    try:
+        same, spread = asyncio.run(many())
+    finally:
+        engine.destroy()
+    assert len({r.server for r in same}) == 1, "requests sharing a rid must stick to one server"
+    counts = [sum(r.server == s.address for r in spread) for s in servers]
+    assert counts == [4, 4], f"least-loaded routing should balance, got {counts}"
+
+
+def test_server_killed_mid_flight_requests_reissued(fake_servers):
+    servers = fake_servers(2, token_delay=0.01)
+    engine = make_engine([s.address for s in servers], batch_size=16, max_concurrent_rollouts=16, max_staleness=4)
+    workflow = OneShotWorkflow(max_new_tokens=40, prompt_len=5)
+    try:
+        for i in range(16):
+            engine.submit({"id": i}, workflow)
+        time.sleep(0.3)  # requests are in flight on both servers
+        servers[0].proc.kill()
+        trajs = engine.wait(16, timeout=60)
+    finally:
+        engine.destroy()
+    ids = sorted(int(t["rewards"][0]) for t in trajs)
+    assert ids == list(range(16)), "a trajectory was lost or duplicated"
+    tokens, logprobs = expected_tokens(5, 40)
+    for traj in trajs:
+        assert traj["input_ids"][0, 5:].tolist() == tokens
+        assert traj["logprobs"][0, 5:].tolist() == pytest.approx(logprobs)
+    assert not engine._servers[0].usable(time.monotonic())
+
+
+def test_all_servers_dead_surfaces_error(fake_servers):
+    (server,) = fake_servers(1)
+    engine = make_engine([server.address], request_retries=1)
+    server.stop()
+    try:
+        with pytest.raises(InferenceServerError, match="unhealthy|connection failed"):
+            _generate(engine, 4)
+    finally:
+        engine.destroy()
+
+
+def test_server_addrs_from_env(monkeypatch, fake_servers):
+    (server,) = fake_servers(1)
+    monkeypatch.setenv("MEGARL_LLM_SERVER_ADDRS", server.address)
+    engine = RemoteInferenceEngine(fast_config()).initialize(batch_size=1)
+    try:
+        assert [s.address for s in engine._servers] == [server.address]
+    finally:
+        engine.destroy()
+
+
+def test_no_servers_configured_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("MEGARL_LLM_SERVER_ADDRS", raising=False)
+    with pytest.raises(ValueError, match="no inference servers"):
+        RemoteInferenceEngine(fast_config()).initialize(batch_size=1)

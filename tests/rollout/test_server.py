@@ -1,0 +1,170 @@
+"""Server launch: commands from config, health wait, errors with log tails, process-tree cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from megarl.config.rollout import InferenceEngineConfig, VLLMConfig
+from megarl.rollout import (
+    InferenceServer,
+    LaunchSpec,
+    ServerLaunchError,
+    launch_servers,
+    resolve_server_addrs,
+    vllm_launch_spec,
+)
+from megarl.utils.network import find_free_ports
+
+
+def test_vllm_command_tp1_cpu():
+    spec = vllm_launch_spec(VLLMConfig(max_model_len=512, extra_args=["--swap-space", "1"]), "/m", "127.0.0.1", 8000)
+    assert spec.cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    cmd = " ".join(spec.cmd)
+    for part in (
+        "--model /m",
+        "--port 8000",
+        "--max-model-len 512",
+        "--dtype bfloat16",
+        "--enforce-eager",
+        "--logprobs-mode processed_logprobs",
+        "--swap-space 1",
+    ):
+        assert part in cmd
+    assert "--tensor-parallel-size" not in cmd and "--gpu-memory-utilization" not in cmd
+    assert spec.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert spec.address == "127.0.0.1:8000"
+
+
+def test_vllm_command_tp2_cpu_and_cuda():
+    cpu = vllm_launch_spec(VLLMConfig(), "/m", "127.0.0.1", 8000, tp=2)
+    assert "--tensor-parallel-size 2 --distributed-executor-backend mp" in " ".join(cpu.cmd)
+    assert cpu.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    pinned = vllm_launch_spec(VLLMConfig(), "/m", "127.0.0.1", 8000, tp=2, devices=[4, 5, 6, 7])
+    assert pinned.env["VLLM_CPU_OMP_THREADS_BIND"] == "4,5|6,7"
+    gpu = vllm_launch_spec(
+        VLLMConfig(seed=5), "/m", "0.0.0.0", 8000, tp=2, devices=[2, 3], device_type="cuda", replica=1
+    )
+    assert gpu.env["CUDA_VISIBLE_DEVICES"] == "2,3" and "VLLM_CPU_KVCACHE_SPACE" not in gpu.env
+    assert "--gpu-memory-utilization 0.85" in " ".join(gpu.cmd) and "--seed 6" in " ".join(gpu.cmd)
+    with pytest.raises(ValueError, match="device_type"):
+        vllm_launch_spec(VLLMConfig(), "/m", "h", 1, device_type="tpu")
+    with pytest.raises(ValueError, match="at least 2 cores"):
+        vllm_launch_spec(VLLMConfig(), "/m", "h", 1, tp=2, devices=[0])
+
+
+def _python_spec(code: str, port: int = 1) -> LaunchSpec:
+    return LaunchSpec(cmd=[sys.executable, "-c", textwrap.dedent(code)], port=port)
+
+
+def test_server_that_dies_raises_with_log_tail(tmp_path):
+    server = InferenceServer(
+        _python_spec("print('loading weights'); print('CUDA out of memory'); raise SystemExit(3)"), tmp_path / "s.log"
+    ).start()
+    with pytest.raises(ServerLaunchError, match="exited with code 3") as info:
+        server.wait_until_healthy(30)
+    assert "CUDA out of memory" in str(info.value) and str(tmp_path / "s.log") in str(info.value)
+
+
+def test_server_past_deadline_is_stopped(tmp_path):
+    server = InferenceServer(
+        _python_spec("import time; print('still starting', flush=True); time.sleep(600)"), tmp_path / "s.log"
+    ).start()
+    with pytest.raises(ServerLaunchError, match="not healthy within 1s") as info:
+        server.wait_until_healthy(1)
+    assert "still starting" in str(info.value)
+    assert server.proc.returncode is not None, "the server must be stopped after a failed start"
+
+
+_PARENT = """
+import sys, time
+from megarl.rollout import InferenceServer, LaunchSpec
+child = '''
+import subprocess, sys, time
+g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(g.pid, flush=True)
+time.sleep(600)
+'''
+server = InferenceServer(LaunchSpec(cmd=[sys.executable, "-c", child], port=1), sys.argv[1]).start()
+print(server.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_parent_signal_terminates_server_tree(tmp_path, sig):
+    log = tmp_path / "child.log"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(log)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        server_pid = int(parent.stdout.readline())
+        deadline = time.monotonic() + 30
+        while not log.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        grandchild_pid = int(log.read_text().split()[0])
+        procs = [psutil.Process(server_pid), psutil.Process(grandchild_pid)]
+        parent.send_signal(sig)
+        parent.wait(30)
+        _, alive = psutil.wait_procs(procs, timeout=15)
+        assert not alive, f"server processes outlived their parent: {alive}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_context_manager_stops_server(tmp_path):
+    port = find_free_ports(1)[0]
+    code = f"""
+    import http.server
+    http.server.HTTPServer(('127.0.0.1', {port}), http.server.SimpleHTTPRequestHandler).serve_forever()
+    """
+    spec = LaunchSpec(cmd=[sys.executable, "-c", textwrap.dedent(code)], port=port, health_endpoint="/")
+    with InferenceServer(spec, tmp_path / "s.log").start() as server:
+        server.wait_until_healthy(30)
+        assert server.is_healthy()
+    assert server.proc.returncode is not None and not server.is_healthy(timeout=1)
+
+
+def test_resolve_server_addrs(monkeypatch):
+    assert resolve_server_addrs(InferenceEngineConfig(server_addrs=["a:1", "b:2"])) == ["a:1", "b:2"]
+    monkeypatch.setenv("MY_ADDRS", "h1:10, h2:20")
+    assert resolve_server_addrs(InferenceEngineConfig(server_addrs_env="MY_ADDRS")) == ["h1:10", "h2:20"]
+    monkeypatch.setenv("MY_ADDRS", "h1")
+    with pytest.raises(ValueError, match="MY_ADDRS"):
+        resolve_server_addrs(InferenceEngineConfig(server_addrs_env="MY_ADDRS"))
+
+
+def _http_spec(port: int) -> LaunchSpec:
+    code = f"""
+    import http.server
+    http.server.HTTPServer(('127.0.0.1', {port}), http.server.SimpleHTTPRequestHandler).serve_forever()
+    """
+    return LaunchSpec(cmd=[sys.executable, "-c", textwrap.dedent(code)], port=port, health_endpoint="/")
+
+
+def test_launch_servers_starts_all_or_none(tmp_path):
+    ports = find_free_ports(2)
+    servers = launch_servers([_http_spec(p) for p in ports], timeout=30, log_dir=tmp_path)
+    try:
+        assert [s.address for s in servers] == [f"127.0.0.1:{p}" for p in ports]
+        assert all(s.is_healthy() for s in servers)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["server-0.log", "server-1.log"]
+    finally:
+        for server in servers:
+            server.stop()
+    good = _http_spec(find_free_ports(1)[0])
+    bad = _python_spec("raise SystemExit('bad model path')")
+    with pytest.raises(ServerLaunchError, match="bad model path"):
+        launch_servers([good, bad], timeout=30, log_dir=tmp_path / "second")
+    assert not InferenceServer(good).is_healthy(timeout=1), "the healthy one must be stopped too"

