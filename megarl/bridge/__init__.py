@@ -1,0 +1,42 @@
+"""The weight bridge: trainer weights (Megatron layout) -> TP-sharded vLLM / SGLang servers.
+
+Pieces, each in its own module:
+
+- ``plan`` / ``target_layout``: the pure transfer plan. Sources come from the model
+  family's mapping (``megarl.models.mapping``), targets from vLLM's parallel layouts.
+- ``schedule``: the plan cut into buckets, identically on both sides.
+- ``groups`` / ``wiring``: the bridge's own process groups (NCCL on GPU, gloo on CPU),
+  built on their own TCPStores beside the trainer's and the servers' groups.
+- ``transport`` + ``transport_broadcast`` / ``transport_sharded`` / ``transport_disk``: the
+  three modes behind one sender interface; receivers share ``receiver``.
+- ``receivers.vllm``: the vLLM plugin / weight-transfer engine (runs inside vLLM).
+- ``control``: how the trainer drives each server family over HTTP.
+- ``bridge``: :class:`WeightBridge`, the trainer side (connect once, update per step).
+- ``update`` / ``consistency``: ``actor.connect_engine`` / ``actor.update_weights(meta)``
+  (pause, transfer, version, resume) and the probe logprob check.
+"""
+
+from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
+from megarl.bridge.consistency import ConsistencyError, ConsistencyReport
+from megarl.bridge.plan import TrainerLayout, TransferPlan, build_plan
+from megarl.bridge.update import (
+    WeightSync,
+    WeightUpdateMeta,
+    connect_engine,
+    update_weights,
+)
+
+__all__ = [
+    "ConsistencyError",
+    "ConsistencyReport",
+    "TrainerLayout",
+    "TransferPlan",
+    "UpdateReport",
+    "WeightBridge",
+    "WeightBridgeError",
+    "WeightSync",
+    "WeightUpdateMeta",
+    "build_plan",
+    "connect_engine",
+    "update_weights",
+]

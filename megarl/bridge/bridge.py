@@ -1,0 +1,299 @@
+"""The trainer side of the weight bridge: connect once, then send an update per training step.
+
+Every trainer rank builds a :class:`WeightBridge` and calls :meth:`~WeightBridge.connect`
+and :meth:`~WeightBridge.update` together (they are collective over ``group``, the
+trainer's ranks). Only global rank 0 talks to the servers (:mod:`megarl.bridge.control`);
+calls that return once data has moved run in threads while the ranks send.
+
+An update is two-phase. All servers receive; the ones that received everything commit
+(apply + new version); a server that failed keeps its old weights (vLLM, staged) or is
+half-updated (SGLang, or ``stage=False``) and is reported in
+:attr:`UpdateReport.failed` so the caller takes it out of rotation. After a failure the
+bridge's groups are considered broken and :meth:`~WeightBridge.connect` must be called
+again (with the servers still alive) before the next update.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge.control import ServerControl
+from megarl.bridge.groups import default_backend, destroy_group
+from megarl.bridge.plan import TrainerLayout, TransferPlan, build_plan
+from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
+from megarl.bridge.source import ShardSource, TrainerCoords
+from megarl.bridge.transport import TransferStats, TransportSender, wire_dtype
+from megarl.bridge.transport_broadcast import BroadcastSender
+from megarl.bridge.transport_disk import DiskSender
+from megarl.bridge.transport_sharded import ShardedSender
+from megarl.bridge.wiring import Wiring, make_wiring, trainer_join
+from megarl.config.bridge import WeightUpdateConfig
+from megarl.utils.network import find_free_ports, gethostip
+
+logger = logging.getLogger(__name__)
+
+
+class WeightBridgeError(RuntimeError):
+    """The bridge could not be connected, or an update failed on the trainer side."""
+
+
+@dataclass
+class UpdateReport:
+    """The outcome of one update, the same on every trainer rank."""
+
+    version: int
+    mode: str
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    """Summed over trainer ranks."""
+    send_seconds: float = 0.0
+    """Longest time a trainer rank spent sending (gather / pack / wire, pipelined)."""
+    commit_seconds: float = 0.0
+    """Time the servers took to apply the received weights and record the version."""
+    updated: list[str] = field(default_factory=list)
+    """Addresses of the servers now on ``version``."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Address -> why, for servers that did not commit (old weights, or unhealthy)."""
+    sender_errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.sender_errors
+
+
+def _in_threads(calls: dict[str, callable], timeout: float) -> dict[str, str]:
+    """Run ``{name: fn}`` concurrently; ``{name: error}`` of those that raised or did not finish in time."""
+    errors: dict[str, str] = {}
+
+    def run(name, fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (any failure of a server call is reported for that server)
+            errors[name] = f"{type(e).__name__}: {e}"
+
+    threads = {n: threading.Thread(target=run, args=(n, fn), daemon=True, name=f"megarl-bridge-{n}")
+               for n, fn in calls.items()}  # fmt: skip
+    for thread in threads.values():
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for name, thread in threads.items():
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            errors.setdefault(name, f"no answer within {timeout:g}s")
+    return errors
+
+
+def _background(calls: dict[str, callable], timeout: float, errors: dict[str, str]) -> threading.Thread:
+    """A started thread running :func:`_in_threads` on ``calls``; their errors land in ``errors``."""
+    thread = threading.Thread(target=lambda: errors.update(_in_threads(calls, timeout)), daemon=True,
+                              name="megarl-bridge-control")  # fmt: skip
+    thread.start()
+    return thread
+
+
+class WeightBridge:
+    """Trainer side of the bridge (one per trainer rank).
+
+    Args:
+        config: The ``weight_update`` config.
+        desc: :class:`~megarl.models.build.ModelDesc` of the trained model (built with the trainer TP).
+        hf_shapes: HF tensor shapes of the checkpoint (``SafetensorsReader.shape``).
+        trainer: The trainer's layout.
+        coords: This rank's coordinates.
+        group: Process group of all trainer ranks in global-rank order (None: the default group).
+        source_dir: The HF model directory (disk mode copies its config and tokenizer).
+        device: Where the trainer's weights live (chooses NCCL or gloo).
+    """
+
+    def __init__(self, config: WeightUpdateConfig, desc, hf_shapes: dict, trainer: TrainerLayout,
+                 coords: TrainerCoords, group=None, source_dir: str | None = None, device="cpu"):  # fmt: skip
+        config.check()
+        self.config, self.desc, self.hf_shapes = config, desc, hf_shapes
+        self.trainer, self.coords, self.group = trainer, coords, group
+        self.source_dir, self.device = source_dir, torch.device(device)
+        self.dtype = wire_dtype(config.dtype)
+        self.bucket_numel = config.bucket_bytes(self.device.type == "cuda") // self.dtype.itemsize
+        self.servers: list[ServerControl] = []
+        self.plan: TransferPlan | None = None
+        self.senders: dict[str, TransportSender] = {}
+        self._groups: list = []
+        self._commit_seconds = 0.0
+        self.connected = False
+
+    @property
+    def is_driver(self) -> bool:
+        return self.coords.rank == 0
+
+    # ------------------------------------------------------------------ connect
+
+    def connect(self, servers: list[ServerControl]) -> None:
+        """Form the groups with ``servers`` (collective); raises WeightBridgeError naming what failed."""
+        self.close()
+        modes = self.config.modes
+        backend = servers[0].name if servers else "vllm"
+        if backend == "sglang" and "sharded" in modes:
+            raise ValueError("weight_update.mode 'sharded' needs vLLM servers (SGLang has no sharded receive API)")
+        self.servers = list(servers)
+        self.plan = build_plan(self.desc, self.hf_shapes, self.trainer, tuple(s.tp for s in servers),
+                               sharded="sharded" in modes)  # fmt: skip
+        bsched = broadcast_schedule(self.plan, self.bucket_numel)
+        ssched = sharded_schedule(self.plan, self.bucket_numel) if "sharded" in modes else None
+        wiring = self._wire(bsched.senders if "broadcast" in modes else [], ssched.senders if ssched else [])
+        errors: dict[str, str] = {}
+        joining = None
+        if self.is_driver:  # servers join in the background while the trainer ranks join here
+            infos = {s.address: self._init_info(i, wiring, modes) for i, s in enumerate(servers)}
+            calls = {s.address: (lambda s=s: s.init_group(infos[s.address])) for s in servers}
+            joining = _background(calls, self.config.init_timeout, errors)
+        try:
+            broadcast, sharded = trainer_join(wiring, self.coords.rank, self.config.init_timeout)
+        except RuntimeError as e:
+            broadcast, sharded, errors[f"trainer rank {self.coords.rank}"] = {}, None, str(e)
+        if joining is not None:
+            joining.join()
+        self._groups = [*broadcast.values(), sharded]
+        self._agree(errors, "connecting the weight bridge")
+        self._build_senders(bsched, ssched, broadcast, sharded, wiring, backend)
+        self.connected = True
+        logger.info("weight bridge connected to %d server(s) (%s), modes %s", len(servers), backend, modes)
+
+    def _wire(self, broadcast_owners, sharded_owners) -> Wiring:
+        table = self._all_gather(self.coords)
+        rank_of = {o: next(c.rank for c in table if c.holds(o)) for o in [*broadcast_owners, *sharded_owners]}
+        backend = default_backend(self.device)
+        count = make_wiring(backend, len(self.plan.workers), broadcast_owners, sharded_owners, rank_of.__getitem__,
+                            lambda r, k: ("", 0), "count")  # fmt: skip
+        host = self.config.master_address or gethostip()
+        mine = count.groups_hosted_by(self.coords.rank)
+        addresses = self._all_gather((host, find_free_ports(mine, host="0.0.0.0") if mine else []))
+        prefix = f"megarl-bridge-{int(time.time() * 1000) % 10**9}"
+        prefix = self._all_gather(prefix)[0]  # every rank names the groups alike
+        return make_wiring(backend, len(self.plan.workers), broadcast_owners, sharded_owners, rank_of.__getitem__,
+                           lambda r, k: (addresses[r][0], addresses[r][1][k]), prefix)  # fmt: skip
+
+    def _init_info(self, server: int, wiring: Wiring, modes) -> dict:
+        specs = {}
+        for rank in range(self.servers[server].tp):
+            worker = self.plan.worker_index(server, rank)
+            specs[str(rank)] = {m: receiver_spec(self.plan, worker, m, self.bucket_numel, wiring.sender_ranks)
+                                for m in modes if m != "disk"}  # fmt: skip
+        return {"wiring": wiring.to_json(), "worker_offset": self.plan.worker_index(server, 0), "specs": specs,
+                "dtype": self.config.dtype, "timeout": self.config.update_timeout, "stage": self.config.stage}  # fmt: skip
+
+    def _build_senders(self, bsched, ssched, broadcast, sharded, wiring, backend) -> None:
+        self.senders = {"disk": DiskSender(self.plan, bsched, self.coords, self.dtype, self.source_dir, self.group)}
+        if wiring.broadcast:
+            self.senders["broadcast"] = BroadcastSender(self.plan, bsched, self.coords, broadcast, self.dtype,
+                                                        as_bytes=backend == "sglang")  # fmt: skip
+        if ssched is not None:
+            self.senders["sharded"] = ShardedSender(ssched, self.coords, sharded, len(wiring.sharded_members), self.dtype)
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, source: ShardSource, version: int, mode: str | None = None, path: str | None = None) -> UpdateReport:
+        """Send the weights of ``source`` as ``version`` (collective). Failures are in the report."""
+        mode = mode or self.config.mode
+        if not self.connected:
+            raise WeightBridgeError("the weight bridge is not connected (connect() first, again after a failure)")
+        if mode not in self.senders:
+            raise ValueError(f"update mode {mode!r} was not wired at connect(); wired: {sorted(self.senders)}")
+        start = time.perf_counter()
+        report = UpdateReport(version, mode)
+        if mode == "disk":
+            stats = self._send_disk(source, path, version)
+            failed = self._drive(mode, version, send=None)
+        else:
+            stats = TransferStats()
+            send = lambda: stats.__dict__.update(self.senders[mode].send(source).__dict__)
+            failed = self._drive(mode, version, send=send)
+        errors = [e for e in self._all_gather(stats.error) if e]
+        report.bytes_sent = sum(self._all_gather(stats.bytes_sent))
+        report.send_seconds = max(self._all_gather(stats.seconds))
+        report.failed = self.broadcast_object(failed)
+        report.commit_seconds = self.broadcast_object(self._commit_seconds)
+        report.sender_errors = errors
+        report.updated = [s.address for s in self.servers if s.address not in report.failed]
+        report.seconds = time.perf_counter() - start
+        if not report.ok:
+            self.connected = False  # a group with a dead or lagging member is unusable: connect() again
+            logger.error("weight update to version %d (%s) failed: %s %s", version, mode, report.failed, errors)
+        return report
+
+    def _send_disk(self, source: ShardSource, path: str | None, version: int) -> TransferStats:
+        sender = self.senders["disk"]
+        root = _path(path or self.config.disk_path)
+        sender.path = root if path else root / f"v{version}"
+        stats = sender.send(source)
+        if self.is_driver and not path:
+            _prune(root, self.config.keep_disk_versions)
+        return stats
+
+    def _drive(self, mode: str, version: int, send) -> dict[str, str]:
+        """Rank 0 drives the servers (begin, receive while ``send`` runs, commit); every rank sends."""
+        failed: dict[str, str] = {}
+        receiving = None
+        timeout = self.config.update_timeout
+        if self.is_driver:
+            failed.update(_in_threads({s.address: (lambda s=s: s.begin(mode)) for s in self.servers}, timeout))
+            path = str(self.senders["disk"].path) if mode == "disk" else None
+            live = [s for s in self.servers if s.address not in failed]
+            receiving = _background({s.address: (lambda s=s: s.receive(mode, path)) for s in live}, timeout, failed)
+        if send is not None:
+            send()
+        if self.is_driver:
+            receiving.join()
+            ready = [s for s in self.servers if s.address not in failed]
+            start = time.perf_counter()
+            failed.update(_in_threads({s.address: (lambda s=s: s.commit(version)) for s in ready}, timeout))
+            self._commit_seconds = time.perf_counter() - start
+        return failed
+
+    # ------------------------------------------------------------------ helpers
+
+    def _all_gather(self, value) -> list:
+        if not dist.is_initialized():
+            return [value]
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def broadcast_object(self, value):
+        """Rank 0's ``value`` on every trainer rank."""
+        if not dist.is_initialized():
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _agree(self, errors: dict, what: str) -> None:
+        merged = {k: v for part in self._all_gather(errors) for k, v in part.items()}
+        if merged:
+            self.close()
+            raise WeightBridgeError(f"{what} failed: " + "; ".join(f"{k}: {v}" for k, v in merged.items()))
+
+    def close(self) -> None:
+        """Leave the groups (the servers' ends are replaced at the next connect)."""
+        for group in self._groups:
+            destroy_group(group)
+        self._groups, self.senders, self.connected = [], {}, False
+
+
+def _path(path: str) -> Path:
+    if not path:
+        raise ValueError("disk mode needs weight_update.disk_path (storage shared with the servers)")
+    return Path(path)
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` version directories (``v<N>``) under ``root``."""
+    versions = sorted((p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,85 @@
+"""The control plane: how the trainer drives one inference server through an update.
+
+One implementation per server family (:mod:`~megarl.bridge.control.vllm`,
+:mod:`~megarl.bridge.control.sglang`). Only trainer rank 0 talks to servers. Calls that
+return only once the data has moved (``init_group``, ``receive``) run in a thread while
+the trainer ranks send; every call has a timeout and raises :class:`ServerControlError`
+naming the server, the route and why.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+_BODY_SNIPPET = 400
+
+
+class ServerControlError(RuntimeError):
+    """A control call to an inference server failed (unreachable, error reply, timeout)."""
+
+    def __init__(self, address: str, route: str, reason: str):
+        self.address, self.route, self.reason = address, route, reason
+        super().__init__(f"inference server {address}{route}: {reason}")
+
+
+def http_json(address: str, route: str, payload: Any = None, timeout: float = 60.0, method: str = "POST") -> Any:
+    """``method`` ``http://address/route`` with a JSON body; the decoded JSON reply (None if empty)."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(f"http://{address}{route}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            body = reply.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:_BODY_SNIPPET].decode(errors="replace")
+        raise ServerControlError(address, route, f"HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+        raise ServerControlError(address, route, f"unreachable or timed out after {timeout:g}s ({e})") from None
+    return json.loads(body) if body.strip() else None
+
+
+class ServerControl(abc.ABC):
+    """Trainer-side driver of one server's weight updates."""
+
+    name: str
+
+    def __init__(self, address: str, tp: int, timeout: float = 600.0):
+        self.address, self.tp, self.timeout = address, tp, timeout
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address}, tp={self.tp})"
+
+    @abc.abstractmethod
+    def init_group(self, init_info: dict) -> None:
+        """Make the server's workers join the bridge groups (returns once they joined)."""
+
+    @abc.abstractmethod
+    def begin(self, mode: str) -> None:
+        """Open an update of ``mode`` (the server is paused meanwhile)."""
+
+    @abc.abstractmethod
+    def receive(self, mode: str, path: str | None = None) -> None:
+        """Make the workers receive one update (returns once everything arrived)."""
+
+    @abc.abstractmethod
+    def commit(self, version: int) -> None:
+        """Apply what was received and record weight version ``version``."""
+
+    @abc.abstractmethod
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprob of every token but the first of each sequence, under the served weights."""
+
+    @abc.abstractmethod
+    def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
+        """``prompt`` followed by ``max_tokens`` sampled tokens (probe trajectories)."""
+
+    def healthy(self) -> bool:
+        try:
+            http_json(self.address, "/health", method="GET", timeout=5.0)
+        except ServerControlError:
+            return False
+        return True

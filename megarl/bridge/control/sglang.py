@@ -1,0 +1,118 @@
+"""Driving an SGLang server (0.5.23) through its native weight-update routes.
+
+SGLang is its own receiver: its workers join a group with ``/init_weights_update_group``
+(the trainer's sender at group rank 0, SGLang's TP ranks at ``rank_offset + tp_rank``)
+and take in each bucket with ``/update_weights_from_distributed`` (``load_format:
+"flattened_bucket"``: one uint8 buffer per bucket, tensors back to back) between
+``/begin_weight_update`` and ``/end_weight_update``; ``/update_weights_from_disk`` loads an
+HF directory. Payload field names are those of ``sglang.srt.managers.io_struct``
+(``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+``UpdateWeightFromDiskReqInput``, ``UpdateWeightVersionReqInput``, ...); the tests validate
+them against those classes.
+
+Limits: SGLang has no route that receives pre-sharded slices over a group (its
+``update_weights_from_tensor`` passes CUDA IPC handles on one machine), so sharded mode
+is vLLM-only. SGLang loads each bucket as it arrives: a failure mid-transfer leaves the
+server half-updated, and the bridge marks it unhealthy.
+"""
+
+from __future__ import annotations
+
+from megarl.bridge.control.base import ServerControl, ServerControlError, http_json
+
+DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def _check(address: str, route: str, reply) -> None:
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise ServerControlError(address, route, str(reply.get("message")))
+
+
+class SGLangControl(ServerControl):
+    """An SGLang server; broadcast and disk modes."""
+
+    name = "sglang"
+
+    def __init__(self, address: str, tp: int, timeout: float = 600.0):
+        super().__init__(address, tp, timeout)
+        self._groups: list[str] = []
+        self._buckets: list[list[list]] = []
+        self._dtype = "bfloat16"
+        self._disk: str | None = None
+
+    # payloads (plain dicts, checked against SGLang's request classes by the tests)
+
+    def init_payloads(self, init_info: dict) -> list[dict]:
+        """One ``/init_weights_update_group`` body per broadcast sender group."""
+        wiring, offset = init_info["wiring"], init_info["worker_offset"]
+        return [{"master_address": g["host"], "master_port": g["port"], "rank_offset": 1 + offset,
+                 "world_size": g["world_size"], "group_name": g["name"], "backend": wiring["backend"]}
+                for g in wiring["broadcast"]]  # fmt: skip
+
+    def bucket_payloads(self) -> list[dict]:
+        """One ``/update_weights_from_distributed`` body per bucket, in schedule order."""
+        out = []
+        for group, buckets in zip(self._groups, self._buckets):
+            for entries in buckets:
+                out.append({"names": [n for n, _ in entries], "dtypes": [self._dtype] * len(entries),
+                            "shapes": [list(s) for _, s in entries], "group_name": group, "flush_cache": False,
+                            "load_format": "flattened_bucket"})  # fmt: skip
+        return out
+
+    # ServerControl
+
+    def init_group(self, init_info: dict) -> None:
+        if "broadcast" not in init_info["specs"]["0"]:
+            raise ValueError(f"SGLang server {self.address}: only broadcast and disk modes (no sharded receive API)")
+        spec = init_info["specs"]["0"]["broadcast"]
+        self._groups = [g["name"] for g in init_info["wiring"]["broadcast"]]
+        self._buckets, self._dtype = spec["buckets"], DTYPE_NAMES[init_info["dtype"]]
+        for payload in self.init_payloads(init_info):
+            _check(self.address, "/init_weights_update_group",
+                   http_json(self.address, "/init_weights_update_group", payload, self.timeout))  # fmt: skip
+
+    def begin(self, mode: str) -> None:
+        if mode == "sharded":
+            raise ValueError(f"SGLang server {self.address}: sharded mode is not supported (no sharded receive API)")
+        self._disk = None
+        if mode == "broadcast":
+            _check(self.address, "/begin_weight_update", http_json(self.address, "/begin_weight_update", {}, self.timeout))
+
+    def receive(self, mode: str, path: str | None = None) -> None:
+        if mode == "disk":
+            self._disk = path
+            return
+        for payload in self.bucket_payloads():
+            _check(self.address, "/update_weights_from_distributed",
+                   http_json(self.address, "/update_weights_from_distributed", payload, self.timeout))  # fmt: skip
+
+    def commit(self, version: int) -> None:
+        if self._disk is not None:
+            body = {"model_path": self._disk, "weight_version": str(version), "flush_cache": True}
+            _check(self.address, "/update_weights_from_disk",
+                   http_json(self.address, "/update_weights_from_disk", body, self.timeout))  # fmt: skip
+            return
+        _check(self.address, "/end_weight_update", http_json(self.address, "/end_weight_update", {}, self.timeout))
+        body = {"new_version": str(version), "abort_all_requests": False}
+        http_json(self.address, "/update_weight_version", body, self.timeout)
+        http_json(self.address, "/flush_cache", None, self.timeout)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        out = []
+        for seq in sequences:
+            body = {"input_ids": list(seq), "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                    "return_logprob": True, "logprob_start_len": 0}  # fmt: skip
+            reply = http_json(self.address, "/generate", body, self.timeout)
+            try:
+                entries = reply["meta_info"]["input_token_logprobs"][1:]
+                out.append([float(e[0]) for e in entries])
+            except (KeyError, IndexError, TypeError) as e:
+                raise ServerControlError(self.address, "/generate", f"no input_token_logprobs in reply ({e})") from None
+        return out
+
+    def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
+        body = {"input_ids": list(prompt), "return_logprob": False,
+                "sampling_params": {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "temperature": 1.0,
+                                    "sampling_seed": seed}}  # fmt: skip
+        reply = http_json(self.address, "/generate", body, self.timeout)
+        return list(prompt) + [int(t) for t in reply["output_ids"]]

@@ -1,0 +1,76 @@
+"""Driving a vLLM server (0.32, ``VLLM_SERVER_DEV_MODE=1``) that runs megarl's weight-transfer engine.
+
+Routes (``vllm/entrypoints/rl/online/api_router.py``): ``/init_weight_transfer_engine``
+``{"init_info"}``, ``/start_weight_update``, ``/update_weights`` ``{"update_info"}``,
+``/finish_weight_update`` ``{"weight_version"}``. The server needs
+``--weight-transfer-config '{"backend": "megarl"}'`` and the megarl plugin (see
+:mod:`megarl.bridge.receivers.vllm` and :func:`vllm_server_args`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from megarl.bridge.control.base import ServerControl, ServerControlError, http_json
+
+WEIGHT_TRANSFER_ARGS = ["--weight-transfer-config", json.dumps({"backend": "megarl"})]
+
+
+def vllm_server_args(worker_extension: bool = False) -> list[str]:
+    """Extra vLLM command-line arguments that enable megarl's receiver.
+
+    ``worker_extension``: also load it as a worker extension (for servers where the
+    ``vllm.general_plugins`` entry point of the installed megarl is not visible).
+    """
+    args = list(WEIGHT_TRANSFER_ARGS)
+    if worker_extension:
+        args += ["--worker-extension-cls", "megarl.bridge.receivers.vllm.BridgeWorkerExtension"]
+    return args
+
+
+class VLLMControl(ServerControl):
+    """A vLLM server with megarl's weight-transfer engine."""
+
+    name = "vllm"
+
+    def __init__(self, address: str, tp: int, timeout: float = 600.0):
+        super().__init__(address, tp, timeout)
+        self._model: str | None = None
+
+    def init_group(self, init_info: dict) -> None:
+        http_json(self.address, "/init_weight_transfer_engine", {"init_info": init_info}, self.timeout)
+
+    def begin(self, mode: str) -> None:
+        http_json(self.address, "/start_weight_update", None, self.timeout)
+
+    def receive(self, mode: str, path: str | None = None) -> None:
+        http_json(self.address, "/update_weights", {"update_info": {"mode": mode, "path": path}}, self.timeout)
+
+    def commit(self, version: int) -> None:
+        http_json(self.address, "/finish_weight_update", {"weight_version": str(version)}, self.timeout)
+
+    def model(self) -> str:
+        if self._model is None:
+            reply = http_json(self.address, "/v1/models", method="GET", timeout=30)
+            self._model = reply["data"][0]["id"]
+        return self._model
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        out = []
+        for seq in sequences:
+            payload = {"model": self.model(), "prompt": list(seq), "max_tokens": 1, "temperature": 1.0,
+                       "prompt_logprobs": 0}  # fmt: skip
+            reply = http_json(self.address, "/v1/completions", payload, self.timeout)
+            try:
+                entries = reply["choices"][0]["prompt_logprobs"][1:]
+                out.append([float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, seq[1:])])
+            except (KeyError, IndexError, TypeError) as e:
+                raise ServerControlError(self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})") from None
+        return out
+
+    def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
+        """Sample ``max_tokens`` after ``prompt`` (the consistency probe's trajectories)."""
+        payload = {"model": self.model(), "prompt": list(prompt), "max_tokens": max_tokens, "min_tokens": max_tokens,
+                   "temperature": 1.0, "seed": seed, "return_token_ids": True}  # fmt: skip
+        reply = http_json(self.address, "/v1/completions", payload, self.timeout)
+        return list(prompt) + [int(t) for t in reply["choices"][0]["token_ids"]]

@@ -1,0 +1,102 @@
+"""The trainer side's view of its weights: this rank's Megatron shards and its coordinates.
+
+:class:`TrainerCoords` places a rank in the layout (stage, TP / expert-TP rank, EP rank,
+data-parallel replica) so it can tell which :class:`~megarl.bridge.plan.Owner` it is.
+:class:`ShardSource` hands out local shards by canonical Megatron name and, for
+broadcast and disk modes, gathers a parameter over its (expert) tensor-parallel group
+and converts it to HF tensors with the family mapping's ``export_from_shards``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge.plan import Owner, SourceParam
+from megarl.models.mapping import ModelDims, export_from_shards
+
+
+@dataclass(frozen=True)
+class TrainerCoords:
+    """A trainer rank's position: global rank, stage, (expert) TP rank, EP rank, DP replicas."""
+
+    rank: int
+    pp: int = 0
+    tp: int = 0
+    dp: int = 0
+    ep: int = 0
+    etp: int = 0
+    edp: int = 0
+
+    @classmethod
+    def from_parallel(cls, state) -> TrainerCoords:
+        """From the actor's :class:`~megarl.actor.parallel.ParallelState`."""
+        return cls(state.rank, state.pp_rank, state.tp_rank, state.dp_rank, state.ep_rank, state.etp_rank, state.edp_rank)
+
+    def holds(self, owner: Owner) -> bool:
+        """Whether this rank is ``owner`` (the copy that sends)."""
+        if owner.expert:
+            return (self.pp, self.etp, self.ep, self.edp) == (owner.pp, owner.tp, owner.ep, owner.replica)
+        return (self.pp, self.tp, self.dp) == (owner.pp, owner.tp, owner.replica)
+
+    def gathers_for(self, owner: Owner) -> bool:
+        """Whether this rank is in the (expert) TP group that gathers for broadcast sender ``owner``."""
+        if owner.expert:
+            return (self.pp, self.ep, self.edp) == (owner.pp, owner.ep, owner.replica)
+        return (self.pp, self.dp) == (owner.pp, owner.replica)
+
+
+class ShardSource:
+    """This rank's shards by canonical Megatron name, and the groups to gather them over.
+
+    Args:
+        params: ``{canonical Megatron name: local shard}`` of this rank (all its chunks).
+        coords: This rank's coordinates.
+        dims: The model's sizes (vocab padding, heads) for the HF conversion.
+        tp_group / etp_group: (Expert) tensor-parallel groups; None when of size 1.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], coords: TrainerCoords, dims: ModelDims,
+                 tp_group=None, etp_group=None):  # fmt: skip
+        self.params = params
+        self.coords = coords
+        self.dims = dims
+        self.tp_group = tp_group
+        self.etp_group = etp_group
+
+    @classmethod
+    def from_engine(cls, engine) -> ShardSource:
+        """The shards of a :class:`~megarl.actor.engine.MegatronEngine` (its model chunks)."""
+        from megarl.models.hf_io import canonical_params
+
+        params = {}
+        for chunk in engine.model:
+            params.update({n: p.detach() for n, p in canonical_params(chunk, engine.coords).items()})
+        p = engine.parallel
+        return cls(params, TrainerCoords.from_parallel(p), engine.desc.dims, p.tp_group, p.etp_group)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params.values())).device
+
+    def local(self, name: str) -> torch.Tensor:
+        """This rank's shard of ``name``; KeyError naming what the rank holds if absent."""
+        try:
+            return self.params[name]
+        except KeyError:
+            raise KeyError(f"trainer rank {self.coords.rank} holds no shard of {name!r} "
+                           f"(it holds {len(self.params)} parameters, e.g. {sorted(self.params)[:3]})") from None  # fmt: skip
+
+    def gather_hf(self, src: SourceParam) -> dict[str, torch.Tensor]:
+        """Full HF tensors of ``src`` (collective over its TP / ETP group; every member gets them)."""
+        shard = self.local(src.megatron)
+        group = self.etp_group if src.rule.is_expert else self.tp_group
+        size = 1 if group is None else dist.get_world_size(group)
+        if size == 1 or src.rule.split == "replicated":
+            shards = [shard]
+        else:
+            shards = [torch.empty_like(shard) for _ in range(size)]
+            dist.all_gather(shards, shard.contiguous(), group=group)
+        return export_from_shards(src.rule, src.hf_names, shards, self.dims)

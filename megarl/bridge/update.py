@@ -1,0 +1,204 @@
+"""``actor.connect_engine(rollout, meta)`` and ``actor.update_weights(meta)``: the weight-sync phase.
+
+One update (every trainer rank calls it; collective)::
+
+    rollout.pause()            # in-flight generations aborted, continued after resume
+    bridge.update(...)         # transfer; servers commit the new weights + version
+    actor.set_version(v); rollout.set_version(v)
+    rollout.resume()           # continued sequences carry v on their later tokens
+    probe consistency          # trainer vs every server; ConsistencyError above threshold
+
+A server that failed the transfer keeps its old weights (or is half-updated) and is
+taken out of rotation in the rollout engine (``mark_unhealthy``); the bridge reconnects
+to the healthy servers before the next update. The failure is raised
+(:class:`~megarl.bridge.bridge.WeightBridgeError`) after the rollout has resumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
+from megarl.bridge.consistency import (
+    ConsistencyError,
+    compare,
+    sample_probe,
+    trainer_scores,
+)
+from megarl.bridge.control import ServerControl, make_control
+from megarl.bridge.plan import TrainerLayout
+from megarl.bridge.source import ShardSource, TrainerCoords
+from megarl.config.bridge import WeightUpdateConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightUpdateMeta:
+    """What ``actor.update_weights(meta)`` needs (AReaL's ``WeightUpdateMeta``)."""
+
+    config: WeightUpdateConfig
+    """How to transfer."""
+    version: int | None = None
+    """Version of the new weights; None: the actor's version + 1."""
+    mode: str | None = None
+    """Override ``config.mode`` for one update."""
+    path: str | None = None
+    """Disk mode: exact directory for this update (default ``config.disk_path/v<version>``)."""
+    inference_tp: int = 1
+    """Tensor-parallel size of every inference server (the allocation's ``vllm:d?t<N>``)."""
+    sync: WeightSync | None = None
+    """The connection, set by ``connect_engine``."""
+
+    @classmethod
+    def from_allocation(cls, config: WeightUpdateConfig, allocation_mode) -> WeightUpdateMeta:
+        """From the experiment's ``weight_update`` config and allocation mode (string or AllocationMode)."""
+        from megarl.config.allocation import AllocationMode
+
+        alloc = AllocationMode.from_str(allocation_mode) if isinstance(allocation_mode, str) else allocation_mode
+        if alloc.inference is None:
+            raise ValueError(f"allocation mode '{alloc}' has no inference part to send weights to")
+        return cls(config, inference_tp=alloc.inference.tp)
+
+
+class WeightSync:
+    """The trainer's connection to the servers: bridge, server controls, rollout hooks, probe.
+
+    Args:
+        engine: The :class:`~megarl.actor.engine.MegatronEngine` (initialised).
+        config: The ``weight_update`` config.
+        servers: One :class:`~megarl.bridge.control.ServerControl` per server (used on rank 0).
+        rollout: This rank's rollout engine, if it has one (paused / resumed / versioned here).
+    """
+
+    def __init__(self, engine, config: WeightUpdateConfig, servers: list[ServerControl], rollout=None):
+        from megarl.models.hf_io import SafetensorsReader
+
+        self.engine, self.config, self.servers, self.rollout = engine, config, list(servers), rollout
+        reader = SafetensorsReader(engine.model_path)
+        coords = TrainerCoords.from_parallel(engine.parallel)
+        device = next(p for chunk in engine.model for p in chunk.parameters()).device
+        self.bridge = WeightBridge(config, engine.desc, {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
+                                   TrainerLayout.from_allocation(engine.parallel.alloc), coords,
+                                   source_dir=engine.model_path, device=device)  # fmt: skip
+        self.probe: list[list[int]] = []
+        self.unhealthy: set[str] = set()
+
+    def connect(self) -> None:
+        """Form the groups (collective), then sample the consistency probe from the first server."""
+        self.bridge.connect([s for s in self.servers if s.address not in self.unhealthy])
+        if self.config.probe_sequences and not self.probe:
+            probe = None
+            if self.bridge.is_driver:
+                probe = sample_probe(self.bridge.servers[0], self.config.probe_sequences, self.config.probe_tokens,
+                                     self.engine.desc.dims.vocab_size)  # fmt: skip
+            self.probe = self.bridge.broadcast_object(probe)
+
+    def update(self, version: int, mode: str | None = None, path: str | None = None) -> dict[str, float]:
+        """One weight-sync phase (collective); returns timings, bytes and the consistency metric."""
+        start = time.perf_counter()
+        self._pause()
+        try:
+            if not self.bridge.connected:
+                self.connect()
+            report = self.bridge.update(ShardSource.from_engine(self.engine), version, mode, path)
+            self._after(report, version)
+        finally:
+            self._resume()
+        stats = {"update_seconds": report.seconds, "bytes_sent": float(report.bytes_sent),
+                 "sync_seconds": time.perf_counter() - start}  # fmt: skip
+        if not report.ok:
+            raise WeightBridgeError(f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
+                                    f"{report.sender_errors}; failed servers keep their old weights or are out of "
+                                    "rotation")  # fmt: skip
+        stats.update(self.check_consistency())
+        return stats
+
+    def _pause(self) -> None:
+        if self.rollout is not None:
+            self.rollout.pause()
+        if dist.is_initialized():
+            dist.barrier()  # no server is still generating when the first byte moves
+
+    def _resume(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+        if self.rollout is not None:
+            self.rollout.resume()
+
+    def _after(self, report: UpdateReport, version: int) -> None:
+        """Version bump where the update landed; failed servers out of rotation."""
+        for address, reason in report.failed.items():
+            self.unhealthy.add(address)
+            mark = getattr(self.rollout, "mark_unhealthy", None)
+            if mark is not None:
+                mark(address, reason)
+        if report.updated:
+            self.engine.set_version(version)
+            if self.rollout is not None:
+                self.rollout.set_version(version)
+        self.unhealthy -= set(report.updated)
+
+    def check_consistency(self) -> dict[str, float]:
+        """Probe logprobs: trainer vs every updated server; ConsistencyError above the threshold."""
+        if not self.probe:
+            return {}
+        ours = trainer_scores(self.engine, self.probe)
+        theirs = None
+        if self.bridge.is_driver:
+            theirs = {s.address: s.score(self.probe) for s in self.bridge.servers if s.address not in self.unhealthy}
+        report = compare(ours, self.bridge.broadcast_object(theirs), self.config.consistency_threshold)
+        logger.info("weight sync consistency: max |dlogp| %.4g, mean %.4g", report.max_abs, report.mean_abs)
+        if not report.ok:
+            raise ConsistencyError(f"servers' probe logprobs differ from the trainer's by up to {report.max_abs:.4g} "
+                                   f"(> weight_update.consistency_threshold={report.threshold}): {report.per_server}")  # fmt: skip
+        return report.as_dict()
+
+
+def server_controls(backend: str, addresses: list[str], tp: int, timeout: float) -> list[ServerControl]:
+    """Controls of ``addresses`` (all of TP size ``tp``)."""
+    return [make_control(backend, a, tp, timeout) for a in addresses]
+
+
+def connect_engine(engine, rollout, meta: WeightUpdateMeta, servers: list[ServerControl] | None = None) -> WeightSync:
+    """``actor.connect_engine(rollout, meta)``: build the connection once (collective) and keep it in ``meta``.
+
+    ``servers`` (needed on rank 0 only) default: the servers of rank 0's rollout engine,
+    each of TP ``meta.inference_tp``. Every rank learns the list from rank 0.
+    """
+    if servers is None and _rank() == 0:
+        servers = _servers_of(rollout, meta)
+    listing = [(s.name, s.address, s.tp) for s in servers] if _rank() == 0 else None
+    if dist.is_initialized():
+        box = [listing]
+        dist.broadcast_object_list(box, src=0)
+        listing = box[0]
+    servers = [make_control(name, address, tp, meta.config.update_timeout) for name, address, tp in listing]
+    meta.sync = WeightSync(engine, meta.config, servers, rollout)
+    meta.sync.connect()
+    return meta.sync
+
+
+def update_weights(engine, meta: WeightUpdateMeta) -> dict[str, float]:
+    """``actor.update_weights(meta)``: pause, transfer, bump versions, resume, check consistency."""
+    if meta.sync is None:
+        raise ValueError("update_weights(meta): call actor.connect_engine(rollout, meta) once before")
+    version = meta.version if meta.version is not None else engine.get_version() + 1
+    return meta.sync.update(version, meta.mode, meta.path)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _servers_of(rollout, meta: WeightUpdateMeta) -> list[ServerControl]:
+    from megarl.rollout.server import resolve_server_addrs
+
+    if rollout is None:
+        raise ValueError("connect_engine: rank 0 needs a rollout engine or servers=")
+    addresses = resolve_server_addrs(rollout.config)
+    return server_controls(rollout.backend.name, addresses, meta.inference_tp, meta.config.update_timeout)

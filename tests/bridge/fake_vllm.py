@@ -1,0 +1,112 @@
+"""A fake vLLM server (one TP rank) speaking vLLM 0.32's weight-update routes through megarl's receiver core.
+
+``python fake_vllm.py --port P [--die-after-buckets N]``. The routes and the two-phase
+life cycle are those of megarl's vLLM engine (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), the receiving is
+megarl's :class:`~megarl.bridge.receiver.WorkerReceiver`; the "model" is a dict of
+tensors. ``--die-after-buckets N`` makes the process exit abruptly after taking in ``N``
+buckets of an update (a server dying mid-transfer). ``POST /fake/dump {"path"}`` saves the
+committed tensors and version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megarl.bridge.receiver import ReceiverInit, WorkerReceiver, write_pieces
+from megarl.bridge.transport_disk import iter_checkpoint
+
+
+class FakeVLLM:
+    def __init__(self, die_after: int | None, die_in_update: int):
+        self.die_after, self.die_in_update, self.updates = die_after, die_in_update, 0
+        self.receiver: WorkerReceiver | None = None
+        self.staged: list = []
+        self.weights: dict = {}
+        self.version: str | None = None
+
+    def init(self, info: dict) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = WorkerReceiver(ReceiverInit(**info), tp_rank=0, device="cpu")
+        self.receiver.connect()
+
+    def update(self, info: dict) -> None:
+        self.updates += 1
+        if info["mode"] == "disk":
+            self.staged = [("disk", info["path"])]
+            return
+        dying = self.die_after is not None and self.updates == self.die_in_update
+        for n, part in enumerate(self.receiver.stream(info["mode"]), start=1):
+            self.staged.append(("named", [(k, t.clone()) for k, t in part.named]) if part.named is not None
+                               else ("pieces", [(*p[:4], p[4].clone()) for p in part.pieces]))  # fmt: skip
+            if dying and n >= self.die_after:
+                os._exit(17)  # a crash mid-transfer: no cleanup, sockets reset
+
+    def finish(self, version: str) -> None:
+        specs = self.receiver.tensor_specs() if self.receiver else []
+        for kind, data in self.staged:
+            if kind == "disk":
+                self.weights.update({n: t.clone() for n, t in iter_checkpoint(data)})
+            elif kind == "named":
+                self.weights.update(dict(data))
+            else:
+                targets = [self.weights.setdefault((name, expert), torch.zeros(shape, dtype=torch.bfloat16))
+                           for name, expert, shape, _ in specs]  # fmt: skip
+                write_pieces(targets, data, [None] * len(specs))
+        self.staged, self.version = [], version
+
+
+def make_app(server: FakeVLLM) -> web.Application:
+    app = web.Application(client_max_size=2**30)
+
+    async def run(fn, *args):
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        except Exception as e:  # noqa: BLE001 (reported to the trainer like vLLM's 500 replies)
+            return web.json_response({"error": {"message": f"{type(e).__name__}: {e}"}}, status=500)
+        return web.json_response({"message": "ok"})
+
+    async def body(request):
+        return await request.json() if request.can_read_body else {}
+
+    app.router.add_get("/health", lambda r: web.json_response({}))
+    app.router.add_post("/init_weight_transfer_engine", lambda r: _call(r, body, lambda b: run(server.init, b["init_info"])))
+    app.router.add_post("/start_weight_update", lambda r: web.json_response({"message": "started"}))
+    app.router.add_post("/update_weights", lambda r: _call(r, body, lambda b: run(server.update, b["update_info"])))
+    app.router.add_post("/finish_weight_update", lambda r: _call(r, body, lambda b: run(server.finish, b["weight_version"])))
+
+    async def dump(request):
+        torch.save({"weights": server.weights, "version": server.version}, (await request.json())["path"])
+        return web.json_response({})
+
+    app.router.add_post("/fake/dump", dump)
+    return app
+
+
+async def _call(request, body, handler):
+    return await handler(await body(request))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--die-after-buckets", type=int, default=None)
+    parser.add_argument("--die-in-update", type=int, default=1, help="which update (1-based) to die in")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    torch.set_num_threads(1)
+    web.run_app(make_app(FakeVLLM(args.die_after_buckets, args.die_in_update)), host="127.0.0.1", port=args.port, print=lambda *a: None)
+
+
+if __name__ == "__main__":
+    main()

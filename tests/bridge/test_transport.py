@@ -1,0 +1,61 @@
+"""Transports over real gloo groups: fake receivers in their own processes get byte-exact tensors.
+
+Trainer ranks hold shards cut from a tiny HF checkpoint by the family mapping; worker
+processes rebuild what arrives. Expected values are independent of the bridge: the HF
+tensors themselves (broadcast, disk) and the HF tensors cut by each worker's target
+layout (sharded), in the wire dtype. Two updates with different weights go through the
+same groups (created once).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.bridge.plan import TrainerLayout, build_plan
+from megarl.models.build import describe
+from megarl.models.hf_io import SafetensorsReader
+from megarl.utils.network import find_free_ports
+from tests.actor.dist_utils import run_ranks
+from tests.bridge.workers import WIRE, expected_local
+
+pytestmark = pytest.mark.multiproc
+
+CASES = {
+    # family, trainer layout, server TPs: PP with TP, and EP experts to a TP-2 server
+    "llama-tp2pp2": ("llama", {"tp": 2, "pp": 2}, [1, 2]),
+    "qwen3_moe-tp2ep2": ("qwen3_moe", {"tp": 2, "ep": 2, "etp": 1}, [2]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fake_receivers_get_exact_bytes(case, tiny_model_dir, tmp_path):
+    family, layout, server_tp = CASES[case]
+    model_dir = tiny_model_dir(family, vocab_size=1001)
+    reader = SafetensorsReader(model_dir)
+    hf = {n: reader(n, None, 0, 0) for n in reader.keys()}  # noqa: SIM118 (the reader is not iterable)
+    trainer = TrainerLayout(**layout)
+    plan = build_plan(describe(model_dir, trainer.tp), {n: reader.shape(n) for n in reader.keys()}, trainer,  # noqa: SIM118 (the reader is not iterable)
+                      tuple(server_tp))  # fmt: skip
+    bucket = 300_000  # elements: several buckets per sender, some tensors alone in theirs
+    results = run_ranks(trainer.world_size + len(plan.workers), "tests.bridge.workers:transfer", timeout=400,
+                        model_dir=str(model_dir), layout=layout, server_tp=server_tp, ports=find_free_ports(16),
+                        bucket_numel=bucket, disk_dir=str(tmp_path / "disk"))  # fmt: skip
+    for result in results[trainer.world_size :]:
+        worker, got = result["worker"], result["got"]
+        for update in range(2):
+            scale = 1.0 + update
+            for mode in ("broadcast", "disk"):
+                assert sorted(got[mode, update]) == sorted(hf), (mode, update)
+                for name, tensor in hf.items():
+                    assert torch.equal(got[mode, update][name], (tensor * scale).to(WIRE)), (mode, update, name)
+            want = expected_local(plan, worker, hf, scale)
+            assert sorted(got["sharded", update]) == sorted(want)
+            for key, tensor in want.items():
+                assert torch.equal(got["sharded", update][key], tensor), (update, worker, key)
+            server = plan.workers[worker][0]
+            assert got["sharded_bytes", update] == plan.worker_numel(worker) * WIRE.itemsize
+            model_bytes = sum(math.prod(t.shape) for t in hf.values()) * WIRE.itemsize
+            assert got["sharded_bytes", update] <= model_bytes / plan.server_tp[server] * 1.05
