@@ -8,10 +8,8 @@ SGLang takes ~15 s: only the fake SGLang server and the contract-check script do
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-from unittest import mock
+
+from tests.sglang_stub import stub_torchvision
 
 ROUTES = {
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
@@ -24,25 +22,9 @@ ROUTES = {
 }
 
 
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = mock.MagicMock(name=spec.name)
-        module.__path__, module.__spec__, module.__name__, module.__version__ = [], spec, spec.name, "0.0.0"
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
 def import_sglang():
     """(io_struct module, init_custom_process_group, FlattenedTensorBucket) of the installed SGLang."""
-    if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _StubFinder())
+    stub_torchvision()
     from sglang.srt.managers import io_struct
     from sglang.srt.utils.common import init_custom_process_group
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket

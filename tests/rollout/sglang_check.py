@@ -13,31 +13,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.abc
-import importlib.machinery
 import json
 import sys
-from unittest import mock
+from pathlib import Path
 
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = mock.MagicMock(name=spec.name)
-        module.__path__, module.__spec__, module.__name__, module.__version__ = [], spec, spec.name, "0.0.0"
-        return module
-
-    def exec_module(self, module):
-        pass
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.sglang_stub import stub_torchvision  # noqa: E402
 
 
 def main() -> None:
     request = json.load(sys.stdin)
-    sys.meta_path.insert(0, _StubFinder())
+    stub_torchvision()
     from pydantic import TypeAdapter
     from sglang.srt.entrypoints.api_contract import generate_contract_error
     from sglang.srt.managers.io_struct import ContinueGenerationReqInput, GenerateReqInput, PauseGenerationReqInput
