@@ -8,7 +8,6 @@ SGLang takes ~15 s: only the fake SGLang server and the contract-check script do
 
 from __future__ import annotations
 
-
 from tests.sglang_stub import stub_torchvision
 
 ROUTES = {
