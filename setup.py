@@ -93,7 +93,11 @@ setup(
     include_package_data=True,
     install_requires=CORE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["megarl=megarl.launcher.cli:main"]},
+    entry_points={
+        "console_scripts": ["megarl=megarl.launcher.cli:main"],
+        # every vLLM process loads it: registers the weight-transfer engine, imports nothing heavy
+        "vllm.general_plugins": ["megarl=megarl.bridge.receivers.vllm:register"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -165,23 +165,13 @@ def _make_model(out: Path, quick: bool) -> Path:
                            **(QUICK_SHAPE if quick else SHAPE))  # fmt: skip
 
 
-def _plugin_dir(root: Path) -> Path:
-    info = root / "megarl_vllm_plugin-0.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: megarl-vllm-plugin\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nmegarl = megarl.bridge.receivers.vllm:register\n")
-    return root
-
-
 def _serve(model_dir: Path, tp: int, tmp: Path):
-    from megarl.bridge.control.vllm import vllm_server_args
     from megarl.config.rollout import VLLMConfig
     from megarl.rollout import InferenceServer, vllm_launch_spec
     from megarl.utils.network import find_free_ports
 
-    config = VLLMConfig(max_model_len=512, max_num_seqs=8, dtype="bfloat16", extra_args=vllm_server_args())
+    config = VLLMConfig(max_model_len=512, max_num_seqs=8, dtype="bfloat16", )
     spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", find_free_ports(1)[0], tp=tp)
-    spec.env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(_plugin_dir(tmp / "plugin"))])
     server = InferenceServer(spec, tmp / "vllm.log", name="bench-vllm").start()
     server.wait_until_healthy(config.startup_timeout)
     return server

@@ -134,9 +134,8 @@ class WeightSync:
         """Version bump where the update landed; failed servers out of rotation."""
         for address, reason in report.failed.items():
             self.unhealthy.add(address)
-            mark = getattr(self.rollout, "mark_unhealthy", None)
-            if mark is not None:
-                mark(address, reason)
+            if self.rollout is not None:
+                self.rollout.mark_unhealthy(address, reason)
         if report.updated:
             self.engine.set_version(version)
             if self.rollout is not None:
@@ -200,5 +199,5 @@ def _servers_of(rollout, meta: WeightUpdateMeta) -> list[ServerControl]:
 
     if rollout is None:
         raise ValueError("connect_engine: rank 0 needs a rollout engine or servers=")
-    addresses = resolve_server_addrs(rollout.config)
+    addresses = rollout.server_addresses or resolve_server_addrs(rollout.config)
     return server_controls(rollout.backend.name, addresses, meta.inference_tp, meta.config.update_timeout)

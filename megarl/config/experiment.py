@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megarl.config.allocation import AllocationError, AllocationMode, ModelShape, validate_allocation, validate_model
 from megarl.config.base import ConfigError, require
+from megarl.config.bridge import WeightUpdateConfig
 from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig, SGLangConfig, VLLMConfig
 from megarl.config.run import (
     ClusterConfig,
@@ -104,6 +105,8 @@ class GRPOConfig(BaseExperimentConfig):
     """vLLM server options (when ``allocation_mode`` starts with ``vllm:``)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options (when ``allocation_mode`` starts with ``sglang:``)."""
+    weight_update: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)
+    """How new weights reach the servers after each step (``megarl.bridge``)."""
 
     def check(self) -> None:
         super().check()
@@ -147,6 +150,12 @@ class GRPOConfig(BaseExperimentConfig):
                 validate_model(alloc, shape)
             except AllocationError as err:
                 raise ConfigError("allocation_mode", f"{err} (model {self.actor.path})") from None
+        require(
+            alloc.inference.backend == "vllm" or "sharded" not in self.weight_update.modes,
+            "weight_update.mode",
+            self.weight_update.mode,
+            f"sharded transfer needs vLLM servers; SGLang ({self.allocation_mode}) takes 'broadcast' or 'disk'",
+        )
         if self.ref is not None:
             require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
 

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -221,8 +222,32 @@ class RemoteInferenceEngine(InferenceEngine):
                     self._sticky.popitem(last=False)
             return server
 
+    @property
+    def server_addresses(self) -> list[str]:
+        """Every server's ``host:port``, healthy or not."""
+        return [s.address for s in self._servers]
+
+    def mark_unhealthy(self, address: str, reason: str) -> None:
+        """Take ``address`` out of rotation until :meth:`mark_healthy` (e.g. it failed a weight update)."""
+        for server in self._servers:
+            if server.address == address:
+                with self._lock:
+                    logger.warning("taking %s out of rotation: %s", address, reason)
+                    server.unhealthy_until = math.inf
+                return
+        raise ValueError(f"mark_unhealthy: {address} is not one of the servers {self.server_addresses}")
+
+    def mark_healthy(self, address: str) -> None:
+        """Put ``address`` back into rotation (its weights are current again)."""
+        with self._lock:
+            for server in self._servers:
+                if server.address == address:
+                    server.unhealthy_until = 0.0
+
     def _mark_unhealthy(self, server: _Server, error: Exception) -> None:
         with self._lock:
+            if math.isinf(server.unhealthy_until):
+                return  # out of rotation until mark_healthy
             if server.usable(time.monotonic()):
                 logger.warning(
                     "marking %s unhealthy for %.0fs: %s", server.address, self.config.unhealthy_retry_interval, error

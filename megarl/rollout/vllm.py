@@ -18,6 +18,8 @@ Verified against vLLM 0.32 (``vllm/entrypoints/openai/completion/protocol.py`` a
 
 from __future__ import annotations
 
+import json
+
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -105,6 +107,12 @@ def _cpu_bind(cpus: Sequence[int], tp: int) -> str:
     return "|".join(",".join(str(c) for c in group) for group in groups)
 
 
+# megarl's weight-transfer engine (registered by the ``vllm.general_plugins`` entry point of
+# the installed megarl package, see ``megarl.bridge.receivers.vllm``): the trainer's
+# ``update_weights`` streams new weights into servers started with it.
+WEIGHT_TRANSFER_ARGS = ["--weight-transfer-config", json.dumps({"backend": "megarl"})]
+
+
 def vllm_launch_spec(
     config: VLLMConfig,
     model_path: str,
@@ -167,5 +175,5 @@ def vllm_launch_spec(
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     else:
         raise ValueError(f"vllm_launch_spec: device_type must be 'cpu' or 'cuda', got {device_type!r}")
-    cmd += list(config.extra_args)
+    cmd += WEIGHT_TRANSFER_ARGS + list(config.extra_args)
     return LaunchSpec(cmd=cmd, env=env, host=host, port=port, health_endpoint=VLLMBackend.health_endpoint)

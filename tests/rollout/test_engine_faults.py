@@ -215,3 +215,23 @@ def test_no_servers_configured_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("MEGARL_LLM_SERVER_ADDRS", raising=False)
     with pytest.raises(ValueError, match="no inference servers"):
         RemoteInferenceEngine(fast_config()).initialize(batch_size=1)
+
+
+def test_mark_unhealthy_keeps_a_server_out_until_marked_healthy(fake_servers):
+    """A server that failed a weight update takes no requests, however long, until it is current again."""
+    a, b = fake_servers(2, eos_every=0)
+    config = fast_config()
+    config.unhealthy_retry_interval = 0.01
+    engine = RemoteInferenceEngine(config, "vllm")
+    engine.initialize(server_addrs=[a.address, b.address], batch_size=2)
+    try:
+        assert engine.server_addresses == [a.address, b.address]
+        engine.mark_unhealthy(a.address, "weight update to version 1 failed")
+        time.sleep(0.05)  # past the retry interval of transient failures
+        assert {engine.choose_server().address for _ in range(8)} == {b.address}
+        engine.mark_healthy(a.address)
+        assert a.address in {engine.choose_server(f"r{i}").address for i in range(8)}
+        with pytest.raises(ValueError, match="not one of the servers"):
+            engine.mark_unhealthy("127.0.0.1:1", "nope")
+    finally:
+        engine.destroy()

@@ -3,29 +3,13 @@
 Routes (``vllm/entrypoints/rl/online/api_router.py``): ``/init_weight_transfer_engine``
 ``{"init_info"}``, ``/start_weight_update``, ``/update_weights`` ``{"update_info"}``,
 ``/finish_weight_update`` ``{"weight_version"}``. The server needs
-``--weight-transfer-config '{"backend": "megarl"}'`` and the megarl plugin (see
-:mod:`megarl.bridge.receivers.vllm` and :func:`vllm_server_args`).
+``--weight-transfer-config '{"backend": "megarl"}'`` (``vllm_launch_spec`` always adds it)
+and the megarl plugin (the ``vllm.general_plugins`` entry point, see :mod:`megarl.bridge.receivers.vllm`).
 """
 
 from __future__ import annotations
 
-import json
-
 from megarl.bridge.control.base import ServerControl, ServerControlError, http_json
-
-WEIGHT_TRANSFER_ARGS = ["--weight-transfer-config", json.dumps({"backend": "megarl"})]
-
-
-def vllm_server_args(worker_extension: bool = False) -> list[str]:
-    """Extra vLLM command-line arguments that enable megarl's receiver.
-
-    ``worker_extension``: also load it as a worker extension (for servers where the
-    ``vllm.general_plugins`` entry point of the installed megarl is not visible).
-    """
-    args = list(WEIGHT_TRANSFER_ARGS)
-    if worker_extension:
-        args += ["--worker-extension-cls", "megarl.bridge.receivers.vllm.BridgeWorkerExtension"]
-    return args
 
 
 class VLLMControl(ServerControl):
