@@ -3,7 +3,7 @@
 A few trajectories are sampled from a server once (the probe). After every update the
 trainer (collective forward) and every server (prompt logprobs) score each probe token
 given its prefix; :func:`compare` reports max and mean ``|Δ logprob|`` per server and
-overall. Above the threshold the update fails loudly (:class:`ConsistencyError`): a
+overall. A server's mean above the threshold fails the update loudly (:class:`ConsistencyError`): a
 server whose weights differ from the trainer's silently poisons every later sample.
 """
 
@@ -38,8 +38,16 @@ class ConsistencyReport:
         return sum(values) / len(values) if values else 0.0
 
     @property
+    def worst_mean(self) -> float:
+        """The largest per-server mean |Δ logprob| (what the threshold applies to)."""
+        return max((m for _, m in self.per_server.values()), default=0.0)
+
+    @property
     def ok(self) -> bool:
-        return self.threshold <= 0 or self.max_abs <= self.threshold
+        # The mean, not the max: bf16 trainer and server kernels differ by up to ~0.3 nats on
+        # single tokens of a real model (SmolLM2-135M: max 0.28, mean 0.056), while wrong or
+        # half-updated weights move the mean by whole nats.
+        return self.threshold <= 0 or self.worst_mean <= self.threshold
 
     def as_dict(self) -> dict[str, float]:
         out = {"logprob_diff_max": self.max_abs, "logprob_diff_mean": self.mean_abs}

@@ -153,8 +153,9 @@ class WeightSync:
         report = compare(ours, self.bridge.broadcast_object(theirs), self.config.consistency_threshold)
         logger.info("weight sync consistency: max |dlogp| %.4g, mean %.4g", report.max_abs, report.mean_abs)
         if not report.ok:
-            raise ConsistencyError(f"servers' probe logprobs differ from the trainer's by up to {report.max_abs:.4g} "
-                                   f"(> weight_update.consistency_threshold={report.threshold}): {report.per_server}")  # fmt: skip
+            raise ConsistencyError(f"servers' probe logprobs differ from the trainer's by {report.worst_mean:.4g} on "
+                                   f"average (> weight_update.consistency_threshold={report.threshold}); "
+                                   f"(max, mean) per server: {report.per_server}")  # fmt: skip
         return report.as_dict()
 
 

@@ -38,8 +38,8 @@ class WeightUpdateConfig:
     update_timeout: float = 1800.0
     """Seconds one update (any transfer or control call in it) may take."""
     consistency_threshold: float = 0.1
-    """Fail the update when any server's max |logprob - trainer logprob| on the probe exceeds this;
-    <= 0 disables the check (the metric is still logged)."""
+    """Fail the update when any server's mean |logprob - trainer logprob| over the probe tokens
+    exceeds this; <= 0 disables the check (max and mean are logged either way)."""
     probe_sequences: int = 2
     """Probe: trajectories sampled from the servers once, then scored by trainer and servers after each update."""
     probe_tokens: int = 32

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from megarl.config.allocation import AllocationError, AllocationMode, ModelShape, validate_allocation, validate_model
 from megarl.config.base import ConfigError, require
@@ -21,6 +23,20 @@ from megarl.config.run import (
     StatsLoggerConfig,
 )
 from megarl.config.train import PPOActorConfig, TrainEngineConfig
+
+# Names megarl resolves without a hub, known here so a config is checked before anything is
+# provisioned or loaded. They mirror megarl.models.provision (KNOWN_MODELS, ALIASES) and
+# megarl.data.rl_dataset.SHORT_NAMES, whose modules import torch / datasets (seconds);
+# tests/config/test_bad_configs.py checks that the copies agree.
+_SMOLLM2_135M = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+MODEL_SHORT_NAMES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M}
+"""Model short names (lower case) and the shapes that constrain a parallel layout."""
+DATASET_SHORT_NAMES = {"gsm8k": Path(__file__).resolve().parents[1] / "data" / "gsm8k"}
+"""Bundled datasets: short name -> directory of ``{split}.jsonl`` files."""
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_TRUE = frozenset({"1", "on", "yes", "true"})
 
 
 @dataclass
@@ -75,6 +91,13 @@ class BaseExperimentConfig:
             validate_allocation(alloc, n_nodes=self.cluster.n_nodes, n_gpus_per_node=self.cluster.n_gpus_per_node)
         except AllocationError as err:
             raise ConfigError("allocation_mode", str(err)) from None
+        multi_node = self.cluster.n_nodes > 1
+        _check_dataset("train_dataset", self.train_dataset, multi_node)
+        if self.valid_dataset is not None:
+            _check_dataset("valid_dataset", self.valid_dataset, multi_node)
+        if self.tokenizer_path:
+            problem = model_path_problem(self.tokenizer_path, multi_node, TOKENIZER_FILES)
+            require(problem is None, "tokenizer_path", self.tokenizer_path, problem or "")
 
     @property
     def allocation(self) -> AllocationMode:
@@ -107,6 +130,11 @@ class GRPOConfig(BaseExperimentConfig):
     """SGLang server options (when ``allocation_mode`` starts with ``sglang:``)."""
     weight_update: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)
     """How new weights reach the servers after each step (``megarl.bridge``)."""
+    reward_fn: str = "megarl.reward.gsm8k.gsm8k_reward_fn"
+    """Import path of the reward, ``fn(prompt, completions, prompt_ids, completion_ids, **row) -> float``."""
+    dynamic_filter: Literal["none", "uniform_reward"] = "none"
+    """Reject groups before training: ``uniform_reward`` drops groups whose rewards are all equal
+    (no learning signal under group-normalised advantages; DAPO's dynamic sampling)."""
 
     def check(self) -> None:
         super().check()
@@ -117,6 +145,14 @@ class GRPOConfig(BaseExperimentConfig):
             self.allocation_mode,
             "GRPO needs an inference part and a training part, e.g. 'vllm:d1t1+megatron:d1p1t1'",
         )
+        self._check_batching(alloc)
+        self._check_sampling()
+        self._check_models(alloc)
+        self._check_servers(alloc)
+        if self.ref is not None:
+            require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
+
+    def _check_batching(self, alloc: AllocationMode) -> None:
         dp = alloc.train.dp
         bs = self.train_dataset.batch_size
         require(
@@ -133,37 +169,150 @@ class GRPOConfig(BaseExperimentConfig):
             f"must be divisible by data-parallel d{dp} x actor.ppo_n_minibatches {n_mb} = {dp * n_mb}",
         )
         require(
-            self.actor.temperature == self.gconfig.temperature or self.gconfig.greedy,
-            "actor.temperature",
-            self.actor.temperature,
-            f"must equal gconfig.temperature={self.gconfig.temperature} (logprobs are scored at the sampling temperature)",
-        )
-        require(
             self.actor.group_size == self.gconfig.n_samples,
             "actor.group_size",
             self.actor.group_size,
             f"must equal gconfig.n_samples={self.gconfig.n_samples} (write `group_size: ${{gconfig.n_samples}}`)",
         )
-        shape = read_model_shape(self.actor.path)
-        if shape is not None:
-            try:
-                validate_model(alloc, shape)
-            except AllocationError as err:
-                raise ConfigError("allocation_mode", f"{err} (model {self.actor.path})") from None
+
+    def _check_sampling(self) -> None:
         require(
-            alloc.inference.backend == "vllm" or "sharded" not in self.weight_update.modes,
+            self.actor.temperature == self.gconfig.temperature or self.gconfig.greedy,
+            "actor.temperature",
+            self.actor.temperature,
+            f"must equal gconfig.temperature={self.gconfig.temperature} "
+            "(logprobs are scored at the sampling temperature)",
+        )
+        require(
+            not (self.gconfig.greedy and self.gconfig.n_samples > 1 and self.actor.adv_norm.mean_level == "group"),
+            "gconfig.greedy",
+            self.gconfig.greedy,
+            f"greedy training rollouts make the gconfig.n_samples={self.gconfig.n_samples} samples of a group "
+            "identical, so every group-normalised advantage is 0; sample with a temperature instead",
+        )
+
+    def _check_models(self, alloc: AllocationMode) -> None:
+        models = [("actor.path", self.actor.path)] + ([("ref.path", self.ref.path)] if self.ref else [])
+        for key, path in models:
+            problem = model_path_problem(path, self.cluster.n_nodes > 1)
+            require(problem is None, key, path, problem or "")
+            shape = read_model_shape(path)
+            if shape is not None:
+                try:
+                    validate_model(alloc, shape)
+                except AllocationError as err:
+                    raise ConfigError("allocation_mode", f"{err} (model {path})") from None
+
+    def _check_servers(self, alloc: AllocationMode) -> None:
+        backend = alloc.inference.backend
+        require(
+            backend == "vllm" or self.cluster.device != "cpu",
+            "allocation_mode",
+            self.allocation_mode,
+            "SGLang servers need CUDA, but cluster.device is 'cpu'; use 'vllm:' on CPU",
+        )
+        require(
+            backend == "vllm" or "sharded" not in self.weight_update.modes,
             "weight_update.mode",
             self.weight_update.mode,
             f"sharded transfer needs vLLM servers; SGLang ({self.allocation_mode}) takes 'broadcast' or 'disk'",
         )
-        if self.ref is not None:
-            require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
+        context_key = "vllm.max_model_len" if backend == "vllm" else "sglang.context_length"
+        context = self.vllm.max_model_len if backend == "vllm" else self.sglang.context_length
+        new = self.gconfig.max_new_tokens
+        for name, data in (("train_dataset", self.train_dataset), ("valid_dataset", self.valid_dataset)):
+            if data is None:
+                continue
+            prompt = data.max_prompt_tokens
+            if prompt is None:
+                why = f"must exceed gconfig.max_new_tokens={new} to leave room for a prompt"
+            else:
+                why = (
+                    f"must hold {name}.max_prompt_tokens={prompt} + gconfig.max_new_tokens={new} = "
+                    f"{prompt + new} tokens (the server rejects longer requests)"
+                )
+            require((prompt or 1) + new <= context, context_key, context, why)
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
+"""A tokenizer directory holds at least one of these."""
 
 
 def read_model_shape(path: str) -> ModelShape | None:
-    """The model's :class:`ModelShape` when ``path`` is a local HF directory, else None."""
+    """The model's :class:`ModelShape` for a known short name or a local HF directory, else None."""
+    if path.lower() in MODEL_SHORT_NAMES:
+        return MODEL_SHORT_NAMES[path.lower()]
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         return None
     with open(config_file) as f:
         return ModelShape.from_hf_config(json.load(f))
+
+
+def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...] = ("config.json",)) -> str | None:
+    """Why ``path`` cannot name a model (or tokenizer) of this run, or None when it can.
+
+    Accepted: a short name of :data:`MODEL_SHORT_NAMES`, or a directory holding one of
+    ``marker_files``. Hub ids (``org/name``) are refused: ``resolve_model_path``, which the
+    trainer and the servers use, loads only short names and local directories, and no hub
+    is reached at run time. One exception: an absolute path that does not exist here is
+    accepted on a multi-node cluster, whose nodes may mount shared storage this machine
+    (e.g. a Slurm login node) does not; the servers and trainer check it again there.
+    """
+    if path.lower() in MODEL_SHORT_NAMES:
+        return None
+    local = Path(path).expanduser()
+    if any((local / name).is_file() for name in marker_files):
+        return None
+    known = sorted(MODEL_SHORT_NAMES)
+    if local.is_dir():
+        return f"this directory has no {' or '.join(marker_files)}; expected an HF model directory or one of {known}"
+    if local.exists():
+        return f"this is a file; expected an HF model directory or one of {known}"
+    if local.is_absolute() and multi_node:
+        return None
+    hint = (
+        "; Hugging Face hub ids are not downloaded: fetch the model and give its directory"
+        if _HUB_ID.fullmatch(path)
+        else ""
+    )
+    return f"neither a known short name {known} nor a directory with {' or '.join(marker_files)}{hint}"
+
+
+def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> None:
+    """Raise unless ``megarl.data.load_rl_dataset`` can load ``data.path`` and ``data.split``.
+
+    Mirrors its lookup: a bundled short name (whose splits are known here), an existing
+    local file or directory, else a hub name ``owner/name[:config]``, which fails when an
+    offline variable is set (the loader refuses the hub then). As for models, an absolute
+    path that does not exist here is accepted on a multi-node cluster.
+    """
+    bundled = DATASET_SHORT_NAMES.get(data.path)
+    if bundled is not None:
+        splits = sorted(f.stem for f in bundled.glob("*") if f.suffix in DATASET_SUFFIXES)
+        require(data.split in splits, f"{key}.split", data.split, f"the bundled {data.path!r} has splits {splits}")
+        return
+    local = Path(data.path).expanduser()
+    if local.is_file():
+        suffixes = ", ".join(DATASET_SUFFIXES)
+        require(local.suffix in DATASET_SUFFIXES, f"{key}.path", data.path, f"a dataset file must end in {suffixes}")
+        return
+    if local.is_dir() or (local.is_absolute() and multi_node):
+        return  # a directory's split is resolved at load time (flat {split}.jsonl or a hub snapshot)
+    looks_local = data.path.startswith(("/", ".", "~")) or local.suffix in DATASET_SUFFIXES
+    require(not looks_local, f"{key}.path", data.path, "no such file or directory")
+    require(
+        _HUB_ID.fullmatch(data.path.partition(":")[0]) is not None,
+        f"{key}.path",
+        data.path,
+        f"neither a bundled dataset {sorted(DATASET_SHORT_NAMES)}, a local file or directory, "
+        "nor a hub name 'owner/name[:config]'",
+    )
+    offline = next((var for var in _OFFLINE_VARS if os.environ.get(var, "").strip().lower() in _TRUE), None)
+    require(
+        offline is None,
+        f"{key}.path",
+        data.path,
+        f"a hub dataset, but {offline} is set so it cannot be downloaded; "
+        f"use a bundled dataset {sorted(DATASET_SHORT_NAMES)} or a local .jsonl/.json/.parquet file or directory",
+    )

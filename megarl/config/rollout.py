@@ -87,7 +87,12 @@ class InferenceEngineConfig:
             host, sep, port = addr.rpartition(":")
             require(bool(host) and sep == ":" and port.isdigit(), f"server_addrs[{i}]", addr, "expected 'host:port'")
         if self.max_concurrent_rollouts is not None:
-            require(self.max_concurrent_rollouts >= 1, "max_concurrent_rollouts", self.max_concurrent_rollouts, ">= 1")
+            require(
+                self.max_concurrent_rollouts >= 1,
+                "max_concurrent_rollouts",
+                self.max_concurrent_rollouts,
+                "must be >= 1 (or null for the train batch size)",
+            )
         if self.queue_size is not None:
             require(self.queue_size >= 1, "queue_size", self.queue_size, "must be >= 1")
         require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")

@@ -95,7 +95,9 @@ class TrainEngineConfig:
     """A Megatron model that trains or scores: the actor, a reference model or a critic."""
 
     path: str = "smollm2-135m-instruct"
-    """HF model directory, or a short name provisioned by ``megarl.models`` (``smollm2-135m-instruct``)."""
+    """HF model directory, or a short name provisioned by ``megarl.models`` (``smollm2-135m-instruct``).
+    Hub ids are not downloaded; the config check rejects a path that is neither (see
+    ``megarl.config.experiment.model_path_problem``)."""
     dtype: DType = "bfloat16"
     """Parameter dtype (fp32 main grads and optimizer state either way)."""
     init_from_scratch: bool = False
@@ -205,6 +207,12 @@ class PPOActorConfig(TrainEngineConfig):
         require(0 < self.discount <= 1, "discount", self.discount, "must be in (0, 1]")
         require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
         require(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
+        require(
+            not (self.adv_norm.mean_leave1out and self.adv_norm.mean_level == "group" and self.group_size < 2),
+            "adv_norm.mean_leave1out",
+            self.adv_norm.mean_leave1out,
+            f"a leave-one-out group baseline needs group_size >= 2, got group_size={self.group_size}",
+        )
         if self.dr_grpo_norm_len is not None:
             require(self.dr_grpo_norm_len >= 1, "dr_grpo_norm_len", self.dr_grpo_norm_len, "must be >= 1")
         require(self.optimizer is not None, "optimizer", None, "the actor trains, so it needs an optimizer")

@@ -78,9 +78,11 @@ def test_wiring_round_trips_and_hosts_each_group_once():
 
 
 def test_consistency_metric():
-    report = compare([[-1.0, -2.0], [-3.0]], {"a": [[-1.0, -2.5], [-3.1]], "b": [[-1.0, -2.0], [-3.0]]}, 0.3)
+    scores = {"a": [[-1.0, -2.5], [-3.1]], "b": [[-1.0, -2.0], [-3.0]]}
+    report = compare([[-1.0, -2.0], [-3.0]], scores, 0.15)
     assert report.per_server["a"] == pytest.approx((0.5, 0.2))
-    assert report.max_abs == pytest.approx(0.5) and not report.ok
+    assert report.max_abs == pytest.approx(0.5) and report.worst_mean == pytest.approx(0.2) and not report.ok
+    assert compare([[-1.0, -2.0], [-3.0]], scores, 0.3).ok, "the threshold applies to the mean, not single tokens"
     assert report.as_dict()["server1/logprob_diff_max"] == 0.0
     with pytest.raises(ValueError, match="scored 1 probe tokens"):
         compare([[-1.0, -2.0]], {"a": [[-1.0]]}, 0.3)
