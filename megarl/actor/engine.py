@@ -47,6 +47,7 @@ from megarl.actor.packing import (
 from megarl.actor.parallel import ParallelState, init_parallel
 from megarl.config.allocation import AllocationMode, TrainingAllocation
 from megarl.config.train import TrainEngineConfig
+from megarl.kernels import Backend, resolve_backend
 from megarl.models.build import (
     ParallelSizes,
     build_chunks,
@@ -99,6 +100,7 @@ class MegatronEngine:
         self.optimizer = None
         self.lr_scheduler = None
         self.model_path: str | None = None
+        self.kernel_backend: Backend = "auto"  # resolved from config.use_fused_kernels in initialize()
         self._version = 0
 
     # ------------------------------------------------------------------ setup
@@ -129,6 +131,9 @@ class MegatronEngine:
             moe_dispatcher=self._moe_dispatcher(), recompute=self._recompute(),
             perform_initialization=self.config.init_from_scratch,
         )  # fmt: skip
+        self.kernel_backend = resolve_backend(
+            self.config.use_fused_kernels, self.tconfig.params_dtype, self.tconfig.hidden_size
+        )
         with cpu_shim.device_mode():
             chunks = build_chunks(self.desc, self.tconfig, use_te=self._use_te())
             chunks = [chunk.to(cpu_shim.device()) for chunk in chunks]
@@ -313,7 +318,9 @@ class MegatronEngine:
         return forward_step
 
     def _head(self, model, output: torch.Tensor) -> LMHeadOutput:
-        return make_lm_head_output(unwrap(model), output, self.desc.dims.vocab_size, self.parallel.tp_group)
+        return make_lm_head_output(
+            unwrap(model), output, self.desc.dims.vocab_size, self.parallel.tp_group, self.kernel_backend
+        )
 
     def _run_schedule(self, mbs: list[MicroBatch], extras: list, head_fn, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -403,6 +410,16 @@ class MegatronEngine:
             batch_size, seq_dim = input_["attention_mask"].shape
             result = unpack([o["out"] for o in outputs], mbs, batch_size, seq_dim) if outputs else None
             return self._from_last_stage(result)
+
+    @torch.no_grad()
+    def compute_logp(self, data: dict, temperature: float = 1.0) -> torch.Tensor:
+        """Next-token logprobs ``[B, S]`` of ``data``'s tokens under the current weights (0 past each end)."""
+
+        def hook(head: LMHeadOutput, mb: dict) -> torch.Tensor:
+            return head.logprobs(mb["labels"], temperature) * mb["label_mask"]
+
+        self.eval()
+        return self.forward(data, hook)
 
     def _forward_head(self, hook: PostHook, model, mb: MicroBatch, _extra, output: torch.Tensor):
         out = hook(self._head(model, output), mb.data)

@@ -4,7 +4,8 @@ The last pipeline stage stops before the output layer (``megarl.models.build``
 builds GPTModels that return final hidden states). Losses and hooks receive an
 :class:`LMHeadOutput` and ask it for token logprobs / entropies; those come from
 ``megarl.kernels.fused_logprobs_entropy``, which reduces each rank's vocabulary
-shard to per-token statistics: the ``[T, V]`` logits never exist, on any rank.
+shard to per-token statistics: the ``[T, V]`` logits never exist, on any rank. The
+head's ``backend`` (from the engine's ``use_fused_kernels``) picks its CUDA or torch path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.kernels import fused_logprobs_entropy
+from megarl.kernels import Backend, fused_logprobs_entropy
 
 
 @dataclass
@@ -32,12 +33,15 @@ class LMHeadOutput:
     """Tensor-parallel group the vocabulary is split over."""
     reduce_grad_hidden: bool
     """All-reduce the hidden-state gradient over TP (False when a sequence-parallel gather does it)."""
+    backend: Backend = "auto"
+    """Kernel backend of the logprob / entropy (and the actor's PPO loss): see ``megarl.kernels.backend``."""
 
     def logprobs_entropy(self, labels: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprob of labels, entropy)`` per token, fp32 ``[T]``, differentiable."""
         return fused_logprobs_entropy(
             self.hidden, self.weight, labels, self.tp_group, temperature,
             vocab_start=self.vocab_start, vocab_size=self.vocab_size, reduce_grad_hidden=self.reduce_grad_hidden,
+            backend=self.backend,
         )  # fmt: skip
 
     def logprobs(self, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -49,7 +53,9 @@ class LMHeadOutput:
         return self.hidden @ self.weight.t()
 
 
-def make_lm_head_output(model, hidden: torch.Tensor, vocab_size: int, tp_group) -> LMHeadOutput:
+def make_lm_head_output(
+    model, hidden: torch.Tensor, vocab_size: int, tp_group, backend: Backend = "auto"
+) -> LMHeadOutput:
     """Wrap a GPTModel chunk's final hidden states ``[s, 1, H]`` (sequence-parallel shard or whole)."""
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -63,5 +69,5 @@ def make_lm_head_output(model, hidden: torch.Tensor, vocab_size: int, tp_group) 
     hidden = hidden.to(weight.dtype)
     return LMHeadOutput(
         hidden=hidden.reshape(-1, hidden.shape[-1]), weight=weight, vocab_start=tp_rank * weight.shape[0],
-        vocab_size=vocab_size, tp_group=tp_group, reduce_grad_hidden=not sequence_parallel,
+        vocab_size=vocab_size, tp_group=tp_group, reduce_grad_hidden=not sequence_parallel, backend=backend,
     )  # fmt: skip

@@ -29,6 +29,7 @@ from megarl.actor import losses
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.lm_head import LMHeadOutput
 from megarl.config.train import PPOActorConfig
+from megarl.kernels import fused_ppo_loss, logprobs_backend, ppo_loss_backend
 from megarl.utils import stats_tracker
 
 logger = logging.getLogger(__name__)
@@ -41,16 +42,9 @@ class MegatronPPOActor(MegatronEngine):
         super().__init__(config)
         self.config: PPOActorConfig = config
 
-    @torch.no_grad()
     def compute_logp(self, data: dict, temperature: float | None = None) -> torch.Tensor:
         """Next-token logprobs ``[B, S]`` of the current weights at the sampling temperature."""
-        temperature = self.config.temperature if temperature is None else temperature
-
-        def hook(head: LMHeadOutput, mb: dict) -> torch.Tensor:
-            return head.logprobs(mb["labels"], temperature) * mb["label_mask"]
-
-        self.eval()
-        return self.forward(data, hook)
+        return super().compute_logp(data, self.config.temperature if temperature is None else temperature)
 
     @torch.no_grad()
     def compute_advantages(self, data: dict) -> None:
@@ -139,11 +133,22 @@ def ppo_loss_weight(mb: dict, mode: losses.AggMode) -> torch.Tensor:
 
 
 def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -> torch.Tensor:
-    """PPO / GRPO / DAPO / GSPO loss of one packed micro-batch (``sum / weight`` of ``aggregate``)."""
+    """PPO / GRPO / DAPO / GSPO loss of one packed micro-batch (``sum / weight`` of ``aggregate``).
+
+    The clipped surrogate is ``losses.policy_loss``, or the fused CUDA epilogue of
+    ``megarl.kernels.fused_ppo_loss`` where :func:`_fused_surrogate` allows it; both give the same loss.
+    """
     mask = _mask(mb)
-    cu_seqlens = mb["cu_seqlens"].long()
     logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature)
     prox = mb.get("prox_logp") if cfg.use_decoupled_loss else None
+    fused = _fused_surrogate(cfg, head, logp)
+    logger.debug(
+        "ppo_loss: logprobs on the %s path, surrogate via %s",
+        logprobs_backend(head.backend, head.hidden, head.weight), "fused_ppo_loss" if fused else "losses.policy_loss",
+    )  # fmt: skip
+    if fused:
+        return _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, prox)
+    cu_seqlens = mb["cu_seqlens"].long()
     out = losses.policy_loss(
         logp, mb["logprobs"].float(), mb["advantages"].float(), mask,
         eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher, c_clip=cfg.c_clip,
@@ -151,32 +156,76 @@ def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -
         behav_imp_weight_cap=cfg.behav_imp_weight_cap if prox is not None else None,
         importance_sampling_level=cfg.importance_sampling_level, cu_seqlens=cu_seqlens,
     )  # fmt: skip
-    token_loss = out.loss
+    token_loss, kl = _add_penalties(out.loss, cfg, mb, mask, logp, entropy)
+    total, weight = losses.aggregate(token_loss, mask, cfg.loss_agg_mode, cu_seqlens, norm_len)
+    surrogate_stats = {
+        "importance_weight": out.ratio.float(),
+        "clip_ratio": out.clipped.float(),
+        "dual_clip_ratio": out.dual_clipped.float(),
+        "capped_ratio": out.capped.float(),
+    }
+    anchor = prox if prox is not None else mb["logprobs"]
+    _record_stats(mask, logp, entropy, anchor, kl, out.behav_weight, surrogate_stats)
+    return total / weight.clamp(min=1)
+
+
+def _fused_surrogate(cfg: PPOActorConfig, head: LMHeadOutput, logp: torch.Tensor) -> bool:
+    """Whether the surrogate runs as fused_ppo_loss's CUDA kernel.
+
+    Only where that kernel runs (elsewhere fused_ppo_loss is ``losses.policy_loss`` itself), and
+    for what it implements: per-token ratios (not GSPO) and token-mean aggregation (it returns
+    a token sum, not per-sequence losses).
+    """
+    supported = cfg.importance_sampling_level == "token" and cfg.loss_agg_mode == "token-mean"
+    return supported and ppo_loss_backend(head.backend, logp) == "cuda"
+
+
+def _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, prox) -> torch.Tensor:
+    """Token-mean loss with the surrogate from the fused epilogue and the penalties added in torch."""
+    old = mb["logprobs"].float()
+    surrogate, stats = fused_ppo_loss(
+        logp, old, mb["advantages"].float(), mask, prox_logprobs=None if prox is None else prox.float(),
+        eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_higher, dual_clip=cfg.c_clip,
+        behav_imp_weight_cap=cfg.behav_imp_weight_cap if prox is not None else None, backend=head.backend,
+    )  # fmt: skip
+    penalties, kl = _add_penalties(torch.zeros_like(logp), cfg, mb, mask, logp, entropy)
+    total, weight = losses.aggregate(penalties, mask, "token-mean")
+    anchor = (prox if prox is not None else old).float()
+    behav_weight = None if prox is None else torch.exp(prox.float() - old)
+    # the epilogue counts clipped tokens per micro-batch: spreading each fraction over the
+    # micro-batch's tokens keeps the tracker's token-weighted average exact
+    surrogate_stats = {
+        "importance_weight": torch.exp(logp.detach() - anchor),
+        "clip_ratio": stats.clip_fraction.expand(mask.shape),
+        "dual_clip_ratio": stats.dual_clip_fraction.expand(mask.shape),
+        "capped_ratio": stats.behav_capped_fraction.expand(mask.shape),
+    }
+    _record_stats(mask, logp, entropy, anchor, kl, behav_weight, surrogate_stats)
+    return surrogate + total / weight.clamp(min=1)
+
+
+def _add_penalties(token_loss, cfg: PPOActorConfig, mb: dict, mask, logp, entropy):
+    """``token_loss`` plus the KL-to-reference loss and minus the entropy bonus; and the KL (or None)."""
     kl = None
     if cfg.kl_ctl > 0 and not cfg.kl_in_reward:
         kl = losses.kl_penalty(logp, mb["ref_logp"].float(), cfg.kl_estimator)
         token_loss = token_loss + cfg.kl_ctl * torch.where(mask, kl, torch.zeros_like(kl))
     if cfg.entropy_coeff > 0:
         token_loss = token_loss - cfg.entropy_coeff * torch.where(mask, entropy, torch.zeros_like(entropy))
-    total, weight = losses.aggregate(token_loss, mask, cfg.loss_agg_mode, cu_seqlens, norm_len)
-    _record_stats(out, mask, logp, entropy, prox if prox is not None else mb["logprobs"], kl)
-    return total / weight.clamp(min=1)
+    return token_loss, kl
 
 
-def _record_stats(out: losses.PolicyLossOutput, mask, logp, entropy, anchor, kl) -> None:
+def _record_stats(mask, logp, entropy, anchor, kl, behav_weight, surrogate_stats: dict) -> None:
     """Per-token statistics into the stats tracker (on the last pipeline stage, no host sync)."""
     stats_tracker.denominator(n_tokens=mask)
     stats = {
         "entropy": entropy.detach().float(),
-        "importance_weight": out.ratio.float(),
         "approx_kl": (logp.detach() - anchor.float()),
-        "clip_ratio": out.clipped.float(),
-        "dual_clip_ratio": out.dual_clipped.float(),
-        "capped_ratio": out.capped.float(),
         "new_logp": logp.detach(),
+        **surrogate_stats,
     }
-    if out.behav_weight is not None:
-        stats["behave_imp_weight"] = out.behav_weight.float()
+    if behav_weight is not None:
+        stats["behave_imp_weight"] = behav_weight.float()
     if kl is not None:
         stats["kl_to_ref"] = kl.detach().float()
     stats_tracker.stat(denominator="n_tokens", **stats)

@@ -57,9 +57,20 @@ def load_extension() -> ModuleType | None:
             extra_cflags=["-O3"],
             extra_cuda_cflags=["-O3", "--use_fast_math"],
         )
-    except Exception as exc:  # a failed build must not take training down: fall back
+    except Exception as exc:  # noqa: BLE001 (a failed build must not take training down: fall back)
         logger.warning("could not JIT-build the megarl CUDA kernels (%s): using the torch path", exc)
         return None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load_extension` gives None, or None when the kernels load."""
+    if load_extension() is not None:
+        return None
+    if os.environ.get("MEGARL_DISABLE_CUDA_KERNELS") == "1":
+        return "MEGARL_DISABLE_CUDA_KERNELS=1 is set"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    return "megarl._C is not built and JIT-building csrc/ failed (see the warning logged above)"
 
 
 def supports(hidden: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.kernels import _cuda
+from megarl.kernels.backend import Backend, pick_backend
 from megarl.kernels.reference import (
     VocabShard,
     finalize_stats,
@@ -25,8 +26,6 @@ from megarl.kernels.reference import (
     local_stats_chunked,
     rescale_stats,
 )
-
-Backend = Literal["auto", "cuda", "torch"]
 
 
 @dataclass(frozen=True)
@@ -127,19 +126,13 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
 
 
-def _pick_backend(backend: Backend, hidden: torch.Tensor, weight: torch.Tensor) -> Literal["cuda", "torch"]:
-    if backend not in ("auto", "cuda", "torch"):
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'torch', got {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if _cuda.supports(hidden, weight):
-        return "cuda"
-    if backend == "cuda":
-        raise ValueError(
-            "backend='cuda' needs CUDA bf16 hidden/weight with H % 8 == 0 and a loadable megarl._C; got "
-            f"{hidden.device} {hidden.dtype}/{weight.dtype}, H={hidden.shape[-1]}"
-        )
-    return "torch"
+def logprobs_backend(backend: Backend, hidden: torch.Tensor, weight: torch.Tensor) -> Literal["cuda", "torch"]:
+    """The implementation :func:`fused_logprobs_entropy` runs for these operands under ``backend``."""
+    needs = (
+        "CUDA bf16 hidden/weight with H % 8 == 0 and a loadable megarl._C; got "
+        f"{hidden.device} {hidden.dtype}/{weight.dtype}, H={hidden.shape[-1]}"
+    )
+    return pick_backend(backend, lambda: _cuda.supports(hidden, weight), needs)
 
 
 def fused_logprobs_entropy(
@@ -184,7 +177,7 @@ def fused_logprobs_entropy(
         inv_tau=1.0 / temperature,
         tp_group=tp_group,
         tp_size=tp_size,
-        backend=_pick_backend(backend, hidden, weight),
+        backend=logprobs_backend(backend, hidden, weight),
         chunk_tokens=chunk_tokens,
         chunk_vocab=chunk_vocab,
         reduce_grad_hidden=reduce_grad_hidden,

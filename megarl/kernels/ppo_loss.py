@@ -11,7 +11,9 @@ Per masked token (A = advantage):
     loss = sum_t w_t pg_t / denominator            (denominator: masked token count by default)
 The gradient wrt logp is w r (-A) / denominator where neither clip binds, else 0 (at exact
 ties between branches the unclipped branch is taken). On CUDA one elementwise kernel yields
-loss terms, gradient and statistics in one pass over [T]; elsewhere the same math in torch.
+loss terms, gradient and statistics in one pass over [T]. Elsewhere the loss is the actor's
+``megarl.actor.losses.policy_loss`` under autograd (the one torch implementation of the
+surrogate; tests/kernels hold the CUDA kernel to it), with the same statistics.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Literal
 
 import torch
 
+from megarl.actor.losses import PolicyLossOutput, policy_loss
 from megarl.kernels import _cuda
+from megarl.kernels.backend import Backend, pick_backend
 
 # Layout of the raw statistics vector (csrc/kernels.h, enum PPOStat).
 _COUNT, _CLIPPED, _DUAL, _RATIO_SUM, _KL_SUM, _BEHAV_SUM, _CAPPED, _RATIO_MAX, _RATIO_MIN = range(9)
@@ -56,63 +60,49 @@ class _Spec:
     eps_high: float
     dual_clip: float | None
     behav_cap: float | None
-    backend: Literal["cuda", "torch"]
 
 
-def ppo_terms_torch(logp, old_logp, prox_logp, adv, mask, spec: _Spec):
-    """Torch twin of the CUDA kernel: (loss_tok [T], grad_tok [T], raw stats [9])."""
-    denorm = old_logp if prox_logp is None else prox_logp
-    kl = logp - denorm
-    ratio = kl.exp()
-    l1 = -adv * ratio
-    l2 = -adv * ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high)
-    clipped = l1 < l2
-    pg = torch.where(clipped, l2, l1)
-    dpg = torch.where(clipped, 0.0, l1)  # d pg / d logp = (d pg / d r) r
-    dual = torch.zeros_like(mask)
-    if spec.dual_clip is not None:
-        l3 = spec.dual_clip * adv.abs()
-        dual = l3 < pg
-        pg = torch.where(dual, l3, pg)
-        dpg = torch.where(dual, 0.0, dpg)
-    behav = torch.ones_like(logp)
-    capped = torch.zeros_like(mask)
-    if prox_logp is not None:
-        behav = (prox_logp - old_logp).exp()
-        if spec.behav_cap is not None:
-            capped = ~(behav <= spec.behav_cap)
-            behav = torch.where(capped, 0.0, behav)
-    zero = torch.zeros_like(logp)
-    masked_ratio = torch.where(mask, ratio, zero)
-    raw = torch.stack(
+def _raw_stats(out: PolicyLossOutput, kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The kernel's raw statistics vector [9] from the torch path's per-token outputs."""
+    zero = torch.zeros_like(kl)
+    behav = torch.ones_like(kl) if out.behav_weight is None else torch.where(out.capped, 0.0, out.behav_weight)
+    masked_ratio = torch.where(mask, out.ratio, zero)
+    return torch.stack(
         [
             mask.sum(dtype=torch.float32),
-            (clipped & mask).sum(dtype=torch.float32),
-            (dual & mask).sum(dtype=torch.float32),
+            out.clipped.sum(dtype=torch.float32),
+            out.dual_clipped.sum(dtype=torch.float32),
             masked_ratio.sum(),
             torch.where(mask, kl, zero).sum(),
             torch.where(mask, behav, zero).sum(),
-            (capped & mask).sum(dtype=torch.float32),
+            out.capped.sum(dtype=torch.float32),
             torch.cat([masked_ratio, zero.new_zeros(1)]).amax(),
-            torch.cat([torch.where(mask, ratio, math.inf), zero.new_full((1,), math.inf)]).amin(),
+            torch.cat([torch.where(mask, out.ratio, math.inf), zero.new_full((1,), math.inf)]).amin(),
         ]
     )
-    return torch.where(mask, behav * pg, zero), torch.where(mask, behav * dpg, zero), raw
 
 
-def _ppo_terms(logp, old_logp, prox_logp, adv, mask, spec: _Spec):
-    if spec.backend == "cuda":
-        return _cuda.load_extension().ppo_loss(
-            logp, old_logp, prox_logp, adv, mask, spec.eps_low, spec.eps_high,
-            spec.dual_clip or 0.0, spec.behav_cap or 0.0,
-        )
-    return ppo_terms_torch(logp, old_logp, prox_logp, adv, mask, spec)
+def _torch_loss(logp, old_logp, prox_logp, adv, mask, denominator, spec: _Spec):
+    """The torch path: ``megarl.actor.losses.policy_loss`` under autograd, plus the kernel's raw stats."""
+    out = policy_loss(
+        logp, old_logp, adv, mask, eps_clip=spec.eps_low, eps_clip_higher=spec.eps_high, c_clip=spec.dual_clip,
+        proximal_logprobs=prox_logp, behav_imp_weight_cap=spec.behav_cap,
+    )  # fmt: skip
+    anchor = old_logp if prox_logp is None else prox_logp
+    raw = _raw_stats(out, logp.detach() - anchor, mask)
+    denom = raw[_COUNT].clamp(min=1.0) if denominator is None else denominator
+    return out.loss.sum() / denom, raw
 
 
-class _PPOLoss(torch.autograd.Function):
+class _CudaPPOLoss(torch.autograd.Function):
+    """The CUDA path: one kernel gives per-token loss and analytic gradient; backward only scales it."""
+
     @staticmethod
     def forward(ctx, logp, old_logp, prox_logp, adv, mask, denominator, spec: _Spec):
-        loss_tok, grad_tok, raw = _ppo_terms(logp, old_logp, prox_logp, adv, mask, spec)
+        loss_tok, grad_tok, raw = _cuda.load_extension().ppo_loss(
+            logp, old_logp, prox_logp, adv, mask, spec.eps_low, spec.eps_high,
+            spec.dual_clip or 0.0, spec.behav_cap or 0.0,
+        )  # fmt: skip
         denom = raw[_COUNT].clamp(min=1.0) if denominator is None else denominator
         ctx.save_for_backward(grad_tok, torch.as_tensor(denom, dtype=torch.float32, device=logp.device))
         ctx.mark_non_differentiable(raw)
@@ -164,7 +154,7 @@ def fused_ppo_loss(
     dual_clip: float | None = None,
     behav_imp_weight_cap: float | None = None,
     denominator: torch.Tensor | float | None = None,
-    backend: Literal["auto", "cuda", "torch"] = "auto",
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, PPOLossStats]:
     """Clipped PPO/GRPO surrogate loss (a 0-d tensor, differentiable wrt ``logprobs``) and stats.
 
@@ -179,27 +169,30 @@ def fused_ppo_loss(
         behav_imp_weight_cap: drop tokens whose exp(prox - old) exceeds it.
         denominator: what the summed loss is divided by (default: masked token count), e.g.
             a global token count across micro-batches and data-parallel ranks.
-        backend: "cuda" (one elementwise kernel), "torch", or "auto".
+        backend: "cuda" (one elementwise kernel), "torch" (``megarl.actor.losses.policy_loss``
+            under autograd), or "auto" (CUDA for CUDA tensors where megarl._C loads).
     """
     eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
-    others = dict(old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask, prox_logprobs=prox_logprobs)
+    others = {
+        "old_logprobs": old_logprobs, "advantages": advantages, "loss_mask": loss_mask, "prox_logprobs": prox_logprobs,
+    }  # fmt: skip
     _check(logprobs, others, eps_clip, eps_clip_high, dual_clip, behav_imp_weight_cap)
-    if backend not in ("auto", "cuda", "torch"):
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'torch', got {backend!r}")
-    on_cuda = logprobs.is_cuda and _cuda.load_extension() is not None
-    if backend == "cuda" and not on_cuda:
-        raise ValueError(f"backend='cuda' needs CUDA tensors and megarl._C; logprobs are on {logprobs.device}")
-    use_cuda = on_cuda and backend != "torch"
-    spec = _Spec(eps_clip, eps_clip_high, dual_clip, behav_imp_weight_cap, "cuda" if use_cuda else "torch")
+    spec = _Spec(eps_clip, eps_clip_high, dual_clip, behav_imp_weight_cap)
 
     def flat(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.detach().reshape(-1).float().contiguous()
 
     mask = loss_mask.reshape(-1).to(torch.bool).contiguous()
     logp = logprobs.reshape(-1).float()
-    if spec.backend == "cuda":
-        logp = logp.contiguous()
-    loss, raw = _PPOLoss.apply(
-        logp, flat(old_logprobs), flat(prox_logprobs), flat(advantages), mask, denominator, spec
-    )
+    args = (flat(old_logprobs), flat(prox_logprobs), flat(advantages), mask, denominator, spec)
+    if ppo_loss_backend(backend, logprobs) == "cuda":
+        loss, raw = _CudaPPOLoss.apply(logp.contiguous(), *args)
+    else:
+        loss, raw = _torch_loss(logp, *args)
     return loss, _finalize(raw)
+
+
+def ppo_loss_backend(backend: Backend, logprobs: torch.Tensor) -> Literal["cuda", "torch"]:
+    """The implementation :func:`fused_ppo_loss` runs for ``logprobs`` under ``backend``."""
+    needs = f"CUDA tensors and megarl._C; logprobs are on {logprobs.device}"
+    return pick_backend(backend, lambda: logprobs.is_cuda and _cuda.load_extension() is not None, needs)

@@ -24,12 +24,12 @@ import torch
 
 __all__ = [
     "VocabShard",
+    "finalize_stats",
+    "grads_chunked",
+    "local_stats_chunked",
+    "logprobs_entropy_naive",
     "merge_stats",
     "rescale_stats",
-    "finalize_stats",
-    "local_stats_chunked",
-    "grads_chunked",
-    "logprobs_entropy_naive",
 ]
 
 
@@ -108,7 +108,7 @@ def local_stats_chunked(
     hidden [T,H], weight [V_local,H] (fp32 or bf16; computed in fp32), labels [T] global ids.
     """
     num_tokens = hidden.shape[0]
-    opts = dict(dtype=torch.float32, device=hidden.device)
+    opts = {"dtype": torch.float32, "device": hidden.device}
     m = torch.full((num_tokens,), float("-inf"), **opts)
     s = torch.zeros(num_tokens, **opts)
     u = torch.zeros(num_tokens, **opts)

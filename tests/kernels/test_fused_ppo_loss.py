@@ -1,4 +1,5 @@
-"""fused_ppo_loss against a plain-torch autograd implementation and hand-computed examples."""
+"""fused_ppo_loss against the actor's policy_loss (its torch path), hand-computed examples, and the
+CUDA path's autograd wrapper on CPU with a stand-in extension."""
 
 import math
 
@@ -7,6 +8,7 @@ import torch
 
 from megarl.actor.losses import aggregate, policy_loss
 from megarl.kernels import fused_ppo_loss
+from megarl.kernels import ppo_loss as ppo_loss_module
 
 
 def plain_ppo_loss(logp, prox, old, adv, eps, mask, c_clip=None, cap=None, eps_high=None):
@@ -32,11 +34,11 @@ def random_batch(seed, n=257):
 
 
 CONFIGS = [
-    dict(),
-    dict(eps_clip_high=0.28),
-    dict(dual_clip=3.0),
-    dict(use_prox=True),
-    dict(use_prox=True, behav_imp_weight_cap=1.15, dual_clip=2.0, eps_clip_high=0.3),
+    {},
+    {"eps_clip_high": 0.28},
+    {"dual_clip": 3.0},
+    {"use_prox": True},
+    {"use_prox": True, "behav_imp_weight_cap": 1.15, "dual_clip": 2.0, "eps_clip_high": 0.3},
 ]
 
 
@@ -121,11 +123,11 @@ def test_denominator_shapes_and_empty_mask():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(eps_clip=1.5), "eps_clip"),
-        (dict(eps_clip_high=-0.1), "eps_clip"),
-        (dict(dual_clip=0.9), "dual_clip"),
-        (dict(behav_imp_weight_cap=0.0), "behav_imp_weight_cap"),
-        (dict(backend="cuda"), "backend='cuda'"),
+        ({"eps_clip": 1.5}, "eps_clip"),
+        ({"eps_clip_high": -0.1}, "eps_clip"),
+        ({"dual_clip": 0.9}, "dual_clip"),
+        ({"behav_imp_weight_cap": 0.0}, "behav_imp_weight_cap"),
+        ({"backend": "cuda"}, "backend='cuda'"),
     ],
 )
 def test_rejects_bad_arguments(kwargs, match):
@@ -134,3 +136,39 @@ def test_rejects_bad_arguments(kwargs, match):
         fused_ppo_loss(logp, old, adv, mask, **kwargs)
     with pytest.raises(ValueError, match="advantages shape"):
         fused_ppo_loss(logp, old, adv[:3], mask)
+
+
+class _StandInExtension:
+    """The kernel's contract (loss_tok, grad_tok, raw stats) computed on CPU from policy_loss's autograd."""
+
+    @staticmethod
+    def ppo_loss(logp, old, prox, adv, mask, eps_low, eps_high, dual_clip, behav_cap):
+        x = logp.detach().requires_grad_(True)
+        with torch.enable_grad():  # autograd.Function.forward runs under no_grad
+            out = policy_loss(
+                x, old, adv, mask, eps_clip=eps_low, eps_clip_higher=eps_high, c_clip=dual_clip or None,
+                proximal_logprobs=prox, behav_imp_weight_cap=behav_cap or None,
+            )  # fmt: skip
+            (grad_tok,) = torch.autograd.grad(out.loss.sum(), x)
+        anchor = old if prox is None else prox
+        return out.loss.detach(), grad_tok, ppo_loss_module._raw_stats(out, logp - anchor, mask)
+
+
+@pytest.mark.parametrize("denominator", [None, 300.0])
+def test_cuda_driver_matches_torch_path(monkeypatch, denominator):
+    """The CUDA path's autograd wrapper (analytic per-token gradient, scaled in backward) on CPU."""
+    monkeypatch.setattr(ppo_loss_module._cuda, "load_extension", lambda: _StandInExtension)
+    monkeypatch.setattr(ppo_loss_module, "ppo_loss_backend", lambda backend, logprobs: backend)
+    logp, old, prox, adv, mask = random_batch(5)
+    kw = {"prox_logprobs": prox, "eps_clip": 0.2, "eps_clip_high": 0.28, "dual_clip": 2.0, "behav_imp_weight_cap": 1.15}
+    results = []
+    for backend in ("cuda", "torch"):
+        x = logp.clone().requires_grad_(True)
+        loss, stats = fused_ppo_loss(x, old, adv, mask, denominator=denominator, backend=backend, **kw)
+        (2.0 * loss).backward()
+        results.append((loss, x.grad, stats))
+    (got, got_grad, got_stats), (want, want_grad, want_stats) = results
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+    for field in want_stats.__dataclass_fields__:
+        torch.testing.assert_close(getattr(got_stats, field), getattr(want_stats, field), msg=field)

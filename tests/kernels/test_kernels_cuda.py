@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from megarl.kernels import _cuda, fused_logprobs_entropy, fused_ppo_loss
+from megarl.kernels import (
+    _cuda,
+    fused_logprobs_entropy,
+    fused_ppo_loss,
+    logprobs_backend,
+    ppo_loss_backend,
+    resolve_backend,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +55,7 @@ def test_logprob_entropy_and_grads_match_reference(ext, T, H, rows, pad, start, 
     vocab = start + rows - pad
     labels = torch.randint(start - 3, vocab + 3, (T,), device="cuda", generator=g)
     coefs = torch.randn(2, T, device="cuda", generator=g)
-    kw = dict(temperature=tau, vocab_start=start, vocab_size=vocab, chunk_vocab=1024)
+    kw = {"temperature": tau, "vocab_start": start, "vocab_size": vocab, "chunk_vocab": 1024}
     got = run("cuda", hidden, weight, labels, coefs, **kw)
     want = run("torch", hidden, weight, labels, coefs, **kw)
     torch.testing.assert_close(got[0], want[0], atol=2e-3, rtol=1e-3)
@@ -82,7 +89,7 @@ def test_ppo_kernel_matches_torch(ext, use_prox):
     prox = old + 0.2 * torch.randn(n, device="cuda", generator=g) if use_prox else None
     adv = torch.randn(n, device="cuda", generator=g)
     mask = torch.rand(n, device="cuda", generator=g) > 0.2
-    kw = dict(prox_logprobs=prox, eps_clip=0.2, eps_clip_high=0.28, dual_clip=3.0, behav_imp_weight_cap=1.2)
+    kw = {"prox_logprobs": prox, "eps_clip": 0.2, "eps_clip_high": 0.28, "dual_clip": 3.0, "behav_imp_weight_cap": 1.2}
     results = []
     for backend in ("cuda", "torch"):
         x = logp.clone().requires_grad_(True)
@@ -94,3 +101,12 @@ def test_ppo_kernel_matches_torch(ext, use_prox):
     torch.testing.assert_close(g1, g2, atol=1e-7, rtol=1e-4)
     for field in s1.__dataclass_fields__:
         torch.testing.assert_close(getattr(s1, field), getattr(s2, field), atol=1e-5, rtol=1e-4)
+
+
+def test_auto_and_use_fused_kernels_pick_cuda_on_gpu(ext):
+    hidden = torch.randn(4, 64, device="cuda").bfloat16()
+    weight = torch.randn(10, 64, device="cuda").bfloat16()
+    assert logprobs_backend("auto", hidden, weight) == "cuda"
+    assert logprobs_backend("auto", hidden.float(), weight.float()) == "torch"  # the logprob kernel is bf16-only
+    assert ppo_loss_backend("auto", torch.zeros(4, device="cuda")) == "cuda"
+    assert resolve_backend(True, torch.bfloat16, 64) == "cuda"
