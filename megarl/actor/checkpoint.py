@@ -88,6 +88,7 @@ def load(engine, meta: SaveLoadMeta) -> None:
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if meta.with_optim and engine.optimizer is not None:
         engine.optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_step(engine.optimizer, loaded["optimizer"])
         engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
         _set_rng_state(loaded["rng_state"])
     engine.set_version(int(loaded["engine"]["version"]))
@@ -111,6 +112,36 @@ def _prime_adam_state(optimizer) -> None:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _restore_adam_step(optimizer, loaded: dict) -> None:
+    """Put the checkpoint's step count back into every torch AdamW state.
+
+    Megatron 0.16.1's ``dp_reshardable`` load copies the freshly primed ``step`` (0) over
+    the one it restored from ``param_groups`` (``_set_main_param_and_optimizer_states``),
+    so the first update after a resume would use the wrong bias correction.
+    """
+    steps = {float(group["step"]) for group in _param_groups(loaded) if "step" in group}
+    if not steps:
+        return
+    if len(steps) != 1:
+        raise ValueError(f"checkpoint param_groups disagree on the optimizer step: {sorted(steps)}")
+    step = steps.pop()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.AdamW):
+            for state in inner.state.values():
+                state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def _param_groups(tree) -> list[dict]:
+    """Every ``param_groups`` entry anywhere in a (chained) optimizer state dict."""
+    if isinstance(tree, dict):
+        found = list(tree.get("param_groups", [])) if isinstance(tree.get("param_groups"), list) else []
+        return found + [g for k, v in tree.items() if k != "param_groups" for g in _param_groups(v)]
+    if isinstance(tree, list | tuple):
+        return [g for v in tree for g in _param_groups(v)]
+    return []
 
 
 def _chunk_keys(engine) -> list[tuple[str, torch.nn.Module]]:

@@ -152,8 +152,9 @@ class StatsLoggerConfig:
     """Weights & Biases."""
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     """TensorBoard."""
-    plot_keys: list[str] = field(default_factory=lambda: ["rollout/reward", "eval/pass@1"])
-    """Curves drawn into ``{run dir}/curves.png`` at each log step."""
+    plot_keys: list[str] = field(default_factory=lambda: ["batch/reward/avg", "eval/pass@1"])
+    """Curves drawn into ``{run dir}/curves.png`` at each log step (``batch/reward/avg``: mean reward of the
+    trajectories trained on in that step)."""
 
 
 @dataclass

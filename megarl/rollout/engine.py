@@ -426,5 +426,8 @@ class RemoteInferenceEngine(InferenceEngine):
         should_accept_fn: Callable | None = None,
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
-        return self._require_pool().prepare_batch(dataloader, workflow, should_accept_fn, group_size, workflow_kwargs)
+        return self._require_pool().prepare_batch(
+            dataloader, workflow, should_accept_fn, group_size, workflow_kwargs, progress
+        )

@@ -401,11 +401,13 @@ class RolloutPool:
         should_accept_fn: Callable[[dict[str, Any]], bool] | None = None,
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
         """Return exactly ``dataloader.batch_size`` accepted trajectories, concatenated and padded.
 
         Keeps the input queue fed from ``dataloader`` (cycled over epochs) so rollout
         overlaps with training; rejected episodes are replaced by new data.
+        ``progress(n)`` is called with the number gathered so far while it waits.
         """
         batch_size = getattr(dataloader, "batch_size", None)
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -417,6 +419,8 @@ class RolloutPool:
         while len(results) < batch_size:
             self._feed(wf, should_accept_fn, batch_size)
             results += self._take(batch_size - len(results), 1, _POLL_S)
+            if progress is not None:
+                progress(len(results))
         self._record_handoff(results, batch=True)
         return concat_padded_tensors([r.traj for r in results])
 

@@ -1,0 +1,141 @@
+"""DistRolloutCoordinator: rollout batches for an SPMD trainer.
+
+Only data-parallel heads (tensor- and pipeline-rank 0 of each DP rank) hold a rollout
+engine and drive its pool, each over its own shard of the prompts. A training batch is
+then made whole across the trainer:
+
+1. every head takes ``batch_size / dp`` accepted groups from its pool;
+2. the heads exchange their groups and re-split them so that every DP rank gets the
+   same number of whole groups (GRPO normalises within a group, so a group is never cut)
+   with balanced token counts (longest groups first, each to the lightest rank);
+3. each head broadcasts its share to the other ranks of its model-parallel group
+   (TP x PP peers need the very same data).
+
+Process groups are passed in explicitly; nothing here knows about the actor.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.api.trajectory import concat_padded_tensors
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """Where this rank sits for data distribution."""
+
+    dp_rank: int
+    dp_size: int
+    is_head: bool
+    """Drives a rollout pool (tensor- and pipeline-rank 0 of its DP rank)."""
+    head_group: Any = None
+    """Group of all DP heads (the heads' data-parallel group); None in a one-rank DP."""
+    mp_group: Any = None
+    """This DP rank's model-parallel group (TP x PP peers); None when it is this rank alone."""
+    mp_src: int = 0
+    """Global rank of this DP rank's head (the broadcast source in ``mp_group``)."""
+
+    @classmethod
+    def from_parallel(cls, parallel) -> DataParallelLayout:
+        """From a trainer's :class:`~megarl.actor.parallel.ParallelState`."""
+        alloc = parallel.alloc
+        is_head = parallel.tp_rank == 0 and parallel.pp_rank == 0
+        mp_group = parallel.groups.mp if alloc.tp * alloc.pp > 1 else None
+        mp_src = dist.get_global_rank(mp_group, 0) if mp_group is not None else parallel.rank
+        head_group = parallel.dp_group if alloc.dp > 1 else None
+        return cls(parallel.dp_rank, alloc.dp, is_head, head_group, mp_group, mp_src)
+
+
+class DistRolloutCoordinator:
+    """``prepare_batch`` / ``rollout_batch`` of a rollout engine, made collective over the trainer.
+
+    Args:
+        rollout: The rollout engine (DP heads only; None elsewhere).
+        layout: This rank's :class:`DataParallelLayout`.
+        group_size: Rows per group (GRPO ``n_samples``); batches are re-split on group boundaries.
+    """
+
+    def __init__(self, rollout, layout: DataParallelLayout, group_size: int):
+        if layout.is_head and rollout is None:
+            raise ValueError("a data-parallel head needs a rollout engine")
+        self.rollout, self.layout, self.group_size = rollout, layout, group_size
+
+    def prepare_batch(
+        self,
+        dataloader: Iterable | None,
+        workflow,
+        should_accept_fn: Callable[[dict], bool] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """This rank's share of the next training batch (collective over the trainer).
+
+        ``progress(n)``: called on the heads with the accepted episodes gathered so far.
+        """
+        local = None
+        if self.layout.is_head:
+            local = self.rollout.prepare_batch(dataloader, workflow, should_accept_fn, progress=progress)
+            local = self._rebalance(local)
+        return self._broadcast_in_mp(local)
+
+    def _rebalance(self, local: dict[str, Any]) -> dict[str, Any]:
+        """Exchange groups between DP heads; return this head's balanced share."""
+        if self.layout.head_group is None:
+            return local
+        everyone: list = [None] * self.layout.dp_size
+        dist.all_gather_object(everyone, split_groups(local, self.group_size), group=self.layout.head_group)
+        groups = [g for head in everyone for g in head]
+        shares = balance_groups([int(g["attention_mask"].sum()) for g in groups], self.layout.dp_size)
+        return concat_padded_tensors([groups[i] for i in shares[self.layout.dp_rank]])
+
+    def _broadcast_in_mp(self, batch: dict[str, Any] | None) -> dict[str, Any]:
+        if self.layout.mp_group is None:
+            return batch
+        box = [batch]
+        dist.broadcast_object_list(box, src=self.layout.mp_src, group=self.layout.mp_group)
+        return box[0]
+
+
+def split_groups(batch: dict[str, Any], group_size: int) -> list[dict[str, Any]]:
+    """Cut a batch into its groups of ``group_size`` consecutive rows."""
+    rows = batch["attention_mask"].shape[0]
+    if rows % group_size:
+        raise ValueError(f"a batch of {rows} rows is not made of whole groups of {group_size}")
+    out = []
+    for start in range(0, rows, group_size):
+        group = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+                group[key] = value[start : start + group_size]
+            elif isinstance(value, list) and len(value) == rows:
+                group[key] = value[start : start + group_size]
+            else:
+                group[key] = value
+        out.append(group)
+    return out
+
+
+def balance_groups(tokens: list[int], n_ranks: int) -> list[list[int]]:
+    """Assign groups (their token counts) to ``n_ranks`` ranks: equal counts, balanced tokens.
+
+    Longest first, each to the rank with the fewest tokens that still has room; the
+    result is the same on every rank (ties break by index) and each rank's groups keep
+    their original order.
+    """
+    if len(tokens) % n_ranks:
+        raise ValueError(f"{len(tokens)} groups cannot be split evenly over {n_ranks} data-parallel ranks")
+    room = len(tokens) // n_ranks
+    heap = [(0, rank) for rank in range(n_ranks)]
+    shares: list[list[int]] = [[] for _ in range(n_ranks)]
+    for index in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        load, rank = heapq.heappop(heap)
+        shares[rank].append(index)
+        if len(shares[rank]) < room:
+            heapq.heappush(heap, (load + tokens[index], rank))
+    return [sorted(share) for share in shares]

@@ -1,0 +1,328 @@
+"""Asynchronous GRPO / PPO on Megatron-Core: the trainer every launcher starts.
+
+    megarl run configs/gsm8k_grpo_cpu.yaml                      # servers + this script, one machine
+    torchrun --nproc-per-node=N -m megarl.train --config X.yaml  # servers already up ($MEGARL_LLM_SERVER_ADDRS)
+
+The walkthrough's "Putting It All Together", SPMD over the trainer ranks. One step
+(:func:`rl_step`) reads top to bottom:
+
+1. ``prepare_batch``: DP heads take ``batch_size`` accepted groups from their rollout
+   pools (episodes keep running in the background, at most ``rollout.max_staleness``
+   versions behind; 0 is synchronous RL), re-split across DP ranks, broadcast to TP/PP peers;
+2. ``compute_logp``: the proximal policy's logprobs (decoupled PPO) and the reference's (KL);
+3. ``compute_advantages`` and ``ppo_update``, then the LR step;
+4. ``update_weights``: pause rollout, stream weights to the servers, bump versions, resume;
+5. saver, recover point, evaluator, stats → StatsLogger (console, wandb, tensorboard, curves.png).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megarl.actor.engine import MegatronEngine
+from megarl.actor.ppo import MegatronPPOActor
+from megarl.bridge.update import WeightUpdateMeta
+from megarl.config import GRPOConfig, load_expr_config, save_config
+from megarl.config.train import TrainEngineConfig
+from megarl.data import create_dataloader, load_rl_dataset
+from megarl.models import resolve_model_path
+from megarl.rollout import RemoteInferenceEngine
+from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
+from megarl.utils import stats_tracker
+from megarl.utils.evaluator import Evaluator, pass_at_1
+from megarl.utils.recover import RecoverHandler, RecoverInfo
+from megarl.utils.saver import Saver
+from megarl.utils.stats_logger import StatsLogger
+from megarl.workflow.rlvr import RLVRWorkflow
+
+logger = logging.getLogger("megarl.train")
+
+
+@dataclass
+class Trainer:
+    """Everything one trainer rank holds (built by :func:`build`)."""
+
+    config: GRPOConfig
+    actor: MegatronPPOActor
+    ref: MegatronEngine | None
+    rollout: RemoteInferenceEngine | None
+    coordinator: DistRolloutCoordinator
+    dataloader: Any
+    valid_items: list[dict]
+    workflow: RLVRWorkflow | None
+    eval_workflow: RLVRWorkflow | None
+    weight_meta: WeightUpdateMeta
+    steps_per_epoch: int
+    total_steps: int
+    saver: Saver
+    evaluator: Evaluator
+    recover: RecoverHandler
+    stats_logger: StatsLogger | None = None
+
+
+def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
+    """One asynchronous RL step; returns its stats (exact over all ranks)."""
+    cfg = t.config
+    with stats_tracker.record_timing("rollout"), rollout_bar(t) as progress:
+        batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, should_accept_fn(cfg.dynamic_filter), progress)
+    if cfg.actor.recompute_logprob or cfg.actor.use_decoupled_loss:
+        with stats_tracker.record_timing("recompute_logp"):
+            batch["prox_logp"] = t.actor.compute_logp(batch)
+    if t.ref is not None:
+        with stats_tracker.record_timing("ref_logp"):
+            batch["ref_logp"] = t.ref.compute_logp(batch, cfg.actor.temperature)
+    t.actor.compute_advantages(batch)
+    with stats_tracker.record_timing("train_step"):
+        ppo_stats = t.actor.ppo_update(batch)
+        t.actor.step_lr_scheduler()
+    with stats_tracker.record_timing("update_weights"):
+        sync_stats = t.actor.update_weights(replace(t.weight_meta, version=global_step + 1))
+    record_batch_stats(batch, sync_stats)
+    epoch, epoch_step = divmod(global_step, t.steps_per_epoch)
+    with stats_tracker.record_timing("save"):
+        t.saver.maybe_save(t.actor, epoch, epoch_step, global_step)
+        t.recover.maybe_dump(t.actor, recover_info(t, global_step))
+    eval_stats = t.evaluator.maybe_evaluate(lambda: evaluate(t), epoch, epoch_step, global_step)
+    stats = {k: v for step in ppo_stats for k, v in step.items()}
+    stats.update(stats_tracker.export())
+    stats.update(eval_stats or {})
+    return stats
+
+
+@contextlib.contextmanager
+def rollout_bar(t: Trainer):
+    """A progress bar of accepted episodes while rank 0 waits for its batch; yields its update callback."""
+    if t.rollout is None or dist.get_rank() != 0:
+        yield None
+        return
+    total = t.config.train_dataset.batch_size // t.coordinator.layout.dp_size
+    with tqdm(total=total, desc="rollout", unit="group", leave=False, dynamic_ncols=True) as bar:
+        yield lambda n: bar.update(n - bar.n)
+
+
+def should_accept_fn(dynamic_filter: str):
+    """The rollout filter of ``config.dynamic_filter`` (None accepts everything)."""
+    if dynamic_filter == "uniform_reward":
+        return lambda traj: bool(traj["rewards"].numel() > 1 and traj["rewards"].std() > 0)
+    return None
+
+
+def record_batch_stats(batch: dict, sync_stats: dict[str, float]) -> None:
+    """Rewards and lengths of the batch trained on, and the weight-sync timings."""
+    with stats_tracker.scope("batch"):
+        stats_tracker.denominator(n_seqs=torch.ones_like(batch["rewards"], dtype=torch.bool))
+        stats_tracker.stat(
+            reward=batch["rewards"].float(),
+            seq_len=batch["attention_mask"].sum(-1).float(),
+            denominator="n_seqs",
+        )
+    if sync_stats:
+        with stats_tracker.scope("weight_sync"):
+            stats_tracker.scalar(**sync_stats)
+
+
+def evaluate(t: Trainer) -> dict[str, float]:
+    """Greedy pass@1 on the validation prompts (rank 0 runs it; others return nothing)."""
+    if t.rollout is None or dist.get_rank() != 0 or not t.valid_items:
+        return {}
+    return pass_at_1(t.rollout, t.valid_items, t.eval_workflow)
+
+
+def recover_info(t: Trainer, global_step: int) -> RecoverInfo:
+    epoch, epoch_step = divmod(global_step, t.steps_per_epoch)
+    return RecoverInfo(
+        epoch=epoch, epoch_step=epoch_step, global_step=global_step, rollout_version=t.actor.get_version(),
+        dataloader_state=t.dataloader.state_dict() if t.dataloader is not None else {},
+        saver_state=t.saver.state_dict(), evaluator_state=t.evaluator.state_dict(),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- build
+
+
+def build(config: GRPOConfig) -> Trainer:
+    """Process groups, data, actor (and reference), rollout, weight bridge, run utilities."""
+    actor = MegatronPPOActor(config.actor)
+    parallel = actor.create_process_group(config.allocation_mode, seed=config.seed)
+    layout = DataParallelLayout.from_parallel(parallel)
+    tokenizer = load_tokenizer(config)
+    dataloader, n_batches = None, None
+    if layout.is_head:
+        dataset = load_rl_dataset(
+            config.train_dataset.path, config.train_dataset.split, rank=layout.dp_rank, world_size=layout.dp_size,
+            type=config.train_dataset.type, max_prompt_tokens=config.train_dataset.max_prompt_tokens, tokenizer=tokenizer,
+        )  # fmt: skip
+        dataloader = create_dataloader(
+            dataset, batch_size=config.train_dataset.batch_size // layout.dp_size, shuffle=config.train_dataset.shuffle,
+            seed=config.seed, drop_last=True, num_workers=config.train_dataset.num_workers,
+        )  # fmt: skip
+        n_batches = len(dataloader)
+    steps_per_epoch = min(b for b in all_gather(n_batches) if b is not None)
+    total_steps = steps_per_epoch * config.total_train_epochs
+    if config.total_train_steps is not None:
+        total_steps = min(total_steps, config.total_train_steps)
+    actor.initialize(ft_spec=total_steps)
+    ref = build_ref(config, parallel)
+
+    rollout = None
+    if layout.is_head:
+        rollout = RemoteInferenceEngine(config.rollout, config.allocation.inference.backend)
+        rollout.initialize(batch_size=config.train_dataset.batch_size // layout.dp_size, dump_dir=str(config.run_dir),
+                           tokenizer=tokenizer)  # fmt: skip
+    workflow = eval_workflow = None
+    if layout.is_head:
+        reward_fn = import_object(config.reward_fn, "reward_fn")
+        workflow = RLVRWorkflow(reward_fn, config.gconfig, tokenizer)
+        eval_workflow = RLVRWorkflow(reward_fn, config.gconfig.new(n_samples=1, greedy=True), tokenizer)
+    meta = WeightUpdateMeta.from_allocation(config.weight_update, config.allocation)
+    actor.connect_engine(rollout, meta)
+    return Trainer(
+        config=config, actor=actor, ref=ref, rollout=rollout,
+        coordinator=DistRolloutCoordinator(rollout, layout, config.gconfig.n_samples),
+        dataloader=dataloader, valid_items=load_valid_items(config, tokenizer) if dist.get_rank() == 0 else [],
+        workflow=workflow, eval_workflow=eval_workflow, weight_meta=meta,
+        steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+        saver=Saver(config.saver, config.run_dir, steps_per_epoch),
+        evaluator=Evaluator(config.evaluator, steps_per_epoch),
+        recover=RecoverHandler(config.recover, config.run_dir),
+    )  # fmt: skip
+
+
+def build_ref(config: GRPOConfig, parallel) -> MegatronEngine | None:
+    """The frozen reference model of the KL term: ``config.ref``, else the actor's initial weights."""
+    if config.actor.kl_ctl <= 0:
+        return None
+    a = config.actor
+    ref = MegatronEngine(config.ref or TrainEngineConfig(path=a.path, dtype=a.dtype, mb_spec=a.mb_spec, megatron=a.megatron))
+    ref.initialize(parallel=parallel)
+    return ref
+
+
+def load_tokenizer(config: GRPOConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer_path or config.actor.path))
+
+
+def load_valid_items(config: GRPOConfig, tokenizer) -> list[dict]:
+    """The evaluation prompts (rank 0), at most ``evaluator.max_samples``."""
+    valid = config.valid_dataset
+    if valid is None:
+        return []
+    dataset = load_rl_dataset(valid.path, valid.split, type=valid.type, max_prompt_tokens=valid.max_prompt_tokens,
+                              tokenizer=tokenizer)  # fmt: skip
+    n = len(dataset) if config.evaluator.max_samples is None else min(len(dataset), config.evaluator.max_samples)
+    return [dataset[i] for i in range(n)]
+
+
+def import_object(path: str, what: str):
+    """``pkg.module.name`` → the object; a clear error naming ``what`` otherwise."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"{what}={path!r} cannot be imported: {err}") from None
+
+
+def to_container(config: GRPOConfig) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(config))
+
+
+def all_gather(value) -> list:
+    """Every rank's ``value`` (a picklable object)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def restore(t: Trainer) -> int:
+    """Resume from the recover point (``recover.mode``); returns the first step to run."""
+    info = t.recover.load(t.actor)
+    if info is None:
+        return 0
+    if t.dataloader is not None:
+        t.dataloader.load_state_dict(info.dataloader_state)
+    t.saver.load_state_dict(info.saver_state)
+    t.evaluator.load_state_dict(info.evaluator_state)
+    logger.info("recovered after step %d (version %d)", info.global_step, info.rollout_version)
+    return info.global_step + 1
+
+
+def train(t: Trainer) -> dict[str, float]:
+    """Run the steps left; returns the StatsLogger's summary (rank 0) or {}."""
+    start = restore(t)
+    version = t.actor.get_version()
+    if t.rollout is not None:
+        t.rollout.set_version(version)
+    # The servers may hold other weights (a restarted trainer, servers kept up): push ours.
+    t.actor.update_weights(replace(t.weight_meta, version=version))
+    rank0 = dist.get_rank() == 0
+    t.stats_logger = StatsLogger(t.config.stats_logger, t.config.run_dir, exp_config=to_container(t.config),
+                                 rank=dist.get_rank(), start_step=start)  # fmt: skip
+    bar = tqdm(total=t.total_steps, initial=start, desc="train", unit="step", disable=not rank0, dynamic_ncols=True)
+    for global_step in range(start, t.total_steps):
+        stats = rl_step(t, global_step)
+        epoch, epoch_step = divmod(global_step, t.steps_per_epoch)
+        t.stats_logger.commit(epoch, epoch_step, global_step, stats)
+        bar.set_postfix(reward=f"{stats.get('batch/reward/avg', float('nan')):.3f}")
+        bar.update(1)
+    bar.close()
+    epoch, epoch_step = divmod(t.total_steps - 1, t.steps_per_epoch)
+    t.saver.maybe_save(t.actor, epoch, epoch_step, t.total_steps - 1, force=True)
+    summary = t.stats_logger.summary() if rank0 else {}
+    return summary
+
+
+def close(t: Trainer) -> None:
+    if t.stats_logger is not None:
+        t.stats_logger.close()
+    for wf in (t.workflow, t.eval_workflow):
+        if wf is not None:
+            wf.close()
+    if t.rollout is not None:
+        t.rollout.destroy()
+    t.actor.destroy()
+
+
+def print_summary(config: GRPOConfig, summary: dict, seconds: float) -> None:
+    print(f"\nmegarl: finished {config.experiment_name}/{config.trial_name} in {seconds / 60:.1f} min", flush=True)
+    for key, values in summary.items():
+        print(f"  {key}: {values}", flush=True)
+    print(f"  metrics: {config.run_dir / 'metrics.jsonl'}\n  plot: {config.run_dir / 'curves.png'}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, rest = load_expr_config(sys.argv[1:] if argv is None else argv, GRPOConfig)
+    if rest:
+        raise SystemExit(f"megarl.train: unexpected arguments {rest}; overrides are key.path=value")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    start = time.time()
+    trainer = build(config)
+    if dist.get_rank() == 0:
+        save_config(config)
+    try:
+        summary = train(trainer)
+    finally:
+        close(trainer)
+    if dist.get_rank() == 0:
+        print_summary(config, summary, time.time() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

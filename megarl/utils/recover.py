@@ -1,0 +1,202 @@
+"""Crash recovery (AReaL's ``RecoverHandler``): dump everything a run needs to continue, load it back.
+
+Layout under ``{run_dir}/recover/``::
+
+    step{N}/model/            Megatron distributed checkpoint (weights, optimizer, LR, version)
+    step{N}/info_rank{r}.pt   RecoverInfo of rank r (loop position, dataloader, frequencies, RNG)
+    step{N}/layout.json       the trainer layout that wrote it
+    latest                    text file naming the current step dir
+
+A dump is written to ``step{N}.tmp/``, renamed once every rank has finished, then
+``latest`` is replaced atomically, and only then are older dumps deleted: a crash at any
+moment leaves ``latest`` naming a complete dump. ``latest`` is the only source of truth;
+step dirs it does not name (interrupted or superseded) are deleted by the next dump.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from megarl.config.run import RecoverConfig
+from megarl.utils.saver import (
+    FrequencyControl,
+    barrier,
+    due,
+    publish_dir,
+    start_tmp_dir,
+)
+
+logger = logging.getLogger(__name__)
+
+# Layout fields that must match for a dump to load: only DP may differ (the optimizer reshards over DP).
+_MODEL_PARALLEL = ("pp", "tp", "ep", "expert_tp", "vpp", "cp")
+
+
+@dataclass
+class RecoverInfo:
+    """One rank's position in the run, besides the engine state."""
+
+    epoch: int
+    """Epoch of the last finished step."""
+    epoch_step: int
+    """Step within that epoch of the last finished step."""
+    global_step: int
+    """Global step of the last finished step (the run continues at ``global_step + 1``)."""
+    rollout_version: int
+    """Weight version of the rollout side."""
+    dataloader_state: dict = field(default_factory=dict)
+    """The dataloader's ``state_dict()``."""
+    saver_state: dict = field(default_factory=dict)
+    """``Saver.state_dict()``."""
+    evaluator_state: dict = field(default_factory=dict)
+    """``Evaluator.state_dict()``."""
+    recover_state: dict = field(default_factory=dict)
+    """The handler's own frequency counters (filled in by :meth:`RecoverHandler.maybe_dump`)."""
+    rng_state: dict = field(default_factory=dict, repr=False)
+    """Python / numpy / torch CPU (+ CUDA) RNG states of this rank (filled in by ``maybe_dump``)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else the trainer wants back."""
+
+
+def rng_state() -> dict:
+    """This process's Python, numpy, torch CPU and (when available) CUDA RNG states."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _layout(engine) -> dict:
+    alloc = engine.parallel.alloc
+    return {"world_size": engine.parallel.world_size, "dp": alloc.dp, **{k: getattr(alloc, k) for k in _MODEL_PARALLEL}}
+
+
+class RecoverHandler:
+    """Writes and reads the recover point of ``run_dir`` according to ``config.mode``.
+
+    ``disabled``: never dumps, never loads. ``auto``: dumps, loads when a recover point
+    exists. ``resume``: dumps, and a recover point must exist.
+    """
+
+    def __init__(self, config: RecoverConfig, run_dir: Path):
+        self.config = config
+        self.root = Path(run_dir) / "recover"
+        self.freq = FrequencyControl(freq_steps=config.freq_steps, freq_secs=config.freq_secs)
+        self._last_step: int | None = None  # global step of the newest dump written or loaded
+
+    # ------------------------------------------------------------------ dump
+
+    def maybe_dump(self, engine, info: RecoverInfo, force: bool = False) -> bool:
+        """Dump when a frequency is reached (or ``force``); collective. True when a dump was written.
+
+        A second dump of the step already dumped is skipped: nothing trained since, and
+        replacing the directory ``latest`` names would open a window without a recover point.
+        """
+        if self.config.mode == "disabled" or not due(self.freq, info.epoch_step, None, force):
+            return False
+        if info.global_step == self._last_step:
+            return False
+        from megarl.actor.checkpoint import SaveLoadMeta
+
+        p = engine.parallel
+        final = self.root / f"step{info.global_step}"
+        tmp = final.with_name(final.name + ".tmp")
+        start_tmp_dir(tmp)
+        engine.save(SaveLoadMeta(str(tmp / "model"), weight_format="megatron", with_optim=True))
+        info = dataclasses.replace(info, recover_state=self.freq.state_dict(), rng_state=rng_state())
+        torch.save(dataclasses.asdict(info), tmp / f"info_rank{p.rank}.pt")
+        if p.rank == 0:
+            (tmp / "layout.json").write_text(json.dumps(_layout(engine)))
+        barrier()
+        if p.rank == 0:
+            self._publish(tmp, final)
+        barrier()
+        self._last_step = info.global_step
+        return True
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        publish_dir(tmp, final)
+        pointer = self.root / "latest.tmp"
+        with open(pointer, "w") as f:
+            f.write(final.name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, self.root / "latest")
+        for path in self.root.iterdir():
+            if path != final and re.fullmatch(r"step\d+(\.tmp)?", path.name):
+                shutil.rmtree(path)
+        logger.info("recover point written to %s", final)
+
+    # ------------------------------------------------------------------ load
+
+    def latest(self) -> Path | None:
+        """The complete recover point ``latest`` names, or None."""
+        pointer = self.root / "latest"
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text().strip()
+        if not path.is_dir():
+            raise FileNotFoundError(f"{pointer} names {path}, which does not exist; remove {pointer} to start fresh")
+        return path
+
+    def load(self, engine) -> RecoverInfo | None:
+        """Restore ``engine`` and this rank's RNG from the recover point; its RecoverInfo, or None.
+
+        The world may differ from the dump's in data parallelism only: the Megatron
+        checkpoint reshards over DP, rank ``r`` takes the info of saved rank
+        ``min(r, saved_world - 1)`` and keeps the RNG the checkpoint restored (one state
+        per pipeline / tensor-parallel coordinate) instead of another rank's.
+        """
+        if self.config.mode == "disabled":
+            if (self.root / "latest").exists():
+                logger.warning("recover.mode=disabled: ignoring the recover point in %s, starting fresh", self.root)
+            return None
+        path = self.latest()
+        if path is None:
+            if self.config.mode == "resume":
+                raise FileNotFoundError(f"recover.mode=resume but {self.root} holds no recover point ('latest')")
+            logger.info("no recover point in %s: starting fresh", self.root)
+            return None
+        return self._load(engine, path)
+
+    def _load(self, engine, path: Path) -> RecoverInfo:
+        from megarl.actor.checkpoint import SaveLoadMeta
+
+        saved = json.loads((path / "layout.json").read_text())
+        now = _layout(engine)
+        changed = [k for k in _MODEL_PARALLEL if saved[k] != now[k]]
+        if changed:
+            raise ValueError(
+                f"recover point {path} was written with layout {saved}, this run has {now}: "
+                f"only the data-parallel size may change (differs: {changed})"
+            )
+        engine.load(SaveLoadMeta(str(path / "model"), weight_format="megatron", with_optim=True))
+        rank = engine.parallel.rank
+        info = RecoverInfo(**torch.load(path / f"info_rank{min(rank, saved['world_size'] - 1)}.pt", weights_only=False))
+        if saved["world_size"] == now["world_size"]:
+            set_rng_state(info.rng_state)
+        self.freq.load_state_dict(info.recover_state)
+        self._last_step = info.global_step
+        logger.info("recovered from %s at global step %d", path, info.global_step)
+        return info

@@ -1,0 +1,195 @@
+"""Periodic checkpoints (AReaL's ``Saver``) and the frequency control shared by the run utilities.
+
+:class:`FrequencyControl` decides when something periodic is due (every N epochs, N steps
+or N seconds); :func:`due` turns a trainer step into that decision, identical on every
+rank. :class:`Saver` writes ``{run_dir}/checkpoints/globalstep{N}/`` (a Megatron
+distributed checkpoint, optionally an HF export in ``hf/``) and keeps the newest few.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megarl.config.run import SaverConfig
+
+logger = logging.getLogger(__name__)
+
+
+class FrequencyControl:
+    """Counts epochs, steps and seconds since the last trigger; any set frequency reached triggers.
+
+    Counts are the same on every rank; elapsed time is not, so with ``freq_secs`` set
+    :meth:`check` takes rank 0's decision (a collective when torch.distributed is up:
+    every rank must call it).
+    """
+
+    def __init__(self, freq_epochs: int | None = None, freq_steps: int | None = None, freq_secs: float | None = None):
+        self.freq_epochs = freq_epochs
+        self.freq_steps = freq_steps
+        self.freq_secs = freq_secs
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting afresh (as right after a trigger)."""
+        self.epochs = 0
+        self.steps = 0
+        self.start = time.monotonic()
+
+    def _reached(self) -> bool:
+        return (
+            (self.freq_epochs is not None and self.epochs >= self.freq_epochs)
+            or (self.freq_steps is not None and self.steps >= self.freq_steps)
+            or (self.freq_secs is not None and time.monotonic() - self.start >= self.freq_secs)
+        )
+
+    def check(self, epochs: int = 0, steps: int = 1) -> bool:
+        """Add ``epochs`` / ``steps`` done; True (and reset) when a set frequency is reached."""
+        self.epochs += epochs
+        self.steps += steps
+        reached = self._reached()
+        if self.freq_secs is not None:
+            reached = rank0_decision(reached)
+        if reached:
+            self.reset()
+        return reached
+
+    def state_dict(self) -> dict:
+        """Counters since the last trigger (elapsed seconds instead of a clock reading)."""
+        return {"epochs": self.epochs, "steps": self.steps, "elapsed": time.monotonic() - self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume counting from :meth:`state_dict`'s counters."""
+        self.epochs = state["epochs"]
+        self.steps = state["steps"]
+        self.start = time.monotonic() - state["elapsed"]
+
+
+def rank0_decision(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank of the default group (``flag`` itself without torch.distributed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    box = [bool(flag)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def due(freq: FrequencyControl, epoch_step: int, steps_per_epoch: int | None, force: bool) -> bool:
+    """Count one trainer step (an epoch too when it is the epoch's last) and say whether ``freq`` fires.
+
+    ``force`` fires regardless and restarts the counts.
+    """
+    last_of_epoch = steps_per_epoch is not None and epoch_step + 1 == steps_per_epoch
+    fired = freq.check(epochs=int(last_of_epoch), steps=1)
+    if force and not fired:
+        freq.reset()
+    return fired or force
+
+
+def check_epoch_frequency(freq_epochs: int | None, steps_per_epoch: int | None, owner: str) -> None:
+    """Raise when an epoch frequency is set but the epoch length is unknown."""
+    if freq_epochs is not None and steps_per_epoch is None:
+        raise ValueError(f"{owner}.freq_epochs={freq_epochs} needs steps_per_epoch (the dataloader length)")
+
+
+def barrier() -> None:
+    """``dist.barrier()`` when torch.distributed is up."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def global_rank() -> int:
+    """This process's rank (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def start_tmp_dir(tmp: Path) -> None:
+    """Rank 0 replaces a leftover (interrupted) ``tmp`` with an empty one; every rank waits (collective)."""
+    if global_rank() == 0:
+        if tmp.exists():
+            logger.warning("removing %s, left by an interrupted write", tmp)
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Rename a fully written ``tmp`` directory to ``final``, replacing an older ``final``."""
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+class Saver:
+    """Periodic checkpoints under ``{run_dir}/checkpoints/globalstep{N}/``.
+
+    Each is written to ``globalstep{N}.tmp`` and renamed once every rank has finished, so
+    a directory without the suffix is complete. Contents: ``model/`` (Megatron distributed
+    checkpoint with optimizer state, resumable with ``engine.load``), ``hf/`` when
+    ``config.export_hf``, and ``meta.json`` (epoch, steps, version).
+
+    Args:
+        config: Frequencies, HF export and how many checkpoints to keep.
+        run_dir: The run's output directory.
+        steps_per_epoch: Trainer steps per epoch; required for ``config.freq_epochs``.
+    """
+
+    def __init__(self, config: SaverConfig, run_dir: Path, steps_per_epoch: int | None = None):
+        check_epoch_frequency(config.freq_epochs, steps_per_epoch, "saver")
+        self.config = config
+        self.root = Path(run_dir) / "checkpoints"
+        self.steps_per_epoch = steps_per_epoch
+        self.freq = FrequencyControl(config.freq_epochs, config.freq_steps, config.freq_secs)
+        self._last_step: int | None = None  # global step of the newest checkpoint this Saver wrote
+
+    def maybe_save(self, engine, epoch: int, epoch_step: int, global_step: int, force: bool = False) -> Path | None:
+        """Save when a frequency is reached (or ``force``); collective. Returns the checkpoint dir or None.
+
+        A second save of the step just saved (a final forced save after a periodic one) is skipped.
+        """
+        if not due(self.freq, epoch_step, self.steps_per_epoch, force) or global_step == self._last_step:
+            return None
+        from megarl.actor.checkpoint import SaveLoadMeta
+
+        final = self.root / f"globalstep{global_step}"
+        tmp = final.with_name(final.name + ".tmp")
+        start_tmp_dir(tmp)
+        engine.save(SaveLoadMeta(str(tmp / "model"), weight_format="megatron", with_optim=True))
+        if self.config.export_hf:
+            engine.export_hf(tmp / "hf")
+        meta = {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step, "version": engine.get_version()}
+        barrier()
+        if global_rank() == 0:
+            (tmp / "meta.json").write_text(json.dumps(meta))
+            publish_dir(tmp, final)
+            self._prune()
+            logger.info("saved checkpoint %s", final)
+        barrier()
+        self._last_step = global_step
+        return final
+
+    def _prune(self) -> None:
+        """Delete interrupted ``.tmp`` dirs and all but the ``keep_last`` newest checkpoints."""
+        steps = {}
+        for path in self.root.iterdir():
+            match = re.fullmatch(r"globalstep(\d+)(\.tmp)?", path.name)
+            if match and match[2]:
+                shutil.rmtree(path)
+            elif match:
+                steps[int(match[1])] = path
+        for step in sorted(steps)[: -self.config.keep_last]:
+            shutil.rmtree(steps[step])
+
+    def state_dict(self) -> dict:
+        """The frequency counters (for recovery)."""
+        return {"freq": self.freq.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.freq.load_state_dict(state["freq"])

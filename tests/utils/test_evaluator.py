@@ -1,0 +1,91 @@
+"""Evaluator frequency and greedy pass@1 through a real rollout client on a fake server."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.api import ModelRequest, make_trajectory
+from megarl.config.rollout import GenerationHyperparameters
+from megarl.config.run import EvaluatorConfig
+from megarl.utils.evaluator import Evaluator, pass_at_1
+from megarl.workflow import workflow_context
+from tests.rollout.conftest import make_engine, start_fake_servers
+
+
+def evaluate_steps(evaluator: Evaluator, steps: range, steps_per_epoch: int = 100) -> list[int]:
+    done = []
+    for step in steps:
+        fn = lambda step=step: {"eval/pass@1": step / 10}
+        if evaluator.maybe_evaluate(fn, step // steps_per_epoch, step % steps_per_epoch, step) is not None:
+            done.append(step)
+    return done
+
+
+def test_evaluates_every_n_steps_and_returns_the_stats():
+    evaluator = Evaluator(EvaluatorConfig(freq_steps=2))
+    assert evaluate_steps(evaluator, range(6)) == [1, 3, 5]
+    assert evaluator.maybe_evaluate(lambda: {"eval/pass@1": 0.5}, 0, 6, 6, force=True) == {"eval/pass@1": 0.5}
+
+
+def test_evaluates_at_the_end_of_each_epoch():
+    evaluator = Evaluator(EvaluatorConfig(freq_epochs=1), steps_per_epoch=4)
+    assert evaluate_steps(evaluator, range(12), steps_per_epoch=4) == [3, 7, 11]
+
+
+def test_unset_frequencies_never_evaluate_and_state_round_trips():
+    assert evaluate_steps(Evaluator(EvaluatorConfig()), range(20)) == []
+    evaluator = Evaluator(EvaluatorConfig(freq_steps=3))
+    evaluate_steps(evaluator, range(2))
+    resumed = Evaluator(EvaluatorConfig(freq_steps=3))
+    resumed.load_state_dict(evaluator.state_dict())
+    assert evaluate_steps(resumed, range(2, 6)) == [2, 5]
+
+
+class ScoredWorkflow:
+    """One greedy generation per item; the reward is the item's ``reward`` (None rejects the episode)."""
+
+    def __init__(self, greedy: bool = True):
+        self.gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=4, greedy=greedy)
+        self.saw_eval: list[bool] = []
+
+    async def arun_episode(self, engine, data):
+        self.saw_eval.append(workflow_context.get().is_eval)
+        if data["reward"] is None:
+            return None
+        resp = await engine.agenerate(ModelRequest(input_ids=[11, 12, 13], gconfig=self.gconfig))
+        out = (resp.output_tokens, resp.output_logprobs, resp.output_versions)
+        return make_trajectory(resp.input_tokens, *out, data["reward"])
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    (server,) = start_fake_servers(1, token_delay=0.001)
+    engine = make_engine([server.address], batch_size=2)
+    yield engine
+    engine.destroy()
+    server.stop(timeout=5)
+
+
+def test_pass_at_1_counts_rewards_above_half_over_returned_sequences(rollout):
+    items = [{"reward": r} for r in (1.0, 0.0, 0.7, None, 0.2)]  # the rejected one does not count
+    workflow = ScoredWorkflow()
+    stats = pass_at_1(rollout, items, workflow)
+    assert stats == {"eval/pass@1": 0.5, "eval/n_samples": 4.0, "eval/reward": pytest.approx(1.9 / 4)}
+    assert workflow.saw_eval == [True] * 5  # evaluation episodes, outside the staleness budget
+
+
+def test_pass_at_1_takes_the_first_max_samples_items(rollout):
+    items = [{"reward": r} for r in (1.0, 0.0, 0.7, 1.0)]
+    stats = pass_at_1(rollout, items, ScoredWorkflow(), max_samples=3)
+    assert stats == {"eval/pass@1": pytest.approx(2 / 3), "eval/n_samples": 3.0, "eval/reward": pytest.approx(1.7 / 3)}
+
+
+def test_pass_at_1_with_every_episode_rejected_is_zero(rollout, caplog):
+    stats = pass_at_1(rollout, [{"reward": None}] * 2, ScoredWorkflow())
+    assert stats == {"eval/pass@1": 0.0, "eval/n_samples": 0.0, "eval/reward": 0.0}
+    assert "no sequences" in caplog.text
+
+
+def test_pass_at_1_warns_about_a_sampling_workflow(rollout, caplog):
+    pass_at_1(rollout, [{"reward": 1.0}], ScoredWorkflow(greedy=False))
+    assert "not greedy pass@1" in caplog.text

@@ -1,0 +1,209 @@
+"""RecoverHandler: a real engine round trip (weights, optimizer, LR, version, RNG), crash leftovers, modes, layouts."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.config.allocation import TrainingAllocation
+from megarl.config.run import RecoverConfig
+from megarl.utils.recover import RecoverHandler, RecoverInfo
+from tests.actor.dist_utils import run_ranks
+
+# ---------------------------------------------------------------------------------- real engine
+
+
+def draws() -> list[float]:
+    """One number from each RNG the handler restores."""
+    return [random.random(), float(np.random.rand()), torch.rand(()).item()]
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in engine.model[0].named_parameters()}
+
+
+def observe(engine, batch: dict) -> dict:
+    """What a resumed run must reproduce: RNG draws, weights, the next loss, the weights and LR after it."""
+    from tests.actor.workers import _step
+
+    out = {"draws": draws(), "weights": weights(engine), "version": engine.get_version()}
+    out["loss"] = _step(engine, batch)
+    out["weights_after"], out["lr_after"] = weights(engine), engine.current_lr
+    return out
+
+
+def dump_then_recover(model_dir: str, run_dir: str) -> dict:
+    """One rank: a step and a dump, observed; then a fresh engine loads the dump and is observed the same way."""
+    from tests.actor.workers import _ckpt_engine, _step, make_batch
+
+    engine = _ckpt_engine(model_dir, "d1p1t1", "float32")
+    batches = [make_batch([7, 12, 5, 9], seed=s) for s in range(2)]
+    _step(engine, batches[0])
+    engine.set_version(1)
+    config = RecoverConfig(mode="auto", freq_steps=1)
+    info = RecoverInfo(0, 0, 0, rollout_version=1, dataloader_state={"consumed": 4}, extra={"note": "x"})
+    assert RecoverHandler(config, Path(run_dir)).maybe_dump(engine, info)
+    at_dump = {**observe_optimizer(engine), **observe(engine, batches[1])}
+    engine = _ckpt_engine(model_dir, "d1p1t1", "float32")  # fresh engine and handler, as after a restart
+    loaded = RecoverHandler(config, Path(run_dir)).load(engine)
+    after_load = {**observe_optimizer(engine), **observe(engine, batches[1])}
+    return {"at_dump": at_dump, "after_load": after_load, "info": loaded}
+
+
+def observe_optimizer(engine) -> dict:
+    """Adam moments and step counts of every parameter, and the LR scheduler's step count."""
+    optimizers = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+    states = [state for opt in optimizers for state in opt.optimizer.state.values()]
+    return {
+        "moments": [torch.cat([s["exp_avg"].flatten(), s["exp_avg_sq"].flatten()]) for s in states],
+        "adam_steps": sorted({float(s["step"]) for s in states}),
+        "lr_steps": engine.lr_scheduler.num_steps,
+    }
+
+
+@pytest.fixture(scope="module")
+def recovered(tiny_model_dir, tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("recover_run")
+    out = run_ranks(1, "tests.utils.test_recover:dump_then_recover", model_dir=str(tiny_model_dir("llama")),
+                    run_dir=str(run_dir), timeout=300)[0]  # fmt: skip
+    return {**out, "run_dir": run_dir}
+
+
+@pytest.mark.multiproc
+def test_dump_then_load_restores_engine_rng_and_info(recovered):
+    want, got = recovered["at_dump"], recovered["after_load"]
+    assert got["draws"] == want["draws"] and got["version"] == want["version"] == 1
+    for name, tensor in want["weights"].items():
+        assert torch.equal(got["weights"][name], tensor), name
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert all(torch.equal(g, w) for g, w in zip(got["moments"], want["moments"], strict=True))
+    assert got["lr_steps"] == want["lr_steps"] == 1 and got["lr_after"] == want["lr_after"]
+    info = recovered["info"]
+    assert (info.global_step, info.rollout_version) == (0, 1)
+    assert info.dataloader_state == {"consumed": 4} and info.extra == {"note": "x"}
+    assert sorted(p.name for p in (recovered["run_dir"] / "recover").iterdir()) == ["latest", "step0"]
+
+
+@pytest.mark.multiproc
+def test_dump_then_load_restores_adam_step_count(recovered):
+    want, got = recovered["at_dump"], recovered["after_load"]
+    assert got["adam_steps"] == want["adam_steps"] == [1.0]
+    for name, tensor in want["weights_after"].items():  # the next update uses the same bias correction
+        torch.testing.assert_close(got["weights_after"][name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------------- stub engine
+
+
+class StubEngine:
+    """Writes / reads a marker file where MegatronEngine writes / reads its checkpoint."""
+
+    def __init__(self, rank: int = 0, dp: int = 1, tp: int = 1, fail_save: bool = False):
+        alloc = TrainingAllocation(dp=dp, tp=tp)
+        self.parallel = SimpleNamespace(rank=rank, world_size=alloc.world_size, alloc=alloc)
+        self.version = 0
+        self.fail_save = fail_save
+        self.loaded_from: str | None = None
+
+    def save(self, meta) -> None:
+        Path(meta.path).mkdir(parents=True)
+        (Path(meta.path) / "version").write_text(str(self.version))
+        if self.fail_save:
+            raise KeyboardInterrupt("killed mid-dump")
+
+    def load(self, meta) -> None:
+        self.loaded_from = meta.path
+        self.version = int((Path(meta.path) / "version").read_text())
+
+
+def info_at(step: int) -> RecoverInfo:
+    return RecoverInfo(epoch=0, epoch_step=step, global_step=step, rollout_version=step)
+
+
+def dump(run_dir: Path, step: int, **engine) -> StubEngine:
+    stub = StubEngine(**engine)
+    stub.version = step
+    RecoverHandler(RecoverConfig(mode="auto"), run_dir).maybe_dump(stub, info_at(step), force=True)
+    return stub
+
+
+def load(run_dir: Path, mode: str = "auto", **engine) -> tuple[StubEngine, RecoverInfo | None]:
+    stub = StubEngine(**engine)
+    return stub, RecoverHandler(RecoverConfig(mode=mode), run_dir).load(stub)
+
+
+def test_crash_mid_dump_leaves_previous_point_and_next_dump_cleans_up(tmp_path):
+    dump(tmp_path, 3)
+    with pytest.raises(KeyboardInterrupt):
+        dump(tmp_path, 4, fail_save=True)
+    assert (tmp_path / "recover" / "step4.tmp").is_dir()
+    stub, info = load(tmp_path)
+    assert info.global_step == 3 and stub.version == 3
+    dump(tmp_path, 4)
+    assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["latest", "step4"]
+
+
+def test_crash_between_rename_and_pointer_keeps_the_older_point(tmp_path):
+    dump(tmp_path, 3)
+    root = tmp_path / "recover"
+    (root / "step4").mkdir()  # renamed, but killed before `latest` moved on
+    stub, info = load(tmp_path)
+    assert info.global_step == 3 and stub.loaded_from == str(root / "step3" / "model")
+
+
+def test_frequency_and_disabled_mode_decide_whether_to_dump(tmp_path):
+    handler, stub = RecoverHandler(RecoverConfig(mode="auto", freq_steps=2), tmp_path), StubEngine()
+    assert [handler.maybe_dump(stub, info_at(step)) for step in range(4)] == [False, True, False, True]
+    assert (tmp_path / "recover" / "latest").read_text() == "step3"
+    disabled = RecoverHandler(RecoverConfig(mode="disabled", freq_steps=1), tmp_path / "other")
+    assert not disabled.maybe_dump(stub, info_at(0), force=True)
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_second_dump_of_the_same_step_is_skipped(tmp_path):
+    handler, stub = RecoverHandler(RecoverConfig(mode="auto", freq_steps=1), tmp_path), StubEngine()
+    assert handler.maybe_dump(stub, info_at(3))
+    assert not handler.maybe_dump(stub, info_at(3), force=True)  # e.g. a final forced dump after the periodic one
+    assert handler.maybe_dump(stub, info_at(4))
+
+
+def test_modes_on_load(tmp_path, caplog):
+    assert load(tmp_path, "auto")[1] is None
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "recover")):
+        load(tmp_path, "resume")
+    dump(tmp_path, 2)
+    assert load(tmp_path, "resume")[1].global_step == 2
+    stub, info = load(tmp_path, "disabled")
+    assert info is None and stub.loaded_from is None
+    assert "ignoring the recover point" in caplog.text
+
+
+def test_recover_state_restores_the_dump_frequency(tmp_path):
+    handler, stub = RecoverHandler(RecoverConfig(mode="auto", freq_steps=3), tmp_path), StubEngine()
+    assert handler.maybe_dump(stub, info_at(0), force=True)
+    handler.maybe_dump(stub, info_at(1))  # one step counted after the dump
+    resumed = RecoverHandler(RecoverConfig(mode="auto", freq_steps=3), tmp_path)
+    resumed.load(StubEngine())
+    assert [resumed.maybe_dump(stub, info_at(s)) for s in (1, 2, 3)] == [False, False, True]
+
+
+def test_rng_restored_on_the_same_world_only(tmp_path):
+    dump(tmp_path, 1)
+    expected = draws()
+    load(tmp_path)
+    assert draws() == expected
+    load(tmp_path, rank=1, dp=2)  # DP 1 -> 2: rank 1 takes rank 0's info, keeps its own RNG
+    assert draws() != expected
+
+
+def test_only_the_data_parallel_size_may_change(tmp_path):
+    dump(tmp_path, 1)
+    stub, info = load(tmp_path, rank=1, dp=2)
+    assert info.global_step == 1 and stub.version == 1
+    with pytest.raises(ValueError, match=r"only the data-parallel size may change \(differs: \['tp', 'expert_tp'\]\)"):
+        load(tmp_path, tp=2)
