@@ -144,6 +144,8 @@ def recover_info(t: Trainer, global_step: int) -> RecoverInfo:
         epoch=epoch, epoch_step=epoch_step, global_step=global_step, rollout_version=t.actor.get_version(),
         dataloader_state=t.dataloader.state_dict() if t.dataloader is not None else {},
         saver_state=t.saver.state_dict(), evaluator_state=t.evaluator.state_dict(),
+        # prompts fed to the pool but not trained on yet: resubmitted first on recovery
+        extra={"pending_items": t.rollout.pool.pending_items() if t.rollout is not None else []},
     )  # fmt: skip
 
 
@@ -250,27 +252,29 @@ def all_gather(value) -> list:
 # ---------------------------------------------------------------------------- main
 
 
-def restore(t: Trainer) -> int:
-    """Resume from the recover point (``recover.mode``); returns the first step to run."""
+def restore(t: Trainer) -> RecoverInfo | None:
+    """Resume from the recover point (``recover.mode``): model, optimizer, data position, run utilities."""
     info = t.recover.load(t.actor)
+    if t.rollout is not None:
+        t.rollout.set_version(t.actor.get_version())
     if info is None:
-        return 0
+        return None
     if t.dataloader is not None:
         t.dataloader.load_state_dict(info.dataloader_state)
     t.saver.load_state_dict(info.saver_state)
     t.evaluator.load_state_dict(info.evaluator_state)
     logger.info("recovered after step %d (version %d)", info.global_step, info.rollout_version)
-    return info.global_step + 1
+    return info
 
 
 def train(t: Trainer) -> dict[str, float]:
     """Run the steps left; returns the StatsLogger's summary (rank 0) or {}."""
-    start = restore(t)
-    version = t.actor.get_version()
-    if t.rollout is not None:
-        t.rollout.set_version(version)
-    # The servers may hold other weights (a restarted trainer, servers kept up): push ours.
-    t.actor.update_weights(replace(t.weight_meta, version=version))
+    info = restore(t)
+    start = 0 if info is None else info.global_step + 1
+    # The servers may hold other weights (a restarted trainer, servers kept up): push ours first.
+    t.actor.update_weights(replace(t.weight_meta, version=t.actor.get_version()))
+    if info is not None and t.rollout is not None:  # prompts in flight at the recover point go first
+        t.rollout.pool.resubmit(info.extra.get("pending_items", []), t.workflow, should_accept_fn(t.config.dynamic_filter))
     rank0 = dist.get_rank() == 0
     t.stats_logger = StatsLogger(t.config.stats_logger, t.config.run_dir, exp_config=to_container(t.config),
                                  rank=dist.get_rank(), start_step=start)  # fmt: skip

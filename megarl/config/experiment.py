@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -31,8 +32,9 @@ from megarl.config.train import PPOActorConfig, TrainEngineConfig
 _SMOLLM2_135M = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
 MODEL_SHORT_NAMES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M}
 """Model short names (lower case) and the shapes that constrain a parallel layout."""
-DATASET_SHORT_NAMES = {"gsm8k": Path(__file__).resolve().parents[1] / "data" / "gsm8k"}
-"""Bundled datasets: short name -> directory of ``{split}.jsonl`` files."""
+_DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DATASET_SHORT_NAMES = types.MappingProxyType({"gsm8k": _DATA_DIR / "gsm8k", "arithmetic": _DATA_DIR / "arithmetic"})
+"""Bundled datasets: short name -> directory of ``{split}.jsonl`` files (``megarl.data`` resolves these)."""
 DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")

@@ -17,13 +17,14 @@ from pathlib import Path
 import datasets
 from datasets.distributed import split_dataset_by_node
 
+from megarl.config.experiment import DATASET_SHORT_NAMES
 from megarl.data.rows import CONSUMED_COLUMNS, row_mapper
 
 logger = logging.getLogger(__name__)
 
 GSM8K_DIR = Path(__file__).resolve().parent / "gsm8k"
 # Short names win over same-named relative paths; write "./gsm8k" to mean a local folder.
-SHORT_NAMES = types.MappingProxyType({"gsm8k": GSM8K_DIR})
+SHORT_NAMES = DATASET_SHORT_NAMES  # defined with the config checks, which must not import ``datasets``
 FILE_BUILDERS = types.MappingProxyType({".jsonl": "json", ".json": "json", ".parquet": "parquet"})
 HUB_PROBE_TIMEOUT_S = 5.0
 _TMP_PREFIX = "__megarl_mapped_"

@@ -107,6 +107,7 @@ class RolloutPool:
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._data_iter: Iterator | None = None
+        self._pending: dict[int, dict[str, Any]] = {}  # fed from the dataloader, not yet handed to the trainer
         self._data_source: Any = None
         self._last_batch_time: float | None = None
 
@@ -240,6 +241,7 @@ class RolloutPool:
                 err.__cause__ = error
                 self._errors.append(err)
             if traj is None:
+                self._pending.pop(task.task_id, None)
                 if not task.is_eval:
                     self.staleness.on_rollout_rejected()
             else:
@@ -267,6 +269,7 @@ class RolloutPool:
         is_eval: bool = False,
         timeout: float | None = None,
         _watch: bool = False,
+        _track: bool = False,
     ) -> int:
         """Queue one episode; blocks while the input queue is full. Returns its task id.
 
@@ -284,6 +287,8 @@ class RolloutPool:
                 self._cond.wait(remaining)
             self._check_running()
             self._input.append(task)
+            if _track:  # a dataloader item: pending until its trajectory reaches the trainer
+                self._pending[task.task_id] = data
         self._wake_loop()
         return task.task_id
 
@@ -296,6 +301,7 @@ class RolloutPool:
         floor = self.staleness.min_allowed_version(self.engine.get_version())
         while self._results and self._results[0].oldest < floor and not self._results[0].is_eval:
             stale = heapq.heappop(self._results)
+            self._pending.pop(stale.task_id, None)
             self.staleness.on_rollout_dropped()
             logger.debug("dropped a trajectory of version %d (floor %d)", stale.oldest, floor)
             with stats_tracker.scope("rollout"):
@@ -312,7 +318,10 @@ class RolloutPool:
                     self._drop_stale_locked()
                     if len(self._results) >= min_count:
                         n = min(max_count, len(self._results))
-                        return [heapq.heappop(self._results) for _ in range(n)]
+                        taken = [heapq.heappop(self._results) for _ in range(n)]
+                        for result in taken:
+                            self._pending.pop(result.task_id, None)
+                        return taken
                     self._check_running()
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -437,7 +446,22 @@ class RolloutPool:
                     f"got {type(items).__name__}"
                 )
             for item in items:
-                self.submit(item, wf, should_accept_fn)
+                self.submit(item, wf, should_accept_fn, _track=True)
+
+    def pending_items(self) -> list[dict[str, Any]]:
+        """Dataloader items taken by ``prepare_batch`` whose trajectories the trainer has not received yet.
+
+        With the dataloader's state they make a recover point exact: resubmit them first
+        (:meth:`resubmit`) and no prompt is skipped or repeated.
+        """
+        with self._cond:
+            return [self._pending[task_id] for task_id in sorted(self._pending)]
+
+    def resubmit(self, items: list[dict[str, Any]], workflow: WorkflowLike, should_accept_fn=None) -> None:
+        """Queue ``items`` (a recover point's pending items) ahead of the dataloader's next batches."""
+        wf = resolve_workflow(workflow)
+        for item in items:
+            self.submit(item, wf, should_accept_fn, _track=True)
 
     def pause(self) -> None:
         """Start no new episodes (running ones continue)."""

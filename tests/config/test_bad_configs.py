@@ -212,7 +212,7 @@ def test_short_names_match_the_loaders():
     from megarl.models.provision import ALIASES, KNOWN_MODELS, default_cache_dir
 
     assert set(MODEL_SHORT_NAMES) == set(KNOWN_MODELS) | set(ALIASES)
-    assert dict(SHORT_NAMES) == DATASET_SHORT_NAMES
+    assert SHORT_NAMES is DATASET_SHORT_NAMES
     for name in KNOWN_MODELS:
         provisioned = default_cache_dir() / name
         if (provisioned / "config.json").is_file():
