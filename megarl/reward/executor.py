@@ -19,6 +19,7 @@ import concurrent.futures
 import functools
 import logging
 import multiprocessing
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
@@ -32,13 +33,32 @@ from megarl.utils import stats_tracker
 logger = logging.getLogger(__name__)
 
 
-def _call_reward(reward_fn: Callable[..., Any], args: tuple, kwargs: dict) -> ScoredReward:
-    """Worker side: call ``reward_fn`` and turn anything it does into a ScoredReward."""
+class _RewardTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _RewardTimeout
+
+
+def _call_reward(reward_fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> ScoredReward:
+    """Worker side: call ``reward_fn`` under a ``timeout`` alarm; anything it does becomes a ScoredReward.
+
+    The clock starts when the worker starts the call, so a cold pool (spawned workers
+    importing the trainer's modules, seconds on a busy machine) costs no reward.
+    """
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         value = reward_fn(*args, **kwargs)
+    except _RewardTimeout:
+        return ScoredReward(0.0, "timeout")
     except Exception as e:  # noqa: BLE001 -- reported as outcome "error", never raised
         logging.getLogger(__name__).warning("reward function %r raised %r", reward_fn, e)
         return ScoredReward(0.0, "error")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
     if isinstance(value, ScoredReward):
         return value
     try:
@@ -57,17 +77,27 @@ class AsyncRewardWrapper:
 
     Args:
         reward_fn: A picklable (module-level) function returning a float or a ScoredReward.
-        timeout_seconds: Wall-clock bound per call, queueing in the pool included.
+        timeout_seconds: Bound on one call once a worker runs it (a SIGALRM in the worker).
         max_workers: Worker processes (default: CPU count, at most 8).
+        startup_grace_seconds: Extra wait for a free, started worker (spawn imports the
+            trainer's modules); past ``timeout_seconds`` plus this the call scores 0 and
+            the pool is replaced (a worker stuck where the alarm cannot reach it).
     """
 
     FAILURE_OUTCOMES = ("no_answer", "bad_reference", "error", "timeout")
 
-    def __init__(self, reward_fn: Callable[..., Any], timeout_seconds: float = 15.0, max_workers: int | None = None):
+    def __init__(
+        self,
+        reward_fn: Callable[..., Any],
+        timeout_seconds: float = 15.0,
+        max_workers: int | None = None,
+        startup_grace_seconds: float = 300.0,
+    ):
         if timeout_seconds <= 0:
             raise ValueError(f"AsyncRewardWrapper: timeout_seconds must be > 0, got {timeout_seconds}")
         self.reward_fn = reward_fn
         self.timeout_seconds = timeout_seconds
+        self.startup_grace_seconds = startup_grace_seconds
         self.max_workers = max_workers or min(8, multiprocessing.cpu_count())
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -92,12 +122,13 @@ class AsyncRewardWrapper:
 
     async def __call__(self, *args: Any, **kwargs: Any) -> ScoredReward:
         executor = self._get_executor()
-        call = functools.partial(_call_reward, self.reward_fn, args, kwargs)
+        call = functools.partial(_call_reward, self.reward_fn, args, kwargs, self.timeout_seconds)
         try:
             future = asyncio.get_running_loop().run_in_executor(executor, call)
-            result = await asyncio.wait_for(future, self.timeout_seconds)
+            result = await asyncio.wait_for(future, self.timeout_seconds + self.startup_grace_seconds)
         except TimeoutError:
-            logger.warning("reward %r timed out after %.1fs; scoring 0", self.reward_fn, self.timeout_seconds)
+            logger.warning("reward %r got no answer from its worker within %.0fs; scoring 0, replacing the pool",
+                           self.reward_fn, self.timeout_seconds + self.startup_grace_seconds)  # fmt: skip
             self._replace_executor(executor)
             result = ScoredReward(0.0, "timeout")
         except BrokenProcessPool as e:

@@ -153,3 +153,21 @@ def test_async_reward_wrapper_counts_and_never_raises():
     assert stats["test_reward/reward/n_calls"] == 4
     assert stats["test_reward/reward/failures"] == 3
     assert stats["test_reward/reward/timeout"] == 1
+
+
+def _quick_reward(*args, **kwargs):
+    return 1.0
+
+
+def test_cold_worker_start_does_not_count_against_the_timeout():
+    """Spawned workers import torch and megarl (seconds); the 0.5 s bound applies to the call alone."""
+
+    async def main():
+        wrapper = AsyncRewardWrapper(_quick_reward, timeout_seconds=0.5, max_workers=1)
+        try:
+            return await wrapper("p", "c", [], [])
+        finally:
+            wrapper.close()
+
+    result = asyncio.run(main())
+    assert result.outcome == "ok" and float(result) == 1.0
