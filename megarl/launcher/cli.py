@@ -4,6 +4,7 @@
     megarl allocation vllm:d4t2+megatron:d2p2t2e2 --nodes 3 --gpus-per-node 8
     megarl models fetch smollm2-135m-instruct
     megarl slurm --dry-run --config configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml
+    megarl run configs/gsm8k_grpo_cpu.yaml actor.optimizer.lr=1e-5
 """
 
 from __future__ import annotations
@@ -100,6 +101,28 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace, console: Console) -> int:
+    first = args.overrides[0] if args.overrides else ""
+    if first.endswith((".yaml", ".yml")) and "=" not in first:
+        args.config, args.overrides = [first, *args.config], args.overrides[1:]
+    config = _load(args)  # every config error before any process starts
+
+    from megarl.launcher.local import run_local
+    from megarl.rollout.server import ServerLaunchError
+    from megarl.utils.logging import setup_logging
+
+    setup_logging("INFO")
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        return run_local(config, out=sys.stdout)
+    except ServerLaunchError as e:
+        err.print(f"megarl run: error: {e}", markup=False, highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        err.print("megarl run: interrupted; every server and trainer process was stopped", markup=False)
+        return 130
+
+
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", action="append", default=[], help="YAML file (repeatable; later files win)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
@@ -135,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--output", help="where to write the script (default {run_dir}/job.sbatch)")
     _add_config_args(slurm)
     slurm.set_defaults(func=_cmd_slurm)
+
+    run = sub.add_parser("run", help="run an experiment on this machine: inference servers, then the trainer")
+    run.add_argument("--config", action="append", default=[], help="YAML file (repeatable; later files win)")
+    run.add_argument("overrides", nargs="*", metavar="ARG", help="CONFIG.yaml, then key.path=value overrides")
+    run.set_defaults(func=_cmd_run)
 
     models = sub.add_parser("models", help="list or provision models known by short name")
     models.add_argument("action", choices=["list", "fetch"])

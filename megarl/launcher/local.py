@@ -1,0 +1,478 @@
+"""``megarl run``: every process of an experiment on this one machine.
+
+    megarl run configs/gsm8k_grpo_cpu.yaml actor.optimizer.lr=1e-5
+
+The same steps as the sbatch script of :mod:`megarl.launcher.slurm`, as child processes:
+
+1. check the config (one node, a trainer entry that exists, the devices it places
+   processes on) before anything starts, and write the resolved config to
+   ``{run_dir}/config.yaml``: the trainer reads it, the servers are built from it;
+2. start every inference server of the placement plan (logs in
+   ``{run_dir}/logs/server-{i}.log``) and wait until all are healthy; one dying fails
+   the run at once, quoting the end of its log;
+3. ``torchrun --standalone`` the trainer with the servers' addresses in
+   ``$rollout.server_addrs_env``; with ``recover.mode=auto`` a trainer that fails is
+   restarted (servers stay up) up to ``recover.retries`` times;
+4. a server dying meanwhile stops the trainer and fails the run.
+
+Every child's output reaches the console line by line, prefixed ``[server-0]`` or
+``[trainer]``; the trainer's also goes to ``{run_dir}/logs/trainer.log``. Whatever
+happens (success, failure, Ctrl-C, SIGTERM) every server's and the trainer's whole
+process tree is stopped before :func:`run_local` returns.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, TextIO
+
+import psutil
+
+from megarl.config.experiment import GRPOConfig
+from megarl.config.loader import save_config
+from megarl.launcher.placement import Placement, plan_placement
+from megarl.launcher.serve import device_type, server_spec
+from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
+from megarl.utils.network import find_free_ports
+from megarl.utils.process import cancel_kill_on_exit, kill_on_exit, terminate_process_tree
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.5
+_FOLLOW_POLL_S = 0.2
+_STOP_TIMEOUT_S = 15.0
+_ORPHAN_GRACE_S = 3.0
+_KILL_WAIT_S = 10.0  # a killed process with much memory takes a while to go
+_HOST = "127.0.0.1"  # one machine: the servers need not be reachable from elsewhere
+_TAG_ENV = "MEGARL_LAUNCH_TAG"  # marks every process of one launched child, see _Mark
+
+
+class OutputRelay:
+    """Writes children's output lines to one stream, each whole and prefixed ``[name]``."""
+
+    def __init__(self, out: TextIO):
+        self._out = out
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+
+    def line(self, name: str, text: str) -> None:
+        with self._lock:
+            self._out.write(f"[{name}] {text}\n")
+            self._out.flush()
+
+    def pipe(self, name: str, stream: IO[bytes], log: IO[bytes]) -> threading.Thread:
+        """Relay ``stream`` (until EOF) to the console and to ``log``."""
+
+        def pump() -> None:
+            for raw in stream:
+                log.write(raw)
+                log.flush()
+                self.line(name, raw.decode(errors="replace").rstrip("\n"))
+
+        return self._spawn(pump, name)
+
+    def follow(self, name: str, path: Path) -> threading.Thread:
+        """Relay the lines appended to ``path`` from now on, until :meth:`close`."""
+        start = path.stat().st_size if path.exists() else 0
+
+        def tail() -> None:
+            while not path.exists():
+                if self._stop.wait(_FOLLOW_POLL_S):
+                    return
+            with open(path, "rb") as f:
+                f.seek(start)
+                pending = b""
+                while True:
+                    pending += f.readline()
+                    if pending.endswith(b"\n"):
+                        self.line(name, pending.decode(errors="replace").rstrip("\n"))
+                        pending = b""
+                    elif self._stop.wait(_FOLLOW_POLL_S):
+                        break
+                rest = pending + f.read()
+                for text in rest.decode(errors="replace").splitlines():
+                    self.line(name, text)
+
+        return self._spawn(tail, name)
+
+    def _spawn(self, target, name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=f"relay-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return thread
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush what followed files still hold and stop following them."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout)
+        self._threads.clear()
+        self._stop.clear()
+
+
+def check_local(config: GRPOConfig) -> Placement:
+    """Where each process of ``config`` goes on this machine; ``ValueError`` if it cannot run here."""
+    if config.cluster.n_nodes != 1:
+        raise ValueError(
+            f"megarl run starts everything on this one machine, but cluster.n_nodes={config.cluster.n_nodes}; "
+            "use `megarl slurm` for several nodes"
+        )
+    entry = config.launcher.trainer_entry
+    if entry.endswith(".py"):
+        if not Path(entry).is_file():
+            raise ValueError(f"launcher.trainer_entry {entry!r} is not a file")
+    elif _find_module(entry) is None:
+        raise ValueError(f"launcher.trainer_entry {entry!r} is neither a .py file nor an importable module")
+    plan = plan_placement(config.allocation, config.cluster.n_nodes, config.cluster.n_gpus_per_node)
+    return _on_this_machine(config, plan)
+
+
+def _on_this_machine(config: GRPOConfig, plan: Placement) -> Placement:
+    """``plan`` with its device indexes turned into ids this process may use.
+
+    They index the visible GPUs (``$CUDA_VISIBLE_DEVICES``), or on CPU the cores of this
+    process's affinity mask (which servers are bound to), so ``CUDA_VISIBLE_DEVICES=4,5,6,7
+    megarl run ...`` or ``taskset -c 8-15 megarl run ...`` keeps the run inside them.
+    On CPU the trainer's slots are not bound to cores and stay as they are.
+    """
+    cuda = device_type(config) == "cuda"
+    visible, kind = (_visible_gpus(), "GPUs") if cuda else (sorted(os.sched_getaffinity(0)), "CPU cores")
+
+    def physical(ids: tuple[int, ...]) -> tuple[int, ...]:
+        if max(ids, default=-1) >= len(visible):
+            raise ValueError(
+                f"allocation_mode {config.allocation_mode!r} places a process on device {max(ids)} of "
+                f"cluster.n_gpus_per_node={config.cluster.n_gpus_per_node}, but this machine shows {len(visible)} "
+                f"{kind} to megarl run ({visible})"
+            )
+        return tuple(visible[i] for i in ids)
+
+    servers = tuple(replace(slot, devices=physical(slot.devices)) for slot in plan.servers)
+    trainer = physical(plan.trainer_devices) if cuda else plan.trainer_devices
+    return replace(plan, servers=servers, trainer_devices=trainer)
+
+
+def _visible_gpus() -> list[int]:
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        import torch
+
+        return list(range(torch.cuda.device_count()))
+    try:
+        return [int(d) for d in raw.split(",") if d.strip()]
+    except ValueError:
+        raise ValueError(f"megarl run needs integer GPU ids in CUDA_VISIBLE_DEVICES, got {raw!r}") from None
+
+
+def _find_module(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def server_specs(config: GRPOConfig, plan: Placement) -> list[LaunchSpec]:
+    """One launch spec per server of ``plan``, each on a free port, with ``launcher.env``."""
+    if not plan.servers:
+        return []
+    ports = find_free_ports(len(plan.servers), host=_HOST)
+    specs = []
+    for slot, port in zip(plan.servers, ports, strict=True):
+        spec = server_spec(config, slot.index, list(slot.devices), _HOST, port)
+        spec.env.update(config.launcher.env)
+        specs.append(spec)
+    return specs
+
+
+def _startup_timeout(config: GRPOConfig) -> float:
+    if config.allocation.inference.backend == "vllm":
+        return config.vllm.startup_timeout
+    return config.sglang.startup_timeout
+
+
+@contextmanager
+def running_servers(config: GRPOConfig, specs: list[LaunchSpec], relay: OutputRelay) -> Iterator[list[InferenceServer]]:
+    """Start a server per spec, wait until all are healthy, yield them; stop every tree on exit."""
+    log_dir = config.run_dir / "logs"
+    marks = [_Mark.new() for _ in specs]
+    servers = [
+        InferenceServer(replace(spec, env={**spec.env, **mark.env}), log_dir / f"server-{i}.log", name=f"server-{i}")
+        for i, (spec, mark) in enumerate(zip(specs, marks, strict=True))
+    ]
+    try:
+        for server in servers:
+            relay.follow(server.name, server.log_path)
+            server.start()
+        _wait_healthy(servers, _startup_timeout(config))
+        logger.info("servers healthy: %s", ",".join(s.address for s in servers))
+        yield servers
+    finally:
+        _stop_all(servers, marks)
+        relay.close()
+
+
+def _wait_healthy(servers: list[InferenceServer], timeout: float) -> None:
+    """Wait until every server answers its health check; fail as soon as one exits."""
+    deadline = time.monotonic() + timeout
+    waiting = list(servers)
+    while waiting:
+        for server in list(waiting):
+            if server.proc.poll() is not None:
+                raise ServerLaunchError(_death_message(server, "before it was healthy"))
+            if server.is_healthy(timeout=2.0):
+                waiting.remove(server)
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(s.name for s in waiting)
+            raise ServerLaunchError(
+                f"{names} not healthy within {timeout:g} s (vllm/sglang.startup_timeout); "
+                f"last lines of {waiting[0].log_path}:\n{waiting[0].log_tail()}"
+            )
+        if waiting:
+            time.sleep(_POLL_S)
+
+
+def _death_message(server: InferenceServer, when: str) -> str:
+    return (
+        f"{server.name} at {server.address} exited with code {server.proc.returncode} {when}; "
+        f"last lines of {server.log_path}:\n{server.log_tail()}"
+    )
+
+
+def _stop_all(servers: list[InferenceServer], marks: list[_Mark]) -> None:
+    """Stop every server's tree at once (each may take seconds), then whatever a dead one left."""
+    started = [(s, mark) for s, mark in zip(servers, marks, strict=True) if s.proc is not None]
+    threads = [threading.Thread(target=s.stop, args=(_STOP_TIMEOUT_S,)) for s, _ in started]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for server, mark in started:
+        cancel_kill_on_exit(server.proc)
+        _stop_leftovers(server.proc.pid, mark)
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """Finds the processes of one launched child (started in its own session) after it died.
+
+    ``terminate_process_tree`` reaches a live tree, but a child that exited first left its
+    children re-parented to init, out of its tree: the engine core and workers of a dead
+    vLLM server (still in the server's process group; their environment is unreadable
+    as ``setproctitle`` overwrites it), or the workers of a rank the OOM killer took
+    (torchrun starts ranks in sessions of their own; they hold the trainer's output
+    pipe open). So a leftover is any process in the child's process group or carrying
+    its tag in its environment, younger than the launch (which rules out recycled pids).
+    """
+
+    tag: str
+    since: float
+
+    @staticmethod
+    def new() -> _Mark:
+        return _Mark(uuid.uuid4().hex, time.time() - 2.0)  # psutil's create_time is exact to about 1 s
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {_TAG_ENV: self.tag}
+
+    def leftovers(self, pgid: int) -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid == os.getpid() or proc.create_time() < self.since or not _alive(proc):
+                    continue
+                if os.getpgid(proc.pid) == pgid or _environ(proc).get(_TAG_ENV) == self.tag:
+                    found.append(proc)
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
+        return found
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return proc.environ()
+    except psutil.AccessDenied:
+        return {}
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _stop_leftovers(pgid: int, mark: _Mark) -> None:
+    """Kill what the child leading process group ``pgid`` left behind (see :class:`_Mark`).
+
+    Orphaned vLLM processes may ignore SIGTERM and nobody is left to shut down
+    gracefully for: a short grace, then SIGKILL.
+    """
+    procs = mark.leftovers(pgid)
+    for sig, wait in ((signal.SIGTERM, _ORPHAN_GRACE_S), (signal.SIGKILL, _KILL_WAIT_S)):
+        if not procs:
+            return
+        logger.warning("sending %s to pids %s, left behind by a stopped process", sig.name, [p.pid for p in procs])
+        for proc in procs:
+            try:
+                proc.send_signal(sig)  # psutil refuses a pid reused meanwhile
+            except psutil.NoSuchProcess:
+                pass
+        deadline = time.monotonic() + wait
+        while (procs := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if procs:  # SIGKILL always wins; a starved CPU can slow the exit down
+        logger.warning("pids %s are still exiting after SIGKILL", [p.pid for p in procs])
+
+
+def trainer_command(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
+    """``torchrun`` of the trainer entry on this node.
+
+    ``--standalone`` binds the rendezvous to ``localhost:0``: the OS picks a free port,
+    so runs side by side never collide.
+    """
+    entry = config.launcher.trainer_entry
+    target = [entry] if entry.endswith(".py") else ["-m", entry]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={plan.trainer_procs_per_node}", *target, "--config", str(config_file),
+    ]  # fmt: skip
+
+
+def trainer_env(config: GRPOConfig, plan: Placement, addrs: list[str]) -> dict[str, str]:
+    """The trainer's environment: ``launcher.env``, server addresses, its devices or threads."""
+    env = {**os.environ, **config.launcher.env, "PYTHONUNBUFFERED": "1"}
+    env[config.rollout.server_addrs_env] = ",".join(addrs)
+    if device_type(config) == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, plan.trainer_devices))
+    elif "OMP_NUM_THREADS" not in env:
+        # Servers are bound to their cores (vllm_launch_spec); ranks share the others.
+        server_cores = sum(len(slot.devices) for slot in plan.servers)
+        free = len(os.sched_getaffinity(0)) - server_cores
+        env["OMP_NUM_THREADS"] = str(max(1, free // max(1, plan.trainer_procs_per_node)))
+    return env
+
+
+def run_trainer(
+    config: GRPOConfig, config_file: Path, plan: Placement, servers: list[InferenceServer], relay: OutputRelay
+) -> int:
+    """Run the trainer until it succeeds or is out of restarts; returns its exit status.
+
+    Raises :class:`ServerLaunchError` when a server dies meanwhile (the trainer is stopped).
+    """
+    cmd = trainer_command(config, config_file, plan)
+    env = trainer_env(config, plan, [s.address for s in servers])
+    retries = config.recover.retries if config.recover.mode == "auto" else 0
+    log_path = config.run_dir / "logs" / "trainer.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        for attempt in range(retries + 1):
+            log.write(f"# megarl run: trainer attempt {attempt + 1}: {' '.join(cmd)}\n".encode())
+            log.flush()
+            code = _run_trainer_once(cmd, env, servers, relay, log)
+            if code == 0:
+                logger.info("trainer finished")
+                return 0
+            if attempt < retries:
+                logger.warning(
+                    "trainer exited with status %d; restarting it (restart %d of %d)", code, attempt + 1, retries
+                )
+    logger.error("trainer exited with status %d", code)
+    return code
+
+
+def _run_trainer_once(
+    cmd: list[str], env: dict[str, str], servers: list[InferenceServer], relay: OutputRelay, log: IO[bytes]
+) -> int:
+    logger.info("starting trainer: %s", " ".join(cmd))
+    mark = _Mark.new()
+    proc = subprocess.Popen(
+        cmd, env={**env, **mark.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    kill_on_exit(proc)
+    pump = relay.pipe("trainer", proc.stdout, log)
+    try:
+        code = _watch(proc, servers)
+    finally:
+        cancel_kill_on_exit(proc)
+        terminate_process_tree(proc, timeout=_STOP_TIMEOUT_S)
+        _stop_leftovers(proc.pid, mark)
+        pump.join(5.0)
+        if pump.is_alive():  # closing would block on the reader's lock
+            logger.warning("the trainer's output pipe is still open: some process outside its tree holds it")
+        else:
+            proc.stdout.close()
+    if code != 0:
+        _check_servers(servers, "while the trainer ran")  # it likely failed for that: name the server
+    return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
+
+
+def _watch(proc: subprocess.Popen, servers: list[InferenceServer]) -> int:
+    while (code := proc.poll()) is None:
+        _check_servers(servers, "during training")
+        time.sleep(_POLL_S)
+    return code
+
+
+def _check_servers(servers: list[InferenceServer], when: str) -> None:
+    for server in servers:
+        if server.proc.poll() is not None:
+            raise ServerLaunchError(_death_message(server, when))
+
+
+@contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into ``SystemExit(143)`` so teardown runs as for Ctrl-C.
+
+    The handler stays if something chained to it meanwhile (``kill_on_exit`` does so
+    when it first installs its own): it still ends the process, as SIGTERM should.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def run_local(config: GRPOConfig, config_file: str | Path | None = None, out: TextIO | None = None) -> int:
+    """Run ``config`` on this machine: servers, then the trainer; returns the trainer's exit status.
+
+    Args:
+        config: A loaded and validated config.
+        config_file: Where to write the resolved config the trainer reads (default
+            ``{run_dir}/config.yaml``); the servers are built from the same config.
+        out: Where children's prefixed output goes (default ``sys.stdout``).
+
+    Raises:
+        ValueError: The config cannot run here (nothing was started).
+        ServerLaunchError: A server failed to start or died during the run.
+    """
+    plan = check_local(config)
+    specs = server_specs(config, plan)
+    config_file = save_config(config, config_file).resolve()
+    logger.info("run dir %s; config %s", config.run_dir.resolve(), config_file)
+    relay = OutputRelay(out if out is not None else sys.stdout)
+    with _sigterm_as_exit(), running_servers(config, specs, relay) as servers:
+        return run_trainer(config, config_file, plan, servers, relay)
