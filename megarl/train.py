@@ -280,7 +280,9 @@ def train(t: Trainer) -> dict[str, float]:
                                  rank=dist.get_rank(), start_step=start)  # fmt: skip
     bar = tqdm(total=t.total_steps, initial=start, desc="train", unit="step", disable=not rank0, dynamic_ncols=True)
     for global_step in range(start, t.total_steps):
+        step_start = time.perf_counter()
         stats = rl_step(t, global_step)
+        stats["timeperf/step"] = time.perf_counter() - step_start
         epoch, epoch_step = divmod(global_step, t.steps_per_epoch)
         t.stats_logger.commit(epoch, epoch_step, global_step, stats)
         bar.set_postfix(reward=f"{stats.get('batch/reward/avg', float('nan')):.3f}")
