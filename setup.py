@@ -89,7 +89,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megarl", "megarl.*"]),
-    package_data={"megarl": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE"]},
+    package_data={"megarl": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE", "data/arithmetic/*.jsonl", "data/arithmetic/README.md"]},
     include_package_data=True,
     install_requires=CORE,
     extras_require=EXTRAS,
