@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -151,6 +152,9 @@ class GRPOConfig(BaseExperimentConfig):
         self._check_sampling()
         self._check_models(alloc)
         self._check_servers(alloc)
+        module = self.reward_fn.rpartition(".")[0]
+        require(bool(module) and _module_exists(module), "reward_fn", self.reward_fn,
+                "expected 'package.module.function' of an importable module")  # fmt: skip
         if self.ref is not None:
             require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
 
@@ -238,6 +242,14 @@ class GRPOConfig(BaseExperimentConfig):
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
 """A tokenizer directory holds at least one of these."""
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``name`` can be imported (found without importing it: config checks stay fast)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        return False
 
 
 def read_model_shape(path: str) -> ModelShape | None:

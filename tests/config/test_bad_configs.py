@@ -37,6 +37,9 @@ def case(id, overrides, key, fragment):
 
 # (overrides of the CPU YAML, key path the error names, text of the bad value in the message)
 BAD = [
+    # the reward: a module that cannot be imported
+    case("reward-module-missing", ["reward_fn=megarl.reward.nope.fn"], "reward_fn", "megarl.reward.nope.fn"),
+    case("reward-not-a-path", ["reward_fn=gsm8k"], "reward_fn", "gsm8k"),
     # allocation mode vs cluster and model (SmolLM2-135M: 9 heads, 3 KV heads, 30 layers)
     case("devices-vs-cluster", ["cluster.n_gpus_per_node=4"], "allocation_mode", "nodes x 4 GPUs per node = 4"),
     case(
