@@ -186,16 +186,30 @@ class RolloutPool:
             return concurrency
         return min(concurrency, self.staleness.get_capacity(self.engine.get_version()))
 
+    def _next_launchable(self) -> _Task | None:
+        """The oldest queued task that may start now (lock held).
+
+        Training tasks start in order, within the staleness budget; evaluation tasks are
+        not bound by it, so they pass training tasks that wait for the trainer's next
+        version (the trainer may be the one waiting for the evaluation).
+        """
+        head = self._input[0]
+        if self._capacity(head) > 0:
+            return head
+        if self.max_concurrent - self._n_running <= 0:
+            return None
+        return next((t for t in self._input if t.is_eval), None)
+
     def _launch_ready(self, running: set[asyncio.Task]) -> None:
         while True:
             with self._cond:
                 if self._paused or not self._input:
                     return
-                task = self._input[0]
+                task = self._next_launchable()
                 output_bound = max(self.queue_size, self._demand)
-                if self._capacity(task) <= 0 or len(self._results) + self._n_running >= output_bound:
+                if task is None or len(self._results) + self._n_running >= output_bound:
                     return
-                self._input.popleft()
+                self._input.remove(task)
                 self._n_running += 1
                 if not task.is_eval:
                     self.staleness.on_rollout_submitted()

@@ -221,3 +221,23 @@ def test_pending_items_make_a_recover_point_exact(pool_factory):
         fresh.notify_version()
     assert {p["id"] for p in pending} <= set(after), "a pending prompt was never trained after recovery"
     assert len(set(consumed + after)) == len(consumed + after), "no prompt trained twice"
+
+
+def test_evaluation_passes_training_tasks_parked_at_the_staleness_bound(pool_factory):
+    """The trainer evaluates between steps while prefetched training episodes wait for its next version."""
+    pool, engine = pool_factory(batch_size=4, max_concurrent_rollouts=4, max_staleness=0)
+    loader = ListLoader(sim_items(64, seed=5, slow_p=0.0), 4)
+    pool.prepare_batch(loader, SimWorkflow())  # version 0's budget is spent ...
+    for item in sim_items(4, seed=6, slow_p=0.0):  # ... so these training episodes park in the queue
+        pool.submit(item, SimWorkflow())
+    done = {}
+    thread = threading.Thread(
+        target=lambda: done.update(batch=pool.rollout_batch(sim_items(3, seed=7, slow_p=0.0), SimWorkflow(), is_eval=True))
+    )
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "evaluation waited behind training tasks that need a new version"
+    assert done["batch"]["rewards"].numel() == 3
+    engine.version += 1
+    pool.notify_version()
+    assert len(pool.wait(4, timeout=30)) == 4, "the parked training episodes run once the version moves"
