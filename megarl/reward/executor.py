@@ -19,8 +19,10 @@ import concurrent.futures
 import functools
 import logging
 import multiprocessing
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -67,6 +69,22 @@ def _call_reward(reward_fn: Callable[..., Any], args: tuple, kwargs: dict, timeo
         return ScoredReward(0.0, "error")
 
 
+def _exit_with_parent() -> None:
+    """Pool initializer: exit once the process that started the pool is gone, even SIGKILLed.
+
+    A worker blocked on the call queue never notices its parent's death; without this it
+    lives on as an orphan (outside a killed Slurm step's or launcher's process tree).
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 class AsyncRewardWrapper:
     """``await wrapper(*args, **kwargs)`` runs ``reward_fn`` in a process pool; never raises.
 
@@ -106,7 +124,9 @@ class AsyncRewardWrapper:
         with self._lock:
             if self._executor is None:
                 ctx = multiprocessing.get_context("spawn")
-                self._executor = concurrent.futures.ProcessPoolExecutor(self.max_workers, mp_context=ctx)
+                self._executor = concurrent.futures.ProcessPoolExecutor(
+                    self.max_workers, mp_context=ctx, initializer=_exit_with_parent
+                )
             return self._executor
 
     def _replace_executor(self, broken: concurrent.futures.ProcessPoolExecutor) -> None:

@@ -7,18 +7,23 @@ pid afterwards. Needs root and the Debian packages ``slurm-wlm`` and ``munge``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from megarl.utils.network import find_free_ports
 from megarl.utils.process import terminate_process_tree
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
+FINAL_STATES = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+)
 
 
 def available() -> str | None:
@@ -126,18 +131,60 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), capture_output=True, text=True, env=self.env, check=check)
 
-    def wait_job(self, job_id: str, timeout: float) -> str:
-        """Block until the job ends; returns its final state (COMPLETED, FAILED, ...)."""
+    def job(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields (JobState, ExitCode, Restarts, ...); {} for an unknown job.
+
+        No accounting daemon runs, so this (not ``sacct``) is where a job's fate is read;
+        ended jobs stay known for ``MinJobAge`` seconds.
+        """
+        out = self.run("scontrol", "--oneliner", "show", "job", job_id, check=False).stdout
+        return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+    def wait_job(
+        self, job_id: str, timeout: float, states: frozenset[str] = FINAL_STATES, poll: Callable[[], None] | None = None
+    ) -> str:
+        """Block until the job is in one of ``states`` (by default: ended); returns that state.
+
+        ``poll`` is called about every second meanwhile (e.g. to watch the job's processes).
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            out = self.run("scontrol", "show", "job", job_id, check=False).stdout
-            state = next((f.split("=", 1)[1] for f in out.split() if f.startswith("JobState=")), "")
-            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            state = self.job(job_id).get("JobState", "")
+            if state in states:
                 return state
+            if poll is not None:
+                poll()
             time.sleep(1)
-        raise TimeoutError(f"job {job_id} still running after {timeout}s; logs:\n{self.logs()}")
+        raise TimeoutError(f"job {job_id} not in {sorted(states)} after {timeout}s; logs:\n{self.logs()}")
+
+    def job_pids(self, job_id: str) -> list[int]:
+        """Pids of the job's processes on this node, every step's (``scontrol listpids``)."""
+        out = self.run("scontrol", "listpids", job_id, check=False).stdout
+        return [int(line.split()[0]) for line in out.splitlines()[1:] if line.split() and line.split()[0].isdigit()]
+
+    def requeue(self, job_id: str, timeout: float = 120.0) -> None:
+        """Requeue a running job as a preemption would, and let it start again at once.
+
+        Slurm holds a requeued job for two minutes (its EligibleTime); the hold is lifted
+        once the job is PENDING (updating it while still COMPLETING fails the job).
+        """
+        self.run("scontrol", "requeue", job_id)
+        self.wait_job(job_id, timeout, states=frozenset({"PENDING"}))
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+    def cancel_all(self, timeout: float = 60.0) -> None:
+        """Cancel every job still known and wait until none runs (a stopped slurmd leaves steps behind)."""
+        jobs = self.run("squeue", "--noheader", "--format=%i", check=False).stdout.split()
+        if not jobs:
+            return
+        self.run("scancel", *jobs, check=False)
+        for job_id in jobs:
+            with contextlib.suppress(TimeoutError):
+                self.wait_job(job_id, timeout)
 
     def stop(self) -> None:
+        if "slurmctld" in self.pids:
+            self.cancel_all()
         for name in reversed(DAEMONS):
             pid = self.pids.pop(name, None)
             if pid is not None:
