@@ -90,7 +90,7 @@ def load(engine, meta: SaveLoadMeta) -> None:
         engine.optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_step(engine.optimizer, loaded["optimizer"])
         engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
-        _set_rng_state(loaded["rng_state"])
+        set_rng_state(loaded["rng_state"])
     engine.set_version(int(loaded["engine"]["version"]))
     logger.info("loaded a Megatron distributed checkpoint from %s", meta.path)
 
@@ -163,13 +163,14 @@ def _sharded_state(engine, with_optim: bool, is_loading: bool) -> dict:
         p, alloc = engine.parallel, engine.parallel.alloc
         # one RNG state per model-parallel coordinate; data-parallel replicas share it on resume
         state["rng_state"] = ShardedObject(
-            "rng_state", _rng_state(), (alloc.pp, alloc.tp), (p.pp_rank, p.tp_rank), replica_id=p.dp_rank
+            "rng_state", rng_state(), (alloc.pp, alloc.tp), (p.pp_rank, p.tp_rank), replica_id=p.dp_rank
         )
     state["engine"] = {"version": engine.get_version()}
     return state
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's Python, numpy, torch (+ CUDA) and Megatron RNG-tracker states."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = {
@@ -183,7 +184,8 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["random"])

@@ -19,16 +19,15 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from megarl.actor.checkpoint import rng_state, set_rng_state
 from megarl.config.run import RecoverConfig
 from megarl.utils.saver import (
     FrequencyControl,
@@ -65,26 +64,9 @@ class RecoverInfo:
     recover_state: dict = field(default_factory=dict)
     """The handler's own frequency counters (filled in by :meth:`RecoverHandler.maybe_dump`)."""
     rng_state: dict = field(default_factory=dict, repr=False)
-    """Python / numpy / torch CPU (+ CUDA) RNG states of this rank (filled in by ``maybe_dump``)."""
+    """This rank's RNG states, ``megarl.actor.checkpoint.rng_state()`` (filled in by ``maybe_dump``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else the trainer wants back."""
-
-
-def rng_state() -> dict:
-    """This process's Python, numpy, torch CPU and (when available) CUDA RNG states."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore :func:`rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _layout(engine) -> dict:
