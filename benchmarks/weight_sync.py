@@ -121,7 +121,6 @@ def _trainer(model_dir: str, address: str, tp: int, repeats: int, disk_dir: str)
     from megarl.actor.engine import MegatronEngine
     from megarl.bridge.bridge import WeightBridge
     from megarl.bridge.control.vllm import VLLMControl
-    from megarl.bridge.plan import TrainerLayout
     from megarl.bridge.source import ShardSource, TrainerCoords
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.train import TrainEngineConfig
@@ -134,7 +133,7 @@ def _trainer(model_dir: str, address: str, tp: int, repeats: int, disk_dir: str)
     config = WeightUpdateConfig(mode="broadcast", extra_modes=["sharded", "disk"], bucket_mb=BUCKET_MB,
                                 disk_path=disk_dir, init_timeout=600, update_timeout=1200)  # fmt: skip
     bridge = WeightBridge(config, engine.desc, {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
-                          TrainerLayout.from_allocation(engine.parallel.alloc),
+                          engine.parallel.alloc,
                           TrainerCoords.from_parallel(engine.parallel), source_dir=model_dir)  # fmt: skip
     start = time.perf_counter()
     bridge.connect([VLLMControl(address, tp, timeout=1200)])
@@ -214,10 +213,11 @@ def _run_gpu(quick: bool) -> list[dict]:
     """TP-1 shards on one GPU packed into wire buckets (the broadcast sender's work) vs a plain copy."""
     from types import SimpleNamespace
 
-    from megarl.bridge.plan import TrainerLayout, build_plan
+    from megarl.bridge.plan import build_plan
     from megarl.bridge.schedule import broadcast_schedule
     from megarl.bridge.source import ShardSource, TrainerCoords
     from megarl.bridge.transport import pack
+    from megarl.config.allocation import TrainingAllocation
     from megarl.models.families import FAMILIES
     from megarl.models.mapping import ModelDims, load_shard
 
@@ -228,7 +228,7 @@ def _run_gpu(quick: bool) -> list[dict]:
     dims = ModelDims(heads, kv, hd, vocab, vocab)
     desc = SimpleNamespace(hf_config=hf_config, dims=dims, mapping=FAMILIES["llama"].mapping(True))
     shapes = _llama_shapes(shape["num_hidden_layers"], heads, kv, hd, hidden, inter, vocab)
-    plan = build_plan(desc, shapes, TrainerLayout(), (1,), sharded=False)
+    plan = build_plan(desc, shapes, TrainingAllocation(), (1,), sharded=False)
     hf = {n: torch.randn(s, dtype=torch.bfloat16, device="cuda") for n, s in shapes.items()}
     read = lambda n, d, a, b: hf[n] if d is None else hf[n].narrow(d, a, b - a)
     params = {s.megatron: load_shard(s.rule, s.hf_names, read, shapes[s.hf_names[0]], 0, 1, dims) for s in plan.sources}

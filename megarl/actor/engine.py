@@ -49,7 +49,6 @@ from megarl.config.allocation import AllocationMode, TrainingAllocation
 from megarl.config.train import TrainEngineConfig
 from megarl.kernels import Backend, resolve_backend
 from megarl.models.build import (
-    ParallelSizes,
     build_chunks,
     describe,
     transformer_config,
@@ -127,7 +126,7 @@ class MegatronEngine:
         alloc = self.parallel.alloc
         self.desc = describe(self.model_path, alloc.tp)
         self.tconfig = transformer_config(
-            self.desc, self._sizes(alloc), dtype=self.config.dtype,
+            self.desc, alloc, sequence_parallel=self.config.megatron.sequence_parallel, dtype=self.config.dtype,
             moe_dispatcher=self._moe_dispatcher(), recompute=self._recompute(),
             perform_initialization=self.config.init_from_scratch,
         )  # fmt: skip
@@ -143,12 +142,6 @@ class MegatronEngine:
             if self.config.optimizer is not None:
                 self._build_optimizer(_total_steps(ft_spec))
         logger.info("initialised %s (%s) under %s", self.model_path, self.desc.family.name, alloc)
-
-    def _sizes(self, alloc: TrainingAllocation) -> ParallelSizes:
-        return ParallelSizes(
-            tp=alloc.tp, pp=alloc.pp, vpp=alloc.vpp, ep=alloc.ep, etp=alloc.expert_tp, cp=alloc.cp,
-            sequence_parallel=self.config.megatron.sequence_parallel,
-        )  # fmt: skip
 
     def _moe_dispatcher(self) -> str:
         # gloo lacks what the alltoall dispatcher needs (all_to_all_single with split sizes)

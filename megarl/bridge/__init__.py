@@ -18,7 +18,7 @@ Pieces, each in its own module:
 
 from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
 from megarl.bridge.consistency import ConsistencyError, ConsistencyReport
-from megarl.bridge.plan import TrainerLayout, TransferPlan, build_plan
+from megarl.bridge.plan import TransferPlan, build_plan
 from megarl.bridge.update import (
     WeightSync,
     WeightUpdateMeta,
@@ -29,7 +29,6 @@ from megarl.bridge.update import (
 __all__ = [
     "ConsistencyError",
     "ConsistencyReport",
-    "TrainerLayout",
     "TransferPlan",
     "UpdateReport",
     "WeightBridge",

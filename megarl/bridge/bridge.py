@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megarl.bridge.control import ServerControl
 from megarl.bridge.groups import default_backend, destroy_group
-from megarl.bridge.plan import TrainerLayout, TransferPlan, build_plan
+from megarl.bridge.plan import TransferPlan, build_plan
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transport import TransferStats, TransportSender, wire_dtype
@@ -35,6 +35,7 @@ from megarl.bridge.transport_broadcast import BroadcastSender
 from megarl.bridge.transport_disk import DiskSender
 from megarl.bridge.transport_sharded import ShardedSender
 from megarl.bridge.wiring import Wiring, make_wiring, trainer_join
+from megarl.config.allocation import TrainingAllocation
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.utils.network import find_free_ports, gethostip
 
@@ -113,7 +114,7 @@ class WeightBridge:
         device: Where the trainer's weights live (chooses NCCL or gloo).
     """
 
-    def __init__(self, config: WeightUpdateConfig, desc, hf_shapes: dict, trainer: TrainerLayout,
+    def __init__(self, config: WeightUpdateConfig, desc, hf_shapes: dict, trainer: TrainingAllocation,
                  coords: TrainerCoords, group=None, source_dir: str | None = None, device="cpu"):  # fmt: skip
         config.check()
         self.config, self.desc, self.hf_shapes = config, desc, hf_shapes

@@ -31,52 +31,12 @@ from typing import Literal
 import torch
 
 from megarl.bridge.target_layout import LocalTensor, VLLMLayout
+from megarl.config.allocation import TrainingAllocation
 from megarl.models.mapping import ModelDims, ParamRule, load_shard
 
 Mode = Literal["broadcast", "sharded", "disk"]
 MODES = ("broadcast", "sharded", "disk")
 _STRIDE = 1 << 32  # code = hf_index * _STRIDE + row + 1; 0 marks padding rows
-
-
-@dataclass(frozen=True)
-class TrainerLayout:
-    """The Megatron trainer's parallel sizes (``dp`` includes context parallelism)."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    etp: int = 1
-    dp: int = 1
-
-    def __post_init__(self):
-        for name in ("tp", "pp", "vpp", "ep", "etp", "dp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainerLayout.{name} must be >= 1, got {getattr(self, name)}")
-        if (self.dp * self.tp) % (self.ep * self.etp):
-            raise ValueError(f"ep {self.ep} x etp {self.etp} must divide dp {self.dp} x tp {self.tp}")
-
-    @property
-    def edp(self) -> int:
-        """Expert data-parallel size: replicas of each expert shard per stage."""
-        return self.dp * self.tp // (self.ep * self.etp)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @classmethod
-    def from_allocation(cls, alloc) -> TrainerLayout:
-        """From a :class:`~megarl.config.allocation.TrainingAllocation`."""
-        return cls(tp=alloc.tp, pp=alloc.pp, vpp=alloc.vpp, ep=alloc.ep, etp=alloc.expert_tp, dp=alloc.dp * alloc.cp)
-
-    def place_layer(self, layer: int, num_layers: int) -> tuple[int, int]:
-        """(pipeline stage, virtual chunk) of a global layer under Megatron's even split."""
-        if num_layers % (self.pp * self.vpp):
-            raise ValueError(f"{num_layers} layers do not split evenly over pp {self.pp} x vpp {self.vpp}")
-        per_chunk = num_layers // self.vpp  # layers of one virtual chunk over all stages
-        chunk, within = divmod(layer, per_chunk)
-        return within // (per_chunk // self.pp), chunk
 
 
 @dataclass(frozen=True)
@@ -129,7 +89,7 @@ class Piece:
 class TransferPlan:
     """Everything both sides need: sources, per-worker local tensors and pieces, broadcast lists."""
 
-    trainer: TrainerLayout
+    trainer: TrainingAllocation
     server_tp: tuple[int, ...]
     sources: list[SourceParam]
     hf_shapes: dict[str, tuple[int, ...]]
@@ -171,7 +131,7 @@ class TransferPlan:
 # ---------------------------------------------------------------------------------------
 
 
-def enumerate_sources(mapping, hf_config, trainer: TrainerLayout) -> list[SourceParam]:
+def enumerate_sources(mapping, hf_config, trainer: TrainingAllocation) -> list[SourceParam]:
     """Every canonical Megatron parameter of the model, in model order, with its owner."""
     num_layers = hf_config.num_hidden_layers
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
@@ -303,7 +263,7 @@ def _pieces_for(local: LocalTensor, src: SourceParam, owners: dict[str, _RowOwne
     return pieces
 
 
-def build_plan(desc, hf_shapes: dict[str, tuple[int, ...]], trainer: TrainerLayout,
+def build_plan(desc, hf_shapes: dict[str, tuple[int, ...]], trainer: TrainingAllocation,
                server_tp: tuple[int, ...] | list[int], sharded: bool = True) -> TransferPlan:  # fmt: skip
     """The plan for ``desc`` (a :class:`~megarl.models.build.ModelDesc` built with the trainer's TP).
 
@@ -325,13 +285,13 @@ def build_plan(desc, hf_shapes: dict[str, tuple[int, ...]], trainer: TrainerLayo
     tables = []
     for src in sources:
         if src.rule.export:
-            size = trainer.etp if src.rule.is_expert else trainer.tp
+            size = trainer.expert_tp if src.rule.is_expert else trainer.tp
             tables.append((src, size, _row_owners(src, shapes, size, desc.dims)))
     for worker, (server, rank) in enumerate(plan.workers):
         layout = layouts[server_tp[server]]
         plan.local[worker], plan.pieces[worker] = [], []
         for src, size, owners in tables:
-            replicas = trainer.edp if src.rule.is_expert else trainer.dp
+            replicas = trainer.edp if src.rule.is_expert else trainer.dense_replicas
             expert = src.rule.is_expert
 
             def owner_of(t, src=src, expert=expert, replica=server % replicas):

@@ -30,7 +30,6 @@ from megarl.bridge.consistency import (
     trainer_scores,
 )
 from megarl.bridge.control import ServerControl, make_control
-from megarl.bridge.plan import TrainerLayout
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.config.bridge import WeightUpdateConfig
 
@@ -83,7 +82,7 @@ class WeightSync:
         coords = TrainerCoords.from_parallel(engine.parallel)
         device = next(p for chunk in engine.model for p in chunk.parameters()).device
         self.bridge = WeightBridge(config, engine.desc, {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
-                                   TrainerLayout.from_allocation(engine.parallel.alloc), coords,
+                                   engine.parallel.alloc, coords,
                                    source_dir=engine.model_path, device=device)  # fmt: skip
         self.probe: list[list[int]] = []
         self.unhealthy: set[str] = set()

@@ -101,6 +101,19 @@ class TrainingAllocation:
         """Expert data parallel size (ranks holding identical expert shards)."""
         return self.dp * self.tp * self.cp // (self.ep * self.expert_tp)
 
+    @property
+    def dense_replicas(self) -> int:
+        """Ranks holding identical copies of each dense (non-expert) shard: ``dp * cp``."""
+        return self.dp * self.cp
+
+    def place_layer(self, layer: int, num_layers: int) -> tuple[int, int]:
+        """(pipeline stage, virtual chunk) of a global layer under Megatron's even split."""
+        if num_layers % (self.pp * self.vpp):
+            raise ValueError(f"{num_layers} layers do not split evenly over pp {self.pp} x vpp {self.vpp}")
+        per_chunk = num_layers // self.vpp  # layers of one virtual chunk over all stages
+        chunk, within = divmod(layer, per_chunk)
+        return within // (per_chunk // self.pp), chunk
+
     def __str__(self) -> str:
         dims = f"d{self.dp}p{self.pp}t{self.tp}"
         for key, value, default in (("e", self.ep, 1), ("et", self.etp, None), ("v", self.vpp, 1), ("c", self.cp, 1)):

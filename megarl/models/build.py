@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
+from megarl.config.allocation import TrainingAllocation
 from megarl.models.families import Family, family_of
 from megarl.models.mapping import FamilyMapping, ModelDims
 from megarl.models.spec import block_spec
@@ -101,23 +102,13 @@ def rope_inv_freq(hf_config) -> torch.Tensor | None:
     return inv_freq
 
 
-@dataclass(frozen=True)
-class ParallelSizes:
-    """The parallel sizes a TransformerConfig records."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    etp: int = 1
-    cp: int = 1
-    sequence_parallel: bool = False
-
-
-def transformer_config(desc: ModelDesc, sizes: ParallelSizes, *, dtype: str = "bfloat16",
-                       moe_dispatcher: str = "allgather", recompute: str = "none",
+def transformer_config(desc: ModelDesc, alloc: TrainingAllocation, *, sequence_parallel: bool = False,
+                       dtype: str = "bfloat16", moe_dispatcher: str = "allgather", recompute: str = "none",
                        use_cpu_initialization: bool = True, perform_initialization: bool = False):  # fmt: skip
-    """Megatron's TransformerConfig for ``desc`` under ``sizes`` (dropout off: RL recomputes logprobs)."""
+    """Megatron's TransformerConfig for ``desc`` under ``alloc`` (dropout off: RL recomputes logprobs).
+
+    ``sequence_parallel`` takes effect only with tensor parallelism (tp > 1).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     hf = desc.hf_config
@@ -133,10 +124,10 @@ def transformer_config(desc: ModelDesc, sizes: ParallelSizes, *, dtype: str = "b
         "params_dtype": params_dtype, "pipeline_dtype": params_dtype, "bf16": params_dtype == torch.bfloat16,
         "fp16": params_dtype == torch.float16,
         "use_cpu_initialization": use_cpu_initialization, "perform_initialization": perform_initialization,
-        "tensor_model_parallel_size": sizes.tp, "pipeline_model_parallel_size": sizes.pp,
-        "virtual_pipeline_model_parallel_size": sizes.vpp if sizes.vpp > 1 else None,
-        "expert_model_parallel_size": sizes.ep, "expert_tensor_parallel_size": sizes.etp,
-        "context_parallel_size": sizes.cp, "sequence_parallel": sizes.sequence_parallel and sizes.tp > 1,
+        "tensor_model_parallel_size": alloc.tp, "pipeline_model_parallel_size": alloc.pp,
+        "virtual_pipeline_model_parallel_size": alloc.vpp if alloc.vpp > 1 else None,
+        "expert_model_parallel_size": alloc.ep, "expert_tensor_parallel_size": alloc.expert_tp,
+        "context_parallel_size": alloc.cp, "sequence_parallel": sequence_parallel and alloc.tp > 1,
     }  # fmt: skip
     if recompute != "none":
         kwargs.update(recompute_granularity=recompute)

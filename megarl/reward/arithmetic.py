@@ -14,15 +14,13 @@ characters count as ``-``; number words (``"six"``) do not count.
 
 from __future__ import annotations
 
-import logging
+import operator
 import re
 from fractions import Fraction
 from typing import Any
 
-from megarl.reward.base import ScoredReward
+from megarl.reward.base import ScoredReward, score_final_answer
 from megarl.reward.math_parser import last_boxed
-
-logger = logging.getLogger(__name__)
 
 _MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\u2014": "-"})
 # A sign touches its digits and follows no digit, word or closing bracket ("9-3", "9 - 3": binary).
@@ -41,23 +39,20 @@ def final_number(text: str) -> Fraction | None:
     return Fraction(re.sub(r"[,\s]", "", numbers[-1]))
 
 
+def integer_answer(answer: str) -> Fraction | None:
+    """The reference answer as an exact number, or None if it is not one."""
+    try:
+        return Fraction(answer.strip())
+    except ValueError:
+        return None
+
+
 def arithmetic_reward(completion: str, answer: str) -> ScoredReward:
     """1.0 when ``completion``'s final number equals ``answer`` (an integer string), else 0.0.
 
     Never raises: anything that goes wrong scores 0 with an ``outcome`` saying why.
     """
-    try:
-        try:
-            ref = Fraction(str(answer).strip())
-        except ValueError:
-            return ScoredReward(0.0, "bad_reference")
-        pred = final_number(completion)
-        if pred is None:
-            return ScoredReward(0.0, "no_answer")
-        return ScoredReward(1.0, "correct") if pred == ref else ScoredReward(0.0, "incorrect")
-    except Exception as e:  # noqa: BLE001 -- a reward must never take the rollout down
-        logger.debug("arithmetic reward failed on %r vs %r: %r", completion[-200:], answer, e)
-        return ScoredReward(0.0, "error")
+    return score_final_answer(completion, answer, integer_answer, final_number, operator.eq)
 
 
 def arithmetic_reward_fn(

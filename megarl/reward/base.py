@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Self
+import logging
+from collections.abc import Callable
+from typing import Any, Self
+
+logger = logging.getLogger(__name__)
 
 OUTCOMES = ("correct", "incorrect", "no_answer", "bad_reference", "error", "timeout")
 """How a math reward was decided: the first two are judgements; ``no_answer`` (the
@@ -31,3 +35,30 @@ class ScoredReward(float):
 
     def __repr__(self) -> str:
         return f"ScoredReward({float(self)!r}, {self.outcome!r})"
+
+
+def score_final_answer(
+    completion: str,
+    answer: str,
+    parse_reference: Callable[[str], Any],
+    parse_completion: Callable[[str], Any],
+    equal: Callable[[Any, Any], bool],
+) -> ScoredReward:
+    """1.0 when the completion's parsed answer ``equal``s the reference's, else 0.0.
+
+    The scaffold every answer-checking reward shares: a reference that parses to None is
+    ``bad_reference``, a completion that parses to None is ``no_answer``, and anything that
+    raises scores 0 as ``error`` (a reward must never take the rollout down).
+    """
+    try:
+        ref = parse_reference(str(answer))
+        if ref is None:
+            return ScoredReward(0.0, "bad_reference")
+        pred = parse_completion(completion)
+        if pred is None:
+            return ScoredReward(0.0, "no_answer")
+        ok = equal(pred, ref)
+        return ScoredReward(1.0 if ok else 0.0, "correct" if ok else "incorrect")
+    except Exception as e:  # noqa: BLE001
+        logger.debug("reward failed on %r vs %r: %r", completion[-200:], answer, e)
+        return ScoredReward(0.0, "error")

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import logging
+from functools import partial
 from typing import Any
 
-from megarl.reward.base import ScoredReward
+from megarl.reward.base import ScoredReward, score_final_answer
 from megarl.reward.math_parser import extract_answer, math_equal
-
-logger = logging.getLogger(__name__)
 
 
 def math_reward(completion: str, answer: str, timeout_seconds: int | None = 5) -> ScoredReward:
@@ -16,18 +14,8 @@ def math_reward(completion: str, answer: str, timeout_seconds: int | None = 5) -
 
     Never raises: anything that goes wrong scores 0 with an ``outcome`` saying why.
     """
-    try:
-        ref = extract_answer(str(answer))
-        if ref is None:
-            return ScoredReward(0.0, "bad_reference")
-        pred = extract_answer(completion)
-        if pred is None:
-            return ScoredReward(0.0, "no_answer")
-        ok = math_equal(pred, ref, timeout_seconds=timeout_seconds)
-        return ScoredReward(1.0 if ok else 0.0, "correct" if ok else "incorrect")
-    except Exception as e:  # noqa: BLE001 -- a reward must never take the rollout down
-        logger.debug("math reward failed on %r vs %r: %r", completion[-200:], answer, e)
-        return ScoredReward(0.0, "error")
+    return score_final_answer(completion, answer, extract_answer, extract_answer,
+                              partial(math_equal, timeout_seconds=timeout_seconds))  # fmt: skip
 
 
 def gsm8k_reward_fn(

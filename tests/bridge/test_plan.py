@@ -16,22 +16,23 @@ import random
 import pytest
 import torch
 
-from megarl.bridge.plan import TrainerLayout, build_plan
+from megarl.bridge.plan import build_plan
+from megarl.config.allocation import TrainingAllocation
 from megarl.models.build import describe
 from megarl.models.hf_io import SafetensorsReader
 from megarl.models.mapping import load_shard
 from tests.bridge.vllm_reference import reference_local
 
 FAMILY_LAYOUTS = {
-    "llama": [TrainerLayout(), TrainerLayout(tp=2, pp=2), TrainerLayout(tp=2, pp=2, vpp=2, dp=2)],
-    "qwen2": [TrainerLayout(tp=2), TrainerLayout(pp=4, dp=2)],
-    "qwen3": [TrainerLayout(tp=2, pp=2, dp=2)],
-    "qwen3_moe": [TrainerLayout(tp=2, ep=2, etp=1), TrainerLayout(tp=2, pp=2, ep=2, etp=1, dp=2),
-                  TrainerLayout(tp=2, ep=1, etp=2)],
+    "llama": [TrainingAllocation(), TrainingAllocation(tp=2, pp=2), TrainingAllocation(tp=2, pp=2, vpp=2, dp=2)],
+    "qwen2": [TrainingAllocation(tp=2), TrainingAllocation(pp=4, dp=2)],
+    "qwen3": [TrainingAllocation(tp=2, pp=2, dp=2)],
+    "qwen3_moe": [TrainingAllocation(tp=2, ep=2, etp=1), TrainingAllocation(tp=2, pp=2, ep=2, etp=1, dp=2),
+                  TrainingAllocation(tp=2, ep=1, etp=2)],
 }  # fmt: skip
 
 
-def _random_layouts(seed: int, n: int, moe: bool) -> list[TrainerLayout]:
+def _random_layouts(seed: int, n: int, moe: bool) -> list[TrainingAllocation]:
     rng = random.Random(seed)
     out = []
     while len(out) < n:
@@ -39,7 +40,7 @@ def _random_layouts(seed: int, n: int, moe: bool) -> list[TrainerLayout]:
         ep, etp = (rng.choice([1, 2, 4]), rng.choice([1, 2])) if moe else (1, tp)
         if pp * vpp > 4 or (dp * tp) % (ep * etp):
             continue
-        out.append(TrainerLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=dp))
+        out.append(TrainingAllocation(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=dp))
     return out
 
 
@@ -56,7 +57,7 @@ def model(tiny_model_dir, request):
 def _trainer_shards(plan, desc, reader) -> dict[tuple[str, int], torch.Tensor]:
     shards = {}
     for src in plan.sources:
-        size = plan.trainer.etp if src.rule.is_expert else plan.trainer.tp
+        size = plan.trainer.expert_tp if src.rule.is_expert else plan.trainer.tp
         for t in range(size):
             shape = reader.shape(src.hf_names[0])
             shards[src.megatron, t] = load_shard(src.rule, src.hf_names, reader, shape, t, size, desc.dims)
@@ -115,7 +116,7 @@ def test_sharded_pieces_rebuild_vllm_local_shards(model):
 @pytest.mark.parametrize("model", ["qwen3_moe"], indirect=True)
 def test_broadcast_senders_cover_every_hf_tensor_once(model):
     _, path, reader, _ = model
-    layout = TrainerLayout(tp=2, pp=2, vpp=2, ep=2, etp=1, dp=2)
+    layout = TrainingAllocation(tp=2, pp=2, vpp=2, ep=2, etp=1, dp=2)
     desc = describe(path, layout.tp)
     plan = build_plan(desc, {n: reader.shape(n) for n in reader.keys()}, layout, (2,), sharded=False)  # noqa: SIM118 (the reader is not iterable)
     senders = plan.broadcast_senders()
@@ -133,7 +134,7 @@ def test_broadcast_senders_cover_every_hf_tensor_once(model):
 def test_tied_embeddings_are_sent_once(tiny_model_dir):
     path = tiny_model_dir("llama", tie_word_embeddings=True)
     reader = SafetensorsReader(path)
-    plan = build_plan(describe(path, 2), {n: reader.shape(n) for n in reader.keys()}, TrainerLayout(tp=2, pp=2), (2,))  # noqa: SIM118 (the reader is not iterable)
+    plan = build_plan(describe(path, 2), {n: reader.shape(n) for n in reader.keys()}, TrainingAllocation(tp=2, pp=2), (2,))  # noqa: SIM118 (the reader is not iterable)
     names = [n for n, _ in plan.hf_tensors()]
     assert "lm_head.weight" not in names and names.count("model.embed_tokens.weight") == 1
     dests = [p.dest for p in plan.pieces[0]]
@@ -149,7 +150,7 @@ def test_layer_placement_matches_megatron(pp, vpp):
     config = TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
                                pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
                                virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)  # fmt: skip
-    layout = TrainerLayout(pp=pp, vpp=vpp)
+    layout = TrainingAllocation(pp=pp, vpp=vpp)
     per_chunk = num_layers // (pp * vpp)
     for stage in range(pp):
         for chunk in range(vpp):
@@ -162,7 +163,7 @@ def test_layer_placement_matches_megatron(pp, vpp):
 def test_sharded_bytes_per_worker_are_model_bytes_over_tp(model):
     _, path, reader, _ = model
     desc = describe(path, 2)
-    plan = build_plan(desc, {n: reader.shape(n) for n in reader.keys()}, TrainerLayout(tp=2), (1, 2, 4))  # noqa: SIM118 (the reader is not iterable)
+    plan = build_plan(desc, {n: reader.shape(n) for n in reader.keys()}, TrainingAllocation(tp=2), (1, 2, 4))  # noqa: SIM118 (the reader is not iterable)
     total = plan.model_numel()
     hidden = desc.hf_config.hidden_size
     replicated = sum(math.prod(reader.shape(n)) for n in reader.keys() if n.endswith("norm.weight"))  # noqa: SIM118 (the reader is not iterable)
@@ -182,8 +183,6 @@ def test_layouts_reject_bad_sizes(tiny_model_dir):
     reader = SafetensorsReader(path)
     shapes = {n: reader.shape(n) for n in reader.keys()}  # noqa: SIM118 (the reader is not iterable)
     with pytest.raises(ValueError, match="inference tensor-parallel size 3"):
-        build_plan(describe(path, 1), shapes, TrainerLayout(), (3,))
+        build_plan(describe(path, 1), shapes, TrainingAllocation(), (3,))
     with pytest.raises(ValueError, match="do not split evenly"):
-        build_plan(describe(path, 1), shapes, TrainerLayout(pp=3), (1,))
-    with pytest.raises(ValueError, match="ep 4"):
-        TrainerLayout(tp=1, ep=4)
+        build_plan(describe(path, 1), shapes, TrainingAllocation(pp=3), (1,))

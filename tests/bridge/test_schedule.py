@@ -7,7 +7,7 @@ import math
 import pytest
 
 from megarl.bridge.consistency import compare, probe_batch
-from megarl.bridge.plan import Owner, TrainerLayout, build_plan
+from megarl.bridge.plan import Owner, build_plan
 from megarl.bridge.schedule import (
     broadcast_schedule,
     receiver_spec,
@@ -15,6 +15,7 @@ from megarl.bridge.schedule import (
     sharded_schedule,
 )
 from megarl.bridge.wiring import Wiring, make_wiring
+from megarl.config.allocation import TrainingAllocation
 from megarl.config.base import ConfigError
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.models.build import describe
@@ -25,7 +26,7 @@ from megarl.models.hf_io import SafetensorsReader
 def plan(tiny_model_dir):
     path = tiny_model_dir("qwen3_moe")
     reader = SafetensorsReader(path)
-    layout = TrainerLayout(tp=2, pp=2, ep=2, etp=1)
+    layout = TrainingAllocation(tp=2, pp=2, ep=2, etp=1)
     return build_plan(describe(path, 2), {n: reader.shape(n) for n in reader.keys()}, layout, (1, 2))  # noqa: SIM118 (the reader is not iterable)
 
 

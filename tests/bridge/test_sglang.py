@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from megarl.bridge.control.sglang import SGLangControl
-from megarl.bridge.plan import TrainerLayout, build_plan
+from megarl.bridge.plan import build_plan
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec
 from megarl.bridge.wiring import make_wiring
+from megarl.config.allocation import TrainingAllocation
 from megarl.models.build import describe
 from megarl.models.hf_io import SafetensorsReader
 from megarl.rollout import InferenceServer, LaunchSpec
@@ -42,7 +43,7 @@ print("ok")
 
 def _init_info(model_dir, server_tp=(1, 1)) -> dict:
     reader = SafetensorsReader(model_dir)
-    layout = TrainerLayout(pp=2)
+    layout = TrainingAllocation(pp=2)
     plan = build_plan(describe(model_dir, 1), {n: reader.shape(n) for n in reader.keys()}, layout, server_tp,  # noqa: SIM118 (the reader is not iterable)
                       sharded=False)  # fmt: skip
     sched = broadcast_schedule(plan, 200_000)

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from megarl.bridge.plan import TrainerLayout, build_plan
+from megarl.bridge.plan import build_plan
+from megarl.config.allocation import TrainingAllocation
 from megarl.models.build import describe
 from megarl.models.hf_io import SafetensorsReader
 from megarl.utils.network import find_free_ports
@@ -36,7 +37,7 @@ def test_fake_receivers_get_exact_bytes(case, tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir(family, vocab_size=1001)
     reader = SafetensorsReader(model_dir)
     hf = {n: reader(n, None, 0, 0) for n in reader.keys()}  # noqa: SIM118 (the reader is not iterable)
-    trainer = TrainerLayout(**layout)
+    trainer = TrainingAllocation(**layout)
     plan = build_plan(describe(model_dir, trainer.tp), {n: reader.shape(n) for n in reader.keys()}, trainer,  # noqa: SIM118 (the reader is not iterable)
                       tuple(server_tp))  # fmt: skip
     bucket = 300_000  # elements: several buckets per sender, some tensors alone in theirs

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.bridge.plan import TrainerLayout, build_plan
+from megarl.bridge.plan import build_plan
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transport_broadcast import BroadcastReceiver, BroadcastSender
 from megarl.bridge.transport_disk import DiskSender, iter_checkpoint
 from megarl.bridge.transport_sharded import ShardedReceiver, ShardedSender
 from megarl.bridge.wiring import make_wiring, trainer_join, worker_join
+from megarl.config.allocation import TrainingAllocation
 from megarl.models.build import describe
 from megarl.models.hf_io import SafetensorsReader
 from megarl.models.mapping import load_shard
@@ -28,13 +29,13 @@ from megarl.models.mapping import load_shard
 WIRE = torch.bfloat16
 
 
-def layout_coords(layout: TrainerLayout) -> list[TrainerCoords]:
+def layout_coords(layout: TrainingAllocation) -> list[TrainerCoords]:
     """Megatron's rank order: TP fastest, then DP, then PP; experts re-split a stage as ETP, EP, EDP."""
     out = []
     for rank in range(layout.world_size):
         pp, within = divmod(rank, layout.dp * layout.tp)
         dp, tp = divmod(within, layout.tp)
-        etp, rest = within % layout.etp, within // layout.etp
+        etp, rest = within % layout.expert_tp, within // layout.expert_tp
         out.append(TrainerCoords(rank, pp, tp, dp, rest % layout.ep, etp, rest // layout.ep))
     return out
 
@@ -52,7 +53,7 @@ def _groups(coords: list[TrainerCoords]) -> tuple[dict, dict]:
     return tp, etp
 
 
-def trainer_source(model_dir: str, layout: TrainerLayout, coords: TrainerCoords, tp_group, etp_group,
+def trainer_source(model_dir: str, layout: TrainingAllocation, coords: TrainerCoords, tp_group, etp_group,
                    scale: float) -> ShardSource:  # fmt: skip
     """This rank's shards of the checkpoint (times ``scale``), as the actor would hold them."""
     desc = describe(model_dir, layout.tp)
@@ -62,11 +63,11 @@ def trainer_source(model_dir: str, layout: TrainerLayout, coords: TrainerCoords,
     for src in plan.sources:
         if src.pp != coords.pp or (src.rule.is_expert and src.ep != coords.ep):
             continue
-        rank, size = (coords.etp, layout.etp) if src.rule.is_expert else (coords.tp, layout.tp)
+        rank, size = (coords.etp, layout.expert_tp) if src.rule.is_expert else (coords.tp, layout.tp)
         shard = load_shard(src.rule, src.hf_names, reader, reader.shape(src.hf_names[0]), rank, size, desc.dims)
         params[src.megatron] = shard * scale
     tp_group = tp_group if layout.tp > 1 else None
-    etp_group = etp_group if layout.etp > 1 else None
+    etp_group = etp_group if layout.expert_tp > 1 else None
     return ShardSource(params, coords, desc.dims, tp_group, etp_group)
 
 
@@ -74,7 +75,7 @@ def transfer(model_dir: str, layout: dict, server_tp: list[int], ports: list[int
              disk_dir: str, updates: int = 2) -> dict:  # fmt: skip
     """Run ``updates`` rounds of broadcast, sharded and disk transfers; workers return what they got."""
     dist.init_process_group("gloo")
-    layout = TrainerLayout(**layout)
+    layout = TrainingAllocation(**layout)
     rank, num_trainers = dist.get_rank(), layout.world_size
     coords = layout_coords(layout)
     tp_groups, etp_groups = _groups(coords)
@@ -289,7 +290,7 @@ def sglang_transfer(model_dir: str, layout: dict, addresses: list[str], dump_dir
     from megarl.config.bridge import WeightUpdateConfig
 
     dist.init_process_group("gloo")
-    layout = TrainerLayout(**layout)
+    layout = TrainingAllocation(**layout)
     coords = layout_coords(layout)[dist.get_rank()]
     tp_groups, etp_groups = _groups(layout_coords(layout))
     reader = SafetensorsReader(model_dir)
@@ -316,7 +317,7 @@ def fault_transfer(model_dir: str, addresses: list[str], mode: str, dump_dir: st
     from megarl.bridge.control.vllm import VLLMControl
     from megarl.config.bridge import WeightUpdateConfig
 
-    layout, coords = TrainerLayout(), TrainerCoords(0)
+    layout, coords = TrainingAllocation(), TrainerCoords(0)
     reader = SafetensorsReader(model_dir)
     config = WeightUpdateConfig(mode=mode, bucket_mb=0.25, init_timeout=60, update_timeout=10)
     bridge = WeightBridge(config, describe(model_dir, 1), {n: reader.shape(n) for n in reader.keys()}, layout, coords,  # noqa: SIM118 (the reader is not iterable)
