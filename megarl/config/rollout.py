@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -30,10 +31,21 @@ class GenerationHyperparameters:
     """Stop strings, in addition to the tokenizer's end-of-sequence token."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra stop token ids."""
+    seed: int | None = None
+    """Reproducible sampling. None: the servers' own RNG. Set: each sample draws from a
+    generator seeded by (seed, prompt tokens, sample index) (:meth:`for_sample`), so the same
+    weights give the same rollouts in every run: recover and debugging runs repeat exactly.
+    A continuation after a pause reseeds with the tokens generated so far."""
 
     def new(self, **changes) -> "GenerationHyperparameters":
         """A copy with ``changes`` applied (e.g. ``gconfig.new(n_samples=1)``)."""
         return replace(self, **changes)
+
+    def for_sample(self, input_ids: list[int], index: int) -> "GenerationHyperparameters":
+        """The settings of sample ``index`` of the prompt ``input_ids``: one sample, its own seed."""
+        if self.seed is None:
+            return self.new(n_samples=1)
+        return self.new(n_samples=1, seed=derive_seed(self.seed, input_ids, index))
 
     def check(self) -> None:
         require(self.n_samples >= 1, "n_samples", self.n_samples, "must be >= 1")
@@ -47,6 +59,13 @@ class GenerationHyperparameters:
         require(self.greedy or self.temperature > 0, "temperature", self.temperature, "must be > 0 (or set greedy)")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         require(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+        require(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be null or in [0, 2**63)")
+
+
+def derive_seed(seed: int, tokens: list[int], index: int) -> int:
+    """A 63-bit seed from ``seed``, a token sequence and an index (stable across processes and runs)."""
+    digest = hashlib.blake2b(repr((seed, index, list(tokens))).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass

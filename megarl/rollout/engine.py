@@ -32,7 +32,11 @@ import aiohttp
 from megarl.api.engine_api import InferenceEngine
 from megarl.api.io_struct import ModelRequest, ModelResponse
 from megarl.api.workflow_api import WorkflowLike
-from megarl.config.rollout import InferenceEngineConfig
+from megarl.config.rollout import (
+    GenerationHyperparameters,
+    InferenceEngineConfig,
+    derive_seed,
+)
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import (
     InferenceServerError,
@@ -291,7 +295,7 @@ class RemoteInferenceEngine(InferenceEngine):
             version = self._version
             payload = self.backend.generate_payload(
                 resp.input_tokens + resp.output_tokens,
-                gconfig,
+                _continuation(gconfig, resp.output_tokens),
                 remaining,
                 max(0, gconfig.min_new_tokens - resp.output_len),
             )
@@ -431,3 +435,10 @@ class RemoteInferenceEngine(InferenceEngine):
         return self._require_pool().prepare_batch(
             dataloader, workflow, should_accept_fn, group_size, workflow_kwargs, progress
         )
+
+
+def _continuation(gconfig: GenerationHyperparameters, generated: list[int]) -> GenerationHyperparameters:
+    """A continued sample (after a pause) draws fresh seeded randomness, still reproducibly."""
+    if gconfig.seed is None or not generated:
+        return gconfig
+    return gconfig.new(seed=derive_seed(gconfig.seed, generated, len(generated)))

@@ -47,6 +47,8 @@ class SGLangBackend(InferenceBackend):
             sampling["stop"] = list(gconfig.stop)
         if gconfig.stop_token_ids:
             sampling["stop_token_ids"] = list(gconfig.stop_token_ids)
+        if gconfig.seed is not None:
+            sampling["sampling_seed"] = gconfig.seed
         return {
             "input_ids": input_ids,
             "sampling_params": sampling,

@@ -19,7 +19,6 @@ Verified against vLLM 0.32 (``vllm/entrypoints/openai/completion/protocol.py`` a
 from __future__ import annotations
 
 import json
-
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -59,6 +58,8 @@ class VLLMBackend(InferenceBackend):
             payload["stop"] = list(gconfig.stop)
         if gconfig.stop_token_ids:
             payload["stop_token_ids"] = list(gconfig.stop_token_ids)
+        if gconfig.seed is not None:
+            payload["seed"] = gconfig.seed
         return payload
 
     def parse_generate(self, body: Any) -> GenerationChunk:

@@ -19,6 +19,13 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
     def __init__(self, workflow: RolloutWorkflow, group_size: int):
         if group_size < 1:
             raise ValueError(f"GroupedRolloutWorkflow: group_size must be >= 1, got {group_size}")
+        gconfig = getattr(workflow, "gconfig", None)
+        if group_size > 1 and getattr(gconfig, "seed", None) is not None:
+            raise ValueError(
+                f"GroupedRolloutWorkflow: the inner workflow samples with gconfig.seed={gconfig.seed}, so its "
+                f"{group_size} runs on one item would draw identical samples; set gconfig.n_samples for the "
+                "group instead, or gconfig.seed=null"
+            )
         self.workflow = workflow
         self.group_size = group_size
 

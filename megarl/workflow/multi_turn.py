@@ -20,7 +20,11 @@ from megarl.api.trajectory import build_trajectory, concat_padded_tensors
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config.rollout import GenerationHyperparameters
 from megarl.utils import stats_tracker
-from megarl.workflow.rlvr import RLVRWorkflow, default_data_extract_prompt_fn, default_get_input_ids_fn
+from megarl.workflow.rlvr import (
+    RLVRWorkflow,
+    default_data_extract_prompt_fn,
+    default_get_input_ids_fn,
+)
 
 DEFAULT_REFLECTION_PROMPT = (
     "\nYour answer is either wrong or not parsable to the reward function. Please try to answer it again."
@@ -117,7 +121,9 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
             return self.gconfig.max_new_tokens
         return min(self.gconfig.max_new_tokens, self.max_context_len - prompt_len)
 
-    async def _run_one(self, engine: InferenceEngine, data: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
+    async def _run_one(
+        self, engine: InferenceEngine, data: dict[str, Any], prompt_ids: list[int], index: int
+    ) -> dict[str, Any]:
         episode = _Episode()
         rid = uuid.uuid4().hex  # every turn on the same server: the conversation is its cached prefix
         next_prompt = list(prompt_ids)
@@ -126,7 +132,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
             budget = self._turn_budget(len(next_prompt))
             if budget < 1:
                 break
-            gconfig = self.gconfig.new(n_samples=1, max_new_tokens=budget)
+            gconfig = self.gconfig.for_sample(next_prompt, index).new(max_new_tokens=budget)
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=next_prompt, gconfig=gconfig))
             episode.add_prompt(resp.input_tokens[len(episode.input_ids) :])
             episode.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
@@ -145,7 +151,8 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any]:
         rlvr = self.rlvr
         prompt_ids = rlvr.get_input_ids_fn(rlvr.data_extract_prompt_fn(data), self.tokenizer, rlvr.enable_thinking)
-        trajs = await asyncio.gather(*(self._run_one(engine, data, prompt_ids) for _ in range(self.gconfig.n_samples)))
+        samples = range(self.gconfig.n_samples)
+        trajs = await asyncio.gather(*(self._run_one(engine, data, prompt_ids, i) for i in samples))
         return concat_padded_tensors(trajs)
 
     def close(self) -> None:

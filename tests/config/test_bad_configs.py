@@ -135,6 +135,7 @@ BAD = [
     case("temperature-zero", ["gconfig.temperature=0"], "gconfig.temperature", "0.0 is invalid"),
     case("temperature-mismatch", ["gconfig.temperature=0.7"], "actor.temperature", "gconfig.temperature=0.7"),
     case("greedy-groups", ["gconfig.greedy=true"], "gconfig.greedy", "n_samples=4"),
+    case("negative-sampling-seed", ["gconfig.seed=-1"], "gconfig.seed", "-1"),
     # weight updates
     case("sharded-with-sglang", [*SGLANG_ON_GPU, "weight_update.mode=sharded"], "weight_update.mode", "'sharded'"),
     case("disk-without-path", ["weight_update.mode=disk"], "weight_update.disk_path", "disk mode needs a directory"),

@@ -11,12 +11,13 @@ import urllib.request
 import pytest
 
 from megarl.api import ModelRequest
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.config.rollout import GenerationHyperparameters, derive_seed
 from megarl.rollout import InferenceServerError, RemoteInferenceEngine
 from tests.rollout.conftest import fast_config, make_engine
 from tests.rollout.helpers import OneShotWorkflow, expected_tokens
 
 PROMPT = [101, 102, 103, 104, 105]
+SEED = 11
 
 
 def _post(addr: str, path: str, body: dict) -> dict:
@@ -35,8 +36,8 @@ def _stats(addr: str) -> dict:
         return json.loads(resp.read())
 
 
-def _generate(engine: RemoteInferenceEngine, max_new_tokens: int = 12, rid: str | None = None):
-    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=max_new_tokens)
+def _generate(engine: RemoteInferenceEngine, max_new_tokens: int = 12, rid: str | None = None, seed: int | None = None):
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=max_new_tokens, seed=seed)
     req = ModelRequest(input_ids=PROMPT, gconfig=gconfig) if rid is None else ModelRequest(rid, PROMPT, gconfig)
     return asyncio.run(engine.agenerate(req))
 
@@ -76,7 +77,7 @@ def test_pause_aborts_and_resume_continues(fake_servers, dialect):
     result = {}
 
     def generate():
-        result["resp"] = _generate(engine, 60)  # ~0.6 s uninterrupted
+        result["resp"] = _generate(engine, 60, seed=SEED)  # ~0.6 s uninterrupted
 
     try:
         thread = threading.Thread(target=generate)
@@ -102,6 +103,10 @@ def test_pause_aborts_and_resume_continues(fake_servers, dialect):
     assert stats["pause"] == 1 and stats["resume"] == 1
     if dialect == "sglang":
         assert stats["flush_cache"] == 1
+    for payload in stats["payloads"]:  # the first request, then its continuations
+        seed = payload["seed"] if dialect == "vllm" else payload["sampling_params"]["sampling_seed"]
+        done = (payload["prompt"] if dialect == "vllm" else payload["input_ids"])[len(PROMPT) :]
+        assert seed == (derive_seed(SEED, done, len(done)) if done else SEED), "continuations draw fresh seeds"
 
 
 def test_retries_then_succeeds(fake_servers):

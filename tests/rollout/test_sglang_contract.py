@@ -29,6 +29,7 @@ GCONFIGS = [
     GenerationHyperparameters(n_samples=1, max_new_tokens=64),
     GenerationHyperparameters(n_samples=1, max_new_tokens=8, min_new_tokens=2, temperature=0.7, top_p=0.9, top_k=20),
     GenerationHyperparameters(n_samples=1, max_new_tokens=8, greedy=True, stop=["\n\n"], stop_token_ids=[2]),
+    GenerationHyperparameters(n_samples=1, max_new_tokens=8, seed=2**63 - 1),
 ]
 
 
@@ -47,7 +48,7 @@ def _payloads() -> list[dict]:
     return [backend.generate_payload([1, 2, 3, 4], g, g.max_new_tokens, g.min_new_tokens) for g in GCONFIGS]
 
 
-@pytest.mark.parametrize("payload", _payloads(), ids=["default", "sampling", "greedy-stop"])
+@pytest.mark.parametrize("payload", _payloads(), ids=["default", "sampling", "greedy-stop", "seeded"])
 def test_generate_payload_matches_schema(api_types, payload):
     decoded = api_types.GenerateRequest.from_json_value(payload)
     fields = set(api_types.GenerateRequest.__struct_fields__)

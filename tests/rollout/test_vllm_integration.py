@@ -76,6 +76,22 @@ def test_greedy_is_deterministic(engine):
     assert a.output_tokens == b.output_tokens
 
 
+def test_seeded_sampling_repeats_per_sample_and_differs_across_samples(engine):
+    """gconfig.seed: a sample's tokens depend only on (seed, prompt, sample index), not on what else runs."""
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=24, temperature=1.0, seed=3)
+    prompt = [1, 9, 42, 7]
+
+    def sample(index: int):
+        return engine.agenerate(ModelRequest(input_ids=prompt, gconfig=gconfig.for_sample(prompt, index)))
+
+    async def draw():  # sample 0 twice (alone and beside others), samples 1..3 once
+        return await asyncio.gather(sample(0), sample(1), sample(2), sample(3))
+
+    first, again = run_on_pool(engine, draw), run_on_pool(engine, lambda: sample(0))
+    assert again.output_tokens == first[0].output_tokens
+    assert len({tuple(r.output_tokens) for r in first}) == 4, "different samples of one prompt must differ"
+
+
 def test_single_turn_rlvr_end_to_end(engine, tokenizer, gsm8k_rows):
     gconfig = GenerationHyperparameters(n_samples=2, max_new_tokens=16)
     workflow = RLVRWorkflow(gsm8k_reward_fn, gconfig, tokenizer, reward_max_workers=1)
@@ -244,8 +260,9 @@ def test_tensor_parallel_2_server(vllm_server, vllm_model_dir, tmp_path):
             n_samples=1, max_new_tokens=16, min_new_tokens=4, temperature=0.8, top_p=0.9, top_k=5
         ),
         GenerationHyperparameters(n_samples=1, max_new_tokens=16, greedy=True, stop=["\n"], stop_token_ids=[2]),
+        GenerationHyperparameters(n_samples=1, max_new_tokens=16, seed=2**63 - 1),
     ],
-    ids=["sampling", "greedy-stop"],
+    ids=["sampling", "greedy-stop", "seeded"],
 )
 def test_payload_is_a_valid_vllm_completion_request(gconfig):
     """Every field we send is one vLLM's CompletionRequest knows (unknown ones would be ignored silently)."""
@@ -259,3 +276,4 @@ def test_payload_is_a_valid_vllm_completion_request(gconfig):
     params = request.to_sampling_params(max_tokens=gconfig.max_new_tokens, default_sampling_params={})
     assert params.logprobs == 0 and params.max_tokens == 16 and params.min_tokens == gconfig.min_new_tokens
     assert params.temperature == (0.0 if gconfig.greedy else gconfig.temperature)
+    assert params.seed == gconfig.seed

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megarl.api import ModelRequest, ModelResponse, RolloutWorkflow, make_trajectory
-from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig
+from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig, derive_seed
 from megarl.reward import gsm8k_reward_fn
 from megarl.rollout import RolloutPool
 from megarl.workflow import (
@@ -116,6 +116,31 @@ class _Maybe(RolloutWorkflow):
     async def arun_episode(self, engine, data):
         value = self.results.pop(0)
         return None if value is None else make_trajectory([1], [2] * value, [-0.1] * value, [0] * value, float(value))
+
+
+def test_seeded_samples_get_their_own_stable_seeds(tokenizer):
+    """gconfig.seed: sample i of a prompt carries derive_seed(seed, prompt, i) in every run; unseeded: none."""
+
+    def seeds(seed):
+        engine = ScriptedEngine(tokenizer, ["7"] * 3)
+        workflow = RLVRWorkflow(gsm8k_reward_fn, GenerationHyperparameters(n_samples=3, seed=seed), tokenizer,
+                                reward_max_workers=1)  # fmt: skip
+        try:
+            asyncio.run(workflow.arun_episode(engine, ROW))
+        finally:
+            workflow.close()
+        return [r.gconfig.seed for r in engine.requests], engine.requests[0].input_ids
+
+    (first, prompt), (second, _) = seeds(5), seeds(5)
+    assert first == second == [derive_seed(5, prompt, i) for i in range(3)] and len(set(first)) == 3
+    assert seeds(6)[0] != first and seeds(None)[0] == [None] * 3
+
+
+def test_grouped_rejects_a_seeded_inner_workflow():
+    inner = _Maybe([])
+    inner.gconfig = GenerationHyperparameters(seed=1)
+    with pytest.raises(ValueError, match="gconfig.seed=1"):
+        GroupedRolloutWorkflow(inner, 4)
 
 
 def test_grouped_drops_none_members():
