@@ -70,6 +70,10 @@ class Trainer:
     recover: RecoverHandler
     stats_logger: StatsLogger | None = None
 
+    def position(self, global_step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of ``global_step``."""
+        return divmod(global_step, self.steps_per_epoch)
+
 
 def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     """One asynchronous RL step; returns its stats (exact over all ranks)."""
@@ -89,7 +93,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     with stats_tracker.record_timing("update_weights"):
         sync_stats = t.actor.update_weights(replace(t.weight_meta, version=global_step + 1))
     record_batch_stats(batch, sync_stats)
-    epoch, epoch_step = divmod(global_step, t.steps_per_epoch)
+    epoch, epoch_step = t.position(global_step)
     with stats_tracker.record_timing("save"):
         t.saver.maybe_save(t.actor, epoch, epoch_step, global_step)
         t.recover.maybe_dump(t.actor, recover_info(t, global_step))
@@ -140,7 +144,7 @@ def evaluate(t: Trainer) -> dict[str, float]:
 
 
 def recover_info(t: Trainer, global_step: int) -> RecoverInfo:
-    epoch, epoch_step = divmod(global_step, t.steps_per_epoch)
+    epoch, epoch_step = t.position(global_step)
     return RecoverInfo(
         epoch=epoch, epoch_step=epoch_step, global_step=global_step, rollout_version=t.actor.get_version(),
         dataloader_state=t.dataloader.state_dict() if t.dataloader is not None else {},
@@ -284,12 +288,12 @@ def train(t: Trainer) -> dict[str, float]:
         step_start = time.perf_counter()
         stats = rl_step(t, global_step)
         stats["timeperf/step"] = time.perf_counter() - step_start
-        epoch, epoch_step = divmod(global_step, t.steps_per_epoch)
+        epoch, epoch_step = t.position(global_step)
         t.stats_logger.commit(epoch, epoch_step, global_step, stats)
         bar.set_postfix(reward=f"{stats.get('batch/reward/avg', float('nan')):.3f}")
         bar.update(1)
     bar.close()
-    epoch, epoch_step = divmod(t.total_steps - 1, t.steps_per_epoch)
+    epoch, epoch_step = t.position(t.total_steps - 1)
     t.saver.maybe_save(t.actor, epoch, epoch_step, t.total_steps - 1, force=True)
     summary = t.stats_logger.summary() if rank0 else {}
     return summary

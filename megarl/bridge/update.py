@@ -114,7 +114,9 @@ class WeightSync:
             raise WeightBridgeError(f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
                                     f"{report.sender_errors}; failed servers keep their old weights or are out of "
                                     "rotation")  # fmt: skip
+        probe_start = time.perf_counter()
         stats.update(self.check_consistency())
+        stats["probe_seconds"] = time.perf_counter() - probe_start
         return stats
 
     def _pause(self) -> None:

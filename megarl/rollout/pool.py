@@ -189,16 +189,20 @@ class RolloutPool:
     def _next_launchable(self) -> _Task | None:
         """The oldest queued task that may start now (lock held).
 
-        Training tasks start in order, within the staleness budget; evaluation tasks are
-        not bound by it, so they pass training tasks that wait for the trainer's next
-        version (the trainer may be the one waiting for the evaluation).
+        Training tasks start in order, within the staleness budget and while the output
+        side has room (``queue_size``, or what a waiting trainer asked for). Evaluation
+        tasks are bound by neither: the trainer waits for them before it takes another
+        training trajectory, so they pass training tasks that cannot start.
         """
-        head = self._input[0]
-        if self._capacity(head) > 0:
-            return head
         if self.max_concurrent - self._n_running <= 0:
             return None
+        head = self._input[0]
+        if head.is_eval or (self._capacity(head) > 0 and not self._output_full()):
+            return head
         return next((t for t in self._input if t.is_eval), None)
+
+    def _output_full(self) -> bool:
+        return len(self._results) + self._n_running >= max(self.queue_size, self._demand)
 
     def _launch_ready(self, running: set[asyncio.Task]) -> None:
         while True:
@@ -206,8 +210,7 @@ class RolloutPool:
                 if self._paused or not self._input:
                     return
                 task = self._next_launchable()
-                output_bound = max(self.queue_size, self._demand)
-                if task is None or len(self._results) + self._n_running >= output_bound:
+                if task is None:
                     return
                 self._input.remove(task)
                 self._n_running += 1
@@ -287,6 +290,8 @@ class RolloutPool:
     ) -> int:
         """Queue one episode; blocks while the input queue is full. Returns its task id.
 
+        Evaluation episodes do not wait for room: the queue bounds the training data fed
+        ahead, which may be parked until the trainer's next version (after the evaluation).
         A class or string ``workflow`` is instantiated on every call: pass an instance
         when submitting many items.
         """
@@ -294,7 +299,7 @@ class RolloutPool:
         task = _Task(next(self._ids), data, wf, should_accept_fn, is_eval, _watch)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while len(self._input) >= self.queue_size and not self._stopping:
+            while not is_eval and len(self._input) >= self.queue_size and not self._stopping:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"submit: input queue stayed full ({self.queue_size}) for {timeout}s")
@@ -383,8 +388,9 @@ class RolloutPool:
         wf = resolve_workflow(workflow, workflow_kwargs, group_size)
         if not is_eval:
             self._check_budget(len(data))
-        with self._cond:
-            self._raise_demand(len(self._results) + len(data))  # this batch may exceed the output bound
+        if not is_eval:
+            with self._cond:
+                self._raise_demand(len(self._results) + len(data))  # this batch may exceed the output bound
         ids = [self.submit(item, wf, should_accept_fn, is_eval=is_eval, _watch=True) for item in data]
         with self._cond:
             self._cond.wait_for(

@@ -223,6 +223,29 @@ def test_pending_items_make_a_recover_point_exact(pool_factory):
     assert len(set(consumed + after)) == len(consumed + after), "no prompt trained twice"
 
 
+def test_evaluation_larger_than_the_queue_finishes_while_training_prefetches(pool_factory):
+    """An evaluation of many items between steps, while the fed training episodes keep running.
+
+    Prefetched training trajectories fill the output side, and the fed training items the
+    input queue; neither may keep evaluation episodes from starting: the trainer waits for
+    the evaluation before it takes any training trajectory.
+    """
+    pool, engine = pool_factory(batch_size=4, max_concurrent_rollouts=4, max_staleness=1, queue_size=8)
+    loader = ListLoader(sim_items(64, seed=5, slow_p=0.0), 4)
+    pool.prepare_batch(loader, SimWorkflow())
+    engine.version += 1  # the step's weight update: the budget opens for more prefetching
+    pool.notify_version()
+    pool.prepare_batch(loader, SimWorkflow())  # feeds the next batch, as the trainer does each step
+    done = {}
+    evaluation = sim_items(40, seed=7, slow_p=0.0)
+    thread = threading.Thread(target=lambda: done.update(batch=pool.rollout_batch(evaluation, SimWorkflow(), is_eval=True)))
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "evaluation starved behind prefetched training episodes"
+    assert done["batch"]["rewards"].numel() == 40
+    assert pool.prepare_batch(loader, SimWorkflow())["rewards"].numel() == 4, "training goes on after evaluation"
+
+
 def test_evaluation_passes_training_tasks_parked_at_the_staleness_bound(pool_factory):
     """The trainer evaluates between steps while prefetched training episodes wait for its next version."""
     pool, engine = pool_factory(batch_size=4, max_concurrent_rollouts=4, max_staleness=0)
