@@ -279,7 +279,8 @@ def train(t: Trainer) -> dict[str, float]:
     # The servers may hold other weights (a restarted trainer, servers kept up): push ours first.
     t.actor.update_weights(replace(t.weight_meta, version=t.actor.get_version()))
     if info is not None and t.rollout is not None:  # prompts in flight at the recover point go first
-        t.rollout.pool.resubmit(info.extra.get("pending_items", []), t.workflow, should_accept_fn(t.config.dynamic_filter))
+        t.rollout.pool.resubmit(t.actor.get_version(), info.extra.get("pending_items", []), t.workflow,
+                                should_accept_fn(t.config.dynamic_filter))  # fmt: skip
     rank0 = dist.get_rank() == 0
     t.stats_logger = StatsLogger(t.config.stats_logger, t.config.run_dir, exp_config=to_container(t.config),
                                  rank=dist.get_rank(), start_step=start)  # fmt: skip

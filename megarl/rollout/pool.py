@@ -477,8 +477,12 @@ class RolloutPool:
         with self._cond:
             return [self._pending[task_id] for task_id in sorted(self._pending)]
 
-    def resubmit(self, items: list[dict[str, Any]], workflow: WorkflowLike, should_accept_fn=None) -> None:
-        """Queue ``items`` (a recover point's pending items) ahead of the dataloader's next batches."""
+    def resubmit(
+        self, version: int, items: list[dict[str, Any]], workflow: WorkflowLike, should_accept_fn=None
+    ) -> None:
+        """Resume a recovered run at ``version``: its staleness budget, then ``items`` (the recover
+        point's pending items), queued ahead of the dataloader's next batches."""
+        self.staleness.on_resumed_at(version)
         wf = resolve_workflow(workflow)
         for item in items:
             self.submit(item, wf, should_accept_fn, _track=True)

@@ -32,7 +32,7 @@ TINY_RUN = [
     "gconfig.seed=7", "rollout.max_staleness=0",
 ]  # fmt: skip
 # what a step computed; timings and queue depths are not compared
-SAME_IN_BOTH = ["batch/reward/avg", "rollout/completion_len", "ppo_actor/n_tokens"]
+SAME_IN_BOTH = ["batch/reward/avg", "batch/seq_len/avg", "ppo_actor/n_tokens"]
 CLOSE_IN_BOTH = ["ppo_actor/loss", "ppo_actor/grad_norm", "ppo_actor/new_logp/avg", "ppo_actor/entropy/avg"]
 
 
