@@ -220,8 +220,8 @@ def running_servers(config: GRPOConfig, specs: list[LaunchSpec], relay: OutputRe
         logger.info("servers healthy: %s", ",".join(s.address for s in servers))
         yield servers
     finally:
+        relay.close()  # a server's shutdown chatter stays in its log file, off the console
         _stop_all(servers, marks)
-        relay.close()
 
 
 def _wait_healthy(servers: list[InferenceServer], timeout: float) -> None:

@@ -201,6 +201,9 @@ def test_megarl_run(mode, recover, code, n_attempts, tmp_path, monkeypatch, caps
     assert f"fake trainer attempt {n_attempts - 1}" in (run_dir / "logs" / "trainer.log").read_text()
     if mode == "kill-server":
         assert "megarl run: error: server-0 at 127.0.0.1:" in err and "during training" in err
+    else:  # a server stopped at the end of the run says so in its log, not on the console
+        assert "fake server: shut down" in (run_dir / "logs" / "server-0.log").read_text()
+        assert "shut down" not in out
     assert alive_after(pids_of(records)) == []
 
 

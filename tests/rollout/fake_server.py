@@ -185,6 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     server = FakeServer(args.dialect, args.token_delay, args.eos_every)
     web.run_app(server.app(), host="127.0.0.1", port=args.port, print=None, access_log=None, shutdown_timeout=0.2)
+    print("fake server: shut down", flush=True)  # like a real server's shutdown chatter
 
 
 if __name__ == "__main__":
