@@ -123,9 +123,9 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         return 130
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
+def _add_config_args(parser: argparse.ArgumentParser, overrides_help: str = "key.path=value overrides") -> None:
     parser.add_argument("--config", action="append", default=[], help="YAML file (repeatable; later files win)")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    parser.add_argument("overrides", nargs="*", help=overrides_help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,8 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.set_defaults(func=_cmd_slurm)
 
     run = sub.add_parser("run", help="run an experiment on this machine: inference servers, then the trainer")
-    run.add_argument("--config", action="append", default=[], help="YAML file (repeatable; later files win)")
-    run.add_argument("overrides", nargs="*", metavar="ARG", help="CONFIG.yaml, then key.path=value overrides")
+    _add_config_args(run, "CONFIG.yaml, then key.path=value overrides")
     run.set_defaults(func=_cmd_run)
 
     models = sub.add_parser("models", help="list or provision models known by short name")

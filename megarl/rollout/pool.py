@@ -180,12 +180,6 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ the loop side
 
-    def _capacity(self, task: _Task) -> int:
-        concurrency = self.max_concurrent - self._n_running
-        if task.is_eval:
-            return concurrency
-        return min(concurrency, self.staleness.get_capacity(self.engine.get_version()))
-
     def _next_launchable(self) -> _Task | None:
         """The oldest queued task that may start now (lock held).
 
@@ -197,7 +191,7 @@ class RolloutPool:
         if self.max_concurrent - self._n_running <= 0:
             return None
         head = self._input[0]
-        if head.is_eval or (self._capacity(head) > 0 and not self._output_full()):
+        if head.is_eval or (self.staleness.get_capacity(self.engine.get_version()) > 0 and not self._output_full()):
             return head
         return next((t for t in self._input if t.is_eval), None)
 
@@ -388,7 +382,6 @@ class RolloutPool:
         wf = resolve_workflow(workflow, workflow_kwargs, group_size)
         if not is_eval:
             self._check_budget(len(data))
-        if not is_eval:
             with self._cond:
                 self._raise_demand(len(self._results) + len(data))  # this batch may exceed the output bound
         ids = [self.submit(item, wf, should_accept_fn, is_eval=is_eval, _watch=True) for item in data]

