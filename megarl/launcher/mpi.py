@@ -53,8 +53,10 @@ def discover_ranks(env: MutableMapping[str, str] = os.environ) -> bool:
         ) from e
     comm = MPI.COMM_WORLD
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    master = (env.get("MASTER_ADDR") or gethostip(), int(env.get("MASTER_PORT") or find_free_port("0.0.0.0")))
-    master_addr, master_port = comm.bcast(master if comm.Get_rank() == 0 else None, root=0)
+    master = None
+    if comm.Get_rank() == 0:  # the rendezvous point: this host, a free port (unless the user set them)
+        master = (env.get("MASTER_ADDR") or gethostip(), int(env.get("MASTER_PORT") or find_free_port("0.0.0.0")))
+    master_addr, master_port = comm.bcast(master, root=0)
     env.update(
         RANK=str(comm.Get_rank()), WORLD_SIZE=str(comm.Get_size()),
         LOCAL_RANK=str(local.Get_rank()), LOCAL_WORLD_SIZE=str(local.Get_size()),
