@@ -74,6 +74,8 @@ def cuda_extensions():
                 "--use_fast_math",
                 "-gencode=arch=compute_80,code=sm_80",
                 "-gencode=arch=compute_90a,code=sm_90a",
+                # PTX, so that GPUs newer than Hopper JIT-compile the sm_80 path
+                "-gencode=arch=compute_80,code=compute_80",
             ],
         },
     )

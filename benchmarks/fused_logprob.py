@@ -3,7 +3,8 @@
 Variants per shape (T tokens, H hidden, V vocab):
   naive    matmul -> log_softmax -> gather ([T, V] fp32 logits materialised)
   chunked  megarl.kernels, torch path (chunks of 1024 tokens x 4096 vocab, fp32)
-  cuda     megarl.kernels, CUDA kernels (GPU only)
+  cuda     megarl.kernels, CUDA kernels (GPU only; on Hopper the TMA + wgmma mainloop)
+  cuda_sm80  the same kernels with the mma.sync mainloop forced (Hopper only, for comparison)
   liger    Liger-Kernel's fused linear cross entropy, summed (GPU only, when installed;
            it computes its gradients inside the forward, so only its fwd+bwd row is comparable)
   matmul   a bare [T,H] x [H,V] GEMM (fwd) and the three GEMMs of a linear layer's fwd+bwd:
@@ -28,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import multiprocessing
+import os
 import resource
 import statistics
 import time
@@ -73,8 +75,11 @@ def _step(variant: str, hidden, weight, labels, backward: bool):
         return
     if variant == "naive":
         logp, ent = logprobs_entropy_naive(h, w, labels)
+    elif variant == "chunked":
+        logp, ent = fused_logprobs_entropy(h, w, labels, backend="torch")
     else:
-        logp, ent = fused_logprobs_entropy(h, w, labels, backend="torch" if variant == "chunked" else "cuda")
+        os.environ["MEGARL_CUDA_MAINLOOP"] = "sm80" if variant == "cuda_sm80" else "auto"
+        logp, ent = fused_logprobs_entropy(h, w, labels, backend="cuda")
     if backward:
         (logp.sum() + ent.sum()).backward()
 
@@ -156,12 +161,19 @@ def _measure_gpu(variant: str, hidden, weight, labels, backward: bool, repeats: 
         return None, None  # reported as an empty cell: out of memory
 
 
+def _cuda_variants() -> list[str]:
+    from megarl.kernels import _cuda
+
+    ext = _cuda.load_extension()
+    return ["cuda", "cuda_sm80"] if ext is not None and ext.sm90_mainloop_available() else ["cuda"]
+
+
 def _gpu_variants() -> list[str]:
-    variants = ["naive", "chunked", "cuda", "matmul"]
+    variants = ["naive", "chunked", *_cuda_variants(), "matmul"]
     try:
         import liger_kernel  # noqa: F401
 
-        variants.insert(3, "liger")
+        variants.insert(-1, "liger")
     except ImportError:
         pass
     return variants
@@ -174,7 +186,7 @@ def _run_gpu(quick: bool) -> list[dict]:
     for T, H, V in GPU_SHAPES_QUICK if quick else GPU_SHAPES:
         for tp in (1, *(() if quick else GPU_TP_SHARDS)):
             hidden, weight, labels = _inputs(T, H, V // tp, torch.bfloat16, "cuda")
-            for variant in _gpu_variants() if tp == 1 else ["cuda", "matmul"]:
+            for variant in _gpu_variants() if tp == 1 else [*_cuda_variants(), "matmul"]:
                 passes = {}
                 for name, backward in (("fwd", False), ("fwd+bwd", True)):
                     if variant == "liger" and not backward:

@@ -27,6 +27,10 @@ void check_operands(const at::Tensor& hidden, const at::Tensor& weight, const at
               weight.scalar_type());
   TORCH_CHECK(hidden.is_contiguous() && weight.is_contiguous(), "hidden and weight must be contiguous");
   TORCH_CHECK(hidden.size(1) % 8 == 0, "hidden size must be a multiple of 8, got ", hidden.size(1));
+  // both mainloops read 16-byte rows (cp.async on sm_80, TMA on sm_90a)
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(hidden.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
+              "hidden and weight must start on a 16-byte boundary");
   TORCH_CHECK(labels.scalar_type() == at::kLong && labels.is_contiguous() && labels.dim() == 1 &&
                   labels.size(0) == hidden.size(0),
               "labels must be contiguous int64 [T], got ", labels.scalar_type(), " ", labels.sizes());
@@ -38,10 +42,19 @@ void check_vec(const at::Tensor& x, int64_t T, const char* name) {
               name, " must be contiguous float32 [", T, "], got ", x.scalar_type(), " ", x.sizes());
 }
 
+// Whether the wgmma mainloop can run here; a `wgmma` request it cannot serve is an error.
+bool use_wgmma(bool wgmma, int64_t valid_v) {
+  TORCH_CHECK(!wgmma || megarl::sm90_mainloop_available(),
+              "wgmma mainloop requested, but this device is not sm_90 or the extension was built "
+              "without -gencode=arch=compute_90a,code=sm_90a");
+  return wgmma && valid_v > 0;  // an all-padding shard has nothing to multiply
+}
+
 // Returns (part [3, num_splits, T] fp32, label_logit [T] fp32); see launch_logprob_forward.
 std::vector<at::Tensor> logprob_forward(const at::Tensor& hidden, const at::Tensor& weight,
                                         const at::Tensor& labels, int64_t valid_v,
-                                        int64_t vocab_start, double inv_tau, int64_t num_splits) {
+                                        int64_t vocab_start, double inv_tau, int64_t num_splits,
+                                        bool wgmma) {
   check_operands(hidden, weight, labels);
   TORCH_CHECK(valid_v >= 0 && valid_v <= weight.size(0), "valid_v out of range: ", valid_v);
   TORCH_CHECK(num_splits >= 1, "num_splits must be >= 1, got ", num_splits);
@@ -50,7 +63,9 @@ std::vector<at::Tensor> logprob_forward(const at::Tensor& hidden, const at::Tens
   auto opts = hidden.options().dtype(at::kFloat);
   auto part = at::empty({3, num_splits, T}, opts);
   auto label_logit = at::zeros({T}, opts);
-  check_cuda(megarl::launch_logprob_forward(
+  const auto launch = use_wgmma(wgmma, valid_v) ? megarl::launch_logprob_forward_sm90
+                                                 : megarl::launch_logprob_forward;
+  check_cuda(launch(
                  hidden.data_ptr(), weight.data_ptr(), labels.data_ptr<int64_t>(),
                  static_cast<int>(T), static_cast<int>(hidden.size(1)), static_cast<int>(valid_v),
                  vocab_start, static_cast<float>(inv_tau), static_cast<int>(num_splits),
@@ -64,7 +79,7 @@ std::vector<at::Tensor> logprob_forward(const at::Tensor& hidden, const at::Tens
 void logprob_backward_dz(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
                          int64_t valid_v, int64_t vocab_start, double inv_tau, const at::Tensor& lse,
                          const at::Tensor& mean_z, const at::Tensor& g_lp, const at::Tensor& g_ent,
-                         int64_t col_begin, int64_t col_count, const at::Tensor& dz) {
+                         int64_t col_begin, int64_t col_count, const at::Tensor& dz, bool wgmma) {
   check_operands(hidden, weight, labels);
   const int64_t T = hidden.size(0);
   check_vec(lse, T, "lse");
@@ -80,7 +95,9 @@ void logprob_backward_dz(const at::Tensor& hidden, const at::Tensor& weight, con
   TORCH_CHECK(col_begin >= 0 && col_count >= 0 && col_begin + col_count <= weight.size(0),
               "column range out of bounds: ", col_begin, "+", col_count);
   const c10::cuda::CUDAGuard guard(hidden.device());
-  check_cuda(megarl::launch_logprob_backward_dz(
+  const auto launch = use_wgmma(wgmma, valid_v) ? megarl::launch_logprob_backward_dz_sm90
+                                                 : megarl::launch_logprob_backward_dz;
+  check_cuda(launch(
                  hidden.data_ptr(), weight.data_ptr(), labels.data_ptr<int64_t>(),
                  static_cast<int>(T), static_cast<int>(hidden.size(1)), static_cast<int>(valid_v),
                  vocab_start, static_cast<float>(inv_tau), lse.data_ptr<float>(),
@@ -126,8 +143,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megarl fused kernels: logprob + entropy over a vocab-parallel LM head, PPO loss";
   m.def("logprob_forward", &logprob_forward, "fused logprob/entropy forward partials");
   m.def("logprob_backward_dz", &logprob_backward_dz, "recomputed-logit softmax gradient chunk");
+  m.def("sm90_mainloop_available", &megarl::sm90_mainloop_available,
+        "whether the TMA + wgmma mainloop runs on the current device");
   m.def("ppo_loss", &ppo_loss, "PPO clipped surrogate: per-token loss, gradient, stats");
   m.attr("TILE_TOKENS") = megarl::kTileTokens;
   m.attr("TILE_VOCAB") = megarl::kTileVocab;
+  m.attr("TILE_VOCAB_SM90") = megarl::kTileVocabSm90;
   m.attr("NUM_PPO_STATS") = static_cast<int>(megarl::kNumPPOStats);
 }

@@ -12,6 +12,7 @@ namespace megarl {
 // Tile sizes shared by the host (grid and partial-buffer sizes) and the kernels.
 constexpr int kTileTokens = 128;  // BM: token rows per CTA tile
 constexpr int kTileVocab = 128;   // BN: vocabulary rows per CTA tile
+constexpr int kTileVocabSm90 = 256;  // BN of the sm_90a mainloop
 
 // Forward of the fused logprob + entropy: per (token block, vocab split) CTA, an online
 // logsumexp over the split's vocab tiles. Writes per-split partial statistics of
@@ -35,6 +36,22 @@ cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, c
                                        const float* lse, const float* mean_z, const float* g_lp,
                                        const float* g_ent, int col_begin, int col_count, void* dz,
                                        int ld, cudaStream_t stream);
+
+// The same two kernels on Hopper's TMA + wgmma mainloop (fused_logprob_sm90.cu): identical
+// contracts, 128 x 256 logit tiles. Launch them only where sm90_mainloop_available() (a device
+// of compute capability 9.0 and sm_90a code in this binary); they also need valid_v > 0 and
+// 16-byte aligned hidden and weight.
+bool sm90_mainloop_available();
+cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
+                                        int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
+                                        int num_splits, float* part, float* label_logit,
+                                        cudaStream_t stream);
+cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weight,
+                                            const int64_t* labels, int T, int H, int valid_v,
+                                            int64_t vocab_start, float inv_tau, const float* lse,
+                                            const float* mean_z, const float* g_lp, const float* g_ent,
+                                            int col_begin, int col_count, void* dz, int ld,
+                                            cudaStream_t stream);
 
 // Indices into the raw statistics vector written by launch_ppo_loss.
 enum PPOStat : int {

@@ -5,6 +5,9 @@ What is fused (see ``csrc/``): the forward is one kernel per shard (tiled bf16 G
 online-logsumexp epilogue; per-split partials merged here in torch: O(splits x T) floats).
 The backward recomputes logit tiles in a kernel that writes the softmax gradient as a bf16
 chunk dz [T, chunk]; the two gradient GEMMs (dH += dz . W_c, dW_c = dz^T . H) run on cuBLAS.
+
+Two mainloops compute the logit tiles: TMA + wgmma on Hopper (sm_90a), ldmatrix + mma.sync
+elsewhere (sm_80 and later). ``MEGARL_CUDA_MAINLOOP=sm80`` forces the second on Hopper too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,19 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 TILE = 128  # kTileTokens == kTileVocab in csrc/kernels.h
+MAINLOOPS = ("auto", "sm80", "sm90")
+
+
+def arch_flags(capability: tuple[int, int]) -> list[str]:
+    """nvcc -gencode flags of a JIT build for a device of this compute capability.
+
+    Hopper needs the arch-specific sm_90a target for wgmma, which torch's default flags
+    (sm_90) leave out; every other device gets its own SASS.
+    """
+    major, minor = capability
+    if (major, minor) == (9, 0):
+        return ["-gencode=arch=compute_90a,code=sm_90a"]
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
 @functools.cache
@@ -35,6 +51,11 @@ def load_extension() -> ModuleType | None:
     ``MEGARL_DISABLE_CUDA_KERNELS=1`` turns the CUDA path off.
     """
     if os.environ.get("MEGARL_DISABLE_CUDA_KERNELS") == "1" or not torch.cuda.is_available():
+        return None
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 0):
+        logger.warning("the megarl CUDA kernels need sm_80 or newer, this GPU is sm_%d%d: using the torch path",
+                       *capability)
         return None
     try:
         from megarl import _C  # type: ignore[attr-defined]
@@ -55,7 +76,7 @@ def load_extension() -> ModuleType | None:
             sources=sources,
             extra_include_paths=[str(CSRC)],
             extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", "--use_fast_math"],
+            extra_cuda_cflags=["-O3", "--use_fast_math", *arch_flags(capability)],
         )
     except Exception as exc:  # noqa: BLE001 (a failed build must not take training down: fall back)
         logger.warning("could not JIT-build the megarl CUDA kernels (%s): using the torch path", exc)
@@ -70,6 +91,8 @@ def unavailable_reason() -> str | None:
         return "MEGARL_DISABLE_CUDA_KERNELS=1 is set"
     if not torch.cuda.is_available():
         return "no CUDA device is available"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return "the GPU is older than sm_80 (the kernels use cp.async and bf16 tensor-core MMA)"
     return "megarl._C is not built and JIT-building csrc/ failed (see the warning logged above)"
 
 
@@ -89,13 +112,40 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_splits(num_tokens: int, valid: int, device: torch.device) -> int:
+def use_wgmma(device: torch.device) -> bool:
+    """Whether the kernels on this device run the Hopper (TMA + wgmma) mainloop.
+
+    ``MEGARL_CUDA_MAINLOOP``: "auto" (default) takes it wherever the device and the build
+    have it, "sm80" never, "sm90" always (an error where it cannot run).
+    """
+    choice = os.environ.get("MEGARL_CUDA_MAINLOOP", "auto")
+    if choice not in MAINLOOPS:
+        raise ValueError(f"MEGARL_CUDA_MAINLOOP must be one of {MAINLOOPS}, got {choice!r}")
+    if choice == "sm80":
+        return False
+    with torch.cuda.device(device):
+        available = load_extension().sm90_mainloop_available()
+    if choice == "sm90" and not available:
+        raise RuntimeError(
+            "MEGARL_CUDA_MAINLOOP=sm90, but the wgmma mainloop cannot run here: it needs an sm_90 "
+            "GPU and an extension built with -gencode=arch=compute_90a,code=sm_90a"
+        )
+    return available
+
+
+def num_splits(num_tokens: int, valid: int, device: torch.device, vocab_tile: int = TILE) -> int:
     """Vocab splits per token block: enough CTAs for two waves, and at least 16 splits so that
     the CTAs running together share few token blocks of hidden (L2 reuse)."""
     token_blocks = math.ceil(num_tokens / TILE)
-    vocab_tiles = max(1, math.ceil(valid / TILE))
+    vocab_tiles = max(1, math.ceil(valid / vocab_tile))
     wanted = max(16, math.ceil(2 * _num_sms(device.index or 0) / token_blocks))
     return min(vocab_tiles, wanted)
+
+
+def _operand(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous and 16-byte aligned, as both mainloops' 16-byte row loads need."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 def local_stats(
@@ -103,10 +153,12 @@ def local_stats(
 ) -> tuple[torch.Tensor, ...]:
     """This shard's (m, s, u, label_logit) ``[T]`` from the fused forward kernel."""
     ext = load_extension()
-    splits = num_splits(hidden.shape[0], shard.valid, hidden.device)
+    wgmma = use_wgmma(hidden.device)
+    vocab_tile = ext.TILE_VOCAB_SM90 if wgmma else ext.TILE_VOCAB
+    splits = num_splits(hidden.shape[0], shard.valid, hidden.device, vocab_tile)
     part, label_logit = ext.logprob_forward(
-        hidden.contiguous(), weight.contiguous(), labels.long().contiguous(),
-        shard.valid, shard.start, inv_tau, splits,
+        _operand(hidden), _operand(weight), labels.long().contiguous(),
+        shard.valid, shard.start, inv_tau, splits, wgmma,
     )  # part: [3, splits, T]
     m, s, u = merge_stats(part[0], part[1], part[2])
     return m, s, u, label_logit
@@ -139,7 +191,8 @@ def grads(
     Extra memory: a bf16 dz chunk [T, chunk_vocab] and the fp32 dhidden accumulator.
     """
     ext = load_extension()
-    hidden, weight = hidden.contiguous(), weight.contiguous()
+    wgmma = use_wgmma(hidden.device)
+    hidden, weight = _operand(hidden), _operand(weight)
     labels = labels.long().contiguous()
     num_tokens = hidden.shape[0]
     chunk = max(TILE, chunk_vocab // TILE * TILE)  # even, tile-aligned chunk starts
@@ -153,7 +206,7 @@ def grads(
     for v0 in range(0, shard.valid, chunk):
         v1 = min(v0 + chunk, shard.valid)
         ext.logprob_backward_dz(
-            hidden, weight, labels, shard.valid, shard.start, inv_tau, *vectors, v0, v1 - v0, dz_buf
+            hidden, weight, labels, shard.valid, shard.start, inv_tau, *vectors, v0, v1 - v0, dz_buf, wgmma
         )
         dz = dz_buf[:, : v1 - v0]  # [T,vc]
         if d_weight is not None:

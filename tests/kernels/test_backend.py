@@ -1,6 +1,9 @@
 """pick_backend: which implementation one call of a fused entry point runs."""
 
 import pytest
+import torch
+
+from megarl.kernels import _cuda
 
 from megarl.kernels.backend import pick_backend
 
@@ -27,3 +30,27 @@ def test_cuda_where_it_applies_or_a_clear_error():
 def test_rejects_unknown_backend():
     with pytest.raises(ValueError, match="'triton'"):
         pick_backend("triton", lambda: True, "")
+
+
+@pytest.mark.parametrize(
+    "capability, flags",
+    [
+        ((9, 0), ["-gencode=arch=compute_90a,code=sm_90a"]),  # wgmma needs the arch-specific target
+        ((8, 0), ["-gencode=arch=compute_80,code=sm_80"]),
+        ((8, 9), ["-gencode=arch=compute_89,code=sm_89"]),
+    ],
+)
+def test_jit_build_targets_the_device(capability, flags):
+    assert _cuda.arch_flags(capability) == flags
+
+
+def test_unknown_mainloop_is_named(monkeypatch):
+    monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", "sm100")
+    with pytest.raises(ValueError, match="MEGARL_CUDA_MAINLOOP must be one of .*'sm100'"):
+        _cuda.use_wgmma(torch.device("cpu"))
+
+
+def test_sm80_mainloop_needs_no_probe(monkeypatch):
+    monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", "sm80")
+    monkeypatch.setattr(_cuda, "load_extension", _never)
+    assert _cuda.use_wgmma(torch.device("cpu")) is False

@@ -39,17 +39,38 @@ def _cuda_include() -> Path:
     pytest.skip(f"CUDA headers not found under {CUDA_HOME} (set CUDA_HOME)")
 
 
+def _compile(source: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    includes = [f"-I{p}" for p in [str(CSRC), *include_paths()]]
+    cmd = [_nvcc(), str(CSRC / source), "-o", str(out), "-O3", "-std=c++17", "--use_fast_math",
+           *TORCH_NVCC_FLAGS, *includes, *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")))
 def test_cu_compiles_for_sm80_and_sm90a(source, tmp_path):
-    includes = [f"-I{p}" for p in [str(CSRC), *include_paths()]]
-    cmd = [
-        _nvcc(), "-c", str(CSRC / source), "-o", str(tmp_path / "out.o"),
-        "-O3", "-std=c++17", "--use_fast_math", "-Xptxas=-warn-spills", *TORCH_NVCC_FLAGS, *GENCODE, *includes,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    """No errors, no warnings (ptxas warns when it serialises wgmma or ignores setmaxnreg), no spills."""
+    proc = _compile(source, tmp_path / "out.o", "-c", "-Xptxas=-warn-spills", *GENCODE)
     assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr.lower(), proc.stderr
     assert "spill" not in proc.stderr, f"register spills:\n{proc.stderr}"
     assert (tmp_path / "out.o").stat().st_size > 0
+
+
+def test_sm90a_build_uses_tma_and_wgmma(tmp_path):
+    """The Hopper kernels really are on the Hopper path: TMA loads, wgmma, register reallocation
+    between producer and consumers, and both kernels present."""
+    proc = _compile("fused_logprob_sm90.cu", tmp_path / "k.ptx", "-ptx", "-gencode=arch=compute_90a,code=compute_90a")
+    assert proc.returncode == 0, proc.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    for instruction in ("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "cp.async.bulk.tensor.2d",
+                        "mbarrier.try_wait.parity", "setmaxnreg.inc", "setmaxnreg.dec"):
+        assert instruction in ptx, f"{instruction} missing from the sm_90a PTX"
+    for kernel in ("logprob_forward_sm90_kernel", "logprob_backward_dz_sm90_kernel"):
+        assert kernel in ptx
+    # the sm_80 pass compiles the same kernels to a trap: none of the Hopper instructions
+    proc = _compile("fused_logprob_sm90.cu", tmp_path / "k80.ptx", "-ptx", "-gencode=arch=compute_80,code=compute_80")
+    assert proc.returncode == 0, proc.stderr
+    assert "wgmma" not in (tmp_path / "k80.ptx").read_text()
 
 
 @pytest.mark.slow

@@ -25,6 +25,15 @@ def ext():
     return module
 
 
+@pytest.fixture(params=["sm80", "sm90"])
+def mainloop(request, ext, monkeypatch):
+    """Each test runs on both mainloops: mma.sync everywhere, TMA + wgmma where the GPU is sm_90."""
+    if request.param == "sm90" and not ext.sm90_mainloop_available():
+        pytest.skip("the wgmma mainloop needs an sm_90 GPU and an sm_90a build")
+    monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", request.param)
+    return request.param
+
+
 def run(backend, hidden, weight, labels, coefs, **kwargs):
     hidden = hidden.detach().clone().requires_grad_(True)
     weight = weight.detach().clone().requires_grad_(True)
@@ -48,7 +57,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("T,H,rows,pad,start,tau", SHAPES)
-def test_logprob_entropy_and_grads_match_reference(ext, T, H, rows, pad, start, tau):
+def test_logprob_entropy_and_grads_match_reference(mainloop, T, H, rows, pad, start, tau):
     g = torch.Generator(device="cuda").manual_seed(T + H + rows)
     hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(rows, H, device="cuda", generator=g) * H**-0.5 * 4).bfloat16()
@@ -66,18 +75,51 @@ def test_logprob_entropy_and_grads_match_reference(ext, T, H, rows, pad, start, 
     assert torch.all(got[3][rows - pad :] == 0)
 
 
-def test_forward_splits_merge_exactly(ext):
-    """Different split counts (partials merged in torch) give the same statistics."""
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_forward_splits_merge_exactly(ext, wgmma):
+    """Different split counts (partials merged in torch; 24 leaves some splits empty) give the
+    same statistics."""
+    if wgmma and not ext.sm90_mainloop_available():
+        pytest.skip("the wgmma mainloop needs an sm_90 GPU and an sm_90a build")
     hidden = torch.randn(200, 128, device="cuda").bfloat16()
     weight = torch.randn(3000, 128, device="cuda").bfloat16()
     labels = torch.randint(0, 3000, (200,), device="cuda")
-    parts = [ext.logprob_forward(hidden, weight, labels, 2990, 0, 1.0, s) for s in (1, 5, 24)]
+    parts = [ext.logprob_forward(hidden, weight, labels, 2990, 0, 1.0, s, wgmma) for s in (1, 5, 24)]
     from megarl.kernels.reference import merge_stats
 
     merged = [torch.stack(merge_stats(*p[0])) for p in parts]
     for m, p in zip(merged[1:], parts[1:]):
         torch.testing.assert_close(m, merged[0], atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(p[1], parts[0][1])
+
+
+def test_mainloops_agree_on_a_model_sized_shape(ext, monkeypatch):
+    """sm_80 and sm_90a mainloops on one shape with every tail: same logprobs and gradients."""
+    if not ext.sm90_mainloop_available():
+        pytest.skip("the wgmma mainloop needs an sm_90 GPU and an sm_90a build")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    T, H, rows = 1000, 1000, 5000
+    hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(rows, H, device="cuda", generator=g) * H**-0.5 * 4).bfloat16()
+    labels = torch.randint(0, rows, (T,), device="cuda", generator=g)
+    coefs = torch.randn(2, T, device="cuda", generator=g)
+    results = {}
+    for name in ("sm80", "sm90"):
+        monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", name)
+        results[name] = run("cuda", hidden, weight, labels, coefs, chunk_vocab=2048)
+    for got, want in zip(results["sm90"], results["sm80"]):
+        assert rel_err(got, want) < 1e-3
+
+
+def test_unaligned_operands_are_realigned(mainloop):
+    """A view that starts 2 bytes into its storage is copied to an aligned buffer, not misread."""
+    hidden = torch.randn(65 * 64 + 1, device="cuda").bfloat16()[1:].view(65, 64)
+    weight = torch.randn(300, 64, device="cuda").bfloat16()
+    labels = torch.randint(0, 300, (65,), device="cuda")
+    got = fused_logprobs_entropy(hidden, weight, labels, backend="cuda")
+    want = fused_logprobs_entropy(hidden, weight, labels, backend="torch")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("use_prox", [False, True])

@@ -1,0 +1,283 @@
+// Hopper (sm_90a) versions of the fused logprob forward and backward-dz kernels: the same
+// contracts as fused_logprob.cu (see kernels.h), on the TMA + wgmma mainloop of
+// tile_gemm_sm90.cuh with 128 x 256 logit tiles. The epilogues are the sm_80 ones' arithmetic
+// (softmax_stats.cuh) over wgmma's accumulator layout; each token row is held by the 4 lanes
+// of one quad, so the forward's final merge is two shuffles.
+#include <cstdint>
+
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels.h"
+#include "softmax_stats.cuh"
+#include "tile_gemm_sm90.cuh"
+
+namespace megarl {
+namespace {
+
+using sm90::BM;
+using sm90::BN;
+using sm90::Fragment;
+using sm90::kAccRegs;
+
+struct ForwardArgs {
+  const int64_t* labels;
+  int T;
+  int valid_v;
+  int64_t vocab_start;
+  float inv_tau;
+  float* part;         // [3, num_splits, T]
+  float* label_logit;  // [T]
+  int split;
+  int num_splits;
+};
+
+struct BackwardArgs {
+  const int64_t* labels;
+  int T;
+  int valid_v;
+  int64_t vocab_start;
+  float inv_tau;
+  const float* lse;
+  const float* mean_z;
+  const float* g_lp;
+  const float* g_ent;
+  int col_begin;
+  int col_end;
+  __nv_bfloat16* dz;  // [T, ld], column v - col_begin
+  int ld;
+};
+
+#ifdef MEGARL_SM90A  // the epilogues exist in the sm_90a device pass only
+
+// Online logsumexp/entropy over the tiles of one vocab split; writes the split's partials.
+struct ForwardEpilogue {
+  using Args = ForwardArgs;
+  const Args& a;
+  Fragment frag;
+  int m0;
+  Stats st[2];
+  int label[2];  // label as a row of this shard, -1 when not among its valid rows
+
+  __device__ __forceinline__ ForwardEpilogue(const Args& args, Fragment f, int m0_)
+      : a(args), frag(f), m0(m0_) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      st[h] = empty_stats();
+      const int row = m0 + frag.row(h);
+      const int64_t l = row < a.T ? a.labels[row] - a.vocab_start : -1;
+      label[h] = (l >= 0 && l < a.valid_v) ? static_cast<int>(l) : -1;
+    }
+  }
+
+  __device__ __forceinline__ void tile(const float (&acc)[kAccRegs], int n0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + frag.row(h);
+      fold_row<kAccRegs / 2>(
+          st[h], [&](int i) { return acc[Fragment::reg(h, i / 2, i % 2)]; },
+          [&](int i) { return n0 + frag.col(i / 2, i % 2); }, a.valid_v, a.inv_tau, label[h],
+          row < a.T ? a.label_logit + row : nullptr);
+    }
+  }
+
+  __device__ __forceinline__ void finish() {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const Stats s = quad_merge(st[h]);
+      const int row = m0 + frag.row(h);
+      if ((frag.lane & 3) != 0 || row >= a.T) continue;
+      const size_t plane = static_cast<size_t>(a.num_splits) * a.T;
+      const size_t at = static_cast<size_t>(a.split) * a.T + row;
+      a.part[at] = s.m;
+      a.part[plane + at] = s.s;
+      a.part[2 * plane + at] = s.u;
+    }
+  }
+};
+
+
+// Writes the softmax gradient of the tile's columns below col_end, as bf16 pairs.
+struct BackwardEpilogue {
+  using Args = BackwardArgs;
+  const Args& a;
+  Fragment frag;
+  int m0;
+
+  __device__ __forceinline__ BackwardEpilogue(const Args& args, Fragment f, int m0_)
+      : a(args), frag(f), m0(m0_) {}
+
+  __device__ __forceinline__ void tile(const float (&acc)[kAccRegs], int n0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + frag.row(h);
+      if (row >= a.T) continue;
+      const RowGrad r{a.lse[row], a.mean_z[row], a.g_lp[row], a.g_ent[row],
+                      a.labels[row] - a.vocab_start};
+      __nv_bfloat16* out = a.dz + static_cast<size_t>(row) * a.ld - a.col_begin;
+#pragma unroll
+      for (int j = 0; j < kAccRegs / 4; ++j) {
+        const int v = n0 + frag.col(j, 0);  // even: v and v + 1 form a bf16 pair
+        if (v >= a.col_end) continue;
+        const float g0 = softmax_grad(acc[Fragment::reg(h, j, 0)], v, r, a.valid_v, a.inv_tau);
+        const float g1 = softmax_grad(acc[Fragment::reg(h, j, 1)], v + 1, r, a.valid_v, a.inv_tau);
+        if (v + 1 < a.col_end) {
+          *reinterpret_cast<__nv_bfloat162*>(out + v) = __floats2bfloat162_rn(g0, g1);
+        } else {
+          out[v] = __float2bfloat16_rn(g0);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void finish() {}
+};
+
+#endif  // MEGARL_SM90A
+
+// grid = (num_splits, ceil(T / BM)); split x owns vocab tiles [x * tiles_per_split, ...).
+__global__ void __launch_bounds__(sm90::THREADS, 1)
+    logprob_forward_sm90_kernel(const __grid_constant__ CUtensorMap tm_hidden,
+                                const __grid_constant__ CUtensorMap tm_weight, ForwardArgs args,
+                                int H, int tiles_per_split, int num_tiles) {
+#ifdef MEGARL_SM90A
+  args.split = blockIdx.x;
+  args.num_splits = gridDim.x;
+  const int first = blockIdx.x * tiles_per_split;
+  const int count = max(0, min(num_tiles, first + tiles_per_split) - first);
+  sm90::mainloop<ForwardEpilogue>(tm_hidden, tm_weight, blockIdx.y * BM, first * BN, count, H, args);
+#else
+  __trap();  // the host launches this only where the sm_90a code is present
+#endif
+}
+
+// grid = (ceil(col_count / BN), ceil(T / BM)).
+__global__ void __launch_bounds__(sm90::THREADS, 1)
+    logprob_backward_dz_sm90_kernel(const __grid_constant__ CUtensorMap tm_hidden,
+                                    const __grid_constant__ CUtensorMap tm_weight,
+                                    BackwardArgs args, int H) {
+#ifdef MEGARL_SM90A
+  sm90::mainloop<BackwardEpilogue>(tm_hidden, tm_weight, blockIdx.y * BM,
+                                   args.col_begin + blockIdx.x * BN, 1, H, args);
+#else
+  __trap();
+#endif
+}
+
+// Reports whether this binary holds the sm_90a code for the running device.
+__global__ void sm90a_probe_kernel(int* out) {
+#ifdef MEGARL_SM90A
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const auto fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &found);
+#endif
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p)
+               : nullptr;
+  }();
+  return fn;
+}
+
+// Tensor map of a row-major bf16 [rows, cols] matrix, read in [box_rows, BK] tiles with the
+// 128-byte swizzle that the wgmma descriptors expect; reads past the edges give zeros.
+cudaError_t make_tensor_map(CUtensorMap* map, const void* data, int rows, int cols, int box_rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(__nv_bfloat16)};
+  const cuuint32_t box[2] = {sm90::BK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t unit[2] = {1, 1};
+  const CUresult r = encode_tiled()(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(data),
+                                    dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+cudaError_t make_operand_maps(CUtensorMap* hidden_map, CUtensorMap* weight_map, const void* hidden,
+                              const void* weight, int T, int H, int valid_v) {
+  cudaError_t err = make_tensor_map(hidden_map, hidden, T, H, BM);
+  return err != cudaSuccess ? err : make_tensor_map(weight_map, weight, valid_v, H, BN);
+}
+
+cudaError_t set_smem(const void* kernel) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90::SMEM_BYTES);
+}
+
+}  // namespace
+
+bool sm90_mainloop_available() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (major != 9 || minor != 0 || encode_tiled() == nullptr) return false;
+  constexpr int kMaxDevices = 64;
+  static int known[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
+  if (device < kMaxDevices && known[device] != 0) return known[device] == 1;
+  int* flag = nullptr;
+  int found = 0;
+  bool ok = cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
+  if (ok) {
+    sm90a_probe_kernel<<<1, 1>>>(flag);
+    ok = cudaMemcpy(&found, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+    cudaFree(flag);
+  }
+  const bool available = ok && found == 1;
+  if (device < kMaxDevices) known[device] = available ? 1 : 2;
+  return available;
+}
+
+cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
+                                        int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
+                                        int num_splits, float* part, float* label_logit,
+                                        cudaStream_t stream) {
+  if (T <= 0) return cudaSuccess;
+  if (H % 8 != 0 || num_splits <= 0 || valid_v <= 0) return cudaErrorInvalidValue;
+  CUtensorMap tm_hidden, tm_weight;
+  cudaError_t err = make_operand_maps(&tm_hidden, &tm_weight, hidden, weight, T, H, valid_v);
+  if (err == cudaSuccess) err = set_smem(reinterpret_cast<const void*>(&logprob_forward_sm90_kernel));
+  if (err != cudaSuccess) return err;
+  const int num_tiles = (valid_v + BN - 1) / BN;
+  const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
+  const ForwardArgs args{labels, T, valid_v, vocab_start, inv_tau, part, label_logit, 0, num_splits};
+  const dim3 grid(num_splits, (T + BM - 1) / BM);
+  logprob_forward_sm90_kernel<<<grid, sm90::THREADS, sm90::SMEM_BYTES, stream>>>(
+      tm_hidden, tm_weight, args, H, tiles_per_split, num_tiles);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weight,
+                                            const int64_t* labels, int T, int H, int valid_v,
+                                            int64_t vocab_start, float inv_tau, const float* lse,
+                                            const float* mean_z, const float* g_lp, const float* g_ent,
+                                            int col_begin, int col_count, void* dz, int ld,
+                                            cudaStream_t stream) {
+  if (T <= 0 || col_count <= 0) return cudaSuccess;
+  if (H % 8 != 0 || col_begin % 2 != 0 || ld % 2 != 0 || ld < col_count || valid_v <= 0)
+    return cudaErrorInvalidValue;
+  CUtensorMap tm_hidden, tm_weight;
+  cudaError_t err = make_operand_maps(&tm_hidden, &tm_weight, hidden, weight, T, H, valid_v);
+  if (err == cudaSuccess) err = set_smem(reinterpret_cast<const void*>(&logprob_backward_dz_sm90_kernel));
+  if (err != cudaSuccess) return err;
+  const BackwardArgs args{labels, T, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent,
+                          col_begin, col_begin + col_count, static_cast<__nv_bfloat16*>(dz), ld};
+  const dim3 grid((col_count + BN - 1) / BN, (T + BM - 1) / BM);
+  logprob_backward_dz_sm90_kernel<<<grid, sm90::THREADS, sm90::SMEM_BYTES, stream>>>(
+      tm_hidden, tm_weight, args, H);
+  return cudaGetLastError();
+}
+
+}  // namespace megarl

@@ -1,0 +1,103 @@
+// The per-token arithmetic shared by every mainloop of the fused logprob kernels: the running
+// softmax statistics of the forward and the softmax gradient of the backward.
+//
+// Per token the forward keeps three running numbers over the vocab it has seen (in units of
+// z = logit / temperature): m = max z, s = sum exp(z - m), u = sum exp(z - m) (z - m). Then
+// lse = m + log s and entropy = log s - u / s (shifted so that a peaked softmax keeps its
+// precision). Two such triples merge exactly, which is what the lane shuffles, the per-split
+// partials and the cross-TP collectives all do.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace megarl {
+
+struct Stats {
+  float m;  // running max of z
+  float s;  // sum exp(z - m)
+  float u;  // sum exp(z - m) (z - m)
+};
+
+__device__ __forceinline__ Stats empty_stats() { return {-INFINITY, 0.f, 0.f}; }
+
+// Exact merge of two triples; an empty triple (m = -inf) contributes nothing, and the
+// (-inf) * 0 products that a naive rescale would produce are never formed.
+__device__ __forceinline__ Stats merge(Stats a, Stats b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return a;
+  Stats r{m, 0.f, 0.f};
+  if (a.m != -INFINITY) {
+    const float da = a.m - m;
+    const float sa = __expf(da);
+    r.s += sa * a.s;
+    r.u += sa * (a.u + da * a.s);
+  }
+  if (b.m != -INFINITY) {
+    const float db = b.m - m;
+    const float sb = __expf(db);
+    r.s += sb * b.s;
+    r.u += sb * (b.u + db * b.s);
+  }
+  return r;
+}
+
+__device__ __forceinline__ Stats shfl_xor(Stats x, int mask) {
+  return {__shfl_xor_sync(0xffffffffu, x.m, mask), __shfl_xor_sync(0xffffffffu, x.s, mask),
+          __shfl_xor_sync(0xffffffffu, x.u, mask)};
+}
+
+// Merge the triples of the 4 lanes of a quad (lanes 4q..4q+3), which hold the same token rows.
+__device__ __forceinline__ Stats quad_merge(Stats x) {
+  x = merge(x, shfl_xor(x, 1));
+  return merge(x, shfl_xor(x, 2));
+}
+
+// Fold N logits of one token row into its running triple. value(i) is the raw logit (before
+// temperature) and column(i) its row of the vocab shard; columns >= valid_v are padding and
+// skipped. The label logit (in units of z) is stored where column(i) == label.
+template <int N, class Value, class Column>
+__device__ __forceinline__ void fold_row(Stats& st, Value value, Column column, int valid_v,
+                                         float inv_tau, int label, float* label_logit) {
+  float tmax = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (column(i) < valid_v) tmax = fmaxf(tmax, value(i) * inv_tau);
+  if (tmax == -INFINITY) return;  // no valid column of this row here
+  Stats t{fmaxf(st.m, tmax), 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int v = column(i);
+    if (v < valid_v) {
+      const float z = value(i) * inv_tau;
+      const float d = z - t.m;
+      const float e = __expf(d);
+      t.s += e;
+      t.u += e * d;
+      if (v == label && label_logit != nullptr) *label_logit = z;
+    }
+  }
+  st = merge(st, t);
+}
+
+// The per-token inputs of the backward's softmax-gradient epilogue.
+struct RowGrad {
+  float lse;     // logsumexp of z
+  float mean_z;  // E_p[z]
+  float g_lp;    // upstream gradient of the logprob (0 for ignored labels)
+  float g_ent;   // upstream gradient of the entropy
+  int64_t label; // label as a row of this shard (may lie outside it)
+};
+
+// dL/dx at one logit x = z * tau, for shard row v:
+//   inv_tau * (g_lp (1[v == label] - p) - g_ent p (z - E[z])),  p = exp(z - lse); 0 for padding.
+__device__ __forceinline__ float softmax_grad(float x, int v, const RowGrad& r, int valid_v,
+                                              float inv_tau) {
+  if (v >= valid_v) return 0.f;
+  const float z = x * inv_tau;
+  const float p = __expf(z - r.lse);
+  const float onehot = (v == r.label) ? 1.f : 0.f;
+  return (r.g_lp * (onehot - p) - r.g_ent * p * (z - r.mean_z)) * inv_tau;
+}
+
+}  // namespace megarl
