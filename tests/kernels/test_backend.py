@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from megarl.kernels import _cuda
-
 from megarl.kernels.backend import pick_backend
 
 
