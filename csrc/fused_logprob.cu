@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 
+#include "host_emulation.h"
 #include "kernels.h"
 #include "tile_gemm_sm80.cuh"
 
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(THREADS)
                            float* __restrict__ part,         // [3, S, T]
                            float* __restrict__ label_logit)  // [T]
 {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  MEGARL_DYNAMIC_SMEM(smem_raw);
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(THREADS)
                                int col_begin, int col_count,
                                __nv_bfloat16* __restrict__ dz,  // [T, ld]
                                int ld) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  MEGARL_DYNAMIC_SMEM(smem_raw);
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -276,7 +277,7 @@ cudaError_t launch_logprob_forward(const void* hidden, const void* weight, const
   const int num_tiles = (valid_v + BN - 1) / BN;
   const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
   const dim3 grid(num_splits, (T + BM - 1) / BM);
-  logprob_forward_kernel<<<grid, THREADS, tile::SMEM_BYTES, stream>>>(
+  MEGARL_LAUNCH(logprob_forward_kernel, grid, THREADS, tile::SMEM_BYTES, stream)(
       static_cast<const __nv_bfloat16*>(hidden), static_cast<const __nv_bfloat16*>(weight), labels,
       T, H, valid_v, vocab_start, inv_tau, tiles_per_split, part, label_logit);
   return cudaGetLastError();
@@ -293,7 +294,7 @@ cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, c
   cudaError_t err = set_smem(reinterpret_cast<const void*>(&logprob_backward_dz_kernel));
   if (err != cudaSuccess) return err;
   const dim3 grid((col_count + BN - 1) / BN, (T + BM - 1) / BM);
-  logprob_backward_dz_kernel<<<grid, THREADS, tile::SMEM_BYTES, stream>>>(
+  MEGARL_LAUNCH(logprob_backward_dz_kernel, grid, THREADS, tile::SMEM_BYTES, stream)(
       static_cast<const __nv_bfloat16*>(hidden), static_cast<const __nv_bfloat16*>(weight), labels,
       T, H, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, col_begin, col_count,
       static_cast<__nv_bfloat16*>(dz), ld);

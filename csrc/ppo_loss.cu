@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "host_emulation.h"
 #include "kernels.h"
 
 namespace megarl {
@@ -153,9 +154,9 @@ cudaError_t launch_ppo_loss(const float* logp, const float* old_logp, const floa
   // A few tokens per thread keeps the number of atomics per statistic small.
   const int64_t blocks = (T + kThreads * 4 - 1) / (kThreads * 4);
   const int grid = static_cast<int>(blocks < 1024 ? blocks : 1024);
-  ppo_loss_kernel<<<grid, kThreads, 0, stream>>>(logp, old_logp, prox_logp, adv, mask, T, eps_low,
-                                                 eps_high, dual_clip, behav_cap, loss_tok,
-                                                 grad_tok, stats);
+  MEGARL_LAUNCH(ppo_loss_kernel, grid, kThreads, 0, stream)(logp, old_logp, prox_logp, adv, mask,
+                                                            T, eps_low, eps_high, dual_clip,
+                                                            behav_cap, loss_tok, grad_tok, stats);
   return cudaGetLastError();
 }
 

@@ -12,6 +12,7 @@
 
 #include <cuda_bf16.h>
 
+#include "host_emulation.h"
 #include "kernels.h"
 
 namespace megarl {
@@ -47,30 +48,53 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16-byte async copy global -> shared; src_size 0 zero-fills (rows/cols out of range).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
   const int src_size = pred ? 16 : 0;
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::cp_async_cg_shared_global_16(smem_addr(dst), src, src_size);
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(src_size));
+#endif
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::cp_async_commit_group();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::cp_async_wait_group(N);
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::ldmatrix_sync_aligned_m8n8_x4_shared_b16(r, smem_addr(p));
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+#endif
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {
+#ifdef MEGARL_HOST_EMULATION
+  const float c[4] = {d[0], d[1], d[2], d[3]};
+  cuda_emu::mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(d, a, b, c);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 
 // Copy rows [row0, row0+ROWS) x cols [k0, k0+BK) of a row-major [rows, K] bf16 matrix into a

@@ -1,0 +1,154 @@
+// Runs the host launchers of csrc/ (built for the host emulator, cuda_host_emu.h) on inputs
+// from raw little-endian files, and writes the outputs next to them. Used by
+// tests/kernels/test_kernels_emulated.py; every array is a file DIR/<name>.bin.
+//
+//   run_kernels forward  DIR T H rows valid_v vocab_start inv_tau num_splits
+//       in: hidden [T,H] bf16, weight [rows,H] bf16, labels [T] int64
+//       out: part [3,num_splits,T] f32, label_logit [T] f32
+//   run_kernels backward DIR T H rows valid_v vocab_start inv_tau col_begin col_count ld
+//       in: hidden, weight, labels, lse, mean_z, g_lp, g_ent [T] f32
+//       out: dz [T,ld] bf16
+//   run_kernels ppo DIR T eps_low eps_high dual_clip behav_cap has_prox
+//       in: logp, old_logp, adv [T] f32, mask [T] bool, prox_logp [T] f32 when has_prox
+//       out: loss_tok, grad_tok [T] f32, stats [kNumPPOStats] f32
+//
+// Outputs start as bindings.cpp leaves them (label_logit zeroed, stats zero with +inf for the
+// min); those the kernel must overwrite everywhere start as NaN, so a missed element shows.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cuda_host_emu.h"
+#include "kernels.h"
+
+namespace {
+
+[[noreturn]] void die(const std::string& msg) {
+  std::fprintf(stderr, "run_kernels: %s\n", msg.c_str());
+  std::exit(2);
+}
+
+// A device buffer: host memory registered with the emulator as global memory.
+template <class T>
+struct Buffer {
+  std::vector<T> data;
+  Buffer(size_t n, T fill) : data(n, fill) {
+    cuda_emu::register_global(data.data(), n * sizeof(T));
+  }
+  T* get() { return data.data(); }
+};
+
+template <class T>
+Buffer<T> load(const std::string& dir, const std::string& name, size_t n) {
+  Buffer<T> buf(n, T{});
+  std::ifstream f(dir + "/" + name + ".bin", std::ios::binary | std::ios::ate);
+  if (!f || static_cast<size_t>(f.tellg()) != n * sizeof(T))
+    die(name + ".bin: missing or not " + std::to_string(n * sizeof(T)) + " bytes");
+  f.seekg(0);
+  f.read(reinterpret_cast<char*>(buf.get()), n * sizeof(T));
+  return buf;
+}
+
+template <class T>
+void save(const std::string& dir, const std::string& name, const Buffer<T>& buf) {
+  std::ofstream f(dir + "/" + name + ".bin", std::ios::binary);
+  f.write(reinterpret_cast<const char*>(buf.data.data()), buf.data.size() * sizeof(T));
+  if (!f) die("cannot write " + name + ".bin");
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) die(std::string(what) + " returned cudaError " + std::to_string(err));
+}
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr uint16_t kNaNBf16 = 0x7fc0;
+
+struct Logits {  // the operands shared by forward and backward
+  int T, H, rows, valid_v;
+  int64_t vocab_start;
+  float inv_tau;
+};
+
+Logits parse_logits(char** argv) {
+  return {std::atoi(argv[0]), std::atoi(argv[1]), std::atoi(argv[2]), std::atoi(argv[3]),
+          std::atoll(argv[4]), std::strtof(argv[5], nullptr)};
+}
+
+void forward(const std::string& dir, char** argv) {
+  const Logits a = parse_logits(argv);
+  const int splits = std::atoi(argv[6]);
+  auto hidden = load<uint16_t>(dir, "hidden", size_t(a.T) * a.H);
+  auto weight = load<uint16_t>(dir, "weight", size_t(a.rows) * a.H);
+  auto labels = load<int64_t>(dir, "labels", a.T);
+  Buffer<float> part(size_t(3) * splits * a.T, kNaN);
+  Buffer<float> label_logit(a.T, 0.f);
+  check(megarl::launch_logprob_forward(hidden.get(), weight.get(), labels.get(), a.T, a.H,
+                                       a.valid_v, a.vocab_start, a.inv_tau, splits, part.get(),
+                                       label_logit.get(), nullptr),
+        "launch_logprob_forward");
+  save(dir, "part", part);
+  save(dir, "label_logit", label_logit);
+}
+
+void backward(const std::string& dir, char** argv) {
+  const Logits a = parse_logits(argv);
+  const int col_begin = std::atoi(argv[6]), col_count = std::atoi(argv[7]), ld = std::atoi(argv[8]);
+  auto hidden = load<uint16_t>(dir, "hidden", size_t(a.T) * a.H);
+  auto weight = load<uint16_t>(dir, "weight", size_t(a.rows) * a.H);
+  auto labels = load<int64_t>(dir, "labels", a.T);
+  auto lse = load<float>(dir, "lse", a.T);
+  auto mean_z = load<float>(dir, "mean_z", a.T);
+  auto g_lp = load<float>(dir, "g_lp", a.T);
+  auto g_ent = load<float>(dir, "g_ent", a.T);
+  Buffer<uint16_t> dz(size_t(a.T) * ld, kNaNBf16);
+  check(megarl::launch_logprob_backward_dz(hidden.get(), weight.get(), labels.get(), a.T, a.H,
+                                           a.valid_v, a.vocab_start, a.inv_tau, lse.get(),
+                                           mean_z.get(), g_lp.get(), g_ent.get(), col_begin,
+                                           col_count, dz.get(), ld, nullptr),
+        "launch_logprob_backward_dz");
+  save(dir, "dz", dz);
+}
+
+void ppo(const std::string& dir, char** argv) {
+  const int T = std::atoi(argv[0]);
+  const float eps_low = std::strtof(argv[1], nullptr), eps_high = std::strtof(argv[2], nullptr);
+  const float dual_clip = std::strtof(argv[3], nullptr), behav_cap = std::strtof(argv[4], nullptr);
+  const bool has_prox = std::atoi(argv[5]) != 0;
+  auto logp = load<float>(dir, "logp", T);
+  auto old_logp = load<float>(dir, "old_logp", T);
+  auto adv = load<float>(dir, "adv", T);
+  auto mask = load<uint8_t>(dir, "mask", T);  // bool: one byte, 0 or 1
+  Buffer<float> prox = has_prox ? load<float>(dir, "prox_logp", T) : Buffer<float>(0, 0.f);
+  Buffer<float> loss_tok(T, kNaN), grad_tok(T, kNaN);
+  Buffer<float> stats(megarl::kNumPPOStats, 0.f);
+  stats.data[megarl::kStatRatioMin] = INFINITY;
+  const auto* mask_ptr = reinterpret_cast<const bool*>(mask.get());
+  check(megarl::launch_ppo_loss(logp.get(), old_logp.get(), has_prox ? prox.get() : nullptr,
+                                adv.get(), mask_ptr, T, eps_low, eps_high, dual_clip, behav_cap,
+                                loss_tok.get(), grad_tok.get(), stats.get(), nullptr),
+        "launch_ppo_loss");
+  save(dir, "loss_tok", loss_tok);
+  save(dir, "grad_tok", grad_tok);
+  save(dir, "stats", stats);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string op = argc > 2 ? argv[1] : "";
+  if (op == "forward" && argc == 10) {
+    forward(argv[2], argv + 3);
+  } else if (op == "backward" && argc == 12) {
+    backward(argv[2], argv + 3);
+  } else if (op == "ppo" && argc == 9) {
+    ppo(argv[2], argv + 3);
+  } else {
+    die("usage: see the comment at the top of run_kernels.cpp");
+  }
+  return 0;
+}

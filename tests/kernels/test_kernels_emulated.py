@@ -1,0 +1,260 @@
+"""The sm_80 CUDA kernels of csrc/, executed on the CPU.
+
+``tests/kernels/emulator`` compiles the real kernel sources with g++ against a host emulation
+of CUDA (a CTA's threads as fibers; cp.async, ldmatrix, mma.sync and the shuffles written from
+the PTX ISA), and its ``run_kernels`` calls the host launchers of ``csrc/kernels.h`` on inputs
+that this test writes. The outputs are checked against float64 computations from the same
+bf16 inputs and against the torch paths of ``megarl.kernels``, which consume them on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.actor.losses import policy_loss
+from megarl.kernels import ppo_loss as ppo_module
+from megarl.kernels.reference import finalize_stats, merge_stats
+
+ROOT = Path(__file__).resolve().parents[2]
+EMULATOR = Path(__file__).resolve().parent / "emulator"
+CUDA_HOME = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
+TILE = 128  # kTileTokens == kTileVocab in csrc/kernels.h
+NUM_PPO_STATS = 9  # kNumPPOStats
+
+
+def _cuda_include() -> Path | None:
+    """The CUDA toolkit's include dir (cuda_bf16.h and cuda_runtime_api.h compile for the host)."""
+    nvcc = shutil.which("nvcc")
+    candidates = [CUDA_HOME / "include"] + ([Path(nvcc).resolve().parent.parent / "include"] if nvcc else [])
+    return next((c for c in candidates if (c / "cuda_bf16.h").exists() and (c / "cuda_runtime_api.h").exists()), None)
+
+
+@pytest.fixture(scope="session")
+def run_kernels(tmp_path_factory) -> Path:
+    """The emulator driver with the kernels of csrc/, built once per session (a few seconds)."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx}) to build the kernel emulator")
+    include = _cuda_include()
+    if include is None:
+        pytest.skip(f"CUDA headers not found under {CUDA_HOME}/include nor next to nvcc (set CUDA_HOME)")
+    exe = tmp_path_factory.mktemp("emulator") / "run_kernels"
+    cmd = [
+        cxx, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Wno-unknown-pragmas",
+        # the kernels type-pun device memory (bf16 pairs, fp32 reductions in a byte buffer)
+        "-fno-strict-aliasing",
+        "-DMEGARL_HOST_EMULATION", f"-I{ROOT / 'csrc'}", f"-I{EMULATOR}", f"-I{include}",
+        str(EMULATOR / "run_kernels.cpp"), str(EMULATOR / "cuda_host_emu.cpp"),
+        "-x", "c++", str(ROOT / "csrc/fused_logprob.cu"), str(ROOT / "csrc/ppo_loss.cu"),
+        "-o", str(exe),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return exe
+
+
+def _run(exe: Path, workdir: Path, op: str, scalars: list, inputs: dict[str, torch.Tensor], cp_async="wait") -> None:
+    """run_kernels on these inputs; cp.async copies land at their wait_group or at issue."""
+    for name, tensor in inputs.items():
+        tensor.contiguous().view(torch.uint8).numpy().tofile(workdir / f"{name}.bin")
+    env = {**os.environ, "CUDA_EMU_CP_ASYNC": cp_async}
+    cmd = [exe, op, workdir, *map(str, scalars)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"run_kernels {op} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+
+
+def _read(workdir: Path, name: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.from_file(str(workdir / f"{name}.bin"), size=math.prod(shape), dtype=dtype).view(*shape)
+
+
+def _f32(x: float) -> float:
+    """x rounded to fp32, the value a launcher's float argument holds."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _operands(T, H, rows, start, valid, seed):
+    """bf16 hidden [T,H] and weight [rows,H] (logits of a few units), labels around the shard
+    (some below it, some in its padding or past it) with a few -100."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g).bfloat16()
+    weight = (torch.randn(rows, H, generator=g) * H**-0.5 * 4).bfloat16()
+    labels = torch.randint(start - 5, start + rows + 5, (T,), generator=g)
+    labels[torch.rand(T, generator=g) < 0.1] = -100
+    return hidden, weight, labels
+
+
+def _logits(hidden, weight, valid, inv_tau) -> torch.Tensor:
+    """z [T, valid] in float64 from the bf16 operands."""
+    return hidden.double() @ weight[:valid].double().T * inv_tau
+
+
+def _at_labels(values: torch.Tensor, local: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+    """values[t, local[t]] where hit[t], else 0."""
+    padded = torch.cat([values, values.new_zeros(values.shape[0], 1)], dim=1)
+    return padded.gather(1, torch.where(hit, local, values.shape[1])[:, None]).squeeze(1)
+
+
+def _triple(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(max, sum exp(z - max), sum exp(z - max)(z - max)) over the last dim; empty: (-inf, 0, 0)."""
+    if z.shape[1] == 0:
+        zeros = z.new_zeros(z.shape[0])
+        return torch.full_like(zeros, -math.inf), zeros, zeros
+    m = z.amax(dim=1)
+    d = z - m[:, None]
+    e = d.exp()
+    return m, e.sum(dim=1), (e * d).sum(dim=1)
+
+
+# When the pipeline's cp.async copies land: at the covering wait_group (a read before it sees
+# stale data) or at issue (an overwrite of a stage still being read shows).
+CP_ASYNC = [pytest.param("wait", id="land-at-wait"), pytest.param("issue", id="land-at-issue")]
+
+# T, H, rows, valid_v, vocab_start, temperature, num_splits. T and rows off the 128 tiles,
+# H with a K tail (H % 32 != 0) or shorter than one stage, padded shards, labels outside the
+# shard, splits with several tiles and empty splits (more splits than tiles).
+FORWARD = [
+    pytest.param(1, 40, 130, 130, 0, 1.0, 1, id="one-token"),
+    pytest.param(130, 200, 600, 589, 1000, 0.7, 3, id="tails-padded-offset"),
+    pytest.param(300, 256, 300, 257, 50, 1.3, 4, id="one-column-tile-and-empty-split"),
+    pytest.param(70, 64, 200, 100, 0, 1.0, 5, id="more-splits-than-tiles"),
+    pytest.param(9, 16, 128, 0, 4096, 1.0, 2, id="all-padding-shard"),
+]
+
+
+@pytest.mark.parametrize("cp_async", CP_ASYNC)
+@pytest.mark.parametrize("T,H,rows,valid,start,tau,splits", FORWARD)
+def test_forward_partials_and_label_logits(run_kernels, tmp_path, T, H, rows, valid, start, tau, splits, cp_async):
+    hidden, weight, labels = _operands(T, H, rows, start, valid, seed=T + H + rows)
+    inv_tau = _f32(1 / tau)
+    _run(run_kernels, tmp_path, "forward", [T, H, rows, valid, start, repr(inv_tau), splits],
+         {"hidden": hidden, "weight": weight, "labels": labels}, cp_async)  # fmt: skip
+    part = _read(tmp_path, "part", torch.float32, 3, splits, T).double()
+    label_logit = _read(tmp_path, "label_logit", torch.float32, T).double()
+    z = _logits(hidden, weight, valid, inv_tau)
+
+    # split x owns vocab tiles [x * per_split, (x + 1) * per_split) (logprob_forward_kernel)
+    per_split = math.ceil(math.ceil(valid / TILE) / splits) * TILE
+    for x in range(splits):
+        want = _triple(z[:, x * per_split : (x + 1) * per_split])
+        for got_plane, want_plane in zip(part[:, x], want):
+            torch.testing.assert_close(got_plane, want_plane, rtol=1e-5, atol=1e-5)
+
+    local = labels - start
+    hit = (local >= 0) & (local < valid)
+    torch.testing.assert_close(label_logit, _at_labels(z, local, hit), rtol=1e-5, atol=1e-5)
+
+    # as the CUDA path consumes them (_cuda.local_stats, logprob.py): merged, then finalised
+    if valid > 0:
+        m, s, u = merge_stats(part[0], part[1], part[2])
+        logprob, entropy, lse, _ = finalize_stats(m, s, u, label_logit, hit)
+        log_p = torch.log_softmax(z, dim=1)
+        torch.testing.assert_close(lse, torch.logsumexp(z, dim=1), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(dim=1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logprob, _at_labels(log_p, local, hit), rtol=1e-5, atol=1e-5)
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at x (8 significant bits)."""
+    _, exponent = torch.frexp(x)
+    return torch.ldexp(torch.ones_like(x), exponent - 8)
+
+
+# T, H, rows, valid_v, vocab_start, temperature, col_begin, col_count, ld: column ranges that
+# start off a tile, end off a tile (also at an odd column), run into the padding rows, and a
+# dz row stride wider than the range.
+BACKWARD = [
+    pytest.param(1, 40, 130, 130, 0, 1.0, 0, 130, 130, id="one-token"),
+    pytest.param(130, 200, 600, 589, 1000, 0.7, 130, 300, 310, id="offset-range-wide-stride"),
+    pytest.param(300, 256, 600, 589, 0, 1.3, 400, 199, 202, id="into-padding-odd-count"),
+]
+
+
+@pytest.mark.parametrize("cp_async", CP_ASYNC)
+@pytest.mark.parametrize("T,H,rows,valid,start,tau,col_begin,col_count,ld", BACKWARD)
+def test_backward_dz(run_kernels, tmp_path, T, H, rows, valid, start, tau, col_begin, col_count, ld, cp_async):
+    hidden, weight, labels = _operands(T, H, rows, start, valid, seed=T + H + rows + 1)
+    inv_tau = _f32(1 / tau)
+    z_valid = _logits(hidden, weight, valid, inv_tau)
+    g = torch.Generator().manual_seed(T)
+    local = labels - start
+    hit = (local >= 0) & (local < valid)
+    vectors = {
+        "lse": torch.logsumexp(z_valid, dim=1).float(),
+        "mean_z": (torch.softmax(z_valid, dim=1) * z_valid).sum(dim=1).float(),
+        "g_lp": torch.where(hit, torch.randn(T, generator=g), 0.0),  # zero for ignored labels
+        "g_ent": torch.randn(T, generator=g),
+    }
+    _run(run_kernels, tmp_path, "backward",
+         [T, H, rows, valid, start, repr(inv_tau), col_begin, col_count, ld],
+         {"hidden": hidden, "weight": weight, "labels": labels, **vectors}, cp_async)  # fmt: skip
+    dz = _read(tmp_path, "dz", torch.bfloat16, T, ld)
+    assert dz[:, col_count:].isnan().all(), "dz written past col_count"
+    got = dz[:, :col_count].double()
+
+    cols = torch.arange(col_begin, col_begin + col_count)
+    z = hidden.double() @ weight[cols].double().T * inv_tau  # [T, col_count]
+    lse, mean_z, g_lp, g_ent = (vectors[k].double()[:, None] for k in ("lse", "mean_z", "g_lp", "g_ent"))
+    p = (z - lse).exp()
+    onehot = (cols[None, :] == local[:, None]).double()
+    want = inv_tau * (g_lp * (onehot - p) - g_ent * p * (z - mean_z))
+    padding = (cols >= valid)[None, :].expand_as(want)
+    assert (got[padding] == 0).all(), "padding rows must get a zero gradient"
+
+    # dz is fp32 arithmetic rounded to bf16: within one bf16 ulp of the exact value rounded to
+    # bf16, plus fp32 rounding of the terms for the rare cancellations
+    want_bf16 = want.bfloat16().double()
+    terms = inv_tau * (g_lp.abs() * (onehot + p) + g_ent.abs() * p * (z - mean_z).abs())
+    tol = _bf16_ulp(want_bf16) + 1e-5 * terms
+    bad = ~padding & ~((got - want_bf16).abs() <= tol)
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {bad.numel()} dz values off, e.g. at {bad.nonzero()[:5].tolist()}: "
+        f"got {got[bad][:5].tolist()}, want {want[bad][:5].tolist()}"
+    )
+
+
+# T, prox_logp given, dual clip, behaviour-weight cap, share of masked-in tokens: several CTAs
+# with a grid-stride loop, one token, and a batch with no masked-in token.
+PPO = [
+    pytest.param(3000, True, 3.0, 1.2, 0.8, id="decoupled-dual-clip-cap"),
+    pytest.param(777, False, 3.0, None, 0.8, id="dual-clip"),
+    pytest.param(1, False, None, None, 1.0, id="one-token"),
+    pytest.param(50, True, None, 1.5, 0.0, id="nothing-masked-in"),
+]
+
+
+@pytest.mark.parametrize("T,use_prox,dual_clip,cap,kept", PPO)
+def test_ppo_loss(run_kernels, tmp_path, T, use_prox, dual_clip, cap, kept):
+    g = torch.Generator().manual_seed(T)
+    old = -torch.rand(T, generator=g) * 3
+    logp = old + 0.4 * torch.randn(T, generator=g)
+    prox = old + 0.2 * torch.randn(T, generator=g) if use_prox else None
+    adv = torch.randn(T, generator=g)
+    mask = torch.rand(T, generator=g) < kept
+    eps_low, eps_high = 0.2, 0.28
+    inputs = {"logp": logp, "old_logp": old, "adv": adv, "mask": mask}
+    if use_prox:
+        inputs["prox_logp"] = prox
+    _run(run_kernels, tmp_path, "ppo", [T, eps_low, eps_high, dual_clip or 0.0, cap or 0.0, int(use_prox)], inputs)
+    loss_tok = _read(tmp_path, "loss_tok", torch.float32, T)
+    grad_tok = _read(tmp_path, "grad_tok", torch.float32, T)
+    stats = _read(tmp_path, "stats", torch.float32, NUM_PPO_STATS)
+
+    # the torch path of megarl.kernels.ppo_loss: policy_loss under autograd and its raw stats
+    x = logp.clone().requires_grad_(True)
+    out = policy_loss(
+        x, old, adv, mask, eps_clip=eps_low, eps_clip_higher=eps_high, c_clip=dual_clip,
+        proximal_logprobs=prox, behav_imp_weight_cap=cap,
+    )  # fmt: skip
+    out.loss.sum().backward()
+    anchor = old if prox is None else prox
+    want_stats = ppo_module._raw_stats(out, logp - anchor, mask)
+    torch.testing.assert_close(loss_tok, out.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_tok, x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats, want_stats, rtol=1e-5, atol=1e-5)
