@@ -3,11 +3,8 @@
 // recomputing logit tiles + a softmax-gradient epilogue writing a bf16 dz chunk [T, Vc]
 // (the two gradient GEMMs dH = dz.W and dW = dz^T.H then run on cuBLAS, per vocab chunk).
 //
-// Per token the forward keeps three running numbers over the vocab it has seen (in units of
-// z = logit / temperature): m = max z, s = sum exp(z - m), u = sum exp(z - m) (z - m). Then
-// lse = m + log s and entropy = log s - u / s (shifted so that a peaked softmax keeps its
-// precision). Two such triples merge exactly, which is what the quad shuffles, the cross-warp
-// step, the per-split partials and the cross-TP collectives all do.
+// This is the sm_80 mainloop (mma.sync, tile_gemm_sm80.cuh); fused_logprob_sm90.cu has the
+// Hopper one. The per-token arithmetic both share is in softmax_stats.cuh.
 #include <cmath>
 #include <cstdint>
 
@@ -15,6 +12,7 @@
 
 #include "host_emulation.h"
 #include "kernels.h"
+#include "softmax_stats.cuh"
 #include "tile_gemm_sm80.cuh"
 
 namespace megarl {
@@ -28,40 +26,6 @@ using tile::NI;
 using tile::THREADS;
 using tile::WM;
 using tile::WN;
-
-struct Stats {
-  float m;  // running max of z
-  float s;  // sum exp(z - m)
-  float u;  // sum exp(z - m) (z - m)
-};
-
-__device__ __forceinline__ Stats empty_stats() { return {-INFINITY, 0.f, 0.f}; }
-
-// Exact merge of two triples; an empty triple (m = -inf) contributes nothing, and the
-// (-inf) * 0 products that a naive rescale would produce are never formed.
-__device__ __forceinline__ Stats merge(Stats a, Stats b) {
-  const float m = fmaxf(a.m, b.m);
-  if (m == -INFINITY) return a;
-  Stats r{m, 0.f, 0.f};
-  if (a.m != -INFINITY) {
-    const float da = a.m - m;
-    const float sa = __expf(da);
-    r.s += sa * a.s;
-    r.u += sa * (a.u + da * a.s);
-  }
-  if (b.m != -INFINITY) {
-    const float db = b.m - m;
-    const float sb = __expf(db);
-    r.s += sb * b.s;
-    r.u += sb * (b.u + db * b.s);
-  }
-  return r;
-}
-
-__device__ __forceinline__ Stats shfl_xor(Stats x, int mask) {
-  return {__shfl_xor_sync(0xffffffffu, x.m, mask), __shfl_xor_sync(0xffffffffu, x.s, mask),
-          __shfl_xor_sync(0xffffffffu, x.u, mask)};
-}
 
 // Row of the CTA tile that acc.v[mi][*][2*half + j] belongs to, and the column of acc.v[*][ni][e].
 __device__ __forceinline__ int tile_row(int wm, int lane, int mi, int half) {
@@ -84,36 +48,12 @@ __device__ __forceinline__ void fold_tile(Stats (&st)[MI][2], const int (&label)
   for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float tmax = -INFINITY;
-#pragma unroll
-      for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int v = n0 + tile_col(wn, lane, ni, j);
-          if (v < valid_v) tmax = fmaxf(tmax, acc.v[mi][ni][2 * half + j] * inv_tau);
-        }
-      if (tmax == -INFINITY) continue;  // no valid column of this row in this thread's part
-      Stats& s = st[mi][half];
-      Stats t{fmaxf(s.m, tmax), 0.f, 0.f};
-      const int lbl = label[mi][half];
-#pragma unroll
-      for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int v = n0 + tile_col(wn, lane, ni, j);
-          if (v < valid_v) {
-            const float z = acc.v[mi][ni][2 * half + j] * inv_tau;
-            const float d = z - t.m;
-            const float e = __expf(d);
-            t.s += e;
-            t.u += e * d;
-            if (v == lbl) {
-              const int row = m0 + tile_row(wm, lane, mi, half);
-              if (row < T) label_logit[row] = z;
-            }
-          }
-        }
-      s = merge(s, t);
+      const int row = m0 + tile_row(wm, lane, mi, half);
+      // value i of this row: fragment ni = i / 2, column j = i % 2
+      fold_row<2 * NI>(
+          st[mi][half], [&](int i) { return acc.v[mi][i / 2][2 * half + i % 2]; },
+          [&](int i) { return n0 + tile_col(wn, lane, i / 2, i % 2); }, valid_v, inv_tau,
+          label[mi][half], row < T ? label_logit + row : nullptr);
     }
   }
 }
@@ -163,10 +103,7 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      st[mi][half] = merge(st[mi][half], shfl_xor(st[mi][half], 1));
-      st[mi][half] = merge(st[mi][half], shfl_xor(st[mi][half], 2));
-    }
+    for (int half = 0; half < 2; ++half) st[mi][half] = quad_merge(st[mi][half]);
 
   // The two warps of a warp row hold the same rows (different column halves): merge via smem,
   // which gemm_tile left free behind its final barrier.
@@ -229,11 +166,7 @@ __global__ void __launch_bounds__(THREADS)
     for (int half = 0; half < 2; ++half) {
       const int row = m0 + tile_row(wm, lane, mi, half);
       if (row >= T) continue;
-      const float row_lse = lse[row];
-      const float row_mean = mean_z[row];
-      const float row_glp = g_lp[row];
-      const float row_gent = g_ent[row];
-      const int64_t lbl = labels[row] - vocab_start;
+      const RowGrad r{lse[row], mean_z[row], g_lp[row], g_ent[row], labels[row] - vocab_start};
       __nv_bfloat16* out = dz + static_cast<size_t>(row) * ld;
 #pragma unroll
       for (int ni = 0; ni < NI; ++ni) {
@@ -241,13 +174,8 @@ __global__ void __launch_bounds__(THREADS)
         if (v >= col_end) continue;
         float g[2];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float z = acc.v[mi][ni][2 * half + j] * inv_tau;
-          const float p = __expf(z - row_lse);
-          const float onehot = (v + j == lbl) ? 1.f : 0.f;
-          const float dzv = row_glp * (onehot - p) - row_gent * p * (z - row_mean);
-          g[j] = (v + j < valid_v) ? dzv * inv_tau : 0.f;
-        }
+        for (int j = 0; j < 2; ++j)
+          g[j] = softmax_grad(acc.v[mi][ni][2 * half + j], v + j, r, valid_v, inv_tau);
         if (v + 1 < col_end) {
           *reinterpret_cast<__nv_bfloat162*>(out + (v - col_begin)) =
               __floats2bfloat162_rn(g[0], g[1]);
