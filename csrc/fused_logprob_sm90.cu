@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "host_emulation.h"
 #include "kernels.h"
 #include "softmax_stats.cuh"
 #include "tile_gemm_sm90.cuh"
@@ -166,6 +167,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1)
 #endif
 }
 
+#ifndef MEGARL_HOST_EMULATION
 // Reports whether this binary holds the sm_90a code for the running device.
 __global__ void sm90a_probe_kernel(int* out) {
 #ifdef MEGARL_SM90A
@@ -174,8 +176,12 @@ __global__ void sm90a_probe_kernel(int* out) {
   *out = 0;
 #endif
 }
+#endif
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+#ifdef MEGARL_HOST_EMULATION
+  return cuda_emu::tensor_map_encode_tiled;  // no driver on the host: maps the emulator reads
+#else
   static const auto fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -190,6 +196,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
                : nullptr;
   }();
   return fn;
+#endif
 }
 
 // Tensor map of a row-major bf16 [rows, cols] matrix, read in [box_rows, BK] tiles with the
@@ -219,6 +226,9 @@ cudaError_t set_smem(const void* kernel) {
 }  // namespace
 
 bool sm90_mainloop_available() {
+#ifdef MEGARL_HOST_EMULATION
+  return true;  // built for the emulator, whose sm_90a instructions check its emulated device
+#else
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -238,6 +248,7 @@ bool sm90_mainloop_available() {
   const bool available = ok && found == 1;
   if (device < kMaxDevices) known[device] = available ? 1 : 2;
   return available;
+#endif
 }
 
 cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
@@ -254,7 +265,7 @@ cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, 
   const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
   const ForwardArgs args{labels, T, valid_v, vocab_start, inv_tau, part, label_logit, 0, num_splits};
   const dim3 grid(num_splits, (T + BM - 1) / BM);
-  logprob_forward_sm90_kernel<<<grid, sm90::THREADS, sm90::SMEM_BYTES, stream>>>(
+  MEGARL_LAUNCH(logprob_forward_sm90_kernel, grid, sm90::THREADS, sm90::SMEM_BYTES, stream)(
       tm_hidden, tm_weight, args, H, tiles_per_split, num_tiles);
   return cudaGetLastError();
 }
@@ -275,7 +286,7 @@ cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weig
   const BackwardArgs args{labels, T, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent,
                           col_begin, col_begin + col_count, static_cast<__nv_bfloat16*>(dz), ld};
   const dim3 grid((col_count + BN - 1) / BN, (T + BM - 1) / BM);
-  logprob_backward_dz_sm90_kernel<<<grid, sm90::THREADS, sm90::SMEM_BYTES, stream>>>(
+  MEGARL_LAUNCH(logprob_backward_dz_sm90_kernel, grid, sm90::THREADS, sm90::SMEM_BYTES, stream)(
       tm_hidden, tm_weight, args, H);
   return cudaGetLastError();
 }

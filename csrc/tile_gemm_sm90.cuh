@@ -10,15 +10,19 @@
 //
 // Everything here needs sm_90a; the code compiles to nothing for other targets and the host
 // only launches it after sm90_mainloop_available() said the sm_90a code is in the binary.
+// Under the host emulator of tests/kernels/emulator (-DMEGARL_HOST_EMULATION) the same code
+// compiles with g++, each PTX instruction a call into the emulator; under nvcc the
+// MEGARL_HOST_EMULATION branches are not compiled, so the device code is unchanged.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda.h>  // CUtensorMap
 
+#include "host_emulation.h"
 #include "kernels.h"
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)) || defined(MEGARL_HOST_EMULATION)
 #define MEGARL_SM90A 1
 #endif
 
@@ -65,22 +69,47 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::mbarrier_init_shared_cta_b64(smem_addr(bar), count);
+#else
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+#endif
+}
+
+// Makes the initialised barriers visible to the async proxy (TMA) and the other threads.
+__device__ __forceinline__ void fence_mbar_init() {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::fence_mbarrier_init_release_cluster();
+#else
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::mbarrier_arrive_shared_cta_b64(smem_addr(bar));
+#else
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
 }
 
 // Arrive, and tell the barrier to also wait for `bytes` of TMA transactions.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::mbarrier_arrive_expect_tx_shared_cta_b64(smem_addr(bar), bytes);
+#else
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
                "r"(bytes)
                : "memory");
+#endif
 }
 
 // Wait until the phase with this parity has completed (a fresh barrier counts parity 1 as done).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#ifdef MEGARL_HOST_EMULATION
+  while (!cuda_emu::mbarrier_try_wait_parity_shared_cta_b64(smem_addr(bar), parity)) {
+  }
+#else
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
@@ -90,17 +119,23 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "}\n" ::"r"(smem_addr(bar)),
       "r"(parity)
       : "memory");
+#endif
 }
 
 // TMA: the [box rows x BK] tile at (row, k) of a 2-D tensor map into shared memory; rows and
 // columns out of the tensor are zero-filled and still count towards the transaction bytes.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int k, int row,
                                          uint64_t* bar) {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::cp_async_bulk_tensor_2d_shared_cluster_global_tile_mbarrier_complete_tx_bytes(
+      smem_addr(dst), map, k, row, smem_addr(bar));
+#else
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(k), "r"(row)
       : "memory");
+#endif
 }
 
 // wgmma shared-memory descriptor of a K-major operand in the 128-byte swizzle layout that TMA
@@ -111,6 +146,15 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p) {
          (uint64_t{SWIZZLE_ATOM >> 4} << 32) | (uint64_t{1} << 62);
 }
 
+#ifdef MEGARL_HOST_EMULATION
+__device__ __forceinline__ void wgmma_fence() { cuda_emu::wgmma_fence_sync_aligned(); }
+__device__ __forceinline__ void wgmma_commit() { cuda_emu::wgmma_commit_group_sync_aligned(); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  cuda_emu::wgmma_wait_group_sync_aligned(N);
+}
+__device__ __forceinline__ void fence_operands(float (&)[kAccRegs]) {}
+#else
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -125,11 +169,34 @@ __device__ __forceinline__ void fence_operands(float (&d)[kAccRegs]) {
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+#endif
+
+// Hands registers from the producer warpgroup (dec) to the consumers (inc); whole warpgroups.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::setmaxnreg_dec_sync_aligned_u32(N);
+#else
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::setmaxnreg_inc_sync_aligned_u32(N);
+#else
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
 
 // d[0:128] (+)= A[64,16] . B[256,16]^T, both K-major in 128B-swizzled shared memory.
 // accumulate = 0 overwrites d (the first K step of a tile).
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
                                                  int accumulate) {
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::wgmma_mma_async_sync_aligned_m64n256k16_f32_bf16_bf16(d, desc_a, desc_b, accumulate, 1, 1,
+                                                                  0, 0);
+#else
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
@@ -159,6 +226,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[kAccRegs], uint64_t 
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#endif
 }
 
 // One CTA: rows [m0, m0 + BM) of hidden against `num_tiles` vocab tiles of BN rows starting at
@@ -168,7 +236,7 @@ template <class Epilogue>
 __device__ __forceinline__ void mainloop(const CUtensorMap& tm_a, const CUtensorMap& tm_b, int m0,
                                          int n_first, int num_tiles, int K,
                                          const typename Epilogue::Args& args) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  MEGARL_DYNAMIC_SMEM(smem_raw);
   unsigned char* base = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + SWIZZLE_ATOM - 1) & ~uintptr_t{SWIZZLE_ATOM - 1});
   uint64_t* full = reinterpret_cast<uint64_t*>(base + STAGES * STAGE_BYTES);
@@ -183,13 +251,13 @@ __device__ __forceinline__ void mainloop(const CUtensorMap& tm_a, const CUtensor
       mbar_init(&full[s], 1);                // the producer's arrive_expect_tx
       mbar_init(&empty[s], 4 * CONSUMERS);  // one arrive per consumer warp
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbar_init();
   }
   __syncthreads();
 
   const int num_k = (K + BK - 1) / BK;
   if (warpgroup == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
     int stage = 0;
     uint32_t phase = 0;
@@ -205,7 +273,7 @@ __device__ __forceinline__ void mainloop(const CUtensorMap& tm_a, const CUtensor
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  setmaxnreg_inc<232>();
   const Fragment frag{warpgroup - 1, static_cast<int>(threadIdx.x / 32) % 4, lane};
   Epilogue epilogue(args, frag, m0);
   const int a_offset = frag.consumer * 64 * BK * 2;  // this warpgroup's 64-row slab

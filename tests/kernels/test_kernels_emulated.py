@@ -1,10 +1,13 @@
-"""The sm_80 CUDA kernels of csrc/, executed on the CPU.
+"""The CUDA kernels of csrc/, executed on the CPU: the sm_80 ones and the sm_90a (Hopper) ones.
 
 ``tests/kernels/emulator`` compiles the real kernel sources with g++ against a host emulation
-of CUDA (a CTA's threads as fibers; cp.async, ldmatrix, mma.sync and the shuffles written from
-the PTX ISA), and its ``run_kernels`` calls the host launchers of ``csrc/kernels.h`` on inputs
-that this test writes. The outputs are checked against float64 computations from the same
-bf16 inputs and against the torch paths of ``megarl.kernels``, which consume them on a GPU.
+of CUDA (a CTA's threads as fibers; cp.async, ldmatrix, mma.sync, the shuffles, mbarrier, TMA
+tensor copies, wgmma and setmaxnreg written from the PTX ISA), and its ``run_kernels`` calls
+the host launchers of ``csrc/kernels.h`` on inputs that this test writes. The outputs are
+checked against float64 computations from the same bf16 inputs and against the torch paths of
+``megarl.kernels``, which consume them on a GPU. The logprob forward and backward run on both
+mainloops (mma.sync: ``launch_logprob_*``; TMA + wgmma: ``launch_logprob_*_sm90``) with the
+same shapes and checks.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from megarl.kernels.reference import finalize_stats, merge_stats
 ROOT = Path(__file__).resolve().parents[2]
 EMULATOR = Path(__file__).resolve().parent / "emulator"
 CUDA_HOME = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
-TILE = 128  # kTileTokens == kTileVocab in csrc/kernels.h
+# The vocab rows of one tile, which the forward's splits own whole: kTileVocab (mma.sync) and
+# kTileVocabSm90 (wgmma) in csrc/kernels.h. Both take 128 token rows per CTA (kTileTokens).
+TILE_VOCAB = {"sm80": 128, "sm90": 256}
+MAINLOOPS = list(TILE_VOCAB)
 NUM_PPO_STATS = 9  # kNumPPOStats
 
 
@@ -50,9 +56,12 @@ def run_kernels(tmp_path_factory) -> Path:
         cxx, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Wno-unknown-pragmas",
         # the kernels type-pun device memory (bf16 pairs, fp32 reductions in a byte buffer)
         "-fno-strict-aliasing",
+        # g++ notes that CUtensorMap (128-byte aligned) is passed by value since GCC 4.6's ABI
+        "-Wno-psabi",
         "-DMEGARL_HOST_EMULATION", f"-I{ROOT / 'csrc'}", f"-I{EMULATOR}", f"-I{include}",
         str(EMULATOR / "run_kernels.cpp"), str(EMULATOR / "cuda_host_emu.cpp"),
-        "-x", "c++", str(ROOT / "csrc/fused_logprob.cu"), str(ROOT / "csrc/ppo_loss.cu"),
+        "-x", "c++", str(ROOT / "csrc/fused_logprob.cu"), str(ROOT / "csrc/fused_logprob_sm90.cu"),
+        str(ROOT / "csrc/ppo_loss.cu"),
         "-o", str(exe),
     ]  # fmt: skip
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
@@ -60,14 +69,15 @@ def run_kernels(tmp_path_factory) -> Path:
     return exe
 
 
-def _run(exe: Path, workdir: Path, op: str, scalars: list, inputs: dict[str, torch.Tensor], cp_async="wait") -> None:
-    """run_kernels on these inputs; cp.async copies land at their wait_group or at issue."""
+def _run(exe: Path, workdir: Path, op: list, scalars: list, inputs: dict[str, torch.Tensor], async_mode="late") -> None:
+    """run_kernels OP... WORKDIR SCALARS... on these inputs, with asynchronous copies landing late
+    or early (CUDA_EMU_ASYNC, cuda_host_emu.h)."""
     for name, tensor in inputs.items():
         tensor.contiguous().view(torch.uint8).numpy().tofile(workdir / f"{name}.bin")
-    env = {**os.environ, "CUDA_EMU_CP_ASYNC": cp_async}
-    cmd = [exe, op, workdir, *map(str, scalars)]
+    env = {**os.environ, "CUDA_EMU_ASYNC": async_mode}
+    cmd = [exe, *op, workdir, *map(str, scalars)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, f"run_kernels {op} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"run_kernels {' '.join(op)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
 
 
 def _read(workdir: Path, name: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -112,35 +122,57 @@ def _triple(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return m, e.sum(dim=1), (e * d).sum(dim=1)
 
 
-# When the pipeline's cp.async copies land: at the covering wait_group (a read before it sees
-# stale data) or at issue (an overwrite of a stage still being read shows).
-CP_ASYNC = [pytest.param("wait", id="land-at-wait"), pytest.param("issue", id="land-at-issue")]
+# When asynchronous operations take effect. late: copies into shared memory (cp.async, TMA) land
+# at the last moment, wgmma reads its operands at issue, so a read before the data has landed
+# sees stale data. early: copies land at issue, wgmma reads at its wait_group, so a stage
+# refilled while still being read shows.
+ASYNC = [pytest.param("late", id="copies-late"), pytest.param("early", id="copies-early")]
 
-# T, H, rows, valid_v, vocab_start, temperature, num_splits. T and rows off the 128 tiles,
-# H with a K tail (H % 32 != 0) or shorter than one stage, padded shards, labels outside the
-# shard, splits with several tiles and empty splits (more splits than tiles).
+
+def _on_both_mainloops(shapes, skip=lambda mainloop, values: False):
+    """Each shape on each mainloop (ids sm80-<shape>, sm90-<shape>), less the pairs `skip` names."""
+    return [
+        pytest.param(mainloop, *p.values, id=f"{mainloop}-{p.id}")
+        for mainloop in MAINLOOPS
+        for p in shapes
+        if not skip(mainloop, p.values)
+    ]
+
+
+# T, H, rows, valid_v, vocab_start, temperature, num_splits. T off the 128-token tiles, rows off
+# both vocab tiles (128, 256); H with a K tail (off the 32- and 64-element stages), shorter than
+# one stage, or longer than the 4 stages of both pipelines (the stage ring wraps within a tile);
+# padded shards, labels outside the shard; splits with several tiles, a last tile of one column,
+# empty splits (more splits than tiles).
 FORWARD = [
     pytest.param(1, 40, 130, 130, 0, 1.0, 1, id="one-token"),
     pytest.param(130, 200, 600, 589, 1000, 0.7, 3, id="tails-padded-offset"),
+    pytest.param(200, 392, 1300, 1290, 7, 1.0, 2, id="several-tiles-per-split-long-k"),
     pytest.param(300, 256, 300, 257, 50, 1.3, 4, id="one-column-tile-and-empty-split"),
     pytest.param(70, 64, 200, 100, 0, 1.0, 5, id="more-splits-than-tiles"),
     pytest.param(9, 16, 128, 0, 4096, 1.0, 2, id="all-padding-shard"),
 ]
 
 
-@pytest.mark.parametrize("cp_async", CP_ASYNC)
-@pytest.mark.parametrize("T,H,rows,valid,start,tau,splits", FORWARD)
-def test_forward_partials_and_label_logits(run_kernels, tmp_path, T, H, rows, valid, start, tau, splits, cp_async):
+# The sm_90a launchers require valid_v > 0; bindings.cpp (use_wgmma) takes the mma.sync kernels
+# for an all-padding shard.
+@pytest.mark.parametrize("async_mode", ASYNC)
+@pytest.mark.parametrize(
+    "mainloop,T,H,rows,valid,start,tau,splits",
+    _on_both_mainloops(FORWARD, skip=lambda mainloop, values: mainloop == "sm90" and values[3] == 0),
+)
+def test_forward_partials_and_label_logits(run_kernels, tmp_path, mainloop, T, H, rows, valid, start, tau, splits, async_mode):
     hidden, weight, labels = _operands(T, H, rows, start, valid, seed=T + H + rows)
     inv_tau = _f32(1 / tau)
-    _run(run_kernels, tmp_path, "forward", [T, H, rows, valid, start, repr(inv_tau), splits],
-         {"hidden": hidden, "weight": weight, "labels": labels}, cp_async)  # fmt: skip
+    _run(run_kernels, tmp_path, ["forward", mainloop], [T, H, rows, valid, start, repr(inv_tau), splits],
+         {"hidden": hidden, "weight": weight, "labels": labels}, async_mode)  # fmt: skip
     part = _read(tmp_path, "part", torch.float32, 3, splits, T).double()
     label_logit = _read(tmp_path, "label_logit", torch.float32, T).double()
     z = _logits(hidden, weight, valid, inv_tau)
 
     # split x owns vocab tiles [x * per_split, (x + 1) * per_split) (logprob_forward_kernel)
-    per_split = math.ceil(math.ceil(valid / TILE) / splits) * TILE
+    tile = TILE_VOCAB[mainloop]
+    per_split = math.ceil(math.ceil(valid / tile) / splits) * tile
     for x in range(splits):
         want = _triple(z[:, x * per_split : (x + 1) * per_split])
         for got_plane, want_plane in zip(part[:, x], want):
@@ -167,18 +199,20 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 # T, H, rows, valid_v, vocab_start, temperature, col_begin, col_count, ld: column ranges that
-# start off a tile, end off a tile (also at an odd column), run into the padding rows, and a
-# dz row stride wider than the range.
+# start off a tile, end off a tile (also at an odd column), run into the padding rows, span
+# several column tiles with a K loop longer than the stage ring, and a dz row stride wider than
+# the range.
 BACKWARD = [
     pytest.param(1, 40, 130, 130, 0, 1.0, 0, 130, 130, id="one-token"),
     pytest.param(130, 200, 600, 589, 1000, 0.7, 130, 300, 310, id="offset-range-wide-stride"),
     pytest.param(300, 256, 600, 589, 0, 1.3, 400, 199, 202, id="into-padding-odd-count"),
+    pytest.param(140, 392, 900, 850, 3, 1.0, 2, 846, 848, id="several-column-tiles-long-k"),
 ]
 
 
-@pytest.mark.parametrize("cp_async", CP_ASYNC)
-@pytest.mark.parametrize("T,H,rows,valid,start,tau,col_begin,col_count,ld", BACKWARD)
-def test_backward_dz(run_kernels, tmp_path, T, H, rows, valid, start, tau, col_begin, col_count, ld, cp_async):
+@pytest.mark.parametrize("async_mode", ASYNC)
+@pytest.mark.parametrize("mainloop,T,H,rows,valid,start,tau,col_begin,col_count,ld", _on_both_mainloops(BACKWARD))
+def test_backward_dz(run_kernels, tmp_path, mainloop, T, H, rows, valid, start, tau, col_begin, col_count, ld, async_mode):
     hidden, weight, labels = _operands(T, H, rows, start, valid, seed=T + H + rows + 1)
     inv_tau = _f32(1 / tau)
     z_valid = _logits(hidden, weight, valid, inv_tau)
@@ -191,9 +225,9 @@ def test_backward_dz(run_kernels, tmp_path, T, H, rows, valid, start, tau, col_b
         "g_lp": torch.where(hit, torch.randn(T, generator=g), 0.0),  # zero for ignored labels
         "g_ent": torch.randn(T, generator=g),
     }
-    _run(run_kernels, tmp_path, "backward",
+    _run(run_kernels, tmp_path, ["backward", mainloop],
          [T, H, rows, valid, start, repr(inv_tau), col_begin, col_count, ld],
-         {"hidden": hidden, "weight": weight, "labels": labels, **vectors}, cp_async)  # fmt: skip
+         {"hidden": hidden, "weight": weight, "labels": labels, **vectors}, async_mode)  # fmt: skip
     dz = _read(tmp_path, "dz", torch.bfloat16, T, ld)
     assert dz[:, col_count:].isnan().all(), "dz written past col_count"
     got = dz[:, :col_count].double()
@@ -241,7 +275,7 @@ def test_ppo_loss(run_kernels, tmp_path, T, use_prox, dual_clip, cap, kept):
     inputs = {"logp": logp, "old_logp": old, "adv": adv, "mask": mask}
     if use_prox:
         inputs["prox_logp"] = prox
-    _run(run_kernels, tmp_path, "ppo", [T, eps_low, eps_high, dual_clip or 0.0, cap or 0.0, int(use_prox)], inputs)
+    _run(run_kernels, tmp_path, ["ppo"], [T, eps_low, eps_high, dual_clip or 0.0, cap or 0.0, int(use_prox)], inputs)
     loss_tok = _read(tmp_path, "loss_tok", torch.float32, T)
     grad_tok = _read(tmp_path, "grad_tok", torch.float32, T)
     stats = _read(tmp_path, "stats", torch.float32, NUM_PPO_STATS)

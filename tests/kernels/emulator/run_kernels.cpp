@@ -2,12 +2,14 @@
 // from raw little-endian files, and writes the outputs next to them. Used by
 // tests/kernels/test_kernels_emulated.py; every array is a file DIR/<name>.bin.
 //
-//   run_kernels forward  DIR T H rows valid_v vocab_start inv_tau num_splits
+//   run_kernels forward  MAINLOOP DIR T H rows valid_v vocab_start inv_tau num_splits
 //       in: hidden [T,H] bf16, weight [rows,H] bf16, labels [T] int64
 //       out: part [3,num_splits,T] f32, label_logit [T] f32
-//   run_kernels backward DIR T H rows valid_v vocab_start inv_tau col_begin col_count ld
+//   run_kernels backward MAINLOOP DIR T H rows valid_v vocab_start inv_tau col_begin col_count ld
 //       in: hidden, weight, labels, lse, mean_z, g_lp, g_ent [T] f32
 //       out: dz [T,ld] bf16
+//   MAINLOOP: sm80 (launch_logprob_*, mma.sync) or sm90 (launch_logprob_*_sm90, TMA + wgmma, on
+//   an emulated device of compute capability 9.0)
 //   run_kernels ppo DIR T eps_low eps_high dual_clip behav_cap has_prox
 //       in: logp, old_logp, adv [T] f32, mask [T] bool, prox_logp [T] f32 when has_prox
 //       out: loss_tok, grad_tok [T] f32, stats [kNumPPOStats] f32
@@ -79,7 +81,17 @@ Logits parse_logits(char** argv) {
           std::atoll(argv[4]), std::strtof(argv[5], nullptr)};
 }
 
-void forward(const std::string& dir, char** argv) {
+// Which mainloop's launchers to call; sm90 also makes the emulated device a 9.0 one.
+bool use_sm90(const std::string& mainloop) {
+  if (mainloop == "sm80") return false;
+  if (mainloop != "sm90") die("MAINLOOP must be sm80 or sm90, not " + mainloop);
+  cuda_emu::set_compute_capability(9, 0);
+  if (!megarl::sm90_mainloop_available()) die("sm90_mainloop_available() is false");
+  return true;
+}
+
+void forward(const std::string& mainloop, const std::string& dir, char** argv) {
+  const bool sm90 = use_sm90(mainloop);
   const Logits a = parse_logits(argv);
   const int splits = std::atoi(argv[6]);
   auto hidden = load<uint16_t>(dir, "hidden", size_t(a.T) * a.H);
@@ -87,15 +99,16 @@ void forward(const std::string& dir, char** argv) {
   auto labels = load<int64_t>(dir, "labels", a.T);
   Buffer<float> part(size_t(3) * splits * a.T, kNaN);
   Buffer<float> label_logit(a.T, 0.f);
-  check(megarl::launch_logprob_forward(hidden.get(), weight.get(), labels.get(), a.T, a.H,
-                                       a.valid_v, a.vocab_start, a.inv_tau, splits, part.get(),
-                                       label_logit.get(), nullptr),
+  const auto launch = sm90 ? megarl::launch_logprob_forward_sm90 : megarl::launch_logprob_forward;
+  check(launch(hidden.get(), weight.get(), labels.get(), a.T, a.H, a.valid_v, a.vocab_start,
+               a.inv_tau, splits, part.get(), label_logit.get(), nullptr),
         "launch_logprob_forward");
   save(dir, "part", part);
   save(dir, "label_logit", label_logit);
 }
 
-void backward(const std::string& dir, char** argv) {
+void backward(const std::string& mainloop, const std::string& dir, char** argv) {
+  const bool sm90 = use_sm90(mainloop);
   const Logits a = parse_logits(argv);
   const int col_begin = std::atoi(argv[6]), col_count = std::atoi(argv[7]), ld = std::atoi(argv[8]);
   auto hidden = load<uint16_t>(dir, "hidden", size_t(a.T) * a.H);
@@ -106,10 +119,11 @@ void backward(const std::string& dir, char** argv) {
   auto g_lp = load<float>(dir, "g_lp", a.T);
   auto g_ent = load<float>(dir, "g_ent", a.T);
   Buffer<uint16_t> dz(size_t(a.T) * ld, kNaNBf16);
-  check(megarl::launch_logprob_backward_dz(hidden.get(), weight.get(), labels.get(), a.T, a.H,
-                                           a.valid_v, a.vocab_start, a.inv_tau, lse.get(),
-                                           mean_z.get(), g_lp.get(), g_ent.get(), col_begin,
-                                           col_count, dz.get(), ld, nullptr),
+  const auto launch =
+      sm90 ? megarl::launch_logprob_backward_dz_sm90 : megarl::launch_logprob_backward_dz;
+  check(launch(hidden.get(), weight.get(), labels.get(), a.T, a.H, a.valid_v, a.vocab_start,
+               a.inv_tau, lse.get(), mean_z.get(), g_lp.get(), g_ent.get(), col_begin, col_count,
+               dz.get(), ld, nullptr),
         "launch_logprob_backward_dz");
   save(dir, "dz", dz);
 }
@@ -141,10 +155,10 @@ void ppo(const std::string& dir, char** argv) {
 
 int main(int argc, char** argv) {
   const std::string op = argc > 2 ? argv[1] : "";
-  if (op == "forward" && argc == 10) {
-    forward(argv[2], argv + 3);
-  } else if (op == "backward" && argc == 12) {
-    backward(argv[2], argv + 3);
+  if (op == "forward" && argc == 11) {
+    forward(argv[2], argv[3], argv + 4);
+  } else if (op == "backward" && argc == 13) {
+    backward(argv[2], argv[3], argv + 4);
   } else if (op == "ppo" && argc == 9) {
     ppo(argv[2], argv + 3);
   } else {
