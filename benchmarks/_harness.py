@@ -4,6 +4,8 @@ A benchmark is a module ``benchmarks/NAME.py`` that defines
 
     TITLE: str                      # one line, shown above the table
     def run(quick: bool) -> list[dict]   # one dict per table row
+    def results_name() -> str        # optional: the results' file stem (default NAME), e.g.
+                                     # to keep a GPU table beside the CPU one
 
 and ends with ``if __name__ == "__main__": main_for(__name__)`` so that it also runs
 standalone. ``benchmarks/run.py`` runs several. Every result file records the machine,
@@ -76,7 +78,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DIR) -> dict:
-    """Import ``benchmarks.NAME``, run it, write ``NAME.json`` and ``NAME.md``; return the record."""
+    """Import ``benchmarks.NAME``, run it, write ``NAME.json`` and ``NAME.md`` (or the module's
+    ``results_name()``); return the record."""
     module = importlib.import_module(f"benchmarks.{name}")
     started = datetime.datetime.now(datetime.timezone.utc)
     rows = module.run(quick=quick)
@@ -91,10 +94,11 @@ def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DI
         "versions": package_versions(),
         "rows": rows,
     }
+    stem = module.results_name() if hasattr(module, "results_name") else name
     results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (results_dir / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     header = f"# {module.TITLE}\n\n{record['date']} on {_machine_line(record['machine'])}\n\n"
-    (results_dir / f"{name}.md").write_text(header + markdown_table(rows))
+    (results_dir / f"{stem}.md").write_text(header + markdown_table(rows))
     return record
 
 

@@ -210,6 +210,11 @@ def _add_ceiling_ratios(rows: list[dict]) -> None:
             r[f"{name}_vs_matmul"] = ours / best if ours and best else None
 
 
+def results_name() -> str:
+    """GPU and CPU tables are different experiments: neither overwrites the other."""
+    return "fused_logprob_gpu" if torch.cuda.is_available() else "fused_logprob"
+
+
 def run(quick: bool) -> list[dict]:
     """Benchmark rows: GPU grid when CUDA is available, else the CPU comparison."""
     return _run_gpu(quick) if torch.cuda.is_available() else _run_cpu(quick)

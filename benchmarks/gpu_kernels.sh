@@ -6,7 +6,7 @@
 #   2. the kernel correctness tests against the torch reference (tests/kernels, marker gpu;
 #      needs pytest);
 #   3. the benchmark grid of benchmarks/fused_logprob.py (--quick: one shape), which writes
-#      benchmarks/results/fused_logprob.{md,json}.
+#      benchmarks/results/fused_logprob_gpu.{md,json} (the CPU table stays in fused_logprob.*).
 # Usage: bash benchmarks/gpu_kernels.sh [--quick]
 set -euo pipefail
 cd "$(dirname "$0")/.."

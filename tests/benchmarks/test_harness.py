@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 from benchmarks._harness import markdown_table, run_benchmark
@@ -20,6 +21,26 @@ def test_config_parse_benchmark_writes_results(tmp_path):
     assert len(data["rows"]) == 4 and all(row["mean_us"] > 0 for row in data["rows"])
     md = (tmp_path / "config_parse.md").read_text()
     assert md.count("\n|") >= 5 and "mean_us" in md
+
+
+def test_a_benchmark_may_name_its_results(tmp_path, monkeypatch):
+    """fused_logprob keeps its GPU table in fused_logprob_gpu.*, beside the CPU one."""
+    bench = types.ModuleType("benchmarks.named_bench")
+    bench.TITLE = "named"
+    bench.run = lambda quick: [{"x": 1}]
+    bench.results_name = lambda: "named_bench_gpu"
+    monkeypatch.setitem(sys.modules, "benchmarks.named_bench", bench)
+    run_benchmark("named_bench", results_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["named_bench_gpu.json", "named_bench_gpu.md"]
+
+
+def test_fused_logprob_gpu_table_does_not_replace_the_cpu_one(monkeypatch):
+    from benchmarks import fused_logprob
+
+    monkeypatch.setattr(fused_logprob.torch.cuda, "is_available", lambda: True)
+    assert fused_logprob.results_name() == "fused_logprob_gpu"
+    monkeypatch.setattr(fused_logprob.torch.cuda, "is_available", lambda: False)
+    assert fused_logprob.results_name() == "fused_logprob"
 
 
 def test_markdown_table_formats_floats_and_missing_cells():
