@@ -189,8 +189,11 @@ def _is_paused(address: str) -> bool:
 
 
 def test_pause_interrupts_and_resume_continues_aligned(engine, vllm_server):
-    # min_new_tokens: a random model must not stop at an EOS before the pause
-    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=300, min_new_tokens=300, temperature=1.0)
+    # min_new_tokens: a random model must not stop at an EOS before the pause. The requests are
+    # long (the tiny model makes ~100 tokens/s each on CPU) so that the pause lands mid-request
+    # even when the /metrics counter that tells the test they are under way lags by seconds.
+    n_new = 900
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=n_new, min_new_tokens=n_new, temperature=1.0)
     prompts = [[1, 20 + i, 30 + i, 40 + i] for i in range(4)]
 
     async def generate_all():
@@ -209,10 +212,10 @@ def test_pause_interrupts_and_resume_continues_aligned(engine, vllm_server):
     switches = []
     for resp in resps:
         resp.check_aligned()
-        assert resp.output_len == 300 and resp.stop_reason == "length"
+        assert resp.output_len == n_new and resp.stop_reason == "length"
         assert resp.n_interruptions >= 1, "every in-flight request is aborted by the pause"
         switch = resp.output_versions.index(1)
-        assert resp.output_versions == [0] * switch + [1] * (300 - switch)
+        assert resp.output_versions == [0] * switch + [1] * (n_new - switch)
         switches.append(switch)
         scored = rescore(vllm_server.address, resp.input_tokens + resp.output_tokens)[resp.input_len :]
         assert resp.output_logprobs == pytest.approx(scored, abs=0.05), "logprobs misaligned after continuation"
