@@ -29,10 +29,8 @@ struct ForwardArgs {
   int valid_v;
   int64_t vocab_start;
   float inv_tau;
-  float* part;         // [3, num_splits, T]
+  float* part;         // [3, num_splits, T]; the split is blockIdx.x, num_splits gridDim.x
   float* label_logit;  // [T]
-  int split;
-  int num_splits;
 };
 
 struct BackwardArgs {
@@ -90,8 +88,8 @@ struct ForwardEpilogue {
       const Stats s = quad_merge(st[h]);
       const int row = m0 + frag.row(h);
       if ((frag.lane & 3) != 0 || row >= a.T) continue;
-      const size_t plane = static_cast<size_t>(a.num_splits) * a.T;
-      const size_t at = static_cast<size_t>(a.split) * a.T + row;
+      const size_t plane = static_cast<size_t>(gridDim.x) * a.T;
+      const size_t at = static_cast<size_t>(blockIdx.x) * a.T + row;
       a.part[at] = s.m;
       a.part[plane + at] = s.s;
       a.part[2 * plane + at] = s.u;
@@ -144,8 +142,6 @@ __global__ void __launch_bounds__(sm90::THREADS, 1)
                                 const __grid_constant__ CUtensorMap tm_weight, ForwardArgs args,
                                 int H, int tiles_per_split, int num_tiles) {
 #ifdef MEGARL_SM90A
-  args.split = blockIdx.x;
-  args.num_splits = gridDim.x;
   const int first = blockIdx.x * tiles_per_split;
   const int count = max(0, min(num_tiles, first + tiles_per_split) - first);
   sm90::mainloop<ForwardEpilogue>(tm_hidden, tm_weight, blockIdx.y * BM, first * BN, count, H, args);
@@ -263,7 +259,7 @@ cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, 
   if (err != cudaSuccess) return err;
   const int num_tiles = (valid_v + BN - 1) / BN;
   const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
-  const ForwardArgs args{labels, T, valid_v, vocab_start, inv_tau, part, label_logit, 0, num_splits};
+  const ForwardArgs args{labels, T, valid_v, vocab_start, inv_tau, part, label_logit};
   const dim3 grid(num_splits, (T + BM - 1) / BM);
   MEGARL_LAUNCH(logprob_forward_sm90_kernel, grid, sm90::THREADS, sm90::SMEM_BYTES, stream)(
       tm_hidden, tm_weight, args, H, tiles_per_split, num_tiles);

@@ -112,6 +112,12 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _sm90_available(device_index: int) -> bool:
+    with torch.cuda.device(device_index):
+        return load_extension().sm90_mainloop_available()
+
+
 def use_wgmma(device: torch.device) -> bool:
     """Whether the kernels on this device run the Hopper (TMA + wgmma) mainloop.
 
@@ -123,8 +129,7 @@ def use_wgmma(device: torch.device) -> bool:
         raise ValueError(f"MEGARL_CUDA_MAINLOOP must be one of {MAINLOOPS}, got {choice!r}")
     if choice == "sm80":
         return False
-    with torch.cuda.device(device):
-        available = load_extension().sm90_mainloop_available()
+    available = _sm90_available(device.index if device.index is not None else torch.cuda.current_device())
     if choice == "sm90" and not available:
         raise RuntimeError(
             "MEGARL_CUDA_MAINLOOP=sm90, but the wgmma mainloop cannot run here: it needs an sm_90 "

@@ -25,11 +25,16 @@ def ext():
     return module
 
 
+def skip_without_wgmma(ext):
+    if not ext.sm90_mainloop_available():
+        pytest.skip("the wgmma mainloop needs an sm_90 GPU and an sm_90a build")
+
+
 @pytest.fixture(params=["sm80", "sm90"])
 def mainloop(request, ext, monkeypatch):
     """Each test runs on both mainloops: mma.sync everywhere, TMA + wgmma where the GPU is sm_90."""
-    if request.param == "sm90" and not ext.sm90_mainloop_available():
-        pytest.skip("the wgmma mainloop needs an sm_90 GPU and an sm_90a build")
+    if request.param == "sm90":
+        skip_without_wgmma(ext)
     monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", request.param)
     return request.param
 
@@ -79,8 +84,8 @@ def test_logprob_entropy_and_grads_match_reference(mainloop, T, H, rows, pad, st
 def test_forward_splits_merge_exactly(ext, wgmma):
     """Different split counts (partials merged in torch; 24 leaves some splits empty) give the
     same statistics."""
-    if wgmma and not ext.sm90_mainloop_available():
-        pytest.skip("the wgmma mainloop needs an sm_90 GPU and an sm_90a build")
+    if wgmma:
+        skip_without_wgmma(ext)
     hidden = torch.randn(200, 128, device="cuda").bfloat16()
     weight = torch.randn(3000, 128, device="cuda").bfloat16()
     labels = torch.randint(0, 3000, (200,), device="cuda")
@@ -95,8 +100,7 @@ def test_forward_splits_merge_exactly(ext, wgmma):
 
 def test_mainloops_agree_on_a_model_sized_shape(ext, monkeypatch):
     """sm_80 and sm_90a mainloops on one shape with every tail: same logprobs and gradients."""
-    if not ext.sm90_mainloop_available():
-        pytest.skip("the wgmma mainloop needs an sm_90 GPU and an sm_90a build")
+    skip_without_wgmma(ext)
     g = torch.Generator(device="cuda").manual_seed(1)
     T, H, rows = 1000, 1000, 5000
     hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
