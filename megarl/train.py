@@ -9,7 +9,8 @@ The walkthrough's "Putting It All Together", SPMD over the trainer ranks. One st
 1. ``prepare_batch``: DP heads take ``batch_size`` accepted groups from their rollout
    pools (episodes keep running in the background, at most ``rollout.max_staleness``
    versions behind; 0 is synchronous RL), re-split across DP ranks, broadcast to TP/PP peers;
-2. ``compute_logp``: the proximal policy's logprobs (decoupled PPO) and the reference's (KL);
+2. ``compute_logp``: the proximal policy's logprobs (decoupled PPO; with one mini-batch and
+   one epoch the update's own forward gives them) and the reference's (KL);
 3. ``compute_advantages`` and ``ppo_update``, then the LR step;
 4. ``update_weights``: pause rollout, stream weights to the servers, bump versions, resume;
 5. saver, recover point, evaluator, stats → StatsLogger (console, wandb, tensorboard, curves.png).
@@ -80,7 +81,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     cfg = t.config
     with stats_tracker.record_timing("rollout"), rollout_bar(t) as progress:
         batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, should_accept_fn(cfg.dynamic_filter), progress)
-    if cfg.actor.recompute_logprob or cfg.actor.use_decoupled_loss:
+    if t.actor.needs_prox_pass():  # else ppo_update's own forward gives them
         with stats_tracker.record_timing("recompute_logp"):
             batch["prox_logp"] = t.actor.compute_logp(batch)
     if t.ref is not None:
@@ -319,10 +320,10 @@ def print_summary(config: GRPOConfig, summary: dict, seconds: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     config, rest = load_expr_config(sys.argv[1:] if argv is None else argv, GRPOConfig)
     if rest:
         raise SystemExit(f"megarl.train: unexpected arguments {rest}; overrides are key.path=value")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     discover_ranks()  # under mpirun: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI (torchrun sets them itself)
     start = time.time()
     trainer = build(config)

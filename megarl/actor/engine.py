@@ -55,6 +55,7 @@ from megarl.models.build import (
 )
 from megarl.models.hf_io import ShardCoords, load_hf_weights, unwrap
 from megarl.models.spec import resolve_use_te
+from megarl.utils.hardware import concrete_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class MegatronEngine:
         alloc = self.parallel.alloc
         self.desc = describe(self.model_path, alloc.tp)
         self.tconfig = transformer_config(
-            self.desc, alloc, sequence_parallel=self.config.megatron.sequence_parallel, dtype=self.config.dtype,
+            self.desc, alloc, sequence_parallel=self.config.megatron.sequence_parallel, dtype=self.dtype,
             moe_dispatcher=self._moe_dispatcher(), recompute=self._recompute(),
             perform_initialization=self.config.init_from_scratch,
         )  # fmt: skip
@@ -142,6 +143,11 @@ class MegatronEngine:
             if self.config.optimizer is not None:
                 self._build_optimizer(_total_steps(ft_spec))
         logger.info("initialised %s (%s) under %s", self.model_path, self.desc.family.name, alloc)
+
+    @property
+    def dtype(self) -> str:
+        """The parameter dtype: ``config.dtype``, with ``auto`` resolved for this machine."""
+        return concrete_dtype(self.config.dtype, "cuda" if cpu_shim.cuda_available() else "cpu")
 
     def _moe_dispatcher(self) -> str:
         # gloo lacks what the alltoall dispatcher needs (all_to_all_single with split sizes)

@@ -4,7 +4,8 @@ The walkthrough's FSDPPPOActor rebuilt on :class:`~megarl.actor.engine.MegatronE
 the losses and advantage estimators are the pure functions of ``megarl.actor.losses`` and
 ``megarl.actor.advantages``. One training step reads::
 
-    batch["prox_logp"] = actor.compute_logp(batch)     # recompute_logprob
+    if actor.needs_prox_pass():                        # recompute_logprob, several mini-batches or epochs
+        batch["prox_logp"] = actor.compute_logp(batch)
     batch["ref_logp"] = ref.compute_logp(batch)        # kl_ctl > 0
     actor.compute_advantages(batch)
     stats = actor.ppo_update(batch)
@@ -46,6 +47,16 @@ class MegatronPPOActor(MegatronEngine):
         """Next-token logprobs ``[B, S]`` of the current weights at the sampling temperature."""
         return super().compute_logp(data, self.config.temperature if temperature is None else temperature)
 
+    def needs_prox_pass(self) -> bool:
+        """Whether the proximal logprobs need a forward pass of their own before ``ppo_update``.
+
+        Not when the update's own forward already sees the proximal policy (the weights
+        before the update): one mini-batch and one epoch, so that forward is the first and
+        only one. ``ppo_update`` then takes them from it, detached (verl does the same for
+        on-policy mini-batches): the same loss and gradients, one forward pass fewer.
+        """
+        return _uses_prox(self.config) and not prox_from_update(self.config)
+
     @torch.no_grad()
     def compute_advantages(self, data: dict) -> None:
         """GRPO advantages in place; rolls ``loss_mask`` / ``logprobs`` to next-token alignment.
@@ -57,10 +68,13 @@ class MegatronPPOActor(MegatronEngine):
         cu_seqlens = torch.arange(batch_size + 1, dtype=torch.int64) * seq_len
         loss_mask = torch.roll(data["loss_mask"], shifts=-1, dims=-1).bool() & data["attention_mask"].bool()
         old_logp = torch.roll(data["logprobs"].float(), shifts=-1, dims=-1)
-        if cfg.recompute_logprob and not cfg.use_decoupled_loss:
+        if "prox_logp" not in data and not prox_from_update(cfg):
+            if _uses_prox(cfg):
+                raise ValueError("ppo_update needs data['prox_logp'] (actor.compute_logp): see needs_prox_pass()")
+            if cfg.use_decoupled_loss:
+                data["prox_logp"] = old_logp.clone()  # on-policy: proximal == behaviour
+        if cfg.recompute_logprob and not cfg.use_decoupled_loss and "prox_logp" in data:
             old_logp = data["prox_logp"].float()  # classic PPO on recomputed logprobs
-        elif cfg.use_decoupled_loss and "prox_logp" not in data:
-            data["prox_logp"] = old_logp.clone()  # on-policy: proximal == behaviour
         rewards = adv_fns.shape_rewards(data["rewards"].float(), cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip)
         kl_rewards = torch.zeros_like(old_logp)
         if cfg.kl_ctl > 0 and cfg.kl_in_reward:
@@ -98,6 +112,20 @@ class MegatronPPOActor(MegatronEngine):
                     stats_tracker.scalar(**{k: step[k] for k in ("loss", "grad_norm", "lr", "update_successful")})
                 all_stats.append(stats_tracker.export())
         return all_stats
+
+
+def _uses_prox(cfg: PPOActorConfig) -> bool:
+    """Whether the loss anchors on the current policy's logprobs before the update (proximal policy)."""
+    return cfg.recompute_logprob or cfg.use_decoupled_loss
+
+
+def prox_from_update(cfg: PPOActorConfig) -> bool:
+    """Whether ``ppo_update``'s forward gives the proximal logprobs (see ``needs_prox_pass``).
+
+    A KL reward (``kl_in_reward``) needs them earlier, in ``compute_advantages``.
+    """
+    kl_reward = cfg.kl_ctl > 0 and cfg.kl_in_reward
+    return _uses_prox(cfg) and cfg.ppo_n_minibatches == 1 and cfg.ppo_n_epochs == 1 and not kl_reward
 
 
 def split_minibatches(data: dict, n: int, group_size: int = 1) -> list[dict]:
@@ -140,17 +168,17 @@ def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -
     """
     mask = _mask(mb)
     logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature)
-    prox = mb.get("prox_logp") if cfg.use_decoupled_loss else None
+    old, prox = _anchors(cfg, mb, logp)
     fused = _fused_surrogate(cfg, head, logp)
     logger.debug(
         "ppo_loss: logprobs on the %s path, surrogate via %s",
         logprobs_backend(head.backend, head.hidden, head.weight), "fused_ppo_loss" if fused else "losses.policy_loss",
     )  # fmt: skip
     if fused:
-        return _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, prox)
+        return _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox)
     cu_seqlens = mb["cu_seqlens"].long()
     out = losses.policy_loss(
-        logp, mb["logprobs"].float(), mb["advantages"].float(), mask,
+        logp, old, mb["advantages"].float(), mask,
         eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher, c_clip=cfg.c_clip,
         proximal_logprobs=None if prox is None else prox.float(),
         behav_imp_weight_cap=cfg.behav_imp_weight_cap if prox is not None else None,
@@ -164,9 +192,24 @@ def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -
         "dual_clip_ratio": out.dual_clipped.float(),
         "capped_ratio": out.capped.float(),
     }
-    anchor = prox if prox is not None else mb["logprobs"]
+    anchor = prox if prox is not None else old
     _record_stats(mask, logp, entropy, anchor, kl, out.behav_weight, surrogate_stats)
     return total / weight.clamp(min=1)
+
+
+def _anchors(cfg: PPOActorConfig, mb: dict, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The old logprobs the ratio is taken against, and the proximal ones (decoupled PPO, else None).
+
+    Without ``prox_logp`` in the batch and with :func:`prox_from_update`, this forward runs on
+    the weights before the update, so its own logprobs (detached) are the proximal policy's.
+    """
+    old = mb["logprobs"].float()
+    prox = mb.get("prox_logp")
+    if prox is None and prox_from_update(cfg):
+        prox = logp.detach().float()
+    if not cfg.use_decoupled_loss:  # classic PPO: the ratio is against the recomputed logprobs, if any
+        return (prox if cfg.recompute_logprob and prox is not None else old), None
+    return old, None if prox is None else prox.float()
 
 
 def _fused_surrogate(cfg: PPOActorConfig, head: LMHeadOutput, logp: torch.Tensor) -> bool:
@@ -180,9 +223,8 @@ def _fused_surrogate(cfg: PPOActorConfig, head: LMHeadOutput, logp: torch.Tensor
     return supported and ppo_loss_backend(head.backend, logp) == "cuda"
 
 
-def _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, prox) -> torch.Tensor:
+def _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox) -> torch.Tensor:
     """Token-mean loss with the surrogate from the fused epilogue and the penalties added in torch."""
-    old = mb["logprobs"].float()
     surrogate, stats = fused_ppo_loss(
         logp, old, mb["advantages"].float(), mask, prox_logprobs=None if prox is None else prox.float(),
         eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_higher, dual_clip=cfg.c_clip,

@@ -37,6 +37,7 @@ from megarl.bridge.transport_sharded import ShardedSender
 from megarl.bridge.wiring import Wiring, make_wiring, trainer_join
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.bridge import WeightUpdateConfig
+from megarl.utils.hardware import concrete_dtype
 from megarl.utils.network import find_free_ports, gethostip
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class WeightBridge:
         self.config, self.desc, self.hf_shapes = config, desc, hf_shapes
         self.trainer, self.coords, self.group = trainer, coords, group
         self.source_dir, self.device = source_dir, torch.device(device)
-        self.dtype = wire_dtype(config.dtype)
+        self.dtype = wire_dtype(concrete_dtype(config.dtype, self.device.type))
         self.bucket_numel = config.bucket_bytes(self.device.type == "cuda") // self.dtype.itemsize
         self.servers: list[ServerControl] = []
         self.plan: TransferPlan | None = None
@@ -187,7 +188,7 @@ class WeightBridge:
             specs[str(rank)] = {m: receiver_spec(self.plan, worker, m, self.bucket_numel, wiring.sender_ranks)
                                 for m in modes if m != "disk"}  # fmt: skip
         return {"wiring": wiring.to_json(), "worker_offset": self.plan.worker_index(server, 0), "specs": specs,
-                "dtype": self.config.dtype, "timeout": self.config.update_timeout, "stage": self.config.stage}  # fmt: skip
+                "dtype": str(self.dtype).removeprefix("torch."), "timeout": self.config.update_timeout, "stage": self.config.stage}  # fmt: skip
 
     def _build_senders(self, bsched, ssched, broadcast, sharded, wiring, backend) -> None:
         self.senders = {"disk": DiskSender(self.plan, bsched, self.coords, self.dtype, self.source_dir, self.group)}

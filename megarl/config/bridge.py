@@ -20,8 +20,8 @@ class WeightUpdateConfig:
     """Other modes to wire at connection time, so one run can switch between them (benchmarks)."""
     bucket_mb: float | None = None
     """Bucket size in MiB; None: 1024 on GPU, 64 on CPU (gloo)."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Dtype on the wire (and of disk checkpoints); match the servers' dtype."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype on the wire (and of disk checkpoints); ``auto`` is the servers' dtype."""
     stage: bool = True
     """vLLM: receive a whole update before applying it, so a failure mid-transfer leaves the old
     weights in place (costs 1 / TP of the model in memory per worker in sharded mode, the whole

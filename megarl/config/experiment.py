@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import types
@@ -25,6 +26,8 @@ from megarl.config.run import (
     StatsLoggerConfig,
 )
 from megarl.config.train import PPOActorConfig, TrainEngineConfig
+
+logger = logging.getLogger("megarl.config")
 
 # Names megarl resolves without a hub, known here so a config is checked before anything is
 # provisioned or loaded. They mirror megarl.models.provision (KNOWN_MODELS, ALIASES) and
@@ -158,6 +161,55 @@ class GRPOConfig(BaseExperimentConfig):
         if self.ref is not None:
             require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
 
+    def resolve_auto(self) -> None:
+        """Turn every ``dtype: auto`` into this machine's choice, once, and log it in one line.
+
+        Trainer (actor, ref), servers and wire get one dtype: the hardware's
+        (:func:`megarl.utils.hardware.auto_dtype`); the wire follows the servers. A saved config
+        holds the concrete dtypes, so the processes a launcher starts never decide again.
+        An explicit bfloat16 on a CPU without native bf16 is kept, with a warning.
+        """
+        from megarl.utils.hardware import auto_dtype
+
+        device = self.device
+        chosen, why = auto_dtype(device)
+        server = self.sglang if self.allocation_mode.startswith("sglang") else self.vllm
+        engines = [("actor.dtype", self.actor)] + ([("ref.dtype", self.ref)] if self.ref is not None else [])
+        resolved = [key for key, cfg in engines if cfg.dtype == "auto"]
+        for _, cfg in engines:
+            cfg.dtype = chosen if cfg.dtype == "auto" else cfg.dtype
+        if server.dtype == "auto":
+            resolved.append(f"{'sglang' if server is self.sglang else 'vllm'}.dtype")
+            server.dtype = chosen if server is self.vllm else "bfloat16"
+        if self.weight_update.dtype == "auto":
+            resolved.append("weight_update.dtype")
+            self.weight_update.dtype = server.dtype
+        if resolved and _is_rank0():
+            logger.info("dtype %s for %s (auto on %s: %s)", chosen, ", ".join(resolved), device, why)
+        forced = [k for k, v in self.dtypes().items() if v == "bfloat16" and k not in resolved]
+        if device == "cpu" and chosen != "bfloat16" and forced and _is_rank0():
+            logger.warning("%s set to bfloat16 on a CPU without native bf16 (%s); 'auto' picks %s",
+                           ", ".join(forced), why, chosen)  # fmt: skip
+
+    def dtypes(self) -> dict[str, str]:
+        """Every dtype of the run by key: trainer, servers, wire."""
+        server_key = "sglang.dtype" if self.allocation_mode.startswith("sglang") else "vllm.dtype"
+        out = {"actor.dtype": self.actor.dtype}
+        if self.ref is not None:
+            out["ref.dtype"] = self.ref.dtype
+        out[server_key] = (self.sglang if server_key.startswith("sglang") else self.vllm).dtype
+        out["weight_update.dtype"] = self.weight_update.dtype
+        return out
+
+    @property
+    def device(self) -> str:
+        """``cpu`` or ``cuda``: ``cluster.device``, where ``auto`` asks torch whether CUDA is there."""
+        if self.cluster.device != "auto":
+            return self.cluster.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def _check_batching(self, alloc: AllocationMode) -> None:
         dp = alloc.train.dp
         bs = self.train_dataset.batch_size
@@ -238,6 +290,11 @@ class GRPOConfig(BaseExperimentConfig):
                     f"{prompt + new} tokens (the server rejects longer requests)"
                 )
             require((prompt or 1) + new <= context, context_key, context, why)
+
+
+def _is_rank0() -> bool:
+    """Whether this process logs for the run: not a trainer rank other than 0."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")

@@ -5,7 +5,8 @@
 Layers, later winning: the dataclass defaults, each ``--config`` file in order (so a
 parallel-strategy preset can follow an experiment file), then the overrides. The
 merge is an OmegaConf structured config, so a misspelled key or a value of the
-wrong type fails with its full key path; then every config's ``check()`` runs.
+wrong type fails with its full key path; then every config's ``check()`` runs, and the
+experiment's ``resolve_auto()`` (if it has one) makes machine-dependent values concrete.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def build_config(config_cls: type[T], files: list[str], overrides: list[str]) ->
     except OmegaConfBaseException as err:
         raise _config_error(err, "the merged config") from None
     validate_tree(config)
+    resolve_auto = getattr(config, "resolve_auto", None)
+    if resolve_auto is not None:  # e.g. GRPOConfig: ``dtype: auto`` -> this machine's dtype
+        resolve_auto()
     return config
 
 

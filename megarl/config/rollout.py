@@ -134,8 +134,9 @@ class InferenceEngineConfig:
 class VLLMConfig:
     """Options of ``python -m vllm.entrypoints.openai.api_server`` (one server per replica)."""
 
-    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
-    """Weights and activations dtype of the server."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weights and activations dtype of the server. ``auto`` is megarl's hardware choice (bfloat16 on
+    CUDA and on CPUs with native bf16, float32 elsewhere), not vLLM's "dtype of the checkpoint"."""
     max_model_len: int = 2048
     """Context length (prompt + generation) the server accepts."""
     gpu_memory_utilization: float = 0.85
@@ -169,8 +170,8 @@ class VLLMConfig:
 class SGLangConfig:
     """Options of ``python -m sglang.launch_server`` (one server per replica; CUDA only)."""
 
-    dtype: Literal["bfloat16", "float16", "auto"] = "bfloat16"
-    """Weights and activations dtype of the server."""
+    dtype: Literal["auto", "bfloat16", "float16"] = "auto"
+    """Weights and activations dtype of the server; ``auto`` is bfloat16 (SGLang serves on CUDA only)."""
     context_length: int = 2048
     """Context length (prompt + generation) the server accepts."""
     mem_fraction_static: float = 0.8

@@ -7,7 +7,7 @@ from typing import Literal
 
 from megarl.config.base import require
 
-DType = Literal["bfloat16", "float16", "float32"]
+DType = Literal["auto", "bfloat16", "float16", "float32"]
 
 
 @dataclass
@@ -98,8 +98,9 @@ class TrainEngineConfig:
     """HF model directory, or a short name provisioned by ``megarl.models`` (``smollm2-135m-instruct``).
     Hub ids are not downloaded; the config check rejects a path that is neither (see
     ``megarl.config.experiment.model_path_problem``)."""
-    dtype: DType = "bfloat16"
-    """Parameter dtype (fp32 main grads and optimizer state either way)."""
+    dtype: DType = "auto"
+    """Parameter dtype (fp32 main grads and optimizer state either way). ``auto``: bfloat16 on CUDA
+    and on CPUs with native bf16 (AVX-512 BF16 / AMX), float32 elsewhere (``megarl.utils.hardware``)."""
     init_from_scratch: bool = False
     """Random initialisation instead of loading the HF weights (tests, benchmarks)."""
     gradient_checkpointing: bool = False

@@ -43,7 +43,7 @@ import psutil
 from megarl.config.experiment import GRPOConfig
 from megarl.config.loader import save_config
 from megarl.launcher.placement import Placement, plan_placement
-from megarl.launcher.serve import device_type, server_spec
+from megarl.launcher.serve import server_spec
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.utils.network import find_free_ports
 from megarl.utils.process import cancel_kill_on_exit, kill_on_exit, terminate_process_tree
@@ -148,7 +148,7 @@ def _on_this_machine(config: GRPOConfig, plan: Placement) -> Placement:
     megarl run ...`` or ``taskset -c 8-15 megarl run ...`` keeps the run inside them.
     On CPU the trainer's slots are not bound to cores and stay as they are.
     """
-    cuda = device_type(config) == "cuda"
+    cuda = config.device == "cuda"
     visible, kind = (_visible_gpus(), "GPUs") if cuda else (sorted(os.sched_getaffinity(0)), "CPU cores")
 
     def physical(ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -356,7 +356,7 @@ def trainer_env(config: GRPOConfig, plan: Placement, addrs: list[str]) -> dict[s
     """The trainer's environment: ``launcher.env``, server addresses, its devices or threads."""
     env = {**os.environ, **config.launcher.env, "PYTHONUNBUFFERED": "1"}
     env[config.rollout.server_addrs_env] = ",".join(addrs)
-    if device_type(config) == "cuda":
+    if config.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, plan.trainer_devices))
     elif "OMP_NUM_THREADS" not in env:
         # Servers are bound to their cores (vllm_launch_spec); ranks share the others.

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
 from megarl.config.experiment import GRPOConfig
 from megarl.models import resolve_model_path
 from megarl.rollout.server import InferenceServer, LaunchSpec
@@ -22,13 +20,6 @@ from megarl.rollout.vllm import vllm_launch_spec
 from megarl.utils.network import format_host_port, gethostip
 
 logger = logging.getLogger(__name__)
-
-
-def device_type(config: GRPOConfig) -> str:
-    """``cpu`` or ``cuda`` for this run (``auto`` asks torch)."""
-    if config.cluster.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return config.cluster.device
 
 
 def server_spec(config: GRPOConfig, index: int, devices: list[int], host: str, port: int) -> LaunchSpec:
@@ -44,7 +35,7 @@ def server_spec(config: GRPOConfig, index: int, devices: list[int], host: str, p
     if inference.backend == "vllm":
         return vllm_launch_spec(
             config.vllm, model, host, port, tp=inference.tp, devices=devices,
-            device_type=device_type(config), replica=index,
+            device_type=config.device, replica=index,
         )  # fmt: skip
     return sglang_launch_spec(config.sglang, model, host, port, tp=inference.tp, devices=devices, replica=index)
 

@@ -18,6 +18,7 @@ from megarl.config.rollout import GenerationHyperparameters, SGLangConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
+from megarl.utils.hardware import concrete_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -104,7 +105,7 @@ def sglang_launch_spec(
         "--tp-size",
         str(tp),
         "--dtype",
-        config.dtype,
+        concrete_dtype(config.dtype, "cuda"),
         "--context-length",
         str(config.context_length),
         "--mem-fraction-static",

@@ -27,6 +27,7 @@ from megarl.config.rollout import GenerationHyperparameters, VLLMConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
+from megarl.utils.hardware import concrete_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -148,7 +149,7 @@ def vllm_launch_spec(
         "--port",
         str(port),
         "--dtype",
-        config.dtype,
+        concrete_dtype(config.dtype, device_type),
         "--max-model-len",
         str(config.max_model_len),
         "--max-num-seqs",

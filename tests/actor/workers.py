@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from megarl.config.train import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from megarl.config.train import MicroBatchSpec, OptimizerConfig, PPOActorConfig, TrainEngineConfig
+from megarl.utils import stats_tracker
 
 
 def make_batch(lengths: list[int], seed: int = 0, vocab: int = 49152, pad_to: int | None = None) -> dict:
@@ -167,7 +170,6 @@ def checkpoint_load_then_train(model_dir: str, alloc: str, batches: list, ckpt_d
 def ppo_actor_step(model_dir: str, alloc: str, batch: dict, **overrides) -> dict:
     """compute_logp → compute_advantages → ppo_update of MegatronPPOActor on this rank's DP share."""
     from megarl.actor.ppo import MegatronPPOActor
-    from megarl.config.train import PPOActorConfig
 
     cfg = PPOActorConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, 2), group_size=2,
                          ppo_n_minibatches=2, optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=False))  # fmt: skip
@@ -182,3 +184,30 @@ def ppo_actor_step(model_dir: str, alloc: str, batch: dict, **overrides) -> dict
     actor.compute_advantages(data)
     stats = actor.ppo_update(data)
     return {"stats": stats, "data": data, "logp_after": actor.compute_logp(data), "dp_rank": p.dp_rank}
+
+
+def prox_paths(model_dir: str, batch: dict, **overrides) -> dict:
+    """Loss and gradients of one PPO update with the proximal logprobs from a pass of their own vs
+    from the update's forward (``needs_prox_pass`` False): same weights, same batch."""
+    from megarl.actor.ppo import MegatronPPOActor, ppo_loss, ppo_loss_weight
+
+    cfg = PPOActorConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, 2), group_size=2,
+                         ppo_n_minibatches=1, optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=False))  # fmt: skip
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    actor = MegatronPPOActor(cfg)
+    actor.create_process_group("d1p1t1")
+    actor.initialize()
+    loss_fn = partial(ppo_loss, cfg=cfg, norm_len=batch["attention_mask"].shape[1])
+    weight_fn = partial(ppo_loss_weight, mode=cfg.loss_agg_mode)
+    out = {"needs_prox_pass": actor.needs_prox_pass()}
+    for name, separate in (("separate", True), ("from_update", False)):
+        data = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        if separate:
+            data["prox_logp"] = actor.compute_logp(data)
+        actor.compute_advantages(data)
+        with stats_tracker.scope(name):
+            stats = actor.forward_backward(data, loss_fn, weight_fn)
+        grads = torch.cat([p.main_grad.flatten().clone() for chunk in actor.model for p in chunk.parameters()])
+        out[name] = {"loss": stats["loss"], "grads": grads, "stats": stats_tracker.export()}
+    return out
