@@ -180,7 +180,8 @@ class GRPOConfig(BaseExperimentConfig):
             cfg.dtype = chosen if cfg.dtype == "auto" else cfg.dtype
         if server.dtype == "auto":
             resolved.append(f"{'sglang' if server is self.sglang else 'vllm'}.dtype")
-            server.dtype = chosen if server is self.vllm else "bfloat16"
+        self.vllm.dtype = chosen if self.vllm.dtype == "auto" else self.vllm.dtype
+        self.sglang.dtype = "bfloat16" if self.sglang.dtype == "auto" else self.sglang.dtype  # CUDA only
         if self.weight_update.dtype == "auto":
             resolved.append("weight_update.dtype")
             self.weight_update.dtype = server.dtype

@@ -181,7 +181,7 @@ def e2e_sync(model_dir: str, alloc: str, servers: list, modes: list[str], disk_d
     from tests.actor.workers import engine_config, make_batch
 
     optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
-    engine = MegatronEngine(engine_config(model_dir, dtype="bfloat16", optimizer=optimizer))
+    engine = MegatronEngine(engine_config(model_dir, dtype="auto", optimizer=optimizer))
     engine.create_process_group(alloc)
     engine.initialize()
     config = WeightUpdateConfig(mode=modes[0], extra_modes=list(modes[1:]), disk_path=disk_dir, bucket_mb=1,
@@ -215,7 +215,7 @@ def e2e_modes_same_weights(model_dir: str, alloc: str, servers: list, modes: lis
     from tests.actor.workers import engine_config, make_batch
 
     optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
-    engine = MegatronEngine(engine_config(model_dir, dtype="bfloat16", optimizer=optimizer))
+    engine = MegatronEngine(engine_config(model_dir, dtype="auto", optimizer=optimizer))
     engine.create_process_group(alloc)
     engine.initialize()
     config = WeightUpdateConfig(mode=modes[0], extra_modes=list(modes[1:]), disk_path=disk_dir, bucket_mb=1,
@@ -252,7 +252,7 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
     from tests.actor.workers import engine_config, make_batch
 
     optimizer = OptimizerConfig(lr=1e-2, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
-    engine = MegatronEngine(engine_config(model_dir, dtype="bfloat16", optimizer=optimizer))
+    engine = MegatronEngine(engine_config(model_dir, dtype="auto", optimizer=optimizer))
     engine.create_process_group("megatron:d1p1t1")
     engine.initialize()
     rollout = RemoteInferenceEngine(InferenceEngineConfig(request_timeout=120, setup_timeout=60,

@@ -91,7 +91,7 @@ def vllm_server(vllm_model_dir, tmp_path_factory):
         yield InferenceServer(LaunchSpec(cmd=[], host=host, port=port), name="vllm-reused")
         return
     port = find_free_ports(1)[0]
-    config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=64, dtype="bfloat16")
+    config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=64)  # dtype auto: fp32 without native bf16
     spec = vllm_launch_spec(config, str(vllm_model_dir), "127.0.0.1", port)
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     server = InferenceServer(spec, log, name="vllm-tp1").start()

@@ -21,6 +21,7 @@ from megarl.rollout import (
     resolve_server_addrs,
     vllm_launch_spec,
 )
+from megarl.utils.hardware import auto_dtype
 from megarl.utils.network import find_free_ports
 
 
@@ -32,7 +33,7 @@ def test_vllm_command_tp1_cpu():
         "--model /m",
         "--port 8000",
         "--max-model-len 512",
-        "--dtype bfloat16",
+        f"--dtype {auto_dtype('cpu')[0]}",  # dtype auto: this machine's choice
         "--enforce-eager",
         "--logprobs-mode processed_logprobs",
         "--swap-space 1",
