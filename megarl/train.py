@@ -21,15 +21,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
-
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.bridge.update import WeightUpdateMeta
@@ -41,10 +40,13 @@ from megarl.models import resolve_model_path
 from megarl.rollout import RemoteInferenceEngine
 from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
 from megarl.utils import stats_tracker
+from megarl.utils.console import Console, Progress, open_console
 from megarl.utils.evaluator import Evaluator, pass_at_1
+from megarl.utils.memory import PeakRSS
 from megarl.utils.recover import RecoverHandler, RecoverInfo
 from megarl.utils.saver import Saver
 from megarl.utils.stats_logger import StatsLogger
+from megarl.utils.threads import TrainerThreads
 from megarl.workflow.rlvr import RLVRWorkflow
 
 logger = logging.getLogger("megarl.train")
@@ -69,7 +71,11 @@ class Trainer:
     saver: Saver
     evaluator: Evaluator
     recover: RecoverHandler
+    threads: TrainerThreads
+    console: Console = field(default_factory=lambda: Console(None))
+    memory: PeakRSS = field(default_factory=PeakRSS)
     stats_logger: StatsLogger | None = None
+    progress: Progress | None = None
 
     def position(self, global_step: int) -> tuple[int, int]:
         """(epoch, step within the epoch) of ``global_step``."""
@@ -79,19 +85,19 @@ class Trainer:
 def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     """One asynchronous RL step; returns its stats (exact over all ranks)."""
     cfg = t.config
-    with stats_tracker.record_timing("rollout"), rollout_bar(t) as progress:
+    with stats_tracker.record_timing("rollout"), t.memory.peak("rollout"), rollout_bar(t) as progress:
         batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, should_accept_fn(cfg.dynamic_filter), progress)
     if t.actor.needs_prox_pass():  # else ppo_update's own forward gives them
-        with stats_tracker.record_timing("recompute_logp"):
+        with phase(t, "recompute_logp"):
             batch["prox_logp"] = t.actor.compute_logp(batch)
     if t.ref is not None:
-        with stats_tracker.record_timing("ref_logp"):
+        with phase(t, "ref_logp"):
             batch["ref_logp"] = t.ref.compute_logp(batch, cfg.actor.temperature)
     t.actor.compute_advantages(batch)
-    with stats_tracker.record_timing("train_step"):
+    with phase(t, "train_step"):
         ppo_stats = t.actor.ppo_update(batch)
         t.actor.step_lr_scheduler()
-    with stats_tracker.record_timing("update_weights"):
+    with phase(t, "update_weights", servers_paused=True):
         sync_stats = t.actor.update_weights(replace(t.weight_meta, version=global_step + 1))
     record_batch_stats(batch, sync_stats)
     epoch, epoch_step = t.position(global_step)
@@ -106,14 +112,34 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
 
 
 @contextlib.contextmanager
+def phase(t: Trainer, name: str, servers_paused: bool = False):
+    """A trainer phase of the step: its wall time and peak RSS in the stats, on every core if the servers idle."""
+    with stats_tracker.record_timing(name), t.memory.peak(name), t.threads.phase(servers_paused):
+        yield
+
+
+@contextlib.contextmanager
 def rollout_bar(t: Trainer):
-    """A progress bar of accepted episodes while rank 0 waits for its batch; yields its update callback."""
-    if t.rollout is None or dist.get_rank() != 0:
+    """Accepted groups of the batch rank 0 waits for, shown beside the run's bar; yields the update callback."""
+    if t.rollout is None or t.progress is None:
         yield None
         return
     total = t.config.train_dataset.batch_size // t.coordinator.layout.dp_size
-    with tqdm(total=total, desc="rollout", unit="group", leave=False, dynamic_ncols=True) as bar:
-        yield lambda n: bar.update(n - bar.n)
+    t.progress.status(f"rollout 0/{total} groups")
+    yield lambda n: t.progress.status(f"rollout {n}/{total} groups")
+    t.progress.status("training")
+
+
+def step_line(global_step: int, total_steps: int, stats: dict[str, float]) -> str:
+    """The console's line for a step: reward, evaluation, where the time went."""
+    timing = [(label, stats.get(f"timeperf/{key}")) for label, key in
+              (("rollout", "rollout"), ("logp", "recompute_logp"), ("train", "train_step"), ("sync", "update_weights"))]  # fmt: skip
+    parts = [f"step {global_step + 1}/{total_steps}", f"reward {stats.get('batch/reward/avg', float('nan')):.3f}"]
+    if "eval/pass@1" in stats:
+        parts.append(f"pass@1 {stats['eval/pass@1']:.3f}")
+    spent = " ".join(f"{label} {seconds:.1f}" for label, seconds in timing if seconds is not None)
+    parts.append(f"{stats.get('timeperf/step', 0.0):.1f} s ({spent})")
+    return "  ".join(parts)
 
 
 def should_accept_fn(dynamic_filter: str):
@@ -203,6 +229,8 @@ def build(config: GRPOConfig) -> Trainer:
         saver=Saver(config.saver, config.run_dir, steps_per_epoch),
         evaluator=Evaluator(config.evaluator, steps_per_epoch),
         recover=RecoverHandler(config.recover, config.run_dir),
+        threads=TrainerThreads.for_this_rank(config.cluster.cpu_threads, config.device == "cpu",
+                                             rollout.pool_idle if rollout is not None else None),
     )  # fmt: skip
 
 
@@ -285,16 +313,18 @@ def train(t: Trainer) -> dict[str, float]:
     rank0 = dist.get_rank() == 0
     t.stats_logger = StatsLogger(t.config.stats_logger, t.config.run_dir, exp_config=to_container(t.config),
                                  rank=dist.get_rank(), start_step=start)  # fmt: skip
-    bar = tqdm(total=t.total_steps, initial=start, desc="train", unit="step", disable=not rank0, dynamic_ncols=True)
+    t.progress = t.console.progress(t.total_steps, initial=start) if rank0 else None
     for global_step in range(start, t.total_steps):
         step_start = time.perf_counter()
         stats = rl_step(t, global_step)
         stats["timeperf/step"] = time.perf_counter() - step_start
         epoch, epoch_step = t.position(global_step)
         t.stats_logger.commit(epoch, epoch_step, global_step, stats)
-        bar.set_postfix(reward=f"{stats.get('batch/reward/avg', float('nan')):.3f}")
-        bar.update(1)
-    bar.close()
+        if t.progress is not None:
+            t.progress.write(step_line(global_step, t.total_steps, stats))
+            t.progress.advance()
+    if t.progress is not None:
+        t.progress.close()
     epoch, epoch_step = t.position(t.total_steps - 1)
     t.saver.maybe_save(t.actor, epoch, epoch_step, t.total_steps - 1, force=True)
     summary = t.stats_logger.summary() if rank0 else {}
@@ -312,11 +342,12 @@ def close(t: Trainer) -> None:
     t.actor.destroy()
 
 
-def print_summary(config: GRPOConfig, summary: dict, seconds: float) -> None:
-    print(f"\nmegarl: finished {config.experiment_name}/{config.trial_name} in {seconds / 60:.1f} min", flush=True)
+def print_summary(console: Console, config: GRPOConfig, summary: dict, seconds: float) -> None:
+    console.line(f"megarl: finished {config.experiment_name}/{config.trial_name} in {seconds / 60:.1f} min")
     for key, values in summary.items():
-        print(f"  {key}: {values}", flush=True)
-    print(f"  metrics: {config.run_dir / 'metrics.jsonl'}\n  plot: {config.run_dir / 'curves.png'}", flush=True)
+        console.line(f"  {key}: " + ", ".join(f"{name} {value:.4g}" for name, value in values.items()))
+    console.line(f"  metrics: {config.run_dir / 'metrics.jsonl'}\n  plot: {config.run_dir / 'curves.png'}")
+    console.line(f"  logs: {config.run_dir / 'logs'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,8 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         raise SystemExit(f"megarl.train: unexpected arguments {rest}; overrides are key.path=value")
     discover_ranks()  # under mpirun: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI (torchrun sets them itself)
+    rank = int(os.environ.get("RANK", "0"))
+    console = open_console(config.run_dir / "logs" / "trainer.log", rank, config.launcher.verbose)
     start = time.time()
     trainer = build(config)
+    trainer.console = console
+    logger.info("trainer rank %d: %s", rank, trainer.threads.describe())
     if dist.get_rank() == 0:
         save_config(config)
     try:
@@ -334,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         close(trainer)
     if dist.get_rank() == 0:
-        print_summary(config, summary, time.time() - start)
+        print_summary(console, config, summary, time.time() - start)
     return 0
 
 

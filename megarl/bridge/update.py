@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -86,6 +87,7 @@ class WeightSync:
                                    source_dir=engine.model_path, device=device)  # fmt: skip
         self.probe: list[list[int]] = []
         self.unhealthy: set[str] = set()
+        self.n_updates = 0
 
     def connect(self) -> None:
         """Form the groups (collective), then sample the consistency probe from the first server."""
@@ -114,9 +116,11 @@ class WeightSync:
             raise WeightBridgeError(f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
                                     f"{report.sender_errors}; failed servers keep their old weights or are out of "
                                     "rotation")  # fmt: skip
-        probe_start = time.perf_counter()
-        stats.update(self.check_consistency())
-        stats["probe_seconds"] = time.perf_counter() - probe_start
+        if self.n_updates % self.config.probe_every == 0:
+            probe_start = time.perf_counter()
+            stats.update(self.check_consistency())
+            stats["probe_seconds"] = time.perf_counter() - probe_start
+        self.n_updates += 1
         return stats
 
     def _pause(self) -> None:
@@ -147,10 +151,13 @@ class WeightSync:
         """Probe logprobs: trainer vs every updated server; ConsistencyError above the threshold."""
         if not self.probe:
             return {}
-        ours = trainer_scores(self.engine, self.probe)
-        theirs = None
-        if self.bridge.is_driver:
-            theirs = {s.address: s.score(self.probe) for s in self.bridge.servers if s.address not in self.unhealthy}
+        with ThreadPoolExecutor(max_workers=8) as pool:  # servers score while the trainer does
+            futures = {}
+            if self.bridge.is_driver:
+                futures = {s.address: pool.submit(s.score, self.probe) for s in self.bridge.servers
+                           if s.address not in self.unhealthy}  # fmt: skip
+            ours = trainer_scores(self.engine, self.probe)
+            theirs = {address: future.result() for address, future in futures.items()} if self.bridge.is_driver else None
         report = compare(ours, self.bridge.broadcast_object(theirs), self.config.consistency_threshold)
         logger.info("weight sync consistency: max |dlogp| %.4g, mean %.4g", report.max_abs, report.mean_abs)
         if not report.ok:

@@ -44,6 +44,10 @@ class WeightUpdateConfig:
     """Probe: trajectories sampled from the servers once, then scored by trainer and servers after each update."""
     probe_tokens: int = 32
     """Probe: tokens generated per probe trajectory."""
+    probe_every: int = 4
+    """Probe after every this many updates (the first update of a trainer process always), so that
+    it costs little of a step (``benchmarks/e2e_step.py`` reports its share); its metrics are logged
+    at every probe. 1 probes every update."""
 
     def check(self) -> None:
         modes = ("broadcast", "sharded", "disk")
@@ -57,6 +61,7 @@ class WeightUpdateConfig:
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
         require(self.probe_sequences >= 0, "probe_sequences", self.probe_sequences, "must be >= 0")
         require(self.probe_tokens >= 2, "probe_tokens", self.probe_tokens, "must be >= 2")
+        require(self.probe_every >= 1, "probe_every", self.probe_every, "must be >= 1 (updates between probes)")
 
     @property
     def modes(self) -> tuple[str, ...]:

@@ -20,6 +20,13 @@ class ClusterConfig:
     """Root of every run's outputs: ``{fileroot}/{experiment_name}/{trial_name}/``."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where the trainer runs; ``auto`` is CUDA when available, else CPU (gloo)."""
+    cpu_threads: Literal["elastic", "static"] = "elastic"
+    """CPU only, the trainer's intra-op threads. ``static``: the cores no server is bound to
+    (``OMP_NUM_THREADS``), always. ``elastic``: that share while servers generate, and every core
+    of the machine (split among the local ranks) in the phases where they have no work: the
+    weight sync (servers paused) and a recompute or update that starts with no episode running
+    (synchronous RL, or the pool already at its staleness bound). ``benchmarks/e2e_step.py``
+    measures both."""
 
     def check(self) -> None:
         require(self.n_nodes >= 1, "n_nodes", self.n_nodes, "must be >= 1")
@@ -147,7 +154,7 @@ class StatsLoggerConfig:
     """Where the exported ``stats_tracker`` values go (rank 0 only)."""
 
     console: bool = True
-    """Print a table of stats at each step."""
+    """Log a table of every stat at each step (to ``logs/trainer.log``; on the console with ``launcher.verbose``)."""
     wandb: WandBConfig = field(default_factory=WandBConfig)
     """Weights & Biases."""
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
@@ -203,6 +210,10 @@ class LauncherConfig:
     """Trainer entry: a module (``pkg.mod``, run with ``torchrun -m``) or a ``.py`` script path."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of every server and trainer process."""
+    verbose: bool = False
+    """Print every process's whole output on the console (servers, libraries, per-step stats tables).
+    Off: a few start-up lines, one progress bar, a line per step and the summary; the rest is in
+    ``{run_dir}/logs/`` (``trainer.log``, ``server-N.log``, ``launcher.log``) either way."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """Slurm specifics."""
 

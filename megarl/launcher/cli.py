@@ -107,11 +107,14 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         args.config, args.overrides = [first, *args.config], args.overrides[1:]
     config = _load(args)  # every config error before any process starts
 
-    from megarl.launcher.local import run_local
+    from megarl.launcher.local import check_local, run_local
     from megarl.rollout.server import ServerLaunchError
     from megarl.utils.logging import setup_logging
 
-    setup_logging("INFO")
+    check_local(config)  # placement errors too before anything is written
+    log_file = config.run_dir / "logs" / "launcher.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    setup_logging("INFO", log_file=str(log_file), console_level="INFO" if config.launcher.verbose else "WARNING")
     err = Console(stderr=True, soft_wrap=True)
     try:
         return run_local(config, out=sys.stdout)

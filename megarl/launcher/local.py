@@ -23,6 +23,7 @@ process tree is stopped before :func:`run_local` returns.
 
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import logging
 import os
@@ -45,6 +46,8 @@ from megarl.config.loader import save_config
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
+from megarl.utils.console import CONSOLE_TTY_ENV
+from megarl.utils.hardware import auto_dtype
 from megarl.utils.network import find_free_ports
 from megarl.utils.process import cancel_kill_on_exit, kill_on_exit, terminate_process_tree
 
@@ -60,18 +63,68 @@ _TAG_ENV = "MEGARL_LAUNCH_TAG"  # marks every process of one launched child, see
 
 
 class OutputRelay:
-    """Writes children's output lines to one stream, each whole and prefixed ``[name]``."""
+    """Writes children's output to one stream: lines whole and prefixed ``[name]``, or passed through.
 
-    def __init__(self, out: TextIO):
+    ``verbose`` relays every process's whole output as prefixed lines (the servers' logs
+    too). Otherwise only what the trainer prints to its console (:mod:`megarl.utils.console`)
+    reaches ``out``, unprefixed: byte for byte on a terminal, so its progress bar redraws in
+    place; elsewhere as lines, carriage returns ending them too.
+    """
+
+    def __init__(self, out: TextIO, verbose: bool = True):
         self._out = out
+        self.verbose = verbose
+        self.tty = hasattr(out, "isatty") and out.isatty()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self._mid_line = False
 
     def line(self, name: str, text: str) -> None:
         with self._lock:
-            self._out.write(f"[{name}] {text}\n")
-            self._out.flush()
+            self._write(f"[{name}] {text}\n" if self.verbose else text + "\n")
+
+    def _write(self, text: str) -> None:
+        if self._mid_line and not self.tty:
+            text = "\n" + text
+        self._out.write(text)
+        self._out.flush()
+        self._mid_line = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        """Finish a line the trainer left open (its bar), so that what follows starts on its own."""
+        with self._lock:
+            if self._mid_line:
+                self._out.write("\n")
+                self._out.flush()
+                self._mid_line = False
+
+    def console(self, name: str, stream: IO[bytes], log: IO[bytes]) -> threading.Thread:
+        """Relay the trainer's console output (until EOF), see the class docstring; its lines go to ``log`` too."""
+
+        def pump() -> None:
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            pending = ""
+            while chunk := stream.read1(65536):
+                text = decoder.decode(chunk)
+                *lines, pending = (pending + text).split("\n")
+                # a line is what its last carriage return left (a bar's final state), blank ones are dropped
+                lines = [line.rsplit("\r", 1)[-1] for line in lines]
+                lines = [line + "\n" for line in lines if line.strip()]
+                log.write("".join(lines).encode())
+                log.flush()
+                if not self.tty:  # whole lines only, bars too: a carriage return ends one
+                    text = "".join(lines)
+                    *bar_frames, pending = pending.split("\r")
+                    text += "".join(frame + "\n" for frame in bar_frames if frame.strip())
+                if text:
+                    with self._lock:
+                        self._write(text)
+            if pending.strip():
+                log.write(pending.encode() + b"\n")
+                self.line(name, pending)
+
+        return self._spawn(pump, name)
 
     def pipe(self, name: str, stream: IO[bytes], log: IO[bytes]) -> threading.Thread:
         """Relay ``stream`` (until EOF) to the console and to ``log``."""
@@ -214,7 +267,8 @@ def running_servers(config: GRPOConfig, specs: list[LaunchSpec], relay: OutputRe
     ]
     try:
         for server in servers:
-            relay.follow(server.name, server.log_path)
+            if relay.verbose:
+                relay.follow(server.name, server.log_path)
             server.start()
         _wait_healthy(servers, _startup_timeout(config))
         logger.info("servers healthy: %s", ",".join(s.address for s in servers))
@@ -325,7 +379,7 @@ def _stop_leftovers(pgid: int, mark: _Mark) -> None:
     for sig, wait in ((signal.SIGTERM, _ORPHAN_GRACE_S), (signal.SIGKILL, _KILL_WAIT_S)):
         if not procs:
             return
-        logger.warning("sending %s to pids %s, left behind by a stopped process", sig.name, [p.pid for p in procs])
+        logger.info("sending %s to pids %s, left behind by a stopped process", sig.name, [p.pid for p in procs])
         for proc in procs:
             try:
                 proc.send_signal(sig)  # psutil refuses a pid reused meanwhile
@@ -375,6 +429,7 @@ def run_trainer(
     """
     cmd = trainer_command(config, config_file, plan)
     env = trainer_env(config, plan, [s.address for s in servers])
+    env[CONSOLE_TTY_ENV] = "1" if relay.tty else "0"  # the trainer's bar draws for our console
     retries = config.recover.retries if config.recover.mode == "auto" else 0
     log_path = config.run_dir / "logs" / "trainer.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -386,12 +441,19 @@ def run_trainer(
             if code == 0:
                 logger.info("trainer finished")
                 return 0
+            relay.end_line()
             if attempt < retries:
                 logger.warning(
                     "trainer exited with status %d; restarting it (restart %d of %d)", code, attempt + 1, retries
                 )
-    logger.error("trainer exited with status %d", code)
+    logger.error("trainer exited with status %d; last lines of %s:\n%s", code, log_path, _tail(log_path))
     return code
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+        return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
 
 
 def _run_trainer_once(
@@ -399,12 +461,14 @@ def _run_trainer_once(
 ) -> int:
     logger.info("starting trainer: %s", " ".join(cmd))
     mark = _Mark.new()
+    # not verbose: the ranks write their own output to the log and only their console lines
+    # to stdout; torchrun's own messages (stderr) go to the log
     proc = subprocess.Popen(
-        cmd, env={**env, **mark.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cmd, env={**env, **mark.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if relay.verbose else log,
         stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     kill_on_exit(proc)
-    pump = relay.pipe("trainer", proc.stdout, log)
+    pump = relay.pipe("trainer", proc.stdout, log) if relay.verbose else relay.console("trainer", proc.stdout, log)
     try:
         code = _watch(proc, servers)
     finally:
@@ -473,6 +537,30 @@ def run_local(config: GRPOConfig, config_file: str | Path | None = None, out: Te
     specs = server_specs(config, plan)
     config_file = save_config(config, config_file).resolve()
     logger.info("run dir %s; config %s", config.run_dir.resolve(), config_file)
-    relay = OutputRelay(out if out is not None else sys.stdout)
-    with _sigterm_as_exit(), running_servers(config, specs, relay) as servers:
-        return run_trainer(config, config_file, plan, servers, relay)
+    relay = OutputRelay(out if out is not None else sys.stdout, verbose=config.launcher.verbose)
+    for line in startup_lines(config, plan):
+        relay.line("megarl", line)
+    started = time.monotonic()
+    try:
+        with _sigterm_as_exit(), running_servers(config, specs, relay) as servers:
+            relay.line("megarl", f"servers ready in {time.monotonic() - started:.0f} s; starting the trainer")
+            return run_trainer(config, config_file, plan, servers, relay)
+    finally:
+        relay.end_line()  # an error or "interrupted" starts on a line of its own
+
+
+def startup_lines(config: GRPOConfig, plan: Placement) -> list[str]:
+    """What runs where, in which dtype, on how many threads: the console's first lines."""
+    inference, train = config.allocation.inference, config.allocation.train
+    dtypes = list(config.dtypes().values())  # trainer (actor[, ref]), servers, wire
+    lines = [
+        f"{config.experiment_name}/{config.trial_name}: {inference.dp} {inference.backend} server(s) of TP {inference.tp} "
+        f"+ megatron trainer {train} on {config.device}; logs in {config.run_dir / 'logs'}",
+        f"dtype: trainer {dtypes[0]}, servers {dtypes[-2]}, weight sync {dtypes[-1]} ({auto_dtype(config.device)[1]})",
+    ]
+    if config.device == "cpu":
+        cores = "; ".join(f"server-{s.index} on cores {','.join(map(str, s.devices))}" for s in plan.servers)
+        share = trainer_env(config, plan, [])["OMP_NUM_THREADS"]
+        idle = ", every core while the servers idle" if config.cluster.cpu_threads == "elastic" else ""
+        lines.append(f"threads: {cores}; trainer {share} per rank{idle} (cluster.cpu_threads={config.cluster.cpu_threads})")
+    return lines

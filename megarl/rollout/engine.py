@@ -370,6 +370,10 @@ class RemoteInferenceEngine(InferenceEngine):
             elif isinstance(result, BaseException):
                 raise result
 
+    def pool_idle(self) -> bool:
+        """Whether no episode of the rollout pool is running (the servers have no work from it)."""
+        return self.pool is None or self.pool.idle
+
     def pause(self) -> None:
         """Stop new episodes and abort in-flight generations on every server (they continue after resume)."""
         if self.pool is not None:

@@ -491,6 +491,12 @@ class RolloutPool:
             self._paused = False
         self._wake_loop()
 
+    @property
+    def idle(self) -> bool:
+        """No episode is running: the servers have no work from this pool right now."""
+        with self._cond:
+            return self._n_running == 0
+
     def notify_version(self) -> None:
         """The version changed: capacity may have grown."""
         self._wake_loop()

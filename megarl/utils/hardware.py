@@ -43,7 +43,7 @@ class CPUInfo:
 @functools.cache
 def cpu_info() -> CPUInfo:
     """This machine's CPU (model name, feature flags, cores this process may use)."""
-    model, flags = platform.processor() or "unknown CPU", frozenset()
+    model, flags = f"{platform.machine()} CPU", frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -50,7 +50,7 @@ def _plain_formatter(prefix: str) -> logging.Formatter:
 
 
 def setup_logging(
-    level: str | int = "INFO", rank: int | None = None, log_file: str | None = None
+    level: str | int = "INFO", rank: int | None = None, log_file: str | None = None, console_level: str | int | None = None
 ) -> logging.Logger:
     """Configure the ``megarl`` logger: console output, optional file, rank prefix.
 
@@ -62,6 +62,7 @@ def setup_logging(
         level: Level name ("DEBUG", "INFO", ...) or number.
         rank: When given, every line starts with ``[rank N]``.
         log_file: Also append plain-text records to this file.
+        console_level: Only records at this level or above reach the console (default: ``level``).
 
     Returns:
         The ``megarl`` logger.
@@ -73,6 +74,8 @@ def setup_logging(
         root.removeHandler(handler)
         handler.close()
     handlers = [_console_handler(prefix)]
+    if console_level is not None:
+        handlers[0].setLevel(_level_number(console_level))
     if log_file is not None:
         handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
         handlers[-1].setFormatter(_plain_formatter(prefix))

@@ -185,7 +185,7 @@ def e2e_sync(model_dir: str, alloc: str, servers: list, modes: list[str], disk_d
     engine.create_process_group(alloc)
     engine.initialize()
     config = WeightUpdateConfig(mode=modes[0], extra_modes=list(modes[1:]), disk_path=disk_dir, bucket_mb=1,
-                                consistency_threshold=threshold, probe_sequences=2, probe_tokens=24,
+                                consistency_threshold=threshold, probe_sequences=2, probe_tokens=24, probe_every=1,
                                 init_timeout=300, update_timeout=300)  # fmt: skip
     meta = WeightUpdateMeta(config)
     controls = [make_control("vllm", address, tp, 300) for address, tp in servers]
@@ -219,7 +219,7 @@ def e2e_modes_same_weights(model_dir: str, alloc: str, servers: list, modes: lis
     engine.create_process_group(alloc)
     engine.initialize()
     config = WeightUpdateConfig(mode=modes[0], extra_modes=list(modes[1:]), disk_path=disk_dir, bucket_mb=1,
-                                consistency_threshold=0, probe_sequences=2, probe_tokens=24)  # fmt: skip
+                                consistency_threshold=0, probe_sequences=2, probe_tokens=24, probe_every=1)  # fmt: skip
     controls = [make_control("vllm", address, tp, 300) for address, tp in servers]
     sync = connect_engine(engine, None, WeightUpdateMeta(config), servers=controls)
     batch = make_batch([32, 24, 40, 16], seed=1, vocab=engine.desc.dims.vocab_size)
@@ -294,7 +294,7 @@ def sglang_transfer(model_dir: str, layout: dict, addresses: list[str], dump_dir
     coords = layout_coords(layout)[dist.get_rank()]
     tp_groups, etp_groups = _groups(layout_coords(layout))
     reader = SafetensorsReader(model_dir)
-    config = WeightUpdateConfig(mode="broadcast", extra_modes=["disk"], disk_path=disk_dir, bucket_mb=1,
+    config = WeightUpdateConfig(mode="broadcast", extra_modes=["disk"], disk_path=disk_dir, bucket_mb=1, dtype="bfloat16",
                                 init_timeout=120, update_timeout=120)  # fmt: skip
     bridge = WeightBridge(config, describe(model_dir, layout.tp), {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
                           layout, coords, source_dir=model_dir)  # fmt: skip
@@ -319,7 +319,7 @@ def fault_transfer(model_dir: str, addresses: list[str], mode: str, dump_dir: st
 
     layout, coords = TrainingAllocation(), TrainerCoords(0)
     reader = SafetensorsReader(model_dir)
-    config = WeightUpdateConfig(mode=mode, bucket_mb=0.25, init_timeout=60, update_timeout=10)
+    config = WeightUpdateConfig(mode=mode, bucket_mb=0.25, init_timeout=60, update_timeout=10, dtype="bfloat16")
     bridge = WeightBridge(config, describe(model_dir, 1), {n: reader.shape(n) for n in reader.keys()}, layout, coords,  # noqa: SIM118 (the reader is not iterable)
                           source_dir=model_dir)  # fmt: skip
     controls = [VLLMControl(a, 1, timeout=60) for a in addresses]

@@ -197,7 +197,7 @@ def test_megarl_run(mode, recover, code, n_attempts, tmp_path, monkeypatch, caps
     records = attempts(tmp_path)
     assert len(records) == n_attempts
     assert all(r["config"] == str(run_dir / "config.yaml") and r["omp"] == "1" for r in records)
-    assert f"[trainer] fake trainer attempt {n_attempts - 1} saw 127.0.0.1:" in out
+    assert f"\nfake trainer attempt {n_attempts - 1} saw 127.0.0.1:" in out  # unprefixed: the console is the trainer's
     assert f"fake trainer attempt {n_attempts - 1}" in (run_dir / "logs" / "trainer.log").read_text()
     if mode == "kill-server":
         assert "megarl run: error: server-0 at 127.0.0.1:" in err and "during training" in err

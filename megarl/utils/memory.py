@@ -1,0 +1,58 @@
+"""Peak resident memory of this process, phase by phase (``memory/<phase>_peak_gb`` in the step stats)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+from megarl.utils import stats_tracker
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class PeakRSS:
+    """Samples this process's RSS every ``interval`` seconds while a phase runs; records each phase's peak.
+
+    A sampling thread, not ``ru_maxrss``: that is the peak of the whole process life, so it cannot
+    tell which phase set it.
+    """
+
+    def __init__(self, interval: float = 0.02):
+        self.interval = interval
+        self._peak = 0
+        self._lock = threading.Lock()
+        self._active = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while True:
+            self._active.wait()
+            rss = rss_bytes()
+            with self._lock:
+                self._peak = max(self._peak, rss)
+            threading.Event().wait(self.interval)
+
+    @contextlib.contextmanager
+    def peak(self, name: str) -> Iterator[None]:
+        """Record the peak RSS of the block as ``memory/<scopes>/<name>_peak_gb``."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._sample, name="megarl-rss", daemon=True)
+            self._thread.start()
+        with self._lock:
+            self._peak = rss_bytes()
+        self._active.set()
+        try:
+            yield
+        finally:
+            self._active.clear()
+            with self._lock:
+                peak = max(self._peak, rss_bytes())
+            stats_tracker.scalar(**{f"memory/{name}_peak_gb": peak / 2**30})
