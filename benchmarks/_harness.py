@@ -40,6 +40,13 @@ def machine_info() -> dict:
     except OSError:
         pass
     info = {"cpu": cpu, "cores": os.cpu_count(), "hostname": platform.node(), "python": platform.python_version()}
+    try:  # the flags that decide dtypes and matmul speed (AVX2 / AVX-512 / AVX-512 BF16 / AMX)
+        from megarl.utils.hardware import cpu_bf16_native, cpu_info
+
+        info["cpu_flags"] = " ".join(sorted(f for f in cpu_info().flags if f.startswith(("avx", "amx", "fma"))))
+        info["native_bf16"] = cpu_bf16_native()[0]
+    except ImportError:
+        pass
     try:
         import torch
 
@@ -104,6 +111,9 @@ def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DI
 
 def _machine_line(machine: dict) -> str:
     where = machine.get("gpu") or f"{machine['cpu']} ({machine['cores']} cores)"
+    if "cpu_flags" in machine:
+        bf16 = "native bf16" if machine.get("native_bf16") else "no native bf16"
+        where += f"; CPU flags: {machine['cpu_flags'] or 'none of AVX/AMX'} ({bf16})"
     return where
 
 

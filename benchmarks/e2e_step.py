@@ -1,12 +1,17 @@
-"""End-to-end RL step time on CPU with the real stack: asynchronous (staleness 2) vs synchronous (0).
+"""End-to-end RL step on CPU with the real stack: trainer thread policy x rollout mode.
 
-Each mode is one ``megarl run`` of ``configs/gsm8k_grpo_cpu.yaml`` (a vLLM-CPU server and a
-one-rank gloo Megatron trainer on SmolLM2-135M); the trainer's per-step timings
-(``timeperf/*`` in ``metrics.jsonl``) give the breakdown: rollout wait, logprob
-recompute, PPO update, weight sync. The first steps are warm-up and not counted.
-Asynchronous rollout lets the server generate the next batch while the trainer
-updates, so the rollout wait shrinks; on a 2-core machine server and trainer also
-compete for the same cores, which bounds the gain.
+Each row is one ``megarl run`` of the main job (``configs/gsm8k_grpo_cpu.yaml``: a vLLM-CPU
+server and a one-rank gloo Megatron trainer on SmolLM2-135M, dtype ``auto``) with one
+``cluster.cpu_threads`` policy and one ``rollout.max_staleness``:
+
+* ``static``: the trainer keeps the cores no server is bound to (1 of 2) for the whole step;
+* ``elastic``: it takes every core in the phases where the server has no work (weight
+  sync; a recompute or update that starts with no episode running).
+
+The trainer's per-step stats (``metrics.jsonl``) give the breakdown: rollout wait, logprob
+recompute (absent when the update's forward gives the proximal logprobs), PPO update,
+weight sync and its consistency probe, and the trainer's peak RSS per phase
+(``memory/*_peak_gb``). The first steps are warm-up and not counted.
 """
 
 from __future__ import annotations
@@ -21,39 +26,53 @@ from pathlib import Path
 
 from benchmarks._harness import main_for
 
-TITLE = "RL step time breakdown on CPU (SmolLM2-135M, vLLM-CPU + 1-rank gloo trainer): async vs sync"
+TITLE = "RL step on CPU (SmolLM2-135M, vLLM-CPU + 1-rank gloo trainer): thread policy x rollout mode"
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = {"rollout wait": "timeperf/rollout", "recompute logp": "timeperf/recompute_logp",
-         "ppo update": "timeperf/train_step", "weight sync": "timeperf/update_weights", "step": "timeperf/step"}  # fmt: skip
+TIMES = {"rollout wait": "timeperf/rollout", "recompute logp": "timeperf/recompute_logp",
+         "ppo update": "timeperf/train_step", "weight sync": "timeperf/update_weights",
+         "probe": "weight_sync/probe_seconds", "step": "timeperf/step"}  # fmt: skip
+PEAKS = {"rollout": "memory/rollout_peak_gb", "logp": "memory/recompute_logp_peak_gb",
+         "update": "memory/train_step_peak_gb", "sync": "memory/update_weights_peak_gb"}  # fmt: skip
+MODES = [("static", 1), ("elastic", 1), ("static", 0), ("elastic", 0)]
+"""(cluster.cpu_threads, rollout.max_staleness) of each row."""
 
 
-def _run_mode(staleness: int, steps: int, warmup: int, root: Path) -> dict:
+def _run_mode(policy: str, staleness: int, steps: int, warmup: int, root: Path) -> dict:
+    trial = f"{policy}-staleness{staleness}"
     overrides = [
-        f"cluster.fileroot={root}", f"trial_name=staleness{staleness}", f"rollout.max_staleness={staleness}",
-        f"total_train_steps={steps}", "valid_dataset=null", "saver.freq_steps=null",
-        "stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false", "gconfig.max_new_tokens=128",
+        f"cluster.fileroot={root}", f"trial_name={trial}", f"cluster.cpu_threads={policy}",
+        f"rollout.max_staleness={staleness}", f"total_train_steps={steps}", "valid_dataset=null",
+        "saver.freq_steps=null", "stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"), *overrides]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"megarl run (staleness {staleness}) failed:\n{(result.stdout + result.stderr)[-4000:]}")
-    lines = (root / "gsm8k-grpo-cpu" / f"staleness{staleness}" / "metrics.jsonl").read_text().splitlines()
-    measured = [json.loads(line) for line in lines][warmup:]
-    row = {"mode": "async" if staleness else "sync", "max_staleness": staleness, "steps": len(measured)}
-    for label, key in PARTS.items():
+        raise RuntimeError(f"megarl run ({trial}) failed:\n{(result.stdout + result.stderr)[-4000:]}")
+    lines = (root / "gsm8k-grpo-cpu" / trial / "metrics.jsonl").read_text().splitlines()
+    return summarize([json.loads(line) for line in lines][warmup:], policy, staleness)
+
+
+def summarize(measured: list[dict], policy: str, staleness: int) -> dict:
+    """One table row from the measured steps' metrics."""
+    row = {"threads": policy, "max_staleness": staleness, "steps": len(measured)}
+    for label, key in TIMES.items():
         row[f"{label} s"] = statistics.fmean(m.get(key, 0.0) for m in measured)
-    row["mean staleness"] = statistics.fmean(m.get("rollout/staleness/avg", 0.0) for m in measured)
+    probed = [m for m in measured if "weight_sync/probe_seconds" in m]
+    row["probe share %"] = 100 * sum(m["weight_sync/probe_seconds"] for m in probed) / sum(m["timeperf/step"] for m in measured)
+    for label, key in PEAKS.items():
+        row[f"peak RSS {label} GB"] = max((m[key] for m in measured if key in m), default=None)
+    row["reward"] = statistics.fmean(m.get("batch/reward/avg", 0.0) for m in measured)
     return row
 
 
 def run(quick: bool) -> list[dict]:
-    steps, warmup = (4, 1) if quick else (8, 2)
+    steps, warmup = (3, 1) if quick else (6, 2)
     with tempfile.TemporaryDirectory(prefix="megarl_e2e_") as tmp:
-        rows = [_run_mode(s, steps, warmup, Path(tmp)) for s in (0, 2)]
-    sync_step = rows[0]["step s"]
+        rows = [_run_mode(policy, staleness, steps, warmup, Path(tmp)) for policy, staleness in MODES]
+    base = rows[0]["step s"]
     for row in rows:
-        row["speedup vs sync"] = sync_step / row["step s"]
+        row["speedup vs static async"] = base / row["step s"]
     return rows
 
 

@@ -239,6 +239,9 @@ def test_signal_stops_everything(sig, code, tmp_path):
     assert launcher.returncode == code, output
     [record] = attempts(tmp_path)
     assert alive_after([record["pid"], record["server_pid"]]) == [], output
+    after = output.split("fake trainer attempt 0 saw", 1)[1].splitlines()[1:]
+    assert after == (["megarl run: interrupted; every server and trainer process was stopped"]
+                     if sig == signal.SIGINT else []), output  # one line, no traceback  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
