@@ -42,7 +42,7 @@ from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinato
 from megarl.utils import stats_tracker
 from megarl.utils.console import Console, Progress, open_console
 from megarl.utils.evaluator import Evaluator, pass_at_1
-from megarl.utils.memory import PeakRSS
+from megarl.utils.memory import PeakRSS, release_freed_memory
 from megarl.utils.recover import RecoverHandler, RecoverInfo
 from megarl.utils.saver import Saver
 from megarl.utils.stats_logger import StatsLogger
@@ -116,6 +116,8 @@ def phase(t: Trainer, name: str, servers_paused: bool = False):
     """A trainer phase of the step: its wall time and peak RSS in the stats, on every core if the servers idle."""
     with stats_tracker.record_timing(name), t.memory.peak(name), t.threads.phase(servers_paused):
         yield
+    if t.config.device == "cpu":
+        release_freed_memory()
 
 
 @contextlib.contextmanager
@@ -313,6 +315,9 @@ def train(t: Trainer) -> dict[str, float]:
     rank0 = dist.get_rank() == 0
     t.stats_logger = StatsLogger(t.config.stats_logger, t.config.run_dir, exp_config=to_container(t.config),
                                  rank=dist.get_rank(), start_step=start)  # fmt: skip
+    baseline = evaluate(t) if start == 0 and t.config.evaluator.before_training else {}
+    if baseline:
+        t.console.line(f"before training: pass@1 {baseline['eval/pass@1']:.3f} on {baseline['eval/n_samples']:.0f} prompts")
     t.progress = t.console.progress(t.total_steps, initial=start) if rank0 else None
     for global_step in range(start, t.total_steps):
         step_start = time.perf_counter()
@@ -328,6 +333,8 @@ def train(t: Trainer) -> dict[str, float]:
     epoch, epoch_step = t.position(t.total_steps - 1)
     t.saver.maybe_save(t.actor, epoch, epoch_step, t.total_steps - 1, force=True)
     summary = t.stats_logger.summary() if rank0 else {}
+    if baseline and rank0:
+        summary.setdefault("eval/pass@1", {})["before_training"] = baseline["eval/pass@1"]
     return summary
 
 

@@ -98,6 +98,9 @@ class EvaluatorConfig:
     """Evaluate when this many seconds passed since the last evaluation."""
     max_samples: int | None = None
     """Evaluate on at most this many prompts; None uses the whole split."""
+    before_training: bool = False
+    """Also evaluate before the first step (not after a recovery): the summary then shows pass@1
+    before training beside the last evaluations'."""
 
     def check(self) -> None:
         for name in ("freq_epochs", "freq_steps", "freq_secs", "max_samples"):

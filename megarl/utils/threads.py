@@ -32,7 +32,6 @@ class TrainerThreads:
     def __init__(self, policy: str, share: int, machine: int, servers_idle: Callable[[], bool] | None = None):
         self.policy, self.share, self.machine = policy, share, max(share, machine)
         self.servers_idle = servers_idle
-        self.boosted_phases = 0
 
     @classmethod
     def for_this_rank(cls, policy: str, on_cpu: bool, servers_idle: Callable[[], bool] | None) -> TrainerThreads:
@@ -57,7 +56,6 @@ class TrainerThreads:
         if not boost:
             yield
             return
-        self.boosted_phases += 1
         torch.set_num_threads(self.machine)
         try:
             yield

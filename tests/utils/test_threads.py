@@ -1,0 +1,52 @@
+"""Elastic trainer threads: every core in phases where the servers have no work, the share otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.utils.threads import TrainerThreads
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _seen(threads: TrainerThreads, **kwargs) -> int:
+    with threads.phase(**kwargs):
+        return torch.get_num_threads()
+
+
+def test_elastic_takes_every_core_only_while_servers_idle(one_thread):
+    busy = {"idle": False}
+    threads = TrainerThreads("elastic", share=1, machine=2, servers_idle=lambda: busy["idle"])
+    assert _seen(threads) == 1  # the server is generating: keep the share
+    assert _seen(threads, servers_paused=True) == 2  # weight sync: servers paused
+    busy["idle"] = True
+    assert _seen(threads) == 2
+    assert torch.get_num_threads() == 1, "the share is restored after the phase"
+
+
+def test_restored_after_an_error(one_thread):
+    threads = TrainerThreads("elastic", share=1, machine=2, servers_idle=lambda: True)
+    with pytest.raises(RuntimeError), threads.phase():
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == 1
+
+
+def test_static_and_gpu_never_change_threads(one_thread):
+    assert _seen(TrainerThreads("static", share=1, machine=2, servers_idle=lambda: True), servers_paused=True) == 1
+    gpu = TrainerThreads.for_this_rank("elastic", on_cpu=False, servers_idle=lambda: True)
+    assert _seen(gpu, servers_paused=True) == 1
+
+
+def test_machine_share_is_split_among_local_ranks(one_thread, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    threads = TrainerThreads.for_this_rank("elastic", on_cpu=True, servers_idle=None)
+    assert (threads.share, threads.machine) == (1, 2)
+    assert _seen(threads) == 1 and _seen(threads, servers_paused=True) == 2
