@@ -6,7 +6,9 @@ server and a one-rank gloo Megatron trainer on SmolLM2-135M, dtype ``auto``) wit
 
 * ``static``: the trainer keeps the cores no server is bound to (1 of 2) for the whole step;
 * ``elastic``: it takes every core in the phases where the server has no work (weight
-  sync; a recompute or update that starts with no episode running).
+  sync; a recompute or update that starts with no episode running);
+* ``shared``: ``elastic``, and the server runs on every core too (for synchronous RL,
+  where server and trainer take turns).
 
 The trainer's per-step stats (``metrics.jsonl``) give the breakdown: rollout wait, logprob
 recompute (absent when the update's forward gives the proximal logprobs), PPO update,
@@ -33,7 +35,7 @@ TIMES = {"rollout wait": "timeperf/rollout", "recompute logp": "timeperf/recompu
          "probe": "weight_sync/probe_seconds", "step": "timeperf/step"}  # fmt: skip
 PEAKS = {"rollout": "memory/rollout_peak_gb", "logp": "memory/recompute_logp_peak_gb",
          "update": "memory/train_step_peak_gb", "sync": "memory/update_weights_peak_gb"}  # fmt: skip
-MODES = [("static", 1), ("elastic", 1), ("static", 0), ("elastic", 0)]
+MODES = [("static", 1), ("elastic", 1), ("elastic", 0), ("shared", 0)]
 """(cluster.cpu_threads, rollout.max_staleness) of each row."""
 
 

@@ -20,13 +20,14 @@ class ClusterConfig:
     """Root of every run's outputs: ``{fileroot}/{experiment_name}/{trial_name}/``."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where the trainer runs; ``auto`` is CUDA when available, else CPU (gloo)."""
-    cpu_threads: Literal["elastic", "static"] = "elastic"
-    """CPU only, the trainer's intra-op threads. ``static``: the cores no server is bound to
-    (``OMP_NUM_THREADS``), always. ``elastic``: that share while servers generate, and every core
-    of the machine (split among the local ranks) in the phases where they have no work: the
-    weight sync (servers paused) and a recompute or update that starts with no episode running
-    (synchronous RL, or the pool already at its staleness bound). ``benchmarks/e2e_step.py``
-    measures both."""
+    cpu_threads: Literal["elastic", "static", "shared"] = "elastic"
+    """CPU only: who computes on which cores. ``static``: each server on its own cores, the trainer
+    on the rest (``OMP_NUM_THREADS``), always. ``elastic``: the same, but the trainer takes every
+    core of the machine (split among the local ranks) in the phases where the servers have no
+    work: the weight sync (paused) and a recompute or update that starts with no episode running
+    (synchronous RL, or the pool already at its staleness bound). ``shared``: ``elastic``, and the
+    servers run on every core too, for synchronous RL (``rollout.max_staleness: 0``) where server
+    and trainer take turns. ``benchmarks/e2e_step.py`` measures them."""
 
     def check(self) -> None:
         require(self.n_nodes >= 1, "n_nodes", self.n_nodes, "must be >= 1")

@@ -242,9 +242,11 @@ def server_specs(config: GRPOConfig, plan: Placement) -> list[LaunchSpec]:
     if not plan.servers:
         return []
     ports = find_free_ports(len(plan.servers), host=_HOST)
+    shared = config.device == "cpu" and config.cluster.cpu_threads == "shared"
     specs = []
     for slot, port in zip(plan.servers, ports, strict=True):
-        spec = server_spec(config, slot.index, list(slot.devices), _HOST, port)
+        devices = sorted(os.sched_getaffinity(0)) if shared else list(slot.devices)  # servers run on every core
+        spec = server_spec(config, slot.index, devices, _HOST, port)
         spec.env.update(config.launcher.env)
         specs.append(spec)
     return specs
@@ -559,7 +561,9 @@ def startup_lines(config: GRPOConfig, plan: Placement) -> list[str]:
         f"dtype: trainer {dtypes[0]}, servers {dtypes[-2]}, weight sync {dtypes[-1]} ({auto_dtype(config.device)[1]})",
     ]
     if config.device == "cpu":
-        cores = "; ".join(f"server-{s.index} on cores {','.join(map(str, s.devices))}" for s in plan.servers)
+        shared = config.cluster.cpu_threads == "shared"
+        cores = "; ".join(f"server-{s.index} on cores {'all' if shared else ','.join(map(str, s.devices))}"
+                          for s in plan.servers)  # fmt: skip
         share = trainer_env(config, plan, [])["OMP_NUM_THREADS"]
         idle = ", every core while the servers idle" if config.cluster.cpu_threads == "elastic" else ""
         lines.append(f"threads: {cores}; trainer {share} per rank{idle} (cluster.cpu_threads={config.cluster.cpu_threads})")

@@ -29,7 +29,8 @@ def server_spec(config: GRPOConfig, index: int, devices: list[int], host: str, p
         raise ValueError(f"allocation_mode {config.allocation_mode!r} has no inference part to serve")
     if not 0 <= index < inference.dp:
         raise ValueError(f"server index {index} out of range: allocation_mode has {inference.dp} servers")
-    if len(devices) != inference.devices_per_server:
+    # on CPU a server may run on more cores than its slots (cluster.cpu_threads=shared)
+    if len(devices) < inference.devices_per_server or (config.device == "cuda" and len(devices) > inference.devices_per_server):
         raise ValueError(f"server {index} needs {inference.devices_per_server} devices, got {devices}")
     model = resolve_model_path(config.actor.path)
     if inference.backend == "vllm":

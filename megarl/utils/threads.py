@@ -23,7 +23,7 @@ class TrainerThreads:
     """Switches ``torch``'s intra-op threads between the trainer's share and the machine's.
 
     Args:
-        policy: ``elastic`` or ``static`` (``cluster.cpu_threads``).
+        policy: ``elastic``, ``shared`` or ``static`` (``cluster.cpu_threads``).
         share: Threads while servers generate (``OMP_NUM_THREADS`` of the launcher).
         machine: Threads when the servers idle: this rank's share of every core.
         servers_idle: Whether the servers have no work now (this rank's view; None: never known).
@@ -46,13 +46,13 @@ class TrainerThreads:
     def describe(self) -> str:
         if self.policy == "static" or self.machine == self.share:
             return f"{self.share} threads"
-        return f"{self.share} threads, {self.machine} while the servers idle (cluster.cpu_threads=elastic)"
+        return f"{self.share} threads, {self.machine} while the servers idle (cluster.cpu_threads={self.policy})"
 
     @contextlib.contextmanager
     def phase(self, servers_paused: bool = False) -> Iterator[None]:
         """Run a trainer phase on every core if the servers are paused or idle at its start."""
         idle = servers_paused or (self.servers_idle is not None and self.servers_idle())
-        boost = self.policy == "elastic" and self.machine > self.share and idle
+        boost = self.policy != "static" and self.machine > self.share and idle
         if not boost:
             yield
             return

@@ -169,6 +169,15 @@ def test_devices_are_those_this_process_may_use(tmp_path, monkeypatch):
         check_local(config)
 
 
+@pytest.mark.parametrize(("policy", "bind"), [("static", "6"), ("elastic", "6"), ("shared", "6,7")])
+def test_cpu_threads_policy_places_the_server(tmp_path, monkeypatch, policy, bind):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {6, 7})
+    config = make_config(tmp_path, "unused", f"cluster.cpu_threads={policy}")
+    [spec] = server_specs(config, check_local(config))
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == bind  # shared: the server computes on every core too
+    assert trainer_env(config, check_local(config), ["h:1"])["OMP_NUM_THREADS"] == "1"  # the share; phases widen it
+
+
 # --------------------------------------------------------------------------------------
 # The whole `megarl run` against the fake server: restart then success, server death, teardown.
 # --------------------------------------------------------------------------------------
