@@ -43,6 +43,8 @@ EXTRAS = {
     # rank discovery under mpirun (megarl.launcher.mpi); the MPI library is the cluster's own
     "mpi": ["mpi4py>=4.0"],
     "te": ["transformer_engine[pytorch]>=2.0"],
+    # other RL trainers, for benchmarks/peer_trl.py (install with -c .ci/constraints.txt: keeps torch's CPU build)
+    "peers": ["trl==1.16.0"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "matplotlib>=3.8"],
 }
 
