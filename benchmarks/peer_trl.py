@@ -6,20 +6,20 @@ prompts, ``megarl.reward.arithmetic.arithmetic_reward_fn``), back to back on the
 machine: 8 prompts x 8 samples per optimizer step, 16 new tokens, temperature 1.0 (top-p 1,
 no top-k), Adam lr 1e-5 (no weight decay, constant LR, gradient clipping 1.0), no KL term
 (beta 0), group-normalised advantages, token-mean (DAPO) loss, PPO clip 0.2, fp32 weights.
-One difference is by design: megarl trains asynchronously (a batch may come from the previous
-policy version), so its loss is the decoupled PPO loss on recomputed proximal logprobs; TRL is
-on-policy (one PPO iteration per generation batch, so its ratio is 1 at the update).
+Both are on-policy here (megarl's CPU config is synchronous; its decoupled PPO loss then takes
+the proximal logprobs from the update's own forward, TRL's ratio is 1 at its single iteration).
 
 * **megarl**: ``megarl run configs/arithmetic_grpo_cpu.yaml`` (one vLLM-CPU server and a
-  one-rank gloo Megatron trainer, asynchronous with ``max_staleness: 1``, ``dtype: auto``).
+  one-rank gloo Megatron trainer; its CPU defaults: synchronous, server and trainer taking
+  turns on both cores (``max_staleness: 0``, ``cluster.cpu_threads: shared``), ``dtype: auto``).
   Per-step times and rewards come from its ``metrics.jsonl`` (``timeperf/step``,
   ``batch/reward/avg``); the dtype it chose from the saved ``config.yaml``.
 * **TRL** (``trl==1.16.0``, the ``peers`` extra): ``GRPOTrainer`` on CPU in a subprocess
   (``python -m benchmarks.peer_trl --trl-worker ...``), ``torch.set_num_threads(2)`` (it has
   the whole machine), generation with plain ``transformers`` ``generate`` (``use_vllm=False``),
   one optimizer step = one generation batch of 64 completions in one micro-batch
-  (``per_device_train_batch_size=64``, ``gradient_accumulation_steps=1``; megarl's
-  ``max_tokens_per_mb: 8192`` also fits the whole batch in one micro-batch), gradient
+  (``per_device_train_batch_size=64``, ``gradient_accumulation_steps=1``; megarl packs
+  ``max_tokens_per_mb: 1024`` tokens per micro-batch, one optimizer step per batch), gradient
   checkpointing off (megarl's default; TRL's is on). A callback times optimizer steps and
   reads the logged ``reward``. The reward is megarl's function behind TRL's signature
   (:func:`trl_reward`).
@@ -81,7 +81,7 @@ SAMPLE_S = 0.5
 ROW_KEYS = ("answer", "a", "op", "b")
 """The dataset columns the reward sees besides the completion (as megarl passes them)."""
 NOTES = {
-    "megarl": "vLLM-CPU server + 1-rank gloo Megatron trainer, async (max_staleness 1), threads per "
+    "megarl": "vLLM-CPU server + 1-rank gloo Megatron trainer, sync (max_staleness 0), threads per "
     "cluster.cpu_threads; configs/arithmetic_grpo_cpu.yaml",
     "trl": "GRPOTrainer, generation with transformers generate (use_vllm=False), torch.set_num_threads(2), "
     "1 micro-batch of 64, gradient checkpointing off",

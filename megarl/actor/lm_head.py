@@ -36,10 +36,29 @@ class LMHeadOutput:
     backend: Backend = "auto"
     """Kernel backend of the logprob / entropy (and the actor's PPO loss): see ``megarl.kernels.backend``."""
 
-    def logprobs_entropy(self, labels: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logprob of labels, entropy)`` per token, fp32 ``[T]``, differentiable."""
+    def logprobs_entropy(
+        self, labels: torch.Tensor, temperature: float = 1.0, where: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprob of labels, entropy)`` per token, fp32 ``[T]``, differentiable.
+
+        ``where`` (bool ``[T]``, the same on every TP rank): only those tokens go through the
+        LM head; the others get 0 and no gradient. A loss over the generated tokens skips the
+        head's work on the prompt's (TRL's ``logits_to_keep``).
+        """
+        if where is None:
+            return self._logprobs_entropy(self.hidden, labels, temperature)
+        rows = where.nonzero().squeeze(-1)  # [N]
+        if rows.numel() == 0:  # nothing to score: zeros that still belong to the graph
+            zeros = torch.zeros(labels.shape, device=self.hidden.device) + self.hidden.sum().float() * 0.0
+            return zeros, zeros
+        logp, entropy = self._logprobs_entropy(self.hidden.index_select(0, rows), labels.index_select(0, rows),
+                                               temperature)  # fmt: skip
+        zeros = torch.zeros(labels.shape, dtype=logp.dtype, device=logp.device)
+        return zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy)
+
+    def _logprobs_entropy(self, hidden, labels, temperature):
         return fused_logprobs_entropy(
-            self.hidden, self.weight, labels, self.tp_group, temperature,
+            hidden, self.weight, labels, self.tp_group, temperature,
             vocab_start=self.vocab_start, vocab_size=self.vocab_size, reduce_grad_hidden=self.reduce_grad_hidden,
             backend=self.backend,
         )  # fmt: skip

@@ -167,7 +167,7 @@ def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -
     ``megarl.kernels.fused_ppo_loss`` where :func:`_fused_surrogate` allows it; both give the same loss.
     """
     mask = _mask(mb)
-    logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature)
+    logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature, where=mask)  # no head work on prompts
     old, prox = _anchors(cfg, mb, logp)
     fused = _fused_surrogate(cfg, head, logp)
     logger.debug(

@@ -562,9 +562,9 @@ def startup_lines(config: GRPOConfig, plan: Placement) -> list[str]:
     ]
     if config.device == "cpu":
         shared = config.cluster.cpu_threads == "shared"
-        cores = "; ".join(f"server-{s.index} on cores {'all' if shared else ','.join(map(str, s.devices))}"
+        cores = "; ".join(f"server-{s.index} on {'every core' if shared else 'cores ' + ','.join(map(str, s.devices))}"
                           for s in plan.servers)  # fmt: skip
         share = trainer_env(config, plan, [])["OMP_NUM_THREADS"]
-        idle = ", every core while the servers idle" if config.cluster.cpu_threads == "elastic" else ""
+        idle = ", every core while the servers idle" if config.cluster.cpu_threads != "static" else ""
         lines.append(f"threads: {cores}; trainer {share} per rank{idle} (cluster.cpu_threads={config.cluster.cpu_threads})")
     return lines
