@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"megarl.train: unexpected arguments {rest}; overrides are key.path=value")
     discover_ranks()  # under mpirun: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI (torchrun sets them itself)
     rank = int(os.environ.get("RANK", "0"))
-    console = open_console(config.run_dir / "logs" / "trainer.log", rank, config.launcher.verbose)
+    log_name = "trainer.log" if rank == 0 else f"trainer-rank{rank}.log"  # one writer per file, on any filesystem
+    console = open_console(config.run_dir / "logs" / log_name, rank, config.launcher.verbose)
     start = time.time()
     trainer = build(config)
     trainer.console = console

@@ -193,7 +193,7 @@ def test_sbatch_script_runs_the_cpu_config_for_two_steps(cluster, tmp_path):
     assert (job.run_dir / "curves.png").stat().st_size > 0
     assert re.search(r"megarl: servers at \S+:\d+", out)
     assert "megarl: finished gsm8k-grpo-cpu/trial0 in " in out
-    assert "  batch/reward/avg: {" in out and f"  metrics: {job.run_dir / 'metrics.jsonl'}" in out
+    assert "  batch/reward/avg: first_mean " in out and f"  metrics: {job.run_dir / 'metrics.jsonl'}" in out
     assert "megarl: trainer exited with status 0" in out
     commands = [cmd for _, cmd in job.seen.values()]
     assert any("vllm" in cmd for cmd in commands) and any(is_torchrun(cmd) for cmd in commands), commands
@@ -233,11 +233,13 @@ def test_requeued_job_resumes_from_its_recover_checkpoint(cluster, tmp_path):
     info = job.info()
     assert info["ExitCode"] == "0:0" and info["Restarts"] == "1"
     before, after = out.split("DUE TO JOB REQUEUE", 1)
-    assert "recovered after step" not in before and "megarl: finished" not in before
-    match = re.search(r"recovered after step (\d+) ", after)
-    assert match and int(match[1]) >= dumped, after[-6000:]
+    assert "megarl: finished" not in before
+    # the trainer's records are in its log, which both runs append to; only the second recovers
+    trainer_log = (job.run_dir / "logs" / "trainer.log").read_text()
+    match = re.search(r"recovered after step (\d+) ", trainer_log)
+    assert match and int(match[1]) >= dumped, trainer_log[-6000:]
     resumed = int(match[1])
-    logged_again = [int(s) for s in re.findall(r"\(global step (\d+)\)", after)]
+    logged_again = [int(s) for s in re.findall(r"\(global step (\d+)\)", trainer_log[match.end():])]
     assert logged_again == list(range(resumed + 1, 3)), "the second run redid finished steps or skipped some"
     assert job.steps() == [0, 1, 2] and (job.run_dir / "curves.png").stat().st_size > 0
     assert out.count("megarl: finished gsm8k-grpo-cpu/trial0 in ") == 1
