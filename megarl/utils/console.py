@@ -1,8 +1,8 @@
 """What a person sees while a run goes: a few start-up lines, one progress bar, a line per step, the summary.
 
 Everything else a trainer process prints (Megatron's and other libraries' output, warnings,
-log records, the per-step stats tables) goes to ``{run_dir}/logs/trainer.log``:
-:func:`open_console` points the process's file descriptors 1 and 2 there and keeps the
+log records, the per-step stats tables) goes to ``{run_dir}/logs/trainer.log`` (rank N > 0:
+``trainer-rankN.log``): :func:`open_console` points the process's file descriptors 1 and 2 there and keeps the
 original standard output for the console. ``launcher.verbose`` keeps everything on the
 console as before.
 
