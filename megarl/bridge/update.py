@@ -6,7 +6,8 @@ One update (every trainer rank calls it; collective)::
     bridge.update(...)         # transfer; servers commit the new weights + version
     actor.set_version(v); rollout.set_version(v)
     rollout.resume()           # continued sequences carry v on their later tokens
-    probe consistency          # trainer vs every server; ConsistencyError above threshold
+    probe consistency          # every weight_update.probe_every updates: trainer vs every server,
+                               # before new episodes start; ConsistencyError above threshold
 
 A server that failed the transfer keeps its old weights (or is half-updated) and is
 taken out of rotation in the rollout engine (``mark_unhealthy``); the bridge reconnects
@@ -102,24 +103,33 @@ class WeightSync:
     def update(self, version: int, mode: str | None = None, path: str | None = None) -> dict[str, float]:
         """One weight-sync phase (collective); returns timings, bytes and the consistency metric."""
         start = time.perf_counter()
+        probing = self.n_updates % self.config.probe_every == 0
         self._pause()
         try:
             if not self.bridge.connected:
                 self.connect()
             report = self.bridge.update(ShardSource.from_engine(self.engine), version, mode, path)
             self._after(report, version)
-        finally:
+        except BaseException:
             self._resume()
-        stats = {"update_seconds": report.seconds, "bytes_sent": float(report.bytes_sent),
-                 "sync_seconds": time.perf_counter() - start}  # fmt: skip
-        if not report.ok:
-            raise WeightBridgeError(f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
-                                    f"{report.sender_errors}; failed servers keep their old weights or are out of "
-                                    "rotation")  # fmt: skip
-        if self.n_updates % self.config.probe_every == 0:
-            probe_start = time.perf_counter()
-            stats.update(self.check_consistency())
-            stats["probe_seconds"] = time.perf_counter() - probe_start
+            raise
+        # the probe is scored by servers that have no episodes to generate yet: it takes a fraction
+        # of a second instead of waiting behind a whole batch's decoding
+        self._resume(episodes=not (probing and report.ok))
+        try:
+            stats = {"update_seconds": report.seconds, "bytes_sent": float(report.bytes_sent),
+                     "sync_seconds": time.perf_counter() - start}  # fmt: skip
+            if not report.ok:
+                raise WeightBridgeError(f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
+                                        f"{report.sender_errors}; failed servers keep their old weights or are out of "
+                                        "rotation")  # fmt: skip
+            if probing:
+                probe_start = time.perf_counter()
+                stats.update(self.check_consistency())
+                stats["probe_seconds"] = time.perf_counter() - probe_start
+        finally:
+            if probing and report.ok and self.rollout is not None:
+                self.rollout.start_episodes()
         self.n_updates += 1
         return stats
 
@@ -129,11 +139,12 @@ class WeightSync:
         if dist.is_initialized():
             dist.barrier()  # no server is still generating when the first byte moves
 
-    def _resume(self) -> None:
+    def _resume(self, episodes: bool = True) -> None:
+        """Servers generate again; the rollout starts new episodes too unless ``episodes`` is False."""
         if dist.is_initialized():
             dist.barrier()
         if self.rollout is not None:
-            self.rollout.resume()
+            self.rollout.resume(start_episodes=episodes)
 
     def _after(self, report: UpdateReport, version: int) -> None:
         """Version bump where the update landed; failed servers out of rotation."""

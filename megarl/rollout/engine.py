@@ -381,10 +381,16 @@ class RemoteInferenceEngine(InferenceEngine):
         self._paused = True
         self._run_sync(self._control(self.backend.pause_calls()))
 
-    def resume(self) -> None:
-        """Let the servers generate again, continue interrupted generations, start episodes."""
+    def resume(self, start_episodes: bool = True) -> None:
+        """Let the servers generate again, continue interrupted generations, start episodes
+        (unless ``start_episodes`` is False: then :meth:`start_episodes` does, later)."""
         self._run_sync(self._control(self.backend.resume_calls()))
         self._paused = False
+        if start_episodes:
+            self.start_episodes()
+
+    def start_episodes(self) -> None:
+        """Let the rollout pool start new episodes again (after ``pause``)."""
         if self.pool is not None:
             self.pool.resume()
 

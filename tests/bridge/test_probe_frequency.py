@@ -36,3 +36,50 @@ def test_probe_every(monkeypatch, every, want):
 def test_probe_every_must_be_positive():
     with pytest.raises(ValueError, match="probe_every"):
         WeightUpdateConfig(probe_every=0).check()
+
+
+class _Rollout:
+    """Records what the weight sync asks of the rollout, and whether episodes run during the probe."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.episodes = True
+
+    def pause(self):
+        self.calls.append("pause")
+        self.episodes = False
+
+    def resume(self, start_episodes: bool = True):
+        self.calls.append(f"resume(episodes={start_episodes})")
+        self.episodes = start_episodes
+
+    def start_episodes(self):
+        self.calls.append("start_episodes")
+        self.episodes = True
+
+    def set_version(self, version):
+        pass
+
+
+def test_probe_runs_before_new_episodes_start(monkeypatch):
+    sync, probed = _sync(2, monkeypatch)
+    sync.rollout = rollout = _Rollout()
+    during_probe = []
+    sync.check_consistency = lambda: during_probe.append(rollout.episodes) or {}
+    sync.update(1)  # probed
+    sync.update(2)  # not probed
+    assert during_probe == [False], "servers score the probe with no episode generating"
+    assert rollout.calls == ["pause", "resume(episodes=False)", "start_episodes", "pause", "resume(episodes=True)"]
+
+
+def test_episodes_start_again_when_the_probe_fails(monkeypatch):
+    sync, _ = _sync(1, monkeypatch)
+    sync.rollout = rollout = _Rollout()
+
+    def broken():
+        raise RuntimeError("server gone")
+
+    sync.check_consistency = broken
+    with pytest.raises(RuntimeError, match="server gone"):
+        sync.update(1)
+    assert rollout.episodes and rollout.calls[-1] == "start_episodes"
