@@ -1,8 +1,8 @@
 """Learning, measured: GRPO on small-number arithmetic with SmolLM2-135M on CPU (the real stack).
 
-The acceptance bar: within 40 steps and 40 minutes, the mean reward of the last 5 steps
-exceeds that of the first 5 by at least 0.15. ``make test-slow`` runs it (about half an
-hour on 2 idle cores); the curve lands in the run directory's ``curves.png``.
+The acceptance bar: within 40 steps and 20 minutes, the mean reward of the last 5 steps
+exceeds that of the first 5 by at least 0.15, also on a CPU without native bf16 (fp32 there).
+``make test-slow`` runs it; the curve lands in the run directory's ``curves.png``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_grpo_learns_arithmetic_within_40_steps(tmp_path):
+def test_grpo_learns_arithmetic_within_40_steps_and_20_minutes(tmp_path):
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
            f"cluster.fileroot={tmp_path}", "stats_logger.wandb.mode=disabled"]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     start = time.monotonic()
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=45 * 60)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30 * 60)
     minutes = (time.monotonic() - start) / 60
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
@@ -36,5 +36,5 @@ def test_grpo_learns_arithmetic_within_40_steps(tmp_path):
     assert 5 < len(rewards) <= 40, "the config must train more than 5 and at most 40 steps"
     assert 0.10 <= first <= 0.60, f"the task should start between 10% and 60% reward, got {first:.3f}"
     assert last - first >= 0.15, f"reward rose by only {last - first:.3f} (first 5 {first:.3f}, last 5 {last:.3f})"
-    assert minutes <= 40, f"took {minutes:.1f} min"
+    assert minutes <= 20, f"took {minutes:.1f} min"
     assert (run_dir / "curves.png").stat().st_size > 0
