@@ -323,3 +323,29 @@ def test_vllm_server_death_stops_the_trainer_and_teardown_leaves_nothing(live):
     assert record["server_pid"] == live.servers[0].proc.pid
     live.close()  # the engine core and workers the dead server left behind go too
     assert alive_after(live.pids) == []
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_relay_passes_the_trainer_console_through(tty, tmp_path):
+    out = io.StringIO()
+    out.isatty = lambda: tty  # type: ignore[method-assign]
+    relay = OutputRelay(out, verbose=False)
+    read_fd, write_fd = os.pipe()
+    log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115
+    thread = relay.console("trainer", os.fdopen(read_fd, "rb"), log)
+    chunks = [b"\rtrain 0/2 [00", b":10] rollout 1/4\rtrain 0/2 [00:20] rollout 2/4", b"\n\nstep 1/2  rew",
+              "ard 0.5 \u2588\n".encode()[:-2], "ard 0.5 \u2588\n".encode()[-2:], b"megarl: finished"]  # fmt: skip
+    with os.fdopen(write_fd, "wb", buffering=0) as w:
+        for chunk in chunks:
+            w.write(chunk)
+            time.sleep(0.05)
+    thread.join(5)
+    log.close()
+    text = out.getvalue()
+    logged = (tmp_path / "trainer.log").read_text()
+    assert logged.splitlines() == ["train 0/2 [00:20] rollout 2/4", "step 1/2  reward 0.5 \u2588", "megarl: finished"]
+    if tty:  # byte for byte: the bar redraws in place
+        assert text.startswith("\rtrain 0/2 [00:10] rollout 1/4\rtrain") and "step 1/2  reward 0.5 \u2588\n" in text
+    else:  # whole lines only, a carriage return ends one
+        assert text.splitlines() == ["train 0/2 [00:10] rollout 1/4", "train 0/2 [00:20] rollout 2/4",
+                                     "step 1/2  reward 0.5 \u2588", "megarl: finished"]  # fmt: skip
