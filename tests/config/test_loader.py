@@ -48,7 +48,7 @@ def test_later_files_override_earlier(tmp_path):
     config, _ = load(files=(CPU_YAML, str(preset)))
     assert config.allocation_mode == "vllm:d2t1+megatron:d2p1t1"
     assert config.cluster.n_gpus_per_node == 4
-    assert config.gconfig.max_new_tokens == 192  # untouched keys keep the first file's values
+    assert config.gconfig.max_new_tokens == 128  # untouched keys keep the first file's values
 
 
 @pytest.mark.parametrize(
