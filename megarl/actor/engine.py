@@ -39,6 +39,7 @@ from megarl.actor.lm_head import LMHeadOutput, make_lm_head_output
 from megarl.actor.packing import (
     MicroBatch,
     pack,
+    pack_units,
     round_up,
     sequence_lengths,
     split_by_token_budget,
@@ -54,6 +55,7 @@ from megarl.models.build import (
     transformer_config,
 )
 from megarl.models.hf_io import ShardCoords, load_hf_weights, unwrap
+from megarl.models.layers import SharedPrefixSeqParams
 from megarl.models.spec import resolve_use_te
 from megarl.utils.hardware import concrete_dtype
 
@@ -101,6 +103,7 @@ class MegatronEngine:
         self.lr_scheduler = None
         self.model_path: str | None = None
         self.kernel_backend: Backend = "auto"  # resolved from config.use_fused_kernels in initialize()
+        self.share_prefix = False  # resolved from config.mb_spec.share_prefix in initialize()
         self._version = 0
 
     # ------------------------------------------------------------------ setup
@@ -134,6 +137,7 @@ class MegatronEngine:
         self.kernel_backend = resolve_backend(
             self.config.use_fused_kernels, self.tconfig.params_dtype, self.tconfig.hidden_size
         )
+        self.share_prefix = self._share_prefix()
         with cpu_shim.device_mode():
             chunks = build_chunks(self.desc, self.tconfig, use_te=self._use_te())
             chunks = [chunk.to(cpu_shim.device()) for chunk in chunks]
@@ -160,6 +164,16 @@ class MegatronEngine:
 
     def _use_te(self) -> bool:
         return resolve_use_te(self.config.megatron.use_transformer_engine, cpu_shim.cuda_available())
+
+    def _share_prefix(self) -> bool:
+        """``mb_spec.share_prefix`` resolved: only megarl's SDPA attention reads a shared-prefix layout."""
+        requested = self.config.mb_spec.share_prefix
+        if requested and self._use_te():
+            raise ValueError(
+                "actor.mb_spec.share_prefix=true needs megarl's SDPA attention, but this engine uses "
+                "TransformerEngine's: set megatron.use_transformer_engine=false, or share_prefix=null/false"
+            )
+        return not self._use_te() if requested is None else requested
 
     @property
     def coords(self) -> ShardCoords:
@@ -275,16 +289,18 @@ class MegatronEngine:
         """Pack ``batch`` by the token budget; count and length agree across DP ranks (and fit VPP)."""
         spec = self.config.mb_spec
         alloc = self.parallel.alloc
+        units = pack_units(batch, spec.max_tokens_per_mb, self.share_prefix)
         seqlens = sequence_lengths(batch)
-        n_groups = len(split_by_token_budget(seqlens, spec.max_tokens_per_mb, spec.n_mbs))
+        sizes = [unit.num_tokens(seqlens) for unit in units]
+        n_groups = len(split_by_token_budget(sizes, spec.max_tokens_per_mb, spec.n_mbs))
         if alloc.vpp > 1:  # interleaved schedule: micro-batches in whole groups of PP
             n_groups = round_up(max(n_groups, alloc.pp), alloc.pp)
         (n_groups,) = self._all_reduce_max([n_groups])
-        groups = split_by_token_budget(seqlens, spec.max_tokens_per_mb, n_groups)
+        groups = split_by_token_budget(sizes, spec.max_tokens_per_mb, n_groups)
         groups += [[] for _ in range(n_groups - len(groups))]
-        longest = max(sum(seqlens[i] for i in g) for g in groups)
+        longest = max(sum(sizes[i] for i in g) for g in groups)
         (longest,) = self._all_reduce_max([longest])
-        return pack(batch, groups, round_up(max(longest, 1), alloc.tp))
+        return pack(batch, [[units[i] for i in g] for g in groups], round_up(max(longest, 1), alloc.tp))
 
     def _all_reduce_max(self, values: list[int]) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64, device=cpu_shim.device())
@@ -296,6 +312,11 @@ class MegatronEngine:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = mb.cu_seqlens.to(cpu_shim.device())
+        if mb.shares_prefixes:
+            return SharedPrefixSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen, parents=mb.parents,
+            )  # fmt: skip
         return PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
             max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
@@ -310,7 +331,9 @@ class MegatronEngine:
             # packing happens on the host; losses and hooks see the micro-batch on the model's device
             mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
             ids = mb.data["input_ids"][None]
-            output = model(input_ids=ids, position_ids=None, attention_mask=None,
+            # RoPE at each token's column in its row: only a shared prefix's branches need it
+            positions = mb.data["position_ids"][None] if mb.shares_prefixes else None
+            output = model(input_ids=ids, position_ids=positions, attention_mask=None,
                            packed_seq_params=self._packed_seq_params(mb))  # fmt: skip
             return output, partial(head_fn, model, mb, extra)
 

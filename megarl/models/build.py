@@ -165,6 +165,19 @@ class HiddenStatesGPTModel(GPTModel):
 
     return_hidden = True
 
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        """GPTModel's, except that ``position_ids`` (packed: ``[1, T]``) place RoPE per token.
+
+        Megatron's RoPE ignores ``position_ids`` and numbers each packed sequence from 0;
+        a branch of a shared prefix (``megarl.actor.packing``) starts where its prefix ends.
+        A table with one row per packed token is what Megatron's THD RoPE applies as is.
+        """
+        out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        rotary = out[1]
+        if position_ids is None or rotary is None:
+            return out
+        return (out[0], rotary[position_ids.reshape(-1)], *out[2:])
+
     def _postprocess(self, hidden_states, *args, **kwargs):
         if self.return_hidden or not self.post_process:
             return hidden_states

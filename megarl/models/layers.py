@@ -10,7 +10,10 @@ TransformerEngine is absent (always on CPU):
   (Megatron's THD format, ``PackedSeqParams.cu_seqlens_q``) are attended one sequence
   at a time with ``is_causal=True``: a packed token never sees another sequence, and
   no ``T x T`` block-diagonal mask is materialised. The loop costs one host read of
-  ``cu_seqlens`` per layer, the same one Megatron's THD RoPE already does.
+  ``cu_seqlens`` per layer, the same one Megatron's THD RoPE already does. With
+  :class:`SharedPrefixSeqParams` a segment may continue another (a branch after the
+  prompt it shares with its group, ``megarl.actor.packing``): its queries also see every
+  key of that prefix.
 * :class:`RMSNorm` computes as HF's ``LlamaRMSNorm`` (fp32 statistics) and tags its
   weight for the sequence-parallel gradient all-reduce.
 """
@@ -18,10 +21,23 @@ TransformerEngine is absent (always on CPU):
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
+
+
+@dataclass
+class SharedPrefixSeqParams(PackedSeqParams):
+    """THD packing where segment ``i`` continues segment ``parents[i]`` (None: starts a sequence).
+
+    Only :class:`SDPACoreAttention` reads ``parents``; other attention would ignore it, so
+    the engine only builds these for it. RoPE positions come as the model's ``position_ids``.
+    """
+
+    parents: tuple[int | None, ...] = ()
 
 
 class SDPACoreAttention(MegatronModule):
@@ -45,26 +61,40 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention does not take an attention_bias")
         dropout = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None:
-            return self._packed(query, key, value, packed_seq_params.cu_seqlens_q, dropout)
+            parents = getattr(packed_seq_params, "parents", ())
+            return self._packed(query, key, value, packed_seq_params.cu_seqlens_q, parents, dropout)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, n, s, hn]
         out = self._sdpa(q, k, v, dropout)  # [b, np, s, hn]
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
-    def _packed(self, query, key, value, cu_seqlens, dropout):
+    def _packed(self, query, key, value, cu_seqlens, parents, dropout):
         outs = []
-        bounds = cu_seqlens.tolist()
-        for start, end in itertools.pairwise(bounds):
-            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        spans = list(itertools.pairwise(cu_seqlens.tolist()))
+        for i, (start, end) in enumerate(spans):
+            parent = parents[i] if parents else None
+            keys = slice(start, end) if parent is None else [slice(*spans[parent]), slice(start, end)]
+            q = query[start:end].transpose(0, 1).unsqueeze(0)
+            k, v = (_take(x, keys).transpose(0, 1).unsqueeze(0) for x in (key, value))
             outs.append(self._sdpa(q, k, v, dropout)[0].transpose(0, 1))  # [s_i, np, hn]
         out = torch.cat(outs, dim=0)  # cu_seqlens covers every token, alignment padding included
         return out.reshape(out.shape[0], -1)
 
     def _sdpa(self, q, k, v, dropout):
-        """[b, n, s, hn] tensors; k/v may hold fewer (grouped) heads."""
+        """[b, n, s, hn] tensors; k/v may hold fewer (grouped) heads and, before the queries' own
+        keys, a prefix that every query sees (causal from the bottom-right corner)."""
+        prefix = k.shape[2] - q.shape[2]
+        mask = None
+        if prefix:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=prefix)
         return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=not prefix, scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )  # fmt: skip
+
+
+def _take(x: torch.Tensor, rows: slice | list[slice]) -> torch.Tensor:
+    """Rows of ``x`` [t, ...]: one slice, or several concatenated."""
+    return x[rows] if isinstance(rows, slice) else torch.cat([x[r] for r in rows], dim=0)
 
 
 class RMSNorm(torch.nn.Module):

@@ -15,7 +15,7 @@ import torch
 
 from megarl.config.allocation import AllocationMode
 from tests.actor.dist_utils import run_ranks
-from tests.actor.workers import make_batch
+from tests.actor.workers import make_batch, make_grouped_batch
 
 pytestmark = pytest.mark.multiproc
 
@@ -34,10 +34,11 @@ def _run(model_dir, alloc: str, batch, **kwargs) -> dict:
     world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
     results = run_ranks(world, "tests.actor.workers:parity_run", model_dir=str(model_dir), alloc=alloc, batch=batch, **kwargs)
     dp = 1 + max(r["dp_rank"] for r in results)
-    merged = {"loss": [r["loss"] for r in results], "grad_norm": [r["grad_norm"] for r in results], "grads": {}}
+    merged = {"loss": [r["loss"] for r in results], "grad_norm": [r["grad_norm"] for r in results], "grads": {},
+              "packed_tokens": [r["packed_tokens"] for r in results]}  # fmt: skip
     for key in ("logp", "logp_after", "logp_unpacked"):
         if key in results[0]:
-            full = torch.zeros(len(LENGTHS), batch["input_ids"].shape[1])
+            full = torch.zeros(batch["input_ids"].shape)
             for r in results:
                 full[r["dp_rank"] :: dp] = r[key]
             merged[key] = full
@@ -182,3 +183,22 @@ def test_tied_embeddings_and_padded_vocab_over_tp_and_pp(tiny_model_dir, batch, 
     want = _hf_logp(model_dir, batch)
     assert all((logp - want).abs().max() <= 1e-4 for logp in results)
     assert filecmp.cmp(model_dir / "model.safetensors", tmp_path / "out" / "model.safetensors", shallow=False)
+
+
+@pytest.fixture(scope="module")
+def grouped_batch():
+    return make_grouped_batch(n_groups=3, group=4, prompt_len=12, seed=5)
+
+
+@pytest.mark.parametrize("alloc", ["d1p1t1", "d1p1t2", "d1p2t1"])
+def test_shared_prefixes_match_hf(llama_dir, grouped_batch, alloc):
+    """GRPO groups packed with their prompt once (``mb_spec.share_prefix``): the HF model's
+    logprobs, loss and gradients on the padded batch, from a third fewer tokens. TP2 runs with
+    sequence parallelism, PP2 passes the branch positions to the second stage."""
+    got = _run(llama_dir, alloc, grouped_batch, share_prefix=True, n_mbs=2)
+    hf = _hf_reference(llama_dir, grouped_batch)
+    seqlens = grouped_batch["attention_mask"].sum().item()
+    assert max(got["packed_tokens"]) <= seqlens - 3 * 3 * 10  # 3 of each 4 rows skip 10 prompt tokens
+    assert (got["logp"] - hf["logp"]).abs().max() <= 1e-4
+    assert all(abs(loss - hf["loss"]) <= 1e-5 for loss in got["loss"])
+    _assert_grads_close(got["grads"], hf["grads"], 1e-4)

@@ -31,6 +31,30 @@ def make_batch(lengths: list[int], seed: int = 0, vocab: int = 49152, pad_to: in
     return batch
 
 
+def make_grouped_batch(n_groups: int, group: int, prompt_len: int, seed: int = 0, vocab: int = 49152) -> dict:
+    """Like :func:`make_batch`, in GRPO groups: ``group`` consecutive rows answer one prompt.
+
+    Answers have 2 to 9 tokens; those of a group's first two rows begin alike, so that rows
+    can agree past their prompt.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n_groups):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+        opening = torch.randint(0, vocab, (2,), generator=gen)
+        for i in range(group):
+            answer = torch.randint(0, vocab, (int(torch.randint(2, 10, (1,), generator=gen)),), generator=gen)
+            if i < 2:
+                answer[:2] = opening
+            rows.append(torch.cat([prompt, answer]))
+    batch = make_batch([len(r) for r in rows], seed=seed, vocab=vocab)
+    for i, r in enumerate(rows):
+        batch["input_ids"][i, : len(r)] = r
+        batch["loss_mask"][i] = 0
+        batch["loss_mask"][i, prompt_len : len(r)] = 1
+    return batch
+
+
 def split_rows(batch: dict, rank: int, size: int) -> dict:
     """Rows ``rank::size`` of every batch tensor (a DP rank's share)."""
     rows = list(range(rank, batch["attention_mask"].shape[0], size))
@@ -45,8 +69,10 @@ def split_groups(batch: dict, rank: int, size: int, group: int) -> dict:
 
 
 def engine_config(model_dir: str, *, dtype: str = "float32", max_tokens: int = 4096, n_mbs: int = 1,
-                  optimizer: OptimizerConfig | None = None, **megatron) -> TrainEngineConfig:  # fmt: skip
-    cfg = TrainEngineConfig(path=str(model_dir), dtype=dtype, mb_spec=MicroBatchSpec(max_tokens, n_mbs), optimizer=optimizer)
+                  share_prefix: bool | None = None, optimizer: OptimizerConfig | None = None,
+                  **megatron) -> TrainEngineConfig:  # fmt: skip
+    mb_spec = MicroBatchSpec(max_tokens, n_mbs, share_prefix=share_prefix)
+    cfg = TrainEngineConfig(path=str(model_dir), dtype=dtype, mb_spec=mb_spec, optimizer=optimizer)
     for key, value in megatron.items():
         setattr(cfg.megatron, key, value)
     return cfg
@@ -105,7 +131,7 @@ def parity_run(model_dir: str, alloc: str, batch: dict, lr: float = 1e-3, unpack
     engine = _engine(model_dir, alloc, optimizer=optimizer, **cfg)
     p = engine.parallel
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
-    out = {"logp": engine.eval().forward(local)}
+    out = {"logp": engine.eval().forward(local), "packed_tokens": sum(mb.num_tokens for mb in engine.microbatches(local))}
     if unpacked_too:
         engine.config.mb_spec.max_tokens_per_mb = 1
         out["logp_unpacked"] = engine.forward(local)
