@@ -115,6 +115,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
 def phase(t: Trainer, name: str, servers_paused: bool = False):
     """A trainer phase of the step: its wall time and peak RSS in the stats, on every core if the servers idle."""
     with stats_tracker.record_timing(name), t.memory.peak(name), t.threads.phase(servers_paused):
+        stats_tracker.scalar(**{f"threads/{name}": torch.get_num_threads()})
         yield
     if t.config.device == "cpu":
         release_freed_memory()

@@ -382,7 +382,8 @@ class MegatronEngine:
             head_fn = partial(self._train_head, loss_fn)
             outputs = self._run_schedule(mbs, scales, head_fn, forward_only=False)
             loss = self._weighted_loss(outputs, len(mbs))
-        return {"loss": loss, "loss_weight": total, "n_mbs": float(len(mbs))}
+        packed = float(sum(mb.num_tokens for mb in mbs))
+        return {"loss": loss, "loss_weight": total, "n_mbs": float(len(mbs)), "packed_tokens": packed}
 
     def _loss_scales(self, mbs: list[MicroBatch], loss_weight_fn: LossWeightFn) -> tuple[list[float], float]:
         """Per-micro-batch factors turning Megatron's mean over micro-batches and DP into a global weighted mean."""

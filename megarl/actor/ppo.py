@@ -109,7 +109,8 @@ class MegatronPPOActor(MegatronEngine):
             for minibatch in split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
                 with stats_tracker.scope("ppo_actor"):
                     step = self.train_batch(minibatch, loss_fn, weight_fn)
-                    stats_tracker.scalar(**{k: step[k] for k in ("loss", "grad_norm", "lr", "update_successful")})
+                    keys = ("loss", "grad_norm", "lr", "update_successful", "n_mbs", "packed_tokens")
+                    stats_tracker.scalar(**{k: step[k] for k in keys})
                 all_stats.append(stats_tracker.export())
         return all_stats
 

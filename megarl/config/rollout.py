@@ -146,7 +146,11 @@ class VLLMConfig:
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation: faster start, needed on CPU."""
     enable_prefix_caching: bool = True
-    """Reuse KV cache across requests sharing a prefix (continued generations)."""
+    """Reuse KV cache across requests sharing a prefix (a GRPO group's prompt, continued generations)."""
+    block_size: int | None = None
+    """Tokens per KV-cache block; None: vLLM's default (128 on CPU). The prefix cache only shares
+    whole blocks, so a group's samples recompute their prompt's last ``len % block_size`` tokens:
+    short prompts on CPU want 32 (the smallest vLLM-CPU accepts; multiples of 32 there)."""
     max_num_seqs: int = 256
     """Sequences batched at once by the scheduler."""
     seed: int = 1
@@ -164,6 +168,9 @@ class VLLMConfig:
         require(self.cpu_kvcache_space_gb >= 1, "cpu_kvcache_space_gb", self.cpu_kvcache_space_gb, "must be >= 1")
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
         require(self.startup_timeout > 0, "startup_timeout", self.startup_timeout, "must be > 0 seconds")
+        if self.block_size is not None:
+            require(self.block_size >= 16 and self.block_size % 16 == 0, "block_size", self.block_size,
+                    "must be a multiple of 16 (of 32 on CPU), or null for vLLM's default")  # fmt: skip
 
 
 @dataclass

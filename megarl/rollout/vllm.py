@@ -160,6 +160,10 @@ def vllm_launch_spec(
         "processed_logprobs",
         "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
+    if config.block_size is not None:
+        if device_type == "cpu" and config.block_size % 32:
+            raise ValueError(f"vllm.block_size={config.block_size}: vLLM-CPU needs a multiple of 32")
+        cmd += ["--block-size", str(config.block_size)]
     if config.enforce_eager:
         cmd.append("--enforce-eager")
     if tp > 1:

@@ -61,6 +61,18 @@ def test_vllm_command_tp2_cpu_and_cuda():
         vllm_launch_spec(VLLMConfig(), "/m", "h", 1, tp=2, devices=[0])
 
 
+def test_vllm_block_size_is_passed_and_checked_for_the_device():
+    assert "--block-size" not in vllm_launch_spec(VLLMConfig(), "/m", "h", 1).cmd  # vLLM's default
+    cpu = vllm_launch_spec(VLLMConfig(block_size=32), "/m", "h", 1)
+    assert "--block-size 32" in " ".join(cpu.cmd)
+    gpu = vllm_launch_spec(VLLMConfig(block_size=16), "/m", "h", 1, device_type="cuda")
+    assert "--block-size 16" in " ".join(gpu.cmd)
+    with pytest.raises(ValueError, match="vllm.block_size=16: vLLM-CPU needs a multiple of 32"):
+        vllm_launch_spec(VLLMConfig(block_size=16), "/m", "h", 1)
+    with pytest.raises(ValueError, match="block_size"):
+        VLLMConfig(block_size=24).check()
+
+
 def _python_spec(code: str, port: int = 1) -> LaunchSpec:
     return LaunchSpec(cmd=[sys.executable, "-c", textwrap.dedent(code)], port=port)
 
