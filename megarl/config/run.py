@@ -76,6 +76,10 @@ class SaverConfig:
     """Save when this many seconds passed since the last save."""
     export_hf: bool = False
     """Also export an HF directory (safetensors) next to the Megatron checkpoint."""
+    with_optim: bool = True
+    """Include the optimizer state (Adam's two moments and the fp32 master weights: about 3x
+    the weights). False: weights only, to use or to start a new run from; resuming a run
+    exactly is ``recover``'s job, which always keeps it."""
     keep_last: int = 2
     """Checkpoints kept on disk; older ones are deleted."""
 

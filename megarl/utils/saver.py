@@ -131,7 +131,8 @@ class Saver:
 
     Each is written to ``globalstep{N}.tmp`` and renamed once every rank has finished, so
     a directory without the suffix is complete. Contents: ``model/`` (Megatron distributed
-    checkpoint with optimizer state, resumable with ``engine.load``), ``hf/`` when
+    checkpoint, with the optimizer state unless ``config.with_optim`` is false; ``engine.load``
+    reads it back), ``hf/`` when
     ``config.export_hf``, and ``meta.json`` (epoch, steps, version).
 
     Args:
@@ -160,7 +161,7 @@ class Saver:
         final = self.root / f"globalstep{global_step}"
         tmp = final.with_name(final.name + ".tmp")
         start_tmp_dir(tmp)
-        engine.save(SaveLoadMeta(str(tmp / "model"), weight_format="megatron", with_optim=True))
+        engine.save(SaveLoadMeta(str(tmp / "model"), weight_format="megatron", with_optim=self.config.with_optim))
         if self.config.export_hf:
             engine.export_hf(tmp / "hf")
         meta = {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step, "version": engine.get_version()}

@@ -141,6 +141,12 @@ def test_saver_writes_megatron_checkpoint_meta_and_hf(tmp_path):
     assert meta.weight_format == "megatron" and meta.with_optim
 
 
+def test_saver_without_optimizer_state_saves_weights_only(tmp_path):
+    saver, engine = Saver(SaverConfig(freq_steps=1, with_optim=False), tmp_path), StubEngine()
+    assert run_steps(saver, engine, range(1)) == [0]
+    assert engine.saved[0].with_optim is False
+
+
 def test_saver_keeps_last_n_and_cleans_interrupted_writes(tmp_path):
     saver, engine = Saver(SaverConfig(freq_steps=1, keep_last=2), tmp_path), StubEngine()
     interrupted = tmp_path / "checkpoints" / "globalstep0.tmp" / "model"
