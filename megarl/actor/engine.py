@@ -312,15 +312,11 @@ class MegatronEngine:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = mb.cu_seqlens.to(cpu_shim.device())
+        thd = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
+                   max_seqlen_kv=mb.max_seqlen)  # fmt: skip
         if mb.shares_prefixes:
-            return SharedPrefixSeqParams(
-                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen, parents=mb.parents,
-            )  # fmt: skip
-        return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-            max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
-        )  # fmt: skip
+            return SharedPrefixSeqParams(**thd, parents=mb.parents)
+        return PackedSeqParams(**thd)
 
     def _forward_step(self, head_fn):
         """Megatron ``forward_step_func``: run a chunk on the next micro-batch; ``head_fn`` is its loss."""

@@ -226,8 +226,8 @@ def pack(batch: dict, groups: list[list[int | Unit]], padded_len: int) -> list[M
             segments.append(Segment((), 0, padded_len - used))  # trailing padding attends only to itself
         rows = [r for u in units for r in u.rows]
         data = {key: _pack_value(value, rows, segments, seq_dim, n_rows) for key, value in batch.items()}
-        _add_labels(data, batch["input_ids"], segments, seqlens)
         data["position_ids"] = torch.cat([torch.arange(s.start, s.end) for s in segments])
+        _add_labels(data, batch["input_ids"], segments, seqlens)
         data["cu_seqlens"] = _cu_seqlens(segments)
         out.append(MicroBatch(data, rows, segments, padded_len, data["cu_seqlens"]))
     return out
@@ -249,23 +249,13 @@ def _pack_value(value, rows, segments, seq_dim, n_rows):
 
 
 def _add_labels(data: dict, input_ids: torch.Tensor, segments: list[Segment], seqlens: list[int]) -> None:
-    """``labels[t]``: the token after ``t`` in its row; ``label_mask`` False where there is none."""
-    labels, masks = [], []
-    for s in segments:
-        if not s.rows:
-            labels.append(torch.zeros(s.length, dtype=input_ids.dtype, device=input_ids.device))
-            masks.append(torch.zeros(s.length, dtype=torch.bool, device=input_ids.device))
-            continue
-        row = s.rows[0]
-        nxt = torch.zeros(s.length, dtype=input_ids.dtype, device=input_ids.device)
-        has_next = min(s.end, seqlens[row] - 1) - s.start
-        nxt[:has_next] = input_ids[row, s.start + 1 : s.start + 1 + has_next]
-        mask = torch.zeros(s.length, dtype=torch.bool, device=input_ids.device)
-        mask[:has_next] = True
-        labels.append(nxt)
-        masks.append(mask)
-    data["labels"] = torch.cat(labels)
-    data["label_mask"] = torch.cat(masks)
+    """``labels[t]``: the token after ``t`` in its row (``position_ids`` + 1); ``label_mask`` False where there is none."""
+    row = torch.cat([torch.full((s.length,), s.rows[0] if s.rows else -1) for s in segments])
+    nxt = data["position_ids"] + 1
+    label_mask = ((row >= 0) & (nxt < torch.tensor(seqlens + [0])[row])).to(input_ids.device)  # padding: row -1
+    labels = input_ids[row.clamp(min=0), nxt.clamp(max=input_ids.shape[1] - 1)]
+    data["labels"] = torch.where(label_mask, labels, torch.zeros_like(labels))
+    data["label_mask"] = label_mask
 
 
 def _cu_seqlens(segments: list[Segment]) -> torch.Tensor:
