@@ -356,35 +356,51 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ training
 
-    def train_batch(self, input_: dict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        """One optimizer step on this rank's share of the batch; returns loss, grad_norm, lr, ..."""
-        stats = self.forward_backward(input_, loss_fn, loss_weight_fn)
+    def train_batch(
+        self, input_: dict | None, loss_fn: LossFn, loss_weight_fn: LossWeightFn, extra_weight: float = 0.0
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's share of the batch; returns loss, grad_norm, lr, ...
+
+        ``input_=None`` (on every rank) steps on zero gradients; see :meth:`forward_backward`.
+        """
+        stats = self.forward_backward(input_, loss_fn, loss_weight_fn, extra_weight)
         with cpu_shim.device_mode():
             update_successful, grad_norm, _ = self.optimizer.step()
         stats.update(grad_norm=float(grad_norm or 0.0), lr=self.current_lr, update_successful=float(update_successful))
         return stats
 
-    def forward_backward(self, input_: dict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        """Gradients of the weighted-mean loss over the global batch, in the DDP grad buffers (no step)."""
+    def forward_backward(
+        self, input_: dict | None, loss_fn: LossFn, loss_weight_fn: LossWeightFn, extra_weight: float = 0.0
+    ) -> dict[str, float]:
+        """Gradients of the weighted-mean loss over the global batch, in the DDP grad buffers (no step).
+
+        ``extra_weight`` adds to this rank's loss weight for rows left out of ``input_`` whose loss
+        is zero (they still count in the mean). ``input_=None``, which every rank must pass
+        together, means no row anywhere has a nonzero loss: the gradients are zero, no pass runs.
+        """
         if self.optimizer is None:
             raise ValueError("train_batch() on an engine without an optimizer (config.optimizer is None)")
         self.train()
         with cpu_shim.device_mode():
-            mbs = self.microbatches(input_)
-            scales, total = self._loss_scales(mbs, loss_weight_fn)
             for chunk in self.model:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
+            if input_ is None:
+                return {"loss": 0.0, "loss_weight": extra_weight, "n_mbs": 0.0, "packed_tokens": 0.0}
+            mbs = self.microbatches(input_)
+            scales, total = self._loss_scales(mbs, loss_weight_fn, extra_weight)
             head_fn = partial(self._train_head, loss_fn)
             outputs = self._run_schedule(mbs, scales, head_fn, forward_only=False)
             loss = self._weighted_loss(outputs, len(mbs))
         packed = float(sum(mb.num_tokens for mb in mbs))
         return {"loss": loss, "loss_weight": total, "n_mbs": float(len(mbs)), "packed_tokens": packed}
 
-    def _loss_scales(self, mbs: list[MicroBatch], loss_weight_fn: LossWeightFn) -> tuple[list[float], float]:
+    def _loss_scales(
+        self, mbs: list[MicroBatch], loss_weight_fn: LossWeightFn, extra_weight: float = 0.0
+    ) -> tuple[list[float], float]:
         """Per-micro-batch factors turning Megatron's mean over micro-batches and DP into a global weighted mean."""
         weights = [float(loss_weight_fn(mb.data)) if mb.seq_indices else 0.0 for mb in mbs]
-        total = torch.tensor([sum(weights)], dtype=torch.float64, device=cpu_shim.device())
+        total = torch.tensor([sum(weights) + extra_weight], dtype=torch.float64, device=cpu_shim.device())
         if self.parallel.alloc.dp * self.parallel.alloc.cp > 1:
             dist.all_reduce(total, group=self.parallel.dp_group)
         total = float(total.item())

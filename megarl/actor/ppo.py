@@ -108,11 +108,63 @@ class MegatronPPOActor(MegatronEngine):
         for _ in range(cfg.ppo_n_epochs):
             for minibatch in split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
                 with stats_tracker.scope("ppo_actor"):
-                    step = self.train_batch(minibatch, loss_fn, weight_fn)
-                    keys = ("loss", "grad_norm", "lr", "update_successful", "n_mbs", "packed_tokens")
+                    step = self.train_minibatch(minibatch, loss_fn, weight_fn)
+                    keys = ("loss", "grad_norm", "lr", "update_successful", "n_mbs", "packed_tokens", "skipped_seqs")
                     stats_tracker.scalar(**{k: step[k] for k in keys})
                 all_stats.append(stats_tracker.export())
         return all_stats
+
+
+    def train_minibatch(self, minibatch: dict, loss_fn, weight_fn) -> dict[str, float]:
+        """One optimizer step on ``minibatch``, without the rows whose loss is zero (``skip_zero_advantage``)."""
+        active, inert_weight, n_inert = self.drop_inert_rows(minibatch, weight_fn)
+        step = self.train_batch(active, loss_fn, weight_fn, extra_weight=inert_weight)
+        return {**step, "skipped_seqs": float(n_inert)}
+
+    def drop_inert_rows(self, minibatch: dict, weight_fn) -> tuple[dict | None, float, int]:
+        """``minibatch`` without its inert rows (see :func:`inert_rows`), their loss weight, their count.
+
+        The rows come back as None when no data-parallel rank has a row left (a batch with nothing
+        to learn). A rank whose rows are all inert while others have work runs its shortest row
+        with an empty loss mask, so that every rank runs the same schedule.
+        """
+        inert = inert_rows(minibatch, self.config)
+        (anyone_active,) = self._all_reduce_max([int(not inert.all())])  # on every DP rank, always
+        if not inert.any():
+            return minibatch, 0.0, 0
+        n_rows, n_inert = len(inert), int(inert.sum())
+        weight = float(weight_fn(padded_as_packed(_rows(minibatch, _where(inert), n_rows))))
+        if not anyone_active:
+            return None, weight, n_inert
+        if n_inert == n_rows:
+            placeholder = _rows(minibatch, [int(minibatch["attention_mask"].sum(-1).argmin())], n_rows)
+            placeholder["loss_mask"] = torch.zeros_like(placeholder["loss_mask"])
+            return placeholder, weight, n_inert
+        return _rows(minibatch, _where(~inert), n_rows), weight, n_inert
+
+
+def inert_rows(data: dict, cfg: PPOActorConfig) -> torch.Tensor:
+    """[B] bool: rows whose loss and gradient are exactly zero, so the update can leave them out.
+
+    The clipped surrogate of a token is ``-A * ratio`` (times the behaviour weight), zero with
+    its gradient wherever the advantage ``A`` is 0; a KL loss or an entropy bonus would still
+    pull on such a row, so then no row is inert.
+    """
+    loss_terms = (cfg.kl_ctl > 0 and not cfg.kl_in_reward) or cfg.entropy_coeff > 0
+    if not cfg.skip_zero_advantage or loss_terms:
+        return torch.zeros(data["attention_mask"].shape[0], dtype=torch.bool)
+    return ~((data["advantages"] != 0) & data["loss_mask"].bool()).any(-1)
+
+
+def padded_as_packed(data: dict) -> dict:
+    """The loss-weight view of right-padded ``[B, S]`` rows: what :func:`ppo_loss_weight` reads of a micro-batch.
+
+    ``label_mask`` marks the tokens that have a next token in their row, as packing does.
+    """
+    rows, width = data["loss_mask"].shape
+    has_next = torch.arange(width)[None, :] < data["attention_mask"].sum(-1, keepdim=True) - 1
+    return {"loss_mask": data["loss_mask"].flatten().bool(), "label_mask": has_next.flatten(),
+            "cu_seqlens": torch.arange(rows + 1) * width}  # fmt: skip
 
 
 def _uses_prox(cfg: PPOActorConfig) -> bool:
@@ -149,6 +201,10 @@ def _rows(data: dict, rows: list[int], n_rows: int) -> dict:
         else:
             out[key] = value
     return out
+
+
+def _where(rows: torch.Tensor) -> list[int]:
+    return rows.nonzero().flatten().tolist()
 
 
 def _mask(mb: dict) -> torch.Tensor:

@@ -191,6 +191,12 @@ class PPOActorConfig(TrainEngineConfig):
     """GAE lambda (1 for GRPO)."""
     group_size: int = 1
     """Consecutive sequences answering one prompt (GRPO groups; equal to the rollout's n_samples)."""
+    skip_zero_advantage: bool = True
+    """Leave out of the forward and backward the sequences whose every loss token has advantage 0
+    (a GRPO group whose samples got the same reward): their loss and gradient are exactly zero
+    when no KL loss or entropy bonus applies. The loss normaliser still counts their tokens, so the
+    update is the same; a batch with nothing to learn costs only the optimizer step. The per-token
+    stats (entropy, ratios) then cover the sequences trained on; ``ppo_actor/skipped_seqs`` counts the rest."""
     dr_grpo_norm_len: int | None = None
     """Constant divisor of a sequence's token-loss sum for ``seq-mean-token-sum-norm`` (Dr.GRPO):
     the generation budget (max_new_tokens). None uses the padded length of the batch."""

@@ -8,11 +8,12 @@ The same steps as the sbatch script of :mod:`megarl.launcher.slurm`, as child pr
    processes on) before anything starts, and write the resolved config to
    ``{run_dir}/config.yaml``: the trainer reads it, the servers are built from it;
 2. start every inference server of the placement plan (logs in
-   ``{run_dir}/logs/server-{i}.log``) and wait until all are healthy; one dying fails
-   the run at once, quoting the end of its log;
-3. ``torchrun --standalone`` the trainer with the servers' addresses in
-   ``$rollout.server_addrs_env``; with ``recover.mode=auto`` a trainer that fails is
-   restarted (servers stay up) up to ``recover.retries`` times;
+   ``{run_dir}/logs/server-{i}.log``); one dying before it is healthy, or not healthy
+   within its ``startup_timeout``, fails the run at once, quoting the end of its log;
+3. meanwhile ``torchrun --standalone`` the trainer with the servers' addresses in
+   ``$rollout.server_addrs_env``: it builds its model while the servers start and waits
+   for them; with ``recover.mode=auto`` a trainer that fails is restarted (servers stay
+   up) up to ``recover.retries`` times;
 4. a server dying meanwhile stops the trainer and fails the run.
 
 Every child's output reaches the console line by line, prefixed ``[server-0]`` or
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -259,8 +260,11 @@ def _startup_timeout(config: GRPOConfig) -> float:
 
 
 @contextmanager
-def running_servers(config: GRPOConfig, specs: list[LaunchSpec], relay: OutputRelay) -> Iterator[list[InferenceServer]]:
-    """Start a server per spec, wait until all are healthy, yield them; stop every tree on exit."""
+def running_servers(
+    config: GRPOConfig, specs: list[LaunchSpec], relay: OutputRelay, wait: bool = True
+) -> Iterator[list[InferenceServer]]:
+    """Start a server per spec, wait until all are healthy (unless not ``wait``: see
+    :class:`ServerStartup`), yield them; stop every tree on exit."""
     log_dir = config.run_dir / "logs"
     marks = [_Mark.new() for _ in specs]
     servers = [
@@ -272,8 +276,8 @@ def running_servers(config: GRPOConfig, specs: list[LaunchSpec], relay: OutputRe
             if relay.verbose:
                 relay.follow(server.name, server.log_path)
             server.start()
-        _wait_healthy(servers, _startup_timeout(config))
-        logger.info("servers healthy: %s", ",".join(s.address for s in servers))
+        if wait:
+            _wait_healthy(servers, _startup_timeout(config))
         yield servers
     finally:
         relay.close()  # a server's shutdown chatter stays in its log file, off the console
@@ -282,22 +286,47 @@ def running_servers(config: GRPOConfig, specs: list[LaunchSpec], relay: OutputRe
 
 def _wait_healthy(servers: list[InferenceServer], timeout: float) -> None:
     """Wait until every server answers its health check; fail as soon as one exits."""
-    deadline = time.monotonic() + timeout
-    waiting = list(servers)
-    while waiting:
-        for server in list(waiting):
+    startup = ServerStartup(servers, timeout)
+    while not startup.poll():
+        time.sleep(_POLL_S)
+
+
+class ServerStartup:
+    """Servers on their way up, probed by whoever waits for them (the launcher's watch loop).
+
+    The trainer starts with the servers, not after them: its imports, model build and
+    weight loading (~15 s for the main job) overlap the servers' start-up, and its rollout
+    engine waits for their health itself (``rollout.setup_timeout``).
+    """
+
+    def __init__(self, servers: list[InferenceServer], timeout: float, on_ready: Callable[[float], None] | None = None):
+        self.waiting = list(servers)
+        self.started = time.monotonic()
+        self.timeout = timeout
+        self.on_ready = on_ready
+
+    def poll(self) -> bool:
+        """Whether every server is healthy now; ``ServerLaunchError`` if one exited or the deadline passed."""
+        for server in list(self.waiting):
             if server.proc.poll() is not None:
                 raise ServerLaunchError(_death_message(server, "before it was healthy"))
             if server.is_healthy(timeout=2.0):
-                waiting.remove(server)
-        if waiting and time.monotonic() > deadline:
-            names = ", ".join(s.name for s in waiting)
+                self.waiting.remove(server)
+                if not self.waiting:
+                    self._ready()
+        if self.waiting and time.monotonic() - self.started > self.timeout:
+            names = ", ".join(s.name for s in self.waiting)
             raise ServerLaunchError(
-                f"{names} not healthy within {timeout:g} s (vllm/sglang.startup_timeout); "
-                f"last lines of {waiting[0].log_path}:\n{waiting[0].log_tail()}"
+                f"{names} not healthy within {self.timeout:g} s (vllm/sglang.startup_timeout); "
+                f"last lines of {self.waiting[0].log_path}:\n{self.waiting[0].log_tail()}"
             )
-        if waiting:
-            time.sleep(_POLL_S)
+        return not self.waiting
+
+    def _ready(self) -> None:
+        seconds = time.monotonic() - self.started
+        logger.info("servers healthy after %.1f s", seconds)
+        if self.on_ready is not None:
+            self.on_ready(seconds)
 
 
 def _death_message(server: InferenceServer, when: str) -> str:
@@ -423,11 +452,18 @@ def trainer_env(config: GRPOConfig, plan: Placement, addrs: list[str]) -> dict[s
 
 
 def run_trainer(
-    config: GRPOConfig, config_file: Path, plan: Placement, servers: list[InferenceServer], relay: OutputRelay
+    config: GRPOConfig,
+    config_file: Path,
+    plan: Placement,
+    servers: list[InferenceServer],
+    relay: OutputRelay,
+    startup: ServerStartup | None = None,
 ) -> int:
     """Run the trainer until it succeeds or is out of restarts; returns its exit status.
 
-    Raises :class:`ServerLaunchError` when a server dies meanwhile (the trainer is stopped).
+    ``startup``: the servers are still starting; the watch loop probes them meanwhile.
+    Raises :class:`ServerLaunchError` when a server dies meanwhile (the trainer is stopped)
+    or is not up in time.
     """
     cmd = trainer_command(config, config_file, plan)
     env = trainer_env(config, plan, [s.address for s in servers])
@@ -439,7 +475,7 @@ def run_trainer(
         for attempt in range(retries + 1):
             log.write(f"# megarl run: trainer attempt {attempt + 1}: {' '.join(cmd)}\n".encode())
             log.flush()
-            code = _run_trainer_once(cmd, env, servers, relay, log)
+            code = _run_trainer_once(cmd, env, servers, relay, log, startup)
             if code == 0:
                 logger.info("trainer finished")
                 return 0
@@ -459,7 +495,12 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _run_trainer_once(
-    cmd: list[str], env: dict[str, str], servers: list[InferenceServer], relay: OutputRelay, log: IO[bytes]
+    cmd: list[str],
+    env: dict[str, str],
+    servers: list[InferenceServer],
+    relay: OutputRelay,
+    log: IO[bytes],
+    startup: ServerStartup | None = None,
 ) -> int:
     logger.info("starting trainer: %s", " ".join(cmd))
     mark = _Mark.new()
@@ -472,7 +513,7 @@ def _run_trainer_once(
     kill_on_exit(proc)
     pump = relay.pipe("trainer", proc.stdout, log) if relay.verbose else relay.console("trainer", proc.stdout, log)
     try:
-        code = _watch(proc, servers)
+        code = _watch(proc, servers, startup)
     finally:
         cancel_kill_on_exit(proc)
         terminate_process_tree(proc, timeout=_STOP_TIMEOUT_S)
@@ -487,8 +528,10 @@ def _run_trainer_once(
     return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
 
 
-def _watch(proc: subprocess.Popen, servers: list[InferenceServer]) -> int:
+def _watch(proc: subprocess.Popen, servers: list[InferenceServer], startup: ServerStartup | None) -> int:
     while (code := proc.poll()) is None:
+        if startup is not None and startup.waiting:
+            startup.poll()
         _check_servers(servers, "during training")
         time.sleep(_POLL_S)
     return code
@@ -537,16 +580,18 @@ def run_local(config: GRPOConfig, config_file: str | Path | None = None, out: Te
     """
     plan = check_local(config)
     specs = server_specs(config, plan)
+    # the trainer starts with the servers: it waits for them as long as this launcher does
+    config.rollout.setup_timeout = max(config.rollout.setup_timeout, _startup_timeout(config))
     config_file = save_config(config, config_file).resolve()
     logger.info("run dir %s; config %s", config.run_dir.resolve(), config_file)
     relay = OutputRelay(out if out is not None else sys.stdout, verbose=config.launcher.verbose)
     for line in startup_lines(config, plan):
         relay.line("megarl", line)
-    started = time.monotonic()
     try:
-        with _sigterm_as_exit(), running_servers(config, specs, relay) as servers:
-            relay.line("megarl", f"servers ready in {time.monotonic() - started:.0f} s; starting the trainer")
-            return run_trainer(config, config_file, plan, servers, relay)
+        with _sigterm_as_exit(), running_servers(config, specs, relay, wait=False) as servers:
+            announce = lambda seconds: relay.line("megarl", f"servers ready in {seconds:.0f} s")  # noqa: E731
+            startup = ServerStartup(servers, _startup_timeout(config), on_ready=announce)
+            return run_trainer(config, config_file, plan, servers, relay, startup)
     finally:
         relay.end_line()  # an error or "interrupted" starts on a line of its own
 

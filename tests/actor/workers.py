@@ -237,3 +237,36 @@ def prox_paths(model_dir: str, batch: dict, **overrides) -> dict:
         grads = torch.cat([p.main_grad.flatten().clone() for chunk in actor.model for p in chunk.parameters()])
         out[name] = {"loss": stats["loss"], "grads": grads, "stats": stats_tracker.export()}
     return out
+
+
+def inert_row_paths(model_dir: str, alloc: str, batch: dict, **overrides) -> dict:
+    """One GRPO mini-batch's loss and gradients with every row vs without the rows of zero advantage
+    (``drop_inert_rows``), then a ``train_minibatch`` step: the parameters before and after."""
+    from megarl.actor.ppo import MegatronPPOActor, ppo_loss, ppo_loss_weight
+
+    cfg = PPOActorConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, 1), group_size=2,
+                         optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.01, use_distributed_optimizer=False))  # fmt: skip
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    actor = MegatronPPOActor(cfg)
+    actor.create_process_group(alloc)
+    actor.initialize()
+    p = actor.parallel
+    data = split_groups(batch, p.dp_rank, p.alloc.dp, cfg.group_size)
+    actor.compute_advantages(data)
+    loss_fn = partial(ppo_loss, cfg=cfg, norm_len=batch["attention_mask"].shape[1])
+    weight_fn = partial(ppo_loss_weight, mode=cfg.loss_agg_mode)
+
+    def grads() -> torch.Tensor:
+        return torch.cat([q.main_grad.flatten().clone() for chunk in actor.model for q in chunk.parameters()])
+
+    out = {"full": actor.forward_backward(data, loss_fn, weight_fn)}
+    out["full"]["grads"] = grads()
+    active, inert_weight, n_inert = actor.drop_inert_rows(data, weight_fn)
+    out["skip"] = actor.forward_backward(active, loss_fn, weight_fn, inert_weight)
+    out["skip"].update(grads=grads(), n_inert=n_inert, n_active=0 if active is None else len(active["rewards"]))
+    params = lambda: torch.cat([q.detach().flatten().clone() for chunk in actor.model for q in chunk.parameters()])  # noqa: E731
+    out["params_before"] = params()
+    out["step"] = actor.train_minibatch(data, loss_fn, weight_fn)
+    out["params_after"] = params()
+    return out

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -45,16 +46,28 @@ out = Path(os.environ["FAKE_TRAINER_DIR"])
 config = sys.argv[sys.argv.index("--config") + 1]
 assert Path(config).is_file(), config
 addrs = os.environ["TEST_LOCAL_SERVER_ADDRS"].split(",")
-for addr in addrs:
-    with urllib.request.urlopen(f"http://{addr}/health", timeout=30) as resp:
-        assert resp.status == 200, resp.status
+def healthy(addr):
+    try:
+        with urllib.request.urlopen(f"http://{addr}/health", timeout=30) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+server_was_up = healthy(addrs[0])
+deadline = time.monotonic() + 400
+for addr in addrs:  # the launcher starts the trainer with the servers: wait for them, as the rollout engine does
+    while not healthy(addr):
+        assert time.monotonic() < deadline, addr
+        time.sleep(0.2)
+(out.parent / "setup_timeout").write_text(open(config).read().split("setup_timeout:")[1].split()[0])
 port = int(addrs[0].rsplit(":", 1)[1])
 server_pid = next(
     c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
 )
 attempt = len(list(out.glob("attempt-*")))
 mode = os.environ["FAKE_TRAINER_MODE"]
-record = {"pid": os.getpid(), "server_pid": server_pid, "config": config, "omp": os.environ.get("OMP_NUM_THREADS")}
+record = {"pid": os.getpid(), "server_pid": server_pid, "config": config, "omp": os.environ.get("OMP_NUM_THREADS"),
+          "server_was_up": server_was_up}
 if mode == "fail-once" and attempt == 0:
     # A worker that outlives its rank, in its own session, holding the rank's stdout (the launcher's pipe).
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
@@ -187,6 +200,12 @@ def fake_server_spec(config, index, devices, host, port) -> LaunchSpec:
     return LaunchSpec(cmd=[sys.executable, FAKE_SERVER, "--port", str(port)], host=host, port=port)
 
 
+def slow_fake_server_spec(config, index, devices, host, port) -> LaunchSpec:
+    """The fake server, up 15 s after its launch (a real one takes ~30 s on 2 cores)."""
+    spec = fake_server_spec(config, index, devices, host, port)
+    return replace(spec, cmd=["sh", "-c", f"sleep 15 && exec {' '.join(spec.cmd)}"])
+
+
 @pytest.mark.parametrize(
     "mode,recover,code,n_attempts",
     [
@@ -195,7 +214,8 @@ def fake_server_spec(config, index, devices, host, port) -> LaunchSpec:
     ],
 )
 def test_megarl_run(mode, recover, code, n_attempts, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(local, "server_spec", fake_server_spec)
+    # with a server slow to start: the trainer starts with it, not after it
+    monkeypatch.setattr(local, "server_spec", slow_fake_server_spec if mode == "fail-once" else fake_server_spec)
     monkeypatch.setattr("megarl.utils.logging.setup_logging", lambda *a, **k: None)  # keep the session's logging
     make_config(tmp_path, mode)  # writes the script
     start = time.monotonic()
@@ -206,6 +226,10 @@ def test_megarl_run(mode, recover, code, n_attempts, tmp_path, monkeypatch, caps
     records = attempts(tmp_path)
     assert len(records) == n_attempts
     assert all(r["config"] == str(run_dir / "config.yaml") and r["omp"] == "1" for r in records)
+    assert float((tmp_path / "setup_timeout").read_text()) == 400  # waits as long as vllm.startup_timeout
+    if mode == "fail-once":
+        assert [r["server_was_up"] for r in records] == [False, True]
+        assert "servers ready in 1" in out  # ~15 s
     assert f"\nfake trainer attempt {n_attempts - 1} saw 127.0.0.1:" in out  # unprefixed: the console is the trainer's
     assert f"fake trainer attempt {n_attempts - 1}" in (run_dir / "logs" / "trainer.log").read_text()
     if mode == "kill-server":
@@ -214,6 +238,22 @@ def test_megarl_run(mode, recover, code, n_attempts, tmp_path, monkeypatch, caps
         assert "fake server: shut down" in (run_dir / "logs" / "server-0.log").read_text()
         assert "shut down" not in out
     assert alive_after(pids_of(records)) == []
+
+
+def test_server_dying_while_the_trainer_starts_fails_the_run(tmp_path, monkeypatch, capsys):
+    def dying_spec(config, index, devices, host, port) -> LaunchSpec:
+        return LaunchSpec(cmd=["sh", "-c", "sleep 2; echo 'no model here' >&2; exit 3"], host=host, port=port)
+
+    monkeypatch.setattr(local, "server_spec", dying_spec)
+    monkeypatch.setattr("megarl.utils.logging.setup_logging", lambda *a, **k: None)
+    make_config(tmp_path, "sleep")
+    start = time.monotonic()
+    assert main(["run", CPU_YAML, *config_overrides(tmp_path, "sleep")]) == 1
+    assert time.monotonic() - start < 60, "the trainer waiting for the server must have been stopped"
+    err = capsys.readouterr().err
+    assert "server-0 at 127.0.0.1:" in err and "exited with code 3 before it was healthy" in err
+    assert "no model here" in err  # the end of its log
+    assert attempts(tmp_path) == []  # the trainer never got past its wait
 
 
 # `megarl run` as its own process, stopped by Ctrl-C or SIGTERM while training.
