@@ -101,13 +101,14 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
         sync_stats = t.actor.update_weights(replace(t.weight_meta, version=global_step + 1))
     record_batch_stats(batch, sync_stats)
     epoch, epoch_step = t.position(global_step)
-    with stats_tracker.record_timing("save"):
-        t.saver.maybe_save(t.actor, epoch, epoch_step, global_step)
-        t.recover.maybe_dump(t.actor, recover_info(t, global_step))
-    eval_stats = t.evaluator.maybe_evaluate(lambda: evaluate(t), epoch, epoch_step, global_step)
+    # the servers evaluate the new weights while the trainer writes them out
+    with t.evaluator.evaluating(lambda: evaluate(t), epoch, epoch_step, global_step) as eval_stats:
+        with stats_tracker.record_timing("save"):
+            t.saver.maybe_save(t.actor, epoch, epoch_step, global_step)
+            t.recover.maybe_dump(t.actor, recover_info(t, global_step))
     stats = {k: v for step in ppo_stats for k, v in step.items()}
     stats.update(stats_tracker.export())
-    stats.update(eval_stats or {})
+    stats.update(eval_stats() or {})
     return stats
 
 
@@ -193,6 +194,12 @@ def build(config: GRPOConfig) -> Trainer:
     parallel = actor.create_process_group(config.allocation_mode, seed=config.seed)
     layout = DataParallelLayout.from_parallel(parallel)
     tokenizer = load_tokenizer(config)
+    workflow = eval_workflow = None
+    if layout.is_head:
+        reward_fn = import_object(config.reward_fn, "reward_fn")
+        workflow = RLVRWorkflow(reward_fn, config.gconfig, tokenizer)
+        workflow.warm_up()  # its workers start while the model loads and the servers come up
+        eval_workflow = workflow.with_gconfig(config.gconfig.new(n_samples=1, greedy=True))
     dataloader, n_batches = None, None
     if layout.is_head:
         dataset = load_rl_dataset(
@@ -204,6 +211,7 @@ def build(config: GRPOConfig) -> Trainer:
             seed=config.seed, drop_last=True, num_workers=config.train_dataset.num_workers,
         )  # fmt: skip
         n_batches = len(dataloader)
+    valid_items = load_valid_items(config, tokenizer) if dist.get_rank() == 0 else []
     steps_per_epoch = min(b for b in all_gather(n_batches) if b is not None)
     total_steps = steps_per_epoch * config.total_train_epochs
     if config.total_train_steps is not None:
@@ -216,17 +224,12 @@ def build(config: GRPOConfig) -> Trainer:
         rollout = RemoteInferenceEngine(config.rollout, config.allocation.inference.backend)
         rollout.initialize(batch_size=config.train_dataset.batch_size // layout.dp_size, dump_dir=str(config.run_dir),
                            tokenizer=tokenizer)  # fmt: skip
-    workflow = eval_workflow = None
-    if layout.is_head:
-        reward_fn = import_object(config.reward_fn, "reward_fn")
-        workflow = RLVRWorkflow(reward_fn, config.gconfig, tokenizer)
-        eval_workflow = RLVRWorkflow(reward_fn, config.gconfig.new(n_samples=1, greedy=True), tokenizer)
     meta = WeightUpdateMeta.from_allocation(config.weight_update, config.allocation)
     actor.connect_engine(rollout, meta)
     return Trainer(
         config=config, actor=actor, ref=ref, rollout=rollout,
         coordinator=DistRolloutCoordinator(rollout, layout, config.gconfig.n_samples),
-        dataloader=dataloader, valid_items=load_valid_items(config, tokenizer) if dist.get_rank() == 0 else [],
+        dataloader=dataloader, valid_items=valid_items,
         workflow=workflow, eval_workflow=eval_workflow, weight_meta=meta,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         saver=Saver(config.saver, config.run_dir, steps_per_epoch),

@@ -69,6 +69,10 @@ def _call_reward(reward_fn: Callable[..., Any], args: tuple, kwargs: dict, timeo
         return ScoredReward(0.0, "error")
 
 
+def _import_reward(reward_fn: Callable[..., Any]) -> None:
+    """Worker side of ``warm_up``: unpickling ``reward_fn`` imported its module; nothing else to do."""
+
+
 def _exit_with_parent() -> None:
     """Pool initializer: exit once the process that started the pool is gone, even SIGKILLed.
 
@@ -128,6 +132,14 @@ class AsyncRewardWrapper:
                     self.max_workers, mp_context=ctx, initializer=_exit_with_parent
                 )
             return self._executor
+
+    def warm_up(self) -> None:
+        """Start every worker now, not at the first call: each spawned worker imports the
+        trainer's and the reward's modules, seconds of CPU that would otherwise delay the
+        first step's rewards (and slow the servers decoding beside them)."""
+        executor = self._get_executor()
+        for _ in range(self.max_workers):  # a submit with no idle worker spawns one
+            executor.submit(_import_reward, self.reward_fn)
 
     def _replace_executor(self, broken: concurrent.futures.ProcessPoolExecutor) -> None:
         """Drop ``broken`` (hung or crashed); the next call starts a fresh pool.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from megarl.config.run import EvaluatorConfig
@@ -32,9 +34,29 @@ class Evaluator:
         self, fn: Callable[[], dict[str, float]], epoch: int, epoch_step: int, global_step: int, force: bool = False
     ) -> dict[str, float] | None:
         """``fn()`` when due (or ``force``), else None. With ``freq_secs`` set every rank must call (rank 0 decides)."""
+        with self.evaluating(fn, epoch, epoch_step, global_step, force) as stats:
+            pass
+        return stats()
+
+    @contextlib.contextmanager
+    def evaluating(
+        self, fn: Callable[[], dict[str, float]], epoch: int, epoch_step: int, global_step: int, force: bool = False
+    ) -> Iterator[Callable[[], dict[str, float] | None]]:
+        """:meth:`maybe_evaluate` with ``fn`` in a thread while the ``with`` block runs (e.g. a checkpoint
+        save: the servers evaluate while the trainer writes); yields a getter of its result for after the block.
+
+        Whether it is due is decided before the thread starts, on this thread: the block may use
+        collectives, and ``fn`` must not.
+        """
         if not due(self.freq, epoch_step, self.steps_per_epoch, force):
-            return None
-        stats = fn()
+            yield lambda: None
+            return
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-evaluator") as pool:
+            future = pool.submit(fn)
+            yield lambda: self._logged(future.result(), epoch, epoch_step, global_step)
+
+    @staticmethod
+    def _logged(stats: dict[str, float], epoch: int, epoch_step: int, global_step: int) -> dict[str, float]:
         if stats:
             logger.info("evaluation at epoch %d step %d (global step %d): %s", epoch, epoch_step, global_step, stats)
         return stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,17 @@ class RLVRWorkflow(RolloutWorkflow):
         self.data_extract_prompt_fn = data_extract_prompt_fn
         self.async_reward_fn = AsyncRewardWrapper(reward_fn, reward_timeout_seconds, reward_max_workers)
 
+    def with_gconfig(self, gconfig: GenerationHyperparameters) -> RLVRWorkflow:
+        """This workflow sampling with ``gconfig`` (e.g. greedy evaluation); it shares the reward workers."""
+        gconfig.check()
+        twin = copy.copy(self)
+        twin.gconfig = gconfig
+        return twin
+
+    def warm_up(self) -> None:
+        """Start the reward workers now rather than at the first reward (see ``AsyncRewardWrapper.warm_up``)."""
+        self.async_reward_fn.warm_up()
+
     async def score(self, resp: ModelResponse, data: dict[str, Any]) -> float:
         """The reward of one response (decoded, then scored in a worker process)."""
         prompt_str = self.tokenizer.decode(resp.input_tokens)
@@ -93,5 +105,5 @@ class RLVRWorkflow(RolloutWorkflow):
         return concat_padded_tensors(trajs)
 
     def close(self) -> None:
-        """Stop the reward worker processes."""
+        """Stop the reward worker processes (those of every ``with_gconfig`` twin: they are shared)."""
         self.async_reward_fn.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+import time
 
 import pytest
 
@@ -171,3 +172,21 @@ def test_cold_worker_start_does_not_count_against_the_timeout():
 
     result = asyncio.run(main())
     assert result.outcome == "ok" and float(result) == 1.0
+
+
+def test_warm_up_starts_every_worker_before_the_first_call():
+    import psutil
+
+    wrapper = AsyncRewardWrapper(gsm8k_reward_fn, timeout_seconds=60, max_workers=2)
+    try:
+        wrapper.warm_up()
+        workers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 2  # spawned now, not at the first call
+        deadline = time.monotonic() + 120
+        while any(w.cpu_times().user < 0.5 for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.5)  # both import torch and megarl: real work before any reward is asked for
+        started = time.monotonic()
+        result = asyncio.run(wrapper("p", "\\boxed{72}", [], [], answer=GSM8K_REF))
+        assert result.outcome == "correct" and time.monotonic() - started < 5
+    finally:
+        wrapper.close()

@@ -27,6 +27,36 @@ def test_evaluates_every_n_steps_and_returns_the_stats():
     assert evaluator.maybe_evaluate(lambda: {"eval/pass@1": 0.5}, 0, 6, 6, force=True) == {"eval/pass@1": 0.5}
 
 
+def test_evaluating_runs_beside_the_block_and_due_is_decided_first():
+    import threading
+
+    evaluator = Evaluator(EvaluatorConfig(freq_steps=2))
+    started, saved = threading.Event(), threading.Event()
+
+    def fn():
+        started.set()
+        assert saved.wait(10), "the block (a save) ran after the evaluation, not beside it"
+        return {"eval/pass@1": 0.25}
+
+    with evaluator.evaluating(fn, 0, 0, 0) as stats:  # not due: nothing runs
+        assert not started.wait(0.5)
+    assert stats() is None
+    with evaluator.evaluating(fn, 0, 1, 1) as stats:
+        assert started.wait(10)
+        saved.set()
+    assert stats() == {"eval/pass@1": 0.25}
+    with evaluator.evaluating(fn, 0, 2, 2) as stats:
+        pass
+
+    def failing():
+        raise RuntimeError("server gone")
+
+    with evaluator.evaluating(failing, 0, 3, 3) as stats:
+        pass
+    with pytest.raises(RuntimeError, match="server gone"):  # the failure reaches whoever asks for the result
+        stats()
+
+
 def test_evaluates_at_the_end_of_each_epoch():
     evaluator = Evaluator(EvaluatorConfig(freq_epochs=1), steps_per_epoch=4)
     assert evaluate_steps(evaluator, range(12), steps_per_epoch=4) == [3, 7, 11]

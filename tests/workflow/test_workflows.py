@@ -74,6 +74,23 @@ def test_rlvr_scores_each_sample(tokenizer):
     assert traj["versions"][traj["loss_mask"].bool()].eq(3).all()
 
 
+def test_greedy_twin_shares_the_reward_workers(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["\\boxed{72}", "71", "\\boxed{72}"])
+    workflow = RLVRWorkflow(gsm8k_reward_fn, GenerationHyperparameters(n_samples=2), tokenizer, reward_max_workers=1)
+    greedy = workflow.with_gconfig(GenerationHyperparameters(n_samples=1, greedy=True))
+    try:
+        sampled = asyncio.run(workflow.arun_episode(engine, ROW))
+        evaluated = asyncio.run(greedy.arun_episode(engine, ROW))
+        assert greedy.async_reward_fn is workflow.async_reward_fn  # one pool of reward processes
+        assert len(workflow.async_reward_fn._get_executor()._processes) == 1
+    finally:
+        greedy.close()
+        workflow.close()
+    assert sampled["rewards"].tolist() == [1.0, 0.0] and evaluated["rewards"].tolist() == [1.0]
+    assert [r.gconfig.greedy for r in engine.requests] == [False, False, True]
+    assert workflow.gconfig.n_samples == 2  # the original keeps its settings
+
+
 def test_multi_turn_reflection_discount_and_layout(tokenizer):
     engine = ScriptedEngine(tokenizer, ["I think 71", "Hmm, 70?", "Let me redo it: \\boxed{72}"])
     gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=32)
