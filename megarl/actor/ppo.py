@@ -8,7 +8,7 @@ the losses and advantage estimators are the pure functions of ``megarl.actor.los
         batch["prox_logp"] = actor.compute_logp(batch)
     batch["ref_logp"] = ref.compute_logp(batch)        # kl_ctl > 0
     actor.compute_advantages(batch)
-    stats = actor.ppo_update(batch)
+    stats = actor.ppo_update(batch)                    # rows of zero advantage cost nothing (skip_zero_advantage)
     actor.step_lr_scheduler()
 
 Alignment (as AReaL): the rollout's ``loss_mask`` / ``logprobs`` refer to token ``t`` at
@@ -113,7 +113,6 @@ class MegatronPPOActor(MegatronEngine):
                     stats_tracker.scalar(**{k: step[k] for k in keys})
                 all_stats.append(stats_tracker.export())
         return all_stats
-
 
     def train_minibatch(self, minibatch: dict, loss_fn, weight_fn) -> dict[str, float]:
         """One optimizer step on ``minibatch``, without the rows whose loss is zero (``skip_zero_advantage``)."""

@@ -140,7 +140,9 @@ class GRPOConfig(BaseExperimentConfig):
     """Import path of the reward, ``fn(prompt, completions, prompt_ids, completion_ids, **row) -> float``."""
     dynamic_filter: Literal["none", "uniform_reward"] = "none"
     """Reject groups before training: ``uniform_reward`` drops groups whose rewards are all equal
-    (no learning signal under group-normalised advantages; DAPO's dynamic sampling)."""
+    (no learning signal under group-normalised advantages; DAPO's dynamic sampling) and samples
+    others in their place. Without it such groups stay in the batch but cost no forward or backward
+    (``actor.skip_zero_advantage``)."""
 
     def check(self) -> None:
         super().check()
