@@ -6,6 +6,7 @@ A benchmark is a module ``benchmarks/NAME.py`` that defines
     def run(quick: bool) -> list[dict]   # one dict per table row
     def results_name() -> str        # optional: the results' file stem (default NAME), e.g.
                                      # to keep a GPU table beside the CPU one
+    def summary(rows) -> str         # optional: a line above the table (e.g. a gain over the rows)
 
 and ends with ``if __name__ == "__main__": main_for(__name__)`` so that it also runs
 standalone. ``benchmarks/run.py`` runs several. Every result file records the machine,
@@ -91,10 +92,14 @@ def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DI
         "versions": package_versions(),
         "rows": rows,
     }
+    if hasattr(module, "summary"):
+        record["summary"] = module.summary(rows)
     stem = module.results_name() if hasattr(module, "results_name") else name
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     header = f"# {module.TITLE}\n\n{record['date']} on {_machine_line(record['machine'])}\n\n"
+    if "summary" in record:
+        header += record["summary"] + "\n\n"
     (results_dir / f"{stem}.md").write_text(header + markdown_table(rows))
     return record
 
@@ -109,6 +114,8 @@ def _machine_line(machine: dict) -> str:
 
 def print_record(record: dict) -> None:
     sys.stdout.write(f"\n## {record['title']}\n{_machine_line(record['machine'])}\n\n")
+    if "summary" in record:
+        sys.stdout.write(record["summary"] + "\n\n")
     sys.stdout.write(markdown_table(record["rows"]))
 
 

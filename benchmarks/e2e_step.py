@@ -13,7 +13,8 @@ server and a one-rank gloo Megatron trainer on SmolLM2-135M, dtype ``auto``) wit
 The trainer's per-step stats (``metrics.jsonl``) give the breakdown: rollout wait, logprob
 recompute (absent when the update's forward gives the proximal logprobs), PPO update,
 weight sync and its consistency probe, and the trainer's peak RSS per phase
-(``memory/*_peak_gb``). The first steps are warm-up and not counted.
+(``memory/*_peak_gb``). The first steps are warm-up and not counted. Every row trains on
+its whole batch (``actor.skip_zero_advantage=false``), so that the policies do the same work.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def _run_mode(policy: str, staleness: int, steps: int, warmup: int, root: Path) 
         f"cluster.fileroot={root}", f"trial_name={trial}", f"cluster.cpu_threads={policy}",
         f"rollout.max_staleness={staleness}", f"total_train_steps={steps}", "valid_dataset=null",
         "saver.freq_steps=null", "stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false",
+        # every step trains on its whole batch: the policies are compared on the same work (the main
+        # job's groups mostly score 0 and would skip most updates, see actor.skip_zero_advantage)
+        "actor.skip_zero_advantage=false",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"), *overrides]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")

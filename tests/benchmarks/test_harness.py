@@ -34,6 +34,25 @@ def test_a_benchmark_may_name_its_results(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["named_bench_gpu.json", "named_bench_gpu.md"]
 
 
+def test_a_benchmark_summary_goes_above_its_table(tmp_path, monkeypatch):
+    bench = types.ModuleType("benchmarks.summed_bench")
+    bench.TITLE = "summed"
+    bench.run = lambda quick: [{"reward": 0.25}, {"reward": 0.75}]
+    bench.summary = lambda rows: f"gain {rows[-1]['reward'] - rows[0]['reward']:+.2f}"
+    monkeypatch.setitem(sys.modules, "benchmarks.summed_bench", bench)
+    record = run_benchmark("summed_bench", results_dir=tmp_path)
+    assert record["summary"] == "gain +0.50"
+    md = (tmp_path / "summed_bench.md").read_text()
+    assert md.index("gain +0.50") < md.index("| reward |")
+
+
+def test_learning_summary_is_the_tests_gain():
+    from benchmarks.learning_arithmetic import summary
+
+    rows = [{"reward": r} for r in (0.1, 0.2, 0.3, 0.2, 0.2, 0.5, 0.6, 0.7, 0.6, 0.6)]
+    assert summary(rows).startswith("first 5 steps mean reward 0.200, last 5 0.600, gain +0.400 over 10 steps")
+
+
 def test_fused_logprob_gpu_table_does_not_replace_the_cpu_one(monkeypatch):
     from benchmarks import fused_logprob
 
