@@ -257,16 +257,16 @@ def inert_row_paths(model_dir: str, alloc: str, batch: dict, **overrides) -> dic
     loss_fn = partial(ppo_loss, cfg=cfg, norm_len=batch["attention_mask"].shape[1])
     weight_fn = partial(ppo_loss_weight, mode=cfg.loss_agg_mode)
 
-    def grads() -> torch.Tensor:
-        return torch.cat([q.main_grad.flatten().clone() for chunk in actor.model for q in chunk.parameters()])
+    def flat(get) -> torch.Tensor:
+        return torch.cat([get(q).flatten().clone() for chunk in actor.model for q in chunk.parameters()])
 
     out = {"full": actor.forward_backward(data, loss_fn, weight_fn)}
-    out["full"]["grads"] = grads()
+    out["full"]["grads"] = flat(lambda q: q.main_grad)
     active, inert_weight, n_inert = actor.drop_inert_rows(data, weight_fn)
     out["skip"] = actor.forward_backward(active, loss_fn, weight_fn, inert_weight)
-    out["skip"].update(grads=grads(), n_inert=n_inert, n_active=0 if active is None else len(active["rewards"]))
-    params = lambda: torch.cat([q.detach().flatten().clone() for chunk in actor.model for q in chunk.parameters()])  # noqa: E731
-    out["params_before"] = params()
+    n_active = 0 if active is None else len(active["rewards"])
+    out["skip"].update(grads=flat(lambda q: q.main_grad), n_inert=n_inert, n_active=n_active)
+    out["params_before"] = flat(lambda q: q.detach())
     out["step"] = actor.train_minibatch(data, loss_fn, weight_fn)
-    out["params_after"] = params()
+    out["params_after"] = flat(lambda q: q.detach())
     return out
