@@ -309,32 +309,46 @@ class RolloutPool:
         if self._thread is None or self._stopping:
             raise RuntimeError("RolloutPool is not running: call start() (or engine.initialize()) first")
 
-    def _drop_stale_locked(self) -> None:
-        """Discard accepted training trajectories older than the staleness bound allows."""
+    def _drop_stale_locked(self) -> list[int]:
+        """Discard accepted training trajectories older than the staleness bound allows; their versions."""
         floor = self.staleness.min_allowed_version(self.engine.get_version())
+        dropped = []
         while self._results and self._results[0].oldest < floor and not self._results[0].is_eval:
             stale = heapq.heappop(self._results)
             self._pending.pop(stale.task_id, None)
             self.staleness.on_rollout_dropped()
-            logger.debug("dropped a trajectory of version %d (floor %d)", stale.oldest, floor)
+            dropped.append(stale.oldest)
+            logger.warning("dropped a stale trajectory of version %d (version %d, max_staleness=%d, oldest allowed %d)",
+                           stale.oldest, self.engine.get_version(), self.staleness.max_staleness, floor)  # fmt: skip
             with stats_tracker.scope("rollout"):
                 stats_tracker.denominator(n_stale_dropped=torch.ones(1, dtype=torch.bool))
+        return dropped
 
-    def _take(self, max_count: int, min_count: int, timeout: float | None) -> list[_Result]:
-        """Pop between ``min_count`` and ``max_count`` results, oldest first, or [] on timeout."""
+    def _take(
+        self, max_count: int, min_count: int, timeout: float | None, fail_on_stale: bool = False
+    ) -> list[_Result]:
+        """Pop between ``min_count`` and ``max_count`` results, oldest first, or [] on timeout.
+
+        ``fail_on_stale``: raise at once when stale drops leave fewer than ``min_count`` that
+        can still arrive (queued, running or ready), rather than wait for the timeout.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        dropped: list[int] = []
         with self._cond:
             try:
                 while True:
                     if self._errors:
                         raise self._errors.pop(0)
-                    self._drop_stale_locked()
+                    dropped += self._drop_stale_locked()
                     if len(self._results) >= min_count:
                         n = min(max_count, len(self._results))
                         taken = [heapq.heappop(self._results) for _ in range(n)]
                         for result in taken:
                             self._pending.pop(result.task_id, None)
                         return taken
+                    can_arrive = len(self._results) + self._n_running + len(self._input)
+                    if fail_on_stale and dropped and can_arrive < min_count:
+                        raise RolloutError(self._stale_message(min_count, can_arrive, dropped))
                     self._check_running()
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -343,6 +357,16 @@ class RolloutPool:
                     self._cond.wait(remaining)
             finally:
                 self._demand = 0
+
+    def _stale_message(self, wanted: int, can_arrive: int, dropped: list[int]) -> str:
+        version = self.engine.get_version()
+        return (
+            f"wait: {len(dropped)} trajectories were dropped as stale (generated at version(s) "
+            f"{sorted(set(dropped))}; at version {version} max_staleness={self.staleness.max_staleness} accepts "
+            f"version {self.staleness.min_allowed_version(version)} or newer), so only {can_arrive} of the {wanted} "
+            "asked for can still arrive. Call set_version() once per training step, not more, or raise "
+            "rollout.max_staleness."
+        )
 
     def _raise_demand(self, count: int) -> None:
         """Let the loop run past the output bound until ``count`` results exist (lock held)."""
@@ -354,11 +378,12 @@ class RolloutPool:
         """Return ``count`` accepted trajectories, oldest weights first.
 
         Raises ``TimeoutError`` if they are not there within ``timeout`` seconds (the
-        ones that are stay queued), and :class:`RolloutError` if a workflow raised.
+        ones that are stay queued), and :class:`RolloutError` if a workflow raised or, at
+        once, if trajectories dropped as stale leave fewer than ``count`` that can arrive.
         """
         if count <= 0:
             return []
-        results = self._take(count, count, timeout)
+        results = self._take(count, count, timeout, fail_on_stale=True)
         if not results:
             with self._cond:
                 have = len(self._results)

@@ -126,6 +126,40 @@ def test_wait_timeout_keeps_partial_results(pool_factory):
     assert len(pool.wait(1, timeout=1)) == 1
 
 
+def test_wait_fails_at_once_when_stale_drops_leave_too_few(pool_factory, caplog):
+    """An AReaL user's loop: submit, bump the version several times, wait. The trajectories are
+    too old to train on; wait() must say so now, not after its timeout."""
+    pool, engine = pool_factory(batch_size=2, max_staleness=1)
+    for i in range(2):
+        pool.submit({"id": i, "chunk_delays": [0.0]}, SimWorkflow())
+    deadline = time.monotonic() + 10
+    while len(pool._results) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.version = 3  # versions >= 2 are accepted; both trajectories are of version 0
+    pool.notify_version()
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="megarl.rollout.pool"), stats_tracker.scope("t_stale"):
+        with pytest.raises(RolloutError, match=r"2 trajectories were dropped as stale .*version\(s\) \[0\].*"
+                                               r"max_staleness=1 accepts version 2 or newer.*only 0 of the 2"):
+            pool.wait(2, timeout=30)
+    assert time.monotonic() - start < 1
+    assert sum("dropped a stale trajectory of version 0" in r.getMessage() for r in caplog.records) == 2
+    assert stats_tracker.export(local=True)["t_stale/rollout/n_stale_dropped"] == 2  # counted in the caller's scope
+
+
+def test_wait_for_episodes_still_to_come_is_not_cut_short_by_a_stale_drop(pool_factory):
+    pool, engine = pool_factory(batch_size=2, max_staleness=1)
+    pool.submit({"id": 0, "chunk_delays": [0.0]}, SimWorkflow())
+    deadline = time.monotonic() + 10
+    while len(pool._results) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.version = 2
+    pool.notify_version()
+    for i in (1, 2):  # new episodes at the new version: two can still arrive
+        pool.submit({"id": i, "chunk_delays": [0.05]}, SimWorkflow())
+    assert sorted(int(t["rewards"][0]) for t in pool.wait(2, timeout=10)) == [1, 2]
+
+
 class _Boom(RolloutWorkflow):
     async def arun_episode(self, engine, data):
         raise KeyError("answer")
