@@ -127,6 +127,8 @@ class MegatronPPOActor(MegatronEngine):
         to learn). A rank whose rows are all inert while others have work runs its shortest row
         with an empty loss mask, so that every rank runs the same schedule.
         """
+        if not _drops_inert_rows(self.config):  # the same config on every rank: no collective needed
+            return minibatch, 0.0, 0
         inert = inert_rows(minibatch, self.config)
         (anyone_active,) = self._all_reduce_max([int(not inert.all())])  # on every DP rank, always
         if not inert.any():
@@ -149,10 +151,15 @@ def inert_rows(data: dict, cfg: PPOActorConfig) -> torch.Tensor:
     its gradient wherever the advantage ``A`` is 0; a KL loss or an entropy bonus would still
     pull on such a row, so then no row is inert.
     """
-    loss_terms = (cfg.kl_ctl > 0 and not cfg.kl_in_reward) or cfg.entropy_coeff > 0
-    if not cfg.skip_zero_advantage or loss_terms:
+    if not _drops_inert_rows(cfg):
         return torch.zeros(data["attention_mask"].shape[0], dtype=torch.bool)
     return ~((data["advantages"] != 0) & data["loss_mask"].bool()).any(-1)
+
+
+def _drops_inert_rows(cfg: PPOActorConfig) -> bool:
+    """``skip_zero_advantage``, unless a KL loss or an entropy bonus pulls on every row."""
+    loss_terms = (cfg.kl_ctl > 0 and not cfg.kl_in_reward) or cfg.entropy_coeff > 0
+    return cfg.skip_zero_advantage and not loss_terms
 
 
 def padded_as_packed(data: dict) -> dict:

@@ -193,19 +193,31 @@ def checkpoint_load_then_train(model_dir: str, alloc: str, batches: list, ckpt_d
     return {"losses": [_step(engine, b) for b in batches[1:]], "lr": engine.current_lr, "version": engine.get_version()}
 
 
-def ppo_actor_step(model_dir: str, alloc: str, batch: dict, **overrides) -> dict:
-    """compute_logp → compute_advantages → ppo_update of MegatronPPOActor on this rank's DP share."""
+def _ppo_actor(model_dir: str, alloc: str, overrides: dict, n_mbs: int = 2, **fields):
+    """An initialised fp32 MegatronPPOActor (GRPO groups of 2) with ``fields``, then ``overrides``, set."""
     from megarl.actor.ppo import MegatronPPOActor
 
-    cfg = PPOActorConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, 2), group_size=2,
-                         ppo_n_minibatches=2, optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=False))  # fmt: skip
+    fields.setdefault("optimizer", OptimizerConfig(lr=1e-3, use_distributed_optimizer=False))
+    cfg = PPOActorConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, n_mbs), group_size=2,
+                         **fields)  # fmt: skip
     for key, value in overrides.items():
         setattr(cfg, key, value)
     actor = MegatronPPOActor(cfg)
     actor.create_process_group(alloc)
     actor.initialize()
+    return actor
+
+
+def _flat(actor, get) -> torch.Tensor:
+    """``get(param)`` of every parameter of ``actor``, flattened into one tensor (a copy)."""
+    return torch.cat([get(q).flatten().clone() for chunk in actor.model for q in chunk.parameters()])
+
+
+def ppo_actor_step(model_dir: str, alloc: str, batch: dict, **overrides) -> dict:
+    """compute_logp → compute_advantages → ppo_update of MegatronPPOActor on this rank's DP share."""
+    actor = _ppo_actor(model_dir, alloc, overrides, ppo_n_minibatches=2)
     p = actor.parallel
-    data = split_groups(batch, p.dp_rank, p.alloc.dp, cfg.group_size)
+    data = split_groups(batch, p.dp_rank, p.alloc.dp, actor.config.group_size)
     data["prox_logp"] = actor.compute_logp(data)
     actor.compute_advantages(data)
     stats = actor.ppo_update(data)
@@ -215,15 +227,10 @@ def ppo_actor_step(model_dir: str, alloc: str, batch: dict, **overrides) -> dict
 def prox_paths(model_dir: str, batch: dict, **overrides) -> dict:
     """Loss and gradients of one PPO update with the proximal logprobs from a pass of their own vs
     from the update's forward (``needs_prox_pass`` False): same weights, same batch."""
-    from megarl.actor.ppo import MegatronPPOActor, ppo_loss, ppo_loss_weight
+    from megarl.actor.ppo import ppo_loss, ppo_loss_weight
 
-    cfg = PPOActorConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, 2), group_size=2,
-                         ppo_n_minibatches=1, optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=False))  # fmt: skip
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    actor = MegatronPPOActor(cfg)
-    actor.create_process_group("d1p1t1")
-    actor.initialize()
+    actor = _ppo_actor(model_dir, "d1p1t1", overrides, ppo_n_minibatches=1)
+    cfg = actor.config
     loss_fn = partial(ppo_loss, cfg=cfg, norm_len=batch["attention_mask"].shape[1])
     weight_fn = partial(ppo_loss_weight, mode=cfg.loss_agg_mode)
     out = {"needs_prox_pass": actor.needs_prox_pass()}
@@ -234,7 +241,7 @@ def prox_paths(model_dir: str, batch: dict, **overrides) -> dict:
         actor.compute_advantages(data)
         with stats_tracker.scope(name):
             stats = actor.forward_backward(data, loss_fn, weight_fn)
-        grads = torch.cat([p.main_grad.flatten().clone() for chunk in actor.model for p in chunk.parameters()])
+        grads = _flat(actor, lambda q: q.main_grad)
         out[name] = {"loss": stats["loss"], "grads": grads, "stats": stats_tracker.export()}
     return out
 
@@ -242,31 +249,23 @@ def prox_paths(model_dir: str, batch: dict, **overrides) -> dict:
 def inert_row_paths(model_dir: str, alloc: str, batch: dict, **overrides) -> dict:
     """One GRPO mini-batch's loss and gradients with every row vs without the rows of zero advantage
     (``drop_inert_rows``), then a ``train_minibatch`` step: the parameters before and after."""
-    from megarl.actor.ppo import MegatronPPOActor, ppo_loss, ppo_loss_weight
+    from megarl.actor.ppo import ppo_loss, ppo_loss_weight
 
-    cfg = PPOActorConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, 1), group_size=2,
-                         optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.01, use_distributed_optimizer=False))  # fmt: skip
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    actor = MegatronPPOActor(cfg)
-    actor.create_process_group(alloc)
-    actor.initialize()
-    p = actor.parallel
+    optimizer = OptimizerConfig(lr=1e-3, weight_decay=0.01, use_distributed_optimizer=False)
+    actor = _ppo_actor(model_dir, alloc, overrides, n_mbs=1, optimizer=optimizer)
+    cfg, p = actor.config, actor.parallel
     data = split_groups(batch, p.dp_rank, p.alloc.dp, cfg.group_size)
     actor.compute_advantages(data)
     loss_fn = partial(ppo_loss, cfg=cfg, norm_len=batch["attention_mask"].shape[1])
     weight_fn = partial(ppo_loss_weight, mode=cfg.loss_agg_mode)
 
-    def flat(get) -> torch.Tensor:
-        return torch.cat([get(q).flatten().clone() for chunk in actor.model for q in chunk.parameters()])
-
     out = {"full": actor.forward_backward(data, loss_fn, weight_fn)}
-    out["full"]["grads"] = flat(lambda q: q.main_grad)
+    out["full"]["grads"] = _flat(actor, lambda q: q.main_grad)
     active, inert_weight, n_inert = actor.drop_inert_rows(data, weight_fn)
     out["skip"] = actor.forward_backward(active, loss_fn, weight_fn, inert_weight)
     n_active = 0 if active is None else len(active["rewards"])
-    out["skip"].update(grads=flat(lambda q: q.main_grad), n_inert=n_inert, n_active=n_active)
-    out["params_before"] = flat(lambda q: q.detach())
+    out["skip"].update(grads=_flat(actor, lambda q: q.main_grad), n_inert=n_inert, n_active=n_active)
+    out["params_before"] = _flat(actor, lambda q: q.detach())
     out["step"] = actor.train_minibatch(data, loss_fn, weight_fn)
-    out["params_after"] = flat(lambda q: q.detach())
+    out["params_after"] = _flat(actor, lambda q: q.detach())
     return out
