@@ -413,35 +413,53 @@ class RemoteInferenceEngine(InferenceEngine):
         self,
         data: dict[str, Any],
         workflow: WorkflowLike,
-        should_accept_fn: Callable | None = None,
+        should_accept_fn: Callable | str | None = None,
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
         is_eval: bool = False,
-    ) -> None:
-        self._require_pool().submit(data, workflow, should_accept_fn, group_size, workflow_kwargs, is_eval)
+    ) -> int:
+        """Queue one episode (see :meth:`RolloutPool.submit`); returns its task id.
 
-    def wait(self, count: int, timeout: float | None = None) -> list[dict[str, Any]]:
-        return self._require_pool().wait(count, timeout)
+        The argument names are AReaL's; pass all but ``data`` and ``workflow`` by keyword
+        (AReaL's positional order differs after ``workflow``).
+        """
+        return self._require_pool().submit(data, workflow, should_accept_fn, group_size, workflow_kwargs, is_eval)
+
+    def wait(self, count: int, timeout: float | None = None, raise_timeout: bool = True) -> list[dict[str, Any]]:
+        """``count`` accepted trajectories, oldest first (see :meth:`RolloutPool.wait`).
+
+        ``raise_timeout=False`` (AReaL's option) returns ``[]`` after ``timeout`` instead of
+        raising ``TimeoutError``.
+        """
+        try:
+            return self._require_pool().wait(count, timeout)
+        except TimeoutError:
+            if raise_timeout:
+                raise
+            return []
 
     def rollout_batch(
         self,
         data: list[dict[str, Any]],
         workflow: WorkflowLike,
-        should_accept_fn: Callable | None = None,
+        should_accept_fn: Callable | str | None = None,
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """One episode per item, synchronously, outside the staleness budget (see
+        :meth:`RolloutPool.rollout_batch`)."""
         return self._require_pool().rollout_batch(data, workflow, should_accept_fn, group_size, workflow_kwargs)
 
     def prepare_batch(
         self,
         dataloader: Iterable,
         workflow: WorkflowLike,
-        should_accept_fn: Callable | None = None,
+        should_accept_fn: Callable | str | None = None,
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
+        """``dataloader.batch_size`` accepted trajectories (see :meth:`RolloutPool.prepare_batch`)."""
         return self._require_pool().prepare_batch(
             dataloader, workflow, should_accept_fn, group_size, workflow_kwargs, progress
         )

@@ -1,27 +1,31 @@
-"""Turn what a user passes as a workflow into a :class:`RolloutWorkflow` instance."""
+"""Turn what a user passes as a workflow (or filter) into the object the rollout pool runs."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from megarl.api.workflow_api import RolloutWorkflow, WorkflowLike
 from megarl.workflow.grouped import GroupedRolloutWorkflow
 
+AcceptFn = Callable[[dict[str, Any]], bool]
 
-def _import_class(path: str) -> type:
+
+def _import_object(path: str, what: str = "workflow") -> Any:
+    """The object a ``"package.module.Name"`` path names."""
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise ValueError(f"workflow path {path!r} must look like 'package.module.Class'")
+        raise ValueError(f"{what} path {path!r} must look like 'package.module.Name'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"workflow path {path!r}: cannot import module {module_name!r}: {e}") from e
+        raise ValueError(f"{what} path {path!r}: cannot import module {module_name!r}: {e}") from e
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"workflow path {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+        raise ValueError(f"{what} path {path!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def _is_workflow(obj: Any) -> bool:
@@ -38,7 +42,7 @@ def resolve_workflow(
     :class:`GroupedRolloutWorkflow`.
     """
     if isinstance(workflow, str):
-        workflow = _import_class(workflow)
+        workflow = _import_object(workflow)
     if isinstance(workflow, type):
         if not _is_workflow(workflow):
             raise TypeError(f"{workflow.__qualname__} is not a workflow: it has no 'async def arun_episode'")
@@ -56,3 +60,25 @@ def resolve_workflow(
             "or a 'package.module.Class' string"
         )
     return GroupedRolloutWorkflow(instance, group_size) if group_size > 1 else instance
+
+
+def resolve_should_accept_fn(should_accept_fn: AcceptFn | str | None) -> AcceptFn | None:
+    """A trajectory filter from a callable, a ``"package.module.function"`` path, or None.
+
+    Anything else fails here rather than inside every episode: most often a
+    ``workflow_kwargs`` dict passed positionally in AReaL's argument order.
+    """
+    if isinstance(should_accept_fn, str):
+        should_accept_fn = _import_object(should_accept_fn, "should_accept_fn")
+    if should_accept_fn is None or callable(should_accept_fn):
+        return should_accept_fn
+    hint = ""
+    if isinstance(should_accept_fn, dict):
+        hint = (
+            " (AReaL's positional order is (data, workflow, workflow_kwargs, ...); megarl's third "
+            "argument is should_accept_fn: pass workflow_kwargs=... by keyword)"
+        )
+    raise TypeError(
+        "should_accept_fn must be a callable or a 'package.module.function' path, "
+        f"got {type(should_accept_fn).__name__}{hint}"
+    )
