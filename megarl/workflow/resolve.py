@@ -32,6 +32,22 @@ def _is_workflow(obj: Any) -> bool:
     return inspect.iscoroutinefunction(getattr(obj, "arun_episode", None))
 
 
+def _is_agent(obj: Any) -> bool:
+    """AReaL's agent-style workflow: ``async def run(data, **extra_kwargs)`` and no ``arun_episode``."""
+    return inspect.iscoroutinefunction(getattr(obj, "run", None)) and not _is_workflow(obj)
+
+
+def _agent_error(obj: Any) -> TypeError:
+    name = obj.__qualname__ if isinstance(obj, type) else type(obj).__qualname__
+    return TypeError(
+        f"{name} is an agent-style workflow (`async def run(self, data, **extra_kwargs)`, AReaL's agent API). "
+        "Such an agent makes its LLM calls through an OpenAI-compatible proxy that records token ids and "
+        "logprobs for training; megarl has no such proxy yet. Write a RolloutWorkflow instead: a class with "
+        "`async def arun_episode(self, engine, data)` that calls `await engine.agenerate(ModelRequest(...))` "
+        "and returns `megarl.api.make_trajectory(...)` (or None to reject the episode)"
+    )
+
+
 def resolve_workflow(
     workflow: WorkflowLike, workflow_kwargs: dict[str, Any] | None = None, group_size: int = 1
 ) -> RolloutWorkflow:
@@ -39,10 +55,13 @@ def resolve_workflow(
 
     Any object with an ``async def arun_episode(engine, data)`` counts as a workflow
     (the notebook's plain classes included). ``group_size > 1`` wraps it in a
-    :class:`GroupedRolloutWorkflow`.
+    :class:`GroupedRolloutWorkflow`. AReaL's agent-style workflows (``async def run``)
+    are refused with a :class:`TypeError` saying what to write instead.
     """
     if isinstance(workflow, str):
         workflow = _import_object(workflow)
+    if _is_agent(workflow):
+        raise _agent_error(workflow)
     if isinstance(workflow, type):
         if not _is_workflow(workflow):
             raise TypeError(f"{workflow.__qualname__} is not a workflow: it has no 'async def arun_episode'")
