@@ -19,7 +19,6 @@ The walkthrough's "Putting It All Together", SPMD over the trainer ranks. One st
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megarl.actor.engine import MegatronEngine
+from megarl.api.workflow_api import RolloutWorkflow
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.bridge.update import WeightUpdateMeta
 from megarl.config import GRPOConfig, load_expr_config, save_config
@@ -47,7 +47,8 @@ from megarl.utils.recover import RecoverHandler, RecoverInfo
 from megarl.utils.saver import Saver
 from megarl.utils.stats_logger import StatsLogger
 from megarl.utils.threads import TrainerThreads
-from megarl.workflow.rlvr import RLVRWorkflow
+from megarl.utils.plugins import import_plugin
+from megarl.workflow.build import build_eval_workflow, build_workflow
 
 logger = logging.getLogger("megarl.train")
 
@@ -63,8 +64,8 @@ class Trainer:
     coordinator: DistRolloutCoordinator
     dataloader: Any
     valid_items: list[dict]
-    workflow: RLVRWorkflow | None
-    eval_workflow: RLVRWorkflow | None
+    workflow: RolloutWorkflow | None
+    eval_workflow: RolloutWorkflow | None
     weight_meta: WeightUpdateMeta
     steps_per_epoch: int
     total_steps: int
@@ -86,7 +87,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     """One asynchronous RL step; returns its stats (exact over all ranks)."""
     cfg = t.config
     with stats_tracker.record_timing("rollout"), t.memory.peak("rollout"), rollout_bar(t) as progress:
-        batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, should_accept_fn(cfg.dynamic_filter), progress)
+        batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, should_accept_fn(cfg.dynamic_filter, cfg.group_size), progress)
     if t.actor.needs_prox_pass():  # else ppo_update's own forward gives them
         with phase(t, "recompute_logp"):
             batch["prox_logp"] = t.actor.compute_logp(batch)
@@ -146,11 +147,25 @@ def step_line(global_step: int, total_steps: int, stats: dict[str, float]) -> st
     return "  ".join(parts)
 
 
-def should_accept_fn(dynamic_filter: str):
-    """The rollout filter of ``config.dynamic_filter`` (None accepts everything)."""
-    if dynamic_filter == "uniform_reward":
-        return lambda traj: bool(traj["rewards"].numel() > 1 and traj["rewards"].std() > 0)
-    return None
+def should_accept_fn(dynamic_filter: str, group_size: int):
+    """The rollout filter: one GRPO group per prompt, then ``config.dynamic_filter``.
+
+    A workflow that returns another number of rows than ``group_size`` fails the step with
+    a message saying so (the advantages would otherwise mix prompts).
+    """
+
+    def accept(traj: dict) -> bool:
+        rows = traj["attention_mask"].shape[0]
+        if rows != group_size:
+            raise ValueError(
+                f"the workflow returned {rows} trajectories for one prompt, but a GRPO group here is {group_size} "
+                "(gconfig.n_samples x workflow.group_size = actor.group_size)"
+            )
+        if dynamic_filter == "uniform_reward":
+            return bool(traj["rewards"].numel() > 1 and traj["rewards"].std() > 0)
+        return True
+
+    return accept
 
 
 def record_batch_stats(batch: dict, sync_stats: dict[str, float]) -> None:
@@ -196,10 +211,7 @@ def build(config: GRPOConfig) -> Trainer:
     tokenizer = load_tokenizer(config)
     workflow = eval_workflow = None
     if layout.is_head:
-        reward_fn = import_object(config.reward_fn, "reward_fn")
-        workflow = RLVRWorkflow(reward_fn, config.gconfig, tokenizer)
-        workflow.warm_up()  # its workers start while the model loads and the servers come up
-        eval_workflow = workflow.with_gconfig(config.gconfig.new(n_samples=1, greedy=True))
+        workflow, eval_workflow = build_workflows(config, tokenizer)
     dataloader, n_batches = None, None
     if layout.is_head:
         dataset = load_rl_dataset(
@@ -228,7 +240,7 @@ def build(config: GRPOConfig) -> Trainer:
     actor.connect_engine(rollout, meta)
     return Trainer(
         config=config, actor=actor, ref=ref, rollout=rollout,
-        coordinator=DistRolloutCoordinator(rollout, layout, config.gconfig.n_samples),
+        coordinator=DistRolloutCoordinator(rollout, layout, config.group_size),
         dataloader=dataloader, valid_items=valid_items,
         workflow=workflow, eval_workflow=eval_workflow, weight_meta=meta,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps,
@@ -238,6 +250,17 @@ def build(config: GRPOConfig) -> Trainer:
         threads=TrainerThreads.for_this_rank(config.cluster.cpu_threads, config.device == "cpu",
                                              rollout.pool_idle if rollout is not None else None),
     )  # fmt: skip
+
+
+def build_workflows(config: GRPOConfig, tokenizer) -> tuple[RolloutWorkflow, RolloutWorkflow]:
+    """``config.workflow`` and ``config.eval_workflow`` (or the greedy twin of the first), warmed up."""
+    run = {"reward_fn": import_plugin(config.reward_fn, "reward_fn"), "gconfig": config.gconfig,
+           "tokenizer": tokenizer, "max_context_len": config.context_length}  # fmt: skip
+    workflow = build_workflow(config.workflow, run)
+    if hasattr(workflow, "warm_up"):
+        workflow.warm_up()  # its reward workers start while the model loads and the servers come up
+    eval_run = {**run, "gconfig": config.gconfig.new(n_samples=1, greedy=True)}
+    return workflow, build_eval_workflow(config.eval_workflow, config.workflow, workflow, eval_run)
 
 
 def build_ref(config: GRPOConfig, parallel) -> MegatronEngine | None:
@@ -265,15 +288,6 @@ def load_valid_items(config: GRPOConfig, tokenizer) -> list[dict]:
                               tokenizer=tokenizer)  # fmt: skip
     n = len(dataset) if config.evaluator.max_samples is None else min(len(dataset), config.evaluator.max_samples)
     return [dataset[i] for i in range(n)]
-
-
-def import_object(path: str, what: str):
-    """``pkg.module.name`` → the object; a clear error naming ``what`` otherwise."""
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"{what}={path!r} cannot be imported: {err}") from None
 
 
 def to_container(config: GRPOConfig) -> dict:
@@ -315,7 +329,7 @@ def train(t: Trainer) -> dict[str, float]:
     t.actor.update_weights(replace(t.weight_meta, version=t.actor.get_version()))
     if info is not None and t.rollout is not None:  # prompts in flight at the recover point go first
         t.rollout.pool.resubmit(t.actor.get_version(), info.extra.get("pending_items", []), t.workflow,
-                                should_accept_fn(t.config.dynamic_filter))  # fmt: skip
+                                should_accept_fn(t.config.dynamic_filter, t.config.group_size))  # fmt: skip
     rank0 = dist.get_rank() == 0
     t.stats_logger = StatsLogger(t.config.stats_logger, t.config.run_dir, exp_config=to_container(t.config),
                                  rank=dist.get_rank(), start_step=start)  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from megarl.actor.losses import sequence_ids
+from megarl.actor.segments import sequence_ids
 
 NormLevel = Literal["group", "batch", "none"]
 

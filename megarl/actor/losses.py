@@ -27,7 +27,21 @@ from typing import Literal
 
 import torch
 
+from megarl.actor.rollout_correction import behaviour_weights, capped_weights
+from megarl.actor.segments import segment_sum, sequence_ids
+from megarl.config.train import RolloutCorrectionConfig
+
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass
+class SurrogateOutput:
+    """A per-token policy-gradient loss before the behaviour weight, and its clip statistics."""
+
+    loss: torch.Tensor  # [T]
+    ratio: torch.Tensor  # [T] detached ratio used in the surrogate (token or broadcast sequence ratio)
+    clipped: torch.Tensor  # [T] bool: the clipped branch was taken
+    dual_clipped: torch.Tensor  # [T] bool: the dual clip bound was taken
 
 
 @dataclass
@@ -39,21 +53,9 @@ class PolicyLossOutput:
     ratio: torch.Tensor  # [T] ratio used in the surrogate (token or broadcast sequence ratio)
     clipped: torch.Tensor  # [T] bool: the clipped branch was taken
     dual_clipped: torch.Tensor  # [T] bool: the dual clip bound was taken
-    behav_weight: torch.Tensor | None  # [T] exp(prox - old) when decoupled, else None
-    capped: torch.Tensor  # [T] bool: tokens whose behaviour weight exceeds the cap (loss zeroed)
-
-
-def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[T] index of the sequence each packed token belongs to."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=total)
-
-
-def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[N] sum of ``values`` [T] over each sequence."""
-    seq = sequence_ids(cu_seqlens, values.numel())
-    out = torch.zeros(len(cu_seqlens) - 1, dtype=values.dtype, device=values.device)
-    return out.index_add(0, seq, values)
+    behav_weight: torch.Tensor | None  # [T] exp(prox - old) (sequence level: geometric mean) when decoupled
+    capped: torch.Tensor  # [T] bool: tokens masked by the cap or the rollout correction (loss zeroed)
+    truncated: torch.Tensor | None = None  # [T] bool: tokens whose weight was truncated (TIS)
 
 
 def clipped_surrogate(
@@ -95,6 +97,65 @@ def gspo_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Te
     return torch.exp(per_token) * torch.exp(log_ratio - log_ratio.detach())
 
 
+def ppo_surrogate(
+    logprobs: torch.Tensor,
+    anchor_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
+    cu_seqlens: torch.Tensor | None = None,
+) -> SurrogateOutput:
+    """PPO's clipped surrogate of the ratio to ``anchor_logprobs``, per token or GSPO's per sequence."""
+    mask = loss_mask.bool()
+    log_ratio = torch.where(mask, logprobs - anchor_logprobs, torch.zeros_like(logprobs))
+    if importance_sampling_level == "sequence":
+        if cu_seqlens is None:
+            raise ValueError("importance_sampling_level='sequence' (GSPO) needs cu_seqlens")
+        ratio = gspo_ratio(log_ratio, mask, cu_seqlens)
+    else:
+        ratio = torch.exp(log_ratio)
+    loss, clipped, dual_clipped = clipped_surrogate(ratio, advantages, eps_clip, eps_clip_higher, c_clip)
+    return SurrogateOutput(loss, ratio.detach(), clipped & mask, dual_clipped & mask)
+
+
+def weigh_by_behaviour(
+    surrogate: SurrogateOutput,
+    loss_mask: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None,
+    *,
+    behav_imp_weight_cap: float | None = None,
+    correction: RolloutCorrectionConfig | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """Decoupled PPO: the surrogate times the behaviour weight ``exp(prox - old)``, capped or corrected.
+
+    Without ``proximal_logprobs`` the loss is the surrogate itself. With them, ``correction``
+    (a ``rollout_correction`` mode other than none) truncates or masks the weights; otherwise
+    ``behav_imp_weight_cap`` masks tokens above it. Masked tokens contribute zero loss but, as
+    in AReaL, still count in the token denominator (so a stale batch does not get a larger step).
+    """
+    mask = loss_mask.bool()
+    loss, behav_weight, capped, truncated = surrogate.loss, None, torch.zeros_like(mask), None
+    if proximal_logprobs is not None:
+        if correction is not None and correction.mode != "none":
+            weights = behaviour_weights(proximal_logprobs, old_logprobs, mask, correction, cu_seqlens)
+        else:
+            weights = capped_weights(proximal_logprobs, old_logprobs, mask, behav_imp_weight_cap)
+        loss = loss * weights.weight
+        behav_weight, capped, truncated = weights.raw, weights.masked, weights.truncated
+    kept = mask & ~capped
+    return PolicyLossOutput(
+        loss=torch.where(kept, loss, torch.zeros_like(loss)), mask=mask, ratio=surrogate.ratio,
+        clipped=surrogate.clipped, dual_clipped=surrogate.dual_clipped, behav_weight=behav_weight,
+        capped=capped, truncated=truncated,
+    )  # fmt: skip
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -106,44 +167,23 @@ def policy_loss(
     c_clip: float | None = None,
     proximal_logprobs: torch.Tensor | None = None,
     behav_imp_weight_cap: float | None = None,
+    correction: RolloutCorrectionConfig | None = None,
     importance_sampling_level: Literal["token", "sequence"] = "token",
     cu_seqlens: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The PPO policy-gradient loss per token, plain or decoupled, token or GSPO ratio.
 
-    ``old_logprobs`` are the behaviour policy's (the servers' sampling logprobs).
-    With ``proximal_logprobs`` (decoupled PPO) the ratio is taken against the proximal
-    policy and each token is weighted by ``exp(prox - old)``; tokens whose weight
-    exceeds ``behav_imp_weight_cap`` contribute zero loss but, as in AReaL, still count
-    in the token denominator (so a stale batch does not get a larger step size).
+    ``old_logprobs`` are the behaviour policy's (the servers' sampling logprobs). With
+    ``proximal_logprobs`` (decoupled PPO) the ratio is taken against the proximal policy
+    and each token is weighted by ``exp(prox - old)`` (:func:`weigh_by_behaviour`).
     """
-    mask = loss_mask.bool()
     anchor = old_logprobs if proximal_logprobs is None else proximal_logprobs
-    log_ratio = torch.where(mask, logprobs - anchor, torch.zeros_like(logprobs))
-    if importance_sampling_level == "sequence":
-        if cu_seqlens is None:
-            raise ValueError("importance_sampling_level='sequence' (GSPO) needs cu_seqlens")
-        ratio = gspo_ratio(log_ratio, mask, cu_seqlens)
-    else:
-        ratio = torch.exp(log_ratio)
-    loss, clipped, dual_clipped = clipped_surrogate(ratio, advantages, eps_clip, eps_clip_higher, c_clip)
-    behav_weight = None
-    capped = torch.zeros_like(mask)
-    if proximal_logprobs is not None:
-        behav_weight = torch.exp(proximal_logprobs - old_logprobs).detach()
-        if behav_imp_weight_cap is not None:
-            capped = mask & (behav_weight > behav_imp_weight_cap)
-        loss = loss * behav_weight
-    kept = mask & ~capped
-    return PolicyLossOutput(
-        loss=torch.where(kept, loss, torch.zeros_like(loss)),
-        mask=mask,
-        ratio=ratio.detach(),
-        clipped=clipped & mask,
-        dual_clipped=dual_clipped & mask,
-        behav_weight=behav_weight,
-        capped=capped,
-    )
+    surrogate = ppo_surrogate(
+        logprobs, anchor, advantages, loss_mask, eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip,
+        importance_sampling_level=importance_sampling_level, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    return weigh_by_behaviour(surrogate, loss_mask, old_logprobs, proximal_logprobs, cu_seqlens=cu_seqlens,
+                              behav_imp_weight_cap=behav_imp_weight_cap, correction=correction)  # fmt: skip
 
 
 def kl_penalty(

@@ -29,7 +29,8 @@ from megarl.actor import advantages as adv_fns
 from megarl.actor import losses
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.lm_head import LMHeadOutput
-from megarl.config.train import PPOActorConfig
+from megarl.config.train import BUILTIN_LOSSES, PPOActorConfig
+from megarl.utils.plugins import import_plugin
 from megarl.kernels import fused_ppo_loss, logprobs_backend, ppo_loss_backend
 from megarl.utils import stats_tracker
 
@@ -157,9 +158,12 @@ def inert_rows(data: dict, cfg: PPOActorConfig) -> torch.Tensor:
 
 
 def _drops_inert_rows(cfg: PPOActorConfig) -> bool:
-    """``skip_zero_advantage``, unless a KL loss or an entropy bonus pulls on every row."""
+    """``skip_zero_advantage``, unless a KL loss or an entropy bonus pulls on every row.
+
+    A user's loss (``actor.loss`` a function) may too, so its rows are all trained on.
+    """
     loss_terms = (cfg.kl_ctl > 0 and not cfg.kl_in_reward) or cfg.entropy_coeff > 0
-    return cfg.skip_zero_advantage and not loss_terms
+    return cfg.skip_zero_advantage and not loss_terms and cfg.loss in BUILTIN_LOSSES
 
 
 def padded_as_packed(data: dict) -> dict:
@@ -226,8 +230,9 @@ def ppo_loss_weight(mb: dict, mode: losses.AggMode) -> torch.Tensor:
 def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -> torch.Tensor:
     """PPO / GRPO / DAPO / GSPO loss of one packed micro-batch (``sum / weight`` of ``aggregate``).
 
-    The clipped surrogate is ``losses.policy_loss``, or the fused CUDA epilogue of
-    ``megarl.kernels.fused_ppo_loss`` where :func:`_fused_surrogate` allows it; both give the same loss.
+    The surrogate is ``actor.loss``'s (:func:`policy_surrogate`: PPO's clipped one, or a user's
+    function) weighted by the behaviour weight (``losses.weigh_by_behaviour``); or the fused CUDA
+    epilogue of ``megarl.kernels.fused_ppo_loss`` where :func:`_fused_surrogate` allows it (the same loss).
     """
     mask = _mask(mb)
     logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature, where=mask)  # no head work on prompts
@@ -240,24 +245,32 @@ def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -
     if fused:
         return _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox)
     cu_seqlens = mb["cu_seqlens"].long()
-    out = losses.policy_loss(
-        logp, old, mb["advantages"].float(), mask,
-        eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher, c_clip=cfg.c_clip,
-        proximal_logprobs=None if prox is None else prox.float(),
-        behav_imp_weight_cap=cfg.behav_imp_weight_cap if prox is not None else None,
-        importance_sampling_level=cfg.importance_sampling_level, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+    out, surrogate_stats = _policy_loss(cfg, mb, mask, logp, old, prox, cu_seqlens)
     token_loss, kl = _add_penalties(out.loss, cfg, mb, mask, logp, entropy)
     total, weight = losses.aggregate(token_loss, mask, cfg.loss_agg_mode, cu_seqlens, norm_len)
-    surrogate_stats = {
+    _record_stats(mask, logp, entropy, prox if prox is not None else old, kl, out.behav_weight, surrogate_stats)
+    return total / weight.clamp(min=1)
+
+
+def _policy_loss(cfg: PPOActorConfig, mb: dict, mask, logp, old, prox, cu_seqlens):
+    """The surrogate of ``cfg.loss`` weighted by the behaviour weight (capped or corrected), and its stats."""
+    anchor = prox if prox is not None else old
+    surrogate_fn = policy_surrogate(cfg)
+    surrogate, user_stats = surrogate_fn(logp, anchor, mb["advantages"].float(), mask, cu_seqlens=cu_seqlens, config=cfg)
+    out = losses.weigh_by_behaviour(
+        surrogate, mask, old, prox, cu_seqlens=cu_seqlens, correction=cfg.rollout_correction,
+        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+    )  # fmt: skip
+    stats = {
         "importance_weight": out.ratio.float(),
         "clip_ratio": out.clipped.float(),
         "dual_clip_ratio": out.dual_clipped.float(),
         "capped_ratio": out.capped.float(),
+        **user_stats,
     }
-    anchor = prox if prox is not None else old
-    _record_stats(mask, logp, entropy, anchor, kl, out.behav_weight, surrogate_stats)
-    return total / weight.clamp(min=1)
+    if prox is not None:
+        stats.update(_correction_stats(prox, old, out.truncated))
+    return out, stats
 
 
 def _anchors(cfg: PPOActorConfig, mb: dict, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -283,6 +296,7 @@ def _fused_surrogate(cfg: PPOActorConfig, head: LMHeadOutput, logp: torch.Tensor
     a token sum, not per-sequence losses).
     """
     supported = cfg.importance_sampling_level == "token" and cfg.loss_agg_mode == "token-mean"
+    supported = supported and cfg.rollout_correction.mode == "none" and cfg.loss in BUILTIN_LOSSES
     return supported and ppo_loss_backend(head.backend, logp) == "cuda"
 
 
@@ -305,8 +319,54 @@ def _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox) -> torch.Tens
         "dual_clip_ratio": stats.dual_clip_fraction.expand(mask.shape),
         "capped_ratio": stats.behav_capped_fraction.expand(mask.shape),
     }
+    if prox is not None:
+        surrogate_stats.update(_correction_stats(prox, old, None))
     _record_stats(mask, logp, entropy, anchor, kl, behav_weight, surrogate_stats)
     return surrogate + total / weight.clamp(min=1)
+
+
+def _correction_stats(prox: torch.Tensor, old: torch.Tensor, truncated: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The train/inference gap per token, and the tokens whose behaviour weight was truncated.
+
+    The weight itself is ``behave_imp_weight`` and the masked fraction ``capped_ratio``.
+    """
+    gap = (prox.float() - old).abs()
+    truncated = torch.zeros_like(gap) if truncated is None else truncated.float()
+    return {"rollout_correction/abs_logp_diff": gap, "rollout_correction/truncated": truncated}
+
+
+def policy_surrogate(cfg: PPOActorConfig):
+    """The per-token surrogate of ``cfg.loss``: PPO's clipped one for a built-in name, else the user's function.
+
+    Called as ``fn(logprobs, anchor_logprobs, advantages, loss_mask, cu_seqlens=..., config=cfg)``;
+    returns a :class:`losses.SurrogateOutput` and extra per-token stats (see :func:`user_surrogate`).
+    """
+    if cfg.loss in BUILTIN_LOSSES:
+        return _clipped_surrogate
+    return partial(user_surrogate, import_plugin(cfg.loss, "actor.loss"))
+
+
+def _clipped_surrogate(logp, anchor, advantages, mask, *, cu_seqlens, config: PPOActorConfig):
+    surrogate = losses.ppo_surrogate(
+        logp, anchor, advantages, mask, eps_clip=config.eps_clip, eps_clip_higher=config.eps_clip_higher,
+        c_clip=config.c_clip, importance_sampling_level=config.importance_sampling_level, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    return surrogate, {}
+
+
+def user_surrogate(fn, logp, anchor, advantages, mask, *, cu_seqlens, config: PPOActorConfig):
+    """A user's loss: ``fn(...)`` returns the per-token loss [T], or ``(loss, {name: per-token stat})``.
+
+    Its stats are logged beside the built-in ones (``ppo_actor/<name>``, averaged over loss tokens).
+    """
+    result = fn(logp, anchor, advantages, mask, cu_seqlens=cu_seqlens, config=config)
+    loss, stats = result if isinstance(result, tuple) else (result, {})
+    if not isinstance(loss, torch.Tensor) or loss.shape != logp.shape:
+        raise ValueError(f"actor.loss={config.loss!r} must return a per-token loss of shape {tuple(logp.shape)}, "
+                         f"got {getattr(loss, 'shape', type(loss).__name__)}")  # fmt: skip
+    none = torch.zeros_like(mask)
+    ratio = torch.exp(logp.detach() - anchor)
+    return losses.SurrogateOutput(loss, ratio, none, none), {k: v.detach().float() for k, v in stats.items()}
 
 
 def _add_penalties(token_loss, cfg: PPOActorConfig, mb: dict, mask, logp, entropy):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -15,7 +14,13 @@ from typing import Literal
 from megarl.config.allocation import AllocationError, AllocationMode, ModelShape, validate_allocation, validate_model
 from megarl.config.base import ConfigError, require
 from megarl.config.bridge import WeightUpdateConfig
-from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig, SGLangConfig, VLLMConfig
+from megarl.config.rollout import (
+    GenerationHyperparameters,
+    InferenceEngineConfig,
+    SGLangConfig,
+    VLLMConfig,
+    WorkflowConfig,
+)
 from megarl.config.run import (
     ClusterConfig,
     DatasetConfig,
@@ -137,7 +142,12 @@ class GRPOConfig(BaseExperimentConfig):
     weight_update: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)
     """How new weights reach the servers after each step (``megarl.bridge``)."""
     reward_fn: str = "megarl.reward.gsm8k.gsm8k_reward_fn"
-    """Import path of the reward, ``fn(prompt, completions, prompt_ids, completion_ids, **row) -> float``."""
+    """Import path of the reward, ``fn(prompt, completions, prompt_ids, completion_ids, **row) -> float``
+    (handed to the workflows that take a ``reward_fn``)."""
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    """The rollout workflow of training: a built-in (``rlvr``, ``multi_turn``) or a user's class."""
+    eval_workflow: WorkflowConfig | None = None
+    """The workflow of evaluation; None: ``workflow`` with greedy decoding and one sample per prompt."""
     dynamic_filter: Literal["none", "uniform_reward"] = "none"
     """Reject groups before training: ``uniform_reward`` drops groups whose rewards are all equal
     (no learning signal under group-normalised advantages; DAPO's dynamic sampling) and samples
@@ -157,9 +167,7 @@ class GRPOConfig(BaseExperimentConfig):
         self._check_sampling()
         self._check_models(alloc)
         self._check_servers(alloc)
-        module = self.reward_fn.rpartition(".")[0]
-        require(bool(module) and _module_exists(module), "reward_fn", self.reward_fn,
-                "expected 'package.module.function' of an importable module")  # fmt: skip
+        self._check_reward()
         if self.ref is not None:
             require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
 
@@ -234,12 +242,31 @@ class GRPOConfig(BaseExperimentConfig):
             bs,
             f"must be divisible by data-parallel d{dp} x actor.ppo_n_minibatches {n_mb} = {dp * n_mb}",
         )
+        n, g = self.gconfig.n_samples, self.workflow.group_size
         require(
-            self.actor.group_size == self.gconfig.n_samples,
+            self.actor.group_size == self.group_size,
             "actor.group_size",
             self.actor.group_size,
-            f"must equal gconfig.n_samples={self.gconfig.n_samples} (write `group_size: ${{gconfig.n_samples}}`)",
-        )
+            f"must equal gconfig.n_samples={n}" + (f" x workflow.group_size={g} = {n * g}" if g > 1 else "")
+            + " (write `group_size: ${gconfig.n_samples}`)",
+        )  # fmt: skip
+
+    @property
+    def group_size(self) -> int:
+        """Trajectories per prompt (the GRPO group): ``gconfig.n_samples`` per workflow run, ``workflow.group_size`` runs."""
+        return self.gconfig.n_samples * self.workflow.group_size
+
+    @property
+    def context_length(self) -> int:
+        """Tokens the inference servers hold per sequence (prompt and answers of every turn)."""
+        return self.sglang.context_length if self.allocation_mode.startswith("sglang") else self.vllm.max_model_len
+
+    def _check_reward(self) -> None:
+        from megarl.utils.plugins import import_plugin, signature_problem
+
+        problem = signature_problem(import_plugin(self.reward_fn, "reward_fn"), ("prompt", "completion", [], []), partial=True)
+        require(problem is None, "reward_fn", self.reward_fn,
+                f"expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float: {problem}")  # fmt: skip
 
     def _check_sampling(self) -> None:
         require(
@@ -307,14 +334,6 @@ def _is_rank0() -> bool:
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
 """A tokenizer directory holds at least one of these."""
-
-
-def _module_exists(name: str) -> bool:
-    """Whether ``name`` can be imported (found without importing it: config checks stay fast)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent package is missing
-        return False
 
 
 def read_model_shape(path: str) -> ModelShape | None:

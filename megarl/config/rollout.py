@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from megarl.config.base import require
 
@@ -200,3 +200,60 @@ class SGLangConfig:
         require(self.context_length >= 16, "context_length", self.context_length, "must be >= 16")
         require(0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static, "in (0, 1)")
         require(self.startup_timeout > 0, "startup_timeout", self.startup_timeout, "must be > 0 seconds")
+
+
+WORKFLOW_SHORT_NAMES = {
+    "rlvr": "megarl.workflow.rlvr.RLVRWorkflow",
+    "multi_turn": "megarl.workflow.multi_turn.MultiTurnReflectionWorkflow",
+}
+"""Built-in workflows by short name (``workflow.type``)."""
+RUN_ARGUMENTS = ("reward_fn", "gconfig", "tokenizer", "max_context_len")
+"""Constructor arguments the trainer fills in from the run when a workflow takes them and
+``kwargs`` does not give them: the imported ``reward_fn``, ``gconfig`` (evaluation: greedy, one
+sample), the tokenizer, and the servers' context length."""
+
+
+@dataclass
+class WorkflowConfig:
+    """The rollout workflow the trainer runs on each prompt: a built-in or a user's class.
+
+    Built with ``Class(**kwargs)`` plus those of :data:`RUN_ARGUMENTS` its constructor takes
+    (a ``reward_fn`` given in ``kwargs`` as ``package.module.function`` is imported). The class
+    needs an ``async def arun_episode(engine, data)`` (:class:`megarl.api.workflow_api.RolloutWorkflow`)
+    returning ``gconfig.n_samples * group_size`` rows per prompt. Checked when the config is
+    loaded: the class imports, has ``arun_episode``, and its constructor takes these arguments.
+    """
+
+    type: str = "rlvr"
+    """A built-in (``rlvr``: one answer per sample; ``multi_turn``: retry with a reflection prompt
+    after a wrong answer) or ``package.module.Class``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments beyond those filled in from the run (e.g. ``max_turns: 3``)."""
+    group_size: int = 1
+    """Run the workflow this many times per prompt and concatenate (AReaL's grouped rollout):
+    for a workflow that samples once, the GRPO group. Keep 1 for workflows that sample
+    ``gconfig.n_samples`` themselves (the built-ins)."""
+
+    @property
+    def class_path(self) -> str:
+        """``package.module.Class`` of ``type``."""
+        return WORKFLOW_SHORT_NAMES.get(self.type, self.type)
+
+    def check(self) -> None:
+        require(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
+        require(
+            self.type != "grouped",
+            "type",
+            self.type,
+            "a grouped rollout is any workflow run several times per prompt: set group_size: N instead",
+        )
+        require(
+            "." in self.class_path,
+            "type",
+            self.type,
+            f"neither a built-in {sorted(WORKFLOW_SHORT_NAMES)} nor 'package.module.Class'",
+        )
+        from megarl.utils.plugins import workflow_problem
+
+        problem = workflow_problem(self.class_path, self.kwargs, "type")
+        require(problem is None, "type", self.type, problem or "")

@@ -9,6 +9,10 @@ from megarl.config.base import require
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 
+BUILTIN_LOSSES = ("ppo", "grpo", "dapo", "dr_grpo", "gspo")
+"""``actor.loss`` names megarl implements: PPO's clipped surrogate, with the settings of each
+variant (``megarl.config.experiment.LOSS_PRESETS``) as defaults under the user's own keys."""
+
 
 @dataclass
 class OptimizerConfig:
@@ -141,12 +145,68 @@ class NormConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance correction of the gap between the servers' sampling policy and the trainer's.
+
+    The weight of a token is ``w = exp(prox_logp - behav_logp)``: the proximal policy (the
+    trainer's weights before the update) over the behaviour policy (the servers' logprobs at
+    sampling time). At ``level: sequence`` it is the geometric mean over the sequence's loss
+    tokens, ``exp(mean(prox_logp - behav_logp))``, given to each of its tokens. Then, per mode:
+
+    - ``truncate`` (TIS): the loss is weighted by ``min(w, upper)``;
+    - ``mask`` (MIS): weighted by ``w``; tokens (sequences) with ``w > upper`` get zero loss;
+    - ``two_sided_mask`` (IcePop): weighted by ``w``; zero loss outside ``[lower, upper]``.
+
+    Masked tokens stay in the loss normaliser, as AReaL's ``behav_imp_weight_cap`` does (a
+    stale batch does not get a larger step). This is decoupled PPO's behaviour weight, so it
+    needs ``use_decoupled_loss``; ``mode: none`` keeps the plain ``behav_imp_weight_cap`` cap.
+    The weights, the fractions truncated and masked and the mean ``|prox_logp - behav_logp|``
+    are logged every step under ``ppo_actor/rollout_correction/``.
+    """
+
+    mode: Literal["none", "truncate", "mask", "two_sided_mask"] = "none"
+    """How the weight corrects the loss (see above); ``none``: ``behav_imp_weight_cap`` decides."""
+    level: Literal["token", "sequence"] = "token"
+    """Per-token weights, or one per sequence (geometric mean of its token weights)."""
+    upper: float = 2.0
+    """Truncation threshold (``truncate``) or upper mask bound (``mask``, ``two_sided_mask``)."""
+    lower: float | None = None
+    """Lower mask bound of ``two_sided_mask``; None: ``1 / upper``."""
+
+    @property
+    def lower_bound(self) -> float:
+        """The lower mask bound in use (0 unless ``two_sided_mask``)."""
+        if self.mode != "two_sided_mask":
+            return 0.0
+        return 1.0 / self.upper if self.lower is None else self.lower
+
+    def check(self) -> None:
+        require(self.upper > 0, "upper", self.upper, "must be > 0")
+        if self.mode == "two_sided_mask":
+            require(self.upper > 1, "upper", self.upper, "the upper bound of two_sided_mask must be > 1")
+            require(0 <= self.lower_bound < 1, "lower", self.lower, "the lower bound of two_sided_mask must be in [0, 1)")
+        elif self.mode in ("truncate", "mask"):
+            require(self.upper >= 1, "upper", self.upper, f"a {self.mode} threshold below 1 cuts on-policy tokens")
+        if self.lower is not None:
+            require(self.mode == "two_sided_mask", "lower", self.lower, f"only two_sided_mask has a lower bound, mode is {self.mode!r}")
+
+
+@dataclass
 class PPOActorConfig(TrainEngineConfig):
     """The policy being trained, and every knob of the PPO/GRPO loss."""
 
     optimizer: OptimizerConfig | None = field(default_factory=OptimizerConfig)
     """Optimizer of the policy (required)."""
 
+    loss: str = "ppo"
+    """The policy loss: a built-in (``ppo``, ``grpo``, ``dapo``, ``dr_grpo``, ``gspo``; each sets
+    the keys below that define it, such as ``loss_agg_mode``, unless the config sets them) or
+    ``package.module.function``, a per-token surrogate called as
+    ``fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config) -> loss [T]``
+    (or ``(loss, {name: per-token stat})``), where ``anchor_logprobs`` are the proximal
+    (decoupled PPO) or behaviour logprobs and ``config`` is this config. megarl then applies the
+    behaviour weight (``behav_imp_weight_cap`` / ``rollout_correction``), the KL and entropy
+    terms and ``loss_agg_mode``. See ``examples/losses/``."""
     ppo_n_minibatches: int = 1
     """Optimizer steps per training step: the batch is split into this many mini-batches."""
     ppo_n_epochs: int = 1
@@ -168,7 +228,10 @@ class PPOActorConfig(TrainEngineConfig):
     use_decoupled_loss: bool = True
     """Decoupled PPO (AReaL): clip against the proximal policy, weight by behaviour/proximal ratio."""
     behav_imp_weight_cap: float | None = 5.0
-    """Cap of the behaviour importance weight; tokens above it are dropped from the loss. None: no cap."""
+    """Cap of the behaviour importance weight; tokens above it are dropped from the loss. None: no cap.
+    A ``rollout_correction`` mode replaces it (then set it to null)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Truncated / masked / two-sided masked importance weights of the behaviour policy (TIS, MIS, IcePop)."""
     kl_ctl: float = 0.0
     """KL coefficient against the reference model; 0 disables the reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -213,6 +276,8 @@ class PPOActorConfig(TrainEngineConfig):
             require(self.c_clip > 1, "c_clip", self.c_clip, "the dual-clip constant must be > 1")
         if self.behav_imp_weight_cap is not None:
             require(self.behav_imp_weight_cap > 1, "behav_imp_weight_cap", self.behav_imp_weight_cap, "must be > 1")
+        self._check_rollout_correction()
+        self._check_loss()
         require(self.kl_ctl >= 0, "kl_ctl", self.kl_ctl, "must be >= 0")
         require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff, "must be >= 0")
         require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")
@@ -228,3 +293,23 @@ class PPOActorConfig(TrainEngineConfig):
         if self.dr_grpo_norm_len is not None:
             require(self.dr_grpo_norm_len >= 1, "dr_grpo_norm_len", self.dr_grpo_norm_len, "must be >= 1")
         require(self.optimizer is not None, "optimizer", None, "the actor trains, so it needs an optimizer")
+
+    def _check_loss(self) -> None:
+        if self.loss in BUILTIN_LOSSES:
+            return
+        from megarl.utils.plugins import import_plugin, signature_problem
+
+        fn = import_plugin(self.loss, "loss")
+        args, kwargs = (None, None, None, None), {"cu_seqlens": None, "config": self}
+        problem = signature_problem(fn, args, kwargs)
+        require(problem is None, "loss", self.loss,
+                f"expected fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config): {problem}")  # fmt: skip
+
+    def _check_rollout_correction(self) -> None:
+        mode = self.rollout_correction.mode
+        if mode == "none":
+            return
+        require(self.use_decoupled_loss, "rollout_correction.mode", mode,
+                "corrects decoupled PPO's behaviour weight: set use_decoupled_loss: true, or mode: none")  # fmt: skip
+        require(self.behav_imp_weight_cap is None, "behav_imp_weight_cap", self.behav_imp_weight_cap,
+                f"rollout_correction.mode={mode!r} replaces the behaviour-weight cap: set behav_imp_weight_cap: null")  # fmt: skip

@@ -10,6 +10,7 @@ reward of a correct answer at turn ``t`` (0-based) is ``turn_discount ** t``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -154,6 +155,17 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         samples = range(self.gconfig.n_samples)
         trajs = await asyncio.gather(*(self._run_one(engine, data, prompt_ids, i) for i in samples))
         return concat_padded_tensors(trajs)
+
+    def with_gconfig(self, gconfig: GenerationHyperparameters) -> MultiTurnReflectionWorkflow:
+        """This workflow sampling with ``gconfig`` (e.g. greedy evaluation); it shares the reward workers."""
+        twin = copy.copy(self)
+        twin.rlvr = self.rlvr.with_gconfig(gconfig)
+        twin.gconfig = gconfig
+        return twin
+
+    def warm_up(self) -> None:
+        """Start the reward workers now (see ``RLVRWorkflow.warm_up``)."""
+        self.rlvr.warm_up()
 
     def close(self) -> None:
         """Stop the reward worker processes."""
