@@ -445,10 +445,13 @@ class RemoteInferenceEngine(InferenceEngine):
         should_accept_fn: Callable | str | None = None,
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
+        is_eval: bool = False,
     ) -> dict[str, Any]:
         """One episode per item, synchronously, outside the staleness budget (see
-        :meth:`RolloutPool.rollout_batch`)."""
-        return self._require_pool().rollout_batch(data, workflow, should_accept_fn, group_size, workflow_kwargs)
+        :meth:`RolloutPool.rollout_batch`); ``is_eval=True`` for evaluation episodes."""
+        return self._require_pool().rollout_batch(
+            data, workflow, should_accept_fn, group_size, workflow_kwargs, is_eval
+        )
 
     def prepare_batch(
         self,

@@ -75,6 +75,42 @@ def test_areal_positional_order_is_caught_at_submit(areal_engine):
         areal_engine.submit({"id": 0}, WORKFLOW, KWARGS)
 
 
+class _Decoder:
+    """Enough of a tokenizer for the trajectory dumper."""
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_rollout_batch_is_eval(fake_servers, tmp_path):
+    """``rollout_batch(..., is_eval=True)``: evaluation episodes, as AReaL marks them: their own
+    stats scope and dump directory, outside the training stats and the staleness accounting."""
+    from megarl.utils import stats_tracker
+
+    (server,) = fake_servers(1)
+    engine = RemoteInferenceEngine(fast_config(max_concurrent_rollouts=2, dump_trajectories=True))
+    engine.initialize(server_addrs=[server.address], dump_dir=str(tmp_path), tokenizer=_Decoder())
+    try:
+        stats_tracker.export(local=True)  # start clean
+        data = [{"id": i} for i in range(5)]
+        batch = engine.rollout_batch(data, workflow=WORKFLOW, workflow_kwargs=KWARGS, is_eval=True)
+        assert batch["rewards"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        stats = stats_tracker.export(local=True)
+        assert stats["eval-rollout/n_finished"] == 5 and "rollout/n_finished" not in stats
+        assert "rollout/staleness/avg" not in stats, "evaluation trajectories counted as training"
+        assert len(list((tmp_path / "eval-rollout" / "0").glob("*.jsonl"))) == 5
+        assert not (tmp_path / "rollout").exists()
+        assert engine.pool.staleness.get_stats().submitted == 0
+    finally:
+        engine.destroy()
+
+
+def test_wait_raise_timeout_false_returns_empty(areal_engine):
+    assert areal_engine.wait(1, timeout=0.2, raise_timeout=False) == []
+    with pytest.raises(TimeoutError, match="only 0 of 1"):
+        areal_engine.wait(1, timeout=0.2)
+
+
 def test_rollout_batch_leaves_the_asynchronous_budget_alone():
     """After many rollout_batch calls at version 0, submitted episodes still start (pool level)."""
     from megarl.config.rollout import InferenceEngineConfig
