@@ -29,7 +29,9 @@ class MathAgent:
         return float(data["answer"] in completion.choices[0].message.content)
 
 
-AGENT_ERROR = r"MathAgent is an agent-style workflow .*OpenAI-compatible proxy.*async def arun_episode\(self, engine, data\)"
+AGENT_ERROR = (
+    r"MathAgent is an agent-style workflow .*OpenAI-compatible proxy.*async def arun_episode\(self, engine, data\)"
+)
 
 
 @pytest.mark.parametrize(
