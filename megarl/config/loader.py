@@ -7,13 +7,17 @@ parallel-strategy preset can follow an experiment file), then the overrides. The
 merge is an OmegaConf structured config, so a misspelled key or a value of the
 wrong type fails with its full key path; then every config's ``check()`` runs, and the
 experiment's ``resolve_auto()`` (if it has one) makes machine-dependent values concrete.
+
+AReaL's names for a few keys are accepted (:data:`AREAL_ALIASES`): each layer's AReaL
+key is renamed to megarl's before the merge, with one INFO line saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -21,6 +25,23 @@ from omegaconf.errors import OmegaConfBaseException
 from megarl.config.base import ConfigError, validate_tree
 
 T = TypeVar("T")
+
+logger = logging.getLogger("megarl.config")
+
+AREAL_ALIASES: dict[str, str] = {
+    "rollout.dump_to_file": "rollout.dump_trajectories",
+    "rollout.fileroot": "cluster.fileroot",
+    "rollout.tokenizer_path": "tokenizer_path",
+    "rollout.group_size": "gconfig.n_samples",
+}
+"""AReaL key -> megarl key of the same meaning, so that an AReaL YAML or command line loads.
+
+megarl keeps one output root (dumps go to ``{cluster.fileroot}/{experiment}/{trial}/rollout``),
+one tokenizer (the dumper decodes with ``tokenizer_path``), and calls a group's size
+``gconfig.n_samples`` (AReaL's trainers pass ``group_size=gconfig.n_samples`` too).
+AReaL's usual ``fileroot: ${cluster.fileroot}`` (an interpolation of the megarl key) is
+simply dropped; an alias contradicting its megarl key in the same layer is an error.
+"""
 
 
 def load_expr_config(argv: list[str], config_cls: type[T]) -> tuple[T, list[str]]:
@@ -39,11 +60,13 @@ def load_expr_config(argv: list[str], config_cls: type[T]) -> tuple[T, list[str]
 
 def build_config(config_cls: type[T], files: list[str], overrides: list[str]) -> T:
     """Merge defaults, YAML ``files`` and dotlist ``overrides`` into a validated ``config_cls``."""
-    merged = OmegaConf.structured(config_cls)
+    schema = merged = OmegaConf.structured(config_cls)
     for path in files:
-        merged = _merge(merged, _load_yaml(path), source=f"config file {path}")
+        source = f"config file {path}"
+        merged = _merge(merged, _rename_areal_keys(_load_yaml(path), schema, source), source)
     if overrides:
-        merged = _merge(merged, _dotlist(overrides), source="command-line overrides")
+        source = "command-line overrides"
+        merged = _merge(merged, _rename_areal_keys(_dotlist(overrides), schema, source), source)
     try:
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
@@ -80,6 +103,72 @@ def _dotlist(overrides: list[str]):
             message = str(err).replace("\n", " ")
             raise ConfigError(key, f"cannot parse the value of override {arg!r}: {message}") from None
     return OmegaConf.merge(*layers)
+
+
+def _rename_areal_keys(layer, schema, source: str):
+    """``layer`` with each AReaL key of :data:`AREAL_ALIASES` renamed to its megarl key.
+
+    Only where ``schema`` (the config class) has the megarl key and not the AReaL one.
+    """
+    data = OmegaConf.to_container(layer, resolve=False)  # interpolations stay "${...}" strings
+    renamed = False
+    for areal_key, megarl_key in AREAL_ALIASES.items():
+        if _has_key(schema, areal_key) or not _has_key(schema, megarl_key):
+            continue
+        found, value = _pop(data, areal_key)
+        if not found:
+            continue
+        renamed = True
+        logger.info("AReaL key %s is megarl's %s (in %s)", areal_key, megarl_key, source)
+        if value == "${" + megarl_key + "}":
+            continue  # AReaL's `fileroot: ${cluster.fileroot}`: says nothing new
+        has_target, target = _get(data, megarl_key)
+        if has_target and target != value:
+            raise ConfigError(
+                areal_key,
+                f"AReaL key {areal_key}={value!r} contradicts {megarl_key}={target!r} in {source}: "
+                f"keep {megarl_key} only",
+            )
+        _set(data, megarl_key, value)
+    return OmegaConf.create(data) if renamed else layer
+
+
+def _has_key(schema, dotted: str) -> bool:
+    """Whether the structured config ``schema`` has the key ``dotted`` (required ones included)."""
+    *parents, leaf = dotted.split(".")
+    node = schema
+    for part in parents:
+        if not OmegaConf.is_dict(node) or part not in node:
+            return False
+        node = node[part]
+    return OmegaConf.is_dict(node) and leaf in node.keys()
+
+
+def _get(data: dict, dotted: str) -> tuple[bool, Any]:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        data = data.get(part)
+        if not isinstance(data, dict):
+            return False, None
+    return (leaf in data), data.get(leaf)
+
+
+def _pop(data: dict, dotted: str) -> tuple[bool, Any]:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        data = data.get(part)
+        if not isinstance(data, dict):
+            return False, None
+    return (True, data.pop(leaf)) if leaf in data else (False, None)
+
+
+def _set(data: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        if not isinstance(data.get(part), dict):
+            data[part] = {}
+        data = data[part]
+    data[leaf] = value
 
 
 def _merge(base, layer, source: str):
