@@ -32,15 +32,15 @@ AREAL_ALIASES: dict[str, str] = {
     "rollout.dump_to_file": "rollout.dump_trajectories",
     "rollout.fileroot": "cluster.fileroot",
     "rollout.tokenizer_path": "tokenizer_path",
-    "rollout.group_size": "gconfig.n_samples",
+    "rollout.group_size": "workflow.group_size",
 }
 """AReaL key -> megarl key of the same meaning, so that an AReaL YAML or command line loads.
 
 megarl keeps one output root (dumps go to ``{cluster.fileroot}/{experiment}/{trial}/rollout``),
-one tokenizer (the dumper decodes with ``tokenizer_path``), and calls a group's size
-``gconfig.n_samples`` (AReaL's trainers pass ``group_size=gconfig.n_samples`` too).
-AReaL's usual ``fileroot: ${cluster.fileroot}`` (an interpolation of the megarl key) is
-simply dropped; an alias contradicting its megarl key in the same layer is an error.
+one tokenizer (the dumper decodes with ``tokenizer_path``), and sets AReaL's grouped rollout
+(the workflow run N times per prompt) on the workflow it groups. AReaL's usual
+``fileroot: ${cluster.fileroot}`` (an interpolation of the megarl key) is simply dropped;
+an alias contradicting its megarl key in the same layer is an error.
 """
 
 

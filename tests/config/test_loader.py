@@ -162,7 +162,9 @@ rollout:
   fileroot: ${cluster.fileroot}
   tokenizer_path: ${tokenizer_path}
   dump_to_file: true
-  group_size: 8
+  group_size: 2
+actor:
+  group_size: 8  # gconfig.n_samples 4 x 2 runs per prompt
 """
 
 
@@ -173,14 +175,14 @@ def test_areal_rollout_keys_in_a_yaml_file(tmp_path, caplog):
     with caplog.at_level("INFO", logger="megarl.config"):
         config, _ = load(files=(CPU_YAML, str(areal)))
     assert config.rollout.dump_trajectories is True
-    assert config.gconfig.n_samples == 8 and config.actor.group_size == 8
+    assert config.workflow.group_size == 2 and config.group_size == 8
     assert config.cluster.fileroot == "outputs" and config.tokenizer_path == "smollm2-135m-instruct"
     notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AReaL key")]
     assert notes == [
         f"AReaL key rollout.dump_to_file is megarl's rollout.dump_trajectories (in config file {areal})",
         f"AReaL key rollout.fileroot is megarl's cluster.fileroot (in config file {areal})",
         f"AReaL key rollout.tokenizer_path is megarl's tokenizer_path (in config file {areal})",
-        f"AReaL key rollout.group_size is megarl's gconfig.n_samples (in config file {areal})",
+        f"AReaL key rollout.group_size is megarl's workflow.group_size (in config file {areal})",
     ]
 
 
@@ -191,17 +193,18 @@ def test_areal_rollout_keys_on_the_command_line(tmp_path, caplog):
             f"rollout.fileroot={tmp_path}",
             "rollout.tokenizer_path=smollm2-135m-instruct",
             "rollout.group_size=2",
+            "actor.group_size=8",
         )
     assert config.rollout.dump_trajectories is True
     assert config.cluster.fileroot == str(tmp_path) and config.run_dir == tmp_path / "gsm8k-grpo-cpu" / "trial0"
     assert config.tokenizer_path == "smollm2-135m-instruct"
-    assert config.gconfig.n_samples == 2 and config.actor.group_size == 2
-    assert "AReaL key rollout.group_size is megarl's gconfig.n_samples (in command-line overrides)" in caplog.text
+    assert config.workflow.group_size == 2 and config.group_size == 8
+    assert "AReaL key rollout.group_size is megarl's workflow.group_size (in command-line overrides)" in caplog.text
 
 
 def test_an_areal_key_contradicting_its_megarl_key_is_an_error():
-    contradiction = r"rollout.group_size=2 contradicts gconfig.n_samples=4 .*: keep gconfig.n_samples only"
+    contradiction = r"rollout.group_size=2 contradicts workflow.group_size=3 .*: keep workflow.group_size only"
     with pytest.raises(ConfigError, match=contradiction):
-        load("rollout.group_size=2", "gconfig.n_samples=4")
-    config, _ = load("rollout.group_size=4", "gconfig.n_samples=4")  # saying it twice is fine
-    assert config.gconfig.n_samples == 4
+        load("rollout.group_size=2", "workflow.group_size=3")
+    config, _ = load("rollout.group_size=2", "workflow.group_size=2", "actor.group_size=8")  # said twice: fine
+    assert config.workflow.group_size == 2
