@@ -30,7 +30,7 @@ from megarl.config.run import (
     SaverConfig,
     StatsLoggerConfig,
 )
-from megarl.config.train import PPOActorConfig, TrainEngineConfig
+from megarl.config.train import LOSS_PRESETS, PPOActorConfig, TrainEngineConfig
 
 logger = logging.getLogger("megarl.config")
 
@@ -153,6 +153,19 @@ class GRPOConfig(BaseExperimentConfig):
     (no learning signal under group-normalised advantages; DAPO's dynamic sampling) and samples
     others in their place. Without it such groups stay in the batch but cost no forward or backward
     (``actor.skip_zero_advantage``)."""
+
+    @classmethod
+    def preset_layers(cls, merged) -> list[tuple[str, dict]]:
+        """The settings of the built-in ``actor.loss`` named in ``merged`` (see :data:`LOSS_PRESETS`)."""
+        from omegaconf import OmegaConf
+
+        loss = OmegaConf.select(merged, "actor.loss")
+        preset = LOSS_PRESETS.get(loss) if isinstance(loss, str) else None
+        if not preset:
+            return []
+        if _is_rank0():
+            logger.info("actor.loss=%s sets %s where the config does not", loss, OmegaConf.to_container(OmegaConf.create(preset)))
+        return [(f"the actor.loss={loss} preset", preset)]
 
     def check(self) -> None:
         super().check()

@@ -59,14 +59,22 @@ def load_expr_config(argv: list[str], config_cls: type[T]) -> tuple[T, list[str]
 
 
 def build_config(config_cls: type[T], files: list[str], overrides: list[str]) -> T:
-    """Merge defaults, YAML ``files`` and dotlist ``overrides`` into a validated ``config_cls``."""
-    schema = merged = OmegaConf.structured(config_cls)
-    for path in files:
-        source = f"config file {path}"
-        merged = _merge(merged, _rename_areal_keys(_load_yaml(path), schema, source), source)
+    """Merge defaults, YAML ``files`` and dotlist ``overrides`` into a validated ``config_cls``.
+
+    A config class with ``preset_layers(merged)`` (e.g. GRPOConfig: the settings ``actor.loss:
+    dapo`` implies) gets those layers between its defaults and the user's files: a preset
+    fills in what the user did not set.
+    """
+    schema = OmegaConf.structured(config_cls)
+    layers = [(f"config file {path}", _load_yaml(path)) for path in files]
     if overrides:
-        source = "command-line overrides"
-        merged = _merge(merged, _rename_areal_keys(_dotlist(overrides), schema, source), source)
+        layers.append(("command-line overrides", _dotlist(overrides)))
+    layers = [(source, _rename_areal_keys(layer, schema, source)) for source, layer in layers]
+    merged = _merge_layers(schema, layers)
+    preset_layers = getattr(config_cls, "preset_layers", None)
+    presets = preset_layers(merged) if preset_layers is not None else []
+    if presets:
+        merged = _merge_layers(schema, [(source, OmegaConf.create(layer)) for source, layer in presets] + layers)
     try:
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
@@ -76,6 +84,13 @@ def build_config(config_cls: type[T], files: list[str], overrides: list[str]) ->
     if resolve_auto is not None:  # e.g. GRPOConfig: ``dtype: auto`` -> this machine's dtype
         resolve_auto()
     return config
+
+
+def _merge_layers(schema, layers: list[tuple[str, Any]]):
+    merged = schema
+    for source, layer in layers:
+        merged = _merge(merged, layer, source)
+    return merged
 
 
 def _load_yaml(path: str):

@@ -9,9 +9,35 @@ from megarl.config.base import require
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 
-BUILTIN_LOSSES = ("ppo", "grpo", "dapo", "dr_grpo", "gspo")
-"""``actor.loss`` names megarl implements: PPO's clipped surrogate, with the settings of each
-variant (``megarl.config.experiment.LOSS_PRESETS``) as defaults under the user's own keys."""
+LOSS_PRESETS: dict[str, dict] = {
+    "ppo": {},
+    "grpo": {"actor": {"loss_agg_mode": "seq-mean-token-mean"}},
+    "dapo": {
+        "actor": {"loss_agg_mode": "token-mean", "eps_clip": 0.2, "eps_clip_higher": 0.28},
+        "dynamic_filter": "uniform_reward",
+    },
+    "dr_grpo": {
+        "actor": {
+            "loss_agg_mode": "seq-mean-token-sum-norm",
+            "adv_norm": {"std_level": "none"},
+            "dr_grpo_norm_len": "${gconfig.max_new_tokens}",
+        }
+    },
+    "gspo": {
+        "actor": {
+            "importance_sampling_level": "sequence",
+            "loss_agg_mode": "seq-mean-token-mean",
+            "eps_clip": 3.0e-4,
+            "eps_clip_higher": 4.0e-4,
+        }
+    },
+}
+"""What each built-in ``actor.loss`` sets, under the user's config (a key the config sets wins):
+GRPO (DeepSeekMath) averages per sequence; DAPO clips higher (0.28), averages per token and
+resamples groups without signal; Dr. GRPO divides by a constant length and not by the group's
+reward std; GSPO clips a length-normalised sequence ratio in a narrow band (3e-4, 4e-4)."""
+BUILTIN_LOSSES = tuple(LOSS_PRESETS)
+"""``actor.loss`` names megarl implements: PPO's clipped surrogate with the settings of :data:`LOSS_PRESETS`."""
 
 
 @dataclass

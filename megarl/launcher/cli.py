@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -178,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; user errors print one clear line and exit with status 2."""
     args = build_parser().parse_args(argv)
     console = Console(soft_wrap=True)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # as `python -m megarl.train` (the trainer) does: a config's plug-ins (workflow.type,
+        # reward_fn, actor.loss) are found from the directory megarl runs in
+        sys.path.insert(0, os.getcwd())
     try:
         return args.func(args, console)
     except (ConfigError, AllocationError, ValueError, FileNotFoundError) as err:

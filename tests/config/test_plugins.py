@@ -1,0 +1,168 @@
+"""Plug-ins by config: workflow, eval_workflow, reward_fn and actor.loss are checked when the config loads."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from megarl.config import GRPOConfig, build_config
+from megarl.config.base import ConfigError
+
+BASE = ["configs/arithmetic_grpo_cpu.yaml"]
+
+USER_MODULE = '''
+from megarl.api.workflow_api import RolloutWorkflow
+
+
+class NeedsTemperature(RolloutWorkflow):
+    def __init__(self, gconfig, temperature_bonus):
+        self.gconfig, self.temperature_bonus = gconfig, temperature_bonus
+
+    async def arun_episode(self, engine, data):
+        return None
+
+
+class NotAWorkflow:
+    def arun_episode(self, engine, data):  # not async
+        return None
+
+
+def two_argument_loss(logprobs, advantages):
+    return -advantages * logprobs
+
+
+def one_argument_reward(completion):
+    return 1.0
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module of the user's, importable as ``my_plugins`` (as from the directory a run starts in)."""
+    (tmp_path / "my_plugins.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_plugins"
+    sys.modules.pop("my_plugins", None)
+
+
+def _load(*overrides: str) -> GRPOConfig:
+    return build_config(GRPOConfig, BASE, list(overrides))
+
+
+def _error(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        _load(*overrides)
+    return err.value
+
+
+# ---------------------------------------------------------------- workflow
+
+
+def test_builtin_workflows_by_short_name_with_their_arguments():
+    config = _load("workflow.type=multi_turn", "workflow.kwargs.max_turns=3")
+    assert config.workflow.class_path == "megarl.workflow.multi_turn.MultiTurnReflectionWorkflow"
+    assert config.workflow.kwargs == {"max_turns": 3}
+    assert _load().workflow.class_path == "megarl.workflow.rlvr.RLVRWorkflow"
+
+
+def test_a_misspelled_workflow_argument_names_what_the_class_takes():
+    err = _error("workflow.type=multi_turn", "workflow.kwargs.max_turnz=3")
+    assert err.key == "workflow.type"
+    assert "takes no argument(s) ['max_turnz']" in err.message and "'max_turns'" in err.message
+
+
+def test_user_workflow_class_is_imported_and_its_constructor_checked(user_module):
+    config = _load(f"workflow.type={user_module}.NeedsTemperature", "workflow.kwargs.temperature_bonus=0.1")
+    assert config.workflow.type == f"{user_module}.NeedsTemperature"
+    err = _error(f"workflow.type={user_module}.NeedsTemperature")  # its own argument is missing
+    assert err.key == "workflow.type" and "missing a required argument: 'temperature_bonus'" in err.message
+    err = _error(f"workflow.type={user_module}.NotAWorkflow")
+    assert "has no 'async def arun_episode" in err.message
+    err = _error(f"workflow.type={user_module}.Missing")
+    assert "has no attribute 'Missing'" in err.message
+    err = _error("workflow.type=no_such_package.Workflow")
+    assert "cannot import module 'no_such_package'" in err.message
+    err = _error("workflow.type=reflection")
+    assert "neither a built-in ['multi_turn', 'rlvr'] nor 'package.module.Class'" in err.message
+
+
+def test_eval_workflow_is_checked_like_the_training_one():
+    assert _load("eval_workflow.type=rlvr").eval_workflow.type == "rlvr"
+    err = _error("eval_workflow.type=multi_turn", "eval_workflow.kwargs.turns=2")
+    assert err.key == "eval_workflow.type"
+
+
+def test_grouped_rollout_is_group_size_and_the_grpo_group_follows_it():
+    err = _error("workflow.type=grouped")
+    assert "set group_size: N instead" in err.message
+    err = _error("workflow.group_size=2")  # the arithmetic config's actor.group_size is ${gconfig.n_samples} = 8
+    assert err.key == "actor.group_size" and "gconfig.n_samples=8 x workflow.group_size=2 = 16" in err.message
+    config = _load("workflow.group_size=4", "gconfig.n_samples=2", "actor.group_size=8")
+    assert config.group_size == 8
+
+
+# ---------------------------------------------------------------- reward and loss
+
+
+def test_reward_fn_signature_is_checked(user_module):
+    err = _error(f"reward_fn={user_module}.one_argument_reward")
+    assert err.key == "reward_fn" and "fn(prompt, completions, prompt_ids, completion_ids, **row)" in err.message
+    assert _load("reward_fn=examples.rewards.brief_answer.brief_answer_reward").reward_fn.endswith("brief_answer_reward")
+
+
+def test_user_loss_is_imported_and_its_signature_checked(user_module):
+    assert _load("actor.loss=examples.losses.cispo.cispo_loss").actor.loss == "examples.losses.cispo.cispo_loss"
+    err = _error(f"actor.loss={user_module}.two_argument_loss")
+    assert err.key == "actor.loss" and "cu_seqlens, config" in err.message
+    err = _error("actor.loss=ppo2")
+    assert err.key == "actor.loss" and "not of the form 'package.module.name'" in err.message
+
+
+def test_builtin_loss_presets_fill_in_what_the_config_does_not_set():
+    dapo = _load("actor.loss=dapo")
+    assert (dapo.actor.eps_clip_higher, dapo.actor.loss_agg_mode, dapo.dynamic_filter) == (
+        0.28, "token-mean", "uniform_reward")  # fmt: skip
+    assert _load("actor.loss=dapo", "actor.eps_clip_higher=0.3").actor.eps_clip_higher == 0.3, "the user's key wins"
+    dr = _load("actor.loss=dr_grpo")
+    assert (dr.actor.loss_agg_mode, dr.actor.adv_norm.std_level, dr.actor.dr_grpo_norm_len) == (
+        "seq-mean-token-sum-norm", "none", dr.gconfig.max_new_tokens)  # fmt: skip
+    gspo = _load("actor.loss=gspo")
+    assert gspo.actor.importance_sampling_level == "sequence"
+    assert (gspo.actor.eps_clip, gspo.actor.eps_clip_higher) == (3.0e-4, 4.0e-4)
+    assert _load("actor.loss=gspo", "actor.eps_clip=0.1").actor.eps_clip == 0.1
+    assert _load("actor.loss=grpo").actor.loss_agg_mode == "seq-mean-token-mean"
+    assert _load().actor.loss_agg_mode == "token-mean"
+
+
+# ---------------------------------------------------------------- building
+
+
+def test_workflows_are_built_with_the_run_arguments_they_take():
+    from megarl.config.rollout import WorkflowConfig
+    from megarl.models import resolve_model_path
+    from megarl.reward.arithmetic import arithmetic_reward_fn
+    from megarl.workflow import GroupedRolloutWorkflow, MultiTurnReflectionWorkflow
+    from megarl.workflow.build import build_eval_workflow, build_workflow
+    from transformers import AutoTokenizer
+
+    config = _load("workflow.type=multi_turn", "workflow.kwargs.max_turns=3")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    run = {"reward_fn": arithmetic_reward_fn, "gconfig": config.gconfig, "tokenizer": tokenizer,
+           "max_context_len": config.context_length}  # fmt: skip
+    workflow = build_workflow(config.workflow, run)
+    assert isinstance(workflow, MultiTurnReflectionWorkflow)
+    assert (workflow.max_turns, workflow.max_context_len, workflow.gconfig) == (3, 256, config.gconfig)
+    greedy = config.gconfig.new(n_samples=1, greedy=True)
+    evaluation = build_eval_workflow(None, config.workflow, workflow, {**run, "gconfig": greedy})
+    assert evaluation.gconfig.greedy and evaluation.max_turns == 3
+    assert evaluation.rlvr.async_reward_fn is workflow.rlvr.async_reward_fn, "the twin shares the reward workers"
+    grouped = build_workflow(WorkflowConfig("rlvr", group_size=2), {**run, "gconfig": config.gconfig.new(n_samples=1)})
+    assert isinstance(grouped, GroupedRolloutWorkflow) and grouped.group_size == 2
+    reward_by_path = build_workflow(
+        WorkflowConfig("rlvr", {"reward_fn": "examples.rewards.brief_answer.brief_answer_reward"}), run
+    )
+    assert reward_by_path.reward_fn.__name__ == "brief_answer_reward"
+    for wf in (workflow, grouped.workflow, reward_by_path):
+        wf.close()
