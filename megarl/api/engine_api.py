@@ -41,12 +41,13 @@ class InferenceEngine(abc.ABC):
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
         is_eval: bool = False,
-    ) -> None:
-        """Queue one episode of ``workflow`` on ``data`` (blocks while the input queue is full)."""
+    ) -> int:
+        """Queue one episode of ``workflow`` on ``data`` (blocks while the input queue is full); its task id."""
 
     @abc.abstractmethod
-    def wait(self, count: int, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Return ``count`` accepted trajectories, oldest first; ``TimeoutError`` after ``timeout`` s."""
+    def wait(self, count: int, timeout: float | None = None, raise_timeout: bool = True) -> list[dict[str, Any]]:
+        """Return ``count`` accepted trajectories, oldest first; after ``timeout`` s ``TimeoutError``
+        (or ``[]`` with ``raise_timeout=False``)."""
 
     @abc.abstractmethod
     def rollout_batch(
@@ -56,8 +57,10 @@ class InferenceEngine(abc.ABC):
         should_accept_fn: Callable[[dict[str, Any]], bool] | None = None,
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
+        is_eval: bool = False,
     ) -> dict[str, Any]:
-        """Run one episode per item of ``data`` and return the accepted ones, concatenated and padded."""
+        """Run one episode per item of ``data`` and return the accepted ones, concatenated and padded
+        (outside the staleness budget; ``is_eval`` for evaluation episodes)."""
 
     @abc.abstractmethod
     def prepare_batch(
