@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megarl.actor.engine import MegatronEngine
-from megarl.api.workflow_api import RolloutWorkflow
 from megarl.actor.ppo import MegatronPPOActor
+from megarl.api.workflow_api import RolloutWorkflow
 from megarl.bridge.update import WeightUpdateMeta
 from megarl.config import GRPOConfig, load_expr_config, save_config
 from megarl.config.train import TrainEngineConfig
@@ -46,8 +46,8 @@ from megarl.utils.memory import PeakRSS, release_freed_memory
 from megarl.utils.recover import RecoverHandler, RecoverInfo
 from megarl.utils.saver import Saver
 from megarl.utils.stats_logger import StatsLogger
-from megarl.utils.threads import TrainerThreads
 from megarl.utils.plugins import import_plugin
+from megarl.utils.threads import TrainerThreads
 from megarl.workflow.build import build_eval_workflow, build_workflow
 
 logger = logging.getLogger("megarl.train")
@@ -87,7 +87,8 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     """One asynchronous RL step; returns its stats (exact over all ranks)."""
     cfg = t.config
     with stats_tracker.record_timing("rollout"), t.memory.peak("rollout"), rollout_bar(t) as progress:
-        batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, should_accept_fn(cfg.dynamic_filter, cfg.group_size), progress)
+        accept = should_accept_fn(cfg.dynamic_filter, cfg.group_size)
+        batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, accept, progress)
     if t.actor.needs_prox_pass():  # else ppo_update's own forward gives them
         with phase(t, "recompute_logp"):
             batch["prox_logp"] = t.actor.compute_logp(batch)

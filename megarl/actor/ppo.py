@@ -30,9 +30,9 @@ from megarl.actor import losses
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.lm_head import LMHeadOutput
 from megarl.config.train import BUILTIN_LOSSES, PPOActorConfig
-from megarl.utils.plugins import import_plugin
 from megarl.kernels import fused_ppo_loss, logprobs_backend, ppo_loss_backend
 from megarl.utils import stats_tracker
+from megarl.utils.plugins import import_plugin
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class MegatronPPOActor(MegatronEngine):
         if cfg.kl_ctl > 0 and not cfg.kl_in_reward and "ref_logp" not in data:
             raise ValueError("a KL loss (kl_ctl > 0, kl_in_reward False) needs data['ref_logp']")
         norm_len = cfg.dr_grpo_norm_len or data["attention_mask"].shape[1]
-        loss_fn = partial(ppo_loss, cfg=cfg, norm_len=norm_len)
+        loss_fn = partial(ppo_loss, cfg=cfg, norm_len=norm_len, surrogate_fn=policy_surrogate(cfg))  # resolved once
         weight_fn = partial(ppo_loss_weight, mode=cfg.loss_agg_mode)
         all_stats = []
         for _ in range(cfg.ppo_n_epochs):
@@ -227,12 +227,13 @@ def ppo_loss_weight(mb: dict, mode: losses.AggMode) -> torch.Tensor:
     return losses.aggregate(torch.zeros(mask.shape), mask, mode, mb["cu_seqlens"].long(), norm_len=1)[1]
 
 
-def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -> torch.Tensor:
+def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int, surrogate_fn=None) -> torch.Tensor:
     """PPO / GRPO / DAPO / GSPO loss of one packed micro-batch (``sum / weight`` of ``aggregate``).
 
     The surrogate is ``actor.loss``'s (:func:`policy_surrogate`: PPO's clipped one, or a user's
     function) weighted by the behaviour weight (``losses.weigh_by_behaviour``); or the fused CUDA
     epilogue of ``megarl.kernels.fused_ppo_loss`` where :func:`_fused_surrogate` allows it (the same loss).
+    ``surrogate_fn``: ``policy_surrogate(cfg)``, resolved once per update by ``ppo_update``.
     """
     mask = _mask(mb)
     logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature, where=mask)  # no head work on prompts
@@ -245,17 +246,17 @@ def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int) -
     if fused:
         return _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox)
     cu_seqlens = mb["cu_seqlens"].long()
-    out, surrogate_stats = _policy_loss(cfg, mb, mask, logp, old, prox, cu_seqlens)
+    surrogate_fn = surrogate_fn or policy_surrogate(cfg)
+    out, surrogate_stats = _policy_loss(cfg, surrogate_fn, mb, mask, logp, old, prox, cu_seqlens)
     token_loss, kl = _add_penalties(out.loss, cfg, mb, mask, logp, entropy)
     total, weight = losses.aggregate(token_loss, mask, cfg.loss_agg_mode, cu_seqlens, norm_len)
     _record_stats(mask, logp, entropy, prox if prox is not None else old, kl, out.behav_weight, surrogate_stats)
     return total / weight.clamp(min=1)
 
 
-def _policy_loss(cfg: PPOActorConfig, mb: dict, mask, logp, old, prox, cu_seqlens):
+def _policy_loss(cfg: PPOActorConfig, surrogate_fn, mb: dict, mask, logp, old, prox, cu_seqlens):
     """The surrogate of ``cfg.loss`` weighted by the behaviour weight (capped or corrected), and its stats."""
     anchor = prox if prox is not None else old
-    surrogate_fn = policy_surrogate(cfg)
     surrogate, user_stats = surrogate_fn(logp, anchor, mb["advantages"].float(), mask, cu_seqlens=cu_seqlens, config=cfg)
     out = losses.weigh_by_behaviour(
         surrogate, mask, old, prox, cu_seqlens=cu_seqlens, correction=cfg.rollout_correction,

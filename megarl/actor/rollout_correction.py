@@ -72,5 +72,5 @@ def behaviour_weights(
 
 def capped_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, loss_mask: torch.Tensor, cap: float | None):
     """AReaL's ``behav_imp_weight_cap``: a token-level mask at ``cap`` (no cap: plain weights)."""
-    config = RolloutCorrectionConfig(mode="none" if cap is None else "mask", upper=cap or 2.0)
+    config = RolloutCorrectionConfig() if cap is None else RolloutCorrectionConfig(mode="mask", upper=cap)
     return behaviour_weights(prox_logp, behav_logp, loss_mask, config)

@@ -324,7 +324,7 @@ class GRPOConfig(BaseExperimentConfig):
             f"sharded transfer needs vLLM servers; SGLang ({self.allocation_mode}) takes 'broadcast' or 'disk'",
         )
         context_key = "vllm.max_model_len" if backend == "vllm" else "sglang.context_length"
-        context = self.vllm.max_model_len if backend == "vllm" else self.sglang.context_length
+        context = self.context_length
         new = self.gconfig.max_new_tokens
         for name, data in (("train_dataset", self.train_dataset), ("valid_dataset", self.valid_dataset)):
             if data is None:
