@@ -161,3 +161,83 @@ def grpo_advantages(
         adv = adv + kl_returns
     return adv
 
+
+
+def gae_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group_size: int,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    mean_level: NormLevel = "batch",
+    std_level: NormLevel = "batch",
+    eps: float = 1e-5,
+    kl_token_rewards: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token advantages [T] and returns [T] for PPO with a critic (``algorithm.adv_estimator: gae``).
+
+    The token reward is the sequence's (shaped) outcome reward ``rewards`` [N] on its last loss
+    token, plus ``kl_token_rewards`` [T] when the KL penalty is in the reward. :func:`gae` with the
+    critic's ``values`` [T] gives the advantages and the returns the critic regresses on (before
+    normalisation); the advantages are then normalised over the loss tokens of each group or of
+    the batch (:func:`normalize_token_advantages`).
+    """
+    mask = loss_mask.bool()
+    last = last_token_mask(mask, cu_seqlens)
+    token_rewards = torch.where(last, broadcast_to_tokens(rewards.float(), cu_seqlens, mask.numel()), 0.0)
+    if kl_token_rewards is not None:
+        token_rewards = token_rewards + kl_token_rewards.float()
+    advantages, returns = gae(token_rewards, values.float() * mask, mask, cu_seqlens, gamma=gamma, lam=lam)
+    advantages = normalize_token_advantages(advantages, mask, cu_seqlens, group_size, mean_level, std_level, eps)
+    return advantages, returns
+
+
+def normalize_token_advantages(
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group_size: int,
+    mean_level: NormLevel = "batch",
+    std_level: NormLevel = "batch",
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Whiten token advantages [T] over the loss tokens of each group (or the whole batch).
+
+    The mean and the (population) std are taken over the loss tokens of the scope; ``none``
+    skips that step. Tokens outside ``loss_mask`` stay 0.
+    """
+    mask = loss_mask.bool()
+    n_seqs = len(cu_seqlens) - 1
+    if n_seqs % group_size:
+        raise ValueError(f"{n_seqs} sequences do not split into groups of group_size={group_size}")
+    seq = sequence_ids(cu_seqlens, mask.numel())
+    out = advantages.float()
+    if mean_level != "none":
+        mean, _ = _token_moments(out, mask, _token_scope(seq, group_size, mean_level))
+        out = out - mean
+    if std_level != "none":
+        _, var = _token_moments(advantages.float(), mask, _token_scope(seq, group_size, std_level))
+        out = out / (var.sqrt() + eps)
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+def _token_scope(seq: torch.Tensor, group_size: int, level: NormLevel) -> torch.Tensor:
+    """[T] index of the statistics' scope of each token: its group, or 0 for the batch."""
+    if level == "group":
+        return seq // group_size
+    if level == "batch":
+        return torch.zeros_like(seq)
+    raise ValueError(f"unknown normalisation level {level!r}; expected 'group', 'batch' or 'none'")
+
+
+def _token_moments(values: torch.Tensor, mask: torch.Tensor, scope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T] mean and variance of the masked ``values`` of each token's scope."""
+    n_scopes = int(scope.max()) + 1 if scope.numel() else 1
+    weights = mask.float()
+    count = torch.zeros(n_scopes).index_add(0, scope, weights).clamp(min=1)
+    mean = torch.zeros(n_scopes).index_add(0, scope, values * weights) / count
+    var = torch.zeros(n_scopes).index_add(0, scope, (values - mean[scope]).square() * weights) / count
+    return mean[scope], var[scope]

@@ -141,12 +141,16 @@ class MegatronEngine:
         with cpu_shim.device_mode():
             chunks = build_chunks(self.desc, self.tconfig, use_te=self._use_te())
             chunks = [chunk.to(cpu_shim.device()) for chunk in chunks]
+            self._add_heads(chunks)
             if not self.config.init_from_scratch:
                 load_hf_weights(chunks, self.desc, self.model_path, self.coords)
             self.model = self._wrap(chunks)
             if self.config.optimizer is not None:
                 self._build_optimizer(_total_steps(ft_spec))
         logger.info("initialised %s (%s) under %s", self.model_path, self.desc.family.name, alloc)
+
+    def _add_heads(self, chunks: list) -> None:
+        """Give the built chunks extra modules before the weights load (a critic's value head); none here."""
 
     @property
     def dtype(self) -> str:
@@ -411,7 +415,7 @@ class MegatronEngine:
     def _train_head(self, loss_fn: LossFn, model, mb: MicroBatch, scale: float, output: torch.Tensor):
         head = self._head(model, output)
         if not mb.seq_indices:  # padding-only micro-batch: keep the graph, contribute nothing
-            loss = head.hidden.sum() * 0.0
+            loss = output.sum() * 0.0
         else:
             loss = loss_fn(head, mb.data)
         return loss * scale, {"weighted_loss": loss.detach() * scale}

@@ -60,9 +60,12 @@ class MegatronPPOActor(MegatronEngine):
 
     @torch.no_grad()
     def compute_advantages(self, data: dict) -> None:
-        """GRPO advantages in place; rolls ``loss_mask`` / ``logprobs`` to next-token alignment.
+        """Advantages in place; rolls ``loss_mask`` / ``logprobs`` to next-token alignment.
 
-        Adds ``advantages``, ``kl_rewards``, ``tot_rewards`` and (decoupled PPO) ``prox_logp``.
+        GRPO's group-normalised rewards, or with ``data["values"]`` (a critic's
+        :meth:`~megarl.actor.critic.MegatronCritic.compute_values`) GAE, which also adds the
+        ``returns`` the critic regresses on. Adds ``advantages``, ``kl_rewards``, ``tot_rewards``
+        and (decoupled PPO) ``prox_logp``.
         """
         cfg = self.config
         batch_size, seq_len = data["attention_mask"].shape
@@ -84,13 +87,22 @@ class MegatronPPOActor(MegatronEngine):
             policy_logp = data.get("prox_logp", old_logp)
             kl_rewards = -cfg.kl_ctl * losses.kl_penalty(policy_logp, data["ref_logp"].float(), cfg.kl_estimator)
             kl_rewards = kl_rewards * loss_mask
-        advantages = adv_fns.grpo_advantages(
-            rewards, loss_mask.flatten(), cu_seqlens, cfg.group_size,
-            mean_level=cfg.adv_norm.mean_level, std_level=cfg.adv_norm.std_level,
-            leave_one_out=cfg.adv_norm.mean_leave1out, eps=cfg.adv_norm.eps,
-            kl_token_rewards=kl_rewards.flatten() if cfg.kl_in_reward and cfg.kl_ctl > 0 else None,
-            gamma=cfg.discount,
-        )  # fmt: skip
+        kl_token_rewards = kl_rewards.flatten() if cfg.kl_in_reward and cfg.kl_ctl > 0 else None
+        norm = cfg.adv_norm
+        if "values" in data:  # PPO with a critic: GAE over the token rewards and the critic's values
+            advantages, returns = adv_fns.gae_advantages(
+                rewards, data["values"].flatten(), loss_mask.flatten(), cu_seqlens, cfg.group_size,
+                gamma=cfg.discount, lam=cfg.gae_lambda, mean_level=norm.mean_level, std_level=norm.std_level,
+                eps=norm.eps, kl_token_rewards=kl_token_rewards,
+            )  # fmt: skip
+            data["returns"] = returns.view(batch_size, seq_len)
+            data["values"] = data["values"].float() * loss_mask
+        else:
+            advantages = adv_fns.grpo_advantages(
+                rewards, loss_mask.flatten(), cu_seqlens, cfg.group_size,
+                mean_level=norm.mean_level, std_level=norm.std_level, leave_one_out=norm.mean_leave1out,
+                eps=norm.eps, kl_token_rewards=kl_token_rewards, gamma=cfg.discount,
+            )  # fmt: skip
         data["advantages"] = advantages.view(batch_size, seq_len)
         data["loss_mask"] = loss_mask.to(torch.int32)
         data["logprobs"] = old_logp * loss_mask

@@ -20,9 +20,18 @@ from megarl.config.run import (
     SaverConfig,
     StatsLoggerConfig,
 )
-from megarl.config.train import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig, TrainEngineConfig
+from megarl.config.train import (
+    AlgorithmConfig,
+    MicroBatchSpec,
+    NormConfig,
+    OptimizerConfig,
+    PPOActorConfig,
+    PPOCriticConfig,
+    TrainEngineConfig,
+)
 
 __all__ = [
+    "AlgorithmConfig",
     "AllocationError",
     "AllocationMode",
     "BaseExperimentConfig",
@@ -39,6 +48,7 @@ __all__ = [
     "NormConfig",
     "OptimizerConfig",
     "PPOActorConfig",
+    "PPOCriticConfig",
     "RecoverConfig",
     "SGLangConfig",
     "SaverConfig",

@@ -30,7 +30,14 @@ from megarl.config.run import (
     SaverConfig,
     StatsLoggerConfig,
 )
-from megarl.config.train import LOSS_PRESETS, PPOActorConfig, TrainEngineConfig
+from megarl.config.train import (
+    ADV_ESTIMATOR_PRESETS,
+    LOSS_PRESETS,
+    AlgorithmConfig,
+    PPOActorConfig,
+    PPOCriticConfig,
+    TrainEngineConfig,
+)
 
 logger = logging.getLogger("megarl.config")
 
@@ -135,6 +142,10 @@ class GRPOConfig(BaseExperimentConfig):
     """The policy."""
     ref: TrainEngineConfig | None = None
     """Frozen reference model for the KL penalty; None uses the actor's initial weights when ``actor.kl_ctl > 0``."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """GRPO (group baseline) or PPO with a critic (GAE): ``algorithm.adv_estimator``."""
+    critic: PPOCriticConfig | None = None
+    """The value model of ``algorithm.adv_estimator: gae`` (required then, and only then)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM server options (when ``allocation_mode`` starts with ``vllm:``)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -156,16 +167,20 @@ class GRPOConfig(BaseExperimentConfig):
 
     @classmethod
     def preset_layers(cls, merged) -> list[tuple[str, dict]]:
-        """The settings of the built-in ``actor.loss`` named in ``merged`` (see :data:`LOSS_PRESETS`)."""
+        """The settings of ``algorithm.adv_estimator`` and of the built-in ``actor.loss`` named in
+        ``merged`` (:data:`ADV_ESTIMATOR_PRESETS`, :data:`LOSS_PRESETS`), in that order."""
         from omegaconf import OmegaConf
 
-        loss = OmegaConf.select(merged, "actor.loss")
-        preset = LOSS_PRESETS.get(loss) if isinstance(loss, str) else None
-        if not preset:
-            return []
-        if _is_rank0():
-            logger.info("actor.loss=%s sets %s where the config does not", loss, OmegaConf.to_container(OmegaConf.create(preset)))
-        return [(f"the actor.loss={loss} preset", preset)]
+        layers = []
+        for key, presets in (("algorithm.adv_estimator", ADV_ESTIMATOR_PRESETS), ("actor.loss", LOSS_PRESETS)):
+            name = OmegaConf.select(merged, key)
+            preset = presets.get(name) if isinstance(name, str) else None
+            if not preset:
+                continue
+            if _is_rank0():
+                logger.info("%s=%s sets %s where the config does not", key, name, OmegaConf.to_container(OmegaConf.create(preset)))
+            layers.append((f"the {key}={name} preset", preset))
+        return layers
 
     def check(self) -> None:
         super().check()
@@ -183,6 +198,7 @@ class GRPOConfig(BaseExperimentConfig):
         self._check_reward()
         if self.ref is not None:
             require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
+        self._check_critic(alloc)
 
     def resolve_auto(self) -> None:
         """Turn every ``auto`` that depends on this machine into its choice, once, and log it in one line.
@@ -199,7 +215,7 @@ class GRPOConfig(BaseExperimentConfig):
         chosen, why = auto_dtype(self.cluster.device)
         server_key, server = self._server_config()
         before = self.dtypes()
-        for cfg in (self.actor, self.ref, self.vllm):
+        for cfg in (self.actor, self.ref, self.critic, self.vllm):
             if cfg is not None and cfg.dtype == "auto":
                 cfg.dtype = chosen
         if self.sglang.dtype == "auto":
@@ -220,6 +236,8 @@ class GRPOConfig(BaseExperimentConfig):
         out = {"actor.dtype": self.actor.dtype}
         if self.ref is not None:
             out["ref.dtype"] = self.ref.dtype
+        if self.critic is not None:
+            out["critic.dtype"] = self.critic.dtype
         out[server_key] = server.dtype
         out["weight_update.dtype"] = self.weight_update.dtype
         return out
@@ -238,6 +256,18 @@ class GRPOConfig(BaseExperimentConfig):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _check_critic(self, alloc: AllocationMode) -> None:
+        gae = self.algorithm.adv_estimator == "gae"
+        require(not gae or self.critic is not None, "critic", None,
+                "algorithm.adv_estimator=gae learns a value model: give a critic block (e.g. `critic: {}` for the actor's model)")  # fmt: skip
+        require(gae or self.critic is None, "algorithm.adv_estimator", self.algorithm.adv_estimator,
+                "a critic is configured but only algorithm.adv_estimator=gae uses one: set it to gae, or critic: null")  # fmt: skip
+        if self.critic is None:
+            return
+        dp, n_mb, bs = alloc.train.dp, self.critic.ppo_n_minibatches, self.train_dataset.batch_size
+        require(bs % (dp * n_mb) == 0, "train_dataset.batch_size", bs,
+                f"must be divisible by data-parallel d{dp} x critic.ppo_n_minibatches {n_mb} = {dp * n_mb}")  # fmt: skip
 
     def _check_batching(self, alloc: AllocationMode) -> None:
         dp = alloc.train.dp
@@ -299,6 +329,8 @@ class GRPOConfig(BaseExperimentConfig):
 
     def _check_models(self, alloc: AllocationMode) -> None:
         models = [("actor.path", self.actor.path)] + ([("ref.path", self.ref.path)] if self.ref else [])
+        if self.critic is not None and self.critic.path:
+            models.append(("critic.path", self.critic.path))
         for key, path in models:
             problem = model_path_problem(path, self.cluster.n_nodes > 1)
             require(problem is None, key, path, problem or "")

@@ -339,3 +339,57 @@ class PPOActorConfig(TrainEngineConfig):
                 "corrects decoupled PPO's behaviour weight: set use_decoupled_loss: true, or mode: none")  # fmt: skip
         require(self.behav_imp_weight_cap is None, "behav_imp_weight_cap", self.behav_imp_weight_cap,
                 f"rollout_correction.mode={mode!r} replaces the behaviour-weight cap: set behav_imp_weight_cap: null")  # fmt: skip
+
+
+ADV_ESTIMATOR_PRESETS: dict[str, dict] = {
+    "grpo": {},
+    "gae": {"actor": {"adv_norm": {"mean_level": "batch", "std_level": "batch"}}},
+}
+"""What each ``algorithm.adv_estimator`` sets under the user's config: GAE's token advantages are
+whitened over the batch (PPO's normalisation), not within a GRPO group."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """How the policy's advantages are estimated: GRPO's group baseline, or PPO's learned critic."""
+
+    adv_estimator: Literal["grpo", "gae"] = "grpo"
+    """``grpo``: each sequence's reward, normalised within its group (``actor.adv_norm``), is the
+    advantage of all its tokens; no value model. ``gae``: PPO with a critic (the ``critic`` block):
+    GAE(γ = ``actor.discount``, λ = ``actor.gae_lambda``) over token rewards (the outcome reward on
+    the last generated token, the KL reward per token with ``actor.kl_in_reward``) and the critic's
+    values, then whitened over the batch (``actor.adv_norm`` at ``batch`` level unless the config sets it)."""
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass
+class PPOCriticConfig(TrainEngineConfig):
+    """The value model of PPO (``algorithm.adv_estimator: gae``): a Megatron model with a scalar head.
+
+    It is the actor's architecture (or ``path``'s) with a ``value_head`` (``hidden -> 1``, HF name
+    ``score``, as ``AutoModelForTokenClassification(num_labels=1)``) on the last pipeline stage, in the
+    actor's parallel layout, with its own optimizer, checkpoints and recover point. The head starts at
+    zero unless ``path`` holds a ``score`` tensor (a critic exported by megarl).
+    """
+
+    path: str = ""
+    """HF model directory or short name; empty: the actor's ``path``."""
+    optimizer: OptimizerConfig | None = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """Optimizer of the critic (required); critics usually learn faster than the policy."""
+    eps_clip: float | None = 0.5
+    """Value clipping (AReaL's ``eps_clip`` of the critic): a value moves at most this far from the
+    one it had at rollout within an update, the loss is ``0.5 * max((v - R)^2, (v_clip - R)^2)``;
+    None: the plain squared error."""
+    ppo_n_minibatches: int = 1
+    """Critic optimizer steps per training step (the batch split into this many mini-batches)."""
+    ppo_n_epochs: int = 1
+    """Passes of the critic over the batch per training step."""
+
+    def check(self) -> None:
+        require(self.optimizer is not None, "optimizer", None, "the critic trains, so it needs an optimizer")
+        if self.eps_clip is not None:
+            require(self.eps_clip > 0, "eps_clip", self.eps_clip, "the value clip must be > 0 (null disables it)")
+        require(self.ppo_n_minibatches >= 1, "ppo_n_minibatches", self.ppo_n_minibatches, "must be >= 1")
+        require(self.ppo_n_epochs >= 1, "ppo_n_epochs", self.ppo_n_epochs, "must be >= 1")

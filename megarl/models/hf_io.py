@@ -128,6 +128,8 @@ def load_hf_weights(chunks: list, desc: ModelDesc, hf_dir: str | os.PathLike, co
             for name, param in canonical_params(chunk, coords).items():
                 rule, fields = desc.mapping.match(name)
                 names = rule.hf_names(**fields)
+                if rule.optional and names[0] not in reader.keys():
+                    continue
                 rank, size = coords.split_for(rule.is_expert)
                 shard = load_shard(rule, names, reader, reader.shape(names[0]), rank, size, desc.dims)
                 if tuple(shard.shape) != tuple(param.shape):

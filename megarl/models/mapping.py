@@ -74,6 +74,9 @@ class ParamRule:
     """How the Megatron tensor is split over (expert) tensor-parallel ranks."""
     export: bool = True
     """False for a Megatron copy of a tensor exported elsewhere (tied output layer)."""
+    optional: bool = False
+    """The HF checkpoint may lack it (a critic's value head in a causal-LM checkpoint): loading then
+    keeps the parameter's initial value."""
 
     def __post_init__(self):
         if self.split not in SPLITS:

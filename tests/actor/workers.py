@@ -269,3 +269,78 @@ def inert_row_paths(model_dir: str, alloc: str, batch: dict, **overrides) -> dic
     out["step"] = actor.train_minibatch(data, loss_fn, weight_fn)
     out["params_after"] = _flat(actor, lambda q: q.detach())
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Critic (megarl.actor.critic)
+# ---------------------------------------------------------------------------------------
+
+
+def make_critic_batch(lengths: list[int], seed: int = 0) -> dict:
+    """A batch as the critic sees it after ``compute_advantages``: next-token ``loss_mask``,
+    the rollout's ``values`` and the GAE ``returns`` (random, so that value clipping bites)."""
+    batch = make_batch(lengths, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    batch["loss_mask"] = (torch.roll(batch["loss_mask"], -1, dims=-1).bool() & batch["attention_mask"]).to(torch.int32)
+    shape = batch["input_ids"].shape
+    batch["values"] = torch.randn(shape, generator=gen) * 0.3 * batch["loss_mask"]
+    batch["returns"] = torch.randn(shape, generator=gen) * batch["loss_mask"]
+    return batch
+
+
+def _critic(model_dir: str, alloc: str, lr: float = 1e-5, n_mbs: int = 2, **fields):
+    from megarl.actor.critic import MegatronCritic
+    from megarl.config.train import PPOCriticConfig
+
+    optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
+    critic = MegatronCritic(PPOCriticConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, n_mbs),
+                                            optimizer=optimizer, **fields))  # fmt: skip
+    critic.create_process_group(alloc)
+    critic.initialize(ft_spec=10)
+    return critic
+
+
+def critic_run(model_dir: str, alloc: str, batch: dict, eps_clip: float | None = 0.2) -> dict:
+    """A critic's values, value loss and gradients on this rank's DP share of ``batch``, then one
+    ``ppo_update`` (Adam) and the values after it."""
+    from megarl.actor.critic import critic_loss
+    from megarl.actor.ppo import ppo_loss_weight
+    from megarl.models.hf_io import gather_hf_tensors
+
+    critic = _critic(model_dir, alloc, eps_clip=eps_clip)
+    p = critic.parallel
+    local = split_rows(batch, p.dp_rank, p.alloc.dp)
+    out = {"values": critic.compute_values(local), "dp_rank": p.dp_rank}
+    stats = critic.forward_backward(local, partial(critic_loss, eps_clip=eps_clip), partial(ppo_loss_weight, mode="token-mean"))
+    out["loss"] = stats["loss"]
+    out["grads"] = gather_hf_tensors(critic.model, critic.desc, critic.coords, p.tp_group, p.etp_group,
+                                     value=lambda param: param.main_grad.float(),
+                                     include=lambda rule: rule.megatron != "output_layer.weight")  # fmt: skip
+    out["update"] = critic.ppo_update(local)
+    out["values_after"] = critic.compute_values(local)
+    return out
+
+
+def critic_save_then_train(model_dir: str, alloc: str, batch: dict, ckpt_dir: str, export_dir: str) -> dict:
+    """One update, a checkpoint (and an HF export), then a second update: what a resume must reproduce."""
+    from megarl.actor.checkpoint import SaveLoadMeta
+
+    critic = _critic(model_dir, alloc)
+    local = split_rows(batch, critic.parallel.dp_rank, critic.parallel.alloc.dp)
+    critic.ppo_update(local)
+    critic.set_version(1)
+    critic.save(SaveLoadMeta(ckpt_dir))
+    critic.export_hf(export_dir)
+    values = critic.compute_values(local)
+    return {"values": values, "second": critic.ppo_update(local), "values_after": critic.compute_values(local)}
+
+
+def critic_load_then_train(model_dir: str, alloc: str, batch: dict, ckpt_dir: str) -> dict:
+    from megarl.actor.checkpoint import SaveLoadMeta
+
+    critic = _critic(model_dir, alloc)
+    critic.load(SaveLoadMeta(ckpt_dir))
+    local = split_rows(batch, critic.parallel.dp_rank, critic.parallel.alloc.dp)
+    values = critic.compute_values(local)
+    return {"values": values, "second": critic.ppo_update(local), "values_after": critic.compute_values(local),
+            "version": critic.get_version()}  # fmt: skip
