@@ -18,6 +18,7 @@ CORE = [
     "datasets>=3.0",
     "torchdata>=0.10",
     "aiohttp>=3.9",
+    "httpx>=0.27",  # the HTTP client megarl hands to agents for their OpenAI client (megarl/workflow/openai_proxy.py)
     "omegaconf>=2.3",
     "pyyaml>=6.0",
     "safetensors>=0.4",
@@ -45,7 +46,8 @@ EXTRAS = {
     "te": ["transformer_engine[pytorch]>=2.0"],
     # other RL trainers, for benchmarks/peer_trl.py (install with -c .ci/constraints.txt: keeps torch's CPU build)
     "peers": ["trl==1.16.0"],
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "matplotlib>=3.8"],
+    # openai: the client the agent tests and examples/workflows/openai_agent.py call megarl's proxy with
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "matplotlib>=3.8", "openai>=1.40"],
 }
 
 

