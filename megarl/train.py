@@ -10,8 +10,9 @@ The walkthrough's "Putting It All Together", SPMD over the trainer ranks. One st
    pools (episodes keep running in the background, at most ``rollout.max_staleness``
    versions behind; 0 is synchronous RL), re-split across DP ranks, broadcast to TP/PP peers;
 2. ``compute_logp``: the proximal policy's logprobs (decoupled PPO; with one mini-batch and
-   one epoch the update's own forward gives them) and the reference's (KL);
-3. ``compute_advantages`` and ``ppo_update``, then the LR step;
+   one epoch the update's own forward gives them) and the reference's (KL); with a critic
+   (``algorithm.adv_estimator: gae``) its ``compute_values``;
+3. ``compute_advantages`` and ``ppo_update`` (the critic's too), then the LR steps;
 4. ``update_weights``: pause rollout, stream weights to the servers, bump versions, resume;
 5. saver, recover point, evaluator, stats → StatsLogger (console, wandb, tensorboard, curves.png).
 """
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.api.workflow_api import RolloutWorkflow
@@ -60,6 +62,7 @@ class Trainer:
     config: GRPOConfig
     actor: MegatronPPOActor
     ref: MegatronEngine | None
+    critic: MegatronCritic | None
     rollout: RemoteInferenceEngine | None
     coordinator: DistRolloutCoordinator
     dataloader: Any
@@ -82,6 +85,11 @@ class Trainer:
         """(epoch, step within the epoch) of ``global_step``."""
         return divmod(global_step, self.steps_per_epoch)
 
+    @property
+    def checkpointed(self) -> dict:
+        """The engines a checkpoint or recover point holds: the actor (``model``) and the critic."""
+        return {"model": self.actor} | ({"critic": self.critic} if self.critic is not None else {})
+
 
 def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     """One asynchronous RL step; returns its stats (exact over all ranks)."""
@@ -95,10 +103,17 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     if t.ref is not None:
         with phase(t, "ref_logp"):
             batch["ref_logp"] = t.ref.compute_logp(batch, cfg.actor.temperature)
-    t.actor.compute_advantages(batch)
+    if t.critic is not None:
+        with phase(t, "critic_values"):
+            batch["values"] = t.critic.compute_values(batch)
+    t.actor.compute_advantages(batch)  # GAE with the critic's values, else GRPO
     with phase(t, "train_step"):
         ppo_stats = t.actor.ppo_update(batch)
         t.actor.step_lr_scheduler()
+    if t.critic is not None:
+        with phase(t, "critic_train"):
+            ppo_stats += t.critic.ppo_update(batch)
+            t.critic.step_lr_scheduler()
     with phase(t, "update_weights", servers_paused=True):
         sync_stats = t.actor.update_weights(replace(t.weight_meta, version=global_step + 1))
     record_batch_stats(batch, sync_stats)
@@ -106,8 +121,8 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     # the servers evaluate the new weights while the trainer writes them out
     with t.evaluator.evaluating(lambda: evaluate(t), epoch, epoch_step, global_step) as eval_stats:
         with stats_tracker.record_timing("save"):
-            t.saver.maybe_save(t.actor, epoch, epoch_step, global_step)
-            t.recover.maybe_dump(t.actor, recover_info(t, global_step))
+            t.saver.maybe_save(t.checkpointed, epoch, epoch_step, global_step)
+            t.recover.maybe_dump(t.checkpointed, recover_info(t, global_step))
     stats = {k: v for step in ppo_stats for k, v in step.items()}
     stats.update(stats_tracker.export())
     stats.update(eval_stats() or {})
@@ -139,7 +154,8 @@ def rollout_bar(t: Trainer):
 def step_line(global_step: int, total_steps: int, stats: dict[str, float]) -> str:
     """The console's line for a step: reward, evaluation, where the time went."""
     timing = [(label, stats.get(f"timeperf/{key}")) for label, key in
-              (("rollout", "rollout"), ("logp", "recompute_logp"), ("train", "train_step"), ("sync", "update_weights"))]  # fmt: skip
+              (("rollout", "rollout"), ("logp", "recompute_logp"), ("values", "critic_values"), ("train", "train_step"),
+               ("critic", "critic_train"), ("sync", "update_weights"))]  # fmt: skip
     parts = [f"step {global_step + 1}/{total_steps}", f"reward {stats.get('batch/reward/avg', float('nan')):.3f}"]
     if "eval/pass@1" in stats:
         parts.append(f"pass@1 {stats['eval/pass@1']:.3f}")
@@ -231,6 +247,7 @@ def build(config: GRPOConfig) -> Trainer:
         total_steps = min(total_steps, config.total_train_steps)
     actor.initialize(ft_spec=total_steps)
     ref = build_ref(config, parallel)
+    critic = build_critic(config, parallel, total_steps)
 
     rollout = None
     if layout.is_head:
@@ -240,7 +257,7 @@ def build(config: GRPOConfig) -> Trainer:
     meta = WeightUpdateMeta.from_allocation(config.weight_update, config.allocation)
     actor.connect_engine(rollout, meta)
     return Trainer(
-        config=config, actor=actor, ref=ref, rollout=rollout,
+        config=config, actor=actor, ref=ref, critic=critic, rollout=rollout,
         coordinator=DistRolloutCoordinator(rollout, layout, config.group_size),
         dataloader=dataloader, valid_items=valid_items,
         workflow=workflow, eval_workflow=eval_workflow, weight_meta=meta,
@@ -272,6 +289,15 @@ def build_ref(config: GRPOConfig, parallel) -> MegatronEngine | None:
     ref = MegatronEngine(config.ref or TrainEngineConfig(path=a.path, dtype=a.dtype, mb_spec=a.mb_spec, megatron=a.megatron))
     ref.initialize(parallel=parallel)
     return ref
+
+
+def build_critic(config: GRPOConfig, parallel, total_steps: int) -> MegatronCritic | None:
+    """PPO's value model (``algorithm.adv_estimator: gae``) in the actor's layout; ``critic.path`` defaults to the actor's."""
+    if config.critic is None:
+        return None
+    critic = MegatronCritic(replace(config.critic, path=config.critic.path or config.actor.path))
+    critic.initialize(parallel=parallel, ft_spec=total_steps)
+    return critic
 
 
 def load_tokenizer(config: GRPOConfig):
@@ -309,7 +335,7 @@ def all_gather(value) -> list:
 
 def restore(t: Trainer) -> RecoverInfo | None:
     """Resume from the recover point (``recover.mode``): model, optimizer, data position, run utilities."""
-    info = t.recover.load(t.actor)
+    info = t.recover.load(t.checkpointed)
     if t.rollout is not None:
         t.rollout.set_version(t.actor.get_version())
     if info is None:
@@ -350,7 +376,7 @@ def train(t: Trainer) -> dict[str, float]:
     if t.progress is not None:
         t.progress.close()
     epoch, epoch_step = t.position(t.total_steps - 1)
-    t.saver.maybe_save(t.actor, epoch, epoch_step, t.total_steps - 1, force=True)
+    t.saver.maybe_save(t.checkpointed, epoch, epoch_step, t.total_steps - 1, force=True)
     summary = t.stats_logger.summary() if rank0 else {}
     if baseline and rank0:
         summary.setdefault("eval/pass@1", {})["before_training"] = baseline["eval/pass@1"]
@@ -366,6 +392,8 @@ def close(t: Trainer) -> None:
     if t.rollout is not None:
         t.rollout.destroy()
     t.actor.destroy()
+    if t.critic is not None:
+        t.critic.destroy()
 
 
 def print_summary(console: Console, config: GRPOConfig, summary: dict, seconds: float) -> None:

@@ -3,6 +3,7 @@
 Layout under ``{run_dir}/recover/``::
 
     step{N}/model/            Megatron distributed checkpoint (weights, optimizer, LR, version)
+    step{N}/critic/           the same of PPO's critic, when the run has one
     step{N}/info_rank{r}.pt   RecoverInfo of rank r (loop position, dataloader, frequencies, RNG)
     step{N}/layout.json       the trainer layout that wrote it
     latest                    text file naming the current step dir
@@ -33,6 +34,7 @@ from megarl.utils.saver import (
     FrequencyControl,
     barrier,
     due,
+    named_engines,
     publish_dir,
     start_tmp_dir,
 )
@@ -89,8 +91,10 @@ class RecoverHandler:
 
     # ------------------------------------------------------------------ dump
 
-    def maybe_dump(self, engine, info: RecoverInfo, force: bool = False) -> bool:
+    def maybe_dump(self, engines, info: RecoverInfo, force: bool = False) -> bool:
         """Dump when a frequency is reached (or ``force``); collective. True when a dump was written.
+
+        ``engines``: the actor, or ``{"model": actor, "critic": critic}`` (``named_engines``).
 
         A second dump of the step already dumped is skipped: nothing trained since, and
         replacing the directory ``latest`` names would open a window without a recover point.
@@ -101,11 +105,14 @@ class RecoverHandler:
             return False
         from megarl.actor.checkpoint import SaveLoadMeta
 
+        engines = named_engines(engines)
+        engine = engines["model"]
         p = engine.parallel
         final = self.root / f"step{info.global_step}"
         tmp = final.with_name(final.name + ".tmp")
         start_tmp_dir(tmp)
-        engine.save(SaveLoadMeta(str(tmp / "model"), weight_format="megatron", with_optim=True))
+        for name, each in engines.items():
+            each.save(SaveLoadMeta(str(tmp / name), weight_format="megatron", with_optim=True))
         info = dataclasses.replace(info, recover_state=self.freq.state_dict(), rng_state=rng_state())
         torch.save(dataclasses.asdict(info), tmp / f"info_rank{p.rank}.pt")
         if p.rank == 0:
@@ -142,8 +149,9 @@ class RecoverHandler:
             raise FileNotFoundError(f"{pointer} names {path}, which does not exist; remove {pointer} to start fresh")
         return path
 
-    def load(self, engine) -> RecoverInfo | None:
-        """Restore ``engine`` and this rank's RNG from the recover point; its RecoverInfo, or None.
+    def load(self, engines) -> RecoverInfo | None:
+        """Restore ``engines`` (as for :meth:`maybe_dump`) and this rank's RNG from the recover point;
+        its RecoverInfo, or None.
 
         The world may differ from the dump's in data parallelism only: the Megatron
         checkpoint reshards over DP, rank ``r`` takes the info of saved rank
@@ -160,11 +168,12 @@ class RecoverHandler:
                 raise FileNotFoundError(f"recover.mode=resume but {self.root} holds no recover point ('latest')")
             logger.info("no recover point in %s: starting fresh", self.root)
             return None
-        return self._load(engine, path)
+        return self._load(named_engines(engines), path)
 
-    def _load(self, engine, path: Path) -> RecoverInfo:
+    def _load(self, engines: dict, path: Path) -> RecoverInfo:
         from megarl.actor.checkpoint import SaveLoadMeta
 
+        engine = engines["model"]
         saved = json.loads((path / "layout.json").read_text())
         now = _layout(engine)
         changed = [k for k in _MODEL_PARALLEL if saved[k] != now[k]]
@@ -173,7 +182,13 @@ class RecoverHandler:
                 f"recover point {path} was written with layout {saved}, this run has {now}: "
                 f"only the data-parallel size may change (differs: {changed})"
             )
-        engine.load(SaveLoadMeta(str(path / "model"), weight_format="megatron", with_optim=True))
+        for name, each in engines.items():
+            if not (path / name).is_dir():
+                raise FileNotFoundError(
+                    f"recover point {path} has no {name}/ checkpoint, but this run has a {name}: it was written "
+                    f"by a run without one (recover.mode=disabled, or another trial_name, starts fresh)"
+                )
+            each.load(SaveLoadMeta(str(path / name), weight_format="megatron", with_optim=True))
         rank = engine.parallel.rank
         info = RecoverInfo(**torch.load(path / f"info_rank{min(rank, saved['world_size'] - 1)}.pt", weights_only=False))
         if saved["world_size"] == now["world_size"]:

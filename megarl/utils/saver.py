@@ -71,6 +71,17 @@ class FrequencyControl:
         self.start = time.monotonic() - state["elapsed"]
 
 
+def named_engines(engines) -> dict:
+    """``{name: engine}`` of what a checkpoint holds: ``model`` (the actor) and e.g. ``critic``.
+
+    A single engine is ``{"model": engine}``; each is written to the checkpoint's ``name/`` folder.
+    """
+    named = dict(engines) if isinstance(engines, dict) else {"model": engines}
+    if "model" not in named:
+        raise ValueError(f"a checkpoint needs the actor under 'model', got {sorted(named)}")
+    return named
+
+
 def rank0_decision(flag: bool) -> bool:
     """Rank 0's ``flag`` on every rank of the default group (``flag`` itself without torch.distributed)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -132,8 +143,8 @@ class Saver:
     Each is written to ``globalstep{N}.tmp`` and renamed once every rank has finished, so
     a directory without the suffix is complete. Contents: ``model/`` (Megatron distributed
     checkpoint, with the optimizer state unless ``config.with_optim`` is false; ``engine.load``
-    reads it back), ``hf/`` when
-    ``config.export_hf``, and ``meta.json`` (epoch, steps, version).
+    reads it back), ``hf/`` when ``config.export_hf``, the same as ``critic/`` and ``critic_hf/``
+    for PPO's critic, and ``meta.json`` (epoch, steps, version).
 
     Args:
         config: Frequencies, HF export and how many checkpoints to keep.
@@ -149,9 +160,10 @@ class Saver:
         self.freq = FrequencyControl(config.freq_epochs, config.freq_steps, config.freq_secs)
         self._last_step: int | None = None  # global step of the newest checkpoint this Saver wrote
 
-    def maybe_save(self, engine, epoch: int, epoch_step: int, global_step: int, force: bool = False) -> Path | None:
+    def maybe_save(self, engines, epoch: int, epoch_step: int, global_step: int, force: bool = False) -> Path | None:
         """Save when a frequency is reached (or ``force``); collective. Returns the checkpoint dir or None.
 
+        ``engines``: the actor, or ``{"model": actor, "critic": critic}`` (:func:`named_engines`).
         A second save of the step just saved (a final forced save after a periodic one) is skipped.
         """
         if not due(self.freq, epoch_step, self.steps_per_epoch, force) or global_step == self._last_step:
@@ -161,10 +173,13 @@ class Saver:
         final = self.root / f"globalstep{global_step}"
         tmp = final.with_name(final.name + ".tmp")
         start_tmp_dir(tmp)
-        engine.save(SaveLoadMeta(str(tmp / "model"), weight_format="megatron", with_optim=self.config.with_optim))
-        if self.config.export_hf:
-            engine.export_hf(tmp / "hf")
-        meta = {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step, "version": engine.get_version()}
+        engines = named_engines(engines)
+        for name, engine in engines.items():
+            engine.save(SaveLoadMeta(str(tmp / name), weight_format="megatron", with_optim=self.config.with_optim))
+            if self.config.export_hf:
+                engine.export_hf(tmp / ("hf" if name == "model" else f"{name}_hf"))
+        version = engines["model"].get_version()
+        meta = {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step, "version": version}
         barrier()
         if global_rank() == 0:
             (tmp / "meta.json").write_text(json.dumps(meta))

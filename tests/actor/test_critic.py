@@ -139,14 +139,15 @@ def _hf_reference(model_dir, batch) -> dict:
     return {"values": (values * has_next).detach(), "loss": loss.item(), "grads": grads}
 
 
-def _run(model_dir, alloc: str, batch) -> dict:
+def _run(model_dir, alloc: str, batch, **cfg) -> dict:
     from megarl.config.allocation import AllocationMode
 
     world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
     results = run_ranks(world, "tests.actor.workers:critic_run", model_dir=str(model_dir), alloc=alloc, batch=batch,
-                        eps_clip=EPS_CLIP)  # fmt: skip
+                        eps_clip=EPS_CLIP, **cfg)  # fmt: skip
     dp = 1 + max(r["dp_rank"] for r in results)
-    merged = {"loss": [r["loss"] for r in results], "grads": {}, "update": [r["update"] for r in results]}
+    merged = {"loss": [r["loss"] for r in results], "grads": {}, "update": [r["update"] for r in results],
+              "packed_tokens": sum(r["packed_tokens"] for r in results)}  # fmt: skip
     for key in ("values", "values_after"):
         full = torch.zeros(batch["input_ids"].shape)
         for r in results:
@@ -198,6 +199,21 @@ def test_critic_layout_matches_single_rank(critic_dir, batch, single_rank, alloc
     assert all(loss == pytest.approx(single_rank["loss"][0], rel=1e-5) for loss in got["loss"])
     _assert_grads_close(got["grads"], single_rank["grads"])
     assert (got["values_after"] - single_rank["values_after"]).abs().max() <= 10 * VALUE_TOL
+
+
+@pytest.mark.multiproc
+def test_critic_on_shared_prefixes_matches_hf(critic_dir):
+    """GRPO groups packed with their prompt once (``mb_spec.share_prefix``): the HF model's values,
+    loss and gradients from fewer tokens, at TP2 with sequence parallelism."""
+    from tests.actor.workers import make_grouped_batch
+
+    grouped = make_critic_batch([], seed=5, batch=make_grouped_batch(n_groups=3, group=4, prompt_len=12, seed=5))
+    got = _run(critic_dir, "d1p1t2", grouped, share_prefix=True, n_mbs=2)
+    hf = _hf_reference(critic_dir, grouped)
+    assert got["packed_tokens"] / 2 < grouped["attention_mask"].sum().item()  # two TP ranks report the same micro-batches
+    assert (got["values"] - hf["values"]).abs().max() <= 1e-4
+    assert all(loss == pytest.approx(hf["loss"], rel=1e-5) for loss in got["loss"])
+    _assert_grads_close(got["grads"], hf["grads"])
 
 
 @pytest.mark.multiproc

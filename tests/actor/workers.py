@@ -276,10 +276,11 @@ def inert_row_paths(model_dir: str, alloc: str, batch: dict, **overrides) -> dic
 # ---------------------------------------------------------------------------------------
 
 
-def make_critic_batch(lengths: list[int], seed: int = 0) -> dict:
+def make_critic_batch(lengths: list[int], seed: int = 0, batch: dict | None = None) -> dict:
     """A batch as the critic sees it after ``compute_advantages``: next-token ``loss_mask``,
-    the rollout's ``values`` and the GAE ``returns`` (random, so that value clipping bites)."""
-    batch = make_batch(lengths, seed=seed)
+    the rollout's ``values`` and the GAE ``returns`` (random, so that value clipping bites).
+    ``batch``: start from this one (e.g. :func:`make_grouped_batch`) instead of random rows."""
+    batch = make_batch(lengths, seed=seed) if batch is None else batch
     gen = torch.Generator().manual_seed(seed + 1)
     batch["loss_mask"] = (torch.roll(batch["loss_mask"], -1, dims=-1).bool() & batch["attention_mask"]).to(torch.int32)
     shape = batch["input_ids"].shape
@@ -288,29 +289,30 @@ def make_critic_batch(lengths: list[int], seed: int = 0) -> dict:
     return batch
 
 
-def _critic(model_dir: str, alloc: str, lr: float = 1e-5, n_mbs: int = 2, **fields):
+def _critic(model_dir: str, alloc: str, lr: float = 1e-5, n_mbs: int = 2, share_prefix: bool | None = None, **fields):
     from megarl.actor.critic import MegatronCritic
     from megarl.config.train import PPOCriticConfig
 
     optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
-    critic = MegatronCritic(PPOCriticConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, n_mbs),
+    critic = MegatronCritic(PPOCriticConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, n_mbs, share_prefix),
                                             optimizer=optimizer, **fields))  # fmt: skip
     critic.create_process_group(alloc)
     critic.initialize(ft_spec=10)
     return critic
 
 
-def critic_run(model_dir: str, alloc: str, batch: dict, eps_clip: float | None = 0.2) -> dict:
+def critic_run(model_dir: str, alloc: str, batch: dict, eps_clip: float | None = 0.2, **cfg) -> dict:
     """A critic's values, value loss and gradients on this rank's DP share of ``batch``, then one
     ``ppo_update`` (Adam) and the values after it."""
     from megarl.actor.critic import critic_loss
     from megarl.actor.ppo import ppo_loss_weight
     from megarl.models.hf_io import gather_hf_tensors
 
-    critic = _critic(model_dir, alloc, eps_clip=eps_clip)
+    critic = _critic(model_dir, alloc, eps_clip=eps_clip, **cfg)
     p = critic.parallel
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
     out = {"values": critic.compute_values(local), "dp_rank": p.dp_rank}
+    out["packed_tokens"] = sum(mb.num_tokens for mb in critic.microbatches(local))
     stats = critic.forward_backward(local, partial(critic_loss, eps_clip=eps_clip), partial(ppo_loss_weight, mode="token-mean"))
     out["loss"] = stats["loss"]
     out["grads"] = gather_hf_tensors(critic.model, critic.desc, critic.coords, p.tp_group, p.etp_group,

@@ -145,6 +145,13 @@ BAD = [
     case("negative-lr", ["actor.optimizer.lr=-1e-6"], "actor.optimizer.lr", "-1e-06"),
     case("negative-staleness", ["rollout.max_staleness=-2"], "rollout.max_staleness", "-2"),
     case("no-concurrent-rollouts", ["rollout.max_concurrent_rollouts=0"], "rollout.max_concurrent_rollouts", "0"),
+    # PPO with a critic
+    case("gae-without-critic", ["algorithm.adv_estimator=gae"], "critic", "give a critic block"),
+    case("critic-without-gae", ["critic={}"], "algorithm.adv_estimator", "only algorithm.adv_estimator=gae uses one"),
+    case("critic-path-missing", ["algorithm.adv_estimator=gae", "critic.path=/no/such/critic"], "critic.path", "'/no/such/critic'"),
+    case("critic-value-clip", ["algorithm.adv_estimator=gae", "critic.eps_clip=0"], "critic.eps_clip", "must be > 0"),
+    case("critic-minibatches", ["algorithm.adv_estimator=gae", "critic.ppo_n_minibatches=3"], "train_dataset.batch_size",
+         "critic.ppo_n_minibatches 3"),
 ]
 
 
@@ -184,6 +191,7 @@ def test_shipped_configs_pass_offline(path, capsys):
         ["valid_dataset.path=megarl/data/gsm8k", "valid_dataset.split=dev"],  # a directory's splits are read late
         ["gconfig.greedy=true", "gconfig.n_samples=1", "gconfig.temperature=0"],
         ["gconfig.max_new_tokens=512"],  # 512 + 512 fills max_model_len 1024 exactly
+        ["algorithm.adv_estimator=gae", "critic={}", "gconfig.n_samples=1", "actor.group_size=1"],  # PPO, one sample
     ],
     ids=str,
 )

@@ -129,6 +129,15 @@ def test_user_loss_is_imported_and_its_signature_checked(user_module):
     assert err.key == "actor.loss" and "not of the form 'package.module.name'" in err.message
 
 
+def test_gae_whitens_advantages_over_the_batch_unless_the_config_says_otherwise():
+    ppo = _load("algorithm.adv_estimator=gae", "critic={}")
+    assert (ppo.actor.adv_norm.mean_level, ppo.actor.adv_norm.std_level) == ("batch", "batch")
+    assert ppo.critic.path == "" and ppo.critic.dtype in ("float32", "bfloat16"), "the actor's model, auto dtype resolved"
+    mine = _load("algorithm.adv_estimator=gae", "critic.eps_clip=null", "actor.adv_norm.std_level=none")
+    assert (mine.actor.adv_norm.mean_level, mine.actor.adv_norm.std_level, mine.critic.eps_clip) == ("batch", "none", None)
+    assert _load().actor.adv_norm.mean_level == "group"
+
+
 def test_builtin_loss_presets_fill_in_what_the_config_does_not_set():
     dapo = _load("actor.loss=dapo")
     assert (dapo.actor.eps_clip_higher, dapo.actor.loss_agg_mode, dapo.dynamic_filter) == (

@@ -7,7 +7,9 @@ trainer, two short steps each. What shows each plug-in ran:
 - workflow (``examples.workflows.system_prompt``): every dumped prompt carries its system message;
 - reward (``examples.rewards.brief_answer``): every dumped reward is the example's score of its completion;
 - loss (``examples.losses.cispo``): its own per-token stat is in the run's metrics;
-- ``workflow.type=multi_turn``: the episodes' turn count is in the metrics.
+- ``workflow.type=multi_turn``: the episodes' turn count is in the metrics;
+- an OpenAI-client agent (``examples.workflows.openai_agent.CalculatorAgent``): its calls through the
+  proxy are counted in the metrics, every one on the trained conversation.
 """
 
 from __future__ import annotations
@@ -78,3 +80,13 @@ def test_multi_turn_agent_runs_by_config_alone(tmp_path):
     assert len(steps) == 2
     for step in steps:
         assert 1 <= step["rollout/turns"] <= 2, step
+
+
+def test_openai_client_agent_runs_by_config_alone(tmp_path):
+    """AReaL's agent API (``async def run(data, **extra_kwargs)`` on the openai client) behind megarl's proxy."""
+    run_dir = _run(tmp_path, "workflow.type=examples.workflows.openai_agent.CalculatorAgent", "gconfig.max_new_tokens=48")
+    steps = _metrics(run_dir)
+    assert len(steps) == 2
+    for step in steps:
+        assert step["rollout/agent_calls"] >= 1 and step["rollout/agent_off_chain_calls"] == 0, sorted(step)
+        assert "ppo_actor/loss" in step

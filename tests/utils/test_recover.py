@@ -207,3 +207,18 @@ def test_only_the_data_parallel_size_may_change(tmp_path):
     assert info.global_step == 1 and stub.version == 1
     with pytest.raises(ValueError, match=r"only the data-parallel size may change \(differs: \['tp', 'expert_tp'\]\)"):
         load(tmp_path, tp=2)
+
+
+def test_a_critic_is_dumped_and_loaded_beside_the_actor(tmp_path):
+    """PPO's critic has its own checkpoint in the recover point; a run with a critic refuses a point without one."""
+    handler = RecoverHandler(RecoverConfig(mode="auto"), tmp_path)
+    actor, critic = StubEngine(), StubEngine()
+    actor.version, critic.version = 3, 7
+    assert handler.maybe_dump({"model": actor, "critic": critic}, info_at(3), force=True)
+    actor_back, critic_back = StubEngine(), StubEngine()
+    info = RecoverHandler(RecoverConfig(mode="auto"), tmp_path).load({"model": actor_back, "critic": critic_back})
+    assert info.global_step == 3 and (actor_back.version, critic_back.version) == (3, 7)
+    assert critic_back.loaded_from == str(tmp_path / "recover" / "step3" / "critic")
+    dump(tmp_path / "grpo", 2)  # a run without a critic
+    with pytest.raises(FileNotFoundError, match="no critic/ checkpoint"):
+        RecoverHandler(RecoverConfig(mode="auto"), tmp_path / "grpo").load({"model": StubEngine(), "critic": StubEngine()})

@@ -176,3 +176,15 @@ def test_forced_save_restarts_the_count_skips_repeats_and_state_round_trips(tmp_
     resumed = Saver(SaverConfig(freq_steps=3), tmp_path)
     resumed.load_state_dict(state)
     assert run_steps(resumed, engine, range(3, 9)) == [5, 8]
+
+
+def test_saver_writes_the_critic_beside_the_actor(tmp_path):
+    saver, actor, critic = Saver(SaverConfig(freq_steps=1, export_hf=True), tmp_path), StubEngine(), StubEngine()
+    actor.version, critic.version = 4, 9
+    assert saver.maybe_save({"model": actor, "critic": critic}, 0, 0, 0) is not None
+    ckpt = tmp_path / "checkpoints" / "globalstep0"
+    assert (ckpt / "model" / "common.pt").read_text() == "4" and (ckpt / "critic" / "common.pt").read_text() == "9"
+    assert (ckpt / "hf" / "model.safetensors").is_file() and (ckpt / "critic_hf" / "model.safetensors").is_file()
+    assert json.loads((ckpt / "meta.json").read_text())["version"] == 4
+    with pytest.raises(ValueError, match="actor under 'model'"):
+        saver.maybe_save({"critic": critic}, 0, 1, 1)
