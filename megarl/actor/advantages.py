@@ -190,7 +190,7 @@ def gae_advantages(
     token_rewards = torch.where(last, broadcast_to_tokens(rewards.float(), cu_seqlens, mask.numel()), 0.0)
     if kl_token_rewards is not None:
         token_rewards = token_rewards + kl_token_rewards.float()
-    advantages, returns = gae(token_rewards, values.float() * mask, mask, cu_seqlens, gamma=gamma, lam=lam)
+    advantages, returns = gae(token_rewards, values, mask, cu_seqlens, gamma=gamma, lam=lam)
     advantages = normalize_token_advantages(advantages, mask, cu_seqlens, group_size, mean_level, std_level, eps)
     return advantages, returns
 
@@ -235,9 +235,9 @@ def _token_scope(seq: torch.Tensor, group_size: int, level: NormLevel) -> torch.
 
 def _token_moments(values: torch.Tensor, mask: torch.Tensor, scope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T] mean and variance of the masked ``values`` of each token's scope."""
-    n_scopes = int(scope.max()) + 1 if scope.numel() else 1
+    zeros = torch.zeros(int(scope.max()) + 1 if scope.numel() else 1, device=values.device)
     weights = mask.float()
-    count = torch.zeros(n_scopes).index_add(0, scope, weights).clamp(min=1)
-    mean = torch.zeros(n_scopes).index_add(0, scope, values * weights) / count
-    var = torch.zeros(n_scopes).index_add(0, scope, (values - mean[scope]).square() * weights) / count
+    count = zeros.index_add(0, scope, weights).clamp(min=1)
+    mean = zeros.index_add(0, scope, values * weights) / count
+    var = zeros.index_add(0, scope, (values - mean[scope]).square() * weights) / count
     return mean[scope], var[scope]

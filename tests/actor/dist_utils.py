@@ -36,6 +36,25 @@ def run_ranks(world_size: int, target: str, timeout: float = 300.0, **kwargs) ->
         return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+def dp_rows(results: list, key: str, shape: torch.Size) -> torch.Tensor:
+    """The whole ``[B, S]`` tensor ``key`` from ranks that each return rows ``dp_rank::dp`` of it
+    (with their ``dp_rank``; TP / PP peers return the same rows)."""
+    dp = 1 + max(r["dp_rank"] for r in results)
+    full = torch.zeros(shape)
+    for r in results:
+        full[r["dp_rank"] :: dp] = r[key]
+    return full
+
+
+def assert_grads_close(got: dict, want: dict, rtol: float) -> None:
+    """The same tensor names, each within ``rtol`` x the largest gradient of ``want``."""
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
+    scale = max(t.abs().max().item() for t in want.values())
+    for name, tensor in want.items():
+        err = (got[name] - tensor).abs().max().item()
+        assert err <= rtol * scale, f"{name}: max |diff| {err:.3g} > {rtol} x {scale:.3g}"
+
+
 def _start(rank: int, world_size: int, port: int, target: str, tmp: Path) -> subprocess.Popen:
     env = dict(
         os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),

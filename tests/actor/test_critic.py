@@ -17,7 +17,7 @@ from megarl.actor import advantages as adv_fns
 from megarl.actor.critic import value_loss
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.config.train import PPOActorConfig
-from tests.actor.dist_utils import run_ranks
+from tests.actor.dist_utils import assert_grads_close, dp_rows, run_ranks
 from tests.actor.workers import make_critic_batch
 
 LENGTHS = [7, 12, 5, 9, 11, 6]
@@ -145,26 +145,13 @@ def _run(model_dir, alloc: str, batch, **cfg) -> dict:
     world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
     results = run_ranks(world, "tests.actor.workers:critic_run", model_dir=str(model_dir), alloc=alloc, batch=batch,
                         eps_clip=EPS_CLIP, **cfg)  # fmt: skip
-    dp = 1 + max(r["dp_rank"] for r in results)
     merged = {"loss": [r["loss"] for r in results], "grads": {}, "update": [r["update"] for r in results],
               "packed_tokens": sum(r["packed_tokens"] for r in results)}  # fmt: skip
     for key in ("values", "values_after"):
-        full = torch.zeros(batch["input_ids"].shape)
-        for r in results:
-            full[r["dp_rank"] :: dp] = r[key]
-        merged[key] = full
+        merged[key] = dp_rows(results, key, batch["input_ids"].shape)
     for r in results:
         merged["grads"].update(r["grads"])
     return merged
-
-
-def _assert_grads_close(got: dict, want: dict) -> None:
-    missing = sorted(set(want) - set(got))
-    assert not missing, missing[:5]
-    scale = max(t.abs().max().item() for t in want.values())
-    for name, tensor in want.items():
-        err = (got[name] - tensor).abs().max().item()
-        assert err <= GRAD_RTOL * scale, f"{name}: max |diff| {err:.3g} > {GRAD_RTOL} x {scale:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +166,7 @@ def test_single_rank_critic_matches_hf_token_classification(critic_dir, batch, s
     assert single_rank["values"].abs().max() > 0.05  # the loaded score head, not a zero head
     assert single_rank["loss"][0] == pytest.approx(hf["loss"], rel=1e-5)
     assert "score.weight" in single_rank["grads"] and "score.bias" in single_rank["grads"]
-    _assert_grads_close(single_rank["grads"], hf["grads"])
+    assert_grads_close(single_rank["grads"], hf["grads"], GRAD_RTOL)
     stats = single_rank["update"][0][0]
     assert stats["ppo_critic/loss"] == pytest.approx(hf["loss"], rel=1e-5)
     assert 0 < stats["ppo_critic/clip_ratio/avg"] < 1  # the batch's old values make the clip bite on some tokens
@@ -197,7 +184,7 @@ def test_critic_layout_matches_single_rank(critic_dir, batch, single_rank, alloc
     got = _run(critic_dir, alloc, batch)
     assert (got["values"] - single_rank["values"]).abs().max() <= VALUE_TOL
     assert all(loss == pytest.approx(single_rank["loss"][0], rel=1e-5) for loss in got["loss"])
-    _assert_grads_close(got["grads"], single_rank["grads"])
+    assert_grads_close(got["grads"], single_rank["grads"], GRAD_RTOL)
     assert (got["values_after"] - single_rank["values_after"]).abs().max() <= 10 * VALUE_TOL
 
 
@@ -213,7 +200,7 @@ def test_critic_on_shared_prefixes_matches_hf(critic_dir):
     assert got["packed_tokens"] / 2 < grouped["attention_mask"].sum().item()  # two TP ranks report the same micro-batches
     assert (got["values"] - hf["values"]).abs().max() <= 1e-4
     assert all(loss == pytest.approx(hf["loss"], rel=1e-5) for loss in got["loss"])
-    _assert_grads_close(got["grads"], hf["grads"])
+    assert_grads_close(got["grads"], hf["grads"], GRAD_RTOL)
 
 
 @pytest.mark.multiproc
@@ -226,10 +213,8 @@ def test_critic_checkpoint_resumes_and_exports_to_hf(critic_dir, batch, tmp_path
     (resumed,) = run_ranks(1, "tests.actor.workers:critic_load_then_train", model_dir=str(critic_dir), alloc="d1p1t1",
                            batch=batch, ckpt_dir=str(ckpt))  # fmt: skip
     assert resumed["version"] == 1
-    saved_values = torch.zeros(batch["input_ids"].shape)
-    saved_after = torch.zeros(batch["input_ids"].shape)
-    for rank, r in enumerate(saved):
-        saved_values[rank::2], saved_after[rank::2] = r["values"], r["values_after"]
+    saved_values = dp_rows(saved, "values", batch["input_ids"].shape)
+    saved_after = dp_rows(saved, "values_after", batch["input_ids"].shape)
     assert (resumed["values"] - saved_values).abs().max() <= VALUE_TOL
     assert resumed["second"][0]["ppo_critic/loss"] == pytest.approx(saved[0]["second"][0]["ppo_critic/loss"], rel=1e-5)
     assert (resumed["values_after"] - saved_after).abs().max() <= 10 * VALUE_TOL

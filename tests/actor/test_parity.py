@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megarl.config.allocation import AllocationMode
-from tests.actor.dist_utils import run_ranks
+from tests.actor.dist_utils import assert_grads_close, dp_rows, run_ranks
 from tests.actor.workers import make_batch, make_grouped_batch
 
 pytestmark = pytest.mark.multiproc
@@ -33,15 +33,11 @@ def _run(model_dir, alloc: str, batch, **kwargs) -> dict:
     """Run ``parity_run`` on every rank of ``alloc``; merge DP rows and per-stage gradients."""
     world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
     results = run_ranks(world, "tests.actor.workers:parity_run", model_dir=str(model_dir), alloc=alloc, batch=batch, **kwargs)
-    dp = 1 + max(r["dp_rank"] for r in results)
     merged = {"loss": [r["loss"] for r in results], "grad_norm": [r["grad_norm"] for r in results], "grads": {},
               "packed_tokens": [r["packed_tokens"] for r in results]}  # fmt: skip
     for key in ("logp", "logp_after", "logp_unpacked"):
         if key in results[0]:
-            full = torch.zeros(batch["input_ids"].shape)
-            for r in results:
-                full[r["dp_rank"] :: dp] = r[key]
-            merged[key] = full
+            merged[key] = dp_rows(results, key, batch["input_ids"].shape)
     for r in results:
         merged["grads"].update(r["grads"])
     return merged
@@ -84,18 +80,10 @@ def _disk_names(tensors: dict) -> dict:
     return out
 
 
-def _assert_grads_close(got: dict, want: dict, rtol: float) -> None:
-    assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
-    scale = max(t.abs().max().item() for t in want.values())
-    for name, tensor in want.items():
-        err = (got[name] - tensor).abs().max().item()
-        assert err <= rtol * scale, f"{name}: max |diff| {err:.3g} > {rtol} x {scale:.3g}"
-
-
 def _assert_matches(layout: dict, ref: dict) -> None:
     assert (layout["logp"] - ref["logp"]).abs().max() <= LOGP_TOL
     assert all(abs(loss - ref["loss"][0]) <= 1e-6 * max(1.0, abs(ref["loss"][0])) for loss in layout["loss"])
-    _assert_grads_close(layout["grads"], ref["grads"], GRAD_RTOL)
+    assert_grads_close(layout["grads"], ref["grads"], GRAD_RTOL)
     assert all(norm == pytest.approx(ref["grad_norm"][0], rel=1e-5) for norm in layout["grad_norm"])
     assert (layout["logp_after"] - ref["logp_after"]).abs().max() <= 10 * LOGP_TOL
 
@@ -126,7 +114,7 @@ def test_single_rank_megatron_matches_hf(request, batch, which):
     hf = _hf_reference(request.getfixturevalue(f"{which}_dir"), batch)
     assert (ref["logp"] - hf["logp"]).abs().max() <= 1e-4
     assert abs(ref["loss"][0] - hf["loss"]) <= 1e-5
-    _assert_grads_close(ref["grads"], hf["grads"], 1e-4)
+    assert_grads_close(ref["grads"], hf["grads"], 1e-4)
 
 
 def test_packed_and_unpacked_logprobs_agree(llama_ref):
@@ -201,4 +189,4 @@ def test_shared_prefixes_match_hf(llama_dir, grouped_batch, alloc):
     assert max(got["packed_tokens"]) <= seqlens - 3 * 3 * 10  # 3 of each 4 rows skip 10 prompt tokens
     assert (got["logp"] - hf["logp"]).abs().max() <= 1e-4
     assert all(abs(loss - hf["loss"]) <= 1e-5 for loss in got["loss"])
-    _assert_grads_close(got["grads"], hf["grads"], 1e-4)
+    assert_grads_close(got["grads"], hf["grads"], 1e-4)

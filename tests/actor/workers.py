@@ -334,7 +334,8 @@ def critic_save_then_train(model_dir: str, alloc: str, batch: dict, ckpt_dir: st
     critic.save(SaveLoadMeta(ckpt_dir))
     critic.export_hf(export_dir)
     values = critic.compute_values(local)
-    return {"values": values, "second": critic.ppo_update(local), "values_after": critic.compute_values(local)}
+    return {"values": values, "second": critic.ppo_update(local), "values_after": critic.compute_values(local),
+            "dp_rank": critic.parallel.dp_rank}  # fmt: skip
 
 
 def critic_load_then_train(model_dir: str, alloc: str, batch: dict, ckpt_dir: str) -> dict:
