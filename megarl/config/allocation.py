@@ -152,6 +152,8 @@ class ModelShape:
     num_key_value_heads: int
     num_hidden_layers: int
     num_experts: int = 0
+    vocab_size: int = 0
+    """0: unknown."""
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelShape":
@@ -164,6 +166,7 @@ class ModelShape:
             num_key_value_heads=get("num_key_value_heads") or heads,
             num_hidden_layers=get("num_hidden_layers"),
             num_experts=experts,
+            vocab_size=get("vocab_size") or 0,
         )
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from megarl.config.base import require
+
+_HOST = re.compile(r"|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\]?")
 
 
 @dataclass
@@ -55,7 +58,14 @@ class WeightUpdateConfig:
         for mode in self.extra_modes:
             require(mode in modes, "extra_modes", mode, f"entries must be among {modes}")
         require(self.bucket_mb is None or self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "must be > 0 (or null)")
-        require(self.mode != "disk" or bool(self.disk_path), "disk_path", self.disk_path, "disk mode needs a directory")
+        require("disk" not in self.modes or bool(self.disk_path), "disk_path", self.disk_path, "disk mode needs a directory")
+        if "disk" in self.modes:
+            from megarl.config.files import writable_dir_problem
+
+            problem = writable_dir_problem(self.disk_path)
+            require(problem is None, "disk_path", self.disk_path, f"each update is written there: {problem}")
+        require(_HOST.fullmatch(self.master_address) is not None, "master_address", self.master_address,
+                "expected a host name or an IP address (empty: this host's)")  # fmt: skip
         require(self.keep_disk_versions >= 1, "keep_disk_versions", self.keep_disk_versions, "must be >= 1")
         for name in ("init_timeout", "update_timeout"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")

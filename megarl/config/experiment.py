@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -14,6 +13,14 @@ from typing import Literal
 from megarl.config.allocation import AllocationError, AllocationMode, ModelShape, validate_allocation, validate_model
 from megarl.config.base import ConfigError, require
 from megarl.config.bridge import WeightUpdateConfig
+from megarl.config.files import (
+    count_rows,
+    dataset_file,
+    first_rows,
+    machine_memory_gib,
+    read_model_config,
+    writable_dir_problem,
+)
 from megarl.config.rollout import (
     GenerationHyperparameters,
     InferenceEngineConfig,
@@ -45,7 +52,7 @@ logger = logging.getLogger("megarl.config")
 # provisioned or loaded. They mirror megarl.models.provision (KNOWN_MODELS, ALIASES) and
 # megarl.data.rl_dataset.SHORT_NAMES, whose modules import torch / datasets (seconds);
 # tests/config/test_bad_configs.py checks that the copies agree.
-_SMOLLM2_135M = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+_SMOLLM2_135M = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152)
 MODEL_SHORT_NAMES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M}
 """Model short names (lower case) and the shapes that constrain a parallel layout."""
 _DATA_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -96,11 +103,12 @@ class BaseExperimentConfig:
         for name in ("experiment_name", "trial_name"):
             value = getattr(self, name)
             require(
-                bool(value) and "/" not in value and value not in (".", ".."),
+                bool(value) and "/" not in value and value not in (".", "..") and not any(c.isspace() for c in value),
                 name,
                 value,
-                "must be a non-empty name without '/' (it becomes a directory)",
+                "must be a non-empty name without '/' or spaces (it becomes a directory, a job and a run name)",
             )
+        require(0 <= self.seed < 2**32, "seed", self.seed, "must be in [0, 2**32) (numpy's seed range)")
         require(self.total_train_epochs >= 1, "total_train_epochs", self.total_train_epochs, "must be >= 1")
         if self.total_train_steps is not None:
             require(self.total_train_steps >= 1, "total_train_steps", self.total_train_steps, "must be >= 1")
@@ -116,6 +124,33 @@ class BaseExperimentConfig:
         if self.tokenizer_path:
             problem = model_path_problem(self.tokenizer_path, multi_node, TOKENIZER_FILES)
             require(problem is None, "tokenizer_path", self.tokenizer_path, problem or "")
+        self._check_outputs(multi_node)
+        self._check_schedules()
+
+    def _check_outputs(self, multi_node: bool) -> None:
+        """The run directory can be written, and a ``recover.mode: resume`` has something to resume."""
+        fileroot = self.cluster.fileroot
+        if not (multi_node and Path(fileroot).is_absolute() and not Path(fileroot).exists()):  # maybe only on the nodes
+            problem = writable_dir_problem(fileroot)
+            require(problem is None, "cluster.fileroot", fileroot, f"the run's outputs go there: {problem}")
+        pointer = self.run_dir / "recover" / "latest"
+        require(self.recover.mode != "resume" or pointer.is_file() or (multi_node and not self.run_dir.exists()),
+                "recover.mode", self.recover.mode,
+                f"nothing to resume: {pointer} does not exist (use 'auto' to resume when there is a recover point)")  # fmt: skip
+
+    def _check_schedules(self) -> None:
+        """What a frequency asks for can happen: evaluation needs data, recovery needs recover points."""
+        evaluator = self.evaluator
+        if self.valid_dataset is None:
+            for name in ("freq_epochs", "freq_steps", "freq_secs"):
+                require(getattr(evaluator, name) is None, f"evaluator.{name}", getattr(evaluator, name),
+                        "evaluation needs a valid_dataset: give one, or set the frequency to null")  # fmt: skip
+            require(not evaluator.before_training, "evaluator.before_training", True, "evaluation needs a valid_dataset")
+        recover = self.recover
+        require(recover.mode == "disabled" or recover.freq_steps is not None or recover.freq_secs is not None,
+                "recover.mode", recover.mode,
+                "no recover point would ever be written (recover.freq_steps and freq_secs are null): set one, "
+                "or recover.mode=disabled")  # fmt: skip
 
     @property
     def allocation(self) -> AllocationMode:
@@ -195,6 +230,7 @@ class GRPOConfig(BaseExperimentConfig):
         self._check_sampling()
         self._check_models(alloc)
         self._check_servers(alloc)
+        self._check_rollout(alloc)
         self._check_reward()
         if self.ref is not None:
             require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
@@ -222,6 +258,11 @@ class GRPOConfig(BaseExperimentConfig):
             self.sglang.dtype = "bfloat16"
         if self.weight_update.dtype == "auto":
             self.weight_update.dtype = server.dtype
+        wire = self.weight_update.dtype
+        require(wire in (server.dtype, "float32"), "weight_update.dtype", wire,
+                f"the servers hold {server_key}={server.dtype} weights: a {wire} wire would round them "
+                f"({'and overflow bf16 range ' if wire == 'float16' else ''}so the consistency probe fails); use auto "
+                f"(= the servers' dtype) or float32")  # fmt: skip
         resolved = [key for key, value in before.items() if value == "auto"]
         if resolved and _is_rank0():
             logger.info("dtype %s for %s (auto on %s: %s)", chosen, ", ".join(resolved), self.cluster.device, why)
@@ -311,6 +352,19 @@ class GRPOConfig(BaseExperimentConfig):
         require(problem is None, "reward_fn", self.reward_fn,
                 f"expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float: {problem}")  # fmt: skip
 
+    def _check_rollout(self, alloc: AllocationMode) -> None:
+        """The pool's queue holds a batch; group-level statistics have groups of more than one (else a warning)."""
+        queue, per_rank = self.rollout.queue_size, self.train_dataset.batch_size // alloc.train.dp
+        require(queue is None or queue >= per_rank, "rollout.queue_size", queue,
+                f"must hold one batch of a trainer rank: train_dataset.batch_size / d{alloc.train.dp} = {per_rank}")  # fmt: skip
+        single = self.group_size == 1
+        require(not (single and self.dynamic_filter == "uniform_reward"), "dynamic_filter", self.dynamic_filter,
+                "a group of one sample always has a uniform reward, so every group would be dropped: "
+                "sample gconfig.n_samples > 1, or dynamic_filter=none")  # fmt: skip
+        if single and self.algorithm.adv_estimator == "grpo" and self.actor.adv_norm.mean_level == "group" and _is_rank0():
+            logger.warning("gconfig.n_samples=1 under a group-mean baseline makes every advantage 0 (nothing is "
+                           "learned): sample > 1, or set actor.adv_norm.mean_level=batch")  # fmt: skip
+
     def _check_sampling(self) -> None:
         require(
             self.actor.temperature == self.gconfig.temperature or self.gconfig.greedy,
@@ -334,7 +388,11 @@ class GRPOConfig(BaseExperimentConfig):
         for key, path in models:
             problem = model_path_problem(path, self.cluster.n_nodes > 1)
             require(problem is None, key, path, problem or "")
-            shape = read_model_shape(path)
+            shape = read_model_shape(path, key)
+            if shape is not None and shape.vocab_size and key == "actor.path":
+                too_big = [i for i in self.gconfig.stop_token_ids if i >= shape.vocab_size]
+                require(not too_big, "gconfig.stop_token_ids", self.gconfig.stop_token_ids,
+                        f"ids {too_big} are beyond the vocabulary of {path} ({shape.vocab_size} tokens)")  # fmt: skip
             if shape is not None:
                 try:
                     validate_model(alloc, shape)
@@ -355,8 +413,15 @@ class GRPOConfig(BaseExperimentConfig):
             self.weight_update.mode,
             f"sharded transfer needs vLLM servers; SGLang ({self.allocation_mode}) takes 'broadcast' or 'disk'",
         )
+        require(alloc.inference.pp == 1, "allocation_mode", self.allocation_mode,
+                f"{backend} servers here are tensor-parallel only: pipeline parallel p{alloc.inference.pp} is not "
+                f"started; use t{alloc.inference.tp * alloc.inference.pp} or more replicas (d)")  # fmt: skip
+        self._check_server_args(backend)
         context_key = "vllm.max_model_len" if backend == "vllm" else "sglang.context_length"
         context = self.context_length
+        probe = self.weight_update.probe_tokens
+        require(self.weight_update.probe_sequences == 0 or probe < context, "weight_update.probe_tokens", probe,
+                f"the probe generates this many tokens after a prompt: must be below {context_key}={context}")  # fmt: skip
         new = self.gconfig.max_new_tokens
         for name, data in (("train_dataset", self.train_dataset), ("valid_dataset", self.valid_dataset)):
             if data is None:
@@ -372,24 +437,56 @@ class GRPOConfig(BaseExperimentConfig):
             require((prompt or 1) + new <= context, context_key, context, why)
 
 
+    def _check_server_args(self, backend: str) -> None:
+        """``extra_args`` do not set what megarl sets; on CPU the KV cache fits the machine and its blocks."""
+        key, server = (("vllm", self.vllm) if backend == "vllm" else ("sglang", self.sglang))
+        owned = MANAGED_SERVER_FLAGS[backend]
+        clash = [a.split("=", 1)[0] for a in server.extra_args if a.split("=", 1)[0] in owned]
+        require(not clash, f"{key}.extra_args", server.extra_args,
+                f"{clash} are set by megarl from its own keys ({', '.join(owned[f] for f in clash)}): set those instead")  # fmt: skip
+        if backend != "vllm" or self.device != "cpu":
+            return
+        block = self.vllm.block_size
+        require(block is None or block % 32 == 0, "vllm.block_size", block, "vLLM-CPU takes multiples of 32")
+        memory = machine_memory_gib()
+        per_node = -(-self.allocation.inference.dp // self.cluster.n_nodes)
+        kv = self.vllm.cpu_kvcache_space_gb * per_node
+        require(memory is None or self.cluster.n_nodes > 1 or kv < memory, "vllm.cpu_kvcache_space_gb",
+                self.vllm.cpu_kvcache_space_gb,
+                f"{per_node} server(s) x {self.vllm.cpu_kvcache_space_gb} GiB of KV cache exceed this machine's "
+                f"{memory:.0f} GiB of memory")  # fmt: skip
+
+
+MANAGED_SERVER_FLAGS = {
+    "vllm": {"--model": "actor.path", "--host": "the launcher", "--port": "the launcher", "--dtype": "vllm.dtype",
+             "--max-model-len": "vllm.max_model_len", "--max-num-seqs": "vllm.max_num_seqs", "--seed": "vllm.seed",
+             "--tensor-parallel-size": "allocation_mode", "--block-size": "vllm.block_size",
+             "--gpu-memory-utilization": "vllm.gpu_memory_utilization", "--api-key": "the launcher"},
+    "sglang": {"--model-path": "actor.path", "--host": "the launcher", "--port": "the launcher",
+               "--dtype": "sglang.dtype", "--context-length": "sglang.context_length", "--tp-size": "allocation_mode",
+               "--random-seed": "sglang.random_seed", "--mem-fraction-static": "sglang.mem_fraction_static"},
+}  # fmt: skip
+"""Server flags megarl sets from a config key (flag -> key): ``extra_args`` may not repeat them."""
+
+
 def _is_rank0() -> bool:
     """Whether this process logs for the run: not a trainer rank other than 0."""
     return os.environ.get("RANK", "0") == "0"
 
 
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
-"""A tokenizer directory holds at least one of these."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""A tokenizer directory holds at least one of these (a fast tokenizer, a sentencepiece model, a BPE vocabulary)."""
 
 
-def read_model_shape(path: str) -> ModelShape | None:
-    """The model's :class:`ModelShape` for a known short name or a local HF directory, else None."""
+def read_model_shape(path: str, key: str = "actor.path") -> ModelShape | None:
+    """The model's :class:`ModelShape` for a known short name or a local HF directory, else None.
+
+    A ``config.json`` that cannot build a model is a :class:`ConfigError` naming ``key`` and the file.
+    """
     if path.lower() in MODEL_SHORT_NAMES:
         return MODEL_SHORT_NAMES[path.lower()]
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        return None
-    with open(config_file) as f:
-        return ModelShape.from_hf_config(json.load(f))
+    config = read_model_config(path, key)
+    return None if config is None else ModelShape.from_hf_config(config)
 
 
 def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...] = ("config.json",)) -> str | None:
@@ -434,14 +531,19 @@ def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> None:
     if bundled is not None:
         splits = sorted(f.stem for f in bundled.glob("*") if f.suffix in DATASET_SUFFIXES)
         require(data.split in splits, f"{key}.split", data.split, f"the bundled {data.path!r} has splits {splits}")
+        _check_rows(key, data, dataset_file(data.path, data.split, bundled))
         return
     local = Path(data.path).expanduser()
     if local.is_file():
         suffixes = ", ".join(DATASET_SUFFIXES)
         require(local.suffix in DATASET_SUFFIXES, f"{key}.path", data.path, f"a dataset file must end in {suffixes}")
+        _check_rows(key, data, local)
         return
     if local.is_dir() or (local.is_absolute() and multi_node):
-        return  # a directory's split is resolved at load time (flat {split}.jsonl or a hub snapshot)
+        file = dataset_file(data.path, data.split, None)
+        if file is not None:  # else the split is resolved at load time (a hub snapshot, or on the nodes)
+            _check_rows(key, data, file)
+        return
     looks_local = data.path.startswith(("/", ".", "~")) or local.suffix in DATASET_SUFFIXES
     require(not looks_local, f"{key}.path", data.path, "no such file or directory")
     require(
@@ -459,3 +561,37 @@ def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> None:
         f"a hub dataset, but {offline} is set so it cannot be downloaded; "
         f"use a bundled dataset {sorted(DATASET_SHORT_NAMES)} or a local .jsonl/.json/.parquet file or directory",
     )
+
+
+def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
+    """The first rows of ``file`` fit ``data.type``, and a ``drop_last`` loader gets at least one batch."""
+    from megarl.data.rows import ROW_MAPPERS, DatasetRowError
+
+    try:
+        rows = first_rows(file)
+        n_rows = count_rows(file) if data.drop_last else None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{key}.path", f"{data.path!r}: cannot read {file}: {err}") from None
+    require(bool(rows), f"{key}.path", data.path, f"{file} holds no rows")
+    for index, row in enumerate(rows):
+        require(isinstance(row, dict), f"{key}.path", data.path,
+                f"{file} row {index} is a {type(row).__name__}, expected a mapping of fields")  # fmt: skip
+        try:
+            ROW_MAPPERS[data.type](row, index, str(file))
+        except DatasetRowError as err:
+            fits = [name for name, mapper in ROW_MAPPERS.items() if name != data.type and _maps(mapper, row)]
+            hint = f"; its rows fit type {fits[0]!r}" if fits else ""
+            raise ConfigError(f"{key}.type", f"{data.type!r} is invalid for these rows: {err}{hint}") from None
+    if n_rows is not None:
+        require(n_rows >= data.batch_size, f"{key}.batch_size", data.batch_size,
+                f"{file} has {n_rows} rows, fewer than one batch (drop_last would leave no step)")  # fmt: skip
+
+
+def _maps(mapper, row: dict) -> bool:
+    from megarl.data.rows import DatasetRowError
+
+    try:
+        mapper(row, 0, "")
+    except DatasetRowError:
+        return False
+    return True

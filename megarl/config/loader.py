@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.base import ConfigError, validate_tree
@@ -189,11 +189,51 @@ def _set(data: dict, dotted: str, value: Any) -> None:
 def _merge(base, layer, source: str):
     try:
         return OmegaConf.merge(base, layer)
-    except OmegaConfBaseException as err:
-        raise _config_error(err, source) from None
+    except (OmegaConfBaseException, TypeError) as err:  # TypeError: a list merged into a mapping
+        key = None if getattr(err, "full_key", None) else _failing_key(base, layer)
+        if key is None:  # OmegaConf named the key (a value of the wrong type), or nothing was found
+            raise _config_error(err, source) from None
+        value = OmegaConf.select(layer, key)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=False)
+        raise ConfigError(key, f"{value!r} is invalid: expected {_expected(base, key)} (in {source})") from None
 
 
-def _config_error(err: OmegaConfBaseException, source: str) -> ConfigError:
+def _failing_key(base, layer, prefix: str = "") -> str | None:
+    """The dotted key of ``layer`` whose value ``base`` cannot take (OmegaConf does not always say)."""
+    for name, value in layer.items_ex(resolve=False) if isinstance(layer, DictConfig) else []:
+        key = f"{prefix}.{name}" if prefix else str(name)
+        try:
+            OmegaConf.merge(base, _nested(key, value))
+        except (OmegaConfBaseException, TypeError):
+            target = OmegaConf.select(base, key, default=None)
+            deeper = _failing_key(base, value, key) if isinstance(value, DictConfig) and isinstance(target, DictConfig) else None
+            return deeper or key
+    return None
+
+
+def _nested(dotted: str, value):
+    """``{a: {b: value}}`` for ``a.b``."""
+    tree = value
+    for part in reversed(dotted.split(".")):
+        tree = {part: tree}
+    return OmegaConf.create(tree)
+
+
+def _expected(base, key: str) -> str:
+    """What ``base`` holds at ``key``, in words (a config block, a mapping, a list, or a value)."""
+    node = OmegaConf.select(base, key, default=None)
+    if isinstance(node, DictConfig):
+        kind = OmegaConf.get_type(node)
+        if kind is not None and kind is not dict:
+            return f"a {kind.__name__} block (a mapping of its keys, e.g. {key}.{next(iter(node.keys()), 'key')}=...)"
+        return "a mapping of names to values"
+    if isinstance(node, ListConfig):
+        return "a list"
+    return "a single value"
+
+
+def _config_error(err: Exception, source: str) -> ConfigError:
     key = getattr(err, "full_key", None) or ""
     message = str(err).split("\n", 1)[0]
     return ConfigError(str(key), f"{message} (in {source})")

@@ -60,6 +60,9 @@ class GenerationHyperparameters:
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         require(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
         require(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be null or in [0, 2**63)")
+        bad_ids = [i for i in self.stop_token_ids if i < 0]
+        require(not bad_ids, "stop_token_ids", self.stop_token_ids, f"token ids are >= 0, got {bad_ids}")
+        require(all(self.stop), "stop", self.stop, "an empty stop string would end every sample at once")
 
 
 def derive_seed(seed: int, tokens: list[int], index: int) -> int:
@@ -105,6 +108,7 @@ class InferenceEngineConfig:
         for i, addr in enumerate(self.server_addrs):
             host, sep, port = addr.rpartition(":")
             require(bool(host) and sep == ":" and port.isdigit(), f"server_addrs[{i}]", addr, "expected 'host:port'")
+            require(1 <= int(port) <= 65535, f"server_addrs[{i}]", addr, "the port must be in [1, 65535]")
         if self.max_concurrent_rollouts is not None:
             require(
                 self.max_concurrent_rollouts >= 1,

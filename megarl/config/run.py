@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from megarl.config.base import require
+
+_SLURM_TIME = re.compile(r"(?i)unlimited|infinite|\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
+_SLURM_MEM = re.compile(r"\d+[KMGT]?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass
@@ -202,6 +207,11 @@ class SlurmConfig:
     """Seconds the script waits for every server to be healthy before it fails the job."""
 
     def check(self) -> None:
+        require(_SLURM_TIME.fullmatch(self.time_limit) is not None, "time_limit", self.time_limit,
+                "expected Slurm's --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")  # fmt: skip
+        if self.mem is not None:
+            require(_SLURM_MEM.fullmatch(self.mem) is not None, "mem", self.mem,
+                    "expected Slurm's --mem: a number with an optional K, M, G or T suffix ('0' is all of it)")  # fmt: skip
         for name in ("server_port", "trainer_port"):
             value = getattr(self, name)
             require(1024 <= value <= 65000, name, value, "must be a port in [1024, 65000]")
@@ -227,3 +237,6 @@ class LauncherConfig:
 
     def check(self) -> None:
         require(bool(self.trainer_entry), "trainer_entry", self.trainer_entry, "a module or script is required")
+        for name in self.env:
+            require(_ENV_NAME.fullmatch(name) is not None, "env", name,
+                    "environment variable names are letters, digits and '_', not starting with a digit")  # fmt: skip

@@ -17,6 +17,7 @@ from megarl.config.experiment import (
     read_model_shape,
 )
 from megarl.launcher.cli import main
+from tests.config.model_dirs import MODEL_FIELDS
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_YAML = "configs/gsm8k_grpo_cpu.yaml"
@@ -155,8 +156,116 @@ BAD = [
 ]
 
 
+# Cases of the bad-input review (issue 20): each was accepted before launch, ended in a traceback, or
+# got an error naming neither key nor value. ``@files`` is a directory of bad files (``bad_files``).
+NOT_FINITE = [
+    ("lr-inf", "actor.optimizer.lr=inf"), ("lr-nan", "actor.optimizer.lr=nan"), ("clip-inf", "actor.eps_clip=inf"),
+    ("grad-clip-nan", "actor.optimizer.gradient_clipping=nan"), ("reward-scaling-nan", "actor.reward_scaling=nan"),
+    ("entropy-nan", "actor.entropy_coeff=nan"), ("kl-inf", "actor.kl_ctl=inf"), ("top-p-nan", "gconfig.top_p=nan"),
+    ("bucket-inf", "weight_update.bucket_mb=inf"), ("probe-threshold-nan", "weight_update.consistency_threshold=nan"),
+    ("update-timeout-minus-inf", "weight_update.update_timeout=-inf"), ("request-timeout-inf", "rollout.request_timeout=inf"),
+    ("backoff-nan", "rollout.retry_backoff=nan"), ("gpu-memory-nan", "vllm.gpu_memory_utilization=nan"),
+    ("server-startup-inf", "vllm.startup_timeout=inf"), ("correction-upper-inf", "actor.rollout_correction.upper=inf"),
+    ("adv-eps-nan", "actor.adv_norm.eps=nan"),
+]  # fmt: skip
+BAD += [case(f"not-finite-{name}", [override], override.split("=")[0], "must be a finite number")
+        for name, override in NOT_FINITE]  # fmt: skip
+BAD += [
+    case("not-finite-temperature", ["gconfig.temperature=inf", "actor.temperature=inf"], "gconfig.temperature", "inf"),
+    # values out of their domain
+    case("stop-id-negative", ["gconfig.stop_token_ids=[-1]"], "gconfig.stop_token_ids", "token ids are >= 0"),
+    case("stop-id-beyond-vocab", ["gconfig.stop_token_ids=[2,60000]"], "gconfig.stop_token_ids", "beyond the vocabulary"),
+    case("stop-string-empty", ["gconfig.stop=['']"], "gconfig.stop", "empty stop string"),
+    case("server-port-too-big", ["rollout.server_addrs=[localhost:99999]"], "rollout.server_addrs[0]", "[1, 65535]"),
+    case("server-port-zero", ["rollout.server_addrs=[10.0.0.1:0]"], "rollout.server_addrs[0]", "'10.0.0.1:0'"),
+    case("seed-negative", ["seed=-1"], "seed", "numpy's seed range"),
+    case("seed-too-big", ["seed=1099511627776"], "seed", "1099511627776"),
+    case("name-with-space", ["experiment_name=my run"], "experiment_name", "'my run'"),
+    case("trial-with-space", ["trial_name=a b"], "trial_name", "without '/' or spaces"),
+    case("slurm-time", ["launcher.slurm.time_limit=abc"], "launcher.slurm.time_limit", "Slurm's --time"),
+    case("slurm-time-hours-only", ["launcher.slurm.time_limit=2h"], "launcher.slurm.time_limit", "'2h'"),
+    case("slurm-mem", ["launcher.slurm.mem=lots"], "launcher.slurm.mem", "Slurm's --mem"),
+    case("env-name", ["launcher.env.1BAD=x"], "launcher.env", "'1BAD'"),
+    case("master-address", ["weight_update.master_address=not an address"], "weight_update.master_address", "host name"),
+    # cross-field
+    case("queue-below-batch", ["rollout.queue_size=1"], "rollout.queue_size", "must hold one batch"),
+    case("probe-beyond-context", ["weight_update.probe_tokens=5000"], "weight_update.probe_tokens", "vllm.max_model_len=1024"),
+    case("batch-over-dataset", ["train_dataset.batch_size=100000"], "train_dataset.batch_size", "7473 rows"),
+    case("wire-narrower-than-server", ["weight_update.dtype=bfloat16", "vllm.dtype=float32"], "weight_update.dtype",
+         "vllm.dtype=float32"),
+    case("wire-fp16", ["weight_update.dtype=float16"], "weight_update.dtype", "overflow"),
+    case("vllm-pipeline", ["allocation_mode=vllm:d1p2t1+megatron:d1p1t1", "cluster.n_gpus_per_node=3"], "allocation_mode",
+         "pipeline parallel p2"),
+    case("filter-groups-of-one", ["dynamic_filter=uniform_reward", "gconfig.n_samples=1", "actor.group_size=1"],
+         "dynamic_filter", "uniform reward"),
+    case("eval-without-data", ["valid_dataset=null", "evaluator.freq_steps=5"], "evaluator.freq_steps", "valid_dataset"),
+    case("eval-before-without-data", ["valid_dataset=null", "evaluator.freq_steps=null", "evaluator.before_training=true"], "evaluator.before_training",
+         "valid_dataset"),
+    case("recover-never-written", ["recover.mode=auto", "recover.freq_steps=null"], "recover.mode", "no recover point"),
+    case("extra-arg-dtype", ["vllm.extra_args=[--dtype,half]"], "vllm.extra_args", "vllm.dtype"),
+    case("extra-arg-port", ["vllm.extra_args=[--port=8000]"], "vllm.extra_args", "['--port']"),
+    case("cpu-block-size", ["vllm.block_size=48"], "vllm.block_size", "multiples of 32"),
+    case("kv-cache-over-memory", ["vllm.cpu_kvcache_space_gb=100000"], "vllm.cpu_kvcache_space_gb", "GiB of memory"),
+    # merge and type errors that named neither key nor expected type
+    case("block-as-string", ["actor.adv_norm=str"], "actor.adv_norm", "NormConfig block"),
+    case("block-as-int", ["actor=3"], "actor", "PPOActorConfig block"),
+    case("block-as-list", ["gconfig=[1]"], "gconfig", "GenerationHyperparameters block"),
+    case("env-as-list", ["launcher.env=[a,b]"], "launcher.env", "a mapping of names"),
+    case("slurm-as-int", ["launcher.slurm=5"], "launcher.slurm", "SlurmConfig block"),
+    # files: models, tokenizers, datasets, output directories
+    case("model-config-fields", ["actor.path=@files/no_heads"], "actor.path", "num_attention_heads=None"),
+    case("model-config-list", ["actor.path=@files/list"], "actor.path", "holds a list"),
+    case("model-config-json", ["actor.path=@files/bad_json"], "actor.path", "bad_json/config.json"),
+    case("model-type", ["actor.path=@files/gpt2"], "actor.path", "model_type 'gpt2'"),
+    case("model-heads-string", ["actor.path=@files/heads_str"], "actor.path", "num_attention_heads='8'"),
+    case("ref-config-fields", ["ref.path=@files/no_heads", "actor.kl_ctl=0.1"], "ref.path", "cannot build a model"),
+    case("critic-config-fields", ["algorithm.adv_estimator=gae", "critic.path=@files/list"], "critic.path", "holds a list"),
+    case("tokenizer-without-files", ["tokenizer_path=@files/gpt2"], "tokenizer_path", "no tokenizer.json"),
+    case("chat-type-on-gsm8k", ["train_dataset.type=chat"], "train_dataset.type", "its rows fit type 'gsm8k'"),
+    case("gsm8k-type-on-chat", ["train_dataset.path=@files/chat.jsonl"], "train_dataset.type", "'chat'"),
+    case("valid-type", ["valid_dataset.path=@files/chat.jsonl"], "valid_dataset.type", "no 'question' field"),
+    case("dataset-line-not-json", ["train_dataset.path=@files/broken.jsonl"], "train_dataset.path", "line 2 is not JSON"),
+    case("dataset-row-list", ["train_dataset.path=@files/lists.jsonl"], "train_dataset.path", "row 0 is a list"),
+    case("dataset-empty", ["train_dataset.path=@files/empty.jsonl"], "train_dataset.path", "holds no rows"),
+    case("dataset-json-dict", ["train_dataset.path=@files/dict.json"], "train_dataset.path", "holds a dict"),
+    case("dataset-invalid-utf8", ["train_dataset.path=@files/latin1.jsonl"], "train_dataset.path", "utf-8"),
+    case("dataset-smaller-than-batch", ["train_dataset.path=@files/two_rows.jsonl", "train_dataset.batch_size=4"],
+         "train_dataset.batch_size", "2 rows"),
+    case("dataset-dir-split", ["train_dataset.path=@files", "train_dataset.split=chat"], "train_dataset.type", "'gsm8k'"),
+    case("fileroot-is-file", ["cluster.fileroot=@files/chat.jsonl/out"], "cluster.fileroot", "is a file"),
+    case("fileroot-unwritable", ["cluster.fileroot=/proc/megarl"], "cluster.fileroot", "cannot write in /proc"),
+    case("disk-path-unwritable", ["weight_update.mode=disk", "weight_update.disk_path=/proc/megarl"],
+         "weight_update.disk_path", "cannot write"),
+    case("resume-nothing", ["cluster.fileroot=@files/runs", "recover.mode=resume"], "recover.mode", "nothing to resume"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory) -> str:
+    """A directory of bad model configs and dataset files, for the ``@files`` cases."""
+    root = tmp_path_factory.mktemp("bad_files")
+    models = {"no_heads": {"num_hidden_layers": 4}, "list": [1, 2], "gpt2": {**MODEL_FIELDS, "model_type": "gpt2"},
+              "heads_str": {**MODEL_FIELDS, "num_attention_heads": "8"}}  # fmt: skip
+    for name, config in models.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+    (root / "bad_json").mkdir()
+    (root / "bad_json" / "config.json").write_text('{"num_attention_heads": 8,')
+    chat = {"prompt": "1+1?", "answer": "2"}
+    (root / "chat.jsonl").write_text(json.dumps(chat) + "\n")
+    (root / "broken.jsonl").write_text(json.dumps(chat) + '\n{"prompt": \n')
+    (root / "lists.jsonl").write_text("[1, 2]\n")
+    (root / "empty.jsonl").write_text("\n")
+    (root / "dict.json").write_text(json.dumps({"rows": [chat]}))
+    (root / "latin1.jsonl").write_bytes('{"question": "caf\u00e9", "answer": "#### 1"}\n'.encode("latin-1"))
+    (root / "two_rows.jsonl").write_text("".join(json.dumps({"question": "q", "answer": f"#### {i}"}) + "\n" for i in (1, 2)))
+    (root / "runs").mkdir()
+    return str(root)
+
+
 @pytest.mark.parametrize("overrides,key,fragment", BAD)
-def test_loader_names_key_and_value(overrides, key, fragment):
+def test_loader_names_key_and_value(overrides, key, fragment, bad_files):
+    overrides = [o.replace("@files", bad_files) for o in overrides]
     with pytest.raises(ConfigError) as err:
         load_expr_config(["--config", CPU_YAML, *overrides], GRPOConfig)
     message = str(err.value)
@@ -166,7 +275,8 @@ def test_loader_names_key_and_value(overrides, key, fragment):
 
 
 @pytest.mark.parametrize("overrides,key,fragment", BAD)
-def test_cli_exits_2_with_one_line(overrides, key, fragment, capsys):
+def test_cli_exits_2_with_one_line(overrides, key, fragment, capsys, bad_files):
+    overrides = [o.replace("@files", bad_files) for o in overrides]
     assert main(["config", "--config", CPU_YAML, *overrides]) == 2
     out, err = capsys.readouterr()
     assert out == ""
@@ -189,7 +299,7 @@ def test_shipped_configs_pass_offline(path, capsys):
         ["ref.path=smollm2", "actor.kl_ctl=0.1"],
         ["cluster.n_nodes=2", "cluster.n_gpus_per_node=1", "actor.path=/shared/models/SmolLM2"],  # read on the nodes
         ["valid_dataset.path=megarl/data/gsm8k", "valid_dataset.split=dev"],  # a directory's splits are read late
-        ["gconfig.greedy=true", "gconfig.n_samples=1", "gconfig.temperature=0"],
+        ["gconfig.greedy=true", "gconfig.n_samples=1", "gconfig.temperature=0", "actor.adv_norm.mean_level=batch"],
         ["gconfig.max_new_tokens=512"],  # 512 + 512 fills max_model_len 1024 exactly
         ["algorithm.adv_estimator=gae", "critic={}", "gconfig.n_samples=1", "actor.group_size=1"],  # PPO, one sample
     ],
@@ -207,7 +317,7 @@ def test_hub_dataset_passes_when_online(monkeypatch):
 
 def test_local_model_dir_is_accepted_and_checked(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4})
+        json.dumps({**MODEL_FIELDS, **{"num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4}})
     )
     load_expr_config(["--config", CPU_YAML, f"actor.path={tmp_path}"], GRPOConfig)
     with pytest.raises(ConfigError, match="t4 does not divide the model's 2 key/value heads"):
@@ -220,10 +330,13 @@ def test_local_model_dir_is_accepted_and_checked(tmp_path):
 
 def test_short_names_match_the_loaders():
     """The config layer's copies of the short names agree with the modules that resolve them."""
+    from megarl.config.files import MODEL_TYPES
     from megarl.data.rl_dataset import SHORT_NAMES
+    from megarl.models.families import FAMILIES
     from megarl.models.provision import ALIASES, KNOWN_MODELS, default_cache_dir
 
     assert set(MODEL_SHORT_NAMES) == set(KNOWN_MODELS) | set(ALIASES)
+    assert set(MODEL_TYPES) == set(FAMILIES)
     assert SHORT_NAMES is DATASET_SHORT_NAMES
     for name in KNOWN_MODELS:
         provisioned = default_cache_dir() / name
