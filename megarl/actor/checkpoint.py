@@ -175,7 +175,7 @@ def rng_state() -> dict:
 
     state = {
         "random": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_state(),
         "torch": torch.get_rng_state(),
         "tracker": get_cuda_rng_tracker().get_states(),
     }
@@ -184,12 +184,19 @@ def rng_state() -> dict:
     return state
 
 
+def _numpy_state() -> tuple:
+    """numpy's global RNG state with its key array as a tensor (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
 def set_rng_state(state: dict) -> None:
     """Restore :func:`rng_state`."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -133,10 +133,10 @@ class BaseExperimentConfig:
         if not (multi_node and Path(fileroot).is_absolute() and not Path(fileroot).exists()):  # maybe only on the nodes
             problem = writable_dir_problem(fileroot)
             require(problem is None, "cluster.fileroot", fileroot, f"the run's outputs go there: {problem}")
-        pointer = self.run_dir / "recover" / "latest"
-        require(self.recover.mode != "resume" or pointer.is_file() or (multi_node and not self.run_dir.exists()),
-                "recover.mode", self.recover.mode,
-                f"nothing to resume: {pointer} does not exist (use 'auto' to resume when there is a recover point)")  # fmt: skip
+        points = self.run_dir / "recover"
+        require(self.recover.mode != "resume" or any(points.glob("step*/MANIFEST.json"))
+                or (multi_node and not self.run_dir.exists()), "recover.mode", self.recover.mode,
+                f"nothing to resume: {points} holds no recover point (use 'auto' to resume when there is one)")  # fmt: skip
 
     def _check_schedules(self) -> None:
         """What a frequency asks for can happen: evaluation needs data, recovery needs recover points."""

@@ -131,6 +131,9 @@ class RecoverConfig:
     """Write the recover checkpoint when this many seconds passed since the last one."""
     retries: int = 3
     """Times the launcher restarts a failed trainer in ``auto`` mode."""
+    keep_last: int = 2
+    """Recover points kept on disk: when the newest turns out incomplete (a file truncated or lost
+    after it was written), recovery falls back to the one before, with a warning."""
 
     def check(self) -> None:
         for name in ("freq_steps", "freq_secs"):
@@ -138,6 +141,7 @@ class RecoverConfig:
             if value is not None:
                 require(value >= 1, name, value, "must be >= 1 (or null to disable)")
         require(self.retries >= 0, "retries", self.retries, "must be >= 0")
+        require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
 
 
 @dataclass

@@ -6,20 +6,23 @@ Layout under ``{run_dir}/recover/``::
     step{N}/critic/           the same of PPO's critic, when the run has one
     step{N}/info_rank{r}.pt   RecoverInfo of rank r (loop position, dataloader, frequencies, RNG)
     step{N}/layout.json       the trainer layout that wrote it
-    latest                    text file naming the current step dir
+    step{N}/MANIFEST.json     every file above and its size, written last
 
-A dump is written to ``step{N}.tmp/``, renamed once every rank has finished, then
-``latest`` is replaced atomically, and only then are older dumps deleted: a crash at any
-moment leaves ``latest`` naming a complete dump. ``latest`` is the only source of truth;
-step dirs it does not name (interrupted or superseded) are deleted by the next dump.
+A dump is written to ``step{N}.tmp/``; once every rank has finished, its files are flushed to
+disk, the manifest is written and the directory renamed (``megarl.utils.saver.publish_dir``),
+and only then are dumps beyond ``recover.keep_last`` deleted. The recover point is the newest
+``step{N}`` whose files match its manifest; an incomplete one (no manifest: its write was
+interrupted; a file missing or of another size) is skipped with a warning, so a crash at any
+moment, or a file lost later, falls back to the previous point. A full disk fails the dump
+with a message saying so, removes the partial dump and leaves the previous points as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
-import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -32,8 +35,10 @@ from megarl.actor.checkpoint import rng_state, set_rng_state
 from megarl.config.run import RecoverConfig
 from megarl.utils.saver import (
     FrequencyControl,
+    all_ranks_ok,
     barrier,
     due,
+    incomplete_reason,
     named_engines,
     publish_dir,
     start_tmp_dir,
@@ -111,43 +116,58 @@ class RecoverHandler:
         final = self.root / f"step{info.global_step}"
         tmp = final.with_name(final.name + ".tmp")
         start_tmp_dir(tmp)
-        for name, each in engines.items():
-            each.save(SaveLoadMeta(str(tmp / name), weight_format="megatron", with_optim=True))
-        info = dataclasses.replace(info, recover_state=self.freq.state_dict(), rng_state=rng_state())
-        torch.save(dataclasses.asdict(info), tmp / f"info_rank{p.rank}.pt")
+        full_disk = None
+        try:
+            for name, each in engines.items():
+                each.save(SaveLoadMeta(str(tmp / name), weight_format="megatron", with_optim=True))
+            info = dataclasses.replace(info, recover_state=self.freq.state_dict(), rng_state=rng_state())
+            torch.save(dataclasses.asdict(info), tmp / f"info_rank{p.rank}.pt")
+            if p.rank == 0:
+                (tmp / "layout.json").write_text(json.dumps(_layout(engine)))
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            full_disk = err
+        if not all_ranks_ok(full_disk is None):  # every rank learns that one ran out of space
+            if p.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            barrier()
+            kept = ", ".join(path.name for path in self.points()) or "none"
+            raise OSError(errno.ENOSPC, f"no space left on the device of {self.root} while writing recover point "
+                          f"{final.name}: the partial dump was removed; the previous points are intact ({kept}); "
+                          f"free space or move cluster.fileroot, then resume with recover.mode=auto")  # fmt: skip
         if p.rank == 0:
-            (tmp / "layout.json").write_text(json.dumps(_layout(engine)))
-        barrier()
-        if p.rank == 0:
-            self._publish(tmp, final)
+            publish_dir(tmp, final)
+            self._prune()
+            logger.info("recover point written to %s", final)
         barrier()
         self._last_step = info.global_step
         return True
 
-    def _publish(self, tmp: Path, final: Path) -> None:
-        publish_dir(tmp, final)
-        pointer = self.root / "latest.tmp"
-        with open(pointer, "w") as f:
-            f.write(final.name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, self.root / "latest")
-        for path in self.root.iterdir():
-            if path != final and re.fullmatch(r"step\d+(\.tmp)?", path.name):
-                shutil.rmtree(path)
-        logger.info("recover point written to %s", final)
+    def _prune(self) -> None:
+        """Delete interrupted ``.tmp`` dumps and all but the ``keep_last`` newest points."""
+        for path in self.root.glob("step*.tmp"):
+            shutil.rmtree(path)
+        for path in self.points()[self.config.keep_last :]:
+            shutil.rmtree(path)
 
     # ------------------------------------------------------------------ load
 
+    def points(self) -> list[Path]:
+        """Every ``step{N}`` directory (complete or not), newest first."""
+        if not self.root.is_dir():
+            return []
+        steps = [p for p in self.root.iterdir() if p.is_dir() and re.fullmatch(r"step\d+", p.name)]
+        return sorted(steps, key=lambda p: int(p.name[4:]), reverse=True)
+
     def latest(self) -> Path | None:
-        """The complete recover point ``latest`` names, or None."""
-        pointer = self.root / "latest"
-        if not pointer.is_file():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if not path.is_dir():
-            raise FileNotFoundError(f"{pointer} names {path}, which does not exist; remove {pointer} to start fresh")
-        return path
+        """The newest complete recover point, or None; newer incomplete ones are skipped with a warning."""
+        for path in self.points():
+            reason = incomplete_reason(path)
+            if reason is None:
+                return path
+            logger.warning("recover point %s is incomplete (%s): skipped, trying the one before", path, reason)
+        return None
 
     def load(self, engines) -> RecoverInfo | None:
         """Restore ``engines`` (as for :meth:`maybe_dump`) and this rank's RNG from the recover point;
@@ -159,13 +179,14 @@ class RecoverHandler:
         per pipeline / tensor-parallel coordinate) instead of another rank's.
         """
         if self.config.mode == "disabled":
-            if (self.root / "latest").exists():
+            if self.points():
                 logger.warning("recover.mode=disabled: ignoring the recover point in %s, starting fresh", self.root)
             return None
         path = self.latest()
         if path is None:
             if self.config.mode == "resume":
-                raise FileNotFoundError(f"recover.mode=resume but {self.root} holds no recover point ('latest')")
+                found = f"only incomplete ones ({', '.join(p.name for p in self.points())})" if self.points() else "none"
+                raise FileNotFoundError(f"recover.mode=resume but {self.root} holds no complete recover point: {found}")
             logger.info("no recover point in %s: starting fresh", self.root)
             return None
         return self._load(named_engines(engines), path)
@@ -190,7 +211,7 @@ class RecoverHandler:
                 )
             each.load(SaveLoadMeta(str(path / name), weight_format="megatron", with_optim=True))
         rank = engine.parallel.rank
-        info = RecoverInfo(**torch.load(path / f"info_rank{min(rank, saved['world_size'] - 1)}.pt", weights_only=False))
+        info = RecoverInfo(**torch.load(path / f"info_rank{min(rank, saved['world_size'] - 1)}.pt", weights_only=True))
         if saved["world_size"] == now["world_size"]:
             set_rng_state(info.rng_state)
         self.freq.load_state_dict(info.recover_state)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megarl.config.run import SaverConfig
@@ -115,6 +117,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_ranks_ok(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of the default group (``ok`` itself without torch.distributed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def global_rank() -> int:
     """This process's rank (0 without torch.distributed)."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -130,11 +142,54 @@ def start_tmp_dir(tmp: Path) -> None:
     barrier()
 
 
+MANIFEST = "MANIFEST.json"
+"""Written last into a checkpoint: every file and its size. A directory without it, or whose files
+differ from it, is incomplete (an interrupted write, a truncated or deleted file) and never loaded."""
+
+
 def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename a fully written ``tmp`` directory to ``final``, replacing an older ``final``."""
+    """Publish a fully written ``tmp`` directory as ``final`` (replacing an older ``final``).
+
+    Every file is flushed to disk, then :data:`MANIFEST` is written and flushed, then the
+    directory renamed: after a crash at any point ``final`` is either absent or complete.
+    """
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync(path)
+        files[str(path.relative_to(tmp))] = path.stat().st_size
+    manifest = tmp / MANIFEST
+    manifest.write_text(json.dumps({"files": files}, indent=0))
+    _fsync(manifest)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    _fsync(final.parent)
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be loaded (see :data:`MANIFEST`), or None."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (its write was interrupted)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"its {MANIFEST} is unreadable ({err})"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file or a directory) to the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Saver:

@@ -220,9 +220,9 @@ def test_killed_trainer_rank_fails_the_job_and_stops_everything(cluster, tmp_pat
 def test_requeued_job_resumes_from_its_recover_checkpoint(cluster, tmp_path):
     recover = ["total_train_steps=3", "recover.mode=auto", "recover.freq_steps=1"]
     job = submit(cluster, tmp_path, *recover, requeue=True)
-    latest = job.run_dir / "recover" / "latest"
-    job.wait_for("recover checkpoint", latest.exists, START_TIMEOUT)
-    dumped = int(latest.read_text().removeprefix("step"))
+    points = job.run_dir / "recover"
+    job.wait_for("recover checkpoint", lambda: any(points.glob("step*/MANIFEST.json")), START_TIMEOUT)
+    dumped = max(int(p.parent.name.removeprefix("step")) for p in points.glob("step*/MANIFEST.json"))
     first_run = dict(job.seen)
     cluster.requeue(job.id)
     first_alive = still_alive(lambda: [f"{p.pid} {cmd}" for p, cmd in first_run.values() if running(p)], 90)

@@ -30,7 +30,8 @@ def test_critic_ppo_trains_and_resumes_with_its_critic(tmp_path):
     assert steps[0]["ppo_critic/values/max"] == 0.0, "the value head starts at zero on a causal-LM checkpoint"
     trained_values = steps[1]["ppo_critic/values/avg"]
     assert trained_values != 0.0
-    point = run_dir / "recover" / (run_dir / "recover" / "latest").read_text().strip()
+    point = run_dir / "recover" / "step1"
+    assert (point / "MANIFEST.json").is_file()
     assert (point / "model").is_dir() and (point / "critic").is_dir()
 
     _run(tmp_path, *CRITIC, "total_train_steps=3")  # the same trial: resumes after step 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -86,7 +87,7 @@ def test_dump_then_load_restores_engine_rng_and_info(recovered):
     info = recovered["info"]
     assert (info.global_step, info.rollout_version) == (0, 1)
     assert info.dataloader_state == {"consumed": 4} and info.extra == {"note": "x"}
-    assert sorted(p.name for p in (recovered["run_dir"] / "recover").iterdir()) == ["latest", "step0"]
+    assert sorted(p.name for p in (recovered["run_dir"] / "recover").iterdir()) == ["step0"]
 
 
 @pytest.mark.multiproc
@@ -145,21 +146,56 @@ def test_crash_mid_dump_leaves_previous_point_and_next_dump_cleans_up(tmp_path):
     stub, info = load(tmp_path)
     assert info.global_step == 3 and stub.version == 3
     dump(tmp_path, 4)
-    assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["latest", "step4"]
+    assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["step3", "step4"]
+    dump(tmp_path, 5)  # keep_last=2
+    assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["step4", "step5"]
 
 
-def test_crash_between_rename_and_pointer_keeps_the_older_point(tmp_path):
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        (lambda point: (point / "MANIFEST.json").unlink(), "has no MANIFEST.json"),
+        (lambda point: (point / "model" / "version").unlink(), "model/version is missing"),
+        (lambda point: (point / "model" / "version").write_text(""), "model/version has 0 bytes, 1 were written"),
+        (lambda point: (point / "MANIFEST.json").write_text("{"), "MANIFEST.json is unreadable"),
+    ],
+    ids=["no-manifest", "file-missing", "file-truncated", "manifest-garbled"],
+)
+def test_an_incomplete_point_is_skipped_for_the_one_before(tmp_path, caplog, damage, reason):
     dump(tmp_path, 3)
+    dump(tmp_path, 4)
     root = tmp_path / "recover"
-    (root / "step4").mkdir()  # renamed, but killed before `latest` moved on
+    damage(root / "step4")
     stub, info = load(tmp_path)
     assert info.global_step == 3 and stub.loaded_from == str(root / "step3" / "model")
+    assert f"recover point {root / 'step4'} is incomplete" in caplog.text and reason in caplog.text
+    damage(root / "step3")
+    with pytest.raises(FileNotFoundError, match=r"no complete recover point: only incomplete ones \(step4, step3\)"):
+        load(tmp_path, "resume")
+    assert load(tmp_path, "auto")[1] is None  # auto starts fresh
+
+
+def test_a_full_disk_fails_the_dump_and_keeps_the_previous_point(tmp_path, monkeypatch):
+    dump(tmp_path, 3)
+    real_save = torch.save
+
+    def disk_full(obj, path, *args, **kwargs):
+        real_save(obj, path, *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match=r"no space left .* recover point step4: the partial dump was removed; "
+                                      r"the previous points are intact \(step3\)"):  # fmt: skip
+        dump(tmp_path, 4)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["step3"]
+    assert load(tmp_path)[1].global_step == 3
 
 
 def test_frequency_and_disabled_mode_decide_whether_to_dump(tmp_path):
     handler, stub = RecoverHandler(RecoverConfig(mode="auto", freq_steps=2), tmp_path), StubEngine()
     assert [handler.maybe_dump(stub, info_at(step)) for step in range(4)] == [False, True, False, True]
-    assert (tmp_path / "recover" / "latest").read_text() == "step3"
+    assert [p.name for p in handler.points()] == ["step3", "step1"]
     disabled = RecoverHandler(RecoverConfig(mode="disabled", freq_steps=1), tmp_path / "other")
     assert not disabled.maybe_dump(stub, info_at(0), force=True)
     assert not (tmp_path / "other").exists()

@@ -9,7 +9,7 @@ import pytest
 
 from megarl.config.run import SaverConfig
 from megarl.utils import saver as saver_mod
-from megarl.utils.saver import FrequencyControl, Saver
+from megarl.utils.saver import FrequencyControl, Saver, incomplete_reason
 from tests.actor.dist_utils import run_ranks
 
 
@@ -154,6 +154,10 @@ def test_saver_keeps_last_n_and_cleans_interrupted_writes(tmp_path):
     run_steps(saver, engine, range(5))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["globalstep3", "globalstep4"]
     assert not (tmp_path / "checkpoints" / "globalstep4" / "hf").exists()  # export_hf off
+    newest = tmp_path / "checkpoints" / "globalstep4"
+    assert incomplete_reason(newest) is None and "meta.json" in (newest / "MANIFEST.json").read_text()
+    (newest / "meta.json").write_text("{}")
+    assert incomplete_reason(newest).startswith("meta.json has 2 bytes, ")
 
 
 def test_saver_epoch_frequency_saves_at_the_last_step_of_every_other_epoch(tmp_path):
