@@ -47,6 +47,7 @@ from megarl.config.loader import save_config
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
+from megarl.utils.auth import run_api_key
 from megarl.utils.console import CONSOLE_TTY_ENV
 from megarl.utils.hardware import auto_dtype
 from megarl.utils.network import find_free_ports
@@ -579,6 +580,11 @@ def run_local(config: GRPOConfig, config_file: str | Path | None = None, out: Te
         ServerLaunchError: A server failed to start or died during the run.
     """
     plan = check_local(config)
+    with run_api_key():  # servers and trainer inherit it; the servers refuse requests without it
+        return _run(config, config_file, plan, out)
+
+
+def _run(config: GRPOConfig, config_file: str | Path | None, plan: Placement, out: TextIO | None) -> int:
     specs = server_specs(config, plan)
     # the trainer starts with the servers: it waits for them as long as this launcher does
     config.rollout.setup_timeout = max(config.rollout.setup_timeout, _startup_timeout(config))

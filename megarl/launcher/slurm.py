@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megarl.config.experiment import GRPOConfig
 from megarl.launcher.placement import Placement, plan_placement
+from megarl.utils.auth import API_KEY_ENV
 
 
 def _sbatch_header(config: GRPOConfig, requeue: bool) -> list[str]:
@@ -63,6 +64,8 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
     lines = ["set -uo pipefail", *slurm.setup]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in config.launcher.env.items()]
     lines += [
+        "# the run's API key: servers refuse requests without it (megarl.utils.auth); kept out of the script",
+        f'export {API_KEY_ENV}="${{{API_KEY_ENV}:-$(python3 -c "import secrets; print(secrets.token_urlsafe(32))")}}"',
         f"RUN_DIR={shlex.quote(str(run_dir))}",
         'mkdir -p "$RUN_DIR/servers" "$RUN_DIR/slurm"',
         'rm -f "$RUN_DIR"/servers/*.addr',

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from megarl.utils.auth import auth_headers
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -144,4 +146,4 @@ def make_session(max_connections: int) -> aiohttp.ClientSession:
     """A client session for the running loop with at most ``max_connections`` open sockets."""
     connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, ttl_dns_cache=300)
     # Per-request timeouts come from RetryPolicy; the session default must not cut them short.
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=auth_headers())

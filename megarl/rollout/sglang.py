@@ -18,6 +18,7 @@ from megarl.config.rollout import GenerationHyperparameters, SGLangConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
+from megarl.utils.auth import api_key
 from megarl.utils.hardware import concrete_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -120,6 +121,8 @@ def sglang_launch_spec(
         cmd.append("--disable-cuda-graph")
     if config.enable_metrics:
         cmd.append("--enable-metrics")
+    if api_key():
+        cmd += ["--api-key", api_key()]  # SGLang guards every route but /health with it (no environment variable)
     env: dict[str, str] = {}
     if devices is not None:
         if len(devices) != tp:

@@ -28,6 +28,7 @@ from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
 from megarl.utils.hardware import concrete_dtype
+from megarl.utils.auth import api_key
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -181,5 +182,8 @@ def vllm_launch_spec(
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     else:
         raise ValueError(f"vllm_launch_spec: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    cmd += ["--middleware", "megarl.utils.auth.RequireApiKey"]  # guards every route but /health (run key)
+    if api_key():
+        env["VLLM_API_KEY"] = api_key()  # vLLM's own check of /v1, from the environment (not on the command line)
     cmd += WEIGHT_TRANSFER_ARGS + list(config.extra_args)
     return LaunchSpec(cmd=cmd, env=env, host=host, port=port, health_endpoint=VLLMBackend.health_endpoint)

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from megarl.utils.auth import auth_headers
+
 _BODY_SNIPPET = 400
 
 
@@ -30,7 +32,7 @@ def http_json(address: str, route: str, payload: Any = None, timeout: float = 60
     """``method`` ``http://address/route`` with a JSON body; the decoded JSON reply (None if empty)."""
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(f"http://{address}{route}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+                                     headers={"Content-Type": "application/json", **auth_headers()})  # fmt: skip
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             body = reply.read()
