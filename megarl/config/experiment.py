@@ -436,7 +436,6 @@ class GRPOConfig(BaseExperimentConfig):
                 )
             require((prompt or 1) + new <= context, context_key, context, why)
 
-
     def _check_server_args(self, backend: str) -> None:
         """``extra_args`` do not set what megarl sets; on CPU the KV cache fits the machine and its blocks."""
         key, server = (("vllm", self.vllm) if backend == "vllm" else ("sglang", self.sglang))

@@ -27,8 +27,8 @@ from megarl.config.rollout import GenerationHyperparameters, VLLMConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
-from megarl.utils.hardware import concrete_dtype
 from megarl.utils.auth import api_key
+from megarl.utils.hardware import concrete_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 

@@ -17,7 +17,7 @@ from megarl.config.experiment import (
     read_model_shape,
 )
 from megarl.launcher.cli import main
-from tests.config.model_dirs import MODEL_FIELDS
+from tests.config.bad_files import MODEL_FIELDS, write_bad_files
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_YAML = "configs/gsm8k_grpo_cpu.yaml"
@@ -242,25 +242,7 @@ BAD += [
 
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory) -> str:
-    """A directory of bad model configs and dataset files, for the ``@files`` cases."""
-    root = tmp_path_factory.mktemp("bad_files")
-    models = {"no_heads": {"num_hidden_layers": 4}, "list": [1, 2], "gpt2": {**MODEL_FIELDS, "model_type": "gpt2"},
-              "heads_str": {**MODEL_FIELDS, "num_attention_heads": "8"}}  # fmt: skip
-    for name, config in models.items():
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(config))
-    (root / "bad_json").mkdir()
-    (root / "bad_json" / "config.json").write_text('{"num_attention_heads": 8,')
-    chat = {"prompt": "1+1?", "answer": "2"}
-    (root / "chat.jsonl").write_text(json.dumps(chat) + "\n")
-    (root / "broken.jsonl").write_text(json.dumps(chat) + '\n{"prompt": \n')
-    (root / "lists.jsonl").write_text("[1, 2]\n")
-    (root / "empty.jsonl").write_text("\n")
-    (root / "dict.json").write_text(json.dumps({"rows": [chat]}))
-    (root / "latin1.jsonl").write_bytes('{"question": "caf\u00e9", "answer": "#### 1"}\n'.encode("latin-1"))
-    (root / "two_rows.jsonl").write_text("".join(json.dumps({"question": "q", "answer": f"#### {i}"}) + "\n" for i in (1, 2)))
-    (root / "runs").mkdir()
-    return str(root)
+    return write_bad_files(tmp_path_factory.mktemp("bad_files"))
 
 
 @pytest.mark.parametrize("overrides,key,fragment", BAD)

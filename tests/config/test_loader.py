@@ -7,7 +7,7 @@ import pytest
 
 from megarl.config import ConfigError, GRPOConfig, load_expr_config, save_config, to_yaml
 from megarl.config.train import OptimizerConfig
-from tests.config.model_dirs import MODEL_FIELDS
+from tests.config.bad_files import MODEL_FIELDS
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_YAML = str(REPO / "configs" / "gsm8k_grpo_cpu.yaml")

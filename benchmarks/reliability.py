@@ -1,0 +1,114 @@
+"""Bad input and faults, counted by class: how many cases got a clear error, were survived, crashed,
+or were silently accepted (issue 20's acceptance: crash 0 and silently accepted 0 in every class).
+
+Classes measured here:
+
+* **bad configs**: every case of ``tests/config/test_bad_configs.py`` (the issue's review cases and
+  earlier ones), loaded like ``megarl run`` loads a config. Clear: a ``ConfigError`` naming the
+  expected key and value, on one line. Unclear: an error naming another key or missing the value.
+* **damaged recover points**: a recover point whose manifest is missing or garbled, a file deleted
+  or truncated after it was written, and a full disk during a dump (``RecoverHandler`` on a stub
+  engine). Survived: recovery falls back to the previous point (or the dump fails with a message
+  and the previous point stays loadable).
+
+The malformed-server-reply, bad-dataset-row and load classes come with their deliverables.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import tempfile
+from collections import Counter
+from pathlib import Path
+from unittest import mock
+
+from benchmarks._harness import main_for
+
+TITLE = "Bad input and faults by class (issue 20): crash 0 and silently accepted 0 in every class"
+OUTCOMES = ("clear error", "unclear error", "survived", "crash", "silently accepted")
+
+
+def run(quick: bool) -> list[dict]:
+    return [_row("bad configs", _config_outcomes()), _row("damaged recover points", _recover_outcomes())]
+
+
+def _row(name: str, outcomes: list[str]) -> dict:
+    counts = Counter(outcomes)
+    return {"class": name, "cases": len(outcomes), **{outcome: counts.get(outcome, 0) for outcome in OUTCOMES}}
+
+
+def _config_outcomes() -> list[str]:
+    from megarl.config import ConfigError, GRPOConfig, load_expr_config
+    from tests.config.bad_files import write_bad_files
+    from tests.config.test_bad_configs import BAD, CPU_YAML
+
+    logging.getLogger("megarl").setLevel(logging.ERROR)
+    outcomes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        files = write_bad_files(Path(tmp))
+        for case in BAD:
+            overrides, key, fragment = case.values
+            try:
+                load_expr_config(["--config", CPU_YAML, *(o.replace("@files", files) for o in overrides)], GRPOConfig)
+            except ConfigError as err:
+                clear = err.key == key and fragment in str(err) and "\n" not in str(err)
+                outcomes.append("clear error" if clear else "unclear error")
+            except Exception:  # noqa: BLE001 - a traceback is what this class counts
+                outcomes.append("crash")
+            else:
+                outcomes.append("silently accepted")
+    return outcomes
+
+
+def _recover_outcomes() -> list[str]:
+    import torch
+
+    from tests.utils.test_recover import dump, load
+
+    damages = {
+        "manifest missing": lambda point: (point / "MANIFEST.json").unlink(),
+        "manifest garbled": lambda point: (point / "MANIFEST.json").write_text("{"),
+        "file deleted": lambda point: (point / "model" / "version").unlink(),
+        "file truncated": lambda point: (point / "model" / "version").write_text(""),
+    }
+    outcomes = []
+    for damage in damages.values():
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir = Path(tmp)
+            dump(run_dir, 3)
+            dump(run_dir, 4)
+            damage(run_dir / "recover" / "step4")
+            outcomes.append(_survived(lambda: load(run_dir)[1].global_step == 3))
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir, real_save = Path(tmp), torch.save
+        dump(run_dir, 3)
+
+        def disk_full(obj, path, *args, **kwargs):
+            real_save(obj, path, *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        with mock.patch.object(torch, "save", disk_full):
+            try:
+                dump(run_dir, 4)
+                outcomes.append("silently accepted")
+            except OSError as err:
+                clear = "no space left" in str(err) and "previous points are intact" in str(err)
+                outcomes.append(_survived(lambda: load(run_dir)[1].global_step == 3) if clear else "unclear error")
+    return outcomes
+
+
+def _survived(recovered) -> str:
+    try:
+        return "survived" if recovered() else "silently accepted"
+    except Exception:  # noqa: BLE001
+        return "crash"
+
+
+def summary(rows: list[dict]) -> str:
+    bad = [r["class"] for r in rows if r["crash"] or r["silently accepted"]]
+    return "every class: crash 0, silently accepted 0" if not bad else f"FAILING classes: {', '.join(bad)}"
+
+
+if __name__ == "__main__":
+    main_for(__name__)
