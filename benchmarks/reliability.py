@@ -6,12 +6,16 @@ Classes measured here:
 * **bad configs**: every case of ``tests/config/test_bad_configs.py`` (the issue's review cases and
   earlier ones), loaded like ``megarl run`` loads a config. Clear: a ``ConfigError`` naming the
   expected key and value, on one line. Unclear: an error naming another key or missing the value.
+* **bad dataset rows**: every kind of ``tests/data/test_bad_rows.py`` (missing, empty or mistyped
+  fields, an unparsable answer, lines that are not JSON objects or not UTF-8), loaded with
+  ``bad_rows: raise`` (clear: the error names file and row) and ``bad_rows: skip`` (survived: the
+  good rows load, in order).
 * **damaged recover points**: a recover point whose manifest is missing or garbled, a file deleted
   or truncated after it was written, and a full disk during a dump (``RecoverHandler`` on a stub
   engine). Survived: recovery falls back to the previous point (or the dump fails with a message
   and the previous point stays loadable).
 
-The malformed-server-reply, bad-dataset-row and load classes come with their deliverables.
+The malformed-server-reply and load classes come with their deliverables.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ OUTCOMES = ("clear error", "unclear error", "survived", "crash", "silently accep
 
 
 def run(quick: bool) -> list[dict]:
-    return [_row("bad configs", _config_outcomes()), _row("damaged recover points", _recover_outcomes())]
+    return [_row("bad configs", _config_outcomes()), _row("bad dataset rows", _row_outcomes()),
+            _row("damaged recover points", _recover_outcomes())]
 
 
 def _row(name: str, outcomes: list[str]) -> dict:
@@ -58,6 +63,26 @@ def _config_outcomes() -> list[str]:
                 outcomes.append("crash")
             else:
                 outcomes.append("silently accepted")
+    return outcomes
+
+
+def _row_outcomes() -> list[str]:
+    from megarl.data import DatasetRowError, load_rl_dataset
+    from tests.data.test_bad_rows import BAD, write
+
+    outcomes = []
+    for type, line, says in BAD.values():
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write(Path(tmp), type, line)
+            try:
+                load_rl_dataset(path, "train", type=type)
+                outcomes.append("silently accepted")
+            except DatasetRowError as err:
+                outcomes.append("clear error" if path in str(err) and says in str(err) else "unclear error")
+            except Exception:  # noqa: BLE001
+                outcomes.append("crash")
+            outcomes.append(_survived(lambda: list(load_rl_dataset(path, "train", type=type, bad_rows="skip")["answer"])
+                                      == ["1", "3"]))  # fmt: skip
     return outcomes
 
 

@@ -234,6 +234,7 @@ def build(config: GRPOConfig) -> Trainer:
         dataset = load_rl_dataset(
             config.train_dataset.path, config.train_dataset.split, rank=layout.dp_rank, world_size=layout.dp_size,
             type=config.train_dataset.type, max_prompt_tokens=config.train_dataset.max_prompt_tokens, tokenizer=tokenizer,
+            bad_rows=config.train_dataset.bad_rows,
         )  # fmt: skip
         dataloader = create_dataloader(
             dataset, batch_size=config.train_dataset.batch_size // layout.dp_size, shuffle=config.train_dataset.shuffle,
@@ -312,7 +313,7 @@ def load_valid_items(config: GRPOConfig, tokenizer) -> list[dict]:
     if valid is None:
         return []
     dataset = load_rl_dataset(valid.path, valid.split, type=valid.type, max_prompt_tokens=valid.max_prompt_tokens,
-                              tokenizer=tokenizer)  # fmt: skip
+                              tokenizer=tokenizer, bad_rows=valid.bad_rows)  # fmt: skip
     n = len(dataset) if config.evaluator.max_samples is None else min(len(dataset), config.evaluator.max_samples)
     return [dataset[i] for i in range(n)]
 

@@ -570,6 +570,8 @@ def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
         rows = first_rows(file)
         n_rows = count_rows(file) if data.drop_last else None
     except (OSError, UnicodeDecodeError, ValueError) as err:
+        if data.bad_rows == "skip" and not isinstance(err, OSError):
+            return  # unreadable lines are skipped at load
         raise ConfigError(f"{key}.path", f"{data.path!r}: cannot read {file}: {err}") from None
     require(bool(rows), f"{key}.path", data.path, f"{file} holds no rows")
     for index, row in enumerate(rows):
@@ -578,9 +580,13 @@ def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
         try:
             ROW_MAPPERS[data.type](row, index, str(file))
         except DatasetRowError as err:
+            if data.bad_rows == "skip" and index + 1 < len(rows):
+                continue  # skipped at load; the check fails only when none of the first rows can be read
             fits = [name for name, mapper in ROW_MAPPERS.items() if name != data.type and _maps(mapper, row)]
             hint = f"; its rows fit type {fits[0]!r}" if fits else ""
             raise ConfigError(f"{key}.type", f"{data.type!r} is invalid for these rows: {err}{hint}") from None
+        if data.bad_rows == "skip":
+            break
     if n_rows is not None:
         require(n_rows >= data.batch_size, f"{key}.batch_size", data.batch_size,
                 f"{file} has {n_rows} rows, fewer than one batch (drop_last would leave no step)")  # fmt: skip

@@ -60,6 +60,10 @@ class DatasetConfig:
     """Drop the last incomplete batch of an epoch."""
     max_prompt_tokens: int | None = None
     """Drop prompts longer than this many tokens; None keeps all."""
+    bad_rows: Literal["raise", "skip"] = "raise"
+    """A row its ``type`` cannot read (a missing, empty or mistyped field, a line that is not JSON or
+    not UTF-8): ``raise`` stops the load naming file and row; ``skip`` drops it, logging the count and
+    the first one."""
 
     def check(self) -> None:
         require(bool(self.path), "path", self.path, "a dataset path or name is required")

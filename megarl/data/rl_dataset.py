@@ -5,10 +5,16 @@
 (or any layout ``datasets.load_dataset`` reads, e.g. a hub snapshot), or a hub dataset
 name ``"owner/name[:config]"``. The hub is tried only for names that are not local paths,
 and a hub that cannot be reached fails fast with :class:`HubUnreachableError`.
+
+A row that its type cannot map (a missing or empty field, a wrong type, an answer without its
+``####`` line; in a ``.jsonl`` file also a line that is not JSON, not an object, or not UTF-8)
+raises :class:`~megarl.data.rows.DatasetRowError` naming the file and row, or with
+``bad_rows="skip"`` is dropped: the count and the first one are logged.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import types
@@ -18,7 +24,7 @@ import datasets
 from datasets.distributed import split_dataset_by_node
 
 from megarl.config.experiment import DATASET_SHORT_NAMES
-from megarl.data.rows import CONSUMED_COLUMNS, row_mapper
+from megarl.data.rows import CONSUMED_COLUMNS, DatasetRowError, row_mapper
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +33,7 @@ GSM8K_DIR = Path(__file__).resolve().parent / "gsm8k"
 SHORT_NAMES = DATASET_SHORT_NAMES  # defined with the config checks, which must not import ``datasets``
 FILE_BUILDERS = types.MappingProxyType({".jsonl": "json", ".json": "json", ".parquet": "parquet"})
 HUB_PROBE_TIMEOUT_S = 5.0
-_TMP_PREFIX = "__megarl_mapped_"
+BAD_ROW_POLICIES = ("raise", "skip")
 _TRUE = frozenset({"1", "on", "yes", "true"})
 
 
@@ -44,59 +50,92 @@ def load_rl_dataset(
     type: str = "gsm8k",
     max_prompt_tokens: int | None = None,
     tokenizer=None,
+    bad_rows: str = "raise",
 ) -> datasets.Dataset:
     """Load ``split`` of dataset ``path`` as rows ``{"messages", "answer", ...}`` for DP ``rank``.
 
     Rows are mapped by the row mapping of ``type`` (see :mod:`megarl.data.rows`), then, if
     ``max_prompt_tokens`` is set, rows whose chat-templated prompt is longer are dropped
     (needs ``tokenizer``). The result is the ``rank``-th of ``world_size`` contiguous
-    shards: shards are disjoint and their union is the whole (filtered) dataset.
+    shards: shards are disjoint and their union is the whole (filtered) dataset. ``bad_rows``:
+    ``raise`` (the default) or ``skip`` rows that cannot be read or mapped.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must satisfy 0 <= rank < world_size={world_size}")
     if max_prompt_tokens is not None and tokenizer is None:
         raise ValueError(f"max_prompt_tokens={max_prompt_tokens} needs a tokenizer to count tokens")
+    if bad_rows not in BAD_ROW_POLICIES:
+        raise ValueError(f"bad_rows={bad_rows!r} must be one of {BAD_ROW_POLICIES}")
     mapper = row_mapper(type)
-    raw, source = _load_raw(path, split, type)
-    dataset = _map_rows(raw, mapper, CONSUMED_COLUMNS[type], source)
+    rows, source, skipped = _load_rows(path, split, type, bad_rows)
+    dataset = _map_rows(rows, mapper, CONSUMED_COLUMNS[type], source, bad_rows, skipped)
     if max_prompt_tokens is not None:
         dataset = _filter_prompt_length(dataset, tokenizer, max_prompt_tokens)
     logger.info("%s [%s]: %d rows, rank %d of %d", source, split, len(dataset), rank, world_size)
     return split_dataset_by_node(dataset, rank=rank, world_size=world_size)
 
 
-def _prefixed_row(row: dict, index: int, mapper, source: str) -> dict:
-    return {_TMP_PREFIX + key: value for key, value in mapper(row, index, source).items()}
+def _map_rows(rows: list, mapper, consumed, source: str, bad_rows: str, skipped: list[str]) -> datasets.Dataset:
+    """Apply ``mapper`` to every row (the raw columns it ``consumed`` dropped, its outputs replacing
+    raw columns of the same name); rows it rejects are raised or, under ``skip``, counted in ``skipped``."""
+    mapped, total = [], len(rows) + len(skipped)
+    for index, row in enumerate(rows):
+        try:
+            out = mapper(row, index, source)
+        except DatasetRowError as err:
+            if bad_rows == "raise":
+                raise
+            skipped.append(str(err))
+            continue
+        mapped.append({**{k: v for k, v in row.items() if k not in consumed and k not in out}, **out})
+    if skipped:
+        logger.warning("%s: skipped %d bad rows of %d (bad_rows=skip); the first: %s", source, len(skipped), total, skipped[0])
+    if not mapped:
+        raise ValueError(f"{source}: no usable rows" + (f" ({len(skipped)} bad; the first: {skipped[0]})" if skipped else ""))
+    try:
+        return datasets.Dataset.from_list(mapped)
+    except (TypeError, ValueError) as err:  # pyarrow: a column whose rows hold different types
+        raise ValueError(f"{source}: its rows cannot form one table (a column of mixed types?): {err}") from None
 
 
-def _map_rows(raw: datasets.Dataset, mapper, consumed, source: str) -> datasets.Dataset:
-    """Apply ``mapper`` to every row, dropping the ``consumed`` raw columns.
-
-    Outputs are written to fresh columns, then renamed: ``map`` keeps the type of a column
-    it overwrites, and a numeric raw ``answer`` must become a string.
-    """
-    mapped = raw.map(
-        _prefixed_row,
-        with_indices=True,
-        fn_kwargs={"mapper": mapper, "source": source},
-        keep_in_memory=True,  # prompt sets are small; no cache files shared between ranks
-        desc=f"mapping {source}",
-    )
-    outputs = [c[len(_TMP_PREFIX):] for c in mapped.column_names if c.startswith(_TMP_PREFIX)]
-    mapped = mapped.remove_columns([c for c in raw.column_names if c in outputs or c in consumed])
-    return mapped.rename_columns({_TMP_PREFIX + c: c for c in outputs})
-
-
-def _load_raw(path: str, split: str, type: str) -> tuple[datasets.Dataset, str]:
-    """The raw rows of ``path`` and a description of where they came from (for errors)."""
+def _load_rows(path: str, split: str, type: str, bad_rows: str) -> tuple[list, str, list[str]]:
+    """The raw rows of ``path``, where they came from (for errors), and the lines skipped as unreadable."""
     local = SHORT_NAMES.get(path) or Path(path).expanduser()
-    if local.is_file():
-        return _load_file(local), str(local)
     if local.is_dir():
-        return _load_dir(local, split)
+        file = next((local / f"{split}{s}" for s in FILE_BUILDERS if (local / f"{split}{s}").is_file()), None)
+        if file is None:
+            raw, source = _load_dir(local, split)
+            return raw.to_list(), source, []
+        local = file
+    if local.is_file():
+        if local.suffix == ".jsonl":
+            rows, skipped = _read_jsonl(local, bad_rows)
+            return rows, str(local), skipped
+        return _load_file(local).to_list(), str(local), []
     if _looks_local(path):
         raise ValueError(f"dataset path {path!r} does not exist (no such file or directory)")
-    return _load_hub(path, split, type), f"hub:{path}"
+    return _load_hub(path, split, type).to_list(), f"hub:{path}", []
+
+
+def _read_jsonl(file: Path, bad_rows: str) -> tuple[list[dict], list[str]]:
+    """The objects of a JSON-lines file and the reasons of lines skipped (``bad_rows="skip"``)."""
+    rows, skipped = [], []
+    with open(file, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+                if not isinstance(row, dict):
+                    raise ValueError(f"a JSON {type(row).__name__}, not an object")
+            except (UnicodeDecodeError, ValueError) as err:
+                problem = DatasetRowError(f"{file}: line {number} is not a JSON object: {err}")
+                if bad_rows == "raise":
+                    raise problem from None
+                skipped.append(str(problem))
+                continue
+            rows.append(row)
+    return rows, skipped
 
 
 def _looks_local(path: str) -> bool:

@@ -32,6 +32,20 @@ def _require(row: Mapping[str, Any], key: str, index: int, source: str) -> Any:
     return value
 
 
+def _require_text(row: Mapping[str, Any], key: str, index: int, source: str) -> str:
+    value = _require(row, key, index, source)
+    if not isinstance(value, str) or not value.strip():
+        raise DatasetRowError(f"{source}: row {index}: {key!r} must be non-empty text, got {value!r:.80}")
+    return value
+
+
+def _answer_text(row: Mapping[str, Any], index: int, source: str) -> str:
+    answer = _require(row, "answer", index, source)
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+        raise DatasetRowError(f"{source}: row {index}: 'answer' must be a non-empty string or number, got {answer!r:.80}")
+    return str(answer)
+
+
 def gsm8k_final_answer(solution: str) -> str:
     """The final answer of a GSM8K solution: the text after its last ``####``, commas removed.
 
@@ -45,8 +59,8 @@ def gsm8k_final_answer(solution: str) -> str:
 
 def map_gsm8k_row(row: dict, index: int, source: str) -> dict:
     """GSM8K ``{question, answer}`` → user message (question + instruction), answer, solution."""
-    question = _require(row, "question", index, source)
-    solution = _require(row, "answer", index, source)
+    question = _require_text(row, "question", index, source)
+    solution = _require_text(row, "answer", index, source)
     try:
         answer = gsm8k_final_answer(solution)
     except ValueError as exc:
@@ -60,22 +74,27 @@ def map_gsm8k_row(row: dict, index: int, source: str) -> dict:
 
 def map_chat_row(row: dict, index: int, source: str) -> dict:
     """Rows already holding ``messages`` (a chat) or ``prompt`` (a string), plus ``answer``."""
-    answer = _require(row, "answer", index, source)
+    answer = _answer_text(row, index, source)
     messages = row.get("messages")
     if messages is None:
-        prompt = row.get("prompt")
-        if prompt is None:
+        if row.get("prompt") is None:
             raise DatasetRowError(
                 f"{source}: row {index} has neither 'messages' nor 'prompt' "
                 f"(keys present: {sorted(row)})"
             )
-        messages = [{"role": "user", "content": prompt}]
-    if not messages or any("role" not in m or "content" not in m for m in messages):
+        messages = [{"role": "user", "content": _require_text(row, "prompt", index, source)}]
+    if not isinstance(messages, list) or not messages or not all(_is_turn(m) for m in messages):
         raise DatasetRowError(
             f"{source}: row {index}: 'messages' must be a non-empty list of "
-            f"{{'role', 'content'}} dicts, got {messages!r:.200}"
+            f"{{'role', 'content'}} dicts with text, got {messages!r:.200}"
         )
-    return {"messages": messages, "answer": str(answer)}
+    if not any(m["content"].strip() for m in messages):
+        raise DatasetRowError(f"{source}: row {index}: every message of 'messages' is empty")
+    return {"messages": messages, "answer": answer}
+
+
+def _is_turn(message: Any) -> bool:
+    return isinstance(message, Mapping) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
 
 
 # Read-only: a new type is one function plus one entry here.

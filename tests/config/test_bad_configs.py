@@ -222,6 +222,8 @@ BAD += [
     case("critic-config-fields", ["algorithm.adv_estimator=gae", "critic.path=@files/list"], "critic.path", "holds a list"),
     case("tokenizer-without-files", ["tokenizer_path=@files/gpt2"], "tokenizer_path", "no tokenizer.json"),
     case("chat-type-on-gsm8k", ["train_dataset.type=chat"], "train_dataset.type", "its rows fit type 'gsm8k'"),
+    case("skipping-rows-of-another-type", ["train_dataset.type=chat", "train_dataset.bad_rows=skip"], "train_dataset.type",
+         "its rows fit type 'gsm8k'"),
     case("gsm8k-type-on-chat", ["train_dataset.path=@files/chat.jsonl"], "train_dataset.type", "'chat'"),
     case("valid-type", ["valid_dataset.path=@files/chat.jsonl"], "valid_dataset.type", "no 'question' field"),
     case("dataset-line-not-json", ["train_dataset.path=@files/broken.jsonl"], "train_dataset.path", "line 2 is not JSON"),

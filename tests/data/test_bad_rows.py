@@ -1,0 +1,68 @@
+"""Bad dataset rows (issue 20): each kind is rejected at load naming file and row (``bad_rows: raise``),
+or skipped with the count and the first one logged (``bad_rows: skip``), the good rows kept in order."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from megarl.data import DatasetRowError, load_rl_dataset
+
+GOOD = {"gsm8k": {"question": "1+1?", "answer": "#### 2"}, "chat": {"prompt": "1+1?", "answer": "2"}}
+# kind -> (dataset type, the bad line as written to the .jsonl file, what the error says)
+BAD = {
+    "missing-question": ("gsm8k", json.dumps({"answer": "#### 1"}), "row 1 has no 'question'"),
+    "missing-answer": ("gsm8k", json.dumps({"question": "q"}), "row 1 has no 'answer'"),
+    "empty-question": ("gsm8k", json.dumps({"question": "  ", "answer": "#### 1"}), "'question' must be non-empty text"),
+    "question-a-list": ("gsm8k", json.dumps({"question": ["q"], "answer": "#### 1"}), "'question' must be non-empty text"),
+    "unparsable-answer": ("gsm8k", json.dumps({"question": "q", "answer": "one"}), "no '#### <answer>' line"),
+    "empty-prompt": ("chat", json.dumps({"prompt": "", "answer": "1"}), "'prompt' must be non-empty text"),
+    "no-messages": ("chat", json.dumps({"messages": [], "answer": "1"}), "'messages' must be a non-empty list"),
+    "message-not-text": ("chat", json.dumps({"messages": [{"role": "user", "content": 3}], "answer": "1"}),
+                         "'messages' must be a non-empty list"),
+    "empty-messages": ("chat", json.dumps({"messages": [{"role": "user", "content": ""}], "answer": "1"}),
+                       "every message of 'messages' is empty"),
+    "answer-a-dict": ("chat", json.dumps({"prompt": "p", "answer": {"x": 1}}), "'answer' must be a non-empty string"),
+    "answer-a-bool": ("chat", json.dumps({"prompt": "p", "answer": True}), "'answer' must be a non-empty string"),
+    "not-json": ("chat", '{"prompt": "p", "answer": ', "line 2 is not a JSON object"),
+    "json-list": ("chat", "[1, 2]", "line 2 is not a JSON object: a JSON list"),
+    "invalid-utf8": ("chat", b'{"prompt": "caf\xe9", "answer": "1"}', "line 2 is not a JSON object"),
+}  # fmt: skip
+
+
+def write(tmp_path, type: str, bad_line) -> str:
+    """A file of three rows: good, bad, good (the good ones numbered by their answer)."""
+    good = [dict(GOOD[type], answer=GOOD[type]["answer"].replace("2", str(i))) for i in (1, 3)]
+    bad = bad_line if isinstance(bad_line, bytes) else bad_line.encode()
+    lines = [json.dumps(good[0]).encode(), bad, json.dumps(good[1]).encode()]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_raise_names_file_and_row(tmp_path, kind):
+    type, line, says = BAD[kind]
+    path = write(tmp_path, type, line)
+    with pytest.raises(DatasetRowError) as err:
+        load_rl_dataset(path, "train", type=type)
+    assert path in str(err.value) and says in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_skip_keeps_the_good_rows_and_logs_the_first_bad_one(tmp_path, kind, caplog):
+    type, line, says = BAD[kind]
+    path = write(tmp_path, type, line)
+    with caplog.at_level(logging.WARNING, logger="megarl.data.rl_dataset"):
+        dataset = load_rl_dataset(path, "train", type=type, bad_rows="skip")
+    assert list(dataset["answer"]) == ["1", "3"]
+    assert f"{path}: skipped 1 bad rows of 3 (bad_rows=skip); the first: " in caplog.text and says in caplog.text
+
+
+def test_a_file_of_bad_rows_only_fails_even_when_skipping(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "", "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match=r"no usable rows \(1 bad; the first: .*'prompt' must be non-empty text"):
+        load_rl_dataset(str(path), "train", type="chat", bad_rows="skip")
