@@ -10,12 +10,19 @@ Classes measured here:
   fields, an unparsable answer, lines that are not JSON objects or not UTF-8), loaded with
   ``bad_rows: raise`` (clear: the error names file and row) and ``bad_rows: skip`` (survived: the
   good rows load, in order).
+* **malformed server replies**: each fault of the fake vLLM server (``tests/rollout/fake_server.py``:
+  HTTP 500, invalid JSON, a wrong shape, and complete replies that cannot be trained on: NaN,
+  infinite or positive logprobs, a negative or non-integer token id, more tokens than asked,
+  token and logprob lists of different lengths, an unknown finish reason, empty choices, no
+  logprobs), once (survived: retried, and the sample equals the clean one) and on every attempt
+  (clear: the request fails naming the server, the attempts and the fault).
 * **damaged recover points**: a recover point whose manifest is missing or garbled, a file deleted
   or truncated after it was written, and a full disk during a dump (``RecoverHandler`` on a stub
   engine). Survived: recovery falls back to the previous point (or the dump fails with a message
   and the previous point stays loadable).
 
-The malformed-server-reply and load classes come with their deliverables.
+The 4xx, hang, trickle and reset-mid-body replies, counted episode failures in the step metrics,
+and the load class come with the rest of item 2 and item 6.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ OUTCOMES = ("clear error", "unclear error", "survived", "crash", "silently accep
 
 def run(quick: bool) -> list[dict]:
     return [_row("bad configs", _config_outcomes()), _row("bad dataset rows", _row_outcomes()),
-            _row("damaged recover points", _recover_outcomes())]
+            _row("malformed server replies", _reply_outcomes()), _row("damaged recover points", _recover_outcomes())]
 
 
 def _row(name: str, outcomes: list[str]) -> dict:
@@ -83,6 +90,52 @@ def _row_outcomes() -> list[str]:
                 outcomes.append("crash")
             outcomes.append(_survived(lambda: list(load_rl_dataset(path, "train", type=type, bad_rows="skip")["answer"])
                                       == ["1", "3"]))  # fmt: skip
+    return outcomes
+
+
+def _reply_outcomes() -> list[str]:
+    import asyncio
+    import json
+    import urllib.request
+
+    from megarl.api import ModelRequest
+    from megarl.config.rollout import GenerationHyperparameters
+    from megarl.rollout import InferenceServerError
+    from tests.rollout.conftest import make_engine, start_fake_servers
+    from tests.rollout.fake_server import CORRUPTIONS
+    from tests.rollout.helpers import expected_tokens
+
+    prompt, faults = [101, 102, 103], ["500", "malformed", "bad_shape", *CORRUPTIONS]
+    (server,) = start_fake_servers(1)
+
+    def inject(fault: str, times: int) -> None:
+        body = json.dumps({"faults": [fault] * times}).encode()
+        urllib.request.urlopen(urllib.request.Request(f"http://{server.address}/_faults", data=body, method="POST"))
+
+    def sample(engine) -> list[int]:
+        request = ModelRequest(input_ids=prompt, gconfig=GenerationHyperparameters(max_new_tokens=8))
+        return asyncio.run(engine.agenerate(request)).output_tokens
+
+    outcomes = []
+    try:
+        for fault in faults:
+            engine = make_engine([server.address], request_retries=2)
+            try:
+                inject(fault, 1)
+                outcomes.append(_survived(lambda: sample(engine) == expected_tokens(len(prompt), 8)[0]))
+                inject(fault, 3)
+                try:
+                    sample(engine)
+                    outcomes.append("silently accepted")
+                except InferenceServerError as err:
+                    outcomes.append("clear error" if server.address in str(err) and "3 attempts" in str(err)
+                                    else "unclear error")  # fmt: skip
+                except Exception:  # noqa: BLE001
+                    outcomes.append("crash")
+            finally:
+                engine.destroy()
+    finally:
+        server.stop()
     return outcomes
 
 

@@ -9,10 +9,12 @@ continuation are the engine's.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megarl.config.rollout import GenerationHyperparameters
+from megarl.rollout.http import MalformedResponseError
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -24,6 +26,24 @@ class GenerationChunk:
     output_tokens: list[int]
     output_logprobs: list[float]
     finish_reason: FinishReason
+
+
+LOGPROB_TOLERANCE = 1e-3
+"""A sampled token's logprob above this (a probability over 1, beyond rounding) is a broken reply."""
+
+
+def check_chunk(chunk: GenerationChunk, max_tokens: int) -> GenerationChunk:
+    """``chunk``, or :class:`MalformedResponseError` (retried like malformed JSON) when it cannot be
+    trained on: more tokens than asked for, a negative token id, a NaN, infinite or positive logprob."""
+    if len(chunk.output_tokens) > max_tokens:
+        raise MalformedResponseError(f"{len(chunk.output_tokens)} tokens for a request of at most {max_tokens}")
+    bad_id = next((t for t in chunk.output_tokens if t < 0), None)
+    if bad_id is not None:
+        raise MalformedResponseError(f"negative token id {bad_id}")
+    bad = next((lp for lp in chunk.output_logprobs if not math.isfinite(lp) or lp > LOGPROB_TOLERANCE), None)
+    if bad is not None:
+        raise MalformedResponseError(f"logprob {bad!r} is not a log-probability (finite, <= 0)")
+    return chunk
 
 
 @dataclass(frozen=True)

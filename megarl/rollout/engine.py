@@ -37,7 +37,7 @@ from megarl.config.rollout import (
     InferenceEngineConfig,
     derive_seed,
 )
-from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
+from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend, check_chunk
 from megarl.rollout.http import (
     InferenceServerError,
     RetryPolicy,
@@ -262,7 +262,7 @@ class RemoteInferenceEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ generation
 
-    async def _send(self, server: _Server, payload: dict[str, Any]) -> GenerationChunk:
+    async def _send(self, server: _Server, payload: dict[str, Any], max_tokens: int) -> GenerationChunk:
         server.in_flight += 1
         try:
             return await arequest_with_retry(
@@ -271,7 +271,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 self.backend.generate_endpoint,
                 payload,
                 policy=self.policy,
-                parse=self.backend.parse_generate,
+                parse=lambda body: check_chunk(self.backend.parse_generate(body), max_tokens),
                 give_up=lambda: not server.usable(time.monotonic()),
             )
         finally:
@@ -302,7 +302,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 max(0, gconfig.min_new_tokens - resp.output_len),
             )
             try:
-                chunk = await self._send(server, payload)
+                chunk = await self._send(server, payload, remaining)
             except ServerUnavailableError as e:
                 self._mark_unhealthy(server, e)
                 continue  # same tokens, another server

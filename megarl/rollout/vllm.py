@@ -73,7 +73,9 @@ class VLLMBackend(InferenceBackend):
             tokens = choice.get("token_ids")
             if tokens is None:
                 tokens = [_token_id(t) for t in logprobs["tokens"]]
-        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            tokens = [_integer(t) for t in tokens]
+            token_logprobs = [float(lp) if lp is not None else 0.0 for lp in token_logprobs]
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
             raise MalformedResponseError(
                 f"not a /v1/completions reply with logprobs ({type(e).__name__}: {e})"
             ) from None
@@ -81,17 +83,20 @@ class VLLMBackend(InferenceBackend):
             raise MalformedResponseError(f"unknown finish_reason {finish!r}")
         if len(tokens) != len(token_logprobs):
             raise MalformedResponseError(f"{len(tokens)} token ids but {len(token_logprobs)} logprobs")
-        return GenerationChunk(
-            output_tokens=[int(t) for t in tokens],
-            output_logprobs=[float(lp) if lp is not None else 0.0 for lp in token_logprobs],
-            finish_reason=_FINISH[finish],
-        )
+        return GenerationChunk(output_tokens=tokens, output_logprobs=token_logprobs, finish_reason=_FINISH[finish])
 
     def pause_calls(self) -> list[HttpCall]:
         return [HttpCall("/pause", params={"mode": "abort"})]
 
     def resume_calls(self) -> list[HttpCall]:
         return [HttpCall("/resume")]
+
+
+def _integer(value: Any) -> int:
+    """A token id as sent: an integer (a float or string one is a malformed reply)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"token id {value!r} is not an integer")
+    return value
 
 
 def _token_id(token: str) -> int:

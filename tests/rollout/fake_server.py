@@ -38,12 +38,45 @@ def logprob_at(p: int) -> float:
     return -((p % 10) + 1) / 10
 
 
+def _set_first(reply: dict, *, logprob=None, token=None) -> None:
+    choice = reply["choices"][0]
+    if logprob is not None:
+        choice["logprobs"]["token_logprobs"][0] = logprob
+    if token is not None:
+        choice["token_ids"][0] = token
+        choice["logprobs"]["tokens"][0] = f"token_id:{token}"
+
+
+def _extra_token(reply: dict, max_tokens: int) -> None:
+    choice = reply["choices"][0]
+    while len(choice["token_ids"]) <= max_tokens:
+        choice["token_ids"].append(7)
+        choice["logprobs"]["tokens"].append("token_id:7")
+        choice["logprobs"]["token_logprobs"].append(-0.5)
+
+
+CORRUPTIONS = {  # a 200 reply (vLLM dialect) that megarl must not train on: (reply, max_tokens) -> None, in place
+    "nan_logprob": lambda reply, n: _set_first(reply, logprob=float("nan")),
+    "inf_logprob": lambda reply, n: _set_first(reply, logprob=float("-inf")),
+    "positive_logprob": lambda reply, n: _set_first(reply, logprob=0.5),
+    "negative_token": lambda reply, n: _set_first(reply, token=-5),
+    "extra_tokens": _extra_token,
+    "length_mismatch": lambda reply, n: reply["choices"][0]["logprobs"]["token_logprobs"].pop(),
+    "unknown_finish": lambda reply, n: reply["choices"][0].update(finish_reason="banana"),
+    "empty_choices": lambda reply, n: reply.update(choices=[]),
+    "null_logprobs": lambda reply, n: reply["choices"][0].update(logprobs=None),
+    "string_token": lambda reply, n: _set_first(reply, token="seven"),
+}
+"""Fault names of corrupted complete replies, for ``POST /_faults``."""
+
+
 class FakeServer:
     def __init__(self, dialect: str, token_delay: float, eos_every: int):
         self.dialect = dialect
         self.token_delay = token_delay
         self.eos_every = eos_every
         self.faults: collections.deque[str] = collections.deque()
+        self.corrupt_next: str | None = None  # one of CORRUPTIONS, applied to the next complete reply
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.stats = collections.Counter()
@@ -69,6 +102,9 @@ class FakeServer:
             return None
         fault = self.faults.popleft()
         self.stats[f"fault_{fault}"] += 1
+        if fault in CORRUPTIONS:
+            self.corrupt_next = fault
+            return None
         if fault == "500":
             return web.Response(status=500, text="injected server error")
         if fault == "malformed":
@@ -104,7 +140,11 @@ class FakeServer:
                 "text_offset": [],
             },
         }
-        return web.json_response({"id": "cmpl-fake", "object": "text_completion", "choices": [choice]})
+        reply = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
+        if self.corrupt_next is not None:
+            CORRUPTIONS[self.corrupt_next](reply, body["max_tokens"])
+            self.corrupt_next = None
+        return web.json_response(reply)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

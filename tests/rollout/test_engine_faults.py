@@ -14,6 +14,7 @@ from megarl.api import ModelRequest
 from megarl.config.rollout import GenerationHyperparameters, derive_seed
 from megarl.rollout import InferenceServerError, RemoteInferenceEngine
 from tests.rollout.conftest import fast_config, make_engine
+from tests.rollout.fake_server import CORRUPTIONS
 from tests.rollout.helpers import OneShotWorkflow, expected_tokens
 
 PROMPT = [101, 102, 103, 104, 105]
@@ -109,6 +110,22 @@ def test_pause_aborts_and_resume_continues(fake_servers, dialect):
         assert seed == (derive_seed(SEED, done, len(done)) if done else SEED), "continuations draw fresh seeds"
 
 
+def test_corrupted_replies_are_retried_and_never_returned(fake_servers):
+    """Complete 200 replies that cannot be trained on (NaN or positive logprobs, more tokens than asked,
+    a negative id, lists of different lengths, ...) are retried; what comes back is the clean sample."""
+    (server,) = fake_servers(1)
+    engine = make_engine([server.address], request_retries=len(CORRUPTIONS))
+    try:
+        _post(server.address, "/_faults", {"faults": list(CORRUPTIONS)})
+        resp = _generate(engine, 8)
+    finally:
+        engine.destroy()
+    tokens, logprobs = expected_tokens(len(PROMPT), 8)
+    assert resp.output_tokens == tokens and resp.output_logprobs == pytest.approx(logprobs)
+    stats = _stats(server.address)
+    assert stats["generate"] == len(CORRUPTIONS) + 1 and all(stats[f"fault_{c}"] == 1 for c in CORRUPTIONS)
+
+
 def test_retries_then_succeeds(fake_servers):
     (server,) = fake_servers(1)
     engine = make_engine([server.address], request_retries=3)
@@ -128,6 +145,11 @@ def test_retries_then_succeeds(fake_servers):
         ("malformed", "malformed reply"),
         ("bad_shape", "malformed reply"),
         ("hang", "no complete reply"),
+        ("nan_logprob", "logprob nan is not a log-probability"),
+        ("positive_logprob", "logprob 0.5 is not a log-probability"),
+        ("extra_tokens", "9 tokens for a request of at most 8"),
+        ("negative_token", "negative token id -5"),
+        ("length_mismatch", "8 token ids but 7 logprobs"),
     ],
 )
 def test_retry_budget_spent_raises_clear_error(fake_servers, fault, message):
