@@ -139,13 +139,12 @@ class BaseExperimentConfig:
                 f"nothing to resume: {points} holds no recover point (use 'auto' to resume when there is one)")  # fmt: skip
 
     def _check_schedules(self) -> None:
-        """What a frequency asks for can happen: evaluation needs data, recovery needs recover points."""
+        """Recovery on needs recover points; evaluation asked for without data is said (it is skipped)."""
         evaluator = self.evaluator
-        if self.valid_dataset is None:
-            for name in ("freq_epochs", "freq_steps", "freq_secs"):
-                require(getattr(evaluator, name) is None, f"evaluator.{name}", getattr(evaluator, name),
-                        "evaluation needs a valid_dataset: give one, or set the frequency to null")  # fmt: skip
-            require(not evaluator.before_training, "evaluator.before_training", True, "evaluation needs a valid_dataset")
+        asked = [n for n in ("freq_epochs", "freq_steps", "freq_secs") if getattr(evaluator, n) is not None]
+        if self.valid_dataset is None and (asked or evaluator.before_training) and _is_rank0():
+            logger.warning("valid_dataset is null: no evaluation, although evaluator.%s is set",
+                           (asked or ["before_training"])[0])  # fmt: skip
         recover = self.recover
         require(recover.mode == "disabled" or recover.freq_steps is not None or recover.freq_secs is not None,
                 "recover.mode", recover.mode,

@@ -198,9 +198,6 @@ BAD += [
          "pipeline parallel p2"),
     case("filter-groups-of-one", ["dynamic_filter=uniform_reward", "gconfig.n_samples=1", "actor.group_size=1"],
          "dynamic_filter", "uniform reward"),
-    case("eval-without-data", ["valid_dataset=null", "evaluator.freq_steps=5"], "evaluator.freq_steps", "valid_dataset"),
-    case("eval-before-without-data", ["valid_dataset=null", "evaluator.freq_steps=null", "evaluator.before_training=true"], "evaluator.before_training",
-         "valid_dataset"),
     case("recover-never-written", ["recover.mode=auto", "recover.freq_steps=null"], "recover.mode", "no recover point"),
     case("extra-arg-dtype", ["vllm.extra_args=[--dtype,half]"], "vllm.extra_args", "vllm.dtype"),
     case("extra-arg-port", ["vllm.extra_args=[--port=8000]"], "vllm.extra_args", "['--port']"),
@@ -286,6 +283,7 @@ def test_shipped_configs_pass_offline(path, capsys):
         ["gconfig.greedy=true", "gconfig.n_samples=1", "gconfig.temperature=0", "actor.adv_norm.mean_level=batch"],
         ["gconfig.max_new_tokens=512"],  # 512 + 512 fills max_model_len 1024 exactly
         ["algorithm.adv_estimator=gae", "critic={}", "gconfig.n_samples=1", "actor.group_size=1"],  # PPO, one sample
+        ["valid_dataset=null", "evaluator.freq_steps=5"],  # evaluation skipped, with a warning
     ],
     ids=str,
 )

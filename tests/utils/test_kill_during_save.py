@@ -27,7 +27,7 @@ from megarl.config.run import RecoverConfig
 from megarl.utils.recover import RecoverHandler, RecoverInfo
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 40
+STEPS = 150  # more than 10 short lives reach, however fast this machine
 
 
 class TorchEngine:
@@ -112,7 +112,7 @@ def test_sigkill_during_dumps_resumes_with_the_same_data_and_weights(tmp_path):
         while len(log.read_text().splitlines()) == started and proc.poll() is None:  # past imports and load
             assert time.monotonic() < deadline, "the child made no step"
             time.sleep(0.01)
-        time.sleep(rng.uniform(0, 0.3))
+        time.sleep(rng.uniform(0, 0.2))
         if proc.poll() is not None:
             assert proc.returncode == 0, proc.stderr.read()
             break  # finished before the kill: nothing left to interrupt
