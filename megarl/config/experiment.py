@@ -14,6 +14,7 @@ from megarl.config.allocation import AllocationError, AllocationMode, ModelShape
 from megarl.config.base import ConfigError, require
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.config.files import (
+    DATASET_SUFFIXES,
     count_rows,
     dataset_file,
     first_rows,
@@ -58,7 +59,6 @@ MODEL_SHORT_NAMES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2
 _DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 DATASET_SHORT_NAMES = types.MappingProxyType({"gsm8k": _DATA_DIR / "gsm8k", "arithmetic": _DATA_DIR / "arithmetic"})
 """Bundled datasets: short name -> directory of ``{split}.jsonl`` files (``megarl.data`` resolves these)."""
-DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _TRUE = frozenset({"1", "on", "yes", "true"})
@@ -437,7 +437,8 @@ class GRPOConfig(BaseExperimentConfig):
 
     def _check_server_args(self, backend: str) -> None:
         """``extra_args`` do not set what megarl sets; on CPU the KV cache fits the machine and its blocks."""
-        key, server = (("vllm", self.vllm) if backend == "vllm" else ("sglang", self.sglang))
+        dtype_key, server = self._server_config()
+        key = dtype_key.partition(".")[0]
         owned = MANAGED_SERVER_FLAGS[backend]
         clash = [a.split("=", 1)[0] for a in server.extra_args if a.split("=", 1)[0] in owned]
         require(not clash, f"{key}.extra_args", server.extra_args,
@@ -573,19 +574,20 @@ def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
             return  # unreadable lines are skipped at load
         raise ConfigError(f"{key}.path", f"{data.path!r}: cannot read {file}: {err}") from None
     require(bool(rows), f"{key}.path", data.path, f"{file} holds no rows")
+    failures = []
     for index, row in enumerate(rows):
         require(isinstance(row, dict), f"{key}.path", data.path,
                 f"{file} row {index} is a {type(row).__name__}, expected a mapping of fields")  # fmt: skip
         try:
             ROW_MAPPERS[data.type](row, index, str(file))
         except DatasetRowError as err:
-            if data.bad_rows == "skip" and index + 1 < len(rows):
-                continue  # skipped at load; the check fails only when none of the first rows can be read
-            fits = [name for name, mapper in ROW_MAPPERS.items() if name != data.type and _maps(mapper, row)]
-            hint = f"; its rows fit type {fits[0]!r}" if fits else ""
-            raise ConfigError(f"{key}.type", f"{data.type!r} is invalid for these rows: {err}{hint}") from None
-        if data.bad_rows == "skip":
-            break
+            failures.append((row, err))
+    # under bad_rows=skip a bad row is dropped at load: the check fails only when none of the first rows maps
+    if failures and (data.bad_rows == "raise" or len(failures) == len(rows)):
+        row, err = failures[0]
+        fits = [name for name, mapper in ROW_MAPPERS.items() if name != data.type and _maps(mapper, row)]
+        hint = f"; its rows fit type {fits[0]!r}" if fits else ""
+        raise ConfigError(f"{key}.type", f"{data.type!r} is invalid for these rows: {err}{hint}")
     if n_rows is not None:
         require(n_rows >= data.batch_size, f"{key}.batch_size", data.batch_size,
                 f"{file} has {n_rows} rows, fewer than one batch (drop_last would leave no step)")  # fmt: skip

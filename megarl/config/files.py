@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 """``model_type`` values megarl builds (``megarl.models.families.FAMILIES``; a test checks they agree)."""
 MODEL_INT_FIELDS = ("num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")
 """Fields of ``config.json`` the Megatron build reads and HF gives no safe default for."""
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""Dataset files megarl reads, in the order a directory's ``{split}{suffix}`` is looked for."""
 _ROWS_CHECKED = 3
 
 
@@ -35,8 +38,9 @@ def read_model_config(path: str, key: str) -> dict | None:
         raise ConfigError(key, f"{path!r}: cannot read {file}: {err}") from None
     if not isinstance(config, dict):
         raise ConfigError(key, f"{path!r}: {file} holds a {type(config).__name__}, expected a JSON object")
-    problems = [f"model_type {config.get('model_type')!r} is not one of {list(MODEL_TYPES)}"] if config.get(
-        "model_type") not in MODEL_TYPES else []  # fmt: skip
+    problems = []
+    if config.get("model_type") not in MODEL_TYPES:
+        problems.append(f"model_type {config.get('model_type')!r} is not one of {list(MODEL_TYPES)}")
     for name in (*MODEL_INT_FIELDS, "num_key_value_heads"):
         value = config.get(name)
         if (value is not None or name != "num_key_value_heads") and not (type(value) is int and value >= 1):
@@ -72,7 +76,7 @@ def dataset_file(path: str, split: str, bundled: Path | None) -> Path | None:
     if local.is_file():
         return local
     if local.is_dir():
-        return next((f for f in (local / f"{split}{s}" for s in (".jsonl", ".json", ".parquet")) if f.is_file()), None)
+        return next((f for f in (local / f"{split}{s}" for s in DATASET_SUFFIXES) if f.is_file()), None)
     return None
 
 
@@ -87,16 +91,27 @@ def first_rows(file: Path, n: int = _ROWS_CHECKED) -> list[Any]:
         rows = _load_json(file)
         return rows[:n]
     rows = []
-    with open(file, encoding="utf-8", errors="strict") as f:
-        for number, line in enumerate(f, 1):
-            if len(rows) == n:
-                break
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{file} line {number} is not JSON: {err}") from None
+    for number, value, error in jsonl_lines(file):
+        if len(rows) == n:
+            break
+        if error is not None:
+            raise ValueError(f"{file} line {number} is not JSON: {error}")
+        rows.append(value)
     return rows
+
+
+def jsonl_lines(file: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """``(line number, value, None)`` for each non-blank line of a JSON-lines file, or
+    ``(line number, None, why)`` for a line that is not UTF-8 JSON."""
+    with open(file, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                value, error = json.loads(raw.decode("utf-8")), None
+            except (UnicodeDecodeError, ValueError) as err:
+                value, error = None, str(err)
+            yield number, value, error
 
 
 def count_rows(file: Path) -> int:

@@ -14,7 +14,6 @@ raises :class:`~megarl.data.rows.DatasetRowError` naming the file and row, or wi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import types
@@ -24,6 +23,7 @@ import datasets
 from datasets.distributed import split_dataset_by_node
 
 from megarl.config.experiment import DATASET_SHORT_NAMES
+from megarl.config.files import dataset_file, jsonl_lines
 from megarl.data.rows import CONSUMED_COLUMNS, DatasetRowError, row_mapper
 
 logger = logging.getLogger(__name__)
@@ -101,17 +101,15 @@ def _map_rows(rows: list, mapper, consumed, source: str, bad_rows: str, skipped:
 def _load_rows(path: str, split: str, type: str, bad_rows: str) -> tuple[list, str, list[str]]:
     """The raw rows of ``path``, where they came from (for errors), and the lines skipped as unreadable."""
     local = SHORT_NAMES.get(path) or Path(path).expanduser()
+    file = dataset_file(str(local), split, None)  # the file itself, or a directory's {split}.jsonl/.json/.parquet
+    if file is not None and file.suffix == ".jsonl":
+        rows, skipped = _read_jsonl(file, bad_rows)
+        return rows, str(file), skipped
+    if file is not None:
+        return _load_file(file).to_list(), str(file), []
     if local.is_dir():
-        file = next((local / f"{split}{s}" for s in FILE_BUILDERS if (local / f"{split}{s}").is_file()), None)
-        if file is None:
-            raw, source = _load_dir(local, split)
-            return raw.to_list(), source, []
-        local = file
-    if local.is_file():
-        if local.suffix == ".jsonl":
-            rows, skipped = _read_jsonl(local, bad_rows)
-            return rows, str(local), skipped
-        return _load_file(local).to_list(), str(local), []
+        raw, source = _load_dir(local, split)
+        return raw.to_list(), source, []
     if _looks_local(path):
         raise ValueError(f"dataset path {path!r} does not exist (no such file or directory)")
     return _load_hub(path, split, type).to_list(), f"hub:{path}", []
@@ -120,21 +118,16 @@ def _load_rows(path: str, split: str, type: str, bad_rows: str) -> tuple[list, s
 def _read_jsonl(file: Path, bad_rows: str) -> tuple[list[dict], list[str]]:
     """The objects of a JSON-lines file and the reasons of lines skipped (``bad_rows="skip"``)."""
     rows, skipped = [], []
-    with open(file, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-                if not isinstance(row, dict):
-                    raise ValueError(f"a JSON {type(row).__name__}, not an object")
-            except (UnicodeDecodeError, ValueError) as err:
-                problem = DatasetRowError(f"{file}: line {number} is not a JSON object: {err}")
-                if bad_rows == "raise":
-                    raise problem from None
-                skipped.append(str(problem))
-                continue
-            rows.append(row)
+    for number, value, error in jsonl_lines(file):
+        if error is None and not isinstance(value, dict):
+            error = f"a JSON {type(value).__name__}, not an object"
+        if error is None:
+            rows.append(value)
+            continue
+        problem = DatasetRowError(f"{file}: line {number} is not a JSON object: {error}")
+        if bad_rows == "raise":
+            raise problem
+        skipped.append(str(problem))
     return rows, skipped
 
 
@@ -153,10 +146,7 @@ def _load_file(file: Path) -> datasets.Dataset:
 
 
 def _load_dir(directory: Path, split: str) -> tuple[datasets.Dataset, str]:
-    for suffix in FILE_BUILDERS:
-        file = directory / f"{split}{suffix}"
-        if file.is_file():
-            return _load_file(file), str(file)
+    """A directory without a ``{split}`` file: a layout ``datasets.load_dataset`` reads (a hub snapshot)."""
     try:
         return datasets.load_dataset(str(directory), split=split), f"{directory} [{split}]"
     except (ValueError, FileNotFoundError) as exc:

@@ -299,7 +299,7 @@ def test_hub_dataset_passes_when_online(monkeypatch):
 
 def test_local_model_dir_is_accepted_and_checked(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps({**MODEL_FIELDS, **{"num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4}})
+        json.dumps({**MODEL_FIELDS, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4})
     )
     load_expr_config(["--config", CPU_YAML, f"actor.path={tmp_path}"], GRPOConfig)
     with pytest.raises(ConfigError, match="t4 does not divide the model's 2 key/value heads"):

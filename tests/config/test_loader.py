@@ -96,7 +96,7 @@ def test_model_dir_is_checked_against_layout(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(
-        json.dumps({**MODEL_FIELDS, **{"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}})
+        json.dumps({**MODEL_FIELDS, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30})
     )
     with pytest.raises(ConfigError, match="t2 does not divide the model's 9 attention heads"):
         load(f"actor.path={model}", "allocation_mode=vllm:d1t1+megatron:d1p1t2", "cluster.n_gpus_per_node=3")
