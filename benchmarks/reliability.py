@@ -21,8 +21,14 @@ Classes measured here:
   engine). Survived: recovery falls back to the previous point (or the dump fails with a message
   and the previous point stays loadable).
 
-The 4xx, hang, trickle and reset-mid-body replies, counted episode failures in the step metrics,
-and the load class come with the rest of item 2 and item 6.
+* **episodes failed by a bad reply**: each of those faults on every attempt of an episode's request
+  (once for a 4xx that is not retried), through ``prepare_batch``. Survived: the pool runs the
+  episode again, the batch comes back whole and clean, and ``rollout/n_failed`` counts it.
+* **under load**: the verdict of the last full run of ``benchmarks/pool_load.py`` (512 episodes
+  for 30 minutes, 10% of requests delayed or failed; not rerun here), when one was recorded.
+
+The malformed-reply class includes the transport faults: 5xx, 408/429, 400/404 (refused at
+once), an empty body, an HTML page, a body cut short or reset mid-way, a hang and a trickle.
 """
 
 from __future__ import annotations
@@ -41,8 +47,12 @@ OUTCOMES = ("clear error", "unclear error", "survived", "crash", "silently accep
 
 
 def run(quick: bool) -> list[dict]:
-    return [_row("bad configs", _config_outcomes()), _row("bad dataset rows", _row_outcomes()),
-            _row("malformed server replies", _reply_outcomes()), _row("damaged recover points", _recover_outcomes())]
+    requests, episodes = _reply_outcomes()
+    rows = [_row("bad configs", _config_outcomes()), _row("bad dataset rows", _row_outcomes()),
+            _row("malformed server replies", requests), _row("episodes failed by a bad reply", episodes),
+            _row("damaged recover points", _recover_outcomes())]  # fmt: skip
+    load = _load_row()
+    return rows + ([load] if load else [])
 
 
 def _row(name: str, outcomes: list[str]) -> dict:
@@ -93,50 +103,92 @@ def _row_outcomes() -> list[str]:
     return outcomes
 
 
-def _reply_outcomes() -> list[str]:
-    import asyncio
+def _reply_outcomes() -> tuple[list[str], list[str]]:
+    """Each bad reply of the fake server, at the request and at the episode level."""
+    from tests.rollout.conftest import start_fake_servers
+    from tests.rollout.fake_server import CORRUPTIONS, TRANSPORT_FAULTS
+
+    (server,) = start_fake_servers(1)
+    requests, episodes = [], []
+    try:
+        for fault in [*TRANSPORT_FAULTS, *CORRUPTIONS]:
+            refused_at_once = TRANSPORT_FAULTS.get(fault) == "fail"
+            requests += _request_outcomes(server.address, fault, refused_at_once)
+            episodes.append(_episode_outcome(server.address, fault, 1 if refused_at_once else 3))
+    finally:
+        server.stop()
+    return requests, episodes
+
+
+def _inject(address: str, fault: str, times: int) -> None:
     import json
     import urllib.request
+
+    body = json.dumps({"faults": [fault] * times}).encode()
+    urllib.request.urlopen(urllib.request.Request(f"http://{address}/_faults", data=body, method="POST"))
+
+
+def _request_outcomes(address: str, fault: str, refused_at_once: bool) -> list[str]:
+    """The fault once (survived: retried, the clean sample) and on every attempt (clear: the error
+    names the server, the attempts and the fault); a 4xx that cannot be retried: one clear error."""
+    import asyncio
 
     from megarl.api import ModelRequest
     from megarl.config.rollout import GenerationHyperparameters
     from megarl.rollout import InferenceServerError
-    from tests.rollout.conftest import make_engine, start_fake_servers
-    from tests.rollout.fake_server import CORRUPTIONS
+    from tests.rollout.conftest import make_engine
     from tests.rollout.helpers import expected_tokens
 
-    prompt, faults = [101, 102, 103], ["500", "malformed", "bad_shape", *CORRUPTIONS]
-    (server,) = start_fake_servers(1)
-
-    def inject(fault: str, times: int) -> None:
-        body = json.dumps({"faults": [fault] * times}).encode()
-        urllib.request.urlopen(urllib.request.Request(f"http://{server.address}/_faults", data=body, method="POST"))
+    prompt = [101, 102, 103]
 
     def sample(engine) -> list[int]:
         request = ModelRequest(input_ids=prompt, gconfig=GenerationHyperparameters(max_new_tokens=8))
         return asyncio.run(engine.agenerate(request)).output_tokens
 
     outcomes = []
+    engine = make_engine([address], request_retries=2, request_timeout=1.0, unhealthy_retry_interval=0.1)
     try:
-        for fault in faults:
-            engine = make_engine([server.address], request_retries=2)
-            try:
-                inject(fault, 1)
-                outcomes.append(_survived(lambda: sample(engine) == expected_tokens(len(prompt), 8)[0]))
-                inject(fault, 3)
-                try:
-                    sample(engine)
-                    outcomes.append("silently accepted")
-                except InferenceServerError as err:
-                    outcomes.append("clear error" if server.address in str(err) and "3 attempts" in str(err)
-                                    else "unclear error")  # fmt: skip
-                except Exception:  # noqa: BLE001
-                    outcomes.append("crash")
-            finally:
-                engine.destroy()
+        if not refused_at_once:
+            _inject(address, fault, 1)
+            outcomes.append(_survived(lambda: sample(engine) == expected_tokens(len(prompt), 8)[0]))
+        _inject(address, fault, 3)
+        try:
+            sample(engine)
+            outcomes.append("silently accepted")
+        except InferenceServerError as err:
+            tries = "after 1 attempt" if refused_at_once else "after 3 attempts"
+            outcomes.append("clear error" if address in str(err) and tries in str(err) else "unclear error")
+        except Exception:  # noqa: BLE001
+            outcomes.append("crash")
     finally:
-        server.stop()
+        engine.destroy()
     return outcomes
+
+
+def _episode_outcome(address: str, fault: str, times: int) -> str:
+    """An episode whose request fails for good on ``fault``: survived when the pool runs it again and
+    the batch comes back whole, clean and with the failure counted in the step metrics."""
+    from megarl.utils import stats_tracker
+    from tests.rollout.conftest import make_engine
+    from tests.rollout.helpers import OneShotWorkflow, expected_tokens
+    from tests.rollout.sim import ListLoader
+
+    engine = make_engine([address], batch_size=2, max_concurrent_rollouts=1, request_retries=2,
+                         request_timeout=1.0, unhealthy_retry_interval=0.1)  # fmt: skip
+    stats_tracker.export(local=True)
+    _inject(address, fault, times)
+    try:
+        batch = engine.prepare_batch(ListLoader([{"id": i} for i in range(8)], 2), OneShotWorkflow(8, 5))
+    except Exception:  # noqa: BLE001
+        return "crash"
+    finally:
+        engine.destroy()
+    stats = stats_tracker.export(local=True)
+    tokens = expected_tokens(5, 8)[0]
+    clean = sorted(batch["rewards"].tolist()) == [0.0, 1.0] and all(
+        batch["input_ids"][row, 5:].tolist() == tokens for row in range(2)
+    )
+    return "survived" if clean and stats.get("rollout/n_failed") == 1 else "silently accepted"
 
 
 def _recover_outcomes() -> list[str]:
@@ -174,6 +226,26 @@ def _recover_outcomes() -> list[str]:
                 clear = "no space left" in str(err) and "previous points are intact" in str(err)
                 outcomes.append(_survived(lambda: load(run_dir)[1].global_step == 3) if clear else "unclear error")
     return outcomes
+
+
+def _load_row() -> dict | None:
+    """The load class from the last full run of ``benchmarks/pool_load.py`` (30 minutes: not rerun here)."""
+    import json
+
+    from benchmarks._harness import RESULTS_DIR
+
+    path = RESULTS_DIR / "pool_load.json"
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if record["quick"]:
+        return None
+    row = record["rows"][0]
+    books = row["lost"] == 0 and row["doubled"] == 0 and row["misaligned"] == 0
+    healthy = row["RSS growth %"] < 5 and row["drained"] and row["loop tasks after drain"] <= 2
+    name = f"under load ({row['concurrency']} episodes, {row['minutes']} min, pool_load.md of {record['date'][:10]})"
+    outcome = "survived" if books and healthy else "silently accepted" if not books else "crash"
+    return _row(name, [outcome])
 
 
 def _survived(recovered) -> str:

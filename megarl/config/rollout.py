@@ -103,6 +103,13 @@ class InferenceEngineConfig:
     """Open HTTP connections to the servers at once (more requests wait for one); None: 16 x max_concurrent_rollouts, at least 64."""
     unhealthy_retry_interval: float = 30.0
     """Seconds a server marked unhealthy (unreachable after all retries) is skipped before it is tried again."""
+    episode_retries: int = 1
+    """Times an episode that failed on the servers (a request failed after all its retries, or no server
+    was healthy) is run again from scratch, fresh samples, before its item is dropped (logged and
+    counted in ``rollout/n_dropped_items``). Errors of the workflow's own code always end the run."""
+    max_failed_episodes: int = 16
+    """Episodes in a row that may fail on the servers; one more ends the run naming the last failure
+    (then the fault is not transient: a dead server, a request the server refuses)."""
 
     def check(self) -> None:
         for i, addr in enumerate(self.server_addrs):
@@ -132,6 +139,8 @@ class InferenceEngineConfig:
             self.unhealthy_retry_interval,
             "must be >= 0 seconds",
         )
+        require(self.episode_retries >= 0, "episode_retries", self.episode_retries, "must be >= 0")
+        require(self.max_failed_episodes >= 1, "max_failed_episodes", self.max_failed_episodes, "must be >= 1")
 
 
 @dataclass

@@ -66,6 +66,7 @@ class _Server:
     address: str
     in_flight: int = 0
     unhealthy_until: float = 0.0
+    why_unhealthy: str = ""
 
     def usable(self, now: float) -> bool:
         return now >= self.unhealthy_until
@@ -215,8 +216,10 @@ class RemoteInferenceEngine(InferenceEngine):
                 return server
             usable = [s for s in self._servers if s.usable(now)]
             if not usable:
+                why = "; ".join(f"{s.address}: {s.why_unhealthy}" for s in self._servers)
                 raise NoHealthyServerError(
-                    ",".join(s.address for s in self._servers), "", "every inference server is marked unhealthy", 0
+                    ",".join(s.address for s in self._servers), "", f"every inference server is marked unhealthy ({why})",
+                    0, kind="no_server",
                 )
             if self.config.schedule_policy == "round_robin":
                 server = usable[next(self._rr) % len(usable)]
@@ -240,6 +243,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 with self._lock:
                     logger.warning("taking %s out of rotation: %s", address, reason)
                     server.unhealthy_until = math.inf
+                    server.why_unhealthy = reason
                 return
         raise ValueError(f"mark_unhealthy: {address} is not one of the servers {self.server_addresses}")
 
@@ -259,6 +263,7 @@ class RemoteInferenceEngine(InferenceEngine):
                     "marking %s unhealthy for %.0fs: %s", server.address, self.config.unhealthy_retry_interval, error
                 )
             server.unhealthy_until = time.monotonic() + self.config.unhealthy_retry_interval
+            server.why_unhealthy = str(error)
 
     # ------------------------------------------------------------------ generation
 
@@ -287,13 +292,20 @@ class RemoteInferenceEngine(InferenceEngine):
         gconfig = req.gconfig
         resp = ModelResponse(input_tokens=list(req.input_ids), tokenizer=req.tokenizer)
         stalled = 0  # consecutive aborts that brought no token while not paused
+        outages = 0  # times every server was out of rotation
         while True:
             await self._wait_while_paused()
             remaining = gconfig.max_new_tokens - resp.output_len
             if remaining <= 0:
                 resp.stop_reason = "length"
                 break
-            server = self.choose_server(req.rid)
+            try:
+                server = self.choose_server(req.rid)
+            except NoHealthyServerError:
+                outages += 1
+                if outages > self.policy.retries or not await self._wait_for_a_server():
+                    raise
+                continue
             version = self._version
             payload = self.backend.generate_payload(
                 resp.input_tokens + resp.output_tokens,
@@ -329,11 +341,21 @@ class RemoteInferenceEngine(InferenceEngine):
         )
         return resp
 
+    async def _wait_for_a_server(self) -> bool:
+        """Sleep until the first server marked unhealthy for a while is tried again; False when every
+        server is out of rotation for good (:meth:`mark_unhealthy`)."""
+        with self._lock:
+            back = min(s.unhealthy_until for s in self._servers)
+        if math.isinf(back):
+            return False
+        await asyncio.sleep(max(0.0, back - time.monotonic()))
+        return True
+
     @staticmethod
     def _append(resp: ModelResponse, chunk: GenerationChunk, version: int, remaining: int) -> None:
         if len(chunk.output_tokens) > remaining:
             raise InferenceServerError(
-                resp.server, "", f"{len(chunk.output_tokens)} tokens for a budget of {remaining}"
+                resp.server, "", f"{len(chunk.output_tokens)} tokens for a budget of {remaining}", kind="malformed"
             )
         resp.output_tokens += chunk.output_tokens
         resp.output_logprobs += chunk.output_logprobs

@@ -5,9 +5,14 @@ Failures fall in three groups:
 * connection failures (refused, reset, server gone mid-response): retried with backoff;
   when the budget is spent, :class:`ServerUnavailableError`, which the engine answers by
   marking the server unhealthy and re-issuing the request elsewhere;
-* 5xx replies, timeouts and malformed bodies: retried with backoff, then
+* 5xx replies, 408 and 429 (the server is busy), timeouts (no complete reply within
+  ``request_timeout``: a hang or a trickle) and malformed bodies (not JSON, an HTML page,
+  cut short, or a 200 reply that cannot be trained on): retried with backoff, then
   :class:`InferenceServerError` naming the server, endpoint, attempts and last failure;
-* 4xx replies: the request itself is wrong; :class:`InferenceServerError` at once.
+* other 4xx replies: the request itself is wrong; :class:`InferenceServerError` at once.
+
+Each error carries a ``kind`` (:data:`FAILURE_KINDS`) that the rollout pool counts in the
+step metrics when it ends an episode for it.
 """
 
 from __future__ import annotations
@@ -27,22 +32,33 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _BODY_SNIPPET = 300
+_BUSY_STATUSES = (408, 429)  # 4xx that mean "not now" rather than "never": retried like a 5xx
+
+FAILURE_KINDS = ("http_4xx", "http_5xx", "timeout", "malformed", "connection", "no_server", "other")
+"""Why a request failed for good, as counted in ``rollout/failed/{kind}``."""
 
 
 class InferenceServerError(RuntimeError):
-    """A request to an inference server failed for good (see the message for why)."""
+    """A request to an inference server failed for good (see the message for why).
 
-    def __init__(self, address: str, endpoint: str, reason: str, attempts: int = 1):
+    ``kind`` is one of :data:`FAILURE_KINDS`.
+    """
+
+    def __init__(self, address: str, endpoint: str, reason: str, attempts: int = 1, kind: str = "other"):
         self.address = address
         self.endpoint = endpoint
         self.reason = reason
         self.attempts = attempts
+        self.kind = kind
         tries = f" after {attempts} attempt{'s' if attempts != 1 else ''}" if attempts else ""
         super().__init__(f"inference server {address}{endpoint} failed{tries}: {reason}")
 
 
 class ServerUnavailableError(InferenceServerError):
     """The server could not be reached (or dropped the connection) on every attempt."""
+
+    def __init__(self, address: str, endpoint: str, reason: str, attempts: int = 1, kind: str = "connection"):
+        super().__init__(address, endpoint, reason, attempts, kind)
 
 
 class MalformedResponseError(ValueError):
@@ -64,10 +80,14 @@ class RetryPolicy:
 
 
 class _Retryable(Exception):
-    def __init__(self, reason: str, connection: bool):
+    def __init__(self, reason: str, kind: str):
         super().__init__(reason)
         self.reason = reason
-        self.connection = connection
+        self.kind = kind
+
+    @property
+    def connection(self) -> bool:
+        return self.kind == "connection"
 
 
 async def _attempt(
@@ -88,18 +108,24 @@ async def _attempt(
             text = await resp.text()
             status = resp.status
     except TimeoutError:
-        raise _Retryable(f"no complete reply within {timeout:g}s (request_timeout)", connection=False) from None
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as e:
-        raise _Retryable(f"connection failed: {type(e).__name__}: {e}", connection=True) from None
-    if status >= 500:
-        raise _Retryable(f"HTTP {status}: {text[:_BODY_SNIPPET]!r}", connection=False)
+        raise _Retryable(f"no complete reply within {timeout:g}s (request_timeout)", "timeout") from None
+    except aiohttp.ClientPayloadError as e:  # the body ended short of its length, or could not be decoded
+        raise _Retryable(f"reply cut short: {type(e).__name__}: {e}", "connection") from None
+    except (aiohttp.ClientConnectionError, ConnectionError) as e:
+        raise _Retryable(f"connection failed: {type(e).__name__}: {e}", "connection") from None
+    except UnicodeDecodeError as e:
+        raise _Retryable(f"malformed reply (not text: {e})", "malformed") from None
+    if status >= 500 or status in _BUSY_STATUSES:
+        raise _Retryable(f"HTTP {status}: {text[:_BODY_SNIPPET]!r}", "http_5xx" if status >= 500 else "http_4xx")
     if status >= 400:
-        raise InferenceServerError(url, "", f"HTTP {status} (bad request, not retried): {text[:_BODY_SNIPPET]!r}")
+        raise InferenceServerError(
+            url, "", f"HTTP {status} (bad request, not retried): {text[:_BODY_SNIPPET]!r}", kind="http_4xx"
+        )
     try:
         body = (json.loads(text) if text else None) if expect_json else text
         return parse(body)
     except (json.JSONDecodeError, MalformedResponseError) as e:
-        raise _Retryable(f"malformed reply ({e}): {text[:_BODY_SNIPPET]!r}", connection=False) from None
+        raise _Retryable(f"malformed reply ({e}): {text[:_BODY_SNIPPET]!r}", "malformed") from None
 
 
 async def arequest_with_retry(
@@ -136,10 +162,10 @@ async def arequest_with_retry(
             if e.connection and give_up():
                 raise ServerUnavailableError(address, endpoint, e.reason, attempt + 1) from None
         except InferenceServerError as e:
-            raise InferenceServerError(address, endpoint, e.reason, attempt + 1) from None
+            raise InferenceServerError(address, endpoint, e.reason, attempt + 1, e.kind) from None
     assert last is not None
     error_cls = ServerUnavailableError if last.connection else InferenceServerError
-    raise error_cls(address, endpoint, last.reason, policy.retries + 1)
+    raise error_cls(address, endpoint, last.reason, policy.retries + 1, kind=last.kind)
 
 
 def make_session(max_connections: int) -> aiohttp.ClientSession:

@@ -16,22 +16,18 @@ from tests.conftest import VLLM_MAX_MODEL_LEN  # noqa: F401 -- the tests here im
 FAKE_SERVER = str(Path(__file__).with_name("fake_server.py"))
 
 
-def start_fake_servers(n: int, dialect: str = "vllm", token_delay: float = 0.005, eos_every: int = 0):
-    """Start ``n`` fake server processes and wait until they answer; returns InferenceServers."""
+def start_fake_servers(n: int, dialect: str = "vllm", token_delay: float = 0.005, eos_every: int = 0, **faults):
+    """Start ``n`` fake server processes and wait until they answer; returns InferenceServers.
+
+    ``faults``: the fake server's random-fault flags (``fail_rate``, ``delay_rate``, ``max_delay``,
+    ``seed``; server ``i`` draws with ``seed + i``).
+    """
     servers = []
-    for port in find_free_ports(n):
-        cmd = [
-            sys.executable,
-            FAKE_SERVER,
-            "--port",
-            str(port),
-            "--dialect",
-            dialect,
-            "--token-delay",
-            str(token_delay),
-            "--eos-every",
-            str(eos_every),
-        ]
+    for i, port in enumerate(find_free_ports(n)):
+        cmd = [sys.executable, FAKE_SERVER, "--port", str(port), "--dialect", dialect,
+               "--token-delay", str(token_delay), "--eos-every", str(eos_every)]  # fmt: skip
+        for name, value in faults.items():
+            cmd += [f"--{name.replace('_', '-')}", str(value + i if name == "seed" else value)]
         servers.append(InferenceServer(LaunchSpec(cmd=cmd, port=port), name=f"fake-{dialect}").start())
     for server in servers:
         server.wait_until_healthy(30)

@@ -10,9 +10,13 @@ so a generation that is interrupted and continued must produce exactly the token
 uninterrupted one, which lets tests check that nothing is lost or duplicated.
 
 Control endpoints (test only): ``POST /_faults {"faults": [...]}`` queues faults that
-the next generate requests consume one each: ``"500"``, ``"malformed"`` (not JSON),
-``"bad_shape"`` (JSON without the fields), ``"hang"`` (never answers),
-``"disconnect"`` (drops the connection). ``GET /_stats`` reports counters.
+the next generate requests consume one each: one of :data:`TRANSPORT_FAULTS` (an HTTP
+status, a body that is not the endpoint's JSON, a reply that never ends or trickles, a
+connection dropped before or in the middle of the body) or of :data:`CORRUPTIONS` (a
+complete 200 reply that cannot be trained on). ``GET /_stats`` reports counters.
+``--fail-rate F --delay-rate D --seed S`` adds random faults for load tests: each generate
+request fails with probability F (a fault drawn from :data:`RANDOM_FAULTS`) or is delayed
+by up to ``--max-delay`` seconds with probability D.
 
 Run: ``python tests/rollout/fake_server.py --port P --dialect vllm|sglang``.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import random
 
 from aiohttp import web
 
@@ -69,10 +74,44 @@ CORRUPTIONS = {  # a 200 reply (vLLM dialect) that megarl must not train on: (re
 }
 """Fault names of corrupted complete replies, for ``POST /_faults``."""
 
+TRANSPORT_FAULTS = {  # name -> what megarl must do with it: "retry" (then the clean sample) or "fail" (at once)
+    "500": "retry",  # internal server error
+    "503": "retry",  # overloaded / starting
+    "429": "retry",  # too many requests (Retry-After: 0)
+    "408": "retry",  # request timeout
+    "400": "fail",  # the request itself is wrong: retrying cannot help
+    "404": "fail",  # no such route (a wrong endpoint or server kind)
+    "malformed": "retry",  # 200, body not JSON
+    "bad_shape": "retry",  # 200, JSON without the fields
+    "empty_body": "retry",  # 200, nothing in the body
+    "html": "retry",  # 200, an HTML page (a proxy's error page) instead of JSON
+    "truncated": "retry",  # 200, the body cut in the middle (valid prefix, then EOF at the announced length)
+    "hang": "retry",  # never answers
+    "trickle": "retry",  # headers, then a byte now and then, never the whole body
+    "disconnect": "retry",  # the connection dropped before any reply
+    "reset_mid_body": "retry",  # headers and half the body, then the connection dropped
+}
+"""Fault names of transport-level bad replies, for ``POST /_faults``, and the expected handling."""
+
+RANDOM_FAULTS = ["500", "503", "429", "malformed", "html", "truncated", "reset_mid_body", "disconnect",
+                 "nan_logprob", "length_mismatch", "extra_tokens", "empty_choices"]  # fmt: skip
+"""The faults ``--fail-rate`` draws from: retryable ones (a 4xx or a hang would only test the budget)."""
+
 
 class FakeServer:
-    def __init__(self, dialect: str, token_delay: float, eos_every: int):
+    def __init__(
+        self,
+        dialect: str,
+        token_delay: float,
+        eos_every: int,
+        fail_rate: float = 0.0,
+        delay_rate: float = 0.0,
+        max_delay: float = 0.0,
+        seed: int = 0,
+    ):
         self.dialect = dialect
+        self.fail_rate, self.delay_rate, self.max_delay = fail_rate, delay_rate, max_delay
+        self.rng = random.Random(seed)
         self.token_delay = token_delay
         self.eos_every = eos_every
         self.faults: collections.deque[str] = collections.deque()
@@ -97,26 +136,61 @@ class FakeServer:
                 return out, "stop"
         return out, "length"
 
+    def next_fault(self) -> str | None:
+        if self.faults:
+            return self.faults.popleft()
+        if self.fail_rate and self.rng.random() < self.fail_rate:
+            return self.rng.choice(RANDOM_FAULTS)
+        return None
+
     async def maybe_fault(self, request: web.Request) -> web.StreamResponse | None:
-        if not self.faults:
+        if self.delay_rate and self.rng.random() < self.delay_rate:
+            self.stats["delayed"] += 1
+            await asyncio.sleep(self.rng.uniform(0, self.max_delay))
+        fault = self.next_fault()
+        if fault is None or fault == "ok":  # "ok" queues a clean reply between faults
             return None
-        fault = self.faults.popleft()
         self.stats[f"fault_{fault}"] += 1
         if fault in CORRUPTIONS:
             self.corrupt_next = fault
             return None
-        if fault == "500":
-            return web.Response(status=500, text="injected server error")
+        if fault.isdigit():
+            headers = {"Retry-After": "0"} if fault == "429" else None
+            error = {"object": "error", "message": f"injected HTTP {fault}", "type": "Injected", "code": int(fault)}
+            return web.json_response(error, status=int(fault), headers=headers)
         if fault == "malformed":
             return web.Response(status=200, text="{not json", content_type="application/json")
         if fault == "bad_shape":
             return web.json_response({"unexpected": True})
+        if fault == "empty_body":
+            return web.Response(status=200, body=b"", content_type="application/json")
+        if fault == "html":
+            return web.Response(status=200, text="<html><body>502 Bad Gateway</body></html>", content_type="text/html")
         if fault == "hang":
             await asyncio.sleep(3600)
         if fault == "disconnect":
             request.transport.close()
             await asyncio.sleep(3600)
+        if fault in ("truncated", "reset_mid_body", "trickle"):
+            return await self.broken_body(request, fault)
         raise ValueError(f"unknown fault {fault!r}")
+
+    async def broken_body(self, request: web.Request, fault: str) -> web.StreamResponse:
+        """A 200 whose body announces its length and never arrives whole."""
+        body = b'{"id": "cmpl-fake", "object": "text_completion", "choices": [{"index": 0, "text": ""}]}'
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        if fault == "trickle":
+            for byte in body[:-1]:
+                await resp.write(bytes([byte]))
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(3600)
+        await resp.write(body[: len(body) // 2])
+        if fault == "truncated":
+            await resp.write_eof()  # aiohttp ends the message short of Content-Length
+        request.transport.close()
+        return resp
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -222,8 +296,14 @@ def main() -> None:
     parser.add_argument("--dialect", choices=["vllm", "sglang"], default="vllm")
     parser.add_argument("--token-delay", type=float, default=0.005)
     parser.add_argument("--eos-every", type=int, default=0)
+    parser.add_argument("--fail-rate", type=float, default=0.0)
+    parser.add_argument("--delay-rate", type=float, default=0.0)
+    parser.add_argument("--max-delay", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    server = FakeServer(args.dialect, args.token_delay, args.eos_every)
+    server = FakeServer(
+        args.dialect, args.token_delay, args.eos_every, args.fail_rate, args.delay_rate, args.max_delay, args.seed
+    )
     web.run_app(server.app(), host="127.0.0.1", port=args.port, print=None, access_log=None, shutdown_timeout=0.2)
     print("fake server: shut down", flush=True)  # like a real server's shutdown chatter
 

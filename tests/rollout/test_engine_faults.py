@@ -14,7 +14,7 @@ from megarl.api import ModelRequest
 from megarl.config.rollout import GenerationHyperparameters, derive_seed
 from megarl.rollout import InferenceServerError, RemoteInferenceEngine
 from tests.rollout.conftest import fast_config, make_engine
-from tests.rollout.fake_server import CORRUPTIONS
+from tests.rollout.fake_server import CORRUPTIONS, TRANSPORT_FAULTS
 from tests.rollout.helpers import OneShotWorkflow, expected_tokens
 
 PROMPT = [101, 102, 103, 104, 105]
@@ -126,6 +126,31 @@ def test_corrupted_replies_are_retried_and_never_returned(fake_servers):
     assert stats["generate"] == len(CORRUPTIONS) + 1 and all(stats[f"fault_{c}"] == 1 for c in CORRUPTIONS)
 
 
+@pytest.mark.parametrize("fault", sorted(TRANSPORT_FAULTS))
+def test_transport_faults_retried_or_refused(fake_servers, fault):
+    """Every kind of bad reply (status, body, a hang or a trickle, a connection dropped before or in the
+    middle of the body): retried, and the sample is the clean one; a 4xx that retrying cannot fix
+    (400, 404) fails at once with ``kind='http_4xx'``, after one attempt."""
+    (server,) = fake_servers(1)
+    engine = make_engine([server.address], request_retries=2, request_timeout=1.0)
+    try:
+        _post(server.address, "/_faults", {"faults": [fault]})
+        if TRANSPORT_FAULTS[fault] == "fail":
+            with pytest.raises(InferenceServerError) as info:
+                _generate(engine, 8)
+            assert info.value.kind == "http_4xx" and info.value.attempts == 1
+            assert f"HTTP {fault} (bad request, not retried)" in str(info.value)
+        else:
+            resp = _generate(engine, 8)
+            tokens, logprobs = expected_tokens(len(PROMPT), 8)
+            assert resp.output_tokens == tokens and resp.output_logprobs == pytest.approx(logprobs)
+    finally:
+        engine.destroy()
+    stats = _stats(server.address)
+    assert stats[f"fault_{fault}"] == 1
+    assert stats["generate"] == (1 if TRANSPORT_FAULTS[fault] == "fail" else 2)
+
+
 def test_retries_then_succeeds(fake_servers):
     (server,) = fake_servers(1)
     engine = make_engine([server.address], request_retries=3)
@@ -145,6 +170,11 @@ def test_retries_then_succeeds(fake_servers):
         ("malformed", "malformed reply"),
         ("bad_shape", "malformed reply"),
         ("hang", "no complete reply"),
+        ("trickle", "no complete reply"),
+        ("429", "HTTP 429"),
+        ("503", "HTTP 503"),
+        ("html", "malformed reply"),
+        ("empty_body", "malformed reply"),
         ("nan_logprob", "logprob nan is not a log-probability"),
         ("positive_logprob", "logprob 0.5 is not a log-probability"),
         ("extra_tokens", "9 tokens for a request of at most 8"),
@@ -218,14 +248,33 @@ def test_server_killed_mid_flight_requests_reissued(fake_servers):
 
 
 def test_all_servers_dead_surfaces_error(fake_servers):
+    """Every server down: the request waits out each server's unhealthy interval ``request_retries``
+    times, then fails naming every server and why it was taken out of rotation."""
     (server,) = fake_servers(1)
-    engine = make_engine([server.address], request_retries=1)
+    engine = make_engine([server.address], request_retries=1, retry_backoff=0.01, unhealthy_retry_interval=0.5)
     server.stop()
+    start = time.monotonic()
     try:
-        with pytest.raises(InferenceServerError, match="unhealthy|connection failed"):
+        with pytest.raises(InferenceServerError) as info:
             _generate(engine, 4)
     finally:
         engine.destroy()
+    assert info.value.kind == "no_server" and time.monotonic() - start >= 0.5
+    assert f"every inference server is marked unhealthy ({server.address}: " in str(info.value)
+    assert "connection failed" in str(info.value)
+
+
+def test_a_server_back_within_its_unhealthy_interval_serves_the_waiting_request(fake_servers):
+    """A lone server that drops two connections in a row is out of rotation for a moment; the request
+    waits for it instead of failing its episode."""
+    (server,) = fake_servers(1)
+    engine = make_engine([server.address], request_retries=1, unhealthy_retry_interval=0.3)
+    try:
+        _post(server.address, "/_faults", {"faults": ["disconnect", "disconnect"]})
+        resp = _generate(engine, 6)
+    finally:
+        engine.destroy()
+    assert resp.output_tokens == expected_tokens(len(PROMPT), 6)[0]
 
 
 def test_server_addrs_from_env(monkeypatch, fake_servers):

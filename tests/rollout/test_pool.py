@@ -196,7 +196,7 @@ def test_workflow_context_and_stats(pool_factory):
     assert len(set(train["rewards"].tolist())) == 2  # distinct task ids
     stats = stats_tracker.export(local=True)
     assert stats["rollout/probe"] == 1.0 and stats["eval-rollout/probe"] == 1.0
-    assert stats["rollout/n_finished"] == 2 and stats["rollout/n_accepted"] == 2
+    assert stats["rollout/n_finished"] == 2 and stats["rollout/n_accepted"] == 2 and stats["rollout/n_failed"] == 0
     assert stats["rollout/staleness/avg"] == 0.0 and stats["rollout/staleness_hist/0"] == 2
     assert "rollout/input_queue_depth" in stats and "rollout/running" in stats
 
