@@ -10,6 +10,7 @@ from megarl.config.base import require
 
 _SLURM_TIME = re.compile(r"(?i)unlimited|infinite|\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
 _SLURM_MEM = re.compile(r"\d+[KMGT]?")
+_INTERFACE = re.compile(r"[A-Za-z0-9_.:-]{1,15}")  # Linux: IFNAMSIZ - 1 characters
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -213,6 +214,11 @@ class SlurmConfig:
     """torchrun rendezvous port on the first training node."""
     server_wait_timeout: int = 1800
     """Seconds the script waits for every server to be healthy before it fails the job."""
+    network_interface: str | None = None
+    """The nodes' cluster interface (e.g. ``ib0``, ``eth0``, ``bond0``): servers bind and announce its
+    IPv4 address, and gloo / NCCL use it (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless
+    ``launcher.env`` sets them). None: the interface of each node's default route. Servers never
+    listen on every interface."""
 
     def check(self) -> None:
         require(_SLURM_TIME.fullmatch(self.time_limit) is not None, "time_limit", self.time_limit,
@@ -226,6 +232,10 @@ class SlurmConfig:
         require(self.server_wait_timeout >= 1, "server_wait_timeout", self.server_wait_timeout, "must be >= 1")
         if self.cpus_per_node is not None:
             require(self.cpus_per_node >= 1, "cpus_per_node", self.cpus_per_node, "must be >= 1")
+        if self.network_interface is not None:
+            require(_INTERFACE.fullmatch(self.network_interface) is not None, "network_interface",
+                    self.network_interface, "expected an interface name such as ib0 or eth0 (1-15 of "
+                    "letters, digits, '_', '.', '-', ':'), or null for the default route's")  # fmt: skip
 
 
 @dataclass

@@ -41,9 +41,15 @@ def server_spec(config: GRPOConfig, index: int, devices: list[int], host: str, p
     return sglang_launch_spec(config.sglang, model, host, port, tp=inference.tp, devices=devices, replica=index)
 
 
+def server_host(config: GRPOConfig) -> str:
+    """The one address a server listens on: ``$MEGARL_HOST_IP`` (127.0.0.1 under ``megarl run``), the
+    cluster interface's (``launcher.slurm.network_interface``) or the default route's; never 0.0.0.0."""
+    return gethostip(config.launcher.slurm.network_interface)
+
+
 def serve(config: GRPOConfig, index: int, devices: list[int], port: int, addr_file: Path | None) -> int:
     """Run server ``index`` until it exits; returns its exit status."""
-    host = gethostip()
+    host = server_host(config)
     spec = server_spec(config, index, devices, host, port)
     spec.env.update(config.launcher.env)
     timeout = config.vllm.startup_timeout if config.allocation.inference.backend == "vllm" else config.sglang.startup_timeout

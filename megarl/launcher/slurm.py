@@ -63,6 +63,7 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
     cfg = shlex.quote(str(config_file))
     lines = ["set -uo pipefail", *slurm.setup]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in config.launcher.env.items()]
+    lines += _interface_env(slurm.network_interface, config.launcher.env)
     lines += [
         "# the run's API key: servers refuse requests without it (megarl.utils.auth); kept out of the script",
         f'export {API_KEY_ENV}="${{{API_KEY_ENV}:-$(python3 -c "import secrets; print(secrets.token_urlsafe(32))")}}"',
@@ -113,6 +114,15 @@ def _wait_for_servers(count: int, timeout: int) -> list[str]:
         'export MEGARL_LLM_SERVER_ADDRS=$(cat "$RUN_DIR"/servers/*.addr | paste -sd, -)',
         'echo "megarl: servers at $MEGARL_LLM_SERVER_ADDRS"',
     ]
+
+
+def _interface_env(interface: str | None, env: dict[str, str]) -> list[str]:
+    """gloo and NCCL on the cluster interface the servers bind (``megarl serve`` reads the config)."""
+    if interface is None:
+        return []
+    names = [n for n in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if n not in env]
+    lines = ["# collectives on the cluster interface (launcher.slurm.network_interface)"]
+    return lines + [f"export {n}={shlex.quote(interface)}" for n in names] if names else []
 
 
 def _trainer(config: GRPOConfig, cfg: str, plan: Placement) -> list[str]:

@@ -93,15 +93,32 @@ def find_free_port(host: str = "127.0.0.1") -> int:
     return find_free_ports(1, host=host)[0]
 
 
-def gethostip() -> str:
+def interface_ip(name: str) -> str:
+    """The IPv4 address of network interface ``name``; a clear error naming the interfaces there are."""
+    import psutil
+
+    addrs = psutil.net_if_addrs()
+    if name not in addrs:
+        raise ValueError(f"network interface {name!r} does not exist on {socket.gethostname()}: "
+                         f"it has {', '.join(sorted(addrs)) or 'none'} (launcher.slurm.network_interface)")  # fmt: skip
+    ipv4 = [a.address for a in addrs[name] if a.family == socket.AF_INET]
+    if not ipv4:
+        raise ValueError(f"network interface {name!r} on {socket.gethostname()} has no IPv4 address")
+    return ipv4[0]
+
+
+def gethostip(interface: str | None = None) -> str:
     """The address other nodes can reach this host at.
 
-    ``$MEGARL_HOST_IP`` wins when set; otherwise the source address of the default
-    route (found without sending any packet); otherwise ``127.0.0.1``.
+    ``$MEGARL_HOST_IP`` wins when set; then the IPv4 address of ``interface`` when given;
+    otherwise the source address of the default route (found without sending any
+    packet); otherwise ``127.0.0.1``.
     """
     env = os.environ.get(HOST_IP_ENV, "").strip()
     if env:
         return env
+    if interface:
+        return interface_ip(interface)
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.connect(_PROBE_ADDRESS)

@@ -38,6 +38,9 @@ def case(id, overrides, key, fragment):
 
 # (overrides of the CPU YAML, key path the error names, text of the bad value in the message)
 BAD = [
+    # the cluster interface servers bind on Slurm
+    case("interface-with-space", ["launcher.slurm.network_interface='eth 0'"], "launcher.slurm.network_interface",
+         "'eth 0'"),  # fmt: skip
     # failed episodes: how often to run one again, how many in a row end the run
     case("episode-retries-negative", ["rollout.episode_retries=-1"], "rollout.episode_retries", "-1"),
     case("max-failed-episodes-zero", ["rollout.max_failed_episodes=0"], "rollout.max_failed_episodes", "must be >= 1"),

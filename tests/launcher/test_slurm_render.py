@@ -53,6 +53,24 @@ def test_script_entry_path_and_env(tmp_path):
     assert "export FOO=bar" in script
 
 
+def test_network_interface_for_servers_and_collectives(tmp_path, monkeypatch):
+    """The cluster interface: servers bind its address (never 0.0.0.0), gloo and NCCL use it unless
+    launcher.env says otherwise."""
+    from megarl.launcher.serve import server_host, server_spec
+
+    cfg = config("gsm8k_grpo_cpu.yaml", "launcher.slurm.network_interface=lo", "launcher.env.NCCL_SOCKET_IFNAME=eth9")
+    script = render_sbatch(cfg, tmp_path / "c.yaml")
+    assert "export GLOO_SOCKET_IFNAME=lo" in script.splitlines()
+    assert "export NCCL_SOCKET_IFNAME=eth9" in script.splitlines() and "NCCL_SOCKET_IFNAME=lo" not in script
+    assert script.index("GLOO_SOCKET_IFNAME") < script.index("megarl serve")
+    monkeypatch.delenv("MEGARL_HOST_IP", raising=False)
+    host = server_host(cfg)
+    assert host == "127.0.0.1"
+    cmd = server_spec(cfg, 0, [0], host, 18000).cmd
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert "GLOO_SOCKET_IFNAME" not in render_sbatch(config("gsm8k_grpo_cpu.yaml"), tmp_path / "c.yaml")
+
+
 def test_dry_run_cli_prints_without_writing(tmp_path, capsys):
     argv = ["slurm", "--dry-run", "--config", str(REPO / "configs" / "gsm8k_grpo_cpu.yaml"), f"cluster.fileroot={tmp_path}"]
     assert main(argv) == 0

@@ -81,6 +81,13 @@ def test_gethostip_env_override(monkeypatch):
     assert gethostip() == "10.1.2.3"
 
 
+def test_gethostip_of_an_interface(monkeypatch):
+    monkeypatch.delenv(network.HOST_IP_ENV, raising=False)
+    assert gethostip("lo") == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"network interface 'nope0' does not exist on .*: it has .*\blo\b"):
+        gethostip("nope0")
+
+
 def test_gethostip_route_lookup_sends_nothing(monkeypatch):
     monkeypatch.delenv(network.HOST_IP_ENV, raising=False)
     sent = []
