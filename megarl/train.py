@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megarl.actor.critic import MegatronCritic
+from megarl.actor.gap import gap_warning
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.api.workflow_api import RolloutWorkflow
@@ -126,7 +127,18 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     stats = {k: v for step in ppo_stats for k, v in step.items()}
     stats.update(stats_tracker.export())
     stats.update(eval_stats() or {})
+    warn_on_gap(t, stats)
     return stats
+
+
+def warn_on_gap(t: Trainer, stats: dict[str, float]) -> None:
+    """A console warning when the servers' logprobs drift from the trainer's (see ``megarl.actor.gap``)."""
+    threshold = t.config.weight_update.gap_threshold
+    threshold = t.config.weight_update.consistency_threshold if threshold is None else threshold
+    message = gap_warning(stats, threshold) if threshold > 0 else None
+    if message is not None:
+        logger.warning(message)
+        t.console.line(f"warning: {message}")
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ import torch
 from megarl.actor import advantages as adv_fns
 from megarl.actor import losses
 from megarl.actor.engine import MegatronEngine
+from megarl.actor.gap import GapMeter, version_lag
 from megarl.actor.lm_head import LMHeadOutput
 from megarl.config.train import BUILTIN_LOSSES, PPOActorConfig
 from megarl.kernels import fused_ppo_loss, logprobs_backend, ppo_loss_backend
@@ -43,6 +44,7 @@ class MegatronPPOActor(MegatronEngine):
     def __init__(self, config: PPOActorConfig):
         super().__init__(config)
         self.config: PPOActorConfig = config
+        self.gap = GapMeter()
 
     def compute_logp(self, data: dict, temperature: float | None = None) -> torch.Tensor:
         """Next-token logprobs ``[B, S]`` of the current weights at the sampling temperature."""
@@ -65,13 +67,18 @@ class MegatronPPOActor(MegatronEngine):
         GRPO's group-normalised rewards, or with ``data["values"]`` (a critic's
         :meth:`~megarl.actor.critic.MegatronCritic.compute_values`) GAE, which also adds the
         ``returns`` the critic regresses on. Adds ``advantages``, ``kl_rewards``, ``tot_rewards``
-        and (decoupled PPO) ``prox_logp``.
+        and (decoupled PPO) ``prox_logp``; and for the train–inference gap (:mod:`megarl.actor.gap`)
+        ``behaviour_logp``, ``version_lag`` and, when the pool stamped the episodes' servers, ``token_server``.
         """
         cfg = self.config
         batch_size, seq_len = data["attention_mask"].shape
         cu_seqlens = torch.arange(batch_size + 1, dtype=torch.int64) * seq_len
         loss_mask = torch.roll(data["loss_mask"], shifts=-1, dims=-1).bool() & data["attention_mask"].bool()
         old_logp = torch.roll(data["logprobs"].float(), shifts=-1, dims=-1)
+        data["behaviour_logp"] = old_logp * loss_mask  # the servers' logprobs, kept for the gap
+        data["version_lag"] = version_lag(data, loss_mask, self.get_version())
+        if "server_index" in data:
+            data["token_server"] = data["server_index"].long()[:, None].expand(batch_size, seq_len).contiguous()
         if "prox_logp" not in data and not prox_from_update(cfg):
             if _uses_prox(cfg):
                 raise ValueError("ppo_update needs data['prox_logp'] (actor.compute_logp): see needs_prox_pass()")
@@ -118,14 +125,22 @@ class MegatronPPOActor(MegatronEngine):
         loss_fn = partial(ppo_loss, cfg=cfg, norm_len=norm_len, surrogate_fn=policy_surrogate(cfg))  # resolved once
         weight_fn = partial(ppo_loss_weight, mode=cfg.loss_agg_mode)
         all_stats = []
-        for _ in range(cfg.ppo_n_epochs):
-            for minibatch in split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
+        for epoch in range(cfg.ppo_n_epochs):
+            for i, minibatch in enumerate(split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)):
                 with stats_tracker.scope("ppo_actor"):
-                    step = self.train_minibatch(minibatch, loss_fn, weight_fn)
+                    step = self.train_minibatch(minibatch, partial(loss_fn, gap=self._gap_meter(data, epoch + i)), weight_fn)
                     keys = ("loss", "grad_norm", "lr", "update_successful", "n_mbs", "packed_tokens", "skipped_seqs")
                     stats_tracker.scalar(**{k: step[k] for k in keys})
+                    self.gap.finish(self.parallel.dp_group)
                 all_stats.append(stats_tracker.export())
         return all_stats
+
+    def _gap_meter(self, data: dict, nth_minibatch: int) -> GapMeter | None:
+        """The gap meter where the trainer's logprobs are the weights' before the update: the recomputed
+        ones, or the update's own forward for the first mini-batch of the first epoch."""
+        if "behaviour_logp" not in data or (nth_minibatch > 0 and "prox_logp" not in data):
+            return None
+        return self.gap
 
     def train_minibatch(self, minibatch: dict, loss_fn, weight_fn) -> dict[str, float]:
         """One optimizer step on ``minibatch``, without the rows whose loss is zero (``skip_zero_advantage``)."""
@@ -239,17 +254,22 @@ def ppo_loss_weight(mb: dict, mode: losses.AggMode) -> torch.Tensor:
     return losses.aggregate(torch.zeros(mask.shape), mask, mode, mb["cu_seqlens"].long(), norm_len=1)[1]
 
 
-def ppo_loss(head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int, surrogate_fn=None) -> torch.Tensor:
+def ppo_loss(
+    head: LMHeadOutput, mb: dict, cfg: PPOActorConfig, norm_len: int, surrogate_fn=None, gap: GapMeter | None = None
+) -> torch.Tensor:
     """PPO / GRPO / DAPO / GSPO loss of one packed micro-batch (``sum / weight`` of ``aggregate``).
 
     The surrogate is ``actor.loss``'s (:func:`policy_surrogate`: PPO's clipped one, or a user's
     function) weighted by the behaviour weight (``losses.weigh_by_behaviour``); or the fused CUDA
     epilogue of ``megarl.kernels.fused_ppo_loss`` where :func:`_fused_surrogate` allows it (the same loss).
     ``surrogate_fn``: ``policy_surrogate(cfg)``, resolved once per update by ``ppo_update``.
+    ``gap``: records the train–inference gap of the micro-batch's tokens when given.
     """
     mask = _mask(mb)
     logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature, where=mask)  # no head work on prompts
     old, prox = _anchors(cfg, mb, logp)
+    if gap is not None:
+        gap.record(mb, mb["prox_logp"] if "prox_logp" in mb else logp, mask)
     fused = _fused_surrogate(cfg, head, logp)
     logger.debug(
         "ppo_loss: logprobs on the %s path, surrogate via %s",

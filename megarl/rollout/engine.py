@@ -48,6 +48,7 @@ from megarl.rollout.http import (
 from megarl.rollout.pool import RolloutPool
 from megarl.rollout.server import resolve_server_addrs
 from megarl.utils import stats_tracker
+from megarl.workflow import context as workflow_context
 from megarl.workflow.dump import TrajectoryDumper
 
 logger = logging.getLogger(__name__)
@@ -336,6 +337,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 )
             await asyncio.sleep(self.config.pause_grace_period)
         resp.latency = time.perf_counter() - start
+        workflow_context.note_server(resp.server)
         stats_tracker.scalar(
             generate_latency_s=resp.latency, generate_ttft_s=resp.ttft, generate_interruptions=resp.n_interruptions
         )

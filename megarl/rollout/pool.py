@@ -255,7 +255,17 @@ class RolloutPool:
                 accepted, error = False, e
             if traj is not None and self.dumper is not None:
                 await self._dump(traj, task)
+            if accepted:
+                self._stamp_server(traj, ctx.servers)
             self._finish(task, traj if accepted else None, error, time.perf_counter() - start)
+
+    def _stamp_server(self, traj: dict[str, Any], servers: list[str]) -> None:
+        """``traj["server_index"]``: per row, the index of the server that generated the episode in the
+        engine's server list (-1: several servers, or none known), for the per-server train–inference gap."""
+        addresses = list(getattr(self.engine, "server_addresses", []))
+        index = addresses.index(servers[0]) if len(servers) == 1 and servers[0] in addresses else -1
+        if isinstance(traj, dict) and "attention_mask" in traj and "server_index" not in traj:
+            traj["server_index"] = torch.full((batch_size_of(traj),), index, dtype=torch.int32)
 
     async def _dump(self, traj: dict[str, Any], task: _Task) -> None:
         version = self.engine.get_version()

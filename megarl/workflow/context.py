@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class WorkflowContext:
     """Evaluation episode (not training data)."""
     task_id: int = -1
     """The pool's id of the episode (-1 outside the pool)."""
+    servers: list[str] = field(default_factory=list, compare=False)
+    """Addresses of the servers the episode's generations came from (the engine notes them)."""
 
 
 _OUTSIDE = WorkflowContext()
@@ -43,6 +45,13 @@ def get() -> WorkflowContext:
 def stat_scope() -> str:
     """The stats scope of the current episode: ``"eval-rollout"`` or ``"rollout"``."""
     return "eval-rollout" if get().is_eval else "rollout"
+
+
+def note_server(address: str) -> None:
+    """Note that a generation of the current episode came from ``address`` (nothing outside the pool)."""
+    ctx = _CONTEXT.get()
+    if ctx is not None and address not in ctx.servers:
+        ctx.servers.append(address)
 
 
 @contextmanager

@@ -347,3 +347,25 @@ def critic_load_then_train(model_dir: str, alloc: str, batch: dict, ckpt_dir: st
     values = critic.compute_values(local)
     return {"values": values, "second": critic.ppo_update(local), "values_after": critic.compute_values(local),
             "version": critic.get_version()}  # fmt: skip
+
+
+def gap_step(model_dir: str, alloc: str, batch: dict, offsets: torch.Tensor) -> dict:
+    """One PPO step whose behaviour logprobs are the trainer's own plus ``offsets`` (per token, on the
+    loss tokens): the train–inference gap the step reports should be exactly ``|offsets|``.
+
+    Rows alternate version lag 0 / 1 and servers 0 / 1 (``server_index``); DP ranks take rows ``rank::dp``.
+    """
+    actor = _ppo_actor(model_dir, alloc, {}, ppo_n_minibatches=1)
+    p = actor.parallel
+    rows = list(range(p.dp_rank, batch["attention_mask"].shape[0], p.alloc.dp))
+    data = {k: v[rows].clone() for k, v in batch.items()}
+    mask = data["loss_mask"].bool()
+    actor.set_version(3)
+    trainer = torch.roll(actor.compute_logp(data), shifts=1, dims=-1)  # token-aligned, like a server's
+    data["logprobs"] = torch.where(mask, trainer + offsets[rows], torch.zeros_like(trainer))
+    lag = torch.tensor([r % 2 for r in rows])
+    data["versions"] = torch.where(mask, (3 - lag)[:, None], -1).to(torch.int32)
+    data["server_index"] = torch.tensor([(r // 2) % 2 for r in rows], dtype=torch.int32)
+    actor.compute_advantages(data)
+    stats = actor.ppo_update(data)
+    return {k: v for step in stats for k, v in step.items() if "/gap/" in k or "capped_ratio" in k}

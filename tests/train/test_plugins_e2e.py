@@ -35,12 +35,14 @@ pytestmark = pytest.mark.vllm
 
 
 def _run(tmp_path: Path, *overrides: str) -> Path:
-    """``megarl run`` of the arithmetic config from the repository root; the run directory."""
+    """``megarl run`` of the arithmetic config from the repository root; the run directory (its
+    console output in ``console.txt`` beside it)."""
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", "configs/arithmetic_grpo_cpu.yaml",
            f"cluster.fileroot={tmp_path}", *SHORT_RUN, *overrides]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    (tmp_path / "console.txt").write_text(result.stdout + result.stderr)
     return tmp_path / "arithmetic-grpo-cpu" / "trial0"
 
 
@@ -72,12 +74,22 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
     assert len(steps) == 2
     assert all("ppo_actor/cispo_clipped/avg" in step for step in steps), sorted(steps[0])
     assert all(step["ppo_actor/skipped_seqs"] == 0 for step in steps), "a user loss trains on every row"
+    # the train-inference gap of every trained token: one server (index 0), the weights it sampled with
+    for step in steps:
+        assert step["ppo_actor/gap/n_tokens"] > 0 and step["ppo_actor/gap/server_0/n_tokens"] > 0, sorted(step)
+        assert step["ppo_actor/gap/abs_logp_diff/p99"] <= step["ppo_actor/gap/abs_logp_diff/max"]
+        assert step["ppo_actor/gap/lag_0/abs_logp_diff/avg"] < 0.1, "the server computes what the trainer does"
+    assert "train-inference gap" not in (tmp_path / "console.txt").read_text()
 
 
 def test_multi_turn_agent_runs_by_config_alone(tmp_path):
-    run_dir = _run(tmp_path, "workflow.type=multi_turn", "workflow.kwargs.max_turns=2")
+    # a gap threshold no real pair of engines meets: the step's gap warning reaches the console
+    run_dir = _run(tmp_path, "workflow.type=multi_turn", "workflow.kwargs.max_turns=2", "weight_update.gap_threshold=1e-12")
     steps = _metrics(run_dir)
     assert len(steps) == 2
+    trained = [step for step in steps if step.get("ppo_actor/gap/lag_0/n_tokens", 0) > 0]
+    warnings = (tmp_path / "console.txt").read_text().count("warning: train-inference gap")
+    assert warnings == len(trained), f"one console warning per step that trained lag-0 tokens ({len(trained)})"
     for step in steps:
         assert 1 <= step["rollout/turns"] <= 2, step
 
