@@ -27,13 +27,14 @@ export TOKENIZERS_PARALLELISM := false
 # The venv only: `make run` (the quickstart) installs no system package.
 install: $(STAMP)
 
-# A real one-node Slurm for the launcher tests (Debian packages; needs root, else those tests skip).
+# A real one-node Slurm for the launcher tests and Debian's chromium for the report's browser test
+# (Debian packages; needs root, else those tests skip).
 # Only the test targets depend on it.
 system-deps:
-	@if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then \
+	@if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null || ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; \
-	  else echo "note: slurm-wlm/munge missing and not root: the slurm tests will skip"; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge chromium >/dev/null; \
+	  else echo "note: slurm-wlm/munge/chromium missing and not root: the slurm and browser tests will skip"; fi; \
 	fi
 
 $(STAMP): setup.py .ci/constraints.txt

@@ -29,6 +29,7 @@ CORE = [
     "tensorboard>=2.16",
     # every run draws curves.png with it (megarl/utils/stats_logger.py)
     "matplotlib>=3.8",
+    "plotly>=5.20",  # the run report (megarl report, report.html)
     "numpy",
     "psutil",
     # imported by megarl directly, not only through the packages above: the model cache's
@@ -59,7 +60,8 @@ EXTRAS = {
     # other RL trainers, for benchmarks/peer_trl.py (install with -c .ci/constraints.txt: keeps torch's CPU build)
     "peers": ["trl==1.16.0"],
     # openai: the client the agent tests and examples/workflows/openai_agent.py call megarl's proxy with
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "openai>=1.40"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "openai>=1.40",
+            "playwright>=1.45"],  # the report's browser test drives Debian's chromium
 }
 
 

@@ -414,6 +414,7 @@ def print_summary(console: Console, config: GRPOConfig, summary: dict, seconds: 
     for key, values in summary.items():
         console.line(f"  {key}: " + ", ".join(f"{name} {value:.4g}" for name, value in values.items()))
     console.line(f"  metrics: {config.run_dir / 'metrics.jsonl'}\n  plot: {config.run_dir / 'curves.png'}")
+    console.line(f"  report: {config.run_dir / 'report.html'} (megarl report)")
     console.line(f"  logs: {config.run_dir / 'logs'}")
 
 

@@ -184,6 +184,14 @@ class StatsLoggerConfig:
     plot_keys: list[str] = field(default_factory=lambda: ["batch/reward/avg", "eval/pass@1"])
     """Curves drawn into ``{run dir}/curves.png`` at each log step (``batch/reward/avg``: mean reward of the
     trajectories trained on in that step)."""
+    report_every: int | None = 10
+    """Rewrite ``{run dir}/report.html`` (``megarl report``: curves, phases, staleness, the train-inference
+    gap, the dumped trajectories) every this many steps; it is written at the end of a run either way.
+    None: only at the end."""
+
+    def check(self) -> None:
+        if self.report_every is not None:
+            require(self.report_every >= 1, "report_every", self.report_every, "must be >= 1 (or null: at the end only)")
 
 
 @dataclass

@@ -102,6 +102,16 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from megarl.utils.report import build_report
+
+    if not Path(args.run_dir).is_dir():
+        raise FileNotFoundError(f"{args.run_dir} is not a directory: pass a run directory, "
+                                "{cluster.fileroot}/{experiment_name}/{trial_name}")  # fmt: skip
+    console.print(f"wrote {build_report(args.run_dir)}", markup=False, highlight=False)
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     first = args.overrides[0] if args.overrides else ""
     if first.endswith((".yaml", ".yml")) and "=" not in first:
@@ -166,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an experiment on this machine: inference servers, then the trainer")
     _add_config_args(run, "CONFIG.yaml, then key.path=value overrides")
     run.set_defaults(func=_cmd_run)
+
+    report = sub.add_parser("report", help="write RUN_DIR/report.html: curves, phases, staleness, gap, trajectories")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory ({fileroot}/{experiment}/{trial})")
+    report.set_defaults(func=_cmd_report)
 
     models = sub.add_parser("models", help="list or provision models known by short name")
     models.add_argument("action", choices=["list", "fetch"])

@@ -128,6 +128,19 @@ class StatsLogger:
             f.write(json.dumps({**position, **stats}) + "\n")
         self._remember(global_step, stats)
         self._draw()
+        if self.config.report_every and (global_step + 1) % self.config.report_every == 0:
+            self.write_report()
+
+    def write_report(self) -> None:
+        """(Re)write ``report.html`` (see :mod:`megarl.utils.report`); a failure is a warning, not the run's end."""
+        if not self.active or not self.metrics_path.exists():
+            return
+        from megarl.utils.report import build_report
+
+        try:
+            build_report(self.run_dir)
+        except Exception as e:  # noqa: BLE001 -- a view of the run must not end it
+            logger.warning("could not write %s: %r", self.run_dir / "report.html", e)
 
     def _draw(self) -> None:
         """Redraw ``curves.png`` (written to a temporary name, then renamed)."""
@@ -164,7 +177,8 @@ class StatsLogger:
         return out
 
     def close(self) -> None:
-        """Finish the W&B run and close the TensorBoard writer."""
+        """Write the run's report, finish the W&B run and close the TensorBoard writer."""
+        self.write_report()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -5,10 +5,13 @@ is ``{fileroot}/{experiment_name}/{trial_name}``; one line per trajectory row::
 
     {"task_id": 42, "sample_idx": 0, "seqlen": 256, "prompt_len": 128,
      "head_version": 5, "tail_version": 5, "reward": 1.0,
-     "prompt": "<|im_start|>user ...", "completion": "The answer is 4.<|im_end|>"}
+     "prompt": "<|im_start|>user ...", "completion": "The answer is 4.<|im_end|>",
+     "tokens": ["The", " answer", ...], "logprobs": [-0.12, ...], "trained": [1, ...], "versions": [5, ...]}
 
 ``prompt_len`` counts the tokens before the first generated one; for a multi-turn
-episode ``completion`` is everything after that (later prompts included).
+episode ``completion`` is everything after that (later prompts included). ``tokens``,
+``logprobs`` (the server's), ``trained`` (loss mask) and ``versions`` describe the completion
+token by token (``megarl report`` shades them).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ def _row_record(traj: dict[str, Any], row: int, tokenizer) -> dict[str, Any]:
         "reward": None if reward is None else float(reward),
         "prompt": tokenizer.decode(ids[:prompt_len]),
         "completion": tokenizer.decode(ids[prompt_len:]),
+        "tokens": [tokenizer.decode([token]) for token in ids[prompt_len:]],
+        "logprobs": [round(float(x), 4) for x in traj["logprobs"][row, prompt_len:seqlen]] if "logprobs" in traj else [],
+        "trained": [int(x) for x in loss_mask[prompt_len:]],
+        "versions": [int(x) for x in versions[prompt_len:]],
     }
 
 

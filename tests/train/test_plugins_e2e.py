@@ -80,6 +80,10 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
         assert step["ppo_actor/gap/abs_logp_diff/p99"] <= step["ppo_actor/gap/abs_logp_diff/max"]
         assert step["ppo_actor/gap/lag_0/abs_logp_diff/avg"] < 0.1, "the server computes what the trainer does"
     assert "train-inference gap" not in (tmp_path / "console.txt").read_text()
+    # the run's report, written at its end: the curves and the dumped trajectories to browse
+    page = (run_dir / "report.html").read_text()
+    assert "<h2>Train-inference gap</h2>" in page and '<script id="trajectory-data"' in page
+    assert SYSTEM_PROMPT in page
 
 
 def test_multi_turn_agent_runs_by_config_alone(tmp_path):
