@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megarl.actor.critic import MegatronCritic
-from megarl.actor.gap import gap_warning
 from megarl.actor.engine import MegatronEngine
+from megarl.actor.gap import gap_warning
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.bridge.update import WeightUpdateMeta
@@ -40,9 +40,10 @@ from megarl.config.train import TrainEngineConfig
 from megarl.data import create_dataloader, load_rl_dataset
 from megarl.launcher.mpi import discover_ranks
 from megarl.models import resolve_model_path
+from megarl.reward.executor import describe_in_flight as describe_rewards_in_flight
 from megarl.rollout import RemoteInferenceEngine
 from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
-from megarl.utils import stats_tracker
+from megarl.utils import heartbeat, stats_tracker
 from megarl.utils.console import Console, Progress, open_console
 from megarl.utils.evaluator import Evaluator, pass_at_1
 from megarl.utils.memory import PeakRSS, release_freed_memory
@@ -95,7 +96,8 @@ class Trainer:
 def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     """One asynchronous RL step; returns its stats (exact over all ranks)."""
     cfg = t.config
-    with stats_tracker.record_timing("rollout"), t.memory.peak("rollout"), rollout_bar(t) as progress:
+    with stats_tracker.record_timing("rollout"), t.memory.peak("rollout"), heartbeat.phase("rollout"), \
+            rollout_bar(t) as progress:
         accept = should_accept_fn(cfg.dynamic_filter, cfg.group_size)
         batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, accept, progress)
     if t.actor.needs_prox_pass():  # else ppo_update's own forward gives them
@@ -121,7 +123,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     epoch, epoch_step = t.position(global_step)
     # the servers evaluate the new weights while the trainer writes them out
     with t.evaluator.evaluating(lambda: evaluate(t), epoch, epoch_step, global_step) as eval_stats:
-        with stats_tracker.record_timing("save"):
+        with stats_tracker.record_timing("save"), heartbeat.phase("save"):
             t.saver.maybe_save(t.checkpointed, epoch, epoch_step, global_step)
             t.recover.maybe_dump(t.checkpointed, recover_info(t, global_step))
     stats = {k: v for step in ppo_stats for k, v in step.items()}
@@ -144,7 +146,7 @@ def warn_on_gap(t: Trainer, stats: dict[str, float]) -> None:
 @contextlib.contextmanager
 def phase(t: Trainer, name: str, servers_paused: bool = False):
     """A trainer phase of the step: its wall time and peak RSS in the stats, on every core if the servers idle."""
-    with stats_tracker.record_timing(name), t.memory.peak(name), t.threads.phase(servers_paused):
+    with stats_tracker.record_timing(name), t.memory.peak(name), t.threads.phase(servers_paused), heartbeat.phase(name):
         stats_tracker.scalar(**{f"threads/{name}": torch.get_num_threads()})
         yield
     if t.config.device == "cpu":
@@ -428,7 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     log_name = "trainer.log" if rank == 0 else f"trainer-rank{rank}.log"  # one writer per file, on any filesystem
     console = open_console(config.run_dir / "logs" / log_name, rank, config.launcher.verbose)
     start = time.time()
-    trainer = build(config)
+    if config.watchdog.enabled:  # the launcher's watchdog reads it (megarl.launcher.watchdog)
+        heartbeat.start(config.run_dir, f"trainer-{rank}", config.watchdog.interval_s)
+    with heartbeat.phase("build"):
+        trainer = build(config)
+    if trainer.rollout is not None:  # what this rank waits for in the rollout: requests and rewards
+        heartbeat.set_detail_fn(lambda: "; ".join(d for d in (trainer.rollout.describe_outstanding(),
+                                                              describe_rewards_in_flight()) if d))  # fmt: skip
     trainer.console = console
     logger.info("trainer rank %d: %s", rank, trainer.threads.describe())
     if dist.get_rank() == 0:
@@ -437,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(trainer)
     finally:
         close(trainer)
+        heartbeat.stop()
     if dist.get_rank() == 0:
         print_summary(console, config, summary, time.time() - start)
     return 0

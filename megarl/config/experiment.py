@@ -37,6 +37,7 @@ from megarl.config.run import (
     RecoverConfig,
     SaverConfig,
     StatsLoggerConfig,
+    WatchdogConfig,
 )
 from megarl.config.train import (
     ADV_ESTIMATOR_PRESETS,
@@ -98,6 +99,8 @@ class BaseExperimentConfig:
     """Metrics output."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     """How the launchers start servers and trainer."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """The hang watchdog: heartbeats of the trainer ranks, budgets per phase, what to do on a stall."""
 
     def check(self) -> None:
         for name in ("experiment_name", "trial_name"):
@@ -110,6 +113,10 @@ class BaseExperimentConfig:
             )
         require(0 <= self.seed < 2**32, "seed", self.seed, "must be in [0, 2**32) (numpy's seed range)")
         require(self.total_train_epochs >= 1, "total_train_epochs", self.total_train_epochs, "must be >= 1")
+        if self.watchdog.action == "restart":
+            require(self.recover.mode == "auto" and self.recover.retries > 0, "watchdog.action", "restart",
+                    f"restarts from a recover point: needs recover.mode=auto and recover.retries > 0 (got "
+                    f"mode={self.recover.mode!r}, retries={self.recover.retries})")  # fmt: skip
         if self.total_train_steps is not None:
             require(self.total_train_steps >= 1, "total_train_steps", self.total_train_steps, "must be >= 1")
         try:

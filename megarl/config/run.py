@@ -195,6 +195,41 @@ class StatsLoggerConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    """The hang watchdog of ``megarl run`` (``megarl.launcher.watchdog``): every trainer rank reports its
+    phase (``megarl.utils.heartbeat``); one that overruns its budget is named on the console with
+    what it waits for, every process's Python stacks are written to ``{run dir}/stacks/``."""
+
+    enabled: bool = True
+    """Trainer ranks keep heartbeats and the launcher watches them."""
+    budget_s: float = 1800.0
+    """Seconds any phase may take before it has a median (its first runs: start-up, the first
+    rollout), and at most ever."""
+    median_factor: float = 5.0
+    """Once a phase ran 3 times, its budget is this times its median duration (but ``min_budget_s``
+    at least, ``budget_s`` at most)."""
+    min_budget_s: float = 120.0
+    """The smallest budget a median gives: short phases vary a lot in relative terms."""
+    silent_s: float = 120.0
+    """A process whose heartbeat was not refreshed for this long is reported as not responding."""
+    interval_s: float = 5.0
+    """Seconds between two beats of a process."""
+    action: Literal["warn", "abort", "restart"] = "warn"
+    """After reporting: ``warn`` keeps running (a phase is reported once); ``abort`` stops the run
+    (exit 3; recover points and metrics stay); ``restart`` stops the trainer so that ``recover``
+    (``mode: auto``, ``retries`` > 0) restarts it from the last recover point."""
+
+    def check(self) -> None:
+        for name in ("budget_s", "min_budget_s", "silent_s", "interval_s"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        require(self.median_factor >= 1, "median_factor", self.median_factor, "must be >= 1")
+        require(self.min_budget_s <= self.budget_s, "min_budget_s", self.min_budget_s,
+                f"must be <= budget_s ({self.budget_s:g})")  # fmt: skip
+        require(self.silent_s > self.interval_s, "silent_s", self.silent_s,
+                f"must be longer than interval_s ({self.interval_s:g}) between two beats")  # fmt: skip
+
+
+@dataclass
 class SlurmConfig:
     """How ``megarl slurm`` renders and submits the sbatch script."""
 

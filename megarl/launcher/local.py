@@ -46,6 +46,7 @@ from megarl.config.experiment import GRPOConfig
 from megarl.config.loader import save_config
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec
+from megarl.launcher.watchdog import Watchdog
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.utils.auth import run_api_key
 from megarl.utils.console import CONSOLE_TTY_ENV
@@ -472,11 +473,16 @@ def run_trainer(
     retries = config.recover.retries if config.recover.mode == "auto" else 0
     log_path = config.run_dir / "logs" / "trainer.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    watchdog = Watchdog(config.run_dir, config.watchdog) if config.watchdog.enabled else None
     with open(log_path, "ab") as log:
         for attempt in range(retries + 1):
             log.write(f"# megarl run: trainer attempt {attempt + 1}: {' '.join(cmd)}\n".encode())
             log.flush()
-            code = _run_trainer_once(cmd, env, servers, relay, log, startup)
+            if watchdog is not None:
+                watchdog.reset()  # the heartbeats of an earlier attempt's ranks are not this one's
+            code = _run_trainer_once(cmd, env, servers, relay, log, startup, watchdog)
+            if code == WATCHDOG_ABORT_STATUS and config.watchdog.action == "abort":
+                return code
             if code == 0:
                 logger.info("trainer finished")
                 return 0
@@ -502,6 +508,7 @@ def _run_trainer_once(
     relay: OutputRelay,
     log: IO[bytes],
     startup: ServerStartup | None = None,
+    watchdog: Watchdog | None = None,
 ) -> int:
     logger.info("starting trainer: %s", " ".join(cmd))
     mark = _Mark.new()
@@ -514,7 +521,7 @@ def _run_trainer_once(
     kill_on_exit(proc)
     pump = relay.pipe("trainer", proc.stdout, log) if relay.verbose else relay.console("trainer", proc.stdout, log)
     try:
-        code = _watch(proc, servers, startup)
+        code = _watch(proc, servers, startup, watchdog, relay)
     finally:
         cancel_kill_on_exit(proc)
         terminate_process_tree(proc, timeout=_STOP_TIMEOUT_S)
@@ -529,13 +536,34 @@ def _run_trainer_once(
     return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
 
 
-def _watch(proc: subprocess.Popen, servers: list[InferenceServer], startup: ServerStartup | None) -> int:
+def _watch(
+    proc: subprocess.Popen,
+    servers: list[InferenceServer],
+    startup: ServerStartup | None,
+    watchdog: Watchdog | None = None,
+    relay: OutputRelay | None = None,
+) -> int:
+    """Until the trainer exits: the servers' start-up and health, and the watchdog (which may end the trainer)."""
     while (code := proc.poll()) is None:
         if startup is not None and startup.waiting:
             startup.poll()
         _check_servers(servers, "during training")
+        event = watchdog.check() if watchdog is not None else None
+        if event is not None:
+            if relay is not None:
+                relay.end_line()
+                relay.line("megarl", event.line())
+            if watchdog.config.action != "warn":
+                what = "stopping the run" if watchdog.config.action == "abort" else "restarting the trainer from its last recover point"
+                logger.error("watchdog: %s (watchdog.action=%s)", what, watchdog.config.action)
+                if relay is not None:
+                    relay.line("megarl", f"watchdog: {what} (watchdog.action={watchdog.config.action})")
+                return WATCHDOG_ABORT_STATUS  # the caller's finally stops the trainer's process tree
         time.sleep(_POLL_S)
     return code
+
+
+WATCHDOG_ABORT_STATUS = 3  # the trainer stopped by the watchdog (warn keeps it running)
 
 
 def _check_servers(servers: list[InferenceServer], when: str) -> None:

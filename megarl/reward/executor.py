@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
+import itertools
 import logging
 import multiprocessing
 import os
@@ -153,6 +155,10 @@ class AsyncRewardWrapper:
         broken.shutdown(wait=False, cancel_futures=False)
 
     async def __call__(self, *args: Any, **kwargs: Any) -> ScoredReward:
+        with _in_flight(self.reward_fn):
+            return await self._score(*args, **kwargs)
+
+    async def _score(self, *args: Any, **kwargs: Any) -> ScoredReward:
         executor = self._get_executor()
         call = functools.partial(_call_reward, self.reward_fn, args, kwargs, self.timeout_seconds)
         try:
@@ -186,3 +192,31 @@ class AsyncRewardWrapper:
 
     def __getstate__(self):
         raise TypeError("AsyncRewardWrapper holds a process pool and cannot be pickled")
+
+
+_IN_FLIGHT: dict[int, tuple[str, int, float]] = {}  # reward calls of this process: id -> (function, task id, start)
+_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def _in_flight(reward_fn):
+    from megarl.workflow import context as workflow_context
+
+    key = next(_ids)
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    _IN_FLIGHT[key] = (name, workflow_context.get().task_id, time.monotonic())
+    try:
+        yield
+    finally:
+        del _IN_FLIGHT[key]
+
+
+def describe_in_flight() -> str:
+    """The reward calls running now, oldest first (the watchdog's view of an episode waiting for its reward)."""
+    calls = sorted(_IN_FLIGHT.values(), key=lambda call: call[2])
+    if not calls:
+        return ""
+    now = time.monotonic()
+    name, _, oldest = calls[0]
+    tasks = ", ".join(str(task) for _, task, _ in calls[:8])
+    return f"{len(calls)} reward call(s) running, the oldest {now - oldest:.0f} s ({name}; tasks {tasks})"

@@ -108,6 +108,8 @@ class RemoteInferenceEngine(InferenceEngine):
         self._paused = False
         self._destroyed = False
         self._max_connections = 64
+        self._outstanding: dict[int, tuple[str, int, float]] = {}  # request -> (server, task id, start)
+        self._request_ids = itertools.count()
         self.pool: RolloutPool | None = None
         self.tokenizer: Any = None
 
@@ -270,6 +272,8 @@ class RemoteInferenceEngine(InferenceEngine):
 
     async def _send(self, server: _Server, payload: dict[str, Any], max_tokens: int) -> GenerationChunk:
         server.in_flight += 1
+        request = next(self._request_ids)
+        self._outstanding[request] = (server.address, workflow_context.get().task_id, time.monotonic())
         try:
             return await arequest_with_retry(
                 self._session(),
@@ -282,6 +286,20 @@ class RemoteInferenceEngine(InferenceEngine):
             )
         finally:
             server.in_flight -= 1
+            del self._outstanding[request]
+
+    def describe_outstanding(self) -> str:
+        """The generation requests waiting for a server now, by server, oldest first (for the watchdog)."""
+        by_server: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
+        for address, task, start in list(self._outstanding.values()):
+            by_server[address].append((task, start))
+        now, parts = time.monotonic(), []
+        for address, requests in sorted(by_server.items(), key=lambda item: min(s for _, s in item[1])):
+            requests.sort(key=lambda request: request[1])
+            tasks = ", ".join(str(task) for task, _ in requests[:8])
+            parts.append(f"{address}: {len(requests)} request(s) outstanding, the oldest {now - requests[0][1]:.0f} s "
+                         f"(tasks {tasks})")  # fmt: skip
+        return "; ".join(parts)
 
     async def _wait_while_paused(self) -> None:
         while self._paused and not self._destroyed:

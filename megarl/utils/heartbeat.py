@@ -1,0 +1,163 @@
+"""Heartbeats: each trainer rank says what it is doing, so that a stall can be named.
+
+A process with a heartbeat keeps ``{run_dir}/heartbeat/{name}.json`` current::
+
+    {"name": "trainer-1", "pid": 4242, "phase": "train_step", "detail": "...",
+     "since": 1732419000.5, "beat": 1732419042.1, "medians": {"rollout": 9.8, "train_step": 7.1}}
+
+``phase`` is what it does now and ``since`` when that began; ``detail`` says what it waits for
+(a callback refreshed at every beat: the rollout pool's outstanding requests by server, the
+episodes waiting for their reward); ``beat`` is refreshed every ``interval`` seconds by a
+thread, so a process that died or hangs with the GIL held shows as silent; ``medians`` are
+the median durations of the phases done so far (``runs``: how many), for the watchdog's budgets
+(:mod:`megarl.launcher.watchdog`). ``SIGUSR1`` makes the process write every thread's Python
+stack to ``{run_dir}/stacks/{name}.txt`` (``faulthandler``).
+
+One heartbeat per process (:func:`start`); :func:`phase` is a no-op where none was started.
+
+Fault injection (tests only): ``MEGARL_FAULT_STALL=NAME:PHASE:SECONDS`` makes process ``NAME``
+sleep ``SECONDS`` on entering ``PHASE``, e.g. ``trainer-1:train_step:600``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import signal
+import statistics
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FAULT_STALL_ENV = "MEGARL_FAULT_STALL"
+HEARTBEAT_DIR = "heartbeat"
+STACKS_DIR = "stacks"
+_MEDIAN_WINDOW = 20  # durations kept per phase
+
+
+class Heartbeat:
+    """The heartbeat file of one process (see the module doc)."""
+
+    def __init__(self, run_dir: str | Path, name: str, interval: float = 5.0):
+        self.run_dir, self.name, self.interval = Path(run_dir), name, interval
+        self.path = self.run_dir / HEARTBEAT_DIR / f"{name}.json"
+        self._lock = threading.Lock()
+        self._phase, self._detail, self._since = "start", "", time.time()
+        self._durations: dict[str, list[float]] = defaultdict(list)
+        self._runs: dict[str, int] = defaultdict(int)
+        self._detail_fn: Callable[[], str] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stacks = None
+
+    def start(self) -> Heartbeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        stacks = self.run_dir / STACKS_DIR / f"{self.name}.txt"
+        stacks.parent.mkdir(parents=True, exist_ok=True)
+        self._stacks = open(stacks, "a")  # noqa: SIM115 -- faulthandler writes to it until the process ends
+        faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True, chain=False)
+        self._write()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.interval + 1)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a process that ended is not stalled
+        if self._stacks is not None:
+            faulthandler.unregister(signal.SIGUSR1)
+            self._stacks.close()
+
+    def set_detail_fn(self, fn: Callable[[], str] | None) -> None:
+        """What the process waits for, asked at each beat (e.g. the pool's outstanding requests)."""
+        self._detail_fn = fn
+
+    @contextlib.contextmanager
+    def phase(self, name: str, detail: str = "") -> Iterator[None]:
+        """Mark the block as phase ``name``; its duration feeds the phase's median."""
+        with self._lock:
+            outer = (self._phase, self._detail, self._since)
+            self._phase, self._detail, self._since = name, detail, time.time()
+        self._write()
+        try:
+            _injected_stall(self.name, name)
+            yield
+        finally:
+            with self._lock:
+                durations = self._durations[name]
+                durations.append(time.time() - self._since)
+                del durations[:-_MEDIAN_WINDOW]
+                self._runs[name] += 1
+                top = outer[0] in ("start", "idle")  # between phases: idle from now on
+                self._phase, self._detail, self._since = ("idle", "", time.time()) if top else outer
+            self._write()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._write()
+
+    def _write(self) -> None:
+        detail = self._detail
+        if self._detail_fn is not None:
+            try:
+                detail = "; ".join(d for d in (detail, self._detail_fn()) if d)
+            except Exception as e:  # noqa: BLE001 -- a report must not break what it reports on
+                detail = f"{detail} (detail unavailable: {e!r})"
+        with self._lock:
+            record = {"name": self.name, "pid": os.getpid(), "phase": self._phase, "detail": detail,
+                      "since": self._since, "beat": time.time(),
+                      "medians": {k: statistics.median(v) for k, v in self._durations.items() if v},
+                      "runs": dict(self._runs)}  # fmt: skip
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+        except OSError as e:  # a full disk: the watchdog then sees a silent process, which it reports
+            logger.debug("heartbeat %s not written: %s", self.path, e)
+
+
+def _injected_stall(process: str, phase: str) -> None:
+    spec = os.environ.get(FAULT_STALL_ENV, "")
+    if spec:
+        name, wanted, seconds = spec.rsplit(":", 2)
+        if (name, wanted) == (process, phase):
+            logger.warning("%s=%s: %s sleeps %s s in phase %s", FAULT_STALL_ENV, spec, process, seconds, phase)
+            time.sleep(float(seconds))
+
+
+_CURRENT: Heartbeat | None = None
+
+
+def start(run_dir: str | Path, name: str, interval: float = 5.0) -> Heartbeat:
+    """Start this process's heartbeat (once)."""
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = Heartbeat(run_dir, name, interval).start()
+    return _CURRENT
+
+
+def stop() -> None:
+    global _CURRENT
+    if _CURRENT is not None:
+        _CURRENT.close()
+        _CURRENT = None
+
+
+def phase(name: str, detail: str = "") -> contextlib.AbstractContextManager:
+    """The current heartbeat's :meth:`Heartbeat.phase`, or a no-op."""
+    return _CURRENT.phase(name, detail) if _CURRENT is not None else contextlib.nullcontext()
+
+
+def set_detail_fn(fn: Callable[[], str] | None) -> None:
+    if _CURRENT is not None:
+        _CURRENT.set_detail_fn(fn)

@@ -1,0 +1,157 @@
+"""The hang watchdog with real processes: a rank asleep while the others wait in a collective, a
+server that stops answering, a reward that never returns. Each is named, with what it waits for,
+within its budget; nothing else is reported; every process's stacks are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from megarl.config.run import WatchdogConfig
+from megarl.launcher.local import WATCHDOG_ABORT_STATUS, _watch
+from megarl.launcher.watchdog import Watchdog
+from megarl.utils.heartbeat import FAULT_STALL_ENV, Heartbeat
+from megarl.utils.network import find_free_port
+from tests.rollout.conftest import fake_servers  # noqa: F401 -- the fixture
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = str(ROOT / "tests" / "launcher" / "stall_worker.py")
+BUDGET_S = 4.0
+
+
+def _config(**overrides) -> WatchdogConfig:
+    values = {"budget_s": BUDGET_S, "min_budget_s": 1.0, "silent_s": 30.0, "interval_s": 0.2}
+    return WatchdogConfig(**{**values, **overrides})
+
+
+def _start(run_dir: Path, *args, env=None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.Popen([sys.executable, WORKER, args[0], str(run_dir), *map(str, args[1:])], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+
+
+def _first_event(watchdog: Watchdog, limit_s: float):
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        event = watchdog.check()
+        if event is not None:
+            return event, time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"nothing reported within {limit_s} s")
+
+
+def _wait_for_heartbeats(run_dir: Path, names: set[str], limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while {p.stem for p in (run_dir / "heartbeat").glob("*.json")} < names:
+        assert time.monotonic() < deadline, f"no heartbeat of {names} within {limit_s} s"
+        time.sleep(0.1)
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        os.killpg(proc.pid, 9)
+        proc.wait(10)
+
+
+def _assert_nothing_else(watchdog: Watchdog, seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert watchdog.check() is None, "the same stall reported twice"
+        time.sleep(0.1)
+
+
+def test_a_rank_asleep_is_named_and_the_others_wait_in_the_collective(tmp_path):
+    port = find_free_port()
+    env = {FAULT_STALL_ENV: "trainer-1:compute:600"}
+    procs = [_start(tmp_path, "collective", rank, 3, port, env=env) for rank in range(3)]
+    try:
+        _wait_for_heartbeats(tmp_path, {"trainer-0", "trainer-1", "trainer-2"})
+        watchdog = Watchdog(tmp_path, _config())
+        event, after = _first_event(watchdog, 3 * BUDGET_S)
+        assert event.names == ["trainer-1"] and event.phase == "compute" and event.kind == "overdue", event
+        assert "trainer-0 in 'sync'" in event.others and "trainer-2 in 'sync'" in event.others, event
+        assert BUDGET_S <= event.seconds < BUDGET_S + 2, "named within its budget"
+        assert "trainer-1" in event.line() and "compute" in event.line()
+        _assert_nothing_else(watchdog)
+        time.sleep(1.0)  # faulthandler writes the stacks on SIGUSR1
+        waiting = (tmp_path / "stacks" / "trainer-0.txt").read_text()
+        assert "all_reduce" in waiting, waiting[-2000:]
+        assert "_injected_stall" in (tmp_path / "stacks" / "trainer-1.txt").read_text()
+        logged = [json.loads(line) for line in (tmp_path / "watchdog.jsonl").read_text().splitlines()]
+        assert len(logged) == 1 and logged[0]["names"] == ["trainer-1"]
+    finally:
+        _stop(*procs)
+
+
+def test_a_server_that_stops_answering_is_named_with_its_requests(tmp_path, fake_servers):
+    (server,) = fake_servers(1)
+    body = json.dumps({"faults": ["hang"]}).encode()
+    urllib.request.urlopen(urllib.request.Request(f"http://{server.address}/_faults", data=body, method="POST"))
+    proc = _start(tmp_path, "server", server.address)
+    try:
+        _wait_for_heartbeats(tmp_path, {"trainer-0"})
+        watchdog = Watchdog(tmp_path, _config())
+        event, _ = _first_event(watchdog, 3 * BUDGET_S + 30)
+        assert event.names == ["trainer-0"] and event.phase == "rollout", event
+        assert f"{server.address}: 1 request(s) outstanding, the oldest" in event.waits_for, event
+        assert event.seconds < BUDGET_S + 2
+        _assert_nothing_else(watchdog)
+    finally:
+        _stop(proc)
+
+
+def test_a_reward_that_never_returns_is_named(tmp_path):
+    proc = _start(tmp_path, "reward")
+    try:
+        _wait_for_heartbeats(tmp_path, {"trainer-0"})
+        watchdog = Watchdog(tmp_path, _config())
+        event, _ = _first_event(watchdog, 3 * BUDGET_S + 30)
+        assert event.phase == "rollout" and "1 reward call(s) running" in event.waits_for, event
+        assert "never_returns" in event.waits_for, event
+        _assert_nothing_else(watchdog)
+    finally:
+        _stop(proc)
+
+
+def test_budgets_follow_the_medians():
+    watchdog = Watchdog(Path("."), WatchdogConfig(budget_s=1000, median_factor=5, min_budget_s=60))
+    assert watchdog.budget("train_step", {}) == 1000  # no median yet
+    assert watchdog.budget("train_step", {"train_step": 30}) == 150
+    assert watchdog.budget("train_step", {"train_step": 2}) == 60  # never below min_budget_s
+    assert watchdog.budget("train_step", {"train_step": 900}) == 1000
+
+
+def test_a_silent_process_is_reported(tmp_path):
+    """A process that died (its heartbeat file stays, no longer refreshed)."""
+    proc = _start(tmp_path, "reward")
+    _wait_for_heartbeats(tmp_path, {"trainer-0"})
+    _stop(proc)
+    watchdog = Watchdog(tmp_path, _config(silent_s=0.5))
+    time.sleep(0.7)
+    event = watchdog.check()
+    assert event is not None and event.kind == "silent" and "has not sent a heartbeat" in event.line()
+
+
+@pytest.mark.parametrize("action", ["abort", "warn"])
+def test_abort_stops_the_trainer_warn_keeps_it(tmp_path, action):
+    """``_watch`` (the launcher's loop) ends the trainer on a stall under ``abort`` only."""
+    beat = Heartbeat(tmp_path, "trainer-0", interval=0.1).start()
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        with beat.phase("train_step"):
+            start = time.monotonic()
+            code = _watch(trainer, [], None, Watchdog(tmp_path, _config(budget_s=1.0, min_budget_s=0.5, action=action)))
+    finally:
+        beat.close()
+        trainer.kill()
+    if action == "abort":
+        assert code == WATCHDOG_ABORT_STATUS and time.monotonic() - start < 3
+    else:
+        assert code == 0 and time.monotonic() - start >= 4, "warn lets the trainer finish"

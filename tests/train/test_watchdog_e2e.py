@@ -1,0 +1,42 @@
+"""The watchdog in ``megarl run``: a trainer rank stalled on purpose is named on the console within
+its budget, its stacks are written, and ``watchdog.action=abort`` ends the run (exit 3) with the
+servers and the trainer stopped and the run directory kept."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megarl.utils.heartbeat import FAULT_STALL_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+BUDGET_S = 20
+
+
+@pytest.mark.vllm
+def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
+    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"),
+           f"cluster.fileroot={tmp_path}", "total_train_steps=1", "stats_logger.wandb.mode=disabled",
+           f"watchdog.budget_s={BUDGET_S}", "watchdog.min_budget_s=5", "watchdog.interval_s=1",
+           "watchdog.action=abort"]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               **{FAULT_STALL_ENV: "trainer-0:build:600"})  # fmt: skip
+    start = time.monotonic()
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    console = result.stdout + result.stderr
+    assert result.returncode == 3, console[-3000:]
+    assert time.monotonic() - start < BUDGET_S + 90, "named within the budget, then stopped"
+    line = next(line for line in console.splitlines() if line.startswith("megarl watchdog:"))
+    assert "trainer-0 in phase 'build'" in line and f"(budget {BUDGET_S} s)" in line, line
+    assert "watchdog: stopping the run (watchdog.action=abort)" in console
+    run_dir = tmp_path / "gsm8k-grpo-cpu" / "trial0"
+    assert "_injected_stall" in (run_dir / "stacks" / "trainer-0.txt").read_text()
+    assert (run_dir / "config.yaml").exists() and (run_dir / "watchdog.jsonl").exists()
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, f"processes of the run still alive: {leftovers}"
