@@ -11,7 +11,9 @@ by a delay or by retries outlive the staleness bound more often than in a real r
 dropped at hand-off as designed (``rollout/n_stale_dropped``, logged) and counted here. Every
 dataset item has its own id, so the books balance exactly::
 
-    items fed = handed out + dropped after failures (counted) + dropped as stale (counted) + pending
+    items fed = handed out + dropped after failures (counted) + dropped as stale and not rerun + pending
+
+(a dataloader item whose trajectory came too late runs again, up to 3 times: ``n_stale_rerun``)
 
 and no id is handed out twice; every handed-out row is checked token by token against what
 the server generates (nothing misaligned reaches the trainer). It also samples the client's
@@ -110,7 +112,7 @@ def soak(minutes: float, concurrency: int, n_servers: int = 2, fail_rate: float 
     tokens, logprobs = expected_tokens(PROMPT_LEN, NEW_TOKENS)
     proc, samples = psutil.Process(), Samples()
     handed_out = IdBitmap()
-    totals = {"doubled": 0, "misaligned": 0, "failed": 0, "dropped": 0, "stale": 0, "steps": 0}
+    totals = {"doubled": 0, "misaligned": 0, "failed": 0, "dropped": 0, "stale": 0, "stale rerun": 0, "steps": 0}
     start = time.monotonic()
     try:
         while time.monotonic() - start < 60 * minutes:
@@ -121,6 +123,7 @@ def soak(minutes: float, concurrency: int, n_servers: int = 2, fail_rate: float 
             totals["failed"] += int(stats.get("rollout/n_failed", 0))
             totals["dropped"] += int(stats.get("rollout/n_dropped_items", 0))
             totals["stale"] += int(stats.get("rollout/n_stale_dropped", 0))
+            totals["stale rerun"] += int(stats.get("rollout/n_stale_rerun", 0))
             for row, reward in enumerate(batch["rewards"].tolist()):
                 totals["doubled"] += handed_out.add(int(reward))
                 clean = batch["input_ids"][row, PROMPT_LEN:].tolist() == tokens and all(
@@ -152,9 +155,10 @@ def soak(minutes: float, concurrency: int, n_servers: int = 2, fail_rate: float 
         "handed out": handed_out.count,
         "dropped (counted)": totals["dropped"],
         "stale (counted)": totals["stale"],
+        "stale, item rerun": totals["stale rerun"],
         # the accepted-not-yet-handed-out ones stay pending too: they reach the trainer next step
         "pending at end": pending,
-        "lost": loader.fed - handed_out.count - totals["dropped"] - totals["stale"] - pending,
+        "lost": loader.fed - handed_out.count - totals["dropped"] - (totals["stale"] - totals["stale rerun"]) - pending,
         "doubled": totals["doubled"],
         "misaligned": totals["misaligned"],
         "requests": requests,

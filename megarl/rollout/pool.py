@@ -22,7 +22,8 @@ workflow's own code is raised to the trainer by ``wait``: it is a bug to fix.
 Back-pressure instead of errors: ``submit`` blocks while the input queue is full, and
 no episode starts while accepted-but-unconsumed plus running episodes fill the output
 bound. Trajectories holding a token older than ``version - max_staleness`` are dropped
-at hand-off (see :mod:`megarl.rollout.staleness`).
+at hand-off (see :mod:`megarl.rollout.staleness`); a dataloader item's is run again, first,
+with the current weights (up to 3 times), so that no prompt of the epoch is skipped.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2  # prepare_batch re-checks whether to feed more data at least this often
 _UNFINISHED = object()  # a rollout_batch episode without an outcome yet
+_MAX_STALE_RERUNS = 3  # a dataloader item whose trajectory came too late runs again this often at most
 
 
 class RolloutError(RuntimeError):
@@ -70,6 +72,7 @@ class _Task:
     is_eval: bool
     watch: bool = False  # rollout_batch waits for this very task
     attempt: int = 0  # runs that failed on the servers so far
+    stale_reruns: int = 0  # runs whose trajectory came too late (dropped as stale)
 
     @property
     def budgeted(self) -> bool:
@@ -85,6 +88,7 @@ class _Result:
     traj: dict[str, Any] = field(compare=False)
     is_eval: bool = field(compare=False)
     n_tokens: int = field(compare=False)
+    task: _Task | None = field(compare=False, default=None)
 
 
 class RolloutPool:
@@ -351,7 +355,7 @@ class RolloutPool:
         oldest = oldest_version(traj)
         n_tokens = int(traj["loss_mask"].sum()) if "loss_mask" in traj else 0
         version = self.engine.get_version() if oldest is None else oldest
-        return _Result(version, next(self._ids), task.task_id, traj, task.is_eval, n_tokens)
+        return _Result(version, next(self._ids), task.task_id, traj, task.is_eval, n_tokens, task)
 
     # ------------------------------------------------------------------ the trainer side
 
@@ -401,14 +405,27 @@ class RolloutPool:
         dropped = []
         while self._results and self._results[0].oldest < floor and not self._results[0].is_eval:
             stale = heapq.heappop(self._results)
-            self._pending.pop(stale.task_id, None)
             self.staleness.on_rollout_dropped()
             dropped.append(stale.oldest)
-            logger.warning("dropped a stale trajectory of version %d (version %d, max_staleness=%d, oldest allowed %d)",
-                           stale.oldest, self.engine.get_version(), self.staleness.max_staleness, floor)  # fmt: skip
+            again = self._rerun_stale_locked(stale)
+            logger.warning("dropped a stale trajectory of version %d (version %d, max_staleness=%d, oldest allowed %d)%s",
+                           stale.oldest, self.engine.get_version(), self.staleness.max_staleness, floor,
+                           "; its dataloader item runs again" if again else "")  # fmt: skip
+            true = torch.ones(1, dtype=torch.bool)
             with stats_tracker.scope("rollout"):
-                stats_tracker.denominator(n_stale_dropped=torch.ones(1, dtype=torch.bool))
+                stats_tracker.denominator(n_stale_dropped=true, n_stale_rerun=true if again else ~true)
         return dropped
+
+    def _rerun_stale_locked(self, stale: _Result) -> bool:
+        """Queue a stale trajectory's dataloader item again, first, so no prompt is skipped (a few times at most)."""
+        task = stale.task
+        if stale.task_id not in self._pending or task is None or task.stale_reruns >= _MAX_STALE_RERUNS:
+            self._pending.pop(stale.task_id, None)
+            return False
+        task.stale_reruns += 1
+        self._input.appendleft(task)
+        self._wake_loop()
+        return True
 
     def _take(
         self, max_count: int, min_count: int, timeout: float | None, fail_on_stale: bool = False

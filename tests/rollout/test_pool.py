@@ -316,3 +316,25 @@ def test_evaluation_passes_training_tasks_parked_at_the_staleness_bound(pool_fac
     engine.version += 1
     pool.notify_version()
     assert len(pool.wait(4, timeout=30)) == 4, "the parked training episodes run once the version moves"
+
+
+def test_a_dataloader_item_whose_trajectory_came_too_late_runs_again(pool_factory, caplog):
+    """prepare_batch: a trajectory dropped as stale does not skip its prompt; the item runs again, first,
+    with the current weights, and reaches the trainer once."""
+    pool, engine = pool_factory(batch_size=2, max_concurrent_rollouts=4, max_staleness=1)
+    slow = {"id": 0, "chunk_delays": [0.6]}  # outlives two versions
+    items = [slow] + [{"id": i, "chunk_delays": [0.001]} for i in range(1, 16)]
+    loader = ListLoader(items, 2)
+    stats_tracker.export(local=True)
+    consumed = []
+    with caplog.at_level("WARNING", logger="megarl.rollout.pool"):
+        for _ in range(6):
+            consumed += [int(r) for r in pool.prepare_batch(loader, SimWorkflow())["rewards"]]
+            engine.version += 1
+            pool.notify_version()
+            time.sleep(0.4)  # the slow episode finishes while the trainer is two versions further
+    stats = stats_tracker.export(local=True)
+    assert "its dataloader item runs again" in caplog.text
+    assert stats["rollout/n_stale_rerun"] >= 1
+    assert consumed.count(0) <= 1 and len(set(consumed)) == len(consumed), "no prompt trained twice"
+    assert 0 in consumed + [int(p["id"]) for p in pool.pending_items()], "the slow prompt was skipped"
