@@ -217,6 +217,11 @@ def test_dumper_format(tokenizer, tmp_path):
         "reward": 1.0,
         "prompt": "Q: 2+2?",
         "completion": " 4",
+        # token by token, for the report's shading
+        "tokens": [tokenizer.decode([t]) for t in answer],
+        "logprobs": [-0.1] * len(answer),
+        "trained": [1] * len(answer),
+        "versions": [5] * len(answer),
     }
     assert (
         TrajectoryDumper(tmp_path, tokenizer).path_for(1, 0, is_eval=True)
