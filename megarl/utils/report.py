@@ -112,6 +112,11 @@ def _series(steps: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+def _step_tick(steps: list[dict]) -> int:
+    """Whole steps on the x axis (about 10 ticks)."""
+    return max(1, len(steps) // 10)
+
+
 def _curves(go, steps):
     fig = go.Figure()
     for key, name in (("batch/reward/avg", "reward (trained batch)"), ("eval/pass@1", "pass@1 (evaluation)")):
@@ -121,6 +126,7 @@ def _curves(go, steps):
     if not fig.data:
         return None
     fig.update_layout(xaxis_title="step", yaxis_title="reward / accuracy", height=360)
+    fig.update_xaxes(dtick=_step_tick(steps))
     return "Reward and accuracy", fig, "Mean reward of the trajectories trained on at each step; greedy pass@1 when evaluated."
 
 
@@ -161,6 +167,7 @@ def _gap(go, steps):
     if not fig.data:
         return None
     fig.update_layout(xaxis_title="step", yaxis_title="|trainer logprob - server logprob|", yaxis_type="log", height=360)
+    fig.update_xaxes(dtick=_step_tick(steps))
     return ("Train-inference gap", fig,
             "Over the tokens trained at each step (megarl/actor/gap.py); lag 0 is numerics alone.")  # fmt: skip
 
