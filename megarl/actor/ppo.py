@@ -128,17 +128,18 @@ class MegatronPPOActor(MegatronEngine):
         for epoch in range(cfg.ppo_n_epochs):
             for i, minibatch in enumerate(split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)):
                 with stats_tracker.scope("ppo_actor"):
-                    step = self.train_minibatch(minibatch, partial(loss_fn, gap=self._gap_meter(data, epoch + i)), weight_fn)
+                    gap = self._gap_meter(data, first=epoch == 0 and i == 0)
+                    step = self.train_minibatch(minibatch, partial(loss_fn, gap=gap), weight_fn)
                     keys = ("loss", "grad_norm", "lr", "update_successful", "n_mbs", "packed_tokens", "skipped_seqs")
                     stats_tracker.scalar(**{k: step[k] for k in keys})
                     self.gap.finish(self.parallel.dp_group)
                 all_stats.append(stats_tracker.export())
         return all_stats
 
-    def _gap_meter(self, data: dict, nth_minibatch: int) -> GapMeter | None:
+    def _gap_meter(self, data: dict, first: bool) -> GapMeter | None:
         """The gap meter where the trainer's logprobs are the weights' before the update: the recomputed
-        ones, or the update's own forward for the first mini-batch of the first epoch."""
-        if "behaviour_logp" not in data or (nth_minibatch > 0 and "prox_logp" not in data):
+        ones, or the update's own forward for the first mini-batch of the first epoch (``first``)."""
+        if "behaviour_logp" not in data or (not first and "prox_logp" not in data):
             return None
         return self.gap
 

@@ -119,11 +119,9 @@ class Watchdog:
         return self.budget(beat["phase"], medians)
 
     def _overdue(self, beat: dict, now: float) -> str | None:
-        if beat.get("phase") == "idle":
-            return "silent" if now - beat["beat"] > self.config.silent_s else None
         if now - beat["beat"] > self.config.silent_s:
             return "silent"
-        if now - beat["since"] > self._budget_of(beat):
+        if beat["phase"] != "idle" and now - beat["since"] > self._budget_of(beat):
             return "overdue"
         return None
 

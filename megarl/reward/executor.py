@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
-import itertools
 import logging
 import multiprocessing
 import os
@@ -33,6 +31,7 @@ import torch
 
 from megarl.reward.base import ScoredReward
 from megarl.utils import stats_tracker
+from megarl.utils.heartbeat import InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +154,10 @@ class AsyncRewardWrapper:
         broken.shutdown(wait=False, cancel_futures=False)
 
     async def __call__(self, *args: Any, **kwargs: Any) -> ScoredReward:
-        with _in_flight(self.reward_fn):
+        from megarl.workflow import context as workflow_context
+
+        name = getattr(self.reward_fn, "__qualname__", repr(self.reward_fn))
+        with _REWARD_CALLS.track(name, workflow_context.get().task_id):
             return await self._score(*args, **kwargs)
 
     async def _score(self, *args: Any, **kwargs: Any) -> ScoredReward:
@@ -194,29 +196,9 @@ class AsyncRewardWrapper:
         raise TypeError("AsyncRewardWrapper holds a process pool and cannot be pickled")
 
 
-_IN_FLIGHT: dict[int, tuple[str, int, float]] = {}  # reward calls of this process: id -> (function, task id, start)
-_ids = itertools.count()
-
-
-@contextlib.contextmanager
-def _in_flight(reward_fn):
-    from megarl.workflow import context as workflow_context
-
-    key = next(_ids)
-    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-    _IN_FLIGHT[key] = (name, workflow_context.get().task_id, time.monotonic())
-    try:
-        yield
-    finally:
-        del _IN_FLIGHT[key]
+_REWARD_CALLS = InFlight("reward call(s) running")  # of this process, by reward function
 
 
 def describe_in_flight() -> str:
     """The reward calls running now, oldest first (the watchdog's view of an episode waiting for its reward)."""
-    calls = sorted(_IN_FLIGHT.values(), key=lambda call: call[2])
-    if not calls:
-        return ""
-    now = time.monotonic()
-    name, _, oldest = calls[0]
-    tasks = ", ".join(str(task) for _, task, _ in calls[:8])
-    return f"{len(calls)} reward call(s) running, the oldest {now - oldest:.0f} s ({name}; tasks {tasks})"
+    return _REWARD_CALLS.describe()

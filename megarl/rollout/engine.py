@@ -48,6 +48,7 @@ from megarl.rollout.http import (
 from megarl.rollout.pool import RolloutPool
 from megarl.rollout.server import resolve_server_addrs
 from megarl.utils import stats_tracker
+from megarl.utils.heartbeat import InFlight
 from megarl.workflow import context as workflow_context
 from megarl.workflow.dump import TrajectoryDumper
 
@@ -108,8 +109,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._paused = False
         self._destroyed = False
         self._max_connections = 64
-        self._outstanding: dict[int, tuple[str, int, float]] = {}  # request -> (server, task id, start)
-        self._request_ids = itertools.count()
+        self._requests = InFlight("request(s) outstanding")  # by server, for the watchdog
         self.pool: RolloutPool | None = None
         self.tokenizer: Any = None
 
@@ -272,34 +272,23 @@ class RemoteInferenceEngine(InferenceEngine):
 
     async def _send(self, server: _Server, payload: dict[str, Any], max_tokens: int) -> GenerationChunk:
         server.in_flight += 1
-        request = next(self._request_ids)
-        self._outstanding[request] = (server.address, workflow_context.get().task_id, time.monotonic())
         try:
-            return await arequest_with_retry(
-                self._session(),
-                server.address,
-                self.backend.generate_endpoint,
-                payload,
-                policy=self.policy,
-                parse=lambda body: check_chunk(self.backend.parse_generate(body), max_tokens),
-                give_up=lambda: not server.usable(time.monotonic()),
-            )
+            with self._requests.track(server.address, workflow_context.get().task_id):
+                return await arequest_with_retry(
+                    self._session(),
+                    server.address,
+                    self.backend.generate_endpoint,
+                    payload,
+                    policy=self.policy,
+                    parse=lambda body: check_chunk(self.backend.parse_generate(body), max_tokens),
+                    give_up=lambda: not server.usable(time.monotonic()),
+                )
         finally:
             server.in_flight -= 1
-            del self._outstanding[request]
 
     def describe_outstanding(self) -> str:
         """The generation requests waiting for a server now, by server, oldest first (for the watchdog)."""
-        by_server: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
-        for address, task, start in list(self._outstanding.values()):
-            by_server[address].append((task, start))
-        now, parts = time.monotonic(), []
-        for address, requests in sorted(by_server.items(), key=lambda item: min(s for _, s in item[1])):
-            requests.sort(key=lambda request: request[1])
-            tasks = ", ".join(str(task) for task, _ in requests[:8])
-            parts.append(f"{address}: {len(requests)} request(s) outstanding, the oldest {now - requests[0][1]:.0f} s "
-                         f"(tasks {tasks})")  # fmt: skip
-        return "; ".join(parts)
+        return self._requests.describe()
 
     async def _wait_while_paused(self) -> None:
         while self._paused and not self._destroyed:

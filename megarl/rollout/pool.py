@@ -84,11 +84,17 @@ class _Task:
 class _Result:
     oldest: int  # oldest token version: hand-off order and staleness check
     seq: int
-    task_id: int = field(compare=False)
+    task: _Task = field(compare=False)
     traj: dict[str, Any] = field(compare=False)
-    is_eval: bool = field(compare=False)
     n_tokens: int = field(compare=False)
-    task: _Task | None = field(compare=False, default=None)
+
+    @property
+    def task_id(self) -> int:
+        return self.task.task_id
+
+    @property
+    def is_eval(self) -> bool:
+        return self.task.is_eval
 
 
 class RolloutPool:
@@ -355,7 +361,7 @@ class RolloutPool:
         oldest = oldest_version(traj)
         n_tokens = int(traj["loss_mask"].sum()) if "loss_mask" in traj else 0
         version = self.engine.get_version() if oldest is None else oldest
-        return _Result(version, next(self._ids), task.task_id, traj, task.is_eval, n_tokens, task)
+        return _Result(version, next(self._ids), task, traj, n_tokens)
 
     # ------------------------------------------------------------------ the trainer side
 
@@ -419,7 +425,7 @@ class RolloutPool:
     def _rerun_stale_locked(self, stale: _Result) -> bool:
         """Queue a stale trajectory's dataloader item again, first, so no prompt is skipped (a few times at most)."""
         task = stale.task
-        if stale.task_id not in self._pending or task is None or task.stale_reruns >= _MAX_STALE_RERUNS:
+        if task.task_id not in self._pending or task.stale_reruns >= _MAX_STALE_RERUNS:
             self._pending.pop(stale.task_id, None)
             return False
         task.stale_reruns += 1

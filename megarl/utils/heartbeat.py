@@ -9,7 +9,7 @@ A process with a heartbeat keeps ``{run_dir}/heartbeat/{name}.json`` current::
 (a callback refreshed at every beat: the rollout pool's outstanding requests by server, the
 episodes waiting for their reward); ``beat`` is refreshed every ``interval`` seconds by a
 thread, so a process that died or hangs with the GIL held shows as silent; ``medians`` are
-the median durations of the phases done so far (``runs``: how many), for the watchdog's budgets
+the median durations of the phases done so far (``runs``: of how many, up to 20), for the watchdog's budgets
 (:mod:`megarl.launcher.watchdog`). ``SIGUSR1`` makes the process write every thread's Python
 stack to ``{run_dir}/stacks/{name}.txt`` (``faulthandler``).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import itertools
 import json
 import logging
 import os
@@ -49,9 +50,8 @@ class Heartbeat:
         self.run_dir, self.name, self.interval = Path(run_dir), name, interval
         self.path = self.run_dir / HEARTBEAT_DIR / f"{name}.json"
         self._lock = threading.Lock()
-        self._phase, self._detail, self._since = "start", "", time.time()
+        self._phase, self._since = "start", time.time()
         self._durations: dict[str, list[float]] = defaultdict(list)
-        self._runs: dict[str, int] = defaultdict(int)
         self._detail_fn: Callable[[], str] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -83,11 +83,11 @@ class Heartbeat:
         self._detail_fn = fn
 
     @contextlib.contextmanager
-    def phase(self, name: str, detail: str = "") -> Iterator[None]:
+    def phase(self, name: str) -> Iterator[None]:
         """Mark the block as phase ``name``; its duration feeds the phase's median."""
         with self._lock:
-            outer = (self._phase, self._detail, self._since)
-            self._phase, self._detail, self._since = name, detail, time.time()
+            outer = (self._phase, self._since)
+            self._phase, self._since = name, time.time()
         self._write()
         try:
             _injected_stall(self.name, name)
@@ -97,9 +97,8 @@ class Heartbeat:
                 durations = self._durations[name]
                 durations.append(time.time() - self._since)
                 del durations[:-_MEDIAN_WINDOW]
-                self._runs[name] += 1
                 top = outer[0] in ("start", "idle")  # between phases: idle from now on
-                self._phase, self._detail, self._since = ("idle", "", time.time()) if top else outer
+                self._phase, self._since = ("idle", time.time()) if top else outer
             self._write()
 
     def _beat(self) -> None:
@@ -107,23 +106,57 @@ class Heartbeat:
             self._write()
 
     def _write(self) -> None:
-        detail = self._detail
+        detail = ""
         if self._detail_fn is not None:
             try:
-                detail = "; ".join(d for d in (detail, self._detail_fn()) if d)
+                detail = self._detail_fn()
             except Exception as e:  # noqa: BLE001 -- a report must not break what it reports on
-                detail = f"{detail} (detail unavailable: {e!r})"
+                detail = f"(detail unavailable: {e!r})"
         with self._lock:
             record = {"name": self.name, "pid": os.getpid(), "phase": self._phase, "detail": detail,
                       "since": self._since, "beat": time.time(),
                       "medians": {k: statistics.median(v) for k, v in self._durations.items() if v},
-                      "runs": dict(self._runs)}  # fmt: skip
+                      "runs": {k: len(v) for k, v in self._durations.items()}}  # fmt: skip
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         try:
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.path)
         except OSError as e:  # a full disk: the watchdog then sees a silent process, which it reports
             logger.debug("heartbeat %s not written: %s", self.path, e)
+
+
+class InFlight:
+    """Work this process waits on (requests to a server, reward calls), for its heartbeat's detail.
+
+    ``noun`` names one unit as it reads in :meth:`describe`, e.g. ``"request(s) outstanding"``.
+    """
+
+    def __init__(self, noun: str):
+        self.noun = noun
+        self._items: dict[int, tuple[str, int, float]] = {}  # id -> (label, task id, start)
+        self._ids = itertools.count()
+
+    @contextlib.contextmanager
+    def track(self, label: str, task_id: int) -> Iterator[None]:
+        """The block is one unit of work for ``label`` (a server, a reward function) of episode ``task_id``."""
+        key = next(self._ids)
+        self._items[key] = (label, task_id, time.monotonic())
+        try:
+            yield
+        finally:
+            del self._items[key]
+
+    def describe(self) -> str:
+        """By label, oldest first: how many, how old the oldest, and their tasks; "" when there is none."""
+        by_label: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        for label, task, start in list(self._items.values()):
+            by_label[label].append((start, task))
+        now, parts = time.monotonic(), []
+        for label, items in sorted(by_label.items(), key=lambda item: min(item[1])):
+            items.sort()
+            tasks = ", ".join(str(task) for _, task in items[:8])
+            parts.append(f"{label}: {len(items)} {self.noun}, the oldest {now - items[0][0]:.0f} s (tasks {tasks})")
+        return "; ".join(parts)
 
 
 def _injected_stall(process: str, phase: str) -> None:
@@ -153,9 +186,9 @@ def stop() -> None:
         _CURRENT = None
 
 
-def phase(name: str, detail: str = "") -> contextlib.AbstractContextManager:
+def phase(name: str) -> contextlib.AbstractContextManager:
     """The current heartbeat's :meth:`Heartbeat.phase`, or a no-op."""
-    return _CURRENT.phase(name, detail) if _CURRENT is not None else contextlib.nullcontext()
+    return _CURRENT.phase(name) if _CURRENT is not None else contextlib.nullcontext()
 
 
 def set_detail_fn(fn: Callable[[], str] | None) -> None:

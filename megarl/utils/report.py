@@ -26,6 +26,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from megarl.utils.stats_logger import read_metrics_file
+
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "report.html"
@@ -64,15 +66,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"megarl report: {path} does not exist: is {run_dir} a run directory "
                                 "({cluster.fileroot}/{experiment_name}/{trial_name}) with at least one step?")  # fmt: skip
-    steps = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            steps.append(json.loads(line))
-        except json.JSONDecodeError as e:  # a run killed mid-write leaves a partial last line
-            logger.warning("megarl report: %s line %d is not JSON (%s); skipped", path, number, e.msg)
-    return steps
+    return read_metrics_file(path)
 
 
 def read_trajectories(run_dir: Path) -> dict[int, list[dict]]:

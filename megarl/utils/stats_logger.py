@@ -78,8 +78,7 @@ class StatsLogger:
         """Keep the lines of steps before ``start_step`` (and their plotted values); drop the rest."""
         if not self.metrics_path.exists():
             return
-        with open(self.metrics_path) as f:
-            rows = [row for row in map(_parse_line, f) if row is not None]
+        rows = read_metrics_file(self.metrics_path)
         kept = [row for row in rows if row["global_step"] < start_step]
         tmp = self.metrics_path.with_name("metrics.jsonl.tmp")
         tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
@@ -187,13 +186,17 @@ class StatsLogger:
             self._tb = None
 
 
-def _parse_line(line: str) -> dict | None:
-    """One metrics.jsonl row; None for a blank line or one a crash cut short."""
-    try:
-        return json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
-        logger.warning("skipping a truncated metrics line: %r", line[:80])
-        return None
+def read_metrics_file(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``; a line a crash cut short is skipped with a warning naming it."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            logger.warning("%s line %d is not JSON (%s); skipped", path, number, e.msg)
+    return rows
 
 
 def _mean(values: list[float]) -> float:
