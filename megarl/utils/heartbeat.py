@@ -162,7 +162,10 @@ class InFlight:
 def _injected_stall(process: str, phase: str) -> None:
     spec = os.environ.get(FAULT_STALL_ENV, "")
     if spec:
-        name, wanted, seconds = spec.rsplit(":", 2)
+        parts = spec.rsplit(":", 2)
+        if len(parts) != 3 or not parts[2].replace(".", "", 1).isdigit():
+            raise ValueError(f"{FAULT_STALL_ENV}={spec!r}: expected NAME:PHASE:SECONDS, e.g. trainer-1:train_step:600")
+        name, wanted, seconds = parts
         if (name, wanted) == (process, phase):
             logger.warning("%s=%s: %s sleeps %s s in phase %s", FAULT_STALL_ENV, spec, process, seconds, phase)
             time.sleep(float(seconds))
