@@ -431,9 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     console = open_console(config.run_dir / "logs" / log_name, rank, config.launcher.verbose)
     start = time.time()
     if config.watchdog.enabled:  # the launcher's watchdog reads it (megarl.launcher.watchdog)
-        heartbeat.start(config.run_dir, f"trainer-{rank}", config.watchdog.interval_s)
+        heartbeat.start(config.run_dir, f"trainer-{rank}", config.watchdog.interval_s, trace_collectives=True)
     with heartbeat.phase("build"):
         trainer = build(config)
+    if trainer.rollout is not None and config.watchdog.enabled:  # a blocked event loop goes silent
+        trainer.rollout.start_heartbeat(config.run_dir, f"rollout-{rank}", config.watchdog.interval_s)
     if trainer.rollout is not None:  # what this rank waits for in the rollout: requests and rewards
         heartbeat.set_detail_fn(lambda: "; ".join(d for d in (trainer.rollout.describe_outstanding(),
                                                               describe_rewards_in_flight()) if d))  # fmt: skip

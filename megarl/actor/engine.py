@@ -27,6 +27,7 @@ sequence-level with sequence counts), whatever the packing, DP size or pipeline 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -57,6 +58,7 @@ from megarl.models.build import (
 from megarl.models.hf_io import ShardCoords, load_hf_weights, unwrap
 from megarl.models.layers import SharedPrefixSeqParams
 from megarl.models.spec import resolve_use_te
+from megarl.utils import heartbeat
 from megarl.utils.hardware import concrete_dtype
 
 logger = logging.getLogger(__name__)
@@ -322,11 +324,15 @@ class MegatronEngine:
             return SharedPrefixSeqParams(**thd, parents=mb.parents)
         return PackedSeqParams(**thd)
 
-    def _forward_step(self, head_fn):
+    def _forward_step(self, head_fn, n_microbatches: int, forward_only: bool):
         """Megatron ``forward_step_func``: run a chunk on the next micro-batch; ``head_fn`` is its loss."""
         device = cpu_shim.device()
+        calls = itertools.count(1)  # one per micro-batch and model chunk (virtual pipeline stage)
+        total = n_microbatches * len(self.model)
+        what = "forward" if forward_only else "forward-backward"
 
         def forward_step(data_iterator, model):
+            heartbeat.step(f"micro-batch {what} {next(calls)} of {total}")  # the watchdog names where a rank is
             mb, extra = next(data_iterator)
             # packing happens on the host; losses and hooks see the micro-batch on the model's device
             mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
@@ -349,7 +355,7 @@ class MegatronEngine:
 
         items = list(zip(mbs, extras))
         return get_forward_backward_func()(
-            forward_step_func=self._forward_step(head_fn),
+            forward_step_func=self._forward_step(head_fn, len(mbs), forward_only),
             data_iterator=[iter(items) for _ in self.model],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(mbs),

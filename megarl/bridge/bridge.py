@@ -37,6 +37,7 @@ from megarl.bridge.transport_sharded import ShardedSender
 from megarl.bridge.wiring import Wiring, make_wiring, trainer_join
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.bridge import WeightUpdateConfig
+from megarl.utils import heartbeat
 from megarl.utils.hardware import concrete_dtype
 from megarl.utils.network import find_free_ports, gethostip
 
@@ -244,15 +245,19 @@ class WeightBridge:
         receiving = None
         timeout = self.config.update_timeout
         if self.is_driver:
+            heartbeat.step(f"weight sync: {mode} update begins on {len(self.servers)} server(s)")
             failed.update(_in_threads({s.address: (lambda s=s: s.begin(mode)) for s in self.servers}, timeout))
             path = str(self.senders["disk"].path) if mode == "disk" else None
             live = [s for s in self.servers if s.address not in failed]
             receiving = _background({s.address: (lambda s=s: s.receive(mode, path)) for s in live}, timeout, failed)
         if send is not None:
+            heartbeat.step(f"weight sync: sending ({mode})")
             send()
         if self.is_driver:
+            heartbeat.step("weight sync: waiting for the servers to receive")
             receiving.join()
             ready = [s for s in self.servers if s.address not in failed]
+            heartbeat.step(f"weight sync: commit on {len(ready)} server(s)")
             start = time.perf_counter()
             failed.update(_in_threads({s.address: (lambda s=s: s.commit(version)) for s in ready}, timeout))
             self._commit_seconds = time.perf_counter() - start

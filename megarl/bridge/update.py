@@ -34,6 +34,7 @@ from megarl.bridge.consistency import (
 from megarl.bridge.control import ServerControl, make_control
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.config.bridge import WeightUpdateConfig
+from megarl.utils import heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class WeightSync:
         self._pause()
         try:
             if not self.bridge.connected:
+                heartbeat.step("weight sync: connecting the bridge to the servers")
                 self.connect()
             report = self.bridge.update(ShardSource.from_engine(self.engine), version, mode, path)
             self._after(report, version)
@@ -124,6 +126,7 @@ class WeightSync:
                                         f"{report.sender_errors}; failed servers keep their old weights or are out of "
                                         "rotation")  # fmt: skip
             if probing:
+                heartbeat.step("weight sync: consistency probe")
                 probe_start = time.perf_counter()
                 stats.update(self.check_consistency())
                 stats["probe_seconds"] = time.perf_counter() - probe_start
@@ -134,6 +137,7 @@ class WeightSync:
         return stats
 
     def _pause(self) -> None:
+        heartbeat.step("weight sync: pausing the servers")
         if self.rollout is not None:
             self.rollout.pause()
         if dist.is_initialized():
@@ -141,6 +145,7 @@ class WeightSync:
 
     def _resume(self, episodes: bool = True) -> None:
         """Servers generate again; the rollout starts new episodes too unless ``episodes`` is False."""
+        heartbeat.step("weight sync: resuming the servers")
         if dist.is_initialized():
             dist.barrier()
         if self.rollout is not None:

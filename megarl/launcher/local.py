@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TextIO
@@ -46,7 +46,7 @@ from megarl.config.experiment import GRPOConfig
 from megarl.config.loader import save_config
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec
-from megarl.launcher.watchdog import Watchdog
+from megarl.launcher.watchdog import ServerBeats, Watchdog
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.utils.auth import run_api_key
 from megarl.utils.console import CONSOLE_TTY_ENV
@@ -474,7 +474,8 @@ def run_trainer(
     log_path = config.run_dir / "logs" / "trainer.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     watchdog = Watchdog(config.run_dir, config.watchdog) if config.watchdog.enabled else None
-    with open(log_path, "ab") as log:
+    beats = ServerBeats(config.run_dir, servers, config.watchdog.interval_s) if watchdog is not None else nullcontext()
+    with open(log_path, "ab") as log, beats:
         for attempt in range(retries + 1):
             log.write(f"# megarl run: trainer attempt {attempt + 1}: {' '.join(cmd)}\n".encode())
             log.flush()

@@ -5,12 +5,15 @@ The launcher calls :meth:`Watchdog.check` from its watch loop. It reads the hear
 
 * **overdue**: in one phase longer than its budget (``watchdog.budget_s`` until the phase has a
   median, then ``median_factor`` x its median, within ``[min_budget_s, budget_s]``), or
-* **silent**: its heartbeat not refreshed for ``silent_s`` (dead, or stuck holding the GIL).
+* **silent**: its heartbeat not refreshed for ``silent_s`` (dead, or stuck holding the GIL; for
+  the rollout pool, its event loop blocked; for a server, not answering its health check).
+  Parts that run all along (``watch: "silence"``: the pool, the servers) are only checked for this.
 
-Then it prints one line naming the process(es), the phase, how long and what they wait for
-(the detail their heartbeat carries: the rollout pool's outstanding requests by server and
-task, the reward calls still running; for ranks, which ranks are elsewhere: those a collective
-waits for), appends the event to ``{run_dir}/watchdog.jsonl``, asks every process for its Python
+Then it prints one line naming the process(es), the phase (and the step inside it: the
+micro-batch, the weight-sync stage), how long and what they wait for (the detail their heartbeat
+carries: the rollout pool's outstanding requests by server and task, the reward calls still
+running; for ranks in a collective, the call and the ranks of its group that have not arrived,
+with where those are), appends the event to ``{run_dir}/watchdog.jsonl``, asks every process for its Python
 stacks (``SIGUSR1``: ``{run_dir}/stacks/{name}.txt``; ``py-spy dump`` beside them when py-spy is
 installed), and returns the event so that the launcher can warn, abort or restart.
 A phase is reported once; it is reported again only once it has ended and overruns anew.
@@ -24,12 +27,15 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megarl.config.run import WatchdogConfig
-from megarl.utils.heartbeat import HEARTBEAT_DIR, STACKS_DIR
+from megarl.utils.collectives import describe as describe_collective
+from megarl.utils.collectives import same_call
+from megarl.utils.heartbeat import HEARTBEAT_DIR, STACKS_DIR, Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +55,19 @@ class StallEvent:
     budget_s: float
     waits_for: str
     others: str
+    step: str = ""
+    collectives: str = ""
 
     def line(self) -> str:
         what = "has not sent a heartbeat" if self.kind == "silent" else f"in phase {self.phase!r}"
+        if self.step and self.kind != "silent":
+            what += f" ({self.step})"
         line = (f"megarl watchdog: {', '.join(self.names)} {what} for {self.seconds:.0f} s "
                 f"(budget {self.budget_s:.0f} s)")  # fmt: skip
+        if self.collectives:
+            line += f"; {self.collectives}"
         if self.waits_for:
-            line += f"; waiting on {self.waits_for}"
+            line += f"; {self.waits_for}" if self.kind == "silent" else f"; waiting on {self.waits_for}"
         if self.others:
             line += f"; elsewhere: {self.others}"
         return line + f"; stacks in {STACKS_DIR}/"
@@ -95,7 +107,10 @@ class Watchdog:
         now = time.time() if now is None else now
         beats = self.heartbeats()
         stalled = [(b, self._overdue(b, now)) for b in beats]
-        stalled = [(b, kind) for b, kind in stalled if kind and (b["name"], b["phase"], b["since"]) not in self._reported]
+        stalled = [(b, kind) for b, kind in stalled if kind and _key(b) not in self._reported]
+        by_name = {b["name"]: b for b in beats}
+        # a rank waiting in a collective for one already reported is part of that incident
+        stalled = [(b, kind) for b, kind in stalled if not self._waits_on_reported(b, by_name)]
         if not stalled:
             return None
         # the process longest in its phase is the likeliest cause: the others wait for it (a collective)
@@ -105,13 +120,24 @@ class Watchdog:
         names = {b["name"] for b in group}
         others = "; ".join(f"{b['name']} in {b['phase']!r} for {now - b['since']:.0f} s" for b in beats if b["name"] not in names)
         waits = "; ".join(dict.fromkeys(b["detail"] for b in group if b.get("detail")))
+        if kind == "silent":  # what the last beat said, and what silence means for this kind of process
+            waits = "; ".join(x for x in (first.get("silent_means", ""), waits and f"last beat: {waits}") if x)
         seconds = now - (first["beat"] if kind == "silent" else first["since"])
         budget = self.config.silent_s if kind == "silent" else self._budget_of(first)
-        event = StallEvent(now, kind, sorted(names), first["phase"], seconds, budget, waits, others)
+        event = StallEvent(now, kind, sorted(names), first["phase"], seconds, budget, waits, others,
+                           first.get("step", ""), collective_waits(beats, now))  # fmt: skip
         for b, _ in stalled:  # one report per incident: those waiting on the first are in its line
-            self._reported.add((b["name"], b["phase"], b["since"]))
+            self._reported.add(_key(b))
         self._record(event, beats)
         return event
+
+    def _waits_on_reported(self, beat: dict, by_name: dict[str, dict]) -> bool:
+        collective = beat.get("collective")
+        if not collective:
+            return False
+        peers = (by_name.get(f"trainer-{rank}") for rank in collective["ranks"])
+        return any(p is not None and not same_call(collective, p.get("collective")) and _key(p) in self._reported
+                   for p in peers)  # fmt: skip
 
     def _budget_of(self, beat: dict) -> float:
         runs = beat.get("runs", {})
@@ -121,6 +147,8 @@ class Watchdog:
     def _overdue(self, beat: dict, now: float) -> str | None:
         if now - beat["beat"] > self.config.silent_s:
             return "silent"
+        if beat.get("watch", "phase") == "silence":
+            return None
         if beat["phase"] != "idle" and now - beat["since"] > self._budget_of(beat):
             return "overdue"
         return None
@@ -129,28 +157,112 @@ class Watchdog:
         logger.error(event.line())
         with open(self.run_dir / EVENTS_FILE, "a") as f:
             f.write(json.dumps(asdict(event)) + "\n")
-        dump_stacks(self.run_dir, {b["name"]: b["pid"] for b in beats})
+        signalled = {b["pid"] for b in beats if b.get("signal_stacks", True)}
+        owners: dict[int, str] = {}  # the pool beats inside trainer-0's process: its stacks are trainer-0's
+        for beat in sorted(beats, key=lambda b: b["pid"] not in signalled or not b.get("signal_stacks", True)):
+            owners.setdefault(beat["pid"], beat["name"])
+        dump_stacks(self.run_dir, {name: pid for pid, name in owners.items()}, signalled)
 
 
-def dump_stacks(run_dir: Path, pids: dict[str, int], wait_s: float = 3.0) -> None:
+class ServerBeats:
+    """The servers' heartbeats: ``server-{i}`` beats whenever that server answers its health check.
+
+    A thread probes every server each ``interval`` seconds (``timeout`` per probe); a server that
+    stops answering (hung, overloaded, its host gone) goes silent and the watchdog names it with
+    its address and log. Its stacks come from py-spy only (a server has no ``SIGUSR1`` handler).
+    """
+
+    def __init__(self, run_dir: str | Path, servers: list, interval: float, timeout: float = 5.0):
+        self.servers, self.interval, self.timeout = servers, interval, min(timeout, interval)
+        self.beats = [Heartbeat(run_dir, server.name, interval, watch="silence", thread=False, stacks=False,
+                                pid=server.proc.pid,
+                                silent_means=f"{server.address} does not answer its health check "
+                                             f"({server.spec.health_endpoint}); its log: {server.log_path}")
+                      for server in servers]  # fmt: skip
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megarl-server-beats", daemon=True)
+
+    def __enter__(self) -> ServerBeats:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout * len(self.servers) + self.interval)
+        for beat in self.beats:
+            beat.close()
+
+    def _run(self) -> None:
+        while True:
+            for server, beat in zip(self.servers, self.beats):
+                if server.is_healthy(timeout=self.timeout):
+                    beat.set_detail_fn(lambda server=server: f"serving at {server.address}")
+                    beat.set_phase("serving")
+                    beat.beat()
+            if self._stop.wait(self.interval):
+                return
+
+
+def _key(beat: dict) -> tuple[str, str, float]:
+    """One phase of one process: reported once."""
+    return beat["name"], beat["phase"], beat["since"]
+
+
+def collective_waits(beats: list[dict], now: float) -> str:
+    """Each collective call that ranks wait in, and the ranks of its group that have not arrived.
+
+    ``"trainer-0, trainer-2 wait in all_reduce #17 (gloo, ranks 0,1,2) for 12 s; not arrived: trainer-1
+    (in phase 'compute' for 13 s)"``; "" when no rank is in a collective.
+    """
+    by_name = {b["name"]: b for b in beats}
+    calls: dict[str, list[dict]] = {}
+    for beat in beats:
+        if beat.get("collective"):
+            calls.setdefault(describe_collective(beat["collective"]), []).append(beat)
+    parts = []
+    for call, waiting in calls.items():
+        collective = waiting[0]["collective"]
+        names = ", ".join(b["name"] for b in waiting)
+        text = f"{names} wait in {call} for {now - min(b['collective']['since'] for b in waiting):.0f} s"
+        missing = [_where(f"trainer-{rank}", by_name, now) for rank in collective["ranks"]
+                   if not same_call(collective, by_name.get(f"trainer-{rank}", {}).get("collective"))]  # fmt: skip
+        parts.append(text + (f"; not arrived: {', '.join(missing)}" if missing else ""))
+    return "; ".join(parts)
+
+
+def _where(name: str, by_name: dict[str, dict], now: float) -> str:
+    beat = by_name.get(name)
+    if beat is None:
+        return f"{name} (no heartbeat)"
+    where = f"in phase {beat['phase']!r}" + (f" ({beat['step']})" if beat.get("step") else "")
+    if beat.get("collective"):
+        where += f", in {describe_collective(beat['collective'])}"
+    return f"{name} ({where} for {now - beat['since']:.0f} s)"
+
+
+def dump_stacks(run_dir: Path, pids: dict[str, int], signalled: set[int] | None = None, wait_s: float = 3.0) -> None:
     """Every process's Python stacks into ``{run_dir}/stacks/`` (faulthandler; py-spy's native ones too).
 
-    Waits up to ``wait_s`` for the stacks to be written: an abort may follow at once.
+    ``signalled``: the pids that registered faulthandler on ``SIGUSR1`` (default: all); the others
+    (a server the launcher beats for) only get py-spy's dump. Waits up to ``wait_s`` for the stacks
+    to be written: an abort may follow at once.
     """
     folder = run_dir / STACKS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     py_spy = shutil.which("py-spy")
+    signalled = set(pids.values()) if signalled is None else signalled
     sizes = {}
     for name, pid in pids.items():
         if pid == os.getpid():
             continue  # this process has no stack-dump handler: the signal would end it
         path = folder / f"{name}.txt"
-        sizes[path] = path.stat().st_size if path.exists() else 0
-        try:
-            os.kill(pid, signal.SIGUSR1)  # its heartbeat registered faulthandler on SIGUSR1
-        except ProcessLookupError:
-            sizes.pop(path)
-            continue
+        if pid in signalled:
+            sizes[path] = path.stat().st_size if path.exists() else 0
+            try:
+                os.kill(pid, signal.SIGUSR1)  # its heartbeat registered faulthandler on SIGUSR1
+            except ProcessLookupError:
+                sizes.pop(path)
+                continue
         if py_spy is not None:
             with open(folder / f"{name}.py-spy.txt", "w") as out:
                 subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], stdout=out, stderr=subprocess.STDOUT,

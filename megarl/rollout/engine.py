@@ -161,6 +161,10 @@ class RemoteInferenceEngine(InferenceEngine):
             self.pool.destroy()
             self.pool = None
 
+    def start_heartbeat(self, run_dir, name: str, interval: float) -> None:
+        """The rollout pool's heartbeat, beaten from its event loop (:meth:`RolloutPool.start_heartbeat`)."""
+        self._require_pool().start_heartbeat(run_dir, name, interval)
+
     def _wait_healthy(self, timeout: float) -> None:
         async def probe_all() -> list[bool]:
             async with make_session(len(self._servers) + 1) as session:

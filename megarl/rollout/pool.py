@@ -48,6 +48,7 @@ from megarl.config.rollout import InferenceEngineConfig
 from megarl.rollout.http import InferenceServerError
 from megarl.rollout.staleness import StalenessManager
 from megarl.utils import stats_tracker
+from megarl.utils.heartbeat import Heartbeat
 from megarl.workflow import context as workflow_context
 from megarl.workflow.dump import TrajectoryDumper
 from megarl.workflow.resolve import resolve_should_accept_fn, resolve_workflow
@@ -145,6 +146,8 @@ class RolloutPool:
         self._pending: dict[int, dict[str, Any]] = {}  # fed from the dataloader, not yet handed to the trainer
         self._data_source: Any = None
         self._last_batch_time: float | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._beat_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -170,6 +173,39 @@ class RolloutPool:
         if self._thread.is_alive():
             logger.warning("rollout thread did not stop within %.0fs", timeout)
         self._thread = None
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
+
+    def start_heartbeat(self, run_dir, name: str, interval: float) -> None:
+        """Keep ``{run_dir}/heartbeat/{name}.json`` beating from the event loop, for the watchdog.
+
+        Beaten by a task of the loop itself, it goes silent when a workflow or reward blocks the
+        loop (a synchronous call that never returns), which a thread's beat would not show.
+        """
+        blocked = ("its event loop is blocked: a workflow, reward or tool made a synchronous call that has "
+                   "not returned (the stacks of the trainer process that runs the pool show which)")  # fmt: skip
+        beat = Heartbeat(run_dir, name, interval, watch="silence", thread=False, stacks=False, silent_means=blocked)
+        beat.set_detail_fn(self.describe)
+        self._heartbeat = beat.start()
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("start_heartbeat: the pool is not running (start() first)")
+        loop.call_soon_threadsafe(lambda: setattr(self, "_beat_task", loop.create_task(self._beat(beat))))
+
+    async def _beat(self, beat: Heartbeat) -> None:
+        while True:
+            with self._cond:
+                state = "paused" if self._paused else "generating" if self._n_running else "waiting for work"
+            beat.set_phase(state)
+            beat.beat()
+            await asyncio.sleep(beat.interval)
+
+    def describe(self) -> str:
+        """``"3 episode(s) running, 5 queued, 2 result(s) ready; version 4"``, for the heartbeat."""
+        with self._cond:
+            running, queued, ready = self._n_running, len(self._input), len(self._results)
+        return f"{running} episode(s) running, {queued} queued, {ready} result(s) ready; version {self.engine.get_version()}"
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -206,6 +242,8 @@ class RolloutPool:
             done, _ = await asyncio.wait(running | {waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             running -= done
+        if self._beat_task is not None:
+            running.add(self._beat_task)
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)

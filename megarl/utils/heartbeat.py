@@ -2,18 +2,25 @@
 
 A process with a heartbeat keeps ``{run_dir}/heartbeat/{name}.json`` current::
 
-    {"name": "trainer-1", "pid": 4242, "phase": "train_step", "detail": "...",
-     "since": 1732419000.5, "beat": 1732419042.1, "medians": {"rollout": 9.8, "train_step": 7.1}}
+    {"name": "trainer-1", "pid": 4242, "phase": "train_step", "step": "micro-batch 3 of 8",
+     "detail": "...", "collective": {"op": "all_reduce", "ranks": [0, 1], "seq": 17, ...},
+     "since": 1732419000.5, "beat": 1732419042.1, "medians": {"rollout": 9.8, "train_step": 7.1},
+     "watch": "phase", "signal_stacks": true}
 
-``phase`` is what it does now and ``since`` when that began; ``detail`` says what it waits for
+``phase`` is what it does now and ``since`` when that began; ``step`` where it is inside the
+phase (a micro-batch, a weight-sync stage; :func:`step`); ``detail`` says what it waits for
 (a callback refreshed at every beat: the rollout pool's outstanding requests by server, the
-episodes waiting for their reward); ``beat`` is refreshed every ``interval`` seconds by a
+episodes waiting for their reward); ``collective`` the ``torch.distributed`` call it is in, if
+any (:mod:`megarl.utils.collectives`); ``beat`` is refreshed every ``interval`` seconds by a
 thread, so a process that died or hangs with the GIL held shows as silent; ``medians`` are
 the median durations of the phases done so far (``runs``: of how many, up to 20), for the watchdog's budgets
 (:mod:`megarl.launcher.watchdog`). ``SIGUSR1`` makes the process write every thread's Python
 stack to ``{run_dir}/stacks/{name}.txt`` (``faulthandler``).
 
-One heartbeat per process (:func:`start`); :func:`phase` is a no-op where none was started.
+Beside the trainer ranks' heartbeats (one per process, :func:`start`; :func:`phase` is a no-op
+where none was started), two kinds watch only for silence (``watch: "silence"``): the rollout
+pool's, beaten from its event loop (so a workflow or reward that blocks the loop silences it),
+and each server's, beaten by the launcher whenever the server answers its health check.
 
 Fault injection (tests only): ``MEGARL_FAULT_STALL=NAME:PHASE:SECONDS`` makes process ``NAME``
 sleep ``SECONDS`` on entering ``PHASE``, e.g. ``trainer-1:train_step:600``.
@@ -35,37 +42,59 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from megarl.utils.collectives import CollectiveTrace
+
 logger = logging.getLogger(__name__)
 
 FAULT_STALL_ENV = "MEGARL_FAULT_STALL"
+FAULT_STALL_ONCE_ENV = "MEGARL_FAULT_STALL_ONCE"
 HEARTBEAT_DIR = "heartbeat"
 STACKS_DIR = "stacks"
 _MEDIAN_WINDOW = 20  # durations kept per phase
 
 
 class Heartbeat:
-    """The heartbeat file of one process (see the module doc)."""
+    """The heartbeat file of one process, or of one part of it (see the module doc).
 
-    def __init__(self, run_dir: str | Path, name: str, interval: float = 5.0):
+    Args:
+        watch: ``"phase"``: the watchdog checks the phase's budget and the beats; ``"silence"``: only
+            the beats (a part that runs all along: the rollout pool, a server).
+        thread: Beat from a thread of its own every ``interval``; False: the owner calls :meth:`beat`.
+        stacks: Register ``SIGUSR1`` to write this process's stacks (one heartbeat per process does).
+        pid: The process it speaks for (the launcher beats for the servers it health-checks).
+        silent_means: What it means when this heartbeat stops, for the watchdog's line.
+    """
+
+    def __init__(self, run_dir: str | Path, name: str, interval: float = 5.0, *, watch: str = "phase",
+                 thread: bool = True, stacks: bool = True, pid: int | None = None, silent_means: str = ""):  # fmt: skip
         self.run_dir, self.name, self.interval = Path(run_dir), name, interval
+        self.watch, self.thread, self.stacks, self.pid = watch, thread, stacks, pid or os.getpid()
+        self.silent_means = silent_means
         self.path = self.run_dir / HEARTBEAT_DIR / f"{name}.json"
         self._lock = threading.Lock()
-        self._phase, self._since = "start", time.time()
+        self._phase, self._since, self._step = "start", time.time(), ""
         self._durations: dict[str, list[float]] = defaultdict(list)
         self._detail_fn: Callable[[], str] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stacks = None
+        self._phase_entries: dict[str, int] = defaultdict(int)
+        self.collectives: CollectiveTrace | None = None
 
-    def start(self) -> Heartbeat:
+    def start(self, trace_collectives: bool = False) -> Heartbeat:
+        """Write the first beat and start beating; ``trace_collectives``: record the collective running."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        stacks = self.run_dir / STACKS_DIR / f"{self.name}.txt"
-        stacks.parent.mkdir(parents=True, exist_ok=True)
-        self._stacks = open(stacks, "a")  # noqa: SIM115 -- faulthandler writes to it until the process ends
-        faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True, chain=False)
+        if self.stacks:
+            stacks = self.run_dir / STACKS_DIR / f"{self.name}.txt"
+            stacks.parent.mkdir(parents=True, exist_ok=True)
+            self._stacks = open(stacks, "a")  # noqa: SIM115 -- faulthandler writes to it until the process ends
+            faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True, chain=False)
+        if trace_collectives:
+            self.collectives = CollectiveTrace().install()
         self._write()
-        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.name}", daemon=True)
-        self._thread.start()
+        if self.thread:
+            self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.name}", daemon=True)
+            self._thread.start()
         return self
 
     def close(self) -> None:
@@ -77,20 +106,38 @@ class Heartbeat:
         if self._stacks is not None:
             faulthandler.unregister(signal.SIGUSR1)
             self._stacks.close()
+        if self.collectives is not None:
+            self.collectives.uninstall()
 
     def set_detail_fn(self, fn: Callable[[], str] | None) -> None:
         """What the process waits for, asked at each beat (e.g. the pool's outstanding requests)."""
         self._detail_fn = fn
 
+    def set_phase(self, name: str) -> None:
+        """The current phase of a part that has no nested phases (a pool: "generating", "paused")."""
+        with self._lock:
+            if name != self._phase:
+                self._phase, self._since, self._step = name, time.time(), ""
+
+    def step(self, text: str) -> None:
+        """Where the process is inside its phase ("micro-batch 3 of 8", "weight sync: commit"); shown next beat."""
+        self._step = text
+
+    def beat(self) -> None:
+        """Refresh the beat now (for a heartbeat started with ``thread=False``)."""
+        self._write()
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Mark the block as phase ``name``; its duration feeds the phase's median."""
         with self._lock:
-            outer = (self._phase, self._since)
-            self._phase, self._since = name, time.time()
+            outer = (self._phase, self._since, self._step)
+            self._phase, self._since, self._step = name, time.time(), ""
+            self._phase_entries[name] += 1
+            entry = self._phase_entries[name]
         self._write()
         try:
-            _injected_stall(self.name, name)
+            _injected_stall(self.name, name, entry)
             yield
         finally:
             with self._lock:
@@ -98,7 +145,7 @@ class Heartbeat:
                 durations.append(time.time() - self._since)
                 del durations[:-_MEDIAN_WINDOW]
                 top = outer[0] in ("start", "idle")  # between phases: idle from now on
-                self._phase, self._since = ("idle", time.time()) if top else outer
+                self._phase, self._since, self._step = ("idle", time.time(), "") if top else outer
             self._write()
 
     def _beat(self) -> None:
@@ -112,13 +159,16 @@ class Heartbeat:
                 detail = self._detail_fn()
             except Exception as e:  # noqa: BLE001 -- a report must not break what it reports on
                 detail = f"(detail unavailable: {e!r})"
+        collective = self.collectives.current if self.collectives is not None else None
         with self._lock:
-            record = {"name": self.name, "pid": os.getpid(), "phase": self._phase, "detail": detail,
-                      "since": self._since, "beat": time.time(),
+            record = {"name": self.name, "pid": self.pid, "phase": self._phase, "step": self._step, "detail": detail,
+                      "collective": collective, "since": self._since, "beat": time.time(),
                       "medians": {k: statistics.median(v) for k, v in self._durations.items() if v},
-                      "runs": {k: len(v) for k, v in self._durations.items()}}  # fmt: skip
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+                      "runs": {k: len(v) for k, v in self._durations.items()},
+                      "watch": self.watch, "signal_stacks": self.stacks, "silent_means": self.silent_means}  # fmt: skip
+        tmp = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # a restart's watchdog.reset() removed it
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.path)
         except OSError as e:  # a full disk: the watchdog then sees a silent process, which it reports
@@ -159,26 +209,34 @@ class InFlight:
         return "; ".join(parts)
 
 
-def _injected_stall(process: str, phase: str) -> None:
+def _injected_stall(process: str, phase: str, entry: int) -> None:
     spec = os.environ.get(FAULT_STALL_ENV, "")
-    if spec:
-        parts = spec.rsplit(":", 2)
-        if len(parts) != 3 or not parts[2].replace(".", "", 1).isdigit():
-            raise ValueError(f"{FAULT_STALL_ENV}={spec!r}: expected NAME:PHASE:SECONDS, e.g. trainer-1:train_step:600")
-        name, wanted, seconds = parts
-        if (name, wanted) == (process, phase):
-            logger.warning("%s=%s: %s sleeps %s s in phase %s", FAULT_STALL_ENV, spec, process, seconds, phase)
-            time.sleep(float(seconds))
+    if not spec:
+        return
+    parts = spec.rsplit(":", 2)
+    if len(parts) != 3 or not parts[2].replace(".", "", 1).isdigit():
+        raise ValueError(f"{FAULT_STALL_ENV}={spec!r}: expected NAME:PHASE[#N]:SECONDS, e.g. trainer-1:train_step:600")
+    name, wanted, seconds = parts
+    wanted, _, nth = wanted.partition("#")
+    if (name, wanted) != (process, phase) or (nth and int(nth) != entry):
+        return
+    once = os.environ.get(FAULT_STALL_ONCE_ENV)
+    if once:
+        if os.path.exists(once):
+            return
+        Path(once).touch()
+    logger.warning("%s=%s: %s sleeps %s s in phase %s", FAULT_STALL_ENV, spec, process, seconds, phase)
+    time.sleep(float(seconds))
 
 
 _CURRENT: Heartbeat | None = None
 
 
-def start(run_dir: str | Path, name: str, interval: float = 5.0) -> Heartbeat:
-    """Start this process's heartbeat (once)."""
+def start(run_dir: str | Path, name: str, interval: float = 5.0, trace_collectives: bool = False) -> Heartbeat:
+    """Start this process's heartbeat (once); ``trace_collectives``: name the collective a rank is in."""
     global _CURRENT
     if _CURRENT is None:
-        _CURRENT = Heartbeat(run_dir, name, interval).start()
+        _CURRENT = Heartbeat(run_dir, name, interval).start(trace_collectives)
     return _CURRENT
 
 
@@ -192,6 +250,17 @@ def stop() -> None:
 def phase(name: str) -> contextlib.AbstractContextManager:
     """The current heartbeat's :meth:`Heartbeat.phase`, or a no-op."""
     return _CURRENT.phase(name) if _CURRENT is not None else contextlib.nullcontext()
+
+
+def step(text: str) -> None:
+    """The current heartbeat's :meth:`Heartbeat.step`, or nothing."""
+    if _CURRENT is not None:
+        _CURRENT.step(text)
+
+
+def current() -> Heartbeat | None:
+    """This process's heartbeat, if one was started (the rollout pool starts its own beside it)."""
+    return _CURRENT
 
 
 def set_detail_fn(fn: Callable[[], str] | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import pytest
 
 from megarl.config.run import WatchdogConfig
 from megarl.launcher.local import WATCHDOG_ABORT_STATUS, _watch
-from megarl.launcher.watchdog import Watchdog
+from megarl.launcher.watchdog import ServerBeats, Watchdog
 from megarl.utils.heartbeat import FAULT_STALL_ENV, Heartbeat
 from megarl.utils.network import find_free_port
 from tests.rollout.conftest import fake_servers  # noqa: F401 -- the fixture
@@ -79,6 +80,11 @@ def test_a_rank_asleep_is_named_and_the_others_wait_in_the_collective(tmp_path):
         assert "trainer-0 in 'sync'" in event.others and "trainer-2 in 'sync'" in event.others, event
         assert BUDGET_S <= event.seconds < BUDGET_S + 2, "named within its budget"
         assert "trainer-1" in event.line() and "compute" in event.line()
+        # the collective the others wait in, and who has not arrived
+        assert "trainer-0, trainer-2 wait in all_reduce #" in event.collectives, event
+        assert "(gloo, ranks 0,1,2)" in event.collectives, event
+        assert "not arrived: trainer-1 (in phase 'compute' for" in event.collectives, event
+        assert event.collectives in event.line()
         _assert_nothing_else(watchdog)
         time.sleep(1.0)  # faulthandler writes the stacks on SIGUSR1
         waiting = (tmp_path / "stacks" / "trainer-0.txt").read_text()
@@ -107,6 +113,25 @@ def test_a_server_that_stops_answering_is_named_with_its_requests(tmp_path, fake
         _stop(proc)
 
 
+def test_a_server_that_stops_answering_its_health_check_is_named(tmp_path, fake_servers):
+    """A hung server process (SIGSTOP): its heartbeat, beaten by the launcher's health checks, goes silent."""
+    hung, healthy = fake_servers(2)
+    hung.name, healthy.name = "server-0", "server-1"  # as the launcher names them
+    with ServerBeats(tmp_path, [hung, healthy], interval=0.2, timeout=0.5):
+        _wait_for_heartbeats(tmp_path, {hung.name, healthy.name})
+        os.kill(hung.proc.pid, signal.SIGSTOP)
+        try:
+            watchdog = Watchdog(tmp_path, _config(silent_s=2.0))
+            event, _ = _first_event(watchdog, 15)
+            assert event.kind == "silent" and event.names == [hung.name], event
+            assert f"{hung.address} does not answer its health check (/health)" in event.line(), event
+            assert f"last beat: serving at {hung.address}" in event.line(), event
+            _assert_nothing_else(watchdog)  # the healthy one keeps beating
+        finally:
+            os.kill(hung.proc.pid, signal.SIGCONT)
+    assert not list((tmp_path / "heartbeat").glob("*.json")), "the beats end with the run"
+
+
 def test_a_reward_that_never_returns_is_named(tmp_path):
     proc = _start(tmp_path, "reward")
     try:
@@ -118,6 +143,36 @@ def test_a_reward_that_never_returns_is_named(tmp_path):
         _assert_nothing_else(watchdog)
     finally:
         _stop(proc)
+
+
+def test_a_workflow_that_blocks_the_event_loop_silences_the_pool(tmp_path, fake_servers):
+    """A synchronous call that never returns inside a workflow: the pool's own heartbeat goes silent."""
+    (server,) = fake_servers(1)
+    proc = _start(tmp_path, "blocked_loop", server.address)
+    try:
+        _wait_for_heartbeats(tmp_path, {"trainer-0", "rollout-0"})
+        watchdog = Watchdog(tmp_path, _config(silent_s=1.5))
+        event, after = _first_event(watchdog, 20)
+        assert event.kind == "silent" and event.names == ["rollout-0"], event
+        assert "its event loop is blocked" in event.waits_for and "last beat: " in event.waits_for, event
+        assert "trainer-0 in 'rollout'" in event.others, event
+        assert "rollout-0 has not sent a heartbeat" in event.line()
+        time.sleep(1.0)
+        stacks = (tmp_path / "stacks" / "trainer-0.txt").read_text()  # the pool runs in trainer-0's process
+        assert "arun_episode" in stacks, stacks[-2000:]
+    finally:
+        _stop(proc)
+
+
+def test_a_running_pool_is_not_reported(tmp_path, fake_servers):
+    """The pool's heartbeat is checked for silence only: a pool generating for longer than any budget is fine."""
+    beat = Heartbeat(tmp_path, "rollout-0", interval=0.1, watch="silence", thread=True, stacks=False).start()
+    try:
+        beat.set_phase("generating")
+        time.sleep(0.5)
+        assert Watchdog(tmp_path, _config(budget_s=0.2, min_budget_s=0.1)).check() is None
+    finally:
+        beat.close()
 
 
 def test_budgets_follow_the_medians():
