@@ -314,7 +314,8 @@ class GRPOConfig(BaseExperimentConfig):
             return
         dp, n_mb, bs = alloc.train.dp, self.critic.ppo_n_minibatches, self.train_dataset.batch_size
         require(bs % (dp * n_mb) == 0, "train_dataset.batch_size", bs,
-                f"must be divisible by data-parallel d{dp} x critic.ppo_n_minibatches {n_mb} = {dp * n_mb}")  # fmt: skip
+                f"must be divisible by data-parallel d{dp} x critic.ppo_n_minibatches {n_mb} = {dp * n_mb}",
+                related=("allocation_mode", "critic.ppo_n_minibatches"))  # fmt: skip
 
     def _check_batching(self, alloc: AllocationMode) -> None:
         dp = alloc.train.dp
@@ -324,6 +325,7 @@ class GRPOConfig(BaseExperimentConfig):
             "train_dataset.batch_size",
             bs,
             f"must be divisible by the trainer's data-parallel size d{dp} so every rank gets whole groups",
+            related=("allocation_mode",),
         )
         n_mb = self.actor.ppo_n_minibatches
         require(
@@ -331,6 +333,7 @@ class GRPOConfig(BaseExperimentConfig):
             "train_dataset.batch_size",
             bs,
             f"must be divisible by data-parallel d{dp} x actor.ppo_n_minibatches {n_mb} = {dp * n_mb}",
+            related=("allocation_mode", "actor.ppo_n_minibatches"),
         )
         n, g = self.gconfig.n_samples, self.workflow.group_size
         require(
@@ -362,7 +365,8 @@ class GRPOConfig(BaseExperimentConfig):
         """The pool's queue holds a batch; group-level statistics have groups of more than one (else a warning)."""
         queue, per_rank = self.rollout.queue_size, self.train_dataset.batch_size // alloc.train.dp
         require(queue is None or queue >= per_rank, "rollout.queue_size", queue,
-                f"must hold one batch of a trainer rank: train_dataset.batch_size / d{alloc.train.dp} = {per_rank}")  # fmt: skip
+                f"must hold one batch of a trainer rank: train_dataset.batch_size / d{alloc.train.dp} = {per_rank}",
+                related=("train_dataset.batch_size", "allocation_mode"))  # fmt: skip
         single = self.group_size == 1
         require(not (single and self.dynamic_filter == "uniform_reward"), "dynamic_filter", self.dynamic_filter,
                 "a group of one sample always has a uniform reward, so every group would be dropped: "
@@ -403,7 +407,7 @@ class GRPOConfig(BaseExperimentConfig):
                 try:
                     validate_model(alloc, shape)
                 except AllocationError as err:
-                    raise ConfigError("allocation_mode", f"{err} (model {path})") from None
+                    raise ConfigError("allocation_mode", f"{err} (model {path})", related=(key,)) from None
 
     def _check_servers(self, alloc: AllocationMode) -> None:
         backend = alloc.inference.backend

@@ -79,11 +79,46 @@ def build_config(config_cls: type[T], files: list[str], overrides: list[str]) ->
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _config_error(err, "the merged config") from None
-    validate_tree(config)
-    resolve_auto = getattr(config, "resolve_auto", None)
-    if resolve_auto is not None:  # e.g. GRPOConfig: ``dtype: auto`` -> this machine's dtype
-        resolve_auto()
+    try:
+        validate_tree(config)
+        resolve_auto = getattr(config, "resolve_auto", None)
+        if resolve_auto is not None:  # e.g. GRPOConfig: ``dtype: auto`` -> this machine's dtype
+            resolve_auto()
+    except ConfigError as err:
+        raise _naming_sources(err, config, layers) from None
     return config
+
+
+LAYOUT_KEYS = ("allocation_mode", "cluster.n_nodes", "cluster.n_gpus_per_node")
+"""The allocation and the cluster it is checked against: a parallel-strategy preset sets all three."""
+
+
+def _naming_sources(err: ConfigError, config, layers: list[tuple[str, Any]]) -> ConfigError:
+    """``err`` saying which layer set each key it weighed, when several layers were merged.
+
+    E.g. an experiment file and a parallel preset after it: a batch size that does not split
+    over the preset's data-parallel ranks names both files, and an allocation error names the
+    file of the allocation and of the cluster size (:data:`LAYOUT_KEYS`) with their values.
+    """
+    if len(layers) < 2:
+        return err
+    keys = [err.key, *err.related]
+    if "allocation_mode" in keys:
+        keys += LAYOUT_KEYS
+    tree = OmegaConf.structured(config)
+    by_source: dict[str, list[str]] = {}
+    for key in dict.fromkeys(keys):
+        source = next((src for src, layer in reversed(layers) if _get(_container(layer), key)[0]), None)
+        if source is not None:
+            by_source.setdefault(source, []).append(f"{key}={OmegaConf.select(tree, key)!r}")
+    if not by_source:
+        return err
+    said = "; ".join(f"{source}: {', '.join(values)}" for source, values in by_source.items())
+    return ConfigError(err.key, f"{err.message} (set in {said})", err.related)
+
+
+def _container(layer) -> dict:
+    return OmegaConf.to_container(layer, resolve=False) if isinstance(layer, DictConfig) else {}
 
 
 def _merge_layers(schema, layers: list[tuple[str, Any]]):

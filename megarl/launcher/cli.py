@@ -113,9 +113,11 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
-    first = args.overrides[0] if args.overrides else ""
-    if first.endswith((".yaml", ".yml")) and "=" not in first:
-        args.config, args.overrides = [first, *args.config], args.overrides[1:]
+    # `megarl run EXPERIMENT.yaml [PRESET.yaml ...] key=value`: leading YAML files are configs, in order
+    files = []
+    while args.overrides and args.overrides[0].endswith((".yaml", ".yml")) and "=" not in args.overrides[0]:
+        files.append(args.overrides.pop(0))
+    args.config = files + args.config
     config = _load(args)  # every config error before any process starts
 
     from megarl.launcher.local import check_local, run_local
@@ -174,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.set_defaults(func=_cmd_slurm)
 
     run = sub.add_parser("run", help="run an experiment on this machine: inference servers, then the trainer")
-    _add_config_args(run, "CONFIG.yaml, then key.path=value overrides")
+    _add_config_args(run, "CONFIG.yaml files (an experiment, then e.g. a parallel preset), then key.path=value overrides")
     run.set_defaults(func=_cmd_run)
 
     report = sub.add_parser("report", help="write RUN_DIR/report.html: curves, phases, staleness, gap, trajectories")
@@ -191,7 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; user errors print one clear line and exit with status 2."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(a.startswith("-") for a in extra):
+        args.overrides += extra  # `run A.yaml --config B.yaml key=value`: argparse stops positionals at an option
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     console = Console(soft_wrap=True)
     if "" not in sys.path and os.getcwd() not in sys.path:
         # as `python -m megarl.train` (the trainer) does: a config's plug-ins (workflow.type,
