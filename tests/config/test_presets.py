@@ -243,3 +243,11 @@ def test_launch_scripts_are_rendered_from_presets(tmp_path):
     subprocess.run(["bash", "launch/render.sh", str(tmp_path)], env=env, check=True, capture_output=True, text=True)
     for name in shipped:
         assert (tmp_path / name).read_text() == (REPO / "launch" / name).read_text(), f"launch/{name} is stale"
+
+
+def test_the_user_page_lists_every_preset_with_its_allocation():
+    page = (REPO / "docs" / "guides" / "parallel-strategies.md").read_text()
+    for name in PRESETS:
+        row = next((line for line in page.splitlines() if line.startswith(f"| `configs/parallel/{name}.yaml`")), None)
+        assert row is not None, f"docs/guides/parallel-strategies.md has no row for {name}"
+        assert f"`{preset_yaml(name)['allocation_mode']}`" in row
