@@ -210,6 +210,11 @@ class WatchdogConfig:
     at least, ``budget_s`` at most)."""
     min_budget_s: float = 120.0
     """The smallest budget a median gives: short phases vary a lot in relative terms."""
+    phase_budget_s: dict[str, float] = field(default_factory=dict)
+    """Fixed budgets of named phases, instead of the rule above, e.g. ``{build: 3600}`` where loading
+    the model takes long, or ``{save: 7200}`` for large checkpoints. Trainer phases: ``build``,
+    ``rollout``, ``recompute_logp``, ``ref_logp``, ``critic_values``, ``train_step``, ``critic_train``,
+    ``update_weights``, ``save``."""
     silent_s: float = 120.0
     """A process whose heartbeat was not refreshed for this long is reported as not responding."""
     interval_s: float = 5.0
@@ -223,6 +228,8 @@ class WatchdogConfig:
         for name in ("budget_s", "min_budget_s", "silent_s", "interval_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
         require(self.median_factor >= 1, "median_factor", self.median_factor, "must be >= 1")
+        for phase, budget in self.phase_budget_s.items():
+            require(budget > 0, f"phase_budget_s.{phase}", budget, "must be > 0 seconds")
         require(self.min_budget_s <= self.budget_s, "min_budget_s", self.min_budget_s,
                 f"must be <= budget_s ({self.budget_s:g})")  # fmt: skip
         require(self.silent_s > self.interval_s, "silent_s", self.silent_s,

@@ -102,6 +102,18 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_watchdog(args: argparse.Namespace, console: Console) -> int:
+    from megarl.launcher.watchdog import HealthTarget, watch_job
+    from megarl.rollout.engine import make_backend
+
+    config = _load(args)
+    addrs = [a for a in os.environ.get(config.rollout.server_addrs_env, "").split(",") if a]
+    inference = config.allocation.inference
+    endpoint = make_backend(inference.backend).health_endpoint if inference else "/health"
+    servers = [HealthTarget(f"server-{i}", address, endpoint) for i, address in enumerate(addrs)]
+    return watch_job(config, args.trainer_pid, servers)
+
+
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     from megarl.utils.report import build_report
 
@@ -178,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an experiment on this machine: inference servers, then the trainer")
     _add_config_args(run, "CONFIG.yaml files (an experiment, then e.g. a parallel preset), then key.path=value overrides")
     run.set_defaults(func=_cmd_run)
+
+    watchdog = sub.add_parser("watchdog", help="watch a Slurm job's trainer and servers for stalls (the sbatch script starts it)")
+    watchdog.add_argument("--trainer-pid", type=int, required=True, help="the trainer step's srun: stopped on abort/restart")
+    _add_config_args(watchdog)
+    watchdog.set_defaults(func=_cmd_watchdog)
 
     report = sub.add_parser("report", help="write RUN_DIR/report.html: curves, phases, staleness, gap, trajectories")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory ({fileroot}/{experiment}/{trial})")

@@ -46,11 +46,12 @@ from megarl.config.experiment import GRPOConfig
 from megarl.config.loader import save_config
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec
-from megarl.launcher.watchdog import ServerBeats, Watchdog
+from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.utils.auth import run_api_key
 from megarl.utils.console import CONSOLE_TTY_ENV
 from megarl.utils.hardware import auto_dtype
+from megarl.utils.heartbeat import flight_recorder_env
 from megarl.utils.network import find_free_ports
 from megarl.utils.process import cancel_kill_on_exit, kill_on_exit, terminate_process_tree
 
@@ -445,6 +446,8 @@ def trainer_env(config: GRPOConfig, plan: Placement, addrs: list[str]) -> dict[s
     env[config.rollout.server_addrs_env] = ",".join(addrs)
     if config.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, plan.trainer_devices))
+        if config.watchdog.enabled:
+            env = {**flight_recorder_env(config.run_dir), **env}  # the user's launcher.env wins
     elif "OMP_NUM_THREADS" not in env:
         # Servers are bound to their cores (vllm_launch_spec); ranks share the others.
         server_cores = sum(len(slot.devices) for slot in plan.servers)
@@ -474,7 +477,8 @@ def run_trainer(
     log_path = config.run_dir / "logs" / "trainer.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     watchdog = Watchdog(config.run_dir, config.watchdog) if config.watchdog.enabled else None
-    beats = ServerBeats(config.run_dir, servers, config.watchdog.interval_s) if watchdog is not None else nullcontext()
+    targets = [HealthTarget.of(server) for server in servers]
+    beats = ServerBeats(config.run_dir, targets, config.watchdog.interval_s) if watchdog is not None else nullcontext()
     with open(log_path, "ab") as log, beats:
         for attempt in range(retries + 1):
             log.write(f"# megarl run: trainer attempt {attempt + 1}: {' '.join(cmd)}\n".encode())

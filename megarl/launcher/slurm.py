@@ -12,6 +12,11 @@ hand (``launch/`` holds rendered examples). Its shape:
 4. the first step to end decides: the trainer finishing ends the job with its exit
    status; any other step ending first fails the job. Everything left is stopped.
 
+Beside the trainer, ``megarl watchdog`` runs on the batch host (``watchdog.*``): it reads the ranks'
+heartbeats from the shared run directory, beats for the servers on their health checks, names a
+stall in the job's output, and under ``abort`` stops the trainer (exit 3) or under ``restart``
+requeues the job. On GPUs every rank keeps NCCL's flight recorder for it.
+
 With ``--requeue`` a preempted or failed job comes back and the trainer resumes
 from its recover checkpoint (``recover.mode`` must be ``auto``).
 """
@@ -25,6 +30,7 @@ from pathlib import Path
 from megarl.config.experiment import GRPOConfig
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.utils.auth import API_KEY_ENV
+from megarl.utils.heartbeat import flight_recorder_env
 
 
 def _sbatch_header(config: GRPOConfig, requeue: bool) -> list[str]:
@@ -69,10 +75,10 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
         f'export {API_KEY_ENV}="${{{API_KEY_ENV}:-$(python3 -c "import secrets; print(secrets.token_urlsafe(32))")}}"',
         f"RUN_DIR={shlex.quote(str(run_dir))}",
         'mkdir -p "$RUN_DIR/servers" "$RUN_DIR/slurm"',
-        'rm -f "$RUN_DIR"/servers/*.addr',
+        'rm -f "$RUN_DIR"/servers/*.addr "$RUN_DIR/watchdog.stopped"',
         'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         "PIDS=()",
-        'cleanup() { for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done; wait; }',
+        'cleanup() { for pid in "${PIDS[@]}" ${WATCHDOG:-}; do kill -TERM "$pid" 2>/dev/null; done; wait; }',
         "trap cleanup EXIT",
         "",
         "# 1. inference servers",
@@ -94,9 +100,28 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
     ]
     if plan.servers:
         lines += _wait_for_servers(len(plan.servers), slurm.server_wait_timeout)
-    lines += ["", "# 3. trainer", *_trainer(config, cfg, plan)]
-    lines += ["", "# 4. the first step to end decides the job's fate", *_first_exit()]
+    lines += ["", "# 3. trainer", *_flight_recorder(config), *_trainer(config, cfg, plan), *_watchdog(config, cfg)]
+    lines += ["", "# 4. the first step to end decides the job's fate", *_first_exit(config)]
     return lines
+
+
+def _flight_recorder(config: GRPOConfig) -> list[str]:
+    """NCCL's flight recorder in every CUDA rank; the watchdog asks for its dump (``{run_dir}/nccl_trace/``)."""
+    if config.cluster.device == "cpu" or not config.watchdog.enabled:
+        return []
+    env = flight_recorder_env(config.run_dir.resolve())
+    return [f"export {k}={shlex.quote(v)}" for k, v in env.items() if k not in config.launcher.env]
+
+
+def _watchdog(config: GRPOConfig, cfg: str) -> list[str]:
+    """The hang watchdog on this (the batch) host: names stalled ranks and servers in the job's output."""
+    if not config.watchdog.enabled:
+        return []
+    return [
+        f"# the hang watchdog (watchdog.action={config.watchdog.action}): stalls named in this output, stacks in $RUN_DIR/stacks",
+        f'megarl watchdog --config {cfg} --trainer-pid "$TRAINER" &',
+        "WATCHDOG=$!",
+    ]
 
 
 def _wait_for_servers(count: int, timeout: int) -> list[str]:
@@ -147,7 +172,16 @@ def _trainer(config: GRPOConfig, cfg: str, plan: Placement) -> list[str]:
     ]
 
 
-def _first_exit() -> list[str]:
+def _first_exit(config: GRPOConfig) -> list[str]:
+    watchdog = []
+    if config.watchdog.enabled and config.watchdog.action != "warn":
+        requeue = []
+        if config.watchdog.action == "restart":  # render_sbatch made sure the job may be requeued
+            requeue = ['  echo "megarl: requeueing the job: it resumes from its last recover point" >&2',
+                       '  scontrol requeue "$SLURM_JOB_ID"']  # fmt: skip
+        watchdog = ['if [ -f "$RUN_DIR/watchdog.stopped" ]; then',
+                    '  echo "megarl: the watchdog stopped the trainer (watchdog.action=$(cat "$RUN_DIR/watchdog.stopped"))" >&2',
+                    *requeue, "  exit 3", "fi"]  # fmt: skip
     return [
         'wait -n "$TRAINER" "${PIDS[@]}"',
         "if kill -0 \"$TRAINER\" 2>/dev/null; then",
@@ -155,6 +189,7 @@ def _first_exit() -> list[str]:
         "  kill -TERM \"$TRAINER\"; exit 1",
         "fi",
         'wait "$TRAINER"; status=$?',
+        *watchdog,
         'echo "megarl: trainer exited with status $status"',
         "exit $status",
     ]
@@ -166,6 +201,9 @@ def render_sbatch(config: GRPOConfig, config_file: Path, *, requeue: bool = Fals
         raise ValueError(
             f"--requeue needs recover.mode=auto so a requeued job resumes, got recover.mode={config.recover.mode!r}"
         )
+    if config.watchdog.enabled and config.watchdog.action == "restart" and not requeue:
+        raise ValueError("watchdog.action=restart under Slurm requeues the job: render it with --requeue "
+                         "(and recover.mode=auto), or use watchdog.action=abort")  # fmt: skip
     plan = plan_placement(config.allocation, config.cluster.n_nodes, config.cluster.n_gpus_per_node)
     return "\n".join(_sbatch_header(config, requeue) + [""] + _body(config, config_file, plan)) + "\n"
 

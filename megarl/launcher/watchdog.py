@@ -15,7 +15,7 @@ carries: the rollout pool's outstanding requests by server and task, the reward 
 running; for ranks in a collective, the call and the ranks of its group that have not arrived,
 with where those are), appends the event to ``{run_dir}/watchdog.jsonl``, asks every process for its Python
 stacks (``SIGUSR1``: ``{run_dir}/stacks/{name}.txt``; ``py-spy dump`` beside them when py-spy is
-installed), and returns the event so that the launcher can warn, abort or restart.
+installed) and, on CUDA, every rank for NCCL's flight recorder (``{run_dir}/nccl_trace/``), and returns the event so that the launcher can warn, abort or restart.
 A phase is reported once; it is reported again only once it has ended and overruns anew.
 """
 
@@ -26,16 +26,19 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megarl.config.run import WatchdogConfig
 from megarl.utils.collectives import describe as describe_collective
 from megarl.utils.collectives import same_call
-from megarl.utils.heartbeat import HEARTBEAT_DIR, STACKS_DIR, Heartbeat
+from megarl.utils.heartbeat import HEARTBEAT_DIR, STACKS_DIR, Heartbeat, request_dumps
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +79,9 @@ class StallEvent:
 class Watchdog:
     """Watches the heartbeats of one run directory (see the module doc)."""
 
-    def __init__(self, run_dir: str | Path, config: WatchdogConfig):
+    def __init__(self, run_dir: str | Path, config: WatchdogConfig, host: str | None = None):
         self.run_dir, self.config = Path(run_dir), config
+        self.host = host or socket.gethostname()  # processes elsewhere are asked for their stacks by file
         self._reported: set[tuple[str, str, float]] = set()  # (name, phase, since)
 
     def reset(self) -> None:
@@ -88,6 +92,8 @@ class Watchdog:
     def budget(self, phase: str, medians: dict[str, float]) -> float:
         """Seconds ``phase`` may take, given the medians of the process's phases so far."""
         cfg = self.config
+        if phase in cfg.phase_budget_s:
+            return cfg.phase_budget_s[phase]
         median = medians.get(phase)
         if median is None:
             return cfg.budget_s
@@ -157,11 +163,39 @@ class Watchdog:
         logger.error(event.line())
         with open(self.run_dir / EVENTS_FILE, "a") as f:
             f.write(json.dumps(asdict(event)) + "\n")
-        signalled = {b["pid"] for b in beats if b.get("signal_stacks", True)}
+        # a process here is signalled (faulthandler on SIGUSR1 answers even with the GIL held); one on
+        # another host (a Slurm job's ranks) writes its stacks from its beat thread on request
+        here = [b for b in beats if b.get("host", self.host) == self.host]
+        remote = [b["name"] for b in beats if b.get("host", self.host) != self.host and b.get("signal_stacks", True)]
+        request_dumps(self.run_dir, remote)  # CUDA ranks also answer with NCCL's flight recorder
+        signalled = {b["pid"] for b in here if b.get("signal_stacks", True)}
         owners: dict[int, str] = {}  # the pool beats inside trainer-0's process: its stacks are trainer-0's
-        for beat in sorted(beats, key=lambda b: b["pid"] not in signalled or not b.get("signal_stacks", True)):
+        for beat in sorted(here, key=lambda b: b["pid"] not in signalled or not b.get("signal_stacks", True)):
             owners.setdefault(beat["pid"], beat["name"])
         dump_stacks(self.run_dir, {name: pid for pid, name in owners.items()}, signalled)
+
+
+@dataclass
+class HealthTarget:
+    """A server the launcher health-checks and beats for: ``server-{i}`` at ``address``."""
+
+    name: str
+    address: str
+    health_endpoint: str = "/health"
+    pid: int | None = None  # None: on another host (a Slurm job's server step), no stacks from here
+    log: str = ""
+
+    @classmethod
+    def of(cls, server) -> HealthTarget:
+        """Of a local :class:`~megarl.rollout.server.InferenceServer`."""
+        return cls(server.name, server.address, server.spec.health_endpoint, server.proc.pid, str(server.log_path))
+
+    def healthy(self, timeout: float) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.address}{self.health_endpoint}", timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
 
 class ServerBeats:
@@ -172,12 +206,10 @@ class ServerBeats:
     its address and log. Its stacks come from py-spy only (a server has no ``SIGUSR1`` handler).
     """
 
-    def __init__(self, run_dir: str | Path, servers: list, interval: float, timeout: float = 5.0):
+    def __init__(self, run_dir: str | Path, servers: list[HealthTarget], interval: float, timeout: float = 5.0):
         self.servers, self.interval, self.timeout = servers, interval, min(timeout, interval)
         self.beats = [Heartbeat(run_dir, server.name, interval, watch="silence", thread=False, stacks=False,
-                                pid=server.proc.pid,
-                                silent_means=f"{server.address} does not answer its health check "
-                                             f"({server.spec.health_endpoint}); its log: {server.log_path}")
+                                pid=server.pid or 0, silent_means=_silent_server(server))
                       for server in servers]  # fmt: skip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megarl-server-beats", daemon=True)
@@ -195,12 +227,17 @@ class ServerBeats:
     def _run(self) -> None:
         while True:
             for server, beat in zip(self.servers, self.beats):
-                if server.is_healthy(timeout=self.timeout):
+                if server.healthy(timeout=self.timeout):
                     beat.set_detail_fn(lambda server=server: f"serving at {server.address}")
                     beat.set_phase("serving")
                     beat.beat()
             if self._stop.wait(self.interval):
                 return
+
+
+def _silent_server(server: HealthTarget) -> str:
+    log = f"; its log: {server.log}" if server.log else ""
+    return f"{server.address} does not answer its health check ({server.health_endpoint}){log}"
 
 
 def _key(beat: dict) -> tuple[str, str, float]:
@@ -253,8 +290,8 @@ def dump_stacks(run_dir: Path, pids: dict[str, int], signalled: set[int] | None 
     signalled = set(pids.values()) if signalled is None else signalled
     sizes = {}
     for name, pid in pids.items():
-        if pid == os.getpid():
-            continue  # this process has no stack-dump handler: the signal would end it
+        if pid == os.getpid() or not pid:
+            continue  # this process has no stack-dump handler: the signal would end it; 0: not on this host
         path = folder / f"{name}.txt"
         if pid in signalled:
             sizes[path] = path.stat().st_size if path.exists() else 0
@@ -270,3 +307,40 @@ def dump_stacks(run_dir: Path, pids: dict[str, int], signalled: set[int] | None 
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any((p.stat().st_size if p.exists() else 0) <= n for p, n in sizes.items()):
         time.sleep(0.05)
+
+
+STOPPED_MARK = "watchdog.stopped"  # in the run directory: the watchdog stopped the trainer; holds the action
+_JOB_POLL_S = 1.0
+
+
+def watch_job(config, trainer_pid: int, servers: list[HealthTarget]) -> int:
+    """The watchdog beside a Slurm job's trainer step (``megarl watchdog``, started by the sbatch script).
+
+    Beats for the servers, prints each stall's line to the job's output and, under ``abort`` or
+    ``restart``, stops the trainer step (SIGTERM to its ``srun``) and writes ``{run_dir}/watchdog.stopped``
+    (the action) so that the script exits 3, or requeues the job for ``restart``. Returns when the
+    trainer step ends: 0, or 3 when it stopped it.
+    """
+    watchdog = Watchdog(config.run_dir, config.watchdog)
+    action = config.watchdog.action
+    with ServerBeats(config.run_dir, servers, config.watchdog.interval_s):
+        while _alive(trainer_pid):
+            event = watchdog.check()
+            if event is not None:
+                print(event.line(), flush=True)
+                if action != "warn":
+                    (config.run_dir / STOPPED_MARK).write_text(action)
+                    print(f"megarl watchdog: stopping the trainer (watchdog.action={action})", flush=True)
+                    os.kill(trainer_pid, signal.SIGTERM)
+                    return 3
+            time.sleep(_JOB_POLL_S)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -50,6 +51,8 @@ FAULT_STALL_ENV = "MEGARL_FAULT_STALL"
 FAULT_STALL_ONCE_ENV = "MEGARL_FAULT_STALL_ONCE"
 HEARTBEAT_DIR = "heartbeat"
 STACKS_DIR = "stacks"
+FLIGHT_RECORDER_DIR = "nccl_trace"  # NCCL's flight recorder dumps, one per rank (CUDA only)
+DUMP_REQUEST = "dump-request.json"  # in STACKS_DIR: the watchdog writes it, every rank's beat thread answers
 _MEDIAN_WINDOW = 20  # durations kept per phase
 
 
@@ -80,6 +83,7 @@ class Heartbeat:
         self._stacks = None
         self._phase_entries: dict[str, int] = defaultdict(int)
         self.collectives: CollectiveTrace | None = None
+        self._dumped_request = time.time()  # a request older than this process is not for it
 
     def start(self, trace_collectives: bool = False) -> Heartbeat:
         """Write the first beat and start beating; ``trace_collectives``: record the collective running."""
@@ -151,6 +155,33 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
             self._write()
+            if self.stacks:
+                self._answer_dump_request()
+
+    def _answer_dump_request(self) -> None:
+        """On a new watchdog request (:func:`request_dumps`): this process's stacks when it is named
+        (a process on another host than the watchdog, which cannot signal it), and NCCL's flight
+        recorder into ``{run_dir}/nccl_trace/{name}.pkl`` on CUDA.
+
+        Runs in the beat thread: the main thread may be stuck in a collective or a CUDA sync.
+        """
+        path = self.run_dir / STACKS_DIR / DUMP_REQUEST
+        try:
+            if path.stat().st_mtime <= self._dumped_request:
+                return
+            request = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return  # none yet, or being replaced: the next beat reads it
+        self._dumped_request = path.stat().st_mtime
+        if self.name in request.get("stacks", []) and self._stacks is not None:
+            faulthandler.dump_traceback(self._stacks, all_threads=True)
+            self._stacks.flush()
+        trace = flight_recorder_dump()
+        if trace is not None:
+            path = self.run_dir / FLIGHT_RECORDER_DIR / f"{self.name}.pkl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(trace)
+            logger.warning("NCCL flight recorder written to %s", path)
 
     def _write(self) -> None:
         detail = ""
@@ -165,7 +196,8 @@ class Heartbeat:
                       "collective": collective, "since": self._since, "beat": time.time(),
                       "medians": {k: statistics.median(v) for k, v in self._durations.items() if v},
                       "runs": {k: len(v) for k, v in self._durations.items()},
-                      "watch": self.watch, "signal_stacks": self.stacks, "silent_means": self.silent_means}  # fmt: skip
+                      "watch": self.watch, "signal_stacks": self.stacks, "silent_means": self.silent_means,
+                      "host": socket.gethostname()}  # fmt: skip
         tmp = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)  # a restart's watchdog.reset() removed it
@@ -207,6 +239,46 @@ class InFlight:
             tasks = ", ".join(str(task) for _, task in items[:8])
             parts.append(f"{label}: {len(items)} {self.noun}, the oldest {now - items[0][0]:.0f} s (tasks {tasks})")
         return "; ".join(parts)
+
+
+def request_dumps(run_dir: str | Path, stacks: list[str]) -> None:
+    """Ask every heartbeat's process for NCCL's flight recorder, and those named in ``stacks`` for
+    their Python stacks (answered within one beat, :meth:`Heartbeat._answer_dump_request`)."""
+    path = Path(run_dir) / STACKS_DIR / DUMP_REQUEST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"time": time.time(), "stacks": sorted(stacks)}))
+    os.replace(tmp, path)
+
+
+def flight_recorder_env(run_dir: str | Path, entries: int = 2000) -> dict[str, str]:
+    """The environment that turns on NCCL's flight recorder in a CUDA trainer rank.
+
+    The last ``entries`` collectives of every NCCL group are kept; torch dumps them on its own NCCL
+    timeout, and the watchdog asks for a dump when it reports (:meth:`Heartbeat._answer_dump_request`).
+    Both spellings: torch renamed the variables (``TORCH_NCCL_*`` -> ``TORCH_FR_*``) in 2.7.
+    """
+    prefix = str(Path(run_dir) / FLIGHT_RECORDER_DIR / "rank_")
+    return {"TORCH_FR_BUFFER_SIZE": str(entries), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}  # fmt: skip
+
+
+def flight_recorder_dump() -> bytes | None:
+    """This process's NCCL flight recorder (pickled, torch's format), or None off NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
+        return None
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return None
+    try:
+        return dump(True, True, False)  # collectives, their stack traces, not only the active ones
+    except RuntimeError as e:  # recorder off (no buffer size), or no NCCL group in this process
+        logger.warning("no NCCL flight recorder dump: %s", e)
+        return None
 
 
 def _injected_stall(process: str, phase: str, entry: int) -> None:

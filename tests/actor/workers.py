@@ -369,3 +369,28 @@ def gap_step(model_dir: str, alloc: str, batch: dict, offsets: torch.Tensor) -> 
     actor.compute_advantages(data)
     stats = actor.ppo_update(data)
     return {k: v for step in stats for k, v in step.items() if "/gap/" in k or "capped_ratio" in k}
+
+
+def heartbeat_steps(model_dir: str, alloc: str, batch: dict, run_dir: str) -> dict:
+    """One PPO update under a heartbeat that traces collectives: the steps it was told (micro-batches)
+    and the collectives it saw."""
+    import os
+
+    from megarl.utils import heartbeat
+
+    steps, ops = [], []
+    original = torch.distributed.all_reduce
+    beat = heartbeat.start(run_dir, f"trainer-{os.environ['RANK']}", 0.1, trace_collectives=True)
+    wrapped = torch.distributed.all_reduce is not original
+    told, entered = beat.step, beat.collectives._enter
+    beat.step = lambda text: (steps.append(text), told(text))
+    beat.collectives._enter = lambda op, group: (ops.append(op), entered(op, group))
+    actor = _ppo_actor(model_dir, alloc, {})
+    p = actor.parallel
+    data = split_groups(batch, p.dp_rank, p.alloc.dp, actor.config.group_size)
+    data["prox_logp"] = actor.compute_logp(data)
+    actor.compute_advantages(data)
+    with heartbeat.phase("train_step"):
+        actor.ppo_update(data)
+    heartbeat.stop()
+    return {"steps": steps, "ops": ops, "wrapped": wrapped, "restored": torch.distributed.all_reduce is original}

@@ -244,3 +244,20 @@ def test_requeued_job_resumes_from_its_recover_checkpoint(cluster, tmp_path):
     assert job.steps() == [0, 1, 2] and (job.run_dir / "curves.png").stat().st_size > 0
     assert out.count("megarl: finished gsm8k-grpo-cpu/trial0 in ") == 1
     assert job.survivors() == []
+
+
+def test_watchdog_names_a_stalled_rank_and_aborts_the_job(cluster, tmp_path):
+    """``megarl watchdog`` beside the trainer step: a rank stalled on purpose is named in the job's output
+    with its stacks written, and ``watchdog.action=abort`` ends the job with status 3."""
+    stall = ["total_train_steps=2", "launcher.env.MEGARL_FAULT_STALL=trainer-0:build:600", "watchdog.budget_s=20",
+             "watchdog.min_budget_s=5", "watchdog.interval_s=1", "watchdog.action=abort"]  # fmt: skip
+    job = submit(cluster, tmp_path, *stall)
+    state = job.wait(START_TIMEOUT + 300)
+    out = job.output()
+    assert state == "FAILED" and job.info()["ExitCode"] == "3:0", out[-6000:]
+    line = next(line for line in out.splitlines() if line.startswith("megarl watchdog: trainer-0"))
+    assert "trainer-0 in phase 'build'" in line and "(budget 20 s)" in line, line
+    assert "server-0 in 'serving'" in line, "the watchdog beats for the job's server too"
+    assert "megarl: the watchdog stopped the trainer (watchdog.action=abort)" in out
+    assert "_injected_stall" in (job.run_dir / "stacks" / "trainer-0.txt").read_text()
+    assert job.survivors() == []

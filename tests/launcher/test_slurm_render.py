@@ -46,6 +46,25 @@ def test_requeue_needs_auto_recover(tmp_path):
         render_sbatch(config("gsm8k_grpo_cpu.yaml"), tmp_path / "c.yaml", requeue=True)
 
 
+def test_watchdog_runs_beside_the_trainer(tmp_path):
+    """``megarl watchdog`` watches the trainer step; abort exits 3, restart requeues; CUDA ranks keep NCCL's flight recorder."""
+    cpu = render_sbatch(config("gsm8k_grpo_cpu.yaml", "watchdog.action=abort"), tmp_path / "c.yaml")
+    assert f'megarl watchdog --config {tmp_path / "c.yaml"} --trainer-pid "$TRAINER" &' in cpu
+    assert cpu.index("TRAINER=$!") < cpu.index("megarl watchdog") < cpu.index('wait "$TRAINER"')
+    assert 'if [ -f "$RUN_DIR/watchdog.stopped" ]; then' in cpu and "  exit 3" in cpu and "scontrol requeue" not in cpu
+    assert "TORCH_FR_BUFFER_SIZE" not in cpu, "no flight recorder on CPU (gloo)"
+    subprocess.run(["bash", "-n"], input=cpu, text=True, check=True)
+    with pytest.raises(ValueError, match="watchdog.action=restart under Slurm requeues the job: render it with --requeue"):
+        render_sbatch(config("gsm8k_grpo_cpu.yaml", "watchdog.action=restart", "recover.mode=auto"), tmp_path / "c.yaml")
+    gpu = render_sbatch(config("gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "watchdog.action=restart"), tmp_path / "g.yaml",
+                        requeue=True)  # fmt: skip
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in gpu
+    assert gpu.index("export TORCH_FR_BUFFER_SIZE=2000") < gpu.index("torchrun")
+    assert "nccl_trace/rank_" in gpu
+    off = render_sbatch(config("gsm8k_grpo_cpu.yaml", "watchdog.enabled=false"), tmp_path / "c.yaml")
+    assert "megarl watchdog" not in off and 'if [ -f "$RUN_DIR/watchdog.stopped" ]' not in off
+
+
 def test_script_entry_path_and_env(tmp_path):
     cfg = config("gsm8k_grpo_cpu.yaml", "launcher.trainer_entry=my/train.py", "launcher.env.FOO=bar")
     script = render_sbatch(cfg, tmp_path / "c.yaml")

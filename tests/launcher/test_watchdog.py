@@ -17,7 +17,7 @@ import pytest
 
 from megarl.config.run import WatchdogConfig
 from megarl.launcher.local import WATCHDOG_ABORT_STATUS, _watch
-from megarl.launcher.watchdog import ServerBeats, Watchdog
+from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
 from megarl.utils.heartbeat import FAULT_STALL_ENV, Heartbeat
 from megarl.utils.network import find_free_port
 from tests.rollout.conftest import fake_servers  # noqa: F401 -- the fixture
@@ -96,6 +96,29 @@ def test_a_rank_asleep_is_named_and_the_others_wait_in_the_collective(tmp_path):
         _stop(*procs)
 
 
+def test_ranks_on_another_host_write_their_stacks_on_request(tmp_path):
+    """A watchdog on another host (a Slurm job's batch host) cannot signal the ranks: their beat threads
+    answer its dump request with their stacks."""
+    port = find_free_port()
+    procs = [_start(tmp_path, "collective", rank, 2, port, env={FAULT_STALL_ENV: "trainer-1:compute:600"})
+             for rank in range(2)]  # fmt: skip
+    try:
+        _wait_for_heartbeats(tmp_path, {"trainer-0", "trainer-1"})
+        watchdog = Watchdog(tmp_path, _config(), host="batch-host")
+        event, _ = _first_event(watchdog, 3 * BUDGET_S)
+        assert event.names == ["trainer-1"], event
+        request = json.loads((tmp_path / "stacks" / "dump-request.json").read_text())
+        assert request["stacks"] == ["trainer-0", "trainer-1"], request
+        deadline = time.monotonic() + 5
+        while not all((tmp_path / "stacks" / f"trainer-{r}.txt").stat().st_size for r in range(2)):
+            assert time.monotonic() < deadline, "no stacks written within a few beats"
+            time.sleep(0.1)
+        assert "_injected_stall" in (tmp_path / "stacks" / "trainer-1.txt").read_text()
+        assert "all_reduce" in (tmp_path / "stacks" / "trainer-0.txt").read_text()
+    finally:
+        _stop(*procs)
+
+
 def test_a_server_that_stops_answering_is_named_with_its_requests(tmp_path, fake_servers):
     (server,) = fake_servers(1)
     body = json.dumps({"faults": ["hang"]}).encode()
@@ -117,7 +140,7 @@ def test_a_server_that_stops_answering_its_health_check_is_named(tmp_path, fake_
     """A hung server process (SIGSTOP): its heartbeat, beaten by the launcher's health checks, goes silent."""
     hung, healthy = fake_servers(2)
     hung.name, healthy.name = "server-0", "server-1"  # as the launcher names them
-    with ServerBeats(tmp_path, [hung, healthy], interval=0.2, timeout=0.5):
+    with ServerBeats(tmp_path, [HealthTarget.of(hung), HealthTarget.of(healthy)], interval=0.2, timeout=0.5):
         _wait_for_heartbeats(tmp_path, {hung.name, healthy.name})
         os.kill(hung.proc.pid, signal.SIGSTOP)
         try:
@@ -181,6 +204,9 @@ def test_budgets_follow_the_medians():
     assert watchdog.budget("train_step", {"train_step": 30}) == 150
     assert watchdog.budget("train_step", {"train_step": 2}) == 60  # never below min_budget_s
     assert watchdog.budget("train_step", {"train_step": 900}) == 1000
+    fixed = Watchdog(Path("."), WatchdogConfig(budget_s=1000, phase_budget_s={"build": 3600, "save": 5}))
+    assert fixed.budget("build", {}) == 3600 and fixed.budget("save", {"save": 900}) == 5  # fixed, median or not
+    assert fixed.budget("train_step", {}) == 1000
 
 
 def test_a_silent_process_is_reported(tmp_path):

@@ -1,9 +1,11 @@
 """The watchdog in ``megarl run``: a trainer rank stalled on purpose is named on the console within
 its budget, its stacks are written, and ``watchdog.action=abort`` ends the run (exit 3) with the
-servers and the trainer stopped and the run directory kept."""
+servers and the trainer stopped and the run directory kept; ``watchdog.action=restart`` resumes
+from the last recover point."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megarl.utils.heartbeat import FAULT_STALL_ENV
+from megarl.utils.heartbeat import FAULT_STALL_ENV, FAULT_STALL_ONCE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_S = 20
@@ -40,3 +42,28 @@ def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
     assert (run_dir / "config.yaml").exists() and (run_dir / "watchdog.jsonl").exists()
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, f"processes of the run still alive: {leftovers}"
+
+
+@pytest.mark.vllm
+def test_restart_resumes_from_the_last_recover_point(tmp_path):
+    """``watchdog.action=restart``: the stalled trainer is stopped and started again from its recover
+    point (after step 0); the run finishes with every step trained once."""
+    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
+           f"cluster.fileroot={tmp_path}", "total_train_steps=3", "stats_logger.wandb.mode=disabled",
+           "evaluator.freq_steps=null", "recover.mode=auto", "recover.retries=1", "recover.freq_steps=1",
+           "watchdog.budget_s=600", "watchdog.phase_budget_s.train_step=45", "watchdog.interval_s=1",
+           "watchdog.action=restart"]  # fmt: skip
+    once = tmp_path / "stalled-once"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               **{FAULT_STALL_ENV: "trainer-0:train_step#2:600", FAULT_STALL_ONCE_ENV: str(once)})  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+    console = result.stdout + result.stderr
+    assert result.returncode == 0, console[-3000:]
+    assert once.exists(), "the stall happened"
+    line = next(line for line in console.splitlines() if line.startswith("megarl watchdog:"))
+    assert "trainer-0 in phase 'train_step' for" in line, line
+    assert "watchdog: restarting the trainer from its last recover point (watchdog.action=restart)" in console
+    run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
+    steps = [json.loads(line)["global_step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2], f"each step once, resumed after step 0: {steps}"
+    assert "recover" in (run_dir / "logs" / "trainer.log").read_text().lower()
