@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -61,6 +62,7 @@ _DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 DATASET_SHORT_NAMES = types.MappingProxyType({"gsm8k": _DATA_DIR / "gsm8k", "arithmetic": _DATA_DIR / "arithmetic"})
 """Bundled datasets: short name -> directory of ``{split}.jsonl`` files (``megarl.data`` resolves these)."""
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_MODEL_ID = re.compile(_HUB_ID.pattern + r"(?:@[\w./-]+)?")  # megarl.models.provision.HUB_ID
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _TRUE = frozenset({"1", "on", "yes", "true"})
 
@@ -134,6 +136,14 @@ class BaseExperimentConfig:
         self._check_outputs(multi_node)
         self._check_schedules()
 
+    def resolve_locations(self, folders: Callable[[str], list[Path]]) -> None:
+        """Make every path the run's processes resolve the same wherever they start; called by the
+        loader before ``check``. ``folders(key)``: the folder of the config file that set ``key``.
+
+        Here a hub id in ``tokenizer_path`` becomes its local snapshot (:func:`resolve_hub_id`).
+        """
+        self.tokenizer_path = resolve_hub_id(self.tokenizer_path, "tokenizer_path", self.cluster.n_nodes > 1, weights=False)
+
     def _check_outputs(self, multi_node: bool) -> None:
         """The run directory can be written, and a ``recover.mode: resume`` has something to resume."""
         fileroot = self.cluster.fileroot
@@ -194,8 +204,10 @@ class GRPOConfig(BaseExperimentConfig):
     weight_update: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)
     """How new weights reach the servers after each step (``megarl.bridge``)."""
     reward_fn: str = "megarl.reward.gsm8k.gsm8k_reward_fn"
-    """Import path of the reward, ``fn(prompt, completions, prompt_ids, completion_ids, **row) -> float``
-    (handed to the workflows that take a ``reward_fn``)."""
+    """The reward, ``fn(prompt, completions, prompt_ids, completion_ids, **row) -> float`` (handed to
+    the workflows that take a ``reward_fn``): ``package.module.fn`` or ``path/to/file.py:fn``, found in
+    the installed packages, then beside the config file, then in the working directory
+    (:mod:`megarl.utils.plugins`)."""
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     """The rollout workflow of training: a built-in (``rlvr``, ``multi_turn``) or a user's class."""
     eval_workflow: WorkflowConfig | None = None
@@ -222,6 +234,27 @@ class GRPOConfig(BaseExperimentConfig):
                 logger.info("%s=%s sets %s where the config does not", key, name, OmegaConf.to_container(OmegaConf.create(preset)))
             layers.append((f"the {key}={name} preset", preset))
         return layers
+
+    def resolve_locations(self, folders: Callable[[str], list[Path]]) -> None:
+        """Also: each plug-in path found in a folder (the config file's, then the working directory)
+        becomes the file's absolute path (:func:`megarl.utils.plugins.locate_plugin`), and a hub id
+        in ``actor.path``, ``ref.path`` or ``critic.path`` its local snapshot directory."""
+        from megarl.utils.plugins import locate_plugin
+
+        super().resolve_locations(folders)
+        self.reward_fn = locate_plugin(self.reward_fn, "reward_fn", folders("reward_fn"))
+        for key, workflow in (("workflow", self.workflow), ("eval_workflow", self.eval_workflow)):
+            if workflow is None:
+                continue
+            workflow.type = locate_plugin(workflow.type, f"{key}.type", folders(f"{key}.type"))
+            reward, reward_key = workflow.kwargs.get("reward_fn"), f"{key}.kwargs.reward_fn"
+            if isinstance(reward, str):
+                workflow.kwargs["reward_fn"] = locate_plugin(reward, reward_key, folders(reward_key))
+        self.actor.loss = locate_plugin(self.actor.loss, "actor.loss", folders("actor.loss"))
+        multi_node = self.cluster.n_nodes > 1
+        for key, model in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)):
+            if model is not None:
+                model.path = resolve_hub_id(model.path, f"{key}.path", multi_node)
 
     def check(self) -> None:
         super().check()
@@ -499,13 +532,37 @@ def read_model_shape(path: str, key: str = "actor.path") -> ModelShape | None:
     return None if config is None else ModelShape.from_hf_config(config)
 
 
+def resolve_hub_id(path: str, key: str, multi_node: bool, weights: bool = True) -> str:
+    """``path``, or its local snapshot directory when it is a Hugging Face hub id (``org/name[@revision]``)
+    rather than a short name or an existing path (:func:`megarl.models.provision.hub_snapshot`:
+    from the cache, else downloaded). ``weights``: a model (config and safetensors), else a tokenizer.
+
+    Resolved once, when the config loads: the saved config hands the trainer and the servers
+    the same directory. A :class:`ConfigError` naming ``key`` when it cannot be had.
+    """
+    local = Path(path).expanduser()
+    if (not _HUB_MODEL_ID.fullmatch(path) or path.lower() in MODEL_SHORT_NAMES or local.exists()
+            or (multi_node and local.is_absolute())):  # fmt: skip
+        return path
+    from megarl.models.provision import HubModelError, hub_snapshot
+
+    try:
+        snapshot = str(hub_snapshot(path, weights=weights))
+    except HubModelError as err:
+        raise ConfigError(key, f"{path!r} is no local directory nor a known short name {sorted(MODEL_SHORT_NAMES)}; "
+                               f"as a Hugging Face hub id: {err}") from None  # fmt: skip
+    if _is_rank0():
+        logger.info("%s: hub id %s is %s", key, path, snapshot)
+    return snapshot
+
+
 def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...] = ("config.json",)) -> str | None:
     """Why ``path`` cannot name a model (or tokenizer) of this run, or None when it can.
 
     Accepted: a short name of :data:`MODEL_SHORT_NAMES`, or a directory holding one of
-    ``marker_files``. Hub ids (``org/name``) are refused: ``resolve_model_path``, which the
-    trainer and the servers use, loads only short names and local directories, and no hub
-    is reached at run time. One exception: an absolute path that does not exist here is
+    ``marker_files``. A hub id (``org/name``) is turned into its local snapshot directory when
+    the config loads (:func:`resolve_hub_id`), so the trainer and the servers read the same
+    files and no hub is reached at run time; one reaching here was not loaded. One exception: an absolute path that does not exist here is
     accepted on a multi-node cluster, whose nodes may mount shared storage this machine
     (e.g. a Slurm login node) does not; the servers and trainer check it again there.
     """
@@ -522,8 +579,8 @@ def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...
     if local.is_absolute() and multi_node:
         return None
     hint = (
-        "; Hugging Face hub ids are not downloaded: fetch the model and give its directory"
-        if _HUB_ID.fullmatch(path)
+        "; a Hugging Face hub id becomes its local directory when the config is loaded (megarl.config.load_expr_config)"
+        if _HUB_MODEL_ID.fullmatch(path)
         else ""
     )
     return f"neither a known short name {known} nor a directory with {' or '.join(marker_files)}{hint}"

@@ -5,8 +5,11 @@
 Layers, later winning: the dataclass defaults, each ``--config`` file in order (so a
 parallel-strategy preset can follow an experiment file), then the overrides. The
 merge is an OmegaConf structured config, so a misspelled key or a value of the
-wrong type fails with its full key path; then every config's ``check()`` runs, and the
-experiment's ``resolve_auto()`` (if it has one) makes machine-dependent values concrete.
+wrong type fails with its full key path; then the experiment's ``resolve_locations()`` (if it
+has one) turns a plug-in found beside the config file that names it, or a Hugging Face hub
+model id, into an absolute path every process of the run finds, every config's ``check()``
+runs, and the experiment's ``resolve_auto()`` (if it has one) makes machine-dependent values
+concrete.
 
 AReaL's names for a few keys are accepted (:data:`AREAL_ALIASES`): each layer's AReaL
 key is renamed to megarl's before the merge, with one INFO line saying so.
@@ -15,6 +18,7 @@ key is renamed to megarl's before the merge, with one INFO line saying so.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,6 +83,9 @@ def build_config(config_cls: type[T], files: list[str], overrides: list[str]) ->
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _config_error(err, "the merged config") from None
+    resolve_locations = getattr(config, "resolve_locations", None)
+    if resolve_locations is not None:  # e.g. GRPOConfig: plug-in files and hub model ids -> absolute paths
+        resolve_locations(functools.partial(_folders_setting, files, layers))
     try:
         validate_tree(config)
         resolve_auto = getattr(config, "resolve_auto", None)
@@ -119,6 +126,15 @@ def _naming_sources(err: ConfigError, config, layers: list[tuple[str, Any]]) -> 
 
 def _container(layer) -> dict:
     return OmegaConf.to_container(layer, resolve=False) if isinstance(layer, DictConfig) else {}
+
+
+def _folders_setting(files: list[str], layers: list, key: str) -> list[Path]:
+    """``[folder]`` of the last config file that sets ``key``; ``[]`` when the command line
+    sets it (its relative paths start from the working directory) or nothing does."""
+    for index in reversed(range(len(layers))):
+        if _get(OmegaConf.to_container(layers[index][1], resolve=False), key)[0]:
+            return [Path(files[index]).resolve().parent] if index < len(files) else []
+    return []
 
 
 def _merge_layers(schema, layers: list[tuple[str, Any]]):

@@ -242,7 +242,8 @@ class WorkflowConfig:
 
     type: str = "rlvr"
     """A built-in (``rlvr``: one answer per sample; ``multi_turn``: retry with a reflection prompt
-    after a wrong answer) or ``package.module.Class`` (a workflow or an agent)."""
+    after a wrong answer) or a workflow's or an agent's class: ``package.module.Class`` or
+    ``path/to/file.py:Class`` (found as :mod:`megarl.utils.plugins` says)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Constructor arguments beyond those filled in from the run (e.g. ``max_turns: 3``)."""
     group_size: int = 1
@@ -267,7 +268,7 @@ class WorkflowConfig:
             "." in self.class_path,
             "type",
             self.type,
-            f"neither a built-in {sorted(WORKFLOW_SHORT_NAMES)} nor 'package.module.Class'",
+            f"neither a built-in {sorted(WORKFLOW_SHORT_NAMES)} nor 'package.module.Class' or 'path/to/file.py:Class'",
         )
         from megarl.utils.plugins import workflow_problem
 

@@ -130,9 +130,9 @@ class TrainEngineConfig:
     """A Megatron model that trains or scores: the actor, a reference model or a critic."""
 
     path: str = "smollm2-135m-instruct"
-    """HF model directory, or a short name provisioned by ``megarl.models`` (``smollm2-135m-instruct``).
-    Hub ids are not downloaded; the config check rejects a path that is neither (see
-    ``megarl.config.experiment.model_path_problem``)."""
+    """HF model directory, a short name provisioned by ``megarl.models`` (``smollm2-135m-instruct``), or a
+    Hugging Face hub id ``org/name[@revision]``: taken from the HF cache or downloaded when the config
+    loads, and replaced by its local directory (``megarl.config.experiment.resolve_hub_id``)."""
     dtype: DType = "auto"
     """Parameter dtype (fp32 main grads and optimizer state either way). ``auto``: bfloat16 on CUDA
     and on CPUs with native bf16 (AVX-512 BF16 / AMX), float32 elsewhere (``megarl.utils.hardware``)."""
@@ -227,7 +227,7 @@ class PPOActorConfig(TrainEngineConfig):
     loss: str = "ppo"
     """The policy loss: a built-in (``ppo``, ``grpo``, ``dapo``, ``dr_grpo``, ``gspo``; each sets
     the keys below that define it, such as ``loss_agg_mode``, unless the config sets them) or
-    ``package.module.function``, a per-token surrogate called as
+    ``package.module.function`` (or ``path/to/file.py:function``), a per-token surrogate called as
     ``fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config) -> loss [T]``
     (or ``(loss, {name: per-token stat})``), where ``anchor_logprobs`` are the proximal
     (decoupled PPO) or behaviour logprobs and ``config`` is this config. megarl then applies the

@@ -200,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory ({fileroot}/{experiment}/{trial})")
     report.set_defaults(func=_cmd_report)
 
-    models = sub.add_parser("models", help="list or provision models known by short name")
+    models = sub.add_parser("models", help="list or provision models known by short name, or fetch a hub id")
     models.add_argument("action", choices=["list", "fetch"])
-    models.add_argument("name", nargs="?", default="smollm2-135m-instruct", help="short name or HF directory")
+    models.add_argument("name", nargs="?", default="smollm2-135m-instruct",
+                        help="short name, HF directory, or hub id org/name[@revision] (into the HF cache)")
     models.add_argument("--cache-dir", help="where provisioned models go (default $MEGARL_CACHE_DIR or ~/.cache/megarl)")
     models.set_defaults(func=_cmd_models)
     return parser

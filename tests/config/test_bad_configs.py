@@ -335,6 +335,8 @@ def test_short_names_match_the_loaders():
             assert read_model_shape(str(provisioned)) == MODEL_SHORT_NAMES[name]
 
 
-def test_hub_model_id_says_it_is_not_downloaded():
-    with pytest.raises(ConfigError, match="hub ids are not downloaded: fetch the model and give its directory"):
+def test_hub_model_id_offline_and_not_cached_says_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="`megarl models fetch HuggingFaceTB/SmolLM2-135M`"):
         load_expr_config(["--config", CPU_YAML, "actor.path=HuggingFaceTB/SmolLM2-135M"], GRPOConfig)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -92,7 +93,8 @@ def test_an_agent_class_is_a_workflow_by_config():
     """AReaL's agent API (``async def run(data, **extra_kwargs)``) runs behind megarl's OpenAI-compatible proxy."""
     agent = "examples.workflows.openai_agent.CalculatorAgent"
     config = _load(f"workflow.type={agent}", "workflow.kwargs.max_turns=2")
-    assert config.workflow.class_path == agent and config.workflow.kwargs == {"max_turns": 2}
+    here = f"{Path.cwd() / 'examples/workflows/openai_agent.py'}:CalculatorAgent"  # found from the working directory
+    assert config.workflow.class_path == here and config.workflow.kwargs == {"max_turns": 2}
     err = _error(f"workflow.type={agent}", "workflow.kwargs.max_turnz=2")
     assert "takes no argument(s) ['max_turnz']" in err.message
 
@@ -122,11 +124,11 @@ def test_reward_fn_signature_is_checked(user_module):
 
 
 def test_user_loss_is_imported_and_its_signature_checked(user_module):
-    assert _load("actor.loss=examples.losses.cispo.cispo_loss").actor.loss == "examples.losses.cispo.cispo_loss"
+    assert _load("actor.loss=examples.losses.cispo.cispo_loss").actor.loss == f"{Path.cwd() / 'examples/losses/cispo.py'}:cispo_loss"
     err = _error(f"actor.loss={user_module}.two_argument_loss")
     assert err.key == "actor.loss" and "cu_seqlens, config" in err.message
     err = _error("actor.loss=ppo2")
-    assert err.key == "actor.loss" and "not of the form 'package.module.name'" in err.message
+    assert err.key == "actor.loss" and "not of the form 'package.module.name' or 'path/to/file.py:name'" in err.message
 
 
 def test_gae_whitens_advantages_over_the_batch_unless_the_config_says_otherwise():

@@ -1,0 +1,179 @@
+"""A user's own files named by a config: found beside the config file, in the working directory or by
+file path, recorded as an absolute path that a process started elsewhere (the trainer) finds too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megarl.config import GRPOConfig, build_config, save_config
+from megarl.config.base import ConfigError
+from megarl.utils.plugins import import_plugin, locate_plugin
+from megarl.workflow.resolve import resolve_should_accept_fn, resolve_workflow
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = str(REPO / "configs/arithmetic_grpo_cpu.yaml")
+
+REWARD = '''
+def my_reward(prompt, completions, prompt_ids, completion_ids, **row):
+    return 0.25 if completions == "four" else 0.0
+'''
+
+WORKFLOW = '''
+from megarl.api.workflow_api import RolloutWorkflow
+
+
+class MyWorkflow(RolloutWorkflow):
+    def __init__(self, gconfig, tokenizer, reward_fn):
+        self.reward_fn = reward_fn
+
+    async def arun_episode(self, engine, data):
+        return None
+
+
+def accept_all(trajectory):
+    return True
+'''
+
+
+@pytest.fixture
+def experiment(tmp_path, monkeypatch):
+    """``exp/`` holding a config (the arithmetic one plus ``extra`` keys) and ``myreward.py``; the
+    working directory elsewhere, ``elsewhere/``; the user's modules forgotten afterwards."""
+    folder, elsewhere = tmp_path / "exp", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    (folder / "myreward.py").write_text(textwrap.dedent(REWARD))
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield folder
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def _config(folder: Path, text: str) -> str:
+    (folder / "extra.yaml").write_text(textwrap.dedent(text))
+    return str(folder / "extra.yaml")
+
+
+def _load(*files: str, overrides: tuple[str, ...] = ()) -> GRPOConfig:
+    return build_config(GRPOConfig, [BASE, *files], list(overrides))
+
+
+def test_a_dotted_reward_beside_the_config_file_resolves_and_is_recorded_absolute(experiment):
+    config = _load(_config(experiment, "reward_fn: myreward.my_reward\n"))
+    assert config.reward_fn == f"{experiment.resolve() / 'myreward.py'}:my_reward"
+    reward = import_plugin(config.reward_fn, "reward_fn")
+    assert reward("", "four", [], []) == 0.25
+    assert reward.__module__ == "myreward" and sys.modules["myreward"].__file__ == str(experiment.resolve() / "myreward.py")
+
+
+def test_a_file_path_resolves_from_the_config_folder_then_the_working_directory(experiment):
+    (experiment / "plugins").mkdir()
+    (experiment / "plugins" / "flows.py").write_text(textwrap.dedent(WORKFLOW))
+    config = _load(_config(experiment, """
+        workflow:
+          type: plugins/flows.py:MyWorkflow
+          kwargs:
+            reward_fn: ./myreward.py:my_reward
+    """))  # fmt: skip
+    assert config.workflow.type == f"{experiment.resolve() / 'plugins/flows.py'}:MyWorkflow"
+    assert config.workflow.kwargs["reward_fn"] == f"{experiment.resolve() / 'myreward.py'}:my_reward"
+    # on the command line a relative path starts from the working directory
+    (Path.cwd() / "cwd_reward.py").write_text(textwrap.dedent(REWARD).replace("my_reward", "cwd_reward"))
+    config = _load(overrides=("reward_fn=cwd_reward.py:cwd_reward",))
+    assert config.reward_fn == f"{Path.cwd().resolve() / 'cwd_reward.py'}:cwd_reward"
+    config = _load(overrides=("reward_fn=cwd_reward.cwd_reward",))
+    assert config.reward_fn == f"{Path.cwd().resolve() / 'cwd_reward.py'}:cwd_reward"
+    absolute = f"{experiment / 'myreward.py'}:my_reward"
+    assert _load(overrides=(f"reward_fn={absolute}",)).reward_fn == f"{experiment.resolve() / 'myreward.py'}:my_reward"
+
+
+def test_a_package_beside_the_config_imports_under_its_package_name(experiment):
+    package = experiment / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("BONUS = 0.5\n")
+    (package / "rewards.py").write_text(
+        "from mypkg.helpers import BONUS\n\n\ndef fn(prompt, completions, prompt_ids, completion_ids, **row):\n"
+        "    return BONUS\n"
+    )
+    config = _load(_config(experiment, "reward_fn: mypkg.rewards.fn\n"))
+    assert config.reward_fn == f"{package.resolve() / 'rewards.py'}:fn"
+    reward = import_plugin(config.reward_fn, "reward_fn")
+    assert reward.__module__ == "mypkg.rewards" and reward("", "", [], []) == 0.5
+
+
+def test_an_installed_package_wins_and_stays_a_dotted_path(experiment):
+    (experiment / "megarl").mkdir()  # a same-named folder beside the config does not shadow megarl
+    (experiment / "megarl" / "reward.py").write_text("")
+    config = _load(_config(experiment, "reward_fn: megarl.reward.arithmetic.arithmetic_reward_fn\n"))
+    assert config.reward_fn == "megarl.reward.arithmetic.arithmetic_reward_fn"
+    assert locate_plugin("rlvr", "workflow.type", [experiment]) == "rlvr", "a built-in's short name is no path"
+
+
+def test_not_found_names_the_key_the_value_and_each_place_searched(experiment):
+    with pytest.raises(ConfigError) as err:
+        _load(_config(experiment, "reward_fn: missing_reward.fn\n"))
+    here, there = experiment.resolve(), Path.cwd().resolve()
+    assert err.value.key == "reward_fn"
+    assert err.value.message == (
+        f"'missing_reward.fn': cannot import module 'missing_reward'; searched the installed packages, "
+        f"{here / 'missing_reward.py'}, {here / 'missing_reward/__init__.py'}, "
+        f"{there / 'missing_reward.py'}, {there / 'missing_reward/__init__.py'}"
+    )
+    with pytest.raises(ConfigError) as err:
+        _load(_config(experiment, "actor:\n  loss: losses/mine.py:loss\n"))
+    assert err.value.key == "actor.loss"
+    assert f"'losses/mine.py:loss': no such file; searched {here / 'losses/mine.py'}, {there / 'losses/mine.py'}" in str(err.value)
+
+
+def test_a_file_whose_module_name_is_taken_says_rename_it(experiment):
+    (experiment / "json.py").write_text(textwrap.dedent(REWARD))
+    with pytest.raises(ConfigError, match=r"imports as module 'json', which is .*json/__init__.py: rename the file"):
+        _load(_config(experiment, "reward_fn: json.py:my_reward\n"))
+
+
+def test_the_python_api_takes_both_spellings(experiment, monkeypatch):
+    (experiment / "flows.py").write_text(textwrap.dedent(WORKFLOW))
+    monkeypatch.chdir(experiment)
+    assert resolve_should_accept_fn("flows.accept_all")({}) is True
+    workflow = resolve_workflow("flows.py:MyWorkflow", {"gconfig": None, "tokenizer": None, "reward_fn": None})
+    assert type(workflow).__name__ == "MyWorkflow"
+    with pytest.raises(ValueError, match="'nope.py:MyWorkflow': no such file"):
+        resolve_workflow("nope.py:MyWorkflow")
+
+
+TRAINER_SIDE = """
+import asyncio, sys
+from megarl.config import GRPOConfig, load_expr_config
+from megarl.reward.executor import AsyncRewardWrapper
+from megarl.utils.plugins import import_plugin
+
+config, _ = load_expr_config(["--config", sys.argv[1]], GRPOConfig)
+reward = AsyncRewardWrapper(import_plugin(config.reward_fn, "reward_fn"), timeout_seconds=60, max_workers=1)
+try:
+    score = asyncio.run(reward("", "four", [], []))
+    print("reward", float(score), score.outcome)
+finally:
+    reward.close()
+"""
+
+
+def test_the_saved_config_finds_the_file_from_another_directory_and_a_spawned_reward_worker(experiment, tmp_path):
+    """As the trainer ``megarl run`` starts: the saved config, another working directory, no PYTHONPATH;
+    the reward runs in a spawned worker, which imports the user's module by name."""
+    config = _load(_config(experiment, "reward_fn: myreward.my_reward\n"), overrides=(f"cluster.fileroot={tmp_path}",))
+    saved = save_config(config)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", TRAINER_SIDE, str(saved)], cwd="/", env=env,
+                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reward 0.25 ok" in result.stdout
