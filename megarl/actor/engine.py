@@ -107,6 +107,7 @@ class MegatronEngine:
         self.kernel_backend: Backend = "auto"  # resolved from config.use_fused_kernels in initialize()
         self.share_prefix = False  # resolved from config.mb_spec.share_prefix in initialize()
         self._version = 0
+        self.routing_meter = None  # a RoutingMeter (megarl.actor.routing) told each micro-batch while it measures
 
     # ------------------------------------------------------------------ setup
 
@@ -336,6 +337,8 @@ class MegatronEngine:
             mb, extra = next(data_iterator)
             # packing happens on the host; losses and hooks see the micro-batch on the model's device
             mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
+            if self.routing_meter is not None:
+                self.routing_meter.set_microbatch(mb.data)
             ids = mb.data["input_ids"][None]
             # RoPE at each token's column in its row: only a shared prefix's branches need it
             positions = mb.data["position_ids"][None] if mb.shares_prefixes else None

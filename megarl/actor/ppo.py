@@ -19,6 +19,7 @@ every per-token tensor of the batch uses the latter (next-token) alignment from 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from functools import partial
@@ -30,6 +31,7 @@ from megarl.actor import losses
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.gap import GapMeter, version_lag
 from megarl.actor.lm_head import LMHeadOutput
+from megarl.actor.routing import RoutingMeter, add_server_routing
 from megarl.config.train import BUILTIN_LOSSES, PPOActorConfig
 from megarl.kernels import fused_ppo_loss, logprobs_backend, ppo_loss_backend
 from megarl.utils import stats_tracker
@@ -77,6 +79,7 @@ class MegatronPPOActor(MegatronEngine):
         old_logp = torch.roll(data["logprobs"].float(), shifts=-1, dims=-1)
         data["behaviour_logp"] = old_logp * loss_mask  # the servers' logprobs, kept for the gap
         data["version_lag"] = version_lag(data, loss_mask, self.get_version())
+        add_server_routing(data, loss_mask)  # MoE: the servers' routed experts, when they reported them
         if "server_index" in data:
             data["token_server"] = data["server_index"].long()[:, None].expand(batch_size, seq_len).contiguous()
         if "prox_logp" not in data and not prox_from_update(cfg):
@@ -128,8 +131,10 @@ class MegatronPPOActor(MegatronEngine):
         for epoch in range(cfg.ppo_n_epochs):
             for i, minibatch in enumerate(split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)):
                 with stats_tracker.scope("ppo_actor"):
-                    gap = self._gap_meter(data, first=epoch == 0 and i == 0)
-                    step = self.train_minibatch(minibatch, partial(loss_fn, gap=gap), weight_fn)
+                    first = epoch == 0 and i == 0
+                    gap = self._gap_meter(data, first)
+                    with self._routing_meter(minibatch, first):
+                        step = self.train_minibatch(minibatch, partial(loss_fn, gap=gap), weight_fn)
                     keys = ("loss", "grad_norm", "lr", "update_successful", "n_mbs", "packed_tokens", "skipped_seqs")
                     stats_tracker.scalar(**{k: step[k] for k in keys})
                     self.gap.finish(self.parallel.dp_group)
@@ -142,6 +147,22 @@ class MegatronPPOActor(MegatronEngine):
         if "behaviour_logp" not in data or (not first and "prox_logp" not in data):
             return None
         return self.gap
+
+    @contextlib.contextmanager
+    def _routing_meter(self, minibatch: dict, first: bool):
+        """MoE routing agreement with the servers (:mod:`megarl.actor.routing`), measured on the first
+        mini-batch's forward (the weights before the update) when the servers reported their routing."""
+        if not first or "server_routing" not in minibatch:
+            yield
+            return
+        meter = RoutingMeter(self.parallel.tp_rank, self.parallel.alloc.tp)
+        self.routing_meter = meter
+        try:
+            with meter.watching(self.model):
+                yield
+        finally:
+            self.routing_meter = None
+        meter.finish()
 
     def train_minibatch(self, minibatch: dict, loss_fn, weight_fn) -> dict[str, float]:
         """One optimizer step on ``minibatch``, without the rows whose loss is zero (``skip_zero_advantage``)."""

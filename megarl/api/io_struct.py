@@ -71,6 +71,8 @@ class ModelResponse:
     """How many times the generation was aborted by a pause and continued."""
     server: str = ""
     """Address of the server that produced the last chunk."""
+    output_routed_experts: list[list[int]] | None = None
+    """MoE, with ``rollout.return_routed_experts``: per generated token, every layer's top-k experts (layer-major)."""
     tokenizer: Any = None
     """The request's tokenizer, passed through."""
 

@@ -76,21 +76,33 @@ def make_trajectory(
     output_logprobs: Sequence[float],
     output_versions: Sequence[int],
     reward: float,
+    output_routed_experts: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """A one-row trajectory ``[1, len(prompt) + len(output)]`` from one generation."""
+    """A one-row trajectory ``[1, len(prompt) + len(output)]`` from one generation.
+
+    ``output_routed_experts`` (MoE, :mod:`megarl.actor.routing`): per output token, the experts the
+    server routed it to; kept as ``routed_experts`` ``[1, n, layers * top-k]``, -1 on the prompt.
+    """
     n_in, n_out = len(prompt_ids), len(output_ids)
     if len(output_logprobs) != n_out or len(output_versions) != n_out:
         raise ValueError(
             f"make_trajectory: {n_out} output tokens but {len(output_logprobs)} logprobs "
             f"and {len(output_versions)} versions"
         )
-    return build_trajectory(
+    traj = build_trajectory(
         list(prompt_ids) + list(output_ids),
         [0] * n_in + [1] * n_out,
         [0.0] * n_in + list(output_logprobs),
         [-1] * n_in + list(output_versions),
         reward,
     )
+    if output_routed_experts is not None and n_out:
+        if len(output_routed_experts) != n_out:
+            raise ValueError(f"make_trajectory: {n_out} output tokens but routed experts for {len(output_routed_experts)}")
+        routed = torch.tensor(output_routed_experts, dtype=torch.int16)  # [n_out, layers * top-k]
+        prompt = torch.full((n_in, routed.shape[1]), -1, dtype=torch.int16)
+        traj["routed_experts"] = torch.cat([prompt, routed])[None]
+    return traj
 
 
 def build_trajectory(

@@ -400,6 +400,10 @@ class GRPOConfig(BaseExperimentConfig):
         require(queue is None or queue >= per_rank, "rollout.queue_size", queue,
                 f"must hold one batch of a trainer rank: train_dataset.batch_size / d{alloc.train.dp} = {per_rank}",
                 related=("train_dataset.batch_size", "allocation_mode"))  # fmt: skip
+        require(not self.rollout.return_routed_experts or alloc.inference.backend == "sglang",
+                "rollout.return_routed_experts", True,
+                f"only SGLang servers report the experts they routed to (vLLM's /v1/completions does not); the "
+                f"allocation's servers are {alloc.inference.backend}", related=("allocation_mode",))  # fmt: skip
         single = self.group_size == 1
         require(not (single and self.dynamic_filter == "uniform_reward"), "dynamic_filter", self.dynamic_filter,
                 "a group of one sample always has a uniform reward, so every group would be dropped: "

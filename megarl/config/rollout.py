@@ -110,6 +110,11 @@ class InferenceEngineConfig:
     max_failed_episodes: int = 16
     """Episodes in a row that may fail on the servers; one more ends the run naming the last failure
     (then the fault is not transient: a dead server, a request the server refuses)."""
+    return_routed_experts: bool = False
+    """MoE: the servers report, per generated token and layer, the top-k experts they routed it to, and
+    the trainer logs how often its own routing agrees (``ppo_actor/gap/routing/topk_match``,
+    :mod:`megarl.actor.routing`). SGLang only (started with ``--enable-return-routed-experts``; vLLM's
+    ``/v1/completions`` does not return them). Costs layers x top-k int16 per token in every batch."""
 
     def check(self) -> None:
         for i, addr in enumerate(self.server_addrs):

@@ -38,7 +38,8 @@ def server_spec(config: GRPOConfig, index: int, devices: list[int], host: str, p
             config.vllm, model, host, port, tp=inference.tp, devices=devices,
             device_type=config.device, replica=index,
         )  # fmt: skip
-    return sglang_launch_spec(config.sglang, model, host, port, tp=inference.tp, devices=devices, replica=index)
+    return sglang_launch_spec(config.sglang, model, host, port, tp=inference.tp, devices=devices, replica=index,
+                              routed_experts=config.rollout.return_routed_experts)  # fmt: skip
 
 
 def server_host(config: GRPOConfig) -> str:

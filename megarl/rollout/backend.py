@@ -26,6 +26,8 @@ class GenerationChunk:
     output_tokens: list[int]
     output_logprobs: list[float]
     finish_reason: FinishReason
+    routed_experts: list[list[int]] | None = None
+    """MoE, when asked for: per output token, every layer's top-k experts (layer-major)."""
 
 
 LOGPROB_TOLERANCE = 1e-3
@@ -62,6 +64,8 @@ class InferenceBackend(abc.ABC):
     name: str
     generate_endpoint: str
     health_endpoint: str = "/health"
+    return_routed_experts: bool = False
+    """Ask for the experts each generated token was routed to (``rollout.return_routed_experts``)."""
 
     @abc.abstractmethod
     def generate_payload(

@@ -99,6 +99,7 @@ class RemoteInferenceEngine(InferenceEngine):
         config.check()
         self.config = config
         self.backend = make_backend(backend) if isinstance(backend, str) else backend
+        self.backend.return_routed_experts = config.return_routed_experts
         self.policy = RetryPolicy(config.request_timeout, config.request_retries, config.retry_backoff)
         self._servers: list[_Server] = []
         self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
@@ -372,6 +373,8 @@ class RemoteInferenceEngine(InferenceEngine):
             )
         resp.output_tokens += chunk.output_tokens
         resp.output_logprobs += chunk.output_logprobs
+        if chunk.routed_experts is not None:
+            resp.output_routed_experts = (resp.output_routed_experts or []) + chunk.routed_experts
         resp.output_versions += [version] * len(chunk.output_tokens)
 
     # ------------------------------------------------------------------ pause / resume / version

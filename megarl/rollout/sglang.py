@@ -10,9 +10,13 @@ weights make stale (it only works while nothing runs, i.e. while paused).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from megarl.config.rollout import GenerationHyperparameters, SGLangConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
@@ -51,12 +55,15 @@ class SGLangBackend(InferenceBackend):
             sampling["stop_token_ids"] = list(gconfig.stop_token_ids)
         if gconfig.seed is not None:
             sampling["sampling_seed"] = gconfig.seed
-        return {
+        payload = {
             "input_ids": input_ids,
             "sampling_params": sampling,
             "return_logprob": True,
             "stream": False,
         }
+        if self.return_routed_experts:  # the positions that produce the new tokens: the last input onwards
+            payload.update(return_routed_experts=True, routed_experts_start_len=len(input_ids) - 1)
+        return payload
 
     def parse_generate(self, body: Any) -> GenerationChunk:
         try:
@@ -73,13 +80,32 @@ class SGLangBackend(InferenceBackend):
             raise MalformedResponseError("output_ids disagree with output_token_logprobs")
         if finish_type not in _FINISH:
             raise MalformedResponseError(f"unknown finish_reason {finish!r}")
-        return GenerationChunk(output_tokens=tokens, output_logprobs=logprobs, finish_reason=_FINISH[finish_type])
+        routed = _routed_experts(meta, len(tokens)) if self.return_routed_experts else None
+        return GenerationChunk(tokens, logprobs, _FINISH[finish_type], routed)
 
     def pause_calls(self) -> list[HttpCall]:
         return [HttpCall("/pause_generation", payload={"mode": "abort"})]
 
     def resume_calls(self) -> list[HttpCall]:
         return [HttpCall("/flush_cache"), HttpCall("/continue_generation", payload={})]
+
+
+def _routed_experts(meta: dict, n_tokens: int) -> list[list[int]]:
+    """``meta_info.routed_experts``: base64 of int32 ``[positions, layers, top-k]`` (SGLang's
+    ``extract_routed_experts_from_meta_info``), one position per new token."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise MalformedResponseError("rollout.return_routed_experts is set but the reply has no meta_info.routed_experts "
+                                     "(is the server started with --enable-return-routed-experts?)")  # fmt: skip
+    try:
+        flat = np.frombuffer(base64.b64decode(encoded, validate=True), dtype=np.int32)
+    except (binascii.Error, ValueError, TypeError) as e:
+        raise MalformedResponseError(f"meta_info.routed_experts is not base64 of int32 ({e})") from None
+    if n_tokens == 0:
+        return []
+    if flat.size == 0 or flat.size % n_tokens:
+        raise MalformedResponseError(f"meta_info.routed_experts holds {flat.size} ids for {n_tokens} new tokens")
+    return flat.reshape(n_tokens, -1).tolist()
 
 
 def sglang_launch_spec(
@@ -91,6 +117,7 @@ def sglang_launch_spec(
     tp: int = 1,
     devices: Sequence[int] | None = None,
     replica: int = 0,
+    routed_experts: bool = False,
 ) -> LaunchSpec:
     """The command and environment of one SGLang server on GPUs ``devices`` (CUDA only)."""
     cmd = [
@@ -121,6 +148,8 @@ def sglang_launch_spec(
         cmd.append("--disable-cuda-graph")
     if config.enable_metrics:
         cmd.append("--enable-metrics")
+    if routed_experts:  # rollout.return_routed_experts
+        cmd.append("--enable-return-routed-experts")
     if api_key():
         cmd += ["--api-key", api_key()]  # SGLang guards every route but /health with it (no environment variable)
     env: dict[str, str] = {}

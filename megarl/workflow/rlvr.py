@@ -99,7 +99,8 @@ class RLVRWorkflow(RolloutWorkflow):
         resps = await asyncio.gather(*(engine.agenerate(req) for req in reqs))
         rewards = await asyncio.gather(*(self.score(resp, data) for resp in resps))
         trajs = [
-            make_trajectory(r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions, reward)
+            make_trajectory(r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions, reward,
+                            r.output_routed_experts)  # fmt: skip
             for r, reward in zip(resps, rewards)
         ]
         return concat_padded_tensors(trajs)

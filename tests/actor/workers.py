@@ -394,3 +394,14 @@ def heartbeat_steps(model_dir: str, alloc: str, batch: dict, run_dir: str) -> di
         actor.ppo_update(data)
     heartbeat.stop()
     return {"steps": steps, "ops": ops, "wrapped": wrapped, "restored": torch.distributed.all_reduce is original}
+
+
+def routing_step(model_dir: str, alloc: str, batch: dict) -> dict:
+    """One PPO update of a MoE actor on a batch carrying the servers' ``routed_experts``: the routing stats."""
+    actor = _ppo_actor(model_dir, alloc, {})
+    p = actor.parallel
+    data = split_groups(batch, p.dp_rank, p.alloc.dp, actor.config.group_size)
+    data["prox_logp"] = actor.compute_logp(data)
+    actor.compute_advantages(data)
+    stats = actor.ppo_update(data)[0]
+    return {k: v for k, v in stats.items() if "routing" in k}

@@ -63,3 +63,17 @@ def test_request_copy_is_independent():
     copy.input_ids.append(3)
     assert req.input_ids == [1, 2] and copy.rid == req.rid
     assert ModelRequest().rid != ModelRequest().rid
+
+
+def test_routed_experts_ride_with_their_tokens():
+    """MoE: each output token's routed experts (layers x top-k), -1 on the prompt; rows of different
+    lengths concatenate (the padding is never read: the loss mask is 0 there)."""
+    from megarl.api.trajectory import concat_padded_tensors, make_trajectory
+
+    short = make_trajectory([1, 2], [3], [-0.5], [0], 1.0, [[4, 5, 6, 7]])
+    long = make_trajectory([1, 2], [3, 4], [-0.5, -0.1], [0, 0], 0.0, [[4, 5, 6, 7], [0, 1, 2, 3]])
+    assert long["routed_experts"].tolist() == [[[-1] * 4, [-1] * 4, [4, 5, 6, 7], [0, 1, 2, 3]]]
+    batch = concat_padded_tensors([short, long])
+    assert batch["routed_experts"].shape == (2, 4, 4) and batch["routed_experts"][0, 2].tolist() == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="2 output tokens but routed experts for 1"):
+        make_trajectory([1], [3, 4], [-0.5, -0.1], [0, 0], 0.0, [[4, 5, 6, 7]])

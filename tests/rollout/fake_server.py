@@ -25,12 +25,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import random
 
+import numpy as np
 from aiohttp import web
 
 EOS = 2
+
+
+def routed_at(position: int) -> list[int]:
+    """The fake MoE's experts for the forward at ``position``: 2 layers x top-2 of 8, layer-major."""
+    return [position % 8, (position + 1) % 8, (position + 2) % 8, (position + 3) % 8]
 
 
 def token_at(p: int, eos_every: int) -> int:
@@ -245,6 +252,11 @@ class FakeServer:
             "e2e_latency": 0.01,
             "output_token_logprobs": [[logprob_at(n0 + i), t, None] for i, t in enumerate(out)],
         }
+        if body.get("return_routed_experts"):  # SGLang's encoding: base64 of int32 [positions, layers, top-k]
+            start = body.get("routed_experts_start_len", 0)
+            positions = range(start, start + len(out))  # the forwards that produced the new tokens
+            meta["routed_experts"] = base64.b64encode(
+                np.array([routed_at(p) for p in positions], dtype=np.int32).tobytes()).decode()  # fmt: skip
         return web.json_response({"text": "", "output_ids": out, "meta_info": meta})
 
     async def pause(self, request: web.Request) -> web.Response:

@@ -39,6 +39,9 @@ def main() -> None:
         obj = TypeAdapter(GenerateReqInput).validate_python(payload)  # what FastAPI does with the body
         obj.normalize_batch_and_arguments()
         assert obj.input_ids == payload["input_ids"] and obj.return_logprob is True, obj
+        if payload.get("return_routed_experts"):
+            assert obj.return_routed_experts is True, obj
+            assert obj.routed_experts_start_len == payload["routed_experts_start_len"], obj
         SamplingParams(**payload["sampling_params"]).verify(vocab_size=request["vocab_size"])
     pause = TypeAdapter(PauseGenerationReqInput).validate_python(request["pause"])
     assert pause.mode == "abort", pause
@@ -46,7 +49,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(request["launch_args"])
-    print(json.dumps({"ok": True, "model_path": args.model_path, "tp_size": args.tp_size, "port": args.port}))
+    print(json.dumps({"ok": True, "model_path": args.model_path, "tp_size": args.tp_size, "port": args.port,
+                      "routed_experts": args.enable_return_routed_experts}))  # fmt: skip
 
 
 if __name__ == "__main__":

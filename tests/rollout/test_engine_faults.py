@@ -311,3 +311,28 @@ def test_mark_unhealthy_keeps_a_server_out_until_marked_healthy(fake_servers):
             engine.mark_unhealthy("127.0.0.1:1", "nope")
     finally:
         engine.destroy()
+
+
+def test_routed_experts_follow_their_tokens_across_an_interruption(fake_servers):
+    """``rollout.return_routed_experts``: each generated token keeps the experts of the forward that
+    produced it, also when a pause cut the request and the rest came from a second request."""
+    from tests.rollout.fake_server import routed_at
+
+    (server,) = fake_servers(1, dialect="sglang", token_delay=0.01)
+    config = fast_config(return_routed_experts=True)
+    engine = RemoteInferenceEngine(config, "sglang").initialize(server_addrs=[server.address], batch_size=2)
+    result = {}
+    try:
+        thread = threading.Thread(target=lambda: result.update(resp=_generate(engine, 40, seed=SEED)))
+        thread.start()
+        time.sleep(0.2)
+        engine.pause()
+        time.sleep(0.2)
+        engine.resume()
+        thread.join(30)
+    finally:
+        engine.destroy()
+    resp = result["resp"]
+    assert resp.n_interruptions >= 1 and resp.output_len == 40
+    n_in = len(PROMPT)
+    assert resp.output_routed_experts == [routed_at(n_in - 1 + i) for i in range(40)]

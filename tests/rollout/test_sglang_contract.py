@@ -137,4 +137,46 @@ def test_against_sglang_io_struct_and_server_args(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"ok": True, "model_path": "/models/qwen", "tp_size": 2, "port": 30000}
+    assert result == {"ok": True, "model_path": "/models/qwen", "tp_size": 2, "port": 30000, "routed_experts": False}
+
+
+def test_routed_experts_request_and_server_flag_against_sglang(tmp_path):
+    """``rollout.return_routed_experts``: the request asks for the positions that produce the new tokens,
+    the server starts with the flag; SGLang's io_struct, route contract and ServerArgs accept both."""
+    backend = SGLangBackend()
+    backend.return_routed_experts = True
+    payload = backend.generate_payload([1, 2, 3, 4], GCONFIGS[0], 8, 0)
+    assert payload["return_routed_experts"] is True and payload["routed_experts_start_len"] == 3
+    spec = sglang_launch_spec(SGLangConfig(), "/models/moe", "127.0.0.1", 30000, tp=1, devices=[0], routed_experts=True)
+    (pause,) = backend.pause_calls()
+    _, resume = backend.resume_calls()
+    request = {"vocab_size": 49152, "generate": [payload], "pause": pause.payload, "resume": resume.payload,
+               "launch_args": spec.cmd[3:]}  # fmt: skip
+    proc = subprocess.run([sys.executable, CHECK_SCRIPT], input=json.dumps(request), capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["routed_experts"] is True
+
+
+def test_parse_routed_experts():
+    """SGLang's encoding (``detokenizer_manager``: base64 of the int32 tensor ``[positions, layers, top-k]``)."""
+    import base64
+
+    import numpy as np
+
+    from megarl.rollout.http import MalformedResponseError
+
+    backend = SGLangBackend()
+    backend.return_routed_experts = True
+    experts = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)  # 3 new tokens, 2 layers, top-2
+    reply = _reply([5, 6, EOS], [-0.1, -0.2, -0.3], {"type": "stop", "matched": EOS})
+    reply["meta_info"]["routed_experts"] = base64.b64encode(experts.tobytes()).decode()
+    chunk = backend.parse_generate(reply)
+    assert chunk.routed_experts == experts.reshape(3, 4).tolist()
+    reply["meta_info"]["routed_experts"] = base64.b64encode(experts[:, :, :1].tobytes()[:-4]).decode()
+    with pytest.raises(MalformedResponseError, match="holds 5 ids for 3 new tokens"):
+        backend.parse_generate(reply)
+    del reply["meta_info"]["routed_experts"]
+    with pytest.raises(MalformedResponseError, match="--enable-return-routed-experts"):
+        backend.parse_generate(reply)
+    assert SGLangBackend().parse_generate(reply).routed_experts is None, "not asked for, not read"
