@@ -162,7 +162,7 @@ class Watchdog:
     def _record(self, event: StallEvent, beats: list[dict]) -> None:
         logger.error(event.line())
         with open(self.run_dir / EVENTS_FILE, "a") as f:
-            f.write(json.dumps(asdict(event)) + "\n")
+            f.write(json.dumps({**asdict(event), "line": event.line()}) + "\n")
         # a process here is signalled (faulthandler on SIGUSR1 answers even with the GIL held); one on
         # another host (a Slurm job's ranks) writes its stacks from its beat thread on request
         here = [b for b in beats if b.get("host", self.host) == self.host]

@@ -173,7 +173,7 @@ def _watchdog_section(run_dir: Path) -> str:
         events = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not events:
         return '<section id="watchdog"><h2>Watchdog</h2><p class="note">No watchdog event was recorded.</p></section>'
-    items = "".join(f"<li>{html.escape(json.dumps(e))}</li>" for e in events)
+    items = "".join(f"<li>{html.escape(e.get('line') or json.dumps(e))}</li>" for e in events)
     return f'<section id="watchdog"><h2>Watchdog</h2><ul>{items}</ul></section>'
 
 

@@ -107,3 +107,12 @@ def test_page_renders_curves_and_filters_trajectories_in_a_browser(tmp_path):
             assert not errors, errors
         finally:
             browser.close()
+
+
+def test_watchdog_events_read_as_their_lines(tmp_path):
+    """The report shows each watchdog event as the console line that named it."""
+    run_dir = _write_run(tmp_path / "run")
+    line = "megarl watchdog: trainer-1 in phase 'train_step' for 31 s (budget 30 s); stacks in stacks/"
+    (run_dir / "watchdog.jsonl").write_text(json.dumps({"kind": "overdue", "names": ["trainer-1"], "line": line}) + "\n")
+    page = build_report(run_dir).read_text()
+    assert "<li>megarl watchdog: trainer-1 in phase &#x27;train_step&#x27; for 31 s" in page
