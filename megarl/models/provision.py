@@ -137,7 +137,8 @@ def hub_snapshot(model_id: str, weights: bool = True) -> Path:
     missing = _missing_files(cached, weights) if cached is not None else None
     if cached is not None and not missing:
         return cached
-    found = f"the cached snapshot {cached} lacks {missing}" if cached is not None else f"not in the hub cache {cache}"
+    found = (f"the cached snapshot {cached} of {model_id} lacks {missing}" if cached is not None
+             else f"{model_id} is not in the hub cache {cache}")  # fmt: skip
     offline = hub_offline()
     if offline:
         raise HubModelError(f"{found}, and {offline} is set so it is not downloaded; {_fetch_hint(model_id)}")
@@ -154,7 +155,7 @@ def hub_snapshot(model_id: str, weights: bool = True) -> Path:
         raise HubModelError(f"{found}, and downloading it from {endpoint} failed ({why}); {_fetch_hint(model_id)}") from None
     missing = _missing_files(local, weights)
     if missing:
-        raise HubModelError(f"the hub repository has no {missing} (megarl loads safetensors weights); "
+        raise HubModelError(f"the hub repository {model_id} has no {missing} (megarl loads safetensors weights); "
                             f"downloaded {local}")  # fmt: skip
     return local
 

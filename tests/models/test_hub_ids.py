@@ -64,7 +64,7 @@ def test_a_hub_id_not_cached_offline_names_the_id_the_cache_and_the_command(hf_c
     assert err.value.key == "actor.path"
     message = err.value.message
     assert message.startswith("'Qwen/Qwen2.5-0.5B-Instruct@v1' is no local directory nor a known short name")
-    assert f"not in the hub cache {hf_cache}, and HF_HUB_OFFLINE=1 is set so it is not downloaded" in message
+    assert f"Qwen/Qwen2.5-0.5B-Instruct@v1 is not in the hub cache {hf_cache}, and HF_HUB_OFFLINE=1 is set" in message
     assert "`megarl models fetch Qwen/Qwen2.5-0.5B-Instruct@v1`" in message
     assert "`hf download Qwen/Qwen2.5-0.5B-Instruct --revision v1`" in message
 
@@ -162,3 +162,16 @@ def test_an_unreachable_or_unknown_hub_repo_names_the_endpoint_and_the_command(h
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
     with pytest.raises(HubModelError, match=r"downloading it from http://127.0.0.1:9 failed .*`hf download tiny-org/x`"):
         hub_snapshot("tiny-org/x")
+
+
+def test_megarl_models_fetch_fills_the_cache_an_offline_run_reads(hf_cache, fake_hub, monkeypatch, capsys):
+    from megarl.launcher.cli import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert main(["models", "fetch", REPO_ID]) == 0
+    snapshot = hf_cache / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / COMMIT
+    assert capsys.readouterr().out.strip() == str(snapshot)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert build_config(GRPOConfig, BASE, [f"actor.path={REPO_ID}"]).actor.path == str(snapshot)
+    assert main(["models", "fetch", "tiny-org/absent"]) == 2
+    assert "megarl models: error: tiny-org/absent is not in the hub cache" in capsys.readouterr().err
