@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     console = Console(soft_wrap=True)
     if "" not in sys.path and os.getcwd() not in sys.path:
-        # as `python -m megarl.train` (the trainer) does: a config's plug-ins (workflow.type,
-        # reward_fn, actor.loss) are found from the directory megarl runs in
+        # as `python -m megarl.train` (the trainer) does: a launcher.trainer_entry module is found
+        # from the directory megarl runs in (plug-ins look there themselves: megarl.utils.plugins)
         sys.path.insert(0, os.getcwd())
     try:
         return args.func(args, console)
