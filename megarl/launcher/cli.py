@@ -5,6 +5,7 @@
     megarl models fetch smollm2-135m-instruct
     megarl slurm --dry-run --config configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml
     megarl run configs/gsm8k_grpo_cpu.yaml actor.optimizer.lr=1e-5
+    megarl plan --rates benchmarks/plan_rates_h100_qwen2.5-7b.yaml --config configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml
 """
 
 from __future__ import annotations
@@ -56,6 +57,36 @@ def _allocation_table(alloc: AllocationMode, model: ModelShape | None) -> Table:
         table.add_row("training", t.backend, layout, str(t.world_size))
     table.add_row("total", "", "", str(alloc.world_size))
     return table
+
+
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from megarl import plan
+
+    rates = plan.load_rates(args.rates)
+    config = _load(args) if args.config else None
+    work = plan.workload_of(rates, config, args.prompt_tokens, args.gen_tokens)
+    staleness = args.max_staleness if args.max_staleness is not None else config.rollout.max_staleness if config else 1
+    if args.mode:
+        alloc = AllocationMode.from_str(args.mode)
+        validate_allocation(alloc, model=(read_model_shape(config.actor.path) if config else None) or rates.model)
+        predictions = [plan.predict(rates, work, alloc, staleness)]
+    elif config is not None or args.devices:
+        ranked = plan.plan_for_config(rates, work, config, staleness, args.devices) if config else \
+            plan.rank_splits(rates, work, args.devices, staleness, model=rates.model)  # fmt: skip
+        predictions = ranked.ranked[: args.top]
+        console.print(f"{len(ranked.ranked)} splits ranked, {len(ranked.refused)} refused "
+                      f"({ranked.refused[0][1] if ranked.refused else 'none'}{', ...' if len(ranked.refused) > 1 else ''})",
+                      markup=False, highlight=False)  # fmt: skip
+    else:
+        raise ValueError("megarl plan needs --mode ALLOCATION, --devices N or --config FILE (its cluster size)")
+    for line in plan.assumptions(rates, work, staleness):
+        console.print(line, markup=False, highlight=False)
+    rows = [{"rank": str(rank), **plan.prediction_row(p)} for rank, p in enumerate(predictions, 1)]
+    # a Markdown table: wide allocation strings stay whole, and it pastes into a report
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row.values()) + " |" for row in rows]
+    console.print("\n".join(["", *lines]), markup=False, highlight=False, soft_wrap=True)
+    return 0
 
 
 def _cmd_models(args: argparse.Namespace, console: Console) -> int:
@@ -199,6 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write RUN_DIR/report.html: curves, phases, staleness, gap, trajectories")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory ({fileroot}/{experiment}/{trial})")
     report.set_defaults(func=_cmd_report)
+
+    plan = sub.add_parser("plan", help="predict step time from component rates; rank inference/training splits")
+    plan.add_argument("--rates", required=True, help="rates file (YAML/JSON): measured (benchmarks/plan.py --calibrate) or assumed")
+    plan.add_argument("--mode", help="predict this allocation_mode only (e.g. vllm:d48t2+megatron:d4p2t4)")
+    plan.add_argument("--devices", type=int, help="rank the splits of this many devices (default: the config's cluster)")
+    plan.add_argument("--max-staleness", type=int, help="0: synchronous; >= 1: rollout overlaps training (default: the config's)")
+    plan.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: the rates file's workload)")
+    plan.add_argument("--gen-tokens", type=float, help="mean generated tokens per sample (default: the rates file's workload)")
+    plan.add_argument("--top", type=int, default=10, help="how many splits to show")
+    _add_config_args(plan, "key.path=value overrides of the --config files")
+    plan.set_defaults(func=_cmd_plan)
 
     models = sub.add_parser("models", help="list or provision models known by short name, or fetch a hub id")
     models.add_argument("action", choices=["list", "fetch"])

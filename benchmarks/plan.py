@@ -1,0 +1,179 @@
+"""``megarl plan`` predictions against measured CPU steps.
+
+Every run is ``megarl run configs/gsm8k_grpo_cpu.yaml`` (one vLLM-CPU server and a one-rank gloo
+Megatron trainer on SmolLM2-135M, 2 cores) with every sample generating exactly
+``gconfig.max_new_tokens`` tokens (``gconfig.min_new_tokens`` equal to it) and every step
+training on its whole batch, so that the step's tokens do not depend on sampling, and the same
+seed, so that every run sees the same prompts.
+
+``--calibrate`` measures the component rates: one synchronous run (``rollout.max_staleness=0``,
+the phases take turns, so each phase's timer times that component alone) per thread policy,
+
+* ``static``: the server on one core, the trainer on the other;
+* ``shared``: each takes both cores in its turn;
+
+and writes ``benchmarks/results/plan_rates_cpu_{static,shared}.yaml`` (rates files for
+``megarl plan --rates``): server tokens/s = generated tokens / rollout seconds, trainer
+tokens/s = trained tokens / (recompute + update seconds), sync and overhead seconds as
+measured; the first steps are warm-up and not counted.
+
+Without ``--calibrate`` it predicts each layout of ``LAYOUTS`` from those files
+(:func:`megarl.plan.predict`) and measures it ``REPEATS`` times in fresh runs. The synchronous
+layouts repeat the calibration's layouts (a check of the additive model and of run-to-run
+noise); ``static`` with ``max_staleness`` 1 and 2 were never calibrated: their predictions test
+the overlap model. The machine is shared with other work: numbers move from run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from benchmarks._harness import RESULTS_DIR, print_record, run_benchmark
+from megarl.config import AllocationMode
+from megarl.config.experiment import MODEL_SHORT_NAMES
+from megarl.plan import Rates, ServerRate, Workload, load_rates, predict, rates_to_dict
+
+TITLE = "megarl plan: predicted vs measured RL step on CPU (SmolLM2-135M, vLLM-CPU + 1-rank gloo trainer, 2 cores)"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "gsm8k_grpo_cpu.yaml"
+ALLOCATION = "vllm:d1t1+megatron:d1p1t1"
+POLICIES = ("static", "shared")
+LAYOUTS = [("static", 0), ("shared", 0), ("static", 1), ("static", 2)]
+"""(cluster.cpu_threads, rollout.max_staleness) of each validated layout."""
+REPEATS = 2
+STEPS, WARMUP = 5, 2
+SAMPLES, MAX_NEW_TOKENS = 4, 128
+"""gconfig.n_samples and gconfig.max_new_tokens of the config."""
+
+
+def rates_path(policy: str) -> Path:
+    return RESULTS_DIR / f"plan_rates_cpu_{policy}.yaml"
+
+
+def measure(policy: str, staleness: int, root: Path, trial: str, steps: int = STEPS) -> list[dict]:
+    """The per-step metrics of one fresh run after its warm-up steps."""
+    overrides = [
+        f"cluster.fileroot={root}", f"trial_name={trial}", f"cluster.cpu_threads={policy}",
+        f"rollout.max_staleness={staleness}", f"total_train_steps={steps}", "valid_dataset=null",
+        "saver.freq_steps=null", "stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false",
+        "actor.skip_zero_advantage=false", "gconfig.min_new_tokens=${gconfig.max_new_tokens}",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(CONFIG), *overrides]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"megarl run ({trial}) failed:\n{(result.stdout + result.stderr)[-4000:]}")
+    lines = (root / "gsm8k-grpo-cpu" / trial / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines][WARMUP:]
+
+
+def _sum(steps: list[dict], key: str) -> float:
+    return sum(m.get(key, 0.0) for m in steps)
+
+
+def calibrate(steps: list[dict], policy: str, when: str) -> Rates:
+    """Rates of one synchronous run: each phase timed alone."""
+    seqs = _sum(steps, "batch/n_seqs")
+    generated = _sum(steps, "ppo_actor/n_tokens")  # loss tokens: all generated ones (no sequence skipped)
+    trained = sum(m["batch/n_seqs"] * m["batch/seq_len/avg"] for m in steps)
+    train_s = _sum(steps, "timeperf/recompute_logp") + _sum(steps, "timeperf/train_step")
+    phases = ("timeperf/rollout", "timeperf/recompute_logp", "timeperf/train_step", "timeperf/update_weights")
+    overhead = _sum(steps, "timeperf/step") - sum(_sum(steps, k) for k in phases)
+    n = len(steps)
+    source = (f"measured: benchmarks/plan.py --calibrate, cluster.cpu_threads={policy}, rollout.max_staleness=0, "
+              f"{n} steps of configs/gsm8k_grpo_cpu.yaml, {when}")  # fmt: skip
+    workload = Workload(prompts=round(seqs / n / SAMPLES), samples=SAMPLES, prompt_tokens=(trained - generated) / seqs,
+                        gen_tokens=generated / seqs, max_new_tokens=MAX_NEW_TOKENS)  # fmt: skip
+    return Rates(source=source, server={1: ServerRate(generated / _sum(steps, "timeperf/rollout"))},
+                 trainer={(1, 1): trained / train_s}, sync_fixed_s=_sum(steps, "timeperf/update_weights") / n,
+                 overhead_s=overhead / n, workload=workload, model=MODEL_SHORT_NAMES["smollm2-135m-instruct"])  # fmt: skip
+
+
+def run_calibration() -> None:
+    import datetime
+
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes")
+    with tempfile.TemporaryDirectory(prefix="megarl_plan_") as tmp:
+        for policy in POLICIES:
+            rates = calibrate(measure(policy, 0, Path(tmp), f"calibrate-{policy}"), policy, when)
+            rates_path(policy).write_text(yaml.safe_dump(rates_to_dict(rates), sort_keys=False))
+            sys.stdout.write(f"wrote {rates_path(policy)}\n")
+
+
+def _row(policy: str, staleness: int, rates: Rates, runs: list[list[dict]]) -> dict:
+    pred = predict(rates, rates.workload, AllocationMode.from_str(ALLOCATION), staleness)
+    step_means = [statistics.fmean(m["timeperf/step"] for m in run) for run in runs]
+    median = statistics.median(step_means)
+    all_steps = [m for run in runs for m in run]
+    return {
+        "cpu_threads": policy, "max_staleness": staleness, "runs x steps": f"{len(runs)} x {len(runs[0])}",
+        "pred rollout s": pred.rollout_s, "pred train s": pred.train_s, "pred sync s": pred.sync_s,
+        "pred step s": pred.step_s, "pred overlap %": pred.overlap_pct,
+        "measured step s (min)": min(step_means), "measured step s (median)": median,
+        "error %": 100 * (pred.step_s - median) / median,
+        "within 20%": abs(pred.step_s - median) <= 0.2 * median,
+        "measured rollout wait s": statistics.fmean(m["timeperf/rollout"] for m in all_steps),
+        "measured train s": statistics.fmean(m.get("timeperf/recompute_logp", 0.0) + m["timeperf/train_step"]
+                                             for m in all_steps),
+        "measured sync s": statistics.fmean(m["timeperf/update_weights"] for m in all_steps),
+    }  # fmt: skip
+
+
+def run(quick: bool) -> list[dict]:
+    missing = [str(rates_path(p)) for p in POLICIES if not rates_path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no calibration: {', '.join(missing)}; run python -m benchmarks.plan --calibrate")
+    write_gpu_plan()
+    layouts, repeats = (LAYOUTS[:1], 1) if quick else (LAYOUTS, REPEATS)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="megarl_plan_") as tmp:
+        for policy, staleness in layouts:
+            runs = [measure(policy, staleness, Path(tmp), f"{policy}-s{staleness}-{i}") for i in range(repeats)]
+            rows.append(_row(policy, staleness, load_rates(rates_path(policy)), runs))
+    return rows
+
+
+def write_gpu_plan() -> Path:
+    """``megarl plan`` on the 128-GPU config with the ASSUMED H100 rates, into ``plan_128gpu.md``."""
+    cmd = [sys.executable, "-m", "megarl.launcher.cli", "plan", "--rates", "benchmarks/plan_rates_h100_qwen2.5-7b.yaml",
+           "--config", "configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    path = RESULTS_DIR / "plan_128gpu.md"
+    path.write_text("# megarl plan: configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml on 16 nodes x 8 GPUs (ASSUMED rates)\n\n"
+                    "Every rate below is an assumption (benchmarks/plan_rates_h100_qwen2.5-7b.yaml cites where each comes "
+                    "from), not a measurement: megarl has never run on a GPU. The bundled config's split, "
+                    "`vllm:d48t2+megatron:d4p2t4`, is predicted at the end.\n\n```\n$ megarl " + " ".join(cmd[3:]) + "\n" + out
+                    + "```\n")  # fmt: skip
+    cmd += ["--mode", "vllm:d48t2+megatron:d4p2t4"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    path.write_text(path.read_text() + "\n```\n$ megarl " + " ".join(cmd[3:]) + "\n" + out + "```\n")
+    return path
+
+
+def summary(rows: list[dict]) -> str:
+    hits = sum(bool(r["within 20%"]) for r in rows)
+    load = os.getloadavg()[0]
+    return (f"{hits} of {len(rows)} layouts predicted within 20% of the median measured step time. "
+            f"Rates: benchmarks/results/plan_rates_cpu_{{static,shared}}.yaml (`--calibrate`). The machine was shared "
+            f"with other work (load average {load:.2f} at the end): each layout ran in fresh runs, min and median of "
+            "the runs' mean step times shown.")  # fmt: skip
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="megarl plan vs measured CPU steps")
+    parser.add_argument("--calibrate", action="store_true", help="measure the rates files first (two short runs)")
+    parser.add_argument("--quick", action="store_true", help="one layout, one run")
+    args = parser.parse_args()
+    if args.calibrate:
+        run_calibration()
+    else:
+        print_record(run_benchmark("plan", quick=args.quick))
