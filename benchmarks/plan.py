@@ -6,22 +6,26 @@ Megatron trainer on SmolLM2-135M, 2 cores) with every sample generating exactly
 training on its whole batch, so that the step's tokens do not depend on sampling, and the same
 seed, so that every run sees the same prompts.
 
-``--calibrate`` measures the component rates: one synchronous run (``rollout.max_staleness=0``,
+``--calibrate`` measures the component rates. One synchronous run (``rollout.max_staleness=0``:
 the phases take turns, so each phase's timer times that component alone) per thread policy,
 
 * ``static``: the server on one core, the trainer on the other;
 * ``shared``: each takes both cores in its turn;
 
-and writes ``benchmarks/results/plan_rates_cpu_{static,shared}.yaml`` (rates files for
-``megarl plan --rates``): server tokens/s = generated tokens / rollout seconds, trainer
-tokens/s = trained tokens / (recompute + update seconds), sync and overhead seconds as
-measured; the first steps are warm-up and not counted.
+gives server tokens/s = generated tokens / rollout seconds, trainer tokens/s = trained tokens /
+(recompute + update seconds), sync and overhead seconds as measured. One asynchronous ``static``
+run (``max_staleness=1``) then gives ``overlap_slowdown``: how much slower the two run while they
+share the machine's two cores (on separate GPUs this is 1). It writes
+``benchmarks/results/plan_rates_cpu_{static,shared}.yaml`` (rates files for ``megarl plan
+--rates``); the first steps of a run are warm-up and not counted.
 
 Without ``--calibrate`` it predicts each layout of ``LAYOUTS`` from those files
-(:func:`megarl.plan.predict`) and measures it ``REPEATS`` times in fresh runs. The synchronous
-layouts repeat the calibration's layouts (a check of the additive model and of run-to-run
-noise); ``static`` with ``max_staleness`` 1 and 2 were never calibrated: their predictions test
-the overlap model. The machine is shared with other work: numbers move from run to run.
+(:func:`megarl.plan.predict`) and measures it ``REPEATS`` times in fresh runs, none of them a
+calibration run. The first three layouts were calibrated (in other runs): they check the model's
+sums and the run-to-run noise. The last, ``static`` asynchronous with twice the batch, was not: it
+tests the model on a workload the rates never saw. ``pred step s, f=1`` is the prediction without
+the measured contention (what the model predicts from synchronous runs alone). The machine is
+shared with other work: numbers move from run to run.
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "gsm8k_grpo_cpu.yaml"
 ALLOCATION = "vllm:d1t1+megatron:d1p1t1"
 POLICIES = ("static", "shared")
-LAYOUTS = [("static", 0), ("shared", 0), ("static", 1), ("static", 2)]
-"""(cluster.cpu_threads, rollout.max_staleness) of each validated layout."""
+LAYOUTS = [("static", 0, 2), ("shared", 0, 2), ("static", 1, 2), ("static", 1, 4)]
+"""(cluster.cpu_threads, rollout.max_staleness, train_dataset.batch_size) of each validated layout."""
 REPEATS = 2
 STEPS, WARMUP = 5, 2
 SAMPLES, MAX_NEW_TOKENS = 4, 128
@@ -59,13 +63,14 @@ def rates_path(policy: str) -> Path:
     return RESULTS_DIR / f"plan_rates_cpu_{policy}.yaml"
 
 
-def measure(policy: str, staleness: int, root: Path, trial: str, steps: int = STEPS) -> list[dict]:
+def measure(policy: str, staleness: int, root: Path, trial: str, batch_size: int = 2, steps: int = STEPS) -> list[dict]:
     """The per-step metrics of one fresh run after its warm-up steps."""
     overrides = [
         f"cluster.fileroot={root}", f"trial_name={trial}", f"cluster.cpu_threads={policy}",
         f"rollout.max_staleness={staleness}", f"total_train_steps={steps}", "valid_dataset=null",
         "saver.freq_steps=null", "stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false",
         "actor.skip_zero_advantage=false", "gconfig.min_new_tokens=${gconfig.max_new_tokens}",
+        f"train_dataset.batch_size={batch_size}",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(CONFIG), *overrides]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
@@ -98,33 +103,57 @@ def calibrate(steps: list[dict], policy: str, when: str) -> Rates:
                  overhead_s=overhead / n, workload=workload, model=MODEL_SHORT_NAMES["smollm2-135m-instruct"])  # fmt: skip
 
 
+def overlap_slowdown(rates: Rates, steps: list[dict]) -> float:
+    """``overlap_slowdown`` from an asynchronous run whose rollout is shorter than its training:
+    the training's excess over its isolated time, spread over the overlapped (rollout) seconds."""
+    generated = _sum(steps, "ppo_actor/n_tokens")
+    trained = sum(m["batch/n_seqs"] * m["batch/seq_len/avg"] for m in steps)
+    excess = _sum(steps, "timeperf/recompute_logp") + _sum(steps, "timeperf/train_step") - trained / rates.trainer[(1, 1)]
+    return max(1.0, 1 + excess / (generated / rates.server[1].tokens_per_s))
+
+
 def run_calibration() -> None:
+    import dataclasses
     import datetime
 
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes")
     with tempfile.TemporaryDirectory(prefix="megarl_plan_") as tmp:
         for policy in POLICIES:
             rates = calibrate(measure(policy, 0, Path(tmp), f"calibrate-{policy}"), policy, when)
+            if policy == "static":
+                f = overlap_slowdown(rates, measure(policy, 1, Path(tmp), "calibrate-static-async"))
+                rates = dataclasses.replace(rates, overlap_slowdown=f,
+                                            source=rates.source + "; overlap_slowdown from one max_staleness=1 run")  # fmt: skip
             rates_path(policy).write_text(yaml.safe_dump(rates_to_dict(rates), sort_keys=False))
             sys.stdout.write(f"wrote {rates_path(policy)}\n")
 
 
-def _row(policy: str, staleness: int, rates: Rates, runs: list[list[dict]]) -> dict:
-    pred = predict(rates, rates.workload, AllocationMode.from_str(ALLOCATION), staleness)
+def _row(policy: str, staleness: int, batch_size: int, rates: Rates, runs: list[list[dict]]) -> dict:
+    import dataclasses
+
+    work, alloc = dataclasses.replace(rates.workload, prompts=batch_size), AllocationMode.from_str(ALLOCATION)
+    pred = predict(rates, work, alloc, staleness)
+    no_contention = predict(dataclasses.replace(rates, overlap_slowdown=1.0), work, alloc, staleness)
     step_means = [statistics.fmean(m["timeperf/step"] for m in run) for run in runs]
     median = statistics.median(step_means)
     all_steps = [m for run in runs for m in run]
+    calibrated = batch_size == rates.workload.prompts and (staleness == 0 or rates.overlap_slowdown != 1.0)
     return {
-        "cpu_threads": policy, "max_staleness": staleness, "runs x steps": f"{len(runs)} x {len(runs[0])}",
+        "cpu_threads": policy, "max_staleness": staleness, "batch_size": batch_size,
+        "layout calibrated": "yes (other runs)" if calibrated else "no",
+        "runs x steps": f"{len(runs)} x {len(runs[0])}",
         "pred rollout s": pred.rollout_s, "pred train s": pred.train_s, "pred sync s": pred.sync_s,
-        "pred step s": pred.step_s, "pred overlap %": pred.overlap_pct,
+        "pred step s": pred.step_s, "pred step s, f=1": no_contention.step_s, "pred overlap %": pred.overlap_pct,
         "measured step s (min)": min(step_means), "measured step s (median)": median,
         "error %": 100 * (pred.step_s - median) / median,
         "within 20%": abs(pred.step_s - median) <= 0.2 * median,
+        "error % f=1": 100 * (no_contention.step_s - median) / median,
         "measured rollout wait s": statistics.fmean(m["timeperf/rollout"] for m in all_steps),
         "measured train s": statistics.fmean(m.get("timeperf/recompute_logp", 0.0) + m["timeperf/train_step"]
                                              for m in all_steps),
         "measured sync s": statistics.fmean(m["timeperf/update_weights"] for m in all_steps),
+        "measured tokens/step": statistics.fmean(m["batch/n_seqs"] * m["batch/seq_len/avg"] for m in all_steps),
+        "pred tokens/step": work.trained,
     }  # fmt: skip
 
 
@@ -136,9 +165,10 @@ def run(quick: bool) -> list[dict]:
     layouts, repeats = (LAYOUTS[:1], 1) if quick else (LAYOUTS, REPEATS)
     rows = []
     with tempfile.TemporaryDirectory(prefix="megarl_plan_") as tmp:
-        for policy, staleness in layouts:
-            runs = [measure(policy, staleness, Path(tmp), f"{policy}-s{staleness}-{i}") for i in range(repeats)]
-            rows.append(_row(policy, staleness, load_rates(rates_path(policy)), runs))
+        for policy, staleness, batch in layouts:
+            runs = [measure(policy, staleness, Path(tmp), f"{policy}-s{staleness}-b{batch}-{i}", batch)
+                    for i in range(repeats)]  # fmt: skip
+            rows.append(_row(policy, staleness, batch, load_rates(rates_path(policy)), runs))
     return rows
 
 

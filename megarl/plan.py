@@ -15,7 +15,9 @@ The model is deliberately small. An RL step has four phases (``megarl/train.py``
 With ``rollout.max_staleness = 0`` the phases take turns: step = rollout + train + sync +
 overhead. With ``max_staleness >= 1`` the rollout of step k+1 runs while step k trains, but
 the servers pause for the weight sync (interruptible generation), so in steady state
-step = max(rollout, train) + sync + overhead. A larger bound absorbs variance between steps;
+step = max(rollout, train) + (``overlap_slowdown`` - 1) x min(rollout, train) + sync + overhead,
+where ``overlap_slowdown`` (1 on separate devices) is how much both slow down while they share
+a machine. A larger bound absorbs variance between steps;
 it does not change this steady state.
 
 Rates come from a YAML or JSON file (:func:`load_rates`): measured on this machine by
@@ -98,6 +100,10 @@ class Rates:
     """Bytes sent per weight update (parameters x bytes per parameter)."""
     overhead_s: float = 0.0
     """Seconds per step outside the phases, never overlapped."""
+    overlap_slowdown: float = 1.0
+    """How much slower rollout and training run while they overlap: 1 on separate GPUs; above 1
+    when they share a machine's cores, caches or memory bandwidth (measured on CPU by
+    ``benchmarks/plan.py --calibrate``)."""
     workload: Workload | None = None
     """The step's tokens when the file has them (a calibration does); else from the config."""
     model: ModelShape | None = None
@@ -170,7 +176,10 @@ def predict(rates: Rates, work: Workload, alloc: AllocationMode, max_staleness: 
     if max_staleness == 0:
         step, overlap = rollout + train + sync + rates.overhead_s, 0.0
     else:
-        step, overlap = max(rollout, train) + sync + rates.overhead_s, min(rollout, train)
+        # both run slowed while they overlap (the shorter phase's length), then the longer alone
+        shorter = min(rollout, train)
+        step = max(rollout, train) + (rates.overlap_slowdown - 1) * shorter + sync + rates.overhead_s
+        overlap = shorter
     return Prediction(str(alloc), rollout, train, sync, rates.overhead_s, step, overlap)
 
 
@@ -231,7 +240,8 @@ def rank_splits(
     if not ranked:
         raise ValueError(f"no split of {n_devices} devices fits the rates' TP {sorted(rates.server)} and trainer "
                          f"shapes {sorted(rates.trainer)}; first refusal: {refused[0][1] if refused else 'none'}")  # fmt: skip
-    return Plan(sorted(ranked, key=lambda p: (p.step_s, p.allocation)), refused)
+    # equal steps: the shorter rollout first, it has more room for long samples
+    return Plan(sorted(ranked, key=lambda p: (round(p.step_s, 6), p.rollout_s, p.allocation)), refused)
 
 
 def workload_of(rates: Rates, config=None, prompt_tokens: float | None = None, gen_tokens: float | None = None) -> Workload:
@@ -282,7 +292,8 @@ def assumptions(rates: Rates, work: Workload, max_staleness: int) -> list[str]:
         f"rates: {rates.source}",
         f"one server: {servers}",
         f"one trainer replica (recompute + update): {trainers}; DP efficiency {rates.dp_efficiency:g} per doubling",
-        f"weight sync: {sync_seconds(rates):.2f} s; other per-step overhead {rates.overhead_s:.2f} s",
+        f"weight sync: {sync_seconds(rates):.2f} s; other per-step overhead {rates.overhead_s:.2f} s; "
+        f"rollout and training {rates.overlap_slowdown:.2f}x slower while they overlap",
         (f"step: {work.prompts} prompts x {work.samples} samples, {work.prompt_tokens:.0f} prompt + "
          f"{work.gen_tokens:.0f} generated tokens each (max {work.max_new_tokens}); {mode}"),
     ]  # fmt: skip
@@ -349,9 +360,16 @@ def rates_from_dict(raw: dict, where: str = "rates") -> Rates:
         sync_bytes_per_s=number(sync.get("bytes_per_s", math.inf), "sync.bytes_per_s"),
         model_bytes=number(sync.get("model_bytes", 0.0), "sync.model_bytes", False),
         overhead_s=number(raw.get("overhead_s", 0.0), "overhead_s", False),
+        overlap_slowdown=_at_least_one(number(raw.get("overlap_slowdown", 1.0), "overlap_slowdown"), where),
         workload=_workload(raw["workload"], where, number) if raw.get("workload") else None,
         model=ModelShape(**raw["model"]) if raw.get("model") else None,
     )  # fmt: skip
+
+
+def _at_least_one(value: float, where: str) -> float:
+    if value < 1:
+        raise RatesFileError(f"rates file {where}: key 'overlap_slowdown' must be >= 1, got {value}")
+    return value
 
 
 def _shape(name, letters: tuple[str, ...], where: str, key: str) -> tuple[int, ...]:
@@ -386,6 +404,7 @@ def rates_to_dict(rates: Rates) -> dict:
         "dp_efficiency": rates.dp_efficiency,
         "sync": {"fixed_s": rates.sync_fixed_s, "model_bytes": rates.model_bytes},
         "overhead_s": rates.overhead_s,
+        "overlap_slowdown": rates.overlap_slowdown,
     }
     if math.isfinite(rates.sync_bytes_per_s):
         out["sync"]["bytes_per_s"] = rates.sync_bytes_per_s

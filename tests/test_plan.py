@@ -59,6 +59,14 @@ def test_asynchronous_step_hides_the_shorter_phase():
     assert p.overlap_pct == pytest.approx(100 * 5.5 / 10)
 
 
+def test_overlap_slowdown_charges_the_overlapped_seconds():
+    work = Workload(2, 5, 10, 50, 200)  # rollout 5 s overlaps a 600/110 s training
+    p = predict(rates(overlap_slowdown=1.4), work, alloc("vllm:d1t1+megatron:d1p1t1"), max_staleness=1)
+    assert p.step_s == pytest.approx(600 / 110 + 0.4 * 5 + 3 + 0.5)
+    sync = predict(rates(overlap_slowdown=1.4), work, alloc("vllm:d1t1+megatron:d1p1t1"), max_staleness=0)
+    assert sync.step_s == pytest.approx(5 + 600 / 110 + 3 + 0.5)  # nothing overlaps
+
+
 def test_rollout_bound_by_servers_and_longest_sample_when_synchronous():
     two = predict(rates(), WORK, alloc("vllm:d2t1+megatron:d1p1t1"), 0)
     assert two.rollout_s == pytest.approx(5)  # 1000 / (2 x 100)
@@ -115,7 +123,7 @@ def test_rank_splits_errors_name_the_numbers():
 
 
 def test_rates_file_round_trip(tmp_path):
-    r = rates(sync_bytes_per_s=math.inf, model_bytes=0.0)
+    r = rates(sync_bytes_per_s=math.inf, model_bytes=0.0, overlap_slowdown=1.25)
     path = tmp_path / "rates.json"
     path.write_text(json.dumps(rates_to_dict(r)))
     assert load_rates(path) == r
@@ -138,6 +146,8 @@ def test_gpu_rates_are_labelled_assumed():
          "key 'server.t1.tokens_per_s' must be a number > 0, got -3"),
         ("source: x\nserver: {t1: 10}\ntrainer: {p1t1: fast}\n", "key 'trainer.p1t1' must be a number > 0, got 'fast'"),
         ("source: x\nserver: {t1: 10}\ntrainer: {p1t1: 1}\ndp_efficiency: 1.5\n", "key 'dp_efficiency' must be <= 1"),
+        ("source: x\nserver: {t1: 10}\ntrainer: {p1t1: 1}\noverlap_slowdown: 0.5\n",
+         "key 'overlap_slowdown' must be >= 1, got 0.5"),
         ("source: x\nserver: {t1: 10}\ntrainer: {p1t1: 1}\nworkload: {prompts: 1, samples: 1, gen_tokens: 1, x: 2}\n",
          "unknown key 'workload.x'"),
         ("- a\n- b\n", "expected a mapping of keys, got list"),
@@ -206,6 +216,16 @@ def test_calibration_from_metrics():
     assert r.server[1].tokens_per_s == pytest.approx(256) and r.trainer[(1, 1)] == pytest.approx(160)
     assert r.sync_fixed_s == pytest.approx(0.5) and r.overhead_s == pytest.approx(0.5)
     assert r.workload == Workload(2, 4, 72.0, 128.0, 128)
-    row = _row("static", 0, r, [[step, step], [step]])
+    row = _row("static", 0, 2, r, [[step, step], [step]])
     assert row["pred step s"] == pytest.approx(15.0) and row["error %"] == pytest.approx(0)
-    assert _row("static", 1, r, [[step]])["pred step s"] == pytest.approx(11.0)
+    assert _row("static", 1, 2, r, [[step]])["pred step s"] == pytest.approx(11.0)
+
+
+def test_overlap_slowdown_from_an_async_run():
+    from benchmarks.plan import overlap_slowdown
+
+    r = rates(server={1: ServerRate(256.0)}, trainer={(1, 1): 160.0})
+    # isolated: 1600 tokens train in 10 s, 1024 generate in 4 s; training took 12 s while overlapped
+    step = {"batch/n_seqs": 8.0, "batch/seq_len/avg": 200.0, "ppo_actor/n_tokens": 1024.0, "timeperf/train_step": 12.0}
+    assert overlap_slowdown(r, [step, step]) == pytest.approx(1.5)
+    assert overlap_slowdown(r, [{**step, "timeperf/train_step": 9.0}]) == 1.0  # faster than isolated: no contention
