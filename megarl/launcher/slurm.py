@@ -5,12 +5,14 @@ hand (``launch/`` holds rendered examples). Its shape:
 
 1. one ``srun`` step per inference server (``megarl serve``), on the node and
    devices the placement plan gives it; each writes its address to
-   ``{run_dir}/servers/{i}.addr`` once healthy;
+   ``{run_dir}/servers/{i}.addr`` once healthy; a server step that ends is started
+   again in its slot (``launcher.server_restarts``, ``launcher.max_server_restarts``)
+   and recorded in ``{run_dir}/server_restarts.jsonl`` for the trainer;
 2. wait until every server wrote its address (or one step died, or a deadline);
 3. one ``srun`` step running ``torchrun`` on the training nodes, with the
    servers' addresses in ``MEGARL_LLM_SERVER_ADDRS``;
 4. the first step to end decides: the trainer finishing ends the job with its exit
-   status; any other step ending first fails the job. Everything left is stopped.
+   status; a server slot out of restarts ending first fails the job. Everything left is stopped.
 
 Beside the trainer, ``megarl watchdog`` runs on the batch host (``watchdog.*``): it reads the ranks'
 heartbeats from the shared run directory, beats for the servers on their health checks, names a
@@ -29,8 +31,10 @@ from pathlib import Path
 
 from megarl.config.experiment import GRPOConfig
 from megarl.launcher.placement import Placement, plan_placement
+from megarl.rollout.restarts import RESTARTS_FILE
 from megarl.utils.auth import API_KEY_ENV
 from megarl.utils.heartbeat import flight_recorder_env
+from megarl.utils.network import INTERFACE_ENV
 
 
 def _sbatch_header(config: GRPOConfig, requeue: bool) -> list[str]:
@@ -88,16 +92,8 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
     for slot in plan.servers:
         devices = ",".join(map(str, slot.devices))
         lines.append(f'  "{slot.index} {slot.node} {devices} {slurm.server_port + slot.devices[0]}"')
-    lines += [
-        ")",
-        'for server in "${SERVERS[@]}"; do',
-        '  read -r idx node devices port <<< "$server"',
-        '  srun --overlap --nodes=1 --ntasks=1 -w "${NODES[$node]}" --output="$RUN_DIR/slurm/server-$idx-%j.log" \\',
-        f'    megarl serve --config {cfg} --index "$idx" --devices "$devices" --port "$port" \\',
-        '    --addr-file "$RUN_DIR/servers/$idx.addr" &',
-        "  PIDS+=($!)",
-        "done",
-    ]
+    lines += [")", *_serve_slot(config, cfg), 'for server in "${SERVERS[@]}"; do', "  serve_slot $server &",
+              "  PIDS+=($!)", "done"]  # fmt: skip
     if plan.servers:
         lines += _wait_for_servers(len(plan.servers), slurm.server_wait_timeout)
     lines += ["", "# 3. trainer", *_flight_recorder(config), *_trainer(config, cfg, plan), *_watchdog(config, cfg)]
@@ -124,6 +120,39 @@ def _watchdog(config: GRPOConfig, cfg: str) -> list[str]:
     ]
 
 
+def _serve_slot(config: GRPOConfig, cfg: str) -> list[str]:
+    """``serve_slot IDX NODE DEVICES PORT``: a server step, started again in its slot when it ends,
+    up to ``launcher.server_restarts`` times (``launcher.max_server_restarts`` for the run: the lines of
+    ``{run_dir}/server_restarts.jsonl``, which tell the trainer to push its weights to the new one)."""
+    launcher = config.launcher
+    per_server, per_run = launcher.server_restarts, launcher.max_server_restarts
+    return [
+        f"# a server step that ends is started again in its slot: launcher.server_restarts={per_server} per server,",
+        f"# launcher.max_server_restarts={per_run} per run (the lines of $RUN_DIR/{RESTARTS_FILE})",
+        "serve_slot() {",
+        "  local idx=$1 node=$2 devices=$3 port=$4 n=0 status total",
+        "  while true; do",
+        '    srun --overlap --nodes=1 --ntasks=1 -w "${NODES[$node]}" --output="$RUN_DIR/slurm/server-$idx-%j.log" \\',
+        f'      megarl serve --config {cfg} --index "$idx" --devices "$devices" --port "$port" \\',
+        '      --addr-file "$RUN_DIR/servers/$idx.addr"',
+        "    status=$?",
+        f'    total=$(cat "$RUN_DIR/{RESTARTS_FILE}" 2>/dev/null | wc -l)',
+        f"    if [ $n -ge {per_server} ]; then",
+        f'      echo "megarl: server-$idx step ended with status $status; not restarted: launcher.server_restarts={per_server} restarts of server-$idx are spent" >&2',
+        "      return $status",
+        f"    elif [ $total -ge {per_run} ]; then",
+        f'      echo "megarl: server-$idx step ended with status $status; not restarted: launcher.max_server_restarts={per_run} restarts of this run are spent" >&2',
+        "      return $status",
+        "    fi",
+        "    n=$((n + 1))",
+        f'    echo "megarl: server-$idx step ended with status $status; restarting it in its slot (restart $n of {per_server} for it, $((total + 1)) of {per_run} this run)" >&2',
+        '    printf \'{"time": %s, "server": "server-%s", "address": "%s", "exit_code": %s, "restart": %s, "run_total": %s}\\n\' \\',
+        f'      "$(date +%s)" "$idx" "$(cat "$RUN_DIR/servers/$idx.addr" 2>/dev/null)" "$status" "$n" "$((total + 1))" >> "$RUN_DIR/{RESTARTS_FILE}"',
+        "  done",
+        "}",
+    ]
+
+
 def _wait_for_servers(count: int, timeout: int) -> list[str]:
     return [
         "",
@@ -142,10 +171,11 @@ def _wait_for_servers(count: int, timeout: int) -> list[str]:
 
 
 def _interface_env(interface: str | None, env: dict[str, str]) -> list[str]:
-    """gloo and NCCL on the cluster interface the servers bind (``megarl serve`` reads the config)."""
+    """gloo and NCCL on the cluster interface the servers bind, and every address megarl announces
+    (the weight bridge's too: :func:`megarl.utils.network.gethostip`)."""
     if interface is None:
         return []
-    names = [n for n in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if n not in env]
+    names = [n for n in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", INTERFACE_ENV) if n not in env]
     lines = ["# collectives on the cluster interface (launcher.slurm.network_interface)"]
     return lines + [f"export {n}={shlex.quote(interface)}" for n in names] if names else []
 
@@ -159,14 +189,16 @@ def _trainer(config: GRPOConfig, cfg: str, plan: Placement) -> list[str]:
     visible = ""
     if config.cluster.device != "cpu" and len(nodes) == 1 and config.cluster.n_nodes == 1:
         visible = f"CUDA_VISIBLE_DEVICES={','.join(map(str, plan.trainer_devices))} "
+    # a static rendezvous on the step's first node (SLURM_NODEID counts the step's nodes from 0): the
+    # c10d one's store lives in that node's agent, which may exit first and fail the others' shutdown
     torchrun = (
         f"{visible}torchrun --nnodes={len(nodes)} --nproc-per-node={plan.trainer_procs_per_node} "
-        f"--rdzv-backend=c10d --rdzv-endpoint=$MEGARL_TRAIN_MASTER:{slurm.trainer_port} "
-        f"--rdzv-id=$SLURM_JOB_ID {target} --config {cfg}"
+        f"--node-rank=$SLURM_NODEID --master-addr=$MEGARL_TRAIN_MASTER --master-port={slurm.trainer_port} "
+        f"{target} --config {cfg}"
     )
     return [
         f'export MEGARL_TRAIN_MASTER="${{NODES[{nodes[0]}]}}"',
-        f'srun --overlap --nodes={len(nodes)} --ntasks-per-node=1 -w "{node_list}" '
+        f'srun --overlap --nodes={len(nodes)} --ntasks={len(nodes)} --ntasks-per-node=1 -w "{node_list}" '
         f"--kill-on-bad-exit=1 bash -c {shlex.quote(torchrun)} &",
         "TRAINER=$!",
     ]
@@ -185,7 +217,7 @@ def _first_exit(config: GRPOConfig) -> list[str]:
     return [
         'wait -n "$TRAINER" "${PIDS[@]}"',
         "if kill -0 \"$TRAINER\" 2>/dev/null; then",
-        '  echo "megarl: a server step ended during training; failing the job" >&2',
+        '  echo "megarl: a server step ended during training and its restarts are spent; failing the job" >&2',
         "  kill -TERM \"$TRAINER\"; exit 1",
         "fi",
         'wait "$TRAINER"; status=$?',

@@ -12,6 +12,7 @@ from collections.abc import Collection
 logger = logging.getLogger(__name__)
 
 HOST_IP_ENV = "MEGARL_HOST_IP"
+INTERFACE_ENV = "MEGARL_NETWORK_INTERFACE"  # the sbatch script exports launcher.slurm.network_interface
 # Any address outside this machine works: connecting a UDP socket only asks the kernel
 # for a route (and so a source address); no packet is sent. 192.0.2.0/24 is TEST-NET-1.
 _PROBE_ADDRESS = ("192.0.2.1", 9)
@@ -110,13 +111,15 @@ def interface_ip(name: str) -> str:
 def gethostip(interface: str | None = None) -> str:
     """The address other nodes can reach this host at.
 
-    ``$MEGARL_HOST_IP`` wins when set; then the IPv4 address of ``interface`` when given;
-    otherwise the source address of the default route (found without sending any
-    packet); otherwise ``127.0.0.1``.
+    ``$MEGARL_HOST_IP`` wins when set; then the IPv4 address of ``interface`` when given,
+    else of ``$MEGARL_NETWORK_INTERFACE`` (so every process of a Slurm job, the weight bridge's
+    too, uses the cluster interface); otherwise the source address of the default route (found
+    without sending any packet); otherwise ``127.0.0.1``.
     """
     env = os.environ.get(HOST_IP_ENV, "").strip()
     if env:
         return env
+    interface = interface or os.environ.get(INTERFACE_ENV, "").strip() or None
     if interface:
         return interface_ip(interface)
     try:

@@ -82,7 +82,13 @@ def test_network_interface_for_servers_and_collectives(tmp_path, monkeypatch):
     assert "export GLOO_SOCKET_IFNAME=lo" in script.splitlines()
     assert "export NCCL_SOCKET_IFNAME=eth9" in script.splitlines() and "NCCL_SOCKET_IFNAME=lo" not in script
     assert script.index("GLOO_SOCKET_IFNAME") < script.index("megarl serve")
+    assert "export MEGARL_NETWORK_INTERFACE=lo" in script.splitlines(), "every announced address, the bridge's too"
     monkeypatch.delenv("MEGARL_HOST_IP", raising=False)
+    from megarl.utils.network import gethostip
+
+    monkeypatch.setenv("MEGARL_NETWORK_INTERFACE", "lo")
+    assert gethostip() == "127.0.0.1", "the interface the script exports wins over the default route"
+    monkeypatch.delenv("MEGARL_NETWORK_INTERFACE")
     host = server_host(cfg)
     assert host == "127.0.0.1"
     cmd = server_spec(cfg, 0, [0], host, 18000).cmd
