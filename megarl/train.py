@@ -99,7 +99,10 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     with stats_tracker.record_timing("rollout"), t.memory.peak("rollout"), heartbeat.phase("rollout"), \
             rollout_bar(t) as progress:
         accept = should_accept_fn(cfg.dynamic_filter, cfg.group_size)
-        batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, accept, progress)
+        batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, accept, progress, lambda: readmit_servers(t))
+    if t.rollout is not None:
+        with stats_tracker.scope("rollout"):
+            stats_tracker.scalar(server_restarts=float(t.rollout.restarts_seen))  # the run's, so far
     if t.actor.needs_prox_pass():  # else ppo_update's own forward gives them
         with phase(t, "recompute_logp"):
             batch["prox_logp"] = t.actor.compute_logp(batch)
@@ -131,6 +134,14 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     stats.update(eval_stats() or {})
     warn_on_gap(t, stats)
     return stats
+
+
+def readmit_servers(t: Trainer) -> None:
+    """No server left to generate, restarted ones waiting: push them the current weights (collective)."""
+    heartbeat.step("pushing the weights to restarted servers")
+    stats = t.weight_meta.sync.readmit()
+    with stats_tracker.scope("weight_sync"):
+        stats_tracker.scalar(servers_readmitted_in_rollout=stats.get("servers_readmitted", 0.0))
 
 
 def warn_on_gap(t: Trainer, stats: dict[str, float]) -> None:

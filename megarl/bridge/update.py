@@ -11,7 +11,11 @@ One update (every trainer rank calls it; collective)::
 
 A server that failed the transfer keeps its old weights (or is half-updated) and is
 taken out of rotation in the rollout engine (``mark_unhealthy``); the bridge reconnects
-to the healthy servers before the next update. The failure is raised
+to the healthy servers before the next update. A server the launcher restarted (it holds the
+model's first weights) is out of rotation until an update reaches it: each update reconnects
+the bridge with the restarted servers that answer again, pushes the weights and version to
+them too, and puts them back (``weight_sync/servers_readmitted``); :meth:`WeightSync.readmit`
+does so between updates when no other server is left to generate. The failure is raised
 (:class:`~megarl.bridge.bridge.WeightBridgeError`) after the rollout has resumed.
 """
 
@@ -101,10 +105,30 @@ class WeightSync:
                                      self.engine.desc.dims.vocab_size)  # fmt: skip
             self.probe = self.bridge.broadcast_object(probe)
 
+    def readmit(self) -> dict[str, float]:
+        """Push the current weights and version to the restarted servers that answer again (collective),
+        so that they take requests; for when no other server is left to generate."""
+        logger.info("weight sync: pushing version %d to restarted servers", self.engine.get_version())
+        return self.update(self.engine.get_version())
+
+    def _restarted(self) -> list[str]:
+        """The restarted servers answering again (rank 0's rollout engine knows them; the same list on
+        every rank); the bridge is closed when they join or its set of servers changes."""
+        back, down = [], []
+        if self.rollout is not None and self.bridge.is_driver:
+            back, down = self.rollout.servers_to_readmit()
+        back, down = self.bridge.broadcast_object((back, down))
+        self.unhealthy = (self.unhealthy | set(down)) - set(back)
+        wanted = {s.address for s in self.servers if s.address not in self.unhealthy}
+        if self.bridge.connected and (back or wanted != {s.address for s in self.bridge.servers}):
+            self.bridge.close()  # a restarted server's workers join anew
+        return back
+
     def update(self, version: int, mode: str | None = None, path: str | None = None) -> dict[str, float]:
         """One weight-sync phase (collective); returns timings, bytes and the consistency metric."""
         start = time.perf_counter()
         probing = self.n_updates % self.config.probe_every == 0
+        back = self._restarted()
         self._pause()
         try:
             if not self.bridge.connected:
@@ -112,6 +136,9 @@ class WeightSync:
                 self.connect()
             report = self.bridge.update(ShardSource.from_engine(self.engine), version, mode, path)
             self._after(report, version)
+            readmitted = [a for a in back if a in report.updated]
+            for address in readmitted if self.rollout is not None else []:
+                self.rollout.mark_healthy(address)
         except BaseException:
             self._resume()
             raise
@@ -120,7 +147,7 @@ class WeightSync:
         self._resume(episodes=not (probing and report.ok))
         try:
             stats = {"update_seconds": report.seconds, "bytes_sent": float(report.bytes_sent),
-                     "sync_seconds": time.perf_counter() - start}  # fmt: skip
+                     "sync_seconds": time.perf_counter() - start, "servers_readmitted": float(len(readmitted))}  # fmt: skip
             if not report.ok:
                 raise WeightBridgeError(f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
                                         f"{report.sender_errors}; failed servers keep their old weights or are out of "

@@ -300,11 +300,20 @@ class LauncherConfig:
     """Print every process's whole output on the console (servers, libraries, per-step stats tables).
     Off: a few start-up lines, one progress bar, a line per step and the summary; the rest is in
     ``{run_dir}/logs/`` (``trainer.log``, ``server-N.log``, ``launcher.log``) either way."""
+    server_restarts: int = 3
+    """Times one inference server is restarted in its slot (same devices, same address) after its process
+    died; the trainer pushes the current weights and version to it before it gets requests again. 0: a
+    dying server ends the run."""
+    max_server_restarts: int = 10
+    """Server restarts of the whole run, all servers together; past this (or past ``server_restarts`` for
+    one server) a dying server ends the run, naming the budget spent."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """Slurm specifics."""
 
     def check(self) -> None:
         require(bool(self.trainer_entry), "trainer_entry", self.trainer_entry, "a module or script is required")
+        require(self.server_restarts >= 0, "server_restarts", self.server_restarts, "must be >= 0")
+        require(self.max_server_restarts >= 0, "max_server_restarts", self.max_server_restarts, "must be >= 0")
         for name in self.env:
             require(_ENV_NAME.fullmatch(name) is not None, "env", name,
                     "environment variable names are letters, digits and '_', not starting with a digit")  # fmt: skip

@@ -14,7 +14,10 @@ The same steps as the sbatch script of :mod:`megarl.launcher.slurm`, as child pr
    ``$rollout.server_addrs_env``: it builds its model while the servers start and waits
    for them; with ``recover.mode=auto`` a trainer that fails is restarted (servers stay
    up) up to ``recover.retries`` times;
-4. a server dying meanwhile stops the trainer and fails the run.
+4. a server dying meanwhile is restarted in its slot (same devices, same address; the
+   trainer pushes its current weights to it before it gets requests again), up to
+   ``launcher.server_restarts`` times per server and ``launcher.max_server_restarts`` per
+   run; past that budget it stops the trainer and fails the run.
 
 Every child's output reaches the console line by line, prefixed ``[server-0]`` or
 ``[trainer]``; the trainer's also goes to ``{run_dir}/logs/trainer.log``. Whatever
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import codecs
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -47,6 +51,7 @@ from megarl.config.loader import save_config
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec
 from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
+from megarl.rollout.restarts import RESTARTS_FILE
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.utils.auth import run_api_key
 from megarl.utils.console import CONSOLE_TTY_ENV
@@ -467,7 +472,7 @@ def run_trainer(
     """Run the trainer until it succeeds or is out of restarts; returns its exit status.
 
     ``startup``: the servers are still starting; the watch loop probes them meanwhile.
-    Raises :class:`ServerLaunchError` when a server dies meanwhile (the trainer is stopped)
+    Raises :class:`ServerLaunchError` when a server dies meanwhile past the restart budget (the trainer is stopped)
     or is not up in time.
     """
     cmd = trainer_command(config, config_file, plan)
@@ -479,13 +484,14 @@ def run_trainer(
     watchdog = Watchdog(config.run_dir, config.watchdog) if config.watchdog.enabled else None
     targets = [HealthTarget.of(server) for server in servers]
     beats = ServerBeats(config.run_dir, targets, config.watchdog.interval_s) if watchdog is not None else nullcontext()
+    restarts = ServerRestarts(config.launcher.server_restarts, config.launcher.max_server_restarts, config.run_dir, relay)
     with open(log_path, "ab") as log, beats:
         for attempt in range(retries + 1):
             log.write(f"# megarl run: trainer attempt {attempt + 1}: {' '.join(cmd)}\n".encode())
             log.flush()
             if watchdog is not None:
                 watchdog.reset()  # the heartbeats of an earlier attempt's ranks are not this one's
-            code = _run_trainer_once(cmd, env, servers, relay, log, startup, watchdog)
+            code = _run_trainer_once(cmd, env, servers, relay, log, startup, watchdog, restarts)
             if code == WATCHDOG_ABORT_STATUS and config.watchdog.action == "abort":
                 return code
             if code == 0:
@@ -514,6 +520,7 @@ def _run_trainer_once(
     log: IO[bytes],
     startup: ServerStartup | None = None,
     watchdog: Watchdog | None = None,
+    restarts: ServerRestarts | None = None,
 ) -> int:
     logger.info("starting trainer: %s", " ".join(cmd))
     mark = _Mark.new()
@@ -526,7 +533,7 @@ def _run_trainer_once(
     kill_on_exit(proc)
     pump = relay.pipe("trainer", proc.stdout, log) if relay.verbose else relay.console("trainer", proc.stdout, log)
     try:
-        code = _watch(proc, servers, startup, watchdog, relay)
+        code = _watch(proc, servers, startup, watchdog, relay, restarts)
     finally:
         cancel_kill_on_exit(proc)
         terminate_process_tree(proc, timeout=_STOP_TIMEOUT_S)
@@ -547,12 +554,14 @@ def _watch(
     startup: ServerStartup | None,
     watchdog: Watchdog | None = None,
     relay: OutputRelay | None = None,
+    restarts: ServerRestarts | None = None,
 ) -> int:
-    """Until the trainer exits: the servers' start-up and health, and the watchdog (which may end the trainer)."""
+    """Until the trainer exits: the servers' start-up and health (a dead one restarted within ``restarts``'
+    budget), and the watchdog (which may end the trainer)."""
     while (code := proc.poll()) is None:
         if startup is not None and startup.waiting:
             startup.poll()
-        _check_servers(servers, "during training")
+        _check_servers(servers, "during training", restarts if startup is None or not startup.waiting else None)
         event = watchdog.check() if watchdog is not None else None
         if event is not None:
             if relay is not None:
@@ -571,10 +580,64 @@ def _watch(
 WATCHDOG_ABORT_STATUS = 3  # the trainer stopped by the watchdog (warn keeps it running)
 
 
-def _check_servers(servers: list[InferenceServer], when: str) -> None:
-    for server in servers:
+def _check_servers(servers: list[InferenceServer], when: str, restarts: ServerRestarts | None = None) -> None:
+    """Restart a server that exited (``restarts``' budget allowing), else ``ServerLaunchError``."""
+    for i, server in enumerate(servers):
         if server.proc.poll() is not None:
-            raise ServerLaunchError(_death_message(server, when))
+            if restarts is None:
+                raise ServerLaunchError(_death_message(server, when))
+            servers[i] = restarts.restart(server, when)
+
+
+class ServerRestarts:
+    """Restarts dead servers in their slots within the budget (``launcher.server_restarts`` per server,
+    ``launcher.max_server_restarts`` per run); each restart is a line of ``{run_dir}/server_restarts.jsonl``.
+
+    The new process has the dead one's spec: same command, devices, port and launch tag (so that
+    teardown finds it like the first). What the dead one left (vLLM's engine core, its workers) is
+    killed first: it may hold the port or the devices.
+    """
+
+    def __init__(self, per_server: int, per_run: int, run_dir: Path, relay: OutputRelay | None = None):
+        self.per_server, self.per_run, self.relay = per_server, per_run, relay
+        self.log = Path(run_dir) / RESTARTS_FILE
+        self.counts: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def restart(self, server: InferenceServer, when: str) -> InferenceServer:
+        """A started replacement of the exited ``server``; ``ServerLaunchError`` once the budget is spent."""
+        message = _death_message(server, when)
+        spent = self._spent(server.name)
+        if spent:
+            raise ServerLaunchError(f"{message}\nnot restarted: {spent}")
+        self.counts[server.name] = self.counts.get(server.name, 0) + 1
+        n = self.counts[server.name]
+        line = (f"{server.name} at {server.address} exited with code {server.proc.returncode} {when}; restarting it "
+                f"in its slot (restart {n} of {self.per_server} for it, {self.total} of {self.per_run} this run)")  # fmt: skip
+        logger.warning("%s; last lines of %s:\n%s", line, server.log_path, server.log_tail(10))
+        if self.relay is not None:
+            self.relay.end_line()
+            self.relay.line("megarl", line)
+        cancel_kill_on_exit(server.proc)
+        _stop_leftovers(server.proc.pid, _Mark(server.spec.env.get(_TAG_ENV, ""), (server.started_at or 0.0) - 2.0))
+        with open(server.log_path, "ab") as f:
+            f.write(f"# megarl: {line}\n".encode())
+        replacement = InferenceServer(server.spec, server.log_path, name=server.name).start()
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"time": time.time(), "server": server.name, "address": server.address,
+                                "exit_code": server.proc.returncode, "restart": n, "run_total": self.total}) + "\n")  # fmt: skip
+        return replacement
+
+    def _spent(self, name: str) -> str:
+        if self.counts.get(name, 0) >= self.per_server:
+            return f"launcher.server_restarts={self.per_server} restarts of {name} are spent"
+        if self.total >= self.per_run:
+            return f"launcher.max_server_restarts={self.per_run} restarts of this run are spent"
+        return ""
 
 
 @contextmanager

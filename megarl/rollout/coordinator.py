@@ -11,6 +11,11 @@ then made whole across the trainer:
 3. each head broadcasts its share to the other ranks of its model-parallel group
    (TP x PP peers need the very same data).
 
+When no server can take requests because the launcher restarted them and they wait for the
+trainer's weights, a head stops waiting; every rank learns it through the same exchanges and
+calls ``readmit()`` (collective: the weight sync pushes the current weights to those servers),
+then gathering goes on, nothing gathered lost.
+
 Process groups are passed in explicitly; nothing here knows about the actor.
 """
 
@@ -73,33 +78,50 @@ class DistRolloutCoordinator:
         workflow,
         should_accept_fn: Callable[[dict], bool] | None = None,
         progress: Callable[[int], None] | None = None,
+        readmit: Callable[[], None] | None = None,
     ) -> dict[str, Any]:
         """This rank's share of the next training batch (collective over the trainer).
 
         ``progress(n)``: called on the heads with the accepted episodes gathered so far.
+        ``readmit()``: called on every rank (collective) when no server can take requests until the
+        trainer has pushed its weights to restarted ones (see the module doc).
         """
         local = None
-        if self.layout.is_head:
-            local = self.rollout.prepare_batch(dataloader, workflow, should_accept_fn, progress=progress)
-            local = self._rebalance(local)
-        return self._broadcast_in_mp(local)
+        while True:
+            if self.layout.is_head:
+                if local is None:
+                    extra = {"interrupt": self.rollout.readmit_due} if readmit is not None else {}
+                    local = self.rollout.prepare_batch(dataloader, workflow, should_accept_fn, progress=progress, **extra)
+                share = self._rebalance(local)
+            share = self._broadcast_in_mp(share if self.layout.is_head else None)
+            if share is not _READMIT:
+                return share
+            readmit()
 
-    def _rebalance(self, local: dict[str, Any]) -> dict[str, Any]:
-        """Exchange groups between DP heads; return this head's balanced share."""
+    def _rebalance(self, local: dict[str, Any] | None) -> dict[str, Any] | object:
+        """Exchange groups between DP heads; return this head's balanced share (``_READMIT`` if a head
+        stopped for restarted servers: a head whose batch is whole keeps it for the next round)."""
         if self.layout.head_group is None:
-            return local
+            return _READMIT if local is None else local
         everyone: list = [None] * self.layout.dp_size
-        dist.all_gather_object(everyone, split_groups(local, self.group_size), group=self.layout.head_group)
+        mine = None if local is None else split_groups(local, self.group_size)
+        dist.all_gather_object(everyone, mine, group=self.layout.head_group)
+        if any(head is None for head in everyone):
+            return _READMIT
         groups = [g for head in everyone for g in head]
         shares = balance_groups([int(g["attention_mask"].sum()) for g in groups], self.layout.dp_size)
         return concat_padded_tensors([groups[i] for i in shares[self.layout.dp_rank]])
 
-    def _broadcast_in_mp(self, batch: dict[str, Any] | None) -> dict[str, Any]:
+    def _broadcast_in_mp(self, batch: dict[str, Any] | object | None) -> dict[str, Any] | object:
         if self.layout.mp_group is None:
             return batch
-        box = [batch]
+        box = [_READMIT_WIRE if batch is _READMIT else batch]
         dist.broadcast_object_list(box, src=self.layout.mp_src, group=self.layout.mp_group)
-        return box[0]
+        return _READMIT if box[0] == _READMIT_WIRE else box[0]
+
+
+_READMIT = object()  # a head stopped gathering: push the weights to restarted servers first
+_READMIT_WIRE = "megarl:readmit"  # the same, through a broadcast (which pickles)
 
 
 def split_groups(batch: dict[str, Any], group_size: int) -> list[dict[str, Any]]:

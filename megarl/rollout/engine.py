@@ -9,8 +9,11 @@ chunk never spans a weight update: the update aborts it first).
 
 Routing: requests sharing a ``rid`` stick to one server; others go to the least-loaded
 (or next, round-robin) healthy server. A server unreachable after all retries is
-marked unhealthy for ``unhealthy_retry_interval`` seconds and the request is re-issued
-elsewhere with the tokens it already has. Batching (``submit``, ``wait``,
+marked unhealthy for ``unhealthy_retry_interval`` seconds; a request that has no token yet is
+re-issued elsewhere, one that has some fails its episode (:class:`ServerLostError`: the pool runs
+it again from scratch), so that no sample is half from a server that died. A server the launcher
+restarted (:mod:`megarl.rollout.restarts`) stays out of rotation until the trainer has pushed its
+weights to it (:meth:`RemoteInferenceEngine.servers_to_readmit`). Batching (``submit``, ``wait``,
 ``prepare_batch`` ...) is delegated to a :class:`RolloutPool`.
 """
 
@@ -46,6 +49,7 @@ from megarl.rollout.http import (
     make_session,
 )
 from megarl.rollout.pool import RolloutPool
+from megarl.rollout.restarts import RestartLog
 from megarl.rollout.server import resolve_server_addrs
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
@@ -63,12 +67,20 @@ class NoHealthyServerError(InferenceServerError):
     """Every server is marked unhealthy."""
 
 
+class ServerLostError(InferenceServerError):
+    """A server became unreachable while a sample was half generated on it: the episode must run again."""
+
+    def __init__(self, address: str, reason: str):
+        super().__init__(address, "", reason, kind="server_lost")
+
+
 @dataclass
 class _Server:
     address: str
     in_flight: int = 0
     unhealthy_until: float = 0.0
     why_unhealthy: str = ""
+    awaiting_push: bool = False  # restarted by the launcher: the trainer's weights are not on it yet
 
     def usable(self, now: float) -> bool:
         return now >= self.unhealthy_until
@@ -113,6 +125,10 @@ class RemoteInferenceEngine(InferenceEngine):
         self._requests = InFlight("request(s) outstanding")  # by server, for the watchdog
         self.pool: RolloutPool | None = None
         self.tokenizer: Any = None
+        self._restarts: RestartLog | None = None
+        self._next_readmit_probe = 0.0
+        self.restarts_seen = 0
+        """Server restarts the launcher recorded since this engine started."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,14 +147,15 @@ class RemoteInferenceEngine(InferenceEngine):
             server_addrs: ``host:port`` list; default: ``config.server_addrs`` or the env variable.
             batch_size: Trajectories per training step (the staleness unit); default
                 ``config.max_concurrent_rollouts``.
-            dump_dir: The run directory (``{fileroot}/{experiment}/{trial}``) for
-                ``config.dump_trajectories``.
+            dump_dir: The run directory (``{fileroot}/{experiment}/{trial}``): for
+                ``config.dump_trajectories``, and where the launcher records server restarts.
             tokenizer: Decodes dumped trajectories; agent workflows given none render their chat with it.
             wait_healthy: Wait (up to ``config.setup_timeout``) until every server answers.
         """
         self.tokenizer = tokenizer
         addrs = list(server_addrs) if server_addrs else resolve_server_addrs(self.config)
         self._servers = [_Server(a) for a in addrs]
+        self._restarts = RestartLog(dump_dir) if dump_dir is not None else None
         batch_size = batch_size or self.config.max_concurrent_rollouts
         if batch_size is None:
             raise ValueError("RemoteInferenceEngine.initialize: pass batch_size or set rollout.max_concurrent_rollouts")
@@ -216,6 +233,7 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def choose_server(self, rid: str | None = None) -> _Server:
         """The sticky server of ``rid`` if usable, else the least-loaded (or next) usable one."""
+        self._note_restarts()
         now = time.monotonic()
         with self._lock:
             server = self._sticky.get(rid) if rid is not None else None
@@ -261,6 +279,41 @@ class RemoteInferenceEngine(InferenceEngine):
             for server in self._servers:
                 if server.address == address:
                     server.unhealthy_until = 0.0
+                    server.awaiting_push = False
+
+    def _note_restarts(self) -> None:
+        """Take the servers the launcher restarted out of rotation until the trainer pushes its weights."""
+        for address in self._restarts.new_addresses() if self._restarts is not None else []:
+            for server in self._servers:
+                if server.address == address:
+                    self.restarts_seen += 1
+                    self.mark_unhealthy(address, "restarted by the launcher; back once the trainer has pushed its weights")
+                    server.awaiting_push = True
+
+    def servers_to_readmit(self) -> tuple[list[str], list[str]]:
+        """The restarted servers awaiting the trainer's weights: (those answering their health check, the others)."""
+        self._note_restarts()
+        waiting = [s.address for s in self._servers if s.awaiting_push]
+
+        async def probe_all() -> list[bool]:
+            async with make_session(len(waiting) + 1) as session:
+                return await asyncio.gather(*(self._probe(session, a) for a in waiting))
+
+        healthy = asyncio.run(probe_all()) if waiting else []
+        return [a for a, ok in zip(waiting, healthy) if ok], [a for a, ok in zip(waiting, healthy) if not ok]
+
+    def readmit_due(self) -> bool:
+        """Whether no server can take requests while a restarted one answers again and waits for the
+        trainer's weights (probed at most once a second)."""
+        self._note_restarts()
+        now = time.monotonic()
+        with self._lock:
+            if any(s.usable(now) for s in self._servers) or not any(s.awaiting_push for s in self._servers):
+                return False
+            if now < self._next_readmit_probe:
+                return False
+            self._next_readmit_probe = now + 1.0
+        return bool(self.servers_to_readmit()[0])
 
     def _mark_unhealthy(self, server: _Server, error: Exception) -> None:
         with self._lock:
@@ -306,6 +359,7 @@ class RemoteInferenceEngine(InferenceEngine):
         resp = ModelResponse(input_tokens=list(req.input_ids), tokenizer=req.tokenizer)
         stalled = 0  # consecutive aborts that brought no token while not paused
         outages = 0  # times every server was out of rotation
+        restart_deadline = time.monotonic() + self.config.setup_timeout
         while True:
             await self._wait_while_paused()
             remaining = gconfig.max_new_tokens - resp.output_len
@@ -315,10 +369,15 @@ class RemoteInferenceEngine(InferenceEngine):
             try:
                 server = self.choose_server(req.rid)
             except NoHealthyServerError:
+                if any(s.awaiting_push for s in self._servers) and time.monotonic() < restart_deadline:
+                    await asyncio.sleep(_PAUSE_POLL_S * 10)  # a restarted server comes back once the trainer pushed
+                    continue
                 outages += 1
                 if outages > self.policy.retries or not await self._wait_for_a_server():
                     raise
                 continue
+            if resp.output_tokens and server.address != resp.server:  # its own server is out of rotation
+                raise ServerLostError(resp.server, "out of rotation with a sample half generated on it")
             version = self._version
             payload = self.backend.generate_payload(
                 resp.input_tokens + resp.output_tokens,
@@ -330,7 +389,9 @@ class RemoteInferenceEngine(InferenceEngine):
                 chunk = await self._send(server, payload, remaining)
             except ServerUnavailableError as e:
                 self._mark_unhealthy(server, e)
-                continue  # same tokens, another server
+                if resp.output_tokens:  # never half a sample from a server that died: the episode runs again
+                    raise ServerLostError(server.address, f"unreachable with a sample half generated: {e}") from e
+                continue  # nothing generated yet: another server
             if not resp.ttft:
                 resp.ttft = time.perf_counter() - start
             resp.server = server.address
@@ -501,10 +562,12 @@ class RemoteInferenceEngine(InferenceEngine):
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
         progress: Callable[[int], None] | None = None,
-    ) -> dict[str, Any]:
-        """``dataloader.batch_size`` accepted trajectories (see :meth:`RolloutPool.prepare_batch`)."""
+        interrupt: Callable[[], bool] | None = None,
+    ) -> dict[str, Any] | None:
+        """``dataloader.batch_size`` accepted trajectories, or None once ``interrupt()`` (see
+        :meth:`RolloutPool.prepare_batch`)."""
         return self._require_pool().prepare_batch(
-            dataloader, workflow, should_accept_fn, group_size, workflow_kwargs, progress
+            dataloader, workflow, should_accept_fn, group_size, workflow_kwargs, progress, interrupt
         )
 
 

@@ -34,7 +34,7 @@ T = TypeVar("T")
 _BODY_SNIPPET = 300
 _BUSY_STATUSES = (408, 429)  # 4xx that mean "not now" rather than "never": retried like a 5xx
 
-FAILURE_KINDS = ("http_4xx", "http_5xx", "timeout", "malformed", "connection", "no_server", "other")
+FAILURE_KINDS = ("http_4xx", "http_5xx", "timeout", "malformed", "connection", "no_server", "server_lost", "other")
 """Why a request failed for good, as counted in ``rollout/failed/{kind}``."""
 
 

@@ -16,7 +16,9 @@ An episode that fails on the servers (a request failed after its retries, no ser
 healthy) is not an error of the run: it is logged, counted (``rollout/n_failed`` and
 ``rollout/failed/{kind}``), and run again from scratch up to ``rollout.episode_retries``
 times before its item is dropped (``rollout/n_dropped_items``); only
-``rollout.max_failed_episodes`` failures in a row end the run. An exception of the
+``rollout.max_failed_episodes`` failures in a row end the run. An episode whose server died with
+a sample half generated on it (``server_lost``) is run again from scratch without using up
+those retries: the server's death was no fault of the item's. An exception of the
 workflow's own code is raised to the trainer by ``wait``: it is a bug to fix.
 
 Back-pressure instead of errors: ``submit`` blocks while the input queue is full, and
@@ -146,6 +148,7 @@ class RolloutPool:
         self._pending: dict[int, dict[str, Any]] = {}  # fed from the dataloader, not yet handed to the trainer
         self._data_source: Any = None
         self._last_batch_time: float | None = None
+        self._held: list[_Result] = []  # gathered by an interrupted prepare_batch, for the next call
         self._heartbeat: Heartbeat | None = None
         self._beat_task: asyncio.Task | None = None
 
@@ -361,9 +364,12 @@ class RolloutPool:
 
     def _on_server_failure(self, task: _Task, failure: InferenceServerError) -> RolloutError | None:
         """Count and log an episode that failed on the servers; the run's error once too many failed in a row."""
-        task.attempt += 1
         true = torch.ones(1, dtype=torch.bool)
         stats_tracker.denominator(**{f"failed/{failure.kind}": true})
+        if failure.kind == "server_lost":  # rerun from scratch, the item's retries untouched
+            logger.warning("episode of task %d lost its server; running it again from scratch: %s", task.task_id, failure)
+            return None
+        task.attempt += 1
         with self._cond:
             self._failed_in_a_row += 1
             in_a_row = self._failed_in_a_row
@@ -595,12 +601,15 @@ class RolloutPool:
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
         progress: Callable[[int], None] | None = None,
-    ) -> dict[str, Any]:
+        interrupt: Callable[[], bool] | None = None,
+    ) -> dict[str, Any] | None:
         """Return exactly ``dataloader.batch_size`` accepted trajectories, concatenated and padded.
 
         Keeps the input queue fed from ``dataloader`` (cycled over epochs) so rollout
         overlaps with training; rejected episodes are replaced by new data.
         ``progress(n)`` is called with the number gathered so far while it waits.
+        ``interrupt()``: polled while waiting; once true, returns None, keeping what was gathered
+        for the next call (the trainer then pushes its weights to restarted servers).
         """
         batch_size = getattr(dataloader, "batch_size", None)
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -609,8 +618,11 @@ class RolloutPool:
         should_accept_fn = resolve_should_accept_fn(should_accept_fn)
         if self._data_source is not dataloader:
             self._data_source, self._data_iter = dataloader, _cycle(dataloader)
-        results: list[_Result] = []
+        results, self._held = self._held, []
         while len(results) < batch_size:
+            if interrupt is not None and interrupt():
+                self._held = results
+                return None
             self._feed(wf, should_accept_fn, batch_size)
             results += self._take(batch_size - len(results), 1, _POLL_S)
             if progress is not None:

@@ -61,6 +61,7 @@ class InferenceServer:
             os.close(fd)
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
+        self.started_at: float | None = None  # time.time() at start(): finds what a dead one left behind
 
     @property
     def address(self) -> str:
@@ -73,6 +74,7 @@ class InferenceServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env}
         logger.info("starting %s at %s (log %s): %s", self.name, self.address, self.log_path, " ".join(self.spec.cmd))
+        self.started_at = time.time()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.spec.cmd,

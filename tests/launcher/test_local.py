@@ -210,7 +210,7 @@ def slow_fake_server_spec(config, index, devices, host, port) -> LaunchSpec:
     "mode,recover,code,n_attempts",
     [
         ("fail-once", ["recover.mode=auto", "recover.retries=1"], 0, 2),
-        ("kill-server", ["recover.mode=auto"], 1, 1),
+        ("kill-server", ["recover.mode=auto", "launcher.server_restarts=0"], 1, 1),
     ],
 )
 def test_megarl_run(mode, recover, code, n_attempts, tmp_path, monkeypatch, capsys):
@@ -234,6 +234,7 @@ def test_megarl_run(mode, recover, code, n_attempts, tmp_path, monkeypatch, caps
     assert f"fake trainer attempt {n_attempts - 1}" in (run_dir / "logs" / "trainer.log").read_text()
     if mode == "kill-server":
         assert "megarl run: error: server-0 at 127.0.0.1:" in err and "during training" in err
+        assert "not restarted: launcher.server_restarts=0 restarts of server-0 are spent" in err
     else:  # a server stopped at the end of the run says so in its log, not on the console
         assert "fake server: shut down" in (run_dir / "logs" / "server-0.log").read_text()
         assert "shut down" not in out
@@ -356,7 +357,7 @@ def test_vllm_server_death_stops_the_trainer_and_teardown_leaves_nothing(live):
     """Kills the shared server: keep this test last."""
     start = time.monotonic()
     with pytest.raises(ServerLaunchError, match=r"server-0 at 127\.0\.0\.1:\d+ exited with code -9 during training"):
-        live.run("kill", "kill-server", "recover.mode=auto")
+        live.run("kill", "kill-server", "recover.mode=auto", "launcher.server_restarts=0")
     assert time.monotonic() - start < 200, "the trainer sleeps 300 s: it must have been stopped"
     [record] = attempts(live.root / "kill")
     assert alive_after([record["pid"]]) == []

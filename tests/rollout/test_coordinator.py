@@ -83,3 +83,45 @@ def test_dp2_tp2_heads_rebalance_and_peers_share():
         assert all(share[i] == share[i + 1] for i in range(0, len(share), 2))
     tokens = [by_dp[d][0]["tokens"] for d in sorted(by_dp)]
     assert max(tokens) - min(tokens) <= 2 * 30, f"unbalanced split {tokens} (head 0 alone has 168 tokens)"
+
+
+class _InterruptedRollout(_StubRollout):
+    """Head 0 stops gathering once (its servers wait for the trainer's weights), then delivers; head 1 at once."""
+
+    def __init__(self, dp_rank: int, group_size: int):
+        super().__init__(dp_rank, group_size)
+        self.calls = 0
+
+    def readmit_due(self) -> bool:
+        return self.dp_rank == 0 and self.calls == 1
+
+    def prepare_batch(self, dataloader, workflow, should_accept_fn=None, progress=None, interrupt=None):
+        self.calls += 1
+        if interrupt is not None and interrupt():
+            return None
+        return super().prepare_batch(dataloader, workflow, should_accept_fn, progress)
+
+
+def readmitting_rank(alloc: str, group_size: int) -> dict:
+    from megarl.actor.parallel import init_parallel
+    from megarl.config.allocation import AllocationMode
+    from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
+
+    parallel = init_parallel(AllocationMode.from_str(alloc).train)
+    layout = DataParallelLayout.from_parallel(parallel)
+    rollout = _InterruptedRollout(layout.dp_rank, group_size) if layout.is_head else None
+    readmits = []
+    batch = DistRolloutCoordinator(rollout, layout, group_size).prepare_batch(None, None, readmit=lambda: readmits.append(1))
+    return {"dp_rank": layout.dp_rank, "rewards": batch["rewards"].tolist(), "readmits": len(readmits),
+            "calls": rollout.calls if rollout is not None else 0}  # fmt: skip
+
+
+@pytest.mark.multiproc
+def test_a_head_waiting_for_restarted_servers_has_every_rank_readmit_them():
+    """Head 0 stops gathering (no server left until restarted ones get the weights): all four ranks push
+    (``readmit``) once, head 1 keeps the batch it had, head 0 gathers again; the batch is as without it."""
+    out = run_ranks(4, "tests.rollout.test_coordinator:readmitting_rank", alloc="megatron:d2t2", group_size=2)
+    assert [r["readmits"] for r in out] == [1, 1, 1, 1]
+    assert sorted(r["calls"] for r in out) == [0, 0, 1, 2], "head 1 must keep its batch, head 0 gather again"
+    every = sorted(x for r in out if r["calls"] for x in r["rewards"])
+    assert every == sorted([g for g in (100, 101, 102, 200, 201, 202) for _ in range(2)])

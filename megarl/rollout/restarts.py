@@ -1,0 +1,52 @@
+"""Servers the launcher restarted, as the trainer learns of them.
+
+A launcher (``megarl run``, the sbatch script) that restarts a dead inference server in its slot
+appends a line to ``{run_dir}/server_restarts.jsonl`` (``{"server", "address", "restart", ...}``).
+The restarted server answers at the same address but holds the model's first weights: the rollout
+engine reads the file and keeps that server out of rotation until the trainer's weight sync has
+pushed the current weights and version to it (:meth:`RemoteInferenceEngine.servers_to_readmit`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+RESTARTS_FILE = "server_restarts.jsonl"
+_POLL_S = 1.0
+
+
+class RestartLog:
+    """The new lines of ``{run_dir}/server_restarts.jsonl``, read at most once per ``poll_s``."""
+
+    def __init__(self, run_dir: str | Path, poll_s: float = _POLL_S):
+        self.path = Path(run_dir) / RESTARTS_FILE
+        self.poll_s = poll_s
+        self._offset = self.path.stat().st_size if self.path.exists() else 0  # earlier trainers' restarts are done
+        self._next_poll = 0.0
+
+    def new_addresses(self) -> list[str]:
+        """Addresses of the servers restarted since the last call (``[]`` between polls)."""
+        now = time.monotonic()
+        if now < self._next_poll:
+            return []
+        self._next_poll = now + self.poll_s
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line being written is read next time
+        self._offset += len(complete)
+        addresses = []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                addresses.append(json.loads(line)["address"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                logger.warning("ignoring a malformed line of %s: %r", self.path, line)
+        return addresses

@@ -1,0 +1,95 @@
+"""A server that dies and is restarted by the launcher: no sample half from it, its episodes run again
+from scratch (the item's retries untouched), and the restarted server takes no request until the
+trainer has pushed its weights (``mark_healthy``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from megarl.api import ModelRequest
+from megarl.config.rollout import GenerationHyperparameters
+from megarl.rollout import RemoteInferenceEngine
+from megarl.rollout.restarts import RESTARTS_FILE
+from megarl.utils import stats_tracker
+from tests.rollout.conftest import fast_config, make_engine
+from tests.rollout.helpers import OneShotWorkflow, expected_tokens
+
+
+def _record_restart(run_dir, address: str) -> None:
+    with open(run_dir / RESTARTS_FILE, "a") as f:
+        f.write(json.dumps({"server": "server-0", "address": address, "restart": 1}) + "\n")
+
+
+def test_a_sample_half_generated_on_a_dead_server_reruns_its_episode_from_scratch(fake_servers):
+    """Interrupted samples (a pause) whose server dies meanwhile are not continued elsewhere: their
+    episodes run again from scratch, even with ``episode_retries=0``; no item is dropped."""
+    servers = fake_servers(2, token_delay=0.02)
+    engine = make_engine([s.address for s in servers], batch_size=8, max_concurrent_rollouts=8, max_staleness=4,
+                         episode_retries=0, request_retries=1)  # fmt: skip
+    stats_tracker.export(local=True)
+    try:
+        for i in range(8):
+            engine.submit({"id": i}, OneShotWorkflow(max_new_tokens=60, prompt_len=5))
+        time.sleep(0.5)  # every sample has tokens on both servers
+        engine.pause()
+        time.sleep(0.5)  # the aborted chunks (their tokens) are back
+        servers[0].proc.kill()
+        servers[0].proc.wait()
+        engine.resume()
+        trajs = engine.wait(8, timeout=60)
+        stats = stats_tracker.export(local=True)
+    finally:
+        engine.destroy()
+    assert sorted(int(t["rewards"][0]) for t in trajs) == list(range(8)), "an item lost or doubled"
+    tokens, _ = expected_tokens(5, 60)
+    assert all(t["input_ids"][0, 5:].tolist() == tokens for t in trajs)
+    assert stats["rollout/failed/server_lost"] >= 1
+    assert stats.get("rollout/n_dropped_items", 0) == 0
+
+
+def test_a_restarted_server_waits_for_the_trainers_weights(fake_servers, tmp_path):
+    a, b = fake_servers(2)
+    engine = RemoteInferenceEngine(fast_config(unhealthy_retry_interval=0.01), "vllm")
+    engine.initialize(server_addrs=[a.address, b.address], batch_size=2, dump_dir=str(tmp_path))
+    engine._restarts.poll_s = 0.0
+    try:
+        _record_restart(tmp_path, a.address)
+        assert {engine.choose_server().address for _ in range(8)} == {b.address}
+        time.sleep(0.05)  # past the retry interval of transient failures: still out
+        assert {engine.choose_server().address for _ in range(8)} == {b.address}
+        assert engine.restarts_seen == 1
+        assert engine.servers_to_readmit() == ([a.address], [])
+        assert not engine.readmit_due(), "b still generates: the push waits for the next weight update"
+        engine.mark_healthy(a.address)  # the trainer pushed its weights
+        assert engine.servers_to_readmit() == ([], [])
+        assert a.address in {engine.choose_server(f"r{i}").address for i in range(8)}
+    finally:
+        engine.destroy()
+
+
+def test_with_every_server_restarted_requests_wait_for_the_push(fake_servers, tmp_path):
+    """The only server restarted: a request waits (it does not fail its episode) and the pool asks for
+    a push (``readmit_due``); once pushed, the request is served."""
+    (a,) = fake_servers(1)
+    engine = RemoteInferenceEngine(fast_config(), "vllm")
+    engine.initialize(server_addrs=[a.address], batch_size=2, dump_dir=str(tmp_path))
+    engine._restarts.poll_s = 0.0
+    _record_restart(tmp_path, a.address)
+
+    async def generate_while_pushing():
+        gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=6)
+        request = asyncio.ensure_future(engine.agenerate(ModelRequest(input_ids=[1, 2, 3], gconfig=gconfig)))
+        await asyncio.sleep(0.5)
+        assert not request.done(), "the request waits for the push"
+        due = await asyncio.to_thread(engine.readmit_due)
+        engine.mark_healthy(a.address)
+        return due, await asyncio.wait_for(request, 10)
+
+    try:
+        due, resp = asyncio.run(generate_while_pushing())
+    finally:
+        engine.destroy()
+    assert due
+    assert resp.output_tokens == expected_tokens(3, 6)[0]
