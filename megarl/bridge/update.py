@@ -129,6 +129,8 @@ class WeightSync:
         start = time.perf_counter()
         probing = self.n_updates % self.config.probe_every == 0
         back = self._restarted()
+        if all(s.address in self.unhealthy for s in self.servers):
+            return self._nothing_to_send(version, start)
         self._pause()
         try:
             if not self.bridge.connected:
@@ -136,6 +138,9 @@ class WeightSync:
                 self.connect()
             report = self.bridge.update(ShardSource.from_engine(self.engine), version, mode, path)
             self._after(report, version)
+            died = self._died(report)
+            if died and not report.updated:  # as with no server at all: the version moves on without them
+                self._nothing_to_send(version, start)
             readmitted = [a for a in back if a in report.updated]
             for address in readmitted if self.rollout is not None else []:
                 self.rollout.mark_healthy(address)
@@ -148,7 +153,7 @@ class WeightSync:
         try:
             stats = {"update_seconds": report.seconds, "bytes_sent": float(report.bytes_sent),
                      "sync_seconds": time.perf_counter() - start, "servers_readmitted": float(len(readmitted))}  # fmt: skip
-            if not report.ok:
+            if not report.ok and not died:
                 raise WeightBridgeError(f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
                                         f"{report.sender_errors}; failed servers keep their old weights or are out of "
                                         "rotation")  # fmt: skip
@@ -162,6 +167,28 @@ class WeightSync:
                 self.rollout.start_episodes()
         self.n_updates += 1
         return stats
+
+    def _died(self, report: UpdateReport) -> bool:
+        """Whether the update failed only on servers that died meanwhile (none answers its health check; the
+        launcher restarts them and they are readmitted): not a failure of the run. The same on every rank."""
+        died = False
+        if report.failed and self.rollout is not None and self.bridge.is_driver:
+            died = not any(self.rollout.answering(list(report.failed)))
+            if died:
+                logger.warning("weight update to version %d: %s died during the transfer; out of rotation until "
+                               "restarted and readmitted", report.version, sorted(report.failed))  # fmt: skip
+        return bool(self.bridge.broadcast_object(died))
+
+    def _nothing_to_send(self, version: int, start: float) -> dict[str, float]:
+        """Every server is out (the restarted ones not up yet): the version moves on without them; a
+        restarted server gets it once it answers (:meth:`readmit`, or the next update)."""
+        logger.warning("weight sync: no server to send version %d to (%s out of rotation); a restarted one gets it "
+                       "once it answers", version, sorted(self.unhealthy))  # fmt: skip
+        self.engine.set_version(version)
+        if self.rollout is not None:
+            self.rollout.set_version(version)
+        return {"update_seconds": 0.0, "bytes_sent": 0.0, "sync_seconds": time.perf_counter() - start,
+                "servers_readmitted": 0.0}  # fmt: skip
 
     def _pause(self) -> None:
         heartbeat.step("weight sync: pausing the servers")

@@ -294,13 +294,17 @@ class RemoteInferenceEngine(InferenceEngine):
         """The restarted servers awaiting the trainer's weights: (those answering their health check, the others)."""
         self._note_restarts()
         waiting = [s.address for s in self._servers if s.awaiting_push]
+        healthy = self.answering(waiting)
+        return [a for a, ok in zip(waiting, healthy) if ok], [a for a, ok in zip(waiting, healthy) if not ok]
+
+    def answering(self, addresses: list[str]) -> list[bool]:
+        """One health probe of each of ``addresses`` (from a thread without a running event loop)."""
 
         async def probe_all() -> list[bool]:
-            async with make_session(len(waiting) + 1) as session:
-                return await asyncio.gather(*(self._probe(session, a) for a in waiting))
+            async with make_session(len(addresses) + 1) as session:
+                return await asyncio.gather(*(self._probe(session, a) for a in addresses))
 
-        healthy = asyncio.run(probe_all()) if waiting else []
-        return [a for a, ok in zip(waiting, healthy) if ok], [a for a, ok in zip(waiting, healthy) if not ok]
+        return asyncio.run(probe_all()) if addresses else []
 
     def readmit_due(self) -> bool:
         """Whether no server can take requests while a restarted one answers again and waits for the
