@@ -11,7 +11,9 @@ Routing: requests sharing a ``rid`` stick to one server; others go to the least-
 (or next, round-robin) healthy server. A server unreachable after all retries is
 marked unhealthy for ``unhealthy_retry_interval`` seconds; a request that has no token yet is
 re-issued elsewhere, one that has some fails its episode (:class:`ServerLostError`: the pool runs
-it again from scratch), so that no sample is half from a server that died. A server the launcher
+it again from scratch), so that no sample is half from a server that died. Under a launcher that
+restarts servers (the engine was given the run directory) every such request fails its episode:
+no episode keeps samples from before a server's death beside samples from after it. A server the launcher
 restarted (:mod:`megarl.rollout.restarts`) stays out of rotation until the trainer has pushed its
 weights to it (:meth:`RemoteInferenceEngine.servers_to_readmit`). Batching (``submit``, ``wait``,
 ``prepare_batch`` ...) is delegated to a :class:`RolloutPool`.
@@ -393,8 +395,10 @@ class RemoteInferenceEngine(InferenceEngine):
                 chunk = await self._send(server, payload, remaining)
             except ServerUnavailableError as e:
                 self._mark_unhealthy(server, e)
-                if resp.output_tokens:  # never half a sample from a server that died: the episode runs again
-                    raise ServerLostError(server.address, f"unreachable with a sample half generated: {e}") from e
+                # never half a sample from a server that died: the episode runs again; under a launcher that
+                # restarts servers (a restart log), nor half an episode: its finished samples are not kept either
+                if resp.output_tokens or self._restarts is not None:
+                    raise ServerLostError(server.address, f"unreachable: {e}") from e
                 continue  # nothing generated yet: another server
             if not resp.ttft:
                 resp.ttft = time.perf_counter() - start

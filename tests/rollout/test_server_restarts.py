@@ -93,3 +93,24 @@ def test_with_every_server_restarted_requests_wait_for_the_push(fake_servers, tm
         engine.destroy()
     assert due
     assert resp.output_tokens == expected_tokens(3, 6)[0]
+
+
+def test_under_a_launcher_a_server_death_reruns_every_episode_it_had(fake_servers, tmp_path):
+    """With the run directory (a launcher that restarts servers), a request on a server that dies fails its
+    episode even with no token yet: the episode's samples that finished before the death are not kept."""
+    servers = fake_servers(2, token_delay=0.02)
+    engine = RemoteInferenceEngine(fast_config(episode_retries=0, request_retries=1, max_concurrent_rollouts=8,
+                                               max_staleness=4), "vllm")  # fmt: skip
+    engine.initialize(server_addrs=[s.address for s in servers], batch_size=8, dump_dir=str(tmp_path))
+    stats_tracker.export(local=True)
+    try:
+        for i in range(8):
+            engine.submit({"id": i}, OneShotWorkflow(max_new_tokens=60, prompt_len=5))
+        time.sleep(0.3)  # in flight on both servers, no chunk back yet
+        servers[0].proc.kill()
+        trajs = engine.wait(8, timeout=60)
+        stats = stats_tracker.export(local=True)
+    finally:
+        engine.destroy()
+    assert sorted(int(t["rewards"][0]) for t in trajs) == list(range(8))
+    assert stats["rollout/failed/server_lost"] >= 1 and stats.get("rollout/n_dropped_items", 0) == 0
