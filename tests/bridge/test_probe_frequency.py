@@ -15,10 +15,11 @@ def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:
     """A WeightSync whose transfer always succeeds, recording the versions it probed after."""
     sync = WeightSync.__new__(WeightSync)
     sync.engine, sync.config, sync.servers, sync.rollout = SimpleNamespace(set_version=lambda v: None), \
-        WeightUpdateConfig(probe_every=probe_every), [], None  # fmt: skip
+        WeightUpdateConfig(probe_every=probe_every), [SimpleNamespace(address="s")], None  # fmt: skip
     sync.probe, sync.unhealthy, sync.n_updates = [[1, 2, 3]], set(), 0
     report = SimpleNamespace(seconds=0.0, bytes_sent=0, ok=True, failed={}, updated=["s"], sender_errors={})
-    sync.bridge = SimpleNamespace(connected=True, update=lambda *args: report)
+    sync.bridge = SimpleNamespace(connected=True, update=lambda *args: report, is_driver=True, servers=sync.servers,
+                                  broadcast_object=lambda obj: obj)  # one rank: a broadcast returns its input
     monkeypatch.setattr(update_mod.ShardSource, "from_engine", staticmethod(lambda engine: None))
     probed: list[int] = []
     sync.check_consistency = lambda: probed.append(sync.n_updates) or {"logprob_diff_max": 0.0}
@@ -59,6 +60,9 @@ class _Rollout:
 
     def set_version(self, version):
         pass
+
+    def servers_to_readmit(self):
+        return [], []  # no server was restarted
 
 
 def test_probe_runs_before_new_episodes_start(monkeypatch):
