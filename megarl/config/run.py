@@ -262,6 +262,9 @@ class SlurmConfig:
     """Port of the first server on a node; the next servers on that node count up."""
     trainer_port: int = 29500
     """torchrun rendezvous port on the first training node."""
+    rendezvous_timeout: int = 600
+    """Seconds the trainer's nodes wait for each other at start (torchrun's static rendezvous); a node
+    that cannot reach the first training node's address fails the job after it."""
     server_wait_timeout: int = 1800
     """Seconds the script waits for every server to be healthy before it fails the job."""
     network_interface: str | None = None
@@ -279,7 +282,8 @@ class SlurmConfig:
         for name in ("server_port", "trainer_port"):
             value = getattr(self, name)
             require(1024 <= value <= 65000, name, value, "must be a port in [1024, 65000]")
-        require(self.server_wait_timeout >= 1, "server_wait_timeout", self.server_wait_timeout, "must be >= 1")
+        for name in ("server_wait_timeout", "rendezvous_timeout"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1 second")
         if self.cpus_per_node is not None:
             require(self.cpus_per_node >= 1, "cpus_per_node", self.cpus_per_node, "must be >= 1")
         if self.network_interface is not None:

@@ -67,7 +67,7 @@ def _sbatch_header(config: GRPOConfig, requeue: bool) -> list[str]:
     return lines
 
 
-def _body(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
+def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool = False) -> list[str]:
     slurm = config.launcher.slurm
     run_dir = config.run_dir.resolve()
     cfg = shlex.quote(str(config_file))
@@ -97,7 +97,7 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
     if plan.servers:
         lines += _wait_for_servers(len(plan.servers), slurm.server_wait_timeout)
     lines += ["", "# 3. trainer", *_flight_recorder(config), *_trainer(config, cfg, plan), *_watchdog(config, cfg)]
-    lines += ["", "# 4. the first step to end decides the job's fate", *_first_exit(config)]
+    lines += ["", "# 4. the first step to end decides the job's fate", *_first_exit(config, requeue)]
     return lines
 
 
@@ -194,7 +194,7 @@ def _trainer(config: GRPOConfig, cfg: str, plan: Placement) -> list[str]:
     torchrun = (
         f"{visible}torchrun --nnodes={len(nodes)} --nproc-per-node={plan.trainer_procs_per_node} "
         f"--node-rank=$SLURM_NODEID --master-addr=$MEGARL_TRAIN_MASTER --master-port={slurm.trainer_port} "
-        f"{target} --config {cfg}"
+        f"--rdzv-conf=timeout={slurm.rendezvous_timeout} {target} --config {cfg}"
     )
     return [
         f'export MEGARL_TRAIN_MASTER="${{NODES[{nodes[0]}]}}"',
@@ -204,16 +204,16 @@ def _trainer(config: GRPOConfig, cfg: str, plan: Placement) -> list[str]:
     ]
 
 
-def _first_exit(config: GRPOConfig) -> list[str]:
+def _first_exit(config: GRPOConfig, requeue: bool = False) -> list[str]:
     watchdog = []
     if config.watchdog.enabled and config.watchdog.action != "warn":
-        requeue = []
+        restart = []
         if config.watchdog.action == "restart":  # render_sbatch made sure the job may be requeued
-            requeue = ['  echo "megarl: requeueing the job: it resumes from its last recover point" >&2',
+            restart = ['  echo "megarl: requeueing the job: it resumes from its last recover point" >&2',
                        '  scontrol requeue "$SLURM_JOB_ID"']  # fmt: skip
         watchdog = ['if [ -f "$RUN_DIR/watchdog.stopped" ]; then',
                     '  echo "megarl: the watchdog stopped the trainer (watchdog.action=$(cat "$RUN_DIR/watchdog.stopped"))" >&2',
-                    *requeue, "  exit 3", "fi"]  # fmt: skip
+                    *restart, "  exit 3", "fi"]  # fmt: skip
     return [
         'wait -n "$TRAINER" "${PIDS[@]}"',
         "if kill -0 \"$TRAINER\" 2>/dev/null; then",
@@ -223,8 +223,23 @@ def _first_exit(config: GRPOConfig) -> list[str]:
         'wait "$TRAINER"; status=$?',
         *watchdog,
         'echo "megarl: trainer exited with status $status"',
+        *_requeue_on_failure(config, requeue),
         "exit $status",
     ]
+
+
+def _requeue_on_failure(config: GRPOConfig, requeue: bool) -> list[str]:
+    """With ``--requeue``, a trainer that failed (a node lost, a rank killed) brings the job back to resume
+    from its recover point, up to ``recover.retries`` times (Slurm itself requeues only on node failure
+    or preemption)."""
+    if not requeue:
+        return []
+    retries = config.recover.retries
+    return [f'if [ "$status" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {retries} ]; then',
+            f'  echo "megarl: requeueing the job (restart $(( ${{SLURM_RESTART_COUNT:-0}} + 1 )) of {retries}, '
+            'recover.retries): it resumes from its last recover point" >&2',
+            '  scontrol requeue "$SLURM_JOB_ID"',
+            "fi"]  # fmt: skip
 
 
 def render_sbatch(config: GRPOConfig, config_file: Path, *, requeue: bool = False) -> str:
@@ -237,7 +252,7 @@ def render_sbatch(config: GRPOConfig, config_file: Path, *, requeue: bool = Fals
         raise ValueError("watchdog.action=restart under Slurm requeues the job: render it with --requeue "
                          "(and recover.mode=auto), or use watchdog.action=abort")  # fmt: skip
     plan = plan_placement(config.allocation, config.cluster.n_nodes, config.cluster.n_gpus_per_node)
-    return "\n".join(_sbatch_header(config, requeue) + [""] + _body(config, config_file, plan)) + "\n"
+    return "\n".join(_sbatch_header(config, requeue) + [""] + _body(config, config_file, plan, requeue)) + "\n"
 
 
 def submit(script: str, path: Path) -> str:

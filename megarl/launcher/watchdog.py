@@ -326,8 +326,7 @@ def watch_job(config, trainer_pid: int, servers: list[HealthTarget]) -> int:
     with ServerBeats(config.run_dir, servers, config.watchdog.interval_s):
         while _alive(trainer_pid):
             event = watchdog.check()
-            if event is not None:
-                print(event.line(), flush=True)
+            if event is not None:  # its line is logged to the job's output by Watchdog.check
                 if action != "warn":
                     (config.run_dir / STOPPED_MARK).write_text(action)
                     print(f"megarl watchdog: stopping the trainer (watchdog.action={action})", flush=True)

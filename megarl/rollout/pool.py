@@ -186,8 +186,8 @@ class RolloutPool:
         Beaten by a task of the loop itself, it goes silent when a workflow or reward blocks the
         loop (a synchronous call that never returns), which a thread's beat would not show.
         """
-        blocked = ("its event loop is blocked: a workflow, reward or tool made a synchronous call that has "
-                   "not returned (the stacks of the trainer process that runs the pool show which)")  # fmt: skip
+        blocked = ("its event loop is blocked (a workflow, reward or tool made a synchronous call that has not "
+                   "returned: the stacks of the trainer process that runs the pool show which), or that process died")  # fmt: skip
         beat = Heartbeat(run_dir, name, interval, watch="silence", thread=False, stacks=False, silent_means=blocked)
         beat.set_detail_fn(self.describe)
         self._heartbeat = beat.start()

@@ -195,6 +195,8 @@ BAD += [
     case("slurm-time", ["launcher.slurm.time_limit=abc"], "launcher.slurm.time_limit", "Slurm's --time"),
     case("slurm-time-hours-only", ["launcher.slurm.time_limit=2h"], "launcher.slurm.time_limit", "'2h'"),
     case("slurm-mem", ["launcher.slurm.mem=lots"], "launcher.slurm.mem", "Slurm's --mem"),
+    case("slurm-rendezvous-timeout", ["launcher.slurm.rendezvous_timeout=0"], "launcher.slurm.rendezvous_timeout",
+         "must be >= 1 second"),
     case("env-name", ["launcher.env.1BAD=x"], "launcher.env", "'1BAD'"),
     case("master-address", ["weight_update.master_address=not an address"], "weight_update.master_address", "host name"),
     # cross-field

@@ -102,3 +102,32 @@ def test_dry_run_cli_prints_without_writing(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("#!/bin/bash")
     assert not any(tmp_path.iterdir())
 
+
+
+@pytest.mark.parametrize("watchdog", ["warn", "abort"])
+def test_a_failed_trainer_requeues_a_requeueable_job_within_recover_retries(tmp_path, watchdog):
+    """With ``--requeue`` the script's last lines requeue the job after a failed trainer while
+    ``SLURM_RESTART_COUNT`` < ``recover.retries``; a trainer that finished, or a job rendered without
+    ``--requeue``, is never requeued (run with a fake ``scontrol`` that records its arguments)."""
+    overrides = ("recover.mode=auto", "recover.retries=2", f"watchdog.action={watchdog}")
+    requeueable = render_sbatch(config("gsm8k_grpo_cpu.yaml", *overrides), tmp_path / "c.yaml", requeue=True)
+    plain = render_sbatch(config("gsm8k_grpo_cpu.yaml", *overrides), tmp_path / "c.yaml")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$CALLS"\n')
+    (fake / "scontrol").chmod(0o755)
+
+    def last_lines(script: str, status: int, restarts: int) -> tuple[int, list[str]]:
+        tail = script[script.index('echo "megarl: trainer exited with status $status"'):]
+        calls = tmp_path / "calls"
+        calls.unlink(missing_ok=True)
+        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "SLURM_JOB_ID": "42",
+               "SLURM_RESTART_COUNT": str(restarts)}  # fmt: skip
+        done = subprocess.run(["bash", "-c", f"status={status}\n{tail}"], env=env, capture_output=True, text=True)
+        return done.returncode, calls.read_text().splitlines() if calls.exists() else []
+
+    assert last_lines(requeueable, 1, 0) == (1, ["requeue 42"])
+    assert last_lines(requeueable, 1, 1) == (1, ["requeue 42"])
+    assert last_lines(requeueable, 1, 2) == (1, []), "recover.retries spent"
+    assert last_lines(requeueable, 0, 0) == (0, []), "a finished trainer is not requeued"
+    assert last_lines(plain, 1, 0) == (1, []), "rendered without --requeue"
