@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,18 @@ from megarl.utils.hardware import concrete_dtype
 from megarl.utils.network import find_free_ports, gethostip
 
 logger = logging.getLogger(__name__)
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
+def _own_addresses() -> set[str]:
+    """This host's IP addresses (every interface's)."""
+    import psutil
+
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}  # fmt: skip
 
 
 class WeightBridgeError(RuntimeError):
@@ -176,11 +189,25 @@ class WeightBridge:
                             lambda r, k: ("", 0), "count")  # fmt: skip
         host = self.config.master_address or gethostip()
         mine = count.groups_hosted_by(self.coords.rank)
-        addresses = self._all_gather((host, find_free_ports(mine, host="0.0.0.0") if mine else []))
+        addresses = self._all_gather((host, find_free_ports(mine, host="0.0.0.0") if mine else [], _own_addresses()))
+        self._check_reachable(addresses)
         prefix = f"megarl-bridge-{int(time.time() * 1000) % 10**9}"
         prefix = self._all_gather(prefix)[0]  # every rank names the groups alike
         return make_wiring(backend, len(self.plan.workers), broadcast_owners, sharded_owners, rank_of.__getitem__,
                            lambda r, k: (addresses[r][0], addresses[r][1][k]), prefix)  # fmt: skip
+
+    def _check_reachable(self, addresses: list[tuple[str, list[int], set[str]]]) -> None:
+        """Fail (on every rank alike) when a trainer rank would host groups on a loopback address that
+        servers on other hosts cannot reach: a host without a default route and no interface named."""
+        hosts = {s.address: s.address.rsplit(":", 1)[0].strip("[]") for s in self.servers}
+        for rank, (host, ports, own) in enumerate(addresses):
+            elsewhere = sorted(a for a, h in hosts.items() if not _is_loopback(h) and h not in own)
+            if ports and _is_loopback(host) and elsewhere:
+                raise WeightBridgeError(
+                    f"the weight bridge's trainer rank {rank} would announce {host} to servers on other hosts "
+                    f"({', '.join(elsewhere)}), which cannot reach it: set launcher.slurm.network_interface (or "
+                    "$MEGARL_NETWORK_INTERFACE, weight_update.master_address or $MEGARL_HOST_IP) to the cluster "
+                    "interface's")  # fmt: skip
 
     def _init_info(self, server: int, wiring: Wiring, modes) -> dict:
         specs = {}

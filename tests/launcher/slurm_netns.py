@@ -100,6 +100,7 @@ class NetnsSlurmCluster(SlurmCluster):
         conf = conf.replace(f"SlurmdSpoolDir={self.root}/spool", f"SlurmdSpoolDir={self.root}/spool/%n")
         conf = conf.replace(f"SlurmdPidFile={self.root}/slurmd.pid", f"SlurmdPidFile={self.root}/slurmd-%n.pid")
         conf = conf.replace(f"SlurmdLogFile={self.root}/slurmd.log", f"SlurmdLogFile={self.root}/slurmd-%n.log")
+        conf += "SlurmdTimeout=30\n"  # a lost node is declared down within half a minute
         node_line = next(line for line in conf.splitlines() if line.startswith("NodeName="))
         nodes = "\n".join(f"NodeName={node} NodeAddr={addr} NodeHostname={node} CPUs={self.cpus_per_node} State=UNKNOWN"
                           for node, addr in self.addresses.items())  # fmt: skip
@@ -149,6 +150,21 @@ class NetnsSlurmCluster(SlurmCluster):
             except ProcessLookupError:
                 pass
         self.pids.pop(f"slurmd-{node}", None)
+
+    def kill_in_node(self, node: str, pattern: str) -> list[int]:
+        """SIGKILL the processes in ``node``'s namespace whose command line holds ``pattern``; their pids."""
+        import psutil
+
+        pids = subprocess.run(["ip", "netns", "pids", self.namespaces[node]], capture_output=True, text=True).stdout
+        killed = []
+        for pid in map(int, pids.split()):
+            try:
+                if pattern in " ".join(psutil.Process(pid).cmdline()):
+                    os.kill(pid, 9)
+                    killed.append(pid)
+            except (psutil.Error, ProcessLookupError):
+                pass
+        return killed
 
     def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -153,16 +153,19 @@ def naming(run_dir: Path) -> list[tuple[psutil.Process, list[str]]]:
     return found
 
 
-def job_env(cluster: SlurmCluster) -> dict[str, str]:
+def job_env(cluster: SlurmCluster, bin_dir: Path | None = None) -> dict[str, str]:
     """The submitter's environment without the venv and the offline switches (sbatch exports it to the job)."""
     venv_bin = str(Path(sys.prefix) / "bin")
     env = {k: v for k, v in cluster.env.items() if k not in OFFLINE and k != "VIRTUAL_ENV"}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
+    env["PATH"] = os.pathsep.join([*([str(bin_dir)] if bin_dir else []),
+                                   *(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)])  # fmt: skip
     return env
 
 
-def submit(cluster: SlurmCluster, fileroot: Path, *overrides: str, requeue: bool = False) -> Job:
-    """``megarl slurm [--requeue] --config gsm8k_grpo_cpu.yaml SMALL... overrides...``."""
+def submit(cluster: SlurmCluster, fileroot: Path, *overrides: str, requeue: bool = False,
+           bin_dir: Path | None = None) -> Job:
+    """``megarl slurm [--requeue] --config gsm8k_grpo_cpu.yaml SMALL... overrides...``; ``bin_dir`` goes first
+    on the submitter's ``PATH`` (a wrapper ``sbatch`` there may change the rendered script)."""
     server_port, trainer_port = find_free_ports(2, host="0.0.0.0", port_range=(20000, 60000))
     activate = Path(sys.prefix) / "bin" / "activate"
     setup = f"source {activate}" if activate.exists() else f"export PATH={Path(sys.prefix) / 'bin'}:$PATH"
@@ -174,7 +177,7 @@ def submit(cluster: SlurmCluster, fileroot: Path, *overrides: str, requeue: bool
     ]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "megarl.launcher.cli", *argv],
-        cwd=ROOT, env=job_env(cluster), capture_output=True, text=True, timeout=300, check=False,
+        cwd=ROOT, env=job_env(cluster, bin_dir), capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = fileroot / "gsm8k-grpo-cpu" / "trial0"
