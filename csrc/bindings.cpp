@@ -2,6 +2,7 @@
 // Shape and dtype checks live here; the Python layer (megarl/kernels) decides when to call.
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include <c10/cuda/CUDAStream.h>
@@ -145,6 +146,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_backward_dz", &logprob_backward_dz, "recomputed-logit softmax gradient chunk");
   m.def("sm90_mainloop_available", &megarl::sm90_mainloop_available,
         "whether the TMA + wgmma mainloop runs on the current device");
+  m.def(
+      "sm90_mainloop_status",
+      [] {
+        const megarl::Sm90Status s = megarl::sm90_mainloop_status();
+        return std::make_tuple(s.available, s.definite, s.reason);
+      },
+      "(available, definite, reason) of the TMA + wgmma mainloop on the current device; "
+      "definite is false when the probe itself failed and may succeed later");
   m.def("ppo_loss", &ppo_loss, "PPO clipped surrogate: per-token loss, gradient, stats");
   m.attr("TILE_TOKENS") = megarl::kTileTokens;
   m.attr("TILE_VOCAB") = megarl::kTileVocab;

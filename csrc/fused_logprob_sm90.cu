@@ -4,6 +4,7 @@
 // (softmax_stats.cuh) over wgmma's accumulator layout; each token row is held by the 4 lanes
 // of one quad, so the forward's final merge is two shuffles.
 #include <cstdint>
+#include <string>
 
 #include <cuda.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
@@ -221,31 +222,72 @@ cudaError_t set_smem(const void* kernel) {
 
 }  // namespace
 
-bool sm90_mainloop_available() {
+#ifndef MEGARL_HOST_EMULATION
+namespace {
+
+// Why the sm_90a kernels cannot run here for good, or "" when they can: the checks whose answer
+// does not change while the process lives (device, driver entry point, the code in the binary).
+// A failed probe launch is not among them: sm90_mainloop_status reports it and tries again.
+std::string sm90_register_problem() {
+  const void* kernels[] = {reinterpret_cast<const void*>(&logprob_forward_sm90_kernel),
+                           reinterpret_cast<const void*>(&logprob_backward_dz_sm90_kernel)};
+  const char* names[] = {"logprob_forward_sm90_kernel", "logprob_backward_dz_sm90_kernel"};
+  for (int i = 0; i < 2; ++i) {
+    cudaFuncAttributes attr{};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, kernels[i]);
+    if (err != cudaSuccess)
+      return std::string("cudaFuncGetAttributes(") + names[i] + ") failed: " + cudaGetErrorString(err);
+    if (attr.numRegs != sm90::kEntryRegs)
+      return std::string(names[i]) + " was compiled to " + std::to_string(attr.numRegs) +
+             " registers per thread; its setmaxnreg split (" + std::to_string(sm90::kProducerRegs) +
+             "/" + std::to_string(sm90::kConsumerRegs) + ") needs exactly " +
+             std::to_string(sm90::kEntryRegs) + " at entry, or the consumers would hang";
+  }
+  return "";
+}
+
+}  // namespace
+#endif
+
+Sm90Status sm90_mainloop_status() {
 #ifdef MEGARL_HOST_EMULATION
-  return true;  // built for the emulator, whose sm_90a instructions check its emulated device
+  return {true, true, ""};  // built for the emulator, whose sm_90a instructions check its device
 #else
   int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return {false, false, std::string("cudaGetDevice failed: ") + cudaGetErrorString(err)};
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (major != 9 || minor != 0 || encode_tiled() == nullptr) return false;
+  if (major != 9 || minor != 0)
+    return {false, true, "the device is sm_" + std::to_string(major) + std::to_string(minor) + ", not sm_90"};
+  if (encode_tiled() == nullptr)
+    return {false, true, "the driver has no cuTensorMapEncodeTiled (TMA tensor maps need CUDA 12)"};
   constexpr int kMaxDevices = 64;
-  static int known[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
-  if (device < kMaxDevices && known[device] != 0) return known[device] == 1;
+  static Sm90Status known[kMaxDevices];  // definite answers only
+  if (device < kMaxDevices && known[device].definite) return known[device];
   int* flag = nullptr;
   int found = 0;
-  bool ok = cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
-  if (ok) {
+  err = cudaMalloc(&flag, sizeof(int));
+  if (err == cudaSuccess) {
     sm90a_probe_kernel<<<1, 1>>>(flag);
-    ok = cudaMemcpy(&found, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+    err = cudaGetLastError();
+    if (err == cudaSuccess) err = cudaMemcpy(&found, flag, sizeof(int), cudaMemcpyDeviceToHost);
     cudaFree(flag);
   }
-  const bool available = ok && found == 1;
-  if (device < kMaxDevices) known[device] = available ? 1 : 2;
-  return available;
+  if (err != cudaSuccess)  // not cached: a transient failure must not turn the path off for good
+    return {false, false, std::string("the sm_90a probe kernel failed: ") + cudaGetErrorString(err)};
+  Sm90Status status{true, true, ""};
+  if (found != 1) {
+    status = {false, true, "this binary has no sm_90a code (build with -gencode=arch=compute_90a,code=sm_90a)"};
+  } else if (std::string problem = sm90_register_problem(); !problem.empty()) {
+    status = {false, true, problem};
+  }
+  if (device < kMaxDevices) known[device] = status;
+  return status;
 #endif
 }
+
+bool sm90_mainloop_available() { return sm90_mainloop_status().available; }
 
 cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
                                         int T, int H, int valid_v, int64_t vocab_start, float inv_tau,

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -41,7 +42,13 @@ cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, c
 // contracts, 128 x 256 logit tiles. Launch them only where sm90_mainloop_available() (a device
 // of compute capability 9.0 and sm_90a code in this binary); they also need valid_v > 0 and
 // 16-byte aligned hidden and weight.
-bool sm90_mainloop_available();
+struct Sm90Status {
+  bool available = false;
+  bool definite = false;  // false: the probe itself failed (an allocation, a launch); ask again
+  std::string reason;     // why not, when not available
+};
+Sm90Status sm90_mainloop_status();
+bool sm90_mainloop_available();  // sm90_mainloop_status().available
 cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
                                         int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                         int num_splits, float* part, float* label_logit,

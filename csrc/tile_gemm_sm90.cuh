@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>  // printf of a wait time-out (MEGARL_MBAR_TIMEOUT_PRINTF)
 
 #include <cuda.h>  // CUtensorMap
 
@@ -36,6 +37,14 @@ constexpr int STAGES = 4;
 constexpr int CONSUMERS = 2;  // consumer warpgroups; warpgroup 0 is the producer
 constexpr int THREADS = 128 * (1 + CONSUMERS);
 constexpr int kAccRegs = 64 * BN / 128;  // fp32 accumulators per consumer thread
+// setmaxnreg moves registers from the producer warpgroup to the consumers, within what the CTA
+// was given at launch: __launch_bounds__(THREADS, 1) lets ptxas allocate 65536 / 384 = 170
+// registers per thread, 168 in its units of 8, and the split needs exactly that many at entry.
+// With fewer, the consumers' setmaxnreg.inc would wait for registers the CTA does not hold: the
+// host checks the kernels' count (sm90_mainloop_status) and tests/kernels checks ptxas's.
+constexpr int kEntryRegs = 168;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -45,6 +54,8 @@ constexpr int SMEM_BYTES = SWIZZLE_ATOM + STAGES * STAGE_BYTES + 2 * STAGES * 8;
 
 static_assert(BM == 64 * CONSUMERS, "each consumer warpgroup owns 64 token rows");
 static_assert(A_BYTES % SWIZZLE_ATOM == 0 && B_BYTES % SWIZZLE_ATOM == 0, "stages stay atom-aligned");
+static_assert(128 * kProducerRegs + 128 * CONSUMERS * kConsumerRegs <= THREADS * kEntryRegs,
+              "the register split fits in what the CTA holds at entry");
 
 // Where a consumer thread's accumulators sit in the [BM, BN] tile. wgmma's D fragment: warp w
 // of the warpgroup owns rows 16w..16w+15; per 8-column chunk j, acc[4j + 2h + e] is at row
@@ -104,22 +115,77 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 #endif
 }
 
-// Wait until the phase with this parity has completed (a fresh barrier counts parity 1 as done).
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+// How long a thread waits for an mbarrier phase before it traps: 4 s, where a working pipeline
+// waits microseconds (the bound must stay below 2^32 ns, the wrap of the 32-bit timer). A barrier
+// bug (a wrong phase, a missing arrive, expect-tx bytes that never land) then fails the launch
+// instead of hanging the GPU: the next synchronisation reports cudaErrorIllegalInstruction ("an
+// illegal instruction was encountered"), the only trap these kernels reach. Built with
+// MEGARL_MBAR_TIMEOUT_PRINTF (and in the host emulator) the trapping thread first prints its
+// block, thread and awaited parity; not by default, because printf is a function call, and a
+// call in a wgmma kernel makes ptxas serialise the wgmmas and ignore setmaxnreg (C7510, C7507).
+constexpr uint32_t kMbarTimeoutNs = 4000000000u;
+
+// Whether the phase with this parity has completed (a fresh barrier counts parity 1 as done).
+// try_wait may suspend the thread for a system-dependent time limit before it answers false.
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
 #ifdef MEGARL_HOST_EMULATION
-  while (!cuda_emu::mbarrier_try_wait_parity_shared_cta_b64(smem_addr(bar), parity)) {
-  }
+  return cuda_emu::mbarrier_try_wait_parity_shared_cta_b64(smem_addr(bar), parity);
 #else
+  uint32_t done;
   asm volatile(
       "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.b32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
       : "memory");
+  return done != 0;
 #endif
+}
+
+#if defined(MEGARL_MBAR_TIMEOUT_PRINTF) || defined(MEGARL_HOST_EMULATION)
+#define MEGARL_MBAR_REPORT(bar, parity, waited)                                                   \
+  printf("megarl: mbarrier wait timed out after %u ns: block (%d,%d,%d) thread %d waits "  \
+         "for parity %u of the mbarrier at shared address %u\n",                                 \
+         static_cast<unsigned>(waited), static_cast<int>(blockIdx.x),                           \
+         static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z),                             \
+         static_cast<int>(threadIdx.x), static_cast<unsigned>(parity), smem_addr(bar))
+#else
+#define MEGARL_MBAR_REPORT(bar, parity, waited) static_cast<void>(0)
+#endif
+
+// The low 32 bits of the global nanosecond timer: one register to hold across a wait, where
+// the accumulators leave the consumers none to spare (clock64 made the forward spill).
+__device__ __forceinline__ uint32_t globaltimer_lo() {
+#ifdef MEGARL_HOST_EMULATION
+  return cuda_emu::globaltimer_lo();
+#else
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%globaltimer_lo;\n" : "=r"(t));
+  return t;
+#endif
+}
+
+// Wait until the phase with this parity has completed; trap after kMbarTimeoutNs.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint32_t start = globaltimer_lo();
+  while (!mbar_try_wait(bar, parity)) {
+    const uint32_t waited = globaltimer_lo() - start;  // modulo 2^32: one wrap-around is fine
+    if (waited > kMbarTimeoutNs) {
+      MEGARL_MBAR_REPORT(bar, parity, waited);
+#ifdef MEGARL_HOST_EMULATION
+      __trap();
+#else
+      // trap as inline asm, followed by a loop exit that is never taken: __trap() is noreturn,
+      // and that dead end made ptxas spill 228 bytes in the forward kernel's consumers
+      asm volatile("trap;\n" ::: "memory");
+      break;
+#endif
+    }
+  }
 }
 
 // TMA: the [box rows x BK] tile at (row, k) of a 2-D tensor map into shared memory; rows and
@@ -257,7 +323,7 @@ __device__ __forceinline__ void mainloop(const CUtensorMap& tm_a, const CUtensor
 
   const int num_k = (K + BK - 1) / BK;
   if (warpgroup == 0) {  // producer
-    setmaxnreg_dec<40>();
+    setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x != 0) return;
     int stage = 0;
     uint32_t phase = 0;
@@ -273,7 +339,7 @@ __device__ __forceinline__ void mainloop(const CUtensorMap& tm_a, const CUtensor
     return;
   }
 
-  setmaxnreg_inc<232>();
+  setmaxnreg_inc<kConsumerRegs>();
   const Fragment frag{warpgroup - 1, static_cast<int>(threadIdx.x / 32) % 4, lane};
   Epilogue epilogue(args, frag, m0);
   const int a_offset = frag.consumer * 64 * BK * 2;  // this warpgroup's 64-row slab

@@ -1,4 +1,9 @@
-"""Typed experiment configs, YAML + override loading, and the allocation-mode grammar."""
+"""Typed experiment configs, YAML + override loading, and the allocation-mode grammar.
+
+The loader (``build_config``, ``load_expr_config``, ``save_config``, ``to_yaml``) is imported on
+first use: it needs omegaconf, which the trainer's and the kernels' modules do not (they import
+``megarl.config.train``), so they run where only torch is installed (a lent GPU machine).
+"""
 
 from megarl.config.allocation import (
     AllocationError,
@@ -10,7 +15,6 @@ from megarl.config.allocation import (
 )
 from megarl.config.base import ConfigError
 from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
-from megarl.config.loader import build_config, load_expr_config, save_config, to_yaml
 from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig, SGLangConfig, VLLMConfig
 from megarl.config.run import (
     ClusterConfig,
@@ -62,3 +66,14 @@ __all__ = [
     "to_yaml",
     "validate_allocation",
 ]
+
+
+_LOADER = ("build_config", "load_expr_config", "save_config", "to_yaml")
+
+
+def __getattr__(name: str):
+    if name in _LOADER:
+        from megarl.config import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -112,10 +112,35 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.cache
+_SM90_KNOWN: dict[int, bool] = {}  # device index -> definite answer of the sm_90a probe
+
+
 def _sm90_available(device_index: int) -> bool:
-    with torch.cuda.device(device_index):
-        return load_extension().sm90_mainloop_available()
+    """Whether the wgmma mainloop runs on this device, from the extension's probe.
+
+    A definite answer is cached per device (no CUDA context switch on every forward). A probe
+    that failed (an allocation, the probe launch) is logged as a warning naming the error and
+    asked again at the next call, so a transient failure does not turn the path off for good;
+    a Hopper GPU without the path (no sm_90a code, a register count the setmaxnreg split cannot
+    use) is logged once as a warning too.
+    """
+    if device_index not in _SM90_KNOWN:
+        with torch.cuda.device(device_index):
+            available, definite, reason = load_extension().sm90_mainloop_status()
+        return _record_sm90_status(device_index, available, definite, reason)
+    return _SM90_KNOWN[device_index]
+
+
+def _record_sm90_status(device_index: int, available: bool, definite: bool, reason: str) -> bool:
+    if not definite:
+        logger.warning("the sm_90a (wgmma) probe failed on cuda:%d, using the sm80 mainloop for this call "
+                       "and probing again at the next: %s", device_index, reason)  # fmt: skip
+        return False
+    _SM90_KNOWN[device_index] = available
+    if not available and not reason.startswith("the device is sm_"):
+        logger.warning("the sm_90a (wgmma) mainloop cannot run on cuda:%d, using the sm80 mainloop: %s",
+                       device_index, reason)
+    return available
 
 
 def use_wgmma(device: torch.device) -> bool:
@@ -133,7 +158,8 @@ def use_wgmma(device: torch.device) -> bool:
     if choice == "sm90" and not available:
         raise RuntimeError(
             "MEGARL_CUDA_MAINLOOP=sm90, but the wgmma mainloop cannot run here: it needs an sm_90 "
-            "GPU and an extension built with -gencode=arch=compute_90a,code=sm_90a"
+            "GPU and an extension built with -gencode=arch=compute_90a,code=sm_90a (see the warning "
+            "logged by the probe for this device's reason)"
         )
     return available
 

@@ -1,4 +1,7 @@
-"""pick_backend: which implementation one call of a fused entry point runs."""
+"""pick_backend: which implementation one call of a fused entry point runs; the sm_90a probe's report."""
+
+import contextlib
+import logging
 
 import pytest
 import torch
@@ -53,3 +56,51 @@ def test_sm80_mainloop_needs_no_probe(monkeypatch):
     monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", "sm80")
     monkeypatch.setattr(_cuda, "load_extension", _never)
     assert _cuda.use_wgmma(torch.device("cpu")) is False
+
+
+class _FakeExtension:
+    """The extension's sm90_mainloop_status, answering from a list of (available, definite, reason)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.calls = 0
+
+    def sm90_mainloop_status(self):
+        self.calls += 1
+        return self.answers.pop(0)
+
+
+@pytest.fixture
+def fake_probe(monkeypatch):
+    def install(*answers):
+        ext = _FakeExtension(*answers)
+        monkeypatch.setattr(_cuda, "load_extension", lambda: ext)
+        monkeypatch.setattr(_cuda, "_SM90_KNOWN", {})
+        monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+        return ext
+
+    return install
+
+
+def test_a_failed_sm90_probe_is_reported_and_asked_again(fake_probe, caplog):
+    ext = fake_probe((False, False, "the sm_90a probe kernel failed: out of memory"), (True, True, ""))
+    with caplog.at_level(logging.WARNING, logger="megarl.kernels._cuda"):
+        assert _cuda._sm90_available(0) is False
+    assert "probe failed on cuda:0" in caplog.text and "out of memory" in caplog.text
+    assert _cuda._sm90_available(0) is True  # not cached: the second probe ran and succeeded
+    assert _cuda._sm90_available(0) is True and ext.calls == 2  # a definite answer is cached
+
+
+def test_a_hopper_gpu_without_the_sm90_path_says_why_once(fake_probe, caplog):
+    reason = "logprob_forward_sm90_kernel was compiled to 160 registers per thread; ... needs exactly 168"
+    ext = fake_probe((False, True, reason))
+    with caplog.at_level(logging.WARNING, logger="megarl.kernels._cuda"):
+        assert not _cuda._sm90_available(0) and not _cuda._sm90_available(0)
+    assert ext.calls == 1 and caplog.text.count("160 registers") == 1
+
+
+def test_other_gpus_take_the_sm80_path_quietly(fake_probe, caplog):
+    fake_probe((False, True, "the device is sm_80, not sm_90"))
+    with caplog.at_level(logging.WARNING, logger="megarl.kernels._cuda"):
+        assert not _cuda._sm90_available(0)
+    assert caplog.text == ""

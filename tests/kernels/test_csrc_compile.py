@@ -1,6 +1,7 @@
 """The CUDA sources in csrc/ compile with nvcc for sm_80 and sm_90a (no GPU needed)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ TORCH_NVCC_FLAGS = [
 ]
 
 
+SM90_KERNELS = ("logprob_forward_sm90_kernel", "logprob_backward_dz_sm90_kernel")
 CUDA_HOME = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
 
 
@@ -63,7 +65,8 @@ def test_sm90a_build_uses_tma_and_wgmma(tmp_path):
     assert proc.returncode == 0, proc.stderr
     ptx = (tmp_path / "k.ptx").read_text()
     for instruction in ("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "cp.async.bulk.tensor.2d",
-                        "mbarrier.try_wait.parity", "setmaxnreg.inc", "setmaxnreg.dec"):
+                        "mbarrier.try_wait.parity", "setmaxnreg.inc", "setmaxnreg.dec",
+                        "%globaltimer_lo", "trap;"):  # the bounded mbarrier wait
         assert instruction in ptx, f"{instruction} missing from the sm_90a PTX"
     for kernel in ("logprob_forward_sm90_kernel", "logprob_backward_dz_sm90_kernel"):
         assert kernel in ptx
@@ -71,6 +74,41 @@ def test_sm90a_build_uses_tma_and_wgmma(tmp_path):
     proc = _compile("fused_logprob_sm90.cu", tmp_path / "k80.ptx", "-ptx", "-gencode=arch=compute_80,code=compute_80")
     assert proc.returncode == 0, proc.stderr
     assert "wgmma" not in (tmp_path / "k80.ptx").read_text()
+
+
+def _entry_registers(ptxas_log: str) -> dict[str, int]:
+    """{kernel: registers} of the sm_90a entry functions in a ptxas -v log."""
+    found, kernel = {}, None
+    for line in ptxas_log.splitlines():
+        entry = re.search(r"Compiling entry function '(\S+)' for 'sm_90a'", line)
+        if entry:
+            kernel = next((k for k in SM90_KERNELS if k in entry.group(1)), None)
+        used = re.search(r"Used (\d+) registers", line)
+        if used and kernel:
+            found[kernel] = int(used.group(1))
+            kernel = None
+    return found
+
+
+def test_sm90a_kernels_get_the_registers_their_setmaxnreg_split_needs(tmp_path):
+    """setmaxnreg moves registers between warpgroups within what the CTA got at launch: 168 per
+    thread (kEntryRegs). ptxas choosing fewer would hang the consumers' setmaxnreg.inc; the host
+    refuses the sm90 path then (sm90_mainloop_status), and this test fails first."""
+    header = (CSRC / "tile_gemm_sm90.cuh").read_text()
+    entry_regs = int(re.search(r"constexpr int kEntryRegs = (\d+);", header).group(1))
+    assert entry_regs == 168  # 65536 registers / 384 threads, in ptxas's units of 8
+    proc = _compile("fused_logprob_sm90.cu", tmp_path / "k.o", "-c", "-Xptxas=-v", "-gencode=arch=compute_90a,code=sm_90a")
+    assert proc.returncode == 0, proc.stderr
+    assert _entry_registers(proc.stderr) == {k: entry_regs for k in SM90_KERNELS}, proc.stderr
+    assert "C7507" not in proc.stderr and "C7510" not in proc.stderr, proc.stderr  # setmaxnreg kept, wgmma not serialised
+
+
+def test_the_printf_time_out_report_builds(tmp_path):
+    """MEGARL_MBAR_TIMEOUT_PRINTF, the debugging build whose timed-out waits print their place."""
+    proc = _compile("fused_logprob_sm90.cu", tmp_path / "k.ptx", "-ptx", "-DMEGARL_MBAR_TIMEOUT_PRINTF",
+                    "-gencode=arch=compute_90a,code=compute_90a")
+    assert proc.returncode == 0, proc.stderr
+    assert "vprintf" in (tmp_path / "k.ptx").read_text()
 
 
 @pytest.mark.slow

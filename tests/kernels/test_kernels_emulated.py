@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,12 +70,14 @@ def run_kernels(tmp_path_factory) -> Path:
     return exe
 
 
-def _run(exe: Path, workdir: Path, op: list, scalars: list, inputs: dict[str, torch.Tensor], async_mode="late") -> None:
+def _run(exe: Path, workdir: Path, op: list, scalars: list, inputs: dict[str, torch.Tensor], async_mode="late",
+         try_wait="suspend") -> None:
     """run_kernels OP... WORKDIR SCALARS... on these inputs, with asynchronous copies landing late
-    or early (CUDA_EMU_ASYNC, cuda_host_emu.h)."""
+    or early (CUDA_EMU_ASYNC) and mbarrier waits that cannot complete suspended or timed out
+    (CUDA_EMU_TRY_WAIT; cuda_host_emu.h)."""
     for name, tensor in inputs.items():
         tensor.contiguous().view(torch.uint8).numpy().tofile(workdir / f"{name}.bin")
-    env = {**os.environ, "CUDA_EMU_ASYNC": async_mode}
+    env = {**os.environ, "CUDA_EMU_ASYNC": async_mode, "CUDA_EMU_TRY_WAIT": try_wait}
     cmd = [exe, *op, workdir, *map(str, scalars)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"run_kernels {' '.join(op)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
@@ -292,3 +295,44 @@ def test_ppo_loss(run_kernels, tmp_path, T, use_prox, dual_clip, cap, kept):
     torch.testing.assert_close(loss_tok, out.loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad_tok, x.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(stats, want_stats, rtol=1e-5, atol=1e-5)
+
+
+def _hang(exe: Path, try_wait: str) -> subprocess.CompletedProcess:
+    """run_kernels mbar_hang: thread 37 of CTA (2, 1) waits for an mbarrier phase that never completes."""
+    env = {**os.environ, "CUDA_EMU_TRY_WAIT": try_wait}
+    return subprocess.run([exe, "mbar_hang", "2", "1", "37"], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_a_wait_that_never_completes_traps_with_its_place(run_kernels):
+    """With try_wait answering false after its time limit, as the hardware's does, mbar_wait's own
+    bound (4 s of %globaltimer) ends the wait: the thread prints where it waited, then traps."""
+    proc = _hang(run_kernels, "time-limit")
+    assert proc.returncode != 0 and "the kernel returned" not in proc.stdout, proc.stdout + proc.stderr
+    message = re.search(r"megarl: mbarrier wait timed out after (\d+) ns: block \((\d+),(\d+),0\) thread (\d+) "
+                        r"waits for parity (\d) of the mbarrier", proc.stdout)  # fmt: skip
+    assert message, f"no time-out message in stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    waited, bx, by, thread, parity = map(int, message.groups())
+    assert (bx, by, thread, parity) == (2, 1, 37, 0)
+    assert 4_000_000_000 < waited < 4_200_000_000  # the bound, passed by less than one try_wait limit
+    assert "__trap() in thread (37,0,0) of CTA (2,1,0)" in proc.stderr
+
+
+def test_without_a_time_limit_the_emulator_reports_the_deadlock(run_kernels):
+    proc = _hang(run_kernels, "suspend")
+    assert proc.returncode != 0
+    assert "thread (37,0,0) waits at mbarrier.try_wait.parity for parity 0" in proc.stderr, proc.stderr
+    assert "deadlock in CTA (2,1,0)" in proc.stderr and "timed out" not in proc.stdout
+
+
+def test_a_working_pipeline_never_times_out(run_kernels, tmp_path):
+    """The Hopper forward gives the same bits whether a stuck try_wait suspends or times out: its
+    waits always complete, so the bound never fires."""
+    hidden, weight, labels = _operands(130, 200, 600, 1000, 589, seed=7)
+    out = {}
+    for mode in ("suspend", "time-limit"):
+        workdir = tmp_path / mode
+        workdir.mkdir()
+        _run(run_kernels, workdir, ["forward", "sm90"], [130, 200, 600, 589, 1000, 1.0, 3],
+             {"hidden": hidden, "weight": weight, "labels": labels}, try_wait=mode)  # fmt: skip
+        out[mode] = _read(workdir, "part", torch.float32, 3, 3, 130)
+    assert torch.equal(out["suspend"], out["time-limit"]) and not out["suspend"].isnan().any()

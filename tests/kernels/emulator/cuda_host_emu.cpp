@@ -129,6 +129,7 @@ struct Thread {
   const char* blocked_at;     // the barrier's name, for a deadlock report
   uint32_t blocked_mbar;      // mbarrier waits: the object's address and the awaited parity
   uint32_t blocked_parity;
+  bool wait_timed_out;        // CUDA_EMU_TRY_WAIT=time-limit: the scheduler ended its try_wait
   std::vector<AsyncCopy> uncommitted;         // cp.async since the last commit_group
   std::deque<std::vector<AsyncCopy>> groups;  // committed and not yet complete, oldest first
 
@@ -219,6 +220,27 @@ bool copies_land_at_issue() {
   return at_issue;
 }
 
+// What an mbarrier.try_wait that can never complete does. suspend (default): the thread stays
+// suspended and the run aborts with a deadlock report once no thread can proceed. time-limit: as
+// on the hardware, the try_wait returns false once its time limit has passed; the emulator ends
+// it then, when nothing else can happen, and moves the global timer on by kTryWaitLimitNs, so a
+// kernel's own bound on its waits (tile_gemm_sm90.cuh: mbar_wait) is what stops the run.
+bool try_wait_has_time_limit() {
+  static const bool limited = [] {
+    const char* mode = std::getenv("CUDA_EMU_TRY_WAIT");
+    if (mode == nullptr || std::strcmp(mode, "suspend") == 0) return false;
+    if (std::strcmp(mode, "time-limit") == 0) return true;
+    fail("CUDA_EMU_TRY_WAIT must be 'suspend' or 'time-limit', not '%s'", mode);
+  }();
+  return limited;
+}
+
+// The emulated %globaltimer in ns: one tick per read, plus kTryWaitLimitNs per timed-out try_wait
+// (a stand-in for the hardware's system-dependent limit, long enough that a kernel bound of
+// seconds is reached in tens of time-outs).
+constexpr uint64_t kTryWaitLimitNs = 100000000;  // 0.1 s
+uint64_t g_globaltimer_ns = 0;
+
 // ---- memory -------------------------------------------------------------------------------
 
 void check_shared(uint32_t addr, size_t bytes, size_t align, const char* what) {
@@ -286,6 +308,7 @@ void start_cta(Cta& c) {
     t.blocked_on = nullptr;
     t.blocked_at = "";
     t.blocked_mbar = 0;
+    t.wait_timed_out = false;
     t.uncommitted.clear();
     t.groups.clear();  // copies never waited for cannot be observed
     getcontext(&t.context);
@@ -298,6 +321,25 @@ void start_cta(Cta& c) {
 
 void land_bulk_copy(const BulkCopy& copy);
 
+// Whether thread t is suspended in an mbarrier.try_wait.
+bool waits_on_mbarrier(const Cta& c, const Thread& t) {
+  const auto it = c.mbarriers.find(t.blocked_mbar);
+  return !t.exited && t.blocked_on != nullptr && it != c.mbarriers.end() &&
+         t.blocked_on == &it->second.progress;
+}
+
+// Ends every suspended try_wait with false (their time limit has passed); false when none was.
+bool end_mbarrier_waits(Cta& c) {
+  bool any = false;
+  for (Thread& t : c.threads) {
+    if (!waits_on_mbarrier(c, t)) continue;
+    t.wait_timed_out = true;
+    t.blocked_on = nullptr;
+    any = true;
+  }
+  return any;
+}
+
 // Always resumes the lowest-numbered thread that can proceed, so that warp 0 runs through a
 // whole barrier interval before warp 1 starts it: the most skewed schedule the hardware allows,
 // where a missing barrier shows as a warp reading data another warp has not written yet or has
@@ -308,7 +350,8 @@ void run_cta(Cta& c) {
     size_t i = 0;
     while (i < c.threads.size() && !c.threads[i].runnable()) ++i;
     if (i == c.threads.size()) {
-      if (c.bulk_copies.empty()) break;
+      if (c.bulk_copies.empty() && !(try_wait_has_time_limit() && end_mbarrier_waits(c))) break;
+      if (c.bulk_copies.empty()) continue;
       const BulkCopy copy = c.bulk_copies.front();
       c.bulk_copies.pop_front();
       land_bulk_copy(copy);
@@ -907,8 +950,9 @@ void mbarrier_arrive_expect_tx_shared_cta_b64(uint32_t addr, uint32_t tx_count) 
 // mbarrier.try_wait.parity.shared::cta.b64 waitComplete, [addr], phaseParity: true when the phase
 // of the given parity has completed, i.e. when the current (incomplete) phase has the other
 // parity. A fresh barrier is in phase 0, so parity 1 counts as complete. try_wait is potentially
-// blocking: the thread may be suspended until the phase completes; the emulator suspends it
-// for as long as that takes (other threads run, TMA copies land), so it always returns true.
+// blocking: the thread may be suspended until the phase completes or a time limit passes; the
+// emulator suspends it for as long as that takes (other threads run, TMA copies land), so it
+// returns true, unless CUDA_EMU_TRY_WAIT=time-limit and the phase can no longer complete.
 bool mbarrier_try_wait_parity_shared_cta_b64(uint32_t addr, uint32_t parity) {
   require_sm90a("mbarrier.try_wait");
   if (parity > 1) fail("mbarrier.try_wait.parity: phaseParity %u is not 0 or 1", parity);
@@ -918,8 +962,16 @@ bool mbarrier_try_wait_parity_shared_cta_b64(uint32_t addr, uint32_t parity) {
   t.blocked_mbar = addr;
   t.blocked_parity = parity;
   block_on(m.progress, "mbarrier.try_wait.parity");
+  if (t.wait_timed_out) {
+    t.wait_timed_out = false;
+    g_globaltimer_ns += kTryWaitLimitNs;
+    return false;
+  }
   return true;
 }
+
+// mov.u32 %r, %globaltimer_lo
+uint32_t globaltimer_lo() { return static_cast<uint32_t>(++g_globaltimer_ns); }
 
 // fence.mbarrier_init.release.cluster: orders the mbarrier.init before later accesses from
 // other CTAs of the cluster; nothing to do for one CTA run in program order.
@@ -995,6 +1047,7 @@ void setmaxnreg_dec_sync_aligned_u32(uint32_t count) {
 }
 
 void trap() {
+  std::fflush(stdout);  // what the kernel printed before it trapped
   const Thread& t = self();
   fail("__trap() in thread (%u,%u,%u) of CTA (%u,%u,%u)", t.idx.x, t.idx.y, t.idx.z, blockIdx.x,
        blockIdx.y, blockIdx.z);

@@ -118,11 +118,14 @@ void mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(float (&d)[4], const ui
                                                           const float (&c)[4]);
 
 // sm_90a. mbarrier.try_wait suspends the thread until the phase completes, so it only returns
-// true (a wait that can never complete is reported as a deadlock).
+// true (a wait that can never complete is reported as a deadlock), unless CUDA_EMU_TRY_WAIT=
+// time-limit: then such a wait returns false, as the hardware's does after its time limit, and
+// advances globaltimer_lo() by that limit (cuda_host_emu.cpp: kTryWaitLimitNs).
 void mbarrier_init_shared_cta_b64(uint32_t addr, uint32_t count);
 void mbarrier_arrive_shared_cta_b64(uint32_t addr);
 void mbarrier_arrive_expect_tx_shared_cta_b64(uint32_t addr, uint32_t tx_count);
 bool mbarrier_try_wait_parity_shared_cta_b64(uint32_t addr, uint32_t parity);
+uint32_t globaltimer_lo();  // mov.u32 %r, %globaltimer_lo (ns)
 void fence_mbarrier_init_release_cluster();
 // cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
 //   [dst], [tensor_map, {c0, c1}], [mbar]   (c0 the innermost coordinate)

@@ -13,6 +13,11 @@
 //   run_kernels ppo DIR T eps_low eps_high dual_clip behav_cap has_prox
 //       in: logp, old_logp, adv [T] f32, mask [T] bool, prox_logp [T] f32 when has_prox
 //       out: loss_tok, grad_tok [T] f32, stats [kNumPPOStats] f32
+//   run_kernels mbar_hang BLOCK_X BLOCK_Y THREAD
+//       a grid of 3 x 2 CTAs of 64 threads on an emulated sm_90a device, where thread THREAD of
+//       CTA (BLOCK_X, BLOCK_Y) waits, through sm90::mbar_wait, for an mbarrier phase that never
+//       completes (tile_gemm_sm90.cuh's bounded wait; CUDA_EMU_TRY_WAIT picks what the try_wait
+//       does meanwhile)
 //
 // Outputs start as bindings.cpp leaves them (label_logit zeroed, stats zero with +inf for the
 // min); those the kernel must overwrite everywhere start as NaN, so a missed element shows.
@@ -27,6 +32,7 @@
 
 #include "cuda_host_emu.h"
 #include "kernels.h"
+#include "tile_gemm_sm90.cuh"
 
 namespace {
 
@@ -151,6 +157,29 @@ void ppo(const std::string& dir, char** argv) {
   save(dir, "stats", stats);
 }
 
+// An mbarrier expecting two arrivals gets one, so its phase 0 never completes; one thread of one
+// CTA waits for it, every other thread exits.
+__global__ void mbar_hang_kernel(int block_x, int block_y, int waiter) {
+  MEGARL_DYNAMIC_SMEM(smem);
+  auto* bar = reinterpret_cast<uint64_t*>(smem);
+  if (threadIdx.x == 0) {
+    megarl::sm90::mbar_init(bar, 2);
+    megarl::sm90::fence_mbar_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) megarl::sm90::mbar_arrive(bar);
+  if (static_cast<int>(blockIdx.x) == block_x && static_cast<int>(blockIdx.y) == block_y &&
+      static_cast<int>(threadIdx.x) == waiter)
+    megarl::sm90::mbar_wait(bar, 0);
+}
+
+void mbar_hang(char** argv) {
+  cuda_emu::set_compute_capability(9, 0);
+  MEGARL_LAUNCH(mbar_hang_kernel, dim3(3, 2), dim3(64), 16, nullptr)(
+      std::atoi(argv[0]), std::atoi(argv[1]), std::atoi(argv[2]));
+  std::printf("mbar_hang: the kernel returned\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -161,6 +190,8 @@ int main(int argc, char** argv) {
     backward(argv[2], argv[3], argv + 4);
   } else if (op == "ppo" && argc == 9) {
     ppo(argv[2], argv + 3);
+  } else if (op == "mbar_hang" && argc == 5) {
+    mbar_hang(argv + 2);
   } else {
     die("usage: see the comment at the top of run_kernels.cpp");
   }
