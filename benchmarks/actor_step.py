@@ -1,23 +1,34 @@
 """Actor train step: tokens/s of MegatronEngine.train_batch, vs a plain HF step (CPU) or as MFU (GPU).
 
-One process, one rank (``megatron:d1p1t1``), a random Qwen2-shaped model (QKV bias, GQA,
-SwiGLU) whose size is set by the shape table below. A step is a packed micro-batch pass
-of a token-mean next-token loss (fused vocab-parallel logprobs), backward, and an Adam
-update. Timings: median over ``steps`` after one warm-up step.
+One process, one rank (``megatron:d1p1t1``; gloo on CPU, NCCL on CUDA), a random Qwen2-shaped
+model (QKV bias, GQA, SwiGLU) whose size is set by the shape table below. A step is a packed
+micro-batch pass of a token-mean next-token loss (fused vocab-parallel logprobs), backward,
+and an Adam update. Timings: median over ``steps`` after one warm-up step.
 
 * CPU (fp32): the same model as an HF transformers ``Qwen2ForCausalLM`` doing forward,
   log-softmax logprobs, backward and ``torch.optim.AdamW`` over the same tokens, in the
   same process; ``vs_hf`` = Megatron tokens/s over HF tokens/s.
-* GPU (bf16, Megatron's mixed-precision distributed optimizer): a Qwen2.5-1.5B-shaped model;
-  MFU = model FLOPs per second over the dense bf16 peak (989 TFLOP/s for H100/H200 SXM),
-  with 6 N FLOPs per token for the N non-embedding + LM-head parameters plus causal
-  attention 6 L S h (forward 2 + backward 4, halved for causality, times 2 matmuls).
+* GPU (bf16, Megatron's mixed-precision distributed optimizer): a Qwen2.5-1.5B-shaped model
+  from random init, once with the fused CUDA logprob kernels (``use_fused_kernels=True``) and
+  once with the torch path (False); each row gives step time, MFU and peak GPU memory. MFU =
+  model FLOPs per second over the dense bf16 peak (989 TFLOP/s for H100/H200 SXM), with 6 N
+  FLOPs per token for the N non-embedding + LM-head parameters plus causal attention 6 L S h
+  (forward 2 + backward 4, halved for causality, times 2 matmuls). The first engine's weights
+  are exported to HF and loaded into ``Qwen2ForCausalLM`` (same dtype, same device): the
+  ``logp_max_abs_diff`` / ``logp_mean_abs_diff`` columns compare its next-token logprobs with
+  ``compute_logp`` on the first two sequences.
+
+``python -m benchmarks.actor_step --kit OUTDIR`` is the GPU kit's step
+(``benchmarks/gpu_kit.sh``): it runs the GPU rows (the 4-layer shape with ``--quick``) and
+writes ``actor_step_gpu.{json,md}`` to OUTDIR.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,7 +87,8 @@ def _time_steps(step, steps: int) -> float:
     return statistics.median(times)
 
 
-def _megatron_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) -> float:
+def _engine(model_dir: Path, batch: dict, dtype: str, fused: bool | None, parallel=None):
+    """An initialised one-rank MegatronEngine from random weights (``parallel`` reuses the groups)."""
     from megarl.actor.engine import MegatronEngine
     from megarl.config.train import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
     from megarl.utils.network import find_free_port
@@ -86,13 +98,23 @@ def _megatron_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) ->
     tokens = int(batch["attention_mask"].sum())
     cfg = TrainEngineConfig(
         path=str(model_dir), dtype=dtype, init_from_scratch=True, mb_spec=MicroBatchSpec(max_tokens_per_mb=tokens),
-        optimizer=OptimizerConfig(lr=1e-5, use_distributed_optimizer=True),
+        optimizer=OptimizerConfig(lr=1e-5, use_distributed_optimizer=True), use_fused_kernels=fused,
     )  # fmt: skip
     engine = MegatronEngine(cfg)
-    engine.create_process_group("d1p1t1")
-    engine.initialize()
+    if parallel is None:
+        engine.create_process_group("d1p1t1")
+    engine.initialize(parallel=parallel)
+    return engine
+
+
+def _train_step(engine, batch: dict):
     weight = lambda mb: mb["label_mask"].sum()
-    return _time_steps(lambda: engine.train_batch(batch, _nll, weight), steps)
+    return lambda: engine.train_batch(batch, _nll, weight)
+
+
+def _megatron_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) -> float:
+    engine = _engine(model_dir, batch, dtype, None)
+    return _time_steps(_train_step(engine, batch), steps)
 
 
 def _hf_step_time(model_dir: Path, batch: dict, steps: int) -> float:
@@ -120,9 +142,92 @@ def _flops_per_token(shape: tuple) -> float:
     return 6 * params + 6 * layers * seq_len * hidden
 
 
+def mfu(shape: tuple, step_s: float, peak_flops: float = PEAK_BF16_FLOPS) -> tuple[float, float]:
+    """(model TFLOP/s, MFU) of one step over ``shape``'s sequences x seq_len tokens in ``step_s``."""
+    if step_s <= 0:
+        raise ValueError(f"step_s must be positive, got {step_s}")
+    flops = _flops_per_token(shape) * shape[6] * shape[7] / step_s
+    return flops / 1e12, flops / peak_flops
+
+
 def _row(name: str, shape: tuple, impl: str, step_s: float, **extra) -> dict:
     tokens = shape[6] * shape[7]
     return {"shape": name, "impl": impl, "tokens/step": tokens, "step_s": step_s, "tokens/s": tokens / step_s, **extra}
+
+
+def gpu_row(name: str, shape: tuple, fused: bool | None, step_s: float, peak_gib: float, logp_gap=None) -> dict:
+    """A GPU table row: step time, tokens/s, TFLOP/s, MFU, peak memory, and the logprob gap to HF."""
+    tflops, util = mfu(shape, step_s)
+    row = _row(name, shape, "megatron", step_s, fused_kernels=fused, **{"TFLOP/s": tflops, "MFU": util})
+    row["peak_GiB"] = peak_gib
+    if logp_gap is not None:
+        row["logp_max_abs_diff"], row["logp_mean_abs_diff"] = logp_gap
+    return row
+
+
+def logprob_gap(ours: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) |ours - theirs| over the masked-in positions of two [B, S] logprob tensors."""
+    if ours.shape != theirs.shape or ours.shape != mask.shape:
+        raise ValueError(f"logprob shapes differ: {tuple(ours.shape)}, {tuple(theirs.shape)}, mask {tuple(mask.shape)}")
+    diff = (ours.double() - theirs.double()).abs()[mask.bool()]
+    return (float(diff.max()), float(diff.mean())) if diff.numel() else (0.0, 0.0)
+
+
+def _hf_logp(model_dir: Path, batch: dict, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Next-token logprobs [B, S] of an HF model directory (0 in the last column), as compute_logp."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    ids = batch["input_ids"].to(device)
+    out = torch.zeros(ids.shape, dtype=torch.float32)
+    with torch.no_grad():
+        for i in range(ids.shape[0]):  # one sequence at a time: fp32 logits [S, V] stay small
+            logits = model(ids[i : i + 1]).logits[0, :-1].float()
+            out[i, :-1] = logits.log_softmax(-1).gather(-1, ids[i, 1:, None])[:, 0].cpu()
+    return out
+
+
+def _hf_gap(engine, batch: dict, dtype: torch.dtype, device: str) -> tuple[float, float]:
+    """The engine's compute_logp against HF transformers with the same weights, first two sequences."""
+    few = {k: v[:2] for k, v in batch.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.export_hf(tmp, dtype)
+        theirs = _hf_logp(Path(tmp), few, dtype, device)
+    ours = engine.compute_logp(few).float()
+    mask = few["attention_mask"].clone()
+    mask[:, -1] = False  # no next token after the last
+    return logprob_gap(ours, theirs, mask)
+
+
+def _peak_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def actor_rows(name: str, shape: tuple, dtype: str, steps: int, fused_flags=(True, False)) -> list[dict]:
+    """One row per ``use_fused_kernels`` flag: step time, MFU, peak memory; the first row also
+    carries the logprob gap to HF transformers with the same weights."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, parallel = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_config(Path(tmp), shape)
+        batch = _batch(shape, device)
+        for i, fused in enumerate(fused_flags):
+            _reset_peak()
+            engine = _engine(Path(tmp), batch, dtype, fused, parallel)
+            parallel = engine.parallel
+            step_s = _time_steps(_train_step(engine, batch), steps)
+            peak = _peak_gib()
+            gap = _hf_gap(engine, batch, getattr(torch, dtype), device) if i == 0 else None
+            rows.append(gpu_row(name, shape, fused, step_s, peak, gap))
+            engine.destroy()
+            del engine
+    return rows
 
 
 def _run_cpu(quick: bool) -> list[dict]:
@@ -142,12 +247,13 @@ def _run_cpu(quick: bool) -> list[dict]:
 def _run_gpu(quick: bool) -> list[dict]:
     rows = []
     for name, shape in (GPU_SHAPES_QUICK if quick else GPU_SHAPES).items():
-        with tempfile.TemporaryDirectory() as tmp:
-            _write_config(Path(tmp), shape)
-            step_s = _megatron_step_time(Path(tmp), _batch(shape, "cuda"), "bfloat16", 3 if quick else 5)
-        tflops = _flops_per_token(shape) * shape[6] * shape[7] / step_s
-        rows.append(_row(name, shape, "megatron", step_s, **{"TFLOP/s": tflops / 1e12, "MFU": tflops / PEAK_BF16_FLOPS}))
+        rows += actor_rows(name, shape, "bfloat16", 3 if quick else 5)
     return rows
+
+
+def results_name() -> str:
+    """The GPU table (MFU, fused on/off) and the CPU one (vs HF) are different experiments."""
+    return "actor_step_gpu" if torch.cuda.is_available() else "actor_step"
 
 
 def run(quick: bool) -> list[dict]:
@@ -155,5 +261,21 @@ def run(quick: bool) -> list[dict]:
     return _run_gpu(quick) if torch.cuda.is_available() else _run_cpu(quick)
 
 
+def kit_main(argv: list[str] | None = None) -> int:
+    """The GPU kit's actor step: the GPU rows into OUTDIR/actor_step_gpu.{json,md}."""
+    parser = argparse.ArgumentParser(description="the Megatron actor on CUDA, for benchmarks/gpu_kit.sh")
+    parser.add_argument("--kit", type=Path, required=True, metavar="OUTDIR", help="where the table goes")
+    parser.add_argument("--quick", action="store_true", help="the 4-layer Qwen2.5-1.5B-shaped model")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("actor_step --kit needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from benchmarks._harness import print_record, run_benchmark
+
+    print_record(run_benchmark("actor_step", quick=args.quick, results_dir=args.kit))
+    return 0
+
+
 if __name__ == "__main__":
+    if "--kit" in sys.argv:
+        sys.exit(kit_main())
     main_for(__name__)

@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 
 PROMISED: dict[str, list[tuple[str, str, str]]] = {
     "fused_logprob": [
-        ("variant", "cuda", "megarl's CUDA kernels on a GPU (`bash benchmarks/gpu_kernels.sh`)"),
+        ("variant", "cuda", "megarl's CUDA kernels on a GPU (`bash benchmarks/gpu_kit.sh OUTDIR`)"),
         ("variant", "cuda_sm80", "the mma.sync mainloop forced on Hopper (an H100 / H200)"),
         ("variant", "liger", "Liger-Kernel's fused linear cross entropy (a GPU and liger-kernel)"),
     ],

@@ -15,7 +15,12 @@ from megarl.config.allocation import (
 )
 from megarl.config.base import ConfigError
 from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
-from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig, SGLangConfig, VLLMConfig
+from megarl.config.rollout import (
+    GenerationHyperparameters,
+    InferenceEngineConfig,
+    SGLangConfig,
+    VLLMConfig,
+)
 from megarl.config.run import (
     ClusterConfig,
     DatasetConfig,

@@ -1,0 +1,124 @@
+"""Wheels for the GPU kit's actor step: megatron-core and its pure-Python needs, for a lent machine.
+
+The lent GPU machine (Python 3.12, torch 2.11 cu130; see docs/guides/gpu-kit.md) has no
+megatron-core. This script downloads it for that interpreter and platform, plus the runtime
+requirements its wheel declares (extras and environment markers evaluated for the target),
+leaving out torch, triton and the nvidia-* CUDA libraries, which the machine's torch brings.
+Each wheel is fetched with ``--no-deps``, so the set is exactly what is listed here. It then
+checks the total against the 64 MiB that a device call carries (wheels and working tree
+together) and exits non-zero, saying so, when it does not fit.
+
+    python -m benchmarks.gpu_wheels .whl                       # for the lent machine (3.12)
+    python -m benchmarks.gpu_wheels /tmp/w --python-version 3.11 --exclude numpy
+
+On the machine: ``pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` (the kit
+does this, installing only the wheels whose package is not there already).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+MEGATRON_CORE = "megatron-core==0.16.*"
+CARRY_LIMIT = 64 * 2**20  # what one device call carries: working tree and carried paths together
+PROVIDED = ("torch", "triton")  # with every nvidia-* package: the machine's torch has them
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
+
+
+def provided(name: str) -> bool:
+    """Whether the target's torch already brings this distribution."""
+    name = canonicalize_name(name)
+    return name in PROVIDED or name.startswith("nvidia-")
+
+
+def runtime_requirements(wheel: Path, python_version: str) -> list[Requirement]:
+    """The Requires-Dist of a wheel that apply on Linux x86-64 under this Python, without extras."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = zf.read(meta).decode().splitlines()
+    env = {**default_environment(), "python_version": python_version, "python_full_version": f"{python_version}.0",
+           "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}  # fmt: skip
+    reqs = [Requirement(line.split(":", 1)[1].strip()) for line in lines if line.startswith("Requires-Dist:")]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate(env)]
+
+
+def _download(spec: str, dest: Path, python_version: str) -> Path:
+    """pip download one wheel, no dependencies, for the target; the new wheel's path."""
+    before = set(dest.glob("*.whl"))
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+           "--python-version", python_version, "--implementation", "cp", *platforms, "-d", str(dest), spec]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"pip download {spec} for Python {python_version} failed:\n{proc.stderr[-2000:]}")
+    name = canonicalize_name(Requirement(spec).name)
+    found = [w for w in dest.glob("*.whl") if parse_wheel_filename(w.name)[0] == name]
+    new = [w for w in found if w not in before] or found
+    return new[0]
+
+
+def fetch(dest: Path, python_version: str, exclude: set[str], megatron_core: str = MEGATRON_CORE) -> list[Path]:
+    """megatron-core and the closure of its runtime requirements, less torch & co and ``exclude``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    exclude = {canonicalize_name(n) for n in exclude}
+    wheels, todo, seen = [], [Requirement(megatron_core)], set()
+    while todo:
+        req = todo.pop(0)
+        name = canonicalize_name(req.name)
+        if name in seen or name in exclude or provided(name):
+            continue
+        seen.add(name)
+        wheel = _download(f"{req.name}{req.specifier}", dest, python_version)
+        wheels.append(wheel)
+        todo += runtime_requirements(wheel, python_version)
+    return wheels
+
+
+def check_size(wheels: list[Path], tree_bytes: int, limit: int = CARRY_LIMIT) -> str:
+    """A line giving the sizes; raises SystemExit naming the overshoot when they do not fit."""
+    total = sum(w.stat().st_size for w in wheels)
+    line = (f"{len(wheels)} wheels, {total / 2**20:.1f} MiB; with the working tree ({tree_bytes / 2**20:.1f} MiB) "
+            f"{(total + tree_bytes) / 2**20:.1f} MiB of the {limit / 2**20:.0f} MiB a device call carries")  # fmt: skip
+    if total + tree_bytes > limit:
+        biggest = max(wheels, key=lambda w: w.stat().st_size)
+        raise SystemExit(f"too large to carry: {line}; the largest is {biggest.name} "
+                         f"({biggest.stat().st_size / 2**20:.1f} MiB): --exclude what the machine has")  # fmt: skip
+    return line
+
+
+def working_tree_bytes(repo: Path) -> int:
+    """Bytes of the files a device call sends: tracked and untracked-not-ignored."""
+    proc = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                          capture_output=True, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        return 0
+    files = (repo / f.decode() for f in proc.stdout.split(b"\0") if f)
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outdir", type=Path, help="where the wheels go (carry it, e.g. .whl)")
+    parser.add_argument("--python-version", default="3.12", help="the target interpreter (default: 3.12)")
+    parser.add_argument("--megatron-core", default=MEGATRON_CORE, help=f"requirement (default: {MEGATRON_CORE})")
+    parser.add_argument("--exclude", action="append", default=[], metavar="NAME",
+                        help="a requirement the target has already (repeatable)")  # fmt: skip
+    args = parser.parse_args(argv)
+    wheels = fetch(args.outdir, args.python_version, set(args.exclude), args.megatron_core)
+    for wheel in wheels:
+        print(f"{wheel.stat().st_size / 2**20:8.2f} MiB  {wheel.name}")
+    print(check_size(wheels, working_tree_bytes(Path(__file__).resolve().parents[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
