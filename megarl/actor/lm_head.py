@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.kernels import Backend, fused_logprobs_entropy
+from megarl.kernels.linear_loss import TokenLossFn, fused_linear_token_loss
 
 
 @dataclass
@@ -62,6 +63,26 @@ class LMHeadOutput:
             vocab_start=self.vocab_start, vocab_size=self.vocab_size, reduce_grad_hidden=self.reduce_grad_hidden,
             backend=self.backend,
         )  # fmt: skip
+
+    def token_loss(
+        self, labels: torch.Tensor, token_loss_fn: TokenLossFn, temperature: float, where: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The training path: ``sum_t token_loss_fn(...)`` over the rows ``where`` (bool ``[T]``) with
+        the head's gradients computed in the forward (``megarl.kernels.linear_loss``: 6·T·V·H FLOPs).
+
+        ``token_loss_fn`` gets positions among the selected rows. Returns (loss, logprob [T],
+        entropy [T]); the last two detached, 0 outside ``where``.
+        """
+        rows = where.nonzero().squeeze(-1)  # [N]
+        zeros = torch.zeros(labels.shape, dtype=torch.float32, device=self.hidden.device)
+        if rows.numel() == 0:  # nothing to score: a zero that still belongs to the graph
+            return self.hidden.sum().float() * 0.0, zeros, zeros
+        loss, logp, entropy = fused_linear_token_loss(
+            self.hidden.index_select(0, rows), self.weight, labels.index_select(0, rows), token_loss_fn,
+            self.tp_group, temperature, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
+            reduce_grad_hidden=self.reduce_grad_hidden,
+        )  # fmt: skip
+        return loss, zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy)
 
     def logprobs(self, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Logprob of ``labels`` per token, fp32 ``[T]``."""

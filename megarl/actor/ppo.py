@@ -288,7 +288,14 @@ def ppo_loss(
     ``gap``: records the train–inference gap of the micro-batch's tokens when given.
     """
     mask = _mask(mb)
+    if _grads_in_forward(cfg, head):
+        return _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap)
     logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature, where=mask)  # no head work on prompts
+    return _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap)
+
+
+def _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap) -> torch.Tensor:
+    """The loss of :func:`ppo_loss` from the micro-batch's logprobs and entropies; records the stats."""
     old, prox = _anchors(cfg, mb, logp)
     if gap is not None:
         gap.record(mb, mb["prox_logp"] if "prox_logp" in mb else logp, mask)
@@ -306,6 +313,50 @@ def ppo_loss(
     total, weight = losses.aggregate(token_loss, mask, cfg.loss_agg_mode, cu_seqlens, norm_len)
     _record_stats(mask, logp, entropy, prox if prox is not None else old, kl, out.behav_weight, surrogate_stats)
     return total / weight.clamp(min=1)
+
+
+def _grads_in_forward(cfg: PPOActorConfig, head: LMHeadOutput) -> bool:
+    """Whether :func:`ppo_loss` takes the training path (the head's gradients computed in its forward).
+
+    Where the fused kernels run (the logprobs' CUDA path) and the loss is a sum of per-token terms
+    of (logprob, entropy): a built-in surrogate with per-token ratios and no sequence-level
+    rollout correction (any aggregation: it only weighs the tokens).
+    """
+    per_token = cfg.importance_sampling_level == "token" and cfg.rollout_correction.mode == "none"
+    per_token = per_token and cfg.loss in BUILTIN_LOSSES
+    return per_token and logprobs_backend(head.backend, head.hidden, head.weight) == "cuda"
+
+
+def _token_weights(mask: torch.Tensor, cfg: PPOActorConfig, cu_seqlens: torch.Tensor, norm_len: int) -> torch.Tensor:
+    """d loss / d token_loss ``[T]`` of the aggregation (linear in the per-token loss)."""
+    x = torch.zeros(mask.shape, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        total, weight = losses.aggregate(x, mask, cfg.loss_agg_mode, cu_seqlens, norm_len)
+    (coeff,) = torch.autograd.grad(total, x)
+    return coeff / weight.detach().clamp(min=1)
+
+
+def _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap) -> torch.Tensor:
+    """:func:`ppo_loss` on the training path: the same loss, its gradient made chunk by chunk in the
+    head's forward (``LMHeadOutput.token_loss``), and the same statistics (from the detached logprobs)."""
+    logger.debug("ppo_loss: training path (grads in the head's forward), surrogate via losses.policy_loss")
+    rows = mask.nonzero().squeeze(-1)  # the head's rows
+    coeff = _token_weights(mask, cfg, mb["cu_seqlens"].long(), norm_len)[rows]
+    keys = [k for k in ("logprobs", "prox_logp", "ref_logp", "advantages") if k in mb]
+    sub = {k: mb[k][rows] for k in keys}
+
+    def terms(t0, t1, logp, entropy):
+        chunk = {k: v[t0:t1] for k, v in sub.items()}
+        on = torch.ones(logp.shape, dtype=torch.bool, device=logp.device)
+        old, prox = _anchors(cfg, chunk, logp)
+        out, _ = _policy_loss(cfg, _clipped_surrogate, chunk, on, logp, old, prox, None)
+        token_loss, _ = _add_penalties(out.loss, cfg, chunk, on, logp, entropy)
+        return token_loss * coeff[t0:t1]
+
+    loss, logp, entropy = head.token_loss(mb["labels"], terms, cfg.temperature, where=mask)
+    with torch.no_grad():  # statistics only
+        _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, policy_surrogate(cfg), gap)
+    return loss
 
 
 def _policy_loss(cfg: PPOActorConfig, surrogate_fn, mb: dict, mask, logp, old, prox, cu_seqlens):

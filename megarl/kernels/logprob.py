@@ -42,16 +42,16 @@ class _Spec:
     reduce_grad_hidden: bool
 
 
-def _reduce_over_tp(m, s, u, label_logit, spec: _Spec):
+def reduce_over_tp(m, s, u, label_logit, tp_group: dist.ProcessGroup | None, tp_size: int):
     """Combine per-rank statistics [T] into global ones: all-reduce MAX of m, then one SUM of
     the rescaled (s, u) and the label logit (only the owning rank's is non-zero)."""
-    if spec.tp_size == 1:
+    if tp_size == 1:
         return m, s, u, label_logit
     m_all = m.clone()
-    dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=spec.tp_group)
+    dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
     # a rank whose shard is all padding holds m = -inf and contributes zeros
     packed = torch.stack([*rescale_stats(m, s, u, m_all), label_logit])  # [3,T]
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=spec.tp_group)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
     return m_all, packed[0], packed[1], packed[2]
 
 
@@ -64,7 +64,7 @@ class _FusedLogprobEntropy(torch.autograd.Function):
             stats = local_stats_chunked(
                 hidden, weight, labels, spec.shard, spec.inv_tau, spec.chunk_tokens, spec.chunk_vocab
             )
-        m, s, u, label_logit = _reduce_over_tp(*stats, spec)
+        m, s, u, label_logit = reduce_over_tp(*stats, spec.tp_group, spec.tp_size)
         hit = (labels >= 0) & (labels < spec.shard.vocab_size)
         logprob, entropy, lse, mean_z = finalize_stats(m, s, u, label_logit, hit)
         ctx.save_for_backward(hidden, weight, labels, lse, mean_z, hit)

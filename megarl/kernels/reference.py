@@ -24,12 +24,14 @@ import torch
 
 __all__ = [
     "VocabShard",
+    "chunk_triple",
     "finalize_stats",
     "grads_chunked",
     "local_stats_chunked",
     "logprobs_entropy_naive",
     "merge_stats",
     "rescale_stats",
+    "softmax_grad_",
 ]
 
 
@@ -92,6 +94,33 @@ def _label_in_chunk(label_local: torch.Tensor, v0: int, v1: int) -> tuple[torch.
     idx = label_local - v0
     inside = (idx >= 0) & (idx < v1 - v0)
     return idx.clamp(0, v1 - v0 - 1), inside
+
+
+def chunk_triple(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, s, u) ``[tc]`` of a logits chunk z ``[tc,vc]`` (z is left unchanged; two chunk-sized temporaries)."""
+    cm = z.amax(dim=1)  # [tc]
+    d = z - cm[:, None]  # [tc,vc]
+    e = d.exp()
+    return cm, e.sum(dim=1), d.mul_(e).sum(dim=1)
+
+
+def softmax_grad_(
+    z: torch.Tensor,
+    p: torch.Tensor,
+    mean_z: torch.Tensor,
+    g_logprob: torch.Tensor,
+    g_entropy: torch.Tensor,
+    idx: torch.Tensor,
+    inside: torch.Tensor,
+) -> torch.Tensor:
+    """dL/dz ``[tc,vc]`` built in z's storage: -p (g_lp + g_ent (z - mean_z)), plus g_lp at the label.
+
+    p = softmax(z) over the whole vocabulary ``[tc,vc]``; (idx, inside) from the label's place
+    in the chunk; per-token vectors ``[tc]`` (g_logprob already 0 for ignored labels).
+    """
+    dz = z.sub_(mean_z[:, None]).mul_(g_entropy[:, None]).add_(g_logprob[:, None])
+    dz.mul_(p).neg_()
+    return dz.scatter_add_(1, idx[:, None], torch.where(inside, g_logprob, 0.0)[:, None])
 
 
 def local_stats_chunked(
@@ -165,11 +194,9 @@ def grads_chunked(
             h_c = hidden[t0:t1].float()  # [tc,H]
             z = _scaled_logits(h_c, w_c, inv_tau)  # [tc,vc]
             p = (z - lse[t0:t1, None]).exp_()
-            # dz = -p * (g_lp + g_ent * (z - mean_z)), built in z's storage
-            dz = z.sub_(mean_z[t0:t1, None]).mul_(g_entropy[t0:t1, None]).add_(g_logprob[t0:t1, None])
-            dz.mul_(p).neg_()
             idx, inside = _label_in_chunk(label_local[t0:t1], v0, v1)
-            dz.scatter_add_(1, idx[:, None], torch.where(inside, g_logprob[t0:t1], 0.0)[:, None])
+            rows = slice(t0, t1)
+            dz = softmax_grad_(z, p, mean_z[rows], g_logprob[rows], g_entropy[rows], idx, inside)
             # dx = dz / tau: the scale rides on the gradient GEMMs
             if d_hidden is not None:
                 d_hidden[t0:t1].addmm_(dz, w_c, alpha=inv_tau)

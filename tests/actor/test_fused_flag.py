@@ -173,6 +173,55 @@ def test_fused_surrogate_path_matches_policy_loss(monkeypatch, overrides):
     assert pure[3]["clip_ratio/avg"] > 0
 
 
+TRAINING_PATH_CONFIGS = {
+    **LOSS_CONFIGS,
+    "prox-from-update": {"recompute_logprob": True, "entropy_coeff": 0.02},
+    "seq-mean-token-mean": {"loss_agg_mode": "seq-mean-token-mean", "kl_ctl": 0.1, "kl_estimator": "k3"},
+    "dr-grpo": {"loss_agg_mode": "seq-mean-token-sum-norm", "entropy_coeff": 0.01},
+}
+
+
+@pytest.mark.parametrize("overrides", TRAINING_PATH_CONFIGS.values(), ids=TRAINING_PATH_CONFIGS.keys())
+def test_training_path_matches_the_logprobs_then_loss_path(monkeypatch, overrides):
+    """Gradients made in the head's forward (on its torch path here) == autograd through the loss."""
+    cfg = PPOActorConfig(path="unused", **overrides)
+    mb = _micro_batch(_head())
+    if overrides.get("recompute_logprob"):
+        del mb["prox_logp"]  # the proximal policy is this forward's own (prox_from_update)
+    stats_tracker.export(local=True)
+    pure = _run_ppo_loss(cfg, mb)
+    monkeypatch.setattr(ppo, "_grads_in_forward", lambda *args: True)
+    monkeypatch.setattr(ppo, "_loss_of_logprobs", _counted(ppo._loss_of_logprobs))
+    trained = _run_ppo_loss(cfg, mb)
+    assert ppo._loss_of_logprobs.calls == 1  # the statistics, from the detached logprobs
+    for name, got, want in zip(("loss", "grad_hidden", "grad_weight"), trained[:3], pure[:3]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert trained[3].keys() == pure[3].keys()
+    for key, want in pure[3].items():
+        assert trained[3][key] == pytest.approx(want, rel=1e-5, abs=1e-7), key
+
+
+def _counted(fn):
+    def wrapper(*args, **kwargs):
+        wrapper.calls += 1
+        return fn(*args, **kwargs)
+
+    wrapper.calls = 0
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    "overrides, taken",
+    [({}, True), ({"importance_sampling_level": "sequence"}, False), ({"loss": "my.module.loss"}, False),
+     ({"loss_agg_mode": "seq-mean-token-mean"}, True)],
+)  # fmt: skip
+def test_training_path_only_on_the_cuda_logprobs_and_per_token_losses(monkeypatch, overrides, taken):
+    cfg = PPOActorConfig(path="unused", **overrides)
+    assert not ppo._grads_in_forward(cfg, _head())  # CPU: the logprobs' torch path
+    monkeypatch.setattr(ppo, "logprobs_backend", lambda backend, hidden, weight: "cuda")  # as on a GPU
+    assert ppo._grads_in_forward(cfg, _head()) is taken
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("overrides", LOSS_CONFIGS.values(), ids=LOSS_CONFIGS.keys())

@@ -1,0 +1,202 @@
+"""The training path: a per-token loss of (logprob, entropy) over the LM head, with the gradients
+of hidden and weight computed inside the forward.
+
+``fused_logprobs_entropy`` under autograd costs 8·T·V·H FLOPs per step: 2 for the forward's
+logits, 2 to recompute them in the backward, 2 + 2 for the gradient GEMMs. When the loss is a
+sum of per-token terms ℓ_t(logprob_t, entropy_t) (PPO, GRPO, DAPO with token-level ratios, KL
+and entropy penalties), dL/dlogprob and dL/dentropy of a token are known as soon as its softmax
+statistics are, so :func:`fused_linear_token_loss` goes over the tokens in chunks and, per chunk:
+
+1. z = h_c · Wᵀ / τ ``[tc, V_local]`` (2·tc·V·H FLOPs), kept while the chunk is processed;
+2. its (max, sum exp, sum exp·(z - max), label logit), combined over the TP group with one MAX and
+   one SUM all-reduce of ``[tc]`` / ``[3, tc]`` (the softmax needs the whole vocabulary before
+   p_v can be formed, so the gradient GEMMs wait for them: with TP the chunk's logits stay in
+   memory over the two collectives instead of being recomputed);
+3. logprob and entropy, and the loss's per-token gradients g_lp, g_ent (``token_loss_fn`` under
+   autograd on ``[tc]`` vectors);
+4. dz = g_lp (1[v = y] - p) - g_ent p (z - E_p[z]) in z's storage, then dH_c = dz · W / τ and
+   dW += dzᵀ · h_c / τ (2 + 2·tc·V·H FLOPs).
+
+Total 6·T·V·H plus O(T·V) elementwise work, like the bare matmul's forward + backward and
+Liger's fused linear cross-entropy. The backward returns the stored gradients times the incoming
+scalar gradient. Memory: three fp32 chunk buffers ``[tc, V_local]`` (by default tc ≈ T·H/V_local
+tokens, so one buffer is about the size of fp32 hidden states), the fp32 gradients dH ``[T, H]``
+and dW ``[V_local, H]`` held from forward to backward, and an fp32 copy of a non-fp32 weight.
+The no-grad logprobs (``compute_logp``) keep using ``fused_logprobs_entropy``, which never holds
+more than a tile of logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.kernels._cuda import _addmm_fp32
+from megarl.kernels.logprob import _check_inputs, _resolve_shard, reduce_over_tp
+from megarl.kernels.reference import (
+    VocabShard,
+    _chunks,
+    _label_in_chunk,
+    _scaled_logits,
+    chunk_triple,
+    finalize_stats,
+    softmax_grad_,
+)
+
+TokenLossFn = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``fn(t0, t1, logprob [t1-t0], entropy [t1-t0]) -> per-token loss [t1-t0]`` of tokens [t0, t1).
+
+The loss is the sum of these terms over all tokens (a mean's denominator goes into the terms).
+``logprob`` and ``entropy`` are fp32 leaves requiring grad, the same on every TP rank; every
+other input of the loss is a constant. Called once per chunk, in token order."""
+
+
+@dataclass(frozen=True)
+class _Spec:
+    shard: VocabShard
+    inv_tau: float
+    tp_group: dist.ProcessGroup | None
+    tp_size: int
+    chunk_tokens: int
+    reduce_grad_hidden: bool
+
+
+def default_chunk_tokens(num_tokens: int, vocab_local: int, hidden_size: int) -> int:
+    """Liger's choice: a power of two near T·H/V, so a chunk's logits are about the size of the hidden states."""
+    per_chunk = math.ceil(num_tokens / math.ceil(vocab_local / hidden_size))
+    return max(1, min(num_tokens, 2 ** math.ceil(math.log2(max(per_chunk, 1)))))
+
+
+def _token_grads(fn: TokenLossFn, t0: int, t1: int, logprob, entropy) -> tuple[torch.Tensor, ...]:
+    """(sum of the chunk's loss terms, dL/dlogprob, dL/dentropy), all detached."""
+    lp = logprob.detach().requires_grad_(True)
+    ent = entropy.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss = fn(t0, t1, lp, ent).sum()
+        grads = torch.autograd.grad(loss, (lp, ent), allow_unused=True) if loss.requires_grad else (None, None)
+    g_lp, g_ent = (torch.zeros_like(lp) if g is None else g.float() for g in grads)
+    return loss.detach().float(), g_lp, g_ent
+
+
+def _local_stats(z: torch.Tensor, label_local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This shard's (m, s, u, label_logit) ``[tc]`` from its logits chunk z ``[tc, Vv]``, and the
+    label's (index clamped to the chunk, whether it lies there)."""
+    tc, valid = z.shape
+    if valid == 0:  # an all-padding shard is an empty part of the vocabulary
+        empty = z.new_zeros(tc)
+        return empty - math.inf, empty, empty, empty, label_local.new_zeros(tc), label_local < 0
+    idx, inside = _label_in_chunk(label_local, 0, valid)
+    label_logit = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), 0.0)
+    return *chunk_triple(z), label_logit, idx, inside
+
+
+def _logits_f32(h_c: torch.Tensor, w: torch.Tensor, inv_tau: float) -> torch.Tensor:
+    """z = h_c . w^T * inv_tau in fp32 [tc,Vv] (bf16 operands: fp32 output from cuBLAS)."""
+    if h_c.dtype == torch.float32:
+        return _scaled_logits(h_c, w, inv_tau)
+    return torch.mm(h_c, w.T, out_dtype=torch.float32).mul_(inv_tau)
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    else:
+        _addmm_fp32(acc, a, b)
+
+
+class _FusedLinearTokenLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, token_loss_fn: TokenLossFn, spec: _Spec):
+        shard, inv_tau = spec.shard, spec.inv_tau
+        num_tokens = hidden.shape[0]
+        # bf16 on a GPU: cuBLAS bf16 GEMMs accumulating in fp32 (dz rounded to bf16, as the CUDA
+        # backward's); elsewhere fp32 GEMMs (an fp32 copy of a bf16 weight)
+        low = hidden.is_cuda and hidden.dtype == weight.dtype == torch.bfloat16
+        w = weight[: shard.valid] if low else weight[: shard.valid].float()  # [Vv,H]
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        opts = {"dtype": torch.float32, "device": hidden.device}
+        d_hidden = torch.zeros(hidden.shape, **opts) if need_hidden else None
+        d_weight = torch.zeros(weight.shape, **opts) if need_weight else None  # padding rows stay 0
+        logprob = torch.zeros(num_tokens, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros_like(logprob)
+        loss = logprob.new_zeros(())
+        label_local = labels - shard.start
+        hit = (labels >= 0) & (labels < shard.vocab_size)
+        for t0, t1 in _chunks(num_tokens, spec.chunk_tokens):
+            h_c = hidden[t0:t1] if low else hidden[t0:t1].float()  # [tc,H]
+            z = _logits_f32(h_c, w, inv_tau)  # [tc,Vv]
+            m, s, u, label_logit, idx, inside = _local_stats(z, label_local[t0:t1])
+            m, s, u, label_logit = reduce_over_tp(m, s, u, label_logit, spec.tp_group, spec.tp_size)
+            lp_c, ent_c, lse, mean_z = finalize_stats(m, s, u, label_logit, hit[t0:t1])
+            logprob[t0:t1], entropy[t0:t1] = lp_c, ent_c
+            loss_c, g_lp, g_ent = _token_grads(token_loss_fn, t0, t1, lp_c, ent_c)
+            loss += loss_c
+            g_lp = torch.where(hit[t0:t1], g_lp, 0.0)  # ignored labels: logprob is a constant 0
+            if shard.valid == 0:
+                continue
+            p = (z - lse[:, None]).exp_()
+            dz = softmax_grad_(z, p, mean_z, g_lp, g_ent, idx, inside).mul_(inv_tau)  # dL/dx [tc,Vv]
+            dz = dz.to(w.dtype)
+            if d_hidden is not None:
+                _accumulate(d_hidden[t0:t1], dz, w)
+            if d_weight is not None:
+                _accumulate(d_weight[: shard.valid], dz.T, h_c)  # fp32 accumulation over chunks
+        if d_hidden is not None and spec.tp_size > 1 and spec.reduce_grad_hidden:
+            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=spec.tp_group)
+        ctx.grads = (d_hidden, d_weight)  # not inputs or outputs: plain attributes
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(logprob, entropy)
+        return loss, logprob, entropy
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_logprob, _g_entropy):
+        (d_hidden, d_weight), (hidden_dtype, weight_dtype) = ctx.grads, ctx.dtypes
+        del ctx.grads  # freed with the graph's other buffers, not with ctx
+        g = g_loss.float()
+        d_hidden = None if d_hidden is None else (d_hidden * g).to(hidden_dtype)
+        d_weight = None if d_weight is None else (d_weight * g).to(weight_dtype)
+        return d_hidden, d_weight, None, None, None
+
+
+def fused_linear_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_loss_fn: TokenLossFn,
+    tp_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    *,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_grad_hidden: bool = True,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Σ_t token_loss_fn(logprob_t, entropy_t), differentiable wrt hidden and weight at 6·T·V·H FLOPs.
+
+    Args:
+        hidden: ``[T, H]`` final hidden states; weight: this rank's LM-head shard ``[V_local, H]``;
+            labels: ``[T]`` global token ids (outside ``[0, vocab_size)``: logprob 0, no gradient).
+        token_loss_fn: the per-token loss terms (:data:`TokenLossFn`).
+        tp_group, temperature, vocab_start, vocab_size, reduce_grad_hidden: as
+            :func:`megarl.kernels.fused_logprobs_entropy`.
+        chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`); peak memory is
+            three fp32 ``[chunk_tokens, V_local]`` buffers.
+
+    Returns:
+        (loss 0-d fp32 with the gradients attached, logprob [T], entropy [T]); the last two are
+        detached (for statistics) and the same on every TP rank.
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"expected hidden [T, H], got {tuple(hidden.shape)}")
+    _check_inputs(hidden, weight, labels, temperature)
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    shard, tp_size = _resolve_shard(weight.shape[0], tp_group, vocab_start, vocab_size)
+    tokens = chunk_tokens or default_chunk_tokens(hidden.shape[0], weight.shape[0], hidden.shape[1])
+    spec = _Spec(shard, 1.0 / temperature, tp_group, tp_size, tokens, reduce_grad_hidden)
+    return _FusedLinearTokenLoss.apply(hidden, weight, labels, token_loss_fn, spec)

@@ -1,0 +1,203 @@
+"""The training path (fused_linear_token_loss: gradients computed inside the forward) against plain
+torch autograd on full float64 logits, its FLOP count (6·T·V·H), its memory, and TP=2 over gloo."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megarl.kernels import fused_logprobs_entropy
+from megarl.kernels.linear_loss import default_chunk_tokens, fused_linear_token_loss
+
+from .test_fused_logprob_reference import _MaxNumel, make_case, naive
+
+
+def _coefs(T: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, T, generator=g, dtype=torch.float64)
+
+
+def _terms(coefs: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+    """A nonlinear per-token loss of both inputs, as PPO's ratio and an entropy bonus are."""
+    a, b, c, d = (x.to(lp.dtype) for x in coefs)
+    return a * torch.exp(0.3 * (lp - b)) + c * ent + 0.1 * d * lp * ent
+
+
+def _fused(hidden, weight, labels, coefs, **kwargs):
+    hidden = hidden.detach().clone().requires_grad_(True)
+    weight = weight.detach().clone().requires_grad_(True)
+    loss, lp, ent = fused_linear_token_loss(
+        hidden, weight, labels, lambda t0, t1, lp, ent: _terms(coefs[:, t0:t1], lp, ent), **kwargs
+    )
+    loss.backward()
+    return loss.detach(), lp, ent, hidden.grad, weight.grad
+
+
+def _autograd_f64(hidden, weight, labels, coefs, temperature=1.0, vocab_size=None):
+    """Plain autograd through the [T, V] float64 logits."""
+    hidden = hidden.detach().double().requires_grad_(True)
+    weight = weight.detach().double().requires_grad_(True)
+    vocab = weight.shape[0] if vocab_size is None else vocab_size
+    lp, ent = naive(hidden, weight, labels, temperature, vocab, dtype=torch.float64)
+    loss = _terms(coefs, lp, ent).sum()
+    loss.backward()
+    return loss.detach(), lp.detach(), ent.detach(), hidden.grad, weight.grad
+
+
+def _assert_close(got, want, atol=2e-5, rtol=2e-5):
+    for name, a, b in zip(("loss", "logprob", "entropy", "grad_hidden", "grad_weight"), got, want):
+        torch.testing.assert_close(a.double(), b, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    T=st.integers(1, 40),
+    H=st.integers(1, 24),
+    rows=st.integers(2, 60),
+    pad=st.integers(0, 5),
+    temperature=st.sampled_from([1.0, 0.6, 1.7]),
+    chunk_tokens=st.integers(1, 48),
+)
+def test_matches_autograd_on_float64_logits(seed, T, H, rows, pad, temperature, chunk_tokens):
+    pad = min(pad, rows - 1)
+    hidden, weight, labels, vocab, _ = make_case(seed, T, H, rows, pad)
+    coefs = _coefs(T, seed)
+    got = _fused(hidden, weight, labels, coefs, temperature=temperature, vocab_size=vocab, chunk_tokens=chunk_tokens)
+    _assert_close(got, _autograd_f64(hidden, weight, labels, coefs, temperature, vocab))
+    assert torch.all(got[4][vocab:] == 0), "padding rows must get zero gradient"
+
+
+def test_backward_scales_the_stored_gradients_by_grad_output():
+    hidden, weight, labels, vocab, _ = make_case(1, 20, 8, 30, 2)
+    coefs = _coefs(20, 1)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    loss, _, _ = fused_linear_token_loss(h, w, labels, lambda t0, t1, lp, ent: _terms(coefs[:, t0:t1], lp, ent),
+                                         vocab_size=vocab, chunk_tokens=7)  # fmt: skip
+    (-2.5 * loss).backward()
+    want = _autograd_f64(hidden, weight, labels, coefs, vocab_size=vocab)
+    torch.testing.assert_close(h.grad.double(), -2.5 * want[3], atol=5e-5, rtol=2e-5)
+    torch.testing.assert_close(w.grad.double(), -2.5 * want[4], atol=5e-5, rtol=2e-5)
+
+
+def test_bf16_operands_give_bf16_gradients_of_the_fp32_computation():
+    hidden, weight, labels, vocab, _ = make_case(2, 33, 16, 40, 3)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    coefs = _coefs(33, 2)
+    got = _fused(hidden, weight, labels, coefs, temperature=0.8, vocab_size=vocab, chunk_tokens=8)
+    assert got[3].dtype == got[4].dtype == torch.bfloat16
+    want = _autograd_f64(hidden, weight, labels, coefs, 0.8, vocab)
+    _assert_close(got[:3], want[:3])
+    for a, b in zip(got[3:], want[3:]):  # fp32 results rounded once to bf16
+        torch.testing.assert_close(a, b.bfloat16(), atol=1e-2, rtol=1e-2)
+
+
+class _MatmulFlops(TorchDispatchMode):
+    """2·m·n·k of every matrix product, in-place ones included (FlopCounterMode skips addmm_)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_", "matmul", "bmm"):
+            a, b = args[-2], args[-1]
+            self.flops += 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
+        return func(*args, **(kwargs or {}))
+
+
+def test_flops_are_six_t_v_h_where_recomputing_in_backward_costs_eight():
+    T, H, V = 64, 32, 96
+    hidden, weight, labels, _, _ = make_case(3, T, H, V, 0)
+    coefs = _coefs(T, 3)
+
+    def count(fn) -> int:
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        with _MatmulFlops() as counter:
+            fn(h, w).backward()
+        return counter.flops
+
+    def training_path(h, w):
+        return fused_linear_token_loss(h, w, labels, lambda t0, t1, lp, ent: _terms(coefs[:, t0:t1], lp, ent),
+                                       chunk_tokens=16)[0]  # fmt: skip
+
+    def logprobs_then_loss(h, w):
+        lp, ent = fused_logprobs_entropy(h, w, labels, chunk_tokens=16, chunk_vocab=32, backend="torch")
+        return _terms(coefs, lp, ent).sum()
+
+    assert count(training_path) == 6 * T * V * H
+    assert count(logprobs_then_loss) == 8 * T * V * H
+
+
+def test_memory_is_bounded_by_a_chunk():
+    T, H, V, ct = 64, 4, 256, 8
+    hidden, weight, labels, _, _ = make_case(5, T, H, V, 0)
+    coefs = _coefs(T, 5)
+    with _MaxNumel() as probe:
+        _fused(hidden, weight, labels, coefs, chunk_tokens=ct)
+    # the parameters' gradients ([V,H] = 1024) and one chunk of logits [ct,V] = 2048 < [T,V]
+    assert probe.max_numel <= max(V * H, T * H, ct * V) < T * V
+
+
+def test_default_chunk_holds_about_the_hidden_states():
+    assert default_chunk_tokens(8192, 152064 // 2, 4096) == 512  # V/H -> 19, 8192/19 -> 432 -> 512
+    assert default_chunk_tokens(5, 1000, 64) == 1
+    assert default_chunk_tokens(100, 10, 64) == 100  # V < H: one chunk
+
+
+def test_ignored_labels_give_no_logprob_gradient():
+    hidden, weight, labels, vocab, _ = make_case(6, 10, 8, 20, 0)
+    labels[:] = -100
+    got = _fused(hidden, weight, labels, _coefs(10, 6), chunk_tokens=3)
+    want = _autograd_f64(hidden, weight, labels, _coefs(10, 6))
+    assert torch.all(got[1] == 0)
+    _assert_close(got, want)
+
+
+# ------------------------------------------------------------------------ TP = 2 over gloo
+
+WORLD = 2
+TP_CASES = [(6, 11), (4, 3)]  # rows per rank, real vocab: rank 1 padded; then rank 1 all padding
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        group = dist.new_group([0, 1])
+        for rows, vocab in TP_CASES:
+            g = torch.Generator().manual_seed(rows * 100 + vocab)
+            T, H = 13, 8
+            hidden = torch.randn(T, H, generator=g)
+            weight = torch.randn(rows * WORLD, H, generator=g) * 0.7  # [V_padded,H]
+            labels = torch.randint(0, vocab, (T,), generator=g)
+            labels[0], labels[1] = -100, vocab - 1
+            coefs = _coefs(T, rows)
+            want = _autograd_f64(hidden, weight, labels, coefs, 0.8, vocab)
+            shard = weight[rank * rows : (rank + 1) * rows]
+            kwargs = dict(tp_group=group, temperature=0.8, vocab_size=vocab, chunk_tokens=5)
+            got = _fused(hidden, shard, labels, coefs, **kwargs)
+            own = slice(rank * rows, (rank + 1) * rows)
+            _assert_close(got, (*want[:4], want[4][own]))
+            partial = _fused(hidden, shard, labels, coefs, reduce_grad_hidden=False, **kwargs)[3]
+            dist.all_reduce(partial, group=group)
+            torch.testing.assert_close(partial.double(), want[3], atol=2e-5, rtol=2e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_two_rank_vocab_parallel_equals_float64_autograd():
+    mp.spawn(_tp_worker, args=(_free_port(),), nprocs=WORLD, join=True)
