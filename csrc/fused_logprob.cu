@@ -53,7 +53,7 @@ __device__ __forceinline__ void fold_tile(Stats (&st)[MI][2], const int (&label)
       fold_row<2 * NI>(
           st[mi][half], [&](int i) { return acc.v[mi][i / 2][2 * half + i % 2]; },
           [&](int i) { return n0 + tile_col(wn, lane, i / 2, i % 2); }, valid_v, inv_tau,
-          label[mi][half], row < T ? label_logit + row : nullptr);
+          label[mi][half], row < T ? label_logit + row : nullptr, n0, BN);
     }
   }
 }

@@ -79,7 +79,7 @@ struct ForwardEpilogue {
       fold_row<kAccRegs / 2>(
           st[h], [&](int i) { return acc[Fragment::reg(h, i / 2, i % 2)]; },
           [&](int i) { return n0 + frag.col(i / 2, i % 2); }, a.valid_v, a.inv_tau, label[h],
-          row < a.T ? a.label_logit + row : nullptr);
+          row < a.T ? a.label_logit + row : nullptr, n0, BN);
     }
   }
 

@@ -53,12 +53,55 @@ __device__ __forceinline__ Stats quad_merge(Stats x) {
   return merge(x, shfl_xor(x, 2));
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The fast path of fold_row: every column valid and none of them the label, so no per-column
+// test. z - m is formed in log2 units by one FMA per logit (temperature and log2(e) folded into
+// the scale, the max into the offset) and fed to exp2 (ex2.approx under --use_fast_math); four
+// independent partial sums keep the exp latency off one dependency chain.
+template <int N, class Value>
+__device__ __forceinline__ void fold_row_full(Stats& st, Value value, float inv_tau) {
+  static_assert(N % 4 == 0, "the fast path folds 4 columns at a time");
+  float mx[4] = {value(0), value(1), value(2), value(3)};
+#pragma unroll
+  for (int i = 4; i < N; i += 4)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) mx[j] = fmaxf(mx[j], value(i + j));
+  // inv_tau > 0: the max of the raw logits scales to the max of z
+  const float m = fmaxf(st.m, fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3])) * inv_tau);
+  const float scale = inv_tau * kLog2e;
+  const float offset = -m * kLog2e;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  float u[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < N; i += 4)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float d2 = fmaf(value(i + j), scale, offset);  // (z - m) * log2(e)
+      const float e = exp2f(d2);
+      s[j] += e;
+      u[j] = fmaf(e, d2, u[j]);
+    }
+  const Stats t{m, (s[0] + s[1]) + (s[2] + s[3]), ((u[0] + u[1]) + (u[2] + u[3])) * kLn2};
+  st = merge(st, t);
+}
+
 // Fold N logits of one token row into its running triple. value(i) is the raw logit (before
-// temperature) and column(i) its row of the vocab shard; columns >= valid_v are padding and
-// skipped. The label logit (in units of z) is stored where column(i) == label.
+// temperature) and column(i) its row of the vocab shard, all within the tile's columns
+// [tile_begin, tile_begin + tile_width); columns >= valid_v are padding and skipped. The label
+// logit (in units of z) is stored where column(i) == label. A tile wholly valid that does not
+// hold the label column takes fold_row_full; the others (the label's tile, the shard's last
+// partial tile) test every column.
 template <int N, class Value, class Column>
 __device__ __forceinline__ void fold_row(Stats& st, Value value, Column column, int valid_v,
-                                         float inv_tau, int label, float* label_logit) {
+                                         float inv_tau, int label, float* label_logit,
+                                         int tile_begin, int tile_width) {
+  const int tile_end = tile_begin + tile_width;
+  if (tile_end <= valid_v && (label < tile_begin || label >= tile_end)) {
+    fold_row_full<N>(st, value, inv_tau);
+    return;
+  }
   float tmax = -INFINITY;
 #pragma unroll
   for (int i = 0; i < N; ++i)

@@ -195,6 +195,31 @@ def test_forward_partials_and_label_logits(run_kernels, tmp_path, mainloop, T, H
         torch.testing.assert_close(logprob, _at_labels(log_p, local, hit), rtol=1e-5, atol=1e-5)
 
 
+# The forward's fast path (softmax_stats.cuh, fold_row_full) drops the per-column padding and label
+# tests in a tile that is wholly valid and does not hold the row's label. Here the padding rows give
+# logits far above the real ones, so a partial tile folded on the fast path shows in every statistic,
+# and the labels sit on the first and last columns of the tiles and in the last partial tile, so a
+# label tile folded on it leaves its label logit at 0. Other rows still fold those tiles fast.
+@pytest.mark.parametrize("mainloop", MAINLOOPS)
+def test_forward_fast_path_only_on_full_tiles_without_the_label(run_kernels, tmp_path, mainloop):
+    tile = TILE_VOCAB[mainloop]
+    T, H, valid, tau = 130, 24, 2 * tile + 3, 0.7
+    rows = valid + 9
+    hidden, weight, _ = _operands(T, H, rows, 0, valid, seed=11)
+    weight[valid:] *= 64  # padding logits ~64x the real ones
+    edges = [0, tile - 1, tile, 2 * tile - 1, 2 * tile, valid - 1]
+    labels = torch.tensor(edges * (T // len(edges) + 1))[:T]
+    inv_tau = _f32(1 / tau)
+    _run(run_kernels, tmp_path, ["forward", mainloop], [T, H, rows, valid, 0, repr(inv_tau), 1],
+         {"hidden": hidden, "weight": weight, "labels": labels})  # fmt: skip
+    part = _read(tmp_path, "part", torch.float32, 3, 1, T).double()
+    label_logit = _read(tmp_path, "label_logit", torch.float32, T).double()
+    z = _logits(hidden, weight, valid, inv_tau)
+    for got, want in zip(part[:, 0], _triple(z)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(label_logit, z.gather(1, labels[:, None]).squeeze(1), rtol=1e-5, atol=1e-5)
+
+
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     """The spacing of bf16 numbers at x (8 significant bits)."""
     _, exponent = torch.frexp(x)
