@@ -2,14 +2,18 @@
 
 Variants per shape (T tokens, H hidden, V vocab):
   naive    matmul -> log_softmax -> gather ([T, V] fp32 logits materialised)
-  chunked  megarl.kernels, torch path (chunks of 1024 tokens x 4096 vocab, fp32)
+  chunked  megarl.kernels, torch path (chunks of 1024 tokens x 4096 vocab, fp32); its backward
+           recomputes the logits: 8 T V H FLOPs executed for fwd+bwd
+  train    the training path, megarl.kernels.linear_loss (gradients made in the forward, token
+           chunks of ~T H / V tokens, torch): fwd+bwd only, 6 T V H FLOPs executed
   cuda     megarl.kernels, CUDA kernels (GPU only; on Hopper the TMA + wgmma mainloop)
   cuda_sm80  the same kernels with the mma.sync mainloop forced (Hopper only, for comparison)
   liger    Liger-Kernel's fused linear cross entropy, summed (GPU only, when installed;
            it computes its gradients inside the forward, so only its fwd+bwd row is comparable)
   matmul   a bare [T,H] x [H,V] GEMM (fwd) and the three GEMMs of a linear layer's fwd+bwd:
            the ceiling
-FLOPs are model FLOPs: 2 T V H for fwd, 6 T V H for fwd+bwd (recomputation not counted).
+FLOPs are model FLOPs: 2 T V H for fwd, 6 T V H for fwd+bwd (recomputation not counted);
+``bwd_recompute`` says which variants execute 2 T V H more (8 T V H in all).
 
 On a GPU: bf16 inputs, CUDA-event timing (median of repeats after a warm-up), peak extra
 memory = torch.cuda.max_memory_allocated during the call minus what was allocated before it
@@ -73,6 +77,13 @@ def _step(variant: str, hidden, weight, labels, backward: bool):
 
         LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, labels).backward()
         return
+    if variant == "train":
+        from megarl.kernels.linear_loss import fused_linear_token_loss
+
+        loss = fused_linear_token_loss(h, w, labels, lambda t0, t1, lp, ent: lp + ent)[0]
+        if backward:
+            loss.backward()
+        return
     if variant == "naive":
         logp, ent = logprobs_entropy_naive(h, w, labels)
     elif variant == "chunked":
@@ -93,6 +104,7 @@ def _row(device, T, H, V, variant, tp, passes: dict, elem_bytes: int) -> dict:
         row[f"{name}_TFLOP/s"] = None if ms is None else flops / (ms * 1e-3) / 1e12
         row[f"{name}_extra_MiB"] = extra_mib
         row[f"{name}_extra/logits_%"] = None if extra_mib is None else 100 * extra_mib / logits_mib
+    row["bwd_recompute"] = variant in ("chunked", "cuda", "cuda_sm80")
     row["fp32_logits_MiB"] = logits_mib
     row["grads_MiB"] = (V + T) * H * elem_bytes / MIB  # dW + dH, inside every fwd+bwd extra
     return row
@@ -114,6 +126,9 @@ def _measure_cpu(variant: str, T: int, H: int, V: int, repeats: int) -> dict:
     base = _rss_bytes()
     result = {}
     for name, backward in (("fwd", False), ("fwd+bwd", True)):
+        if variant == "train" and not backward:  # it has no forward without gradients
+            result[name] = (None, None)
+            continue
         _step(variant, hidden, weight, labels, backward)  # cold run: sets the high-water mark
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         times = []
@@ -129,7 +144,7 @@ def _run_cpu(quick: bool) -> list[dict]:
     rows = []
     ctx = multiprocessing.get_context("spawn")
     for T, H, V in CPU_SHAPES_QUICK if quick else CPU_SHAPES:
-        for variant in ("naive", "chunked", "matmul"):
+        for variant in ("naive", "chunked", "train", "matmul"):
             with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
                 passes = pool.submit(_measure_cpu, variant, T, H, V, 1 if quick else 2).result()
             rows.append(_row("cpu", T, H, V, variant, 1, passes, elem_bytes=4))
@@ -169,7 +184,7 @@ def _cuda_variants() -> list[str]:
 
 
 def _gpu_variants() -> list[str]:
-    variants = ["naive", "chunked", *_cuda_variants(), "matmul"]
+    variants = ["naive", "chunked", "train", *_cuda_variants(), "matmul"]
     try:
         import liger_kernel  # noqa: F401
 
@@ -189,10 +204,10 @@ def _run_gpu(quick: bool) -> list[dict]:
             for variant in _gpu_variants() if tp == 1 else [*_cuda_variants(), "matmul"]:
                 passes = {}
                 for name, backward in (("fwd", False), ("fwd+bwd", True)):
-                    if variant == "liger" and not backward:
+                    if variant in ("liger", "train") and not backward:
                         passes[name] = (None, None)
                     else:
-                        slow = variant in ("naive", "chunked")  # fp32 SIMT GEMMs: fewer repeats
+                        slow = variant in ("naive", "chunked", "train")  # torch paths: fewer repeats
                         passes[name] = _measure_gpu(variant, hidden, weight, labels, backward, 2 if slow else repeats)
                 rows.append(_row(device, T, H, V // tp, variant, tp, passes, elem_bytes=2))
             del hidden, weight, labels

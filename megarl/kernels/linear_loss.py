@@ -65,10 +65,16 @@ class _Spec:
     reduce_grad_hidden: bool
 
 
+MIN_CHUNK_TOKENS = 256
+"""Each chunk adds into all of dW [V_local, H]: fewer tokens than this make that pass, not the GEMMs, the cost."""
+
+
 def default_chunk_tokens(num_tokens: int, vocab_local: int, hidden_size: int) -> int:
-    """Liger's choice: a power of two near T·H/V, so a chunk's logits are about the size of the hidden states."""
+    """Liger's choice, a power of two near T·H/V (a chunk's logits about the size of the hidden
+    states), but at least :data:`MIN_CHUNK_TOKENS`."""
     per_chunk = math.ceil(num_tokens / math.ceil(vocab_local / hidden_size))
-    return max(1, min(num_tokens, 2 ** math.ceil(math.log2(max(per_chunk, 1)))))
+    tokens = max(MIN_CHUNK_TOKENS, 2 ** math.ceil(math.log2(max(per_chunk, 1))))
+    return max(1, min(num_tokens, tokens))
 
 
 def _token_grads(fn: TokenLossFn, t0: int, t1: int, logprob, entropy) -> tuple[torch.Tensor, ...]:

@@ -148,7 +148,8 @@ def test_memory_is_bounded_by_a_chunk():
 
 def test_default_chunk_holds_about_the_hidden_states():
     assert default_chunk_tokens(8192, 152064 // 2, 4096) == 512  # V/H -> 19, 8192/19 -> 432 -> 512
-    assert default_chunk_tokens(5, 1000, 64) == 1
+    assert default_chunk_tokens(512, 152064, 256) == 256  # not 1: each chunk passes over all of dW
+    assert default_chunk_tokens(5, 1000, 64) == 5
     assert default_chunk_tokens(100, 10, 64) == 100  # V < H: one chunk
 
 
