@@ -85,6 +85,7 @@ def test_saved_config_is_concrete_and_not_decided_again(cpu, tmp_path, caplog):
     path = save_config(_config(), tmp_path / "config.yaml")
     assert "dtype: auto" not in path.read_text()
     cpu(SAPPHIRE_RAPIDS)  # a trainer on another machine reads the launcher's decision
+    caplog.clear()  # the launcher's own decision above is logged too (when INFO is enabled)
     with caplog.at_level(logging.INFO, logger="megarl.config"):
         again = build_config(GRPOConfig, [str(path)], [])
     decided = [r.getMessage() for r in caplog.records if "dtype" in r.getMessage()]
