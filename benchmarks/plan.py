@@ -21,9 +21,9 @@ share the machine's two cores (on separate GPUs this is 1). It writes
 
 Without ``--calibrate`` it predicts each layout of ``LAYOUTS`` from those files
 (:func:`megarl.plan.predict`) and measures it ``REPEATS`` times in fresh runs, none of them a
-calibration run. The first three layouts were calibrated (in other runs): they check the model's
-sums and the run-to-run noise. The last, ``static`` asynchronous with twice the batch, was not: it
-tests the model on a workload the rates never saw. ``pred step s, f=1`` is the prediction without
+calibration run. The first layout was calibrated (in other runs): it checks the model's sums and
+the run-to-run noise. The others, with twice the batch (synchronous on either thread policy, and
+``static`` asynchronous), were not: they test the model on workloads the rates never saw. ``pred step s, f=1`` is the prediction without
 the measured contention (what the model predicts from synchronous runs alone). The machine is
 shared with other work: numbers move from run to run.
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "gsm8k_grpo_cpu.yaml"
 ALLOCATION = "vllm:d1t1+megatron:d1p1t1"
 POLICIES = ("static", "shared")
-LAYOUTS = [("static", 0, 2), ("shared", 0, 2), ("static", 1, 2), ("static", 1, 4)]
+LAYOUTS = [("static", 0, 2), ("static", 0, 4), ("shared", 0, 4), ("static", 1, 4)]
 """(cluster.cpu_threads, rollout.max_staleness, train_dataset.batch_size) of each validated layout."""
 REPEATS = 2
 STEPS, WARMUP = 5, 2
@@ -72,13 +73,18 @@ def measure(policy: str, staleness: int, root: Path, trial: str, batch_size: int
         "actor.skip_zero_advantage=false", "gconfig.min_new_tokens=${gconfig.max_new_tokens}",
         f"train_dataset.batch_size={batch_size}",
     ]  # fmt: skip
+    metrics = root / "gsm8k-grpo-cpu" / trial / "metrics.jsonl"
+    if metrics.is_file() and len(metrics.read_text().splitlines()) == steps:
+        return [json.loads(line) for line in metrics.read_text().splitlines()][WARMUP:]  # done by an earlier call
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(CONFIG), *overrides]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"megarl run ({trial}) failed:\n{(result.stdout + result.stderr)[-4000:]}")
-    lines = (root / "gsm8k-grpo-cpu" / trial / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines][WARMUP:]
+    for attempt in range(2):  # on a shared machine a run may be killed for memory: run it again once
+        shutil.rmtree(metrics.parent, ignore_errors=True)
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        if result.returncode == 0:
+            return [json.loads(line) for line in metrics.read_text().splitlines()][WARMUP:]
+        sys.stderr.write(f"megarl run ({trial}) failed (attempt {attempt + 1}):\n{(result.stdout + result.stderr)[-1500:]}\n")
+    raise RuntimeError(f"megarl run ({trial}) failed twice:\n{(result.stdout + result.stderr)[-4000:]}")
 
 
 def _sum(steps: list[dict], key: str) -> float:
@@ -164,11 +170,12 @@ def run(quick: bool) -> list[dict]:
     write_gpu_plan()
     layouts, repeats = (LAYOUTS[:1], 1) if quick else (LAYOUTS, REPEATS)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="megarl_plan_") as tmp:
-        for policy, staleness, batch in layouts:
-            runs = [measure(policy, staleness, Path(tmp), f"{policy}-s{staleness}-b{batch}-{i}", batch)
-                    for i in range(repeats)]  # fmt: skip
-            rows.append(_row(policy, staleness, batch, load_rates(rates_path(policy)), runs))
+    # runs are kept there until the table is written: a call after a failure resumes
+    root = Path(tempfile.gettempdir()) / "megarl_plan_runs"
+    for policy, staleness, batch in layouts:
+        runs = [measure(policy, staleness, root, f"{policy}-s{staleness}-b{batch}-{i}", batch) for i in range(repeats)]
+        rows.append(_row(policy, staleness, batch, load_rates(rates_path(policy)), runs))
+    shutil.rmtree(root, ignore_errors=True)
     return rows
 
 

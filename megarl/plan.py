@@ -292,8 +292,8 @@ def assumptions(rates: Rates, work: Workload, max_staleness: int) -> list[str]:
         f"rates: {rates.source}",
         f"one server: {servers}",
         f"one trainer replica (recompute + update): {trainers}; DP efficiency {rates.dp_efficiency:g} per doubling",
-        f"weight sync: {sync_seconds(rates):.2f} s; other per-step overhead {rates.overhead_s:.2f} s; "
-        f"rollout and training {rates.overlap_slowdown:.2f}x slower while they overlap",
+        (f"weight sync: {sync_seconds(rates):.2f} s; other per-step overhead {rates.overhead_s:.2f} s; "
+         f"rollout and training {rates.overlap_slowdown:.2f}x slower while they overlap"),
         (f"step: {work.prompts} prompts x {work.samples} samples, {work.prompt_tokens:.0f} prompt + "
          f"{work.gen_tokens:.0f} generated tokens each (max {work.max_new_tokens}); {mode}"),
     ]  # fmt: skip
