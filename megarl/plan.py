@@ -170,10 +170,12 @@ def predict(rates: Rates, work: Workload, alloc: AllocationMode, max_staleness: 
     """The step time of ``alloc`` and how much of the rollout hides behind training."""
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-    rollout = rollout_seconds(rates, work, alloc, synchronous=max_staleness == 0)
+    # colocated parts (``|``) take turns on their devices: nothing overlaps, whatever the staleness bound
+    turns = max_staleness == 0 or alloc.colocated
+    rollout = rollout_seconds(rates, work, alloc, synchronous=turns)
     train = train_seconds(rates, work, alloc)
     sync = sync_seconds(rates)
-    if max_staleness == 0:
+    if turns:
         step, overlap = rollout + train + sync + rates.overhead_s, 0.0
     else:
         # both run slowed while they overlap (the shorter phase's length), then the longer alone

@@ -9,11 +9,13 @@ The walkthrough's "Putting It All Together", SPMD over the trainer ranks. One st
 1. ``prepare_batch``: DP heads take ``batch_size`` accepted groups from their rollout
    pools (episodes keep running in the background, at most ``rollout.max_staleness``
    versions behind; 0 is synchronous RL), re-split across DP ranks, broadcast to TP/PP peers;
+   colocated (``vllm:d1t1|megatron:d1p1t1``): then the servers sleep, freeing the devices;
 2. ``compute_logp``: the proximal policy's logprobs (decoupled PPO; with one mini-batch and
    one epoch the update's own forward gives them) and the reference's (KL); with a critic
    (``algorithm.adv_estimator: gae``) its ``compute_values``;
 3. ``compute_advantages`` and ``ppo_update`` (the critic's too), then the LR steps;
-4. ``update_weights``: pause rollout, stream weights to the servers, bump versions, resume;
+4. ``update_weights``: (colocated: wake the servers) pause rollout, stream weights to the servers,
+   bump versions, resume;
 5. saver, recover point, evaluator, stats → StatsLogger (console, wandb, tensorboard, curves.png).
 """
 
@@ -103,6 +105,9 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     if t.rollout is not None:
         with stats_tracker.scope("rollout"):
             stats_tracker.scalar(server_restarts=float(t.rollout.restarts_seen))  # the run's, so far
+    if t.config.allocation.colocated:
+        with phase(t, "sleep_servers"):
+            sleep_servers(t)
     if t.actor.needs_prox_pass():  # else ppo_update's own forward gives them
         with phase(t, "recompute_logp"):
             batch["prox_logp"] = t.actor.compute_logp(batch)
@@ -121,6 +126,8 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
             ppo_stats += t.critic.ppo_update(batch)
             t.critic.step_lr_scheduler()
     with phase(t, "update_weights", servers_paused=True):
+        if t.config.allocation.colocated and t.rollout is not None:
+            t.rollout.wake()  # memory back first; the update pushes the new weights, then resumes them
         sync_stats = t.actor.update_weights(replace(t.weight_meta, version=global_step + 1))
     record_batch_stats(batch, sync_stats)
     epoch, epoch_step = t.position(global_step)
@@ -134,6 +141,14 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     stats.update(eval_stats() or {})
     warn_on_gap(t, stats)
     return stats
+
+
+def sleep_servers(t: Trainer) -> None:
+    """Colocated placement: the servers stop (in-flight generations continue after the weight update)
+    and free their devices' memory; every rank waits until all have, then computes on every core."""
+    if t.rollout is not None:
+        t.rollout.sleep()
+    dist.barrier()
 
 
 def readmit_servers(t: Trainer) -> None:

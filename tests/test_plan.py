@@ -59,6 +59,11 @@ def test_asynchronous_step_hides_the_shorter_phase():
     assert p.overlap_pct == pytest.approx(100 * 5.5 / 10)
 
 
+def test_colocated_parts_take_turns_whatever_the_staleness():
+    p = predict(rates(), WORK, alloc("vllm:d1t1|megatron:d1p1t1"), max_staleness=2)
+    assert p.step_s == pytest.approx(23.5) and p.overlap_s == 0
+
+
 def test_overlap_slowdown_charges_the_overlapped_seconds():
     work = Workload(2, 5, 10, 50, 200)  # rollout 5 s overlaps a 600/110 s training
     p = predict(rates(overlap_slowdown=1.4), work, alloc("vllm:d1t1+megatron:d1p1t1"), max_staleness=1)

@@ -15,15 +15,16 @@ Training part: ``megatron:`` then ``d`` (data), ``p`` (pipeline), ``t`` (tensor)
 optionally ``e`` (expert), ``et`` (expert tensor), ``v`` (virtual pipeline stages
 per rank), ``c`` (context). Omitted sizes are 1, except ``et`` which defaults to
 ``t`` as in Megatron-Core. ``+`` joins disaggregated parts (separate devices).
-``|`` joins colocated parts (shared devices); that form is parsed but not
-supported yet. Either part may stand alone (inference-only evaluation, or
-training without rollout).
+``|`` joins colocated parts: servers and trainer share the same devices and take
+turns (``vllm:d2t1|megatron:d2p1t1``: two servers and two trainer ranks on two
+devices; both parts must use the same number of devices). Either part may stand
+alone (inference-only evaluation, or training without rollout).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 INFERENCE_BACKENDS = ("vllm", "sglang")
@@ -128,6 +129,8 @@ class AllocationMode:
 
     inference: InferenceAllocation | None = None
     train: TrainingAllocation | None = None
+    colocated: bool = False
+    """Inference and training share their devices (``|``) and take turns on them."""
 
     @classmethod
     def from_str(cls, spec: str) -> "AllocationMode":
@@ -136,12 +139,14 @@ class AllocationMode:
 
     @property
     def world_size(self) -> int:
-        """Devices needed in all (the parts are disaggregated)."""
+        """Devices needed in all: the parts' sum, or one part's when they are colocated."""
+        if self.colocated:
+            return self.train.world_size
         inference = self.inference.world_size if self.inference else 0
         return inference + (self.train.world_size if self.train else 0)
 
     def __str__(self) -> str:
-        return "+".join(str(part) for part in (self.inference, self.train) if part is not None)
+        return ("|" if self.colocated else "+").join(str(p) for p in (self.inference, self.train) if p is not None)
 
 
 @dataclass(frozen=True)
@@ -175,13 +180,21 @@ def parse_allocation_mode(spec: str) -> AllocationMode:
     if not isinstance(spec, str) or not spec.strip():
         raise AllocationError(f"allocation_mode is empty ({spec!r}); expected e.g. 'vllm:d1t1+megatron:d1p1t1'")
     spec = spec.strip()
+    if "|" in spec and "+" in spec:
+        raise AllocationError(f"allocation_mode {spec!r}: use either '+' (separate devices) or '|' (shared), not both")
     if "|" in spec:
-        _parse_parts(spec.split("|"), spec)  # still reports syntax errors first
-        raise AllocationError(
-            f"allocation_mode {spec!r}: colocated placement ('|') is parsed but not supported yet; "
-            "use '+' to put inference and training on separate devices"
-        )
+        return _colocated(_parse_parts(spec.split("|"), spec), spec)
     return _parse_parts(spec.split("+"), spec)
+
+
+def _colocated(alloc: AllocationMode, spec: str) -> AllocationMode:
+    if alloc.inference.world_size != alloc.train.world_size:
+        raise AllocationError(
+            f"allocation_mode {spec!r}: colocated parts share their devices, so both must use the same number: "
+            f"inference '{alloc.inference}' uses {alloc.inference.world_size}, training '{alloc.train}' "
+            f"uses {alloc.train.world_size}"
+        )
+    return replace(alloc, colocated=True)
 
 
 def _parse_parts(parts: list[str], spec: str) -> AllocationMode:
@@ -272,7 +285,7 @@ def _validate_cluster(alloc: AllocationMode, n_nodes: int, per_node: int) -> Non
             f"allocation_mode '{alloc}': one {inf.backend} server needs t{inf.tp} x p{inf.pp} = "
             f"{inf.devices_per_server} devices, more than the {per_node} GPUs of one node"
         )
-    if n_nodes > 1 and inf is not None and alloc.train is not None:
+    if n_nodes > 1 and inf is not None and alloc.train is not None and not alloc.colocated:
         for name, part in (("inference", inf), ("training", alloc.train)):
             if part.world_size % per_node:
                 raise AllocationError(
@@ -282,6 +295,8 @@ def _validate_cluster(alloc: AllocationMode, n_nodes: int, per_node: int) -> Non
 
 
 def _devices_sum(alloc: AllocationMode) -> str:
+    if alloc.colocated:
+        return f"{alloc.world_size} (shared by '{alloc.inference}' and '{alloc.train}')"
     parts = [f"{p.world_size} ({p})" for p in (alloc.inference, alloc.train) if p is not None]
     return " + ".join(parts) + (f" = {alloc.world_size}" if len(parts) > 1 else "")
 

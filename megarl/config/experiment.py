@@ -404,6 +404,11 @@ class GRPOConfig(BaseExperimentConfig):
                 "rollout.return_routed_experts", True,
                 f"only SGLang servers report the experts they routed to (vLLM's /v1/completions does not); the "
                 f"allocation's servers are {alloc.inference.backend}", related=("allocation_mode",))  # fmt: skip
+        require(not (alloc.colocated and self.device == "cuda") or self.weight_update.modes == ("disk",),
+                "weight_update.mode", self.weight_update.mode,
+                "a colocated allocation on GPU puts a trainer rank and a server worker on one GPU, and NCCL cannot "
+                "join two ranks on the same GPU: use weight_update.mode=disk with weight_update.disk_path on local "
+                "storage (e.g. /dev/shm/megarl) and no extra_modes", related=("allocation_mode",))  # fmt: skip
         single = self.group_size == 1
         require(not (single and self.dynamic_filter == "uniform_reward"), "dynamic_filter", self.dynamic_filter,
                 "a group of one sample always has a uniform reward, so every group would be dropped: "

@@ -49,7 +49,7 @@ import psutil
 from megarl.config.experiment import GRPOConfig
 from megarl.config.loader import save_config
 from megarl.launcher.placement import Placement, plan_placement
-from megarl.launcher.serve import server_spec
+from megarl.launcher.serve import server_spec, servers_on_every_core
 from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
 from megarl.rollout.restarts import RESTARTS_FILE
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
@@ -251,10 +251,10 @@ def server_specs(config: GRPOConfig, plan: Placement) -> list[LaunchSpec]:
     if not plan.servers:
         return []
     ports = find_free_ports(len(plan.servers), host=_HOST)
-    shared = config.device == "cpu" and config.cluster.cpu_threads == "shared"
+    shared = servers_on_every_core(config)
     specs = []
     for slot, port in zip(plan.servers, ports, strict=True):
-        devices = sorted(os.sched_getaffinity(0)) if shared else list(slot.devices)  # servers run on every core
+        devices = sorted(os.sched_getaffinity(0)) if shared else list(slot.devices)
         spec = server_spec(config, slot.index, devices, _HOST, port)
         spec.env.update(config.launcher.env)
         specs.append(spec)
@@ -454,8 +454,9 @@ def trainer_env(config: GRPOConfig, plan: Placement, addrs: list[str]) -> dict[s
         if config.watchdog.enabled:
             env = {**flight_recorder_env(config.run_dir), **env}  # the user's launcher.env wins
     elif "OMP_NUM_THREADS" not in env:
-        # Servers are bound to their cores (vllm_launch_spec); ranks share the others.
-        server_cores = sum(len(slot.devices) for slot in plan.servers)
+        # Servers are bound to their cores (vllm_launch_spec); ranks share the others (all of them when
+        # colocated: the servers sleep while the trainer computes, and it waits while they generate).
+        server_cores = 0 if config.allocation.colocated else sum(len(slot.devices) for slot in plan.servers)
         free = len(os.sched_getaffinity(0)) - server_cores
         env["OMP_NUM_THREADS"] = str(max(1, free // max(1, plan.trainer_procs_per_node)))
     return env
@@ -710,10 +711,13 @@ def startup_lines(config: GRPOConfig, plan: Placement) -> list[str]:
         f"({auto_dtype(config.device)[1]})",
     ]
     if config.device == "cpu":
-        shared = config.cluster.cpu_threads == "shared"
+        shared = servers_on_every_core(config)
         cores = "; ".join(f"server-{s.index} on {'every core' if shared else 'cores ' + ','.join(map(str, s.devices))}"
                           for s in plan.servers)  # fmt: skip
         share = trainer_env(config, plan, [])["OMP_NUM_THREADS"]
         idle = ", every core while the servers idle" if config.cluster.cpu_threads != "static" else ""
-        lines.append(f"threads: {cores}; trainer {share} per rank{idle} (cluster.cpu_threads={config.cluster.cpu_threads})")
+        policy = f"cluster.cpu_threads={config.cluster.cpu_threads}"
+        if config.allocation.colocated:
+            idle, policy = "", "colocated: the servers sleep while it computes"
+        lines.append(f"threads: {cores}; trainer {share} per rank{idle} ({policy})")
     return lines

@@ -2,7 +2,8 @@
 
 One node: servers take the first devices, the trainer the rest. Several nodes: the
 inference part takes whole nodes first, the trainer the remaining ones (the
-allocation check guarantees each part fills whole nodes). The same plan drives the
+allocation check guarantees each part fills whole nodes). Colocated (``|``): servers
+and trainer ranks both start at the first device of the first node and share them. The same plan drives the
 local launcher and the rendered sbatch script, so both place things identically.
 """
 
@@ -47,6 +48,8 @@ def plan_placement(alloc: AllocationMode, n_nodes: int, n_gpus_per_node: int) ->
             servers.append(ServerSlot(i, i // per_node, tuple(range(first, first + width))))
     if alloc.train is None:
         return Placement(tuple(servers), (), ())
+    if alloc.colocated:
+        return Placement(tuple(servers), tuple(range(n_nodes)), tuple(range(alloc.train.world_size // n_nodes)))
     if n_nodes == 1:
         used = alloc.inference.world_size if alloc.inference else 0
         return Placement(tuple(servers), (0,), tuple(range(used, used + alloc.train.world_size)))

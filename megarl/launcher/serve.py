@@ -10,6 +10,7 @@ step is stopped; either way the server's whole process tree goes with it.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from megarl.config.experiment import GRPOConfig
@@ -20,6 +21,12 @@ from megarl.rollout.vllm import vllm_launch_spec
 from megarl.utils.network import format_host_port, gethostip
 
 logger = logging.getLogger(__name__)
+
+
+def servers_on_every_core(config: GRPOConfig) -> bool:
+    """CPU: servers bind every core, taking turns with the trainer (``cluster.cpu_threads=shared``, or a
+    colocated allocation, whose servers sleep while the trainer computes), instead of their slot's cores."""
+    return config.device == "cpu" and (config.cluster.cpu_threads == "shared" or config.allocation.colocated)
 
 
 def server_spec(config: GRPOConfig, index: int, devices: list[int], host: str, port: int) -> LaunchSpec:
@@ -36,10 +43,11 @@ def server_spec(config: GRPOConfig, index: int, devices: list[int], host: str, p
     if inference.backend == "vllm":
         return vllm_launch_spec(
             config.vllm, model, host, port, tp=inference.tp, devices=devices,
-            device_type=config.device, replica=index,
+            device_type=config.device, replica=index, colocated=config.allocation.colocated,
         )  # fmt: skip
     return sglang_launch_spec(config.sglang, model, host, port, tp=inference.tp, devices=devices, replica=index,
-                              routed_experts=config.rollout.return_routed_experts)  # fmt: skip
+                              routed_experts=config.rollout.return_routed_experts,
+                              colocated=config.allocation.colocated)  # fmt: skip
 
 
 def server_host(config: GRPOConfig) -> str:
@@ -51,6 +59,8 @@ def server_host(config: GRPOConfig) -> str:
 def serve(config: GRPOConfig, index: int, devices: list[int], port: int, addr_file: Path | None) -> int:
     """Run server ``index`` until it exits; returns its exit status."""
     host = server_host(config)
+    if servers_on_every_core(config):
+        devices = sorted(os.sched_getaffinity(0))
     spec = server_spec(config, index, devices, host, port)
     spec.env.update(config.launcher.env)
     timeout = config.vllm.startup_timeout if config.allocation.inference.backend == "vllm" else config.sglang.startup_timeout

@@ -84,3 +84,12 @@ class InferenceBackend(abc.ABC):
     @abc.abstractmethod
     def resume_calls(self) -> list[HttpCall]:
         """Calls that let a paused server generate again (and drop caches made stale by new weights)."""
+
+    @abc.abstractmethod
+    def sleep_calls(self) -> list[HttpCall]:
+        """Calls that stop generation (aborting in-flight requests) and free the server's device memory
+        for a colocated trainer: weights offloaded to host memory, KV cache dropped."""
+
+    @abc.abstractmethod
+    def wake_calls(self) -> list[HttpCall]:
+        """Calls that bring a sleeping server's weights and KV cache back (new weights are pushed next)."""

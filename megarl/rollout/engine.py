@@ -498,6 +498,18 @@ class RemoteInferenceEngine(InferenceEngine):
         if start_episodes:
             self.start_episodes()
 
+    def sleep(self) -> None:
+        """Colocated placement: stop new episodes, abort in-flight generations (they continue after
+        :meth:`resume`) and free the servers' device memory for the trainer."""
+        if self.pool is not None:
+            self.pool.pause()
+        self._paused = True
+        self._run_sync(self._control(self.backend.sleep_calls()))
+
+    def wake(self) -> None:
+        """Bring sleeping servers' memory back; they stay paused until :meth:`resume` (after new weights)."""
+        self._run_sync(self._control(self.backend.wake_calls()))
+
     def start_episodes(self) -> None:
         """Let the rollout pool start new episodes again (after ``pause``)."""
         if self.pool is not None:

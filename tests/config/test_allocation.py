@@ -70,8 +70,12 @@ def test_parse_valid(spec, inference, train, devices):
         ("vllm:d1t1+megatron:d1p1t1v2", "virtual pipeline v2 needs pipeline parallelism"),
         ("vllm:d1t1+megatron:d1p1t1e2", "e2 x expert tensor parallel et1 = 2 must divide"),
         ("vllm:d1t1+megatron:d1p1t2e2", "et2 = 4 must divide d1 x t2 x c1 = 2"),
-        ("vllm:d2t2|megatron:d2t2", "colocated placement ('|') is parsed but not supported yet"),
-        ("vllm:d2x2|megatron:d2t2", "unknown size 'x'2"),  # syntax errors win over the colocated message
+        ("vllm:d2t2|megatron:d2t1", "both must use the same number: inference 'vllm:d2t2' uses 4, training"),
+        ("vllm:d2x2|megatron:d2t2", "unknown size 'x'2"),  # syntax errors win over the colocated checks
+        ("vllm:d1t1|megatron:d1t1+vllm:d1t1", "either '+' (separate devices) or '|' (shared), not both"),
+        ("vllm:d2t1|", "part ''"),
+        ("vllm:d2t1|vllm:d2t1", "more than one inference part"),
+        ("megatron:d2|megatron:d2", "more than one training part"),
         ("vllm:d2t2+", "part ''"),
         ("vllm:d2t-1", "cannot read 'd2t-1'"),
     ],
@@ -82,8 +86,18 @@ def test_parse_invalid_names_offending_part(spec, needle):
     assert needle in str(err.value)
 
 
+def test_colocated_parts_share_devices():
+    alloc = AllocationMode.from_str("vllm:d2t2|megatron:d2p1t2")
+    assert alloc.colocated and alloc.world_size == 4 and str(alloc) == "vllm:d2t2|megatron:d2p1t2"
+    assert not AllocationMode.from_str("vllm:d2t2+megatron:d2p1t2").colocated
+    validate_allocation(alloc, n_nodes=1, n_gpus_per_node=4)
+    with pytest.raises(AllocationError, match=r"uses 4 \(shared by 'vllm:d2t2' and 'megatron:d2p1t2'\) devices"):
+        validate_allocation(alloc, n_nodes=1, n_gpus_per_node=8)
+
+
 def test_roundtrip_str():
-    for spec in ["vllm:d4t2+megatron:d2p2t2e2", "sglang:d2p2t2+megatron:d4p2t1et1v2c2", "megatron:d1p1t1"]:
+    for spec in ["vllm:d4t2+megatron:d2p2t2e2", "sglang:d2p2t2+megatron:d4p2t1et1v2c2", "megatron:d1p1t1",
+                 "vllm:d8t2|megatron:d4p2t2"]:
         alloc = AllocationMode.from_str(spec)
         assert AllocationMode.from_str(str(alloc)) == alloc
 

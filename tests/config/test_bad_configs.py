@@ -44,6 +44,9 @@ BAD = [
     # failed episodes: how often to run one again, how many in a row end the run
     case("episode-retries-negative", ["rollout.episode_retries=-1"], "rollout.episode_retries", "-1"),
     case("report-every-zero", ["stats_logger.report_every=0"], "stats_logger.report_every", "must be >= 1"),
+    case("colocated-gpu-over-nccl", ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1",
+                                     "cluster.device=cuda"], "weight_update.mode", "NCCL cannot join two ranks on the same GPU"),
+    case("colocated-unequal-parts", ["allocation_mode=vllm:d2t1|megatron:d1p1t1"], "allocation_mode", "both must use the same number"),
     case("routed-experts-on-vllm", ["rollout.return_routed_experts=true"], "rollout.return_routed_experts", "only SGLang servers report"),
     case("watchdog-phase-budget-zero", ["watchdog.phase_budget_s.build=0"], "watchdog.phase_budget_s.build", "must be > 0 seconds"),
     case("watchdog-silent-below-interval", ["watchdog.silent_s=1", "watchdog.interval_s=5"], "watchdog.silent_s", "longer than interval_s"),

@@ -28,7 +28,15 @@ import pytest
 from megarl.config import GRPOConfig, build_config, save_config
 from megarl.launcher import local
 from megarl.launcher.cli import main
-from megarl.launcher.local import OutputRelay, check_local, run_trainer, running_servers, server_specs, trainer_env
+from megarl.launcher.local import (
+    OutputRelay,
+    check_local,
+    run_trainer,
+    running_servers,
+    server_specs,
+    startup_lines,
+    trainer_env,
+)
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.utils.process import terminate_process_tree
 
@@ -189,6 +197,25 @@ def test_cpu_threads_policy_places_the_server(tmp_path, monkeypatch, policy, bin
     [spec] = server_specs(config, check_local(config))
     assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == bind  # shared: the server computes on every core too
     assert trainer_env(config, check_local(config), ["h:1"])["OMP_NUM_THREADS"] == "1"  # the share; phases widen it
+
+
+def test_colocated_server_and_trainer_share_cores_or_gpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {6, 7})
+    colocated = ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1",
+                 "cluster.cpu_threads=static"]  # fmt: skip
+    config = make_config(tmp_path, "unused", *colocated)
+    plan = check_local(config)
+    [spec] = server_specs(config, plan)
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "6,7"  # every core, whatever cluster.cpu_threads says
+    assert trainer_env(config, plan, ["h:1"])["OMP_NUM_THREADS"] == "2"  # every core too: they take turns
+    assert "colocated: the servers sleep while it computes" in startup_lines(config, plan)[-1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    config = make_config(tmp_path, "unused", *colocated, "cluster.device=cuda", "weight_update.mode=disk",
+                         f"weight_update.disk_path={tmp_path}/weights")  # fmt: skip
+    plan = check_local(config)
+    [spec] = server_specs(config, plan)
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "4" and "--enable-sleep-mode" in spec.cmd
+    assert trainer_env(config, plan, ["h:1"])["CUDA_VISIBLE_DEVICES"] == "4"
 
 
 # --------------------------------------------------------------------------------------

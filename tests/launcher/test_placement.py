@@ -34,6 +34,16 @@ def test_multi_node_parts_get_whole_nodes():
     assert len(used) == len(set(used)) == 128
 
 
+def test_colocated_servers_and_trainer_share_every_device():
+    p = plan("vllm:d1t1|megatron:d1p1t1", 1, 1)
+    assert p.servers == (ServerSlot(0, 0, (0,)),) and p.trainer_nodes == (0,) and p.trainer_devices == (0,)
+    p = plan("vllm:d16t2|megatron:d4p2t4", 4, 8)  # servers on every node, trainer ranks on every node too
+    assert {s.node for s in p.servers} == {0, 1, 2, 3} and p.servers[5] == ServerSlot(5, 1, (2, 3))
+    assert p.trainer_nodes == (0, 1, 2, 3) and p.trainer_devices == tuple(range(8))
+    served = sorted((s.node, d) for s in p.servers for d in s.devices)
+    assert served == sorted((n, d) for n in p.trainer_nodes for d in p.trainer_devices)
+
+
 def test_training_only_and_bad_cluster():
     p = plan("megatron:d4p1t2", 1, 8)
     assert p.servers == () and p.trainer_devices == tuple(range(8))

@@ -34,6 +34,15 @@ def test_128gpu_script(tmp_path):
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
 
 
+def test_colocated_128gpu_script_puts_servers_and_trainer_on_every_node(tmp_path):
+    cfg = config("gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "allocation_mode=vllm:d64t2|megatron:d8p2t8",
+                 "weight_update.mode=disk", "weight_update.disk_path=/dev/shm/megarl", "weight_update.extra_modes=[]")  # fmt: skip
+    script = render_sbatch(cfg, tmp_path / "config.yaml")
+    assert script.count('\n  "') == 64 and '  "0 0 0,1 18000"' in script and '  "63 15 6,7 18006"' in script
+    assert "torchrun --nnodes=16 --nproc-per-node=8" in script and 'NODES[0]},${NODES[1]}' in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
 def test_cpu_script_has_no_gpu_request(tmp_path):
     script = render_sbatch(config("gsm8k_grpo_cpu.yaml"), tmp_path / "c.yaml")
     assert "--gpus-per-node" not in script and "CUDA_VISIBLE_DEVICES" not in script

@@ -125,6 +125,7 @@ class FakeServer:
         self.corrupt_next: str | None = None  # one of CORRUPTIONS, applied to the next complete reply
         self.resumed = asyncio.Event()
         self.resumed.set()
+        self.sleeping = False  # memory released (colocated placement): generating now is a bug
         self.stats = collections.Counter()
         self.payloads: list[dict] = []
 
@@ -137,6 +138,8 @@ class FakeServer:
             await asyncio.sleep(self.token_delay)
             if not self.resumed.is_set():
                 return out, "abort"
+            if self.sleeping:
+                self.stats["tokens_while_sleeping"] += 1
             token = token_at(len(prompt) + len(out), self.eos_every)
             out.append(token)
             if token == EOS:
@@ -271,6 +274,30 @@ class FakeServer:
         self.resumed.set()
         return web.json_response({"status": "resumed"})
 
+    async def sleep(self, request: web.Request) -> web.Response:
+        """vLLM's ``/sleep?level=1&mode=abort`` (the scheduler pauses, aborting requests, then memory goes) or
+        SGLang's ``/release_memory_occupation`` (only while generation is paused, as SGLang requires)."""
+        self.stats["sleep"] += 1
+        if self.dialect == "vllm":
+            if request.query.get("level") != "1" or request.query.get("mode") != "abort":
+                return web.json_response({"error": f"unexpected query {dict(request.query)}"}, status=400)
+            self.resumed.clear()
+            self.sleeping = True
+            return web.json_response({"status": "sleeping", "level": 1})
+        if self.resumed.is_set():
+            return web.json_response({"error": "release_memory_occupation while generating"}, status=400)
+        self.sleeping = True
+        return web.json_response({"success": True, "message": ""})
+
+    async def wake(self, request: web.Request) -> web.Response:
+        """vLLM's ``/wake_up`` (every tag: scheduling resumes too) or SGLang's ``/resume_memory_occupation``."""
+        self.stats["wake"] += 1
+        self.sleeping = False
+        if self.dialect == "vllm":
+            self.resumed.set()
+            return web.json_response({"status": "awake", "tags": None})
+        return web.json_response({"success": True, "message": ""})
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.stats["flush_cache"] += 1
         return web.Response(text="Cache flushed.\n")  # SGLang answers in plain text
@@ -283,7 +310,8 @@ class FakeServer:
         return web.json_response({"queued": len(self.faults)})
 
     async def get_stats(self, request: web.Request) -> web.Response:
-        return web.json_response({**self.stats, "paused": not self.resumed.is_set(), "payloads": self.payloads[-5:]})
+        return web.json_response({**self.stats, "paused": not self.resumed.is_set(), "sleeping": self.sleeping,
+                                  "payloads": self.payloads[-5:]})  # fmt: skip
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -294,11 +322,15 @@ class FakeServer:
             app.router.add_post("/v1/completions", self.completions)
             app.router.add_post("/pause", self.pause)
             app.router.add_post("/resume", self.resume)
+            app.router.add_post("/sleep", self.sleep)
+            app.router.add_post("/wake_up", self.wake)
         else:
             app.router.add_post("/generate", self.generate)
             app.router.add_post("/pause_generation", self.pause)
             app.router.add_post("/continue_generation", self.resume)
             app.router.add_post("/flush_cache", self.flush_cache)
+            app.router.add_post("/release_memory_occupation", self.sleep)
+            app.router.add_post("/resume_memory_occupation", self.wake)
         return app
 
 

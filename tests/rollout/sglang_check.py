@@ -26,7 +26,13 @@ def main() -> None:
     stub_torchvision()
     from pydantic import TypeAdapter
     from sglang.srt.entrypoints.api_contract import generate_contract_error
-    from sglang.srt.managers.io_struct import ContinueGenerationReqInput, GenerateReqInput, PauseGenerationReqInput
+    from sglang.srt.managers.io_struct import (
+        ContinueGenerationReqInput,
+        GenerateReqInput,
+        PauseGenerationReqInput,
+        ReleaseMemoryOccupationReqInput,
+        ResumeMemoryOccupationReqInput,
+    )
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
 
@@ -46,11 +52,15 @@ def main() -> None:
     pause = TypeAdapter(PauseGenerationReqInput).validate_python(request["pause"])
     assert pause.mode == "abort", pause
     TypeAdapter(ContinueGenerationReqInput).validate_python(request["resume"])
+    for key, model in (("release", ReleaseMemoryOccupationReqInput), ("resume_memory", ResumeMemoryOccupationReqInput)):
+        if key in request:  # colocated placement: every region (weights and KV cache) when tags is None
+            assert TypeAdapter(model).validate_python(request[key]).tags is None, request[key]
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(request["launch_args"])
     print(json.dumps({"ok": True, "model_path": args.model_path, "tp_size": args.tp_size, "port": args.port,
-                      "routed_experts": args.enable_return_routed_experts}))  # fmt: skip
+                      "routed_experts": args.enable_return_routed_experts,
+                      "memory_saver": args.enable_memory_saver}))  # fmt: skip
 
 
 if __name__ == "__main__":

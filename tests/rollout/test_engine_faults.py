@@ -110,6 +110,40 @@ def test_pause_aborts_and_resume_continues(fake_servers, dialect):
         assert seed == (derive_seed(SEED, done, len(done)) if done else SEED), "continuations draw fresh seeds"
 
 
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_colocated_sleep_holds_generation_until_wake_and_resume(fake_servers, dialect):
+    """Colocated placement: ``sleep`` aborts the in-flight request and frees the server; nothing is generated
+    while it sleeps, nor after ``wake`` alone (vLLM's wake resumes its scheduler, the engine holds the request);
+    after the weight update's resume the request continues with no token lost or repeated."""
+    (server,) = fake_servers(1, dialect=dialect, token_delay=0.01)
+    engine = RemoteInferenceEngine(fast_config(), dialect).initialize(server_addrs=[server.address], batch_size=2)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(resp=_generate(engine, 60, seed=SEED)))
+    try:
+        thread.start()
+        time.sleep(0.25)
+        engine.sleep()
+        asleep = _stats(server.address)
+        assert asleep["sleeping"] and asleep["generate"] == 1
+        time.sleep(0.3)  # the trainer computes
+        engine.wake()
+        time.sleep(0.2)
+        awake = _stats(server.address)
+        assert not awake["sleeping"] and awake["generate"] == 1, "woken: the request waits for the weight update"
+        engine.pause()  # update_weights: pause, push, version, resume
+        engine.set_version(1)
+        engine.resume()
+        thread.join(30)
+    finally:
+        engine.destroy()
+    resp = result["resp"]
+    assert resp.output_tokens == expected_tokens(len(PROMPT), 60)[0], "interrupted generation lost or duplicated tokens"
+    first_new = resp.output_versions.index(1)
+    assert resp.n_interruptions >= 1 and resp.output_versions == [0] * first_new + [1] * (60 - first_new)
+    stats = _stats(server.address)
+    assert stats["sleep"] == 1 and stats["wake"] == 1 and stats.get("tokens_while_sleeping", 0) == 0
+
+
 def test_corrupted_replies_are_retried_and_never_returned(fake_servers):
     """Complete 200 replies that cannot be trained on (NaN or positive logprobs, more tokens than asked,
     a negative id, lists of different lengths, ...) are retried; what comes back is the clean sample."""

@@ -61,6 +61,21 @@ def test_vllm_command_tp2_cpu_and_cuda():
         vllm_launch_spec(VLLMConfig(), "/m", "h", 1, tp=2, devices=[0])
 
 
+def test_vllm_colocated_gpu_server_starts_in_sleep_mode():
+    """Colocated on CUDA: ``--enable-sleep-mode`` (vLLM's /sleep frees GPU memory only with it; vLLM's own
+    parser reads the flag); on CPU vLLM refuses the flag and /sleep only pauses, so it is left out."""
+    gpu = vllm_launch_spec(VLLMConfig(), "/m", "h", 1, device_type="cuda", devices=[0], colocated=True)
+    assert "--enable-sleep-mode" in gpu.cmd
+    assert "--enable-sleep-mode" not in vllm_launch_spec(VLLMConfig(), "/m", "h", 1, device_type="cuda").cmd
+    assert "--enable-sleep-mode" not in vllm_launch_spec(VLLMConfig(), "/m", "h", 1, colocated=True).cmd
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(gpu.cmd[3:])
+    assert args.enable_sleep_mode is True and args.model == "/m"
+
+
 def test_vllm_block_size_is_passed_and_checked_for_the_device():
     assert "--block-size" not in vllm_launch_spec(VLLMConfig(), "/m", "h", 1).cmd  # vLLM's default
     cpu = vllm_launch_spec(VLLMConfig(block_size=32), "/m", "h", 1)

@@ -137,7 +137,8 @@ def test_against_sglang_io_struct_and_server_args(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"ok": True, "model_path": "/models/qwen", "tp_size": 2, "port": 30000, "routed_experts": False}
+    assert result == {"ok": True, "model_path": "/models/qwen", "tp_size": 2, "port": 30000, "routed_experts": False,
+                      "memory_saver": False}  # fmt: skip
 
 
 def test_routed_experts_request_and_server_flag_against_sglang(tmp_path):
@@ -156,6 +157,24 @@ def test_routed_experts_request_and_server_flag_against_sglang(tmp_path):
                           timeout=300, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["routed_experts"] is True
+
+
+def test_colocated_sleep_and_wake_against_sglang():
+    """Colocated placement: generation paused (abort) then memory released, resumed before the weight update;
+    the server starts with --enable-memory-saver. SGLang's io_struct and ServerArgs accept them."""
+    backend = SGLangBackend()
+    pause, release = backend.sleep_calls()
+    (resume_memory,) = backend.wake_calls()
+    assert (pause.endpoint, release.endpoint, resume_memory.endpoint) == (
+        "/pause_generation", "/release_memory_occupation", "/resume_memory_occupation")  # fmt: skip
+    spec = sglang_launch_spec(SGLangConfig(), "/models/qwen", "127.0.0.1", 30000, tp=1, devices=[0], colocated=True)
+    _, resume = backend.resume_calls()
+    request = {"vocab_size": 49152, "generate": _payloads(), "pause": pause.payload, "resume": resume.payload,
+               "release": release.payload, "resume_memory": resume_memory.payload, "launch_args": spec.cmd[3:]}  # fmt: skip
+    proc = subprocess.run([sys.executable, CHECK_SCRIPT], input=json.dumps(request), capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["memory_saver"] is True
 
 
 def test_parse_routed_experts():

@@ -23,12 +23,30 @@ from benchmarks.learning_variants import VARIANTS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+COLOCATED = ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1"]
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_learns_arithmetic_within_40_steps_and_20_minutes(tmp_path, variant):
+    learns_arithmetic(tmp_path, VARIANTS[variant])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_colocated_learns_arithmetic_within_40_steps_and_20_minutes(tmp_path):
+    """Server and trainer on one slot, the server asleep while the trainer computes (the same bar)."""
+    run_dir = learns_arithmetic(tmp_path, COLOCATED)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("timeperf/sleep_servers" in step for step in steps), "the servers were not put to sleep each step"
+    assert "POST /sleep?level=1&mode=abort" in (run_dir / "logs" / "server-0.log").read_text()
+
+
+def learns_arithmetic(tmp_path: Path, overrides: list[str]) -> Path:
+    """Run the arithmetic config with ``overrides`` and check the learning bar; returns the run directory."""
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
-           f"cluster.fileroot={tmp_path}", "stats_logger.wandb.mode=disabled", *VARIANTS[variant]]  # fmt: skip
+           f"cluster.fileroot={tmp_path}", "stats_logger.wandb.mode=disabled", *overrides]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     start = time.monotonic()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30 * 60)
@@ -43,3 +61,4 @@ def test_learns_arithmetic_within_40_steps_and_20_minutes(tmp_path, variant):
     assert last - first >= 0.15, f"reward rose by only {last - first:.3f} (first 5 {first:.3f}, last 5 {last:.3f})"
     assert minutes <= 20, f"took {minutes:.1f} min"
     assert (run_dir / "curves.png").stat().st_size > 0
+    return run_dir
