@@ -104,7 +104,8 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
         batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, accept, progress, lambda: readmit_servers(t))
     if t.rollout is not None:
         with stats_tracker.scope("rollout"):
-            stats_tracker.scalar(server_restarts=float(t.rollout.restarts_seen))  # the run's, so far
+            stats_tracker.scalar(server_restarts=float(t.rollout.restarts_seen),  # the run's, so far
+                                 servers_joined=float(t.rollout.servers_joined))  # fmt: skip
     if t.config.allocation.colocated:
         with phase(t, "sleep_servers"):
             sleep_servers(t)

@@ -112,12 +112,17 @@ class WeightSync:
         return self.update(self.engine.get_version())
 
     def _restarted(self) -> list[str]:
-        """The restarted servers answering again (rank 0's rollout engine knows them; the same list on
-        every rank); the bridge is closed when they join or its set of servers changes."""
+        """The restarted or joined servers answering (rank 0's rollout engine knows them; the same list on
+        every rank); the bridge is closed when they join or its set of servers changes (one left)."""
         back, down = [], []
         if self.rollout is not None and self.bridge.is_driver:
             back, down = self.rollout.servers_to_readmit()
         back, down = self.bridge.broadcast_object((back, down))
+        known = {s.address for s in self.servers}
+        for address in (a for a in back if a not in known):  # joined the run (megarl serve --join)
+            first = self.servers[0]
+            self.servers.append(make_control(first.name, address, first.tp, self.config.update_timeout))
+            logger.info("weight sync: server %s joined; this update pushes it the weights", address)
         self.unhealthy = (self.unhealthy | set(down)) - set(back)
         wanted = {s.address for s in self.servers if s.address not in self.unhealthy}
         if self.bridge.connected and (back or wanted != {s.address for s in self.bridge.servers}):

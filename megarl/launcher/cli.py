@@ -109,11 +109,36 @@ def _load(args: argparse.Namespace) -> GRPOConfig:
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    from megarl.launcher.serve import serve
+    from megarl.launcher.serve import joined_index, serve, server_host
+    from megarl.utils.network import find_free_ports
 
     devices = [int(d) for d in args.devices.split(",")] if args.devices else []
     addr_file = Path(args.addr_file) if args.addr_file else None
-    return serve(_load(args), args.index, devices, args.port, addr_file)
+    if args.join is None:
+        if args.port is None:
+            raise ConfigError("", "megarl serve: --port is required (it is optional only with --join)")
+        return serve(_load(args), args.index, devices, args.port, addr_file)
+    config = _join_config(Path(args.join), args)
+    port = args.port if args.port is not None else find_free_ports(1, host=server_host(config))[0]
+    return serve(config, joined_index(config), devices or list(range(config.allocation.inference.devices_per_server)),
+                 port, addr_file, join=True, drain_timeout=args.drain_timeout)  # fmt: skip
+
+
+def _join_config(run_dir: Path, args: argparse.Namespace) -> GRPOConfig:
+    """The saved config of the run at ``run_dir`` (its key too), then ``--config`` files and overrides."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError("", f"megarl serve --join {run_dir}: no {saved} (is it the run directory of a started run, "
+                              "{cluster.fileroot}/{experiment_name}/{trial_name}?)")  # fmt: skip
+    from megarl.utils.auth import load_run_key
+
+    load_run_key(run_dir)
+    args.config = [str(saved), *args.config]
+    config = _load(args)
+    if config.run_dir.resolve() != run_dir.resolve():
+        raise ConfigError("cluster.fileroot", f"megarl serve --join {run_dir}: the config names run directory "
+                                              f"{config.run_dir}; join from the machine and path the run writes to")  # fmt: skip
+    return config
 
 
 def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
@@ -206,8 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start one inference server of an experiment (used by the launchers)")
     serve.add_argument("--index", type=int, default=0, help="which server of the allocation's inference part")
     serve.add_argument("--devices", default="", help="comma-separated device ids (GPUs, or CPU cores on CPU)")
-    serve.add_argument("--port", type=int, required=True, help="port to listen on")
+    serve.add_argument("--port", type=int, help="port to listen on (with --join: a free one by default)")
     serve.add_argument("--addr-file", help="write host:port here once the server is healthy")
+    serve.add_argument("--join", metavar="RUN_DIR", help="add one more server to the running run at RUN_DIR (its saved "
+                       "config; the trainer pushes it the current weights, then routes requests to it); stop it to "
+                       "drain it and leave")  # fmt: skip
+    serve.add_argument("--drain-timeout", type=float, default=60.0,
+                       help="with --join: on stop, wait this long at most for its running requests")  # fmt: skip
     _add_config_args(serve)
     serve.set_defaults(func=_cmd_serve)
 

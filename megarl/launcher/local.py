@@ -53,7 +53,7 @@ from megarl.launcher.serve import server_spec, servers_on_every_core
 from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
 from megarl.rollout.restarts import RESTARTS_FILE
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
-from megarl.utils.auth import run_api_key
+from megarl.utils.auth import run_api_key, save_run_key
 from megarl.utils.console import CONSOLE_TTY_ENV
 from megarl.utils.hardware import auto_dtype
 from megarl.utils.heartbeat import flight_recorder_env
@@ -686,6 +686,7 @@ def _run(config: GRPOConfig, config_file: str | Path | None, plan: Placement, ou
     # the trainer starts with the servers: it waits for them as long as this launcher does
     config.rollout.setup_timeout = max(config.rollout.setup_timeout, _startup_timeout(config))
     config_file = save_config(config, config_file).resolve()
+    save_run_key(config.run_dir)  # for servers that join later (megarl serve --join)
     logger.info("run dir %s; config %s", config.run_dir.resolve(), config_file)
     relay = OutputRelay(out if out is not None else sys.stdout, verbose=config.launcher.verbose)
     for line in startup_lines(config, plan):

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from megarl.config.experiment import GRPOConfig
 from megarl.models import resolve_model_path
+from megarl.rollout.restarts import JOINS_FILE, append_record
 from megarl.rollout.server import InferenceServer, LaunchSpec
 from megarl.rollout.sglang import sglang_launch_spec
 from megarl.rollout.vllm import vllm_launch_spec
+from megarl.utils.auth import auth_headers
 from megarl.utils.network import format_host_port, gethostip
 
 logger = logging.getLogger(__name__)
+
+_DRAIN_NOTICE_S = 2.0
 
 
 def servers_on_every_core(config: GRPOConfig) -> bool:
@@ -29,12 +38,14 @@ def servers_on_every_core(config: GRPOConfig) -> bool:
     return config.device == "cpu" and (config.cluster.cpu_threads == "shared" or config.allocation.colocated)
 
 
-def server_spec(config: GRPOConfig, index: int, devices: list[int], host: str, port: int) -> LaunchSpec:
-    """The launch spec of server ``index`` of ``config``'s inference part."""
+def server_spec(
+    config: GRPOConfig, index: int, devices: list[int], host: str, port: int, joined: bool = False
+) -> LaunchSpec:
+    """The launch spec of server ``index`` of ``config``'s inference part (``joined``: one more, beyond it)."""
     inference = config.allocation.inference
     if inference is None:
         raise ValueError(f"allocation_mode {config.allocation_mode!r} has no inference part to serve")
-    if not 0 <= index < inference.dp:
+    if not joined and not 0 <= index < inference.dp:
         raise ValueError(f"server index {index} out of range: allocation_mode has {inference.dp} servers")
     # on CPU a server may run on more cores than its slots (cluster.cpu_threads=shared)
     if len(devices) < inference.devices_per_server or (config.device == "cuda" and len(devices) > inference.devices_per_server):
@@ -56,15 +67,29 @@ def server_host(config: GRPOConfig) -> str:
     return gethostip(config.launcher.slurm.network_interface)
 
 
-def serve(config: GRPOConfig, index: int, devices: list[int], port: int, addr_file: Path | None) -> int:
-    """Run server ``index`` until it exits; returns its exit status."""
+def serve(
+    config: GRPOConfig, index: int, devices: list[int], port: int, addr_file: Path | None, join: bool = False,
+    drain_timeout: float = 60.0,
+) -> int:
+    """Run server ``index`` until it exits; returns its exit status.
+
+    ``join``: an elastic server of a running run (``megarl serve --join RUN_DIR``): ``index`` is one
+    past the run's servers and those joined before; once healthy it announces itself in
+    ``{run_dir}/servers_joined.jsonl`` (the trainer pushes it the current weights at its next sync,
+    then routes requests to it). Stopped (SIGTERM, Ctrl-C), it announces that it leaves and waits
+    until its running requests are done (at most ``drain_timeout`` seconds) before it exits.
+    """
     host = server_host(config)
     if servers_on_every_core(config):
         devices = sorted(os.sched_getaffinity(0))
-    spec = server_spec(config, index, devices, host, port)
+    spec = server_spec(config, index, devices, host, port, joined=join)
     spec.env.update(config.launcher.env)
     timeout = config.vllm.startup_timeout if config.allocation.inference.backend == "vllm" else config.sglang.startup_timeout
-    server = InferenceServer(spec, log_path=config.run_dir / "logs" / f"server-{index}.log", name=f"server-{index}")
+    name = f"server-{index}"
+    server = InferenceServer(spec, log_path=config.run_dir / "logs" / f"{name}.log", name=name)
+    joins = config.run_dir / JOINS_FILE
+    if join:
+        signal.signal(signal.SIGTERM, _interrupt)  # a leaving server drains first (the finally below)
     with server:
         server.start()
         server.wait_until_healthy(timeout)
@@ -73,6 +98,52 @@ def serve(config: GRPOConfig, index: int, devices: list[int], port: int, addr_fi
             tmp = addr_file.with_suffix(".tmp")
             tmp.write_text(format_host_port(host, port) + "\n")
             tmp.replace(addr_file)
-        code = server.proc.wait()
-    logger.warning("server-%d at %s exited with status %s", index, spec.address, code)
+        if not join:
+            code = server.proc.wait()
+        else:
+            append_record(joins, {"time": time.time(), "event": "join", "server": name, "address": spec.address})
+            logger.warning("%s at %s joined %s; stop it (SIGTERM or Ctrl-C) to drain it and leave", name, spec.address,
+                           config.run_dir)  # fmt: skip
+            try:
+                code = server.proc.wait()
+            except KeyboardInterrupt:
+                append_record(joins, {"time": time.time(), "event": "leave", "server": name, "address": spec.address})
+                drain(spec.address, drain_timeout)
+                return 0
+    logger.warning("%s at %s exited with status %s", name, spec.address, code)
     return code if code else 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def joined_index(config: GRPOConfig) -> int:
+    """The index of a server joining ``config``'s run: past the allocation's servers and every join so far."""
+    path = config.run_dir / JOINS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    return config.allocation.inference.dp + sum('"join"' in line for line in lines)
+
+
+def drain(address: str, timeout: float) -> None:
+    """Wait until the server at ``address`` runs no request (vLLM's ``/metrics``; else ``timeout`` seconds pass)."""
+    deadline = time.monotonic() + timeout
+    time.sleep(_DRAIN_NOTICE_S)  # the trainer reads the leave line within a second and routes elsewhere
+    while time.monotonic() < deadline:
+        running = running_requests(address)
+        if running == 0:
+            return
+        time.sleep(1.0)
+    logger.warning("%s still runs requests after %gs: stopping it (they are re-issued elsewhere)", address, timeout)
+
+
+def running_requests(address: str) -> int | None:
+    """Requests running or waiting on a vLLM server (its Prometheus ``/metrics``); None if unknown."""
+    try:
+        request = urllib.request.Request(f"http://{address}/metrics", headers=auth_headers())
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            text = reply.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError):
+        return None
+    counts = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$", text, flags=re.MULTILINE)
+    return round(sum(float(c) for c in counts)) if counts else None

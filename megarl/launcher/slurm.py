@@ -32,7 +32,7 @@ from pathlib import Path
 from megarl.config.experiment import GRPOConfig
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.rollout.restarts import RESTARTS_FILE
-from megarl.utils.auth import API_KEY_ENV
+from megarl.utils.auth import API_KEY_ENV, KEY_FILE
 from megarl.utils.heartbeat import flight_recorder_env
 from megarl.utils.network import INTERFACE_ENV
 
@@ -79,6 +79,7 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool 
         f'export {API_KEY_ENV}="${{{API_KEY_ENV}:-$(python3 -c "import secrets; print(secrets.token_urlsafe(32))")}}"',
         f"RUN_DIR={shlex.quote(str(run_dir))}",
         'mkdir -p "$RUN_DIR/servers" "$RUN_DIR/slurm"',
+        f'(umask 077; echo "${API_KEY_ENV}" > "$RUN_DIR/{KEY_FILE}")  # for servers that join later (megarl serve --join)',
         'rm -f "$RUN_DIR"/servers/*.addr "$RUN_DIR/watchdog.stopped"',
         'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         "PIDS=()",

@@ -51,7 +51,7 @@ from megarl.rollout.http import (
     make_session,
 )
 from megarl.rollout.pool import RolloutPool
-from megarl.rollout.restarts import RestartLog
+from megarl.rollout.restarts import JOINS_FILE, RestartLog
 from megarl.rollout.server import resolve_server_addrs
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
@@ -128,9 +128,13 @@ class RemoteInferenceEngine(InferenceEngine):
         self.pool: RolloutPool | None = None
         self.tokenizer: Any = None
         self._restarts: RestartLog | None = None
+        self._joins: RestartLog | None = None
+        self._left: set[str] = set()  # servers that left the run: drained, never back in rotation
         self._next_readmit_probe = 0.0
         self.restarts_seen = 0
         """Server restarts the launcher recorded since this engine started."""
+        self.servers_joined = 0
+        """Servers that joined the run (``megarl serve --join``) since this engine started."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,6 +162,7 @@ class RemoteInferenceEngine(InferenceEngine):
         addrs = list(server_addrs) if server_addrs else resolve_server_addrs(self.config)
         self._servers = [_Server(a) for a in addrs]
         self._restarts = RestartLog(dump_dir) if dump_dir is not None else None
+        self._joins = RestartLog(dump_dir, name=JOINS_FILE) if dump_dir is not None else None
         batch_size = batch_size or self.config.max_concurrent_rollouts
         if batch_size is None:
             raise ValueError("RemoteInferenceEngine.initialize: pass batch_size or set rollout.max_concurrent_rollouts")
@@ -276,7 +281,9 @@ class RemoteInferenceEngine(InferenceEngine):
         raise ValueError(f"mark_unhealthy: {address} is not one of the servers {self.server_addresses}")
 
     def mark_healthy(self, address: str) -> None:
-        """Put ``address`` back into rotation (its weights are current again)."""
+        """Put ``address`` back into rotation (its weights are current again), unless it left the run."""
+        if address in self._left:
+            return
         with self._lock:
             for server in self._servers:
                 if server.address == address:
@@ -284,20 +291,44 @@ class RemoteInferenceEngine(InferenceEngine):
                     server.awaiting_push = False
 
     def _note_restarts(self) -> None:
-        """Take the servers the launcher restarted out of rotation until the trainer pushes its weights."""
+        """Take the servers the launcher restarted out of rotation until the trainer pushes its weights; add
+        the servers that joined the run (out of rotation the same way) and drain those that left."""
         for address in self._restarts.new_addresses() if self._restarts is not None else []:
             for server in self._servers:
                 if server.address == address:
                     self.restarts_seen += 1
                     self.mark_unhealthy(address, "restarted by the launcher; back once the trainer has pushed its weights")
                     server.awaiting_push = True
+        for record in self._joins.new_records() if self._joins is not None else []:
+            if record.get("event") == "leave":
+                self._drain(record["address"])
+            elif record["address"] not in self.server_addresses:
+                self._join(record["address"])
+
+    def _join(self, address: str) -> None:
+        """A server started with ``megarl serve --join``: in the pool, out of rotation until the trainer's
+        weight sync has pushed the current weights and version to it."""
+        with self._lock:
+            self._servers.append(_Server(address, unhealthy_until=math.inf, awaiting_push=True,
+                                         why_unhealthy="joined the run; in rotation once it holds the current weights"))  # fmt: skip
+            self._left.discard(address)
+        self.servers_joined += 1
+        logger.info("server %s joined the run; it serves once the next weight sync reaches it", address)
+
+    def _drain(self, address: str) -> None:
+        """A joined server leaves: no new request goes to it (requests running there finish); the bridge lets it go."""
+        if address in self.server_addresses and address not in self._left:
+            self.mark_unhealthy(address, "left the run (megarl serve --join stopped): drained")
+            self._left.add(address)
 
     def servers_to_readmit(self) -> tuple[list[str], list[str]]:
-        """The restarted servers awaiting the trainer's weights: (those answering their health check, the others)."""
+        """Servers awaiting the trainer's weights (restarted or joined): (those answering their health check,
+        the others and those that left the run)."""
         self._note_restarts()
-        waiting = [s.address for s in self._servers if s.awaiting_push]
+        waiting = [s.address for s in self._servers if s.awaiting_push and s.address not in self._left]
         healthy = self.answering(waiting)
-        return [a for a, ok in zip(waiting, healthy) if ok], [a for a, ok in zip(waiting, healthy) if not ok]
+        back = [a for a, ok in zip(waiting, healthy) if ok]
+        return back, [a for a, ok in zip(waiting, healthy) if not ok] + sorted(self._left)
 
     def answering(self, addresses: list[str]) -> list[bool]:
         """One health probe of each of ``addresses`` (from a thread without a running event loop)."""

@@ -45,6 +45,30 @@ def run_api_key() -> Iterator[str]:
         os.environ.pop(API_KEY_ENV, None)
 
 
+KEY_FILE = "api_key"
+"""``{run_dir}/api_key``: the run's key, readable by its owner only, for servers that join the run later
+(``megarl serve --join RUN_DIR``)."""
+
+
+def save_run_key(run_dir) -> None:
+    """Write this process's key to ``{run_dir}/api_key`` (mode 0600); nothing without a key."""
+    if not api_key():
+        return
+    path = os.path.join(run_dir, KEY_FILE)
+    os.makedirs(run_dir, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(api_key() + "\n")
+
+
+def load_run_key(run_dir) -> None:
+    """Take the run's key from ``{run_dir}/api_key`` unless this process has one (a run without a key: none)."""
+    path = os.path.join(run_dir, KEY_FILE)
+    if not api_key() and os.path.exists(path):
+        with open(path) as f:
+            os.environ[API_KEY_ENV] = f.read().strip()
+
+
 def auth_headers() -> dict[str, str]:
     """``Authorization: Bearer <key>`` when this process has a run key."""
     key = api_key()

@@ -68,7 +68,9 @@ def test_ppo_update_matches_single_rank(llama_dir, batch, tp1, alloc):
     for want, got in zip(tp1["stats"], results[0]["stats"]):
         for key in ("ppo_actor/loss", "ppo_actor/grad_norm", "ppo_actor/entropy/avg", "ppo_actor/clip_ratio/avg",
                     "ppo_actor/importance_weight/avg", "ppo_actor/approx_kl/avg"):  # fmt: skip
-            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+            # abs: the first mini-batch is on-policy, so approx_kl is a mean of fp32 rounding noise
+            # (logprobs near -10, one ulp ~1e-6; TP reduces in another order): seen at -1.5e-7 vs 0.
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     dp, group = (2 if alloc.startswith("d2") else 1), 2
     after = torch.zeros_like(tp1["logp_after"])
     for r in results:  # rank r holds groups r::dp (split_groups)

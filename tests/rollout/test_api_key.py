@@ -109,3 +109,20 @@ def test_middleware_guards_all_but_health_and_only_with_a_key(monkeypatch):
     assert refused[0]["status"] == 401 and seen == ["/pause"]
     assert asyncio.run(call("/health", [])) == [] and asyncio.run(call("/pause", [(b"authorization", b"Bearer k")])) == []
     assert seen == ["/pause", "/health", "/pause"] and auth_headers() == {"Authorization": "Bearer k"}
+
+
+def test_the_run_key_is_saved_for_joining_servers_readable_by_its_owner_only(tmp_path, monkeypatch):
+    from megarl.utils.auth import API_KEY_ENV, KEY_FILE, api_key, load_run_key, save_run_key
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    save_run_key(tmp_path)  # no key, no file
+    assert not (tmp_path / KEY_FILE).exists()
+    monkeypatch.setenv(API_KEY_ENV, "k1")
+    save_run_key(tmp_path)
+    assert (tmp_path / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    monkeypatch.delenv(API_KEY_ENV)
+    load_run_key(tmp_path)  # megarl serve --join
+    assert api_key() == "k1"
+    monkeypatch.setenv(API_KEY_ENV, "mine")
+    load_run_key(tmp_path)  # a key of this process wins
+    assert api_key() == "mine"

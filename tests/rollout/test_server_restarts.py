@@ -1,6 +1,7 @@
 """A server that dies and is restarted by the launcher: no sample half from it, its episodes run again
 from scratch (the item's retries untouched), and the restarted server takes no request until the
-trainer has pushed its weights (``mark_healthy``)."""
+trainer has pushed its weights (``mark_healthy``). Servers that join the run (``megarl serve --join``)
+wait for the push the same way."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from megarl.api import ModelRequest
 from megarl.config.rollout import GenerationHyperparameters
 from megarl.rollout import RemoteInferenceEngine
-from megarl.rollout.restarts import RESTARTS_FILE
+from megarl.rollout.restarts import JOINS_FILE, RESTARTS_FILE, append_record
 from megarl.utils import stats_tracker
 from tests.rollout.conftest import fast_config, make_engine
 from tests.rollout.helpers import OneShotWorkflow, expected_tokens
@@ -114,3 +115,33 @@ def test_under_a_launcher_a_server_death_reruns_every_episode_it_had(fake_server
         engine.destroy()
     assert sorted(int(t["rewards"][0]) for t in trajs) == list(range(8))
     assert stats["rollout/failed/server_lost"] >= 1 and stats.get("rollout/n_dropped_items", 0) == 0
+
+
+def _record_join(run_dir, address: str, event: str = "join") -> None:
+    append_record(run_dir / JOINS_FILE, {"event": event, "server": "server-9", "address": address})
+
+
+def test_a_joined_server_serves_after_the_push_and_a_leaving_one_is_drained(fake_servers, tmp_path):
+    """Elastic servers: a joined server is in the pool but takes no request until the trainer has pushed
+    its weights; one that leaves takes no new request, is reported down (the bridge lets it go) and is
+    never readmitted."""
+    a, b = fake_servers(2)
+    engine = RemoteInferenceEngine(fast_config(), "vllm")
+    engine.initialize(server_addrs=[a.address], batch_size=2, dump_dir=str(tmp_path))
+    engine._joins.poll_s = 0.0
+    try:
+        (tmp_path / JOINS_FILE).write_text("not json\n")  # a malformed line is skipped with a warning
+        _record_join(tmp_path, b.address)
+        assert {engine.choose_server(f"r{i}").address for i in range(8)} == {a.address}
+        assert engine.server_addresses == [a.address, b.address] and engine.servers_joined == 1
+        assert engine.servers_to_readmit() == ([b.address], [])
+        engine.mark_healthy(b.address)  # the weight sync reached it
+        usable = lambda: [s.address for s in engine._servers if s.usable(time.monotonic())]  # noqa: E731
+        assert usable() == [a.address, b.address]
+        _record_join(tmp_path, b.address, "leave")
+        assert {engine.choose_server(f"t{i}").address for i in range(8)} == {a.address} and usable() == [a.address]
+        assert engine.servers_to_readmit() == ([], [b.address])
+        engine.mark_healthy(b.address)  # a later update does not bring it back
+        assert usable() == [a.address]
+    finally:
+        engine.destroy()
