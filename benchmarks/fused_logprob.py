@@ -5,7 +5,8 @@ Variants per shape (T tokens, H hidden, V vocab):
   chunked  megarl.kernels, torch path (chunks of 1024 tokens x 4096 vocab, fp32); its backward
            recomputes the logits: 8 T V H FLOPs executed for fwd+bwd
   train    the training path, megarl.kernels.linear_loss (gradients made in the forward, token
-           chunks of ~T H / V tokens, torch): fwd+bwd only, 6 T V H FLOPs executed
+           chunks of ~T H / V tokens; on CUDA the storing forward kernel + softmax_grad.cu +
+           cuBLAS, elsewhere torch): fwd+bwd only, 6 T V H FLOPs executed
   cuda     megarl.kernels, CUDA kernels (GPU only; on Hopper the TMA + wgmma mainloop)
   cuda_sm80  the same kernels with the mma.sync mainloop forced (Hopper only, for comparison)
   liger    Liger-Kernel's fused linear cross entropy, summed (GPU only, when installed;

@@ -51,14 +51,27 @@ bool use_wgmma(bool wgmma, int64_t valid_v) {
   return wgmma && valid_v > 0;  // an all-padding shard has nothing to multiply
 }
 
+// A [T, >=valid_v] fp32 (kind "logits", read or written as column pairs) or bf16 ("dz") buffer
+// with unit column stride and an even row stride.
+void check_chunk(const at::Tensor& x, at::ScalarType dtype, int64_t T, int64_t valid_v, const char* name) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == dtype && x.dim() == 2 && x.size(0) == T &&
+                  x.size(1) >= valid_v && x.stride(1) == 1 && x.stride(0) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % (2 * x.element_size()) == 0,
+              name, " must be ", dtype, " [", T, ", >=", valid_v,
+              "] with unit column stride, an even row stride and pair-aligned storage, got ",
+              x.scalar_type(), " ", x.sizes(), " strides ", x.strides());
+}
+
 // Returns (part [3, num_splits, T] fp32, label_logit [T] fp32); see launch_logprob_forward.
+// With `logits` (fp32 [T, >=valid_v]) the training path's variant also stores the raw logits there.
 std::vector<at::Tensor> logprob_forward(const at::Tensor& hidden, const at::Tensor& weight,
                                         const at::Tensor& labels, int64_t valid_v,
                                         int64_t vocab_start, double inv_tau, int64_t num_splits,
-                                        bool wgmma) {
+                                        bool wgmma, const std::optional<at::Tensor>& logits) {
   check_operands(hidden, weight, labels);
   TORCH_CHECK(valid_v >= 0 && valid_v <= weight.size(0), "valid_v out of range: ", valid_v);
   TORCH_CHECK(num_splits >= 1, "num_splits must be >= 1, got ", num_splits);
+  if (logits) check_chunk(*logits, at::kFloat, hidden.size(0), valid_v, "logits");
   const c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t T = hidden.size(0);
   auto opts = hidden.options().dtype(at::kFloat);
@@ -71,9 +84,36 @@ std::vector<at::Tensor> logprob_forward(const at::Tensor& hidden, const at::Tens
                  static_cast<int>(T), static_cast<int>(hidden.size(1)), static_cast<int>(valid_v),
                  vocab_start, static_cast<float>(inv_tau), static_cast<int>(num_splits),
                  part.data_ptr<float>(), label_logit.data_ptr<float>(),
-                 c10::cuda::getCurrentCUDAStream()),
+                 logits ? logits->data_ptr<float>() : nullptr,
+                 logits ? static_cast<int>(logits->stride(0)) : 0, c10::cuda::getCurrentCUDAStream()),
              "logprob_forward");
   return {part, label_logit};
+}
+
+// Writes the softmax gradient of the stored raw logits [T, >=valid_v] into dz[:, :valid_v] (bf16);
+// see launch_softmax_grad_stored.
+void softmax_grad_stored(const at::Tensor& logits, const at::Tensor& labels, int64_t valid_v,
+                         int64_t vocab_start, double inv_tau, const at::Tensor& lse,
+                         const at::Tensor& mean_z, const at::Tensor& g_lp, const at::Tensor& g_ent,
+                         const at::Tensor& dz) {
+  const int64_t T = logits.size(0);
+  check_chunk(logits, at::kFloat, T, valid_v, "logits");
+  check_chunk(dz, at::kBFloat16, T, valid_v, "dz");
+  TORCH_CHECK(labels.is_cuda() && labels.scalar_type() == at::kLong && labels.is_contiguous() &&
+                  labels.dim() == 1 && labels.size(0) == T,
+              "labels must be contiguous int64 [", T, "], got ", labels.scalar_type(), " ", labels.sizes());
+  check_vec(lse, T, "lse");
+  check_vec(mean_z, T, "mean_z");
+  check_vec(g_lp, T, "g_lp");
+  check_vec(g_ent, T, "g_ent");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  check_cuda(megarl::launch_softmax_grad_stored(
+                 logits.data_ptr<float>(), static_cast<int>(logits.stride(0)),
+                 labels.data_ptr<int64_t>(), static_cast<int>(T), static_cast<int>(valid_v),
+                 vocab_start, static_cast<float>(inv_tau), lse.data_ptr<float>(),
+                 mean_z.data_ptr<float>(), g_lp.data_ptr<float>(), g_ent.data_ptr<float>(),
+                 dz.data_ptr(), static_cast<int>(dz.stride(0)), c10::cuda::getCurrentCUDAStream()),
+             "softmax_grad_stored");
 }
 
 // Writes dL/dx for shard rows [col_begin, col_begin + col_count) into dz[:, :col_count].
@@ -142,7 +182,12 @@ std::vector<at::Tensor> ppo_loss(const at::Tensor& logp, const at::Tensor& old_l
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megarl fused kernels: logprob + entropy over a vocab-parallel LM head, PPO loss";
-  m.def("logprob_forward", &logprob_forward, "fused logprob/entropy forward partials");
+  m.def("logprob_forward", &logprob_forward, "fused logprob/entropy forward partials",
+        py::arg("hidden"), py::arg("weight"), py::arg("labels"), py::arg("valid_v"),
+        py::arg("vocab_start"), py::arg("inv_tau"), py::arg("num_splits"), py::arg("wgmma"),
+        py::arg("logits") = py::none());
+  m.def("softmax_grad_stored", &softmax_grad_stored,
+        "the training path's softmax gradient from the stored logits of a token chunk");
   m.def("logprob_backward_dz", &logprob_backward_dz, "recomputed-logit softmax gradient chunk");
   m.def("sm90_mainloop_available", &megarl::sm90_mainloop_available,
         "whether the TMA + wgmma mainloop runs on the current device");

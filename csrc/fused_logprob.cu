@@ -1,5 +1,6 @@
 // Fused token logprob + entropy over a vocab-parallel LM head, without materialising the
-// [T, V] logits: forward = tiled GEMM + online logsumexp epilogue; backward = the same GEMM
+// [T, V] logits: forward = tiled GEMM + online logsumexp epilogue (the training path's variant
+// also stores the tile's logits for its token chunk); backward = the same GEMM
 // recomputing logit tiles + a softmax-gradient epilogue writing a bf16 dz chunk [T, Vc]
 // (the two gradient GEMMs dH = dz.W and dW = dz^T.H then run on cuBLAS, per vocab chunk).
 //
@@ -58,7 +59,38 @@ __device__ __forceinline__ void fold_tile(Stats (&st)[MI][2], const int (&label)
   }
 }
 
+// The training path's copy of a tile: its raw logits (fp32, before the temperature) at
+// logits[row * ld + v] for the valid rows and columns, as column pairs (ld even).
+__device__ __forceinline__ void store_tile(const Acc& acc, int n0, int valid_v, int m0, int T,
+                                           float* logits, int ld) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int wm = (warp >> 1) * WM;
+  const int wn = (warp & 1) * WN;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m0 + tile_row(wm, lane, mi, half);
+      if (row >= T) continue;
+      float* out = logits + static_cast<size_t>(row) * ld;
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        const int v = n0 + tile_col(wn, lane, ni, 0);  // even; v + 1 is the pair's second column
+        const float x0 = acc.v[mi][ni][2 * half], x1 = acc.v[mi][ni][2 * half + 1];
+        if (v + 1 < valid_v) {
+          *reinterpret_cast<float2*>(out + v) = make_float2(x0, x1);
+        } else if (v < valid_v) {
+          out[v] = x0;
+        }
+      }
+    }
+  }
+}
+
 // grid = (num_splits, ceil(T / BM)); split x owns vocab tiles [x * tiles_per_split, ...).
+// kStore: also write each tile's raw logits (store_tile), for the training path.
+template <bool kStore>
 __global__ void __launch_bounds__(THREADS)
     logprob_forward_kernel(const __nv_bfloat16* __restrict__ hidden,  // [T,H]
                            const __nv_bfloat16* __restrict__ weight,  // [V,H]
@@ -66,8 +98,9 @@ __global__ void __launch_bounds__(THREADS)
                            int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                            int tiles_per_split,
                            float* __restrict__ part,         // [3, S, T]
-                           float* __restrict__ label_logit)  // [T]
-{
+                           float* __restrict__ label_logit,  // [T]
+                           float* __restrict__ logits,       // [T, ld] when kStore
+                           int ld) {
   MEGARL_DYNAMIC_SMEM(smem_raw);
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   const int lane = threadIdx.x & 31;
@@ -96,6 +129,7 @@ __global__ void __launch_bounds__(THREADS)
   for (int t = tile_begin; t < tile_end; ++t) {
     const int n0 = t * BN;
     tile::gemm_tile(acc, smem, hidden, weight, m0, T, n0, valid_v, H);
+    if constexpr (kStore) store_tile(acc, n0, valid_v, m0, T, logits, ld);
     fold_tile(st, label, acc, n0, valid_v, inv_tau, m0, T, label_logit);
   }
 
@@ -197,17 +231,19 @@ cudaError_t set_smem(const void* kernel) {
 cudaError_t launch_logprob_forward(const void* hidden, const void* weight, const int64_t* labels,
                                    int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                    int num_splits, float* part, float* label_logit,
-                                   cudaStream_t stream) {
+                                   float* logits, int ld, cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
   if (H % 8 != 0 || num_splits <= 0) return cudaErrorInvalidValue;
-  cudaError_t err = set_smem(reinterpret_cast<const void*>(&logprob_forward_kernel));
+  if (logits != nullptr && (ld % 2 != 0 || ld < valid_v)) return cudaErrorInvalidValue;
+  const auto kernel = logits != nullptr ? logprob_forward_kernel<true> : logprob_forward_kernel<false>;
+  cudaError_t err = set_smem(reinterpret_cast<const void*>(kernel));
   if (err != cudaSuccess) return err;
   const int num_tiles = (valid_v + BN - 1) / BN;
   const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
   const dim3 grid(num_splits, (T + BM - 1) / BM);
-  MEGARL_LAUNCH(logprob_forward_kernel, grid, THREADS, tile::SMEM_BYTES, stream)(
+  MEGARL_LAUNCH(kernel, grid, THREADS, tile::SMEM_BYTES, stream)(
       static_cast<const __nv_bfloat16*>(hidden), static_cast<const __nv_bfloat16*>(weight), labels,
-      T, H, valid_v, vocab_start, inv_tau, tiles_per_split, part, label_logit);
+      T, H, valid_v, vocab_start, inv_tau, tiles_per_split, part, label_logit, logits, ld);
   return cudaGetLastError();
 }
 

@@ -32,6 +32,8 @@ struct ForwardArgs {
   float inv_tau;
   float* part;         // [3, num_splits, T]; the split is blockIdx.x, num_splits gridDim.x
   float* label_logit;  // [T]
+  float* logits;       // [T, ld] raw logits, written by the storing variant only
+  int ld;
 };
 
 struct BackwardArgs {
@@ -53,6 +55,9 @@ struct BackwardArgs {
 #ifdef MEGARL_SM90A  // the epilogues exist in the sm_90a device pass only
 
 // Online logsumexp/entropy over the tiles of one vocab split; writes the split's partials.
+// kStore: also writes each tile's raw logits (fp32, before the temperature) to a.logits as
+// column pairs, for the training path.
+template <bool kStore>
 struct ForwardEpilogue {
   using Args = ForwardArgs;
   const Args& a;
@@ -73,6 +78,7 @@ struct ForwardEpilogue {
   }
 
   __device__ __forceinline__ void tile(const float (&acc)[kAccRegs], int n0) {
+    if constexpr (kStore) store(acc, n0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = m0 + frag.row(h);
@@ -80,6 +86,25 @@ struct ForwardEpilogue {
           st[h], [&](int i) { return acc[Fragment::reg(h, i / 2, i % 2)]; },
           [&](int i) { return n0 + frag.col(i / 2, i % 2); }, a.valid_v, a.inv_tau, label[h],
           row < a.T ? a.label_logit + row : nullptr, n0, BN);
+    }
+  }
+
+  __device__ __forceinline__ void store(const float (&acc)[kAccRegs], int n0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + frag.row(h);
+      if (row >= a.T) continue;
+      float* out = a.logits + static_cast<size_t>(row) * a.ld;
+#pragma unroll
+      for (int j = 0; j < kAccRegs / 4; ++j) {
+        const int v = n0 + frag.col(j, 0);  // even: v and v + 1 form a pair
+        const float x0 = acc[Fragment::reg(h, j, 0)], x1 = acc[Fragment::reg(h, j, 1)];
+        if (v + 1 < a.valid_v) {
+          *reinterpret_cast<float2*>(out + v) = make_float2(x0, x1);
+        } else if (v < a.valid_v) {
+          out[v] = x0;
+        }
+      }
     }
   }
 
@@ -138,6 +163,7 @@ struct BackwardEpilogue {
 #endif  // MEGARL_SM90A
 
 // grid = (num_splits, ceil(T / BM)); split x owns vocab tiles [x * tiles_per_split, ...).
+template <bool kStore>
 __global__ void __launch_bounds__(sm90::THREADS, 1)
     logprob_forward_sm90_kernel(const __grid_constant__ CUtensorMap tm_hidden,
                                 const __grid_constant__ CUtensorMap tm_weight, ForwardArgs args,
@@ -145,7 +171,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1)
 #ifdef MEGARL_SM90A
   const int first = blockIdx.x * tiles_per_split;
   const int count = max(0, min(num_tiles, first + tiles_per_split) - first);
-  sm90::mainloop<ForwardEpilogue>(tm_hidden, tm_weight, blockIdx.y * BM, first * BN, count, H, args);
+  sm90::mainloop<ForwardEpilogue<kStore>>(tm_hidden, tm_weight, blockIdx.y * BM, first * BN, count, H, args);
 #else
   __trap();  // the host launches this only where the sm_90a code is present
 #endif
@@ -229,10 +255,12 @@ namespace {
 // does not change while the process lives (device, driver entry point, the code in the binary).
 // A failed probe launch is not among them: sm90_mainloop_status reports it and tries again.
 std::string sm90_register_problem() {
-  const void* kernels[] = {reinterpret_cast<const void*>(&logprob_forward_sm90_kernel),
+  const void* kernels[] = {reinterpret_cast<const void*>(&logprob_forward_sm90_kernel<false>),
+                           reinterpret_cast<const void*>(&logprob_forward_sm90_kernel<true>),
                            reinterpret_cast<const void*>(&logprob_backward_dz_sm90_kernel)};
-  const char* names[] = {"logprob_forward_sm90_kernel", "logprob_backward_dz_sm90_kernel"};
-  for (int i = 0; i < 2; ++i) {
+  const char* names[] = {"logprob_forward_sm90_kernel", "logprob_forward_sm90_kernel (storing)",
+                         "logprob_backward_dz_sm90_kernel"};
+  for (int i = 0; i < 3; ++i) {
     cudaFuncAttributes attr{};
     const cudaError_t err = cudaFuncGetAttributes(&attr, kernels[i]);
     if (err != cudaSuccess)
@@ -292,18 +320,20 @@ bool sm90_mainloop_available() { return sm90_mainloop_status().available; }
 cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
                                         int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                         int num_splits, float* part, float* label_logit,
-                                        cudaStream_t stream) {
+                                        float* logits, int ld, cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
   if (H % 8 != 0 || num_splits <= 0 || valid_v <= 0) return cudaErrorInvalidValue;
+  if (logits != nullptr && (ld % 2 != 0 || ld < valid_v)) return cudaErrorInvalidValue;
+  const auto kernel = logits != nullptr ? logprob_forward_sm90_kernel<true> : logprob_forward_sm90_kernel<false>;
   CUtensorMap tm_hidden, tm_weight;
   cudaError_t err = make_operand_maps(&tm_hidden, &tm_weight, hidden, weight, T, H, valid_v);
-  if (err == cudaSuccess) err = set_smem(reinterpret_cast<const void*>(&logprob_forward_sm90_kernel));
+  if (err == cudaSuccess) err = set_smem(reinterpret_cast<const void*>(kernel));
   if (err != cudaSuccess) return err;
   const int num_tiles = (valid_v + BN - 1) / BN;
   const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
-  const ForwardArgs args{labels, T, valid_v, vocab_start, inv_tau, part, label_logit};
+  const ForwardArgs args{labels, T, valid_v, vocab_start, inv_tau, part, label_logit, logits, ld};
   const dim3 grid(num_splits, (T + BM - 1) / BM);
-  MEGARL_LAUNCH(logprob_forward_sm90_kernel, grid, sm90::THREADS, sm90::SMEM_BYTES, stream)(
+  MEGARL_LAUNCH(kernel, grid, sm90::THREADS, sm90::SMEM_BYTES, stream)(
       tm_hidden, tm_weight, args, H, tiles_per_split, num_tiles);
   return cudaGetLastError();
 }

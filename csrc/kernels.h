@@ -23,9 +23,13 @@ constexpr int kTileVocabSm90 = 256;  // BN of the sm_90a mainloop
 // (label_logit must be zeroed by the caller; exactly one CTA writes each owned token).
 // hidden [T,H] bf16, weight [V,H] bf16 (row-major, contiguous), labels [T] int64,
 // part [3, num_splits, T] fp32. H must be a multiple of 8 (16-byte cp.async rows).
+// The training path's variant: where `logits` is not null, the raw logits x = hidden . weight^T
+// (before the temperature) of the valid rows are also written, fp32, to logits[t * ld + v]
+// for v < valid_v (columns past valid_v untouched; ld even and >= valid_v, logits 8-byte aligned).
 cudaError_t launch_logprob_forward(const void* hidden, const void* weight, const int64_t* labels,
                                    int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
-                                   int num_splits, float* part, float* label_logit, cudaStream_t stream);
+                                   int num_splits, float* part, float* label_logit, float* logits,
+                                   int ld, cudaStream_t stream);
 
 // Backward: recompute logits for vocab rows [col_begin, col_begin + col_count) of the shard and
 // write dL/dx = inv_tau * dL/dz as bf16 into dz[t * ld + (v - col_begin)], where
@@ -37,6 +41,15 @@ cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, c
                                        const float* lse, const float* mean_z, const float* g_lp,
                                        const float* g_ent, int col_begin, int col_count, void* dz,
                                        int ld, cudaStream_t stream);
+
+// The training path's softmax gradient from stored logits (softmax_grad.cu): for the raw logits
+// x [T, ld_logits] fp32 that the storing forward wrote, dz[t * ld_dz + v] = bf16 of the same
+// dL/dx as launch_logprob_backward_dz, for v < valid_v (columns past valid_v untouched).
+// ld_logits and ld_dz even and >= valid_v.
+cudaError_t launch_softmax_grad_stored(const float* logits, int ld_logits, const int64_t* labels,
+                                       int T, int valid_v, int64_t vocab_start, float inv_tau,
+                                       const float* lse, const float* mean_z, const float* g_lp,
+                                       const float* g_ent, void* dz, int ld_dz, cudaStream_t stream);
 
 // The same two kernels on Hopper's TMA + wgmma mainloop (fused_logprob_sm90.cu): identical
 // contracts, 128 x 256 logit tiles. Launch them only where sm90_mainloop_available() (a device
@@ -52,7 +65,7 @@ bool sm90_mainloop_available();  // sm90_mainloop_status().available
 cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
                                         int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                         int num_splits, float* part, float* label_logit,
-                                        cudaStream_t stream);
+                                        float* logits, int ld, cudaStream_t stream);
 cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weight,
                                             const int64_t* labels, int T, int H, int valid_v,
                                             int64_t vocab_start, float inv_tau, const float* lse,

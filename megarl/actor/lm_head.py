@@ -80,7 +80,7 @@ class LMHeadOutput:
         loss, logp, entropy = fused_linear_token_loss(
             self.hidden.index_select(0, rows), self.weight, labels.index_select(0, rows), token_loss_fn,
             self.tp_group, temperature, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
-            reduce_grad_hidden=self.reduce_grad_hidden,
+            reduce_grad_hidden=self.reduce_grad_hidden, backend=self.backend,
         )  # fmt: skip
         return loss, zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy)
 

@@ -180,19 +180,55 @@ def _operand(x: torch.Tensor) -> torch.Tensor:
 
 
 def local_stats(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard, inv_tau: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    shard: VocabShard,
+    inv_tau: float,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """This shard's (m, s, u, label_logit) ``[T]`` from the fused forward kernel."""
+    """This shard's (m, s, u, label_logit) ``[T]`` from the fused forward kernel; with ``logits``
+    (fp32 ``[T, >=valid]``) its storing variant also writes the raw logits there."""
     ext = load_extension()
     wgmma = use_wgmma(hidden.device)
     vocab_tile = ext.TILE_VOCAB_SM90 if wgmma else ext.TILE_VOCAB
     splits = num_splits(hidden.shape[0], shard.valid, hidden.device, vocab_tile)
     part, label_logit = ext.logprob_forward(
         _operand(hidden), _operand(weight), labels.long().contiguous(),
-        shard.valid, shard.start, inv_tau, splits, wgmma,
+        shard.valid, shard.start, inv_tau, splits, wgmma, logits,
     )  # part: [3, splits, T]
     m, s, u = merge_stats(part[0], part[1], part[2])
     return m, s, u, label_logit
+
+
+def logits_and_stats(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard, inv_tau: float
+) -> tuple[torch.Tensor, ...]:
+    """The training path's forward of a token chunk (``linear_loss.ChunkOps``): (its raw logits
+    x = hidden · weightᵀ fp32 ``[T, valid rounded up to even]``, m, s, u, label_logit), one kernel."""
+    logits = torch.empty(hidden.shape[0], shard.valid + shard.valid % 2, dtype=torch.float32, device=hidden.device)
+    stored = logits if shard.valid > 0 else None  # an all-padding shard has no logits
+    return logits, *local_stats(hidden, weight, labels, shard, inv_tau, stored)
+
+
+def softmax_grad_stored(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    shard: VocabShard,
+    inv_tau: float,
+    lse: torch.Tensor,
+    mean_z: torch.Tensor,
+    g_logprob: torch.Tensor,
+    g_entropy: torch.Tensor,
+) -> torch.Tensor:
+    """dL/dx bf16 ``[T, valid]`` (a view with the logits' row stride) from the logits that
+    :func:`logits_and_stats` stored, once the chunk's statistics and loss gradients are known."""
+    dz = torch.empty(logits.shape, dtype=torch.bfloat16, device=logits.device)
+    vectors = [t.float().contiguous() for t in (lse, mean_z, g_logprob, g_entropy)]
+    if shard.valid > 0:
+        load_extension().softmax_grad_stored(logits, labels.long().contiguous(), shard.valid, shard.start, inv_tau,
+                                             *vectors, dz)  # fmt: skip
+    return dz[:, : shard.valid]
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

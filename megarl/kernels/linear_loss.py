@@ -19,11 +19,18 @@ statistics are, so :func:`fused_linear_token_loss` goes over the tokens in chunk
 
 Total 6·T·V·H plus O(T·V) elementwise work, like the bare matmul's forward + backward and
 Liger's fused linear cross-entropy. The backward returns the stored gradients times the incoming
-scalar gradient. Memory: three fp32 chunk buffers ``[tc, V_local]`` (by default tc ≈ T·H/V_local
-tokens, so one buffer is about the size of fp32 hidden states), the fp32 gradients dH ``[T, H]``
-and dW ``[V_local, H]`` held from forward to backward, and an fp32 copy of a non-fp32 weight.
-The no-grad logprobs (``compute_logp``) keep using ``fused_logprobs_entropy``, which never holds
-more than a tile of logits.
+scalar gradient.
+
+Steps 1-2 and the dz of step 4 are :class:`ChunkOps`. On CUDA (``backend`` "cuda", or "auto" where
+the kernels apply) they are the kernels of ``csrc/``: the fused forward in its storing variant
+(one pass gives the chunk's split statistics and writes its raw fp32 logits), then
+``softmax_grad.cu`` turning the stored logits into bf16 dz; the gradient GEMMs are cuBLAS. With
+torch ops, steps 1-2 are an fp32 GEMM and elementwise passes. Memory: the torch ops keep three
+fp32 chunk buffers ``[tc, V_local]``, the kernels one fp32 and one bf16 (by default tc ≈ T·H/V_local
+tokens, so one fp32 buffer is about the size of fp32 hidden states); plus the fp32 gradients dH
+``[T, H]`` and dW ``[V_local, H]`` held from forward to backward, and an fp32 copy of a non-fp32
+weight off CUDA. The no-grad logprobs (``compute_logp``) keep using ``fused_logprobs_entropy``,
+which never holds more than a tile of logits.
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.kernels import _cuda
 from megarl.kernels._cuda import _addmm_fp32
-from megarl.kernels.logprob import _check_inputs, _resolve_shard, reduce_over_tp
+from megarl.kernels.backend import Backend
+from megarl.kernels.logprob import _check_inputs, _resolve_shard, logprobs_backend, reduce_over_tp
 from megarl.kernels.reference import (
     VocabShard,
     _chunks,
@@ -56,6 +65,36 @@ other input of the loss is a constant. Called once per chunk, in token order."""
 
 
 @dataclass(frozen=True)
+class ChunkOps:
+    """The two steps of a token chunk that touch its ``[tc, V_local]`` logits."""
+
+    logits_and_stats: Callable[..., tuple[torch.Tensor, ...]]
+    """``(h_c, w, labels_c, shard, inv_tau) -> (logits, m, s, u, label_logit)``: the chunk's logits
+    (in whatever form ``softmax_grad`` reads them back) and this shard's statistics ``[tc]``."""
+    softmax_grad: Callable[..., torch.Tensor]
+    """``(logits, labels_c, shard, inv_tau, lse, mean_z, g_lp, g_ent) -> dz`` ``[tc, valid]``, dL/dx
+    for the gradient GEMMs (``logits`` may be consumed)."""
+
+
+def _torch_logits_and_stats(h_c, w, labels_c, shard: VocabShard, inv_tau: float) -> tuple[torch.Tensor, ...]:
+    z = _logits_f32(h_c, w, inv_tau)  # [tc,Vv]
+    return z, *_local_stats(z, labels_c - shard.start)
+
+
+def _torch_softmax_grad(z, labels_c, shard: VocabShard, inv_tau: float, lse, mean_z, g_lp, g_ent) -> torch.Tensor:
+    idx, inside = _label_in_chunk(labels_c - shard.start, 0, shard.valid)
+    p = (z - lse[:, None]).exp_()
+    return softmax_grad_(z, p, mean_z, g_lp, g_ent, idx, inside).mul_(inv_tau)
+
+
+CHUNK_OPS = {
+    "torch": ChunkOps(_torch_logits_and_stats, _torch_softmax_grad),
+    "cuda": ChunkOps(_cuda.logits_and_stats, _cuda.softmax_grad_stored),
+}
+"""The ops of each backend (tests swap in the kernels run by the host emulator)."""
+
+
+@dataclass(frozen=True)
 class _Spec:
     shard: VocabShard
     inv_tau: float
@@ -63,6 +102,7 @@ class _Spec:
     tp_size: int
     chunk_tokens: int
     reduce_grad_hidden: bool
+    backend: str
 
 
 MIN_CHUNK_TOKENS = 256
@@ -89,15 +129,14 @@ def _token_grads(fn: TokenLossFn, t0: int, t1: int, logprob, entropy) -> tuple[t
 
 
 def _local_stats(z: torch.Tensor, label_local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """This shard's (m, s, u, label_logit) ``[tc]`` from its logits chunk z ``[tc, Vv]``, and the
-    label's (index clamped to the chunk, whether it lies there)."""
+    """This shard's (m, s, u, label_logit) ``[tc]`` from its logits chunk z ``[tc, Vv]``."""
     tc, valid = z.shape
     if valid == 0:  # an all-padding shard is an empty part of the vocabulary
         empty = z.new_zeros(tc)
-        return empty - math.inf, empty, empty, empty, label_local.new_zeros(tc), label_local < 0
+        return empty - math.inf, empty, empty, empty
     idx, inside = _label_in_chunk(label_local, 0, valid)
     label_logit = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), 0.0)
-    return *chunk_triple(z), label_logit, idx, inside
+    return *chunk_triple(z), label_logit
 
 
 def _logits_f32(h_c: torch.Tensor, w: torch.Tensor, inv_tau: float) -> torch.Tensor:
@@ -118,7 +157,7 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 class _FusedLinearTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, token_loss_fn: TokenLossFn, spec: _Spec):
-        shard, inv_tau = spec.shard, spec.inv_tau
+        shard, inv_tau, ops = spec.shard, spec.inv_tau, CHUNK_OPS[spec.backend]
         num_tokens = hidden.shape[0]
         # bf16 on a GPU: cuBLAS bf16 GEMMs accumulating in fp32 (dz rounded to bf16, as the CUDA
         # backward's); elsewhere fp32 GEMMs (an fp32 copy of a bf16 weight)
@@ -131,12 +170,10 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
         logprob = torch.zeros(num_tokens, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(logprob)
         loss = logprob.new_zeros(())
-        label_local = labels - shard.start
         hit = (labels >= 0) & (labels < shard.vocab_size)
         for t0, t1 in _chunks(num_tokens, spec.chunk_tokens):
             h_c = hidden[t0:t1] if low else hidden[t0:t1].float()  # [tc,H]
-            z = _logits_f32(h_c, w, inv_tau)  # [tc,Vv]
-            m, s, u, label_logit, idx, inside = _local_stats(z, label_local[t0:t1])
+            logits, m, s, u, label_logit = ops.logits_and_stats(h_c, w, labels[t0:t1], shard, inv_tau)
             m, s, u, label_logit = reduce_over_tp(m, s, u, label_logit, spec.tp_group, spec.tp_size)
             lp_c, ent_c, lse, mean_z = finalize_stats(m, s, u, label_logit, hit[t0:t1])
             logprob[t0:t1], entropy[t0:t1] = lp_c, ent_c
@@ -145,9 +182,9 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
             g_lp = torch.where(hit[t0:t1], g_lp, 0.0)  # ignored labels: logprob is a constant 0
             if shard.valid == 0:
                 continue
-            p = (z - lse[:, None]).exp_()
-            dz = softmax_grad_(z, p, mean_z, g_lp, g_ent, idx, inside).mul_(inv_tau)  # dL/dx [tc,Vv]
-            dz = dz.to(w.dtype)
+            dz = ops.softmax_grad(logits, labels[t0:t1], shard, inv_tau, lse, mean_z, g_lp, g_ent)
+            del logits
+            dz = dz.to(w.dtype)  # dL/dx [tc,Vv]
             if d_hidden is not None:
                 _accumulate(d_hidden[t0:t1], dz, w)
             if d_weight is not None:
@@ -181,6 +218,7 @@ def fused_linear_token_loss(
     vocab_size: int | None = None,
     reduce_grad_hidden: bool = True,
     chunk_tokens: int | None = None,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Σ_t token_loss_fn(logprob_t, entropy_t), differentiable wrt hidden and weight at 6·T·V·H FLOPs.
 
@@ -188,10 +226,11 @@ def fused_linear_token_loss(
         hidden: ``[T, H]`` final hidden states; weight: this rank's LM-head shard ``[V_local, H]``;
             labels: ``[T]`` global token ids (outside ``[0, vocab_size)``: logprob 0, no gradient).
         token_loss_fn: the per-token loss terms (:data:`TokenLossFn`).
-        tp_group, temperature, vocab_start, vocab_size, reduce_grad_hidden: as
-            :func:`megarl.kernels.fused_logprobs_entropy`.
+        tp_group, temperature, vocab_start, vocab_size, reduce_grad_hidden, backend: as
+            :func:`megarl.kernels.fused_logprobs_entropy` ("cuda": the chunk's logits and dz
+            from the kernels of ``csrc/``, :class:`ChunkOps`).
         chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`); peak memory is
-            three fp32 ``[chunk_tokens, V_local]`` buffers.
+            three fp32 ``[chunk_tokens, V_local]`` buffers (torch ops) or 1.5 (the kernels).
 
     Returns:
         (loss 0-d fp32 with the gradients attached, logprob [T], entropy [T]); the last two are
@@ -204,5 +243,6 @@ def fused_linear_token_loss(
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     shard, tp_size = _resolve_shard(weight.shape[0], tp_group, vocab_start, vocab_size)
     tokens = chunk_tokens or default_chunk_tokens(hidden.shape[0], weight.shape[0], hidden.shape[1])
-    spec = _Spec(shard, 1.0 / temperature, tp_group, tp_size, tokens, reduce_grad_hidden)
+    spec = _Spec(shard, 1.0 / temperature, tp_group, tp_size, tokens, reduce_grad_hidden,
+                 logprobs_backend(backend, hidden, weight))
     return _FusedLinearTokenLoss.apply(hidden, weight, labels, token_loss_fn, spec)

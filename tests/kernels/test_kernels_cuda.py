@@ -80,6 +80,34 @@ def test_logprob_entropy_and_grads_match_reference(mainloop, T, H, rows, pad, st
     assert torch.all(got[3][rows - pad :] == 0)
 
 
+@pytest.mark.parametrize("T,H,rows,pad,start,tau", SHAPES)
+def test_training_path_kernels_match_its_torch_ops(mainloop, T, H, rows, pad, start, tau):
+    """fused_linear_token_loss on the storing forward + softmax_grad.cu against the same function
+    on torch ops (bf16 cuBLAS GEMMs either way)."""
+    from megarl.kernels.linear_loss import fused_linear_token_loss
+
+    g = torch.Generator(device="cuda").manual_seed(T + rows)
+    hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(rows, H, device="cuda", generator=g) * H**-0.5 * 4).bfloat16()
+    vocab = start + rows - pad
+    labels = torch.randint(start - 3, vocab + 3, (T,), device="cuda", generator=g)
+    coefs = torch.randn(2, T, device="cuda", generator=g)
+    results = {}
+    for backend in ("cuda", "torch"):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss, logp, ent = fused_linear_token_loss(
+            h, w, labels, lambda t0, t1, lp, e: coefs[0, t0:t1] * lp.exp() + coefs[1, t0:t1] * e, temperature=tau,
+            vocab_start=start, vocab_size=vocab, chunk_tokens=128, backend=backend,
+        )  # fmt: skip
+        loss.backward()
+        results[backend] = (loss.detach(), logp, ent, h.grad.float(), w.grad.float())
+    got, want = results["cuda"], results["torch"]
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)
+    assert rel_err(got[3], want[3]) < 1e-2 and rel_err(got[4], want[4]) < 1e-2
+    assert torch.all(got[4][rows - pad :] == 0)
+
+
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_forward_splits_merge_exactly(ext, wgmma):
     """Different split counts (partials merged in torch; 24 leaves some splits empty) give the

@@ -76,7 +76,10 @@ def _check(result, run_dir: Path, killed: list, steps: int, kills: int) -> None:
     assert metrics[-1]["rollout/server_restarts"] == kills, "the metrics show every restart"
     readmitted = sum(m.get("weight_sync/servers_readmitted", 0) + m.get("weight_sync/servers_readmitted_in_rollout", 0)
                      for m in metrics)  # fmt: skip
-    assert readmitted >= kills, f"each restarted server got the weights before serving: {readmitted}"
+    # A kill may land on a restart still starting (seed 1 killed one 7 s after it was started): that
+    # process never serves and is never readmitted, so not every restart shows here; the version
+    # check below is what shows that no token came from other weights than its step's.
+    assert 1 <= readmitted <= kills, f"restarted servers got the weights before serving: {readmitted}"
     # every item trained exactly once: each step's episodes (synchronous RL: exactly the batch) are 8
     # distinct prompts, none seen at another step; each episode whole (its 8 samples, none half of a lost one)
     seen: list[str] = []

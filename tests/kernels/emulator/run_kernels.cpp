@@ -2,9 +2,13 @@
 // from raw little-endian files, and writes the outputs next to them. Used by
 // tests/kernels/test_kernels_emulated.py; every array is a file DIR/<name>.bin.
 //
-//   run_kernels forward  MAINLOOP DIR T H rows valid_v vocab_start inv_tau num_splits
+//   run_kernels forward  MAINLOOP DIR T H rows valid_v vocab_start inv_tau num_splits [ld]
 //       in: hidden [T,H] bf16, weight [rows,H] bf16, labels [T] int64
-//       out: part [3,num_splits,T] f32, label_logit [T] f32
+//       out: part [3,num_splits,T] f32, label_logit [T] f32; with ld (the storing variant of the
+//       training path) also logits [T,ld] f32
+//   run_kernels softmax_grad DIR T valid_v vocab_start inv_tau ld_logits ld_dz
+//       in: logits [T,ld_logits] f32, labels, lse, mean_z, g_lp, g_ent [T] f32
+//       out: dz [T,ld_dz] bf16
 //   run_kernels backward MAINLOOP DIR T H rows valid_v vocab_start inv_tau col_begin col_count ld
 //       in: hidden, weight, labels, lse, mean_z, g_lp, g_ent [T] f32
 //       out: dz [T,ld] bf16
@@ -96,21 +100,44 @@ bool use_sm90(const std::string& mainloop) {
   return true;
 }
 
-void forward(const std::string& mainloop, const std::string& dir, char** argv) {
+void forward(const std::string& mainloop, const std::string& dir, char** argv, bool store) {
   const bool sm90 = use_sm90(mainloop);
   const Logits a = parse_logits(argv);
   const int splits = std::atoi(argv[6]);
+  const int ld = store ? std::atoi(argv[7]) : 0;
   auto hidden = load<uint16_t>(dir, "hidden", size_t(a.T) * a.H);
   auto weight = load<uint16_t>(dir, "weight", size_t(a.rows) * a.H);
   auto labels = load<int64_t>(dir, "labels", a.T);
   Buffer<float> part(size_t(3) * splits * a.T, kNaN);
   Buffer<float> label_logit(a.T, 0.f);
+  Buffer<float> logits(size_t(a.T) * ld, kNaN);
   const auto launch = sm90 ? megarl::launch_logprob_forward_sm90 : megarl::launch_logprob_forward;
   check(launch(hidden.get(), weight.get(), labels.get(), a.T, a.H, a.valid_v, a.vocab_start,
-               a.inv_tau, splits, part.get(), label_logit.get(), nullptr),
+               a.inv_tau, splits, part.get(), label_logit.get(), store ? logits.get() : nullptr, ld,
+               nullptr),
         "launch_logprob_forward");
   save(dir, "part", part);
   save(dir, "label_logit", label_logit);
+  if (store) save(dir, "logits", logits);
+}
+
+void softmax_grad(const std::string& dir, char** argv) {
+  const int T = std::atoi(argv[0]), valid_v = std::atoi(argv[1]);
+  const int64_t vocab_start = std::atoll(argv[2]);
+  const float inv_tau = std::strtof(argv[3], nullptr);
+  const int ld_logits = std::atoi(argv[4]), ld_dz = std::atoi(argv[5]);
+  auto logits = load<float>(dir, "logits", size_t(T) * ld_logits);
+  auto labels = load<int64_t>(dir, "labels", T);
+  auto lse = load<float>(dir, "lse", T);
+  auto mean_z = load<float>(dir, "mean_z", T);
+  auto g_lp = load<float>(dir, "g_lp", T);
+  auto g_ent = load<float>(dir, "g_ent", T);
+  Buffer<uint16_t> dz(size_t(T) * ld_dz, kNaNBf16);
+  check(megarl::launch_softmax_grad_stored(logits.get(), ld_logits, labels.get(), T, valid_v,
+                                           vocab_start, inv_tau, lse.get(), mean_z.get(),
+                                           g_lp.get(), g_ent.get(), dz.get(), ld_dz, nullptr),
+        "launch_softmax_grad_stored");
+  save(dir, "dz", dz);
 }
 
 void backward(const std::string& mainloop, const std::string& dir, char** argv) {
@@ -184,8 +211,10 @@ void mbar_hang(char** argv) {
 
 int main(int argc, char** argv) {
   const std::string op = argc > 2 ? argv[1] : "";
-  if (op == "forward" && argc == 11) {
-    forward(argv[2], argv[3], argv + 4);
+  if (op == "forward" && (argc == 11 || argc == 12)) {
+    forward(argv[2], argv[3], argv + 4, argc == 12);
+  } else if (op == "softmax_grad" && argc == 9) {
+    softmax_grad(argv[2], argv + 3);
   } else if (op == "backward" && argc == 13) {
     backward(argv[2], argv[3], argv + 4);
   } else if (op == "ppo" && argc == 9) {
