@@ -9,6 +9,7 @@ step is stopped; either way the server's whole process tree goes with it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -122,7 +123,8 @@ def joined_index(config: GRPOConfig) -> int:
     """The index of a server joining ``config``'s run: past the allocation's servers and every join so far."""
     path = config.run_dir / JOINS_FILE
     lines = path.read_text().splitlines() if path.exists() else []
-    return config.allocation.inference.dp + sum('"join"' in line for line in lines)
+    joins = sum(json.loads(line).get("event") == "join" for line in lines if line.strip())
+    return config.allocation.inference.dp + joins
 
 
 def drain(address: str, timeout: float) -> None:

@@ -57,3 +57,29 @@ def test_allocation_table(capsys):
     assert main(["allocation", "vllm:d48t2+megatron:d4p2t4", "--nodes", "16", "--gpus-per-node", "8"]) == 0
     out = capsys.readouterr().out
     assert "48 servers x TP 2" in out and "128" in out
+
+
+def test_serve_join_names_a_missing_run_and_another_runs_directory(tmp_path, capsys):
+    assert main(["serve", "--join", str(tmp_path / "nowhere")]) == 2
+    assert f"no {tmp_path / 'nowhere' / 'config.yaml'}" in capsys.readouterr().err
+    assert main(["config", "--save", "--config", CPU_YAML, f"cluster.fileroot={tmp_path}"]) == 0
+    copied = tmp_path / "copy"
+    copied.mkdir()
+    shutil.copy(tmp_path / "gsm8k-grpo-cpu" / "trial0" / "config.yaml", copied / "config.yaml")
+    assert main(["serve", "--join", str(copied)]) == 2
+    err = capsys.readouterr().err
+    assert "the config names run directory" in err and str(tmp_path / "gsm8k-grpo-cpu" / "trial0") in err
+
+
+def test_a_joining_server_takes_the_index_past_the_servers_and_earlier_joins(tmp_path):
+    from megarl.config import GRPOConfig
+    from megarl.config.loader import load_expr_config
+    from megarl.launcher.serve import joined_index
+    from megarl.rollout.restarts import JOINS_FILE, append_record
+
+    config, _ = load_expr_config(["--config", CPU_YAML, f"cluster.fileroot={tmp_path}"], GRPOConfig)
+    servers = config.allocation.inference.dp
+    assert joined_index(config) == servers
+    for event in ("join", "leave", "join"):  # a leave does not free its index: logs and records keep their names
+        append_record(config.run_dir / JOINS_FILE, {"event": event, "server": "s", "address": "h:1"})
+    assert joined_index(config) == servers + 2
