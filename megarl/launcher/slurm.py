@@ -79,7 +79,7 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool 
         f'export {API_KEY_ENV}="${{{API_KEY_ENV}:-$(python3 -c "import secrets; print(secrets.token_urlsafe(32))")}}"',
         f"RUN_DIR={shlex.quote(str(run_dir))}",
         'mkdir -p "$RUN_DIR/servers" "$RUN_DIR/slurm"',
-        f'(umask 077; echo "${API_KEY_ENV}" > "$RUN_DIR/{KEY_FILE}")  # for servers that join later (megarl serve --join)',
+        f'(umask 077; echo "${API_KEY_ENV}" > "$RUN_DIR/{KEY_FILE}")  # the key of servers that join the run later',
         'rm -f "$RUN_DIR"/servers/*.addr "$RUN_DIR/watchdog.stopped"',
         'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         "PIDS=()",
