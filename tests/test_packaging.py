@@ -292,3 +292,8 @@ def test_only_the_tests_install_system_packages(target, needs_slurm):
         return t == "system-deps" or any(reaches(d, (*seen, t)) for d in rules.get(t, []) if d not in seen)
 
     assert reaches(target) is needs_slurm
+
+
+def test_passing_tests_delete_their_tmp_path(request):
+    """CI's disk: the model tests write GBs of checkpoints; only a failing test's tmp_path stays."""
+    assert request.config.getini("tmp_path_retention_policy") == "failed"
