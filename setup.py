@@ -7,7 +7,7 @@ use on a GPU and falls back to the chunked torch reference on CPU.
 
 import os
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 CORE = [
     # torch is a range on purpose: CI and the Makefile install the CPU build
@@ -121,7 +121,8 @@ setup(
         "Programming Language :: Python :: 3.12",
         "Operating System :: POSIX :: Linux",
     ],
-    packages=find_packages(include=["megarl", "megarl.*"]),
+    # namespace discovery: the data folders (no __init__.py) are packages too, so their files install
+    packages=find_namespace_packages(include=["megarl", "megarl.*"], exclude=["*.__pycache__"]),
     package_data={"megarl": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE", "data/arithmetic/*.jsonl", "data/arithmetic/README.md"]},
     include_package_data=True,
     install_requires=CORE,

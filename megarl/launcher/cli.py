@@ -190,7 +190,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
 
     from megarl.launcher.local import check_local, run_local
     from megarl.rollout.server import ServerLaunchError
-    from megarl.utils.logging import setup_logging
+    from megarl.utils.logging import close_log_file, setup_logging
 
     check_local(config)  # placement errors too before anything is written
     log_file = config.run_dir / "logs" / "launcher.log"
@@ -205,6 +205,8 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     except KeyboardInterrupt:
         err.print("megarl run: interrupted; every server and trainer process was stopped", markup=False)
         return 130
+    finally:
+        close_log_file()
 
 
 def _add_config_args(parser: argparse.ArgumentParser, overrides_help: str = "key.path=value overrides") -> None:

@@ -87,6 +87,18 @@ def setup_logging(
     return root
 
 
+def close_log_file() -> None:
+    """Detach and close the file handler ``setup_logging`` added, keeping the console one.
+
+    The launcher calls this when a run ends, so a process that starts runs in turn (the tests,
+    a notebook) does not keep writing into an earlier run's directory.
+    """
+    root = logging.getLogger(ROOT_LOGGER)
+    for handler in [h for h in root.handlers if getattr(h, _MARK, False) and isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
+
+
 def get_logger(name: str) -> logging.Logger:
     """The logger ``name`` inside the ``megarl`` hierarchy (prefixed unless already)."""
     if name != ROOT_LOGGER and not name.startswith(ROOT_LOGGER + "."):

@@ -3,6 +3,7 @@ that each composes with every experiment config through ``megarl config`` and ``
 --dry-run``, and that launch/*.sbatch are rendered from them."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -230,6 +231,9 @@ def test_run_takes_an_experiment_then_presets(tmp_path, monkeypatch):
     for config in ran:
         assert config.allocation_mode == "vllm:d4t1+megatron:d2p2t1" and config.cluster.n_gpus_per_node == 8
         assert config.experiment_name == "gsm8k-grpo-cpu"
+    # the run's launcher.log is closed when the run returns (nothing keeps writing into its directory)
+    handlers = logging.getLogger("megarl").handlers
+    assert not [h for h in handlers if isinstance(h, logging.FileHandler)], handlers
 
 
 def test_launch_scripts_are_rendered_from_presets(tmp_path):
