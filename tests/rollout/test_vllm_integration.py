@@ -216,9 +216,11 @@ def test_pause_interrupts_and_resume_continues_aligned(engine, vllm_server):
     for resp in resps:
         resp.check_aligned()
         assert resp.output_len == n_new and resp.stop_reason == "length"
-        assert resp.n_interruptions >= 1, "every in-flight request is aborted by the pause"
         switch = resp.output_versions.index(1)
         assert resp.output_versions == [0] * switch + [1] * (n_new - switch)
+        # a request with tokens before the pause was aborted by it; one with none may have been
+        # still queued then (CI saw one: first token after 9 s, no interruption)
+        assert switch == 0 or resp.n_interruptions >= 1, f"generating at the pause, never aborted: {switch} tokens"
         switches.append(switch)
         scored = rescore(vllm_server.address, resp.input_tokens + resp.output_tokens)[resp.input_len :]
         assert resp.output_logprobs == pytest.approx(scored, abs=0.05), "logprobs misaligned after continuation"
