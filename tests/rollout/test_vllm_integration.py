@@ -216,11 +216,11 @@ def test_pause_interrupts_and_resume_continues_aligned(engine, vllm_server):
     for resp in resps:
         resp.check_aligned()
         assert resp.output_len == n_new and resp.stop_reason == "length"
-        switch = resp.output_versions.index(1)
+        switch = resp.output_versions.index(1) if 1 in resp.output_versions else n_new
         assert resp.output_versions == [0] * switch + [1] * (n_new - switch)
-        # a request with tokens before the pause was aborted by it; one with none may have been
-        # still queued then (CI saw one: first token after 9 s, no interruption)
-        assert switch == 0 or resp.n_interruptions >= 1, f"generating at the pause, never aborted: {switch} tokens"
+        # a request generating at the pause was aborted by it; one still queued then (CI saw one:
+        # first token after 9 s) or already finished (the /metrics counter lags) was not
+        assert switch in (0, n_new) or resp.n_interruptions >= 1, f"generating at the pause, never aborted: {switch}"
         switches.append(switch)
         scored = rescore(vllm_server.address, resp.input_tokens + resp.output_tokens)[resp.input_len :]
         assert resp.output_logprobs == pytest.approx(scored, abs=0.05), "logprobs misaligned after continuation"
