@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import codecs
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -51,7 +50,7 @@ from megarl.config.loader import save_config
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec, servers_on_every_core
 from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
-from megarl.rollout.restarts import RESTARTS_FILE
+from megarl.rollout.restarts import RESTARTS_FILE, append_record
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.utils.auth import run_api_key, save_run_key
 from megarl.utils.console import CONSOLE_TTY_ENV
@@ -627,10 +626,8 @@ class ServerRestarts:
         with open(server.log_path, "ab") as f:
             f.write(f"# megarl: {line}\n".encode())
         replacement = InferenceServer(server.spec, server.log_path, name=server.name).start()
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "a") as f:
-            f.write(json.dumps({"time": time.time(), "server": server.name, "address": server.address,
-                                "exit_code": server.proc.returncode, "restart": n, "run_total": self.total}) + "\n")  # fmt: skip
+        append_record(self.log, {"time": time.time(), "server": server.name, "address": server.address,
+                                 "exit_code": server.proc.returncode, "restart": n, "run_total": self.total})  # fmt: skip
         return replacement
 
     def _spent(self, name: str) -> str:

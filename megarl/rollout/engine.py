@@ -311,7 +311,6 @@ class RemoteInferenceEngine(InferenceEngine):
         with self._lock:
             self._servers.append(_Server(address, unhealthy_until=math.inf, awaiting_push=True,
                                          why_unhealthy="joined the run; in rotation once it holds the current weights"))  # fmt: skip
-            self._left.discard(address)
         self.servers_joined += 1
         logger.info("server %s joined the run; it serves once the next weight sync reaches it", address)
 
