@@ -11,6 +11,7 @@ then constant, or linear / cosine decay to ``min_lr_ratio * lr`` at ``total_step
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -40,10 +41,48 @@ def megatron_optimizer_config(cfg: OptimizerConfig, params_dtype: torch.dtype):
 
 
 def build_optimizer(cfg: OptimizerConfig, chunks: list, params_dtype: torch.dtype, pg_collection=None):
-    """Megatron optimizer over the (DDP-wrapped) model chunks."""
+    """Megatron optimizer over the (DDP-wrapped) model chunks, its main parameters dithered
+    when ``cfg.bf16_rounding`` asks for it."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    return get_megatron_optimizer(megatron_optimizer_config(cfg, params_dtype), chunks, pg_collection=pg_collection)
+    optimizer = get_megatron_optimizer(megatron_optimizer_config(cfg, params_dtype), chunks, pg_collection=pg_collection)
+    if cfg.bf16_rounding == "dithered" and params_dtype != torch.float32:
+        dither_main_params(optimizer, params_dtype)
+    return optimizer
+
+
+def main_params_of_low_precision(optimizer) -> list[torch.Tensor]:
+    """The fp32 main parameters (or this rank's shards of them) behind the bf16 / fp16 weights."""
+    mains = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # Float16OptimizerWithFloat16Params, or DistributedOptimizer (this rank's shards)
+        groups = getattr(opt, "fp32_from_float16_groups", None) or getattr(opt, "shard_fp32_from_float16_groups", [])
+        mains += [param for group in groups for param in group]
+    return mains
+
+
+@torch.no_grad()
+def dither_main_params(optimizer, dtype: torch.dtype, seed: int = 0) -> None:
+    """Move each fp32 main parameter by a uniform random offset within its ``dtype`` rounding cell.
+
+    The ``dtype`` copy the model computes with is unchanged (every element still rounds to its
+    loaded value), but the main parameters no longer sit on the ``dtype`` grid: a later update of
+    size ``d`` flips an element with probability ``|d| / step``, so the rounded weights follow the
+    main parameters in expectation instead of staying put until an update passes half a step.
+    The draws depend only on ``seed`` and the order of the parameters, so replicas of a parameter
+    (data-parallel copies, tensor-parallel norms) get the same offsets.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    nmant = round(-math.log2(torch.finfo(dtype).eps))  # stored mantissa bits: 7 for bf16, 10 for fp16
+    for main in main_params_of_low_precision(optimizer):
+        grid = main.to(dtype)
+        _, exponent = torch.frexp(main)  # |main| in [2^(e-1), 2^e): a grid step of 2^(e-1-nmant)
+        step = torch.ldexp(torch.ones_like(main), exponent - 1 - nmant)
+        offset = (torch.rand(main.shape, generator=generator).to(main.device) - 0.5) * step
+        dithered = main + offset
+        # below a power of two the grid is twice as fine, and zero has no cell: keep those as loaded
+        keep = (dithered.to(dtype) == grid) & (main != 0)
+        main.copy_(torch.where(keep, dithered, main))
 
 
 def build_lr_scheduler(cfg: OptimizerConfig, optimizer, total_steps: int):

@@ -110,6 +110,13 @@ def ppo_token_loss(head, mb: dict, temperature: float = 1.0) -> torch.Tensor:
     return (surr * mask).sum() / mask.sum().clamp(min=1)
 
 
+def pg_token_loss(head, mb: dict) -> torch.Tensor:
+    """Token-mean policy gradient ``-A * logp`` (PPO's surrogate at ratio 1, never clipped)."""
+    mask = shifted_loss_mask(mb)
+    adv = torch.roll(mb["advantages"], -1, dims=0)
+    return -(head.logprobs(mb["labels"]) * adv * mask).sum() / mask.sum().clamp(min=1)
+
+
 def token_weight(mb: dict) -> torch.Tensor:
     return shifted_loss_mask(mb).sum()
 
@@ -405,3 +412,24 @@ def routing_step(model_dir: str, alloc: str, batch: dict) -> dict:
     actor.compute_advantages(data)
     stats = actor.ppo_update(data)[0]
     return {k: v for k, v in stats.items() if "routing" in k}
+
+
+def bf16_update_run(model_dir: str, alloc: str, batch: dict, rounding: str, distributed: bool, steps: int = 3) -> dict:
+    """``steps`` Adam steps (lr 1e-5) of a bf16 engine: how far its bf16 weights moved (mean absolute
+    change), the summed absolute change of this rank's fp32 main parameters, and the bf16 weights."""
+    from megarl.actor.optim import main_params_of_low_precision
+
+    optimizer = OptimizerConfig(lr=1e-5, weight_decay=0.0, gradient_clipping=0.0,
+                                use_distributed_optimizer=distributed, bf16_rounding=rounding)  # fmt: skip
+    engine = _engine(model_dir, alloc, dtype="bfloat16", optimizer=optimizer)
+    p = engine.parallel
+    local = split_rows(batch, p.dp_rank, p.alloc.dp)
+    weights = lambda: torch.cat([q.detach().float().flatten() for chunk in engine.model for q in chunk.parameters()])
+    mains = lambda: torch.cat([m.detach().flatten().clone() for m in main_params_of_low_precision(engine.optimizer)])
+    w0, m0 = weights(), mains()
+    for _ in range(steps):
+        engine.train_batch(local, pg_token_loss, token_weight)
+    w, m = weights(), mains()
+    # a distributed optimizer holds this rank's shard of the main parameters: the test adds them up
+    return {"weights_moved": float((w - w0).abs().mean()), "mains_abs_change": float((m - m0).abs().sum()),
+            "mains_numel": m.numel(), "weights": w, "dp_rank": p.dp_rank}  # fmt: skip
