@@ -7,7 +7,10 @@ config's optimizer (Adam, lr 1e-5, clip 1.0) for ``STEPS`` steps, in three set-u
 * ``fp32``: fp32 weights;
 * ``bf16 nearest``: bf16 weights with fp32 main parameters, the bf16 copy refreshed by
   round-to-nearest (Megatron's mixed-precision optimizer as it comes);
-* ``bf16 dithered``: the same with ``optimizer.bf16_rounding=dithered`` (megarl's default).
+* ``bf16 dithered``: the same with ``optimizer.bf16_rounding=dithered`` (megarl's default);
+* both bf16 set-ups again with ``actor.emulate_bf16`` (bf16 weights and activations, matrix
+  products in fp32), the emulation CPUs without native bf16 check bf16 learning with: it must
+  reproduce the native rows.
 
 Per step it records how far the policy moved on the batch (``moved``: the mean over answer tokens
 of ``sign(A) * (logp_t - logp_0)``, in nats; positive is the direction the advantages ask for),
@@ -34,7 +37,10 @@ from benchmarks._harness import main_for
 TITLE = "bf16 weight updates: policy movement per step, fp32 vs bf16 (SmolLM2-135M, Adam lr 1e-5, one rank)"
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, QUICK_STEPS = 8, 3
-SETUPS = {"fp32": ("float32", "nearest"), "bf16 nearest": ("bfloat16", "nearest"), "bf16 dithered": ("bfloat16", "dithered")}
+SETUPS = {"fp32": ("float32", "nearest", False),
+          "bf16 nearest": ("bfloat16", "nearest", False), "bf16 dithered": ("bfloat16", "dithered", False),
+          "bf16 nearest, emulated": ("bfloat16", "nearest", True), "bf16 dithered, emulated": ("bfloat16", "dithered", True)}  # fmt: skip
+"""Name -> (dtype, ``optimizer.bf16_rounding``, ``emulate_bf16``)."""
 N_PROMPTS = 8
 
 
@@ -86,7 +92,7 @@ def _weights(engine) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for chunk in engine.model for p in chunk.parameters()])
 
 
-def worker(dtype: str, rounding: str, steps: int, out: str) -> None:
+def worker(dtype: str, rounding: str, emulate: bool, steps: int, out: str) -> None:
     """One set-up in this process (one gloo rank): per-step movement and weight change, as JSON at ``out``."""
     from megarl.actor.engine import MegatronEngine
     from megarl.config.train import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
@@ -97,7 +103,8 @@ def worker(dtype: str, rounding: str, steps: int, out: str) -> None:
     torch.manual_seed(0)
     model_dir = str(resolve_model_path("smollm2-135m-instruct"))
     optimizer = OptimizerConfig(lr=1e-5, weight_decay=0.0, gradient_clipping=1.0, bf16_rounding=rounding)
-    engine = MegatronEngine(TrainEngineConfig(path=model_dir, dtype=dtype, mb_spec=MicroBatchSpec(4096), optimizer=optimizer))
+    cfg = TrainEngineConfig(path=model_dir, dtype=dtype, mb_spec=MicroBatchSpec(4096), optimizer=optimizer, emulate_bf16=emulate)
+    engine = MegatronEngine(cfg)
     engine.create_process_group("d1p1t1")
     engine.initialize()
     batch = policy_batch(model_dir)
@@ -113,20 +120,20 @@ def worker(dtype: str, rounding: str, steps: int, out: str) -> None:
     Path(out).write_text(json.dumps(rows))
 
 
-def _run_setup(dtype: str, rounding: str, steps: int) -> list[dict]:
+def _run_setup(dtype: str, rounding: str, emulate: bool, steps: int) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="megarl_bf16_") as tmp:
         out = Path(tmp) / "rows.json"
-        code = f"from benchmarks.bf16_update import worker; worker({dtype!r}, {rounding!r}, {steps}, {str(out)!r})"
+        code = f"from benchmarks.bf16_update import worker; worker({dtype!r}, {rounding!r}, {emulate}, {steps}, {str(out)!r})"
         env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1), HF_HUB_OFFLINE="1")
         result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{dtype}/{rounding} failed:\n{result.stderr[-4000:]}")
+            raise RuntimeError(f"{dtype}/{rounding}/emulate={emulate} failed:\n{result.stderr[-4000:]}")
         return json.loads(out.read_text())
 
 
 def run(quick: bool) -> list[dict]:
     steps = QUICK_STEPS if quick else STEPS
-    results = {name: _run_setup(dtype, rounding, steps) for name, (dtype, rounding) in SETUPS.items()}
+    results = {name: _run_setup(*setup, steps) for name, setup in SETUPS.items()}
     rows = []
     for name, per_step in results.items():
         for row, ref in zip(per_step, results["fp32"]):

@@ -74,7 +74,10 @@ def _mean(metrics: list[dict], key: str) -> float:
 
 
 def summary(rows: list[dict]) -> str:
-    return "\n".join(f"- {line}" for line in _summaries)
+    from megarl.utils.hardware import auto_dtype
+
+    dtype = auto_dtype("cpu")[0]  # no variant sets a dtype: the runs used the config's `auto`
+    return f"dtype {dtype} (`dtype: auto` on this CPU)\n" + "\n".join(f"- {line}" for line in _summaries)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.actor.optim import dither_main_params
 from megarl.models.hf_io import gather_hf_tensors, unwrap, write_hf_dir
 
 logger = logging.getLogger(__name__)
@@ -89,10 +90,26 @@ def load(engine, meta: SaveLoadMeta) -> None:
     if meta.with_optim and engine.optimizer is not None:
         engine.optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_step(engine.optimizer, loaded["optimizer"])
+        _dither_if_saved_undithered(engine, loaded["engine"].get("main_params_rounding", "nearest"))
         engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
         set_rng_state(loaded["rng_state"])
     engine.set_version(int(loaded["engine"]["version"]))
     logger.info("loaded a Megatron distributed checkpoint from %s", meta.path)
+
+
+def _main_params_rounding(engine) -> str:
+    """How the engine's bf16 / fp16 weights follow its main parameters (``none`` for fp32 weights)."""
+    if engine.optimizer is None or engine.tconfig.params_dtype == torch.float32:
+        return "none"
+    return engine.config.optimizer.bf16_rounding
+
+
+def _dither_if_saved_undithered(engine, saved: str) -> None:
+    """Main parameters saved by a run that did not dither sit on (or near) the bf16 grid: dither
+    them now if this run asks for it; the weights the model computes with stay as saved."""
+    if _main_params_rounding(engine) == "dithered" and saved != "dithered":
+        logger.info("dithering main parameters restored from a checkpoint saved with %r rounding", saved)
+        dither_main_params(engine.optimizer, engine.tconfig.params_dtype)
 
 
 def _prime_adam_state(optimizer) -> None:
@@ -165,7 +182,7 @@ def _sharded_state(engine, with_optim: bool, is_loading: bool) -> dict:
         state["rng_state"] = ShardedObject(
             "rng_state", rng_state(), (alloc.pp, alloc.tp), (p.pp_rank, p.tp_rank), replica_id=p.dp_rank
         )
-    state["engine"] = {"version": engine.get_version()}
+    state["engine"] = {"version": engine.get_version(), "main_params_rounding": _main_params_rounding(engine)}
     return state
 
 

@@ -26,6 +26,7 @@ sequence-level with sequence counts), whatever the packing, DP size or pipeline 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.actor import cpu_shim
+from megarl.actor.bf16_emulation import emulated_bf16_matmuls
 from megarl.actor.lm_head import LMHeadOutput, make_lm_head_output
 from megarl.actor.packing import (
     MicroBatch,
@@ -159,6 +161,17 @@ class MegatronEngine:
     def dtype(self) -> str:
         """The parameter dtype: ``config.dtype``, with ``auto`` resolved for this machine."""
         return concrete_dtype(self.config.dtype, "cuda" if cpu_shim.cuda_available() else "cpu")
+
+    def _compute_mode(self) -> contextlib.AbstractContextManager:
+        """What forward and backward passes run under: the CPU shim, and bf16 emulation if asked for."""
+        if not self.config.emulate_bf16:
+            return cpu_shim.device_mode()
+        if cpu_shim.cuda_available():
+            raise ValueError("actor.emulate_bf16 emulates bf16 arithmetic on CPUs without it; CUDA has it: unset it")
+        stack = contextlib.ExitStack()
+        stack.enter_context(cpu_shim.device_mode())
+        stack.enter_context(emulated_bf16_matmuls())
+        return stack
 
     def _moe_dispatcher(self) -> str:
         # gloo lacks what the alltoall dispatcher needs (all_to_all_single with split sizes)
@@ -394,7 +407,7 @@ class MegatronEngine:
         if self.optimizer is None:
             raise ValueError("train_batch() on an engine without an optimizer (config.optimizer is None)")
         self.train()
-        with cpu_shim.device_mode():
+        with self._compute_mode():
             for chunk in self.model:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -451,7 +464,7 @@ class MegatronEngine:
         Every rank returns the full result for its batch (sent from the last pipeline stage).
         """
         hook = post_hook or (lambda head, mb: head.logprobs(mb["labels"]) * mb["label_mask"])
-        with cpu_shim.device_mode():
+        with self._compute_mode():
             mbs = self.microbatches(input_)
             head_fn = partial(self._forward_head, hook)
             outputs = self._run_schedule(mbs, [None] * len(mbs), head_fn, forward_only=True)

@@ -2,7 +2,10 @@
 
 Parameters train in the model dtype (bf16 by default) with fp32 main parameters,
 fp32 main gradients and fp32 Adam state (Megatron's mixed-precision optimizer);
-``use_distributed_optimizer`` shards that state over data-parallel ranks.
+``use_distributed_optimizer`` shards that state over data-parallel ranks. With bf16 / fp16
+weights the main parameters are dithered within their rounding cell when the optimizer is
+built (:func:`dither_main_params`), so that updates smaller than half a bf16 step still reach
+the weights the model computes with (``docs/concepts/precision.md``).
 
 LR schedule: linear warmup over ``warmup_steps_proportion * total_steps`` steps from 0,
 then constant, or linear / cosine decay to ``min_lr_ratio * lr`` at ``total_steps``.
@@ -70,7 +73,9 @@ def dither_main_params(optimizer, dtype: torch.dtype, seed: int = 0) -> None:
     size ``d`` flips an element with probability ``|d| / step``, so the rounded weights follow the
     main parameters in expectation instead of staying put until an update passes half a step.
     The draws depend only on ``seed`` and the order of the parameters, so replicas of a parameter
-    (data-parallel copies, tensor-parallel norms) get the same offsets.
+    (data-parallel copies, tensor-parallel norms) get the same offsets. Main parameters that have
+    trained already (a checkpoint written with round-to-nearest) can be dithered too: an element
+    whose rounding the offset would change keeps its value.
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     nmant = round(-math.log2(torch.finfo(dtype).eps))  # stored mantissa bits: 7 for bf16, 10 for fp16

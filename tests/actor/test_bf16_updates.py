@@ -99,3 +99,20 @@ def test_bf16_engine_weights_follow_their_main_parameters(tiny_model_dir, distri
         ratios[rounding] = results[0]["weights_moved"] / mains_moved
     assert 0.85 < ratios["dithered"] < 1.15, ratios
     assert ratios["nearest"] < 0.5, ratios  # the dead zone the dither removes
+
+
+@pytest.mark.multiproc
+def test_recover_point_keeps_the_dithered_main_parameters(tiny_model_dir, tmp_path):
+    """A resumed run continues from the saved main parameters, offsets included, not from a new
+    draw; main parameters saved by a round-to-nearest run are dithered on load, the model unchanged."""
+    model = str(tiny_model_dir("llama"))
+    run = lambda ckpt, save, rounding: run_ranks(1, "tests.actor.workers:bf16_main_params_through_checkpoint",
+                                                 model_dir=model, alloc="d1p1t1", ckpt_dir=str(tmp_path / ckpt),
+                                                 save=save, rounding=rounding)[0]  # fmt: skip
+    saved, loaded = run("dithered", True, "dithered"), run("dithered", False, "dithered")
+    assert torch.equal(loaded["mains"], saved["mains"])
+    assert torch.equal(loaded["weights"], saved["weights"])
+    saved, loaded = run("nearest", True, "nearest"), run("nearest", False, "dithered")
+    assert torch.equal(loaded["weights"], saved["weights"])
+    redithered = (loaded["mains"] != saved["mains"]).float().mean().item()
+    assert redithered > 0.9, f"only {redithered:.1%} of the main parameters saved undithered were dithered"

@@ -70,9 +70,9 @@ def split_groups(batch: dict, rank: int, size: int, group: int) -> dict:
 
 def engine_config(model_dir: str, *, dtype: str = "float32", max_tokens: int = 4096, n_mbs: int = 1,
                   share_prefix: bool | None = None, optimizer: OptimizerConfig | None = None,
-                  **megatron) -> TrainEngineConfig:  # fmt: skip
+                  emulate_bf16: bool = False, **megatron) -> TrainEngineConfig:  # fmt: skip
     mb_spec = MicroBatchSpec(max_tokens, n_mbs, share_prefix=share_prefix)
-    cfg = TrainEngineConfig(path=str(model_dir), dtype=dtype, mb_spec=mb_spec, optimizer=optimizer)
+    cfg = TrainEngineConfig(path=str(model_dir), dtype=dtype, mb_spec=mb_spec, optimizer=optimizer, emulate_bf16=emulate_bf16)
     for key, value in megatron.items():
         setattr(cfg.megatron, key, value)
     return cfg
@@ -433,3 +433,36 @@ def bf16_update_run(model_dir: str, alloc: str, batch: dict, rounding: str, dist
     # a distributed optimizer holds this rank's shard of the main parameters: the test adds them up
     return {"weights_moved": float((w - w0).abs().mean()), "mains_abs_change": float((m - m0).abs().sum()),
             "mains_numel": m.numel(), "weights": w, "dp_rank": p.dp_rank}  # fmt: skip
+
+
+def bf16_logp_and_grads(model_dir: str, alloc: str, batch: dict, dtype: str, emulate: bool = False) -> dict:
+    """Next-token logprobs of ``batch`` and the main gradients of :func:`pg_token_loss` (fp32 copies)."""
+    optimizer = OptimizerConfig(lr=1e-5, use_distributed_optimizer=False)
+    engine = _engine(model_dir, alloc, dtype=dtype, emulate_bf16=emulate, optimizer=optimizer)
+    logp = engine.eval().forward(batch)
+    engine.forward_backward(batch, pg_token_loss, token_weight)
+    grads = torch.cat([q.main_grad.float().flatten() for chunk in engine.model for q in chunk.parameters()])
+    return {"logp": logp.float(), "grads": grads}
+
+
+def bf16_main_params_through_checkpoint(model_dir: str, alloc: str, ckpt_dir: str, save: bool,
+                                        rounding: str = "dithered") -> dict:  # fmt: skip
+    """A bf16 engine's fp32 main parameters and bf16 weights: after one step, saved to ``ckpt_dir``
+    (``save``), or after loading ``ckpt_dir`` into an engine built with another dither seed."""
+    from megarl.actor import optim
+    from megarl.actor.checkpoint import SaveLoadMeta
+    from megarl.actor.optim import main_params_of_low_precision
+
+    if not save:  # a different dither at build time, which the load must replace
+        dither = optim.dither_main_params
+        optim.dither_main_params = lambda optimizer, dtype, seed=0: dither(optimizer, dtype, seed=seed + 1)
+    optimizer = OptimizerConfig(lr=1e-5, use_distributed_optimizer=True, bf16_rounding=rounding)
+    engine = _engine(model_dir, alloc, dtype="bfloat16", optimizer=optimizer)
+    if save:  # Megatron saves the optimizer once it has stepped
+        engine.train_batch(make_batch([12, 9]), pg_token_loss, token_weight)
+        engine.save(SaveLoadMeta(ckpt_dir))
+    else:
+        engine.load(SaveLoadMeta(ckpt_dir))
+    mains = torch.cat([m.detach().flatten().clone() for m in main_params_of_low_precision(engine.optimizer)])
+    weights = torch.cat([q.detach().float().flatten() for chunk in engine.model for q in chunk.parameters()])
+    return {"mains": mains, "weights": weights}

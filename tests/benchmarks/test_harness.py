@@ -6,6 +6,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 from benchmarks._harness import markdown_table, run_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,8 +51,14 @@ def test_a_benchmark_summary_goes_above_its_table(tmp_path, monkeypatch):
 def test_learning_summary_is_the_tests_gain():
     from benchmarks.learning_arithmetic import summary
 
-    rows = [{"reward": r} for r in (0.1, 0.2, 0.3, 0.2, 0.2, 0.5, 0.6, 0.7, 0.6, 0.6)]
-    assert summary(rows).startswith("first 5 steps mean reward 0.200, last 5 0.600, gain +0.400 over 10 steps")
+    rows = [{"setup": "fp32", "gain": 0.5}, {"setup": "fp32", "gain": 0.3}, {"setup": "bf16", "gain": 0.4}]
+    assert summary(rows).startswith("fp32: gain +0.50 / +0.30 (mean +0.40); bf16: gain +0.40 (mean +0.40) (bar: +0.3")
+
+
+def test_learning_gain_is_last_five_minus_first_five():
+    from benchmarks.learning_arithmetic import reward_gain
+
+    assert reward_gain([0.1, 0.2, 0.3, 0.2, 0.2, 0.5, 0.6, 0.7, 0.6, 0.6]) == pytest.approx((0.2, 0.6))
 
 
 def test_fused_logprob_gpu_table_does_not_replace_the_cpu_one(monkeypatch):

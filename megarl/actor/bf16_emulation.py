@@ -1,0 +1,47 @@
+"""bf16 training on a CPU without native bf16: bf16 tensors throughout, each matrix product in fp32.
+
+Hardware with native bf16 (AVX-512 BF16 or AMX CPUs, every recent GPU) multiplies bf16
+operands with fp32 accumulation and rounds the product to bf16. A CPU with AVX2 only runs
+PyTorch's bf16 matrix products about 40x slower than fp32, so bf16 training there is not
+practical, yet it is what GPUs run and must be checkable. :class:`emulated_bf16_matmuls`
+runs the same arithmetic at fp32 speed: inside it, a matrix product (``mm``, ``addmm``,
+``bmm``, ``baddbmm``, forward and backward) with bf16 operands widens them to fp32 exactly,
+multiplies in fp32 and rounds the result to bf16. Weights, activations and gradients keep
+their bf16 storage and every rounding of the native path; only the order of the fp32 sums
+may differ. Everything else runs as it is: elementwise ops (PyTorch's CPU kernels compute
+them in fp32 and round, as native hardware does) and attention, whose CPU flash kernel runs
+bf16 at fp32 speed without native bf16 and rounds its probabilities to bf16 as on GPUs
+(an fp32 attention would not: it moved tiny-model logprobs 13x further from native bf16
+than the emulated products do).
+
+The engine enters it around its forward and backward passes when ``actor.emulate_bf16`` is set.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def _widen(value):
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
+
+
+def _has_bf16(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args)
+
+
+class emulated_bf16_matmuls(TorchDispatchMode):  # noqa: N801 - used like a function: `with emulated_bf16_matmuls():`
+    """Context manager: bf16 matrix products computed in fp32, rounded back to bf16."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS and _has_bf16(args):
+            out = func(*tree_map(_widen, args), **tree_map(_widen, kwargs))
+            return out.to(torch.bfloat16)
+        return func(*args, **kwargs)
