@@ -115,7 +115,7 @@ def worker(dtype: str, rounding: str, emulate: bool, steps: int, out: str) -> No
         stats = engine.train().train_batch(batch, _pg_loss, weight)
         w = _weights(engine)
         rows.append({"step": step, "moved": float((_signed_logp(engine, batch) - logp0).mean()),
-                     "changed": float((w != w0).float().mean()), "mean |dw|": float((w - w0).abs().mean()),
+                     "changed": float((w != w0).float().mean()), "mean abs dw": float((w - w0).abs().mean()),
                      "grad_norm": stats["grad_norm"]})  # fmt: skip
     Path(out).write_text(json.dumps(rows))
 
