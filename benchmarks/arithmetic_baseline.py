@@ -74,7 +74,8 @@ def _measure(engine, workflow, splits: dict[str, int | None], n_samples: int) ->
 def run(quick: bool) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig, VLLMConfig
+    from megarl.api.io_struct import GenerationHyperparameters
+    from megarl.config.rollout import InferenceEngineConfig, VLLMConfig
     from megarl.models import resolve_model_path
     from megarl.reward.arithmetic import arithmetic_reward_fn
     from megarl.rollout import InferenceServer, RemoteInferenceEngine, vllm_launch_spec

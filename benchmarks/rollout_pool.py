@@ -22,7 +22,8 @@ import time
 import urllib.request
 
 from benchmarks._harness import main_for
-from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig, VLLMConfig
+from megarl.api.io_struct import GenerationHyperparameters
+from megarl.config.rollout import InferenceEngineConfig, VLLMConfig
 from megarl.rollout import InferenceServer, RemoteInferenceEngine, VLLMBackend, vllm_launch_spec
 from megarl.rollout.http import make_session
 from megarl.utils.network import find_free_ports

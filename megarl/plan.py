@@ -265,7 +265,7 @@ def workload_of(rates: Rates, config=None, prompt_tokens: float | None = None, g
 
 def plan_for_config(rates: Rates, work: Workload, config, max_staleness: int, n_devices: int | None = None) -> Plan:
     """:func:`rank_splits` for an experiment: its cluster (or ``n_devices``), model, batch and backend."""
-    from megarl.config.experiment import read_model_shape
+    from megarl.run.prelaunch import read_model_shape
 
     cluster = config.cluster
     n_devices = n_devices or cluster.n_nodes * cluster.n_gpus_per_node

@@ -31,27 +31,29 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.gap import gap_warning
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.bridge.update import WeightUpdateMeta
-from megarl.config import GRPOConfig, load_expr_config, save_config
+from megarl.config import GRPOConfig, save_config
 from megarl.config.train import TrainEngineConfig
 from megarl.data import create_dataloader, load_rl_dataset
-from megarl.launcher.mpi import discover_ranks
+from megarl.utils.mpi import discover_ranks
 from megarl.models import resolve_model_path
 from megarl.reward.executor import describe_in_flight as describe_rewards_in_flight
 from megarl.rollout import RemoteInferenceEngine
 from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
+from megarl.run.evaluator import Evaluator, pass_at_1
+from megarl.run.prelaunch import load_expr_config
+from megarl.run.recover import RecoverHandler, RecoverInfo
+from megarl.run.saver import Saver
+from megarl.run.stats_logger import StatsLogger
 from megarl.utils import heartbeat, stats_tracker
 from megarl.utils.console import Console, Progress, open_console
-from megarl.utils.evaluator import Evaluator, pass_at_1
 from megarl.utils.memory import PeakRSS, release_freed_memory
-from megarl.utils.recover import RecoverHandler, RecoverInfo
-from megarl.utils.saver import Saver
-from megarl.utils.stats_logger import StatsLogger
 from megarl.utils.plugins import import_plugin
 from megarl.utils.threads import TrainerThreads
 from megarl.workflow.build import build_eval_workflow, build_workflow

@@ -30,7 +30,7 @@ TOP_LEVEL_OPTIONAL = {
 # importing module must name in its error message) or that run only where the package is
 # present anyway (value: None, with the reason in the comment).
 FUNCTION_LEVEL_OPTIONAL = {
-    "mpi4py": "mpi",  # megarl/launcher/mpi.py: rank discovery under mpirun
+    "mpi4py": "mpi",  # megarl/utils/mpi.py: rank discovery under mpirun
     "transformer_engine": "te",  # megarl/models/spec.py: only when installed and on a GPU
     "vllm": "vllm",  # megarl/bridge/receivers/vllm.py: the plugin's register(), run by vLLM
     # megarl/utils/auth.py: the API-key middleware runs inside vLLM / SGLang servers

@@ -29,11 +29,12 @@ import torch
 from megarl.actor import advantages as adv_fns
 from megarl.actor import losses
 from megarl.actor.engine import MegatronEngine
+from megarl.actor.fused_ppo_loss import fused_ppo_loss, ppo_loss_backend
 from megarl.actor.gap import GapMeter, version_lag
 from megarl.actor.lm_head import LMHeadOutput
 from megarl.actor.routing import RoutingMeter, add_server_routing
 from megarl.config.train import BUILTIN_LOSSES, PPOActorConfig
-from megarl.kernels import fused_ppo_loss, logprobs_backend, ppo_loss_backend
+from megarl.kernels import logprobs_backend
 from megarl.utils import stats_tracker
 from megarl.utils.plugins import import_plugin
 

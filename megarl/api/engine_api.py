@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megarl.api.io_struct import ModelRequest, ModelResponse
-
-if TYPE_CHECKING:
-    from megarl.api.workflow_api import WorkflowLike
+from megarl.api.workflow_api import WorkflowLike
 
 
 class InferenceEngine(abc.ABC):

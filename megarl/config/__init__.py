@@ -5,6 +5,7 @@ first use: it needs omegaconf, which the trainer's and the kernels' modules do n
 ``megarl.config.train``), so they run where only torch is installed (a lent GPU machine).
 """
 
+from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.allocation import (
     AllocationError,
     AllocationMode,
@@ -15,12 +16,7 @@ from megarl.config.allocation import (
 )
 from megarl.config.base import ConfigError
 from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
-from megarl.config.rollout import (
-    GenerationHyperparameters,
-    InferenceEngineConfig,
-    SGLangConfig,
-    VLLMConfig,
-)
+from megarl.config.rollout import InferenceEngineConfig, SGLangConfig, VLLMConfig
 from megarl.config.run import (
     ClusterConfig,
     DatasetConfig,

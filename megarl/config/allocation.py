@@ -133,7 +133,7 @@ class AllocationMode:
     """Inference and training share their devices (``|``) and take turns on them."""
 
     @classmethod
-    def from_str(cls, spec: str) -> "AllocationMode":
+    def from_str(cls, spec: str) -> AllocationMode:
         """Parse ``spec``; raise :class:`AllocationError` naming the offending part."""
         return parse_allocation_mode(spec)
 
@@ -161,7 +161,7 @@ class ModelShape:
     """0: unknown."""
 
     @classmethod
-    def from_hf_config(cls, config) -> "ModelShape":
+    def from_hf_config(cls, config) -> ModelShape:
         """Build from a ``transformers`` config object or its ``config.json`` dict."""
         get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
         heads = get("num_attention_heads")

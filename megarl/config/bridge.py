@@ -63,11 +63,6 @@ class WeightUpdateConfig:
             require(mode in modes, "extra_modes", mode, f"entries must be among {modes}")
         require(self.bucket_mb is None or self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "must be > 0 (or null)")
         require("disk" not in self.modes or bool(self.disk_path), "disk_path", self.disk_path, "disk mode needs a directory")
-        if "disk" in self.modes:
-            from megarl.config.files import writable_dir_problem
-
-            problem = writable_dir_problem(self.disk_path)
-            require(problem is None, "disk_path", self.disk_path, f"each update is written there: {problem}")
         require(_HOST.fullmatch(self.master_address) is not None, "master_address", self.master_address,
                 "expected a host name or an IP address (empty: this host's)")  # fmt: skip
         require(self.keep_disk_versions >= 1, "keep_disk_versions", self.keep_disk_versions, "must be >= 1")

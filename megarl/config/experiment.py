@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import logging
-import os
-import re
-import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from megarl.config.allocation import AllocationError, AllocationMode, ModelShape, validate_allocation, validate_model
+from megarl.api.io_struct import GenerationHyperparameters
+from megarl.config.allocation import AllocationError, AllocationMode, validate_allocation
 from megarl.config.base import ConfigError, require
 from megarl.config.bridge import WeightUpdateConfig
-from megarl.config.files import (
-    DATASET_SUFFIXES,
-    count_rows,
-    dataset_file,
-    first_rows,
-    machine_memory_gib,
-    read_model_config,
-    writable_dir_problem,
-)
-from megarl.config.rollout import (
-    GenerationHyperparameters,
-    InferenceEngineConfig,
-    SGLangConfig,
-    VLLMConfig,
-    WorkflowConfig,
-)
+from megarl.config.rollout import InferenceEngineConfig, SGLangConfig, VLLMConfig, WorkflowConfig
 from megarl.config.run import (
     ClusterConfig,
     DatasetConfig,
@@ -48,23 +30,10 @@ from megarl.config.train import (
     PPOCriticConfig,
     TrainEngineConfig,
 )
+from megarl.utils.hardware import machine_memory_gib
+from megarl.utils.logging import is_rank0
 
 logger = logging.getLogger("megarl.config")
-
-# Names megarl resolves without a hub, known here so a config is checked before anything is
-# provisioned or loaded. They mirror megarl.models.provision (KNOWN_MODELS, ALIASES) and
-# megarl.data.rl_dataset.SHORT_NAMES, whose modules import torch / datasets (seconds);
-# tests/config/test_bad_configs.py checks that the copies agree.
-_SMOLLM2_135M = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152)
-MODEL_SHORT_NAMES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M}
-"""Model short names (lower case) and the shapes that constrain a parallel layout."""
-_DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-DATASET_SHORT_NAMES = types.MappingProxyType({"gsm8k": _DATA_DIR / "gsm8k", "arithmetic": _DATA_DIR / "arithmetic"})
-"""Bundled datasets: short name -> directory of ``{split}.jsonl`` files (``megarl.data`` resolves these)."""
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_HUB_MODEL_ID = re.compile(_HUB_ID.pattern + r"(?:@[\w./-]+)?")  # megarl.models.provision.HUB_ID
-_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-_TRUE = frozenset({"1", "on", "yes", "true"})
 
 
 @dataclass
@@ -126,40 +95,13 @@ class BaseExperimentConfig:
             validate_allocation(alloc, n_nodes=self.cluster.n_nodes, n_gpus_per_node=self.cluster.n_gpus_per_node)
         except AllocationError as err:
             raise ConfigError("allocation_mode", str(err)) from None
-        multi_node = self.cluster.n_nodes > 1
-        _check_dataset("train_dataset", self.train_dataset, multi_node)
-        if self.valid_dataset is not None:
-            _check_dataset("valid_dataset", self.valid_dataset, multi_node)
-        if self.tokenizer_path:
-            problem = model_path_problem(self.tokenizer_path, multi_node, TOKENIZER_FILES)
-            require(problem is None, "tokenizer_path", self.tokenizer_path, problem or "")
-        self._check_outputs(multi_node)
         self._check_schedules()
-
-    def resolve_locations(self, folders: Callable[[str], list[Path]]) -> None:
-        """Make every path the run's processes resolve the same wherever they start; called by the
-        loader before ``check``. ``folders(key)``: the folder of the config file that set ``key``.
-
-        Here a hub id in ``tokenizer_path`` becomes its local snapshot (:func:`resolve_hub_id`).
-        """
-        self.tokenizer_path = resolve_hub_id(self.tokenizer_path, "tokenizer_path", self.cluster.n_nodes > 1, weights=False)
-
-    def _check_outputs(self, multi_node: bool) -> None:
-        """The run directory can be written, and a ``recover.mode: resume`` has something to resume."""
-        fileroot = self.cluster.fileroot
-        if not (multi_node and Path(fileroot).is_absolute() and not Path(fileroot).exists()):  # maybe only on the nodes
-            problem = writable_dir_problem(fileroot)
-            require(problem is None, "cluster.fileroot", fileroot, f"the run's outputs go there: {problem}")
-        points = self.run_dir / "recover"
-        require(self.recover.mode != "resume" or any(points.glob("step*/MANIFEST.json"))
-                or (multi_node and not self.run_dir.exists()), "recover.mode", self.recover.mode,
-                f"nothing to resume: {points} holds no recover point (use 'auto' to resume when there is one)")  # fmt: skip
 
     def _check_schedules(self) -> None:
         """Recovery on needs recover points; evaluation asked for without data is said (it is skipped)."""
         evaluator = self.evaluator
         asked = [n for n in ("freq_epochs", "freq_steps", "freq_secs") if getattr(evaluator, n) is not None]
-        if self.valid_dataset is None and (asked or evaluator.before_training) and _is_rank0():
+        if self.valid_dataset is None and (asked or evaluator.before_training) and is_rank0():
             logger.warning("valid_dataset is null: no evaluation, although evaluator.%s is set",
                            (asked or ["before_training"])[0])  # fmt: skip
         recover = self.recover
@@ -230,31 +172,10 @@ class GRPOConfig(BaseExperimentConfig):
             preset = presets.get(name) if isinstance(name, str) else None
             if not preset:
                 continue
-            if _is_rank0():
+            if is_rank0():
                 logger.info("%s=%s sets %s where the config does not", key, name, OmegaConf.to_container(OmegaConf.create(preset)))
             layers.append((f"the {key}={name} preset", preset))
         return layers
-
-    def resolve_locations(self, folders: Callable[[str], list[Path]]) -> None:
-        """Also: each plug-in path found in a folder (the config file's, then the working directory)
-        becomes the file's absolute path (:func:`megarl.utils.plugins.locate_plugin`), and a hub id
-        in ``actor.path``, ``ref.path`` or ``critic.path`` its local snapshot directory."""
-        from megarl.utils.plugins import locate_plugin
-
-        super().resolve_locations(folders)
-        self.reward_fn = locate_plugin(self.reward_fn, "reward_fn", folders("reward_fn"))
-        for key, workflow in (("workflow", self.workflow), ("eval_workflow", self.eval_workflow)):
-            if workflow is None:
-                continue
-            workflow.type = locate_plugin(workflow.type, f"{key}.type", folders(f"{key}.type"))
-            reward, reward_key = workflow.kwargs.get("reward_fn"), f"{key}.kwargs.reward_fn"
-            if isinstance(reward, str):
-                workflow.kwargs["reward_fn"] = locate_plugin(reward, reward_key, folders(reward_key))
-        self.actor.loss = locate_plugin(self.actor.loss, "actor.loss", folders("actor.loss"))
-        multi_node = self.cluster.n_nodes > 1
-        for key, model in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)):
-            if model is not None:
-                model.path = resolve_hub_id(model.path, f"{key}.path", multi_node)
 
     def check(self) -> None:
         super().check()
@@ -267,10 +188,8 @@ class GRPOConfig(BaseExperimentConfig):
         )
         self._check_batching(alloc)
         self._check_sampling()
-        self._check_models(alloc)
         self._check_servers(alloc)
         self._check_rollout(alloc)
-        self._check_reward()
         if self.ref is not None:
             require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
         self._check_critic(alloc)
@@ -303,10 +222,10 @@ class GRPOConfig(BaseExperimentConfig):
                 f"({'and overflow bf16 range ' if wire == 'float16' else ''}so the consistency probe fails); use auto "
                 f"(= the servers' dtype) or float32")  # fmt: skip
         resolved = [key for key, value in before.items() if value == "auto"]
-        if resolved and _is_rank0():
+        if resolved and is_rank0():
             logger.info("dtype %s for %s (auto on %s: %s)", chosen, ", ".join(resolved), self.cluster.device, why)
         forced = [key for key, value in before.items() if value == "bfloat16"]
-        if self.cluster.device == "cpu" and chosen != "bfloat16" and forced and _is_rank0():
+        if self.cluster.device == "cpu" and chosen != "bfloat16" and forced and is_rank0():
             logger.warning("%s set to bfloat16 on a CPU without native bf16 (%s); 'auto' picks %s",
                            ", ".join(forced), why, chosen)  # fmt: skip
 
@@ -387,13 +306,6 @@ class GRPOConfig(BaseExperimentConfig):
         """Tokens the inference servers hold per sequence (prompt and answers of every turn)."""
         return self.sglang.context_length if self.allocation_mode.startswith("sglang") else self.vllm.max_model_len
 
-    def _check_reward(self) -> None:
-        from megarl.utils.plugins import import_plugin, signature_problem
-
-        problem = signature_problem(import_plugin(self.reward_fn, "reward_fn"), ("prompt", "completion", [], []), partial=True)
-        require(problem is None, "reward_fn", self.reward_fn,
-                f"expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float: {problem}")  # fmt: skip
-
     def _check_rollout(self, alloc: AllocationMode) -> None:
         """The pool's queue holds a batch; group-level statistics have groups of more than one (else a warning)."""
         queue, per_rank = self.rollout.queue_size, self.train_dataset.batch_size // alloc.train.dp
@@ -413,7 +325,7 @@ class GRPOConfig(BaseExperimentConfig):
         require(not (single and self.dynamic_filter == "uniform_reward"), "dynamic_filter", self.dynamic_filter,
                 "a group of one sample always has a uniform reward, so every group would be dropped: "
                 "sample gconfig.n_samples > 1, or dynamic_filter=none")  # fmt: skip
-        if single and self.algorithm.adv_estimator == "grpo" and self.actor.adv_norm.mean_level == "group" and _is_rank0():
+        if single and self.algorithm.adv_estimator == "grpo" and self.actor.adv_norm.mean_level == "group" and is_rank0():
             logger.warning("gconfig.n_samples=1 under a group-mean baseline makes every advantage 0 (nothing is "
                            "learned): sample > 1, or set actor.adv_norm.mean_level=batch")  # fmt: skip
 
@@ -432,24 +344,6 @@ class GRPOConfig(BaseExperimentConfig):
             f"greedy training rollouts make the gconfig.n_samples={self.gconfig.n_samples} samples of a group "
             "identical, so every group-normalised advantage is 0; sample with a temperature instead",
         )
-
-    def _check_models(self, alloc: AllocationMode) -> None:
-        models = [("actor.path", self.actor.path)] + ([("ref.path", self.ref.path)] if self.ref else [])
-        if self.critic is not None and self.critic.path:
-            models.append(("critic.path", self.critic.path))
-        for key, path in models:
-            problem = model_path_problem(path, self.cluster.n_nodes > 1)
-            require(problem is None, key, path, problem or "")
-            shape = read_model_shape(path, key)
-            if shape is not None and shape.vocab_size and key == "actor.path":
-                too_big = [i for i in self.gconfig.stop_token_ids if i >= shape.vocab_size]
-                require(not too_big, "gconfig.stop_token_ids", self.gconfig.stop_token_ids,
-                        f"ids {too_big} are beyond the vocabulary of {path} ({shape.vocab_size} tokens)")  # fmt: skip
-            if shape is not None:
-                try:
-                    validate_model(alloc, shape)
-                except AllocationError as err:
-                    raise ConfigError("allocation_mode", f"{err} (model {path})", related=(key,)) from None
 
     def _check_servers(self, alloc: AllocationMode) -> None:
         backend = alloc.inference.backend
@@ -519,162 +413,3 @@ MANAGED_SERVER_FLAGS = {
                "--random-seed": "sglang.random_seed", "--mem-fraction-static": "sglang.mem_fraction_static"},
 }  # fmt: skip
 """Server flags megarl sets from a config key (flag -> key): ``extra_args`` may not repeat them."""
-
-
-def _is_rank0() -> bool:
-    """Whether this process logs for the run: not a trainer rank other than 0."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-"""A tokenizer directory holds at least one of these (a fast tokenizer, a sentencepiece model, a BPE vocabulary)."""
-
-
-def read_model_shape(path: str, key: str = "actor.path") -> ModelShape | None:
-    """The model's :class:`ModelShape` for a known short name or a local HF directory, else None.
-
-    A ``config.json`` that cannot build a model is a :class:`ConfigError` naming ``key`` and the file.
-    """
-    if path.lower() in MODEL_SHORT_NAMES:
-        return MODEL_SHORT_NAMES[path.lower()]
-    config = read_model_config(path, key)
-    return None if config is None else ModelShape.from_hf_config(config)
-
-
-def resolve_hub_id(path: str, key: str, multi_node: bool, weights: bool = True) -> str:
-    """``path``, or its local snapshot directory when it is a Hugging Face hub id (``org/name[@revision]``)
-    rather than a short name or an existing path (:func:`megarl.models.provision.hub_snapshot`:
-    from the cache, else downloaded). ``weights``: a model (config and safetensors), else a tokenizer.
-
-    Resolved once, when the config loads: the saved config hands the trainer and the servers
-    the same directory. A :class:`ConfigError` naming ``key`` when it cannot be had.
-    """
-    local = Path(path).expanduser()
-    if (not _HUB_MODEL_ID.fullmatch(path) or path.lower() in MODEL_SHORT_NAMES or local.exists()
-            or (multi_node and local.is_absolute())):  # fmt: skip
-        return path
-    from megarl.models.provision import HubModelError, hub_snapshot
-
-    try:
-        snapshot = str(hub_snapshot(path, weights=weights))
-    except HubModelError as err:
-        raise ConfigError(key, f"{path!r} is no local directory nor a known short name {sorted(MODEL_SHORT_NAMES)}; "
-                               f"as a Hugging Face hub id: {err}") from None  # fmt: skip
-    if _is_rank0():
-        logger.info("%s: hub id %s is %s", key, path, snapshot)
-    return snapshot
-
-
-def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...] = ("config.json",)) -> str | None:
-    """Why ``path`` cannot name a model (or tokenizer) of this run, or None when it can.
-
-    Accepted: a short name of :data:`MODEL_SHORT_NAMES`, or a directory holding one of
-    ``marker_files``. A hub id (``org/name``) is turned into its local snapshot directory when
-    the config loads (:func:`resolve_hub_id`), so the trainer and the servers read the same
-    files and no hub is reached at run time; one reaching here was not loaded. One exception: an absolute path that does not exist here is
-    accepted on a multi-node cluster, whose nodes may mount shared storage this machine
-    (e.g. a Slurm login node) does not; the servers and trainer check it again there.
-    """
-    if path.lower() in MODEL_SHORT_NAMES:
-        return None
-    local = Path(path).expanduser()
-    if any((local / name).is_file() for name in marker_files):
-        return None
-    known = sorted(MODEL_SHORT_NAMES)
-    if local.is_dir():
-        return f"this directory has no {' or '.join(marker_files)}; expected an HF model directory or one of {known}"
-    if local.exists():
-        return f"this is a file; expected an HF model directory or one of {known}"
-    if local.is_absolute() and multi_node:
-        return None
-    hint = (
-        "; a Hugging Face hub id becomes its local directory when the config is loaded (megarl.config.load_expr_config)"
-        if _HUB_MODEL_ID.fullmatch(path)
-        else ""
-    )
-    return f"neither a known short name {known} nor a directory with {' or '.join(marker_files)}{hint}"
-
-
-def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> None:
-    """Raise unless ``megarl.data.load_rl_dataset`` can load ``data.path`` and ``data.split``.
-
-    Mirrors its lookup: a bundled short name (whose splits are known here), an existing
-    local file or directory, else a hub name ``owner/name[:config]``, which fails when an
-    offline variable is set (the loader refuses the hub then). As for models, an absolute
-    path that does not exist here is accepted on a multi-node cluster.
-    """
-    bundled = DATASET_SHORT_NAMES.get(data.path)
-    if bundled is not None:
-        splits = sorted(f.stem for f in bundled.glob("*") if f.suffix in DATASET_SUFFIXES)
-        require(data.split in splits, f"{key}.split", data.split, f"the bundled {data.path!r} has splits {splits}")
-        _check_rows(key, data, dataset_file(data.path, data.split, bundled))
-        return
-    local = Path(data.path).expanduser()
-    if local.is_file():
-        suffixes = ", ".join(DATASET_SUFFIXES)
-        require(local.suffix in DATASET_SUFFIXES, f"{key}.path", data.path, f"a dataset file must end in {suffixes}")
-        _check_rows(key, data, local)
-        return
-    if local.is_dir() or (local.is_absolute() and multi_node):
-        file = dataset_file(data.path, data.split, None)
-        if file is not None:  # else the split is resolved at load time (a hub snapshot, or on the nodes)
-            _check_rows(key, data, file)
-        return
-    looks_local = data.path.startswith(("/", ".", "~")) or local.suffix in DATASET_SUFFIXES
-    require(not looks_local, f"{key}.path", data.path, "no such file or directory")
-    require(
-        _HUB_ID.fullmatch(data.path.partition(":")[0]) is not None,
-        f"{key}.path",
-        data.path,
-        f"neither a bundled dataset {sorted(DATASET_SHORT_NAMES)}, a local file or directory, "
-        "nor a hub name 'owner/name[:config]'",
-    )
-    offline = next((var for var in _OFFLINE_VARS if os.environ.get(var, "").strip().lower() in _TRUE), None)
-    require(
-        offline is None,
-        f"{key}.path",
-        data.path,
-        f"a hub dataset, but {offline} is set so it cannot be downloaded; "
-        f"use a bundled dataset {sorted(DATASET_SHORT_NAMES)} or a local .jsonl/.json/.parquet file or directory",
-    )
-
-
-def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
-    """The first rows of ``file`` fit ``data.type``, and a ``drop_last`` loader gets at least one batch."""
-    from megarl.data.rows import ROW_MAPPERS, DatasetRowError
-
-    try:
-        rows = first_rows(file)
-        n_rows = count_rows(file) if data.drop_last else None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        if data.bad_rows == "skip" and not isinstance(err, OSError):
-            return  # unreadable lines are skipped at load
-        raise ConfigError(f"{key}.path", f"{data.path!r}: cannot read {file}: {err}") from None
-    require(bool(rows), f"{key}.path", data.path, f"{file} holds no rows")
-    failures = []
-    for index, row in enumerate(rows):
-        require(isinstance(row, dict), f"{key}.path", data.path,
-                f"{file} row {index} is a {type(row).__name__}, expected a mapping of fields")  # fmt: skip
-        try:
-            ROW_MAPPERS[data.type](row, index, str(file))
-        except DatasetRowError as err:
-            failures.append((row, err))
-    # under bad_rows=skip a bad row is dropped at load: the check fails only when none of the first rows maps
-    if failures and (data.bad_rows == "raise" or len(failures) == len(rows)):
-        row, err = failures[0]
-        fits = [name for name, mapper in ROW_MAPPERS.items() if name != data.type and _maps(mapper, row)]
-        hint = f"; its rows fit type {fits[0]!r}" if fits else ""
-        raise ConfigError(f"{key}.type", f"{data.type!r} is invalid for these rows: {err}{hint}")
-    if n_rows is not None:
-        require(n_rows >= data.batch_size, f"{key}.batch_size", data.batch_size,
-                f"{file} has {n_rows} rows, fewer than one batch (drop_last would leave no step)")  # fmt: skip
-
-
-def _maps(mapper, row: dict) -> bool:
-    from megarl.data.rows import DatasetRowError
-
-    try:
-        mapper(row, 0, "")
-    except DatasetRowError:
-        return False
-    return True

@@ -5,11 +5,13 @@
 Layers, later winning: the dataclass defaults, each ``--config`` file in order (so a
 parallel-strategy preset can follow an experiment file), then the overrides. The
 merge is an OmegaConf structured config, so a misspelled key or a value of the
-wrong type fails with its full key path; then the experiment's ``resolve_locations()`` (if it
-has one) turns a plug-in found beside the config file that names it, or a Hugging Face hub
-model id, into an absolute path every process of the run finds, every config's ``check()``
-runs, and the experiment's ``resolve_auto()`` (if it has one) makes machine-dependent values
-concrete.
+wrong type fails with its full key path; then every config's ``check()`` runs, and the
+experiment's ``resolve_auto()`` (if it has one) makes machine-dependent values concrete.
+
+What the config names (files, models, datasets, hubs, the user's code) is not read here: a
+caller that launches a run passes ``prelaunch`` hooks (:class:`PrelaunchHooks`;
+``megarl.run.prelaunch.load_expr_config`` does), which resolve those names into paths every
+process finds before the checks and check them after the config's own.
 
 AReaL's names for a few keys are accepted (:data:`AREAL_ALIASES`): each layer's AReaL
 key is renamed to megarl's before the merge, with one INFO line saying so.
@@ -20,8 +22,9 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -48,22 +51,40 @@ an alias contradicting its megarl key in the same layer is an error.
 """
 
 
-def load_expr_config(argv: list[str], config_cls: type[T]) -> tuple[T, list[str]]:
+class PrelaunchHooks(Protocol):
+    """What a caller that launches a run adds to loading (``megarl.run.prelaunch``)."""
+
+    def resolve_locations(self, config: Any, folders: Callable[[str], list[Path]]) -> None:
+        """Turn names into paths every process finds; ``folders(key)``: the folder of the file that set ``key``."""
+
+    def check(self, config: Any) -> None:
+        """Raise :class:`ConfigError` for what the config names and cannot be used."""
+
+
+def load_expr_config(
+    argv: list[str], config_cls: type[T], prelaunch: PrelaunchHooks | None = None
+) -> tuple[T, list[str]]:
     """Parse ``--config FILE`` (repeatable) and ``key=value`` overrides from ``argv``.
 
     Returns the typed, validated config and the arguments that were neither (for the
     caller's own parser). Raises :class:`ConfigError` naming the key and value at fault.
+    ``prelaunch``: see :func:`build_config`.
     """
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config", action="append", default=[], help="YAML config file (repeatable)")
     known, rest = parser.parse_known_args(argv)
     overrides = [arg for arg in rest if "=" in arg and not arg.startswith("-")]
     rest = [arg for arg in rest if arg not in overrides]
-    return build_config(config_cls, known.config, overrides), rest
+    return build_config(config_cls, known.config, overrides, prelaunch), rest
 
 
-def build_config(config_cls: type[T], files: list[str], overrides: list[str]) -> T:
+def build_config(
+    config_cls: type[T], files: list[str], overrides: list[str], prelaunch: PrelaunchHooks | None = None
+) -> T:
     """Merge defaults, YAML ``files`` and dotlist ``overrides`` into a validated ``config_cls``.
+
+    ``prelaunch``: hooks that resolve and check what the config names (``megarl.run.prelaunch``);
+    without them nothing outside the config is read.
 
     A config class with ``preset_layers(merged)`` (e.g. GRPOConfig: the settings ``actor.loss:
     dapo`` implies) gets those layers between its defaults and the user's files: a preset
@@ -83,11 +104,12 @@ def build_config(config_cls: type[T], files: list[str], overrides: list[str]) ->
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _config_error(err, "the merged config") from None
-    resolve_locations = getattr(config, "resolve_locations", None)
-    if resolve_locations is not None:  # e.g. GRPOConfig: plug-in files and hub model ids -> absolute paths
-        resolve_locations(functools.partial(_folders_setting, files, layers))
+    if prelaunch is not None:  # plug-in files and hub model ids -> absolute paths
+        prelaunch.resolve_locations(config, functools.partial(_folders_setting, files, layers))
     try:
         validate_tree(config)
+        if prelaunch is not None:
+            prelaunch.check(config)
         resolve_auto = getattr(config, "resolve_auto", None)
         if resolve_auto is not None:  # e.g. GRPOConfig: ``dtype: auto`` -> this machine's dtype
             resolve_auto()

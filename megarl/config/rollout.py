@@ -2,73 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megarl.api.io_struct import GenerationHyperparameters  # noqa: F401 - the schema of `gconfig`, defined with the requests
 from megarl.config.base import require
-
-
-@dataclass
-class GenerationHyperparameters:
-    """How each trajectory is sampled (AReaL's ``gconfig``)."""
-
-    n_samples: int = 1
-    """Samples per prompt: the GRPO group size."""
-    max_new_tokens: int = 256
-    """Upper bound on generated tokens per sample (an interrupted sample keeps its budget)."""
-    min_new_tokens: int = 0
-    """Lower bound on generated tokens before a stop is allowed."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer scores logprobs at the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]."""
-    top_k: int = -1
-    """Top-k sampling; -1 disables it."""
-    greedy: bool = False
-    """Greedy decoding (evaluation); ignores temperature, top_p and top_k."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings, in addition to the tokenizer's end-of-sequence token."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Extra stop token ids."""
-    seed: int | None = None
-    """Reproducible sampling. None: the servers' own RNG. Set: each sample draws from a
-    generator seeded by (seed, prompt tokens, sample index) (:meth:`for_sample`), so the same
-    weights give the same rollouts in every run: recover and debugging runs repeat exactly.
-    A continuation after a pause reseeds with the tokens generated so far."""
-
-    def new(self, **changes) -> "GenerationHyperparameters":
-        """A copy with ``changes`` applied (e.g. ``gconfig.new(n_samples=1)``)."""
-        return replace(self, **changes)
-
-    def for_sample(self, input_ids: list[int], index: int) -> "GenerationHyperparameters":
-        """The settings of sample ``index`` of the prompt ``input_ids``: one sample, its own seed."""
-        if self.seed is None:
-            return self.new(n_samples=1)
-        return self.new(n_samples=1, seed=derive_seed(self.seed, input_ids, index))
-
-    def check(self) -> None:
-        require(self.n_samples >= 1, "n_samples", self.n_samples, "must be >= 1")
-        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
-        require(
-            0 <= self.min_new_tokens <= self.max_new_tokens,
-            "min_new_tokens",
-            self.min_new_tokens,
-            f"must be in [0, max_new_tokens={self.max_new_tokens}]",
-        )
-        require(self.greedy or self.temperature > 0, "temperature", self.temperature, "must be > 0 (or set greedy)")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        require(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
-        require(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be null or in [0, 2**63)")
-        bad_ids = [i for i in self.stop_token_ids if i < 0]
-        require(not bad_ids, "stop_token_ids", self.stop_token_ids, f"token ids are >= 0, got {bad_ids}")
-        require(all(self.stop), "stop", self.stop, "an empty stop string would end every sample at once")
-
-
-def derive_seed(seed: int, tokens: list[int], index: int) -> int:
-    """A 63-bit seed from ``seed``, a token sequence and an index (stable across processes and runs)."""
-    digest = hashlib.blake2b(repr((seed, index, list(tokens))).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass
@@ -241,8 +179,8 @@ class WorkflowConfig:
     returning ``gconfig.n_samples * group_size`` rows per prompt, or is an agent (AReaL's
     ``async def run(data, **extra_kwargs)`` on an OpenAI client, returning its reward), which
     runs ``gconfig.n_samples`` times per prompt behind the OpenAI-compatible proxy
-    (:mod:`megarl.workflow.openai_agent`). Checked when the config is loaded: the class
-    imports, has ``arun_episode`` or ``run``, and its constructor takes these arguments.
+    (:mod:`megarl.workflow.openai_agent`). Checked before launch (:mod:`megarl.run.prelaunch`): the
+    class imports, has ``arun_episode`` or ``run``, and its constructor takes these arguments.
     """
 
     type: str = "rlvr"
@@ -275,7 +213,3 @@ class WorkflowConfig:
             self.type,
             f"neither a built-in {sorted(WORKFLOW_SHORT_NAMES)} nor 'package.module.Class' or 'path/to/file.py:Class'",
         )
-        from megarl.utils.plugins import workflow_problem
-
-        problem = workflow_problem(self.class_path, self.kwargs, "type")
-        require(problem is None, "type", self.type, problem or "")

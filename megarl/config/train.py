@@ -141,7 +141,7 @@ class TrainEngineConfig:
     path: str = "smollm2-135m-instruct"
     """HF model directory, a short name provisioned by ``megarl.models`` (``smollm2-135m-instruct``), or a
     Hugging Face hub id ``org/name[@revision]``: taken from the HF cache or downloaded when the config
-    loads, and replaced by its local directory (``megarl.config.experiment.resolve_hub_id``)."""
+    loads, and replaced by its local directory (``megarl.run.prelaunch.resolve_hub_id``)."""
     dtype: DType = "auto"
     """Parameter dtype (fp32 main grads and optimizer state either way). ``auto``: bfloat16 on CUDA
     and on CPUs with native bf16 (AVX-512 BF16 / AMX), float32 elsewhere (``megarl.utils.hardware``)."""
@@ -319,7 +319,6 @@ class PPOActorConfig(TrainEngineConfig):
         if self.behav_imp_weight_cap is not None:
             require(self.behav_imp_weight_cap > 1, "behav_imp_weight_cap", self.behav_imp_weight_cap, "must be > 1")
         self._check_rollout_correction()
-        self._check_loss()
         require(self.kl_ctl >= 0, "kl_ctl", self.kl_ctl, "must be >= 0")
         require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff, "must be >= 0")
         require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")
@@ -335,17 +334,6 @@ class PPOActorConfig(TrainEngineConfig):
         if self.dr_grpo_norm_len is not None:
             require(self.dr_grpo_norm_len >= 1, "dr_grpo_norm_len", self.dr_grpo_norm_len, "must be >= 1")
         require(self.optimizer is not None, "optimizer", None, "the actor trains, so it needs an optimizer")
-
-    def _check_loss(self) -> None:
-        if self.loss in BUILTIN_LOSSES:
-            return
-        from megarl.utils.plugins import import_plugin, signature_problem
-
-        fn = import_plugin(self.loss, "loss")
-        args, kwargs = (None, None, None, None), {"cu_seqlens": None, "config": self}
-        problem = signature_problem(fn, args, kwargs)
-        require(problem is None, "loss", self.loss,
-                f"expected fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config): {problem}")  # fmt: skip
 
     def _check_rollout_correction(self) -> None:
         mode = self.rollout_correction.mode

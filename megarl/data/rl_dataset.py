@@ -22,15 +22,14 @@ from pathlib import Path
 import datasets
 from datasets.distributed import split_dataset_by_node
 
-from megarl.config.experiment import DATASET_SHORT_NAMES
-from megarl.config.files import dataset_file, jsonl_lines
+from megarl.data.files import DATASET_SHORT_NAMES, dataset_file, jsonl_lines
 from megarl.data.rows import CONSUMED_COLUMNS, DatasetRowError, row_mapper
 
 logger = logging.getLogger(__name__)
 
 GSM8K_DIR = Path(__file__).resolve().parent / "gsm8k"
 # Short names win over same-named relative paths; write "./gsm8k" to mean a local folder.
-SHORT_NAMES = DATASET_SHORT_NAMES  # defined with the config checks, which must not import ``datasets``
+SHORT_NAMES = DATASET_SHORT_NAMES  # defined in megarl.data.files, which the pre-launch checks read without ``datasets``
 FILE_BUILDERS = types.MappingProxyType({".jsonl": "json", ".json": "json", ".parquet": "parquet"})
 HUB_PROBE_TIMEOUT_S = 5.0
 BAD_ROW_POLICIES = ("raise", "skip")

@@ -18,9 +18,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from megarl.config import AllocationError, AllocationMode, ConfigError, GRPOConfig, ModelShape
-from megarl.config import load_expr_config, save_config, to_yaml, validate_allocation
-from megarl.config.experiment import read_model_shape
+from megarl.config import (
+    AllocationError,
+    AllocationMode,
+    ConfigError,
+    GRPOConfig,
+    ModelShape,
+    save_config,
+    to_yaml,
+    validate_allocation,
+)
+from megarl.run.prelaunch import load_expr_config, read_model_shape
 
 
 def _cmd_config(args: argparse.Namespace, console: Console) -> int:
@@ -171,7 +179,7 @@ def _cmd_watchdog(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from megarl.utils.report import build_report
+    from megarl.run.report import build_report
 
     if not Path(args.run_dir).is_dir():
         raise FileNotFoundError(f"{args.run_dir} is not a directory: pass a run directory, "

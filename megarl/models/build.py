@@ -12,16 +12,28 @@ import logging
 import os
 from dataclasses import dataclass
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
-from megarl.config.allocation import TrainingAllocation
 from megarl.models.families import Family, family_of
 from megarl.models.mapping import FamilyMapping, ModelDims
 from megarl.models.spec import block_spec
 
 logger = logging.getLogger(__name__)
+
+
+class ParallelSizes(Protocol):
+    """The parallel sizes a build reads (``megarl.config.allocation.TrainingAllocation`` has them)."""
+
+    tp: int
+    pp: int
+    vpp: int
+    ep: int
+    expert_tp: int
+    cp: int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -102,7 +114,7 @@ def rope_inv_freq(hf_config) -> torch.Tensor | None:
     return inv_freq
 
 
-def transformer_config(desc: ModelDesc, alloc: TrainingAllocation, *, sequence_parallel: bool = False,
+def transformer_config(desc: ModelDesc, alloc: ParallelSizes, *, sequence_parallel: bool = False,
                        dtype: str = "bfloat16", moe_dispatcher: str = "allgather", recompute: str = "none",
                        use_cpu_initialization: bool = True, perform_initialization: bool = False):  # fmt: skip
     """Megatron's TransformerConfig for ``desc`` under ``alloc`` (dropout off: RL recomputes logprobs).

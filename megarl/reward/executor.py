@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megarl.api import context as workflow_context
 from megarl.reward.base import ScoredReward
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
@@ -154,8 +155,6 @@ class AsyncRewardWrapper:
         broken.shutdown(wait=False, cancel_futures=False)
 
     async def __call__(self, *args: Any, **kwargs: Any) -> ScoredReward:
-        from megarl.workflow import context as workflow_context
-
         name = getattr(self.reward_fn, "__qualname__", repr(self.reward_fn))
         with _REWARD_CALLS.track(name, workflow_context.get().task_id):
             return await self._score(*args, **kwargs)

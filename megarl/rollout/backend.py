@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.api.io_struct import GenerationHyperparameters
 from megarl.rollout.http import MalformedResponseError
 
 FinishReason = Literal["stop", "length", "abort"]

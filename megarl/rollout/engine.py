@@ -34,14 +34,11 @@ from typing import Any
 
 import aiohttp
 
+from megarl.api import context as workflow_context
 from megarl.api.engine_api import InferenceEngine
-from megarl.api.io_struct import ModelRequest, ModelResponse
+from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse, derive_seed
 from megarl.api.workflow_api import WorkflowLike
-from megarl.config.rollout import (
-    GenerationHyperparameters,
-    InferenceEngineConfig,
-    derive_seed,
-)
+from megarl.config.rollout import InferenceEngineConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend, check_chunk
 from megarl.rollout.http import (
     InferenceServerError,
@@ -55,7 +52,6 @@ from megarl.rollout.restarts import JOINS_FILE, RestartLog
 from megarl.rollout.server import resolve_server_addrs
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
-from megarl.workflow import context as workflow_context
 from megarl.workflow.dump import TrajectoryDumper
 
 logger = logging.getLogger(__name__)

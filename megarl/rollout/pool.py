@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from megarl.api import context as workflow_context
 from megarl.api.engine_api import InferenceEngine
 from megarl.api.trajectory import batch_size_of, concat_padded_tensors, oldest_version
 from megarl.api.workflow_api import RolloutWorkflow, WorkflowLike
@@ -51,7 +52,6 @@ from megarl.rollout.http import InferenceServerError
 from megarl.rollout.staleness import StalenessManager
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import Heartbeat
-from megarl.workflow import context as workflow_context
 from megarl.workflow.dump import TrajectoryDumper
 from megarl.workflow.resolve import resolve_should_accept_fn, resolve_workflow
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from megarl.config.rollout import GenerationHyperparameters, SGLangConfig
+from megarl.api.io_struct import GenerationHyperparameters
+from megarl.config.rollout import SGLangConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec

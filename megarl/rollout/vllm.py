@@ -23,7 +23,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from megarl.config.rollout import GenerationHyperparameters, VLLMConfig
+from megarl.api.io_struct import GenerationHyperparameters
+from megarl.config.rollout import VLLMConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec

@@ -80,3 +80,11 @@ def auto_dtype(device: str) -> tuple[str, str]:
 def concrete_dtype(name: str, device: str) -> str:
     """``name`` itself, or what ``auto`` means on ``device`` (a config used without ``resolve_auto``)."""
     return auto_dtype(device)[0] if name == "auto" else name
+
+
+def machine_memory_gib() -> float | None:
+    """Physical memory of this machine in GiB (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None

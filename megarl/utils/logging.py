@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 logger = logging.getLogger(__name__)
@@ -104,3 +105,8 @@ def get_logger(name: str) -> logging.Logger:
     if name != ROOT_LOGGER and not name.startswith(ROOT_LOGGER + "."):
         name = f"{ROOT_LOGGER}.{name}"
     return logging.getLogger(name)
+
+
+def is_rank0() -> bool:
+    """Whether this process logs for the run: not a trainer rank other than 0 (``RANK`` unset counts as 0)."""
+    return os.environ.get("RANK", "0") == "0"

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megarl.config.base import ConfigError
+from megarl.utils.errors import ConfigError
 
 _NAME = r"[A-Za-z_]\w*"
 _DOTTED = re.compile(rf"{_NAME}(?:\.{_NAME})+")
@@ -189,24 +189,3 @@ def accepted_parameters(fn: Any) -> set[str] | None:
         return None
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {p.name for p in parameters if p.kind in keyword}
-
-
-def workflow_problem(class_path: str, kwargs: dict[str, Any], key: str) -> str | None:
-    """Why ``class_path`` built with ``kwargs`` (and the run's arguments) is neither a workflow nor an
-    agent (which runs behind the OpenAI-compatible proxy), else None."""
-    from megarl.api.workflow_api import is_agent, is_rollout_workflow
-    from megarl.config.rollout import RUN_ARGUMENTS
-
-    cls = import_plugin(class_path, key)
-    if not inspect.isclass(cls):
-        return f"{class_path!r} is not a class"
-    if not (is_rollout_workflow(cls) or is_agent(cls)):
-        return (f"{cls.__qualname__} has no 'async def arun_episode(self, engine, data)' (see RolloutWorkflow), "
-                "nor an agent's 'async def run(self, data, **extra_kwargs)' (see megarl.workflow.openai_agent)")  # fmt: skip
-    accepted = accepted_parameters(cls)
-    if accepted is not None:
-        unknown = sorted(set(kwargs) - accepted)
-        if unknown:
-            return f"{cls.__qualname__} takes no argument(s) {unknown}; it takes {sorted(accepted)}"
-    run = {name: None for name in RUN_ARGUMENTS if accepted is not None and name in accepted and name not in kwargs}
-    return signature_problem(cls, (), {**run, **kwargs})

@@ -1,7 +1,7 @@
 """Rollout workflows: RLVR, multi-turn reflection, grouped, agents on the OpenAI-compatible proxy;
 resolution, context and dumping."""
 
-from megarl.workflow import context as workflow_context
+from megarl.api import context as workflow_context
 from megarl.workflow.dump import TrajectoryDumper
 from megarl.workflow.grouped import GroupedRolloutWorkflow
 from megarl.workflow.multi_turn import MultiTurnReflectionWorkflow, reflection_token_ids

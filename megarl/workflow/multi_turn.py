@@ -17,10 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.api.engine_api import InferenceEngine
-from megarl.api.io_struct import ModelRequest
+from megarl.api.io_struct import GenerationHyperparameters, ModelRequest
 from megarl.api.trajectory import concat_padded_tensors
 from megarl.api.workflow_api import RolloutWorkflow
-from megarl.config.rollout import GenerationHyperparameters
 from megarl.utils import stats_tracker
 from megarl.workflow.chat import Episode, end_turn, next_turn_ids
 from megarl.workflow.rlvr import (

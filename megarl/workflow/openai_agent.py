@@ -44,9 +44,9 @@ from collections.abc import Coroutine
 from typing import Any, Literal
 
 from megarl.api.engine_api import InferenceEngine
+from megarl.api.io_struct import GenerationHyperparameters
 from megarl.api.trajectory import concat_padded_tensors, make_trajectory
 from megarl.api.workflow_api import RolloutWorkflow, is_agent
-from megarl.config.rollout import GenerationHyperparameters
 from megarl.utils import stats_tracker
 from megarl.workflow.chat import Episode
 from megarl.workflow.openai_proxy import CallRecord, OpenAIProxy, ProxySession

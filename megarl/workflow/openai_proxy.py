@@ -55,8 +55,7 @@ from typing import Any
 from aiohttp import web
 
 from megarl.api.engine_api import InferenceEngine
-from megarl.api.io_struct import ModelRequest, ModelResponse
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
 from megarl.utils import stats_tracker
 from megarl.workflow.chat import end_turn, next_turn_ids, render_chat_ids
 

@@ -9,10 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.api.engine_api import InferenceEngine
-from megarl.api.io_struct import ModelRequest, ModelResponse
+from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
 from megarl.api.trajectory import concat_padded_tensors, make_trajectory
 from megarl.api.workflow_api import RolloutWorkflow
-from megarl.config.rollout import GenerationHyperparameters
 from megarl.reward.executor import AsyncRewardWrapper
 from megarl.utils import stats_tracker
 

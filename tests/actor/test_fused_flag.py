@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from megarl.actor import ppo
+from megarl.actor.fused_ppo_loss import ppo_loss_backend
 from megarl.actor.lm_head import LMHeadOutput
 from megarl.config.train import PPOActorConfig
-from megarl.kernels import _cuda, logprobs_backend, ppo_loss_backend, resolve_backend
+from megarl.kernels import _cuda, logprobs_backend, resolve_backend
 from megarl.utils import stats_tracker
 from tests.actor.dist_utils import run_ranks
 from tests.actor.workers import engine_config, make_batch

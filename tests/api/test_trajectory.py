@@ -13,7 +13,7 @@ from megarl.api import (
     make_trajectory,
     oldest_version,
 )
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.api.io_struct import GenerationHyperparameters
 
 
 def test_make_trajectory_layout():

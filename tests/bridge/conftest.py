@@ -10,6 +10,7 @@ from megarl.config.rollout import VLLMConfig
 from megarl.rollout import launch_servers, vllm_launch_spec
 from megarl.utils.network import find_free_ports
 
+
 def bridge_server_specs(model_dir, tps: list[int], max_model_len: int = 512):
     """Launch specs of vLLM servers (one per TP size) with megarl's weight-transfer engine."""
     specs, cores = [], 0

@@ -242,11 +242,11 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
     import time
 
     from megarl.actor.engine import MegatronEngine
-    from megarl.api.io_struct import ModelRequest
+    from megarl.api.io_struct import GenerationHyperparameters, ModelRequest
     from megarl.bridge.control import make_control
     from megarl.bridge.update import WeightUpdateMeta, connect_engine, update_weights
     from megarl.config.bridge import WeightUpdateConfig
-    from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig
+    from megarl.config.rollout import InferenceEngineConfig
     from megarl.config.train import OptimizerConfig
     from megarl.rollout import RemoteInferenceEngine
     from tests.actor.workers import engine_config, make_batch

@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, GRPOConfig, load_expr_config
-from megarl.config.experiment import (
-    DATASET_SHORT_NAMES,
-    MODEL_SHORT_NAMES,
-    read_model_shape,
-)
+from megarl.config import ConfigError, GRPOConfig
+from megarl.data.files import DATASET_SHORT_NAMES
 from megarl.launcher.cli import main
+from megarl.run.prelaunch import MODEL_SHORT_NAMES, load_expr_config, read_model_shape
 from tests.config.bad_files import MODEL_FIELDS, write_bad_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -327,10 +324,10 @@ def test_local_model_dir_is_accepted_and_checked(tmp_path):
 
 def test_short_names_match_the_loaders():
     """The config layer's copies of the short names agree with the modules that resolve them."""
-    from megarl.config.files import MODEL_TYPES
     from megarl.data.rl_dataset import SHORT_NAMES
     from megarl.models.families import FAMILIES
     from megarl.models.provision import ALIASES, KNOWN_MODELS, default_cache_dir
+    from megarl.run.prelaunch import MODEL_TYPES
 
     assert set(MODEL_SHORT_NAMES) == set(KNOWN_MODELS) | set(ALIASES)
     assert set(MODEL_TYPES) == set(FAMILIES)

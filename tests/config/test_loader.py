@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, GRPOConfig, load_expr_config, save_config, to_yaml
+from megarl.config import ConfigError, GRPOConfig, save_config, to_yaml
 from megarl.config.train import OptimizerConfig
+from megarl.run.prelaunch import load_expr_config
 from tests.config.bad_files import MODEL_FIELDS
 
 REPO = Path(__file__).resolve().parents[2]

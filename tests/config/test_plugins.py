@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import GRPOConfig, build_config
+from megarl.config import GRPOConfig
 from megarl.config.base import ConfigError
+from megarl.run.prelaunch import build_config
 
 BASE = ["configs/arithmetic_grpo_cpu.yaml"]
 
@@ -160,12 +161,13 @@ def test_builtin_loss_presets_fill_in_what_the_config_does_not_set():
 
 
 def test_workflows_are_built_with_the_run_arguments_they_take():
+    from transformers import AutoTokenizer
+
     from megarl.config.rollout import WorkflowConfig
     from megarl.models import resolve_model_path
     from megarl.reward.arithmetic import arithmetic_reward_fn
     from megarl.workflow import GroupedRolloutWorkflow, MultiTurnReflectionWorkflow
     from megarl.workflow.build import build_eval_workflow, build_workflow
-    from transformers import AutoTokenizer
 
     config = _load("workflow.type=multi_turn", "workflow.kwargs.max_turns=3")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarl.config import AllocationMode, GRPOConfig, ModelShape, load_expr_config, to_yaml, validate_allocation
+from megarl.config import AllocationMode, GRPOConfig, ModelShape, to_yaml, validate_allocation
 from megarl.launcher.cli import main
+from megarl.run.prelaunch import load_expr_config
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "parallel").glob("*.yaml"))

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import GRPOConfig, build_config, save_config
+from megarl.config import GRPOConfig, save_config
 from megarl.config.base import ConfigError
+from megarl.run.prelaunch import build_config
 from megarl.utils.plugins import import_plugin, locate_plugin
 from megarl.workflow.resolve import resolve_should_accept_fn, resolve_workflow
 
@@ -152,7 +153,8 @@ def test_the_python_api_takes_both_spellings(experiment, monkeypatch):
 
 TRAINER_SIDE = """
 import asyncio, sys
-from megarl.config import GRPOConfig, load_expr_config
+from megarl.config import GRPOConfig
+from megarl.run.prelaunch import load_expr_config
 from megarl.reward.executor import AsyncRewardWrapper
 from megarl.utils.plugins import import_plugin
 

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from megarl.actor import fused_ppo_loss as ppo_loss_module
+from megarl.actor.fused_ppo_loss import fused_ppo_loss
 from megarl.actor.losses import aggregate, policy_loss
-from megarl.kernels import fused_ppo_loss
-from megarl.kernels import ppo_loss as ppo_loss_module
 
 
 def plain_ppo_loss(logp, prox, old, adv, eps, mask, c_clip=None, cap=None, eps_high=None):

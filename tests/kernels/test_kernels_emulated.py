@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megarl.actor import fused_ppo_loss as ppo_module
 from megarl.actor.losses import policy_loss
-from megarl.kernels import ppo_loss as ppo_module
 from megarl.kernels.reference import finalize_stats, merge_stats
 
 # The vocab rows of one tile, which the forward's splits own whole: kTileVocab (mma.sync) and
@@ -270,7 +270,7 @@ def test_ppo_loss(run_kernels, tmp_path, T, use_prox, dual_clip, cap, kept):
     grad_tok = _read(tmp_path, "grad_tok", torch.float32, T)
     stats = _read(tmp_path, "stats", torch.float32, NUM_PPO_STATS)
 
-    # the torch path of megarl.kernels.ppo_loss: policy_loss under autograd and its raw stats
+    # the torch path of megarl.actor.fused_ppo_loss: policy_loss under autograd and its raw stats
     x = logp.clone().requires_grad_(True)
     out = policy_loss(
         x, old, adv, mask, eps_clip=eps_low, eps_clip_higher=eps_high, c_clip=dual_clip,

@@ -84,7 +84,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
         (self.root / "slurm.conf").write_text(conf)
 
-    def start(self, timeout: float = 60.0) -> "SlurmCluster":
+    def start(self, timeout: float = 60.0) -> SlurmCluster:
         self._write_config()
         munge = self.root / "munge"
         subprocess.run(

@@ -36,7 +36,8 @@ def collective(run_dir: str, rank: int, world: int, port: int) -> None:
 
 def server(run_dir: str, address: str) -> None:
     from megarl.api import ModelRequest
-    from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig
+    from megarl.api.io_struct import GenerationHyperparameters
+    from megarl.config.rollout import InferenceEngineConfig
     from megarl.rollout import RemoteInferenceEngine
 
     config = InferenceEngineConfig(request_timeout=3600.0, setup_timeout=30.0)

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megarl.config import GRPOConfig, build_config, save_config
+from megarl.config import GRPOConfig, save_config
 from megarl.launcher import local
 from megarl.launcher.cli import main
 from megarl.launcher.local import (
@@ -38,6 +38,7 @@ from megarl.launcher.local import (
     trainer_env,
 )
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
+from megarl.run.prelaunch import build_config
 from megarl.utils.process import terminate_process_tree
 
 ROOT = Path(__file__).resolve().parents[2]

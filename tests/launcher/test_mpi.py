@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.launcher.mpi import MPI_LAUNCHER_ENV, TORCH_RANK_ENV, discover_ranks
+from megarl.utils.mpi import MPI_LAUNCHER_ENV, TORCH_RANK_ENV, discover_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -20,7 +20,7 @@ MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shut
 RANK_SCRIPT = textwrap.dedent("""
     import json, os
     import torch, torch.distributed as dist
-    from megarl.launcher.mpi import discover_ranks
+    from megarl.utils.mpi import discover_ranks
 
     assert discover_ranks()
     dist.init_process_group("gloo")

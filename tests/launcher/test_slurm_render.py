@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import GRPOConfig, load_expr_config
+from megarl.config import GRPOConfig
 from megarl.launcher.cli import main
 from megarl.launcher.slurm import render_sbatch
+from megarl.run.prelaunch import load_expr_config
 
 REPO = Path(__file__).resolve().parents[2]
 

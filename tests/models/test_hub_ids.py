@@ -14,9 +14,10 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from megarl.config import GRPOConfig, build_config, load_expr_config
+from megarl.config import GRPOConfig
 from megarl.config.base import ConfigError
 from megarl.models.provision import HubModelError, hf_hub_cache, hub_snapshot, resolve_model_path
+from megarl.run.prelaunch import build_config, load_expr_config
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = [str(REPO / "configs/arithmetic_grpo_cpu.yaml")]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megarl.api import ModelRequest, RolloutWorkflow, make_trajectory
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.api.io_struct import GenerationHyperparameters
 from tests.rollout.fake_server import logprob_at, token_at
 
 

@@ -6,7 +6,7 @@ import asyncio
 import random
 
 from megarl.api import ModelRequest, ModelResponse, RolloutWorkflow, make_trajectory
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.api.io_struct import GenerationHyperparameters
 
 
 class SimEngine:

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from megarl.api import ModelRequest
-from megarl.config.rollout import GenerationHyperparameters, derive_seed
+from megarl.api.io_struct import GenerationHyperparameters, derive_seed
 from megarl.rollout import InferenceServerError, RemoteInferenceEngine
 from tests.rollout.conftest import fast_config, make_engine
 from tests.rollout.fake_server import CORRUPTIONS, TRANSPORT_FAULTS

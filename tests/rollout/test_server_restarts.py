@@ -10,7 +10,7 @@ import json
 import time
 
 from megarl.api import ModelRequest
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.api.io_struct import GenerationHyperparameters
 from megarl.rollout import RemoteInferenceEngine
 from megarl.rollout.restarts import JOINS_FILE, RESTARTS_FILE, append_record
 from megarl.utils import stats_tracker

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config.rollout import GenerationHyperparameters, SGLangConfig
+from megarl.api.io_struct import GenerationHyperparameters
+from megarl.config.rollout import SGLangConfig
 from megarl.rollout import SGLangBackend, sglang_launch_spec
 from tests.rollout.fake_server import EOS
 

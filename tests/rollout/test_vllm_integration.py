@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megarl.api import ModelRequest
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.api.io_struct import GenerationHyperparameters
 from megarl.data import create_dataloader, load_rl_dataset
 from megarl.reward import gsm8k_reward_fn
 from megarl.workflow import MultiTurnReflectionWorkflow, RLVRWorkflow, reflection_token_ids

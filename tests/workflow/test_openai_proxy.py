@@ -16,9 +16,10 @@ import pytest
 import torch
 from openai import AsyncOpenAI
 
-from megarl.config.rollout import GenerationHyperparameters, WorkflowConfig, derive_seed
+from megarl.api.io_struct import GenerationHyperparameters, derive_seed
+from megarl.config.rollout import WorkflowConfig
+from megarl.run.prelaunch import workflow_problem
 from megarl.utils import stats_tracker
-from megarl.utils.plugins import workflow_problem
 from megarl.workflow import GroupedRolloutWorkflow, OpenAIAgentWorkflow
 from megarl.workflow.build import build_eval_workflow, build_workflow
 from megarl.workflow.chat import next_turn_ids, render_chat_ids

@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from megarl.api import ModelRequest, ModelResponse
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.api.io_struct import GenerationHyperparameters
 from megarl.reward import gsm8k_reward_fn
 from megarl.workflow import MultiTurnReflectionWorkflow, reflection_token_ids
 

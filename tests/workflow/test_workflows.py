@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megarl.api import ModelRequest, ModelResponse, RolloutWorkflow, make_trajectory
-from megarl.config.rollout import GenerationHyperparameters, InferenceEngineConfig, derive_seed
+from megarl.api.io_struct import GenerationHyperparameters, derive_seed
+from megarl.config.rollout import InferenceEngineConfig
 from megarl.reward import gsm8k_reward_fn
 from megarl.rollout import RolloutPool
 from megarl.workflow import (

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config.run import StatsLoggerConfig, TensorBoardConfig, WandBConfig
-from megarl.utils.stats_logger import StatsLogger
+from megarl.run.stats_logger import StatsLogger
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -122,7 +122,7 @@ def test_offline_wandb_run_is_resumed_after_recovery(tmp_path, monkeypatch):
 
 
 def test_console_table_groups_keys_by_prefix(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="megarl.utils.stats_logger")
+    caplog.set_level(logging.INFO, logger="megarl.run.stats_logger")
     stats_logger = StatsLogger(StatsLoggerConfig(plot_keys=[]), tmp_path)
     stats_logger.commit(1, 2, 6, {"ppo_actor/loss": 0.5, "ppo_actor/grad_norm": 3.0, "rollout/reward": 0.25})
     lines = caplog.records[-1].getMessage().splitlines()

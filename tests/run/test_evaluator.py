@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from megarl.api import ModelRequest, make_trajectory
-from megarl.config.rollout import GenerationHyperparameters
+from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.run import EvaluatorConfig
-from megarl.utils.evaluator import Evaluator, pass_at_1
+from megarl.run.evaluator import Evaluator, pass_at_1
 from megarl.workflow import workflow_context
 from tests.rollout.conftest import make_engine, start_fake_servers
 

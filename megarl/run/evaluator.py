@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from megarl.config.run import EvaluatorConfig
-from megarl.utils.saver import FrequencyControl, check_epoch_frequency, due
+from megarl.run.saver import FrequencyControl, check_epoch_frequency, due
 
 logger = logging.getLogger(__name__)
 

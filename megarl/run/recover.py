@@ -9,7 +9,7 @@ Layout under ``{run_dir}/recover/``::
     step{N}/MANIFEST.json     every file above and its size, written last
 
 A dump is written to ``step{N}.tmp/``; once every rank has finished, its files are flushed to
-disk, the manifest is written and the directory renamed (``megarl.utils.saver.publish_dir``),
+disk, the manifest is written and the directory renamed (``megarl.run.saver.publish_dir``),
 and only then are dumps beyond ``recover.keep_last`` deleted. The recover point is the newest
 ``step{N}`` whose files match its manifest; an incomplete one (no manifest: its write was
 interrupted; a file missing or of another size) is skipped with a warning, so a crash at any
@@ -33,7 +33,7 @@ import torch
 
 from megarl.actor.checkpoint import rng_state, set_rng_state
 from megarl.config.run import RecoverConfig
-from megarl.utils.saver import (
+from megarl.run.saver import (
     FrequencyControl,
     all_ranks_ok,
     barrier,

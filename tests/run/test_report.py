@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megarl.launcher.cli import main
-from megarl.utils.report import build_report
+from megarl.run.report import build_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 STEPS = 6

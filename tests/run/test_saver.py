@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megarl.config.run import SaverConfig
-from megarl.utils import saver as saver_mod
-from megarl.utils.saver import FrequencyControl, Saver, incomplete_reason
+from megarl.run import saver as saver_mod
+from megarl.run.saver import FrequencyControl, Saver, incomplete_reason
 from tests.actor.dist_utils import run_ranks
 
 
@@ -98,7 +98,7 @@ def decide_on_ranks() -> list[bool]:
 
 @pytest.mark.multiproc
 def test_time_decision_is_rank0s_on_every_rank():
-    assert run_ranks(2, "tests.utils.test_saver:decide_on_ranks", timeout=120) == [[False, True, False]] * 2
+    assert run_ranks(2, "tests.run.test_saver:decide_on_ranks", timeout=120) == [[False, True, False]] * 2
 
 
 class StubEngine:

@@ -24,7 +24,7 @@ import torch
 
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.run import RecoverConfig
-from megarl.utils.recover import RecoverHandler, RecoverInfo
+from megarl.run.recover import RecoverHandler, RecoverInfo
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 150  # more than 10 short lives reach, however fast this machine
@@ -83,7 +83,7 @@ def child(run_dir: str, log: str) -> None:
 
 
 def _start(run_dir: Path, log: Path) -> subprocess.Popen:
-    code = f"from tests.utils.test_kill_during_save import child; child({str(run_dir)!r}, {str(log)!r})"
+    code = f"from tests.run.test_kill_during_save import child; child({str(run_dir)!r}, {str(log)!r})"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
 

@@ -13,7 +13,7 @@ import torch
 
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.run import RecoverConfig
-from megarl.utils.recover import RecoverHandler, RecoverInfo
+from megarl.run.recover import RecoverHandler, RecoverInfo
 from tests.actor.dist_utils import run_ranks
 
 # ---------------------------------------------------------------------------------- real engine
@@ -70,7 +70,7 @@ def observe_optimizer(engine) -> dict:
 @pytest.fixture(scope="module")
 def recovered(tiny_model_dir, tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("recover_run")
-    out = run_ranks(1, "tests.utils.test_recover:dump_then_recover", model_dir=str(tiny_model_dir("llama")),
+    out = run_ranks(1, "tests.run.test_recover:dump_then_recover", model_dir=str(tiny_model_dir("llama")),
                     run_dir=str(run_dir), timeout=300)[0]  # fmt: skip
     return {**out, "run_dir": run_dir}
 

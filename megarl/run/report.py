@@ -26,8 +26,6 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from megarl.utils.stats_logger import read_metrics_file
-
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "report.html"
@@ -58,6 +56,19 @@ def build_report(run_dir: str | Path) -> Path:
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(out)  # a browser reloading the page never reads half of it
     return out
+
+
+def read_metrics_file(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``; a line a crash cut short is skipped with a warning naming it."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            logger.warning("%s line %d is not JSON (%s); skipped", path, number, e.msg)
+    return rows
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

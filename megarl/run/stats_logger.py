@@ -23,6 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from megarl.config.run import StatsLoggerConfig
+from megarl.run.report import build_report, read_metrics_file
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +132,9 @@ class StatsLogger:
             self.write_report()
 
     def write_report(self) -> None:
-        """(Re)write ``report.html`` (see :mod:`megarl.utils.report`); a failure is a warning, not the run's end."""
+        """(Re)write ``report.html`` (see :mod:`megarl.run.report`); a failure is a warning, not the run's end."""
         if not self.active or not self.metrics_path.exists():
             return
-        from megarl.utils.report import build_report
-
         try:
             build_report(self.run_dir)
         except Exception as e:  # noqa: BLE001 -- a view of the run must not end it
@@ -184,19 +183,6 @@ class StatsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-
-
-def read_metrics_file(path: Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl``; a line a crash cut short is skipped with a warning naming it."""
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            logger.warning("%s line %d is not JSON (%s); skipped", path, number, e.msg)
-    return rows
 
 
 def _mean(values: list[float]) -> float:

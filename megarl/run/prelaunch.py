@@ -1,0 +1,395 @@
+"""Pre-launch checks: what a config names, looked at before anything is launched.
+
+``megarl.config`` checks a config's values and how they fit together. What the config *names*
+is checked here, by reading it: the model directories (their ``config.json`` against the
+allocation), the datasets (their first rows against ``type``, their size against the batch),
+the tokenizer, the directories the run writes, a recover point to resume, and the user's own
+code (reward, workflow, loss: imported, their signatures checked). Hub ids become local
+snapshot directories here, and plug-in files absolute paths, so every process of the run reads
+the same files.
+
+They run where the config is loaded: ``megarl config``, ``megarl run`` and each trainer rank
+(``megarl.train``) load it with :func:`load_expr_config`, which is
+:func:`megarl.config.load_expr_config` with these checks. Errors are
+:class:`~megarl.config.ConfigError` naming the key, the value and the file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from megarl.api.workflow_api import is_agent, is_rollout_workflow
+from megarl.config import loader
+from megarl.config.allocation import AllocationError, ModelShape, validate_model
+from megarl.config.base import ConfigError, require
+from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
+from megarl.config.rollout import RUN_ARGUMENTS, WorkflowConfig
+from megarl.config.run import DatasetConfig
+from megarl.config.train import BUILTIN_LOSSES
+from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
+from megarl.data.rows import ROW_MAPPERS, DatasetRowError
+from megarl.utils.logging import is_rank0
+from megarl.utils.plugins import accepted_parameters, import_plugin, locate_plugin, signature_problem
+
+logger = logging.getLogger("megarl.config")
+T = TypeVar("T")
+
+# Model names megarl resolves without a hub, known here so a config is checked before anything is
+# provisioned or loaded. They mirror megarl.models.provision (KNOWN_MODELS, ALIASES), whose module
+# imports torch (seconds); tests/config/test_bad_configs.py checks that the copies agree.
+_SMOLLM2_135M = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152)
+MODEL_SHORT_NAMES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M}
+"""Model short names (lower case) and the shapes that constrain a parallel layout."""
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_MODEL_ID = re.compile(_HUB_ID.pattern + r"(?:@[\w./-]+)?")  # megarl.models.provision.HUB_ID
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_TRUE = frozenset({"1", "on", "yes", "true"})
+
+MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+"""``model_type`` values megarl builds (``megarl.models.families.FAMILIES``; a test checks they agree)."""
+MODEL_INT_FIELDS = ("num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")
+"""Fields of ``config.json`` the Megatron build reads and HF gives no safe default for."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""A tokenizer directory holds at least one of these (a fast tokenizer, a sentencepiece model, a BPE vocabulary)."""
+
+
+def load_expr_config(argv: list[str], config_cls: type[T]) -> tuple[T, list[str]]:
+    """:func:`megarl.config.load_expr_config` with the pre-launch checks: the config the run uses."""
+    return loader.load_expr_config(argv, config_cls, prelaunch=PRELAUNCH)
+
+
+def build_config(config_cls: type[T], files: list[str], overrides: list[str]) -> T:
+    """:func:`megarl.config.build_config` with the pre-launch checks."""
+    return loader.build_config(config_cls, files, overrides, prelaunch=PRELAUNCH)
+
+
+class Prelaunch:
+    """The loader's hooks (:class:`megarl.config.loader.PrelaunchHooks`): locations, then checks."""
+
+    def resolve_locations(self, config: Any, folders: Callable[[str], list[Path]]) -> None:
+        """Make every path the run's processes resolve the same wherever they start; before the checks.
+        ``folders(key)``: the folder of the config file that set ``key``.
+
+        A hub id in ``tokenizer_path``, ``actor.path``, ``ref.path`` or ``critic.path`` becomes its
+        local snapshot (:func:`resolve_hub_id`); each plug-in path found in a folder (the config
+        file's, then the working directory) becomes the file's absolute path (:func:`locate_plugin`).
+        """
+        if not isinstance(config, BaseExperimentConfig):
+            return
+        multi_node = config.cluster.n_nodes > 1
+        config.tokenizer_path = resolve_hub_id(config.tokenizer_path, "tokenizer_path", multi_node, weights=False)
+        if not isinstance(config, GRPOConfig):
+            return
+        config.reward_fn = locate_plugin(config.reward_fn, "reward_fn", folders("reward_fn"))
+        for key, workflow in (("workflow", config.workflow), ("eval_workflow", config.eval_workflow)):
+            if workflow is None:
+                continue
+            workflow.type = locate_plugin(workflow.type, f"{key}.type", folders(f"{key}.type"))
+            reward, reward_key = workflow.kwargs.get("reward_fn"), f"{key}.kwargs.reward_fn"
+            if isinstance(reward, str):
+                workflow.kwargs["reward_fn"] = locate_plugin(reward, reward_key, folders(reward_key))
+        config.actor.loss = locate_plugin(config.actor.loss, "actor.loss", folders("actor.loss"))
+        for key, model in (("actor", config.actor), ("ref", config.ref), ("critic", config.critic)):
+            if model is not None:
+                model.path = resolve_hub_id(model.path, f"{key}.path", multi_node)
+
+    def check(self, config: Any) -> None:
+        """Everything ``config`` names exists and fits; after the config's own checks."""
+        if not isinstance(config, BaseExperimentConfig):
+            return
+        multi_node = config.cluster.n_nodes > 1
+        if isinstance(config, GRPOConfig):
+            _check_loss(config.actor.loss)
+            for key, workflow in (("workflow", config.workflow), ("eval_workflow", config.eval_workflow)):
+                if workflow is not None:
+                    _check_workflow(key, workflow)
+            _check_disk_path(config)
+        _check_dataset("train_dataset", config.train_dataset, multi_node)
+        if config.valid_dataset is not None:
+            _check_dataset("valid_dataset", config.valid_dataset, multi_node)
+        if config.tokenizer_path:
+            problem = model_path_problem(config.tokenizer_path, multi_node, TOKENIZER_FILES)
+            require(problem is None, "tokenizer_path", config.tokenizer_path, problem or "")
+        _check_outputs(config, multi_node)
+        if isinstance(config, GRPOConfig):
+            _check_models(config)
+            _check_reward(config.reward_fn)
+
+
+PRELAUNCH = Prelaunch()
+
+
+def _check_outputs(config: BaseExperimentConfig, multi_node: bool) -> None:
+    """The run directory can be written, and a ``recover.mode: resume`` has something to resume."""
+    fileroot = config.cluster.fileroot
+    if not (multi_node and Path(fileroot).is_absolute() and not Path(fileroot).exists()):  # maybe only on the nodes
+        problem = writable_dir_problem(fileroot)
+        require(problem is None, "cluster.fileroot", fileroot, f"the run's outputs go there: {problem}")
+    points = config.run_dir / "recover"
+    require(config.recover.mode != "resume" or any(points.glob("step*/MANIFEST.json"))
+            or (multi_node and not config.run_dir.exists()), "recover.mode", config.recover.mode,
+            f"nothing to resume: {points} holds no recover point (use 'auto' to resume when there is one)")  # fmt: skip
+
+
+def _check_disk_path(config: GRPOConfig) -> None:
+    update = config.weight_update
+    if "disk" in update.modes:
+        problem = writable_dir_problem(update.disk_path)
+        require(problem is None, "weight_update.disk_path", update.disk_path, f"each update is written there: {problem}")
+
+
+def _check_models(config: GRPOConfig) -> None:
+    alloc = config.allocation
+    models = [("actor.path", config.actor.path)] + ([("ref.path", config.ref.path)] if config.ref else [])
+    if config.critic is not None and config.critic.path:
+        models.append(("critic.path", config.critic.path))
+    for key, path in models:
+        problem = model_path_problem(path, config.cluster.n_nodes > 1)
+        require(problem is None, key, path, problem or "")
+        shape = read_model_shape(path, key)
+        if shape is not None and shape.vocab_size and key == "actor.path":
+            too_big = [i for i in config.gconfig.stop_token_ids if i >= shape.vocab_size]
+            require(not too_big, "gconfig.stop_token_ids", config.gconfig.stop_token_ids,
+                    f"ids {too_big} are beyond the vocabulary of {path} ({shape.vocab_size} tokens)")  # fmt: skip
+        if shape is not None:
+            try:
+                validate_model(alloc, shape)
+            except AllocationError as err:
+                raise ConfigError("allocation_mode", f"{err} (model {path})", related=(key,)) from None
+
+
+def _check_reward(reward_fn: str) -> None:
+    problem = signature_problem(import_plugin(reward_fn, "reward_fn"), ("prompt", "completion", [], []), partial=True)
+    require(problem is None, "reward_fn", reward_fn,
+            f"expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float: {problem}")  # fmt: skip
+
+
+def _check_loss(loss: str) -> None:
+    """A user's ``actor.loss`` imports and takes the surrogate's arguments."""
+    if loss in BUILTIN_LOSSES:
+        return
+    fn = import_plugin(loss, "actor.loss")
+    args, kwargs = (None, None, None, None), {"cu_seqlens": None, "config": None}
+    problem = signature_problem(fn, args, kwargs)
+    require(problem is None, "actor.loss", loss,
+            f"expected fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config): {problem}")  # fmt: skip
+
+
+def _check_workflow(key: str, workflow: WorkflowConfig) -> None:
+    problem = workflow_problem(workflow.class_path, workflow.kwargs, f"{key}.type")
+    require(problem is None, f"{key}.type", workflow.type, problem or "")
+
+
+def workflow_problem(class_path: str, kwargs: dict[str, Any], key: str) -> str | None:
+    """Why ``class_path`` built with ``kwargs`` (and the run's arguments) is neither a workflow nor an
+    agent (which runs behind the OpenAI-compatible proxy), else None."""
+    cls = import_plugin(class_path, key)
+    if not inspect.isclass(cls):
+        return f"{class_path!r} is not a class"
+    if not (is_rollout_workflow(cls) or is_agent(cls)):
+        return (f"{cls.__qualname__} has no 'async def arun_episode(self, engine, data)' (see RolloutWorkflow), "
+                "nor an agent's 'async def run(self, data, **extra_kwargs)' (see megarl.workflow.openai_agent)")  # fmt: skip
+    accepted = accepted_parameters(cls)
+    if accepted is not None:
+        unknown = sorted(set(kwargs) - accepted)
+        if unknown:
+            return f"{cls.__qualname__} takes no argument(s) {unknown}; it takes {sorted(accepted)}"
+    run = {name: None for name in RUN_ARGUMENTS if accepted is not None and name in accepted and name not in kwargs}
+    return signature_problem(cls, (), {**run, **kwargs})
+
+
+def read_model_config(path: str, key: str) -> dict | None:
+    """The ``config.json`` of the model directory ``path`` (None when it has none), checked for the
+    fields the build needs. A :class:`ConfigError` naming ``key`` and the file otherwise."""
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(key, f"{path!r}: cannot read {file}: {err}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(key, f"{path!r}: {file} holds a {type(config).__name__}, expected a JSON object")
+    problems = []
+    if config.get("model_type") not in MODEL_TYPES:
+        problems.append(f"model_type {config.get('model_type')!r} is not one of {list(MODEL_TYPES)}")
+    for name in (*MODEL_INT_FIELDS, "num_key_value_heads"):
+        value = config.get(name)
+        if (value is not None or name != "num_key_value_heads") and not (type(value) is int and value >= 1):
+            problems.append(f"{name}={value!r} (expected an integer >= 1)")
+    if problems:
+        raise ConfigError(key, f"{path!r}: {file} cannot build a model: {'; '.join(problems)}")
+    return config
+
+
+def writable_dir_problem(path: str) -> str | None:
+    """Why a run cannot create and write files under the directory ``path``, or None.
+
+    Tried for real (a temporary file in ``path`` or in its nearest existing parent), since
+    permission bits say nothing for root or a read-only mount.
+    """
+    directory = Path(path).expanduser().absolute()
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return f"{existing} is a file, not a directory" if existing else "no parent directory exists"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"cannot write in {existing}: {err.strerror or err}"
+    return None
+
+
+def read_model_shape(path: str, key: str = "actor.path") -> ModelShape | None:
+    """The model's :class:`ModelShape` for a known short name or a local HF directory, else None.
+
+    A ``config.json`` that cannot build a model is a :class:`ConfigError` naming ``key`` and the file.
+    """
+    if path.lower() in MODEL_SHORT_NAMES:
+        return MODEL_SHORT_NAMES[path.lower()]
+    config = read_model_config(path, key)
+    return None if config is None else ModelShape.from_hf_config(config)
+
+
+def resolve_hub_id(path: str, key: str, multi_node: bool, weights: bool = True) -> str:
+    """``path``, or its local snapshot directory when it is a Hugging Face hub id (``org/name[@revision]``)
+    rather than a short name or an existing path (:func:`megarl.models.provision.hub_snapshot`:
+    from the cache, else downloaded). ``weights``: a model (config and safetensors), else a tokenizer.
+
+    Resolved once, when the config loads: the saved config hands the trainer and the servers
+    the same directory. A :class:`ConfigError` naming ``key`` when it cannot be had.
+    """
+    local = Path(path).expanduser()
+    if (not _HUB_MODEL_ID.fullmatch(path) or path.lower() in MODEL_SHORT_NAMES or local.exists()
+            or (multi_node and local.is_absolute())):  # fmt: skip
+        return path
+    from megarl.models.provision import HubModelError, hub_snapshot
+
+    try:
+        snapshot = str(hub_snapshot(path, weights=weights))
+    except HubModelError as err:
+        raise ConfigError(key, f"{path!r} is no local directory nor a known short name {sorted(MODEL_SHORT_NAMES)}; "
+                               f"as a Hugging Face hub id: {err}") from None  # fmt: skip
+    if is_rank0():
+        logger.info("%s: hub id %s is %s", key, path, snapshot)
+    return snapshot
+
+
+def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...] = ("config.json",)) -> str | None:
+    """Why ``path`` cannot name a model (or tokenizer) of this run, or None when it can.
+
+    Accepted: a short name of :data:`MODEL_SHORT_NAMES`, or a directory holding one of
+    ``marker_files``. A hub id (``org/name``) is turned into its local snapshot directory when
+    the config loads (:func:`resolve_hub_id`), so the trainer and the servers read the same
+    files and no hub is reached at run time; one reaching here was not loaded. One exception: an absolute path that does not exist here is
+    accepted on a multi-node cluster, whose nodes may mount shared storage this machine
+    (e.g. a Slurm login node) does not; the servers and trainer check it again there.
+    """
+    if path.lower() in MODEL_SHORT_NAMES:
+        return None
+    local = Path(path).expanduser()
+    if any((local / name).is_file() for name in marker_files):
+        return None
+    known = sorted(MODEL_SHORT_NAMES)
+    if local.is_dir():
+        return f"this directory has no {' or '.join(marker_files)}; expected an HF model directory or one of {known}"
+    if local.exists():
+        return f"this is a file; expected an HF model directory or one of {known}"
+    if local.is_absolute() and multi_node:
+        return None
+    hint = (
+        "; a Hugging Face hub id becomes its local directory when the config is loaded (megarl.config.load_expr_config)"
+        if _HUB_MODEL_ID.fullmatch(path)
+        else ""
+    )
+    return f"neither a known short name {known} nor a directory with {' or '.join(marker_files)}{hint}"
+
+
+def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> None:
+    """Raise unless ``megarl.data.load_rl_dataset`` can load ``data.path`` and ``data.split``.
+
+    Mirrors its lookup: a bundled short name (whose splits are known here), an existing
+    local file or directory, else a hub name ``owner/name[:config]``, which fails when an
+    offline variable is set (the loader refuses the hub then). As for models, an absolute
+    path that does not exist here is accepted on a multi-node cluster.
+    """
+    bundled = DATASET_SHORT_NAMES.get(data.path)
+    if bundled is not None:
+        splits = sorted(f.stem for f in bundled.glob("*") if f.suffix in DATASET_SUFFIXES)
+        require(data.split in splits, f"{key}.split", data.split, f"the bundled {data.path!r} has splits {splits}")
+        _check_rows(key, data, dataset_file(data.path, data.split, bundled))
+        return
+    local = Path(data.path).expanduser()
+    if local.is_file():
+        suffixes = ", ".join(DATASET_SUFFIXES)
+        require(local.suffix in DATASET_SUFFIXES, f"{key}.path", data.path, f"a dataset file must end in {suffixes}")
+        _check_rows(key, data, local)
+        return
+    if local.is_dir() or (local.is_absolute() and multi_node):
+        file = dataset_file(data.path, data.split, None)
+        if file is not None:  # else the split is resolved at load time (a hub snapshot, or on the nodes)
+            _check_rows(key, data, file)
+        return
+    looks_local = data.path.startswith(("/", ".", "~")) or local.suffix in DATASET_SUFFIXES
+    require(not looks_local, f"{key}.path", data.path, "no such file or directory")
+    require(
+        _HUB_ID.fullmatch(data.path.partition(":")[0]) is not None,
+        f"{key}.path",
+        data.path,
+        f"neither a bundled dataset {sorted(DATASET_SHORT_NAMES)}, a local file or directory, "
+        "nor a hub name 'owner/name[:config]'",
+    )
+    offline = next((var for var in _OFFLINE_VARS if os.environ.get(var, "").strip().lower() in _TRUE), None)
+    require(
+        offline is None,
+        f"{key}.path",
+        data.path,
+        f"a hub dataset, but {offline} is set so it cannot be downloaded; "
+        f"use a bundled dataset {sorted(DATASET_SHORT_NAMES)} or a local .jsonl/.json/.parquet file or directory",
+    )
+
+
+def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
+    """The first rows of ``file`` fit ``data.type``, and a ``drop_last`` loader gets at least one batch."""
+    try:
+        rows = first_rows(file)
+        n_rows = count_rows(file) if data.drop_last else None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        if data.bad_rows == "skip" and not isinstance(err, OSError):
+            return  # unreadable lines are skipped at load
+        raise ConfigError(f"{key}.path", f"{data.path!r}: cannot read {file}: {err}") from None
+    require(bool(rows), f"{key}.path", data.path, f"{file} holds no rows")
+    failures = []
+    for index, row in enumerate(rows):
+        require(isinstance(row, dict), f"{key}.path", data.path,
+                f"{file} row {index} is a {type(row).__name__}, expected a mapping of fields")  # fmt: skip
+        try:
+            ROW_MAPPERS[data.type](row, index, str(file))
+        except DatasetRowError as err:
+            failures.append((row, err))
+    # under bad_rows=skip a bad row is dropped at load: the check fails only when none of the first rows maps
+    if failures and (data.bad_rows == "raise" or len(failures) == len(rows)):
+        row, err = failures[0]
+        fits = [name for name, mapper in ROW_MAPPERS.items() if name != data.type and _maps(mapper, row)]
+        hint = f"; its rows fit type {fits[0]!r}" if fits else ""
+        raise ConfigError(f"{key}.type", f"{data.type!r} is invalid for these rows: {err}{hint}")
+    if n_rows is not None:
+        require(n_rows >= data.batch_size, f"{key}.batch_size", data.batch_size,
+                f"{file} has {n_rows} rows, fewer than one batch (drop_last would leave no step)")  # fmt: skip
+
+
+def _maps(mapper, row: dict) -> bool:
+    try:
+        mapper(row, 0, "")
+    except DatasetRowError:
+        return False
+    return True
