@@ -3,6 +3,7 @@
 #                    Python packages only, nothing system-wide
 #   make run         the main job: GRPO on GSM8K with SmolLM2-135M on CPU (RUN_ARGS="key=value ...")
 #   make system-deps a one-node Slurm (slurm-wlm, munge) for the launcher tests: apt-get, as root only
+#   make lint        ruff (ruff.toml) over the repository; the import layering is tests/test_layering.py
 #   make test        the test suite without the slow tests (CI); also runs system-deps
 #   make test-slow   only the slow tests; also runs system-deps
 #   make bench       every benchmark (results in benchmarks/results/)
@@ -24,7 +25,7 @@ export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE := offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install system-deps run test test-slow bench docs docs-deps docs-serve clean
+.PHONY: install system-deps run lint test test-slow bench docs docs-deps docs-serve clean
 
 # The venv only: `make run` (the quickstart) installs no system package.
 install: $(STAMP)
@@ -65,6 +66,9 @@ endef
 
 run: install
 	$(VENV)/bin/megarl run $(RUN_CONFIG) $(RUN_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 test: install system-deps
 	$(call run_pytest,-m "not slow")

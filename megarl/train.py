@@ -37,11 +37,9 @@ from megarl.actor.engine import MegatronEngine
 from megarl.actor.gap import gap_warning
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.api.workflow_api import RolloutWorkflow
-from megarl.bridge.update import WeightUpdateMeta
 from megarl.config import GRPOConfig, save_config
 from megarl.config.train import TrainEngineConfig
 from megarl.data import create_dataloader, load_rl_dataset
-from megarl.utils.mpi import discover_ranks
 from megarl.models import resolve_model_path
 from megarl.reward.executor import describe_in_flight as describe_rewards_in_flight
 from megarl.rollout import RemoteInferenceEngine
@@ -51,9 +49,11 @@ from megarl.run.prelaunch import load_expr_config
 from megarl.run.recover import RecoverHandler, RecoverInfo
 from megarl.run.saver import Saver
 from megarl.run.stats_logger import StatsLogger
+from megarl.run.weight_sync import WeightSync, WeightUpdateMeta, connect_engine
 from megarl.utils import heartbeat, stats_tracker
 from megarl.utils.console import Console, Progress, open_console
 from megarl.utils.memory import PeakRSS, release_freed_memory
+from megarl.utils.mpi import discover_ranks
 from megarl.utils.plugins import import_plugin
 from megarl.utils.threads import TrainerThreads
 from megarl.workflow.build import build_eval_workflow, build_workflow
@@ -76,6 +76,7 @@ class Trainer:
     workflow: RolloutWorkflow | None
     eval_workflow: RolloutWorkflow | None
     weight_meta: WeightUpdateMeta
+    weight_sync: WeightSync
     steps_per_epoch: int
     total_steps: int
     saver: Saver
@@ -131,7 +132,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     with phase(t, "update_weights", servers_paused=True):
         if t.config.allocation.colocated and t.rollout is not None:
             t.rollout.wake()  # memory back first; the update pushes the new weights, then resumes them
-        sync_stats = t.actor.update_weights(replace(t.weight_meta, version=global_step + 1))
+        sync_stats = t.weight_sync.update_weights(replace(t.weight_meta, version=global_step + 1))
     record_batch_stats(batch, sync_stats)
     epoch, epoch_step = t.position(global_step)
     # the servers evaluate the new weights while the trainer writes them out
@@ -157,7 +158,7 @@ def sleep_servers(t: Trainer) -> None:
 def readmit_servers(t: Trainer) -> None:
     """No server left to generate, restarted ones waiting: push them the current weights (collective)."""
     heartbeat.step("pushing the weights to restarted servers")
-    stats = t.weight_meta.sync.readmit()
+    stats = t.weight_sync.readmit()
     with stats_tracker.scope("weight_sync"):
         stats_tracker.scalar(servers_readmitted_in_rollout=stats.get("servers_readmitted", 0.0))
 
@@ -299,12 +300,12 @@ def build(config: GRPOConfig) -> Trainer:
         rollout.initialize(batch_size=config.train_dataset.batch_size // layout.dp_size, dump_dir=str(config.run_dir),
                            tokenizer=tokenizer)  # fmt: skip
     meta = WeightUpdateMeta.from_allocation(config.weight_update, config.allocation)
-    actor.connect_engine(rollout, meta)
+    weight_sync = connect_engine(actor, rollout, meta)
     return Trainer(
         config=config, actor=actor, ref=ref, critic=critic, rollout=rollout,
         coordinator=DistRolloutCoordinator(rollout, layout, config.group_size),
         dataloader=dataloader, valid_items=valid_items,
-        workflow=workflow, eval_workflow=eval_workflow, weight_meta=meta,
+        workflow=workflow, eval_workflow=eval_workflow, weight_meta=meta, weight_sync=weight_sync,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         saver=Saver(config.saver, config.run_dir, steps_per_epoch),
         evaluator=Evaluator(config.evaluator, steps_per_epoch),
@@ -397,7 +398,7 @@ def train(t: Trainer) -> dict[str, float]:
     info = restore(t)
     start = 0 if info is None else info.global_step + 1
     # The servers may hold other weights (a restarted trainer, servers kept up): push ours first.
-    t.actor.update_weights(replace(t.weight_meta, version=t.actor.get_version()))
+    t.weight_sync.update_weights(replace(t.weight_meta, version=t.actor.get_version()))
     if info is not None and t.rollout is not None:  # prompts in flight at the recover point go first
         t.rollout.pool.resubmit(t.actor.get_version(), info.extra.get("pending_items", []), t.workflow,
                                 should_accept_fn(t.config.dynamic_filter, t.config.group_size))  # fmt: skip

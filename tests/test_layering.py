@@ -2,10 +2,10 @@
 
 Every ``import`` and ``from ... import`` of every file under ``megarl/`` counts: at module
 level, inside functions and classes, and under ``if TYPE_CHECKING:`` (the last allowed only
-where :data:`TYPE_CHECKING_ALLOWED` declares it). A *unit* is a subpackage of ``megarl`` (or a
-top-level module such as ``megarl/train.py``); :data:`FLOORS` lists the units from the ground
-up. A unit may import units on lower floors only: never a unit on a higher floor, never another
-unit on its own floor. No two files may import each other in a loop either.
+where :data:`TYPE_CHECKING_ALLOWED` declares it). A *part* is a subpackage of ``megarl`` (or a
+top-level module such as ``megarl/train.py``); :data:`FLOORS` lists the parts from the ground
+up. A part imports parts on lower floors only: never a part on a higher floor, never another
+part on its own floor. No files import each other in a loop either.
 """
 
 from __future__ import annotations
@@ -15,32 +15,28 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE = REPO / "megarl"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("utils",),  # leaves: logging, stats tracking, heartbeat, network, processes, plug-in import
-    ("api",),  # contracts: engine and workflow interfaces, request/response types, trajectories
+    ("utils",),  # leaves: logging, stats tracking, heartbeat, network, processes, plug-in import, errors
+    ("api",),  # contracts: engine and workflow interfaces, requests/responses, trajectories, rollout control
     ("kernels", "models"),  # fused-kernel entry points; HF <-> Megatron mapping and model building
     ("config",),  # the typed schema, its parsing and the checks that need nothing outside it
     ("data", "reward"),  # datasets and row formats; rewards and the reward process pool
     ("workflow",),  # rollout workflows (RLVR, multi-turn, grouped, agents)
-    ("actor", "bridge", "rollout"),  # the Megatron trainer; weight resharding to the servers; the
-    # asyncio rollout side. They never import each other: they meet in `run` and `train`.
-    ("run",),  # run-level services: pre-launch checks, weight sync phase, saver, recover, evaluator, stats
+    ("actor", "bridge", "rollout"),  # the trainer; weight resharding; the asyncio rollout side
+    ("run",),  # run-level services: pre-launch checks, the weight-sync phase, saver, recover, stats
     ("plan", "train"),  # the allocation planner; the trainer script
-    ("launcher",),  # megarl's CLI, local / Slurm / MPI launchers, the watchdog
+    ("launcher",),  # megarl's CLI, local and Slurm launchers, the watchdog
 )
-"""Units from the ground floor up."""
-EXTERNAL = {"megarl._C"}
+"""Parts from the ground floor up (the table of ``docs/concepts/architecture.md``)."""
+EXTERNAL = ("megarl._C",)
 """Names under ``megarl`` that are no source file (the compiled CUDA extension)."""
 TYPE_CHECKING_ALLOWED: set[tuple[str, str]] = {
-    # a workflow's episode takes the engine it generates with, and the engine runs workflows
+    # a workflow's episode receives the engine it generates with, and the engine runs workflows
     ("megarl/api/workflow_api.py", "megarl.api.engine_api"),
 }
-"""(file, imported module) pairs allowed under ``if TYPE_CHECKING:``: against the floors, or
+"""(file, imported module) pairs allowed under ``if TYPE_CHECKING:`` against the floors, or
 closing a loop of files (a loop of type annotations only, which never runs)."""
 
 
@@ -51,22 +47,105 @@ class Import:
     module: str
     type_checking: bool
 
-    @property
-    def where(self) -> str:
-        return f"{self.file}:{self.line}"
+
+class Tree:
+    """The ``megarl`` package under ``root``: its modules and every import they make."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.modules = {self.module_of(path): path for path in sorted((root / "megarl").rglob("*.py"))}
+        self.imports = [imp for path in self.modules.values() for imp in self._imports_of(path)]
+
+    def module_of(self, path: Path) -> str:
+        parts = list(path.relative_to(self.root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        return ".".join(parts)
+
+    def resolve(self, name: str) -> str | None:
+        """The source module an imported name lives in (``megarl.a.b.name`` -> ``megarl.a.b``), or None."""
+        while name:
+            if name in self.modules:
+                return name
+            name = name.rpartition(".")[0]
+        return None
+
+    def _imports_of(self, path: Path) -> list[Import]:
+        module, is_package = self.module_of(path), path.name == "__init__.py"
+        rel = str(path.relative_to(self.root))
+        found: list[Import] = []
+
+        def visit(node: ast.AST, type_checking: bool) -> None:
+            if isinstance(node, ast.If) and _is_type_checking(node.test):
+                for child in node.body:
+                    visit(child, True)
+                for child in node.orelse:
+                    visit(child, type_checking)
+                return
+            for name in _imported_names(node, module, is_package):
+                if name == "megarl" or name.startswith("megarl."):
+                    found.append(Import(rel, node.lineno, name, type_checking))
+            for child in ast.iter_child_nodes(node):
+                visit(child, type_checking)
+
+        visit(ast.parse(path.read_text(), filename=str(path)), False)
+        return found
+
+    def _allowed(self, imp: Import, target: str) -> bool:
+        return imp.type_checking and (imp.file, target) in TYPE_CHECKING_ALLOWED
+
+    def targets(self) -> dict[tuple[str, int, str], tuple[Import, str]]:
+        """(file, line, imported part) -> (the import, the most specific module it names there):
+        ``from megarl.config import c`` names ``megarl.config`` and ``megarl.config.c``, one import."""
+        found: dict[tuple[str, int, str], tuple[Import, str]] = {}
+        for imp in self.imports:
+            target = None if imp.module.startswith(EXTERNAL) else self.resolve(imp.module)
+            if target is None or target == "megarl":
+                continue
+            key = (imp.file, imp.line, part_of(target))
+            if key not in found or len(target) > len(found[key][1]):
+                found[key] = (imp, target)
+        return found
+
+    def violations(self) -> list[str]:
+        """One line per import against the floors: file, line, both parts and why."""
+        problems = []
+        for imp, target in self.targets().values():
+            src, dst = part_of(self.module_of(self.root / imp.file)), part_of(target)
+            if src in (dst, "megarl") or self._allowed(imp, target):
+                continue
+            src_floor, dst_floor = floor_of(src), floor_of(dst)
+            where = f"{imp.file}:{imp.line}"
+            if src_floor is None or dst_floor is None:
+                problem = f"{where}: {src} or {dst} is on no floor of tests/test_layering.py FLOORS"
+            elif dst_floor > src_floor:
+                problem = f"{where}: {src} (floor {src_floor + 1}) imports {target} ({dst}, floor {dst_floor + 1}): runs up"
+            elif dst_floor == src_floor:
+                problem = f"{where}: {src} imports {target}: {src} and {dst} share floor {src_floor + 1}"
+            else:
+                continue
+            problems.append(problem)
+        return problems
+
+    def cycles(self) -> list[list[str]]:
+        """Loops of files importing each other (any import at any level), each as its sorted files."""
+        graph: dict[str, set[str]] = {m: set() for m in self.modules}
+        for imp in self.imports:
+            target, src = self.resolve(imp.module), self.module_of(self.root / imp.file)
+            # a package's own __init__ handing on names from its modules is no loop
+            if target and target != src and not src.startswith(target + ".") and not self._allowed(imp, target):
+                graph[src].add(target)
+        return strongly_connected(graph)
 
 
-def unit_of(module: str) -> str:
-    """``megarl.rollout.pool`` -> ``rollout``; ``megarl.train`` -> ``train``."""
+def part_of(module: str) -> str:
+    """``megarl.rollout.pool`` -> ``rollout``; ``megarl.train`` -> ``train``; ``megarl`` -> ``megarl``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def module_of(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def floor_of(part: str) -> int | None:
+    return next((i for i, parts in enumerate(FLOORS) if part in parts), None)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -75,169 +154,109 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports_of(path: Path) -> list[Import]:
-    module = module_of(path)
-    is_package = path.name == "__init__.py"
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found: list[Import] = []
-
-    def visit(node: ast.AST, type_checking: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.body:
-                visit(child, True)
-            for child in node.orelse:
-                visit(child, type_checking)
-            return
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [_absolute(node, module, is_package)]
-            names += [f"{names[0]}.{alias.name}" for alias in node.names]  # `from megarl import x`
-        else:
-            names = []
-        for name in names:
-            if name == "megarl" or name.startswith("megarl."):
-                found.append(Import(str(path.relative_to(REPO)), node.lineno, name, type_checking))
-        for child in ast.iter_child_nodes(node):
-            visit(child, type_checking)
-
-    visit(tree, False)
-    return found
+def _imported_names(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    """Absolute module names ``node`` imports (``from m import x`` gives ``m`` and ``m.x``)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join(package + ([node.module] if node.module else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
 
 
-def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
-    if not node.level:
-        return node.module or ""
-    base = module.split(".") if is_package else module.split(".")[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
-@functools.cache
-def source_modules() -> dict[str, Path]:
-    return {module_of(path): path for path in sorted(PACKAGE.rglob("*.py"))}
-
-
-def resolve(name: str) -> str | None:
-    """The source module an imported name lives in (``megarl.a.b.name`` -> ``megarl.a.b``), or None."""
-    modules = source_modules()
-    while name:
-        if name in modules:
-            return name
-        name = name.rpartition(".")[0]
-    return None
-
-
-@functools.cache
-def all_imports() -> list[Import]:
-    return [imp for path in source_modules().values() for imp in _imports_of(path)]
-
-
-def floor_of(unit: str) -> int | None:
-    return next((i for i, units in enumerate(FLOORS) if unit in units), None)
-
-
-def layering_violations() -> list[str]:
-    problems: dict[str, None] = {}  # ordered, one line per file, line and target
-    for imp in all_imports():
-        if imp.module in EXTERNAL or any(imp.module.startswith(e + ".") for e in EXTERNAL):
-            continue
-        target = resolve(imp.module)
-        if target is None or target == "megarl":
-            continue
-        src, dst = unit_of(module_of(REPO / imp.file)), unit_of(target)
-        if src == dst or src == "megarl":
-            continue
-        if imp.type_checking and (imp.file, target) in TYPE_CHECKING_ALLOWED:
-            continue
-        src_floor, dst_floor = floor_of(src), floor_of(dst)
-        if src_floor is None or dst_floor is None:
-            problems[f"{imp.where}: {src} or {dst} is on no floor of tests/test_layering.py FLOORS"] = None
-        elif dst_floor > src_floor:
-            problems[f"{imp.where}: {src} (floor {src_floor}) imports {target} ({dst}, floor {dst_floor}): runs up"] = None
-        elif dst_floor == src_floor:
-            problems[f"{imp.where}: {src} imports {target}: {src} and {dst} share floor {src_floor}"] = None
-    return list(problems)
-
-
-def file_cycles() -> list[list[str]]:
-    """Loops of files importing each other (any import, at any level), each as its files in order."""
-    graph: dict[str, set[str]] = {m: set() for m in source_modules()}
-    for imp in all_imports():
-        target = resolve(imp.module)
-        if imp.type_checking and (imp.file, target) in TYPE_CHECKING_ALLOWED:
-            continue
-        src = module_of(REPO / imp.file)
-        if target and target != src and not _is_package_face(target, src):
-            graph[src].add(target)
-    return _cycles(graph)
-
-
-def _is_package_face(target: str, src: str) -> bool:
-    """``megarl.x`` imported from inside ``megarl.x``: the package's own ``__init__`` re-exporting."""
-    return src.startswith(target + ".")
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one node (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
-    on_stack: set[str] = set()
     found: list[list[str]] = []
 
-    def strong(node: str) -> None:
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
-        on_stack.add(node)
         for nxt in sorted(graph.get(node, ())):
             if nxt not in index:
-                strong(nxt)
+                visit(nxt)
                 low[node] = min(low[node], low[nxt])
-            elif nxt in on_stack:
+            elif nxt in stack:
                 low[node] = min(low[node], index[nxt])
         if low[node] == index[node]:
             component = []
-            while True:
-                top = stack.pop()
-                on_stack.discard(top)
-                component.append(top)
-                if top == node:
-                    break
+            while component[-1:] != [node]:
+                component.append(stack.pop())
             if len(component) > 1:
                 found.append(sorted(component))
 
     for node in sorted(graph):
         if node not in index:
-            strong(node)
+            visit(node)
     return found
 
 
-def test_every_unit_is_on_a_floor():
-    units = {unit_of(m) for m in source_modules()} - {"megarl"}
-    assert not units - {u for floor in FLOORS for u in floor}, "add these to FLOORS and to the architecture page"
+@functools.cache
+def megarl_tree() -> Tree:
+    return Tree(REPO)
+
+
+def test_every_part_is_on_a_floor():
+    parts = {part_of(m) for m in megarl_tree().modules} - {"megarl"}
+    assert not parts - {p for floor in FLOORS for p in floor}, "add them to FLOORS and to the architecture page"
 
 
 def test_imports_follow_the_floors():
-    problems = layering_violations()
+    problems = megarl_tree().violations()
     assert not problems, f"{len(problems)} imports against the layering:\n" + "\n".join(problems)
 
 
 def test_no_files_import_each_other_in_a_loop():
-    cycles = file_cycles()
+    cycles = megarl_tree().cycles()
     assert not cycles, "import loops:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize(
-    ("source", "want"),
-    [
-        ("from megarl.rollout.pool import RolloutPool", "megarl.rollout.pool"),
-        ("from megarl import train", "megarl.train"),
-        ("import megarl.utils.heartbeat as hb", "megarl.utils.heartbeat"),
-    ],
-)
-def test_checker_resolves_imports(tmp_path, source, want):
-    names = [n for n in (ast.parse(source).body[0].__dict__.get("module"),) if n]
-    node = ast.parse(source).body[0]
-    name = node.names[0].name if isinstance(node, ast.Import) else f"{node.module}.{node.names[0].name}"
-    assert resolve(name) == want or resolve(names[0] if names else name) == want
+def test_the_architecture_page_lists_the_floors():
+    page = (REPO / "docs" / "concepts" / "architecture.md").read_text()
+    for number, parts in enumerate(FLOORS, start=1):
+        row = f"| {number} | " + ", ".join(f"`{p}`" for p in parts) + " |"
+        assert row in page, f"docs/concepts/architecture.md lacks the floor row {row!r}"
+
+
+# -- the checker itself, on small trees ---------------------------------------------------------
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Tree:
+    for name, text in files.items():
+        path = tmp_path / "megarl" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for folder in {p.parent for p in (tmp_path / "megarl").rglob("*.py")}:
+        (folder / "__init__.py").touch()
+    return Tree(tmp_path)
+
+
+def test_an_import_inside_a_function_that_runs_up_is_named_with_its_line(tmp_path):
+    tree = _tree(tmp_path, {"utils/a.py": "import os\n\n\ndef f():\n    from megarl.actor.engine import X\n",
+                            "actor/engine.py": "X = 1\n"})  # fmt: skip
+    assert tree.violations() == [
+        "megarl/utils/a.py:5: utils (floor 1) imports megarl.actor.engine (actor, floor 7): runs up"
+    ]
+
+
+def test_parts_on_one_floor_may_not_import_each_other(tmp_path):
+    tree = _tree(tmp_path, {"actor/a.py": "from megarl.rollout import b\n", "rollout/b.py": ""})
+    assert tree.violations() == ["megarl/actor/a.py:1: actor imports megarl.rollout.b: actor and rollout share floor 7"]
+
+
+def test_type_checking_imports_count_unless_declared(tmp_path):
+    text = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megarl.config import c\n"
+    tree = _tree(tmp_path, {"models/m.py": text, "config/c.py": ""})
+    assert len(tree.violations()) == 1 and "runs up" in tree.violations()[0]
+
+
+def test_relative_imports_and_loops_between_files(tmp_path):
+    tree = _tree(tmp_path, {"run/a.py": "from . import b\n", "run/b.py": "from .a import x\n"})
+    assert tree.violations() == []
+    assert tree.cycles() == [["megarl.run.a", "megarl.run.b"]]

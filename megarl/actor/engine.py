@@ -274,25 +274,6 @@ class MegatronEngine:
     def get_version(self) -> int:
         return self._version
 
-    # ------------------------------------------------------------------ weight sync (megarl.bridge)
-
-    def connect_engine(self, rollout, meta) -> None:
-        """Connect to the inference servers once (collective): groups, transports, probe.
-
-        ``rollout``: this rank's rollout engine (rank 0's lists the servers; any rank's is
-        paused / resumed / versioned around updates); ``meta``: a
-        :class:`~megarl.bridge.update.WeightUpdateMeta`, which keeps the connection.
-        """
-        from megarl.bridge.update import connect_engine
-
-        connect_engine(self, rollout, meta)
-
-    def update_weights(self, meta) -> dict[str, float]:
-        """Pause rollout, stream the weights to the servers, bump versions, resume (collective)."""
-        from megarl.bridge.update import update_weights
-
-        return update_weights(self, meta)
-
     def step_lr_scheduler(self) -> None:
         """Advance the LR schedule by one optimizer step."""
         if self.lr_scheduler is None:

@@ -12,19 +12,15 @@ Pieces, each in its own module:
 - ``receivers.vllm``: the vLLM plugin / weight-transfer engine (runs inside vLLM).
 - ``control``: how the trainer drives each server family over HTTP.
 - ``bridge``: :class:`WeightBridge`, the trainer side (connect once, update per step).
-- ``update`` / ``consistency``: ``actor.connect_engine`` / ``actor.update_weights(meta)``
-  (pause, transfer, version, resume) and the probe logprob check.
+- ``consistency``: the probe logprob check (trainer vs servers).
+
+The weight-sync phase that drives it each step (pause, transfer, version, resume, probe) is the
+trainer loop's: :mod:`megarl.run.weight_sync`.
 """
 
 from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
 from megarl.bridge.consistency import ConsistencyError, ConsistencyReport
 from megarl.bridge.plan import TransferPlan, build_plan
-from megarl.bridge.update import (
-    WeightSync,
-    WeightUpdateMeta,
-    connect_engine,
-    update_weights,
-)
 
 __all__ = [
     "ConsistencyError",
@@ -33,9 +29,5 @@ __all__ = [
     "UpdateReport",
     "WeightBridge",
     "WeightBridgeError",
-    "WeightSync",
-    "WeightUpdateMeta",
     "build_plan",
-    "connect_engine",
-    "update_weights",
 ]

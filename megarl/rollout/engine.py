@@ -37,6 +37,7 @@ import aiohttp
 from megarl.api import context as workflow_context
 from megarl.api.engine_api import InferenceEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse, derive_seed
+from megarl.api.rollout_control import RolloutControl
 from megarl.api.workflow_api import WorkflowLike
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend, check_chunk
@@ -97,7 +98,7 @@ def make_backend(name: str) -> InferenceBackend:
     raise ValueError(f"unknown inference backend {name!r}: expected 'vllm' or 'sglang'")
 
 
-class RemoteInferenceEngine(InferenceEngine):
+class RemoteInferenceEngine(InferenceEngine, RolloutControl):
     """Generation on remote vLLM / SGLang servers, and the rollout pool on top.
 
     Args:
@@ -264,6 +265,10 @@ class RemoteInferenceEngine(InferenceEngine):
     def server_addresses(self) -> list[str]:
         """Every server's ``host:port``, healthy or not."""
         return [s.address for s in self._servers]
+
+    def server_listing(self) -> tuple[str, list[str]]:
+        """The backend's name and every server's address (before :meth:`initialize`: the configured ones)."""
+        return self.backend.name, self.server_addresses or resolve_server_addrs(self.config)
 
     def mark_unhealthy(self, address: str, reason: str) -> None:
         """Take ``address`` out of rotation until :meth:`mark_healthy` (e.g. it failed a weight update)."""

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megarl.bridge import update as update_mod
-from megarl.bridge.update import WeightSync
 from megarl.config.bridge import WeightUpdateConfig
+from megarl.run import weight_sync as update_mod
+from megarl.run.weight_sync import WeightSync
 
 
 def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:

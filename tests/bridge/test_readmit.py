@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from megarl.bridge.update import WeightSync
+from megarl.run.weight_sync import WeightSync
 
 
 class _Bridge:

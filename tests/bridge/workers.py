@@ -175,9 +175,9 @@ def e2e_sync(model_dir: str, alloc: str, servers: list, modes: list[str], disk_d
     from megarl.actor.engine import MegatronEngine
     from megarl.bridge.consistency import compare, trainer_scores
     from megarl.bridge.control import make_control
-    from megarl.bridge.update import WeightUpdateMeta, connect_engine, update_weights
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.train import OptimizerConfig
+    from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
     from tests.actor.workers import engine_config, make_batch
 
     optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
@@ -197,7 +197,7 @@ def e2e_sync(model_dir: str, alloc: str, servers: list, modes: list[str], disk_d
         ours = trainer_scores(engine, sync.probe)
         theirs = {s.address: s.score(sync.probe) for s in controls} if dist.get_rank() == 0 else None
         before = sync.bridge.broadcast_object(theirs)
-        stats = update_weights(engine, WeightUpdateMeta(config, version=version, mode=mode, sync=sync))
+        stats = sync.update_weights(WeightUpdateMeta(config, version=version, mode=mode))
         out.append({"mode": mode, "before": compare(ours, before, 0).as_dict(), "after": stats,
                     "version": engine.get_version()})  # fmt: skip
     return out
@@ -209,9 +209,9 @@ def e2e_modes_same_weights(model_dir: str, alloc: str, servers: list, modes: lis
     from megarl.actor.engine import MegatronEngine
     from megarl.bridge.consistency import compare, trainer_scores
     from megarl.bridge.control import make_control
-    from megarl.bridge.update import WeightUpdateMeta, connect_engine, update_weights
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.train import OptimizerConfig
+    from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
     from tests.actor.workers import engine_config, make_batch
 
     optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
@@ -229,7 +229,7 @@ def e2e_modes_same_weights(model_dir: str, alloc: str, servers: list, modes: lis
     scores = lambda: sync.bridge.broadcast_object([s.score(sync.probe) for s in controls] if dist.get_rank() == 0 else None)
     out = {"trainer": ours, "before": scores(), "after": {}, "probe": sync.probe}
     for version, mode in enumerate(modes, start=1):
-        stats = update_weights(engine, WeightUpdateMeta(config, version=version, mode=mode, sync=sync))
+        stats = sync.update_weights(WeightUpdateMeta(config, version=version, mode=mode))
         out["after"][mode] = {"scores": scores(), "stats": stats}
     out["before_diff"] = compare(ours, {"s": out["before"][0]}, 0).as_dict()
     return out
@@ -244,11 +244,11 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
     from megarl.actor.engine import MegatronEngine
     from megarl.api.io_struct import GenerationHyperparameters, ModelRequest
     from megarl.bridge.control import make_control
-    from megarl.bridge.update import WeightUpdateMeta, connect_engine, update_weights
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.rollout import InferenceEngineConfig
     from megarl.config.train import OptimizerConfig
     from megarl.rollout import RemoteInferenceEngine
+    from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
     from tests.actor.workers import engine_config, make_batch
 
     optimizer = OptimizerConfig(lr=1e-2, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
@@ -260,7 +260,7 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
     rollout.initialize(server_addrs=[address], batch_size=4)
     config = WeightUpdateConfig(mode="sharded", bucket_mb=1, probe_sequences=1, probe_tokens=8)
     meta = WeightUpdateMeta(config)
-    connect_engine(engine, rollout, meta, servers=[make_control("vllm", address, tp)])
+    sync = connect_engine(engine, rollout, meta, servers=[make_control("vllm", address, tp)])
     batch = make_batch([32, 24], seed=2, vocab=engine.desc.dims.vocab_size)
     engine.train_batch(batch, nll_loss, lambda mb: float(mb["label_mask"].sum()))
 
@@ -274,7 +274,7 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
     thread = threading.Thread(target=lambda: responses.extend(asyncio.run(generate_all())))
     thread.start()
     time.sleep(2.0)  # requests are generating on the server
-    stats = update_weights(engine, meta)
+    stats = sync.update_weights(meta)
     thread.join(300)
     rollout.destroy()
     return {"stats": stats, "version": engine.get_version(), "rollout_version": rollout.get_version(),

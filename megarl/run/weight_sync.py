@@ -1,4 +1,5 @@
-"""``actor.connect_engine(rollout, meta)`` and ``actor.update_weights(meta)``: the weight-sync phase.
+"""The weight-sync phase of the trainer's loop: :func:`connect_engine` once, then
+``WeightSync.update_weights(meta)`` after every update.
 
 One update (every trainer rank calls it; collective)::
 
@@ -9,14 +10,17 @@ One update (every trainer rank calls it; collective)::
     probe consistency          # every weight_update.probe_every updates: trainer vs every server,
                                # before new episodes start; ConsistencyError above threshold
 
-A server that failed the transfer keeps its old weights (or is half-updated) and is
-taken out of rotation in the rollout engine (``mark_unhealthy``); the bridge reconnects
-to the healthy servers before the next update. A server the launcher restarted (it holds the
-model's first weights) is out of rotation until an update reaches it: each update reconnects
-the bridge with the restarted servers that answer again, pushes the weights and version to
-them too, and puts them back (``weight_sync/servers_readmitted``); :meth:`WeightSync.readmit`
-does so between updates when no other server is left to generate. The failure is raised
-(:class:`~megarl.bridge.bridge.WeightBridgeError`) after the rollout has resumed.
+The rollout side is reached through :class:`megarl.api.rollout_control.RolloutControl` (the
+trainer's :class:`~megarl.rollout.RemoteInferenceEngine`), the transfer through
+:class:`megarl.bridge.bridge.WeightBridge`. A server that failed the transfer keeps its old
+weights (or is half-updated) and is taken out of rotation (``mark_unhealthy``); the bridge
+reconnects to the healthy servers before the next update. A server the launcher restarted (it
+holds the model's first weights) is out of rotation until an update reaches it: each update
+reconnects the bridge with the restarted servers that answer again, pushes the weights and
+version to them too, and puts them back (``weight_sync/servers_readmitted``);
+:meth:`WeightSync.readmit` does so between updates when no other server is left to generate.
+The failure is raised (:class:`~megarl.bridge.bridge.WeightBridgeError`) after the rollout has
+resumed.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megarl.api.rollout_control import RolloutControl
 from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
 from megarl.bridge.consistency import (
     ConsistencyError,
@@ -45,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class WeightUpdateMeta:
-    """What ``actor.update_weights(meta)`` needs (AReaL's ``WeightUpdateMeta``)."""
+    """What one ``update_weights(meta)`` does (AReaL's ``WeightUpdateMeta``)."""
 
     config: WeightUpdateConfig
     """How to transfer."""
@@ -57,8 +62,6 @@ class WeightUpdateMeta:
     """Disk mode: exact directory for this update (default ``config.disk_path/v<version>``)."""
     inference_tp: int = 1
     """Tensor-parallel size of every inference server (the allocation's ``vllm:d?t<N>``)."""
-    sync: WeightSync | None = None
-    """The connection, set by ``connect_engine``."""
 
     @classmethod
     def from_allocation(cls, config: WeightUpdateConfig, allocation_mode) -> WeightUpdateMeta:
@@ -78,10 +81,12 @@ class WeightSync:
         engine: The :class:`~megarl.actor.engine.MegatronEngine` (initialised).
         config: The ``weight_update`` config.
         servers: One :class:`~megarl.bridge.control.ServerControl` per server (used on rank 0).
-        rollout: This rank's rollout engine, if it has one (paused / resumed / versioned here).
+        rollout: This rank's rollout side, if it has one (paused / resumed / versioned here).
     """
 
-    def __init__(self, engine, config: WeightUpdateConfig, servers: list[ServerControl], rollout=None):
+    def __init__(
+        self, engine, config: WeightUpdateConfig, servers: list[ServerControl], rollout: RolloutControl | None = None
+    ):
         from megarl.models.hf_io import SafetensorsReader
 
         self.engine, self.config, self.servers, self.rollout = engine, config, list(servers), rollout
@@ -128,6 +133,12 @@ class WeightSync:
         if self.bridge.connected and (back or wanted != {s.address for s in self.bridge.servers}):
             self.bridge.close()  # a restarted server's workers join anew
         return back
+
+    def update_weights(self, meta: WeightUpdateMeta) -> dict[str, float]:
+        """Pause, transfer, bump versions, resume, check consistency (collective); ``meta.version``
+        None: the actor's version + 1."""
+        version = meta.version if meta.version is not None else self.engine.get_version() + 1
+        return self.update(version, meta.mode, meta.path)
 
     def update(self, version: int, mode: str | None = None, path: str | None = None) -> dict[str, float]:
         """One weight-sync phase (collective); returns timings, bytes and the consistency metric."""
@@ -247,11 +258,13 @@ def server_controls(backend: str, addresses: list[str], tp: int, timeout: float)
     return [make_control(backend, a, tp, timeout) for a in addresses]
 
 
-def connect_engine(engine, rollout, meta: WeightUpdateMeta, servers: list[ServerControl] | None = None) -> WeightSync:
-    """``actor.connect_engine(rollout, meta)``: build the connection once (collective) and keep it in ``meta``.
+def connect_engine(
+    engine, rollout: RolloutControl | None, meta: WeightUpdateMeta, servers: list[ServerControl] | None = None
+) -> WeightSync:
+    """Build the trainer's connection to the servers once (collective) and return it.
 
-    ``servers`` (needed on rank 0 only) default: the servers of rank 0's rollout engine,
-    each of TP ``meta.inference_tp``. Every rank learns the list from rank 0.
+    ``servers`` (needed on rank 0 only) default: the servers of rank 0's rollout side, each of TP
+    ``meta.inference_tp``. Every rank learns the list from rank 0.
     """
     if servers is None and _rank() == 0:
         servers = _servers_of(rollout, meta)
@@ -261,27 +274,17 @@ def connect_engine(engine, rollout, meta: WeightUpdateMeta, servers: list[Server
         dist.broadcast_object_list(box, src=0)
         listing = box[0]
     servers = [make_control(name, address, tp, meta.config.update_timeout) for name, address, tp in listing]
-    meta.sync = WeightSync(engine, meta.config, servers, rollout)
-    meta.sync.connect()
-    return meta.sync
-
-
-def update_weights(engine, meta: WeightUpdateMeta) -> dict[str, float]:
-    """``actor.update_weights(meta)``: pause, transfer, bump versions, resume, check consistency."""
-    if meta.sync is None:
-        raise ValueError("update_weights(meta): call actor.connect_engine(rollout, meta) once before")
-    version = meta.version if meta.version is not None else engine.get_version() + 1
-    return meta.sync.update(version, meta.mode, meta.path)
+    sync = WeightSync(engine, meta.config, servers, rollout)
+    sync.connect()
+    return sync
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _servers_of(rollout, meta: WeightUpdateMeta) -> list[ServerControl]:
-    from megarl.rollout.server import resolve_server_addrs
-
+def _servers_of(rollout: RolloutControl | None, meta: WeightUpdateMeta) -> list[ServerControl]:
     if rollout is None:
         raise ValueError("connect_engine: rank 0 needs a rollout engine or servers=")
-    addresses = rollout.server_addresses or resolve_server_addrs(rollout.config)
-    return server_controls(rollout.backend.name, addresses, meta.inference_tp, meta.config.update_timeout)
+    backend, addresses = rollout.server_listing()
+    return server_controls(backend, addresses, meta.inference_tp, meta.config.update_timeout)

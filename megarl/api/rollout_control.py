@@ -1,0 +1,66 @@
+"""What the trainer's loop drives on the rollout side around a weight update (the weight-sync seam).
+
+:class:`megarl.run.weight_sync.WeightSync` pauses the servers, streams the new weights, moves
+the version on and resumes; the trainer script puts colocated servers to sleep and wakes them.
+They reach the rollout side through this interface only, which
+:class:`megarl.rollout.RemoteInferenceEngine` implements (and the tests' fakes do), so neither
+the actor nor the bridge imports the rollout package.
+"""
+
+from __future__ import annotations
+
+import abc
+
+
+class RolloutControl(abc.ABC):
+    """Pause / resume, sleep / wake, versions, the server set and its readmission."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stop new episodes and abort in-flight generations (they continue after :meth:`resume`)."""
+
+    @abc.abstractmethod
+    def resume(self, start_episodes: bool = True) -> None:
+        """Servers generate again; new episodes start unless ``start_episodes`` is False (then
+        :meth:`start_episodes` does, later)."""
+
+    @abc.abstractmethod
+    def start_episodes(self) -> None:
+        """Let new episodes start again."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Colocated placement: pause and free the servers' device memory for the trainer."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Bring sleeping servers' memory back; they stay paused until :meth:`resume`."""
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None:
+        """The weights' version from now on (stamped on every token generated after)."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int:
+        """The current weights' version."""
+
+    @abc.abstractmethod
+    def server_listing(self) -> tuple[str, list[str]]:
+        """The servers' backend name (``vllm``, ``sglang``) and every server's ``host:port``."""
+
+    @abc.abstractmethod
+    def mark_unhealthy(self, address: str, reason: str) -> None:
+        """Take a server out of rotation (e.g. it failed a weight update) until :meth:`mark_healthy`."""
+
+    @abc.abstractmethod
+    def mark_healthy(self, address: str) -> None:
+        """Put a server back into rotation (it holds the current weights again)."""
+
+    @abc.abstractmethod
+    def servers_to_readmit(self) -> tuple[list[str], list[str]]:
+        """Servers waiting for the trainer's weights (restarted or joined): (those answering, the
+        others and those that left the run)."""
+
+    @abc.abstractmethod
+    def answering(self, addresses: list[str]) -> list[bool]:
+        """One health probe of each of ``addresses``."""

@@ -1,0 +1,126 @@
+"""The weight-sync phase reaches the rollout side through ``megarl.api.rollout_control.RolloutControl``.
+
+A fake that implements the interface (and nothing else of a rollout engine) is driven through
+one update: pause before the transfer, the version moved on the rollout side where the bridge
+landed it, resume after; a server that failed the transfer is taken out of rotation.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megarl.api.rollout_control import RolloutControl
+from megarl.bridge.bridge import UpdateReport
+from megarl.rollout import RemoteInferenceEngine
+from megarl.run.weight_sync import WeightSync, WeightUpdateMeta
+
+
+class FakeRollout(RolloutControl):
+    """Records every call the weight sync makes."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.version = 0
+
+    def pause(self):
+        self.calls.append(("pause",))
+
+    def resume(self, start_episodes=True):
+        self.calls.append(("resume", start_episodes))
+
+    def start_episodes(self):
+        self.calls.append(("start_episodes",))
+
+    def sleep(self):
+        self.calls.append(("sleep",))
+
+    def wake(self):
+        self.calls.append(("wake",))
+
+    def set_version(self, version):
+        self.calls.append(("set_version", version))
+        self.version = version
+
+    def get_version(self):
+        return self.version
+
+    def server_listing(self):
+        return "vllm", ["a:1", "b:1"]
+
+    def mark_unhealthy(self, address, reason):
+        self.calls.append(("mark_unhealthy", address))
+
+    def mark_healthy(self, address):
+        self.calls.append(("mark_healthy", address))
+
+    def servers_to_readmit(self):
+        return [], []
+
+    def answering(self, addresses):
+        return [True] * len(addresses)
+
+
+class _Bridge:
+    """A transfer that lands on ``updated`` and fails on ``failed``."""
+
+    def __init__(self, updated, failed):
+        self.updated, self.failed = updated, failed
+        self.servers = [SimpleNamespace(address=a) for a in ("a:1", "b:1")]
+        self.connected, self.is_driver = True, True
+
+    def update(self, source, version, mode, path):
+        return UpdateReport(version=version, mode=mode or "sharded", seconds=0.1, bytes_sent=10,
+                            updated=list(self.updated), failed=dict(self.failed))  # fmt: skip
+
+    def broadcast_object(self, value):
+        return value
+
+    def close(self):
+        self.connected = False
+
+
+def _sync(rollout: RolloutControl, updated, failed=None) -> WeightSync:
+    sync = WeightSync.__new__(WeightSync)  # no real bridge: the seam is what is tested
+    engine = SimpleNamespace(version=0)
+    engine.get_version = lambda: engine.version
+    engine.set_version = lambda v: setattr(engine, "version", v)
+    sync.engine, sync.rollout, sync.probe, sync.unhealthy, sync.n_updates = engine, rollout, [], set(), 0
+    sync.servers = [SimpleNamespace(address=a) for a in ("a:1", "b:1")]
+    sync.config = SimpleNamespace(probe_every=10**9)
+    sync.bridge = _Bridge(updated, failed or {})
+    return sync
+
+
+def test_the_rollout_side_is_paused_versioned_and_resumed(monkeypatch):
+    monkeypatch.setattr("megarl.run.weight_sync.ShardSource.from_engine", lambda engine: None)
+    rollout = FakeRollout()
+    sync = _sync(rollout, updated=["a:1", "b:1"])
+    sync.n_updates = 1  # not a probing update
+    sync.update_weights(WeightUpdateMeta(config=None, version=3))
+    assert rollout.calls == [("pause",), ("set_version", 3), ("resume", True)]
+    assert sync.engine.get_version() == 3
+
+
+def test_a_server_that_failed_the_transfer_leaves_rotation(monkeypatch):
+    monkeypatch.setattr("megarl.run.weight_sync.ShardSource.from_engine", lambda engine: None)
+    rollout = FakeRollout()
+    sync = _sync(rollout, updated=["a:1"], failed={"b:1": "connection reset"})
+    sync.n_updates = 1
+    sync._died = lambda report: False
+    with pytest.raises(Exception, match="b:1"):
+        sync.update_weights(WeightUpdateMeta(config=None, version=1))
+    assert ("mark_unhealthy", "b:1") in rollout.calls and rollout.calls[-1] == ("resume", True)
+
+
+def test_the_rollout_engine_implements_the_interface():
+    assert issubclass(RemoteInferenceEngine, RolloutControl)
+    assert not getattr(RemoteInferenceEngine, "__abstractmethods__", None)
+    with pytest.raises(TypeError):
+
+        class Partial(RolloutControl):
+            def pause(self):
+                pass
+
+        Partial()
