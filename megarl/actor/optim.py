@@ -76,38 +76,22 @@ def dither_main_params(optimizer, dtype: torch.dtype, seed: int = 0) -> None:
     (data-parallel copies, tensor-parallel norms) get the same offsets. Main parameters that have
     trained already (a checkpoint written with round-to-nearest) can be dithered too: an element
     whose rounding the offset would change keeps its value.
+
+    The offset is drawn in the bits: an fp32 number on the ``dtype`` grid has its lowest
+    ``23 - mantissa bits`` bits zero (16 for bf16), and adding a uniform integer of magnitude below
+    half that range stays inside its rounding cell, across a power of two too (bit patterns grow
+    with the value). One random integer and a few elementwise ops per element, on the parameters'
+    own device.
     """
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    nmant = round(-math.log2(torch.finfo(dtype).eps))  # stored mantissa bits: 7 for bf16, 10 for fp16
+    low_bits = 23 - round(-math.log2(torch.finfo(dtype).eps))  # fp32 mantissa bits below dtype's: 16 for bf16
+    half = (1 << (low_bits - 1)) - 1
+    generators: dict[torch.device, torch.Generator] = {}
     for main in main_params_of_low_precision(optimizer):
-        grid = main.to(dtype)
-        _, exponent = torch.frexp(main)  # |main| in [2^(e-1), 2^e): a grid step of 2^(e-1-nmant)
-        step = torch.ldexp(torch.ones_like(main), exponent - 1 - nmant)
-        offset = (torch.rand(main.shape, generator=generator).to(main.device) - 0.5) * step
-        dithered = main + offset
-        # below a power of two the grid is twice as fine, and zero has no cell: keep those as loaded
-        keep = (dithered.to(dtype) == grid) & (main != 0)
+        if main.device not in generators:
+            generators[main.device] = torch.Generator(device=main.device).manual_seed(seed)
+        offset = torch.randint(-half, half + 1, main.shape, generator=generators[main.device], device=main.device,
+                               dtype=torch.int32)  # fmt: skip
+        dithered = (main.view(torch.int32) + offset).view(torch.float32)
+        # zero has no cell (its bits would wrap to NaN); anything that would round elsewhere stays as it is
+        keep = (main != 0) & (dithered.to(dtype) == main.to(dtype))
         main.copy_(torch.where(keep, dithered, main))
-
-
-def build_lr_scheduler(cfg: OptimizerConfig, optimizer, total_steps: int):
-    """Warmup + constant / linear / cosine schedule over ``total_steps`` optimizer steps."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1 for the LR schedule, got {total_steps}")
-    warmup = int(cfg.warmup_steps_proportion * total_steps)
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if warmup > 0 else cfg.lr,
-        max_lr=cfg.lr,
-        min_lr=cfg.lr * cfg.min_lr_ratio,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=max(total_steps, warmup + 1),
-        lr_decay_style=cfg.lr_scheduler_type,
-        start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay,
-        wd_incr_steps=total_steps,
-        wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-    )
