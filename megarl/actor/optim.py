@@ -95,3 +95,26 @@ def dither_main_params(optimizer, dtype: torch.dtype, seed: int = 0) -> None:
         # zero has no cell (its bits would wrap to NaN); anything that would round elsewhere stays as it is
         keep = (main != 0) & (dithered.to(dtype) == main.to(dtype))
         main.copy_(torch.where(keep, dithered, main))
+
+
+def build_lr_scheduler(cfg: OptimizerConfig, optimizer, total_steps: int):
+    """Warmup + constant / linear / cosine schedule over ``total_steps`` optimizer steps."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1 for the LR schedule, got {total_steps}")
+    warmup = int(cfg.warmup_steps_proportion * total_steps)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.lr * cfg.min_lr_ratio,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style=cfg.lr_scheduler_type,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=total_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+    )

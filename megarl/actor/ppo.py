@@ -284,7 +284,7 @@ def ppo_loss(
 
     The surrogate is ``actor.loss``'s (:func:`policy_surrogate`: PPO's clipped one, or a user's
     function) weighted by the behaviour weight (``losses.weigh_by_behaviour``); or the fused CUDA
-    epilogue of ``megarl.kernels.fused_ppo_loss`` where :func:`_fused_surrogate` allows it (the same loss).
+    epilogue of ``megarl.actor.fused_ppo_loss`` where :func:`_fused_surrogate` allows it (the same loss).
     ``surrogate_fn``: ``policy_surrogate(cfg)``, resolved once per update by ``ppo_update``.
     ``gap``: records the train–inference gap of the micro-batch's tokens when given.
     """

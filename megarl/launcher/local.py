@@ -27,7 +27,6 @@ process tree is stopped before :func:`run_local` returns.
 
 from __future__ import annotations
 
-import codecs
 import importlib.util
 import logging
 import os
@@ -36,17 +35,15 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, TextIO
 
-import psutil
-
 from megarl.config.experiment import GRPOConfig
 from megarl.config.loader import save_config
+from megarl.launcher.output import OutputRelay
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec, servers_on_every_core
 from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
@@ -57,131 +54,20 @@ from megarl.utils.console import CONSOLE_TTY_ENV
 from megarl.utils.hardware import auto_dtype
 from megarl.utils.heartbeat import flight_recorder_env
 from megarl.utils.network import find_free_ports
-from megarl.utils.process import cancel_kill_on_exit, kill_on_exit, terminate_process_tree
+from megarl.utils.process import (
+    LAUNCH_TAG_ENV,
+    LaunchMark,
+    cancel_kill_on_exit,
+    kill_on_exit,
+    stop_leftovers,
+    terminate_process_tree,
+)
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5
-_FOLLOW_POLL_S = 0.2
 _STOP_TIMEOUT_S = 15.0
-_ORPHAN_GRACE_S = 3.0
-_KILL_WAIT_S = 10.0  # a killed process with much memory takes a while to go
 _HOST = "127.0.0.1"  # one machine: the servers need not be reachable from elsewhere
-_TAG_ENV = "MEGARL_LAUNCH_TAG"  # marks every process of one launched child, see _Mark
-
-
-class OutputRelay:
-    """Writes children's output to one stream: lines whole and prefixed ``[name]``, or passed through.
-
-    ``verbose`` relays every process's whole output as prefixed lines (the servers' logs
-    too). Otherwise only what the trainer prints to its console (:mod:`megarl.utils.console`)
-    reaches ``out``, unprefixed: byte for byte on a terminal, so its progress bar redraws in
-    place; elsewhere as lines, carriage returns ending them too.
-    """
-
-    def __init__(self, out: TextIO, verbose: bool = True):
-        self._out = out
-        self.verbose = verbose
-        self.tty = hasattr(out, "isatty") and out.isatty()
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
-        self._mid_line = False
-
-    def line(self, name: str, text: str) -> None:
-        with self._lock:
-            self._write(f"[{name}] {text}\n" if self.verbose else text + "\n")
-
-    def _write(self, text: str) -> None:
-        if self._mid_line and not self.tty:
-            text = "\n" + text
-        self._out.write(text)
-        self._out.flush()
-        self._mid_line = not text.endswith("\n")
-
-    def end_line(self) -> None:
-        """Finish a line the trainer left open (its bar), so that what follows starts on its own."""
-        with self._lock:
-            if self._mid_line:
-                self._out.write("\n")
-                self._out.flush()
-                self._mid_line = False
-
-    def console(self, name: str, stream: IO[bytes], log: IO[bytes]) -> threading.Thread:
-        """Relay the trainer's console output (until EOF), see the class docstring; its lines go to ``log`` too."""
-
-        def pump() -> None:
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            pending = ""
-            while chunk := stream.read1(65536):
-                text = decoder.decode(chunk)
-                *lines, pending = (pending + text).split("\n")
-                # a line is what its last carriage return left (a bar's final state), blank ones are dropped
-                lines = [line.rsplit("\r", 1)[-1] for line in lines]
-                lines = [line + "\n" for line in lines if line.strip()]
-                log.write("".join(lines).encode())
-                log.flush()
-                if not self.tty:  # whole lines only, bars too: a carriage return ends one
-                    text = "".join(lines)
-                    *bar_frames, pending = pending.split("\r")
-                    text += "".join(frame + "\n" for frame in bar_frames if frame.strip())
-                if text:
-                    with self._lock:
-                        self._write(text)
-            if pending.strip():
-                log.write(pending.encode() + b"\n")
-                self.line(name, pending)
-
-        return self._spawn(pump, name)
-
-    def pipe(self, name: str, stream: IO[bytes], log: IO[bytes]) -> threading.Thread:
-        """Relay ``stream`` (until EOF) to the console and to ``log``."""
-
-        def pump() -> None:
-            for raw in stream:
-                log.write(raw)
-                log.flush()
-                self.line(name, raw.decode(errors="replace").rstrip("\n"))
-
-        return self._spawn(pump, name)
-
-    def follow(self, name: str, path: Path) -> threading.Thread:
-        """Relay the lines appended to ``path`` from now on, until :meth:`close`."""
-        start = path.stat().st_size if path.exists() else 0
-
-        def tail() -> None:
-            while not path.exists():
-                if self._stop.wait(_FOLLOW_POLL_S):
-                    return
-            with open(path, "rb") as f:
-                f.seek(start)
-                pending = b""
-                while True:
-                    pending += f.readline()
-                    if pending.endswith(b"\n"):
-                        self.line(name, pending.decode(errors="replace").rstrip("\n"))
-                        pending = b""
-                    elif self._stop.wait(_FOLLOW_POLL_S):
-                        break
-                rest = pending + f.read()
-                for text in rest.decode(errors="replace").splitlines():
-                    self.line(name, text)
-
-        return self._spawn(tail, name)
-
-    def _spawn(self, target, name: str) -> threading.Thread:
-        thread = threading.Thread(target=target, name=f"relay-{name}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
-        return thread
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush what followed files still hold and stop following them."""
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout)
-        self._threads.clear()
-        self._stop.clear()
 
 
 def check_local(config: GRPOConfig) -> Placement:
@@ -273,7 +159,7 @@ def running_servers(
     """Start a server per spec, wait until all are healthy (unless not ``wait``: see
     :class:`ServerStartup`), yield them; stop every tree on exit."""
     log_dir = config.run_dir / "logs"
-    marks = [_Mark.new() for _ in specs]
+    marks = [LaunchMark.new() for _ in specs]
     servers = [
         InferenceServer(replace(spec, env={**spec.env, **mark.env}), log_dir / f"server-{i}.log", name=f"server-{i}")
         for i, (spec, mark) in enumerate(zip(specs, marks, strict=True))
@@ -343,7 +229,7 @@ def _death_message(server: InferenceServer, when: str) -> str:
     )
 
 
-def _stop_all(servers: list[InferenceServer], marks: list[_Mark]) -> None:
+def _stop_all(servers: list[InferenceServer], marks: list[LaunchMark]) -> None:
     """Stop every server's tree at once (each may take seconds), then whatever a dead one left."""
     started = [(s, mark) for s, mark in zip(servers, marks, strict=True) if s.proc is not None]
     threads = [threading.Thread(target=s.stop, args=(_STOP_TIMEOUT_S,)) for s, _ in started]
@@ -353,81 +239,7 @@ def _stop_all(servers: list[InferenceServer], marks: list[_Mark]) -> None:
         thread.join()
     for server, mark in started:
         cancel_kill_on_exit(server.proc)
-        _stop_leftovers(server.proc.pid, mark)
-
-
-@dataclass(frozen=True)
-class _Mark:
-    """Finds the processes of one launched child (started in its own session) after it died.
-
-    ``terminate_process_tree`` reaches a live tree, but a child that exited first left its
-    children re-parented to init, out of its tree: the engine core and workers of a dead
-    vLLM server (still in the server's process group; their environment is unreadable
-    as ``setproctitle`` overwrites it), or the workers of a rank the OOM killer took
-    (torchrun starts ranks in sessions of their own; they hold the trainer's output
-    pipe open). So a leftover is any process in the child's process group or carrying
-    its tag in its environment, younger than the launch (which rules out recycled pids).
-    """
-
-    tag: str
-    since: float
-
-    @staticmethod
-    def new() -> _Mark:
-        return _Mark(uuid.uuid4().hex, time.time() - 2.0)  # psutil's create_time is exact to about 1 s
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {_TAG_ENV: self.tag}
-
-    def leftovers(self, pgid: int) -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.pid == os.getpid() or proc.create_time() < self.since or not _alive(proc):
-                    continue
-                if os.getpgid(proc.pid) == pgid or _environ(proc).get(_TAG_ENV) == self.tag:
-                    found.append(proc)
-            except (psutil.NoSuchProcess, ProcessLookupError):
-                pass
-        return found
-
-
-def _environ(proc: psutil.Process) -> dict[str, str]:
-    try:
-        return proc.environ()
-    except psutil.AccessDenied:
-        return {}
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _stop_leftovers(pgid: int, mark: _Mark) -> None:
-    """Kill what the child leading process group ``pgid`` left behind (see :class:`_Mark`).
-
-    Orphaned vLLM processes may ignore SIGTERM and nobody is left to shut down
-    gracefully for: a short grace, then SIGKILL.
-    """
-    procs = mark.leftovers(pgid)
-    for sig, wait in ((signal.SIGTERM, _ORPHAN_GRACE_S), (signal.SIGKILL, _KILL_WAIT_S)):
-        if not procs:
-            return
-        logger.info("sending %s to pids %s, left behind by a stopped process", sig.name, [p.pid for p in procs])
-        for proc in procs:
-            try:
-                proc.send_signal(sig)  # psutil refuses a pid reused meanwhile
-            except psutil.NoSuchProcess:
-                pass
-        deadline = time.monotonic() + wait
-        while (procs := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    if procs:  # SIGKILL always wins; a starved CPU can slow the exit down
-        logger.warning("pids %s are still exiting after SIGKILL", [p.pid for p in procs])
+        stop_leftovers(server.proc.pid, mark)
 
 
 def trainer_command(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
@@ -523,7 +335,7 @@ def _run_trainer_once(
     restarts: ServerRestarts | None = None,
 ) -> int:
     logger.info("starting trainer: %s", " ".join(cmd))
-    mark = _Mark.new()
+    mark = LaunchMark.new()
     # not verbose: the ranks write their own output to the log and only their console lines
     # to stdout; torchrun's own messages (stderr) go to the log
     proc = subprocess.Popen(
@@ -537,7 +349,7 @@ def _run_trainer_once(
     finally:
         cancel_kill_on_exit(proc)
         terminate_process_tree(proc, timeout=_STOP_TIMEOUT_S)
-        _stop_leftovers(proc.pid, mark)
+        stop_leftovers(proc.pid, mark)
         pump.join(5.0)
         if pump.is_alive():  # closing would block on the reader's lock
             logger.warning("the trainer's output pipe is still open: some process outside its tree holds it")
@@ -622,7 +434,7 @@ class ServerRestarts:
             self.relay.end_line()
             self.relay.line("megarl", line)
         cancel_kill_on_exit(server.proc)
-        _stop_leftovers(server.proc.pid, _Mark(server.spec.env.get(_TAG_ENV, ""), (server.started_at or 0.0) - 2.0))
+        stop_leftovers(server.proc.pid, LaunchMark(server.spec.env.get(LAUNCH_TAG_ENV, ""), (server.started_at or 0.0) - 2.0))
         with open(server.log_path, "ab") as f:
             f.write(f"# megarl: {line}\n".encode())
         replacement = InferenceServer(server.spec, server.log_path, name=server.name).start()

@@ -1,4 +1,4 @@
-"""Process-tree termination and kill-on-exit registration (no orphaned servers)."""
+"""Process-tree termination, kill-on-exit registration and the leftovers of a dead child (no orphaned servers)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 
 import psutil
 
@@ -197,3 +199,71 @@ def kill_on_exit(proc: int | subprocess.Popen, timeout: float = 10.0) -> None:
 def cancel_kill_on_exit(proc: int | subprocess.Popen) -> None:
     """Forget ``proc`` (e.g. after stopping it deliberately)."""
     _EXIT_CLEANUP.remove(proc.pid if isinstance(proc, subprocess.Popen) else int(proc))
+
+
+LAUNCH_TAG_ENV = "MEGARL_LAUNCH_TAG"
+"""Set in every process of one launched child (:class:`LaunchMark`)."""
+_ORPHAN_GRACE_S = 3.0
+_ORPHAN_KILL_WAIT_S = 10.0  # a killed process with much memory takes a while to go
+
+
+@dataclass(frozen=True)
+class LaunchMark:
+    """Finds the processes of one launched child (started in its own session) after it died.
+
+    ``terminate_process_tree`` reaches a live tree, but a child that exited first left its
+    children re-parented to init, out of its tree: the engine core and workers of a dead
+    vLLM server (still in the server's process group; their environment is unreadable
+    as ``setproctitle`` overwrites it), or the workers of a rank the OOM killer took
+    (torchrun starts ranks in sessions of their own; they hold the trainer's output
+    pipe open). So a leftover is any process in the child's process group or carrying
+    its tag in its environment (:attr:`env`), younger than the launch (which rules out
+    recycled pids).
+    """
+
+    tag: str
+    since: float
+
+    @staticmethod
+    def new() -> LaunchMark:
+        return LaunchMark(uuid.uuid4().hex, time.time() - 2.0)  # psutil's create_time is exact to about 1 s
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {LAUNCH_TAG_ENV: self.tag}
+
+    def leftovers(self, pgid: int) -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid == os.getpid() or proc.create_time() < self.since or _is_gone(proc):
+                    continue
+                if os.getpgid(proc.pid) == pgid or _environ(proc).get(LAUNCH_TAG_ENV) == self.tag:
+                    found.append(proc)
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
+        return found
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return proc.environ()
+    except psutil.AccessDenied:
+        return {}
+
+
+def stop_leftovers(pgid: int, mark: LaunchMark) -> None:
+    """Kill what the child leading process group ``pgid`` left behind (see :class:`LaunchMark`).
+
+    Orphaned vLLM processes may ignore SIGTERM and nobody is left to shut down
+    gracefully for: a short grace, then SIGKILL.
+    """
+    procs = mark.leftovers(pgid)
+    for sig, wait in ((signal.SIGTERM, _ORPHAN_GRACE_S), (signal.SIGKILL, _ORPHAN_KILL_WAIT_S)):
+        if not procs:
+            return
+        logger.info("sending %s to pids %s, left behind by a stopped process", sig.name, [p.pid for p in procs])
+        _signal_all(procs, sig)
+        procs = _wait_gone(procs, wait)
+    if procs:  # SIGKILL always wins; a starved CPU can slow the exit down
+        logger.warning("pids %s are still exiting after SIGKILL", [p.pid for p in procs])

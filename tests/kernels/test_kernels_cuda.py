@@ -3,12 +3,11 @@
 import pytest
 import torch
 
+from megarl.actor.fused_ppo_loss import fused_ppo_loss, ppo_loss_backend
 from megarl.kernels import (
     _cuda,
     fused_logprobs_entropy,
-    fused_ppo_loss,
     logprobs_backend,
-    ppo_loss_backend,
     resolve_backend,
 )
 
