@@ -6,7 +6,8 @@ every step, the mean of the first 5 and of the last 5 steps and their gain (the 
 the median step time and the wall time. The bf16 runs are native where the CPU computes bf16
 (AVX-512 BF16 / AMX) and emulated elsewhere (:func:`dtype_overrides`); ``bf16, nearest`` is the
 bf16 run with Megatron's round-to-nearest weight copy (``actor.optimizer.bf16_rounding=nearest``),
-which learns a fraction of what fp32 learns. The curves go to ``learning_arithmetic.png``.
+which learns a fraction of what fp32 learns. The curves go to ``learning_arithmetic.png`` (on a CPU
+without native bf16: ``learning_arithmetic_emulated.*``, see :func:`results_name`).
 ``--quick`` runs 6 steps of one seed.
 """
 
@@ -66,6 +67,14 @@ def run_arithmetic(overrides: list[str]) -> tuple[list[dict], float]:
     return metrics, minutes
 
 
+def results_name() -> str:
+    """``learning_arithmetic`` on a CPU with native bf16, ``learning_arithmetic_emulated`` where bf16 is
+    emulated: the two tables are kept side by side."""
+    from megarl.utils.hardware import cpu_bf16_native
+
+    return "learning_arithmetic" if cpu_bf16_native()[0] else "learning_arithmetic_emulated"
+
+
 def run(quick: bool) -> list[dict]:
     rows, curves = [], {}
     for name, (dtype, extra) in SETUPS.items():
@@ -80,7 +89,7 @@ def run(quick: bool) -> list[dict]:
                          "gain": last - first, "step s (median)": statistics.median(m["timeperf/step"] for m in metrics),
                          "wall min": minutes})  # fmt: skip
     if not quick:
-        _plot(curves, RESULTS_DIR / "learning_arithmetic.png")
+        _plot(curves, RESULTS_DIR / f"{results_name()}.png")
     return rows
 
 

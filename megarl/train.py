@@ -257,7 +257,7 @@ def recover_info(t: Trainer, global_step: int) -> RecoverInfo:
         dataloader_state=t.dataloader.state_dict() if t.dataloader is not None else {},
         saver_state=t.saver.state_dict(), evaluator_state=t.evaluator.state_dict(),
         # prompts fed to the pool but not trained on yet: resubmitted first on recovery
-        extra={"pending_items": t.rollout.pool.pending_items() if t.rollout is not None else []},
+        extra={"pending_items": t.rollout.pending_items() if t.rollout is not None else []},
     )  # fmt: skip
 
 
@@ -400,7 +400,7 @@ def train(t: Trainer) -> dict[str, float]:
     # The servers may hold other weights (a restarted trainer, servers kept up): push ours first.
     t.weight_sync.update_weights(replace(t.weight_meta, version=t.actor.get_version()))
     if info is not None and t.rollout is not None:  # prompts in flight at the recover point go first
-        t.rollout.pool.resubmit(t.actor.get_version(), info.extra.get("pending_items", []), t.workflow,
+        t.rollout.resubmit(t.actor.get_version(), info.extra.get("pending_items", []), t.workflow,
                                 should_accept_fn(t.config.dynamic_filter, t.config.group_size))  # fmt: skip
     rank0 = dist.get_rank() == 0
     t.stats_logger = StatsLogger(t.config.stats_logger, t.config.run_dir, exp_config=to_container(t.config),

@@ -10,7 +10,19 @@ from megarl.api.io_struct import ModelRequest, ModelResponse
 from megarl.api.workflow_api import WorkflowLike
 
 
-class InferenceEngine(abc.ABC):
+class GenerationEngine(abc.ABC):
+    """What a workflow's episode generates with: the ``engine`` of ``arun_episode(engine, data)``."""
+
+    @abc.abstractmethod
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate one sample for ``req`` (continuing across weight updates)."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int:
+        """The current weight version."""
+
+
+class InferenceEngine(GenerationEngine):
     """Streams generations for workflows and batches of trajectories for the trainer.
 
     ``agenerate`` is what a :class:`~megarl.api.workflow_api.RolloutWorkflow` calls;

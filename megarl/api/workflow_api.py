@@ -7,7 +7,7 @@ import inspect
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megarl.api.engine_api import InferenceEngine
+    from megarl.api.engine_api import GenerationEngine
 
 
 class RolloutWorkflow(abc.ABC):
@@ -19,7 +19,7 @@ class RolloutWorkflow(abc.ABC):
     """
 
     @abc.abstractmethod
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any] | None:
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any] | None:
         """Run one episode on ``data`` using ``engine.agenerate``."""
 
 

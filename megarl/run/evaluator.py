@@ -73,7 +73,7 @@ class Evaluator:
 def pass_at_1(rollout, items: list[dict[str, Any]], workflow, max_samples: int | None = None) -> dict[str, float]:
     """Greedy pass@1 of ``workflow`` on ``items`` (the first ``max_samples`` of them when given).
 
-    Runs one evaluation episode per item through ``rollout.pool.rollout_batch(...,
+    Runs one evaluation episode per item through ``rollout.rollout_batch(...,
     is_eval=True)`` (outside the staleness budget). The workflow should decode greedily
     (``gconfig.new(greedy=True, n_samples=1)``). Rejected episodes do not count.
 
@@ -82,7 +82,7 @@ def pass_at_1(rollout, items: list[dict[str, Any]], workflow, max_samples: int |
     """
     _warn_if_sampling(workflow)
     items = items[:max_samples] if max_samples is not None else items
-    traj = rollout.pool.rollout_batch(items, workflow, is_eval=True)
+    traj = rollout.rollout_batch(items, workflow, is_eval=True)
     rewards = traj.get("rewards")
     n = 0 if rewards is None else rewards.numel()
     if n == 0:

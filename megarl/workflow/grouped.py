@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from megarl.api.engine_api import InferenceEngine
+from megarl.api.engine_api import GenerationEngine
 from megarl.api.trajectory import concat_padded_tensors
 from megarl.api.workflow_api import RolloutWorkflow
 
@@ -29,7 +29,7 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
         self.workflow = workflow
         self.group_size = group_size
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any] | None:
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any] | None:
         results = await asyncio.gather(*(self.workflow.arun_episode(engine, data) for _ in range(self.group_size)))
         valid = [r for r in results if r is not None]
         if not valid:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from megarl.api.engine_api import InferenceEngine
+from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest
 from megarl.api.trajectory import concat_padded_tensors
 from megarl.api.workflow_api import RolloutWorkflow
@@ -93,7 +93,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         return min(self.gconfig.max_new_tokens, self.max_context_len - prompt_len)
 
     async def _run_one(
-        self, engine: InferenceEngine, data: dict[str, Any], prompt_ids: list[int], index: int
+        self, engine: GenerationEngine, data: dict[str, Any], prompt_ids: list[int], index: int
     ) -> dict[str, Any]:
         episode = Episode()
         rid = uuid.uuid4().hex  # every turn on the same server: the conversation is its cached prefix
@@ -116,7 +116,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         final = reward * discount
         return episode.to_trajectory(final)
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any]:
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any]:
         rlvr = self.rlvr
         prompt_ids = rlvr.get_input_ids_fn(rlvr.data_extract_prompt_fn(data), self.tokenizer, rlvr.enable_thinking)
         samples = range(self.gconfig.n_samples)

@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, Literal
 
-from megarl.api.engine_api import InferenceEngine
+from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.api.trajectory import concat_padded_tensors, make_trajectory
 from megarl.api.workflow_api import RolloutWorkflow, is_agent
@@ -102,7 +102,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     def agent_name(self) -> str:
         return type(self.agent).__qualname__
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any]:
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any]:
         tokenizer = self.tokenizer or getattr(engine, "tokenizer", None)
         if tokenizer is None:
             raise ValueError(f"agent {self.agent_name}: the proxy needs a tokenizer (its chat template): pass "

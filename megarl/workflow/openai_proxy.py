@@ -54,7 +54,7 @@ from typing import Any
 
 from aiohttp import web
 
-from megarl.api.engine_api import InferenceEngine
+from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
 from megarl.utils import stats_tracker
 from megarl.workflow.chat import end_turn, next_turn_ids, render_chat_ids
@@ -118,7 +118,7 @@ class CallRecord:
 class ProxySession:
     """One agent run: how its calls are sampled, where they go, and what they produced."""
 
-    engine: InferenceEngine
+    engine: GenerationEngine
     """Generates every call (``agenerate``)."""
     tokenizer: Any
     """Chat template, encoding of text prompts, decoding of outputs."""

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from megarl.api.engine_api import InferenceEngine
+from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
 from megarl.api.trajectory import concat_padded_tensors, make_trajectory
 from megarl.api.workflow_api import RolloutWorkflow
@@ -88,7 +88,7 @@ class RLVRWorkflow(RolloutWorkflow):
         stats_tracker.scalar(reward=float(reward), completion_len=resp.output_len)
         return float(reward)
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any]:
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any]:
         input_ids = self.get_input_ids_fn(self.data_extract_prompt_fn(data), self.tokenizer, self.enable_thinking)
         rid = uuid.uuid4().hex  # one server for the group: the prompt is its cached prefix
         reqs = [

@@ -278,7 +278,7 @@ def test_server_killed_mid_flight_requests_reissued(fake_servers):
     for traj in trajs:
         assert traj["input_ids"][0, 5:].tolist() == tokens
         assert traj["logprobs"][0, 5:].tolist() == pytest.approx(logprobs)
-    assert not engine._servers[0].usable(time.monotonic())
+    assert not engine.servers._servers[0].usable(time.monotonic())
 
 
 def test_all_servers_dead_surfaces_error(fake_servers):
@@ -316,7 +316,7 @@ def test_server_addrs_from_env(monkeypatch, fake_servers):
     monkeypatch.setenv("MEGARL_LLM_SERVER_ADDRS", server.address)
     engine = RemoteInferenceEngine(fast_config()).initialize(batch_size=1)
     try:
-        assert [s.address for s in engine._servers] == [server.address]
+        assert [s.address for s in engine.servers._servers] == [server.address]
     finally:
         engine.destroy()
 
@@ -338,9 +338,9 @@ def test_mark_unhealthy_keeps_a_server_out_until_marked_healthy(fake_servers):
         assert engine.server_addresses == [a.address, b.address]
         engine.mark_unhealthy(a.address, "weight update to version 1 failed")
         time.sleep(0.05)  # past the retry interval of transient failures
-        assert {engine.choose_server().address for _ in range(8)} == {b.address}
+        assert {engine.servers.choose().address for _ in range(8)} == {b.address}
         engine.mark_healthy(a.address)
-        assert a.address in {engine.choose_server(f"r{i}").address for i in range(8)}
+        assert a.address in {engine.servers.choose(f"r{i}").address for i in range(8)}
         with pytest.raises(ValueError, match="not one of the servers"):
             engine.mark_unhealthy("127.0.0.1:1", "nope")
     finally:

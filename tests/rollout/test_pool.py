@@ -135,7 +135,7 @@ def test_wait_fails_at_once_when_stale_drops_leave_too_few(pool_factory, caplog)
     for i in range(2):
         pool.submit({"id": i, "chunk_delays": [0.0]}, SimWorkflow())
     deadline = time.monotonic() + 10
-    while len(pool._results) < 2 and time.monotonic() < deadline:
+    while len(pool._q.results) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     engine.version = 3  # versions >= 2 are accepted; both trajectories are of version 0
     pool.notify_version()
@@ -153,7 +153,7 @@ def test_wait_for_episodes_still_to_come_is_not_cut_short_by_a_stale_drop(pool_f
     pool, engine = pool_factory(batch_size=2, max_staleness=1)
     pool.submit({"id": 0, "chunk_delays": [0.0]}, SimWorkflow())
     deadline = time.monotonic() + 10
-    while len(pool._results) < 1 and time.monotonic() < deadline:
+    while len(pool._q.results) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     engine.version = 2
     pool.notify_version()

@@ -54,18 +54,18 @@ def test_a_restarted_server_waits_for_the_trainers_weights(fake_servers, tmp_pat
     a, b = fake_servers(2)
     engine = RemoteInferenceEngine(fast_config(unhealthy_retry_interval=0.01), "vllm")
     engine.initialize(server_addrs=[a.address, b.address], batch_size=2, dump_dir=str(tmp_path))
-    engine._restarts.poll_s = 0.0
+    engine.servers._restarts.poll_s = 0.0
     try:
         _record_restart(tmp_path, a.address)
-        assert {engine.choose_server().address for _ in range(8)} == {b.address}
+        assert {engine.servers.choose().address for _ in range(8)} == {b.address}
         time.sleep(0.05)  # past the retry interval of transient failures: still out
-        assert {engine.choose_server().address for _ in range(8)} == {b.address}
+        assert {engine.servers.choose().address for _ in range(8)} == {b.address}
         assert engine.restarts_seen == 1
         assert engine.servers_to_readmit() == ([a.address], [])
         assert not engine.readmit_due(), "b still generates: the push waits for the next weight update"
         engine.mark_healthy(a.address)  # the trainer pushed its weights
         assert engine.servers_to_readmit() == ([], [])
-        assert a.address in {engine.choose_server(f"r{i}").address for i in range(8)}
+        assert a.address in {engine.servers.choose(f"r{i}").address for i in range(8)}
     finally:
         engine.destroy()
 
@@ -76,7 +76,7 @@ def test_with_every_server_restarted_requests_wait_for_the_push(fake_servers, tm
     (a,) = fake_servers(1)
     engine = RemoteInferenceEngine(fast_config(), "vllm")
     engine.initialize(server_addrs=[a.address], batch_size=2, dump_dir=str(tmp_path))
-    engine._restarts.poll_s = 0.0
+    engine.servers._restarts.poll_s = 0.0
     _record_restart(tmp_path, a.address)
 
     async def generate_while_pushing():
@@ -128,18 +128,18 @@ def test_a_joined_server_serves_after_the_push_and_a_leaving_one_is_drained(fake
     a, b = fake_servers(2)
     engine = RemoteInferenceEngine(fast_config(), "vllm")
     engine.initialize(server_addrs=[a.address], batch_size=2, dump_dir=str(tmp_path))
-    engine._joins.poll_s = 0.0
+    engine.servers._joins.poll_s = 0.0
     try:
         (tmp_path / JOINS_FILE).write_text("not json\n")  # a malformed line is skipped with a warning
         _record_join(tmp_path, b.address)
-        assert {engine.choose_server(f"r{i}").address for i in range(8)} == {a.address}
+        assert {engine.servers.choose(f"r{i}").address for i in range(8)} == {a.address}
         assert engine.server_addresses == [a.address, b.address] and engine.servers_joined == 1
         assert engine.servers_to_readmit() == ([b.address], [])
         engine.mark_healthy(b.address)  # the weight sync reached it
-        usable = lambda: [s.address for s in engine._servers if s.usable(time.monotonic())]  # noqa: E731
+        usable = lambda: [s.address for s in engine.servers._servers if s.usable(time.monotonic())]  # noqa: E731
         assert usable() == [a.address, b.address]
         _record_join(tmp_path, b.address, "leave")
-        assert {engine.choose_server(f"t{i}").address for i in range(8)} == {a.address} and usable() == [a.address]
+        assert {engine.servers.choose(f"t{i}").address for i in range(8)} == {a.address} and usable() == [a.address]
         assert engine.servers_to_readmit() == ([], [b.address])
         engine.mark_healthy(b.address)  # a later update does not bring it back
         assert usable() == [a.address]

@@ -1,0 +1,91 @@
+"""An asyncio event loop in a thread of its own, woken from other threads (the rollout pool's engine room)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class LoopThread:
+    """Runs ``main()`` on a new event loop in a daemon thread; other threads wake it with :meth:`wake`.
+
+    Args:
+        name: The thread's name (shows in stack dumps).
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop while ``main()`` runs, else None."""
+        return self._loop
+
+    def start(self, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Start the thread; returns once its loop exists (``main()`` is running or about to)."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name}: already started")
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(main, started), name=self.name, daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def join(self, timeout: float) -> None:
+        """Wait for ``main()`` to return (it must have been told to: :meth:`wake` it after setting its flag)."""
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("%s thread did not stop within %.0fs", self.name, timeout)
+        self._thread = None
+
+    def wake(self) -> None:
+        """Wake a :meth:`wait` of the loop (from any thread; a wake-up before the wait is kept)."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:
+                pass  # loop closed meanwhile
+
+    def arm(self) -> None:
+        """Forget earlier wake-ups (on the loop, before looking at the state that a wake-up announces)."""
+        self._wake.clear()
+
+    async def wait(self, tasks: set[asyncio.Task]) -> set[asyncio.Task]:
+        """On the loop: until one of ``tasks`` finishes or :meth:`wake` is called since :meth:`arm`; the finished tasks."""
+        waiter = asyncio.ensure_future(self._wake.wait())
+        done, _ = await asyncio.wait(tasks | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        return done - {waiter}
+
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on the loop (from any thread)."""
+        if self._loop is None:
+            raise RuntimeError(f"{self.name}: not running (start() first)")
+        self._loop.call_soon_threadsafe(fn)
+
+    def _main(self, main: Callable[[], Coroutine[Any, Any, None]], started: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        self._wake = asyncio.Event()
+        started.set()
+        try:
+            loop.run_until_complete(main())
+        finally:
+            self._loop = None
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
