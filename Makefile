@@ -3,7 +3,7 @@
 #                    Python packages only, nothing system-wide
 #   make run         the main job: GRPO on GSM8K with SmolLM2-135M on CPU (RUN_ARGS="key=value ...")
 #   make system-deps a one-node Slurm (slurm-wlm, munge) for the launcher tests: apt-get, as root only
-#   make lint        ruff (ruff.toml) over the repository; the import layering is tests/test_layering.py
+#   make lint        ruff check and ruff format --check (ruff.toml); the import layering is tests/test_layering.py
 #   make test        the test suite without the slow tests (CI); also runs system-deps
 #   make test-slow   only the slow tests; also runs system-deps
 #   make bench       every benchmark (results in benchmarks/results/)
@@ -69,6 +69,7 @@ run: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: install system-deps
 	$(call run_pytest,-m "not slow")

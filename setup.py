@@ -60,8 +60,14 @@ EXTRAS = {
     # other RL trainers, for benchmarks/peer_trl.py (install with -c .ci/constraints.txt: keeps torch's CPU build)
     "peers": ["trl==1.16.0"],
     # openai: the client the agent tests and examples/workflows/openai_agent.py call megarl's proxy with
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "openai>=1.40",
-            "playwright>=1.45"],  # the report's browser test drives Debian's chromium
+    "dev": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "hypothesis>=6.100",
+        "ruff>=0.6",
+        "openai>=1.40",
+        "playwright>=1.45",
+    ],  # the report's browser test drives Debian's chromium
 }
 
 
@@ -76,9 +82,7 @@ def cuda_extensions():
         return [], {}
     if CUDA_HOME is None or torch.version.cuda is None:
         return [], {}
-    sources = sorted(
-        os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith((".cu", ".cpp"))
-    )
+    sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith((".cu", ".cpp")))
     if not sources:
         return [], {}
     ext = CUDAExtension(
@@ -123,7 +127,9 @@ setup(
     ],
     # namespace discovery: the data folders (no __init__.py) are packages too, so their files install
     packages=find_namespace_packages(include=["megarl", "megarl.*"], exclude=["*.__pycache__"]),
-    package_data={"megarl": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE", "data/arithmetic/*.jsonl", "data/arithmetic/README.md"]},
+    package_data={
+        "megarl": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE", "data/arithmetic/*.jsonl", "data/arithmetic/README.md"]
+    },
     include_package_data=True,
     install_requires=CORE,
     extras_require=EXTRAS,

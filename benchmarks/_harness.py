@@ -34,10 +34,15 @@ def machine_info() -> dict:
     from megarl.utils.hardware import cpu_bf16_native, cpu_info
 
     cpu = cpu_info()
-    info = {"cpu": cpu.model, "cores": os.cpu_count(), "hostname": platform.node(), "python": platform.python_version(),
-            # the flags that decide dtypes and matmul speed (AVX2 / AVX-512 / AVX-512 BF16 / AMX)
-            "cpu_flags": " ".join(sorted(f for f in cpu.flags if f.startswith(("avx", "amx", "fma")))),
-            "native_bf16": cpu_bf16_native()[0]}  # fmt: skip
+    info = {
+        "cpu": cpu.model,
+        "cores": os.cpu_count(),
+        "hostname": platform.node(),
+        "python": platform.python_version(),
+        # the flags that decide dtypes and matmul speed (AVX2 / AVX-512 / AVX-512 BF16 / AMX)
+        "cpu_flags": " ".join(sorted(f for f in cpu.flags if f.startswith(("avx", "amx", "fma")))),
+        "native_bf16": cpu_bf16_native()[0],
+    }
     try:
         import torch
 

@@ -52,9 +52,16 @@ def _write_config(out: Path, shape: tuple) -> None:
 
     hidden, layers, heads, kv, inter, vocab, _, seq_len = shape
     config = AutoConfig.for_model(
-        "qwen2", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-        intermediate_size=inter, vocab_size=vocab, max_position_embeddings=max(4096, seq_len), tie_word_embeddings=False,
-    )  # fmt: skip
+        "qwen2",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        max_position_embeddings=max(4096, seq_len),
+        tie_word_embeddings=False,
+    )
     config.save_pretrained(out)
 
 
@@ -97,9 +104,13 @@ def _engine(model_dir: Path, batch: dict, dtype: str, fused: bool | None, parall
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     tokens = int(batch["attention_mask"].sum())
     cfg = TrainEngineConfig(
-        path=str(model_dir), dtype=dtype, init_from_scratch=True, mb_spec=MicroBatchSpec(max_tokens_per_mb=tokens),
-        optimizer=OptimizerConfig(lr=1e-5, use_distributed_optimizer=True), use_fused_kernels=fused,
-    )  # fmt: skip
+        path=str(model_dir),
+        dtype=dtype,
+        init_from_scratch=True,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=tokens),
+        optimizer=OptimizerConfig(lr=1e-5, use_distributed_optimizer=True),
+        use_fused_kernels=fused,
+    )
     engine = MegatronEngine(cfg)
     if parallel is None:
         engine.create_process_group("d1p1t1")

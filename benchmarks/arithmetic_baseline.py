@@ -122,7 +122,9 @@ def _rows(results: dict[tuple[str, str], dict[str, list]], gconfig) -> list[dict
         summary = _summary(rewards, lengths, gconfig.max_new_tokens)
         rows.append({"split": split, "op": "all", **summary, **settings, "prompt": PROMPT})
     demo = results["test", "one-shot demo"]
-    rows.append({"split": "test", "op": "all, one-shot demo", **_summary(**demo, max_new_tokens=gconfig.max_new_tokens)})
+    rows.append(
+        {"split": "test", "op": "all, one-shot demo", **_summary(**demo, max_new_tokens=gconfig.max_new_tokens)}
+    )
     return rows
 
 

@@ -37,9 +37,13 @@ from benchmarks._harness import main_for
 TITLE = "bf16 weight updates: policy movement per step, fp32 vs bf16 (SmolLM2-135M, Adam lr 1e-5, one rank)"
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, QUICK_STEPS = 8, 3
-SETUPS = {"fp32": ("float32", "nearest", False),
-          "bf16 nearest": ("bfloat16", "nearest", False), "bf16 dithered": ("bfloat16", "dithered", False),
-          "bf16 nearest, emulated": ("bfloat16", "nearest", True), "bf16 dithered, emulated": ("bfloat16", "dithered", True)}  # fmt: skip
+SETUPS = {
+    "fp32": ("float32", "nearest", False),
+    "bf16 nearest": ("bfloat16", "nearest", False),
+    "bf16 dithered": ("bfloat16", "dithered", False),
+    "bf16 nearest, emulated": ("bfloat16", "nearest", True),
+    "bf16 dithered, emulated": ("bfloat16", "dithered", True),
+}
 """Name -> (dtype, ``optimizer.bf16_rounding``, ``emulate_bf16``)."""
 N_PROMPTS = 8
 
@@ -59,8 +63,15 @@ def policy_batch(model_dir: str, n_prompts: int = N_PROMPTS) -> dict:
             prompt_lens.append(len(prompt_ids))
             advantages.append(adv)
     width = max(map(len, seqs))
-    batch = {key: torch.zeros(len(seqs), width, dtype=dt) for key, dt in
-             (("input_ids", torch.int64), ("attention_mask", torch.bool), ("loss_mask", torch.int32), ("advantages", torch.float32))}  # fmt: skip
+    batch = {
+        key: torch.zeros(len(seqs), width, dtype=dt)
+        for key, dt in (
+            ("input_ids", torch.int64),
+            ("attention_mask", torch.bool),
+            ("loss_mask", torch.int32),
+            ("advantages", torch.float32),
+        )
+    }
     for i, (seq, start, adv) in enumerate(zip(seqs, prompt_lens, advantages)):
         batch["input_ids"][i, : len(seq)] = torch.tensor(seq)
         batch["attention_mask"][i, : len(seq)] = True
@@ -99,11 +110,15 @@ def worker(dtype: str, rounding: str, emulate: bool, steps: int, out: str) -> No
     from megarl.models.provision import resolve_model_path
     from megarl.utils.network import find_free_port
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port())
+    )
     torch.manual_seed(0)
     model_dir = str(resolve_model_path("smollm2-135m-instruct"))
     optimizer = OptimizerConfig(lr=1e-5, weight_decay=0.0, gradient_clipping=1.0, bf16_rounding=rounding)
-    cfg = TrainEngineConfig(path=model_dir, dtype=dtype, mb_spec=MicroBatchSpec(4096), optimizer=optimizer, emulate_bf16=emulate)
+    cfg = TrainEngineConfig(
+        path=model_dir, dtype=dtype, mb_spec=MicroBatchSpec(4096), optimizer=optimizer, emulate_bf16=emulate
+    )
     engine = MegatronEngine(cfg)
     engine.create_process_group("d1p1t1")
     engine.initialize()
@@ -114,9 +129,15 @@ def worker(dtype: str, rounding: str, emulate: bool, steps: int, out: str) -> No
     for step in range(1, steps + 1):
         stats = engine.train().train_batch(batch, _pg_loss, weight)
         w = _weights(engine)
-        rows.append({"step": step, "moved": float((_signed_logp(engine, batch) - logp0).mean()),
-                     "changed": float((w != w0).float().mean()), "mean abs dw": float((w - w0).abs().mean()),
-                     "grad_norm": stats["grad_norm"]})  # fmt: skip
+        rows.append(
+            {
+                "step": step,
+                "moved": float((_signed_logp(engine, batch) - logp0).mean()),
+                "changed": float((w != w0).float().mean()),
+                "mean abs dw": float((w - w0).abs().mean()),
+                "grad_norm": stats["grad_norm"],
+            }
+        )
     Path(out).write_text(json.dumps(rows))
 
 

@@ -42,8 +42,14 @@ def _time(fn, iterations: int) -> dict:
 def run(quick: bool) -> list[dict]:
     n_config, n_alloc = (5, 200) if quick else (50, 5000)
     argv = ["--config", CPU_YAML, "actor.optimizer.lr=2e-6", "gconfig.n_samples=8"]
-    rows = [{"case": "load_expr_config(gsm8k_grpo_cpu.yaml + 2 overrides)", **_time(lambda: load_expr_config(argv, GRPOConfig), n_config)}]
+    rows = [
+        {
+            "case": "load_expr_config(gsm8k_grpo_cpu.yaml + 2 overrides)",
+            **_time(lambda: load_expr_config(argv, GRPOConfig), n_config),
+        }
+    ]
     for spec, nodes, per_node in ALLOCATIONS:
+
         def parse_and_validate(spec=spec, nodes=nodes, per_node=per_node):
             validate_allocation(AllocationMode.from_str(spec), n_nodes=nodes, n_gpus_per_node=per_node)
 

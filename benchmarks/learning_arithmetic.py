@@ -30,8 +30,11 @@ STEPS, QUICK_STEPS = 15, 6
 SEEDS = (1, 2)
 GAIN_BAR = 0.3
 """Mean reward of the last 5 steps minus that of the first 5, within :data:`STEPS` steps."""
-SETUPS = {"fp32": ("float32", []), "bf16": ("bfloat16", []),
-          "bf16, nearest": ("bfloat16", ["actor.optimizer.bf16_rounding=nearest"])}  # fmt: skip
+SETUPS = {
+    "fp32": ("float32", []),
+    "bf16": ("bfloat16", []),
+    "bf16, nearest": ("bfloat16", ["actor.optimizer.bf16_rounding=nearest"]),
+}
 """Name -> (dtype, extra overrides)."""
 
 
@@ -54,8 +57,16 @@ def dtype_overrides(dtype: str) -> list[str]:
 def run_arithmetic(overrides: list[str]) -> tuple[list[dict], float]:
     """``megarl run configs/arithmetic_grpo_cpu.yaml *overrides``: its metrics per step and wall minutes."""
     with tempfile.TemporaryDirectory(prefix="megarl_learning_") as tmp:
-        cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
-               f"cluster.fileroot={tmp}", "stats_logger.wandb.mode=disabled", *overrides]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "megarl.launcher.cli",
+            "run",
+            str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
+            f"cluster.fileroot={tmp}",
+            "stats_logger.wandb.mode=disabled",
+            *overrides,
+        ]
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
         start = time.monotonic()
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -79,15 +90,29 @@ def run(quick: bool) -> list[dict]:
     rows, curves = [], {}
     for name, (dtype, extra) in SETUPS.items():
         for seed in SEEDS[:1] if quick else SEEDS:
-            overrides = [*dtype_overrides(dtype), *extra, f"seed={seed}", f"total_train_steps={QUICK_STEPS if quick else STEPS}"]
+            overrides = [
+                *dtype_overrides(dtype),
+                *extra,
+                f"seed={seed}",
+                f"total_train_steps={QUICK_STEPS if quick else STEPS}",
+            ]
             metrics, minutes = run_arithmetic(overrides)
             rewards = [m["batch/reward/avg"] for m in metrics]
             curves[f"{name}, seed {seed}"] = rewards
             first, last = reward_gain(rewards)
-            rows.append({"setup": name, "overrides": " ".join(overrides[:-2]), "seed": seed,
-                         "reward per step": " ".join(f"{r:.2f}" for r in rewards), "first 5": first, "last 5": last,
-                         "gain": last - first, "step s (median)": statistics.median(m["timeperf/step"] for m in metrics),
-                         "wall min": minutes})  # fmt: skip
+            rows.append(
+                {
+                    "setup": name,
+                    "overrides": " ".join(overrides[:-2]),
+                    "seed": seed,
+                    "reward per step": " ".join(f"{r:.2f}" for r in rewards),
+                    "first 5": first,
+                    "last 5": last,
+                    "gain": last - first,
+                    "step s (median)": statistics.median(m["timeperf/step"] for m in metrics),
+                    "wall min": minutes,
+                }
+            )
     if not quick:
         _plot(curves, RESULTS_DIR / f"{results_name()}.png")
     return rows
@@ -101,8 +126,14 @@ def _plot(curves: dict[str, list[float]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, rewards in curves.items():
-        ax.plot(range(1, len(rewards) + 1), rewards, marker="o", ms=3, label=label,
-                linestyle="--" if "nearest" in label else "-")  # fmt: skip
+        ax.plot(
+            range(1, len(rewards) + 1),
+            rewards,
+            marker="o",
+            ms=3,
+            label=label,
+            linestyle="--" if "nearest" in label else "-",
+        )
     ax.set(xlabel="step", ylabel="batch reward", title="GRPO on arithmetic, SmolLM2-135M, CPU")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -22,20 +22,33 @@ _CORRECTION = ["actor.behav_imp_weight_cap=null"]
 VARIANTS: dict[str, list[str]] = {
     "grpo": [],
     "tis_token": [*_CORRECTION, "actor.rollout_correction.mode=truncate", "actor.rollout_correction.upper=2.0"],
-    "mis_sequence": [*_CORRECTION, "actor.rollout_correction.mode=mask", "actor.rollout_correction.level=sequence",
-                     "actor.rollout_correction.upper=2.0"],
-    "icepop_token": [*_CORRECTION, "actor.rollout_correction.mode=two_sided_mask", "actor.rollout_correction.upper=2.0",
-                     "actor.rollout_correction.lower=0.5"],
+    "mis_sequence": [
+        *_CORRECTION,
+        "actor.rollout_correction.mode=mask",
+        "actor.rollout_correction.level=sequence",
+        "actor.rollout_correction.upper=2.0",
+    ],
+    "icepop_token": [
+        *_CORRECTION,
+        "actor.rollout_correction.mode=two_sided_mask",
+        "actor.rollout_correction.upper=2.0",
+        "actor.rollout_correction.lower=0.5",
+    ],
     # a fresh (zero) value head barely moves at the default critic lr 1e-5 in 25 steps (mean value 0.04 against
     # returns 0.55 after 8 steps); at 1e-4 the mean value meets the mean return by step 7. A step trains two
     # models and skips no uniform group (GAE advantages are not 0 there): ~55 s against GRPO's ~20 s on 2 AVX2
     # cores, so 15 steps keep the run within the 20-minute budget.
     "ppo_critic": ["algorithm.adv_estimator=gae", "critic={}", "critic.optimizer.lr=1e-4", "total_train_steps=15"],
-}  # fmt: skip
+}
 """Variant name -> overrides of the arithmetic config."""
-_STATS = {"|dlogp|": "ppo_actor/rollout_correction/abs_logp_diff/avg", "truncated": "ppo_actor/rollout_correction/truncated/avg",
-          "masked": "ppo_actor/capped_ratio/avg", "value error": "ppo_critic/abs_error/avg",
-          "mean value": "ppo_critic/values/avg", "mean return": "ppo_critic/returns/avg"}  # fmt: skip
+_STATS = {
+    "|dlogp|": "ppo_actor/rollout_correction/abs_logp_diff/avg",
+    "truncated": "ppo_actor/rollout_correction/truncated/avg",
+    "masked": "ppo_actor/capped_ratio/avg",
+    "value error": "ppo_critic/abs_error/avg",
+    "mean value": "ppo_critic/values/avg",
+    "mean return": "ppo_critic/returns/avg",
+}
 _summaries: list[str] = []
 
 
@@ -62,8 +75,10 @@ def run(quick: bool) -> list[dict]:
         first, last = reward_gain(rewards[name])
         stats = ", ".join(f"{label} {_mean(metrics, key):.3g}" for label, key in _STATS.items())
         stats += f"; value error of the last 5 steps {_mean(metrics[-5:], _STATS['value error']):.3g}"
-        _summaries.append(f"{name}: first 5 {first:.3f}, last 5 {last:.3f}, gain {last - first:+.3f} over "
-                          f"{len(metrics)} steps in {minutes:.1f} min; {stats}")  # fmt: skip
+        _summaries.append(
+            f"{name}: first 5 {first:.3f}, last 5 {last:.3f}, gain {last - first:+.3f} over "
+            f"{len(metrics)} steps in {minutes:.1f} min; {stats}"
+        )
     steps = max(len(r) for r in rewards.values())
     return [{"step": i, **{name: r[i] if i < len(r) else None for name, r in rewards.items()}} for i in range(steps)]
 

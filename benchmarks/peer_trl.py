@@ -282,8 +282,11 @@ def trl_worker(out: str, max_steps: int, budget_s: float | None) -> None:
             callbacks=[clock],
         )
         trainer.train()
-    result = {"steps": clock.steps, "dtype": str(trainer.model.dtype).removeprefix("torch."),
-              "threads": torch.get_num_threads()}  # fmt: skip
+    result = {
+        "steps": clock.steps,
+        "dtype": str(trainer.model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+    }
     Path(out).write_text(json.dumps(result))
 
 
@@ -357,10 +360,15 @@ def _run_megarl(steps: int, budget_s: float | None, tmp: Path) -> dict:
     run_dir, log = tmp / EXPERIMENT / "peer", tmp / "megarl.log"
     # an epoch holds at least one step, so `steps` epochs never cap the run below `steps` steps
     overrides = [
-        f"cluster.fileroot={tmp}", "trial_name=peer", f"total_train_steps={steps}", f"total_train_epochs={steps}",
-        "valid_dataset=null", "saver.freq_steps=null", "stats_logger.wandb.mode=disabled",
+        f"cluster.fileroot={tmp}",
+        "trial_name=peer",
+        f"total_train_steps={steps}",
+        f"total_train_epochs={steps}",
+        "valid_dataset=null",
+        "saver.freq_steps=null",
+        "stats_logger.wandb.mode=disabled",
         "stats_logger.tensorboard.enabled=false",
-    ]  # fmt: skip
+    ]
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(CONFIG), *overrides]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     start, stopped = time.perf_counter(), False
@@ -377,8 +385,13 @@ def _run_megarl(steps: int, budget_s: float | None, tmp: Path) -> dict:
             _stop(proc)
     if proc.returncode != 0 and not stopped:
         raise RuntimeError(f"megarl run failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
-    return {"steps": _megarl_steps(run_dir), **_megarl_settings(run_dir), "wall_s": time.perf_counter() - start,
-            "peak_gb": rss.peak_gb, "trainer_peak_gb": _megarl_trainer_peak_gb(run_dir)}  # fmt: skip
+    return {
+        "steps": _megarl_steps(run_dir),
+        **_megarl_settings(run_dir),
+        "wall_s": time.perf_counter() - start,
+        "peak_gb": rss.peak_gb,
+        "trainer_peak_gb": _megarl_trainer_peak_gb(run_dir),
+    }
 
 
 # ---------------------------------------------------------------- table

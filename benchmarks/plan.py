@@ -67,12 +67,19 @@ def rates_path(policy: str) -> Path:
 def measure(policy: str, staleness: int, root: Path, trial: str, batch_size: int = 2, steps: int = STEPS) -> list[dict]:
     """The per-step metrics of one fresh run after its warm-up steps."""
     overrides = [
-        f"cluster.fileroot={root}", f"trial_name={trial}", f"cluster.cpu_threads={policy}",
-        f"rollout.max_staleness={staleness}", f"total_train_steps={steps}", "valid_dataset=null",
-        "saver.freq_steps=null", "stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false",
-        "actor.skip_zero_advantage=false", "gconfig.min_new_tokens=${gconfig.max_new_tokens}",
+        f"cluster.fileroot={root}",
+        f"trial_name={trial}",
+        f"cluster.cpu_threads={policy}",
+        f"rollout.max_staleness={staleness}",
+        f"total_train_steps={steps}",
+        "valid_dataset=null",
+        "saver.freq_steps=null",
+        "stats_logger.wandb.mode=disabled",
+        "stats_logger.tensorboard.enabled=false",
+        "actor.skip_zero_advantage=false",
+        "gconfig.min_new_tokens=${gconfig.max_new_tokens}",
         f"train_dataset.batch_size={batch_size}",
-    ]  # fmt: skip
+    ]
     metrics = root / "gsm8k-grpo-cpu" / trial / "metrics.jsonl"
     if metrics.is_file() and len(metrics.read_text().splitlines()) == steps:
         return [json.loads(line) for line in metrics.read_text().splitlines()][WARMUP:]  # done by an earlier call
@@ -83,7 +90,9 @@ def measure(policy: str, staleness: int, root: Path, trial: str, batch_size: int
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
         if result.returncode == 0:
             return [json.loads(line) for line in metrics.read_text().splitlines()][WARMUP:]
-        sys.stderr.write(f"megarl run ({trial}) failed (attempt {attempt + 1}):\n{(result.stdout + result.stderr)[-1500:]}\n")
+        sys.stderr.write(
+            f"megarl run ({trial}) failed (attempt {attempt + 1}):\n{(result.stdout + result.stderr)[-1500:]}\n"
+        )
     raise RuntimeError(f"megarl run ({trial}) failed twice:\n{(result.stdout + result.stderr)[-4000:]}")
 
 
@@ -100,13 +109,26 @@ def calibrate(steps: list[dict], policy: str, when: str) -> Rates:
     phases = ("timeperf/rollout", "timeperf/recompute_logp", "timeperf/train_step", "timeperf/update_weights")
     overhead = _sum(steps, "timeperf/step") - sum(_sum(steps, k) for k in phases)
     n = len(steps)
-    source = (f"measured: benchmarks/plan.py --calibrate, cluster.cpu_threads={policy}, rollout.max_staleness=0, "
-              f"{n} steps of configs/gsm8k_grpo_cpu.yaml, {when}")  # fmt: skip
-    workload = Workload(prompts=round(seqs / n / SAMPLES), samples=SAMPLES, prompt_tokens=(trained - generated) / seqs,
-                        gen_tokens=generated / seqs, max_new_tokens=MAX_NEW_TOKENS)  # fmt: skip
-    return Rates(source=source, server={1: ServerRate(generated / _sum(steps, "timeperf/rollout"))},
-                 trainer={(1, 1): trained / train_s}, sync_fixed_s=_sum(steps, "timeperf/update_weights") / n,
-                 overhead_s=overhead / n, workload=workload, model=MODEL_SHORT_NAMES["smollm2-135m-instruct"])  # fmt: skip
+    source = (
+        f"measured: benchmarks/plan.py --calibrate, cluster.cpu_threads={policy}, rollout.max_staleness=0, "
+        f"{n} steps of configs/gsm8k_grpo_cpu.yaml, {when}"
+    )
+    workload = Workload(
+        prompts=round(seqs / n / SAMPLES),
+        samples=SAMPLES,
+        prompt_tokens=(trained - generated) / seqs,
+        gen_tokens=generated / seqs,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
+    return Rates(
+        source=source,
+        server={1: ServerRate(generated / _sum(steps, "timeperf/rollout"))},
+        trainer={(1, 1): trained / train_s},
+        sync_fixed_s=_sum(steps, "timeperf/update_weights") / n,
+        overhead_s=overhead / n,
+        workload=workload,
+        model=MODEL_SHORT_NAMES["smollm2-135m-instruct"],
+    )
 
 
 def overlap_slowdown(rates: Rates, steps: list[dict]) -> float:
@@ -114,7 +136,9 @@ def overlap_slowdown(rates: Rates, steps: list[dict]) -> float:
     the training's excess over its isolated time, spread over the overlapped (rollout) seconds."""
     generated = _sum(steps, "ppo_actor/n_tokens")
     trained = sum(m["batch/n_seqs"] * m["batch/seq_len/avg"] for m in steps)
-    excess = _sum(steps, "timeperf/recompute_logp") + _sum(steps, "timeperf/train_step") - trained / rates.trainer[(1, 1)]
+    excess = (
+        _sum(steps, "timeperf/recompute_logp") + _sum(steps, "timeperf/train_step") - trained / rates.trainer[(1, 1)]
+    )
     return max(1.0, 1 + excess / (generated / rates.server[1].tokens_per_s))
 
 
@@ -128,8 +152,9 @@ def run_calibration() -> None:
             rates = calibrate(measure(policy, 0, Path(tmp), f"calibrate-{policy}"), policy, when)
             if policy == "static":
                 f = overlap_slowdown(rates, measure(policy, 1, Path(tmp), "calibrate-static-async"))
-                rates = dataclasses.replace(rates, overlap_slowdown=f,
-                                            source=rates.source + "; overlap_slowdown from one max_staleness=1 run")  # fmt: skip
+                rates = dataclasses.replace(
+                    rates, overlap_slowdown=f, source=rates.source + "; overlap_slowdown from one max_staleness=1 run"
+                )
             rates_path(policy).write_text(yaml.safe_dump(rates_to_dict(rates), sort_keys=False))
             sys.stdout.write(f"wrote {rates_path(policy)}\n")
 
@@ -145,22 +170,30 @@ def _row(policy: str, staleness: int, batch_size: int, rates: Rates, runs: list[
     all_steps = [m for run in runs for m in run]
     calibrated = batch_size == rates.workload.prompts and (staleness == 0 or rates.overlap_slowdown != 1.0)
     return {
-        "cpu_threads": policy, "max_staleness": staleness, "batch_size": batch_size,
+        "cpu_threads": policy,
+        "max_staleness": staleness,
+        "batch_size": batch_size,
         "layout calibrated": "yes (other runs)" if calibrated else "no",
         "runs x steps": f"{len(runs)} x {len(runs[0])}",
-        "pred rollout s": pred.rollout_s, "pred train s": pred.train_s, "pred sync s": pred.sync_s,
-        "pred step s": pred.step_s, "pred step s, f=1": no_contention.step_s, "pred overlap %": pred.overlap_pct,
-        "measured step s (min)": min(step_means), "measured step s (median)": median,
+        "pred rollout s": pred.rollout_s,
+        "pred train s": pred.train_s,
+        "pred sync s": pred.sync_s,
+        "pred step s": pred.step_s,
+        "pred step s, f=1": no_contention.step_s,
+        "pred overlap %": pred.overlap_pct,
+        "measured step s (min)": min(step_means),
+        "measured step s (median)": median,
         "error %": 100 * (pred.step_s - median) / median,
         "within 20%": abs(pred.step_s - median) <= 0.2 * median,
         "error % f=1": 100 * (no_contention.step_s - median) / median,
         "measured rollout wait s": statistics.fmean(m["timeperf/rollout"] for m in all_steps),
-        "measured train s": statistics.fmean(m.get("timeperf/recompute_logp", 0.0) + m["timeperf/train_step"]
-                                             for m in all_steps),
+        "measured train s": statistics.fmean(
+            m.get("timeperf/recompute_logp", 0.0) + m["timeperf/train_step"] for m in all_steps
+        ),
         "measured sync s": statistics.fmean(m["timeperf/update_weights"] for m in all_steps),
         "measured tokens/step": statistics.fmean(m["batch/n_seqs"] * m["batch/seq_len/avg"] for m in all_steps),
         "pred tokens/step": work.trained,
-    }  # fmt: skip
+    }
 
 
 def run(quick: bool) -> list[dict]:
@@ -181,15 +214,28 @@ def run(quick: bool) -> list[dict]:
 
 def write_gpu_plan() -> Path:
     """``megarl plan`` on the 128-GPU config with the ASSUMED H100 rates, into ``plan_128gpu.md``."""
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "plan", "--rates", "benchmarks/plan_rates_h100_qwen2.5-7b.yaml",
-           "--config", "configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.launcher.cli",
+        "plan",
+        "--rates",
+        "benchmarks/plan_rates_h100_qwen2.5-7b.yaml",
+        "--config",
+        "configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     path = RESULTS_DIR / "plan_128gpu.md"
-    path.write_text("# megarl plan: configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml on 16 nodes x 8 GPUs (ASSUMED rates)\n\n"
-                    "Every rate below is an assumption (benchmarks/plan_rates_h100_qwen2.5-7b.yaml cites where each comes "
-                    "from), not a measurement: megarl has never run on a GPU. The bundled config's split, "
-                    "`vllm:d48t2+megatron:d4p2t4`, is predicted at the end.\n\n```\n$ megarl " + " ".join(cmd[3:]) + "\n" + out
-                    + "```\n")  # fmt: skip
+    path.write_text(
+        "# megarl plan: configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml on 16 nodes x 8 GPUs (ASSUMED rates)\n\n"
+        "Every rate below is an assumption (benchmarks/plan_rates_h100_qwen2.5-7b.yaml cites where each comes "
+        "from), not a measurement: megarl has never run on a GPU. The bundled config's split, "
+        "`vllm:d48t2+megatron:d4p2t4`, is predicted at the end.\n\n```\n$ megarl "
+        + " ".join(cmd[3:])
+        + "\n"
+        + out
+        + "```\n"
+    )
     cmd += ["--mode", "vllm:d48t2+megatron:d4p2t4"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     path.write_text(path.read_text() + "\n```\n$ megarl " + " ".join(cmd[3:]) + "\n" + out + "```\n")
@@ -199,10 +245,12 @@ def write_gpu_plan() -> Path:
 def summary(rows: list[dict]) -> str:
     hits = sum(bool(r["within 20%"]) for r in rows)
     load = os.getloadavg()[0]
-    return (f"{hits} of {len(rows)} layouts predicted within 20% of the median measured step time. "
-            f"Rates: benchmarks/results/plan_rates_cpu_{{static,shared}}.yaml (`--calibrate`). The machine was shared "
-            f"with other work (load average {load:.2f} at the end): each layout ran in fresh runs, min and median of "
-            "the runs' mean step times shown.")  # fmt: skip
+    return (
+        f"{hits} of {len(rows)} layouts predicted within 20% of the median measured step time. "
+        f"Rates: benchmarks/results/plan_rates_cpu_{{static,shared}}.yaml (`--calibrate`). The machine was shared "
+        f"with other work (load average {load:.2f} at the end): each layout ran in fresh runs, min and median of "
+        "the runs' mean step times shown."
+    )
 
 
 if __name__ == "__main__":

@@ -96,18 +96,34 @@ def _loop_tasks(loop: asyncio.AbstractEventLoop) -> int:
     return asyncio.run_coroutine_threadsafe(count(), loop).result(timeout=30)
 
 
-def soak(minutes: float, concurrency: int, n_servers: int = 2, fail_rate: float = 0.05,
-         delay_rate: float = 0.05, max_delay: float = 2.0, seed: int = 0) -> dict:  # fmt: skip
+def soak(
+    minutes: float,
+    concurrency: int,
+    n_servers: int = 2,
+    fail_rate: float = 0.05,
+    delay_rate: float = 0.05,
+    max_delay: float = 2.0,
+    seed: int = 0,
+) -> dict:
     """Drive the pool for ``minutes``; returns the counts and resource figures (see the module doc)."""
     from megarl.utils import stats_tracker
     from tests.rollout.conftest import make_engine, start_fake_servers
     from tests.rollout.helpers import OneShotWorkflow, expected_tokens
 
-    servers = start_fake_servers(n_servers, token_delay=0.002, fail_rate=fail_rate, delay_rate=delay_rate,
-                                 max_delay=max_delay, seed=seed)  # fmt: skip
-    engine = make_engine([s.address for s in servers], batch_size=concurrency, max_concurrent_rollouts=concurrency,
-                         max_staleness=1, request_retries=3, retry_backoff=0.05, request_timeout=30.0,
-                         unhealthy_retry_interval=1.0, episode_retries=2)  # fmt: skip
+    servers = start_fake_servers(
+        n_servers, token_delay=0.002, fail_rate=fail_rate, delay_rate=delay_rate, max_delay=max_delay, seed=seed
+    )
+    engine = make_engine(
+        [s.address for s in servers],
+        batch_size=concurrency,
+        max_concurrent_rollouts=concurrency,
+        max_staleness=1,
+        request_retries=3,
+        retry_backoff=0.05,
+        request_timeout=30.0,
+        unhealthy_retry_interval=1.0,
+        episode_retries=2,
+    )
     loader, workflow = CountingLoader(concurrency), OneShotWorkflow(NEW_TOKENS, PROMPT_LEN)
     tokens, logprobs = expected_tokens(PROMPT_LEN, NEW_TOKENS)
     proc, samples = psutil.Process(), Samples()
@@ -203,12 +219,20 @@ def run(quick: bool) -> list[dict]:
 
 def summary(rows: list[dict]) -> str:
     row = rows[0]
-    ok = (row["lost"] == 0 and row["doubled"] == 0 and row["misaligned"] == 0 and row["RSS growth %"] < 5
-          and row["drained"] and row["loop tasks after drain"] <= 2)  # fmt: skip
+    ok = (
+        row["lost"] == 0
+        and row["doubled"] == 0
+        and row["misaligned"] == 0
+        and row["RSS growth %"] < 5
+        and row["drained"]
+        and row["loop tasks after drain"] <= 2
+    )
     verdict = "PASS" if ok else "FAIL"
-    return (f"{verdict}: {row['handed out']} episodes in {row['minutes']} min, lost {row['lost']}, doubled "
-            f"{row['doubled']}, misaligned {row['misaligned']}, RSS growth {row['RSS growth %']}% (< 5%), "
-            f"{row['loop tasks after drain']} loop tasks left after draining (the pool's own loop)")  # fmt: skip
+    return (
+        f"{verdict}: {row['handed out']} episodes in {row['minutes']} min, lost {row['lost']}, doubled "
+        f"{row['doubled']}, misaligned {row['misaligned']}, RSS growth {row['RSS growth %']}% (< 5%), "
+        f"{row['loop tasks after drain']} loop tasks left after draining (the pool's own loop)"
+    )
 
 
 if __name__ == "__main__":

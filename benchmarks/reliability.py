@@ -51,9 +51,13 @@ OUTCOMES = ("clear error", "unclear error", "survived", "crash", "silently accep
 
 def run(quick: bool) -> list[dict]:
     requests, episodes = _reply_outcomes()
-    rows = [_row("bad configs", _config_outcomes()), _row("bad dataset rows", _row_outcomes()),
-            _row("malformed server replies", requests), _row("episodes failed by a bad reply", episodes),
-            _row("damaged recover points", _recover_outcomes())]  # fmt: skip
+    rows = [
+        _row("bad configs", _config_outcomes()),
+        _row("bad dataset rows", _row_outcomes()),
+        _row("malformed server replies", requests),
+        _row("episodes failed by a bad reply", episodes),
+        _row("damaged recover points", _recover_outcomes()),
+    ]
     load = _load_row()
     return rows + ([load] if load else [])
 
@@ -103,8 +107,11 @@ def _row_outcomes() -> list[str]:
                 outcomes.append("clear error" if path in str(err) and says in str(err) else "unclear error")
             except Exception:  # noqa: BLE001
                 outcomes.append("crash")
-            outcomes.append(_survived(lambda: list(load_rl_dataset(path, "train", type=type, bad_rows="skip")["answer"])
-                                      == ["1", "3"]))  # fmt: skip
+            outcomes.append(
+                _survived(
+                    lambda: list(load_rl_dataset(path, "train", type=type, bad_rows="skip")["answer"]) == ["1", "3"]
+                )
+            )
     return outcomes
 
 
@@ -183,8 +190,14 @@ def _episode_outcome(address: str, fault: str, times: int) -> str:
     from tests.rollout.helpers import OneShotWorkflow, expected_tokens
     from tests.rollout.sim import ListLoader
 
-    engine = make_engine([address], batch_size=2, max_concurrent_rollouts=1, request_retries=2,
-                         request_timeout=1.0, unhealthy_retry_interval=0.1)  # fmt: skip
+    engine = make_engine(
+        [address],
+        batch_size=2,
+        max_concurrent_rollouts=1,
+        request_retries=2,
+        request_timeout=1.0,
+        unhealthy_retry_interval=0.1,
+    )
     stats_tracker.export(local=True)
     _inject(address, fault, times)
     try:
@@ -199,7 +212,9 @@ def _episode_outcome(address: str, fault: str, times: int) -> str:
         batch["input_ids"][row, 5:].tolist() == tokens for row in range(2)
     )
     # the failure is counted, unless the request itself survived it (a connection fault: the outage is waited out)
-    counted = stats.get("rollout/n_failed") == 1 or TRANSPORT_FAULTS.get(fault) == "retry" and fault in _CONNECTION_FAULTS
+    counted = (
+        stats.get("rollout/n_failed") == 1 or TRANSPORT_FAULTS.get(fault) == "retry" and fault in _CONNECTION_FAULTS
+    )
     return "survived" if clean and counted else "silently accepted"
 
 

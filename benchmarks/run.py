@@ -1,8 +1,8 @@
 """Run benchmarks by name (default: all) and write ``benchmarks/results/NAME.{json,md}``.
 
-    python benchmarks/run.py                 # every benchmark
-    python benchmarks/run.py config_parse    # one
-    python benchmarks/run.py --quick         # small sizes (smoke test)
+python benchmarks/run.py                 # every benchmark
+python benchmarks/run.py config_parse    # one
+python benchmarks/run.py --quick         # small sizes (smoke test)
 """
 
 from __future__ import annotations

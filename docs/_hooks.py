@@ -80,7 +80,9 @@ def models_page() -> str:
         tests = _tests_naming(name) if name in TINY_FAMILIES else []
         status = "tested on CPU" if tests else "**not yet tested** (mapping only)"
         test_cell = "<br>".join(f"`{t}`" for t in tests) or "none"
-        lines.append(f"| `{name}` | {', '.join(fam.architectures)} | {', '.join(features) or 'dense'} | {status} | {test_cell} |")
+        lines.append(
+            f"| `{name}` | {', '.join(fam.architectures)} | {', '.join(features) or 'dense'} | {status} | {test_cell} |"
+        )
     lines += [
         "",
         "An unsupported `model_type` fails when the config is loaded, naming the supported ones.",
@@ -130,14 +132,20 @@ def _machine(machine: dict) -> str:
 
 def _unmeasured(script: str, rows: list[dict]) -> list[str]:
     """Rows ``PROMISED`` for ``script`` that no result of it (``rows``: all of them) has."""
+
     def measured(column: str, value: str) -> bool:
         return any(column in row and (not value or str(row[column]) == value) for row in rows)
 
     missing = [(column, value, why) for column, value, why in PROMISED.get(script, []) if not measured(column, value)]
     if not missing:
         return []
-    out = ["", "Promised by the benchmark, never run (no machine had the hardware):", "",
-           "| row | result | what it needs |", "|---|---|---|"]  # fmt: skip
+    out = [
+        "",
+        "Promised by the benchmark, never run (no machine had the hardware):",
+        "",
+        "| row | result | what it needs |",
+        "|---|---|---|",
+    ]
     out += [f"| {column} {value}".rstrip() + f" | not measured | {why} |" for column, value, why in missing]
     return out
 

@@ -141,8 +141,10 @@ def rollout_seconds(rates: Rates, work: Workload, alloc: AllocationMode, synchro
         raise AllocationError(f"allocation_mode '{alloc}' has no inference part to plan a rollout on")
     rate = rates.server.get(inf.tp)
     if rate is None:
-        raise AllocationError(f"no server rate for TP {inf.tp} (allocation_mode '{alloc}'); the rates have TP "
-                              f"{', '.join(map(str, sorted(rates.server)))} ({rates.source})")  # fmt: skip
+        raise AllocationError(
+            f"no server rate for TP {inf.tp} (allocation_mode '{alloc}'); the rates have TP "
+            f"{', '.join(map(str, sorted(rates.server)))} ({rates.source})"
+        )
     longest = work.max_new_tokens * rate.token_latency_s if synchronous else 0.0
     return max(work.generated / (inf.dp * rate.tokens_per_s), longest)
 
@@ -155,8 +157,10 @@ def train_seconds(rates: Rates, work: Workload, alloc: AllocationMode) -> float:
     rate = rates.trainer.get((train.pp, train.tp))
     if rate is None:
         shapes = ", ".join(f"p{p}t{t}" for p, t in sorted(rates.trainer))
-        raise AllocationError(f"no trainer rate for PP {train.pp} x TP {train.tp} (allocation_mode '{alloc}'); "
-                              f"the rates have {shapes} ({rates.source})")  # fmt: skip
+        raise AllocationError(
+            f"no trainer rate for PP {train.pp} x TP {train.tp} (allocation_mode '{alloc}'); "
+            f"the rates have {shapes} ({rates.source})"
+        )
     replicas = train.dp * rates.dp_efficiency ** math.log2(train.dp)
     return work.trained / (rate * replicas)
 
@@ -233,25 +237,33 @@ def rank_splits(
         try:
             validate_allocation(alloc, n_nodes=nodes, n_gpus_per_node=gpus_per_node, model=model or rates.model)
             if batch is not None and batch[0] % (alloc.train.dp * batch[1]):
-                raise AllocationError(f"train_dataset.batch_size {batch[0]} is not divisible by trainer DP "
-                                      f"{alloc.train.dp} x actor.ppo_n_minibatches {batch[1]}")  # fmt: skip
+                raise AllocationError(
+                    f"train_dataset.batch_size {batch[0]} is not divisible by trainer DP "
+                    f"{alloc.train.dp} x actor.ppo_n_minibatches {batch[1]}"
+                )
         except AllocationError as err:
             refused.append((str(alloc), str(err)))
             continue
         ranked.append(predict(rates, work, alloc, max_staleness))
     if not ranked:
-        raise ValueError(f"no split of {n_devices} devices fits the rates' TP {sorted(rates.server)} and trainer "
-                         f"shapes {sorted(rates.trainer)}; first refusal: {refused[0][1] if refused else 'none'}")  # fmt: skip
+        raise ValueError(
+            f"no split of {n_devices} devices fits the rates' TP {sorted(rates.server)} and trainer "
+            f"shapes {sorted(rates.trainer)}; first refusal: {refused[0][1] if refused else 'none'}"
+        )
     # equal steps: the shorter rollout first, it has more room for long samples
     return Plan(sorted(ranked, key=lambda p: (round(p.step_s, 6), p.rollout_s, p.allocation)), refused)
 
 
-def workload_of(rates: Rates, config=None, prompt_tokens: float | None = None, gen_tokens: float | None = None) -> Workload:
+def workload_of(
+    rates: Rates, config=None, prompt_tokens: float | None = None, gen_tokens: float | None = None
+) -> Workload:
     """The step's tokens: counts from the experiment ``config`` (else the rates file's
     ``workload``), mean lengths from the arguments, else the rates file's ``workload``."""
     base = rates.workload
     if (prompt_tokens is None or gen_tokens is None) and base is None:
-        raise ValueError(f"the rates ({rates.source}) have no 'workload' section: give --prompt-tokens and --gen-tokens")
+        raise ValueError(
+            f"the rates ({rates.source}) have no 'workload' section: give --prompt-tokens and --gen-tokens"
+        )
     prompt_tokens = base.prompt_tokens if prompt_tokens is None else prompt_tokens
     gen_tokens = base.gen_tokens if gen_tokens is None else gen_tokens
     if config is None:
@@ -259,8 +271,9 @@ def workload_of(rates: Rates, config=None, prompt_tokens: float | None = None, g
             raise ValueError("without --config the rates file must have a 'workload' section (prompts, samples)")
         return dataclasses.replace(base, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens)
     g = config.gconfig
-    return Workload(config.train_dataset.batch_size, g.n_samples, prompt_tokens, min(gen_tokens, g.max_new_tokens),
-                    g.max_new_tokens)  # fmt: skip
+    return Workload(
+        config.train_dataset.batch_size, g.n_samples, prompt_tokens, min(gen_tokens, g.max_new_tokens), g.max_new_tokens
+    )
 
 
 def plan_for_config(rates: Rates, work: Workload, config, max_staleness: int, n_devices: int | None = None) -> Plan:
@@ -272,33 +285,55 @@ def plan_for_config(rates: Rates, work: Workload, config, max_staleness: int, n_
     multi_node = n_devices > cluster.n_gpus_per_node
     model = read_model_shape(config.actor.path)  # None when the directory is not on this machine: the rates' model
     backend = config.allocation.inference.backend if config.allocation.inference else "vllm"
-    return rank_splits(rates, work, n_devices, max_staleness, gpus_per_node=cluster.n_gpus_per_node if multi_node else None,
-                       model=model, batch=(config.train_dataset.batch_size, config.actor.ppo_n_minibatches),
-                       backend=backend)  # fmt: skip
+    return rank_splits(
+        rates,
+        work,
+        n_devices,
+        max_staleness,
+        gpus_per_node=cluster.n_gpus_per_node if multi_node else None,
+        model=model,
+        batch=(config.train_dataset.batch_size, config.actor.ppo_n_minibatches),
+        backend=backend,
+    )
 
 
 def prediction_row(p: Prediction) -> dict[str, str]:
     """One line of the plan's table."""
-    return {"allocation_mode": p.allocation, "rollout s": f"{p.rollout_s:.1f}", "train s": f"{p.train_s:.1f}",
-            "sync s": f"{p.sync_s:.1f}", "step s": f"{p.step_s:.1f}", "rollout hidden": f"{p.overlap_pct:.0f}%",
-            "bound by": p.bottleneck}  # fmt: skip
+    return {
+        "allocation_mode": p.allocation,
+        "rollout s": f"{p.rollout_s:.1f}",
+        "train s": f"{p.train_s:.1f}",
+        "sync s": f"{p.sync_s:.1f}",
+        "step s": f"{p.step_s:.1f}",
+        "rollout hidden": f"{p.overlap_pct:.0f}%",
+        "bound by": p.bottleneck,
+    }
 
 
 def assumptions(rates: Rates, work: Workload, max_staleness: int) -> list[str]:
     """What a plan assumed, one line each: printed above its table."""
-    servers = ", ".join(f"TP {tp}: {r.tokens_per_s:,.0f} tok/s" + (f", {r.token_latency_s * 1e3:.0f} ms/token" if r.token_latency_s else "")
-                        for tp, r in sorted(rates.server.items()))  # fmt: skip
+    servers = ", ".join(
+        f"TP {tp}: {r.tokens_per_s:,.0f} tok/s"
+        + (f", {r.token_latency_s * 1e3:.0f} ms/token" if r.token_latency_s else "")
+        for tp, r in sorted(rates.server.items())
+    )
     trainers = ", ".join(f"p{p}t{t}: {v:,.0f} tok/s" for (p, t), v in sorted(rates.trainer.items()))
-    mode = "synchronous (rollout, then train)" if max_staleness == 0 else f"asynchronous (max_staleness {max_staleness})"
+    mode = (
+        "synchronous (rollout, then train)" if max_staleness == 0 else f"asynchronous (max_staleness {max_staleness})"
+    )
     return [
         f"rates: {rates.source}",
         f"one server: {servers}",
         f"one trainer replica (recompute + update): {trainers}; DP efficiency {rates.dp_efficiency:g} per doubling",
-        (f"weight sync: {sync_seconds(rates):.2f} s; other per-step overhead {rates.overhead_s:.2f} s; "
-         f"rollout and training {rates.overlap_slowdown:.2f}x slower while they overlap"),
-        (f"step: {work.prompts} prompts x {work.samples} samples, {work.prompt_tokens:.0f} prompt + "
-         f"{work.gen_tokens:.0f} generated tokens each (max {work.max_new_tokens}); {mode}"),
-    ]  # fmt: skip
+        (
+            f"weight sync: {sync_seconds(rates):.2f} s; other per-step overhead {rates.overhead_s:.2f} s; "
+            f"rollout and training {rates.overlap_slowdown:.2f}x slower while they overlap"
+        ),
+        (
+            f"step: {work.prompts} prompts x {work.samples} samples, {work.prompt_tokens:.0f} prompt + "
+            f"{work.gen_tokens:.0f} generated tokens each (max {work.max_new_tokens}); {mode}"
+        ),
+    ]
 
 
 # ------------------------------------------------------------------------------------ rates file
@@ -343,21 +378,30 @@ def rates_from_dict(raw: dict, where: str = "rates") -> Rates:
         return value
 
     if not isinstance(raw.get("source"), str):
-        raise RatesFileError(f"rates file {where}: key 'source' must say where the rates come from (measured or assumed)")
+        raise RatesFileError(
+            f"rates file {where}: key 'source' must say where the rates come from (measured or assumed)"
+        )
     server = {}
     for name, entry in section("server").items():
         tp = _shape(name, ("t",), where, "server")[0]
         entry = entry if isinstance(entry, dict) else {"tokens_per_s": entry}
-        server[tp] = ServerRate(number(entry.get("tokens_per_s"), f"server.{name}.tokens_per_s"),
-                                number(entry.get("token_latency_s", 0.0), f"server.{name}.token_latency_s", False))  # fmt: skip
-    trainer = {_shape(name, ("p", "t"), where, "trainer"): number(value, f"trainer.{name}")
-               for name, value in section("trainer").items()}  # fmt: skip
+        server[tp] = ServerRate(
+            number(entry.get("tokens_per_s"), f"server.{name}.tokens_per_s"),
+            number(entry.get("token_latency_s", 0.0), f"server.{name}.token_latency_s", False),
+        )
+    trainer = {
+        _shape(name, ("p", "t"), where, "trainer"): number(value, f"trainer.{name}")
+        for name, value in section("trainer").items()
+    }
     sync = raw.get("sync", {}) or {}
     efficiency = number(raw.get("dp_efficiency", 1.0), "dp_efficiency")
     if efficiency > 1:
         raise RatesFileError(f"rates file {where}: key 'dp_efficiency' must be <= 1, got {efficiency}")
     return Rates(
-        source=raw["source"], server=server, trainer=trainer, dp_efficiency=efficiency,
+        source=raw["source"],
+        server=server,
+        trainer=trainer,
+        dp_efficiency=efficiency,
         sync_fixed_s=number(sync.get("fixed_s", 0.0), "sync.fixed_s", False),
         sync_bytes_per_s=number(sync.get("bytes_per_s", math.inf), "sync.bytes_per_s"),
         model_bytes=number(sync.get("model_bytes", 0.0), "sync.model_bytes", False),
@@ -365,7 +409,7 @@ def rates_from_dict(raw: dict, where: str = "rates") -> Rates:
         overlap_slowdown=_at_least_one(number(raw.get("overlap_slowdown", 1.0), "overlap_slowdown"), where),
         workload=_workload(raw["workload"], where, number) if raw.get("workload") else None,
         model=ModelShape(**raw["model"]) if raw.get("model") else None,
-    )  # fmt: skip
+    )
 
 
 def _at_least_one(value: float, where: str) -> float:

@@ -101,14 +101,20 @@ class Trainer:
 def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     """One asynchronous RL step; returns its stats (exact over all ranks)."""
     cfg = t.config
-    with stats_tracker.record_timing("rollout"), t.memory.peak("rollout"), heartbeat.phase("rollout"), \
-            rollout_bar(t) as progress:
+    with (
+        stats_tracker.record_timing("rollout"),
+        t.memory.peak("rollout"),
+        heartbeat.phase("rollout"),
+        rollout_bar(t) as progress,
+    ):
         accept = should_accept_fn(cfg.dynamic_filter, cfg.group_size)
         batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, accept, progress, lambda: readmit_servers(t))
     if t.rollout is not None:
         with stats_tracker.scope("rollout"):
-            stats_tracker.scalar(server_restarts=float(t.rollout.restarts_seen),  # the run's, so far
-                                 servers_joined=float(t.rollout.servers_joined))  # fmt: skip
+            stats_tracker.scalar(
+                server_restarts=float(t.rollout.restarts_seen),  # the run's, so far
+                servers_joined=float(t.rollout.servers_joined),
+            )
     if t.config.allocation.colocated:
         with phase(t, "sleep_servers"):
             sleep_servers(t)
@@ -197,9 +203,17 @@ def rollout_bar(t: Trainer):
 
 def step_line(global_step: int, total_steps: int, stats: dict[str, float]) -> str:
     """The console's line for a step: reward, evaluation, where the time went."""
-    timing = [(label, stats.get(f"timeperf/{key}")) for label, key in
-              (("rollout", "rollout"), ("logp", "recompute_logp"), ("values", "critic_values"), ("train", "train_step"),
-               ("critic", "critic_train"), ("sync", "update_weights"))]  # fmt: skip
+    timing = [
+        (label, stats.get(f"timeperf/{key}"))
+        for label, key in (
+            ("rollout", "rollout"),
+            ("logp", "recompute_logp"),
+            ("values", "critic_values"),
+            ("train", "train_step"),
+            ("critic", "critic_train"),
+            ("sync", "update_weights"),
+        )
+    ]
     parts = [f"step {global_step + 1}/{total_steps}", f"reward {stats.get('batch/reward/avg', float('nan')):.3f}"]
     if "eval/pass@1" in stats:
         parts.append(f"pass@1 {stats['eval/pass@1']:.3f}")
@@ -253,12 +267,16 @@ def evaluate(t: Trainer) -> dict[str, float]:
 def recover_info(t: Trainer, global_step: int) -> RecoverInfo:
     epoch, epoch_step = t.position(global_step)
     return RecoverInfo(
-        epoch=epoch, epoch_step=epoch_step, global_step=global_step, rollout_version=t.actor.get_version(),
+        epoch=epoch,
+        epoch_step=epoch_step,
+        global_step=global_step,
+        rollout_version=t.actor.get_version(),
         dataloader_state=t.dataloader.state_dict() if t.dataloader is not None else {},
-        saver_state=t.saver.state_dict(), evaluator_state=t.evaluator.state_dict(),
+        saver_state=t.saver.state_dict(),
+        evaluator_state=t.evaluator.state_dict(),
         # prompts fed to the pool but not trained on yet: resubmitted first on recovery
         extra={"pending_items": t.rollout.pending_items() if t.rollout is not None else []},
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------------------- build
@@ -276,14 +294,23 @@ def build(config: GRPOConfig) -> Trainer:
     dataloader, n_batches = None, None
     if layout.is_head:
         dataset = load_rl_dataset(
-            config.train_dataset.path, config.train_dataset.split, rank=layout.dp_rank, world_size=layout.dp_size,
-            type=config.train_dataset.type, max_prompt_tokens=config.train_dataset.max_prompt_tokens, tokenizer=tokenizer,
+            config.train_dataset.path,
+            config.train_dataset.split,
+            rank=layout.dp_rank,
+            world_size=layout.dp_size,
+            type=config.train_dataset.type,
+            max_prompt_tokens=config.train_dataset.max_prompt_tokens,
+            tokenizer=tokenizer,
             bad_rows=config.train_dataset.bad_rows,
-        )  # fmt: skip
+        )
         dataloader = create_dataloader(
-            dataset, batch_size=config.train_dataset.batch_size // layout.dp_size, shuffle=config.train_dataset.shuffle,
-            seed=config.seed, drop_last=True, num_workers=config.train_dataset.num_workers,
-        )  # fmt: skip
+            dataset,
+            batch_size=config.train_dataset.batch_size // layout.dp_size,
+            shuffle=config.train_dataset.shuffle,
+            seed=config.seed,
+            drop_last=True,
+            num_workers=config.train_dataset.num_workers,
+        )
         n_batches = len(dataloader)
     valid_items = load_valid_items(config, tokenizer) if dist.get_rank() == 0 else []
     steps_per_epoch = min(b for b in all_gather(n_batches) if b is not None)
@@ -297,28 +324,45 @@ def build(config: GRPOConfig) -> Trainer:
     rollout = None
     if layout.is_head:
         rollout = RemoteInferenceEngine(config.rollout, config.allocation.inference.backend)
-        rollout.initialize(batch_size=config.train_dataset.batch_size // layout.dp_size, dump_dir=str(config.run_dir),
-                           tokenizer=tokenizer)  # fmt: skip
+        rollout.initialize(
+            batch_size=config.train_dataset.batch_size // layout.dp_size,
+            dump_dir=str(config.run_dir),
+            tokenizer=tokenizer,
+        )
     meta = WeightUpdateMeta.from_allocation(config.weight_update, config.allocation)
     weight_sync = connect_engine(actor, rollout, meta)
     return Trainer(
-        config=config, actor=actor, ref=ref, critic=critic, rollout=rollout,
+        config=config,
+        actor=actor,
+        ref=ref,
+        critic=critic,
+        rollout=rollout,
         coordinator=DistRolloutCoordinator(rollout, layout, config.group_size),
-        dataloader=dataloader, valid_items=valid_items,
-        workflow=workflow, eval_workflow=eval_workflow, weight_meta=meta, weight_sync=weight_sync,
-        steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+        dataloader=dataloader,
+        valid_items=valid_items,
+        workflow=workflow,
+        eval_workflow=eval_workflow,
+        weight_meta=meta,
+        weight_sync=weight_sync,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
         saver=Saver(config.saver, config.run_dir, steps_per_epoch),
         evaluator=Evaluator(config.evaluator, steps_per_epoch),
         recover=RecoverHandler(config.recover, config.run_dir),
-        threads=TrainerThreads.for_this_rank(config.cluster.cpu_threads, config.device == "cpu",
-                                             rollout.pool_idle if rollout is not None else None),
-    )  # fmt: skip
+        threads=TrainerThreads.for_this_rank(
+            config.cluster.cpu_threads, config.device == "cpu", rollout.pool_idle if rollout is not None else None
+        ),
+    )
 
 
 def build_workflows(config: GRPOConfig, tokenizer) -> tuple[RolloutWorkflow, RolloutWorkflow]:
     """``config.workflow`` and ``config.eval_workflow`` (or the greedy twin of the first), warmed up."""
-    run = {"reward_fn": import_plugin(config.reward_fn, "reward_fn"), "gconfig": config.gconfig,
-           "tokenizer": tokenizer, "max_context_len": config.context_length}  # fmt: skip
+    run = {
+        "reward_fn": import_plugin(config.reward_fn, "reward_fn"),
+        "gconfig": config.gconfig,
+        "tokenizer": tokenizer,
+        "max_context_len": config.context_length,
+    }
     workflow = build_workflow(config.workflow, run)
     if hasattr(workflow, "warm_up"):
         workflow.warm_up()  # its reward workers start while the model loads and the servers come up
@@ -331,7 +375,9 @@ def build_ref(config: GRPOConfig, parallel) -> MegatronEngine | None:
     if config.actor.kl_ctl <= 0:
         return None
     a = config.actor
-    ref = MegatronEngine(config.ref or TrainEngineConfig(path=a.path, dtype=a.dtype, mb_spec=a.mb_spec, megatron=a.megatron))
+    ref = MegatronEngine(
+        config.ref or TrainEngineConfig(path=a.path, dtype=a.dtype, mb_spec=a.mb_spec, megatron=a.megatron)
+    )
     ref.initialize(parallel=parallel)
     return ref
 
@@ -356,8 +402,14 @@ def load_valid_items(config: GRPOConfig, tokenizer) -> list[dict]:
     valid = config.valid_dataset
     if valid is None:
         return []
-    dataset = load_rl_dataset(valid.path, valid.split, type=valid.type, max_prompt_tokens=valid.max_prompt_tokens,
-                              tokenizer=tokenizer, bad_rows=valid.bad_rows)  # fmt: skip
+    dataset = load_rl_dataset(
+        valid.path,
+        valid.split,
+        type=valid.type,
+        max_prompt_tokens=valid.max_prompt_tokens,
+        tokenizer=tokenizer,
+        bad_rows=valid.bad_rows,
+    )
     n = len(dataset) if config.evaluator.max_samples is None else min(len(dataset), config.evaluator.max_samples)
     return [dataset[i] for i in range(n)]
 
@@ -400,14 +452,25 @@ def train(t: Trainer) -> dict[str, float]:
     # The servers may hold other weights (a restarted trainer, servers kept up): push ours first.
     t.weight_sync.update_weights(replace(t.weight_meta, version=t.actor.get_version()))
     if info is not None and t.rollout is not None:  # prompts in flight at the recover point go first
-        t.rollout.resubmit(t.actor.get_version(), info.extra.get("pending_items", []), t.workflow,
-                                should_accept_fn(t.config.dynamic_filter, t.config.group_size))  # fmt: skip
+        t.rollout.resubmit(
+            t.actor.get_version(),
+            info.extra.get("pending_items", []),
+            t.workflow,
+            should_accept_fn(t.config.dynamic_filter, t.config.group_size),
+        )
     rank0 = dist.get_rank() == 0
-    t.stats_logger = StatsLogger(t.config.stats_logger, t.config.run_dir, exp_config=to_container(t.config),
-                                 rank=dist.get_rank(), start_step=start)  # fmt: skip
+    t.stats_logger = StatsLogger(
+        t.config.stats_logger,
+        t.config.run_dir,
+        exp_config=to_container(t.config),
+        rank=dist.get_rank(),
+        start_step=start,
+    )
     baseline = evaluate(t) if start == 0 and t.config.evaluator.before_training else {}
     if baseline:
-        t.console.line(f"before training: pass@1 {baseline['eval/pass@1']:.3f} on {baseline['eval/n_samples']:.0f} prompts")
+        t.console.line(
+            f"before training: pass@1 {baseline['eval/pass@1']:.3f} on {baseline['eval/n_samples']:.0f} prompts"
+        )
     t.progress = t.console.progress(t.total_steps, initial=start) if rank0 else None
     for global_step in range(start, t.total_steps):
         step_start = time.perf_counter()
@@ -467,8 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.rollout is not None and config.watchdog.enabled:  # a blocked event loop goes silent
         trainer.rollout.start_heartbeat(config.run_dir, f"rollout-{rank}", config.watchdog.interval_s)
     if trainer.rollout is not None:  # what this rank waits for in the rollout: requests and rewards
-        heartbeat.set_detail_fn(lambda: "; ".join(d for d in (trainer.rollout.describe_outstanding(),
-                                                              describe_rewards_in_flight()) if d))  # fmt: skip
+        heartbeat.set_detail_fn(
+            lambda: "; ".join(d for d in (trainer.rollout.describe_outstanding(), describe_rewards_in_flight()) if d)
+        )
     trainer.console = console
     logger.info("trainer rank %d: %s", rank, trainer.threads.describe())
     if dist.get_rank() == 0:

@@ -135,9 +135,12 @@ def _module_names(path: Path) -> dict[str, set[str]]:
             names[""].add(node.name)
             if isinstance(node, ast.ClassDef):
                 names[node.name] = {n.name for n in node.body if hasattr(n, "name")} | {
-                    t.id for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)
-                }  # fmt: skip
+                    t.id
+                    for n in node.body
+                    if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                    if isinstance(t, ast.Name)
+                }
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names[""].update(t.id for t in targets if isinstance(t, ast.Name))
@@ -174,7 +177,9 @@ def path_problem(token: str, repo: Path = REPO) -> str | None:
         return None if list(repo.glob(path)) else f"no file matches {path!r}"
     if not (repo / path).exists():
         return f"path {path!r} does not exist"
-    if name and not re.search(rf"^\s*(async\s+)?def {re.escape(name.split('[')[0])}\b", (repo / path).read_text(), re.MULTILINE):
+    if name and not re.search(
+        rf"^\s*(async\s+)?def {re.escape(name.split('[')[0])}\b", (repo / path).read_text(), re.MULTILINE
+    ):
         return f"{path} has no function {name!r}"
     return None
 
@@ -339,11 +344,14 @@ PAGE = REPO / "docs" / "page.md"
     [
         ("Set `actor.no_such_key` to 1.", "config key 'actor.no_such_key' does not exist"),
         ("Run with `actor.optimizer.lrr=1e-5`.", "config key 'actor.optimizer.lrr'"),
-        ("```bash\nmegarl run configs/arithmetic_grpo_cpu.yaml gconfig.n_sample=8\n```", "config key 'gconfig.n_sample'"),
+        (
+            "```bash\nmegarl run configs/arithmetic_grpo_cpu.yaml gconfig.n_sample=8\n```",
+            "config key 'gconfig.n_sample'",
+        ),
         ("```bash\nmegarl run configs/arithmetic_grpo_cpu.yaml nosuchblock.x=1\n```", "config key 'nosuchblock.x'"),
         ("Then `make test-learning`.", "make target 'test-learning' does not exist"),
         ("```bash\nmake docs no-such-target\n```", "make target 'no-such-target'"),
-        ("```bash\nmake run RUN_ARGS=\"rollout.max_stalenes=1\"\n```", "config key 'rollout.max_stalenes'"),
+        ('```bash\nmake run RUN_ARGS="rollout.max_stalenes=1"\n```', "config key 'rollout.max_stalenes'"),
         ("See `configs/no_such.yaml`.", "path 'configs/no_such.yaml' does not exist"),
         ("See `tests/test_docs.py::test_no_such_test`.", "has no function 'test_no_such_test'"),
         ("`megarl slurm --no-such-flag`", "has no flag '--no-such-flag'"),
@@ -367,7 +375,7 @@ def test_checker_fails_on_a_name_that_does_not_exist(text, expected):
         "Set `actor.optimizer.lr`, `rollout.max_staleness=1` and `workflow.kwargs.anything=3`.",
         "AReaL's `rollout.group_size` loads as `workflow.group_size`.",
         "| megarl | AReaL | verl |\n|---|---|---|\n| `rollout.max_staleness` | `rollout.max_head_offpolicyness` | `actor_rollout_ref.rollout.n` |",
-        "```bash\nmegarl slurm --dry-run --requeue --config configs/gsm8k_grpo_cpu.yaml recover.mode=auto\nmake run RUN_ARGS=\"total_train_steps=2\"\n```",
+        '```bash\nmegarl slurm --dry-run --requeue --config configs/gsm8k_grpo_cpu.yaml recover.mode=auto\nmake run RUN_ARGS="total_train_steps=2"\n```',
         "`megarl run CONFIG [key=value ...]`, `benchmarks/results/*.json`, `configs/<the config>.yaml`, `RUN_DIR/stacks/`",
         "`megarl.reward.gsm8k.gsm8k_reward_fn`, `megarl.config.GRPOConfig`, `python -m megarl.train`",
         "`HF_HUB_OFFLINE=1`, `config.json`, `launcher.log`, `watchdog.jsonl`, `ppo_actor/gap/lag_{k}/...`, [site](https://example.org), [top](#top)",

@@ -119,7 +119,9 @@ class Tree:
             if src_floor is None or dst_floor is None:
                 problem = f"{where}: {src} or {dst} is on no floor of tests/test_layering.py FLOORS"
             elif dst_floor > src_floor:
-                problem = f"{where}: {src} (floor {src_floor + 1}) imports {target} ({dst}, floor {dst_floor + 1}): runs up"
+                problem = (
+                    f"{where}: {src} (floor {src_floor + 1}) imports {target} ({dst}, floor {dst_floor + 1}): runs up"
+                )
             elif dst_floor == src_floor:
                 problem = f"{where}: {src} imports {target}: {src} and {dst} share floor {src_floor + 1}"
             else:
@@ -238,8 +240,13 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Tree:
 
 
 def test_an_import_inside_a_function_that_runs_up_is_named_with_its_line(tmp_path):
-    tree = _tree(tmp_path, {"utils/a.py": "import os\n\n\ndef f():\n    from megarl.actor.engine import X\n",
-                            "actor/engine.py": "X = 1\n"})  # fmt: skip
+    tree = _tree(
+        tmp_path,
+        {
+            "utils/a.py": "import os\n\n\ndef f():\n    from megarl.actor.engine import X\n",
+            "actor/engine.py": "X = 1\n",
+        },
+    )
     assert tree.violations() == [
         "megarl/utils/a.py:5: utils (floor 1) imports megarl.actor.engine (actor, floor 7): runs up"
     ]

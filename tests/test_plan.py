@@ -28,9 +28,17 @@ MODEL = ModelShape(num_attention_heads=8, num_key_value_heads=4, num_hidden_laye
 
 
 def rates(**kw) -> Rates:
-    base = {"source": "hand-made", "server": {1: ServerRate(100.0), 2: ServerRate(150.0, token_latency_s=0.1)},
-            "trainer": {(1, 1): 110.0, (1, 2): 200.0}, "sync_fixed_s": 1.0, "sync_bytes_per_s": 1e9,
-            "model_bytes": 2e9, "overhead_s": 0.5, "workload": WORK, "model": MODEL}  # fmt: skip
+    base = {
+        "source": "hand-made",
+        "server": {1: ServerRate(100.0), 2: ServerRate(150.0, token_latency_s=0.1)},
+        "trainer": {(1, 1): 110.0, (1, 2): 200.0},
+        "sync_fixed_s": 1.0,
+        "sync_bytes_per_s": 1e9,
+        "model_bytes": 2e9,
+        "overhead_s": 0.5,
+        "workload": WORK,
+        "model": MODEL,
+    }
     return Rates(**{**base, **kw})
 
 
@@ -113,8 +121,10 @@ def test_rank_splits_whole_nodes_and_batch():
     for p in plan.ranked:
         a = alloc(p.allocation)
         assert a.inference.world_size % 8 == 0 and a.train.world_size % 8 == 0 and 8 % (a.train.dp * 2) == 0
-    assert any("train_dataset.batch_size 8 is not divisible by trainer DP 8 x actor.ppo_n_minibatches 2" in why
-               for _, why in plan.refused)  # fmt: skip
+    assert any(
+        "train_dataset.batch_size 8 is not divisible by trainer DP 8 x actor.ppo_n_minibatches 2" in why
+        for _, why in plan.refused
+    )
 
 
 def test_rank_splits_errors_name_the_numbers():
@@ -147,18 +157,24 @@ def test_gpu_rates_are_labelled_assumed():
         ("source: x\ntrainer: {p1t1: 10}\n", "key 'server' must be a non-empty mapping"),
         ("source: x\nserver: {tp1: 10}\ntrainer: {p1t1: 10}\n", "key 'server.tp1' is not a layout like 't2'"),
         ("source: x\nserver: {t1: 10}\ntrainer: {d1t1: 10}\n", "key 'trainer.d1t1' is not a layout like 'p2t2'"),
-        ("source: x\nserver: {t1: {tokens_per_s: -3}}\ntrainer: {p1t1: 10}\n",
-         "key 'server.t1.tokens_per_s' must be a number > 0, got -3"),
+        (
+            "source: x\nserver: {t1: {tokens_per_s: -3}}\ntrainer: {p1t1: 10}\n",
+            "key 'server.t1.tokens_per_s' must be a number > 0, got -3",
+        ),
         ("source: x\nserver: {t1: 10}\ntrainer: {p1t1: fast}\n", "key 'trainer.p1t1' must be a number > 0, got 'fast'"),
         ("source: x\nserver: {t1: 10}\ntrainer: {p1t1: 1}\ndp_efficiency: 1.5\n", "key 'dp_efficiency' must be <= 1"),
-        ("source: x\nserver: {t1: 10}\ntrainer: {p1t1: 1}\noverlap_slowdown: 0.5\n",
-         "key 'overlap_slowdown' must be >= 1, got 0.5"),
-        ("source: x\nserver: {t1: 10}\ntrainer: {p1t1: 1}\nworkload: {prompts: 1, samples: 1, gen_tokens: 1, x: 2}\n",
-         "unknown key 'workload.x'"),
+        (
+            "source: x\nserver: {t1: 10}\ntrainer: {p1t1: 1}\noverlap_slowdown: 0.5\n",
+            "key 'overlap_slowdown' must be >= 1, got 0.5",
+        ),
+        (
+            "source: x\nserver: {t1: 10}\ntrainer: {p1t1: 1}\nworkload: {prompts: 1, samples: 1, gen_tokens: 1, x: 2}\n",
+            "unknown key 'workload.x'",
+        ),
         ("- a\n- b\n", "expected a mapping of keys, got list"),
         ("source: [unclosed\n", "is not YAML or JSON"),
     ],
-)  # fmt: skip
+)
 def test_bad_rates_file_names_file_and_key(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -189,11 +205,14 @@ def test_cli_one_mode_and_flags(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--mode", "vllm:d1t1+megatron:d1p1t3"], "megatron tensor parallel t3 does not divide the model's 8 attention heads"),
+        (
+            ["--mode", "vllm:d1t1+megatron:d1p1t3"],
+            "megatron tensor parallel t3 does not divide the model's 8 attention heads",
+        ),
         (["--mode", "vllm:d1t4+megatron:d1p1t1"], "no server rate for TP 4"),
         ([], "needs --mode ALLOCATION, --devices N or --config FILE"),
     ],
-)  # fmt: skip
+)
 def test_cli_errors_exit_2(tmp_path, capsys, extra, needle):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(rates_to_dict(rates())))
@@ -215,8 +234,15 @@ def test_calibration_from_metrics():
     """benchmarks/plan.py turns a synchronous run's step metrics into rates, then predicts it back."""
     from benchmarks.plan import _row, calibrate
 
-    step = {"batch/n_seqs": 8.0, "batch/seq_len/avg": 200.0, "ppo_actor/n_tokens": 1024.0, "timeperf/rollout": 4.0,
-            "timeperf/train_step": 10.0, "timeperf/update_weights": 0.5, "timeperf/step": 15.0}  # fmt: skip
+    step = {
+        "batch/n_seqs": 8.0,
+        "batch/seq_len/avg": 200.0,
+        "ppo_actor/n_tokens": 1024.0,
+        "timeperf/rollout": 4.0,
+        "timeperf/train_step": 10.0,
+        "timeperf/update_weights": 0.5,
+        "timeperf/step": 15.0,
+    }
     r = calibrate([step, step], "static", "now")
     assert r.server[1].tokens_per_s == pytest.approx(256) and r.trainer[(1, 1)] == pytest.approx(160)
     assert r.sync_fixed_s == pytest.approx(0.5) and r.overhead_s == pytest.approx(0.5)

@@ -26,14 +26,20 @@ from openai import AsyncOpenAI
 
 from megarl.reward.arithmetic import arithmetic_reward_fn
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "calculate",
-        "description": "Evaluate an arithmetic expression of numbers, + - * / and parentheses.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
-    },
-}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate an arithmetic expression of numbers, + - * / and parentheses.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 # Spelled out as well: some chat templates (SmolLM2's) do not render ``tools``.
 SYSTEM_PROMPT = (
     "You may use a calculator: reply with "
@@ -73,8 +79,12 @@ class CalculatorAgent:
         self.max_turns = max_turns
 
     async def run(self, data, **extra_kwargs) -> float:
-        client = AsyncOpenAI(base_url=extra_kwargs["base_url"], api_key=extra_kwargs["api_key"],
-                             http_client=extra_kwargs["http_client"], max_retries=0)  # fmt: skip
+        client = AsyncOpenAI(
+            base_url=extra_kwargs["base_url"],
+            api_key=extra_kwargs["api_key"],
+            http_client=extra_kwargs["http_client"],
+            max_retries=0,
+        )
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, *data["messages"]]
         for _ in range(self.max_turns):
             completion = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
@@ -83,5 +93,7 @@ class CalculatorAgent:
             if not message.tool_calls:
                 break
             for call in message.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)}
+                )
         return float(self.reward_fn("", message.content or "", [], [], **data))

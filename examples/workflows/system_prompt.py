@@ -31,18 +31,23 @@ class SystemPromptWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine, data):
         messages = [{"role": "system", "content": self.system_prompt}, *data["messages"]]
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False)  # fmt: skip
+        prompt = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         rid = uuid.uuid4().hex  # the group on one server: the prompt is its cached prefix
         # for_sample: sample i's own seed when gconfig.seed is set, so a group's samples differ
-        requests = [ModelRequest(rid=rid, input_ids=list(prompt), gconfig=self.gconfig.for_sample(prompt, i))
-                    for i in range(self.gconfig.n_samples)]  # fmt: skip
+        requests = [
+            ModelRequest(rid=rid, input_ids=list(prompt), gconfig=self.gconfig.for_sample(prompt, i))
+            for i in range(self.gconfig.n_samples)
+        ]
         responses = await asyncio.gather(*(engine.agenerate(req) for req in requests))
         rewards = await asyncio.gather(*(self.score(resp, data) for resp in responses))
-        return concat_padded_tensors([
-            make_trajectory(r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions, reward)
-            for r, reward in zip(responses, rewards)
-        ])  # fmt: skip
+        return concat_padded_tensors(
+            [
+                make_trajectory(r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions, reward)
+                for r, reward in zip(responses, rewards)
+            ]
+        )
 
     async def score(self, resp, data) -> float:
         completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)

@@ -155,12 +155,13 @@ def grpo_advantages(
     """
     seq_adv = normalize_rewards(rewards, group_size, mean_level, std_level, leave_one_out, eps)
     mask = loss_mask.bool()
-    adv = torch.where(mask, broadcast_to_tokens(seq_adv, cu_seqlens, mask.numel()), torch.zeros_like(mask, dtype=torch.float32))
+    adv = torch.where(
+        mask, broadcast_to_tokens(seq_adv, cu_seqlens, mask.numel()), torch.zeros_like(mask, dtype=torch.float32)
+    )
     if kl_token_rewards is not None:
         kl_returns, _ = gae(kl_token_rewards.float(), None, mask, cu_seqlens, gamma=gamma, lam=1.0)
         adv = adv + kl_returns
     return adv
-
 
 
 def gae_advantages(

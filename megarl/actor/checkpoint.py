@@ -30,7 +30,13 @@ logger = logging.getLogger(__name__)
 def export_hf(engine, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
     """Write the engine's weights as an HF directory at ``path`` (collective: every rank calls)."""
     p = engine.parallel
-    common = {"desc": engine.desc, "coords": engine.coords, "tp_group": p.tp_group, "etp_group": p.etp_group, "dtype": dtype}
+    common = {
+        "desc": engine.desc,
+        "coords": engine.coords,
+        "tp_group": p.tp_group,
+        "etp_group": p.etp_group,
+        "dtype": dtype,
+    }
     # One replica of each tensor is gathered over TP / ETP; one TP / ETP peer sends it.
     dense = gather_hf_tensors(engine.model, include=lambda r: not r.is_expert and p.dp_rank == 0, **common)
     experts = gather_hf_tensors(engine.model, include=lambda r: r.is_expert and p.edp_rank == 0, **common)

@@ -67,9 +67,13 @@ def critic_loss(values: torch.Tensor, mb: dict, eps_clip: float | None) -> torch
     loss, clipped = value_loss(values, old, returns, eps_clip)
     stats_tracker.denominator(n_tokens=mask)
     stats_tracker.stat(
-        denominator="n_tokens", value_loss=loss.detach(), clip_ratio=clipped.float(), values=values.detach(),
-        returns=returns, abs_error=(values.detach() - returns).abs(),
-    )  # fmt: skip
+        denominator="n_tokens",
+        value_loss=loss.detach(),
+        clip_ratio=clipped.float(),
+        values=values.detach(),
+        returns=returns,
+        abs_error=(values.detach() - returns).abs(),
+    )
     total, weight = aggregate(loss, mask, "token-mean")
     return total / weight.clamp(min=1)
 
@@ -102,8 +106,9 @@ class MegatronCritic(MegatronEngine):
         chunk = unwrap(model)
         if chunk.config.sequence_parallel:
             # every TP rank applies the head to all tokens: backward splits the gradient, no sum
-            output = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False,
-                                                          group=self.parallel.tp_group)  # fmt: skip
+            output = gather_from_sequence_parallel_region(
+                output, tensor_parallel_output_grad=False, group=self.parallel.tp_group
+            )
         head = chunk.value_head
         return head(output.to(head.weight.dtype)).reshape(-1).float()
 
@@ -119,7 +124,9 @@ class MegatronCritic(MegatronEngine):
         cfg = self.config
         for key in ("values", "returns"):
             if key not in data:
-                raise ValueError(f"critic.ppo_update needs data[{key!r}]: compute_values, then actor.compute_advantages")
+                raise ValueError(
+                    f"critic.ppo_update needs data[{key!r}]: compute_values, then actor.compute_advantages"
+                )
         loss_fn = partial(critic_loss, eps_clip=cfg.eps_clip)
         weight_fn = partial(ppo_loss_weight, mode="token-mean")
         all_stats = []
@@ -130,4 +137,3 @@ class MegatronCritic(MegatronEngine):
                     stats_tracker.scalar(**{k: step[k] for k in ("loss", "grad_norm", "lr", "update_successful")})
                 all_stats.append(stats_tracker.export())
         return all_stats
-

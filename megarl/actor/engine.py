@@ -135,10 +135,14 @@ class MegatronEngine:
         alloc = self.parallel.alloc
         self.desc = describe(self.model_path, alloc.tp)
         self.tconfig = transformer_config(
-            self.desc, alloc, sequence_parallel=self.config.megatron.sequence_parallel, dtype=self.dtype,
-            moe_dispatcher=self._moe_dispatcher(), recompute=self._recompute(),
+            self.desc,
+            alloc,
+            sequence_parallel=self.config.megatron.sequence_parallel,
+            dtype=self.dtype,
+            moe_dispatcher=self._moe_dispatcher(),
+            recompute=self._recompute(),
             perform_initialization=self.config.init_from_scratch,
-        )  # fmt: skip
+        )
         self.kernel_backend = resolve_backend(
             self.config.use_fused_kernels, self.tconfig.params_dtype, self.tconfig.hidden_size
         )
@@ -313,8 +317,9 @@ class MegatronEngine:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = mb.cu_seqlens.to(cpu_shim.device())
-        thd = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
-                   max_seqlen_kv=mb.max_seqlen)  # fmt: skip
+        thd = dict(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen
+        )
         if mb.shares_prefixes:
             return SharedPrefixSeqParams(**thd, parents=mb.parents)
         return PackedSeqParams(**thd)
@@ -336,8 +341,12 @@ class MegatronEngine:
             ids = mb.data["input_ids"][None]
             # RoPE at each token's column in its row: only a shared prefix's branches need it
             positions = mb.data["position_ids"][None] if mb.shares_prefixes else None
-            output = model(input_ids=ids, position_ids=positions, attention_mask=None,
-                           packed_seq_params=self._packed_seq_params(mb))  # fmt: skip
+            output = model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=None,
+                packed_seq_params=self._packed_seq_params(mb),
+            )
             return output, partial(head_fn, model, mb, extra)
 
         return forward_step

@@ -85,9 +85,16 @@ def _raw_stats(out: PolicyLossOutput, kl: torch.Tensor, mask: torch.Tensor) -> t
 def _torch_loss(logp, old_logp, prox_logp, adv, mask, denominator, spec: _Spec):
     """The torch path: ``megarl.actor.losses.policy_loss`` under autograd, plus the kernel's raw stats."""
     out = policy_loss(
-        logp, old_logp, adv, mask, eps_clip=spec.eps_low, eps_clip_higher=spec.eps_high, c_clip=spec.dual_clip,
-        proximal_logprobs=prox_logp, behav_imp_weight_cap=spec.behav_cap,
-    )  # fmt: skip
+        logp,
+        old_logp,
+        adv,
+        mask,
+        eps_clip=spec.eps_low,
+        eps_clip_higher=spec.eps_high,
+        c_clip=spec.dual_clip,
+        proximal_logprobs=prox_logp,
+        behav_imp_weight_cap=spec.behav_cap,
+    )
     anchor = old_logp if prox_logp is None else prox_logp
     raw = _raw_stats(out, logp.detach() - anchor, mask)
     denom = raw[_COUNT].clamp(min=1.0) if denominator is None else denominator
@@ -100,9 +107,16 @@ class _CudaPPOLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, old_logp, prox_logp, adv, mask, denominator, spec: _Spec):
         loss_tok, grad_tok, raw = _cuda.load_extension().ppo_loss(
-            logp, old_logp, prox_logp, adv, mask, spec.eps_low, spec.eps_high,
-            spec.dual_clip or 0.0, spec.behav_cap or 0.0,
-        )  # fmt: skip
+            logp,
+            old_logp,
+            prox_logp,
+            adv,
+            mask,
+            spec.eps_low,
+            spec.eps_high,
+            spec.dual_clip or 0.0,
+            spec.behav_cap or 0.0,
+        )
         denom = raw[_COUNT].clamp(min=1.0) if denominator is None else denominator
         ctx.save_for_backward(grad_tok, torch.as_tensor(denom, dtype=torch.float32, device=logp.device))
         ctx.mark_non_differentiable(raw)
@@ -174,8 +188,11 @@ def fused_ppo_loss(
     """
     eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
     others = {
-        "old_logprobs": old_logprobs, "advantages": advantages, "loss_mask": loss_mask, "prox_logprobs": prox_logprobs,
-    }  # fmt: skip
+        "old_logprobs": old_logprobs,
+        "advantages": advantages,
+        "loss_mask": loss_mask,
+        "prox_logprobs": prox_logprobs,
+    }
     _check(logprobs, others, eps_clip, eps_clip_high, dual_clip, behav_imp_weight_cap)
     spec = _Spec(eps_clip, eps_clip_high, dual_clip, behav_imp_weight_cap)
 

@@ -93,7 +93,9 @@ def gap_warning(stats: dict[str, float], threshold: float) -> str | None:
         return None
     n = int(stats.get("ppo_actor/gap/lag_0/n_tokens", 0))
     p99 = stats.get("ppo_actor/gap/abs_logp_diff/p99", float("nan"))
-    return (f"train-inference gap: the {n} tokens trained at version lag 0 differ from the servers' logprobs by "
-            f"{mean:.4g} on average (> weight_update.gap_threshold={threshold:g}; p99 over all tokens {p99:.4g}): "
-            "the servers do not compute what the trainer does (weights, dtype or sampling settings differ), "
-            "and the policy ratios are off by as much")  # fmt: skip
+    return (
+        f"train-inference gap: the {n} tokens trained at version lag 0 differ from the servers' logprobs by "
+        f"{mean:.4g} on average (> weight_update.gap_threshold={threshold:g}; p99 over all tokens {p99:.4g}): "
+        "the servers do not compute what the trainer does (weights, dtype or sampling settings differ), "
+        "and the policy ratios are off by as much"
+    )

@@ -52,17 +52,24 @@ class LMHeadOutput:
         if rows.numel() == 0:  # nothing to score: zeros that still belong to the graph
             zeros = torch.zeros(labels.shape, device=self.hidden.device) + self.hidden.sum().float() * 0.0
             return zeros, zeros
-        logp, entropy = self._logprobs_entropy(self.hidden.index_select(0, rows), labels.index_select(0, rows),
-                                               temperature)  # fmt: skip
+        logp, entropy = self._logprobs_entropy(
+            self.hidden.index_select(0, rows), labels.index_select(0, rows), temperature
+        )
         zeros = torch.zeros(labels.shape, dtype=logp.dtype, device=logp.device)
         return zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy)
 
     def _logprobs_entropy(self, hidden, labels, temperature):
         return fused_logprobs_entropy(
-            hidden, self.weight, labels, self.tp_group, temperature,
-            vocab_start=self.vocab_start, vocab_size=self.vocab_size, reduce_grad_hidden=self.reduce_grad_hidden,
+            hidden,
+            self.weight,
+            labels,
+            self.tp_group,
+            temperature,
+            vocab_start=self.vocab_start,
+            vocab_size=self.vocab_size,
+            reduce_grad_hidden=self.reduce_grad_hidden,
             backend=self.backend,
-        )  # fmt: skip
+        )
 
     def token_loss(
         self, labels: torch.Tensor, token_loss_fn: TokenLossFn, temperature: float, where: torch.Tensor
@@ -78,10 +85,17 @@ class LMHeadOutput:
         if rows.numel() == 0:  # nothing to score: a zero that still belongs to the graph
             return self.hidden.sum().float() * 0.0, zeros, zeros
         loss, logp, entropy = fused_linear_token_loss(
-            self.hidden.index_select(0, rows), self.weight, labels.index_select(0, rows), token_loss_fn,
-            self.tp_group, temperature, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
-            reduce_grad_hidden=self.reduce_grad_hidden, backend=self.backend,
-        )  # fmt: skip
+            self.hidden.index_select(0, rows),
+            self.weight,
+            labels.index_select(0, rows),
+            token_loss_fn,
+            self.tp_group,
+            temperature,
+            vocab_start=self.vocab_start,
+            vocab_size=self.vocab_size,
+            reduce_grad_hidden=self.reduce_grad_hidden,
+            backend=self.backend,
+        )
         return loss, zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy)
 
     def logprobs(self, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -103,11 +117,20 @@ def make_lm_head_output(
     if sequence_parallel:
         # backward reduce-scatters the hidden gradient: the TP reduction the head would do
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
+    weight = (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
+        else model.output_layer.weight
+    )
     tp_rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
     # Float16Module hands the last stage's output back in fp32; the head runs in the weights' dtype
     hidden = hidden.to(weight.dtype)
     return LMHeadOutput(
-        hidden=hidden.reshape(-1, hidden.shape[-1]), weight=weight, vocab_start=tp_rank * weight.shape[0],
-        vocab_size=vocab_size, tp_group=tp_group, reduce_grad_hidden=not sequence_parallel, backend=backend,
-    )  # fmt: skip
+        hidden=hidden.reshape(-1, hidden.shape[-1]),
+        weight=weight,
+        vocab_start=tp_rank * weight.shape[0],
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+        reduce_grad_hidden=not sequence_parallel,
+        backend=backend,
+    )

@@ -150,10 +150,15 @@ def weigh_by_behaviour(
         behav_weight, capped, truncated = weights.raw, weights.masked, weights.truncated
     kept = mask & ~capped
     return PolicyLossOutput(
-        loss=torch.where(kept, loss, torch.zeros_like(loss)), mask=mask, ratio=surrogate.ratio,
-        clipped=surrogate.clipped, dual_clipped=surrogate.dual_clipped, behav_weight=behav_weight,
-        capped=capped, truncated=truncated,
-    )  # fmt: skip
+        loss=torch.where(kept, loss, torch.zeros_like(loss)),
+        mask=mask,
+        ratio=surrogate.ratio,
+        clipped=surrogate.clipped,
+        dual_clipped=surrogate.dual_clipped,
+        behav_weight=behav_weight,
+        capped=capped,
+        truncated=truncated,
+    )
 
 
 def policy_loss(
@@ -179,11 +184,25 @@ def policy_loss(
     """
     anchor = old_logprobs if proximal_logprobs is None else proximal_logprobs
     surrogate = ppo_surrogate(
-        logprobs, anchor, advantages, loss_mask, eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip,
-        importance_sampling_level=importance_sampling_level, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    return weigh_by_behaviour(surrogate, loss_mask, old_logprobs, proximal_logprobs, cu_seqlens=cu_seqlens,
-                              behav_imp_weight_cap=behav_imp_weight_cap, correction=correction)  # fmt: skip
+        logprobs,
+        anchor,
+        advantages,
+        loss_mask,
+        eps_clip=eps_clip,
+        eps_clip_higher=eps_clip_higher,
+        c_clip=c_clip,
+        importance_sampling_level=importance_sampling_level,
+        cu_seqlens=cu_seqlens,
+    )
+    return weigh_by_behaviour(
+        surrogate,
+        loss_mask,
+        old_logprobs,
+        proximal_logprobs,
+        cu_seqlens=cu_seqlens,
+        behav_imp_weight_cap=behav_imp_weight_cap,
+        correction=correction,
+    )
 
 
 def kl_penalty(

@@ -48,7 +48,9 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list, params_dtype: torch.dtyp
     when ``cfg.bf16_rounding`` asks for it."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    optimizer = get_megatron_optimizer(megatron_optimizer_config(cfg, params_dtype), chunks, pg_collection=pg_collection)
+    optimizer = get_megatron_optimizer(
+        megatron_optimizer_config(cfg, params_dtype), chunks, pg_collection=pg_collection
+    )
     if cfg.bf16_rounding == "dithered" and params_dtype != torch.float32:
         dither_main_params(optimizer, params_dtype)
     return optimizer
@@ -89,8 +91,9 @@ def dither_main_params(optimizer, dtype: torch.dtype, seed: int = 0) -> None:
     for main in main_params_of_low_precision(optimizer):
         if main.device not in generators:
             generators[main.device] = torch.Generator(device=main.device).manual_seed(seed)
-        offset = torch.randint(-half, half + 1, main.shape, generator=generators[main.device], device=main.device,
-                               dtype=torch.int32)  # fmt: skip
+        offset = torch.randint(
+            -half, half + 1, main.shape, generator=generators[main.device], device=main.device, dtype=torch.int32
+        )
         dithered = (main.view(torch.int32) + offset).view(torch.float32)
         # zero has no cell (its bits would wrap to NaN); anything that would round elsewhere stays as it is
         keep = (main != 0) & (dithered.to(dtype) == main.to(dtype))

@@ -236,10 +236,11 @@ def pack(batch: dict, groups: list[list[int | Unit]], padded_len: int) -> list[M
 def _pack_value(value, rows, segments, seq_dim, n_rows):
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == n_rows and value.shape[1] == seq_dim:
         parts = [
-            value[s.rows[0], s.start : s.end] if s.rows
+            value[s.rows[0], s.start : s.end]
+            if s.rows
             else torch.zeros((s.length, *value.shape[2:]), dtype=value.dtype, device=value.device)
             for s in segments
-        ]  # fmt: skip
+        ]
         return torch.cat(parts, dim=0)
     if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == n_rows:
         return value[rows]

@@ -119,9 +119,19 @@ def init_parallel(alloc: TrainingAllocation, *, seed: int = 1, timeout_minutes: 
     seed_everything(seed, state)
     logger.info(
         "rank %d/%d: tp %d/%d pp %d/%d dp %d/%d ep %d/%d etp %d/%d",
-        state.rank, state.world_size, state.tp_rank, alloc.tp, state.pp_rank, alloc.pp,
-        state.dp_rank, alloc.dp, state.ep_rank, alloc.ep, state.etp_rank, alloc.expert_tp,
-    )  # fmt: skip
+        state.rank,
+        state.world_size,
+        state.tp_rank,
+        alloc.tp,
+        state.pp_rank,
+        alloc.pp,
+        state.dp_rank,
+        alloc.dp,
+        state.ep_rank,
+        alloc.ep,
+        state.etp_rank,
+        alloc.expert_tp,
+    )
     return state
 
 

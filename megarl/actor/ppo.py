@@ -94,7 +94,9 @@ class MegatronPPOActor(MegatronEngine):
         kl_rewards = torch.zeros_like(old_logp)
         if cfg.kl_ctl > 0 and cfg.kl_in_reward:
             if "ref_logp" not in data:
-                raise ValueError("kl_in_reward with kl_ctl > 0 needs data['ref_logp'] (a reference model's compute_logp)")
+                raise ValueError(
+                    "kl_in_reward with kl_ctl > 0 needs data['ref_logp'] (a reference model's compute_logp)"
+                )
             policy_logp = data.get("prox_logp", old_logp)
             kl_rewards = -cfg.kl_ctl * losses.kl_penalty(policy_logp, data["ref_logp"].float(), cfg.kl_estimator)
             kl_rewards = kl_rewards * loss_mask
@@ -102,18 +104,33 @@ class MegatronPPOActor(MegatronEngine):
         norm = cfg.adv_norm
         if "values" in data:  # PPO with a critic: GAE over the token rewards and the critic's values
             advantages, returns = adv_fns.gae_advantages(
-                rewards, data["values"].flatten(), loss_mask.flatten(), cu_seqlens, cfg.group_size,
-                gamma=cfg.discount, lam=cfg.gae_lambda, mean_level=norm.mean_level, std_level=norm.std_level,
-                eps=norm.eps, kl_token_rewards=kl_token_rewards,
-            )  # fmt: skip
+                rewards,
+                data["values"].flatten(),
+                loss_mask.flatten(),
+                cu_seqlens,
+                cfg.group_size,
+                gamma=cfg.discount,
+                lam=cfg.gae_lambda,
+                mean_level=norm.mean_level,
+                std_level=norm.std_level,
+                eps=norm.eps,
+                kl_token_rewards=kl_token_rewards,
+            )
             data["returns"] = returns.view(batch_size, seq_len)
             data["values"] = data["values"].float() * loss_mask
         else:
             advantages = adv_fns.grpo_advantages(
-                rewards, loss_mask.flatten(), cu_seqlens, cfg.group_size,
-                mean_level=norm.mean_level, std_level=norm.std_level, leave_one_out=norm.mean_leave1out,
-                eps=norm.eps, kl_token_rewards=kl_token_rewards, gamma=cfg.discount,
-            )  # fmt: skip
+                rewards,
+                loss_mask.flatten(),
+                cu_seqlens,
+                cfg.group_size,
+                mean_level=norm.mean_level,
+                std_level=norm.std_level,
+                leave_one_out=norm.mean_leave1out,
+                eps=norm.eps,
+                kl_token_rewards=kl_token_rewards,
+                gamma=cfg.discount,
+            )
         data["advantages"] = advantages.view(batch_size, seq_len)
         data["loss_mask"] = loss_mask.to(torch.int32)
         data["logprobs"] = old_logp * loss_mask
@@ -223,8 +240,11 @@ def padded_as_packed(data: dict) -> dict:
     """
     rows, width = data["loss_mask"].shape
     has_next = torch.arange(width)[None, :] < data["attention_mask"].sum(-1, keepdim=True) - 1
-    return {"loss_mask": data["loss_mask"].flatten().bool(), "label_mask": has_next.flatten(),
-            "cu_seqlens": torch.arange(rows + 1) * width}  # fmt: skip
+    return {
+        "loss_mask": data["loss_mask"].flatten().bool(),
+        "label_mask": has_next.flatten(),
+        "cu_seqlens": torch.arange(rows + 1) * width,
+    }
 
 
 def _uses_prox(cfg: PPOActorConfig) -> bool:
@@ -303,8 +323,9 @@ def _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn
     fused = _fused_surrogate(cfg, head, logp)
     logger.debug(
         "ppo_loss: logprobs on the %s path, surrogate via %s",
-        logprobs_backend(head.backend, head.hidden, head.weight), "fused_ppo_loss" if fused else "losses.policy_loss",
-    )  # fmt: skip
+        logprobs_backend(head.backend, head.hidden, head.weight),
+        "fused_ppo_loss" if fused else "losses.policy_loss",
+    )
     if fused:
         return _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox)
     cu_seqlens = mb["cu_seqlens"].long()
@@ -363,11 +384,18 @@ def _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap) -> torch.Tens
 def _policy_loss(cfg: PPOActorConfig, surrogate_fn, mb: dict, mask, logp, old, prox, cu_seqlens):
     """The surrogate of ``cfg.loss`` weighted by the behaviour weight (capped or corrected), and its stats."""
     anchor = prox if prox is not None else old
-    surrogate, user_stats = surrogate_fn(logp, anchor, mb["advantages"].float(), mask, cu_seqlens=cu_seqlens, config=cfg)
+    surrogate, user_stats = surrogate_fn(
+        logp, anchor, mb["advantages"].float(), mask, cu_seqlens=cu_seqlens, config=cfg
+    )
     out = losses.weigh_by_behaviour(
-        surrogate, mask, old, prox, cu_seqlens=cu_seqlens, correction=cfg.rollout_correction,
+        surrogate,
+        mask,
+        old,
+        prox,
+        cu_seqlens=cu_seqlens,
+        correction=cfg.rollout_correction,
         behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-    )  # fmt: skip
+    )
     stats = {
         "importance_weight": out.ratio.float(),
         "clip_ratio": out.clipped.float(),
@@ -410,10 +438,17 @@ def _fused_surrogate(cfg: PPOActorConfig, head: LMHeadOutput, logp: torch.Tensor
 def _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox) -> torch.Tensor:
     """Token-mean loss with the surrogate from the fused epilogue and the penalties added in torch."""
     surrogate, stats = fused_ppo_loss(
-        logp, old, mb["advantages"].float(), mask, prox_logprobs=None if prox is None else prox.float(),
-        eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_higher, dual_clip=cfg.c_clip,
-        behav_imp_weight_cap=cfg.behav_imp_weight_cap if prox is not None else None, backend=head.backend,
-    )  # fmt: skip
+        logp,
+        old,
+        mb["advantages"].float(),
+        mask,
+        prox_logprobs=None if prox is None else prox.float(),
+        eps_clip=cfg.eps_clip,
+        eps_clip_high=cfg.eps_clip_higher,
+        dual_clip=cfg.c_clip,
+        behav_imp_weight_cap=cfg.behav_imp_weight_cap if prox is not None else None,
+        backend=head.backend,
+    )
     penalties, kl = _add_penalties(torch.zeros_like(logp), cfg, mb, mask, logp, entropy)
     total, weight = losses.aggregate(penalties, mask, "token-mean")
     anchor = (prox if prox is not None else old).float()
@@ -455,9 +490,16 @@ def policy_surrogate(cfg: PPOActorConfig):
 
 def _clipped_surrogate(logp, anchor, advantages, mask, *, cu_seqlens, config: PPOActorConfig):
     surrogate = losses.ppo_surrogate(
-        logp, anchor, advantages, mask, eps_clip=config.eps_clip, eps_clip_higher=config.eps_clip_higher,
-        c_clip=config.c_clip, importance_sampling_level=config.importance_sampling_level, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+        logp,
+        anchor,
+        advantages,
+        mask,
+        eps_clip=config.eps_clip,
+        eps_clip_higher=config.eps_clip_higher,
+        c_clip=config.c_clip,
+        importance_sampling_level=config.importance_sampling_level,
+        cu_seqlens=cu_seqlens,
+    )
     return surrogate, {}
 
 
@@ -469,8 +511,10 @@ def user_surrogate(fn, logp, anchor, advantages, mask, *, cu_seqlens, config: PP
     result = fn(logp, anchor, advantages, mask, cu_seqlens=cu_seqlens, config=config)
     loss, stats = result if isinstance(result, tuple) else (result, {})
     if not isinstance(loss, torch.Tensor) or loss.shape != logp.shape:
-        raise ValueError(f"actor.loss={config.loss!r} must return a per-token loss of shape {tuple(logp.shape)}, "
-                         f"got {getattr(loss, 'shape', type(loss).__name__)}")  # fmt: skip
+        raise ValueError(
+            f"actor.loss={config.loss!r} must return a per-token loss of shape {tuple(logp.shape)}, "
+            f"got {getattr(loss, 'shape', type(loss).__name__)}"
+        )
     none = torch.zeros_like(mask)
     ratio = torch.exp(logp.detach() - anchor)
     return losses.SurrogateOutput(loss, ratio, none, none), {k: v.detach().float() for k, v in stats.items()}

@@ -53,7 +53,9 @@ def behaviour_weights(
     ``mode: none`` gives the uncorrected ``w`` with nothing truncated or masked.
     """
     mask = loss_mask.bool()
-    log_w = torch.where(mask, prox_logp.detach().float() - behav_logp.float(), torch.zeros_like(prox_logp, dtype=torch.float))
+    log_w = torch.where(
+        mask, prox_logp.detach().float() - behav_logp.float(), torch.zeros_like(prox_logp, dtype=torch.float)
+    )
     if config.level == "sequence":
         if cu_seqlens is None:
             raise ValueError("rollout_correction.level='sequence' needs cu_seqlens")

@@ -62,8 +62,12 @@ class RoutingMeter:
         """Hook the routers of ``model_chunks`` for the block."""
         from megatron.core.transformer.moe.router import Router
 
-        handles = [module.register_forward_hook(self._hook) for chunk in model_chunks for module in chunk.modules()
-                   if isinstance(module, Router)]  # fmt: skip
+        handles = [
+            module.register_forward_hook(self._hook)
+            for chunk in model_chunks
+            for module in chunk.modules()
+            if isinstance(module, Router)
+        ]
         try:
             yield self
         finally:

@@ -98,7 +98,9 @@ def make_trajectory(
     )
     if output_routed_experts is not None and n_out:
         if len(output_routed_experts) != n_out:
-            raise ValueError(f"make_trajectory: {n_out} output tokens but routed experts for {len(output_routed_experts)}")
+            raise ValueError(
+                f"make_trajectory: {n_out} output tokens but routed experts for {len(output_routed_experts)}"
+            )
         routed = torch.tensor(output_routed_experts, dtype=torch.int16)  # [n_out, layers * top-k]
         prompt = torch.full((n_in, routed.shape[1]), -1, dtype=torch.int16)
         traj["routed_experts"] = torch.cat([prompt, routed])[None]

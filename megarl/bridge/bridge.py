@@ -53,8 +53,12 @@ def _own_addresses() -> set[str]:
     """This host's IP addresses (every interface's)."""
     import psutil
 
-    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
-            if a.family in (socket.AF_INET, socket.AF_INET6)}  # fmt: skip
+    return {
+        a.address.split("%")[0]
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family in (socket.AF_INET, socket.AF_INET6)
+    }
 
 
 class WeightBridgeError(RuntimeError):
@@ -95,8 +99,9 @@ def _in_threads(calls: dict[str, callable], timeout: float) -> dict[str, str]:
         except Exception as e:  # noqa: BLE001 (any failure of a server call is reported for that server)
             errors[name] = f"{type(e).__name__}: {e}"
 
-    threads = {n: threading.Thread(target=run, args=(n, fn), daemon=True, name=f"megarl-bridge-{n}")
-               for n, fn in calls.items()}  # fmt: skip
+    threads = {
+        n: threading.Thread(target=run, args=(n, fn), daemon=True, name=f"megarl-bridge-{n}") for n, fn in calls.items()
+    }
     for thread in threads.values():
         thread.start()
     deadline = time.monotonic() + timeout
@@ -109,8 +114,9 @@ def _in_threads(calls: dict[str, callable], timeout: float) -> dict[str, str]:
 
 def _background(calls: dict[str, callable], timeout: float, errors: dict[str, str]) -> threading.Thread:
     """A started thread running :func:`_in_threads` on ``calls``; their errors land in ``errors``."""
-    thread = threading.Thread(target=lambda: errors.update(_in_threads(calls, timeout)), daemon=True,
-                              name="megarl-bridge-control")  # fmt: skip
+    thread = threading.Thread(
+        target=lambda: errors.update(_in_threads(calls, timeout)), daemon=True, name="megarl-bridge-control"
+    )
     thread.start()
     return thread
 
@@ -129,8 +135,17 @@ class WeightBridge:
         device: Where the trainer's weights live (chooses NCCL or gloo).
     """
 
-    def __init__(self, config: WeightUpdateConfig, desc, hf_shapes: dict, trainer: TrainingAllocation,
-                 coords: TrainerCoords, group=None, source_dir: str | None = None, device="cpu"):  # fmt: skip
+    def __init__(
+        self,
+        config: WeightUpdateConfig,
+        desc,
+        hf_shapes: dict,
+        trainer: TrainingAllocation,
+        coords: TrainerCoords,
+        group=None,
+        source_dir: str | None = None,
+        device="cpu",
+    ):
         config.check()
         self.config, self.desc, self.hf_shapes = config, desc, hf_shapes
         self.trainer, self.coords, self.group = trainer, coords, group
@@ -158,8 +173,9 @@ class WeightBridge:
         if backend == "sglang" and "sharded" in modes:
             raise ValueError("weight_update.mode 'sharded' needs vLLM servers (SGLang has no sharded receive API)")
         self.servers = list(servers)
-        self.plan = build_plan(self.desc, self.hf_shapes, self.trainer, tuple(s.tp for s in servers),
-                               sharded="sharded" in modes)  # fmt: skip
+        self.plan = build_plan(
+            self.desc, self.hf_shapes, self.trainer, tuple(s.tp for s in servers), sharded="sharded" in modes
+        )
         bsched = broadcast_schedule(self.plan, self.bucket_numel)
         ssched = sharded_schedule(self.plan, self.bucket_numel) if "sharded" in modes else None
         wiring = self._wire(bsched.senders if "broadcast" in modes else [], ssched.senders if ssched else [])
@@ -185,16 +201,30 @@ class WeightBridge:
         table = self._all_gather(self.coords)
         rank_of = {o: next(c.rank for c in table if c.holds(o)) for o in [*broadcast_owners, *sharded_owners]}
         backend = default_backend(self.device)
-        count = make_wiring(backend, len(self.plan.workers), broadcast_owners, sharded_owners, rank_of.__getitem__,
-                            lambda r, k: ("", 0), "count")  # fmt: skip
+        count = make_wiring(
+            backend,
+            len(self.plan.workers),
+            broadcast_owners,
+            sharded_owners,
+            rank_of.__getitem__,
+            lambda r, k: ("", 0),
+            "count",
+        )
         host = self.config.master_address or gethostip()
         mine = count.groups_hosted_by(self.coords.rank)
         addresses = self._all_gather((host, find_free_ports(mine, host="0.0.0.0") if mine else [], _own_addresses()))
         self._check_reachable(addresses)
         prefix = f"megarl-bridge-{int(time.time() * 1000) % 10**9}"
         prefix = self._all_gather(prefix)[0]  # every rank names the groups alike
-        return make_wiring(backend, len(self.plan.workers), broadcast_owners, sharded_owners, rank_of.__getitem__,
-                           lambda r, k: (addresses[r][0], addresses[r][1][k]), prefix)  # fmt: skip
+        return make_wiring(
+            backend,
+            len(self.plan.workers),
+            broadcast_owners,
+            sharded_owners,
+            rank_of.__getitem__,
+            lambda r, k: (addresses[r][0], addresses[r][1][k]),
+            prefix,
+        )
 
     def _check_reachable(self, addresses: list[tuple[str, list[int], set[str]]]) -> None:
         """Fail (on every rank alike) when a trainer rank would host groups on a loopback address that
@@ -207,28 +237,43 @@ class WeightBridge:
                     f"the weight bridge's trainer rank {rank} would announce {host} to servers on other hosts "
                     f"({', '.join(elsewhere)}), which cannot reach it: set launcher.slurm.network_interface (or "
                     "$MEGARL_NETWORK_INTERFACE, weight_update.master_address or $MEGARL_HOST_IP) to the cluster "
-                    "interface's")  # fmt: skip
+                    "interface's"
+                )
 
     def _init_info(self, server: int, wiring: Wiring, modes) -> dict:
         specs = {}
         for rank in range(self.servers[server].tp):
             worker = self.plan.worker_index(server, rank)
-            specs[str(rank)] = {m: receiver_spec(self.plan, worker, m, self.bucket_numel, wiring.sender_ranks)
-                                for m in modes if m != "disk"}  # fmt: skip
-        return {"wiring": wiring.to_json(), "worker_offset": self.plan.worker_index(server, 0), "specs": specs,
-                "dtype": str(self.dtype).removeprefix("torch."), "timeout": self.config.update_timeout, "stage": self.config.stage}  # fmt: skip
+            specs[str(rank)] = {
+                m: receiver_spec(self.plan, worker, m, self.bucket_numel, wiring.sender_ranks)
+                for m in modes
+                if m != "disk"
+            }
+        return {
+            "wiring": wiring.to_json(),
+            "worker_offset": self.plan.worker_index(server, 0),
+            "specs": specs,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "timeout": self.config.update_timeout,
+            "stage": self.config.stage,
+        }
 
     def _build_senders(self, bsched, ssched, broadcast, sharded, wiring, backend) -> None:
         self.senders = {"disk": DiskSender(self.plan, bsched, self.coords, self.dtype, self.source_dir, self.group)}
         if wiring.broadcast:
-            self.senders["broadcast"] = BroadcastSender(self.plan, bsched, self.coords, broadcast, self.dtype,
-                                                        as_bytes=backend == "sglang")  # fmt: skip
+            self.senders["broadcast"] = BroadcastSender(
+                self.plan, bsched, self.coords, broadcast, self.dtype, as_bytes=backend == "sglang"
+            )
         if ssched is not None:
-            self.senders["sharded"] = ShardedSender(ssched, self.coords, sharded, len(wiring.sharded_members), self.dtype)
+            self.senders["sharded"] = ShardedSender(
+                ssched, self.coords, sharded, len(wiring.sharded_members), self.dtype
+            )
 
     # ------------------------------------------------------------------ update
 
-    def update(self, source: ShardSource, version: int, mode: str | None = None, path: str | None = None) -> UpdateReport:
+    def update(
+        self, source: ShardSource, version: int, mode: str | None = None, path: str | None = None
+    ) -> UpdateReport:
         """Send the weights of ``source`` as ``version`` (collective). Failures are in the report."""
         mode = mode or self.config.mode
         if not self.connected:
@@ -328,6 +373,8 @@ def _path(path: str) -> Path:
 
 def _prune(root: Path, keep: int) -> None:
     """Remove all but the newest ``keep`` version directories (``v<N>``) under ``root``."""
-    versions = sorted((p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+    versions = sorted(
+        (p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:])
+    )
     for old in versions[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -33,8 +33,9 @@ def default_backend(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def join_group(host: str, port: int, world_size: int, rank: int, group_name: str, backend: str,
-               timeout: float) -> dist.ProcessGroup:  # fmt: skip
+def join_group(
+    host: str, port: int, world_size: int, rank: int, group_name: str, backend: str, timeout: float
+) -> dist.ProcessGroup:
     """Join (rank 0: host) the group ``group_name`` of ``world_size`` members rendezvousing at ``host:port``."""
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -48,8 +49,9 @@ def join_group(host: str, port: int, world_size: int, rank: int, group_name: str
     wait = timedelta(seconds=timeout)
     try:
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait, multi_tenant=True)
-        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                          group_name=group_name, timeout=wait)  # fmt: skip
+        pg, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=wait
+        )
     except (RuntimeError, dist.DistStoreError, OSError) as e:
         raise BridgeGroupError(
             f"joining bridge group {group_name!r} at {host}:{port} as rank {rank}/{world_size} ({backend}) failed: {e}"

@@ -161,8 +161,9 @@ def split_dim(rule: ParamRule) -> int | None:
     return None if rule.split == "replicated" else 1 if rule.split == "row" else 0
 
 
-def source_index(rule: ParamRule, hf_ids: dict[str, int], shapes: dict[str, tuple[int, ...]],
-                 rank: int, size: int, dims: ModelDims) -> torch.Tensor:  # fmt: skip
+def source_index(
+    rule: ParamRule, hf_ids: dict[str, int], shapes: dict[str, tuple[int, ...]], rank: int, size: int, dims: ModelDims
+) -> torch.Tensor:
     """Codes of the rows of TP rank ``rank``'s shard along its split dim (``hf_id * 2**32 + row + 1``; 0: padding).
 
     Computed by the mapping's own ``load_shard`` applied to row numbers, so it is the
@@ -234,8 +235,9 @@ def _numel(shape: tuple[int, ...], dim: int | None, length: int) -> int:
     return math.prod(shape) // shape[dim] * length
 
 
-def _pieces_for(local: LocalTensor, src: SourceParam, owners: dict[str, _RowOwners], owner_of,
-                worker_rank: int, size: int) -> list[Piece]:  # fmt: skip
+def _pieces_for(
+    local: LocalTensor, src: SourceParam, owners: dict[str, _RowOwners], owner_of, worker_rank: int, size: int
+) -> list[Piece]:
     pieces, offset = [], 0
     for seg in local.segments:
         if seg.hf is None:  # padding rows: the receiver zero-fills them
@@ -245,26 +247,45 @@ def _pieces_for(local: LocalTensor, src: SourceParam, owners: dict[str, _RowOwne
         if local.dim is None:
             if rows.tp is not None:
                 raise ValueError(f"{seg.hf}: split by the trainer but replicated on the server")
-            pieces.append(Piece(local.name, local.expert, None, 0, seg.length, src.megatron, 0,
-                                owner_of(worker_rank % size), math.prod(local.shape)))  # fmt: skip
+            pieces.append(
+                Piece(
+                    local.name,
+                    local.expert,
+                    None,
+                    0,
+                    seg.length,
+                    src.megatron,
+                    0,
+                    owner_of(worker_rank % size),
+                    math.prod(local.shape),
+                )
+            )
             continue
         if rows.tp is None:
             tp = torch.full((seg.length,), worker_rank % size, dtype=torch.int64)
             pos = torch.arange(seg.start, seg.stop, dtype=torch.int64)
         else:
             if split_dim(src.rule) != local.dim:
-                raise ValueError(f"{seg.hf}: split along dim {split_dim(src.rule)} by the trainer, {local.dim} by the server")
+                raise ValueError(
+                    f"{seg.hf}: split along dim {split_dim(src.rule)} by the trainer, {local.dim} by the server"
+                )
             tp, pos = rows.tp[seg.start : seg.stop], rows.pos[seg.start : seg.stop]
         for start, length, t, src_start in _runs(offset, tp, pos):
             numel = _numel(local.shape, local.dim, length)
-            pieces.append(Piece(local.name, local.expert, local.dim, start, length, src.megatron, src_start,
-                                owner_of(t), numel))  # fmt: skip
+            pieces.append(
+                Piece(local.name, local.expert, local.dim, start, length, src.megatron, src_start, owner_of(t), numel)
+            )
         offset += seg.length
     return pieces
 
 
-def build_plan(desc, hf_shapes: dict[str, tuple[int, ...]], trainer: TrainingAllocation,
-               server_tp: tuple[int, ...] | list[int], sharded: bool = True) -> TransferPlan:  # fmt: skip
+def build_plan(
+    desc,
+    hf_shapes: dict[str, tuple[int, ...]],
+    trainer: TrainingAllocation,
+    server_tp: tuple[int, ...] | list[int],
+    sharded: bool = True,
+) -> TransferPlan:
     """The plan for ``desc`` (a :class:`~megarl.models.build.ModelDesc` built with the trainer's TP).
 
     ``hf_shapes``: shapes of the HF checkpoint's tensors (e.g. ``SafetensorsReader.shape``).
@@ -274,14 +295,20 @@ def build_plan(desc, hf_shapes: dict[str, tuple[int, ...]], trainer: TrainingAll
     if not server_tp:
         raise ValueError("build_plan: no inference servers")
     if desc.dims.padded_vocab_size % trainer.tp:
-        raise ValueError(f"padded vocabulary {desc.dims.padded_vocab_size} is not a multiple of trainer tp {trainer.tp}")
+        raise ValueError(
+            f"padded vocabulary {desc.dims.padded_vocab_size} is not a multiple of trainer tp {trainer.tp}"
+        )
     sources = enumerate_sources(desc.mapping, desc.hf_config, trainer)
     shapes = {n: tuple(hf_shapes[n]) for s in sources if s.rule.export for n in s.hf_names}
     plan = TransferPlan(trainer, tuple(server_tp), sources, shapes)
     if not sharded:
         return plan
-    layouts = {tp: VLLMLayout(desc.dims.num_attention_heads, desc.dims.num_query_groups, desc.dims.head_dim,
-                              desc.dims.vocab_size, tp) for tp in set(server_tp)}  # fmt: skip
+    layouts = {
+        tp: VLLMLayout(
+            desc.dims.num_attention_heads, desc.dims.num_query_groups, desc.dims.head_dim, desc.dims.vocab_size, tp
+        )
+        for tp in set(server_tp)
+    }
     tables = []
     for src in sources:
         if src.rule.export:

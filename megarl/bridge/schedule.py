@@ -76,8 +76,10 @@ class ShardedSchedule:
 
 def sharded_schedule(plan: TransferPlan, bucket_numel: int) -> ShardedSchedule:
     """Per (sender, worker) pair, its pieces cut into buckets of <= ``bucket_numel`` elements."""
-    owners = sorted({p.owner for pieces in plan.pieces.values() for p in pieces},
-                    key=lambda o: (o.pp, o.expert, o.ep, o.tp, o.replica))  # fmt: skip
+    owners = sorted(
+        {p.owner for pieces in plan.pieces.values() for p in pieces},
+        key=lambda o: (o.pp, o.expert, o.ep, o.tp, o.replica),
+    )
     index = {o: i for i, o in enumerate(owners)}
     per_pair: dict[tuple[int, int], list[Piece]] = {}
     for worker, pieces in sorted(plan.pieces.items()):
@@ -102,16 +104,19 @@ def sender_group_ranks(owners: list, rank_of) -> tuple[list[int], int]:
     return [index[rank_of(o)] for o in owners], len(ranks)
 
 
-def receiver_spec(plan: TransferPlan, worker: int, mode: str, bucket_numel: int,
-                  sender_ranks: list[int] | None = None) -> dict:  # fmt: skip
+def receiver_spec(
+    plan: TransferPlan, worker: int, mode: str, bucket_numel: int, sender_ranks: list[int] | None = None
+) -> dict:
     """What worker ``worker`` must know to receive in ``mode``: its local tensors and its messages.
 
     ``sender_ranks`` (sharded mode): group rank of each schedule sender (:func:`sender_group_ranks`).
     """
     if mode == "broadcast":
         sched = broadcast_schedule(plan, bucket_numel)
-        buckets = [[[[n, list(shape)] for n, shape in sched.entries(plan, s, b)] for b in range(len(bs))]
-                   for s, bs in enumerate(sched.buckets)]  # fmt: skip
+        buckets = [
+            [[[n, list(shape)] for n, shape in sched.entries(plan, s, b)] for b in range(len(bs))]
+            for s, bs in enumerate(sched.buckets)
+        ]
         return {"mode": mode, "senders": len(sched.senders), "buckets": buckets}
     if mode != "sharded":
         raise ValueError(f"receiver_spec: mode {mode!r} has no group schedule (broadcast or sharded)")
@@ -120,14 +125,22 @@ def receiver_spec(plan: TransferPlan, worker: int, mode: str, bucket_numel: int,
     slot = {(t.name, t.expert): i for i, t in enumerate(local)}
     rounds = []
     for k in range(sched.rounds):
-        msgs = [[s, [[slot[p.dest, p.expert], p.dim, p.dest_start, p.length] for p in pieces]]
-                for s, w, pieces in sched.round_messages(k) if w == worker]  # fmt: skip
+        msgs = [
+            [s, [[slot[p.dest, p.expert], p.dim, p.dest_start, p.length] for p in pieces]]
+            for s, w, pieces in sched.round_messages(k)
+            if w == worker
+        ]
         rounds.append(msgs)
     tensors = [[t.name, t.expert, list(t.shape), _padding_rows(t)] for t in local]
     if sender_ranks is None or len(sender_ranks) != len(sched.senders):
         raise ValueError(f"receiver_spec: need the group rank of each of the {len(sched.senders)} senders")
-    return {"mode": mode, "senders": len(sched.senders), "sender_ranks": list(sender_ranks),
-            "tensors": tensors, "rounds": rounds}  # fmt: skip
+    return {
+        "mode": mode,
+        "senders": len(sched.senders),
+        "sender_ranks": list(sender_ranks),
+        "tensors": tensors,
+        "rounds": rounds,
+    }
 
 
 def _padding_rows(tensor) -> list[list[int]]:

@@ -33,7 +33,9 @@ class TrainerCoords:
     @classmethod
     def from_parallel(cls, state) -> TrainerCoords:
         """From the actor's :class:`~megarl.actor.parallel.ParallelState`."""
-        return cls(state.rank, state.pp_rank, state.tp_rank, state.dp_rank, state.ep_rank, state.etp_rank, state.edp_rank)
+        return cls(
+            state.rank, state.pp_rank, state.tp_rank, state.dp_rank, state.ep_rank, state.etp_rank, state.edp_rank
+        )
 
     def holds(self, owner: Owner) -> bool:
         """Whether this rank is ``owner`` (the copy that sends)."""
@@ -58,8 +60,9 @@ class ShardSource:
         tp_group / etp_group: (Expert) tensor-parallel groups; None when of size 1.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor], coords: TrainerCoords, dims: ModelDims,
-                 tp_group=None, etp_group=None):  # fmt: skip
+    def __init__(
+        self, params: dict[str, torch.Tensor], coords: TrainerCoords, dims: ModelDims, tp_group=None, etp_group=None
+    ):
         self.params = params
         self.coords = coords
         self.dims = dims
@@ -86,8 +89,10 @@ class ShardSource:
         try:
             return self.params[name]
         except KeyError:
-            raise KeyError(f"trainer rank {self.coords.rank} holds no shard of {name!r} "
-                           f"(it holds {len(self.params)} parameters, e.g. {sorted(self.params)[:3]})") from None  # fmt: skip
+            raise KeyError(
+                f"trainer rank {self.coords.rank} holds no shard of {name!r} "
+                f"(it holds {len(self.params)} parameters, e.g. {sorted(self.params)[:3]})"
+            ) from None
 
     def gather_hf(self, src: SourceParam) -> dict[str, torch.Tensor]:
         """Full HF tensors of ``src`` (collective over its TP / ETP group; every member gets them)."""

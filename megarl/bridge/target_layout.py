@@ -85,17 +85,27 @@ def _expert_param(name: str, kind: str) -> tuple[str, int]:
 class VLLMLayout:
     """vLLM's tensor-parallel layout of an HF model (``R`` workers, no expert parallelism)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, vocab_size: int, tp: int,
-                 vocab_padding: int = VLLM_VOCAB_PADDING):  # fmt: skip
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        vocab_size: int,
+        tp: int,
+        vocab_padding: int = VLLM_VOCAB_PADDING,
+    ):
         if tp < 1 or num_heads % tp:
             raise ValueError(f"inference tensor-parallel size {tp} must divide the {num_heads} attention heads")
         if not (num_kv_heads % tp == 0 or tp % num_kv_heads == 0):
-            raise ValueError(f"inference tensor-parallel size {tp} and {num_kv_heads} KV heads: one must divide the other")
+            raise ValueError(
+                f"inference tensor-parallel size {tp} and {num_kv_heads} KV heads: one must divide the other"
+            )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.vocab_size, self.tp, self.vocab_padding = vocab_size, tp, vocab_padding
 
-    def local_tensors(self, rule: ParamRule, hf_names: tuple[str, ...], shapes: dict[str, tuple[int, ...]],
-                      rank: int) -> list[LocalTensor]:  # fmt: skip
+    def local_tensors(
+        self, rule: ParamRule, hf_names: tuple[str, ...], shapes: dict[str, tuple[int, ...]], rank: int
+    ) -> list[LocalTensor]:
         """What worker ``rank`` holds of the HF tensors ``hf_names`` of one mapping row."""
         split, first = rule.split, hf_names[0]
         shape = shapes[first]
@@ -124,8 +134,11 @@ class VLLMLayout:
             k0, k1 = kv, kv + 1
         else:
             k0, k1 = _chunk(self.num_kv_heads, rank, self.tp, "KV heads")
-        segments = (Segment(names[0], q0 * hd, q1 * hd), Segment(names[1], k0 * hd, k1 * hd),
-                    Segment(names[2], k0 * hd, k1 * hd))  # fmt: skip
+        segments = (
+            Segment(names[0], q0 * hd, q1 * hd),
+            Segment(names[1], k0 * hd, k1 * hd),
+            Segment(names[2], k0 * hd, k1 * hd),
+        )
         rows = sum(s.length for s in segments)
         return LocalTensor(_rename(names[0], "q_proj", "qkv_proj"), None, (rows, *shapes[names[0]][1:]), 0, segments)
 

@@ -46,8 +46,15 @@ class TransferStats:
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "messages": self.messages,
-                "seconds": self.seconds, "pack_seconds": self.pack_seconds, "error": self.error, **self.extra}  # fmt: skip
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "messages": self.messages,
+            "seconds": self.seconds,
+            "pack_seconds": self.pack_seconds,
+            "error": self.error,
+            **self.extra,
+        }
 
 
 class TransportSender(abc.ABC):

@@ -36,8 +36,15 @@ class BroadcastSender(TransportSender):
 
     mode = "broadcast"
 
-    def __init__(self, plan: TransferPlan, schedule: BroadcastSchedule, coords: TrainerCoords,
-                 groups: dict[int, dist.ProcessGroup], dtype: torch.dtype, as_bytes: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        plan: TransferPlan,
+        schedule: BroadcastSchedule,
+        coords: TrainerCoords,
+        groups: dict[int, dist.ProcessGroup],
+        dtype: torch.dtype,
+        as_bytes: bool = False,
+    ):
         self.plan, self.schedule, self.coords = plan, schedule, coords
         self.groups, self.dtype, self.as_bytes = groups, dtype, as_bytes
 
@@ -60,8 +67,9 @@ class BroadcastSender(TransportSender):
                 numel = sum(math.prod(shape) for _, shape in self.schedule.entries(self.plan, i, b))
                 buf = pack(tensors, numel, self.dtype, source.device)
             try:
-                work = dist.broadcast(buf.view(torch.uint8) if self.as_bytes else buf, src=0,
-                                      group=self.groups[i], async_op=True)  # fmt: skip
+                work = dist.broadcast(
+                    buf.view(torch.uint8) if self.as_bytes else buf, src=0, group=self.groups[i], async_op=True
+                )
                 if pending is not None:
                     pending.wait()  # bucket k done while k + 1 was gathered
             except RuntimeError as e:  # a worker died or timed out: stop sending, keep gathering

@@ -42,8 +42,9 @@ def shard_files(schedule: BroadcastSchedule) -> list[list[str]]:
     return names
 
 
-def write_index(plan: TransferPlan, schedule: BroadcastSchedule, out: Path, itemsize: int,
-                source_dir: str | None) -> None:  # fmt: skip
+def write_index(
+    plan: TransferPlan, schedule: BroadcastSchedule, out: Path, itemsize: int, source_dir: str | None
+) -> None:
     """The HF index of the shard files, and the source model's non-weight files."""
     weight_map = {}
     for i, files in enumerate(shard_files(schedule)):
@@ -62,8 +63,15 @@ class DiskSender(TransportSender):
 
     mode = "disk"
 
-    def __init__(self, plan: TransferPlan, schedule: BroadcastSchedule, coords: TrainerCoords, dtype: torch.dtype,
-                 source_dir: str | None = None, barrier_group=None):  # fmt: skip
+    def __init__(
+        self,
+        plan: TransferPlan,
+        schedule: BroadcastSchedule,
+        coords: TrainerCoords,
+        dtype: torch.dtype,
+        source_dir: str | None = None,
+        barrier_group=None,
+    ):
         self.plan, self.schedule, self.coords, self.dtype = plan, schedule, coords, dtype
         self.source_dir, self.barrier_group = source_dir, barrier_group
         self.path: Path | None = None

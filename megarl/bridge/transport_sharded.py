@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 def _piece_view(shard: torch.Tensor, piece: Piece) -> torch.Tensor:
     view = shard if piece.dim is None else shard.narrow(piece.dim, piece.src_start, piece.length)
     if view.numel() != piece.numel:
-        raise ValueError(f"{piece.src}: the shard's piece has {view.numel()} elements, the plan says {piece.numel} "
-                         f"(shard {tuple(shard.shape)}, dim {piece.dim})")  # fmt: skip
+        raise ValueError(
+            f"{piece.src}: the shard's piece has {view.numel()} elements, the plan says {piece.numel} "
+            f"(shard {tuple(shard.shape)}, dim {piece.dim})"
+        )
     return view
 
 
@@ -41,8 +43,14 @@ class ShardedSender(TransportSender):
 
     mode = "sharded"
 
-    def __init__(self, schedule: ShardedSchedule, coords: TrainerCoords, group: dist.ProcessGroup | None,
-                 num_senders: int, dtype: torch.dtype):  # fmt: skip
+    def __init__(
+        self,
+        schedule: ShardedSchedule,
+        coords: TrainerCoords,
+        group: dist.ProcessGroup | None,
+        num_senders: int,
+        dtype: torch.dtype,
+    ):
         self.schedule, self.coords, self.group = schedule, coords, group
         self.num_senders, self.dtype = num_senders, dtype
         self.mine = {i for i, owner in enumerate(schedule.senders) if coords.holds(owner)}
@@ -56,8 +64,12 @@ class ShardedSender(TransportSender):
                 ops = []
                 for s, worker, pieces in self.schedule.round_messages(k):
                     if s in self.mine:
-                        buf = pack((_piece_view(source.local(p.src), p) for p in pieces),
-                                   sum(p.numel for p in pieces), self.dtype, source.device)  # fmt: skip
+                        buf = pack(
+                            (_piece_view(source.local(p.src), p) for p in pieces),
+                            sum(p.numel for p in pieces),
+                            self.dtype,
+                            source.device,
+                        )
                         ops.append(dist.P2POp(dist.isend, buf, self.num_senders + worker, group=self.group))
                         stats.bytes_sent += buf.numel() * buf.element_size()
             try:

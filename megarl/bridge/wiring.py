@@ -59,8 +59,9 @@ class Wiring:
         return hosted + int(bool(self.sharded_members) and self.sharded_members[0] == rank)
 
 
-def make_wiring(backend: str, num_workers: int, broadcast_owners: list, sharded_owners: list, rank_of,
-                address_of, prefix: str) -> Wiring:  # fmt: skip
+def make_wiring(
+    backend: str, num_workers: int, broadcast_owners: list, sharded_owners: list, rank_of, address_of, prefix: str
+) -> Wiring:
     """Groups for the broadcast senders and the sharded senders (empty lists: that mode is off).
 
     ``rank_of(owner)``: trainer rank of an owner; ``address_of(trainer rank, k)``: the
@@ -93,8 +94,11 @@ def _join(spec: GroupSpec, rank: int, backend: str, timeout: float):
 
 def trainer_join(wiring: Wiring, rank: int, timeout: float) -> tuple[dict, object]:
     """Join the groups trainer rank ``rank`` belongs to: ({broadcast sender index: group}, sharded group or None)."""
-    broadcast = {i: _join(spec, 0, wiring.backend, timeout)
-                 for i, (spec, host) in enumerate(zip(wiring.broadcast, wiring.broadcast_hosts)) if host == rank}  # fmt: skip
+    broadcast = {
+        i: _join(spec, 0, wiring.backend, timeout)
+        for i, (spec, host) in enumerate(zip(wiring.broadcast, wiring.broadcast_hosts))
+        if host == rank
+    }
     sharded = None
     if wiring.sharded is not None and rank in wiring.sharded_members:
         sharded = _join(wiring.sharded, wiring.sharded_members.index(rank), wiring.backend, timeout)

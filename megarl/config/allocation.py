@@ -322,4 +322,3 @@ def validate_model(alloc: AllocationMode, model: ModelShape) -> None:
 def _divides(size: int, count: int, what: str, of: str) -> None:
     if count % size:
         raise AllocationError(f"{what} does not divide the model's {count} {of}")
-

@@ -62,9 +62,15 @@ class WeightUpdateConfig:
         for mode in self.extra_modes:
             require(mode in modes, "extra_modes", mode, f"entries must be among {modes}")
         require(self.bucket_mb is None or self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "must be > 0 (or null)")
-        require("disk" not in self.modes or bool(self.disk_path), "disk_path", self.disk_path, "disk mode needs a directory")
-        require(_HOST.fullmatch(self.master_address) is not None, "master_address", self.master_address,
-                "expected a host name or an IP address (empty: this host's)")  # fmt: skip
+        require(
+            "disk" not in self.modes or bool(self.disk_path), "disk_path", self.disk_path, "disk mode needs a directory"
+        )
+        require(
+            _HOST.fullmatch(self.master_address) is not None,
+            "master_address",
+            self.master_address,
+            "expected a host name or an IP address (empty: this host's)",
+        )
         require(self.keep_disk_versions >= 1, "keep_disk_versions", self.keep_disk_versions, "must be >= 1")
         for name in ("init_timeout", "update_timeout"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")

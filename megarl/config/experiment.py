@@ -85,9 +85,13 @@ class BaseExperimentConfig:
         require(0 <= self.seed < 2**32, "seed", self.seed, "must be in [0, 2**32) (numpy's seed range)")
         require(self.total_train_epochs >= 1, "total_train_epochs", self.total_train_epochs, "must be >= 1")
         if self.watchdog.action == "restart":
-            require(self.recover.mode == "auto" and self.recover.retries > 0, "watchdog.action", "restart",
-                    f"restarts from a recover point: needs recover.mode=auto and recover.retries > 0 (got "
-                    f"mode={self.recover.mode!r}, retries={self.recover.retries})")  # fmt: skip
+            require(
+                self.recover.mode == "auto" and self.recover.retries > 0,
+                "watchdog.action",
+                "restart",
+                f"restarts from a recover point: needs recover.mode=auto and recover.retries > 0 (got "
+                f"mode={self.recover.mode!r}, retries={self.recover.retries})",
+            )
         if self.total_train_steps is not None:
             require(self.total_train_steps >= 1, "total_train_steps", self.total_train_steps, "must be >= 1")
         try:
@@ -102,13 +106,17 @@ class BaseExperimentConfig:
         evaluator = self.evaluator
         asked = [n for n in ("freq_epochs", "freq_steps", "freq_secs") if getattr(evaluator, n) is not None]
         if self.valid_dataset is None and (asked or evaluator.before_training) and is_rank0():
-            logger.warning("valid_dataset is null: no evaluation, although evaluator.%s is set",
-                           (asked or ["before_training"])[0])  # fmt: skip
+            logger.warning(
+                "valid_dataset is null: no evaluation, although evaluator.%s is set", (asked or ["before_training"])[0]
+            )
         recover = self.recover
-        require(recover.mode == "disabled" or recover.freq_steps is not None or recover.freq_secs is not None,
-                "recover.mode", recover.mode,
-                "no recover point would ever be written (recover.freq_steps and freq_secs are null): set one, "
-                "or recover.mode=disabled")  # fmt: skip
+        require(
+            recover.mode == "disabled" or recover.freq_steps is not None or recover.freq_secs is not None,
+            "recover.mode",
+            recover.mode,
+            "no recover point would ever be written (recover.freq_steps and freq_secs are null): set one, "
+            "or recover.mode=disabled",
+        )
 
     @property
     def allocation(self) -> AllocationMode:
@@ -173,7 +181,12 @@ class GRPOConfig(BaseExperimentConfig):
             if not preset:
                 continue
             if is_rank0():
-                logger.info("%s=%s sets %s where the config does not", key, name, OmegaConf.to_container(OmegaConf.create(preset)))
+                logger.info(
+                    "%s=%s sets %s where the config does not",
+                    key,
+                    name,
+                    OmegaConf.to_container(OmegaConf.create(preset)),
+                )
             layers.append((f"the {key}={name} preset", preset))
         return layers
 
@@ -217,17 +230,22 @@ class GRPOConfig(BaseExperimentConfig):
         if self.weight_update.dtype == "auto":
             self.weight_update.dtype = server.dtype
         wire = self.weight_update.dtype
-        require(wire in (server.dtype, "float32"), "weight_update.dtype", wire,
-                f"the servers hold {server_key}={server.dtype} weights: a {wire} wire would round them "
-                f"({'and overflow bf16 range ' if wire == 'float16' else ''}so the consistency probe fails); use auto "
-                f"(= the servers' dtype) or float32")  # fmt: skip
+        require(
+            wire in (server.dtype, "float32"),
+            "weight_update.dtype",
+            wire,
+            f"the servers hold {server_key}={server.dtype} weights: a {wire} wire would round them "
+            f"({'and overflow bf16 range ' if wire == 'float16' else ''}so the consistency probe fails); use auto "
+            f"(= the servers' dtype) or float32",
+        )
         resolved = [key for key, value in before.items() if value == "auto"]
         if resolved and is_rank0():
             logger.info("dtype %s for %s (auto on %s: %s)", chosen, ", ".join(resolved), self.cluster.device, why)
         forced = [key for key, value in before.items() if value == "bfloat16"]
         if self.cluster.device == "cpu" and chosen != "bfloat16" and forced and is_rank0():
-            logger.warning("%s set to bfloat16 on a CPU without native bf16 (%s); 'auto' picks %s",
-                           ", ".join(forced), why, chosen)  # fmt: skip
+            logger.warning(
+                "%s set to bfloat16 on a CPU without native bf16 (%s); 'auto' picks %s", ", ".join(forced), why, chosen
+            )
 
     def dtypes(self) -> dict[str, str]:
         """Every dtype of the run by key: trainer (actor[, ref]), servers, wire."""
@@ -258,16 +276,28 @@ class GRPOConfig(BaseExperimentConfig):
 
     def _check_critic(self, alloc: AllocationMode) -> None:
         gae = self.algorithm.adv_estimator == "gae"
-        require(not gae or self.critic is not None, "critic", None,
-                "algorithm.adv_estimator=gae learns a value model: give a critic block (e.g. `critic: {}` for the actor's model)")  # fmt: skip
-        require(gae or self.critic is None, "algorithm.adv_estimator", self.algorithm.adv_estimator,
-                "a critic is configured but only algorithm.adv_estimator=gae uses one: set it to gae, or critic: null")  # fmt: skip
+        require(
+            not gae or self.critic is not None,
+            "critic",
+            None,
+            "algorithm.adv_estimator=gae learns a value model: give a critic block (e.g. `critic: {}` for the actor's model)",
+        )
+        require(
+            gae or self.critic is None,
+            "algorithm.adv_estimator",
+            self.algorithm.adv_estimator,
+            "a critic is configured but only algorithm.adv_estimator=gae uses one: set it to gae, or critic: null",
+        )
         if self.critic is None:
             return
         dp, n_mb, bs = alloc.train.dp, self.critic.ppo_n_minibatches, self.train_dataset.batch_size
-        require(bs % (dp * n_mb) == 0, "train_dataset.batch_size", bs,
-                f"must be divisible by data-parallel d{dp} x critic.ppo_n_minibatches {n_mb} = {dp * n_mb}",
-                related=("allocation_mode", "critic.ppo_n_minibatches"))  # fmt: skip
+        require(
+            bs % (dp * n_mb) == 0,
+            "train_dataset.batch_size",
+            bs,
+            f"must be divisible by data-parallel d{dp} x critic.ppo_n_minibatches {n_mb} = {dp * n_mb}",
+            related=("allocation_mode", "critic.ppo_n_minibatches"),
+        )
 
     def _check_batching(self, alloc: AllocationMode) -> None:
         dp = alloc.train.dp
@@ -292,9 +322,10 @@ class GRPOConfig(BaseExperimentConfig):
             self.actor.group_size == self.group_size,
             "actor.group_size",
             self.actor.group_size,
-            f"must equal gconfig.n_samples={n}" + (f" x workflow.group_size={g} = {n * g}" if g > 1 else "")
+            f"must equal gconfig.n_samples={n}"
+            + (f" x workflow.group_size={g} = {n * g}" if g > 1 else "")
             + " (write `group_size: ${gconfig.n_samples}`)",
-        )  # fmt: skip
+        )
 
     @property
     def group_size(self) -> int:
@@ -309,25 +340,48 @@ class GRPOConfig(BaseExperimentConfig):
     def _check_rollout(self, alloc: AllocationMode) -> None:
         """The pool's queue holds a batch; group-level statistics have groups of more than one (else a warning)."""
         queue, per_rank = self.rollout.queue_size, self.train_dataset.batch_size // alloc.train.dp
-        require(queue is None or queue >= per_rank, "rollout.queue_size", queue,
-                f"must hold one batch of a trainer rank: train_dataset.batch_size / d{alloc.train.dp} = {per_rank}",
-                related=("train_dataset.batch_size", "allocation_mode"))  # fmt: skip
-        require(not self.rollout.return_routed_experts or alloc.inference.backend == "sglang",
-                "rollout.return_routed_experts", True,
-                f"only SGLang servers report the experts they routed to (vLLM's /v1/completions does not); the "
-                f"allocation's servers are {alloc.inference.backend}", related=("allocation_mode",))  # fmt: skip
-        require(not (alloc.colocated and self.device == "cuda") or self.weight_update.modes == ("disk",),
-                "weight_update.mode", self.weight_update.mode,
-                "a colocated allocation on GPU puts a trainer rank and a server worker on one GPU, and NCCL cannot "
-                "join two ranks on the same GPU: use weight_update.mode=disk with weight_update.disk_path on local "
-                "storage (e.g. /dev/shm/megarl) and no extra_modes", related=("allocation_mode",))  # fmt: skip
+        require(
+            queue is None or queue >= per_rank,
+            "rollout.queue_size",
+            queue,
+            f"must hold one batch of a trainer rank: train_dataset.batch_size / d{alloc.train.dp} = {per_rank}",
+            related=("train_dataset.batch_size", "allocation_mode"),
+        )
+        require(
+            not self.rollout.return_routed_experts or alloc.inference.backend == "sglang",
+            "rollout.return_routed_experts",
+            True,
+            f"only SGLang servers report the experts they routed to (vLLM's /v1/completions does not); the "
+            f"allocation's servers are {alloc.inference.backend}",
+            related=("allocation_mode",),
+        )
+        require(
+            not (alloc.colocated and self.device == "cuda") or self.weight_update.modes == ("disk",),
+            "weight_update.mode",
+            self.weight_update.mode,
+            "a colocated allocation on GPU puts a trainer rank and a server worker on one GPU, and NCCL cannot "
+            "join two ranks on the same GPU: use weight_update.mode=disk with weight_update.disk_path on local "
+            "storage (e.g. /dev/shm/megarl) and no extra_modes",
+            related=("allocation_mode",),
+        )
         single = self.group_size == 1
-        require(not (single and self.dynamic_filter == "uniform_reward"), "dynamic_filter", self.dynamic_filter,
-                "a group of one sample always has a uniform reward, so every group would be dropped: "
-                "sample gconfig.n_samples > 1, or dynamic_filter=none")  # fmt: skip
-        if single and self.algorithm.adv_estimator == "grpo" and self.actor.adv_norm.mean_level == "group" and is_rank0():
-            logger.warning("gconfig.n_samples=1 under a group-mean baseline makes every advantage 0 (nothing is "
-                           "learned): sample > 1, or set actor.adv_norm.mean_level=batch")  # fmt: skip
+        require(
+            not (single and self.dynamic_filter == "uniform_reward"),
+            "dynamic_filter",
+            self.dynamic_filter,
+            "a group of one sample always has a uniform reward, so every group would be dropped: "
+            "sample gconfig.n_samples > 1, or dynamic_filter=none",
+        )
+        if (
+            single
+            and self.algorithm.adv_estimator == "grpo"
+            and self.actor.adv_norm.mean_level == "group"
+            and is_rank0()
+        ):
+            logger.warning(
+                "gconfig.n_samples=1 under a group-mean baseline makes every advantage 0 (nothing is "
+                "learned): sample > 1, or set actor.adv_norm.mean_level=batch"
+            )
 
     def _check_sampling(self) -> None:
         require(
@@ -359,15 +413,23 @@ class GRPOConfig(BaseExperimentConfig):
             self.weight_update.mode,
             f"sharded transfer needs vLLM servers; SGLang ({self.allocation_mode}) takes 'broadcast' or 'disk'",
         )
-        require(alloc.inference.pp == 1, "allocation_mode", self.allocation_mode,
-                f"{backend} servers here are tensor-parallel only: pipeline parallel p{alloc.inference.pp} is not "
-                f"started; use t{alloc.inference.tp * alloc.inference.pp} or more replicas (d)")  # fmt: skip
+        require(
+            alloc.inference.pp == 1,
+            "allocation_mode",
+            self.allocation_mode,
+            f"{backend} servers here are tensor-parallel only: pipeline parallel p{alloc.inference.pp} is not "
+            f"started; use t{alloc.inference.tp * alloc.inference.pp} or more replicas (d)",
+        )
         self._check_server_args(backend)
         context_key = "vllm.max_model_len" if backend == "vllm" else "sglang.context_length"
         context = self.context_length
         probe = self.weight_update.probe_tokens
-        require(self.weight_update.probe_sequences == 0 or probe < context, "weight_update.probe_tokens", probe,
-                f"the probe generates this many tokens after a prompt: must be below {context_key}={context}")  # fmt: skip
+        require(
+            self.weight_update.probe_sequences == 0 or probe < context,
+            "weight_update.probe_tokens",
+            probe,
+            f"the probe generates this many tokens after a prompt: must be below {context_key}={context}",
+        )
         new = self.gconfig.max_new_tokens
         for name, data in (("train_dataset", self.train_dataset), ("valid_dataset", self.valid_dataset)):
             if data is None:
@@ -388,8 +450,12 @@ class GRPOConfig(BaseExperimentConfig):
         key = dtype_key.partition(".")[0]
         owned = MANAGED_SERVER_FLAGS[backend]
         clash = [a.split("=", 1)[0] for a in server.extra_args if a.split("=", 1)[0] in owned]
-        require(not clash, f"{key}.extra_args", server.extra_args,
-                f"{clash} are set by megarl from its own keys ({', '.join(owned[f] for f in clash)}): set those instead")  # fmt: skip
+        require(
+            not clash,
+            f"{key}.extra_args",
+            server.extra_args,
+            f"{clash} are set by megarl from its own keys ({', '.join(owned[f] for f in clash)}): set those instead",
+        )
         if backend != "vllm" or self.device != "cpu":
             return
         block = self.vllm.block_size
@@ -397,19 +463,38 @@ class GRPOConfig(BaseExperimentConfig):
         memory = machine_memory_gib()
         per_node = -(-self.allocation.inference.dp // self.cluster.n_nodes)
         kv = self.vllm.cpu_kvcache_space_gb * per_node
-        require(memory is None or self.cluster.n_nodes > 1 or kv < memory, "vllm.cpu_kvcache_space_gb",
-                self.vllm.cpu_kvcache_space_gb,
-                f"{per_node} server(s) x {self.vllm.cpu_kvcache_space_gb} GiB of KV cache exceed this machine's "
-                f"{memory:.0f} GiB of memory")  # fmt: skip
+        require(
+            memory is None or self.cluster.n_nodes > 1 or kv < memory,
+            "vllm.cpu_kvcache_space_gb",
+            self.vllm.cpu_kvcache_space_gb,
+            f"{per_node} server(s) x {self.vllm.cpu_kvcache_space_gb} GiB of KV cache exceed this machine's "
+            f"{memory:.0f} GiB of memory",
+        )
 
 
 MANAGED_SERVER_FLAGS = {
-    "vllm": {"--model": "actor.path", "--host": "the launcher", "--port": "the launcher", "--dtype": "vllm.dtype",
-             "--max-model-len": "vllm.max_model_len", "--max-num-seqs": "vllm.max_num_seqs", "--seed": "vllm.seed",
-             "--tensor-parallel-size": "allocation_mode", "--block-size": "vllm.block_size",
-             "--gpu-memory-utilization": "vllm.gpu_memory_utilization", "--api-key": "the launcher"},
-    "sglang": {"--model-path": "actor.path", "--host": "the launcher", "--port": "the launcher",
-               "--dtype": "sglang.dtype", "--context-length": "sglang.context_length", "--tp-size": "allocation_mode",
-               "--random-seed": "sglang.random_seed", "--mem-fraction-static": "sglang.mem_fraction_static"},
-}  # fmt: skip
+    "vllm": {
+        "--model": "actor.path",
+        "--host": "the launcher",
+        "--port": "the launcher",
+        "--dtype": "vllm.dtype",
+        "--max-model-len": "vllm.max_model_len",
+        "--max-num-seqs": "vllm.max_num_seqs",
+        "--seed": "vllm.seed",
+        "--tensor-parallel-size": "allocation_mode",
+        "--block-size": "vllm.block_size",
+        "--gpu-memory-utilization": "vllm.gpu_memory_utilization",
+        "--api-key": "the launcher",
+    },
+    "sglang": {
+        "--model-path": "actor.path",
+        "--host": "the launcher",
+        "--port": "the launcher",
+        "--dtype": "sglang.dtype",
+        "--context-length": "sglang.context_length",
+        "--tp-size": "allocation_mode",
+        "--random-seed": "sglang.random_seed",
+        "--mem-fraction-static": "sglang.mem_fraction_static",
+    },
+}
 """Server flags megarl sets from a config key (flag -> key): ``extra_args`` may not repeat them."""

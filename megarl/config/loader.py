@@ -280,7 +280,11 @@ def _failing_key(base, layer, prefix: str = "") -> str | None:
             OmegaConf.merge(base, _nested(key, value))
         except (OmegaConfBaseException, TypeError):
             target = OmegaConf.select(base, key, default=None)
-            deeper = _failing_key(base, value, key) if isinstance(value, DictConfig) and isinstance(target, DictConfig) else None
+            deeper = (
+                _failing_key(base, value, key)
+                if isinstance(value, DictConfig) and isinstance(target, DictConfig)
+                else None
+            )
             return deeper or key
     return None
 

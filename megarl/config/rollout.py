@@ -125,8 +125,12 @@ class VLLMConfig:
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
         require(self.startup_timeout > 0, "startup_timeout", self.startup_timeout, "must be > 0 seconds")
         if self.block_size is not None:
-            require(self.block_size >= 16 and self.block_size % 16 == 0, "block_size", self.block_size,
-                    "must be a multiple of 16 (of 32 on CPU), or null for vLLM's default")  # fmt: skip
+            require(
+                self.block_size >= 16 and self.block_size % 16 == 0,
+                "block_size",
+                self.block_size,
+                "must be a multiple of 16 (of 32 on CPU), or null for vLLM's default",
+            )
 
 
 @dataclass

@@ -191,7 +191,9 @@ class StatsLoggerConfig:
 
     def check(self) -> None:
         if self.report_every is not None:
-            require(self.report_every >= 1, "report_every", self.report_every, "must be >= 1 (or null: at the end only)")
+            require(
+                self.report_every >= 1, "report_every", self.report_every, "must be >= 1 (or null: at the end only)"
+            )
 
 
 @dataclass
@@ -230,10 +232,18 @@ class WatchdogConfig:
         require(self.median_factor >= 1, "median_factor", self.median_factor, "must be >= 1")
         for phase, budget in self.phase_budget_s.items():
             require(budget > 0, f"phase_budget_s.{phase}", budget, "must be > 0 seconds")
-        require(self.min_budget_s <= self.budget_s, "min_budget_s", self.min_budget_s,
-                f"must be <= budget_s ({self.budget_s:g})")  # fmt: skip
-        require(self.silent_s > self.interval_s, "silent_s", self.silent_s,
-                f"must be longer than interval_s ({self.interval_s:g}) between two beats")  # fmt: skip
+        require(
+            self.min_budget_s <= self.budget_s,
+            "min_budget_s",
+            self.min_budget_s,
+            f"must be <= budget_s ({self.budget_s:g})",
+        )
+        require(
+            self.silent_s > self.interval_s,
+            "silent_s",
+            self.silent_s,
+            f"must be longer than interval_s ({self.interval_s:g}) between two beats",
+        )
 
 
 @dataclass
@@ -274,11 +284,19 @@ class SlurmConfig:
     listen on every interface."""
 
     def check(self) -> None:
-        require(_SLURM_TIME.fullmatch(self.time_limit) is not None, "time_limit", self.time_limit,
-                "expected Slurm's --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")  # fmt: skip
+        require(
+            _SLURM_TIME.fullmatch(self.time_limit) is not None,
+            "time_limit",
+            self.time_limit,
+            "expected Slurm's --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED",
+        )
         if self.mem is not None:
-            require(_SLURM_MEM.fullmatch(self.mem) is not None, "mem", self.mem,
-                    "expected Slurm's --mem: a number with an optional K, M, G or T suffix ('0' is all of it)")  # fmt: skip
+            require(
+                _SLURM_MEM.fullmatch(self.mem) is not None,
+                "mem",
+                self.mem,
+                "expected Slurm's --mem: a number with an optional K, M, G or T suffix ('0' is all of it)",
+            )
         for name in ("server_port", "trainer_port"):
             value = getattr(self, name)
             require(1024 <= value <= 65000, name, value, "must be a port in [1024, 65000]")
@@ -287,9 +305,13 @@ class SlurmConfig:
         if self.cpus_per_node is not None:
             require(self.cpus_per_node >= 1, "cpus_per_node", self.cpus_per_node, "must be >= 1")
         if self.network_interface is not None:
-            require(_INTERFACE.fullmatch(self.network_interface) is not None, "network_interface",
-                    self.network_interface, "expected an interface name such as ib0 or eth0 (1-15 of "
-                    "letters, digits, '_', '.', '-', ':'), or null for the default route's")  # fmt: skip
+            require(
+                _INTERFACE.fullmatch(self.network_interface) is not None,
+                "network_interface",
+                self.network_interface,
+                "expected an interface name such as ib0 or eth0 (1-15 of "
+                "letters, digits, '_', '.', '-', ':'), or null for the default route's",
+            )
 
 
 @dataclass
@@ -319,5 +341,9 @@ class LauncherConfig:
         require(self.server_restarts >= 0, "server_restarts", self.server_restarts, "must be >= 0")
         require(self.max_server_restarts >= 0, "max_server_restarts", self.max_server_restarts, "must be >= 0")
         for name in self.env:
-            require(_ENV_NAME.fullmatch(name) is not None, "env", name,
-                    "environment variable names are letters, digits and '_', not starting with a digit")  # fmt: skip
+            require(
+                _ENV_NAME.fullmatch(name) is not None,
+                "env",
+                name,
+                "environment variable names are letters, digits and '_', not starting with a digit",
+            )

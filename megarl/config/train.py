@@ -165,8 +165,12 @@ class TrainEngineConfig:
 
     def check(self) -> None:
         require(bool(self.path), "path", self.path, "a model path or short name is required")
-        require(not self.emulate_bf16 or self.dtype == "bfloat16", "emulate_bf16", self.emulate_bf16,
-                f"emulates bf16 arithmetic: it needs dtype=bfloat16 (got dtype={self.dtype!r})")  # fmt: skip
+        require(
+            not self.emulate_bf16 or self.dtype == "bfloat16",
+            "emulate_bf16",
+            self.emulate_bf16,
+            f"emulates bf16 arithmetic: it needs dtype=bfloat16 (got dtype={self.dtype!r})",
+        )
 
 
 @dataclass
@@ -226,11 +230,18 @@ class RolloutCorrectionConfig:
         require(self.upper > 0, "upper", self.upper, "must be > 0")
         if self.mode == "two_sided_mask":
             require(self.upper > 1, "upper", self.upper, "the upper bound of two_sided_mask must be > 1")
-            require(0 <= self.lower_bound < 1, "lower", self.lower, "the lower bound of two_sided_mask must be in [0, 1)")
+            require(
+                0 <= self.lower_bound < 1, "lower", self.lower, "the lower bound of two_sided_mask must be in [0, 1)"
+            )
         elif self.mode in ("truncate", "mask"):
             require(self.upper >= 1, "upper", self.upper, f"a {self.mode} threshold below 1 cuts on-policy tokens")
         if self.lower is not None:
-            require(self.mode == "two_sided_mask", "lower", self.lower, f"only two_sided_mask has a lower bound, mode is {self.mode!r}")
+            require(
+                self.mode == "two_sided_mask",
+                "lower",
+                self.lower,
+                f"only two_sided_mask has a lower bound, mode is {self.mode!r}",
+            )
 
 
 @dataclass
@@ -339,10 +350,18 @@ class PPOActorConfig(TrainEngineConfig):
         mode = self.rollout_correction.mode
         if mode == "none":
             return
-        require(self.use_decoupled_loss, "rollout_correction.mode", mode,
-                "corrects decoupled PPO's behaviour weight: set use_decoupled_loss: true, or mode: none")  # fmt: skip
-        require(self.behav_imp_weight_cap is None, "behav_imp_weight_cap", self.behav_imp_weight_cap,
-                f"rollout_correction.mode={mode!r} replaces the behaviour-weight cap: set behav_imp_weight_cap: null")  # fmt: skip
+        require(
+            self.use_decoupled_loss,
+            "rollout_correction.mode",
+            mode,
+            "corrects decoupled PPO's behaviour weight: set use_decoupled_loss: true, or mode: none",
+        )
+        require(
+            self.behav_imp_weight_cap is None,
+            "behav_imp_weight_cap",
+            self.behav_imp_weight_cap,
+            f"rollout_correction.mode={mode!r} replaces the behaviour-weight cap: set behav_imp_weight_cap: null",
+        )
 
 
 ADV_ESTIMATOR_PRESETS: dict[str, dict] = {

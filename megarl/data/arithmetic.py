@@ -56,9 +56,7 @@ class ArithmeticSpec:
         if unknown or not self.ops:
             raise ValueError(f"ArithmeticSpec.ops={self.ops!r}: each must be one of {sorted(OPS)}")
         if self.min_operand > self.max_operand:
-            raise ValueError(
-                f"ArithmeticSpec.min_operand={self.min_operand} > max_operand={self.max_operand}"
-            )
+            raise ValueError(f"ArithmeticSpec.min_operand={self.min_operand} > max_operand={self.max_operand}")
 
 
 @dataclass(frozen=True)

@@ -88,9 +88,13 @@ def _map_rows(rows: list, mapper, consumed, source: str, bad_rows: str, skipped:
             continue
         mapped.append({**{k: v for k, v in row.items() if k not in consumed and k not in out}, **out})
     if skipped:
-        logger.warning("%s: skipped %d bad rows of %d (bad_rows=skip); the first: %s", source, len(skipped), total, skipped[0])
+        logger.warning(
+            "%s: skipped %d bad rows of %d (bad_rows=skip); the first: %s", source, len(skipped), total, skipped[0]
+        )
     if not mapped:
-        raise ValueError(f"{source}: no usable rows" + (f" ({len(skipped)} bad; the first: {skipped[0]})" if skipped else ""))
+        raise ValueError(
+            f"{source}: no usable rows" + (f" ({len(skipped)} bad; the first: {skipped[0]})" if skipped else "")
+        )
     try:
         return datasets.Dataset.from_list(mapped)
     except (TypeError, ValueError) as err:  # pyarrow: a column whose rows hold different types
@@ -137,10 +141,7 @@ def _looks_local(path: str) -> bool:
 def _load_file(file: Path) -> datasets.Dataset:
     builder = FILE_BUILDERS.get(file.suffix)
     if builder is None:
-        raise ValueError(
-            f"dataset file {str(file)!r} has suffix {file.suffix!r}; "
-            f"supported: {sorted(FILE_BUILDERS)}"
-        )
+        raise ValueError(f"dataset file {str(file)!r} has suffix {file.suffix!r}; supported: {sorted(FILE_BUILDERS)}")
     return datasets.load_dataset(builder, data_files=str(file), split="train")
 
 
@@ -189,16 +190,13 @@ def _unreachable(name: str, why: str) -> HubUnreachableError:
     )
 
 
-def _filter_prompt_length(
-    dataset: datasets.Dataset, tokenizer, max_prompt_tokens: int
-) -> datasets.Dataset:
+def _filter_prompt_length(dataset: datasets.Dataset, tokenizer, max_prompt_tokens: int) -> datasets.Dataset:
     """Drop rows whose prompt, as the rollout sends it (chat template applied), is too long."""
 
     def short_enough(batch: dict) -> list[bool]:
         if getattr(tokenizer, "chat_template", None):
             texts = [
-                tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                for m in batch["messages"]
+                tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in batch["messages"]
             ]
         else:
             texts = ["\n".join(turn["content"] for turn in m) for m in batch["messages"]]
@@ -207,6 +205,5 @@ def _filter_prompt_length(
 
     before = len(dataset)
     dataset = dataset.filter(short_enough, batched=True, keep_in_memory=True)
-    logger.info("prompt length filter (<= %d tokens) kept %d of %d rows",
-                max_prompt_tokens, len(dataset), before)
+    logger.info("prompt length filter (<= %d tokens) kept %d of %d rows", max_prompt_tokens, len(dataset), before)
     return dataset

@@ -26,9 +26,7 @@ class DatasetRowError(ValueError):
 def _require(row: Mapping[str, Any], key: str, index: int, source: str) -> Any:
     value = row.get(key)
     if value is None:
-        raise DatasetRowError(
-            f"{source}: row {index} has no {key!r} field (keys present: {sorted(row)})"
-        )
+        raise DatasetRowError(f"{source}: row {index} has no {key!r} field (keys present: {sorted(row)})")
     return value
 
 
@@ -42,7 +40,9 @@ def _require_text(row: Mapping[str, Any], key: str, index: int, source: str) -> 
 def _answer_text(row: Mapping[str, Any], index: int, source: str) -> str:
     answer = _require(row, "answer", index, source)
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-        raise DatasetRowError(f"{source}: row {index}: 'answer' must be a non-empty string or number, got {answer!r:.80}")
+        raise DatasetRowError(
+            f"{source}: row {index}: 'answer' must be a non-empty string or number, got {answer!r:.80}"
+        )
     return str(answer)
 
 
@@ -79,8 +79,7 @@ def map_chat_row(row: dict, index: int, source: str) -> dict:
     if messages is None:
         if row.get("prompt") is None:
             raise DatasetRowError(
-                f"{source}: row {index} has neither 'messages' nor 'prompt' "
-                f"(keys present: {sorted(row)})"
+                f"{source}: row {index} has neither 'messages' nor 'prompt' (keys present: {sorted(row)})"
             )
         messages = [{"role": "user", "content": _require_text(row, "prompt", index, source)}]
     if not isinstance(messages, list) or not messages or not all(_is_turn(m) for m in messages):
@@ -94,7 +93,11 @@ def map_chat_row(row: dict, index: int, source: str) -> dict:
 
 
 def _is_turn(message: Any) -> bool:
-    return isinstance(message, Mapping) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+    return (
+        isinstance(message, Mapping)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+    )
 
 
 # Read-only: a new type is one function plus one entry here.
@@ -102,9 +105,7 @@ ROW_MAPPERS: Mapping[str, Callable[[dict, int, str], dict]] = types.MappingProxy
     {"gsm8k": map_gsm8k_row, "chat": map_chat_row}
 )
 # Raw columns a mapping consumes, dropped after it ran.
-CONSUMED_COLUMNS: Mapping[str, tuple[str, ...]] = types.MappingProxyType(
-    {"gsm8k": ("question",), "chat": ()}
-)
+CONSUMED_COLUMNS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({"gsm8k": ("question",), "chat": ()})
 
 
 def row_mapper(type: str) -> Callable[[dict, int, str], dict]:
@@ -112,6 +113,4 @@ def row_mapper(type: str) -> Callable[[dict, int, str], dict]:
     try:
         return ROW_MAPPERS[type]
     except KeyError:
-        raise ValueError(
-            f"unknown dataset type {type!r}; known types: {sorted(ROW_MAPPERS)}"
-        ) from None
+        raise ValueError(f"unknown dataset type {type!r}; known types: {sorted(ROW_MAPPERS)}") from None

@@ -54,8 +54,9 @@ def load_extension() -> ModuleType | None:
         return None
     capability = torch.cuda.get_device_capability()
     if capability < (8, 0):
-        logger.warning("the megarl CUDA kernels need sm_80 or newer, this GPU is sm_%d%d: using the torch path",
-                       *capability)
+        logger.warning(
+            "the megarl CUDA kernels need sm_80 or newer, this GPU is sm_%d%d: using the torch path", *capability
+        )
         return None
     try:
         from megarl import _C  # type: ignore[attr-defined]
@@ -133,13 +134,18 @@ def _sm90_available(device_index: int) -> bool:
 
 def _record_sm90_status(device_index: int, available: bool, definite: bool, reason: str) -> bool:
     if not definite:
-        logger.warning("the sm_90a (wgmma) probe failed on cuda:%d, using the sm80 mainloop for this call "
-                       "and probing again at the next: %s", device_index, reason)  # fmt: skip
+        logger.warning(
+            "the sm_90a (wgmma) probe failed on cuda:%d, using the sm80 mainloop for this call "
+            "and probing again at the next: %s",
+            device_index,
+            reason,
+        )
         return False
     _SM90_KNOWN[device_index] = available
     if not available and not reason.startswith("the device is sm_"):
-        logger.warning("the sm_90a (wgmma) mainloop cannot run on cuda:%d, using the sm80 mainloop: %s",
-                       device_index, reason)
+        logger.warning(
+            "the sm_90a (wgmma) mainloop cannot run on cuda:%d, using the sm80 mainloop: %s", device_index, reason
+        )
     return available
 
 
@@ -194,8 +200,15 @@ def local_stats(
     vocab_tile = ext.TILE_VOCAB_SM90 if wgmma else ext.TILE_VOCAB
     splits = num_splits(hidden.shape[0], shard.valid, hidden.device, vocab_tile)
     part, label_logit = ext.logprob_forward(
-        _operand(hidden), _operand(weight), labels.long().contiguous(),
-        shard.valid, shard.start, inv_tau, splits, wgmma, logits,
+        _operand(hidden),
+        _operand(weight),
+        labels.long().contiguous(),
+        shard.valid,
+        shard.start,
+        inv_tau,
+        splits,
+        wgmma,
+        logits,
     )  # part: [3, splits, T]
     m, s, u = merge_stats(part[0], part[1], part[2])
     return m, s, u, label_logit
@@ -226,8 +239,9 @@ def softmax_grad_stored(
     dz = torch.empty(logits.shape, dtype=torch.bfloat16, device=logits.device)
     vectors = [t.float().contiguous() for t in (lse, mean_z, g_logprob, g_entropy)]
     if shard.valid > 0:
-        load_extension().softmax_grad_stored(logits, labels.long().contiguous(), shard.valid, shard.start, inv_tau,
-                                             *vectors, dz)  # fmt: skip
+        load_extension().softmax_grad_stored(
+            logits, labels.long().contiguous(), shard.valid, shard.start, inv_tau, *vectors, dz
+        )
     return dz[:, : shard.valid]
 
 

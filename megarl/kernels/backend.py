@@ -57,7 +57,8 @@ def resolve_backend(use_fused_kernels: bool | None, params_dtype: torch.dtype, h
         problems.append(f"they need a hidden size divisible by 8, got {hidden_size}")
     if problems:
         raise ValueError(
-            "use_fused_kernels=True but the fused CUDA kernels cannot run: " + "; ".join(problems)
+            "use_fused_kernels=True but the fused CUDA kernels cannot run: "
+            + "; ".join(problems)
             + ". Set use_fused_kernels=None to use them only where they apply, or False for the torch path."
         )
     return "cuda"

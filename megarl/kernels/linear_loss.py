@@ -243,6 +243,13 @@ def fused_linear_token_loss(
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     shard, tp_size = _resolve_shard(weight.shape[0], tp_group, vocab_start, vocab_size)
     tokens = chunk_tokens or default_chunk_tokens(hidden.shape[0], weight.shape[0], hidden.shape[1])
-    spec = _Spec(shard, 1.0 / temperature, tp_group, tp_size, tokens, reduce_grad_hidden,
-                 logprobs_backend(backend, hidden, weight))
+    spec = _Spec(
+        shard,
+        1.0 / temperature,
+        tp_group,
+        tp_size,
+        tokens,
+        reduce_grad_hidden,
+        logprobs_backend(backend, hidden, weight),
+    )
     return _FusedLinearTokenLoss.apply(hidden, weight, labels, token_loss_fn, spec)

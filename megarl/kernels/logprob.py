@@ -82,9 +82,7 @@ class _FusedLogprobEntropy(torch.autograd.Function):
         if spec.backend == "cuda":
             d_hidden, d_weight = _cuda.grads(*args, spec.chunk_vocab, need_hidden, need_weight)
         else:
-            d_hidden, d_weight = grads_chunked(
-                *args, spec.chunk_tokens, spec.chunk_vocab, need_hidden, need_weight
-            )
+            d_hidden, d_weight = grads_chunked(*args, spec.chunk_tokens, spec.chunk_vocab, need_hidden, need_weight)
         if d_hidden is not None:
             if spec.tp_size > 1 and spec.reduce_grad_hidden:
                 dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=spec.tp_group)

@@ -1,11 +1,11 @@
 """The ``megarl`` command line. Every user-facing print of the package goes through here.
 
-    megarl config --config configs/gsm8k_grpo_cpu.yaml actor.optimizer.lr=2e-6
-    megarl allocation vllm:d4t2+megatron:d2p2t2e2 --nodes 3 --gpus-per-node 8
-    megarl models fetch smollm2-135m-instruct
-    megarl slurm --dry-run --config configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml
-    megarl run configs/gsm8k_grpo_cpu.yaml actor.optimizer.lr=1e-5
-    megarl plan --rates benchmarks/plan_rates_h100_qwen2.5-7b.yaml --config configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml
+megarl config --config configs/gsm8k_grpo_cpu.yaml actor.optimizer.lr=2e-6
+megarl allocation vllm:d4t2+megatron:d2p2t2e2 --nodes 3 --gpus-per-node 8
+megarl models fetch smollm2-135m-instruct
+megarl slurm --dry-run --config configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml
+megarl run configs/gsm8k_grpo_cpu.yaml actor.optimizer.lr=1e-5
+megarl plan --rates benchmarks/plan_rates_h100_qwen2.5-7b.yaml --config configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def _allocation_table(alloc: AllocationMode, model: ModelShape | None) -> Table:
         table.add_row("inference", inf.backend, layout, str(inf.world_size))
     if alloc.train:
         t = alloc.train
-        layout = f"DP {t.dp} x PP {t.pp} x TP {t.tp} x CP {t.cp}; VPP {t.vpp}; EP {t.ep} x ETP {t.expert_tp} (EDP {t.edp})"
+        layout = (
+            f"DP {t.dp} x PP {t.pp} x TP {t.tp} x CP {t.cp}; VPP {t.vpp}; EP {t.ep} x ETP {t.expert_tp} (EDP {t.edp})"
+        )
         table.add_row("training", t.backend, layout, str(t.world_size))
     table.add_row("total", "", "", str(alloc.world_size))
     return table
@@ -79,12 +81,18 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         validate_allocation(alloc, model=(read_model_shape(config.actor.path) if config else None) or rates.model)
         predictions = [plan.predict(rates, work, alloc, staleness)]
     elif config is not None or args.devices:
-        ranked = plan.plan_for_config(rates, work, config, staleness, args.devices) if config else \
-            plan.rank_splits(rates, work, args.devices, staleness, model=rates.model)  # fmt: skip
+        ranked = (
+            plan.plan_for_config(rates, work, config, staleness, args.devices)
+            if config
+            else plan.rank_splits(rates, work, args.devices, staleness, model=rates.model)
+        )
         predictions = ranked.ranked[: args.top]
-        console.print(f"{len(ranked.ranked)} splits ranked, {len(ranked.refused)} refused "
-                      f"({ranked.refused[0][1] if ranked.refused else 'none'}{', ...' if len(ranked.refused) > 1 else ''})",
-                      markup=False, highlight=False)  # fmt: skip
+        console.print(
+            f"{len(ranked.ranked)} splits ranked, {len(ranked.refused)} refused "
+            f"({ranked.refused[0][1] if ranked.refused else 'none'}{', ...' if len(ranked.refused) > 1 else ''})",
+            markup=False,
+            highlight=False,
+        )
     else:
         raise ValueError("megarl plan needs --mode ALLOCATION, --devices N or --config FILE (its cluster size)")
     for line in plan.assumptions(rates, work, staleness):
@@ -128,24 +136,37 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         return serve(_load(args), args.index, devices, args.port, addr_file)
     config = _join_config(Path(args.join), args)
     port = args.port if args.port is not None else find_free_ports(1, host=server_host(config))[0]
-    return serve(config, joined_index(config), devices or list(range(config.allocation.inference.devices_per_server)),
-                 port, addr_file, join=True, drain_timeout=args.drain_timeout)  # fmt: skip
+    return serve(
+        config,
+        joined_index(config),
+        devices or list(range(config.allocation.inference.devices_per_server)),
+        port,
+        addr_file,
+        join=True,
+        drain_timeout=args.drain_timeout,
+    )
 
 
 def _join_config(run_dir: Path, args: argparse.Namespace) -> GRPOConfig:
     """The saved config of the run at ``run_dir`` (its key too), then ``--config`` files and overrides."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
-        raise ConfigError("", f"megarl serve --join {run_dir}: no {saved} (is it the run directory of a started run, "
-                              "{cluster.fileroot}/{experiment_name}/{trial_name}?)")  # fmt: skip
+        raise ConfigError(
+            "",
+            f"megarl serve --join {run_dir}: no {saved} (is it the run directory of a started run, "
+            "{cluster.fileroot}/{experiment_name}/{trial_name}?)",
+        )
     from megarl.utils.auth import load_run_key
 
     load_run_key(run_dir)
     args.config = [str(saved), *args.config]
     config = _load(args)
     if config.run_dir.resolve() != run_dir.resolve():
-        raise ConfigError("cluster.fileroot", f"megarl serve --join {run_dir}: the config names run directory "
-                                              f"{config.run_dir}; join from the machine and path the run writes to")  # fmt: skip
+        raise ConfigError(
+            "cluster.fileroot",
+            f"megarl serve --join {run_dir}: the config names run directory "
+            f"{config.run_dir}; join from the machine and path the run writes to",
+        )
     return config
 
 
@@ -182,8 +203,10 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     from megarl.run.report import build_report
 
     if not Path(args.run_dir).is_dir():
-        raise FileNotFoundError(f"{args.run_dir} is not a directory: pass a run directory, "
-                                "{cluster.fileroot}/{experiment_name}/{trial_name}")  # fmt: skip
+        raise FileNotFoundError(
+            f"{args.run_dir} is not a directory: pass a run directory, "
+            "{cluster.fileroot}/{experiment_name}/{trial_name}"
+        )
     console.print(f"wrote {build_report(args.run_dir)}", markup=False, highlight=False)
     return 0
 
@@ -243,27 +266,43 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--devices", default="", help="comma-separated device ids (GPUs, or CPU cores on CPU)")
     serve.add_argument("--port", type=int, help="port to listen on (with --join: a free one by default)")
     serve.add_argument("--addr-file", help="write host:port here once the server is healthy")
-    serve.add_argument("--join", metavar="RUN_DIR", help="add one more server to the running run at RUN_DIR (its saved "
-                       "config; the trainer pushes it the current weights, then routes requests to it); stop it to "
-                       "drain it and leave")  # fmt: skip
-    serve.add_argument("--drain-timeout", type=float, default=60.0,
-                       help="with --join: on stop, wait this long at most for its running requests")  # fmt: skip
+    serve.add_argument(
+        "--join",
+        metavar="RUN_DIR",
+        help="add one more server to the running run at RUN_DIR (its saved "
+        "config; the trainer pushes it the current weights, then routes requests to it); stop it to "
+        "drain it and leave",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="with --join: on stop, wait this long at most for its running requests",
+    )
     _add_config_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     slurm = sub.add_parser("slurm", help="render the sbatch script of an experiment and submit it")
     slurm.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
-    slurm.add_argument("--requeue", action="store_true", help="let Slurm requeue the job; it resumes (recover.mode=auto)")
+    slurm.add_argument(
+        "--requeue", action="store_true", help="let Slurm requeue the job; it resumes (recover.mode=auto)"
+    )
     slurm.add_argument("--output", help="where to write the script (default {run_dir}/job.sbatch)")
     _add_config_args(slurm)
     slurm.set_defaults(func=_cmd_slurm)
 
     run = sub.add_parser("run", help="run an experiment on this machine: inference servers, then the trainer")
-    _add_config_args(run, "CONFIG.yaml files (an experiment, then e.g. a parallel preset), then key.path=value overrides")
+    _add_config_args(
+        run, "CONFIG.yaml files (an experiment, then e.g. a parallel preset), then key.path=value overrides"
+    )
     run.set_defaults(func=_cmd_run)
 
-    watchdog = sub.add_parser("watchdog", help="watch a Slurm job's trainer and servers for stalls (the sbatch script starts it)")
-    watchdog.add_argument("--trainer-pid", type=int, required=True, help="the trainer step's srun: stopped on abort/restart")
+    watchdog = sub.add_parser(
+        "watchdog", help="watch a Slurm job's trainer and servers for stalls (the sbatch script starts it)"
+    )
+    watchdog.add_argument(
+        "--trainer-pid", type=int, required=True, help="the trainer step's srun: stopped on abort/restart"
+    )
     _add_config_args(watchdog)
     watchdog.set_defaults(func=_cmd_watchdog)
 
@@ -272,21 +311,35 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_cmd_report)
 
     plan = sub.add_parser("plan", help="predict step time from component rates; rank inference/training splits")
-    plan.add_argument("--rates", required=True, help="rates file (YAML/JSON): measured (benchmarks/plan.py --calibrate) or assumed")
+    plan.add_argument(
+        "--rates", required=True, help="rates file (YAML/JSON): measured (benchmarks/plan.py --calibrate) or assumed"
+    )
     plan.add_argument("--mode", help="predict this allocation_mode only (e.g. vllm:d48t2+megatron:d4p2t4)")
-    plan.add_argument("--devices", type=int, help="rank the splits of this many devices (default: the config's cluster)")
-    plan.add_argument("--max-staleness", type=int, help="0: synchronous; >= 1: rollout overlaps training (default: the config's)")
+    plan.add_argument(
+        "--devices", type=int, help="rank the splits of this many devices (default: the config's cluster)"
+    )
+    plan.add_argument(
+        "--max-staleness", type=int, help="0: synchronous; >= 1: rollout overlaps training (default: the config's)"
+    )
     plan.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: the rates file's workload)")
-    plan.add_argument("--gen-tokens", type=float, help="mean generated tokens per sample (default: the rates file's workload)")
+    plan.add_argument(
+        "--gen-tokens", type=float, help="mean generated tokens per sample (default: the rates file's workload)"
+    )
     plan.add_argument("--top", type=int, default=10, help="how many splits to show")
     _add_config_args(plan, "key.path=value overrides of the --config files")
     plan.set_defaults(func=_cmd_plan)
 
     models = sub.add_parser("models", help="list or provision models known by short name, or fetch a hub id")
     models.add_argument("action", choices=["list", "fetch"])
-    models.add_argument("name", nargs="?", default="smollm2-135m-instruct",
-                        help="short name, HF directory, or hub id org/name[@revision] (into the HF cache)")
-    models.add_argument("--cache-dir", help="where provisioned models go (default $MEGARL_CACHE_DIR or ~/.cache/megarl)")
+    models.add_argument(
+        "name",
+        nargs="?",
+        default="smollm2-135m-instruct",
+        help="short name, HF directory, or hub id org/name[@revision] (into the HF cache)",
+    )
+    models.add_argument(
+        "--cache-dir", help="where provisioned models go (default $MEGARL_CACHE_DIR or ~/.cache/megarl)"
+    )
     models.set_defaults(func=_cmd_models)
     return parser
 
@@ -307,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, console)
     except (ConfigError, AllocationError, ValueError, FileNotFoundError) as err:
-        Console(stderr=True, soft_wrap=True).print(f"megarl {args.command}: error: {err}", markup=False, highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"megarl {args.command}: error: {err}", markup=False, highlight=False
+        )
         return 2
 
 

@@ -251,9 +251,15 @@ def trainer_command(config: GRPOConfig, config_file: Path, plan: Placement) -> l
     entry = config.launcher.trainer_entry
     target = [entry] if entry.endswith(".py") else ["-m", entry]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={plan.trainer_procs_per_node}", *target, "--config", str(config_file),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={plan.trainer_procs_per_node}",
+        *target,
+        "--config",
+        str(config_file),
+    ]
 
 
 def trainer_env(config: GRPOConfig, plan: Placement, addrs: list[str]) -> dict[str, str]:
@@ -296,7 +302,9 @@ def run_trainer(
     watchdog = Watchdog(config.run_dir, config.watchdog) if config.watchdog.enabled else None
     targets = [HealthTarget.of(server) for server in servers]
     beats = ServerBeats(config.run_dir, targets, config.watchdog.interval_s) if watchdog is not None else nullcontext()
-    restarts = ServerRestarts(config.launcher.server_restarts, config.launcher.max_server_restarts, config.run_dir, relay)
+    restarts = ServerRestarts(
+        config.launcher.server_restarts, config.launcher.max_server_restarts, config.run_dir, relay
+    )
     with open(log_path, "ab") as log, beats:
         for attempt in range(retries + 1):
             log.write(f"# megarl run: trainer attempt {attempt + 1}: {' '.join(cmd)}\n".encode())
@@ -339,9 +347,13 @@ def _run_trainer_once(
     # not verbose: the ranks write their own output to the log and only their console lines
     # to stdout; torchrun's own messages (stderr) go to the log
     proc = subprocess.Popen(
-        cmd, env={**env, **mark.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if relay.verbose else log,
-        stdin=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        cmd,
+        env={**env, **mark.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if relay.verbose else log,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     kill_on_exit(proc)
     pump = relay.pipe("trainer", proc.stdout, log) if relay.verbose else relay.console("trainer", proc.stdout, log)
     try:
@@ -380,7 +392,11 @@ def _watch(
                 relay.end_line()
                 relay.line("megarl", event.line())
             if watchdog.config.action != "warn":
-                what = "stopping the run" if watchdog.config.action == "abort" else "restarting the trainer from its last recover point"
+                what = (
+                    "stopping the run"
+                    if watchdog.config.action == "abort"
+                    else "restarting the trainer from its last recover point"
+                )
                 logger.error("watchdog: %s (watchdog.action=%s)", what, watchdog.config.action)
                 if relay is not None:
                     relay.line("megarl", f"watchdog: {what} (watchdog.action={watchdog.config.action})")
@@ -427,19 +443,32 @@ class ServerRestarts:
             raise ServerLaunchError(f"{message}\nnot restarted: {spent}")
         self.counts[server.name] = self.counts.get(server.name, 0) + 1
         n = self.counts[server.name]
-        line = (f"{server.name} at {server.address} exited with code {server.proc.returncode} {when}; restarting it "
-                f"in its slot (restart {n} of {self.per_server} for it, {self.total} of {self.per_run} this run)")  # fmt: skip
+        line = (
+            f"{server.name} at {server.address} exited with code {server.proc.returncode} {when}; restarting it "
+            f"in its slot (restart {n} of {self.per_server} for it, {self.total} of {self.per_run} this run)"
+        )
         logger.warning("%s; last lines of %s:\n%s", line, server.log_path, server.log_tail(10))
         if self.relay is not None:
             self.relay.end_line()
             self.relay.line("megarl", line)
         cancel_kill_on_exit(server.proc)
-        stop_leftovers(server.proc.pid, LaunchMark(server.spec.env.get(LAUNCH_TAG_ENV, ""), (server.started_at or 0.0) - 2.0))
+        stop_leftovers(
+            server.proc.pid, LaunchMark(server.spec.env.get(LAUNCH_TAG_ENV, ""), (server.started_at or 0.0) - 2.0)
+        )
         with open(server.log_path, "ab") as f:
             f.write(f"# megarl: {line}\n".encode())
         replacement = InferenceServer(server.spec, server.log_path, name=server.name).start()
-        append_record(self.log, {"time": time.time(), "server": server.name, "address": server.address,
-                                 "exit_code": server.proc.returncode, "restart": n, "run_total": self.total})  # fmt: skip
+        append_record(
+            self.log,
+            {
+                "time": time.time(),
+                "server": server.name,
+                "address": server.address,
+                "exit_code": server.proc.returncode,
+                "restart": n,
+                "run_total": self.total,
+            },
+        )
         return replacement
 
     def _spent(self, name: str) -> str:
@@ -522,8 +551,10 @@ def startup_lines(config: GRPOConfig, plan: Placement) -> list[str]:
     ]
     if config.device == "cpu":
         shared = servers_on_every_core(config)
-        cores = "; ".join(f"server-{s.index} on {'every core' if shared else 'cores ' + ','.join(map(str, s.devices))}"
-                          for s in plan.servers)  # fmt: skip
+        cores = "; ".join(
+            f"server-{s.index} on {'every core' if shared else 'cores ' + ','.join(map(str, s.devices))}"
+            for s in plan.servers
+        )
         share = trainer_env(config, plan, [])["OMP_NUM_THREADS"]
         idle = ", every core while the servers idle" if config.cluster.cpu_threads != "static" else ""
         policy = f"cluster.cpu_threads={config.cluster.cpu_threads}"

@@ -49,17 +49,34 @@ def server_spec(
     if not joined and not 0 <= index < inference.dp:
         raise ValueError(f"server index {index} out of range: allocation_mode has {inference.dp} servers")
     # on CPU a server may run on more cores than its slots (cluster.cpu_threads=shared)
-    if len(devices) < inference.devices_per_server or (config.device == "cuda" and len(devices) > inference.devices_per_server):
+    if len(devices) < inference.devices_per_server or (
+        config.device == "cuda" and len(devices) > inference.devices_per_server
+    ):
         raise ValueError(f"server {index} needs {inference.devices_per_server} devices, got {devices}")
     model = resolve_model_path(config.actor.path)
     if inference.backend == "vllm":
         return vllm_launch_spec(
-            config.vllm, model, host, port, tp=inference.tp, devices=devices,
-            device_type=config.device, replica=index, colocated=config.allocation.colocated,
-        )  # fmt: skip
-    return sglang_launch_spec(config.sglang, model, host, port, tp=inference.tp, devices=devices, replica=index,
-                              routed_experts=config.rollout.return_routed_experts,
-                              colocated=config.allocation.colocated)  # fmt: skip
+            config.vllm,
+            model,
+            host,
+            port,
+            tp=inference.tp,
+            devices=devices,
+            device_type=config.device,
+            replica=index,
+            colocated=config.allocation.colocated,
+        )
+    return sglang_launch_spec(
+        config.sglang,
+        model,
+        host,
+        port,
+        tp=inference.tp,
+        devices=devices,
+        replica=index,
+        routed_experts=config.rollout.return_routed_experts,
+        colocated=config.allocation.colocated,
+    )
 
 
 def server_host(config: GRPOConfig) -> str:
@@ -69,7 +86,12 @@ def server_host(config: GRPOConfig) -> str:
 
 
 def serve(
-    config: GRPOConfig, index: int, devices: list[int], port: int, addr_file: Path | None, join: bool = False,
+    config: GRPOConfig,
+    index: int,
+    devices: list[int],
+    port: int,
+    addr_file: Path | None,
+    join: bool = False,
     drain_timeout: float = 60.0,
 ) -> int:
     """Run server ``index`` until it exits; returns its exit status.
@@ -85,7 +107,9 @@ def serve(
         devices = sorted(os.sched_getaffinity(0))
     spec = server_spec(config, index, devices, host, port, joined=join)
     spec.env.update(config.launcher.env)
-    timeout = config.vllm.startup_timeout if config.allocation.inference.backend == "vllm" else config.sglang.startup_timeout
+    timeout = (
+        config.vllm.startup_timeout if config.allocation.inference.backend == "vllm" else config.sglang.startup_timeout
+    )
     name = f"server-{index}"
     server = InferenceServer(spec, log_path=config.run_dir / "logs" / f"{name}.log", name=name)
     joins = config.run_dir / JOINS_FILE
@@ -103,8 +127,12 @@ def serve(
             code = server.proc.wait()
         else:
             append_record(joins, {"time": time.time(), "event": "join", "server": name, "address": spec.address})
-            logger.warning("%s at %s joined %s; stop it (SIGTERM or Ctrl-C) to drain it and leave", name, spec.address,
-                           config.run_dir)  # fmt: skip
+            logger.warning(
+                "%s at %s joined %s; stop it (SIGTERM or Ctrl-C) to drain it and leave",
+                name,
+                spec.address,
+                config.run_dir,
+            )
             try:
                 code = server.proc.wait()
             except KeyboardInterrupt:

@@ -93,8 +93,14 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool 
     for slot in plan.servers:
         devices = ",".join(map(str, slot.devices))
         lines.append(f'  "{slot.index} {slot.node} {devices} {slurm.server_port + slot.devices[0]}"')
-    lines += [")", *_serve_slot(config, cfg), 'for server in "${SERVERS[@]}"; do', "  serve_slot $server &",
-              "  PIDS+=($!)", "done"]  # fmt: skip
+    lines += [
+        ")",
+        *_serve_slot(config, cfg),
+        'for server in "${SERVERS[@]}"; do',
+        "  serve_slot $server &",
+        "  PIDS+=($!)",
+        "done",
+    ]
     if plan.servers:
         lines += _wait_for_servers(len(plan.servers), slurm.server_wait_timeout)
     lines += ["", "# 3. trainer", *_flight_recorder(config), *_trainer(config, cfg, plan), *_watchdog(config, cfg)]
@@ -210,16 +216,22 @@ def _first_exit(config: GRPOConfig, requeue: bool = False) -> list[str]:
     if config.watchdog.enabled and config.watchdog.action != "warn":
         restart = []
         if config.watchdog.action == "restart":  # render_sbatch made sure the job may be requeued
-            restart = ['  echo "megarl: requeueing the job: it resumes from its last recover point" >&2',
-                       '  scontrol requeue "$SLURM_JOB_ID"']  # fmt: skip
-        watchdog = ['if [ -f "$RUN_DIR/watchdog.stopped" ]; then',
-                    '  echo "megarl: the watchdog stopped the trainer (watchdog.action=$(cat "$RUN_DIR/watchdog.stopped"))" >&2',
-                    *restart, "  exit 3", "fi"]  # fmt: skip
+            restart = [
+                '  echo "megarl: requeueing the job: it resumes from its last recover point" >&2',
+                '  scontrol requeue "$SLURM_JOB_ID"',
+            ]
+        watchdog = [
+            'if [ -f "$RUN_DIR/watchdog.stopped" ]; then',
+            '  echo "megarl: the watchdog stopped the trainer (watchdog.action=$(cat "$RUN_DIR/watchdog.stopped"))" >&2',
+            *restart,
+            "  exit 3",
+            "fi",
+        ]
     return [
         'wait -n "$TRAINER" "${PIDS[@]}"',
-        "if kill -0 \"$TRAINER\" 2>/dev/null; then",
+        'if kill -0 "$TRAINER" 2>/dev/null; then',
         '  echo "megarl: a server step ended during training and its restarts are spent; failing the job" >&2',
-        "  kill -TERM \"$TRAINER\"; exit 1",
+        '  kill -TERM "$TRAINER"; exit 1',
         "fi",
         'wait "$TRAINER"; status=$?',
         *watchdog,
@@ -236,11 +248,13 @@ def _requeue_on_failure(config: GRPOConfig, requeue: bool) -> list[str]:
     if not requeue:
         return []
     retries = config.recover.retries
-    return [f'if [ "$status" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {retries} ]; then',
-            f'  echo "megarl: requeueing the job (restart $(( ${{SLURM_RESTART_COUNT:-0}} + 1 )) of {retries}, '
-            'recover.retries): it resumes from its last recover point" >&2',
-            '  scontrol requeue "$SLURM_JOB_ID"',
-            "fi"]  # fmt: skip
+    return [
+        f'if [ "$status" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {retries} ]; then',
+        f'  echo "megarl: requeueing the job (restart $(( ${{SLURM_RESTART_COUNT:-0}} + 1 )) of {retries}, '
+        'recover.retries): it resumes from its last recover point" >&2',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+    ]
 
 
 def render_sbatch(config: GRPOConfig, config_file: Path, *, requeue: bool = False) -> str:
@@ -250,8 +264,10 @@ def render_sbatch(config: GRPOConfig, config_file: Path, *, requeue: bool = Fals
             f"--requeue needs recover.mode=auto so a requeued job resumes, got recover.mode={config.recover.mode!r}"
         )
     if config.watchdog.enabled and config.watchdog.action == "restart" and not requeue:
-        raise ValueError("watchdog.action=restart under Slurm requeues the job: render it with --requeue "
-                         "(and recover.mode=auto), or use watchdog.action=abort")  # fmt: skip
+        raise ValueError(
+            "watchdog.action=restart under Slurm requeues the job: render it with --requeue "
+            "(and recover.mode=auto), or use watchdog.action=abort"
+        )
     plan = plan_placement(config.allocation, config.cluster.n_nodes, config.cluster.n_gpus_per_node)
     return "\n".join(_sbatch_header(config, requeue) + [""] + _body(config, config_file, plan, requeue)) + "\n"
 

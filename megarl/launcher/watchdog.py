@@ -65,8 +65,9 @@ class StallEvent:
         what = "has not sent a heartbeat" if self.kind == "silent" else f"in phase {self.phase!r}"
         if self.step and self.kind != "silent":
             what += f" ({self.step})"
-        line = (f"megarl watchdog: {', '.join(self.names)} {what} for {self.seconds:.0f} s "
-                f"(budget {self.budget_s:.0f} s)")  # fmt: skip
+        line = (
+            f"megarl watchdog: {', '.join(self.names)} {what} for {self.seconds:.0f} s (budget {self.budget_s:.0f} s)"
+        )
         if self.collectives:
             line += f"; {self.collectives}"
         if self.waits_for:
@@ -124,14 +125,26 @@ class Watchdog:
         first, kind = stalled[0]
         group = [b for b, k in stalled if k == kind and b["phase"] == first["phase"]]
         names = {b["name"] for b in group}
-        others = "; ".join(f"{b['name']} in {b['phase']!r} for {now - b['since']:.0f} s" for b in beats if b["name"] not in names)
+        others = "; ".join(
+            f"{b['name']} in {b['phase']!r} for {now - b['since']:.0f} s" for b in beats if b["name"] not in names
+        )
         waits = "; ".join(dict.fromkeys(b["detail"] for b in group if b.get("detail")))
         if kind == "silent":  # what the last beat said, and what silence means for this kind of process
             waits = "; ".join(x for x in (first.get("silent_means", ""), waits and f"last beat: {waits}") if x)
         seconds = now - (first["beat"] if kind == "silent" else first["since"])
         budget = self.config.silent_s if kind == "silent" else self._budget_of(first)
-        event = StallEvent(now, kind, sorted(names), first["phase"], seconds, budget, waits, others,
-                           first.get("step", ""), collective_waits(beats, now))  # fmt: skip
+        event = StallEvent(
+            now,
+            kind,
+            sorted(names),
+            first["phase"],
+            seconds,
+            budget,
+            waits,
+            others,
+            first.get("step", ""),
+            collective_waits(beats, now),
+        )
         for b, _ in stalled:  # one report per incident: those waiting on the first are in its line
             self._reported.add(_key(b))
         self._record(event, beats)
@@ -142,8 +155,10 @@ class Watchdog:
         if not collective:
             return False
         peers = (by_name.get(f"trainer-{rank}") for rank in collective["ranks"])
-        return any(p is not None and not same_call(collective, p.get("collective")) and _key(p) in self._reported
-                   for p in peers)  # fmt: skip
+        return any(
+            p is not None and not same_call(collective, p.get("collective")) and _key(p) in self._reported
+            for p in peers
+        )
 
     def _budget_of(self, beat: dict) -> float:
         runs = beat.get("runs", {})
@@ -208,9 +223,19 @@ class ServerBeats:
 
     def __init__(self, run_dir: str | Path, servers: list[HealthTarget], interval: float, timeout: float = 5.0):
         self.servers, self.interval, self.timeout = servers, interval, min(timeout, interval)
-        self.beats = [Heartbeat(run_dir, server.name, interval, watch="silence", thread=False, stacks=False,
-                                pid=server.pid or 0, silent_means=_silent_server(server))
-                      for server in servers]  # fmt: skip
+        self.beats = [
+            Heartbeat(
+                run_dir,
+                server.name,
+                interval,
+                watch="silence",
+                thread=False,
+                stacks=False,
+                pid=server.pid or 0,
+                silent_means=_silent_server(server),
+            )
+            for server in servers
+        ]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megarl-server-beats", daemon=True)
 
@@ -261,8 +286,11 @@ def collective_waits(beats: list[dict], now: float) -> str:
         collective = waiting[0]["collective"]
         names = ", ".join(b["name"] for b in waiting)
         text = f"{names} wait in {call} for {now - min(b['collective']['since'] for b in waiting):.0f} s"
-        missing = [_where(f"trainer-{rank}", by_name, now) for rank in collective["ranks"]
-                   if not same_call(collective, by_name.get(f"trainer-{rank}", {}).get("collective"))]  # fmt: skip
+        missing = [
+            _where(f"trainer-{rank}", by_name, now)
+            for rank in collective["ranks"]
+            if not same_call(collective, by_name.get(f"trainer-{rank}", {}).get("collective"))
+        ]
         parts.append(text + (f"; not arrived: {', '.join(missing)}" if missing else ""))
     return "; ".join(parts)
 
@@ -302,8 +330,13 @@ def dump_stacks(run_dir: Path, pids: dict[str, int], signalled: set[int] | None 
                 continue
         if py_spy is not None:
             with open(folder / f"{name}.py-spy.txt", "w") as out:
-                subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], stdout=out, stderr=subprocess.STDOUT,
-                               timeout=60, check=False)  # fmt: skip
+                subprocess.run(
+                    [py_spy, "dump", "--native", "--pid", str(pid)],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=60,
+                    check=False,
+                )
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any((p.stat().st_size if p.exists() else 0) <= n for p, n in sizes.items()):
         time.sleep(0.05)
@@ -342,4 +375,3 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-

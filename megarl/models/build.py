@@ -34,6 +34,7 @@ class ParallelSizes(Protocol):
     expert_tp: int
     cp: int
 
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -83,8 +84,12 @@ def _check_supported(hf_config, family: Family, tp: int) -> None:
     rope = rope_parameters(hf_config)
     if rope.get("rope_type", "default") not in _ROPE_TYPES:
         raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; supported: {_ROPE_TYPES}")
-    if family.moe and (getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1):
-        raise ValueError("MoE models whose layers are not all sparse (mlp_only_layers / decoder_sparse_step) are not supported")
+    if family.moe and (
+        getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1
+    ):
+        raise ValueError(
+            "MoE models whose layers are not all sparse (mlp_only_layers / decoder_sparse_step) are not supported"
+        )
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported")
 
@@ -113,9 +118,17 @@ def rope_inv_freq(hf_config) -> torch.Tensor | None:
     return inv_freq
 
 
-def transformer_config(desc: ModelDesc, alloc: ParallelSizes, *, sequence_parallel: bool = False,
-                       dtype: str = "bfloat16", moe_dispatcher: str = "allgather", recompute: str = "none",
-                       use_cpu_initialization: bool = True, perform_initialization: bool = False):  # fmt: skip
+def transformer_config(
+    desc: ModelDesc,
+    alloc: ParallelSizes,
+    *,
+    sequence_parallel: bool = False,
+    dtype: str = "bfloat16",
+    moe_dispatcher: str = "allgather",
+    recompute: str = "none",
+    use_cpu_initialization: bool = True,
+    perform_initialization: bool = False,
+):
     """Megatron's TransformerConfig for ``desc`` under ``alloc`` (dropout off: RL recomputes logprobs).
 
     ``sequence_parallel`` takes effect only with tensor parallelism (tp > 1).
@@ -125,21 +138,41 @@ def transformer_config(desc: ModelDesc, alloc: ParallelSizes, *, sequence_parall
     hf = desc.hf_config
     params_dtype = DTYPES[dtype]
     kwargs = {
-        "num_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size, "ffn_hidden_size": hf.intermediate_size,
-        "num_attention_heads": desc.dims.num_attention_heads, "num_query_groups": desc.dims.num_query_groups,
-        "kv_channels": desc.dims.head_dim, "normalization": "RMSNorm", "layernorm_epsilon": hf.rms_norm_eps,
-        "gated_linear_unit": True, "activation_func": F.silu, "add_bias_linear": False, "add_qkv_bias": desc.family.qkv_bias,
-        "qk_layernorm": desc.family.qk_norm, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-        "bias_activation_fusion": False, "masked_softmax_fusion": False, "persist_layer_norm": False,
-        "bias_dropout_fusion": False, "apply_rope_fusion": False, "gradient_accumulation_fusion": False,
-        "params_dtype": params_dtype, "pipeline_dtype": params_dtype, "bf16": params_dtype == torch.bfloat16,
+        "num_layers": hf.num_hidden_layers,
+        "hidden_size": hf.hidden_size,
+        "ffn_hidden_size": hf.intermediate_size,
+        "num_attention_heads": desc.dims.num_attention_heads,
+        "num_query_groups": desc.dims.num_query_groups,
+        "kv_channels": desc.dims.head_dim,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": desc.family.qkv_bias,
+        "qk_layernorm": desc.family.qk_norm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "bias_activation_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "params_dtype": params_dtype,
+        "pipeline_dtype": params_dtype,
+        "bf16": params_dtype == torch.bfloat16,
         "fp16": params_dtype == torch.float16,
-        "use_cpu_initialization": use_cpu_initialization, "perform_initialization": perform_initialization,
-        "tensor_model_parallel_size": alloc.tp, "pipeline_model_parallel_size": alloc.pp,
+        "use_cpu_initialization": use_cpu_initialization,
+        "perform_initialization": perform_initialization,
+        "tensor_model_parallel_size": alloc.tp,
+        "pipeline_model_parallel_size": alloc.pp,
         "virtual_pipeline_model_parallel_size": alloc.vpp if alloc.vpp > 1 else None,
-        "expert_model_parallel_size": alloc.ep, "expert_tensor_parallel_size": alloc.expert_tp,
-        "context_parallel_size": alloc.cp, "sequence_parallel": sequence_parallel and alloc.tp > 1,
-    }  # fmt: skip
+        "expert_model_parallel_size": alloc.ep,
+        "expert_tensor_parallel_size": alloc.expert_tp,
+        "context_parallel_size": alloc.cp,
+        "sequence_parallel": sequence_parallel and alloc.tp > 1,
+    }
     if recompute != "none":
         kwargs.update(recompute_granularity=recompute)
         if recompute == "full":

@@ -93,11 +93,14 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", ("Qwen3ForCausalLM",), qk_norm=True),
     "qwen3_moe": Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm=True, moe=True),
     "mixtral": Family(
-        "mixtral", ("MixtralForCausalLM",), moe=True,
-        hf_expert_names=("w1", "w3", "w2"), hf_router="block_sparse_moe.gate",
+        "mixtral",
+        ("MixtralForCausalLM",),
+        moe=True,
+        hf_expert_names=("w1", "w3", "w2"),
+        hf_router="block_sparse_moe.gate",
         hf_experts="block_sparse_moe.experts",
     ),
-}  # fmt: skip
+}
 
 
 def family_of(hf_config) -> Family:

@@ -140,8 +140,16 @@ def load_hf_weights(chunks: list, desc: ModelDesc, hf_dir: str | os.PathLike, co
     return loaded
 
 
-def gather_hf_tensors(chunks: list, desc: ModelDesc, coords: ShardCoords, tp_group, etp_group,
-                      dtype: torch.dtype | None = None, value=None, include=None) -> dict[str, torch.Tensor]:  # fmt: skip
+def gather_hf_tensors(
+    chunks: list,
+    desc: ModelDesc,
+    coords: ShardCoords,
+    tp_group,
+    etp_group,
+    dtype: torch.dtype | None = None,
+    value=None,
+    include=None,
+) -> dict[str, torch.Tensor]:
     """HF tensors of this rank's chunks, each gathered over its (expert) tensor-parallel group.
 
     Every rank of the TP / ETP group must call this (it all-gathers); all of them
@@ -173,8 +181,12 @@ def _all_gather(tensor: torch.Tensor, group, replicated: bool) -> list[torch.Ten
     return [s.cpu() for s in shards]
 
 
-def write_hf_dir(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, hf_config=None,
-                 source_dir: str | os.PathLike | None = None) -> Path:  # fmt: skip
+def write_hf_dir(
+    tensors: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    hf_config=None,
+    source_dir: str | os.PathLike | None = None,
+) -> Path:
     """Write ``tensors`` as an HF directory; copies config / tokenizer files from ``source_dir``.
 
     With a sharded source (an index file), the same shard layout is reproduced.

@@ -43,8 +43,17 @@ class SharedPrefixSeqParams(PackedSeqParams):
 class SDPACoreAttention(MegatronModule):
     """Causal attention through torch SDPA; drop-in for Megatron's ``core_attention`` slot."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError(
@@ -54,8 +63,9 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):  # fmt: skip
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         """``query`` [s, b, np, hn] (or [t, np, hn] when packed); returns [s, b, np*hn] ([t, np*hn])."""
         if attention_bias is not None:
             raise ValueError("SDPACoreAttention does not take an attention_bias")
@@ -87,9 +97,15 @@ class SDPACoreAttention(MegatronModule):
         if prefix:
             mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=prefix)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=not prefix, scale=self.softmax_scale,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=not prefix,
+            scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
-        )  # fmt: skip
+        )
 
 
 def _take(x: torch.Tensor, rows: slice | list[slice]) -> torch.Tensor:

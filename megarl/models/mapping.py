@@ -132,8 +132,9 @@ def _chunk(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * step, (rank + 1) * step
 
 
-def load_shard(rule: ParamRule, names: tuple[str, ...], read: Reader, shape: tuple[int, ...],
-               rank: int, size: int, dims: ModelDims) -> torch.Tensor:  # fmt: skip
+def load_shard(
+    rule: ParamRule, names: tuple[str, ...], read: Reader, shape: tuple[int, ...], rank: int, size: int, dims: ModelDims
+) -> torch.Tensor:
     """The shard of TP rank ``rank`` of ``size``; ``shape`` is the full HF shape of ``names[0]``."""
     split = rule.split
     if split == "replicated" or size == 1 and split not in ("qkv", "gate_up", "vocab"):
@@ -179,8 +180,9 @@ def _qkv_shard(names, read, rank, size, dims: ModelDims, what: str) -> torch.Ten
 # ---------------------------------------------------------------------------------------
 
 
-def export_from_shards(rule: ParamRule, names: tuple[str, ...], shards: list[torch.Tensor],
-                       dims: ModelDims) -> dict[str, torch.Tensor]:  # fmt: skip
+def export_from_shards(
+    rule: ParamRule, names: tuple[str, ...], shards: list[torch.Tensor], dims: ModelDims
+) -> dict[str, torch.Tensor]:
     """Inverse of :func:`load_shard`: the HF tensors from the shards of ranks ``0..len-1``."""
     split = rule.split
     if split == "replicated":
@@ -211,4 +213,3 @@ def expert_placement(global_expert: int, num_experts: int, ep_size: int) -> tupl
         raise ValueError(f"{num_experts} experts do not split over expert parallel size {ep_size}")
     per_rank = num_experts // ep_size
     return global_expert // per_rank, global_expert % per_rank
-

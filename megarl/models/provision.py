@@ -93,12 +93,16 @@ def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = 
         return str(path)
     known = sorted([*KNOWN_MODELS, *ALIASES])
     if path.is_dir():
-        raise ValueError(f"model path {name_or_path!r} is a directory without config.json; "
-                         f"expected an HF model directory or one of {known}")
+        raise ValueError(
+            f"model path {name_or_path!r} is a directory without config.json; "
+            f"expected an HF model directory or one of {known}"
+        )
     if not path.exists() and HUB_ID.fullmatch(name_or_path):
         return str(hub_snapshot(name_or_path))
-    raise ValueError(f"model {name_or_path!r} is neither a known short name {known}, "
-                     "an existing HF model directory (with config.json), nor a hub id 'org/name[@revision]'")
+    raise ValueError(
+        f"model {name_or_path!r} is neither a known short name {known}, "
+        "an existing HF model directory (with config.json), nor a hub id 'org/name[@revision]'"
+    )
 
 
 def hf_hub_cache() -> Path:
@@ -137,8 +141,11 @@ def hub_snapshot(model_id: str, weights: bool = True) -> Path:
     missing = _missing_files(cached, weights) if cached is not None else None
     if cached is not None and not missing:
         return cached
-    found = (f"the cached snapshot {cached} of {model_id} lacks {missing}" if cached is not None
-             else f"{model_id} is not in the hub cache {cache}")  # fmt: skip
+    found = (
+        f"the cached snapshot {cached} of {model_id} lacks {missing}"
+        if cached is not None
+        else f"{model_id} is not in the hub cache {cache}"
+    )
     offline = hub_offline()
     if offline:
         raise HubModelError(f"{found}, and {offline} is set so it is not downloaded; {_fetch_hint(model_id)}")
@@ -148,15 +155,21 @@ def hub_snapshot(model_id: str, weights: bool = True) -> Path:
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     logger.info("downloading %s from %s into %s", model_id, endpoint, cache)
     try:
-        local = Path(snapshot_download(repo, revision=revision, cache_dir=cache, endpoint=endpoint,
-                                       allow_patterns=list(HUB_PATTERNS)))  # fmt: skip
+        local = Path(
+            snapshot_download(
+                repo, revision=revision, cache_dir=cache, endpoint=endpoint, allow_patterns=list(HUB_PATTERNS)
+            )
+        )
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:  # unreachable, unknown repo, no access
         why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise HubModelError(f"{found}, and downloading it from {endpoint} failed ({why}); {_fetch_hint(model_id)}") from None
+        raise HubModelError(
+            f"{found}, and downloading it from {endpoint} failed ({why}); {_fetch_hint(model_id)}"
+        ) from None
     missing = _missing_files(local, weights)
     if missing:
-        raise HubModelError(f"the hub repository {model_id} has no {missing} (megarl loads safetensors weights); "
-                            f"downloaded {local}")  # fmt: skip
+        raise HubModelError(
+            f"the hub repository {model_id} has no {missing} (megarl loads safetensors weights); downloaded {local}"
+        )
     return local
 
 
@@ -166,8 +179,11 @@ def _cached_snapshot(repo: str, revision: str | None, cache: Path) -> Path | Non
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
-                                      allow_patterns=list(HUB_PATTERNS)))  # fmt: skip
+        return Path(
+            snapshot_download(
+                repo, revision=revision, cache_dir=cache, local_files_only=True, allow_patterns=list(HUB_PATTERNS)
+            )
+        )
     except LocalEntryNotFoundError:  # not cached, or a download that stopped half-way
         return None
 
@@ -188,9 +204,11 @@ def _fetch_hint(model_id: str) -> str:
     """The commands that put ``model_id`` into the hub cache, for an error message."""
     repo, _, revision = model_id.partition("@")
     hf = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
-    return (f"fetch it with `megarl models fetch {model_id}` (or `{hf}`) where the hub is reachable and "
-            "HF_HUB_OFFLINE unset, into the same cache (HF_HOME or HF_HUB_CACHE), or give the model's "
-            "local directory")  # fmt: skip
+    return (
+        f"fetch it with `megarl models fetch {model_id}` (or `{hf}`) where the hub is reachable and "
+        "HF_HUB_OFFLINE unset, into the same cache (HF_HOME or HF_HUB_CACHE), or give the model's "
+        "local directory"
+    )
 
 
 def provision(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -277,7 +295,8 @@ def _check_same_logits(reference, converted, tokenizer) -> None:
     import torch
 
     probe = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 12 times 7?"}], add_generation_prompt=True,
+        [{"role": "user", "content": "What is 12 times 7?"}],
+        add_generation_prompt=True,
         tokenize=False,
     )
     ids = torch.tensor([tokenizer(probe, add_special_tokens=False)["input_ids"]])

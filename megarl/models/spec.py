@@ -37,8 +37,10 @@ def resolve_use_te(requested: bool | None, on_gpu: bool) -> bool:
     """TE when requested (ValueError if absent), else auto: TE iff installed and on GPU."""
     available = on_gpu and transformer_engine_available()
     if requested and not available:
-        raise ValueError("use_transformer_engine=True, but TransformerEngine is not usable here (no GPU, or not "
-                         "installed: pip install 'megarl[te]')")
+        raise ValueError(
+            "use_transformer_engine=True, but TransformerEngine is not usable here (no GPU, or not "
+            "installed: pip install 'megarl[te]')"
+        )
     return available if requested is None else requested
 
 
@@ -51,9 +53,11 @@ def layer_spec(family: Family, use_te: bool) -> ModuleSpec:
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=family.qk_norm
         )
-    spec = copy.deepcopy(specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=family.qk_norm, normalization="RMSNorm"
-    ))  # fmt: skip
+    spec = copy.deepcopy(
+        specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=family.qk_norm, normalization="RMSNorm"
+        )
+    )
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm

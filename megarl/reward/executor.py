@@ -166,8 +166,11 @@ class AsyncRewardWrapper:
             future = asyncio.get_running_loop().run_in_executor(executor, call)
             result = await asyncio.wait_for(future, self.timeout_seconds + self.startup_grace_seconds)
         except TimeoutError:
-            logger.warning("reward %r got no answer from its worker within %.0fs; scoring 0, replacing the pool",
-                           self.reward_fn, self.timeout_seconds + self.startup_grace_seconds)  # fmt: skip
+            logger.warning(
+                "reward %r got no answer from its worker within %.0fs; scoring 0, replacing the pool",
+                self.reward_fn,
+                self.timeout_seconds + self.startup_grace_seconds,
+            )
             self._replace_executor(executor)
             result = ScoredReward(0.0, "timeout")
         except BrokenProcessPool as e:

@@ -14,8 +14,9 @@ def math_reward(completion: str, answer: str, timeout_seconds: int | None = 5) -
 
     Never raises: anything that goes wrong scores 0 with an ``outcome`` saying why.
     """
-    return score_final_answer(completion, answer, extract_answer, extract_answer,
-                              partial(math_equal, timeout_seconds=timeout_seconds))  # fmt: skip
+    return score_final_answer(
+        completion, answer, extract_answer, extract_answer, partial(math_equal, timeout_seconds=timeout_seconds)
+    )
 
 
 def gsm8k_reward_fn(

@@ -91,7 +91,9 @@ class DistRolloutCoordinator:
             if self.layout.is_head:
                 if local is None:
                     extra = {"interrupt": self.rollout.readmit_due} if readmit is not None else {}
-                    local = self.rollout.prepare_batch(dataloader, workflow, should_accept_fn, progress=progress, **extra)
+                    local = self.rollout.prepare_batch(
+                        dataloader, workflow, should_accept_fn, progress=progress, **extra
+                    )
                 share = self._rebalance(local)
             share = self._broadcast_in_mp(share if self.layout.is_head else None)
             if share is not _READMIT:

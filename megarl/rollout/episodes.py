@@ -113,7 +113,9 @@ class EpisodeFailures:
             return False, None
         stats_tracker.denominator(**{f"failed/{failure.kind}": _TRUE})
         if failure.kind == "server_lost":  # rerun from scratch, the item's retries untouched
-            logger.warning("episode of task %d lost its server; running it again from scratch: %s", task.task_id, failure)
+            logger.warning(
+                "episode of task %d lost its server; running it again from scratch: %s", task.task_id, failure
+            )
             return True, None
         task.attempt += 1
         self._in_a_row += 1
@@ -124,11 +126,21 @@ class EpisodeFailures:
             )
         if task.attempt <= self.episode_retries:
             attempts = f"attempt {task.attempt + 1} of {self.episode_retries + 1}"
-            logger.warning("episode of task %d failed on the servers (%s); running it again (%s): %s",
-                           task.task_id, failure.kind, attempts, failure)
+            logger.warning(
+                "episode of task %d failed on the servers (%s); running it again (%s): %s",
+                task.task_id,
+                failure.kind,
+                attempts,
+                failure,
+            )
             return True, None
-        logger.warning("episode of task %d failed on the servers %d times; its item is dropped. The last (%s): %s",
-                       task.task_id, task.attempt, failure.kind, failure)
+        logger.warning(
+            "episode of task %d failed on the servers %d times; its item is dropped. The last (%s): %s",
+            task.task_id,
+            task.attempt,
+            failure.kind,
+            failure,
+        )
         stats_tracker.denominator(n_dropped_items=_TRUE)
         return False, None
 

@@ -81,7 +81,9 @@ class RolloutPool:
         self.staleness = StalenessManager(self.max_concurrent, batch_size, config.max_staleness)
         self._q = EpisodeQueues()
         failures = EpisodeFailures(config.episode_retries, config.max_failed_episodes)
-        self._runner = EpisodeRunner(engine, self._q, self.staleness, self.max_concurrent, self.queue_size, failures, dumper)
+        self._runner = EpisodeRunner(
+            engine, self._q, self.staleness, self.max_concurrent, self.queue_size, failures, dumper
+        )
         self._ids = itertools.count()
         self._data_source: Any = None
         self._data_iter: Iterator | None = None
@@ -168,9 +170,14 @@ class RolloutPool:
             self.staleness.on_rollout_dropped()
             dropped.append(stale.oldest)
             again = self._rerun_stale_locked(stale)
-            logger.warning("dropped a stale trajectory of version %d (version %d, max_staleness=%d, oldest allowed %d)%s",
-                           stale.oldest, self.engine.get_version(), self.staleness.max_staleness, floor,
-                           "; its dataloader item runs again" if again else "")  # fmt: skip
+            logger.warning(
+                "dropped a stale trajectory of version %d (version %d, max_staleness=%d, oldest allowed %d)%s",
+                stale.oldest,
+                self.engine.get_version(),
+                self.staleness.max_staleness,
+                floor,
+                "; its dataloader item runs again" if again else "",
+            )
             true = torch.ones(1, dtype=torch.bool)
             with stats_tracker.scope("rollout"):
                 stats_tracker.denominator(n_stale_dropped=true, n_stale_rerun=true if again else ~true)
@@ -187,9 +194,7 @@ class RolloutPool:
         self._runner.thread.wake()
         return True
 
-    def _take(
-        self, max_count: int, min_count: int, timeout: float | None, fail_on_stale: bool = False
-    ) -> list[Result]:
+    def _take(self, max_count: int, min_count: int, timeout: float | None, fail_on_stale: bool = False) -> list[Result]:
         """Pop between ``min_count`` and ``max_count`` results, oldest first, or [] on timeout.
 
         ``fail_on_stale``: raise at once when stale drops leave fewer than ``min_count`` that
@@ -288,8 +293,10 @@ class RolloutPool:
 
         def settled() -> bool:
             outcomes = [self._q.watched.get(i) for i in ids]
-            return self._q.stopping or any(isinstance(o, RolloutError) for o in outcomes) or all(
-                i in self._q.watched for i in ids
+            return (
+                self._q.stopping
+                or any(isinstance(o, RolloutError) for o in outcomes)
+                or all(i in self._q.watched for i in ids)
             )
 
         with self._q.cond:
@@ -397,7 +404,9 @@ class RolloutPool:
 
     def _record_handoff(self, results: list[Result], batch: bool = False) -> None:
         with self._q.cond:
-            depths = dict(input_queue_depth=len(self._q.input), output_queue_depth=len(self._q.results), running=self._q.n_running)
+            depths = dict(
+                input_queue_depth=len(self._q.input), output_queue_depth=len(self._q.results), running=self._q.n_running
+            )
         self._handoff_stats.record(results, self.engine.get_version(), depths, batch)
 
 

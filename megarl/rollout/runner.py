@@ -94,7 +94,9 @@ class EpisodeRunner:
         )
         beat.set_detail_fn(self.describe)
         self._heartbeat = beat.start()
-        self.thread.call_soon(lambda: setattr(self, "_beat_task", asyncio.get_running_loop().create_task(self._beat(beat))))
+        self.thread.call_soon(
+            lambda: setattr(self, "_beat_task", asyncio.get_running_loop().create_task(self._beat(beat)))
+        )
 
     async def _beat(self, beat: Heartbeat) -> None:
         while True:
@@ -132,7 +134,9 @@ class EpisodeRunner:
         if self.max_concurrent - self.q.n_running <= 0:
             return None
         head = self.q.input[0]
-        if not head.budgeted or (self.staleness.get_capacity(self.engine.get_version()) > 0 and not self._output_full()):
+        if not head.budgeted or (
+            self.staleness.get_capacity(self.engine.get_version()) > 0 and not self._output_full()
+        ):
             return head
         return next((t for t in self.q.input if not t.budgeted), None)
 
@@ -197,7 +201,9 @@ class EpisodeRunner:
         true = torch.ones(1, dtype=torch.bool)
         failure = server_failure(error)
         stats_tracker.denominator(
-            n_finished=true, n_accepted=true if traj is not None else ~true, n_failed=true if failure is not None else ~true
+            n_finished=true,
+            n_accepted=true if traj is not None else ~true,
+            n_failed=true if failure is not None else ~true,
         )
         stats_tracker.scalar(episode_seconds=elapsed, accepted=float(traj is not None))
         again, run_error = self.failures.finished(task, failure)

@@ -122,7 +122,11 @@ class ServerSet:
             if not usable:
                 why = "; ".join(f"{s.address}: {s.why_unhealthy}" for s in self._servers)
                 raise NoHealthyServerError(
-                    ",".join(self.addresses), "", f"every inference server is marked unhealthy ({why})", 0, kind="no_server"
+                    ",".join(self.addresses),
+                    "",
+                    f"every inference server is marked unhealthy ({why})",
+                    0,
+                    kind="no_server",
                 )
             if self.config.schedule_policy == "round_robin":
                 server = usable[next(self._rr) % len(usable)]
@@ -222,7 +226,9 @@ class ServerSet:
             for server in self._servers:
                 if server.address == address:
                     self.restarts_seen += 1
-                    self.mark_unhealthy(address, "restarted by the launcher; back once the trainer has pushed its weights")
+                    self.mark_unhealthy(
+                        address, "restarted by the launcher; back once the trainer has pushed its weights"
+                    )
                     server.awaiting_push = True
         for record in self._joins.new_records() if self._joins is not None else []:
             if record.get("event") == "leave":
@@ -276,9 +282,15 @@ class ServerSet:
         async def run_on(session: aiohttp.ClientSession, server: Server) -> None:
             for call in calls:
                 await arequest_with_retry(
-                    session, server.address, call.endpoint, call.payload, method=call.method,
-                    params=call.params or None, policy=_CONTROL_POLICY, expect_json=False,
-                )  # fmt: skip
+                    session,
+                    server.address,
+                    call.endpoint,
+                    call.payload,
+                    method=call.method,
+                    params=call.params or None,
+                    policy=_CONTROL_POLICY,
+                    expect_json=False,
+                )
 
         servers = list(self._servers)
         async with make_session(2 * len(servers) + 1) as session:

@@ -103,8 +103,10 @@ def _routed_experts(meta: dict, n_tokens: int) -> list[list[int]]:
     ``extract_routed_experts_from_meta_info``), one position per new token."""
     encoded = meta.get("routed_experts")
     if encoded is None:
-        raise MalformedResponseError("rollout.return_routed_experts is set but the reply has no meta_info.routed_experts "
-                                     "(is the server started with --enable-return-routed-experts?)")  # fmt: skip
+        raise MalformedResponseError(
+            "rollout.return_routed_experts is set but the reply has no meta_info.routed_experts "
+            "(is the server started with --enable-return-routed-experts?)"
+        )
     try:
         flat = np.frombuffer(base64.b64decode(encoded, validate=True), dtype=np.int32)
     except (binascii.Error, ValueError, TypeError) as e:

@@ -135,16 +135,23 @@ def _check_outputs(config: BaseExperimentConfig, multi_node: bool) -> None:
         problem = writable_dir_problem(fileroot)
         require(problem is None, "cluster.fileroot", fileroot, f"the run's outputs go there: {problem}")
     points = config.run_dir / "recover"
-    require(config.recover.mode != "resume" or any(points.glob("step*/MANIFEST.json"))
-            or (multi_node and not config.run_dir.exists()), "recover.mode", config.recover.mode,
-            f"nothing to resume: {points} holds no recover point (use 'auto' to resume when there is one)")  # fmt: skip
+    require(
+        config.recover.mode != "resume"
+        or any(points.glob("step*/MANIFEST.json"))
+        or (multi_node and not config.run_dir.exists()),
+        "recover.mode",
+        config.recover.mode,
+        f"nothing to resume: {points} holds no recover point (use 'auto' to resume when there is one)",
+    )
 
 
 def _check_disk_path(config: GRPOConfig) -> None:
     update = config.weight_update
     if "disk" in update.modes:
         problem = writable_dir_problem(update.disk_path)
-        require(problem is None, "weight_update.disk_path", update.disk_path, f"each update is written there: {problem}")
+        require(
+            problem is None, "weight_update.disk_path", update.disk_path, f"each update is written there: {problem}"
+        )
 
 
 def _check_models(config: GRPOConfig) -> None:
@@ -158,8 +165,12 @@ def _check_models(config: GRPOConfig) -> None:
         shape = read_model_shape(path, key)
         if shape is not None and shape.vocab_size and key == "actor.path":
             too_big = [i for i in config.gconfig.stop_token_ids if i >= shape.vocab_size]
-            require(not too_big, "gconfig.stop_token_ids", config.gconfig.stop_token_ids,
-                    f"ids {too_big} are beyond the vocabulary of {path} ({shape.vocab_size} tokens)")  # fmt: skip
+            require(
+                not too_big,
+                "gconfig.stop_token_ids",
+                config.gconfig.stop_token_ids,
+                f"ids {too_big} are beyond the vocabulary of {path} ({shape.vocab_size} tokens)",
+            )
         if shape is not None:
             try:
                 validate_model(alloc, shape)
@@ -169,8 +180,12 @@ def _check_models(config: GRPOConfig) -> None:
 
 def _check_reward(reward_fn: str) -> None:
     problem = signature_problem(import_plugin(reward_fn, "reward_fn"), ("prompt", "completion", [], []), partial=True)
-    require(problem is None, "reward_fn", reward_fn,
-            f"expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float: {problem}")  # fmt: skip
+    require(
+        problem is None,
+        "reward_fn",
+        reward_fn,
+        f"expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float: {problem}",
+    )
 
 
 def _check_loss(loss: str) -> None:
@@ -180,8 +195,12 @@ def _check_loss(loss: str) -> None:
     fn = import_plugin(loss, "actor.loss")
     args, kwargs = (None, None, None, None), {"cu_seqlens": None, "config": None}
     problem = signature_problem(fn, args, kwargs)
-    require(problem is None, "actor.loss", loss,
-            f"expected fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config): {problem}")  # fmt: skip
+    require(
+        problem is None,
+        "actor.loss",
+        loss,
+        f"expected fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config): {problem}",
+    )
 
 
 def _check_workflow(key: str, workflow: WorkflowConfig) -> None:
@@ -196,8 +215,10 @@ def workflow_problem(class_path: str, kwargs: dict[str, Any], key: str) -> str |
     if not inspect.isclass(cls):
         return f"{class_path!r} is not a class"
     if not (is_rollout_workflow(cls) or is_agent(cls)):
-        return (f"{cls.__qualname__} has no 'async def arun_episode(self, engine, data)' (see RolloutWorkflow), "
-                "nor an agent's 'async def run(self, data, **extra_kwargs)' (see megarl.workflow.openai_agent)")  # fmt: skip
+        return (
+            f"{cls.__qualname__} has no 'async def arun_episode(self, engine, data)' (see RolloutWorkflow), "
+            "nor an agent's 'async def run(self, data, **extra_kwargs)' (see megarl.workflow.openai_agent)"
+        )
     accepted = accepted_parameters(cls)
     if accepted is not None:
         unknown = sorted(set(kwargs) - accepted)
@@ -269,16 +290,23 @@ def resolve_hub_id(path: str, key: str, multi_node: bool, weights: bool = True) 
     the same directory. A :class:`ConfigError` naming ``key`` when it cannot be had.
     """
     local = Path(path).expanduser()
-    if (not _HUB_MODEL_ID.fullmatch(path) or path.lower() in MODEL_SHORT_NAMES or local.exists()
-            or (multi_node and local.is_absolute())):  # fmt: skip
+    if (
+        not _HUB_MODEL_ID.fullmatch(path)
+        or path.lower() in MODEL_SHORT_NAMES
+        or local.exists()
+        or (multi_node and local.is_absolute())
+    ):
         return path
     from megarl.models.provision import HubModelError, hub_snapshot
 
     try:
         snapshot = str(hub_snapshot(path, weights=weights))
     except HubModelError as err:
-        raise ConfigError(key, f"{path!r} is no local directory nor a known short name {sorted(MODEL_SHORT_NAMES)}; "
-                               f"as a Hugging Face hub id: {err}") from None  # fmt: skip
+        raise ConfigError(
+            key,
+            f"{path!r} is no local directory nor a known short name {sorted(MODEL_SHORT_NAMES)}; "
+            f"as a Hugging Face hub id: {err}",
+        ) from None
     if is_rank0():
         logger.info("%s: hub id %s is %s", key, path, snapshot)
     return snapshot
@@ -370,8 +398,12 @@ def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
     require(bool(rows), f"{key}.path", data.path, f"{file} holds no rows")
     failures = []
     for index, row in enumerate(rows):
-        require(isinstance(row, dict), f"{key}.path", data.path,
-                f"{file} row {index} is a {type(row).__name__}, expected a mapping of fields")  # fmt: skip
+        require(
+            isinstance(row, dict),
+            f"{key}.path",
+            data.path,
+            f"{file} row {index} is a {type(row).__name__}, expected a mapping of fields",
+        )
         try:
             ROW_MAPPERS[data.type](row, index, str(file))
         except DatasetRowError as err:
@@ -383,8 +415,12 @@ def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
         hint = f"; its rows fit type {fits[0]!r}" if fits else ""
         raise ConfigError(f"{key}.type", f"{data.type!r} is invalid for these rows: {err}{hint}")
     if n_rows is not None:
-        require(n_rows >= data.batch_size, f"{key}.batch_size", data.batch_size,
-                f"{file} has {n_rows} rows, fewer than one batch (drop_last would leave no step)")  # fmt: skip
+        require(
+            n_rows >= data.batch_size,
+            f"{key}.batch_size",
+            data.batch_size,
+            f"{file} has {n_rows} rows, fewer than one batch (drop_last would leave no step)",
+        )
 
 
 def _maps(mapper, row: dict) -> bool:

@@ -133,9 +133,12 @@ class RecoverHandler:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier()
             kept = ", ".join(path.name for path in self.points()) or "none"
-            raise OSError(errno.ENOSPC, f"no space left on the device of {self.root} while writing recover point "
-                          f"{final.name}: the partial dump was removed; the previous points are intact ({kept}); "
-                          f"free space or move cluster.fileroot, then resume with recover.mode=auto")  # fmt: skip
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on the device of {self.root} while writing recover point "
+                f"{final.name}: the partial dump was removed; the previous points are intact ({kept}); "
+                f"free space or move cluster.fileroot, then resume with recover.mode=auto",
+            )
         if p.rank == 0:
             publish_dir(tmp, final)
             self._prune()
@@ -185,7 +188,9 @@ class RecoverHandler:
         path = self.latest()
         if path is None:
             if self.config.mode == "resume":
-                found = f"only incomplete ones ({', '.join(p.name for p in self.points())})" if self.points() else "none"
+                found = (
+                    f"only incomplete ones ({', '.join(p.name for p in self.points())})" if self.points() else "none"
+                )
                 raise FileNotFoundError(f"recover.mode=resume but {self.root} holds no complete recover point: {found}")
             logger.info("no recover point in %s: starting fresh", self.root)
             return None

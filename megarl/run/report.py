@@ -29,8 +29,17 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "report.html"
-_PHASES = ("rollout", "recompute_logp", "ref_logp", "critic_values", "train_step", "critic_train",
-           "update_weights", "save", "eval")  # fmt: skip
+_PHASES = (
+    "rollout",
+    "recompute_logp",
+    "ref_logp",
+    "critic_values",
+    "train_step",
+    "critic_train",
+    "update_weights",
+    "save",
+    "eval",
+)
 _MAX_ROWS_PER_STEP = 64  # trajectories of a step kept in the page (the first ones dumped)
 
 
@@ -44,13 +53,24 @@ def build_report(run_dir: str | Path) -> Path:
     figures = [_curves(go, steps), _phases(go, steps), _staleness(go, steps), _gap(go, steps)]
     sections = []
     for i, (title, figure, note) in enumerate(f for f in figures if f is not None):
-        plot = figure.to_html(full_html=False, include_plotlyjs=(i == 0), div_id=f"plot-{i}",
-                              config={"displaylogo": False, "responsive": True})  # fmt: skip
-        sections.append(f'<section class="plot"><h2>{html.escape(title)}</h2><p class="note">{note}</p>{plot}</section>')
+        plot = figure.to_html(
+            full_html=False,
+            include_plotlyjs=(i == 0),
+            div_id=f"plot-{i}",
+            config={"displaylogo": False, "responsive": True},
+        )
+        sections.append(
+            f'<section class="plot"><h2>{html.escape(title)}</h2><p class="note">{note}</p>{plot}</section>'
+        )
     sections.append(_watchdog_section(run_dir))
     sections.append(_browser_section(trajectories))
-    page = _PAGE.format(title=html.escape(f"megarl report: {run_dir.name}"), run_dir=html.escape(str(run_dir.resolve())),
-                        n_steps=len(steps), body="\n".join(sections), script=_SCRIPT)  # fmt: skip
+    page = _PAGE.format(
+        title=html.escape(f"megarl report: {run_dir.name}"),
+        run_dir=html.escape(str(run_dir.resolve())),
+        n_steps=len(steps),
+        body="\n".join(sections),
+        script=_SCRIPT,
+    )
     out = run_dir / REPORT_NAME
     tmp = out.with_suffix(".tmp")
     tmp.write_text(page, encoding="utf-8")
@@ -75,8 +95,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """The steps of ``metrics.jsonl``, in order; an error naming the file when there is none."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"megarl report: {path} does not exist: is {run_dir} a run directory "
-                                "({cluster.fileroot}/{experiment_name}/{trial_name}) with at least one step?")  # fmt: skip
+        raise FileNotFoundError(
+            f"megarl report: {path} does not exist: is {run_dir} a run directory "
+            "({cluster.fileroot}/{experiment_name}/{trial_name}) with at least one step?"
+        )
     return read_metrics_file(path)
 
 
@@ -86,7 +108,9 @@ def read_trajectories(run_dir: Path) -> dict[int, list[dict]]:
     root = run_dir / "rollout"
     if not root.is_dir():
         return {}
-    for version_dir in sorted((d for d in root.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name)):
+    for version_dir in sorted(
+        (d for d in root.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name)
+    ):
         step = int(version_dir.name)
         for path in sorted(version_dir.glob("*.jsonl"), key=lambda p: p.stem):
             rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -132,7 +156,11 @@ def _curves(go, steps):
         return None
     fig.update_layout(xaxis_title="step", yaxis_title="reward / accuracy", height=360)
     fig.update_xaxes(dtick=_step_tick(steps))
-    return "Reward and accuracy", fig, "Mean reward of the trajectories trained on at each step; greedy pass@1 when evaluated."
+    return (
+        "Reward and accuracy",
+        fig,
+        "Mean reward of the trajectories trained on at each step; greedy pass@1 when evaluated.",
+    )
 
 
 def _phases(go, steps):
@@ -157,24 +185,34 @@ def _staleness(go, steps):
         return None
     lags = sorted(totals)
     fig = go.Figure(go.Bar(x=[str(k) for k in lags], y=[totals[k] for k in lags], name="trajectories"))
-    fig.update_layout(xaxis_title="version lag (trainer version - oldest token's version)", yaxis_title="trajectories",
-                      height=320)  # fmt: skip
+    fig.update_layout(
+        xaxis_title="version lag (trainer version - oldest token's version)", yaxis_title="trajectories", height=320
+    )
     return "Staleness", fig, "Trajectories trained, by how many versions behind the trainer their oldest token was."
 
 
 def _gap(go, steps):
     fig = go.Figure()
-    for key, name in (("ppo_actor/gap/abs_logp_diff/avg", "mean"), ("ppo_actor/gap/abs_logp_diff/p99", "p99"),
-                      ("ppo_actor/gap/abs_logp_diff/max", "max"), ("ppo_actor/gap/lag_0/abs_logp_diff/avg", "mean, lag 0")):  # fmt: skip
+    for key, name in (
+        ("ppo_actor/gap/abs_logp_diff/avg", "mean"),
+        ("ppo_actor/gap/abs_logp_diff/p99", "p99"),
+        ("ppo_actor/gap/abs_logp_diff/max", "max"),
+        ("ppo_actor/gap/lag_0/abs_logp_diff/avg", "mean, lag 0"),
+    ):
         xs, ys = _series(steps, key)
         if xs:
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=name))
     if not fig.data:
         return None
-    fig.update_layout(xaxis_title="step", yaxis_title="|trainer logprob - server logprob|", yaxis_type="log", height=360)
+    fig.update_layout(
+        xaxis_title="step", yaxis_title="|trainer logprob - server logprob|", yaxis_type="log", height=360
+    )
     fig.update_xaxes(dtick=_step_tick(steps))
-    return ("Train-inference gap", fig,
-            "Over the tokens trained at each step (megarl/actor/gap.py); lag 0 is numerics alone.")  # fmt: skip
+    return (
+        "Train-inference gap",
+        fig,
+        "Over the tokens trained at each step (megarl/actor/gap.py); lag 0 is numerics alone.",
+    )
 
 
 def _watchdog_section(run_dir: Path) -> str:
@@ -190,10 +228,12 @@ def _watchdog_section(run_dir: Path) -> str:
 
 def _browser_section(trajectories: dict[int, list[dict]]) -> str:
     if not trajectories:
-        return ('<section id="trajectories"><h2>Trajectories</h2><p class="note">None dumped: run with '
-                "<code>rollout.dump_trajectories=true</code> to browse what the model generated.</p></section>")
+        return (
+            '<section id="trajectories"><h2>Trajectories</h2><p class="note">None dumped: run with '
+            "<code>rollout.dump_trajectories=true</code> to browse what the model generated.</p></section>"
+        )
     data = json.dumps({str(step): rows for step, rows in trajectories.items()}).replace("</", "<\\/")
-    return f'''<section id="trajectories"><h2>Trajectories</h2>
+    return f"""<section id="trajectories"><h2>Trajectories</h2>
 <p class="note">Each completion token is shaded by the server's logprob (darker: less likely) or by the row's
 GRPO advantage (green above its group's mean reward, red below). Filter by reward and step; two steps side by side.</p>
 <div class="controls">
@@ -206,7 +246,7 @@ GRPO advantage (green above its group's mean reward, red below). Filter by rewar
   <div class="pane"><label>step <select class="step" id="step-b"></select></label><div class="rows" id="rows-b"></div></div>
 </div>
 <script id="trajectory-data" type="application/json">{data}</script>
-</section>'''
+</section>"""
 
 
 _PAGE = """<!DOCTYPE html>

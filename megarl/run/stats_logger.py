@@ -97,9 +97,16 @@ class StatsLogger:
         id_file.write_text(run_id)
         cfg = self.config.wandb
         run = wandb.init(
-            mode=cfg.mode, project=cfg.project, entity=cfg.entity, tags=cfg.tags, dir=str(self.run_dir),
-            id=run_id, resume="allow", config=exp_config, name=self.run_dir.name,
-        )  # fmt: skip
+            mode=cfg.mode,
+            project=cfg.project,
+            entity=cfg.entity,
+            tags=cfg.tags,
+            dir=str(self.run_dir),
+            id=run_id,
+            resume="allow",
+            config=exp_config,
+            name=self.run_dir.name,
+        )
         # steps may repeat after a recovery: plot against a logged field, not W&B's monotonic step
         run.define_metric("global_step")
         run.define_metric("*", step_metric="global_step")

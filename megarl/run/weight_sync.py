@@ -93,9 +93,15 @@ class WeightSync:
         reader = SafetensorsReader(engine.model_path)
         coords = TrainerCoords.from_parallel(engine.parallel)
         device = next(p for chunk in engine.model for p in chunk.parameters()).device
-        self.bridge = WeightBridge(config, engine.desc, {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
-                                   engine.parallel.alloc, coords,
-                                   source_dir=engine.model_path, device=device)  # fmt: skip
+        self.bridge = WeightBridge(
+            config,
+            engine.desc,
+            {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
+            engine.parallel.alloc,
+            coords,
+            source_dir=engine.model_path,
+            device=device,
+        )
         self.probe: list[list[int]] = []
         self.unhealthy: set[str] = set()
         self.n_updates = 0
@@ -106,8 +112,12 @@ class WeightSync:
         if self.config.probe_sequences and not self.probe:
             probe = None
             if self.bridge.is_driver:
-                probe = sample_probe(self.bridge.servers[0], self.config.probe_sequences, self.config.probe_tokens,
-                                     self.engine.desc.dims.vocab_size)  # fmt: skip
+                probe = sample_probe(
+                    self.bridge.servers[0],
+                    self.config.probe_sequences,
+                    self.config.probe_tokens,
+                    self.engine.desc.dims.vocab_size,
+                )
             self.probe = self.bridge.broadcast_object(probe)
 
     def readmit(self) -> dict[str, float]:
@@ -167,12 +177,18 @@ class WeightSync:
         # of a second instead of waiting behind a whole batch's decoding
         self._resume(episodes=not (probing and report.ok))
         try:
-            stats = {"update_seconds": report.seconds, "bytes_sent": float(report.bytes_sent),
-                     "sync_seconds": time.perf_counter() - start, "servers_readmitted": float(len(readmitted))}  # fmt: skip
+            stats = {
+                "update_seconds": report.seconds,
+                "bytes_sent": float(report.bytes_sent),
+                "sync_seconds": time.perf_counter() - start,
+                "servers_readmitted": float(len(readmitted)),
+            }
             if not report.ok and not died:
-                raise WeightBridgeError(f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
-                                        f"{report.sender_errors}; failed servers keep their old weights or are out of "
-                                        "rotation")  # fmt: skip
+                raise WeightBridgeError(
+                    f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
+                    f"{report.sender_errors}; failed servers keep their old weights or are out of "
+                    "rotation"
+                )
             if probing:
                 heartbeat.step("weight sync: consistency probe")
                 probe_start = time.perf_counter()
@@ -191,20 +207,32 @@ class WeightSync:
         if report.failed and self.rollout is not None and self.bridge.is_driver:
             died = not any(self.rollout.answering(list(report.failed)))
             if died:
-                logger.warning("weight update to version %d: %s died during the transfer; out of rotation until "
-                               "restarted and readmitted", report.version, sorted(report.failed))  # fmt: skip
+                logger.warning(
+                    "weight update to version %d: %s died during the transfer; out of rotation until "
+                    "restarted and readmitted",
+                    report.version,
+                    sorted(report.failed),
+                )
         return bool(self.bridge.broadcast_object(died))
 
     def _nothing_to_send(self, version: int, start: float) -> dict[str, float]:
         """Every server is out (the restarted ones not up yet): the version moves on without them; a
         restarted server gets it once it answers (:meth:`readmit`, or the next update)."""
-        logger.warning("weight sync: no server to send version %d to (%s out of rotation); a restarted one gets it "
-                       "once it answers", version, sorted(self.unhealthy))  # fmt: skip
+        logger.warning(
+            "weight sync: no server to send version %d to (%s out of rotation); a restarted one gets it "
+            "once it answers",
+            version,
+            sorted(self.unhealthy),
+        )
         self.engine.set_version(version)
         if self.rollout is not None:
             self.rollout.set_version(version)
-        return {"update_seconds": 0.0, "bytes_sent": 0.0, "sync_seconds": time.perf_counter() - start,
-                "servers_readmitted": 0.0}  # fmt: skip
+        return {
+            "update_seconds": 0.0,
+            "bytes_sent": 0.0,
+            "sync_seconds": time.perf_counter() - start,
+            "servers_readmitted": 0.0,
+        }
 
     def _pause(self) -> None:
         heartbeat.step("weight sync: pausing the servers")
@@ -240,16 +268,23 @@ class WeightSync:
         with ThreadPoolExecutor(max_workers=8) as pool:  # servers score while the trainer does
             futures = {}
             if self.bridge.is_driver:
-                futures = {s.address: pool.submit(s.score, self.probe) for s in self.bridge.servers
-                           if s.address not in self.unhealthy}  # fmt: skip
+                futures = {
+                    s.address: pool.submit(s.score, self.probe)
+                    for s in self.bridge.servers
+                    if s.address not in self.unhealthy
+                }
             ours = trainer_scores(self.engine, self.probe)
-            theirs = {address: future.result() for address, future in futures.items()} if self.bridge.is_driver else None
+            theirs = (
+                {address: future.result() for address, future in futures.items()} if self.bridge.is_driver else None
+            )
         report = compare(ours, self.bridge.broadcast_object(theirs), self.config.consistency_threshold)
         logger.info("weight sync consistency: max |dlogp| %.4g, mean %.4g", report.max_abs, report.mean_abs)
         if not report.ok:
-            raise ConsistencyError(f"servers' probe logprobs differ from the trainer's by {report.worst_mean:.4g} on "
-                                   f"average (> weight_update.consistency_threshold={report.threshold}); "
-                                   f"(max, mean) per server: {report.per_server}")  # fmt: skip
+            raise ConsistencyError(
+                f"servers' probe logprobs differ from the trainer's by {report.worst_mean:.4g} on "
+                f"average (> weight_update.consistency_threshold={report.threshold}); "
+                f"(max, mean) per server: {report.per_server}"
+            )
         return report.as_dict()
 
 

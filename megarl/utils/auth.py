@@ -88,7 +88,12 @@ class RequireApiKey:
         self._digest = _digest(key) if key else None
 
     async def __call__(self, scope, receive, send):
-        if self._digest is None or scope["type"] != "http" or scope.get("method") == "OPTIONS" or self._authorized(scope):
+        if (
+            self._digest is None
+            or scope["type"] != "http"
+            or scope.get("method") == "OPTIONS"
+            or self._authorized(scope)
+        ):
             return await self.app(scope, receive, send)
         from starlette.responses import JSONResponse
 

@@ -27,10 +27,25 @@ from typing import Any
 import torch.distributed as dist
 
 TRACED = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "monitored_barrier",
-    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send", "recv",
-)  # fmt: skip
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "send",
+    "recv",
+)
 
 
 class CollectiveTrace:
@@ -84,7 +99,13 @@ class CollectiveTrace:
         except (RuntimeError, ValueError, AttributeError, KeyError):  # not initialised, or not a group: torch says so
             ranks, backend = (), "?"
         self._seq[ranks] += 1
-        self.current = {"op": op, "ranks": list(ranks), "backend": backend, "seq": self._seq[ranks], "since": time.time()}
+        self.current = {
+            "op": op,
+            "ranks": list(ranks),
+            "backend": backend,
+            "seq": self._seq[ranks],
+            "since": time.time(),
+        }
 
 
 def describe(collective: dict[str, Any]) -> str:

@@ -68,8 +68,15 @@ class Progress:
         self._start = self._last_status = time.monotonic()
         self._bar = None
         if console.stream is not None and console.tty:
-            self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", file=console.stream,
-                             dynamic_ncols=True, mininterval=0.5)  # fmt: skip
+            self._bar = tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                unit="step",
+                file=console.stream,
+                dynamic_ncols=True,
+                mininterval=0.5,
+            )
 
     def status(self, text: str) -> None:
         """Show ``text`` beside the bar (e.g. the rollout's progress within the step)."""

@@ -16,9 +16,19 @@ from dataclasses import dataclass
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 """x86 flags of instructions that compute bf16 dot products natively (AVX-512 BF16, AMX)."""
-_ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
-                     "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512",
-                     "AVX10_2_512_AMX_2", "ALL", "DEFAULT")  # fmt: skip
+_ONEDNN_BF16_ISAS = (
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16",
+    "AVX512_CORE_AMX",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512",
+    "AVX10_1_512_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+    "ALL",
+    "DEFAULT",
+)
 """``ONEDNN_MAX_CPU_ISA`` values that still allow bf16 instructions (oneDNN's names, upper case)."""
 
 

@@ -68,8 +68,18 @@ class Heartbeat:
         silent_means: What it means when this heartbeat stops, for the watchdog's line.
     """
 
-    def __init__(self, run_dir: str | Path, name: str, interval: float = 5.0, *, watch: str = "phase",
-                 thread: bool = True, stacks: bool = True, pid: int | None = None, silent_means: str = ""):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str | Path,
+        name: str,
+        interval: float = 5.0,
+        *,
+        watch: str = "phase",
+        thread: bool = True,
+        stacks: bool = True,
+        pid: int | None = None,
+        silent_means: str = "",
+    ):
         self.run_dir, self.name, self.interval = Path(run_dir), name, interval
         self.watch, self.thread, self.stacks, self.pid = watch, thread, stacks, pid or os.getpid()
         self.silent_means = silent_means
@@ -192,12 +202,22 @@ class Heartbeat:
                 detail = f"(detail unavailable: {e!r})"
         collective = self.collectives.current if self.collectives is not None else None
         with self._lock:
-            record = {"name": self.name, "pid": self.pid, "phase": self._phase, "step": self._step, "detail": detail,
-                      "collective": collective, "since": self._since, "beat": time.time(),
-                      "medians": {k: statistics.median(v) for k, v in self._durations.items() if v},
-                      "runs": {k: len(v) for k, v in self._durations.items()},
-                      "watch": self.watch, "signal_stacks": self.stacks, "silent_means": self.silent_means,
-                      "host": socket.gethostname()}  # fmt: skip
+            record = {
+                "name": self.name,
+                "pid": self.pid,
+                "phase": self._phase,
+                "step": self._step,
+                "detail": detail,
+                "collective": collective,
+                "since": self._since,
+                "beat": time.time(),
+                "medians": {k: statistics.median(v) for k, v in self._durations.items() if v},
+                "runs": {k: len(v) for k, v in self._durations.items()},
+                "watch": self.watch,
+                "signal_stacks": self.stacks,
+                "silent_means": self.silent_means,
+                "host": socket.gethostname(),
+            }
         tmp = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)  # a restart's watchdog.reset() removed it
@@ -259,9 +279,13 @@ def flight_recorder_env(run_dir: str | Path, entries: int = 2000) -> dict[str, s
     Both spellings: torch renamed the variables (``TORCH_NCCL_*`` -> ``TORCH_FR_*``) in 2.7.
     """
     prefix = str(Path(run_dir) / FLIGHT_RECORDER_DIR / "rank_")
-    return {"TORCH_FR_BUFFER_SIZE": str(entries), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries),
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}  # fmt: skip
+    return {
+        "TORCH_FR_BUFFER_SIZE": str(entries),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
 
 
 def flight_recorder_dump() -> bytes | None:

@@ -51,7 +51,10 @@ def _plain_formatter(prefix: str) -> logging.Formatter:
 
 
 def setup_logging(
-    level: str | int = "INFO", rank: int | None = None, log_file: str | None = None, console_level: str | int | None = None
+    level: str | int = "INFO",
+    rank: int | None = None,
+    log_file: str | None = None,
+    console_level: str | int | None = None,
 ) -> logging.Logger:
     """Configure the ``megarl`` logger: console output, optional file, rank prefix.
 

@@ -58,11 +58,20 @@ def discover_ranks(env: MutableMapping[str, str] = os.environ) -> bool:
         master = (env.get("MASTER_ADDR") or gethostip(), int(env.get("MASTER_PORT") or find_free_port("0.0.0.0")))
     master_addr, master_port = comm.bcast(master, root=0)
     env.update(
-        RANK=str(comm.Get_rank()), WORLD_SIZE=str(comm.Get_size()),
-        LOCAL_RANK=str(local.Get_rank()), LOCAL_WORLD_SIZE=str(local.Get_size()),
-        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-    )  # fmt: skip
-    logger.info("MPI rank %s/%s (local %s/%s); rendezvous at %s:%s", env["RANK"], env["WORLD_SIZE"],
-                env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], master_addr, master_port)  # fmt: skip
+        RANK=str(comm.Get_rank()),
+        WORLD_SIZE=str(comm.Get_size()),
+        LOCAL_RANK=str(local.Get_rank()),
+        LOCAL_WORLD_SIZE=str(local.Get_size()),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    logger.info(
+        "MPI rank %s/%s (local %s/%s); rendezvous at %s:%s",
+        env["RANK"],
+        env["WORLD_SIZE"],
+        env["LOCAL_RANK"],
+        env["LOCAL_WORLD_SIZE"],
+        master_addr,
+        master_port,
+    )
     return True
-

@@ -60,10 +60,7 @@ def find_free_ports(
     else:
         low, high = port_range
         if not 1 <= low <= high <= 65535:
-            raise ValueError(
-                f"find_free_ports: port_range must satisfy 1 <= low <= high <= 65535, "
-                f"got {port_range}"
-            )
+            raise ValueError(f"find_free_ports: port_range must satisfy 1 <= low <= high <= 65535, got {port_range}")
         candidates = random.sample(range(low, high + 1), high - low + 1)
     held: list[socket.socket] = []
     ports: list[int] = []
@@ -84,8 +81,7 @@ def find_free_ports(
         for sock in held:
             sock.close()
     raise RuntimeError(
-        f"found only {len(ports)} of {count} free ports on {host} "
-        f"(port_range={port_range}, {len(exclude)} excluded)"
+        f"found only {len(ports)} of {count} free ports on {host} (port_range={port_range}, {len(exclude)} excluded)"
     )
 
 
@@ -100,8 +96,10 @@ def interface_ip(name: str) -> str:
 
     addrs = psutil.net_if_addrs()
     if name not in addrs:
-        raise ValueError(f"network interface {name!r} does not exist on {socket.gethostname()}: "
-                         f"it has {', '.join(sorted(addrs)) or 'none'} (launcher.slurm.network_interface)")  # fmt: skip
+        raise ValueError(
+            f"network interface {name!r} does not exist on {socket.gethostname()}: "
+            f"it has {', '.join(sorted(addrs)) or 'none'} (launcher.slurm.network_interface)"
+        )
     ipv4 = [a.address for a in addrs[name] if a.family == socket.AF_INET]
     if not ipv4:
         raise ValueError(f"network interface {name!r} on {socket.gethostname()} has no IPv4 address")

@@ -68,7 +68,9 @@ def locate_plugin(path: str, key: str, folders: Sequence[str | os.PathLike] = ()
     if _installed(module.partition(".")[0], places):
         return path
     relative = Path(*module.split("."))
-    candidates = [c for folder in places for c in (folder / relative.with_suffix(".py"), folder / relative / "__init__.py")]
+    candidates = [
+        c for folder in places for c in (folder / relative.with_suffix(".py"), folder / relative / "__init__.py")
+    ]
     return _first_file(path, key, candidates, name, ["the installed packages"], module)
 
 
@@ -158,8 +160,9 @@ def _import_file(file: Path, path: str, key: str):
     module = _import_module(name, path, key)
     found = getattr(module, "__file__", None)
     if found is None or Path(found).resolve() != file:
-        raise ConfigError(key, f"{path!r}: {file} imports as module {name!r}, which is {found or 'a built-in'}: "
-                               "rename the file")  # fmt: skip
+        raise ConfigError(
+            key, f"{path!r}: {file} imports as module {name!r}, which is {found or 'a built-in'}: rename the file"
+        )
     return module
 
 

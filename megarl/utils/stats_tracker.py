@@ -157,9 +157,7 @@ class DistributedStatsTracker:
             for key, value in values.items():
                 if isinstance(value, torch.Tensor):
                     if value.numel() != 1:
-                        raise ValueError(
-                            f"scalar {key!r} needs one element, got shape {tuple(value.shape)}"
-                        )
+                        raise ValueError(f"scalar {key!r} needs one element, got shape {tuple(value.shape)}")
                     value = value.detach().double().reshape(())  # stays on device
                 else:
                     value = float(value)
@@ -235,11 +233,7 @@ class DistributedStatsTracker:
         group = None if local else _resolve_group(reduce_group)
         with self._lock:
             wanted = None if key is None else self._full_key(key)
-            meta = {
-                k: (a.reduce_type, a.denominator)
-                for k, a in self._accs.items()
-                if wanted is None or k == wanted
-            }
+            meta = {k: (a.reduce_type, a.denominator) for k, a in self._accs.items() if wanted is None or k == wanted}
             if group is not None:
                 meta = _merge_meta(meta, group)
             keys = sorted(meta)
@@ -252,9 +246,7 @@ class DistributedStatsTracker:
                 self._drop(keys)
         return result
 
-    def _pack(
-        self, keys: list[str], meta: dict, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pack(self, keys: list[str], meta: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Lay out [sum, count] per key for SUM and [min, -max] per key for MIN."""
         sums, mins = [], []
         for key in keys:
@@ -307,9 +299,7 @@ def _merge_meta(meta: dict, group: dist.ProcessGroup) -> dict:
     merged: dict = {}
     for key, kind in itertools.chain.from_iterable(m.items() for m in gathered):
         if merged.setdefault(key, kind) != kind:
-            raise ValueError(
-                f"stats key {key!r} is recorded differently across ranks: {merged[key]} vs {kind}"
-            )
+            raise ValueError(f"stats key {key!r} is recorded differently across ranks: {merged[key]} vs {kind}")
     return merged
 
 

@@ -24,9 +24,12 @@ def render_chat_ids(
 ) -> list[int]:
     """``messages`` (and ``tools``, for templates that render them) through the chat template, as ids."""
     ids = tokenizer.apply_chat_template(
-        list(messages), tools=tools or None, tokenize=True, add_generation_prompt=add_generation_prompt,
+        list(messages),
+        tools=tools or None,
+        tokenize=True,
+        add_generation_prompt=add_generation_prompt,
         return_dict=False,
-    )  # fmt: skip
+    )
     return list(ids)
 
 
@@ -84,8 +87,13 @@ class Episode:
         self.logprobs += logprobs
         self.versions += versions
 
-    def add_response(self, input_tokens: Sequence[int], output_tokens: Sequence[int],
-                     output_logprobs: Sequence[float], output_versions: Sequence[int]) -> None:  # fmt: skip
+    def add_response(
+        self,
+        input_tokens: Sequence[int],
+        output_tokens: Sequence[int],
+        output_logprobs: Sequence[float],
+        output_versions: Sequence[int],
+    ) -> None:
         """One generation whose prompt continues this conversation: its new prompt ids, then its output."""
         n = len(self.input_ids)
         assert list(input_tokens[:n]) == self.input_ids, "the prompt does not continue the conversation"

@@ -46,7 +46,9 @@ def _row_record(traj: dict[str, Any], row: int, tokenizer) -> dict[str, Any]:
         "prompt": tokenizer.decode(ids[:prompt_len]),
         "completion": tokenizer.decode(ids[prompt_len:]),
         "tokens": [tokenizer.decode([token]) for token in ids[prompt_len:]],
-        "logprobs": [round(float(x), 4) for x in traj["logprobs"][row, prompt_len:seqlen]] if "logprobs" in traj else [],
+        "logprobs": [round(float(x), 4) for x in traj["logprobs"][row, prompt_len:seqlen]]
+        if "logprobs" in traj
+        else [],
         "trained": [int(x) for x in loss_mask[prompt_len:]],
         "versions": [int(x) for x in versions[prompt_len:]],
     }

@@ -83,10 +83,14 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         turn_discount: float = 1.0,
     ):
         if isinstance(agent, type) or not is_agent(agent):
-            raise TypeError(f"OpenAIAgentWorkflow needs an agent instance with 'async def run(self, data, "
-                            f"**extra_kwargs)', got {agent!r}")  # fmt: skip
+            raise TypeError(
+                f"OpenAIAgentWorkflow needs an agent instance with 'async def run(self, data, "
+                f"**extra_kwargs)', got {agent!r}"
+            )
         if export_style not in ("concat", "individual"):
-            raise ValueError(f"OpenAIAgentWorkflow: export_style must be 'concat' or 'individual', got {export_style!r}")
+            raise ValueError(
+                f"OpenAIAgentWorkflow: export_style must be 'concat' or 'individual', got {export_style!r}"
+            )
         if not 0 < turn_discount <= 1:
             raise ValueError(f"OpenAIAgentWorkflow: turn_discount must be in (0, 1], got {turn_discount}")
         self.gconfig = gconfig or GenerationHyperparameters()
@@ -105,11 +109,15 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any]:
         tokenizer = self.tokenizer or getattr(engine, "tokenizer", None)
         if tokenizer is None:
-            raise ValueError(f"agent {self.agent_name}: the proxy needs a tokenizer (its chat template): pass "
-                             "tokenizer= to OpenAIAgentWorkflow, or initialize the engine with tokenizer=")  # fmt: skip
+            raise ValueError(
+                f"agent {self.agent_name}: the proxy needs a tokenizer (its chat template): pass "
+                "tokenizer= to OpenAIAgentWorkflow, or initialize the engine with tokenizer="
+            )
         rid = uuid.uuid4().hex  # the runs on one server: the prompt is its cached prefix
-        sessions = [ProxySession(engine, tokenizer, self.gconfig, i, rid, self.max_context_len)
-                    for i in range(self.gconfig.n_samples)]  # fmt: skip
+        sessions = [
+            ProxySession(engine, tokenizer, self.gconfig, i, rid, self.max_context_len)
+            for i in range(self.gconfig.n_samples)
+        ]
         runs = await _gather_or_cancel([self._run(session, data) for session in sessions])
         return concat_padded_tensors([row for rows in runs for row in rows])
 
@@ -123,8 +131,10 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 raise AgentRunError(f"agent {self.agent_name}.run raised {type(e).__name__}: {e}") from e
         self._raise_if_a_call_failed(session)
         if not session.calls:
-            raise AgentRunError(f"agent {self.agent_name}.run made no LLM call through the proxy: build its "
-                                "OpenAI client on extra_kwargs['base_url'] and ['api_key']")  # fmt: skip
+            raise AgentRunError(
+                f"agent {self.agent_name}.run made no LLM call through the proxy: build its "
+                "OpenAI client on extra_kwargs['base_url'] and ['api_key']"
+            )
         rewards = call_rewards(session.calls, result, self.turn_discount, self.agent_name)
         stats_tracker.scalar(reward=rewards[-1], agent_calls=len(session.calls))
         if self.export_style == "individual":
@@ -161,8 +171,10 @@ def call_rewards(calls: list[CallRecord], result: Any, turn_discount: float, age
     elif isinstance(result, int | float):
         own = {calls[-1].id: float(result)}
     else:
-        raise AgentRunError(f"agent {agent_name}.run returned {result!r}; expected its reward (a float) or a "
-                            "dict of rewards by completion id")  # fmt: skip
+        raise AgentRunError(
+            f"agent {agent_name}.run returned {result!r}; expected its reward (a float) or a "
+            "dict of rewards by completion id"
+        )
     rewards, carried = [], 0.0
     for call in reversed(calls):
         carried = carried * turn_discount + own.get(call.id, 0.0)

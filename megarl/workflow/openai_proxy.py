@@ -64,8 +64,21 @@ logger = logging.getLogger(__name__)
 MODEL_NAME = "megarl-policy"
 """The model ``GET /v1/models`` lists; requests may name any model."""
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_CHAT_PARAMS = {"messages", "model", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
-                "top_p", "stop", "user", "metadata", "store", "parallel_tool_calls"}  # fmt: skip
+_CHAT_PARAMS = {
+    "messages",
+    "model",
+    "tools",
+    "tool_choice",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "user",
+    "metadata",
+    "store",
+    "parallel_tool_calls",
+}
 _COMPLETION_PARAMS = {"prompt", "model", "max_tokens", "temperature", "top_p", "stop", "user"}
 _NEUTRAL = {"n": 1, "best_of": 1}  # neutral values other than null / false / 0 / empty
 _WHY_NOT = {
@@ -169,8 +182,9 @@ class ProxySession:
             return "text", parent, _ids_of(parent) + list(rest)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return "tokens", self._continued("tokens", prompt), list(prompt)
-        raise ProxyError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)",
-                         "prompt")  # fmt: skip
+        raise ProxyError(
+            400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt"
+        )
 
     def sampling(self, body: dict[str, Any], prompt_ids: list[int]) -> GenerationHyperparameters:
         """``gconfig`` for this call: its seed, the request's token budget and stop strings."""
@@ -181,8 +195,12 @@ class ProxySession:
         if self.max_context_len is not None:
             room = self.max_context_len - len(prompt_ids)
             if room < 1:
-                raise ProxyError(400, f"the prompt is {len(prompt_ids)} tokens; the context length is "
-                                 f"{self.max_context_len}", "messages", "context_length_exceeded")  # fmt: skip
+                raise ProxyError(
+                    400,
+                    f"the prompt is {len(prompt_ids)} tokens; the context length is {self.max_context_len}",
+                    "messages",
+                    "context_length_exceeded",
+                )
             budget = min(budget, room)
         return g.for_sample(prompt_ids, self.index).new(
             max_new_tokens=budget, min_new_tokens=min(g.min_new_tokens, budget), stop=[*g.stop, *_stop(body)]
@@ -239,11 +257,17 @@ async def text_completion(session: ProxySession, body: dict[str, Any]) -> dict[s
 def _reply(call: CallRecord, kind: str, body: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
     resp = call.response
     return {
-        "id": call.id, "object": kind, "created": int(time.time()), "model": body.get("model") or MODEL_NAME,
+        "id": call.id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": body.get("model") or MODEL_NAME,
         "choices": [{"index": 0, "logprobs": None, **choice}],
-        "usage": {"prompt_tokens": resp.input_len, "completion_tokens": resp.output_len,
-                  "total_tokens": resp.input_len + resp.output_len},
-    }  # fmt: skip
+        "usage": {
+            "prompt_tokens": resp.input_len,
+            "completion_tokens": resp.output_len,
+            "total_tokens": resp.input_len + resp.output_len,
+        },
+    }
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -349,8 +373,10 @@ def _check_params(body: dict[str, Any], supported: set[str]) -> None:
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
     ):
         raise ProxyError(400, "messages must be a non-empty list of {'role': ..., 'content': ...} objects", "messages")
     if body.get("tools") is not None and not isinstance(body["tools"], list):
@@ -361,8 +387,11 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 def _tool_choice(body: dict[str, Any]) -> str:
     choice = body.get("tool_choice") or "auto"
     if choice not in ("auto", "none"):
-        raise ProxyError(400, f"tool_choice={choice!r} is not supported: only 'auto' or 'none' "
-                         "(the proxy cannot force a call)", "tool_choice")  # fmt: skip
+        raise ProxyError(
+            400,
+            f"tool_choice={choice!r} is not supported: only 'auto' or 'none' (the proxy cannot force a call)",
+            "tool_choice",
+        )
     return choice
 
 
@@ -371,8 +400,12 @@ def _require_equal(body: dict[str, Any], name: str, value: float) -> None:
     if given is None:
         return
     if isinstance(given, bool) or not isinstance(given, int | float) or not math.isclose(given, value, rel_tol=1e-6):
-        raise ProxyError(400, f"{name}={given!r} differs from the workflow's gconfig.{name}={value}: the trainer "
-                         f"scores the tokens as sampled with gconfig's; omit {name} or set it to {value}", name)  # fmt: skip
+        raise ProxyError(
+            400,
+            f"{name}={given!r} differs from the workflow's gconfig.{name}={value}: the trainer "
+            f"scores the tokens as sampled with gconfig's; omit {name} or set it to {value}",
+            name,
+        )
 
 
 def _max_tokens(body: dict[str, Any]) -> float:
@@ -540,8 +573,10 @@ class OpenAIProxy:
                 raise ProxyError(401, "no session: use the base_url or the api_key passed to the agent's run()")
         session = self._sessions.get(name)
         if session is None:
-            raise ProxyError(404, f"no session {name!r}: a session lasts one agent run; use the base_url "
-                             "and api_key passed to its run()")  # fmt: skip
+            raise ProxyError(
+                404,
+                f"no session {name!r}: a session lasts one agent run; use the base_url and api_key passed to its run()",
+            )
         return session
 
     async def _post(self, answer: Callable[..., Awaitable[dict]], request: web.Request) -> web.Response:

@@ -18,8 +18,10 @@ def _instantiate(obj: Any, kwargs: dict[str, Any] | None) -> Any:
     if isinstance(obj, type):
         return obj(**(kwargs or {}))
     if kwargs:
-        raise ValueError(f"workflow_kwargs {sorted(kwargs)} given with an already built "
-                         f"{type(obj).__qualname__}; pass the class instead")  # fmt: skip
+        raise ValueError(
+            f"workflow_kwargs {sorted(kwargs)} given with an already built "
+            f"{type(obj).__qualname__}; pass the class instead"
+        )
     return obj
 
 
@@ -42,10 +44,14 @@ def resolve_workflow(
     agent = is_agent(workflow)
     if not (agent or is_rollout_workflow(workflow)):
         if isinstance(workflow, type):
-            raise TypeError(f"{workflow.__qualname__} is not a workflow: it has no 'async def arun_episode' "
-                            "(nor an agent's 'async def run(self, data, **extra_kwargs)')")  # fmt: skip
-        raise TypeError(f"cannot use {workflow!r} as a workflow: pass a RolloutWorkflow or an agent (an "
-                        f"instance or a class), or a path to one: {FORMS}")  # fmt: skip
+            raise TypeError(
+                f"{workflow.__qualname__} is not a workflow: it has no 'async def arun_episode' "
+                "(nor an agent's 'async def run(self, data, **extra_kwargs)')"
+            )
+        raise TypeError(
+            f"cannot use {workflow!r} as a workflow: pass a RolloutWorkflow or an agent (an "
+            f"instance or a class), or a path to one: {FORMS}"
+        )
     instance = _instantiate(workflow, workflow_kwargs)
     if agent:
         instance = OpenAIAgentWorkflow(instance)
@@ -70,6 +76,5 @@ def resolve_should_accept_fn(should_accept_fn: AcceptFn | str | None) -> AcceptF
             "argument is should_accept_fn: pass workflow_kwargs=... by keyword)"
         )
     raise TypeError(
-        f"should_accept_fn must be a callable or a path to one ({FORMS}), "
-        f"got {type(should_accept_fn).__name__}{hint}"
+        f"should_accept_fn must be a callable or a path to one ({FORMS}), got {type(should_accept_fn).__name__}{hint}"
     )

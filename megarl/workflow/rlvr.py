@@ -92,14 +92,17 @@ class RLVRWorkflow(RolloutWorkflow):
         input_ids = self.get_input_ids_fn(self.data_extract_prompt_fn(data), self.tokenizer, self.enable_thinking)
         rid = uuid.uuid4().hex  # one server for the group: the prompt is its cached prefix
         reqs = [
-            ModelRequest(rid=rid, input_ids=input_ids, gconfig=self.gconfig.for_sample(input_ids, i), tokenizer=self.tokenizer)
+            ModelRequest(
+                rid=rid, input_ids=input_ids, gconfig=self.gconfig.for_sample(input_ids, i), tokenizer=self.tokenizer
+            )
             for i in range(self.gconfig.n_samples)
-        ]  # fmt: skip
+        ]
         resps = await asyncio.gather(*(engine.agenerate(req) for req in reqs))
         rewards = await asyncio.gather(*(self.score(resp, data) for resp in resps))
         trajs = [
-            make_trajectory(r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions, reward,
-                            r.output_routed_experts)  # fmt: skip
+            make_trajectory(
+                r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions, reward, r.output_routed_experts
+            )
             for r, reward in zip(resps, rewards)
         ]
         return concat_padded_tensors(trajs)

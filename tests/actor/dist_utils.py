@@ -57,11 +57,19 @@ def assert_grads_close(got: dict, want: dict, rtol: float) -> None:
 
 def _start(rank: int, world_size: int, port: int, target: str, tmp: Path) -> subprocess.Popen:
     env = dict(
-        os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MEGARL_TEST_TARGET=target,
-        MEGARL_TEST_DIR=str(tmp), PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        MEGARL_TEST_TARGET=target,
+        MEGARL_TEST_DIR=str(tmp),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         PYTHONWARNINGS="ignore",
-    )  # fmt: skip
+    )
     log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115 (the child writes it until it exits)
     return subprocess.Popen([sys.executable, "-c", _BOOT], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -69,8 +69,9 @@ def test_engine_matches_native_bf16_far_closer_than_fp32(tiny_model_dir):
     of what separates bf16 from fp32 (only the fp32 summation order differs)."""
     model = str(tiny_model_dir("llama"))
     batch = make_batch([30, 21, 17], seed=5)
-    run = lambda **kw: run_ranks(1, "tests.actor.workers:bf16_logp_and_grads", model_dir=model, alloc="d1p1t1",
-                                 batch=batch, **kw)[0]  # fmt: skip
+    run = lambda **kw: run_ranks(
+        1, "tests.actor.workers:bf16_logp_and_grads", model_dir=model, alloc="d1p1t1", batch=batch, **kw
+    )[0]
     native, emulated, fp32 = run(dtype="bfloat16"), run(dtype="bfloat16", emulate=True), run(dtype="float32")
     mask = batch["attention_mask"].clone()
     mask[:, -1] = False

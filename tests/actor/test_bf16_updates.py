@@ -31,7 +31,11 @@ def _on_grid(dtype: torch.dtype, n: int = 200_000, seed: int = 0) -> torch.Tenso
 def _fake_optimizer(mains: list[torch.Tensor], distributed: bool = False):
     """The attributes of Megatron's two mixed-precision optimizers, inside a chained optimizer."""
     groups = [mains]
-    inner = SimpleNamespace(shard_fp32_from_float16_groups=groups) if distributed else SimpleNamespace(fp32_from_float16_groups=groups)
+    inner = (
+        SimpleNamespace(shard_fp32_from_float16_groups=groups)
+        if distributed
+        else SimpleNamespace(fp32_from_float16_groups=groups)
+    )
     return SimpleNamespace(chained_optimizers=[inner])
 
 
@@ -91,8 +95,15 @@ def test_bf16_engine_weights_follow_their_main_parameters(tiny_model_dir, distri
     world = AllocationMode.from_str("megatron:d2p1t1").train.world_size
     ratios = {}
     for rounding in ("dithered", "nearest"):
-        results = run_ranks(world, "tests.actor.workers:bf16_update_run", model_dir=model, alloc="d2p1t1",
-                            batch=batch, rounding=rounding, distributed=distributed)  # fmt: skip
+        results = run_ranks(
+            world,
+            "tests.actor.workers:bf16_update_run",
+            model_dir=model,
+            alloc="d2p1t1",
+            batch=batch,
+            rounding=rounding,
+            distributed=distributed,
+        )
         assert torch.equal(results[0]["weights"], results[1]["weights"]), f"{rounding}: DP replicas diverged"
         owners = results if distributed else results[:1]  # shards of the main parameters, or a whole copy
         mains_moved = sum(r["mains_abs_change"] for r in owners) / sum(r["mains_numel"] for r in owners)
@@ -106,9 +117,15 @@ def test_recover_point_keeps_the_dithered_main_parameters(tiny_model_dir, tmp_pa
     """A resumed run continues from the saved main parameters, offsets included, not from a new
     draw; main parameters saved by a round-to-nearest run are dithered on load, the model unchanged."""
     model = str(tiny_model_dir("llama"))
-    run = lambda ckpt, save, rounding: run_ranks(1, "tests.actor.workers:bf16_main_params_through_checkpoint",
-                                                 model_dir=model, alloc="d1p1t1", ckpt_dir=str(tmp_path / ckpt),
-                                                 save=save, rounding=rounding)[0]  # fmt: skip
+    run = lambda ckpt, save, rounding: run_ranks(
+        1,
+        "tests.actor.workers:bf16_main_params_through_checkpoint",
+        model_dir=model,
+        alloc="d1p1t1",
+        ckpt_dir=str(tmp_path / ckpt),
+        save=save,
+        rounding=rounding,
+    )[0]
     saved, loaded = run("dithered", True, "dithered"), run("dithered", False, "dithered")
     assert torch.equal(loaded["mains"], saved["mains"])
     assert torch.equal(loaded["weights"], saved["weights"])

@@ -16,7 +16,9 @@ from tests.actor.workers import make_batch
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.mark.parametrize("save_alloc,load_alloc", [("d2p1t1", "d1p1t1"), pytest.param("d1p1t1", "d2p1t1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "save_alloc,load_alloc", [("d2p1t1", "d1p1t1"), pytest.param("d1p1t1", "d2p1t1", marks=pytest.mark.slow)]
+)
 def test_checkpoint_resumes_at_another_dp_size(tiny_model_dir, tmp_path, save_alloc, load_alloc):
     model_dir = str(tiny_model_dir("llama"))
     batches = [make_batch([7, 12, 5, 9], seed=s) for s in range(3)]

@@ -48,8 +48,17 @@ def test_gae_advantages_match_the_recursion_by_hand():
     mask = torch.tensor([0, 1, 1, 1, 0])
     values = torch.tensor([9.0, 0.2, 0.5, 0.4, 9.0])  # outside the mask: ignored
     gamma, lam = 0.9, 0.8
-    adv, returns = adv_fns.gae_advantages(torch.tensor([1.0]), values, mask, torch.tensor([0, 5]), 1,
-                                          gamma=gamma, lam=lam, mean_level="none", std_level="none")  # fmt: skip
+    adv, returns = adv_fns.gae_advantages(
+        torch.tensor([1.0]),
+        values,
+        mask,
+        torch.tensor([0, 5]),
+        1,
+        gamma=gamma,
+        lam=lam,
+        mean_level="none",
+        std_level="none",
+    )
     d3 = 1.0 - 0.4
     d2 = 0.0 + gamma * 0.4 - 0.5
     d1 = 0.0 + gamma * 0.5 - 0.2
@@ -143,10 +152,21 @@ def _run(model_dir, alloc: str, batch, **cfg) -> dict:
     from megarl.config.allocation import AllocationMode
 
     world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
-    results = run_ranks(world, "tests.actor.workers:critic_run", model_dir=str(model_dir), alloc=alloc, batch=batch,
-                        eps_clip=EPS_CLIP, **cfg)  # fmt: skip
-    merged = {"loss": [r["loss"] for r in results], "grads": {}, "update": [r["update"] for r in results],
-              "packed_tokens": sum(r["packed_tokens"] for r in results)}  # fmt: skip
+    results = run_ranks(
+        world,
+        "tests.actor.workers:critic_run",
+        model_dir=str(model_dir),
+        alloc=alloc,
+        batch=batch,
+        eps_clip=EPS_CLIP,
+        **cfg,
+    )
+    merged = {
+        "loss": [r["loss"] for r in results],
+        "grads": {},
+        "update": [r["update"] for r in results],
+        "packed_tokens": sum(r["packed_tokens"] for r in results),
+    }
     for key in ("values", "values_after"):
         merged[key] = dp_rows(results, key, batch["input_ids"].shape)
     for r in results:
@@ -197,7 +217,9 @@ def test_critic_on_shared_prefixes_matches_hf(critic_dir):
     grouped = make_critic_batch([], seed=5, batch=make_grouped_batch(n_groups=3, group=4, prompt_len=12, seed=5))
     got = _run(critic_dir, "d1p1t2", grouped, share_prefix=True, n_mbs=2)
     hf = _hf_reference(critic_dir, grouped)
-    assert got["packed_tokens"] / 2 < grouped["attention_mask"].sum().item()  # two TP ranks report the same micro-batches
+    assert (
+        got["packed_tokens"] / 2 < grouped["attention_mask"].sum().item()
+    )  # two TP ranks report the same micro-batches
     assert (got["values"] - hf["values"]).abs().max() <= 1e-4
     assert all(loss == pytest.approx(hf["loss"], rel=1e-5) for loss in got["loss"])
     assert_grads_close(got["grads"], hf["grads"], GRAD_RTOL)
@@ -208,10 +230,23 @@ def test_critic_checkpoint_resumes_and_exports_to_hf(critic_dir, batch, tmp_path
     """A Megatron checkpoint of the critic (head and Adam state) resumes the same second update at
     another DP size; the HF export loads as AutoModelForTokenClassification with the same values."""
     ckpt, export = tmp_path / "ckpt", tmp_path / "hf"
-    saved = run_ranks(2, "tests.actor.workers:critic_save_then_train", model_dir=str(critic_dir), alloc="d2p1t1",
-                      batch=batch, ckpt_dir=str(ckpt), export_dir=str(export))  # fmt: skip
-    (resumed,) = run_ranks(1, "tests.actor.workers:critic_load_then_train", model_dir=str(critic_dir), alloc="d1p1t1",
-                           batch=batch, ckpt_dir=str(ckpt))  # fmt: skip
+    saved = run_ranks(
+        2,
+        "tests.actor.workers:critic_save_then_train",
+        model_dir=str(critic_dir),
+        alloc="d2p1t1",
+        batch=batch,
+        ckpt_dir=str(ckpt),
+        export_dir=str(export),
+    )
+    (resumed,) = run_ranks(
+        1,
+        "tests.actor.workers:critic_load_then_train",
+        model_dir=str(critic_dir),
+        alloc="d1p1t1",
+        batch=batch,
+        ckpt_dir=str(ckpt),
+    )
     assert resumed["version"] == 1
     saved_values = dp_rows(saved, "values", batch["input_ids"].shape)
     saved_after = dp_rows(saved, "values_after", batch["input_ids"].shape)

@@ -78,8 +78,12 @@ def _head(backend="auto", tokens=40, hidden=16, vocab=50, device="cpu", dtype=to
     return LMHeadOutput(
         hidden=torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_(True),
         weight=(torch.randn(vocab, hidden, generator=g) * 0.5).to(device, dtype).requires_grad_(True),
-        vocab_start=0, vocab_size=vocab, tp_group=None, reduce_grad_hidden=True, backend=backend,
-    )  # fmt: skip
+        vocab_start=0,
+        vocab_size=vocab,
+        tp_group=None,
+        reduce_grad_hidden=True,
+        backend=backend,
+    )
 
 
 def test_head_threads_its_backend_into_the_kernel():
@@ -213,9 +217,13 @@ def _counted(fn):
 
 @pytest.mark.parametrize(
     "overrides, taken",
-    [({}, True), ({"importance_sampling_level": "sequence"}, False), ({"loss": "my.module.loss"}, False),
-     ({"loss_agg_mode": "seq-mean-token-mean"}, True)],
-)  # fmt: skip
+    [
+        ({}, True),
+        ({"importance_sampling_level": "sequence"}, False),
+        ({"loss": "my.module.loss"}, False),
+        ({"loss_agg_mode": "seq-mean-token-mean"}, True),
+    ],
+)
 def test_training_path_only_on_the_cuda_logprobs_and_per_token_losses(monkeypatch, overrides, taken):
     cfg = PPOActorConfig(path="unused", **overrides)
     assert not ppo._grads_in_forward(cfg, _head())  # CPU: the logprobs' torch path

@@ -42,8 +42,14 @@ def batch():
 
 @pytest.mark.multiproc
 def test_equal_weights_no_gap_and_no_warning(tiny_model_dir, batch):
-    stats = run_ranks(1, "tests.actor.workers:gap_step", model_dir=str(tiny_model_dir("llama")), alloc="d1p1t1",
-                      batch=batch, offsets=_offsets(0.0))[0]  # fmt: skip
+    stats = run_ranks(
+        1,
+        "tests.actor.workers:gap_step",
+        model_dir=str(tiny_model_dir("llama")),
+        alloc="d1p1t1",
+        batch=batch,
+        offsets=_offsets(0.0),
+    )[0]
     assert stats["ppo_actor/gap/abs_logp_diff/max"] < 1e-4
     assert stats["ppo_actor/gap/n_tokens"] == batch["loss_mask"].sum()
     assert gap_warning(stats, 0.1) is None
@@ -55,8 +61,14 @@ def test_offsets_reported_exactly_by_lag_and_server(tiny_model_dir, batch, alloc
     delta = 0.4
     offsets = _offsets(delta)
     world = 2 if alloc.startswith("d2") else 1
-    stats = run_ranks(world, "tests.actor.workers:gap_step", model_dir=str(tiny_model_dir("llama")), alloc=alloc,
-                      batch=batch, offsets=offsets)[0]  # fmt: skip
+    stats = run_ranks(
+        world,
+        "tests.actor.workers:gap_step",
+        model_dir=str(tiny_model_dir("llama")),
+        alloc=alloc,
+        batch=batch,
+        offsets=offsets,
+    )[0]
     every = _expected(batch, offsets)
     assert stats["ppo_actor/gap/abs_logp_diff/avg"] == pytest.approx(float(every.mean()), abs=1e-4)
     assert stats["ppo_actor/gap/abs_logp_diff/max"] == pytest.approx(delta, abs=1e-4)

@@ -8,8 +8,15 @@ from megarl.actor.lm_head import LMHeadOutput
 
 
 def _head(hidden: torch.Tensor, weight: torch.Tensor) -> LMHeadOutput:
-    return LMHeadOutput(hidden=hidden, weight=weight, vocab_start=0, vocab_size=weight.shape[0], tp_group=None,
-                        reduce_grad_hidden=True, backend="torch")  # fmt: skip
+    return LMHeadOutput(
+        hidden=hidden,
+        weight=weight,
+        vocab_start=0,
+        vocab_size=weight.shape[0],
+        tp_group=None,
+        reduce_grad_hidden=True,
+        backend="torch",
+    )
 
 
 def _grads(where: torch.Tensor | None, seed: int = 0):

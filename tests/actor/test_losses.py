@@ -76,7 +76,12 @@ def test_gspo_sequence_ratio():
     logp = T([0.0, 0.2, 0.0, -0.4]).requires_grad_()
     old = torch.zeros(4)
     out = policy_loss(
-        logp, old, T([1.0, 1.0, -1.0, -1.0]), T([1, 1, 1, 1]), eps_clip=0.5, importance_sampling_level="sequence",
+        logp,
+        old,
+        T([1.0, 1.0, -1.0, -1.0]),
+        T([1, 1, 1, 1]),
+        eps_clip=0.5,
+        importance_sampling_level="sequence",
         cu_seqlens=cu,
     )
     # sequence ratios exp(mean log r): exp(0.1) and exp(-0.2), the same for every token of a sequence

@@ -32,9 +32,15 @@ def batch():
 def _run(model_dir, alloc: str, batch, **kwargs) -> dict:
     """Run ``parity_run`` on every rank of ``alloc``; merge DP rows and per-stage gradients."""
     world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
-    results = run_ranks(world, "tests.actor.workers:parity_run", model_dir=str(model_dir), alloc=alloc, batch=batch, **kwargs)
-    merged = {"loss": [r["loss"] for r in results], "grad_norm": [r["grad_norm"] for r in results], "grads": {},
-              "packed_tokens": [r["packed_tokens"] for r in results]}  # fmt: skip
+    results = run_ranks(
+        world, "tests.actor.workers:parity_run", model_dir=str(model_dir), alloc=alloc, batch=batch, **kwargs
+    )
+    merged = {
+        "loss": [r["loss"] for r in results],
+        "grad_norm": [r["grad_norm"] for r in results],
+        "grads": {},
+        "packed_tokens": [r["packed_tokens"] for r in results],
+    }
     for key in ("logp", "logp_after", "logp_unpacked"):
         if key in results[0]:
             merged[key] = dp_rows(results, key, batch["input_ids"].shape)
@@ -70,11 +76,11 @@ def _disk_names(tensors: dict) -> dict:
         if name.endswith("experts.gate_up_proj"):
             for e in range(t.shape[0]):
                 gate, up = t[e].chunk(2, dim=0)
-                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
-                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up
+                out[f"{name[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
+                out[f"{name[: -len('gate_up_proj')]}{e}.up_proj.weight"] = up
         elif name.endswith("experts.down_proj"):
             for e in range(t.shape[0]):
-                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e]
+                out[f"{name[: -len('down_proj')]}{e}.down_proj.weight"] = t[e]
         else:
             out[name] = t
     return out
@@ -166,8 +172,14 @@ def test_tied_embeddings_and_padded_vocab_over_tp_and_pp(tiny_model_dir, batch, 
     import filecmp
 
     model_dir = tiny_model_dir("llama", tie_word_embeddings=True, vocab_size=49153)
-    results = run_ranks(4, "tests.actor.workers:logprobs_and_export", model_dir=str(model_dir), alloc="d1p2t2",
-                        batch=batch, export_dir=str(tmp_path / "out"))  # fmt: skip
+    results = run_ranks(
+        4,
+        "tests.actor.workers:logprobs_and_export",
+        model_dir=str(model_dir),
+        alloc="d1p2t2",
+        batch=batch,
+        export_dir=str(tmp_path / "out"),
+    )
     want = _hf_logp(model_dir, batch)
     assert all((logp - want).abs().max() <= 1e-4 for logp in results)
     assert filecmp.cmp(model_dir / "model.safetensors", tmp_path / "out" / "model.safetensors", shallow=False)

@@ -55,8 +55,15 @@ def test_first_minibatch_loss_matches_pure_functions_on_hf_logprobs(llama_dir, b
     old = torch.roll(batch["logprobs"][rows], -1, dims=-1) * mask
     adv = _grpo_by_hand(batch["rewards"])[:4, None].expand_as(logp) * mask
     assert torch.allclose(tp1["data"]["advantages"][rows], adv, atol=1e-6)
-    out = losses.policy_loss(logp.flatten(), old.flatten(), adv.flatten(), mask.flatten(), eps_clip=0.2,
-                             proximal_logprobs=(logp * mask).flatten(), behav_imp_weight_cap=5.0)  # fmt: skip
+    out = losses.policy_loss(
+        logp.flatten(),
+        old.flatten(),
+        adv.flatten(),
+        mask.flatten(),
+        eps_clip=0.2,
+        proximal_logprobs=(logp * mask).flatten(),
+        behav_imp_weight_cap=5.0,
+    )
     total, weight = losses.aggregate(out.loss, out.mask, "token-mean")
     assert tp1["stats"][0]["ppo_actor/loss"] == pytest.approx((total / weight).item(), rel=1e-4, abs=1e-9)
     assert tp1["stats"][0]["ppo_actor/importance_weight/avg"] == pytest.approx(1.0)  # on-policy first step
@@ -66,8 +73,14 @@ def test_first_minibatch_loss_matches_pure_functions_on_hf_logprobs(llama_dir, b
 def test_ppo_update_matches_single_rank(llama_dir, batch, tp1, alloc):
     results = run_ranks(2, "tests.actor.workers:ppo_actor_step", model_dir=str(llama_dir), alloc=alloc, batch=batch)
     for want, got in zip(tp1["stats"], results[0]["stats"]):
-        for key in ("ppo_actor/loss", "ppo_actor/grad_norm", "ppo_actor/entropy/avg", "ppo_actor/clip_ratio/avg",
-                    "ppo_actor/importance_weight/avg", "ppo_actor/approx_kl/avg"):  # fmt: skip
+        for key in (
+            "ppo_actor/loss",
+            "ppo_actor/grad_norm",
+            "ppo_actor/entropy/avg",
+            "ppo_actor/clip_ratio/avg",
+            "ppo_actor/importance_weight/avg",
+            "ppo_actor/approx_kl/avg",
+        ):
             # abs: the first mini-batch is on-policy, so approx_kl is a mean of fp32 rounding noise
             # (logprobs near -10, one ulp ~1e-6; TP reduces in another order): seen at -1.5e-7 vs 0.
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

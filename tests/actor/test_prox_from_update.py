@@ -30,8 +30,13 @@ def batch():
 @pytest.mark.multiproc
 @pytest.mark.parametrize("decoupled", [True, False], ids=["decoupled", "classic"])
 def test_same_loss_and_gradients_without_the_recompute_pass(tiny_model_dir, batch, decoupled):
-    out = run_ranks(1, "tests.actor.workers:prox_paths", model_dir=str(tiny_model_dir("llama")), batch=batch,
-                    use_decoupled_loss=decoupled)[0]  # fmt: skip
+    out = run_ranks(
+        1,
+        "tests.actor.workers:prox_paths",
+        model_dir=str(tiny_model_dir("llama")),
+        batch=batch,
+        use_decoupled_loss=decoupled,
+    )[0]
     assert out["needs_prox_pass"] is False
     separate, shortcut = out["separate"], out["from_update"]
     assert shortcut["loss"] == pytest.approx(separate["loss"], abs=1e-6, rel=1e-6)
@@ -40,7 +45,10 @@ def test_same_loss_and_gradients_without_the_recompute_pass(tiny_model_dir, batc
     assert (shortcut["grads"] - separate["grads"]).abs().max() <= 1e-6 * scale
     if decoupled:  # the behaviour weight exp(prox - old) is not 1: the shortcut used the right prox
         key = "behave_imp_weight/avg"
-        got = {name: next(v for k, v in out[name]["stats"].items() if k.endswith(key)) for name in ("separate", "from_update")}
+        got = {
+            name: next(v for k, v in out[name]["stats"].items() if k.endswith(key))
+            for name in ("separate", "from_update")
+        }
         assert got["from_update"] == pytest.approx(got["separate"], rel=1e-6)
         assert abs(got["separate"] - 1.0) > 0.05
 

@@ -66,15 +66,27 @@ def test_policy_loss_applies_the_correction_to_the_decoupled_loss():
     """At logp == prox the ratio is 1 (no clip): each kept token's loss is -A * weight, masked ones 0."""
     adv = torch.tensor([1.0, -2.0, 1.0, 5.0])
     out = losses.policy_loss(
-        PROX.clone(), BEHAV, adv, MASK, eps_clip=0.2, proximal_logprobs=PROX,
-        correction=RolloutCorrectionConfig(mode="truncate", upper=2.0), cu_seqlens=CU,
-    )  # fmt: skip
+        PROX.clone(),
+        BEHAV,
+        adv,
+        MASK,
+        eps_clip=0.2,
+        proximal_logprobs=PROX,
+        correction=RolloutCorrectionConfig(mode="truncate", upper=2.0),
+        cu_seqlens=CU,
+    )
     assert out.loss.tolist() == pytest.approx([-0.5, 3.0, -2.0, 0.0])
     assert out.truncated.tolist() == [False, False, True, False]
     out = losses.policy_loss(
-        PROX.clone(), BEHAV, adv, MASK, eps_clip=0.2, proximal_logprobs=PROX,
-        correction=RolloutCorrectionConfig(mode="mask", level="sequence", upper=2.0), cu_seqlens=CU,
-    )  # fmt: skip
+        PROX.clone(),
+        BEHAV,
+        adv,
+        MASK,
+        eps_clip=0.2,
+        proximal_logprobs=PROX,
+        correction=RolloutCorrectionConfig(mode="mask", level="sequence", upper=2.0),
+        cu_seqlens=CU,
+    )
     assert out.loss.tolist() == pytest.approx([-SEQ0, 2 * SEQ0, 0.0, 0.0])
     total, weight = losses.aggregate(out.loss, out.mask, "token-mean")
     assert weight.item() == 3, "masked tokens stay in the denominator"
@@ -82,8 +94,16 @@ def test_policy_loss_applies_the_correction_to_the_decoupled_loss():
 
 def test_none_keeps_the_behaviour_weight_cap():
     adv = torch.ones(4)
-    capped = losses.policy_loss(PROX.clone(), BEHAV, adv, MASK, eps_clip=0.2, proximal_logprobs=PROX,
-                                behav_imp_weight_cap=2.0, correction=RolloutCorrectionConfig())  # fmt: skip
+    capped = losses.policy_loss(
+        PROX.clone(),
+        BEHAV,
+        adv,
+        MASK,
+        eps_clip=0.2,
+        proximal_logprobs=PROX,
+        behav_imp_weight_cap=2.0,
+        correction=RolloutCorrectionConfig(),
+    )
     assert capped.loss.tolist() == pytest.approx([-0.5, -1.5, 0.0, 0.0])
     assert capped.capped.tolist() == [False, False, True, False]
 
@@ -91,8 +111,11 @@ def test_none_keeps_the_behaviour_weight_cap():
 @pytest.mark.parametrize("mode", ["truncate", "mask", "two_sided_mask"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_ppo_loss_logs_the_correction_every_step(mode, level):
-    cfg = PPOActorConfig(path="unused", behav_imp_weight_cap=None,
-                         rollout_correction=RolloutCorrectionConfig(mode=mode, level=level, upper=1.3))  # fmt: skip
+    cfg = PPOActorConfig(
+        path="unused",
+        behav_imp_weight_cap=None,
+        rollout_correction=RolloutCorrectionConfig(mode=mode, level=level, upper=1.3),
+    )
     cfg.check()
     head = _head()
     mb = _micro_batch(head)
@@ -116,8 +139,9 @@ def test_modes_give_different_losses_from_the_plain_cap():
     losses_by_mode = {}
     for mode in ("none", "truncate", "mask", "two_sided_mask"):
         correction = RolloutCorrectionConfig(mode=mode, upper=1.3)
-        cfg = PPOActorConfig(path="unused", behav_imp_weight_cap=None if mode != "none" else 1.3,
-                             rollout_correction=correction)  # fmt: skip
+        cfg = PPOActorConfig(
+            path="unused", behav_imp_weight_cap=None if mode != "none" else 1.3, rollout_correction=correction
+        )
         losses_by_mode[mode] = ppo.ppo_loss(head, mb, cfg, norm_len=64).item()
     assert losses_by_mode["mask"] == pytest.approx(losses_by_mode["none"]), "MIS at token level is the AReaL cap"
     assert len({round(v, 6) for v in losses_by_mode.values()}) == 3
@@ -127,18 +151,41 @@ def test_modes_give_different_losses_from_the_plain_cap():
     ("overrides", "key", "why"),
     [
         (["actor.rollout_correction.mode=truncate"], "actor.behav_imp_weight_cap", "set behav_imp_weight_cap: null"),
-        (["actor.rollout_correction.mode=mask", "actor.behav_imp_weight_cap=null", "actor.use_decoupled_loss=false"],
-         "actor.rollout_correction.mode", "use_decoupled_loss: true"),
-        (["actor.rollout_correction.mode=mask", "actor.behav_imp_weight_cap=null", "actor.rollout_correction.lower=0.5"],
-         "actor.rollout_correction.lower", "only two_sided_mask has a lower bound"),
-        (["actor.rollout_correction.mode=two_sided_mask", "actor.behav_imp_weight_cap=null",
-          "actor.rollout_correction.lower=1.5"], "actor.rollout_correction.lower", "must be in [0, 1)"),
-        (["actor.rollout_correction.mode=truncate", "actor.behav_imp_weight_cap=null",
-          "actor.rollout_correction.upper=0.5"], "actor.rollout_correction.upper", "cuts on-policy tokens"),
+        (
+            ["actor.rollout_correction.mode=mask", "actor.behav_imp_weight_cap=null", "actor.use_decoupled_loss=false"],
+            "actor.rollout_correction.mode",
+            "use_decoupled_loss: true",
+        ),
+        (
+            [
+                "actor.rollout_correction.mode=mask",
+                "actor.behav_imp_weight_cap=null",
+                "actor.rollout_correction.lower=0.5",
+            ],
+            "actor.rollout_correction.lower",
+            "only two_sided_mask has a lower bound",
+        ),
+        (
+            [
+                "actor.rollout_correction.mode=two_sided_mask",
+                "actor.behav_imp_weight_cap=null",
+                "actor.rollout_correction.lower=1.5",
+            ],
+            "actor.rollout_correction.lower",
+            "must be in [0, 1)",
+        ),
+        (
+            [
+                "actor.rollout_correction.mode=truncate",
+                "actor.behav_imp_weight_cap=null",
+                "actor.rollout_correction.upper=0.5",
+            ],
+            "actor.rollout_correction.upper",
+            "cuts on-policy tokens",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_correction_configs_name_the_key(overrides, key, why):
     with pytest.raises(ConfigError, match=re.escape(why)) as err:
         build_config(GRPOConfig, ["configs/arithmetic_grpo_cpu.yaml"], overrides)
     assert err.value.key == key
-

@@ -47,7 +47,9 @@ def test_routing_agreement_with_the_reference(moe_batch, alloc, world):
     model_dir, batch = moe_batch
     n_layers = batch["routed_experts"].shape[-1] // 2  # top-2 of 4 experts in every layer
     n_pairs = int(batch["loss_mask"].sum()) * n_layers
-    (same, *_) = run_ranks(world, "tests.actor.workers:routing_step", model_dir=str(model_dir), alloc=alloc, batch=batch)
+    (same, *_) = run_ranks(
+        world, "tests.actor.workers:routing_step", model_dir=str(model_dir), alloc=alloc, batch=batch
+    )
     assert same["ppo_actor/gap/routing/n_pairs"] == n_pairs, "every trained token, every layer, counted once"
     assert same["ppo_actor/gap/routing/topk_match"] >= 0.97, same  # fp32 on both sides: ties aside, identical
 
@@ -55,9 +57,13 @@ def test_routing_agreement_with_the_reference(moe_batch, alloc, world):
     other = dict(batch)
     routed = batch["routed_experts"].clone()
     layer1 = routed[..., 2:4]
-    complement = [[e for e in range(4) if e not in pair] if min(pair) >= 0 else pair for pair in layer1.reshape(-1, 2).tolist()]
+    complement = [
+        [e for e in range(4) if e not in pair] if min(pair) >= 0 else pair for pair in layer1.reshape(-1, 2).tolist()
+    ]
     routed[..., 2:4] = torch.tensor(complement, dtype=routed.dtype).view_as(layer1)
     other["routed_experts"] = routed
-    (moved, *_) = run_ranks(world, "tests.actor.workers:routing_step", model_dir=str(model_dir), alloc=alloc, batch=other)
+    (moved, *_) = run_ranks(
+        world, "tests.actor.workers:routing_step", model_dir=str(model_dir), alloc=alloc, batch=other
+    )
     expected = same["ppo_actor/gap/routing/topk_match"] - 1 / n_layers
     assert moved["ppo_actor/gap/routing/topk_match"] == pytest.approx(expected, abs=0.03), (same, moved)

@@ -41,8 +41,14 @@ def assert_same_update(out: dict) -> None:
 def test_same_loss_and_gradients_without_the_zero_advantage_rows(tiny_model_dir, agg):
     # groups 0 and 2 all-wrong / all-right: their 4 rows have advantage 0
     batch = grouped_batch([0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    out = run_ranks(1, "tests.actor.workers:inert_row_paths", model_dir=str(tiny_model_dir("llama")),
-                    alloc="d1p1t1", batch=batch, loss_agg_mode=agg)[0]  # fmt: skip
+    out = run_ranks(
+        1,
+        "tests.actor.workers:inert_row_paths",
+        model_dir=str(tiny_model_dir("llama")),
+        alloc="d1p1t1",
+        batch=batch,
+        loss_agg_mode=agg,
+    )[0]
     assert out["skip"]["n_inert"] == 4 and out["skip"]["n_active"] == 4
     assert out["skip"]["packed_tokens"] < out["full"]["packed_tokens"]
     assert_same_update(out)
@@ -53,8 +59,9 @@ def test_same_loss_and_gradients_without_the_zero_advantage_rows(tiny_model_dir,
 def test_a_rank_with_only_zero_advantage_rows_keeps_one(tiny_model_dir):
     # DP 2 takes groups 0, 2 on rank 0 (both uniform) and 1, 3 on rank 1
     batch = grouped_batch([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0])
-    outs = run_ranks(2, "tests.actor.workers:inert_row_paths", model_dir=str(tiny_model_dir("llama")),
-                     alloc="d2p1t1", batch=batch)  # fmt: skip
+    outs = run_ranks(
+        2, "tests.actor.workers:inert_row_paths", model_dir=str(tiny_model_dir("llama")), alloc="d2p1t1", batch=batch
+    )
     # rank 0 runs its shortest row with an empty loss mask: no loss, weight or statistics of its own
     assert [o["skip"]["n_inert"] for o in outs] == [4, 0]
     assert outs[0]["skip"]["n_active"] == 1
@@ -65,8 +72,9 @@ def test_a_rank_with_only_zero_advantage_rows_keeps_one(tiny_model_dir):
 @pytest.mark.multiproc
 def test_nothing_to_learn_steps_the_optimizer_only(tiny_model_dir):
     batch = grouped_batch([1.0, 1.0, 0.0, 0.0])
-    out = run_ranks(1, "tests.actor.workers:inert_row_paths", model_dir=str(tiny_model_dir("llama")),
-                    alloc="d1p1t1", batch=batch)[0]  # fmt: skip
+    out = run_ranks(
+        1, "tests.actor.workers:inert_row_paths", model_dir=str(tiny_model_dir("llama")), alloc="d1p1t1", batch=batch
+    )[0]
     assert out["skip"]["n_active"] == 0 and out["skip"]["packed_tokens"] == 0
     assert out["full"]["grads"].abs().max() == 0  # what the pass it saves would have computed
     assert out["skip"]["grads"].abs().max() == 0
@@ -106,9 +114,11 @@ def test_which_rows_are_inert(overrides, skips):
 def test_loss_weight_of_padded_rows_matches_packing():
     from megarl.actor.packing import pack, pack_units
 
-    data = {"attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool),
-            "loss_mask": torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0]], dtype=torch.int32),
-            "input_ids": torch.arange(10).view(2, 5)}  # fmt: skip
+    data = {
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool),
+        "loss_mask": torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0]], dtype=torch.int32),
+        "input_ids": torch.arange(10).view(2, 5),
+    }
     (mb,) = pack(data, [pack_units(data, 64, False)], 16)
     for mode in ("token-mean", "seq-mean-token-mean"):
         assert ppo_loss_weight(padded_as_packed(data), mode) == ppo_loss_weight(mb.data, mode)

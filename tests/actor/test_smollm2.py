@@ -30,7 +30,9 @@ def gsm8k_batch(smollm2_dir):
     rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:2]]
     seqs = []
     for row in rows:
-        prompt = tok.apply_chat_template([{"role": "user", "content": row["question"]}], tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": row["question"]}], tokenize=False, add_generation_prompt=True
+        )
         seqs.append(tok(prompt + row["answer"])["input_ids"])
     width = max(map(len, seqs))
     ids = torch.zeros(len(seqs), width, dtype=torch.int64)
@@ -58,8 +60,15 @@ def hf_logp(smollm2_dir, gsm8k_batch):
 def test_smollm2_logprobs_and_export_roundtrip(smollm2_dir, gsm8k_batch, hf_logp, tmp_path, alloc):
     world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
     out = tmp_path / "export"
-    results = run_ranks(world, "tests.actor.workers:logprobs_and_export", timeout=600, model_dir=str(smollm2_dir),
-                        alloc=alloc, batch=gsm8k_batch, export_dir=str(out))  # fmt: skip
+    results = run_ranks(
+        world,
+        "tests.actor.workers:logprobs_and_export",
+        timeout=600,
+        model_dir=str(smollm2_dir),
+        alloc=alloc,
+        batch=gsm8k_batch,
+        export_dir=str(out),
+    )
     for logp in results:
         assert (logp - hf_logp).abs().max() <= 1e-4
     assert filecmp.cmp(Path(smollm2_dir) / "model.safetensors", out / "model.safetensors", shallow=False)

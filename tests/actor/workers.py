@@ -68,11 +68,21 @@ def split_groups(batch: dict, rank: int, size: int, group: int) -> dict:
     return {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def engine_config(model_dir: str, *, dtype: str = "float32", max_tokens: int = 4096, n_mbs: int = 1,
-                  share_prefix: bool | None = None, optimizer: OptimizerConfig | None = None,
-                  emulate_bf16: bool = False, **megatron) -> TrainEngineConfig:  # fmt: skip
+def engine_config(
+    model_dir: str,
+    *,
+    dtype: str = "float32",
+    max_tokens: int = 4096,
+    n_mbs: int = 1,
+    share_prefix: bool | None = None,
+    optimizer: OptimizerConfig | None = None,
+    emulate_bf16: bool = False,
+    **megatron,
+) -> TrainEngineConfig:
     mb_spec = MicroBatchSpec(max_tokens, n_mbs, share_prefix=share_prefix)
-    cfg = TrainEngineConfig(path=str(model_dir), dtype=dtype, mb_spec=mb_spec, optimizer=optimizer, emulate_bf16=emulate_bf16)
+    cfg = TrainEngineConfig(
+        path=str(model_dir), dtype=dtype, mb_spec=mb_spec, optimizer=optimizer, emulate_bf16=emulate_bf16
+    )
     for key, value in megatron.items():
         setattr(cfg.megatron, key, value)
     return cfg
@@ -133,20 +143,28 @@ def parity_run(model_dir: str, alloc: str, batch: dict, lr: float = 1e-3, unpack
     from megarl.actor import cpu_shim
     from megarl.models.hf_io import gather_hf_tensors
 
-    optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0,
-                                use_distributed_optimizer=cfg.pop("distributed_optimizer", False))  # fmt: skip
+    optimizer = OptimizerConfig(
+        lr=lr,
+        weight_decay=0.0,
+        gradient_clipping=0.0,
+        use_distributed_optimizer=cfg.pop("distributed_optimizer", False),
+    )
     engine = _engine(model_dir, alloc, optimizer=optimizer, **cfg)
     p = engine.parallel
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
-    out = {"logp": engine.eval().forward(local), "packed_tokens": sum(mb.num_tokens for mb in engine.microbatches(local))}
+    out = {
+        "logp": engine.eval().forward(local),
+        "packed_tokens": sum(mb.num_tokens for mb in engine.microbatches(local)),
+    }
     if unpacked_too:
         engine.config.mb_spec.max_tokens_per_mb = 1
         out["logp_unpacked"] = engine.forward(local)
         engine.config.mb_spec.max_tokens_per_mb = cfg.get("max_tokens", 4096)
     stats = engine.forward_backward(local, ppo_token_loss, token_weight)
     out["loss"] = stats["loss"]
-    out["grads"] = gather_hf_tensors(engine.model, engine.desc, engine.coords, p.tp_group, p.etp_group,
-                                     value=lambda param: param.main_grad.float())  # fmt: skip
+    out["grads"] = gather_hf_tensors(
+        engine.model, engine.desc, engine.coords, p.tp_group, p.etp_group, value=lambda param: param.main_grad.float()
+    )
     with cpu_shim.device_mode():
         _, out["grad_norm"], _ = engine.optimizer.step()
     out["logp_after"] = engine.eval().forward(local)
@@ -165,8 +183,14 @@ def logprobs_and_export(model_dir: str, alloc: str, batch: dict, export_dir: str
 def _ckpt_engine(model_dir, alloc, dtype):
     from megarl.actor.engine import MegatronEngine
 
-    optimizer = OptimizerConfig(lr=1e-3, weight_decay=0.01, gradient_clipping=1.0, lr_scheduler_type="cosine",
-                                warmup_steps_proportion=0.2, use_distributed_optimizer=True)  # fmt: skip
+    optimizer = OptimizerConfig(
+        lr=1e-3,
+        weight_decay=0.01,
+        gradient_clipping=1.0,
+        lr_scheduler_type="cosine",
+        warmup_steps_proportion=0.2,
+        use_distributed_optimizer=True,
+    )
     engine = MegatronEngine(engine_config(model_dir, dtype=dtype, optimizer=optimizer, n_mbs=2))
     engine.create_process_group(alloc)
     engine.initialize(ft_spec=10)
@@ -180,7 +204,9 @@ def _step(engine, batch) -> float:
     return stats["loss"]
 
 
-def checkpoint_save_then_train(model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32") -> dict:
+def checkpoint_save_then_train(
+    model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32"
+) -> dict:
     """Step on batches[0], step again, save, then step on batches[1] and [2]: the losses a resume must reproduce."""
     from megarl.actor.checkpoint import SaveLoadMeta
 
@@ -192,7 +218,9 @@ def checkpoint_save_then_train(model_dir: str, alloc: str, batches: list, ckpt_d
     return {"losses": [_step(engine, b) for b in batches[1:]], "lr": engine.current_lr}
 
 
-def checkpoint_load_then_train(model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32") -> dict:
+def checkpoint_load_then_train(
+    model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32"
+) -> dict:
     from megarl.actor.checkpoint import SaveLoadMeta
 
     engine = _ckpt_engine(model_dir, alloc, dtype)
@@ -205,8 +233,9 @@ def _ppo_actor(model_dir: str, alloc: str, overrides: dict, n_mbs: int = 2, **fi
     from megarl.actor.ppo import MegatronPPOActor
 
     fields.setdefault("optimizer", OptimizerConfig(lr=1e-3, use_distributed_optimizer=False))
-    cfg = PPOActorConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, n_mbs), group_size=2,
-                         **fields)  # fmt: skip
+    cfg = PPOActorConfig(
+        path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, n_mbs), group_size=2, **fields
+    )
     for key, value in overrides.items():
         setattr(cfg, key, value)
     actor = MegatronPPOActor(cfg)
@@ -301,8 +330,15 @@ def _critic(model_dir: str, alloc: str, lr: float = 1e-5, n_mbs: int = 2, share_
     from megarl.config.train import PPOCriticConfig
 
     optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
-    critic = MegatronCritic(PPOCriticConfig(path=str(model_dir), dtype="float32", mb_spec=MicroBatchSpec(4096, n_mbs, share_prefix),
-                                            optimizer=optimizer, **fields))  # fmt: skip
+    critic = MegatronCritic(
+        PPOCriticConfig(
+            path=str(model_dir),
+            dtype="float32",
+            mb_spec=MicroBatchSpec(4096, n_mbs, share_prefix),
+            optimizer=optimizer,
+            **fields,
+        )
+    )
     critic.create_process_group(alloc)
     critic.initialize(ft_spec=10)
     return critic
@@ -320,11 +356,19 @@ def critic_run(model_dir: str, alloc: str, batch: dict, eps_clip: float | None =
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
     out = {"values": critic.compute_values(local), "dp_rank": p.dp_rank}
     out["packed_tokens"] = sum(mb.num_tokens for mb in critic.microbatches(local))
-    stats = critic.forward_backward(local, partial(critic_loss, eps_clip=eps_clip), partial(ppo_loss_weight, mode="token-mean"))
+    stats = critic.forward_backward(
+        local, partial(critic_loss, eps_clip=eps_clip), partial(ppo_loss_weight, mode="token-mean")
+    )
     out["loss"] = stats["loss"]
-    out["grads"] = gather_hf_tensors(critic.model, critic.desc, critic.coords, p.tp_group, p.etp_group,
-                                     value=lambda param: param.main_grad.float(),
-                                     include=lambda rule: rule.megatron != "output_layer.weight")  # fmt: skip
+    out["grads"] = gather_hf_tensors(
+        critic.model,
+        critic.desc,
+        critic.coords,
+        p.tp_group,
+        p.etp_group,
+        value=lambda param: param.main_grad.float(),
+        include=lambda rule: rule.megatron != "output_layer.weight",
+    )
     out["update"] = critic.ppo_update(local)
     out["values_after"] = critic.compute_values(local)
     return out
@@ -341,8 +385,12 @@ def critic_save_then_train(model_dir: str, alloc: str, batch: dict, ckpt_dir: st
     critic.save(SaveLoadMeta(ckpt_dir))
     critic.export_hf(export_dir)
     values = critic.compute_values(local)
-    return {"values": values, "second": critic.ppo_update(local), "values_after": critic.compute_values(local),
-            "dp_rank": critic.parallel.dp_rank}  # fmt: skip
+    return {
+        "values": values,
+        "second": critic.ppo_update(local),
+        "values_after": critic.compute_values(local),
+        "dp_rank": critic.parallel.dp_rank,
+    }
 
 
 def critic_load_then_train(model_dir: str, alloc: str, batch: dict, ckpt_dir: str) -> dict:
@@ -352,8 +400,12 @@ def critic_load_then_train(model_dir: str, alloc: str, batch: dict, ckpt_dir: st
     critic.load(SaveLoadMeta(ckpt_dir))
     local = split_rows(batch, critic.parallel.dp_rank, critic.parallel.alloc.dp)
     values = critic.compute_values(local)
-    return {"values": values, "second": critic.ppo_update(local), "values_after": critic.compute_values(local),
-            "version": critic.get_version()}  # fmt: skip
+    return {
+        "values": values,
+        "second": critic.ppo_update(local),
+        "values_after": critic.compute_values(local),
+        "version": critic.get_version(),
+    }
 
 
 def gap_step(model_dir: str, alloc: str, batch: dict, offsets: torch.Tensor) -> dict:
@@ -419,8 +471,9 @@ def bf16_update_run(model_dir: str, alloc: str, batch: dict, rounding: str, dist
     change), the summed absolute change of this rank's fp32 main parameters, and the bf16 weights."""
     from megarl.actor.optim import main_params_of_low_precision
 
-    optimizer = OptimizerConfig(lr=1e-5, weight_decay=0.0, gradient_clipping=0.0,
-                                use_distributed_optimizer=distributed, bf16_rounding=rounding)  # fmt: skip
+    optimizer = OptimizerConfig(
+        lr=1e-5, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=distributed, bf16_rounding=rounding
+    )
     engine = _engine(model_dir, alloc, dtype="bfloat16", optimizer=optimizer)
     p = engine.parallel
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
@@ -431,8 +484,13 @@ def bf16_update_run(model_dir: str, alloc: str, batch: dict, rounding: str, dist
         engine.train_batch(local, pg_token_loss, token_weight)
     w, m = weights(), mains()
     # a distributed optimizer holds this rank's shard of the main parameters: the test adds them up
-    return {"weights_moved": float((w - w0).abs().mean()), "mains_abs_change": float((m - m0).abs().sum()),
-            "mains_numel": m.numel(), "weights": w, "dp_rank": p.dp_rank}  # fmt: skip
+    return {
+        "weights_moved": float((w - w0).abs().mean()),
+        "mains_abs_change": float((m - m0).abs().sum()),
+        "mains_numel": m.numel(),
+        "weights": w,
+        "dp_rank": p.dp_rank,
+    }
 
 
 def bf16_logp_and_grads(model_dir: str, alloc: str, batch: dict, dtype: str, emulate: bool = False) -> dict:
@@ -445,8 +503,9 @@ def bf16_logp_and_grads(model_dir: str, alloc: str, batch: dict, dtype: str, emu
     return {"logp": logp.float(), "grads": grads}
 
 
-def bf16_main_params_through_checkpoint(model_dir: str, alloc: str, ckpt_dir: str, save: bool,
-                                        rounding: str = "dithered") -> dict:  # fmt: skip
+def bf16_main_params_through_checkpoint(
+    model_dir: str, alloc: str, ckpt_dir: str, save: bool, rounding: str = "dithered"
+) -> dict:
     """A bf16 engine's fp32 main parameters and bf16 weights: after one step, saved to ``ckpt_dir``
     (``save``), or after loading ``ckpt_dir`` into an engine built with another dither seed."""
     from megarl.actor import optim

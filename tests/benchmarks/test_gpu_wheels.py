@@ -22,8 +22,15 @@ def _wheel(path: Path, *requires: str) -> Path:
 
 
 def test_runtime_requirements_drop_extras_and_other_platforms(tmp_path):
-    wheel = _wheel(tmp_path / "demo-1.0-py3-none-any.whl", "torch>=2.6.0", "numpy", "packaging>=24.2",
-                   'wandb; extra == "mlm"', 'pywin32; sys_platform == "win32"', 'tomli; python_version < "3.11"')  # fmt: skip
+    wheel = _wheel(
+        tmp_path / "demo-1.0-py3-none-any.whl",
+        "torch>=2.6.0",
+        "numpy",
+        "packaging>=24.2",
+        'wandb; extra == "mlm"',
+        'pywin32; sys_platform == "win32"',
+        'tomli; python_version < "3.11"',
+    )
     names = lambda v: [r.name for r in gpu_wheels.runtime_requirements(wheel, v)]
     assert names("3.12") == ["torch", "numpy", "packaging"]
     assert names("3.10") == ["torch", "numpy", "packaging", "tomli"]
@@ -53,11 +60,23 @@ def test_the_set_installs_offline_beside_this_torch(tmp_path):
     names = {canonicalize_name(w.name.split("-")[0]) for w in wheels}
     assert names == {"megatron-core", "numpy", "packaging"}  # torch & co are the machine's
     site = tmp_path / "site"
-    install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
-               *map(str, wheels)]  # fmt: skip
+    install = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--target",
+        str(site),
+        *map(str, wheels),
+    ]
     subprocess.run(install, check=True, capture_output=True, timeout=300)
     probe = "import megatron.core, torch; from megatron.core.transformer import TransformerConfig; print(megatron.core.__file__)"
     env = {**os.environ, "PYTHONPATH": str(site)}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], check=False, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", probe], check=False, capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().startswith(str(site))

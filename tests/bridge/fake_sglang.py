@@ -35,9 +35,12 @@ class FakeSGLang:
 
     def init_weights_update_group(self, req) -> dict:
         self.groups[req.group_name] = self.init_group(
-            backend=req.backend, init_method=f"tcp://{req.master_address}:{req.master_port}",
-            world_size=req.world_size, rank=req.rank_offset, group_name=req.group_name,
-        )  # fmt: skip
+            backend=req.backend,
+            init_method=f"tcp://{req.master_address}:{req.master_port}",
+            world_size=req.world_size,
+            rank=req.rank_offset,
+            group_name=req.group_name,
+        )
         return {"success": True, "message": "joined"}
 
     def update_weights_from_distributed(self, req) -> dict:
@@ -83,8 +86,14 @@ def make_app(server: FakeSGLang) -> web.Application:
     app = web.Application(client_max_size=2**30)
     app.router.add_get("/health", lambda r: web.json_response({}))
     app.router.add_route("*", "/flush_cache", lambda r: web.json_response({}))
-    for route in ("/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_disk",
-                  "/begin_weight_update", "/end_weight_update", "/update_weight_version"):  # fmt: skip
+    for route in (
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weights_from_disk",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weight_version",
+    ):
         app.router.add_post(route, lambda r, route=route: _handle(server, route, r))
 
     async def dump(request):

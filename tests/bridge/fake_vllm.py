@@ -47,8 +47,11 @@ class FakeVLLM:
             return
         dying = self.die_after is not None and self.updates == self.die_in_update
         for n, part in enumerate(self.receiver.stream(info["mode"]), start=1):
-            self.staged.append(("named", [(k, t.clone()) for k, t in part.named]) if part.named is not None
-                               else ("pieces", [(*p[:4], p[4].clone()) for p in part.pieces]))  # fmt: skip
+            self.staged.append(
+                ("named", [(k, t.clone()) for k, t in part.named])
+                if part.named is not None
+                else ("pieces", [(*p[:4], p[4].clone()) for p in part.pieces])
+            )
             if dying and n >= self.die_after:
                 os._exit(17)  # a crash mid-transfer: no cleanup, sockets reset
 
@@ -60,8 +63,10 @@ class FakeVLLM:
             elif kind == "named":
                 self.weights.update(dict(data))
             else:
-                targets = [self.weights.setdefault((name, expert), torch.zeros(shape, dtype=torch.bfloat16))
-                           for name, expert, shape, _ in specs]  # fmt: skip
+                targets = [
+                    self.weights.setdefault((name, expert), torch.zeros(shape, dtype=torch.bfloat16))
+                    for name, expert, shape, _ in specs
+                ]
                 write_pieces(targets, data, [None] * len(specs))
         self.staged, self.version = [], version
 
@@ -80,10 +85,14 @@ def make_app(server: FakeVLLM) -> web.Application:
         return await request.json() if request.can_read_body else {}
 
     app.router.add_get("/health", lambda r: web.json_response({}))
-    app.router.add_post("/init_weight_transfer_engine", lambda r: _call(r, body, lambda b: run(server.init, b["init_info"])))
+    app.router.add_post(
+        "/init_weight_transfer_engine", lambda r: _call(r, body, lambda b: run(server.init, b["init_info"]))
+    )
     app.router.add_post("/start_weight_update", lambda r: web.json_response({"message": "started"}))
     app.router.add_post("/update_weights", lambda r: _call(r, body, lambda b: run(server.update, b["update_info"])))
-    app.router.add_post("/finish_weight_update", lambda r: _call(r, body, lambda b: run(server.finish, b["weight_version"])))
+    app.router.add_post(
+        "/finish_weight_update", lambda r: _call(r, body, lambda b: run(server.finish, b["weight_version"]))
+    )
 
     async def dump(request):
         torch.save({"weights": server.weights, "version": server.version}, (await request.json())["path"])
@@ -105,7 +114,12 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     torch.set_num_threads(1)
-    web.run_app(make_app(FakeVLLM(args.die_after_buckets, args.die_in_update)), host="127.0.0.1", port=args.port, print=lambda *a: None)
+    web.run_app(
+        make_app(FakeVLLM(args.die_after_buckets, args.die_in_update)),
+        host="127.0.0.1",
+        port=args.port,
+        print=lambda *a: None,
+    )
 
 
 if __name__ == "__main__":

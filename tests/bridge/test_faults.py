@@ -39,8 +39,15 @@ def test_server_dying_mid_transfer(mode, tiny_model_dir, tmp_path):
     try:
         for server in (survivor, dying):
             server.wait_until_healthy(60)
-        (reports,) = run_ranks(1, "tests.bridge.workers:fault_transfer", timeout=300, model_dir=str(model_dir),
-                               addresses=[survivor.address, dying.address], mode=mode, dump_dir=str(tmp_path))  # fmt: skip
+        (reports,) = run_ranks(
+            1,
+            "tests.bridge.workers:fault_transfer",
+            timeout=300,
+            model_dir=str(model_dir),
+            addresses=[survivor.address, dying.address],
+            mode=mode,
+            dump_dir=str(tmp_path),
+        )
     finally:
         survivor.stop()
         dying.stop()
@@ -67,4 +74,6 @@ def _check_dump(tmp_path, version, address, want_version, hf, mode, present):
             assert torch.equal(dump["weights"][name], (tensor * scale).to(WIRE)), name
     else:  # TP-1 local tensors are whole HF tensors (fused ones concatenated)
         embed = dump["weights"]["model.embed_tokens.weight", None]
-        assert torch.equal(embed[: hf["model.embed_tokens.weight"].shape[0]], (hf["model.embed_tokens.weight"] * scale).to(WIRE))
+        assert torch.equal(
+            embed[: hf["model.embed_tokens.weight"].shape[0]], (hf["model.embed_tokens.weight"] * scale).to(WIRE)
+        )

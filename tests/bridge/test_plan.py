@@ -27,9 +27,12 @@ FAMILY_LAYOUTS = {
     "llama": [TrainingAllocation(), TrainingAllocation(tp=2, pp=2), TrainingAllocation(tp=2, pp=2, vpp=2, dp=2)],
     "qwen2": [TrainingAllocation(tp=2), TrainingAllocation(pp=4, dp=2)],
     "qwen3": [TrainingAllocation(tp=2, pp=2, dp=2)],
-    "qwen3_moe": [TrainingAllocation(tp=2, ep=2, etp=1), TrainingAllocation(tp=2, pp=2, ep=2, etp=1, dp=2),
-                  TrainingAllocation(tp=2, ep=1, etp=2)],
-}  # fmt: skip
+    "qwen3_moe": [
+        TrainingAllocation(tp=2, ep=2, etp=1),
+        TrainingAllocation(tp=2, pp=2, ep=2, etp=1, dp=2),
+        TrainingAllocation(tp=2, ep=1, etp=2),
+    ],
+}
 
 
 def _random_layouts(seed: int, n: int, moe: bool) -> list[TrainingAllocation]:
@@ -134,7 +137,9 @@ def test_broadcast_senders_cover_every_hf_tensor_once(model):
 def test_tied_embeddings_are_sent_once(tiny_model_dir):
     path = tiny_model_dir("llama", tie_word_embeddings=True)
     reader = SafetensorsReader(path)
-    plan = build_plan(describe(path, 2), {n: reader.shape(n) for n in reader.keys()}, TrainingAllocation(tp=2, pp=2), (2,))  # noqa: SIM118 (the reader is not iterable)
+    plan = build_plan(
+        describe(path, 2), {n: reader.shape(n) for n in reader.keys()}, TrainingAllocation(tp=2, pp=2), (2,)
+    )  # noqa: SIM118 (the reader is not iterable)
     names = [n for n, _ in plan.hf_tensors()]
     assert "lm_head.weight" not in names and names.count("model.embed_tokens.weight") == 1
     dests = [p.dest for p in plan.pieces[0]]
@@ -147,9 +152,14 @@ def test_layer_placement_matches_megatron(pp, vpp):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     num_layers = 16
-    config = TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
-                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+    )
     layout = TrainingAllocation(pp=pp, vpp=vpp)
     per_chunk = num_layers // (pp * vpp)
     for stage in range(pp):

@@ -14,12 +14,21 @@ from megarl.run.weight_sync import WeightSync
 def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:
     """A WeightSync whose transfer always succeeds, recording the versions it probed after."""
     sync = WeightSync.__new__(WeightSync)
-    sync.engine, sync.config, sync.servers, sync.rollout = SimpleNamespace(set_version=lambda v: None), \
-        WeightUpdateConfig(probe_every=probe_every), [SimpleNamespace(address="s")], None  # fmt: skip
+    sync.engine, sync.config, sync.servers, sync.rollout = (
+        SimpleNamespace(set_version=lambda v: None),
+        WeightUpdateConfig(probe_every=probe_every),
+        [SimpleNamespace(address="s")],
+        None,
+    )
     sync.probe, sync.unhealthy, sync.n_updates = [[1, 2, 3]], set(), 0
     report = SimpleNamespace(seconds=0.0, bytes_sent=0, ok=True, failed={}, updated=["s"], sender_errors={})
-    sync.bridge = SimpleNamespace(connected=True, update=lambda *args: report, is_driver=True, servers=sync.servers,
-                                  broadcast_object=lambda obj: obj)  # one rank: a broadcast returns its input
+    sync.bridge = SimpleNamespace(
+        connected=True,
+        update=lambda *args: report,
+        is_driver=True,
+        servers=sync.servers,
+        broadcast_object=lambda obj: obj,
+    )  # one rank: a broadcast returns its input
     monkeypatch.setattr(update_mod.ShardSource, "from_engine", staticmethod(lambda engine: None))
     probed: list[int] = []
     sync.check_consistency = lambda: probed.append(sync.n_updates) or {"logprob_diff_max": 0.0}

@@ -21,8 +21,11 @@ HERE = {"127.0.0.1", "10.0.0.5"}
 
 def test_loopback_host_with_a_server_elsewhere_is_refused_naming_both():
     bridge = _bridge("10.0.0.7:8000", "127.0.0.1:8001")
-    with pytest.raises(WeightBridgeError, match=r"rank 1 would announce 127.0.0.1 to servers on other hosts "
-                                                r"\(10.0.0.7:8000\).*launcher.slurm.network_interface"):  # fmt: skip
+    with pytest.raises(
+        WeightBridgeError,
+        match=r"rank 1 would announce 127.0.0.1 to servers on other hosts "
+        r"\(10.0.0.7:8000\).*launcher.slurm.network_interface",
+    ):
         bridge._check_reachable([("10.0.0.5", [], HERE), ("127.0.0.1", [29600], HERE)])
 
 

@@ -53,9 +53,14 @@ def test_receiver_specs_describe_each_workers_messages(plan):
     ssched = sharded_schedule(plan, 50_000)
     ranks, _ = sender_group_ranks(ssched.senders, lambda o: (o.pp, o.tp if not o.expert else o.ep))
     spec = receiver_spec(plan, 2, "sharded", 50_000, ranks)
-    numel = sum(math.prod(spec["tensors"][slot][2]) // spec["tensors"][slot][2][dim] * length if dim is not None
-                else math.prod(spec["tensors"][slot][2]) for msgs in spec["rounds"] for _, pieces in msgs
-                for slot, dim, _, length in pieces)  # fmt: skip
+    numel = sum(
+        math.prod(spec["tensors"][slot][2]) // spec["tensors"][slot][2][dim] * length
+        if dim is not None
+        else math.prod(spec["tensors"][slot][2])
+        for msgs in spec["rounds"]
+        for _, pieces in msgs
+        for slot, dim, _, length in pieces
+    )
     assert numel == plan.worker_numel(2)
     with pytest.raises(ValueError, match="group rank"):
         receiver_spec(plan, 2, "sharded", 50_000)
@@ -95,7 +100,12 @@ def test_config_checks_name_the_bad_value():
     WeightUpdateConfig().check()
     assert WeightUpdateConfig(mode="broadcast", extra_modes=["sharded", "broadcast"]).modes == ("broadcast", "sharded")
     assert WeightUpdateConfig().bucket_bytes(on_gpu=True) == 2**30
-    for bad, key in [({"mode": "nccl"}, "mode"), ({"mode": "disk"}, "disk_path"), ({"bucket_mb": 0}, "bucket_mb"),
-                     ({"extra_modes": ["x"]}, "extra_modes"), ({"update_timeout": 0}, "update_timeout")]:  # fmt: skip
+    for bad, key in [
+        ({"mode": "nccl"}, "mode"),
+        ({"mode": "disk"}, "disk_path"),
+        ({"bucket_mb": 0}, "bucket_mb"),
+        ({"extra_modes": ["x"]}, "extra_modes"),
+        ({"update_timeout": 0}, "update_timeout"),
+    ]:
         with pytest.raises(ConfigError, match=key):
             WeightUpdateConfig(**bad).check()

@@ -28,8 +28,9 @@ from megarl.utils.network import find_free_ports
 from tests.actor.dist_utils import run_ranks
 from tests.bridge.workers import WIRE
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                                reason="sglang not installed (pip install --no-deps sglang==0.5.23)")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None, reason="sglang not installed (pip install --no-deps sglang==0.5.23)"
+)
 HERE = Path(__file__).parent
 CHECK = """
 import json, sys
@@ -44,14 +45,32 @@ print("ok")
 def _init_info(model_dir, server_tp=(1, 1)) -> dict:
     reader = SafetensorsReader(model_dir)
     layout = TrainingAllocation(pp=2)
-    plan = build_plan(describe(model_dir, 1), {n: reader.shape(n) for n in reader.keys()}, layout, server_tp,  # noqa: SIM118 (the reader is not iterable)
-                      sharded=False)  # fmt: skip
+    plan = build_plan(
+        describe(model_dir, 1),
+        {n: reader.shape(n) for n in reader.keys()},
+        layout,
+        server_tp,  # noqa: SIM118 (the reader is not iterable)
+        sharded=False,
+    )
     sched = broadcast_schedule(plan, 200_000)
-    wiring = make_wiring("gloo", len(plan.workers), sched.senders, [], lambda o: o.pp,
-                         lambda r, k: ("127.0.0.1", 30000 + r), "megarl-bridge-1")  # fmt: skip
+    wiring = make_wiring(
+        "gloo",
+        len(plan.workers),
+        sched.senders,
+        [],
+        lambda o: o.pp,
+        lambda r, k: ("127.0.0.1", 30000 + r),
+        "megarl-bridge-1",
+    )
     spec = receiver_spec(plan, plan.worker_index(1, 0), "broadcast", 200_000)
-    return {"wiring": wiring.to_json(), "worker_offset": plan.worker_index(1, 0), "specs": {"0": {"broadcast": spec}},
-            "dtype": "bfloat16", "timeout": 60.0, "stage": True}  # fmt: skip
+    return {
+        "wiring": wiring.to_json(),
+        "worker_offset": plan.worker_index(1, 0),
+        "specs": {"0": {"broadcast": spec}},
+        "dtype": "bfloat16",
+        "timeout": 60.0,
+        "stage": True,
+    }
 
 
 def test_payloads_validate_against_sglang_request_types(tiny_model_dir):
@@ -62,13 +81,29 @@ def test_payloads_validate_against_sglang_request_types(tiny_model_dir):
     payloads = [("/init_weights_update_group", p) for p in control.init_payloads(info)]
     assert [p["rank_offset"] for _, p in payloads] == [2, 2]  # second server: after the sender and server 0
     payloads += [("/update_weights_from_distributed", p) for p in control.bucket_payloads()]
-    payloads += [("/begin_weight_update", {}), ("/end_weight_update", {}),
-                 ("/update_weight_version", {"new_version": "3", "abort_all_requests": False}),
-                 ("/update_weights_from_disk", {"model_path": "/x", "weight_version": "3", "flush_cache": True}),
-                 ("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-                                "return_logprob": True, "logprob_start_len": 0})]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", CHECK.format(repo=str(HERE.parents[1]))], input=json.dumps(payloads),
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    payloads += [
+        ("/begin_weight_update", {}),
+        ("/end_weight_update", {}),
+        ("/update_weight_version", {"new_version": "3", "abort_all_requests": False}),
+        ("/update_weights_from_disk", {"model_path": "/x", "weight_version": "3", "flush_cache": True}),
+        (
+            "/generate",
+            {
+                "input_ids": [1, 2, 3],
+                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+        ),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK.format(repo=str(HERE.parents[1]))],
+        input=json.dumps(payloads),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
@@ -80,14 +115,22 @@ def test_fake_sglang_servers_receive_exact_bytes(tiny_model_dir, tmp_path):
     servers = []
     for port in find_free_ports(2):
         cmd = [sys.executable, str(HERE / "fake_sglang.py"), "--port", str(port)]
-        servers.append(InferenceServer(LaunchSpec(cmd=cmd, port=port), tmp_path / f"sglang-{port}.log",
-                                       name="fake-sglang").start())  # fmt: skip
+        servers.append(
+            InferenceServer(LaunchSpec(cmd=cmd, port=port), tmp_path / f"sglang-{port}.log", name="fake-sglang").start()
+        )
     try:
         for server in servers:
             server.wait_until_healthy(120)
-        (result, _) = run_ranks(2, "tests.bridge.workers:sglang_transfer", timeout=400, model_dir=str(model_dir),
-                                layout={"pp": 2}, addresses=[s.address for s in servers], dump_dir=str(tmp_path),
-                                disk_dir=str(tmp_path / "disk"))  # fmt: skip
+        (result, _) = run_ranks(
+            2,
+            "tests.bridge.workers:sglang_transfer",
+            timeout=400,
+            model_dir=str(model_dir),
+            layout={"pp": 2},
+            addresses=[s.address for s in servers],
+            dump_dir=str(tmp_path),
+            disk_dir=str(tmp_path / "disk"),
+        )
     finally:
         for server in servers:
             server.stop()

@@ -38,12 +38,24 @@ def test_fake_receivers_get_exact_bytes(case, tiny_model_dir, tmp_path):
     reader = SafetensorsReader(model_dir)
     hf = {n: reader(n, None, 0, 0) for n in reader.keys()}  # noqa: SIM118 (the reader is not iterable)
     trainer = TrainingAllocation(**layout)
-    plan = build_plan(describe(model_dir, trainer.tp), {n: reader.shape(n) for n in reader.keys()}, trainer,  # noqa: SIM118 (the reader is not iterable)
-                      tuple(server_tp))  # fmt: skip
+    plan = build_plan(
+        describe(model_dir, trainer.tp),
+        {n: reader.shape(n) for n in reader.keys()},
+        trainer,  # noqa: SIM118 (the reader is not iterable)
+        tuple(server_tp),
+    )
     bucket = 300_000  # elements: several buckets per sender, some tensors alone in theirs
-    results = run_ranks(trainer.world_size + len(plan.workers), "tests.bridge.workers:transfer", timeout=400,
-                        model_dir=str(model_dir), layout=layout, server_tp=server_tp, ports=find_free_ports(16),
-                        bucket_numel=bucket, disk_dir=str(tmp_path / "disk"))  # fmt: skip
+    results = run_ranks(
+        trainer.world_size + len(plan.workers),
+        "tests.bridge.workers:transfer",
+        timeout=400,
+        model_dir=str(model_dir),
+        layout=layout,
+        server_tp=server_tp,
+        ports=find_free_ports(16),
+        bucket_numel=bucket,
+        disk_dir=str(tmp_path / "disk"),
+    )
     for result in results[trainer.world_size :]:
         worker, got = result["worker"], result["got"]
         for update in range(2):

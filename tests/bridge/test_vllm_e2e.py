@@ -26,8 +26,16 @@ MEASURABLE = 0.2  # one lr=1e-2 Adam step moves the probe logprobs by more than 
 @pytest.mark.parametrize("alloc", ["megatron:d1p1t2", "megatron:d1p2t1"])
 def test_actor_updates_vllm_servers(alloc, llama_servers, tmp_path):
     model_dir, servers = llama_servers
-    results = run_ranks(2, "tests.bridge.workers:e2e_sync", timeout=900, model_dir=str(model_dir), alloc=alloc,
-                        servers=servers, modes=MODES, disk_dir=str(tmp_path / "disk"))  # fmt: skip
+    results = run_ranks(
+        2,
+        "tests.bridge.workers:e2e_sync",
+        timeout=900,
+        model_dir=str(model_dir),
+        alloc=alloc,
+        servers=servers,
+        modes=MODES,
+        disk_dir=str(tmp_path / "disk"),
+    )
     logger.info("%s: %s", alloc, [(r["mode"], r["before"], r["after"]) for r in results[0]])
     for rank_result in results:
         assert [r["mode"] for r in rank_result] == MODES
@@ -46,9 +54,17 @@ def test_moe_actor_ep2_updates_vllm_server(moe_server, tmp_path):
     it; without it the served logprobs drift by ~0.5 after three steps).
     """
     model_dir, servers = moe_server
-    results = run_ranks(2, "tests.bridge.workers:e2e_sync", timeout=900, model_dir=str(model_dir),
-                        alloc="megatron:d2p1t1e2", servers=servers, modes=MODES, disk_dir=str(tmp_path / "disk"),
-                        threshold=0.1)  # fmt: skip
+    results = run_ranks(
+        2,
+        "tests.bridge.workers:e2e_sync",
+        timeout=900,
+        model_dir=str(model_dir),
+        alloc="megatron:d2p1t1e2",
+        servers=servers,
+        modes=MODES,
+        disk_dir=str(tmp_path / "disk"),
+        threshold=0.1,
+    )
     logger.info("moe ep2: %s", [(r["mode"], r["before"], r["after"]) for r in results[0]])
     for version, r in enumerate(results[0], start=1):
         assert r["version"] == version
@@ -60,8 +76,9 @@ def test_pause_abort_resume_around_an_update(llama_servers):
     """In-flight generations are aborted by the update, continued after it, and their later tokens carry v1."""
     model_dir, servers = llama_servers
     address, tp = servers[0]
-    (result,) = run_ranks(1, "tests.bridge.workers:pause_resume_sync", timeout=600, model_dir=str(model_dir),
-                          address=address, tp=tp)  # fmt: skip
+    (result,) = run_ranks(
+        1, "tests.bridge.workers:pause_resume_sync", timeout=600, model_dir=str(model_dir), address=address, tp=tp
+    )
     assert result["version"] == result["rollout_version"] == 1
     assert result["stats"]["logprob_diff_max"] < BF16_TOLERANCE
     responses = result["responses"]

@@ -35,7 +35,9 @@ def vllm_tp(size: int, rank: int):
         yield
 
 
-def reference_local(name: str, expert: int | None, hf: dict[str, torch.Tensor], dims, size: int, rank: int) -> torch.Tensor:
+def reference_local(
+    name: str, expert: int | None, hf: dict[str, torch.Tensor], dims, size: int, rank: int
+) -> torch.Tensor:
     """The local tensor ``name`` (``expert``) of vLLM worker ``rank`` of ``size``, loaded by vLLM."""
     from vllm.model_executor.layers import linear as L
     from vllm.model_executor.layers import vocab_parallel_embedding as VE
@@ -45,8 +47,14 @@ def reference_local(name: str, expert: int | None, hf: dict[str, torch.Tensor], 
         if prefix.endswith("qkv_proj"):
             base = prefix[: -len("qkv_proj")]
             q = hf[f"{base}q_proj.weight"]
-            layer = L.QKVParallelLinear(q.shape[1], dims.head_dim, dims.num_attention_heads, dims.num_query_groups,
-                                        bias=leaf == "bias", params_dtype=q.dtype)  # fmt: skip
+            layer = L.QKVParallelLinear(
+                q.shape[1],
+                dims.head_dim,
+                dims.num_attention_heads,
+                dims.num_query_groups,
+                bias=leaf == "bias",
+                params_dtype=q.dtype,
+            )
             param = getattr(layer, leaf)
             for shard in "qkv":
                 layer.weight_loader(param, hf[f"{base}{shard}_proj.{leaf}"], shard)
@@ -54,7 +62,9 @@ def reference_local(name: str, expert: int | None, hf: dict[str, torch.Tensor], 
         if prefix.endswith("gate_up_proj"):
             base = prefix[: -len("gate_up_proj")]
             gate, up = hf[f"{base}gate_proj.weight"], hf[f"{base}up_proj.weight"]
-            layer = L.MergedColumnParallelLinear(gate.shape[1], [gate.shape[0]] * 2, bias=False, params_dtype=gate.dtype)
+            layer = L.MergedColumnParallelLinear(
+                gate.shape[1], [gate.shape[0]] * 2, bias=False, params_dtype=gate.dtype
+            )
             layer.weight_loader(layer.weight, gate, 0)
             layer.weight_loader(layer.weight, up, 1)
             return layer.weight.data

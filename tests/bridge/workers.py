@@ -53,8 +53,9 @@ def _groups(coords: list[TrainerCoords]) -> tuple[dict, dict]:
     return tp, etp
 
 
-def trainer_source(model_dir: str, layout: TrainingAllocation, coords: TrainerCoords, tp_group, etp_group,
-                   scale: float) -> ShardSource:  # fmt: skip
+def trainer_source(
+    model_dir: str, layout: TrainingAllocation, coords: TrainerCoords, tp_group, etp_group, scale: float
+) -> ShardSource:
     """This rank's shards of the checkpoint (times ``scale``), as the actor would hold them."""
     desc = describe(model_dir, layout.tp)
     reader = SafetensorsReader(model_dir)
@@ -71,8 +72,15 @@ def trainer_source(model_dir: str, layout: TrainingAllocation, coords: TrainerCo
     return ShardSource(params, coords, desc.dims, tp_group, etp_group)
 
 
-def transfer(model_dir: str, layout: dict, server_tp: list[int], ports: list[int], bucket_numel: int,
-             disk_dir: str, updates: int = 2) -> dict:  # fmt: skip
+def transfer(
+    model_dir: str,
+    layout: dict,
+    server_tp: list[int],
+    ports: list[int],
+    bucket_numel: int,
+    disk_dir: str,
+    updates: int = 2,
+) -> dict:
     """Run ``updates`` rounds of broadcast, sharded and disk transfers; workers return what they got."""
     dist.init_process_group("gloo")
     layout = TrainingAllocation(**layout)
@@ -85,17 +93,37 @@ def transfer(model_dir: str, layout: dict, server_tp: list[int], ports: list[int
     bsched, ssched = broadcast_schedule(plan, bucket_numel), sharded_schedule(plan, bucket_numel)
     rank_of = {o: next(c.rank for c in coords if c.holds(o)) for o in bsched.senders + ssched.senders}.__getitem__
     port_iter = iter(ports)
-    wiring = make_wiring("gloo", len(plan.workers), bsched.senders, ssched.senders, rank_of,
-                         lambda r, k: ("127.0.0.1", next(port_iter)), "test")  # fmt: skip
+    wiring = make_wiring(
+        "gloo",
+        len(plan.workers),
+        bsched.senders,
+        ssched.senders,
+        rank_of,
+        lambda r, k: ("127.0.0.1", next(port_iter)),
+        "test",
+    )
     trainer_group = dist.new_group(list(range(num_trainers)), backend="gloo")  # collective: every process
     if rank < num_trainers:
-        return _trainer(model_dir, layout, plan, bsched, ssched, wiring, coords[rank], tp_groups.get(rank),
-                        etp_groups.get(rank), trainer_group, Path(disk_dir), updates)  # fmt: skip
+        return _trainer(
+            model_dir,
+            layout,
+            plan,
+            bsched,
+            ssched,
+            wiring,
+            coords[rank],
+            tp_groups.get(rank),
+            etp_groups.get(rank),
+            trainer_group,
+            Path(disk_dir),
+            updates,
+        )
     return _worker(plan, wiring, rank - num_trainers, bucket_numel, Path(disk_dir), updates)
 
 
-def _trainer(model_dir, layout, plan, bsched, ssched, wiring, coords, tp_group, etp_group, trainer_group,
-             disk_dir, updates):  # fmt: skip
+def _trainer(
+    model_dir, layout, plan, bsched, ssched, wiring, coords, tp_group, etp_group, trainer_group, disk_dir, updates
+):
     bgroups, sgroup = trainer_join(wiring, coords.rank, timeout=60)
     senders = {
         "broadcast": BroadcastSender(plan, bsched, coords, bgroups, WIRE),
@@ -157,7 +185,6 @@ def expected_local(plan, worker: int, hf: dict, scale: float) -> dict:
     return out
 
 
-
 # ---------------------------------------------------------------------------------------
 # end to end: a Megatron actor updating real vLLM servers
 # ---------------------------------------------------------------------------------------
@@ -169,8 +196,9 @@ def nll_loss(head, mb: dict) -> torch.Tensor:
     return -(head.logprobs(mb["labels"]) * mask).sum() / mask.sum().clamp(min=1)
 
 
-def e2e_sync(model_dir: str, alloc: str, servers: list, modes: list[str], disk_dir: str, lr: float = 1e-2,
-             threshold: float = 0.1) -> list[dict]:  # fmt: skip
+def e2e_sync(
+    model_dir: str, alloc: str, servers: list, modes: list[str], disk_dir: str, lr: float = 1e-2, threshold: float = 0.1
+) -> list[dict]:
     """Per mode: one optimizer step, the servers' probe mismatch before the update, then ``update_weights``."""
     from megarl.actor.engine import MegatronEngine
     from megarl.bridge.consistency import compare, trainer_scores
@@ -184,9 +212,18 @@ def e2e_sync(model_dir: str, alloc: str, servers: list, modes: list[str], disk_d
     engine = MegatronEngine(engine_config(model_dir, dtype="auto", optimizer=optimizer))
     engine.create_process_group(alloc)
     engine.initialize()
-    config = WeightUpdateConfig(mode=modes[0], extra_modes=list(modes[1:]), disk_path=disk_dir, bucket_mb=1,
-                                consistency_threshold=threshold, probe_sequences=2, probe_tokens=24, probe_every=1,
-                                init_timeout=300, update_timeout=300)  # fmt: skip
+    config = WeightUpdateConfig(
+        mode=modes[0],
+        extra_modes=list(modes[1:]),
+        disk_path=disk_dir,
+        bucket_mb=1,
+        consistency_threshold=threshold,
+        probe_sequences=2,
+        probe_tokens=24,
+        probe_every=1,
+        init_timeout=300,
+        update_timeout=300,
+    )
     meta = WeightUpdateMeta(config)
     controls = [make_control("vllm", address, tp, 300) for address, tp in servers]
     sync = connect_engine(engine, None, meta, servers=controls)
@@ -198,13 +235,20 @@ def e2e_sync(model_dir: str, alloc: str, servers: list, modes: list[str], disk_d
         theirs = {s.address: s.score(sync.probe) for s in controls} if dist.get_rank() == 0 else None
         before = sync.bridge.broadcast_object(theirs)
         stats = sync.update_weights(WeightUpdateMeta(config, version=version, mode=mode))
-        out.append({"mode": mode, "before": compare(ours, before, 0).as_dict(), "after": stats,
-                    "version": engine.get_version()})  # fmt: skip
+        out.append(
+            {
+                "mode": mode,
+                "before": compare(ours, before, 0).as_dict(),
+                "after": stats,
+                "version": engine.get_version(),
+            }
+        )
     return out
 
 
-def e2e_modes_same_weights(model_dir: str, alloc: str, servers: list, modes: list[str], disk_dir: str,
-                           steps: int = 1, lr: float = 1e-2) -> dict:  # fmt: skip
+def e2e_modes_same_weights(
+    model_dir: str, alloc: str, servers: list, modes: list[str], disk_dir: str, steps: int = 1, lr: float = 1e-2
+) -> dict:
     """``steps`` optimizer steps, then the same weights through every mode: servers' probe scores per mode."""
     from megarl.actor.engine import MegatronEngine
     from megarl.bridge.consistency import compare, trainer_scores
@@ -218,15 +262,25 @@ def e2e_modes_same_weights(model_dir: str, alloc: str, servers: list, modes: lis
     engine = MegatronEngine(engine_config(model_dir, dtype="auto", optimizer=optimizer))
     engine.create_process_group(alloc)
     engine.initialize()
-    config = WeightUpdateConfig(mode=modes[0], extra_modes=list(modes[1:]), disk_path=disk_dir, bucket_mb=1,
-                                consistency_threshold=0, probe_sequences=2, probe_tokens=24, probe_every=1)  # fmt: skip
+    config = WeightUpdateConfig(
+        mode=modes[0],
+        extra_modes=list(modes[1:]),
+        disk_path=disk_dir,
+        bucket_mb=1,
+        consistency_threshold=0,
+        probe_sequences=2,
+        probe_tokens=24,
+        probe_every=1,
+    )
     controls = [make_control("vllm", address, tp, 300) for address, tp in servers]
     sync = connect_engine(engine, None, WeightUpdateMeta(config), servers=controls)
     batch = make_batch([32, 24, 40, 16], seed=1, vocab=engine.desc.dims.vocab_size)
     for _ in range(steps):
         engine.train_batch(batch, nll_loss, lambda mb: float(mb["label_mask"].sum()))
     ours = trainer_scores(engine, sync.probe)
-    scores = lambda: sync.bridge.broadcast_object([s.score(sync.probe) for s in controls] if dist.get_rank() == 0 else None)
+    scores = lambda: sync.bridge.broadcast_object(
+        [s.score(sync.probe) for s in controls] if dist.get_rank() == 0 else None
+    )
     out = {"trainer": ours, "before": scores(), "after": {}, "probe": sync.probe}
     for version, mode in enumerate(modes, start=1):
         stats = sync.update_weights(WeightUpdateMeta(config, version=version, mode=mode))
@@ -255,8 +309,9 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
     engine = MegatronEngine(engine_config(model_dir, dtype="auto", optimizer=optimizer))
     engine.create_process_group("megatron:d1p1t1")
     engine.initialize()
-    rollout = RemoteInferenceEngine(InferenceEngineConfig(request_timeout=120, setup_timeout=60,
-                                                          pause_grace_period=0.05), "vllm")  # fmt: skip
+    rollout = RemoteInferenceEngine(
+        InferenceEngineConfig(request_timeout=120, setup_timeout=60, pause_grace_period=0.05), "vllm"
+    )
     rollout.initialize(server_addrs=[address], batch_size=4)
     config = WeightUpdateConfig(mode="sharded", bucket_mb=1, probe_sequences=1, probe_tokens=8)
     meta = WeightUpdateMeta(config)
@@ -277,9 +332,20 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
     stats = sync.update_weights(meta)
     thread.join(300)
     rollout.destroy()
-    return {"stats": stats, "version": engine.get_version(), "rollout_version": rollout.get_version(),
-            "responses": [{"tokens": r.output_tokens, "versions": r.output_versions, "stop": r.stop_reason,
-                           "interruptions": r.n_interruptions} for r in responses]}  # fmt: skip
+    return {
+        "stats": stats,
+        "version": engine.get_version(),
+        "rollout_version": rollout.get_version(),
+        "responses": [
+            {
+                "tokens": r.output_tokens,
+                "versions": r.output_versions,
+                "stop": r.stop_reason,
+                "interruptions": r.n_interruptions,
+            }
+            for r in responses
+        ],
+    }
 
 
 def sglang_transfer(model_dir: str, layout: dict, addresses: list[str], dump_dir: str, disk_dir: str) -> dict:
@@ -294,15 +360,29 @@ def sglang_transfer(model_dir: str, layout: dict, addresses: list[str], dump_dir
     coords = layout_coords(layout)[dist.get_rank()]
     tp_groups, etp_groups = _groups(layout_coords(layout))
     reader = SafetensorsReader(model_dir)
-    config = WeightUpdateConfig(mode="broadcast", extra_modes=["disk"], disk_path=disk_dir, bucket_mb=1, dtype="bfloat16",
-                                init_timeout=120, update_timeout=120)  # fmt: skip
-    bridge = WeightBridge(config, describe(model_dir, layout.tp), {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
-                          layout, coords, source_dir=model_dir)  # fmt: skip
+    config = WeightUpdateConfig(
+        mode="broadcast",
+        extra_modes=["disk"],
+        disk_path=disk_dir,
+        bucket_mb=1,
+        dtype="bfloat16",
+        init_timeout=120,
+        update_timeout=120,
+    )
+    bridge = WeightBridge(
+        config,
+        describe(model_dir, layout.tp),
+        {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
+        layout,
+        coords,
+        source_dir=model_dir,
+    )
     bridge.connect([SGLangControl(a, 1, timeout=120) for a in addresses])
     reports = []
     for version, mode in ((1, "broadcast"), (2, "broadcast"), (3, "disk")):
-        source = trainer_source(model_dir, layout, coords, tp_groups.get(coords.rank), etp_groups.get(coords.rank),
-                                scale=float(version))  # fmt: skip
+        source = trainer_source(
+            model_dir, layout, coords, tp_groups.get(coords.rank), etp_groups.get(coords.rank), scale=float(version)
+        )
         reports.append(bridge.update(source, version, mode))
         if coords.rank == 0:
             for i, address in enumerate(addresses):
@@ -320,8 +400,14 @@ def fault_transfer(model_dir: str, addresses: list[str], mode: str, dump_dir: st
     layout, coords = TrainingAllocation(), TrainerCoords(0)
     reader = SafetensorsReader(model_dir)
     config = WeightUpdateConfig(mode=mode, bucket_mb=0.25, init_timeout=60, update_timeout=10, dtype="bfloat16")
-    bridge = WeightBridge(config, describe(model_dir, 1), {n: reader.shape(n) for n in reader.keys()}, layout, coords,  # noqa: SIM118 (the reader is not iterable)
-                          source_dir=model_dir)  # fmt: skip
+    bridge = WeightBridge(
+        config,
+        describe(model_dir, 1),
+        {n: reader.shape(n) for n in reader.keys()},
+        layout,
+        coords,  # noqa: SIM118 (the reader is not iterable)
+        source_dir=model_dir,
+    )
     controls = [VLLMControl(a, 1, timeout=60) for a in addresses]
     bridge.connect(controls)
     out = []
@@ -329,8 +415,9 @@ def fault_transfer(model_dir: str, addresses: list[str], mode: str, dump_dir: st
         if not bridge.connected:  # what WeightSync does after a failure: reconnect to the survivors
             bridge.connect([c for c in controls if c.healthy()])
         report = bridge.update(trainer_source(model_dir, layout, coords, None, None, scale=float(version)), version)
-        out.append({"ok": report.ok, "failed": report.failed, "sender_errors": report.sender_errors,
-                    "updated": report.updated})  # fmt: skip
+        out.append(
+            {"ok": report.ok, "failed": report.failed, "sender_errors": report.sender_errors, "updated": report.updated}
+        )
         for address in report.updated + [a for a in report.failed if VLLMControl(a, 1).healthy()]:
             http_json(address, "/fake/dump", {"path": f"{dump_dir}/v{version}-{address.replace(':', '_')}.pt"})
     return out

@@ -16,8 +16,12 @@ MODEL_FIELDS = {  # a minimal config.json the checks accept (a llama of no parti
 
 def write_bad_files(root: Path) -> str:
     """Bad model configs and dataset files in ``root``, for the cases of ``test_bad_configs`` that name ``@files``."""
-    models = {"no_heads": {"num_hidden_layers": 4}, "list": [1, 2], "gpt2": {**MODEL_FIELDS, "model_type": "gpt2"},
-              "heads_str": {**MODEL_FIELDS, "num_attention_heads": "8"}}  # fmt: skip
+    models = {
+        "no_heads": {"num_hidden_layers": 4},
+        "list": [1, 2],
+        "gpt2": {**MODEL_FIELDS, "model_type": "gpt2"},
+        "heads_str": {**MODEL_FIELDS, "num_attention_heads": "8"},
+    }
     for name, config in models.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
@@ -30,6 +34,8 @@ def write_bad_files(root: Path) -> str:
     (root / "empty.jsonl").write_text("\n")
     (root / "dict.json").write_text(json.dumps({"rows": [chat]}))
     (root / "latin1.jsonl").write_bytes('{"question": "caf\u00e9", "answer": "#### 1"}\n'.encode("latin-1"))
-    (root / "two_rows.jsonl").write_text("".join(json.dumps({"question": "q", "answer": f"#### {i}"}) + "\n" for i in (1, 2)))
+    (root / "two_rows.jsonl").write_text(
+        "".join(json.dumps({"question": "q", "answer": f"#### {i}"}) + "\n" for i in (1, 2))
+    )
     (root / "runs").mkdir()
     return str(root)

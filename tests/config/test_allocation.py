@@ -96,8 +96,12 @@ def test_colocated_parts_share_devices():
 
 
 def test_roundtrip_str():
-    for spec in ["vllm:d4t2+megatron:d2p2t2e2", "sglang:d2p2t2+megatron:d4p2t1et1v2c2", "megatron:d1p1t1",
-                 "vllm:d8t2|megatron:d4p2t2"]:
+    for spec in [
+        "vllm:d4t2+megatron:d2p2t2e2",
+        "sglang:d2p2t2+megatron:d4p2t1et1v2c2",
+        "megatron:d1p1t1",
+        "vllm:d8t2|megatron:d4p2t2",
+    ]:
         alloc = AllocationMode.from_str(spec)
         assert AllocationMode.from_str(str(alloc)) == alloc
 
@@ -111,7 +115,12 @@ def test_expert_data_parallel_size():
 @pytest.mark.parametrize(
     "spec,nodes,per_node,needle",
     [
-        ("vllm:d2t1+megatron:d1p1t1", 1, 2, "uses 2 (vllm:d2t1) + 1 (megatron:d1p1t1) = 3 devices, but the cluster has 1 nodes x 2"),
+        (
+            "vllm:d2t1+megatron:d1p1t1",
+            1,
+            2,
+            "uses 2 (vllm:d2t1) + 1 (megatron:d1p1t1) = 3 devices, but the cluster has 1 nodes x 2",
+        ),
         ("vllm:d4t2+megatron:d2p2t2", 1, 8, "= 16 devices, but the cluster has 1 nodes x 8 GPUs per node = 8"),
         ("vllm:d1t16+megatron:d16p1t1", 4, 8, "needs t16 x p1 = 16 devices, more than the 8 GPUs of one node"),
         ("vllm:d3t2+megatron:d5p1t2", 2, 8, "inference part 'vllm:d3t2' uses 6 devices, not a multiple of 8"),
@@ -135,7 +144,11 @@ MOE = ModelShape(num_attention_heads=16, num_key_value_heads=4, num_hidden_layer
 @pytest.mark.parametrize(
     "spec,model,needle",
     [
-        ("vllm:d1t1+megatron:d1p1t2", SMOLLM2, "megatron tensor parallel t2 does not divide the model's 9 attention heads"),
+        (
+            "vllm:d1t1+megatron:d1p1t2",
+            SMOLLM2,
+            "megatron tensor parallel t2 does not divide the model's 9 attention heads",
+        ),
         ("vllm:d1t2+megatron:d1p1t1", SMOLLM2, "vllm tensor parallel t2 does not divide the model's 9 attention heads"),
         ("vllm:d1t1+megatron:d1p4t1", SMOLLM2, "pipeline p4 x virtual v1 = 4 does not divide the model's 30 layers"),
         ("vllm:d1t1+megatron:d1p2t1v2", SMOLLM2, "= 4 does not divide the model's 30 layers"),

@@ -36,17 +36,45 @@ def case(id, overrides, key, fragment):
 # (overrides of the CPU YAML, key path the error names, text of the bad value in the message)
 BAD = [
     # the cluster interface servers bind on Slurm
-    case("interface-with-space", ["launcher.slurm.network_interface='eth 0'"], "launcher.slurm.network_interface",
-         "'eth 0'"),  # fmt: skip
+    case(
+        "interface-with-space",
+        ["launcher.slurm.network_interface='eth 0'"],
+        "launcher.slurm.network_interface",
+        "'eth 0'",
+    ),
     # failed episodes: how often to run one again, how many in a row end the run
     case("episode-retries-negative", ["rollout.episode_retries=-1"], "rollout.episode_retries", "-1"),
     case("report-every-zero", ["stats_logger.report_every=0"], "stats_logger.report_every", "must be >= 1"),
-    case("colocated-gpu-over-nccl", ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1",
-                                     "cluster.device=cuda"], "weight_update.mode", "NCCL cannot join two ranks on the same GPU"),
-    case("colocated-unequal-parts", ["allocation_mode=vllm:d2t1|megatron:d1p1t1"], "allocation_mode", "both must use the same number"),
-    case("routed-experts-on-vllm", ["rollout.return_routed_experts=true"], "rollout.return_routed_experts", "only SGLang servers report"),
-    case("watchdog-phase-budget-zero", ["watchdog.phase_budget_s.build=0"], "watchdog.phase_budget_s.build", "must be > 0 seconds"),
-    case("watchdog-silent-below-interval", ["watchdog.silent_s=1", "watchdog.interval_s=5"], "watchdog.silent_s", "longer than interval_s"),
+    case(
+        "colocated-gpu-over-nccl",
+        ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1", "cluster.device=cuda"],
+        "weight_update.mode",
+        "NCCL cannot join two ranks on the same GPU",
+    ),
+    case(
+        "colocated-unequal-parts",
+        ["allocation_mode=vllm:d2t1|megatron:d1p1t1"],
+        "allocation_mode",
+        "both must use the same number",
+    ),
+    case(
+        "routed-experts-on-vllm",
+        ["rollout.return_routed_experts=true"],
+        "rollout.return_routed_experts",
+        "only SGLang servers report",
+    ),
+    case(
+        "watchdog-phase-budget-zero",
+        ["watchdog.phase_budget_s.build=0"],
+        "watchdog.phase_budget_s.build",
+        "must be > 0 seconds",
+    ),
+    case(
+        "watchdog-silent-below-interval",
+        ["watchdog.silent_s=1", "watchdog.interval_s=5"],
+        "watchdog.silent_s",
+        "longer than interval_s",
+    ),
     case("max-failed-episodes-zero", ["rollout.max_failed_episodes=0"], "rollout.max_failed_episodes", "must be >= 1"),
     # the reward: a module that cannot be imported
     case("reward-module-missing", ["reward_fn=megarl.reward.nope.fn"], "reward_fn", "megarl.reward.nope.fn"),
@@ -159,32 +187,54 @@ BAD = [
     # PPO with a critic
     case("gae-without-critic", ["algorithm.adv_estimator=gae"], "critic", "give a critic block"),
     case("critic-without-gae", ["critic={}"], "algorithm.adv_estimator", "only algorithm.adv_estimator=gae uses one"),
-    case("critic-path-missing", ["algorithm.adv_estimator=gae", "critic.path=/no/such/critic"], "critic.path", "'/no/such/critic'"),
+    case(
+        "critic-path-missing",
+        ["algorithm.adv_estimator=gae", "critic.path=/no/such/critic"],
+        "critic.path",
+        "'/no/such/critic'",
+    ),
     case("critic-value-clip", ["algorithm.adv_estimator=gae", "critic.eps_clip=0"], "critic.eps_clip", "must be > 0"),
-    case("critic-minibatches", ["algorithm.adv_estimator=gae", "critic.ppo_n_minibatches=3"], "train_dataset.batch_size",
-         "critic.ppo_n_minibatches 3"),
+    case(
+        "critic-minibatches",
+        ["algorithm.adv_estimator=gae", "critic.ppo_n_minibatches=3"],
+        "train_dataset.batch_size",
+        "critic.ppo_n_minibatches 3",
+    ),
 ]
 
 
 # Cases of the bad-input review (issue 20): each was accepted before launch, ended in a traceback, or
 # got an error naming neither key nor value. ``@files`` is a directory of bad files (``bad_files``).
 NOT_FINITE = [
-    ("lr-inf", "actor.optimizer.lr=inf"), ("lr-nan", "actor.optimizer.lr=nan"), ("clip-inf", "actor.eps_clip=inf"),
-    ("grad-clip-nan", "actor.optimizer.gradient_clipping=nan"), ("reward-scaling-nan", "actor.reward_scaling=nan"),
-    ("entropy-nan", "actor.entropy_coeff=nan"), ("kl-inf", "actor.kl_ctl=inf"), ("top-p-nan", "gconfig.top_p=nan"),
-    ("bucket-inf", "weight_update.bucket_mb=inf"), ("probe-threshold-nan", "weight_update.consistency_threshold=nan"),
-    ("update-timeout-minus-inf", "weight_update.update_timeout=-inf"), ("request-timeout-inf", "rollout.request_timeout=inf"),
-    ("backoff-nan", "rollout.retry_backoff=nan"), ("gpu-memory-nan", "vllm.gpu_memory_utilization=nan"),
-    ("server-startup-inf", "vllm.startup_timeout=inf"), ("correction-upper-inf", "actor.rollout_correction.upper=inf"),
+    ("lr-inf", "actor.optimizer.lr=inf"),
+    ("lr-nan", "actor.optimizer.lr=nan"),
+    ("clip-inf", "actor.eps_clip=inf"),
+    ("grad-clip-nan", "actor.optimizer.gradient_clipping=nan"),
+    ("reward-scaling-nan", "actor.reward_scaling=nan"),
+    ("entropy-nan", "actor.entropy_coeff=nan"),
+    ("kl-inf", "actor.kl_ctl=inf"),
+    ("top-p-nan", "gconfig.top_p=nan"),
+    ("bucket-inf", "weight_update.bucket_mb=inf"),
+    ("probe-threshold-nan", "weight_update.consistency_threshold=nan"),
+    ("update-timeout-minus-inf", "weight_update.update_timeout=-inf"),
+    ("request-timeout-inf", "rollout.request_timeout=inf"),
+    ("backoff-nan", "rollout.retry_backoff=nan"),
+    ("gpu-memory-nan", "vllm.gpu_memory_utilization=nan"),
+    ("server-startup-inf", "vllm.startup_timeout=inf"),
+    ("correction-upper-inf", "actor.rollout_correction.upper=inf"),
     ("adv-eps-nan", "actor.adv_norm.eps=nan"),
-]  # fmt: skip
-BAD += [case(f"not-finite-{name}", [override], override.split("=")[0], "must be a finite number")
-        for name, override in NOT_FINITE]  # fmt: skip
+]
+BAD += [
+    case(f"not-finite-{name}", [override], override.split("=")[0], "must be a finite number")
+    for name, override in NOT_FINITE
+]
 BAD += [
     case("not-finite-temperature", ["gconfig.temperature=inf", "actor.temperature=inf"], "gconfig.temperature", "inf"),
     # values out of their domain
     case("stop-id-negative", ["gconfig.stop_token_ids=[-1]"], "gconfig.stop_token_ids", "token ids are >= 0"),
-    case("stop-id-beyond-vocab", ["gconfig.stop_token_ids=[2,60000]"], "gconfig.stop_token_ids", "beyond the vocabulary"),
+    case(
+        "stop-id-beyond-vocab", ["gconfig.stop_token_ids=[2,60000]"], "gconfig.stop_token_ids", "beyond the vocabulary"
+    ),
     case("stop-string-empty", ["gconfig.stop=['']"], "gconfig.stop", "empty stop string"),
     case("server-port-too-big", ["rollout.server_addrs=[localhost:99999]"], "rollout.server_addrs[0]", "[1, 65535]"),
     case("server-port-zero", ["rollout.server_addrs=[10.0.0.1:0]"], "rollout.server_addrs[0]", "'10.0.0.1:0'"),
@@ -195,21 +245,44 @@ BAD += [
     case("slurm-time", ["launcher.slurm.time_limit=abc"], "launcher.slurm.time_limit", "Slurm's --time"),
     case("slurm-time-hours-only", ["launcher.slurm.time_limit=2h"], "launcher.slurm.time_limit", "'2h'"),
     case("slurm-mem", ["launcher.slurm.mem=lots"], "launcher.slurm.mem", "Slurm's --mem"),
-    case("slurm-rendezvous-timeout", ["launcher.slurm.rendezvous_timeout=0"], "launcher.slurm.rendezvous_timeout",
-         "must be >= 1 second"),
+    case(
+        "slurm-rendezvous-timeout",
+        ["launcher.slurm.rendezvous_timeout=0"],
+        "launcher.slurm.rendezvous_timeout",
+        "must be >= 1 second",
+    ),
     case("env-name", ["launcher.env.1BAD=x"], "launcher.env", "'1BAD'"),
-    case("master-address", ["weight_update.master_address=not an address"], "weight_update.master_address", "host name"),
+    case(
+        "master-address", ["weight_update.master_address=not an address"], "weight_update.master_address", "host name"
+    ),
     # cross-field
     case("queue-below-batch", ["rollout.queue_size=1"], "rollout.queue_size", "must hold one batch"),
-    case("probe-beyond-context", ["weight_update.probe_tokens=5000"], "weight_update.probe_tokens", "vllm.max_model_len=1024"),
+    case(
+        "probe-beyond-context",
+        ["weight_update.probe_tokens=5000"],
+        "weight_update.probe_tokens",
+        "vllm.max_model_len=1024",
+    ),
     case("batch-over-dataset", ["train_dataset.batch_size=100000"], "train_dataset.batch_size", "7473 rows"),
-    case("wire-narrower-than-server", ["weight_update.dtype=bfloat16", "vllm.dtype=float32"], "weight_update.dtype",
-         "vllm.dtype=float32"),
+    case(
+        "wire-narrower-than-server",
+        ["weight_update.dtype=bfloat16", "vllm.dtype=float32"],
+        "weight_update.dtype",
+        "vllm.dtype=float32",
+    ),
     case("wire-fp16", ["weight_update.dtype=float16"], "weight_update.dtype", "overflow"),
-    case("vllm-pipeline", ["allocation_mode=vllm:d1p2t1+megatron:d1p1t1", "cluster.n_gpus_per_node=3"], "allocation_mode",
-         "pipeline parallel p2"),
-    case("filter-groups-of-one", ["dynamic_filter=uniform_reward", "gconfig.n_samples=1", "actor.group_size=1"],
-         "dynamic_filter", "uniform reward"),
+    case(
+        "vllm-pipeline",
+        ["allocation_mode=vllm:d1p2t1+megatron:d1p1t1", "cluster.n_gpus_per_node=3"],
+        "allocation_mode",
+        "pipeline parallel p2",
+    ),
+    case(
+        "filter-groups-of-one",
+        ["dynamic_filter=uniform_reward", "gconfig.n_samples=1", "actor.group_size=1"],
+        "dynamic_filter",
+        "uniform reward",
+    ),
     case("recover-never-written", ["recover.mode=auto", "recover.freq_steps=null"], "recover.mode", "no recover point"),
     case("extra-arg-dtype", ["vllm.extra_args=[--dtype,half]"], "vllm.extra_args", "vllm.dtype"),
     case("extra-arg-port", ["vllm.extra_args=[--port=8000]"], "vllm.extra_args", "['--port']"),
@@ -228,27 +301,50 @@ BAD += [
     case("model-type", ["actor.path=@files/gpt2"], "actor.path", "model_type 'gpt2'"),
     case("model-heads-string", ["actor.path=@files/heads_str"], "actor.path", "num_attention_heads='8'"),
     case("ref-config-fields", ["ref.path=@files/no_heads", "actor.kl_ctl=0.1"], "ref.path", "cannot build a model"),
-    case("critic-config-fields", ["algorithm.adv_estimator=gae", "critic.path=@files/list"], "critic.path", "holds a list"),
+    case(
+        "critic-config-fields",
+        ["algorithm.adv_estimator=gae", "critic.path=@files/list"],
+        "critic.path",
+        "holds a list",
+    ),
     case("tokenizer-without-files", ["tokenizer_path=@files/gpt2"], "tokenizer_path", "no tokenizer.json"),
     case("chat-type-on-gsm8k", ["train_dataset.type=chat"], "train_dataset.type", "its rows fit type 'gsm8k'"),
-    case("skipping-rows-of-another-type", ["train_dataset.type=chat", "train_dataset.bad_rows=skip"], "train_dataset.type",
-         "its rows fit type 'gsm8k'"),
+    case(
+        "skipping-rows-of-another-type",
+        ["train_dataset.type=chat", "train_dataset.bad_rows=skip"],
+        "train_dataset.type",
+        "its rows fit type 'gsm8k'",
+    ),
     case("gsm8k-type-on-chat", ["train_dataset.path=@files/chat.jsonl"], "train_dataset.type", "'chat'"),
     case("valid-type", ["valid_dataset.path=@files/chat.jsonl"], "valid_dataset.type", "no 'question' field"),
-    case("dataset-line-not-json", ["train_dataset.path=@files/broken.jsonl"], "train_dataset.path", "line 2 is not JSON"),
+    case(
+        "dataset-line-not-json", ["train_dataset.path=@files/broken.jsonl"], "train_dataset.path", "line 2 is not JSON"
+    ),
     case("dataset-row-list", ["train_dataset.path=@files/lists.jsonl"], "train_dataset.path", "row 0 is a list"),
     case("dataset-empty", ["train_dataset.path=@files/empty.jsonl"], "train_dataset.path", "holds no rows"),
     case("dataset-json-dict", ["train_dataset.path=@files/dict.json"], "train_dataset.path", "holds a dict"),
     case("dataset-invalid-utf8", ["train_dataset.path=@files/latin1.jsonl"], "train_dataset.path", "utf-8"),
-    case("dataset-smaller-than-batch", ["train_dataset.path=@files/two_rows.jsonl", "train_dataset.batch_size=4"],
-         "train_dataset.batch_size", "2 rows"),
-    case("dataset-dir-split", ["train_dataset.path=@files", "train_dataset.split=chat"], "train_dataset.type", "'gsm8k'"),
+    case(
+        "dataset-smaller-than-batch",
+        ["train_dataset.path=@files/two_rows.jsonl", "train_dataset.batch_size=4"],
+        "train_dataset.batch_size",
+        "2 rows",
+    ),
+    case(
+        "dataset-dir-split", ["train_dataset.path=@files", "train_dataset.split=chat"], "train_dataset.type", "'gsm8k'"
+    ),
     case("fileroot-is-file", ["cluster.fileroot=@files/chat.jsonl/out"], "cluster.fileroot", "is a file"),
     case("fileroot-unwritable", ["cluster.fileroot=/proc/megarl"], "cluster.fileroot", "cannot write in /proc"),
-    case("disk-path-unwritable", ["weight_update.mode=disk", "weight_update.disk_path=/proc/megarl"],
-         "weight_update.disk_path", "cannot write"),
-    case("resume-nothing", ["cluster.fileroot=@files/runs", "recover.mode=resume"], "recover.mode", "nothing to resume"),
-]  # fmt: skip
+    case(
+        "disk-path-unwritable",
+        ["weight_update.mode=disk", "weight_update.disk_path=/proc/megarl"],
+        "weight_update.disk_path",
+        "cannot write",
+    ),
+    case(
+        "resume-nothing", ["cluster.fileroot=@files/runs", "recover.mode=resume"], "recover.mode", "nothing to resume"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -316,10 +412,15 @@ def test_local_model_dir_is_accepted_and_checked(tmp_path):
     load_expr_config(["--config", CPU_YAML, f"actor.path={tmp_path}"], GRPOConfig)
     with pytest.raises(ConfigError, match="t4 does not divide the model's 2 key/value heads"):
         load_expr_config(
-            ["--config", CPU_YAML, f"actor.path={tmp_path}", "allocation_mode=vllm:d1t1+megatron:d1p1t4",
-             "cluster.n_gpus_per_node=5"],
+            [
+                "--config",
+                CPU_YAML,
+                f"actor.path={tmp_path}",
+                "allocation_mode=vllm:d1t1+megatron:d1p1t4",
+                "cluster.n_gpus_per_node=5",
+            ],
             GRPOConfig,
-        )  # fmt: skip
+        )
 
 
 def test_short_names_match_the_loaders():

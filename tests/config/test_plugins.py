@@ -14,7 +14,7 @@ from megarl.run.prelaunch import build_config
 
 BASE = ["configs/arithmetic_grpo_cpu.yaml"]
 
-USER_MODULE = '''
+USER_MODULE = """
 from megarl.api.workflow_api import RolloutWorkflow
 
 
@@ -37,7 +37,7 @@ def two_argument_loss(logprobs, advantages):
 
 def one_argument_reward(completion):
     return 1.0
-'''
+"""
 
 
 @pytest.fixture
@@ -121,11 +121,16 @@ def test_grouped_rollout_is_group_size_and_the_grpo_group_follows_it():
 def test_reward_fn_signature_is_checked(user_module):
     err = _error(f"reward_fn={user_module}.one_argument_reward")
     assert err.key == "reward_fn" and "fn(prompt, completions, prompt_ids, completion_ids, **row)" in err.message
-    assert _load("reward_fn=examples.rewards.brief_answer.brief_answer_reward").reward_fn.endswith("brief_answer_reward")
+    assert _load("reward_fn=examples.rewards.brief_answer.brief_answer_reward").reward_fn.endswith(
+        "brief_answer_reward"
+    )
 
 
 def test_user_loss_is_imported_and_its_signature_checked(user_module):
-    assert _load("actor.loss=examples.losses.cispo.cispo_loss").actor.loss == f"{Path.cwd() / 'examples/losses/cispo.py'}:cispo_loss"
+    assert (
+        _load("actor.loss=examples.losses.cispo.cispo_loss").actor.loss
+        == f"{Path.cwd() / 'examples/losses/cispo.py'}:cispo_loss"
+    )
     err = _error(f"actor.loss={user_module}.two_argument_loss")
     assert err.key == "actor.loss" and "cu_seqlens, config" in err.message
     err = _error("actor.loss=ppo2")
@@ -135,20 +140,32 @@ def test_user_loss_is_imported_and_its_signature_checked(user_module):
 def test_gae_whitens_advantages_over_the_batch_unless_the_config_says_otherwise():
     ppo = _load("algorithm.adv_estimator=gae", "critic={}")
     assert (ppo.actor.adv_norm.mean_level, ppo.actor.adv_norm.std_level) == ("batch", "batch")
-    assert ppo.critic.path == "" and ppo.critic.dtype in ("float32", "bfloat16"), "the actor's model, auto dtype resolved"
+    assert ppo.critic.path == "" and ppo.critic.dtype in ("float32", "bfloat16"), (
+        "the actor's model, auto dtype resolved"
+    )
     mine = _load("algorithm.adv_estimator=gae", "critic.eps_clip=null", "actor.adv_norm.std_level=none")
-    assert (mine.actor.adv_norm.mean_level, mine.actor.adv_norm.std_level, mine.critic.eps_clip) == ("batch", "none", None)
+    assert (mine.actor.adv_norm.mean_level, mine.actor.adv_norm.std_level, mine.critic.eps_clip) == (
+        "batch",
+        "none",
+        None,
+    )
     assert _load().actor.adv_norm.mean_level == "group"
 
 
 def test_builtin_loss_presets_fill_in_what_the_config_does_not_set():
     dapo = _load("actor.loss=dapo")
     assert (dapo.actor.eps_clip_higher, dapo.actor.loss_agg_mode, dapo.dynamic_filter) == (
-        0.28, "token-mean", "uniform_reward")  # fmt: skip
+        0.28,
+        "token-mean",
+        "uniform_reward",
+    )
     assert _load("actor.loss=dapo", "actor.eps_clip_higher=0.3").actor.eps_clip_higher == 0.3, "the user's key wins"
     dr = _load("actor.loss=dr_grpo")
     assert (dr.actor.loss_agg_mode, dr.actor.adv_norm.std_level, dr.actor.dr_grpo_norm_len) == (
-        "seq-mean-token-sum-norm", "none", dr.gconfig.max_new_tokens)  # fmt: skip
+        "seq-mean-token-sum-norm",
+        "none",
+        dr.gconfig.max_new_tokens,
+    )
     gspo = _load("actor.loss=gspo")
     assert gspo.actor.importance_sampling_level == "sequence"
     assert (gspo.actor.eps_clip, gspo.actor.eps_clip_higher) == (3.0e-4, 4.0e-4)
@@ -171,8 +188,12 @@ def test_workflows_are_built_with_the_run_arguments_they_take():
 
     config = _load("workflow.type=multi_turn", "workflow.kwargs.max_turns=3")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
-    run = {"reward_fn": arithmetic_reward_fn, "gconfig": config.gconfig, "tokenizer": tokenizer,
-           "max_context_len": config.context_length}  # fmt: skip
+    run = {
+        "reward_fn": arithmetic_reward_fn,
+        "gconfig": config.gconfig,
+        "tokenizer": tokenizer,
+        "max_context_len": config.context_length,
+    }
     workflow = build_workflow(config.workflow, run)
     assert isinstance(workflow, MultiTurnReflectionWorkflow)
     assert (workflow.max_turns, workflow.max_context_len, workflow.gconfig) == (3, 256, config.gconfig)

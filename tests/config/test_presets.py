@@ -20,26 +20,56 @@ REPO = Path(__file__).resolve().parents[2]
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "parallel").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
 
-LAYOUT = {"allocation_mode", "cluster.n_nodes", "cluster.n_gpus_per_node", "cluster.device",
-          "actor.megatron.sequence_parallel", "actor.megatron.recompute_granularity",
-          "actor.megatron.overlap_grad_reduce", "actor.megatron.overlap_param_gather",
-          "actor.megatron.moe_token_dispatcher_type"}  # fmt: skip
+LAYOUT = {
+    "allocation_mode",
+    "cluster.n_nodes",
+    "cluster.n_gpus_per_node",
+    "cluster.device",
+    "actor.megatron.sequence_parallel",
+    "actor.megatron.recompute_granularity",
+    "actor.megatron.overlap_grad_reduce",
+    "actor.megatron.overlap_param_gather",
+    "actor.megatron.moe_token_dispatcher_type",
+}
 """What every preset sets, so that composing one never mixes two layouts."""
 BACKEND_KEYS = {"weight_update.mode"}
 """What a preset may set besides: a transfer its servers take (SGLang has no per-shard route)."""
 
-QWEN25_7B = {"model_type": "qwen2", "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
-             "hidden_size": 3584, "intermediate_size": 18944, "vocab_size": 152064}  # fmt: skip
-QWEN3_30B_A3B = {"model_type": "qwen3_moe", "num_attention_heads": 32, "num_key_value_heads": 4,
-                 "num_hidden_layers": 48, "hidden_size": 2048, "intermediate_size": 6144,
-                 "moe_intermediate_size": 768, "num_experts": 128, "vocab_size": 151936}  # fmt: skip
+QWEN25_7B = {
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 28,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "vocab_size": 152064,
+}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 48,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "vocab_size": 151936,
+}
 SMOLLM2 = "SmolLM2-135M"
-MODEL_OF_PRESET = {"cpu_1node": SMOLLM2, "dense_7b_8gpu": "Qwen2.5-7B", "dense_7b_32gpu": "Qwen2.5-7B",
-                   "dense_7b_128gpu": "Qwen2.5-7B", "moe_30b_32gpu": "Qwen3-30B-A3B",
-                   "moe_30b_256gpu": "Qwen3-30B-A3B"}  # fmt: skip
+MODEL_OF_PRESET = {
+    "cpu_1node": SMOLLM2,
+    "dense_7b_8gpu": "Qwen2.5-7B",
+    "dense_7b_32gpu": "Qwen2.5-7B",
+    "dense_7b_128gpu": "Qwen2.5-7B",
+    "moe_30b_32gpu": "Qwen3-30B-A3B",
+    "moe_30b_256gpu": "Qwen3-30B-A3B",
+}
 """The model each preset is sized for (its header says so)."""
-SHAPES = {SMOLLM2: ModelShape(9, 3, 30), "Qwen2.5-7B": ModelShape.from_hf_config(QWEN25_7B),
-          "Qwen3-30B-A3B": ModelShape.from_hf_config(QWEN3_30B_A3B)}  # fmt: skip
+SHAPES = {
+    SMOLLM2: ModelShape(9, 3, 30),
+    "Qwen2.5-7B": ModelShape.from_hf_config(QWEN25_7B),
+    "Qwen3-30B-A3B": ModelShape.from_hf_config(QWEN3_30B_A3B),
+}
 
 # Pairs that cannot be one valid run, and why. SmolLM2-135M (the CPU experiments) has 9 attention
 # heads: no tensor parallel size above 1 that a Qwen layout uses (2, 4) divides it; its batches of 2
@@ -79,7 +109,10 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     the model's heads, layers and experts.
     """
     dirs = {}
-    for experiment, config in (("gsm8k_grpo_qwen2.5-7b_128gpu", QWEN25_7B), ("gsm8k_grpo_qwen3-30b-a3b_256gpu", QWEN3_30B_A3B)):
+    for experiment, config in (
+        ("gsm8k_grpo_qwen2.5-7b_128gpu", QWEN25_7B),
+        ("gsm8k_grpo_qwen3-30b-a3b_256gpu", QWEN3_30B_A3B),
+    ):
         model = tmp_path_factory.mktemp(config["model_type"])
         (model / "config.json").write_text(json.dumps(config))
         dirs[experiment] = str(model)
@@ -115,8 +148,12 @@ def test_preset_header_says_what_it_is_for_and_how_to_compose(name):
     header = text[: text.index("\nallocation_mode:")]
     assert header.startswith("# Parallel-strategy preset:")
     assert all(line.startswith("#") for line in header.splitlines())
-    for needle in ("Hardware:", f"Model: {'any' if name == 'cpu_1node' else 'sized for'}",
-                   f"--config configs/parallel/{name}.yaml", "docs/guides/parallel-strategies.md"):  # fmt: skip
+    for needle in (
+        "Hardware:",
+        f"Model: {'any' if name == 'cpu_1node' else 'sized for'}",
+        f"--config configs/parallel/{name}.yaml",
+        "docs/guides/parallel-strategies.md",
+    ):
         assert needle in header, f"{name}: {needle!r} not in its header"
     assert name == "cpu_1node" or MODEL_OF_PRESET[name] in header
 
@@ -126,15 +163,24 @@ def test_preset_fits_its_cluster_and_model(name):
     preset = preset_yaml(name)
     alloc = AllocationMode.from_str(preset["allocation_mode"])
     cluster = preset["cluster"]
-    validate_allocation(alloc, n_nodes=cluster["n_nodes"], n_gpus_per_node=cluster["n_gpus_per_node"],
-                        model=SHAPES[MODEL_OF_PRESET[name]])  # fmt: skip
+    validate_allocation(
+        alloc,
+        n_nodes=cluster["n_nodes"],
+        n_gpus_per_node=cluster["n_gpus_per_node"],
+        model=SHAPES[MODEL_OF_PRESET[name]],
+    )
     if "sglang" in preset["allocation_mode"]:
         assert preset["weight_update"]["mode"] in ("broadcast", "disk")
 
 
 def compose(experiment: str, preset: str, tmp_path: Path, model_dirs: dict[str, str]) -> list[str]:
-    argv = ["--config", f"configs/{experiment}.yaml", "--config", f"configs/parallel/{preset}.yaml",
-            f"cluster.fileroot={tmp_path}"]  # fmt: skip
+    argv = [
+        "--config",
+        f"configs/{experiment}.yaml",
+        "--config",
+        f"configs/parallel/{preset}.yaml",
+        f"cluster.fileroot={tmp_path}",
+    ]
     return argv + ([f"actor.path={model_dirs[experiment]}"] if experiment in model_dirs else [])
 
 
@@ -154,8 +200,10 @@ def test_every_preset_composes_with_every_experiment(experiment, preset, tmp_pat
         if refused is not None:
             assert status == 2 and out == "" and len(err.strip().splitlines()) == 1
             assert refused in err
-            assert (f"config file configs/parallel/{preset}.yaml: allocation_mode='{layout['allocation_mode']}', "
-                    f"cluster.n_nodes={cluster['n_nodes']}, cluster.n_gpus_per_node={cluster['n_gpus_per_node']}") in err
+            assert (
+                f"config file configs/parallel/{preset}.yaml: allocation_mode='{layout['allocation_mode']}', "
+                f"cluster.n_nodes={cluster['n_nodes']}, cluster.n_gpus_per_node={cluster['n_gpus_per_node']}"
+            ) in err
             continue
         assert status == 0, err
         if command == ["config"]:
@@ -189,28 +237,41 @@ def test_most_pairs_are_valid():
 def test_the_big_experiments_use_their_preset_layout(experiment, preset):
     """Composing a shipped GPU experiment with the preset of its own layout changes nothing."""
     alone, _ = load_expr_config(["--config", f"configs/{experiment}.yaml"], GRPOConfig)
-    composed, _ = load_expr_config(["--config", f"configs/{experiment}.yaml", "--config", f"configs/parallel/{preset}.yaml"],
-                                   GRPOConfig)  # fmt: skip
+    composed, _ = load_expr_config(
+        ["--config", f"configs/{experiment}.yaml", "--config", f"configs/parallel/{preset}.yaml"], GRPOConfig
+    )
     assert to_yaml(composed) == to_yaml(alone)
 
 
 BROKEN = [
-    pytest.param("n_nodes: 3", "vllm:d8t2+megatron:d2p2t4",
-                 "uses 16 (vllm:d8t2) + 16 (megatron:d2p2t4) = 32 devices, but the cluster has 3 nodes x 8 GPUs "
-                 "per node = 24", id="too-few-devices"),
-    pytest.param("n_nodes: 3", "vllm:d3t2+megatron:d3p2t3",
-                 "the inference part 'vllm:d3t2' uses 6 devices, not a multiple of 8 GPUs per node",
-                 id="part-not-whole-nodes"),
-    pytest.param("n_nodes: 1\n  n_gpus_per_node: 4", "vllm:d1t8+megatron:d1p1t1",
-                 "uses 8 (vllm:d1t8) + 1 (megatron:d1p1t1) = 9 devices, but the cluster has 1 nodes x 4", id="too-many"),
-]  # fmt: skip
+    pytest.param(
+        "n_nodes: 3",
+        "vllm:d8t2+megatron:d2p2t4",
+        "uses 16 (vllm:d8t2) + 16 (megatron:d2p2t4) = 32 devices, but the cluster has 3 nodes x 8 GPUs per node = 24",
+        id="too-few-devices",
+    ),
+    pytest.param(
+        "n_nodes: 3",
+        "vllm:d3t2+megatron:d3p2t3",
+        "the inference part 'vllm:d3t2' uses 6 devices, not a multiple of 8 GPUs per node",
+        id="part-not-whole-nodes",
+    ),
+    pytest.param(
+        "n_nodes: 1\n  n_gpus_per_node: 4",
+        "vllm:d1t8+megatron:d1p1t1",
+        "uses 8 (vllm:d1t8) + 1 (megatron:d1p1t1) = 9 devices, but the cluster has 1 nodes x 4",
+        id="too-many",
+    ),
+]
 
 
 @pytest.mark.parametrize("cluster,allocation,needle", BROKEN)
 def test_preset_not_fitting_its_cluster_names_numbers_and_file(cluster, allocation, needle, tmp_path, capsys):
     text = (REPO / "configs" / "parallel" / "dense_7b_32gpu.yaml").read_text()
     text = text.replace("allocation_mode: vllm:d8t2+megatron:d2p2t4", f"allocation_mode: {allocation}")
-    text = text.replace("  n_nodes: 4\n  n_gpus_per_node: 8", f"  {cluster}" + ("" if "gpus" in cluster else "\n  n_gpus_per_node: 8"))
+    text = text.replace(
+        "  n_nodes: 4\n  n_gpus_per_node: 8", f"  {cluster}" + ("" if "gpus" in cluster else "\n  n_gpus_per_node: 8")
+    )
     preset = tmp_path / "my_preset.yaml"
     preset.write_text(text)
     assert main(["config", "--config", "configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "--config", str(preset)]) == 2
@@ -228,7 +289,9 @@ def test_run_takes_an_experiment_then_presets(tmp_path, monkeypatch):
     monkeypatch.setattr(local, "run_local", lambda config, out: ran.append(config) or 0)
     fileroot = f"cluster.fileroot={tmp_path}"
     assert main(["run", "configs/gsm8k_grpo_cpu.yaml", "configs/parallel/dense_7b_8gpu.yaml", fileroot]) == 0
-    assert main(["run", "configs/gsm8k_grpo_cpu.yaml", "--config", "configs/parallel/dense_7b_8gpu.yaml", fileroot]) == 0
+    assert (
+        main(["run", "configs/gsm8k_grpo_cpu.yaml", "--config", "configs/parallel/dense_7b_8gpu.yaml", fileroot]) == 0
+    )
     for config in ran:
         assert config.allocation_mode == "vllm:d4t1+megatron:d2p2t1" and config.cluster.n_gpus_per_node == 8
         assert config.experiment_name == "gsm8k-grpo-cpu"

@@ -20,12 +20,12 @@ from megarl.workflow.resolve import resolve_should_accept_fn, resolve_workflow
 REPO = Path(__file__).resolve().parents[2]
 BASE = str(REPO / "configs/arithmetic_grpo_cpu.yaml")
 
-REWARD = '''
+REWARD = """
 def my_reward(prompt, completions, prompt_ids, completion_ids, **row):
     return 0.25 if completions == "four" else 0.0
-'''
+"""
 
-WORKFLOW = '''
+WORKFLOW = """
 from megarl.api.workflow_api import RolloutWorkflow
 
 
@@ -39,7 +39,7 @@ class MyWorkflow(RolloutWorkflow):
 
 def accept_all(trajectory):
     return True
-'''
+"""
 
 
 @pytest.fixture
@@ -72,18 +72,25 @@ def test_a_dotted_reward_beside_the_config_file_resolves_and_is_recorded_absolut
     assert config.reward_fn == f"{experiment.resolve() / 'myreward.py'}:my_reward"
     reward = import_plugin(config.reward_fn, "reward_fn")
     assert reward("", "four", [], []) == 0.25
-    assert reward.__module__ == "myreward" and sys.modules["myreward"].__file__ == str(experiment.resolve() / "myreward.py")
+    assert reward.__module__ == "myreward" and sys.modules["myreward"].__file__ == str(
+        experiment.resolve() / "myreward.py"
+    )
 
 
 def test_a_file_path_resolves_from_the_config_folder_then_the_working_directory(experiment):
     (experiment / "plugins").mkdir()
     (experiment / "plugins" / "flows.py").write_text(textwrap.dedent(WORKFLOW))
-    config = _load(_config(experiment, """
+    config = _load(
+        _config(
+            experiment,
+            """
         workflow:
           type: plugins/flows.py:MyWorkflow
           kwargs:
             reward_fn: ./myreward.py:my_reward
-    """))  # fmt: skip
+    """,
+        )
+    )
     assert config.workflow.type == f"{experiment.resolve() / 'plugins/flows.py'}:MyWorkflow"
     assert config.workflow.kwargs["reward_fn"] == f"{experiment.resolve() / 'myreward.py'}:my_reward"
     # on the command line a relative path starts from the working directory
@@ -132,7 +139,10 @@ def test_not_found_names_the_key_the_value_and_each_place_searched(experiment):
     with pytest.raises(ConfigError) as err:
         _load(_config(experiment, "actor:\n  loss: losses/mine.py:loss\n"))
     assert err.value.key == "actor.loss"
-    assert f"'losses/mine.py:loss': no such file; searched {here / 'losses/mine.py'}, {there / 'losses/mine.py'}" in str(err.value)
+    assert (
+        f"'losses/mine.py:loss': no such file; searched {here / 'losses/mine.py'}, {there / 'losses/mine.py'}"
+        in str(err.value)
+    )
 
 
 def test_a_file_whose_module_name_is_taken_says_rename_it(experiment):
@@ -175,7 +185,14 @@ def test_the_saved_config_finds_the_file_from_another_directory_and_a_spawned_re
     saved = save_config(config)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-c", TRAINER_SIDE, str(saved)], cwd="/", env=env,
-                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", TRAINER_SIDE, str(saved)],
+        cwd="/",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "reward 0.25 ok" in result.stdout

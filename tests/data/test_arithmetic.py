@@ -32,9 +32,7 @@ def test_allow_negative_adds_the_subtractions_below_zero():
     assert sorted(p.answer for p in all_problems(spec)) == [-2, -1, -1, 0, 0, 0, 1, 1, 2]
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"ops": ("/",)}, {"ops": ()}, {"min_operand": 5, "max_operand": 4}]
-)
+@pytest.mark.parametrize("kwargs", [{"ops": ("/",)}, {"ops": ()}, {"min_operand": 5, "max_operand": 4}])
 def test_bad_spec_raises(kwargs):
     with pytest.raises(ValueError, match="ArithmeticSpec"):
         ArithmeticSpec(**kwargs)

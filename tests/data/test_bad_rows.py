@@ -15,21 +15,35 @@ GOOD = {"gsm8k": {"question": "1+1?", "answer": "#### 2"}, "chat": {"prompt": "1
 BAD = {
     "missing-question": ("gsm8k", json.dumps({"answer": "#### 1"}), "row 1 has no 'question'"),
     "missing-answer": ("gsm8k", json.dumps({"question": "q"}), "row 1 has no 'answer'"),
-    "empty-question": ("gsm8k", json.dumps({"question": "  ", "answer": "#### 1"}), "'question' must be non-empty text"),
-    "question-a-list": ("gsm8k", json.dumps({"question": ["q"], "answer": "#### 1"}), "'question' must be non-empty text"),
+    "empty-question": (
+        "gsm8k",
+        json.dumps({"question": "  ", "answer": "#### 1"}),
+        "'question' must be non-empty text",
+    ),
+    "question-a-list": (
+        "gsm8k",
+        json.dumps({"question": ["q"], "answer": "#### 1"}),
+        "'question' must be non-empty text",
+    ),
     "unparsable-answer": ("gsm8k", json.dumps({"question": "q", "answer": "one"}), "no '#### <answer>' line"),
     "empty-prompt": ("chat", json.dumps({"prompt": "", "answer": "1"}), "'prompt' must be non-empty text"),
     "no-messages": ("chat", json.dumps({"messages": [], "answer": "1"}), "'messages' must be a non-empty list"),
-    "message-not-text": ("chat", json.dumps({"messages": [{"role": "user", "content": 3}], "answer": "1"}),
-                         "'messages' must be a non-empty list"),
-    "empty-messages": ("chat", json.dumps({"messages": [{"role": "user", "content": ""}], "answer": "1"}),
-                       "every message of 'messages' is empty"),
+    "message-not-text": (
+        "chat",
+        json.dumps({"messages": [{"role": "user", "content": 3}], "answer": "1"}),
+        "'messages' must be a non-empty list",
+    ),
+    "empty-messages": (
+        "chat",
+        json.dumps({"messages": [{"role": "user", "content": ""}], "answer": "1"}),
+        "every message of 'messages' is empty",
+    ),
     "answer-a-dict": ("chat", json.dumps({"prompt": "p", "answer": {"x": 1}}), "'answer' must be a non-empty string"),
     "answer-a-bool": ("chat", json.dumps({"prompt": "p", "answer": True}), "'answer' must be a non-empty string"),
     "not-json": ("chat", '{"prompt": "p", "answer": ', "line 2 is not a JSON object"),
     "json-list": ("chat", "[1, 2]", "line 2 is not a JSON object: a JSON list"),
     "invalid-utf8": ("chat", b'{"prompt": "caf\xe9", "answer": "1"}', "line 2 is not a JSON object"),
-}  # fmt: skip
+}
 
 
 def write(tmp_path, type: str, bad_line) -> str:

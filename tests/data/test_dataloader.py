@@ -64,9 +64,7 @@ def test_shuffle_is_seeded_and_reshuffles_each_epoch(rows):
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("epochs_before", [0, 1])
 @pytest.mark.parametrize("consumed", [0, 2, 5])  # 5: every full batch of the epoch taken
-def test_state_round_trips_mid_epoch_and_across_epochs(
-    rows, tmp_path, num_workers, epochs_before, consumed
-):
+def test_state_round_trips_mid_epoch_and_across_epochs(rows, tmp_path, num_workers, epochs_before, consumed):
     reference = epochs(create_dataloader(rows, batch_size=BATCH, num_workers=num_workers), 3)
     loader = create_dataloader(rows, batch_size=BATCH, num_workers=num_workers)
     assert epochs(loader, epochs_before) == reference[:epochs_before]

@@ -48,8 +48,7 @@ def test_gsm8k_final_answer_drops_thousands_separators():
 def test_rank_splits_are_disjoint_and_complete(world_size):
     full = list(load_rl_dataset("gsm8k", "test")["solution"])
     shards = [
-        list(load_rl_dataset("gsm8k", "test", rank=r, world_size=world_size)["solution"])
-        for r in range(world_size)
+        list(load_rl_dataset("gsm8k", "test", rank=r, world_size=world_size)["solution"]) for r in range(world_size)
     ]
     # 1319 rows do not divide evenly: shards differ by at most one row.
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
@@ -64,11 +63,17 @@ def test_bad_rank_is_rejected(rank, world_size):
 
 
 def test_chat_jsonl_file_with_prompt_or_messages(tmp_path):
-    file = write_jsonl(tmp_path / "mine.jsonl", [
-        {"prompt": "2+2?", "answer": 4, "topic": "add"},
-        {"messages": [{"role": "system", "content": "Be brief."},
-                      {"role": "user", "content": "3+3?"}], "answer": "6", "topic": "add"},
-    ])
+    file = write_jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            {"prompt": "2+2?", "answer": 4, "topic": "add"},
+            {
+                "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3?"}],
+                "answer": "6",
+                "topic": "add",
+            },
+        ],
+    )
     rows = list(load_rl_dataset(str(file), "train", type="chat"))
     assert rows[0]["messages"] == [{"role": "user", "content": "2+2?"}]
     assert rows[0]["answer"] == "4"
@@ -94,10 +99,13 @@ def test_directory_in_hub_layout_is_read_by_load_dataset(tmp_path):
 
 
 def test_bad_row_error_names_file_row_and_key(tmp_path):
-    file = write_jsonl(tmp_path / "broken.jsonl", [
-        {"question": "fine", "answer": "#### 1"},
-        {"question": "no answer here", "answer": None},
-    ])
+    file = write_jsonl(
+        tmp_path / "broken.jsonl",
+        [
+            {"question": "fine", "answer": "#### 1"},
+            {"question": "no answer here", "answer": None},
+        ],
+    )
     with pytest.raises(DatasetRowError, match=r"broken\.jsonl: row 1 has no 'answer'"):
         load_rl_dataset(str(file), "train")
 

@@ -33,17 +33,31 @@ def run_kernels(tmp_path_factory) -> Path:
         pytest.skip(f"CUDA headers not found under {CUDA_HOME}/include nor next to nvcc (set CUDA_HOME)")
     exe = tmp_path_factory.mktemp("emulator") / "run_kernels"
     cmd = [
-        cxx, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Wno-unknown-pragmas",
+        cxx,
+        "-std=c++20",
+        "-O2",
+        "-Wall",
+        "-Wextra",
+        "-Wno-unknown-pragmas",
         # the kernels type-pun device memory (bf16 pairs, fp32 reductions in a byte buffer)
         "-fno-strict-aliasing",
         # g++ notes that CUtensorMap (128-byte aligned) is passed by value since GCC 4.6's ABI
         "-Wno-psabi",
-        "-DMEGARL_HOST_EMULATION", f"-I{ROOT / 'csrc'}", f"-I{EMULATOR}", f"-I{include}",
-        str(EMULATOR / "run_kernels.cpp"), str(EMULATOR / "cuda_host_emu.cpp"),
-        "-x", "c++", str(ROOT / "csrc/fused_logprob.cu"), str(ROOT / "csrc/fused_logprob_sm90.cu"),
-        str(ROOT / "csrc/ppo_loss.cu"), str(ROOT / "csrc/softmax_grad.cu"),
-        "-o", str(exe),
-    ]  # fmt: skip
+        "-DMEGARL_HOST_EMULATION",
+        f"-I{ROOT / 'csrc'}",
+        f"-I{EMULATOR}",
+        f"-I{include}",
+        str(EMULATOR / "run_kernels.cpp"),
+        str(EMULATOR / "cuda_host_emu.cpp"),
+        "-x",
+        "c++",
+        str(ROOT / "csrc/fused_logprob.cu"),
+        str(ROOT / "csrc/fused_logprob_sm90.cu"),
+        str(ROOT / "csrc/ppo_loss.cu"),
+        str(ROOT / "csrc/softmax_grad.cu"),
+        "-o",
+        str(exe),
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return exe

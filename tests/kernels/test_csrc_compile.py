@@ -45,8 +45,18 @@ def _cuda_include() -> Path:
 
 def _compile(source: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
     includes = [f"-I{p}" for p in [str(CSRC), *include_paths()]]
-    cmd = [_nvcc(), str(CSRC / source), "-o", str(out), "-O3", "-std=c++17", "--use_fast_math",
-           *TORCH_NVCC_FLAGS, *includes, *flags]
+    cmd = [
+        _nvcc(),
+        str(CSRC / source),
+        "-o",
+        str(out),
+        "-O3",
+        "-std=c++17",
+        "--use_fast_math",
+        *TORCH_NVCC_FLAGS,
+        *includes,
+        *flags,
+    ]
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
 
 
@@ -66,9 +76,15 @@ def test_sm90a_build_uses_tma_and_wgmma(tmp_path):
     proc = _compile("fused_logprob_sm90.cu", tmp_path / "k.ptx", "-ptx", "-gencode=arch=compute_90a,code=compute_90a")
     assert proc.returncode == 0, proc.stderr
     ptx = (tmp_path / "k.ptx").read_text()
-    for instruction in ("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "cp.async.bulk.tensor.2d",
-                        "mbarrier.try_wait.parity", "setmaxnreg.inc", "setmaxnreg.dec",
-                        "%globaltimer_lo", "trap;"):  # the bounded mbarrier wait
+    for instruction in (
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
+        "cp.async.bulk.tensor.2d",
+        "mbarrier.try_wait.parity",
+        "setmaxnreg.inc",
+        "setmaxnreg.dec",
+        "%globaltimer_lo",
+        "trap;",
+    ):  # the bounded mbarrier wait
         assert instruction in ptx, f"{instruction} missing from the sm_90a PTX"
     for kernel in ("logprob_forward_sm90_kernel", "logprob_backward_dz_sm90_kernel"):
         assert kernel in ptx
@@ -99,17 +115,26 @@ def test_sm90a_kernels_get_the_registers_their_setmaxnreg_split_needs(tmp_path):
     header = (CSRC / "tile_gemm_sm90.cuh").read_text()
     entry_regs = int(re.search(r"constexpr int kEntryRegs = (\d+);", header).group(1))
     assert entry_regs == 168  # 65536 registers / 384 threads, in ptxas's units of 8
-    proc = _compile("fused_logprob_sm90.cu", tmp_path / "k.o", "-c", "-Xptxas=-v", "-gencode=arch=compute_90a,code=sm_90a")
+    proc = _compile(
+        "fused_logprob_sm90.cu", tmp_path / "k.o", "-c", "-Xptxas=-v", "-gencode=arch=compute_90a,code=sm_90a"
+    )
     assert proc.returncode == 0, proc.stderr
     want = {k: [entry_regs] * n for k, n in SM90_ENTRIES.items()}
     assert _entry_registers(proc.stderr) == want, proc.stderr
-    assert "C7507" not in proc.stderr and "C7510" not in proc.stderr, proc.stderr  # setmaxnreg kept, wgmma not serialised
+    assert "C7507" not in proc.stderr and "C7510" not in proc.stderr, (
+        proc.stderr
+    )  # setmaxnreg kept, wgmma not serialised
 
 
 def test_the_printf_time_out_report_builds(tmp_path):
     """MEGARL_MBAR_TIMEOUT_PRINTF, the debugging build whose timed-out waits print their place."""
-    proc = _compile("fused_logprob_sm90.cu", tmp_path / "k.ptx", "-ptx", "-DMEGARL_MBAR_TIMEOUT_PRINTF",
-                    "-gencode=arch=compute_90a,code=compute_90a")
+    proc = _compile(
+        "fused_logprob_sm90.cu",
+        tmp_path / "k.ptx",
+        "-ptx",
+        "-DMEGARL_MBAR_TIMEOUT_PRINTF",
+        "-gencode=arch=compute_90a,code=compute_90a",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "vprintf" in (tmp_path / "k.ptx").read_text()
 
@@ -126,8 +151,13 @@ def test_bindings_pass_a_syntax_check(tmp_path):
     if shutil.which(cxx) is None:
         pytest.skip(f"no C++ compiler ({cxx})")
     cmd = [
-        cxx, "-std=c++17", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H",
-        *[f"-I{p}" for p in includes], str(CSRC / "bindings.cpp"),
+        cxx,
+        "-std=c++17",
+        "-fsyntax-only",
+        "-DTORCH_EXTENSION_NAME=_C",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *[f"-I{p}" for p in includes],
+        str(CSRC / "bindings.cpp"),
     ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -78,8 +78,9 @@ def test_backward_scales_the_stored_gradients_by_grad_output():
     coefs = _coefs(20, 1)
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    loss, _, _ = fused_linear_token_loss(h, w, labels, lambda t0, t1, lp, ent: _terms(coefs[:, t0:t1], lp, ent),
-                                         vocab_size=vocab, chunk_tokens=7)  # fmt: skip
+    loss, _, _ = fused_linear_token_loss(
+        h, w, labels, lambda t0, t1, lp, ent: _terms(coefs[:, t0:t1], lp, ent), vocab_size=vocab, chunk_tokens=7
+    )
     (-2.5 * loss).backward()
     want = _autograd_f64(hidden, weight, labels, coefs, vocab_size=vocab)
     torch.testing.assert_close(h.grad.double(), -2.5 * want[3], atol=5e-5, rtol=2e-5)
@@ -125,8 +126,9 @@ def test_flops_are_six_t_v_h_where_recomputing_in_backward_costs_eight():
         return counter.flops
 
     def training_path(h, w):
-        return fused_linear_token_loss(h, w, labels, lambda t0, t1, lp, ent: _terms(coefs[:, t0:t1], lp, ent),
-                                       chunk_tokens=16)[0]  # fmt: skip
+        return fused_linear_token_loss(
+            h, w, labels, lambda t0, t1, lp, ent: _terms(coefs[:, t0:t1], lp, ent), chunk_tokens=16
+        )[0]
 
     def logprobs_then_loss(h, w):
         lp, ent = fused_logprobs_entropy(h, w, labels, chunk_tokens=16, chunk_vocab=32, backend="torch")

@@ -56,8 +56,14 @@ def test_matches_naive_fp32(seed, T, H, rows, pad, temperature, chunk_tokens, ch
 
     def fused(h, w):
         return fused_logprobs_entropy(
-            h, w, labels, temperature=temperature, vocab_size=vocab,
-            chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, backend="torch",
+            h,
+            w,
+            labels,
+            temperature=temperature,
+            vocab_size=vocab,
+            chunk_tokens=chunk_tokens,
+            chunk_vocab=chunk_vocab,
+            backend="torch",
         )
 
     got = loss_and_grads(fused, hidden, weight, c_lp, c_ent)

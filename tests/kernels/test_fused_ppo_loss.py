@@ -14,7 +14,14 @@ from megarl.actor.losses import aggregate, policy_loss
 def plain_ppo_loss(logp, prox, old, adv, eps, mask, c_clip=None, cap=None, eps_high=None):
     """The actor's pure loss (megarl.actor.losses, autograd) as the independent reference."""
     out = policy_loss(
-        logp, old, adv, mask, eps_clip=eps, eps_clip_higher=eps_high, c_clip=c_clip, proximal_logprobs=prox,
+        logp,
+        old,
+        adv,
+        mask,
+        eps_clip=eps,
+        eps_clip_higher=eps_high,
+        c_clip=c_clip,
+        proximal_logprobs=prox,
         behav_imp_weight_cap=cap,
     )
     total, count = aggregate(out.loss, out.mask, "token-mean")
@@ -146,9 +153,16 @@ class _StandInExtension:
         x = logp.detach().requires_grad_(True)
         with torch.enable_grad():  # autograd.Function.forward runs under no_grad
             out = policy_loss(
-                x, old, adv, mask, eps_clip=eps_low, eps_clip_higher=eps_high, c_clip=dual_clip or None,
-                proximal_logprobs=prox, behav_imp_weight_cap=behav_cap or None,
-            )  # fmt: skip
+                x,
+                old,
+                adv,
+                mask,
+                eps_clip=eps_low,
+                eps_clip_higher=eps_high,
+                c_clip=dual_clip or None,
+                proximal_logprobs=prox,
+                behav_imp_weight_cap=behav_cap or None,
+            )
             (grad_tok,) = torch.autograd.grad(out.loss.sum(), x)
         anchor = old if prox is None else prox
         return out.loss.detach(), grad_tok, ppo_loss_module._raw_stats(out, logp - anchor, mask)

@@ -95,9 +95,16 @@ def test_training_path_kernels_match_its_torch_ops(mainloop, T, H, rows, pad, st
     for backend in ("cuda", "torch"):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         loss, logp, ent = fused_linear_token_loss(
-            h, w, labels, lambda t0, t1, lp, e: coefs[0, t0:t1] * lp.exp() + coefs[1, t0:t1] * e, temperature=tau,
-            vocab_start=start, vocab_size=vocab, chunk_tokens=128, backend=backend,
-        )  # fmt: skip
+            h,
+            w,
+            labels,
+            lambda t0, t1, lp, e: coefs[0, t0:t1] * lp.exp() + coefs[1, t0:t1] * e,
+            temperature=tau,
+            vocab_start=start,
+            vocab_size=vocab,
+            chunk_tokens=128,
+            backend=backend,
+        )
         loss.backward()
         results[backend] = (loss.detach(), logp, ent, h.grad.float(), w.grad.float())
     got, want = results["cuda"], results["torch"]

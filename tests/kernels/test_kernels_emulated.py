@@ -32,8 +32,15 @@ MAINLOOPS = list(TILE_VOCAB)
 NUM_PPO_STATS = 9  # kNumPPOStats
 
 
-def _run(exe: Path, workdir: Path, op: list, scalars: list, inputs: dict[str, torch.Tensor], async_mode="late",
-         try_wait="suspend") -> None:
+def _run(
+    exe: Path,
+    workdir: Path,
+    op: list,
+    scalars: list,
+    inputs: dict[str, torch.Tensor],
+    async_mode="late",
+    try_wait="suspend",
+) -> None:
     """run_kernels OP... WORKDIR SCALARS... on these inputs, with asynchronous copies landing late
     or early (CUDA_EMU_ASYNC) and mbarrier waits that cannot complete suspended or timed out
     (CUDA_EMU_TRY_WAIT; cuda_host_emu.h)."""
@@ -126,11 +133,19 @@ FORWARD = [
     "mainloop,T,H,rows,valid,start,tau,splits",
     _on_both_mainloops(FORWARD, skip=lambda mainloop, values: mainloop == "sm90" and values[3] == 0),
 )
-def test_forward_partials_and_label_logits(run_kernels, tmp_path, mainloop, T, H, rows, valid, start, tau, splits, async_mode):
+def test_forward_partials_and_label_logits(
+    run_kernels, tmp_path, mainloop, T, H, rows, valid, start, tau, splits, async_mode
+):
     hidden, weight, labels = _operands(T, H, rows, start, valid, seed=T + H + rows)
     inv_tau = _f32(1 / tau)
-    _run(run_kernels, tmp_path, ["forward", mainloop], [T, H, rows, valid, start, repr(inv_tau), splits],
-         {"hidden": hidden, "weight": weight, "labels": labels}, async_mode)  # fmt: skip
+    _run(
+        run_kernels,
+        tmp_path,
+        ["forward", mainloop],
+        [T, H, rows, valid, start, repr(inv_tau), splits],
+        {"hidden": hidden, "weight": weight, "labels": labels},
+        async_mode,
+    )
     part = _read(tmp_path, "part", torch.float32, 3, splits, T).double()
     label_logit = _read(tmp_path, "label_logit", torch.float32, T).double()
     z = _logits(hidden, weight, valid, inv_tau)
@@ -172,8 +187,13 @@ def test_forward_fast_path_only_on_full_tiles_without_the_label(run_kernels, tmp
     edges = [0, tile - 1, tile, 2 * tile - 1, 2 * tile, valid - 1]
     labels = torch.tensor(edges * (T // len(edges) + 1))[:T]
     inv_tau = _f32(1 / tau)
-    _run(run_kernels, tmp_path, ["forward", mainloop], [T, H, rows, valid, 0, repr(inv_tau), 1],
-         {"hidden": hidden, "weight": weight, "labels": labels})  # fmt: skip
+    _run(
+        run_kernels,
+        tmp_path,
+        ["forward", mainloop],
+        [T, H, rows, valid, 0, repr(inv_tau), 1],
+        {"hidden": hidden, "weight": weight, "labels": labels},
+    )
     part = _read(tmp_path, "part", torch.float32, 3, 1, T).double()
     label_logit = _read(tmp_path, "label_logit", torch.float32, T).double()
     z = _logits(hidden, weight, valid, inv_tau)
@@ -202,7 +222,9 @@ BACKWARD = [
 
 @pytest.mark.parametrize("async_mode", ASYNC)
 @pytest.mark.parametrize("mainloop,T,H,rows,valid,start,tau,col_begin,col_count,ld", _on_both_mainloops(BACKWARD))
-def test_backward_dz(run_kernels, tmp_path, mainloop, T, H, rows, valid, start, tau, col_begin, col_count, ld, async_mode):
+def test_backward_dz(
+    run_kernels, tmp_path, mainloop, T, H, rows, valid, start, tau, col_begin, col_count, ld, async_mode
+):
     hidden, weight, labels = _operands(T, H, rows, start, valid, seed=T + H + rows + 1)
     inv_tau = _f32(1 / tau)
     z_valid = _logits(hidden, weight, valid, inv_tau)
@@ -215,9 +237,14 @@ def test_backward_dz(run_kernels, tmp_path, mainloop, T, H, rows, valid, start, 
         "g_lp": torch.where(hit, torch.randn(T, generator=g), 0.0),  # zero for ignored labels
         "g_ent": torch.randn(T, generator=g),
     }
-    _run(run_kernels, tmp_path, ["backward", mainloop],
-         [T, H, rows, valid, start, repr(inv_tau), col_begin, col_count, ld],
-         {"hidden": hidden, "weight": weight, "labels": labels, **vectors}, async_mode)  # fmt: skip
+    _run(
+        run_kernels,
+        tmp_path,
+        ["backward", mainloop],
+        [T, H, rows, valid, start, repr(inv_tau), col_begin, col_count, ld],
+        {"hidden": hidden, "weight": weight, "labels": labels, **vectors},
+        async_mode,
+    )
     dz = _read(tmp_path, "dz", torch.bfloat16, T, ld)
     assert dz[:, col_count:].isnan().all(), "dz written past col_count"
     got = dz[:, :col_count].double()
@@ -273,9 +300,16 @@ def test_ppo_loss(run_kernels, tmp_path, T, use_prox, dual_clip, cap, kept):
     # the torch path of megarl.actor.fused_ppo_loss: policy_loss under autograd and its raw stats
     x = logp.clone().requires_grad_(True)
     out = policy_loss(
-        x, old, adv, mask, eps_clip=eps_low, eps_clip_higher=eps_high, c_clip=dual_clip,
-        proximal_logprobs=prox, behav_imp_weight_cap=cap,
-    )  # fmt: skip
+        x,
+        old,
+        adv,
+        mask,
+        eps_clip=eps_low,
+        eps_clip_higher=eps_high,
+        c_clip=dual_clip,
+        proximal_logprobs=prox,
+        behav_imp_weight_cap=cap,
+    )
     out.loss.sum().backward()
     anchor = old if prox is None else prox
     want_stats = ppo_module._raw_stats(out, logp - anchor, mask)
@@ -287,7 +321,9 @@ def test_ppo_loss(run_kernels, tmp_path, T, use_prox, dual_clip, cap, kept):
 def _hang(exe: Path, try_wait: str) -> subprocess.CompletedProcess:
     """run_kernels mbar_hang: thread 37 of CTA (2, 1) waits for an mbarrier phase that never completes."""
     env = {**os.environ, "CUDA_EMU_TRY_WAIT": try_wait}
-    return subprocess.run([exe, "mbar_hang", "2", "1", "37"], check=False, capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        [exe, "mbar_hang", "2", "1", "37"], check=False, capture_output=True, text=True, timeout=60, env=env
+    )
 
 
 def test_a_wait_that_never_completes_traps_with_its_place(run_kernels):
@@ -295,8 +331,11 @@ def test_a_wait_that_never_completes_traps_with_its_place(run_kernels):
     bound (4 s of %globaltimer) ends the wait: the thread prints where it waited, then traps."""
     proc = _hang(run_kernels, "time-limit")
     assert proc.returncode != 0 and "the kernel returned" not in proc.stdout, proc.stdout + proc.stderr
-    message = re.search(r"megarl: mbarrier wait timed out after (\d+) ns: block \((\d+),(\d+),0\) thread (\d+) "
-                        r"waits for parity (\d) of the mbarrier", proc.stdout)  # fmt: skip
+    message = re.search(
+        r"megarl: mbarrier wait timed out after (\d+) ns: block \((\d+),(\d+),0\) thread (\d+) "
+        r"waits for parity (\d) of the mbarrier",
+        proc.stdout,
+    )
     assert message, f"no time-out message in stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     waited, bx, by, thread, parity = map(int, message.groups())
     assert (bx, by, thread, parity) == (2, 1, 37, 0)
@@ -319,7 +358,13 @@ def test_a_working_pipeline_never_times_out(run_kernels, tmp_path):
     for mode in ("suspend", "time-limit"):
         workdir = tmp_path / mode
         workdir.mkdir()
-        _run(run_kernels, workdir, ["forward", "sm90"], [130, 200, 600, 589, 1000, 1.0, 3],
-             {"hidden": hidden, "weight": weight, "labels": labels}, try_wait=mode)  # fmt: skip
+        _run(
+            run_kernels,
+            workdir,
+            ["forward", "sm90"],
+            [130, 200, 600, 589, 1000, 1.0, 3],
+            {"hidden": hidden, "weight": weight, "labels": labels},
+            try_wait=mode,
+        )
         out[mode] = _read(workdir, "part", torch.float32, 3, 3, 130)
     assert torch.equal(out["suspend"], out["time-limit"]) and not out["suspend"].isnan().any()

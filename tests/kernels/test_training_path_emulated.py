@@ -91,8 +91,13 @@ def test_dz_from_stored_logits_matches_float64(run_kernels, tmp_path):
     inv_tau = _f32(1 / tau)
     z = logits[:, :valid].double() * inv_tau
     vectors = _row_vectors(z, labels, start, valid, seed=10)
-    _run(run_kernels, tmp_path, ["softmax_grad"], [T, valid, start, repr(inv_tau), ld_logits, ld_dz],
-         {"logits": logits, "labels": labels, **vectors})  # fmt: skip
+    _run(
+        run_kernels,
+        tmp_path,
+        ["softmax_grad"],
+        [T, valid, start, repr(inv_tau), ld_logits, ld_dz],
+        {"logits": logits, "labels": labels, **vectors},
+    )
     dz = _read(tmp_path, "dz", torch.bfloat16, T, ld_dz)
     lse, mean_z, g_lp, g_ent = (vectors[k].double()[:, None] for k in ("lse", "mean_z", "g_lp", "g_ent"))
     p = (z - lse).exp()
@@ -124,16 +129,29 @@ class EmulatedExtension:
         (T, H), rows = hidden.shape, weight.shape[0]
         store = [] if logits is None else [logits.stride(0)]
         work = self._dir()
-        _run(self.exe, work, ["forward", mainloop], [T, H, rows, valid_v, vocab_start, repr(_f32(inv_tau)), num_splits, *store],
-             {"hidden": hidden.bfloat16(), "weight": weight.bfloat16(), "labels": labels})  # fmt: skip
+        _run(
+            self.exe,
+            work,
+            ["forward", mainloop],
+            [T, H, rows, valid_v, vocab_start, repr(_f32(inv_tau)), num_splits, *store],
+            {"hidden": hidden.bfloat16(), "weight": weight.bfloat16(), "labels": labels},
+        )
         if logits is not None:
             logits.copy_(_read(work, "logits", torch.float32, T, logits.stride(0))[:, : logits.shape[1]])
-        return [_read(work, "part", torch.float32, 3, num_splits, T).clone(), _read(work, "label_logit", torch.float32, T).clone()]
+        return [
+            _read(work, "part", torch.float32, 3, num_splits, T).clone(),
+            _read(work, "label_logit", torch.float32, T).clone(),
+        ]
 
     def softmax_grad_stored(self, logits, labels, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, dz):
         T, work = logits.shape[0], self._dir()
-        _run(self.exe, work, ["softmax_grad"], [T, valid_v, vocab_start, repr(_f32(inv_tau)), logits.stride(0), dz.stride(0)],
-             {"logits": logits, "labels": labels, "lse": lse, "mean_z": mean_z, "g_lp": g_lp, "g_ent": g_ent})  # fmt: skip
+        _run(
+            self.exe,
+            work,
+            ["softmax_grad"],
+            [T, valid_v, vocab_start, repr(_f32(inv_tau)), logits.stride(0), dz.stride(0)],
+            {"logits": logits, "labels": labels, "lse": lse, "mean_z": mean_z, "g_lp": g_lp, "g_ent": g_ent},
+        )
         dz.copy_(_read(work, "dz", torch.bfloat16, T, dz.stride(0))[:, : dz.shape[1]])
 
 
@@ -188,7 +206,9 @@ def _check(got, want, rows: slice | None = None) -> None:
             b, scale = b[rows], scale[rows]
         err = (a.double() - b).abs()
         bound = 2**-8 * scale + 1e-5
-        assert (err <= bound).all(), f"{name}: max error {err.max():.3g}, worst ratio to the bf16 bound {(err / bound).max():.3g}"
+        assert (err <= bound).all(), (
+            f"{name}: max error {err.max():.3g}, worst ratio to the bf16 bound {(err / bound).max():.3g}"
+        )
 
 
 def _fused(hidden, weight, labels, coefs, **kwargs):
@@ -235,8 +255,9 @@ def _tp_worker(rank: int, port: int, exe: str, workdir: str, mainloop: str) -> N
             labels[0], labels[1] = -100, vocab - 1
             want = _reference(hidden, weight, labels, coefs, vocab, tau)
             own = slice(rank * rows, (rank + 1) * rows)
-            got = _fused(hidden, weight[own], labels, coefs, tp_group=group, temperature=tau, vocab_size=vocab,
-                         chunk_tokens=32)  # fmt: skip
+            got = _fused(
+                hidden, weight[own], labels, coefs, tp_group=group, temperature=tau, vocab_size=vocab, chunk_tokens=32
+            )
             _check(got, want, rows=own)
     finally:
         dist.destroy_process_group()

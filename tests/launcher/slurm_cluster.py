@@ -88,11 +88,18 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self._write_config()
         munge = self.root / "munge"
         subprocess.run(
-            ["munged", "--force", f"--key-file={munge / 'munge.key'}", f"--socket={munge / 'munge.socket'}",
-             f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
-             f"--seed-file={munge / 'munged.seed'}"],
-            check=True, env=self.env,
-        )  # fmt: skip
+            [
+                "munged",
+                "--force",
+                f"--key-file={munge / 'munge.key'}",
+                f"--socket={munge / 'munge.socket'}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+            check=True,
+            env=self.env,
+        )
         self.pids["munged"] = int((munge / "munged.pid").read_text())
         subprocess.run(["slurmctld", "-c"], check=True, env=self.env)  # -c: no old state
         self.pids["slurmctld"] = self._pid("slurmctld.pid", timeout)

@@ -87,9 +87,21 @@ class NetnsSlurmCluster(SlurmCluster):
         Not ``ip netns exec``: it remounts ``/sys`` and so hides the cgroup mounts slurmd needs.
         """
         hosts = Path("/etc/netns") / self.namespaces[node] / "hosts"
-        inner = f"mount --bind {hosts} /etc/hosts && hostname {node} && exec \"$@\""
-        return ["nsenter", f"--net=/run/netns/{self.namespaces[node]}", "unshare", "--mount", "--uts", "--propagation",
-                "private", "sh", "-c", inner, "sh", *cmd]  # fmt: skip
+        inner = f'mount --bind {hosts} /etc/hosts && hostname {node} && exec "$@"'
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.namespaces[node]}",
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            inner,
+            "sh",
+            *cmd,
+        ]
 
     # ------------------------------------------------------------------ daemons
 
@@ -102,8 +114,10 @@ class NetnsSlurmCluster(SlurmCluster):
         conf = conf.replace(f"SlurmdLogFile={self.root}/slurmd.log", f"SlurmdLogFile={self.root}/slurmd-%n.log")
         conf += "SlurmdTimeout=30\n"  # a lost node is declared down within half a minute
         node_line = next(line for line in conf.splitlines() if line.startswith("NodeName="))
-        nodes = "\n".join(f"NodeName={node} NodeAddr={addr} NodeHostname={node} CPUs={self.cpus_per_node} State=UNKNOWN"
-                          for node, addr in self.addresses.items())  # fmt: skip
+        nodes = "\n".join(
+            f"NodeName={node} NodeAddr={addr} NodeHostname={node} CPUs={self.cpus_per_node} State=UNKNOWN"
+            for node, addr in self.addresses.items()
+        )
         conf = conf.replace(node_line, nodes)
         (self.root / "slurm.conf").write_text(conf)
         for node in self.nodes:
@@ -127,11 +141,18 @@ class NetnsSlurmCluster(SlurmCluster):
     def _start_munge(self) -> None:
         munge = self.root / "munge"
         subprocess.run(
-            ["munged", "--force", f"--key-file={munge / 'munge.key'}", f"--socket={munge / 'munge.socket'}",
-             f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
-             f"--seed-file={munge / 'munged.seed'}"],
-            check=True, env=self.env,
-        )  # fmt: skip
+            [
+                "munged",
+                "--force",
+                f"--key-file={munge / 'munge.key'}",
+                f"--socket={munge / 'munge.socket'}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+            check=True,
+            env=self.env,
+        )
         self.pids["munged"] = int((munge / "munged.pid").read_text())
 
     def start_node(self, node: str, timeout: float = 60.0) -> None:
@@ -169,7 +190,9 @@ class NetnsSlurmCluster(SlurmCluster):
     def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env).stdout
+            out = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env
+            ).stdout
             states = dict(line.split() for line in out.splitlines() if line.strip())
             if set(states) == set(self.nodes) and all(s in ("idle", "mix", "alloc") for s in states.values()):
                 return

@@ -74,7 +74,9 @@ def blocked_loop(run_dir: str, address: str) -> None:
         async def arun_episode(self, engine, data):
             time.sleep(3600)  # blocks the pool's event loop, as a synchronous reward or tool call would
 
-    engine = RemoteInferenceEngine(InferenceEngineConfig(setup_timeout=30.0)).initialize(server_addrs=[address], batch_size=1)
+    engine = RemoteInferenceEngine(InferenceEngineConfig(setup_timeout=30.0)).initialize(
+        server_addrs=[address], batch_size=1
+    )
     engine.start_heartbeat(run_dir, "rollout-0", INTERVAL_S)
     heartbeat.start(run_dir, "trainer-0", INTERVAL_S)
     with heartbeat.phase("rollout"):

@@ -38,26 +38,48 @@ def test_a_server_joins_mid_run_serves_the_current_weights_and_leaves(tmp_path):
     steps = 12
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
     run = subprocess.Popen(
-        [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
-         f"cluster.fileroot={tmp_path}", f"total_train_steps={steps}", "stats_logger.wandb.mode=disabled",
-         "evaluator.freq_steps=null", "weight_update.probe_every=1"],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megarl.launcher.cli",
+            "run",
+            str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
+            f"cluster.fileroot={tmp_path}",
+            f"total_train_steps={steps}",
+            "stats_logger.wandb.mode=disabled",
+            "evaluator.freq_steps=null",
+            "weight_update.probe_every=1",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     joiner = None
     try:
         _wait_for(lambda: len(_lines(run_dir / "metrics.jsonl")) >= 1, 600, "first step", run)
         joiner = subprocess.Popen(
             [sys.executable, "-m", "megarl.launcher.cli", "serve", "--join", str(run_dir), "--drain-timeout", "30"],
-            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         joins = run_dir / "servers_joined.jsonl"
         _wait_for(lambda: _lines(joins), 300, "join line", run, joiner)
         (joined,) = _lines(joins)
         assert joined["event"] == "join" and joined["server"] == "server-1"
         joined_at = len(_lines(run_dir / "metrics.jsonl"))
         # served: a step after the push trains on episodes the joined server generated (server index 1)
-        _wait_for(lambda: any("ppo_actor/gap/server_1/abs_logp_diff/avg" in m for m in _lines(run_dir / "metrics.jsonl")),
-                  600, "a trained episode of the joined server", run, joiner)  # fmt: skip
+        _wait_for(
+            lambda: any("ppo_actor/gap/server_1/abs_logp_diff/avg" in m for m in _lines(run_dir / "metrics.jsonl")),
+            600,
+            "a trained episode of the joined server",
+            run,
+            joiner,
+        )
         joiner.send_signal(signal.SIGTERM)
         joiner_out, _ = joiner.communicate(timeout=120)
         assert joiner.returncode == 0, joiner_out[-3000:]
@@ -78,8 +100,9 @@ def test_a_server_joins_mid_run_serves_the_current_weights_and_leaves(tmp_path):
     threshold = 0.1  # weight_update.consistency_threshold
     assert probe["weight_sync/server1/logprob_diff_mean"] < threshold, probe
     # the same weights as the first server: the same logprobs (measured: equal to 4 digits)
-    assert probe["weight_sync/server1/logprob_diff_mean"] == pytest.approx(probe["weight_sync/server0/logprob_diff_mean"],
-                                                                           abs=0.005)  # fmt: skip
+    assert probe["weight_sync/server1/logprob_diff_mean"] == pytest.approx(
+        probe["weight_sync/server0/logprob_diff_mean"], abs=0.005
+    )
     served = [m for m in metrics if "ppo_actor/gap/server_1/abs_logp_diff/avg" in m]
     assert served and served[0]["global_step"] > probe["global_step"] - 1, "it generated before it had the weights"
     assert all(m["ppo_actor/gap/server_1/abs_logp_diff/avg"] < threshold for m in served)

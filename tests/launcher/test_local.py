@@ -202,8 +202,7 @@ def test_cpu_threads_policy_places_the_server(tmp_path, monkeypatch, policy, bin
 
 def test_colocated_server_and_trainer_share_cores_or_gpus(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {6, 7})
-    colocated = ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1",
-                 "cluster.cpu_threads=static"]  # fmt: skip
+    colocated = ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1", "cluster.cpu_threads=static"]
     config = make_config(tmp_path, "unused", *colocated)
     plan = check_local(config)
     [spec] = server_specs(config, plan)
@@ -211,8 +210,14 @@ def test_colocated_server_and_trainer_share_cores_or_gpus(tmp_path, monkeypatch)
     assert trainer_env(config, plan, ["h:1"])["OMP_NUM_THREADS"] == "2"  # every core too: they take turns
     assert "colocated: the servers sleep while it computes" in startup_lines(config, plan)[-1]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
-    config = make_config(tmp_path, "unused", *colocated, "cluster.device=cuda", "weight_update.mode=disk",
-                         f"weight_update.disk_path={tmp_path}/weights")  # fmt: skip
+    config = make_config(
+        tmp_path,
+        "unused",
+        *colocated,
+        "cluster.device=cuda",
+        "weight_update.mode=disk",
+        f"weight_update.disk_path={tmp_path}/weights",
+    )
     plan = check_local(config)
     [spec] = server_specs(config, plan)
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "4" and "--enable-sleep-mode" in spec.cmd
@@ -318,8 +323,9 @@ def test_signal_stops_everything(sig, code, tmp_path):
     [record] = attempts(tmp_path)
     assert alive_after([record["pid"], record["server_pid"]]) == [], output
     after = output.split("fake trainer attempt 0 saw", 1)[1].splitlines()[1:]
-    assert after == (["megarl run: interrupted; every server and trainer process was stopped"]
-                     if sig == signal.SIGINT else []), output  # one line, no traceback  # fmt: skip
+    assert after == (
+        ["megarl run: interrupted; every server and trainer process was stopped"] if sig == signal.SIGINT else []
+    ), output  # one line, no traceback
 
 
 # --------------------------------------------------------------------------------------
@@ -402,8 +408,14 @@ def test_relay_passes_the_trainer_console_through(tty, tmp_path):
     read_fd, write_fd = os.pipe()
     log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115
     thread = relay.console("trainer", os.fdopen(read_fd, "rb"), log)
-    chunks = [b"\rtrain 0/2 [00", b":10] rollout 1/4\rtrain 0/2 [00:20] rollout 2/4", b"\n\nstep 1/2  rew",
-              "ard 0.5 \u2588\n".encode()[:-2], "ard 0.5 \u2588\n".encode()[-2:], b"megarl: finished"]  # fmt: skip
+    chunks = [
+        b"\rtrain 0/2 [00",
+        b":10] rollout 1/4\rtrain 0/2 [00:20] rollout 2/4",
+        b"\n\nstep 1/2  rew",
+        "ard 0.5 \u2588\n".encode()[:-2],
+        "ard 0.5 \u2588\n".encode()[-2:],
+        b"megarl: finished",
+    ]
     with os.fdopen(write_fd, "wb", buffering=0) as w:
         for chunk in chunks:
             w.write(chunk)
@@ -416,5 +428,9 @@ def test_relay_passes_the_trainer_console_through(tty, tmp_path):
     if tty:  # byte for byte: the bar redraws in place
         assert text.startswith("\rtrain 0/2 [00:10] rollout 1/4\rtrain") and "step 1/2  reward 0.5 \u2588\n" in text
     else:  # whole lines only, a carriage return ends one
-        assert text.splitlines() == ["train 0/2 [00:10] rollout 1/4", "train 0/2 [00:20] rollout 2/4",
-                                     "step 1/2  reward 0.5 \u2588", "megarl: finished"]  # fmt: skip
+        assert text.splitlines() == [
+            "train 0/2 [00:10] rollout 1/4",
+            "train 0/2 [00:20] rollout 2/4",
+            "step 1/2  reward 0.5 \u2588",
+            "megarl: finished",
+        ]

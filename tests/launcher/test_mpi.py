@@ -43,8 +43,15 @@ def _clean_env() -> dict[str, str]:
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'megarl[mpi]')")
 def test_mpiexec_ranks_find_each_other_through_torch_distributed():
     pytest.importorskip("mpi4py")
-    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-c", RANK_SCRIPT], cwd=ROOT, env=_clean_env(),
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [MPIEXEC, "-n", "3", sys.executable, "-c", RANK_SCRIPT],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))

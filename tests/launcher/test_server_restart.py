@@ -54,7 +54,10 @@ def test_a_dead_server_restarts_in_its_slot_until_the_budget_is_spent(tmp_path):
             server.stop(timeout=2)
     lines = [json.loads(line) for line in (tmp_path / RESTARTS_FILE).read_text().splitlines()]
     assert [(r["server"], r["restart"], r["run_total"]) for r in lines] == [
-        ("server-0", 1, 1), ("server-0", 2, 2), ("server-1", 1, 3)]
+        ("server-0", 1, 1),
+        ("server-0", 2, 2),
+        ("server-1", 1, 3),
+    ]
     assert "restarting it in its slot" in (tmp_path / "server-0.log").read_text()
 
 

@@ -50,10 +50,21 @@ def _kill_at_random_points(launcher: subprocess.Popen, run_dir: Path, kills: int
 
 def _run(tmp_path: Path, steps: int, kills: int, seed: int) -> tuple[subprocess.CompletedProcess, Path, list]:
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
-           f"cluster.fileroot={tmp_path}", f"total_train_steps={steps}", "stats_logger.wandb.mode=disabled",
-           "evaluator.freq_steps=null", "rollout.dump_trajectories=true", "gconfig.seed=7",
-           f"launcher.server_restarts={kills}", f"launcher.max_server_restarts={kills}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.launcher.cli",
+        "run",
+        str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
+        f"cluster.fileroot={tmp_path}",
+        f"total_train_steps={steps}",
+        "stats_logger.wandb.mode=disabled",
+        "evaluator.freq_steps=null",
+        "rollout.dump_trajectories=true",
+        "gconfig.seed=7",
+        f"launcher.server_restarts={kills}",
+        f"launcher.max_server_restarts={kills}",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed: list = []
@@ -74,8 +85,10 @@ def _check(result, run_dir: Path, killed: list, steps: int, kills: int) -> None:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["global_step"] for m in metrics] == list(range(steps))
     assert metrics[-1]["rollout/server_restarts"] == kills, "the metrics show every restart"
-    readmitted = sum(m.get("weight_sync/servers_readmitted", 0) + m.get("weight_sync/servers_readmitted_in_rollout", 0)
-                     for m in metrics)  # fmt: skip
+    readmitted = sum(
+        m.get("weight_sync/servers_readmitted", 0) + m.get("weight_sync/servers_readmitted_in_rollout", 0)
+        for m in metrics
+    )
     # A kill may land on a restart still starting (seed 1 killed one 7 s after it was started): that
     # process never serves and is never readmitted, so not every restart shows here; the version
     # check below is what shows that no token came from other weights than its step's.

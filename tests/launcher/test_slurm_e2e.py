@@ -157,28 +157,42 @@ def job_env(cluster: SlurmCluster, bin_dir: Path | None = None) -> dict[str, str
     """The submitter's environment without the venv and the offline switches (sbatch exports it to the job)."""
     venv_bin = str(Path(sys.prefix) / "bin")
     env = {k: v for k, v in cluster.env.items() if k not in OFFLINE and k != "VIRTUAL_ENV"}
-    env["PATH"] = os.pathsep.join([*([str(bin_dir)] if bin_dir else []),
-                                   *(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)])  # fmt: skip
+    env["PATH"] = os.pathsep.join(
+        [*([str(bin_dir)] if bin_dir else []), *(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)]
+    )
     return env
 
 
-def submit(cluster: SlurmCluster, fileroot: Path, *overrides: str, requeue: bool = False,
-           bin_dir: Path | None = None) -> Job:
+def submit(
+    cluster: SlurmCluster, fileroot: Path, *overrides: str, requeue: bool = False, bin_dir: Path | None = None
+) -> Job:
     """``megarl slurm [--requeue] --config gsm8k_grpo_cpu.yaml SMALL... overrides...``; ``bin_dir`` goes first
     on the submitter's ``PATH`` (a wrapper ``sbatch`` there may change the rendered script)."""
     server_port, trainer_port = find_free_ports(2, host="0.0.0.0", port_range=(20000, 60000))
     activate = Path(sys.prefix) / "bin" / "activate"
     setup = f"source {activate}" if activate.exists() else f"export PATH={Path(sys.prefix) / 'bin'}:$PATH"
     argv = [
-        "slurm", *(["--requeue"] if requeue else []), "--config", str(CPU_YAML), *SMALL,
-        f"cluster.fileroot={fileroot}", f"launcher.slurm.setup=[{setup!r}]",
-        f"launcher.slurm.server_port={server_port}", f"launcher.slurm.trainer_port={trainer_port}",
-        *(f"launcher.env.{k}={v}" for k, v in OFFLINE.items()), *overrides,
-    ]  # fmt: skip
+        "slurm",
+        *(["--requeue"] if requeue else []),
+        "--config",
+        str(CPU_YAML),
+        *SMALL,
+        f"cluster.fileroot={fileroot}",
+        f"launcher.slurm.setup=[{setup!r}]",
+        f"launcher.slurm.server_port={server_port}",
+        f"launcher.slurm.trainer_port={trainer_port}",
+        *(f"launcher.env.{k}={v}" for k, v in OFFLINE.items()),
+        *overrides,
+    ]
     result = subprocess.run(
         [sys.executable, "-m", "megarl.launcher.cli", *argv],
-        cwd=ROOT, env=job_env(cluster, bin_dir), capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=job_env(cluster, bin_dir),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = fileroot / "gsm8k-grpo-cpu" / "trial0"
     match = re.match(rf"submitted job (\d+): {re.escape(str(run_dir / 'job.sbatch'))} ", result.stdout)
@@ -242,7 +256,7 @@ def test_requeued_job_resumes_from_its_recover_checkpoint(cluster, tmp_path):
     match = re.search(r"recovered after step (\d+) ", trainer_log)
     assert match and int(match[1]) >= dumped, trainer_log[-6000:]
     resumed = int(match[1])
-    logged_again = [int(s) for s in re.findall(r"\(global step (\d+)\)", trainer_log[match.end():])]
+    logged_again = [int(s) for s in re.findall(r"\(global step (\d+)\)", trainer_log[match.end() :])]
     assert logged_again == list(range(resumed + 1, 3)), "the second run redid finished steps or skipped some"
     assert job.steps() == [0, 1, 2] and (job.run_dir / "curves.png").stat().st_size > 0
     assert out.count("megarl: finished gsm8k-grpo-cpu/trial0 in ") == 1
@@ -252,8 +266,14 @@ def test_requeued_job_resumes_from_its_recover_checkpoint(cluster, tmp_path):
 def test_watchdog_names_a_stalled_rank_and_aborts_the_job(cluster, tmp_path):
     """``megarl watchdog`` beside the trainer step: a rank stalled on purpose is named in the job's output
     with its stacks written, and ``watchdog.action=abort`` ends the job with status 3."""
-    stall = ["total_train_steps=2", "launcher.env.MEGARL_FAULT_STALL=trainer-0:build:600", "watchdog.budget_s=20",
-             "watchdog.min_budget_s=5", "watchdog.interval_s=1", "watchdog.action=abort"]  # fmt: skip
+    stall = [
+        "total_train_steps=2",
+        "launcher.env.MEGARL_FAULT_STALL=trainer-0:build:600",
+        "watchdog.budget_s=20",
+        "watchdog.min_budget_s=5",
+        "watchdog.interval_s=1",
+        "watchdog.action=abort",
+    ]
     job = submit(cluster, tmp_path, *stall)
     state = job.wait(START_TIMEOUT + 300)
     out = job.output()

@@ -47,8 +47,9 @@ def no_job_left(cluster):
 def test_servers_on_one_host_trainer_ranks_on_two_others(cluster, tmp_path, tiny_model_dir, trainer):
     # TP 2 across hosts needs heads that split in two: SmolLM2 has 9, the tiny llama 4
     model = [f"actor.path={tiny_model_dir('llama')}"] if trainer.endswith("t2") else []
-    job = submit(cluster, tmp_path, *THREE_HOSTS, f"allocation_mode=vllm:d1t1+megatron:{trainer}", "total_train_steps=2",
-                 *model)  # fmt: skip
+    job = submit(
+        cluster, tmp_path, *THREE_HOSTS, f"allocation_mode=vllm:d1t1+megatron:{trainer}", "total_train_steps=2", *model
+    )
     state = job.wait(START_TIMEOUT + 600)
     out = job.output()
     assert state == "COMPLETED", out[-6000:] + cluster.logs()
@@ -99,7 +100,7 @@ def test_a_lost_node_or_trainer_requeues_the_job_and_it_resumes(cluster, tmp_pat
     trainer_log = (job.run_dir / "logs" / "trainer.log").read_text()
     match = re.search(r"recovered after step (\d+) ", trainer_log)
     assert match and int(match[1]) >= dumped, trainer_log[-6000:]
-    logged_again = [int(s) for s in re.findall(r"\(global step (\d+)\)", trainer_log[match.end():])]
+    logged_again = [int(s) for s in re.findall(r"\(global step (\d+)\)", trainer_log[match.end() :])]
     assert logged_again == list(range(int(match[1]) + 1, 3)), "the second run redid finished steps or skipped some"
     assert job.steps() == [0, 1, 2]
     assert job.survivors() == []
@@ -109,8 +110,10 @@ def _sbatch_that_edits(tmp_path: Path, sed: str) -> Path:
     """A directory with an ``sbatch`` that applies ``sed`` to the rendered script, then submits it."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(f'#!/bin/sh\nfor script; do :; done\ncp "$script" "$script.rendered"\nsed -i -e {sed!r} "$script"\n'
-                                    f'exec {shutil.which("sbatch")} "$@"\n')  # fmt: skip
+    (bin_dir / "sbatch").write_text(
+        f'#!/bin/sh\nfor script; do :; done\ncp "$script" "$script.rendered"\nsed -i -e {sed!r} "$script"\n'
+        f'exec {shutil.which("sbatch")} "$@"\n'
+    )
     (bin_dir / "sbatch").chmod(0o755)
     return bin_dir
 
@@ -119,20 +122,35 @@ def _sbatch_that_edits(tmp_path: Path, sed: str) -> Path:
     ("what", "sed", "overrides", "named"),
     [
         # every trainer node meets at the first one's cluster address; its loopback is no one's
-        ("rendezvous", "s/^export MEGARL_TRAIN_MASTER=.*/export MEGARL_TRAIN_MASTER=127.0.0.1/",
-         ["launcher.slurm.rendezvous_timeout=30"], "127.0.0.1"),
+        (
+            "rendezvous",
+            "s/^export MEGARL_TRAIN_MASTER=.*/export MEGARL_TRAIN_MASTER=127.0.0.1/",
+            ["launcher.slurm.rendezvous_timeout=30"],
+            "127.0.0.1",
+        ),
         # the weight bridge's groups are hosted on the interface's address; without MEGARL_NETWORK_INTERFACE
         # a host with no default route announced 127.0.0.1 to the server on node1 (the bug this cluster
         # found): now refused at once, naming the address, instead of waiting out init_timeout
-        ("bridge address", "/^export MEGARL_NETWORK_INTERFACE=/d", ["weight_update.init_timeout=120"],
-         "would announce 127.0.0.1 to servers on other hosts"),
+        (
+            "bridge address",
+            "/^export MEGARL_NETWORK_INTERFACE=/d",
+            ["weight_update.init_timeout=120"],
+            "would announce 127.0.0.1 to servers on other hosts",
+        ),
     ],
 )
 def test_wrong_addresses_fail_the_job(cluster, tmp_path, what, sed, overrides, named):
     """The 3-host tests above depend on the addresses being right: with the trainer's rendezvous or the
     weight bridge's address broken in the rendered script, the job fails within its timeouts, naming the address."""
-    job = submit(cluster, tmp_path, *THREE_HOSTS, "allocation_mode=vllm:d1t1+megatron:d2p1t1", "total_train_steps=2",
-                 *overrides, bin_dir=_sbatch_that_edits(tmp_path, sed))  # fmt: skip
+    job = submit(
+        cluster,
+        tmp_path,
+        *THREE_HOSTS,
+        "allocation_mode=vllm:d1t1+megatron:d2p1t1",
+        "total_train_steps=2",
+        *overrides,
+        bin_dir=_sbatch_that_edits(tmp_path, sed),
+    )
     script = job.run_dir / "job.sbatch"
     assert script.read_text() != script.with_suffix(".sbatch.rendered").read_text(), f"{what}: the edit changed a line"
     state = job.wait(START_TIMEOUT + 300)

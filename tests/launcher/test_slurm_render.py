@@ -21,13 +21,19 @@ def config(name, *overrides):
 def test_128gpu_script(tmp_path):
     cfg = config("gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "launcher.slurm.partition=gpu", "launcher.slurm.account=rl")
     script = render_sbatch(cfg, tmp_path / "config.yaml", requeue=True)
-    for line in ["#SBATCH --nodes=16", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-                 "#SBATCH --account=rl", "#SBATCH --requeue", "#SBATCH --exclusive"]:  # fmt: skip
+    for line in [
+        "#SBATCH --nodes=16",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=rl",
+        "#SBATCH --requeue",
+        "#SBATCH --exclusive",
+    ]:
         assert line in script.splitlines()
     assert script.count('\n  "') == 48  # one row per vLLM server
     assert '  "47 11 6,7 18006"' in script
     assert "torchrun --nnodes=4 --nproc-per-node=8" in script
-    assert 'NODES[12]' in script and "-m megarl.train" in script
+    assert "NODES[12]" in script and "-m megarl.train" in script
     assert f"--config {tmp_path / 'config.yaml'}" in script
     # servers start, become healthy, then the trainer starts; the first step to end decides
     assert script.index("megarl serve") < script.index("MEGARL_LLM_SERVER_ADDRS") < script.index("torchrun")
@@ -36,11 +42,16 @@ def test_128gpu_script(tmp_path):
 
 
 def test_colocated_128gpu_script_puts_servers_and_trainer_on_every_node(tmp_path):
-    cfg = config("gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "allocation_mode=vllm:d64t2|megatron:d8p2t8",
-                 "weight_update.mode=disk", "weight_update.disk_path=/dev/shm/megarl", "weight_update.extra_modes=[]")  # fmt: skip
+    cfg = config(
+        "gsm8k_grpo_qwen2.5-7b_128gpu.yaml",
+        "allocation_mode=vllm:d64t2|megatron:d8p2t8",
+        "weight_update.mode=disk",
+        "weight_update.disk_path=/dev/shm/megarl",
+        "weight_update.extra_modes=[]",
+    )
     script = render_sbatch(cfg, tmp_path / "config.yaml")
     assert script.count('\n  "') == 64 and '  "0 0 0,1 18000"' in script and '  "63 15 6,7 18006"' in script
-    assert "torchrun --nnodes=16 --nproc-per-node=8" in script and 'NODES[0]},${NODES[1]}' in script
+    assert "torchrun --nnodes=16 --nproc-per-node=8" in script and "NODES[0]},${NODES[1]}" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
@@ -64,10 +75,15 @@ def test_watchdog_runs_beside_the_trainer(tmp_path):
     assert 'if [ -f "$RUN_DIR/watchdog.stopped" ]; then' in cpu and "  exit 3" in cpu and "scontrol requeue" not in cpu
     assert "TORCH_FR_BUFFER_SIZE" not in cpu, "no flight recorder on CPU (gloo)"
     subprocess.run(["bash", "-n"], input=cpu, text=True, check=True)
-    with pytest.raises(ValueError, match="watchdog.action=restart under Slurm requeues the job: render it with --requeue"):
-        render_sbatch(config("gsm8k_grpo_cpu.yaml", "watchdog.action=restart", "recover.mode=auto"), tmp_path / "c.yaml")
-    gpu = render_sbatch(config("gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "watchdog.action=restart"), tmp_path / "g.yaml",
-                        requeue=True)  # fmt: skip
+    with pytest.raises(
+        ValueError, match="watchdog.action=restart under Slurm requeues the job: render it with --requeue"
+    ):
+        render_sbatch(
+            config("gsm8k_grpo_cpu.yaml", "watchdog.action=restart", "recover.mode=auto"), tmp_path / "c.yaml"
+        )
+    gpu = render_sbatch(
+        config("gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "watchdog.action=restart"), tmp_path / "g.yaml", requeue=True
+    )
     assert 'scontrol requeue "$SLURM_JOB_ID"' in gpu
     assert gpu.index("export TORCH_FR_BUFFER_SIZE=2000") < gpu.index("torchrun")
     assert "nccl_trace/rank_" in gpu
@@ -107,11 +123,16 @@ def test_network_interface_for_servers_and_collectives(tmp_path, monkeypatch):
 
 
 def test_dry_run_cli_prints_without_writing(tmp_path, capsys):
-    argv = ["slurm", "--dry-run", "--config", str(REPO / "configs" / "gsm8k_grpo_cpu.yaml"), f"cluster.fileroot={tmp_path}"]
+    argv = [
+        "slurm",
+        "--dry-run",
+        "--config",
+        str(REPO / "configs" / "gsm8k_grpo_cpu.yaml"),
+        f"cluster.fileroot={tmp_path}",
+    ]
     assert main(argv) == 0
     assert capsys.readouterr().out.startswith("#!/bin/bash")
     assert not any(tmp_path.iterdir())
-
 
 
 @pytest.mark.parametrize("watchdog", ["warn", "abort"])
@@ -128,11 +149,15 @@ def test_a_failed_trainer_requeues_a_requeueable_job_within_recover_retries(tmp_
     (fake / "scontrol").chmod(0o755)
 
     def last_lines(script: str, status: int, restarts: int) -> tuple[int, list[str]]:
-        tail = script[script.index('echo "megarl: trainer exited with status $status"'):]
+        tail = script[script.index('echo "megarl: trainer exited with status $status"') :]
         calls = tmp_path / "calls"
         calls.unlink(missing_ok=True)
-        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "SLURM_JOB_ID": "42",
-               "SLURM_RESTART_COUNT": str(restarts)}  # fmt: skip
+        env = {
+            "PATH": f"{fake}:/usr/bin:/bin",
+            "CALLS": str(calls),
+            "SLURM_JOB_ID": "42",
+            "SLURM_RESTART_COUNT": str(restarts),
+        }
         done = subprocess.run(["bash", "-c", f"status={status}\n{tail}"], env=env, capture_output=True, text=True)
         return done.returncode, calls.read_text().splitlines() if calls.exists() else []
 

@@ -28,16 +28,18 @@ def _serve_slot(script: str) -> str:
 
 
 def _run_slots(tmp_path, per_server: int, per_run: int, slots: list[str]) -> subprocess.CompletedProcess:
-    cfg = config("gsm8k_grpo_cpu.yaml", f"launcher.server_restarts={per_server}",
-                 f"launcher.max_server_restarts={per_run}")  # fmt: skip
+    cfg = config(
+        "gsm8k_grpo_cpu.yaml", f"launcher.server_restarts={per_server}", f"launcher.max_server_restarts={per_run}"
+    )
     function = _serve_slot(render_sbatch(cfg, tmp_path / "c.yaml"))
     bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
     bin_dir.mkdir()
     (run_dir / "servers").mkdir(parents=True)
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
-    body = "\n".join([f"RUN_DIR={run_dir}", "NODES=(n0 n1)", function,
-                      *(f"serve_slot {slot}; echo status $?" for slot in slots)])  # fmt: skip
+    body = "\n".join(
+        [f"RUN_DIR={run_dir}", "NODES=(n0 n1)", function, *(f"serve_slot {slot}; echo status $?" for slot in slots)]
+    )
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(tmp_path), RUN_DIR=str(run_dir))
     return subprocess.run(["bash", "-c", body], env=env, capture_output=True, text=True, timeout=60, check=False)
 
@@ -51,7 +53,9 @@ def test_a_server_step_is_restarted_in_its_slot_up_to_its_budget(tmp_path):
     assert "not restarted: launcher.server_restarts=2 restarts of server-0 are spent" in result.stderr
     lines = [json.loads(line) for line in (tmp_path / "run" / RESTARTS_FILE).read_text().splitlines()]
     assert [(r["server"], r["address"], r["exit_code"], r["restart"]) for r in lines] == [
-        ("server-0", "node0:18000", 9, 1), ("server-0", "node0:18000", 9, 2)]
+        ("server-0", "node0:18000", 9, 1),
+        ("server-0", "node0:18000", 9, 2),
+    ]
     assert log.new_addresses() == ["node0:18000", "node0:18000"], "the trainer reads them"
 
 

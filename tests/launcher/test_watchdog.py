@@ -34,8 +34,14 @@ def _config(**overrides) -> WatchdogConfig:
 
 def _start(run_dir: Path, *args, env=None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.Popen([sys.executable, WORKER, args[0], str(run_dir), *map(str, args[1:])], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, WORKER, args[0], str(run_dir), *map(str, args[1:])],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _first_event(watchdog: Watchdog, limit_s: float):
@@ -100,8 +106,10 @@ def test_ranks_on_another_host_write_their_stacks_on_request(tmp_path):
     """A watchdog on another host (a Slurm job's batch host) cannot signal the ranks: their beat threads
     answer its dump request with their stacks."""
     port = find_free_port()
-    procs = [_start(tmp_path, "collective", rank, 2, port, env={FAULT_STALL_ENV: "trainer-1:compute:600"})
-             for rank in range(2)]  # fmt: skip
+    procs = [
+        _start(tmp_path, "collective", rank, 2, port, env={FAULT_STALL_ENV: "trainer-1:compute:600"})
+        for rank in range(2)
+    ]
     try:
         _wait_for_heartbeats(tmp_path, {"trainer-0", "trainer-1"})
         watchdog = Watchdog(tmp_path, _config(), host="batch-host")

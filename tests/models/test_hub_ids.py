@@ -92,12 +92,14 @@ class _FakeHub(BaseHTTPRequestHandler):
             siblings = [{"rfilename": name} for name in self.files]
             return 200, json.dumps({"id": REPO_ID, "sha": COMMIT, "siblings": siblings}).encode(), {}
         if path == f"/api/models/{REPO_ID}/tree/{COMMIT}":
-            tree = [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                    for name, data in self.files.items()]  # fmt: skip
+            tree = [
+                {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                for name, data in self.files.items()
+            ]
             return 200, json.dumps(tree).encode(), {}
         prefix = f"/{REPO_ID}/resolve/{COMMIT}/"
-        if path.startswith(prefix) and path[len(prefix):] in self.files:
-            data = self.files[path[len(prefix):]]
+        if path.startswith(prefix) and path[len(prefix) :] in self.files:
+            data = self.files[path[len(prefix) :]]
             return 200, data, {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
         return 404, b'{"error": "not found"}', {"X-Error-Code": "RepoNotFound"}
 
@@ -158,10 +160,14 @@ def test_an_unreachable_or_unknown_hub_repo_names_the_endpoint_and_the_command(h
     monkeypatch.delenv("HF_HUB_OFFLINE")
     with pytest.raises(HubModelError) as err:
         hub_snapshot("tiny-org/no-such-model")
-    assert f"not in the hub cache {hf_cache}, and downloading it from {os.environ['HF_ENDPOINT']} failed" in str(err.value)
+    assert f"not in the hub cache {hf_cache}, and downloading it from {os.environ['HF_ENDPOINT']} failed" in str(
+        err.value
+    )
     assert "`megarl models fetch tiny-org/no-such-model`" in str(err.value)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
-    with pytest.raises(HubModelError, match=r"downloading it from http://127.0.0.1:9 failed .*`hf download tiny-org/x`"):
+    with pytest.raises(
+        HubModelError, match=r"downloading it from http://127.0.0.1:9 failed .*`hf download tiny-org/x`"
+    ):
         hub_snapshot("tiny-org/x")
 
 

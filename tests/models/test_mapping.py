@@ -44,7 +44,9 @@ def test_qkv_merges_gqa_groups_in_megatron_order(tp):
     rule = ParamRule("qkv", ("q", "k", "v"), "qkv")
     shards, back = _roundtrip(rule, {"q": q, "k": k, "v": v}, dims, tp)
     # per KV group g: its 2 query heads (rows 6g..6g+5), then k rows 3g..3g+2, then v rows 3g..3g+2
-    expected = torch.cat([torch.cat([q[6 * g : 6 * g + 6], k[3 * g : 3 * g + 3], v[3 * g : 3 * g + 3]]) for g in range(2)])
+    expected = torch.cat(
+        [torch.cat([q[6 * g : 6 * g + 6], k[3 * g : 3 * g + 3], v[3 * g : 3 * g + 3]]) for g in range(2)]
+    )
     assert torch.equal(torch.cat(shards), expected)
     assert all(s.shape[0] == expected.shape[0] // tp for s in shards)
     assert torch.equal(back["q"], q) and torch.equal(back["k"], k) and torch.equal(back["v"], v)
@@ -128,7 +130,10 @@ def test_canonical_name_folds_transformer_engine_norms():
     assert canonical_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == (
         "decoder.layers.3.input_layernorm.weight"
     )
-    assert canonical_name("decoder.layers.3.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.3.pre_mlp_layernorm.weight"
+    assert (
+        canonical_name("decoder.layers.3.mlp.linear_fc1.layer_norm_weight")
+        == "decoder.layers.3.pre_mlp_layernorm.weight"
+    )
     assert canonical_name("decoder.layers.3.mlp.linear_fc1.weight") == "decoder.layers.3.mlp.linear_fc1.weight"
 
 

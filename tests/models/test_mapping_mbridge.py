@@ -35,7 +35,9 @@ def _canonical_names(desc) -> list[tuple[str, object, dict]]:
     out = []
     for rule in desc.mapping.rules:
         if "{layer}" in rule.megatron:
-            out += [(rule.megatron.format(layer=i), rule, {"layer": i}) for i in range(desc.hf_config.num_hidden_layers)]
+            out += [
+                (rule.megatron.format(layer=i), rule, {"layer": i}) for i in range(desc.hf_config.num_hidden_layers)
+            ]
         else:
             out.append((rule.megatron, rule, {}))
     return out

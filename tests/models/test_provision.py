@@ -59,8 +59,7 @@ def test_concurrent_provisioning_converts_once(monkeypatch, tmp_path):
     monkeypatch.setattr(prov, "convert_gguf", fake_convert(calls))
     results = []
     threads = [
-        threading.Thread(target=lambda: results.append(resolve_model_path("smollm2", tmp_path)))
-        for _ in range(3)
+        threading.Thread(target=lambda: results.append(resolve_model_path("smollm2", tmp_path))) for _ in range(3)
     ]
     for t in threads:
         t.start()
@@ -89,8 +88,14 @@ def test_smollm2_dir_has_the_expected_config_and_tokenizer(smollm2_dir):
 
     config = AutoConfig.from_pretrained(smollm2_dir)
     assert config.architectures == ["LlamaForCausalLM"]
-    shape = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-             config.num_key_value_heads, config.head_dim, config.vocab_size)
+    shape = (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.vocab_size,
+    )
     assert shape == (576, 30, 9, 3, 64, 49152)
     assert config.tie_word_embeddings
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -104,8 +109,10 @@ def test_smollm2_dir_has_the_expected_config_and_tokenizer(smollm2_dir):
 
 def chat_ids(tokenizer, text):
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True,
-        return_tensors="pt", return_dict=True,
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )["input_ids"]
 
 
@@ -115,7 +122,7 @@ def test_smollm2_generates_and_stops_at_eos(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
     ids = chat_ids(tokenizer, "What is the capital of France?")
-    out = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    out = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
     text = tokenizer.decode(out, skip_special_tokens=True)
     assert "Paris" in text
     assert out[-1].item() == tokenizer.eos_token_id  # the answer ended on its own
@@ -128,8 +135,7 @@ def test_conversion_refuses_a_model_whose_logits_differ(tiny_model_dir):
     llama = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
     prov._check_same_logits(llama, llama, tokenizer)
     with pytest.raises(RuntimeError, match="not faithful"):
-        prov._check_same_logits(llama, AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3")),
-                                tokenizer)
+        prov._check_same_logits(llama, AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3")), tokenizer)
 
 
 @pytest.mark.slow  # ~15-30 s: transformers parses the GGUF again; convert_gguf checks this too
@@ -138,9 +144,7 @@ def test_smollm2_logits_equal_the_gguf_models(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = prov.locate_gguf(prov.KNOWN_MODELS[SMOLLM2])
-    reference = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     converted = AutoModelForCausalLM.from_pretrained(smollm2_dir)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     ids = chat_ids(tokenizer, "Natalia sold 48 clips in April and half as many in May.")

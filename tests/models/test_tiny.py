@@ -37,7 +37,7 @@ def test_tiny_model_loads_and_generates(tiny_model_dir, family):
 def test_family_features(tiny_model_dir, family):
     weights = load_file(tiny_model_dir(family) / "model.safetensors")
     layer = "model.layers.0."
-    has = {name[len(layer):] for name in weights if name.startswith(layer)}
+    has = {name[len(layer) :] for name in weights if name.startswith(layer)}
     qkv_bias = {f"self_attn.{p}_proj.bias" for p in "qkv"}
     qk_norm = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
     assert (qkv_bias <= has) == (family == "qwen2")
@@ -55,10 +55,10 @@ def test_family_features(tiny_model_dir, family):
 
 def test_same_seed_same_weights_and_other_seed_differs(tiny_model_dir, smollm2_dir, tmp_path):
     reference = load_file(tiny_model_dir("llama") / "model.safetensors")
-    again = load_file(make_tiny_model("llama", tmp_path / "a", tokenizer_from=str(smollm2_dir))
-                      / "model.safetensors")
-    other = load_file(make_tiny_model("llama", tmp_path / "b", seed=1,
-                                      tokenizer_from=str(smollm2_dir)) / "model.safetensors")
+    again = load_file(make_tiny_model("llama", tmp_path / "a", tokenizer_from=str(smollm2_dir)) / "model.safetensors")
+    other = load_file(
+        make_tiny_model("llama", tmp_path / "b", seed=1, tokenizer_from=str(smollm2_dir)) / "model.safetensors"
+    )
     assert reference.keys() == again.keys()
     assert all(torch.equal(reference[k], again[k]) for k in reference)
     assert not torch.equal(reference["model.embed_tokens.weight"], other["model.embed_tokens.weight"])

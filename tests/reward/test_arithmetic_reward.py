@@ -59,7 +59,12 @@ def test_final_number(completion, number):
 
 @pytest.mark.parametrize(
     "completion, answer, outcome",
-    [("56", "56", "correct"), ("55", "56", "incorrect"), ("no idea", "56", "no_answer"), ("56", "n/a", "bad_reference")],
+    [
+        ("56", "56", "correct"),
+        ("55", "56", "incorrect"),
+        ("no idea", "56", "no_answer"),
+        ("56", "n/a", "bad_reference"),
+    ],
 )
 def test_outcome_says_how_the_reward_was_decided(completion, answer, outcome):
     assert arithmetic_reward(completion, answer).outcome == outcome

@@ -24,8 +24,18 @@ def start_fake_servers(n: int, dialect: str = "vllm", token_delay: float = 0.005
     """
     servers = []
     for i, port in enumerate(find_free_ports(n)):
-        cmd = [sys.executable, FAKE_SERVER, "--port", str(port), "--dialect", dialect,
-               "--token-delay", str(token_delay), "--eos-every", str(eos_every)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            FAKE_SERVER,
+            "--port",
+            str(port),
+            "--dialect",
+            dialect,
+            "--token-delay",
+            str(token_delay),
+            "--eos-every",
+            str(eos_every),
+        ]
         for name, value in faults.items():
             cmd += [f"--{name.replace('_', '-')}", str(value + i if name == "seed" else value)]
         servers.append(InferenceServer(LaunchSpec(cmd=cmd, port=port), name=f"fake-{dialect}").start())

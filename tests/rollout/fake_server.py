@@ -100,8 +100,20 @@ TRANSPORT_FAULTS = {  # name -> what megarl must do with it: "retry" (then the c
 }
 """Fault names of transport-level bad replies, for ``POST /_faults``, and the expected handling."""
 
-RANDOM_FAULTS = ["500", "503", "429", "malformed", "html", "truncated", "reset_mid_body", "disconnect",
-                 "nan_logprob", "length_mismatch", "extra_tokens", "empty_choices"]  # fmt: skip
+RANDOM_FAULTS = [
+    "500",
+    "503",
+    "429",
+    "malformed",
+    "html",
+    "truncated",
+    "reset_mid_body",
+    "disconnect",
+    "nan_logprob",
+    "length_mismatch",
+    "extra_tokens",
+    "empty_choices",
+]
 """The faults ``--fail-rate`` draws from: retryable ones (a 4xx or a hang would only test the budget)."""
 
 
@@ -259,7 +271,8 @@ class FakeServer:
             start = body.get("routed_experts_start_len", 0)
             positions = range(start, start + len(out))  # the forwards that produced the new tokens
             meta["routed_experts"] = base64.b64encode(
-                np.array([routed_at(p) for p in positions], dtype=np.int32).tobytes()).decode()  # fmt: skip
+                np.array([routed_at(p) for p in positions], dtype=np.int32).tobytes()
+            ).decode()
         return web.json_response({"text": "", "output_ids": out, "meta_info": meta})
 
     async def pause(self, request: web.Request) -> web.Response:
@@ -310,8 +323,14 @@ class FakeServer:
         return web.json_response({"queued": len(self.faults)})
 
     async def get_stats(self, request: web.Request) -> web.Response:
-        return web.json_response({**self.stats, "paused": not self.resumed.is_set(), "sleeping": self.sleeping,
-                                  "payloads": self.payloads[-5:]})  # fmt: skip
+        return web.json_response(
+            {
+                **self.stats,
+                "paused": not self.resumed.is_set(),
+                "sleeping": self.sleeping,
+                "payloads": self.payloads[-5:],
+            }
+        )
 
     def app(self) -> web.Application:
         app = web.Application()

@@ -58,9 +58,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(request["launch_args"])
-    print(json.dumps({"ok": True, "model_path": args.model_path, "tp_size": args.tp_size, "port": args.port,
-                      "routed_experts": args.enable_return_routed_experts,
-                      "memory_saver": args.enable_memory_saver}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "ok": True,
+                "model_path": args.model_path,
+                "tp_size": args.tp_size,
+                "port": args.port,
+                "routed_experts": args.enable_return_routed_experts,
+                "memory_saver": args.enable_memory_saver,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ GUARDED = [  # (method, route, body): what an outsider on the network would try
 
 def _status(address: str, method: str, route: str, body, headers: dict) -> int:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://{address}{route}", data=data, method=method,
-                                     headers={"Content-Type": "application/json", **headers})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://{address}{route}", data=data, method=method, headers={"Content-Type": "application/json", **headers}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as reply:
             return reply.status
@@ -79,8 +80,9 @@ def test_requests_without_the_key_are_refused_and_weights_stay(keyed_server, mon
 
     async def pool_session_completion() -> int:
         async with make_session(4) as session:
-            async with session.post(f"http://{keyed_server}/v1/completions",
-                                    json={"model": _model(keyed_server), **PROMPT}) as reply:  # fmt: skip
+            async with session.post(
+                f"http://{keyed_server}/v1/completions", json={"model": _model(keyed_server), **PROMPT}
+            ) as reply:
                 return reply.status
 
     assert asyncio.run(pool_session_completion()) == 200
@@ -107,7 +109,9 @@ def test_middleware_guards_all_but_health_and_only_with_a_key(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "k")
     refused = asyncio.run(call("/pause", [(b"authorization", b"Bearer x")]))
     assert refused[0]["status"] == 401 and seen == ["/pause"]
-    assert asyncio.run(call("/health", [])) == [] and asyncio.run(call("/pause", [(b"authorization", b"Bearer k")])) == []
+    assert (
+        asyncio.run(call("/health", [])) == [] and asyncio.run(call("/pause", [(b"authorization", b"Bearer k")])) == []
+    )
     assert seen == ["/pause", "/health", "/pause"] and auth_headers() == {"Authorization": "Bearer k"}
 
 

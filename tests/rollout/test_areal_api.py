@@ -137,8 +137,11 @@ def test_a_failed_rollout_batch_leaves_no_error_behind():
     pool = RolloutPool(SimEngine(), InferenceEngineConfig(), batch_size=4).start()
     try:
         with pytest.raises(RolloutError, match="failed on task"):
-            pool.rollout_batch([{"id": i, "chunk_delays": [0.01]} for i in range(4)], SimWorkflow(),
-                               should_accept_fn=lambda traj: 1 / 0)  # fmt: skip
+            pool.rollout_batch(
+                [{"id": i, "chunk_delays": [0.01]} for i in range(4)],
+                SimWorkflow(),
+                should_accept_fn=lambda traj: 1 / 0,
+            )
         batch = pool.rollout_batch([{"id": 7, "chunk_delays": [0.0]}], SimWorkflow())
         assert batch["rewards"].tolist() == [7.0]
         pool.submit({"id": 8, "chunk_delays": [0.0]}, SimWorkflow())

@@ -62,8 +62,12 @@ def coordinator_rank(alloc: str, group_size: int) -> dict:
     layout = DataParallelLayout.from_parallel(parallel)
     rollout = _StubRollout(layout.dp_rank, group_size) if layout.is_head else None
     batch = DistRolloutCoordinator(rollout, layout, group_size).prepare_batch(None, None)
-    return {"dp_rank": layout.dp_rank, "is_head": layout.is_head, "rewards": batch["rewards"].tolist(),
-            "tokens": int(batch["attention_mask"].sum())}  # fmt: skip
+    return {
+        "dp_rank": layout.dp_rank,
+        "is_head": layout.is_head,
+        "rewards": batch["rewards"].tolist(),
+        "tokens": int(batch["attention_mask"].sum()),
+    }
 
 
 @pytest.mark.multiproc
@@ -111,9 +115,15 @@ def readmitting_rank(alloc: str, group_size: int) -> dict:
     layout = DataParallelLayout.from_parallel(parallel)
     rollout = _InterruptedRollout(layout.dp_rank, group_size) if layout.is_head else None
     readmits = []
-    batch = DistRolloutCoordinator(rollout, layout, group_size).prepare_batch(None, None, readmit=lambda: readmits.append(1))
-    return {"dp_rank": layout.dp_rank, "rewards": batch["rewards"].tolist(), "readmits": len(readmits),
-            "calls": rollout.calls if rollout is not None else 0}  # fmt: skip
+    batch = DistRolloutCoordinator(rollout, layout, group_size).prepare_batch(
+        None, None, readmit=lambda: readmits.append(1)
+    )
+    return {
+        "dp_rank": layout.dp_rank,
+        "rewards": batch["rewards"].tolist(),
+        "readmits": len(readmits),
+        "calls": rollout.calls if rollout is not None else 0,
+    }
 
 
 @pytest.mark.multiproc

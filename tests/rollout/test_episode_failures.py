@@ -142,8 +142,15 @@ def test_random_faults_never_reach_the_trainer(fake_servers):
     """A server that fails or delays a third of its requests at random (every kind of bad reply):
     several batches, every row clean, each batch exactly its dataloader batch (synchronous RL)."""
     servers = fake_servers(2, fail_rate=0.3, delay_rate=0.2, max_delay=0.2, seed=5)
-    engine = make_engine([s.address for s in servers], batch_size=8, max_concurrent_rollouts=8, max_staleness=0,
-                         request_retries=3, episode_retries=3, unhealthy_retry_interval=0.2)  # fmt: skip
+    engine = make_engine(
+        [s.address for s in servers],
+        batch_size=8,
+        max_concurrent_rollouts=8,
+        max_staleness=0,
+        request_retries=3,
+        episode_retries=3,
+        unhealthy_retry_interval=0.2,
+    )
     loader = ListLoader([{"id": i} for i in range(16)], batch_size=8)
     batches = []
     try:

@@ -141,8 +141,11 @@ def test_wait_fails_at_once_when_stale_drops_leave_too_few(pool_factory, caplog)
     pool.notify_version()
     start = time.monotonic()
     with caplog.at_level("WARNING", logger="megarl.rollout.pool"), stats_tracker.scope("t_stale"):
-        with pytest.raises(RolloutError, match=r"2 trajectories were dropped as stale .*version\(s\) \[0\].*"
-                                               r"max_staleness=1 accepts version 2 or newer.*only 0 of the 2"):
+        with pytest.raises(
+            RolloutError,
+            match=r"2 trajectories were dropped as stale .*version\(s\) \[0\].*"
+            r"max_staleness=1 accepts version 2 or newer.*only 0 of the 2",
+        ):
             pool.wait(2, timeout=30)
     assert time.monotonic() - start < 1
     assert sum("dropped a stale trajectory of version 0" in r.getMessage() for r in caplog.records) == 2
@@ -290,7 +293,9 @@ def test_evaluation_larger_than_the_queue_finishes_while_training_prefetches(poo
     pool.prepare_batch(loader, SimWorkflow())  # feeds the next batch, as the trainer does each step
     done = {}
     evaluation = sim_items(40, seed=7, slow_p=0.0)
-    thread = threading.Thread(target=lambda: done.update(batch=pool.rollout_batch(evaluation, SimWorkflow(), is_eval=True)))
+    thread = threading.Thread(
+        target=lambda: done.update(batch=pool.rollout_batch(evaluation, SimWorkflow(), is_eval=True))
+    )
     thread.start()
     thread.join(60)
     assert not thread.is_alive(), "evaluation starved behind prefetched training episodes"
@@ -307,7 +312,9 @@ def test_evaluation_passes_training_tasks_parked_at_the_staleness_bound(pool_fac
         pool.submit(item, SimWorkflow())
     done = {}
     thread = threading.Thread(
-        target=lambda: done.update(batch=pool.rollout_batch(sim_items(3, seed=7, slow_p=0.0), SimWorkflow(), is_eval=True))
+        target=lambda: done.update(
+            batch=pool.rollout_batch(sim_items(3, seed=7, slow_p=0.0), SimWorkflow(), is_eval=True)
+        )
     )
     thread.start()
     thread.join(30)

@@ -27,8 +27,14 @@ def test_a_sample_half_generated_on_a_dead_server_reruns_its_episode_from_scratc
     """Interrupted samples (a pause) whose server dies meanwhile are not continued elsewhere: their
     episodes run again from scratch, even with ``episode_retries=0``; no item is dropped."""
     servers = fake_servers(2, token_delay=0.02)
-    engine = make_engine([s.address for s in servers], batch_size=8, max_concurrent_rollouts=8, max_staleness=4,
-                         episode_retries=0, request_retries=1)  # fmt: skip
+    engine = make_engine(
+        [s.address for s in servers],
+        batch_size=8,
+        max_concurrent_rollouts=8,
+        max_staleness=4,
+        episode_retries=0,
+        request_retries=1,
+    )
     stats_tracker.export(local=True)
     try:
         for i in range(8):
@@ -100,8 +106,9 @@ def test_under_a_launcher_a_server_death_reruns_every_episode_it_had(fake_server
     """With the run directory (a launcher that restarts servers), a request on a server that dies fails its
     episode even with no token yet: the episode's samples that finished before the death are not kept."""
     servers = fake_servers(2, token_delay=0.02)
-    engine = RemoteInferenceEngine(fast_config(episode_retries=0, request_retries=1, max_concurrent_rollouts=8,
-                                               max_staleness=4), "vllm")  # fmt: skip
+    engine = RemoteInferenceEngine(
+        fast_config(episode_retries=0, request_retries=1, max_concurrent_rollouts=8, max_staleness=4), "vllm"
+    )
     engine.initialize(server_addrs=[s.address for s in servers], batch_size=8, dump_dir=str(tmp_path))
     stats_tracker.export(local=True)
     try:

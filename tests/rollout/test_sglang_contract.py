@@ -138,8 +138,14 @@ def test_against_sglang_io_struct_and_server_args(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"ok": True, "model_path": "/models/qwen", "tp_size": 2, "port": 30000, "routed_experts": False,
-                      "memory_saver": False}  # fmt: skip
+    assert result == {
+        "ok": True,
+        "model_path": "/models/qwen",
+        "tp_size": 2,
+        "port": 30000,
+        "routed_experts": False,
+        "memory_saver": False,
+    }
 
 
 def test_routed_experts_request_and_server_flag_against_sglang(tmp_path):
@@ -152,10 +158,21 @@ def test_routed_experts_request_and_server_flag_against_sglang(tmp_path):
     spec = sglang_launch_spec(SGLangConfig(), "/models/moe", "127.0.0.1", 30000, tp=1, devices=[0], routed_experts=True)
     (pause,) = backend.pause_calls()
     _, resume = backend.resume_calls()
-    request = {"vocab_size": 49152, "generate": [payload], "pause": pause.payload, "resume": resume.payload,
-               "launch_args": spec.cmd[3:]}  # fmt: skip
-    proc = subprocess.run([sys.executable, CHECK_SCRIPT], input=json.dumps(request), capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+    request = {
+        "vocab_size": 49152,
+        "generate": [payload],
+        "pause": pause.payload,
+        "resume": resume.payload,
+        "launch_args": spec.cmd[3:],
+    }
+    proc = subprocess.run(
+        [sys.executable, CHECK_SCRIPT],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["routed_experts"] is True
 
@@ -167,13 +184,29 @@ def test_colocated_sleep_and_wake_against_sglang():
     pause, release = backend.sleep_calls()
     (resume_memory,) = backend.wake_calls()
     assert (pause.endpoint, release.endpoint, resume_memory.endpoint) == (
-        "/pause_generation", "/release_memory_occupation", "/resume_memory_occupation")  # fmt: skip
+        "/pause_generation",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+    )
     spec = sglang_launch_spec(SGLangConfig(), "/models/qwen", "127.0.0.1", 30000, tp=1, devices=[0], colocated=True)
     _, resume = backend.resume_calls()
-    request = {"vocab_size": 49152, "generate": _payloads(), "pause": pause.payload, "resume": resume.payload,
-               "release": release.payload, "resume_memory": resume_memory.payload, "launch_args": spec.cmd[3:]}  # fmt: skip
-    proc = subprocess.run([sys.executable, CHECK_SCRIPT], input=json.dumps(request), capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+    request = {
+        "vocab_size": 49152,
+        "generate": _payloads(),
+        "pause": pause.payload,
+        "resume": resume.payload,
+        "release": release.payload,
+        "resume_memory": resume_memory.payload,
+        "launch_args": spec.cmd[3:],
+    }
+    proc = subprocess.run(
+        [sys.executable, CHECK_SCRIPT],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["memory_saver"] is True
 

@@ -65,8 +65,9 @@ def child(run_dir: str, log: str) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     engine = TorchEngine()
-    loader = StatefulDataLoader(list(range(10_000)), batch_size=4, shuffle=True,
-                                generator=torch.Generator().manual_seed(7))  # fmt: skip
+    loader = StatefulDataLoader(
+        list(range(10_000)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)
+    )
     handler = RecoverHandler(RecoverConfig(mode="auto", freq_steps=1), Path(run_dir))
     info = handler.load(engine)
     start = 0 if info is None else info.global_step + 1

@@ -70,8 +70,13 @@ def observe_optimizer(engine) -> dict:
 @pytest.fixture(scope="module")
 def recovered(tiny_model_dir, tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("recover_run")
-    out = run_ranks(1, "tests.run.test_recover:dump_then_recover", model_dir=str(tiny_model_dir("llama")),
-                    run_dir=str(run_dir), timeout=300)[0]  # fmt: skip
+    out = run_ranks(
+        1,
+        "tests.run.test_recover:dump_then_recover",
+        model_dir=str(tiny_model_dir("llama")),
+        run_dir=str(run_dir),
+        timeout=300,
+    )[0]
     return {**out, "run_dir": run_dir}
 
 
@@ -184,8 +189,11 @@ def test_a_full_disk_fails_the_dump_and_keeps_the_previous_point(tmp_path, monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(OSError, match=r"no space left .* recover point step4: the partial dump was removed; "
-                                      r"the previous points are intact \(step3\)"):  # fmt: skip
+    with pytest.raises(
+        OSError,
+        match=r"no space left .* recover point step4: the partial dump was removed; "
+        r"the previous points are intact \(step3\)",
+    ):
         dump(tmp_path, 4)
     monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["step3"]
@@ -257,4 +265,6 @@ def test_a_critic_is_dumped_and_loaded_beside_the_actor(tmp_path):
     assert critic_back.loaded_from == str(tmp_path / "recover" / "step3" / "critic")
     dump(tmp_path / "grpo", 2)  # a run without a critic
     with pytest.raises(FileNotFoundError, match="no critic/ checkpoint"):
-        RecoverHandler(RecoverConfig(mode="auto"), tmp_path / "grpo").load({"model": StubEngine(), "critic": StubEngine()})
+        RecoverHandler(RecoverConfig(mode="auto"), tmp_path / "grpo").load(
+            {"model": StubEngine(), "critic": StubEngine()}
+        )

@@ -20,11 +20,21 @@ def _write_run(run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in range(STEPS):
-        row = {"epoch": 0, "epoch_step": step, "global_step": step, "batch/reward/avg": 0.2 + 0.1 * step,
-               "timeperf/rollout": 5.0, "timeperf/train_step": 3.0 + step, "timeperf/update_weights": 1.0,
-               "rollout/staleness_hist/0": 6.0, "rollout/staleness_hist/1": 2.0,
-               "ppo_actor/gap/abs_logp_diff/avg": 1e-3, "ppo_actor/gap/abs_logp_diff/p99": 5e-3,
-               "ppo_actor/gap/abs_logp_diff/max": 1e-2, "ppo_actor/gap/lag_0/abs_logp_diff/avg": 8e-4}  # fmt: skip
+        row = {
+            "epoch": 0,
+            "epoch_step": step,
+            "global_step": step,
+            "batch/reward/avg": 0.2 + 0.1 * step,
+            "timeperf/rollout": 5.0,
+            "timeperf/train_step": 3.0 + step,
+            "timeperf/update_weights": 1.0,
+            "rollout/staleness_hist/0": 6.0,
+            "rollout/staleness_hist/1": 2.0,
+            "ppo_actor/gap/abs_logp_diff/avg": 1e-3,
+            "ppo_actor/gap/abs_logp_diff/p99": 5e-3,
+            "ppo_actor/gap/abs_logp_diff/max": 1e-2,
+            "ppo_actor/gap/lag_0/abs_logp_diff/avg": 8e-4,
+        }
         if step % 2 == 1:
             row["eval/pass@1"] = 0.1 * step
         lines.append(json.dumps(row))
@@ -32,10 +42,24 @@ def _write_run(run_dir: Path) -> Path:
     for version, rewards in ((1, [1.0, 0.0, 1.0, 0.0]), (2, [1.0, 1.0, 0.0, 1.0])):
         folder = run_dir / "rollout" / str(version)
         folder.mkdir(parents=True)
-        rows = [{"task_id": 10 * version, "sample_idx": i, "seqlen": 7, "prompt_len": 4, "head_version": version - 1,
-                 "tail_version": version, "reward": r, "prompt": "2+2=", "completion": f"<{i}>",
-                 "tokens": ["4", "</s>", "!"], "logprobs": [-0.1, -2.5, -0.01], "trained": [1, 1, 1],
-                 "versions": [version - 1, version, version]} for i, r in enumerate(rewards)]  # fmt: skip
+        rows = [
+            {
+                "task_id": 10 * version,
+                "sample_idx": i,
+                "seqlen": 7,
+                "prompt_len": 4,
+                "head_version": version - 1,
+                "tail_version": version,
+                "reward": r,
+                "prompt": "2+2=",
+                "completion": f"<{i}>",
+                "tokens": ["4", "</s>", "!"],
+                "logprobs": [-0.1, -2.5, -0.01],
+                "trained": [1, 1, 1],
+                "versions": [version - 1, version, version],
+            }
+            for i, r in enumerate(rewards)
+        ]
         (folder / f"{10 * version}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
 
@@ -113,6 +137,8 @@ def test_watchdog_events_read_as_their_lines(tmp_path):
     """The report shows each watchdog event as the console line that named it."""
     run_dir = _write_run(tmp_path / "run")
     line = "megarl watchdog: trainer-1 in phase 'train_step' for 31 s (budget 30 s); stacks in stacks/"
-    (run_dir / "watchdog.jsonl").write_text(json.dumps({"kind": "overdue", "names": ["trainer-1"], "line": line}) + "\n")
+    (run_dir / "watchdog.jsonl").write_text(
+        json.dumps({"kind": "overdue", "names": ["trainer-1"], "line": line}) + "\n"
+    )
     page = build_report(run_dir).read_text()
     assert "<li>megarl watchdog: trainer-1 in phase &#x27;train_step&#x27; for 31 s" in page

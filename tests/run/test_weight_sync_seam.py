@@ -71,8 +71,14 @@ class _Bridge:
         self.connected, self.is_driver = True, True
 
     def update(self, source, version, mode, path):
-        return UpdateReport(version=version, mode=mode or "sharded", seconds=0.1, bytes_sent=10,
-                            updated=list(self.updated), failed=dict(self.failed))  # fmt: skip
+        return UpdateReport(
+            version=version,
+            mode=mode or "sharded",
+            seconds=0.1,
+            bytes_sent=10,
+            updated=list(self.updated),
+            failed=dict(self.failed),
+        )
 
     def broadcast_object(self, value):
         return value

@@ -17,8 +17,15 @@ pytestmark = pytest.mark.vllm
 
 # reward_bias: every return is nonzero, so the critic learns something from any first batch;
 # keep_last=1: each point holds the actor and the critic with their Adam state (~3.6 GB)
-CRITIC = ["algorithm.adv_estimator=gae", "critic.optimizer.lr=1e-4", "actor.reward_bias=0.5", "recover.mode=auto",
-          "recover.freq_steps=1", "recover.keep_last=1", "saver.keep_last=1"]  # fmt: skip
+CRITIC = [
+    "algorithm.adv_estimator=gae",
+    "critic.optimizer.lr=1e-4",
+    "actor.reward_bias=0.5",
+    "recover.mode=auto",
+    "recover.freq_steps=1",
+    "recover.keep_last=1",
+    "saver.keep_last=1",
+]
 
 
 def test_critic_ppo_trains_and_resumes_with_its_critic(tmp_path):

@@ -65,8 +65,16 @@ def test_colocated_learns_arithmetic_within_40_steps_and_20_minutes(tmp_path):
 def learns_arithmetic(tmp_path: Path, overrides: list[str], bar: float = 0.15, minutes: float = 20) -> Path:
     """Run the arithmetic config with ``overrides`` and check the learning ``bar`` (reward gain,
     first 5 vs last 5 steps) and the time budget; returns the run directory."""
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
-           f"cluster.fileroot={tmp_path}", "stats_logger.wandb.mode=disabled", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.launcher.cli",
+        "run",
+        str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
+        f"cluster.fileroot={tmp_path}",
+        "stats_logger.wandb.mode=disabled",
+        *overrides,
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     start = time.monotonic()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30 * 60)

@@ -15,17 +15,32 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT_RUN = ["total_train_steps=2", "train_dataset.batch_size=2", "gconfig.n_samples=2", "gconfig.max_new_tokens=16",
-             "evaluator.freq_steps=2", "evaluator.max_samples=2", "saver.freq_steps=null",
-             "stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false"]  # fmt: skip
+SHORT_RUN = [
+    "total_train_steps=2",
+    "train_dataset.batch_size=2",
+    "gconfig.n_samples=2",
+    "gconfig.max_new_tokens=16",
+    "evaluator.freq_steps=2",
+    "evaluator.max_samples=2",
+    "saver.freq_steps=null",
+    "stats_logger.wandb.mode=disabled",
+    "stats_logger.tensorboard.enabled=false",
+]
 STARTUP_LINES = 4  # what runs where, dtype, threads, servers ready
 STEPS = 2
 
 
 @pytest.mark.vllm
 def test_main_job_console_has_a_few_lines(tmp_path):
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"),
-           f"cluster.fileroot={tmp_path}", *SHORT_RUN]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.launcher.cli",
+        "run",
+        str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"),
+        f"cluster.fileroot={tmp_path}",
+        *SHORT_RUN,
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
     console = result.stdout + result.stderr
@@ -35,7 +50,7 @@ def test_main_job_console_has_a_few_lines(tmp_path):
     assert startup[1].startswith("dtype: trainer ") and startup[2].startswith("threads: "), console
     step_lines = [line for line in rest if line.startswith("step ")]
     assert [line.split()[1] for line in step_lines] == ["1/2", "2/2"], console
-    summary = rest[rest.index(next(line for line in rest if line.startswith("megarl: finished"))):]
+    summary = rest[rest.index(next(line for line in rest if line.startswith("megarl: finished"))) :]
     status = [line for line in rest if line.startswith("train ")]  # at most one per 10 s of a piped console
     assert len(rest) <= STEPS * 3 + len(status) + len(summary), console
     assert len(lines) <= 25, console

@@ -27,9 +27,16 @@ import pytest
 from examples.rewards.brief_answer import brief_answer_reward
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT_RUN = ["total_train_steps=2", "train_dataset.batch_size=2", "gconfig.n_samples=2", "gconfig.max_new_tokens=16",
-             "valid_dataset=null", "saver.freq_steps=null", "stats_logger.wandb.mode=disabled",
-             "stats_logger.tensorboard.enabled=false"]  # fmt: skip
+SHORT_RUN = [
+    "total_train_steps=2",
+    "train_dataset.batch_size=2",
+    "gconfig.n_samples=2",
+    "gconfig.max_new_tokens=16",
+    "valid_dataset=null",
+    "saver.freq_steps=null",
+    "stats_logger.wandb.mode=disabled",
+    "stats_logger.tensorboard.enabled=false",
+]
 SYSTEM_PROMPT = "Reply with digits only."
 SPECIAL = ("<|im_end|>", "<|endoftext|>")
 
@@ -39,8 +46,17 @@ pytestmark = pytest.mark.vllm
 def _run(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = ()) -> Path:
     """``megarl run`` of the arithmetic config (then ``configs``) from the repository root; the run
     directory (its console output in ``console.txt`` beside it)."""
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", "configs/arithmetic_grpo_cpu.yaml", *configs,
-           f"cluster.fileroot={tmp_path}", *SHORT_RUN, *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.launcher.cli",
+        "run",
+        "configs/arithmetic_grpo_cpu.yaml",
+        *configs,
+        f"cluster.fileroot={tmp_path}",
+        *SHORT_RUN,
+        *overrides,
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
@@ -67,10 +83,14 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
     )
     saved = (run_dir / "config.yaml").read_text()
     assert f"reward_fn: {mine.resolve() / 'brief.py'}:brief_answer_reward" in saved, "the trainer read the file's path"
-    rows = [json.loads(line) for f in sorted((run_dir / "rollout").rglob("*.jsonl")) for line in f.read_text().splitlines()]
+    rows = [
+        json.loads(line) for f in sorted((run_dir / "rollout").rglob("*.jsonl")) for line in f.read_text().splitlines()
+    ]
     assert len(rows) >= 4, "two steps of two groups of two"
-    answers = {json.loads(line)["messages"][0]["content"]: json.loads(line)["answer"]
-               for line in (ROOT / "megarl/data/arithmetic/train.jsonl").read_text().splitlines()}  # fmt: skip
+    answers = {
+        json.loads(line)["messages"][0]["content"]: json.loads(line)["answer"]
+        for line in (ROOT / "megarl/data/arithmetic/train.jsonl").read_text().splitlines()
+    }
     for row in rows:
         assert SYSTEM_PROMPT in row["prompt"], row["prompt"]
         question = next(q for q in answers if q in row["prompt"])
@@ -96,7 +116,9 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
 
 def test_multi_turn_agent_runs_by_config_alone(tmp_path):
     # a gap threshold no real pair of engines meets: the step's gap warning reaches the console
-    run_dir = _run(tmp_path, "workflow.type=multi_turn", "workflow.kwargs.max_turns=2", "weight_update.gap_threshold=1e-12")
+    run_dir = _run(
+        tmp_path, "workflow.type=multi_turn", "workflow.kwargs.max_turns=2", "weight_update.gap_threshold=1e-12"
+    )
     steps = _metrics(run_dir)
     assert len(steps) == 2
     trained = [step for step in steps if step.get("ppo_actor/gap/lag_0/n_tokens", 0) > 0]
@@ -108,7 +130,9 @@ def test_multi_turn_agent_runs_by_config_alone(tmp_path):
 
 def test_openai_client_agent_runs_by_config_alone(tmp_path):
     """AReaL's agent API (``async def run(data, **extra_kwargs)`` on the openai client) behind megarl's proxy."""
-    run_dir = _run(tmp_path, "workflow.type=examples.workflows.openai_agent.CalculatorAgent", "gconfig.max_new_tokens=48")
+    run_dir = _run(
+        tmp_path, "workflow.type=examples.workflows.openai_agent.CalculatorAgent", "gconfig.max_new_tokens=48"
+    )
     steps = _metrics(run_dir)
     assert len(steps) == 2
     for step in steps:

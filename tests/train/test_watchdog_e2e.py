@@ -23,12 +23,27 @@ BUDGET_S = 20
 
 @pytest.mark.vllm
 def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"),
-           f"cluster.fileroot={tmp_path}", "total_train_steps=1", "stats_logger.wandb.mode=disabled",
-           f"watchdog.budget_s={BUDGET_S}", "watchdog.min_budget_s=5", "watchdog.interval_s=1",
-           "watchdog.action=abort"]  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               **{FAULT_STALL_ENV: "trainer-0:build:600"})  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.launcher.cli",
+        "run",
+        str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"),
+        f"cluster.fileroot={tmp_path}",
+        "total_train_steps=1",
+        "stats_logger.wandb.mode=disabled",
+        f"watchdog.budget_s={BUDGET_S}",
+        "watchdog.min_budget_s=5",
+        "watchdog.interval_s=1",
+        "watchdog.action=abort",
+    ]
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        **{FAULT_STALL_ENV: "trainer-0:build:600"},
+    )
     start = time.monotonic()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     console = result.stdout + result.stderr
@@ -48,14 +63,32 @@ def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
 def test_restart_resumes_from_the_last_recover_point(tmp_path):
     """``watchdog.action=restart``: the stalled trainer is stopped and started again from its recover
     point (after step 0); the run finishes with every step trained once."""
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
-           f"cluster.fileroot={tmp_path}", "total_train_steps=3", "stats_logger.wandb.mode=disabled",
-           "evaluator.freq_steps=null", "recover.mode=auto", "recover.retries=1", "recover.freq_steps=1",
-           "watchdog.budget_s=600", "watchdog.phase_budget_s.train_step=45", "watchdog.interval_s=1",
-           "watchdog.action=restart"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.launcher.cli",
+        "run",
+        str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
+        f"cluster.fileroot={tmp_path}",
+        "total_train_steps=3",
+        "stats_logger.wandb.mode=disabled",
+        "evaluator.freq_steps=null",
+        "recover.mode=auto",
+        "recover.retries=1",
+        "recover.freq_steps=1",
+        "watchdog.budget_s=600",
+        "watchdog.phase_budget_s.train_step=45",
+        "watchdog.interval_s=1",
+        "watchdog.action=restart",
+    ]
     once = tmp_path / "stalled-once"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               **{FAULT_STALL_ENV: "trainer-0:train_step#2:600", FAULT_STALL_ONCE_ENV: str(once)})  # fmt: skip
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        **{FAULT_STALL_ENV: "trainer-0:train_step#2:600", FAULT_STALL_ONCE_ENV: str(once)},
+    )
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     console = result.stdout + result.stderr
     assert result.returncode == 0, console[-3000:]

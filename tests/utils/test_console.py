@@ -63,7 +63,7 @@ def test_open_console_sends_everything_else_to_the_log(tmp_path):
         import os, sys, warnings
         from pathlib import Path
         from megarl.utils.console import open_console
-        con = open_console(Path({str(tmp_path / 'logs' / 'trainer.log')!r}), rank=0, verbose=False)
+        con = open_console(Path({str(tmp_path / "logs" / "trainer.log")!r}), rank=0, verbose=False)
         print("library chatter")
         warnings.warn("Apex is not installed")
         os.system("echo from a child process")

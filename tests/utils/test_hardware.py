@@ -37,8 +37,15 @@ def test_cpu_info_reads_this_machine():
     assert ("avx2" in info.flags) == ("avx2" in open("/proc/cpuinfo").read())
 
 
-@pytest.mark.parametrize(("flags", "want"), [(AVX2, "float32"), (AVX2 | {"avx512f"}, "float32"),
-                                             (SAPPHIRE_RAPIDS, "bfloat16"), (AVX2 | {"avx512_bf16"}, "bfloat16")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        (AVX2, "float32"),
+        (AVX2 | {"avx512f"}, "float32"),
+        (SAPPHIRE_RAPIDS, "bfloat16"),
+        (AVX2 | {"avx512_bf16"}, "bfloat16"),
+    ],
+)
 def test_auto_follows_the_bf16_instructions(cpu, flags, want):
     cpu(flags)
     assert hardware.auto_dtype("cpu")[0] == want

@@ -13,8 +13,14 @@ from tests.actor.workers import make_grouped_batch
 @pytest.mark.parametrize("alloc, world", [("d1p1t1", 1), ("d1p2t1", 2)])
 def test_micro_batches_and_collectives_reach_the_heartbeat(tiny_model_dir, tmp_path, alloc, world):
     batch = make_grouped_batch(4, 2, prompt_len=5, seed=3)
-    outs = run_ranks(world, "tests.actor.workers:heartbeat_steps", model_dir=str(tiny_model_dir("llama")),
-                     alloc=alloc, batch=batch, run_dir=str(tmp_path))  # fmt: skip
+    outs = run_ranks(
+        world,
+        "tests.actor.workers:heartbeat_steps",
+        model_dir=str(tiny_model_dir("llama")),
+        alloc=alloc,
+        batch=batch,
+        run_dir=str(tmp_path),
+    )
     for out in outs:
         # compute_logp's forward-only pass, then the update's forward-backward, 2 micro-batches each
         assert out["steps"][:2] == ["micro-batch forward 1 of 2", "micro-batch forward 2 of 2"], out["steps"]

@@ -108,9 +108,7 @@ _PARENT = textwrap.dedent(
 
 @pytest.mark.parametrize("how", ["exit", "sigterm", "sigint"])
 def test_kill_on_exit(how):
-    parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, how], stdout=subprocess.PIPE, text=True
-    )
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, how], stdout=subprocess.PIPE, text=True)
     child_pid = int(parent.stdout.readline())
     tree = [child_pid] + [p.pid for p in psutil.Process(child_pid).children(recursive=True)]
     assert len(tree) == 3

@@ -35,9 +35,11 @@ class ScriptedLLM:
         budget = req.gconfig.max_new_tokens
         ids = list(reply[:budget])
         resp = ModelResponse(
-            input_tokens=list(req.input_ids), output_tokens=ids,
-            output_logprobs=[-(k + i / 1000) for i in range(len(ids))], output_versions=[k] * len(ids),
+            input_tokens=list(req.input_ids),
+            output_tokens=ids,
+            output_logprobs=[-(k + i / 1000) for i in range(len(ids))],
+            output_versions=[k] * len(ids),
             stop_reason="length" if len(reply) > budget else "stop",
-        )  # fmt: skip
+        )
         self.responses.append(resp)
         return resp

@@ -27,8 +27,12 @@ class MathAgent:
         self.temperature = temperature
 
     async def run(self, data, **extra_kwargs):
-        client = AsyncOpenAI(base_url=extra_kwargs["base_url"], api_key=extra_kwargs["api_key"],
-                             http_client=extra_kwargs["http_client"], max_retries=0)  # fmt: skip
+        client = AsyncOpenAI(
+            base_url=extra_kwargs["base_url"],
+            api_key=extra_kwargs["api_key"],
+            http_client=extra_kwargs["http_client"],
+            max_retries=0,
+        )
         completion = await client.chat.completions.create(
             messages=data["messages"], model="default", temperature=self.temperature
         )

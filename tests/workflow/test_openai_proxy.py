@@ -29,10 +29,16 @@ from tests.conftest import VLLM_MAX_MODEL_LEN
 from tests.workflow.scripted_llm import ScriptedLLM
 
 ROW = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "a + b",
-    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
-}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a + b",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+        },
+    }
+]
 CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 AGENT_PATH = "examples.workflows.openai_agent.CalculatorAgent"
 
@@ -46,8 +52,12 @@ def tokenizer(smollm2_dir):
 
 def client_of(extra_kwargs) -> AsyncOpenAI:
     """The client an agent builds from AReaL's extra_kwargs."""
-    return AsyncOpenAI(base_url=extra_kwargs["base_url"], api_key=extra_kwargs["api_key"],
-                       http_client=extra_kwargs["http_client"], max_retries=0)  # fmt: skip
+    return AsyncOpenAI(
+        base_url=extra_kwargs["base_url"],
+        api_key=extra_kwargs["api_key"],
+        http_client=extra_kwargs["http_client"],
+        max_retries=0,
+    )
 
 
 def in_session(engine, tokenizer, body, gconfig=None, max_context_len=None):
@@ -153,8 +163,9 @@ def test_tool_choice_none_leaves_a_tool_call_as_text(tokenizer):
     engine = ScriptedLLM(tokenizer, [CALL_ADD])
 
     async def body(kw, session):
-        return await client_of(kw).chat.completions.create(model="m", messages=ROW["messages"], tools=TOOLS,
-                                                           tool_choice="none")  # fmt: skip
+        return await client_of(kw).chat.completions.create(
+            model="m", messages=ROW["messages"], tools=TOOLS, tool_choice="none"
+        )
 
     message = in_session(engine, tokenizer, body).choices[0].message
     assert message.tool_calls is None and "<tool_call>" in message.content
@@ -193,9 +204,16 @@ def test_neutral_values_of_unsupported_parameters_pass(tokenizer):
 
     async def body(kw, session):
         return await client_of(kw).chat.completions.create(
-            model="m", messages=ROW["messages"], n=1, frequency_penalty=0, presence_penalty=0.0, logprobs=False,
-            temperature=1.0, top_p=1.0, stream=False,
-        )  # fmt: skip
+            model="m",
+            messages=ROW["messages"],
+            n=1,
+            frequency_penalty=0,
+            presence_penalty=0.0,
+            logprobs=False,
+            temperature=1.0,
+            top_p=1.0,
+            stream=False,
+        )
 
     assert in_session(engine, tokenizer, body).choices[0].message.content == "Five."
 
@@ -336,8 +354,11 @@ def test_calls_off_the_final_conversation_are_counted_not_trained(tokenizer, edi
     last = engine.responses[-1]
     mask = traj["loss_mask"][0].bool()
     if edit:  # the edited history is rendered afresh: the last call is a conversation of its own
-        prompt = render_chat_ids(tokenizer, [*ROW["messages"], {"role": "assistant", "content": "FIVE."},
-                                             {"role": "user", "content": "Sure?"}], add_generation_prompt=True)  # fmt: skip
+        prompt = render_chat_ids(
+            tokenizer,
+            [*ROW["messages"], {"role": "assistant", "content": "FIVE."}, {"role": "user", "content": "Sure?"}],
+            add_generation_prompt=True,
+        )
         assert last.input_tokens == prompt and traj["input_ids"][0][mask].tolist() == last.output_tokens
         assert stats["agent_off_chain_calls"] == 1
     else:

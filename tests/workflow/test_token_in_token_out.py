@@ -47,10 +47,12 @@ class TokenEngine:
         turn = len(self.requests)
         ids = self.turns.pop(0)
         return ModelResponse(
-            input_tokens=list(req.input_ids), output_tokens=list(ids),
-            output_logprobs=[-(turn + i / 100) for i in range(len(ids))], output_versions=[turn] * len(ids),
+            input_tokens=list(req.input_ids),
+            output_tokens=list(ids),
+            output_logprobs=[-(turn + i / 100) for i in range(len(ids))],
+            output_versions=[turn] * len(ids),
             stop_reason="stop",
-        )  # fmt: skip
+        )
 
 
 def test_multi_turn_trains_the_sampled_ids_not_their_re_encoding(tokenizer):

@@ -141,8 +141,9 @@ def test_seeded_samples_get_their_own_stable_seeds(tokenizer):
 
     def seeds(seed):
         engine = ScriptedEngine(tokenizer, ["7"] * 3)
-        workflow = RLVRWorkflow(gsm8k_reward_fn, GenerationHyperparameters(n_samples=3, seed=seed), tokenizer,
-                                reward_max_workers=1)  # fmt: skip
+        workflow = RLVRWorkflow(
+            gsm8k_reward_fn, GenerationHyperparameters(n_samples=3, seed=seed), tokenizer, reward_max_workers=1
+        )
         try:
             asyncio.run(workflow.arun_episode(engine, ROW))
         finally:

@@ -31,8 +31,12 @@ class ServerControlError(RuntimeError):
 def http_json(address: str, route: str, payload: Any = None, timeout: float = 60.0, method: str = "POST") -> Any:
     """``method`` ``http://address/route`` with a JSON body; the decoded JSON reply (None if empty)."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(f"http://{address}{route}", data=data, method=method,
-                                     headers={"Content-Type": "application/json", **auth_headers()})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://{address}{route}",
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **auth_headers()},
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             body = reply.read()

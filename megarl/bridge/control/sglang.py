@@ -45,18 +45,33 @@ class SGLangControl(ServerControl):
     def init_payloads(self, init_info: dict) -> list[dict]:
         """One ``/init_weights_update_group`` body per broadcast sender group."""
         wiring, offset = init_info["wiring"], init_info["worker_offset"]
-        return [{"master_address": g["host"], "master_port": g["port"], "rank_offset": 1 + offset,
-                 "world_size": g["world_size"], "group_name": g["name"], "backend": wiring["backend"]}
-                for g in wiring["broadcast"]]  # fmt: skip
+        return [
+            {
+                "master_address": g["host"],
+                "master_port": g["port"],
+                "rank_offset": 1 + offset,
+                "world_size": g["world_size"],
+                "group_name": g["name"],
+                "backend": wiring["backend"],
+            }
+            for g in wiring["broadcast"]
+        ]
 
     def bucket_payloads(self) -> list[dict]:
         """One ``/update_weights_from_distributed`` body per bucket, in schedule order."""
         out = []
         for group, buckets in zip(self._groups, self._buckets):
             for entries in buckets:
-                out.append({"names": [n for n, _ in entries], "dtypes": [self._dtype] * len(entries),
-                            "shapes": [list(s) for _, s in entries], "group_name": group, "flush_cache": False,
-                            "load_format": "flattened_bucket"})  # fmt: skip
+                out.append(
+                    {
+                        "names": [n for n, _ in entries],
+                        "dtypes": [self._dtype] * len(entries),
+                        "shapes": [list(s) for _, s in entries],
+                        "group_name": group,
+                        "flush_cache": False,
+                        "load_format": "flattened_bucket",
+                    }
+                )
         return out
 
     # ServerControl
@@ -68,29 +83,40 @@ class SGLangControl(ServerControl):
         self._groups = [g["name"] for g in init_info["wiring"]["broadcast"]]
         self._buckets, self._dtype = spec["buckets"], DTYPE_NAMES[init_info["dtype"]]
         for payload in self.init_payloads(init_info):
-            _check(self.address, "/init_weights_update_group",
-                   http_json(self.address, "/init_weights_update_group", payload, self.timeout))  # fmt: skip
+            _check(
+                self.address,
+                "/init_weights_update_group",
+                http_json(self.address, "/init_weights_update_group", payload, self.timeout),
+            )
 
     def begin(self, mode: str) -> None:
         if mode == "sharded":
             raise ValueError(f"SGLang server {self.address}: sharded mode is not supported (no sharded receive API)")
         self._disk = None
         if mode == "broadcast":
-            _check(self.address, "/begin_weight_update", http_json(self.address, "/begin_weight_update", {}, self.timeout))
+            _check(
+                self.address, "/begin_weight_update", http_json(self.address, "/begin_weight_update", {}, self.timeout)
+            )
 
     def receive(self, mode: str, path: str | None = None) -> None:
         if mode == "disk":
             self._disk = path
             return
         for payload in self.bucket_payloads():
-            _check(self.address, "/update_weights_from_distributed",
-                   http_json(self.address, "/update_weights_from_distributed", payload, self.timeout))  # fmt: skip
+            _check(
+                self.address,
+                "/update_weights_from_distributed",
+                http_json(self.address, "/update_weights_from_distributed", payload, self.timeout),
+            )
 
     def commit(self, version: int) -> None:
         if self._disk is not None:
             body = {"model_path": self._disk, "weight_version": str(version), "flush_cache": True}
-            _check(self.address, "/update_weights_from_disk",
-                   http_json(self.address, "/update_weights_from_disk", body, self.timeout))  # fmt: skip
+            _check(
+                self.address,
+                "/update_weights_from_disk",
+                http_json(self.address, "/update_weights_from_disk", body, self.timeout),
+            )
             return
         _check(self.address, "/end_weight_update", http_json(self.address, "/end_weight_update", {}, self.timeout))
         body = {"new_version": str(version), "abort_all_requests": False}
@@ -100,8 +126,12 @@ class SGLangControl(ServerControl):
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         out = []
         for seq in sequences:
-            body = {"input_ids": list(seq), "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-                    "return_logprob": True, "logprob_start_len": 0}  # fmt: skip
+            body = {
+                "input_ids": list(seq),
+                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
             reply = http_json(self.address, "/generate", body, self.timeout)
             try:
                 entries = reply["meta_info"]["input_token_logprobs"][1:]
@@ -111,8 +141,15 @@ class SGLangControl(ServerControl):
         return out
 
     def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
-        body = {"input_ids": list(prompt), "return_logprob": False,
-                "sampling_params": {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "temperature": 1.0,
-                                    "sampling_seed": seed}}  # fmt: skip
+        body = {
+            "input_ids": list(prompt),
+            "return_logprob": False,
+            "sampling_params": {
+                "max_new_tokens": max_tokens,
+                "min_new_tokens": max_tokens,
+                "temperature": 1.0,
+                "sampling_seed": seed,
+            },
+        }
         reply = http_json(self.address, "/generate", body, self.timeout)
         return list(prompt) + [int(t) for t in reply["output_ids"]]

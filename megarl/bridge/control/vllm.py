@@ -42,19 +42,33 @@ class VLLMControl(ServerControl):
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         out = []
         for seq in sequences:
-            payload = {"model": self.model(), "prompt": list(seq), "max_tokens": 1, "temperature": 1.0,
-                       "prompt_logprobs": 0}  # fmt: skip
+            payload = {
+                "model": self.model(),
+                "prompt": list(seq),
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "prompt_logprobs": 0,
+            }
             reply = http_json(self.address, "/v1/completions", payload, self.timeout)
             try:
                 entries = reply["choices"][0]["prompt_logprobs"][1:]
                 out.append([float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, seq[1:])])
             except (KeyError, IndexError, TypeError) as e:
-                raise ServerControlError(self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})") from None
+                raise ServerControlError(
+                    self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})"
+                ) from None
         return out
 
     def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
         """Sample ``max_tokens`` after ``prompt`` (the consistency probe's trajectories)."""
-        payload = {"model": self.model(), "prompt": list(prompt), "max_tokens": max_tokens, "min_tokens": max_tokens,
-                   "temperature": 1.0, "seed": seed, "return_token_ids": True}  # fmt: skip
+        payload = {
+            "model": self.model(),
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "min_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": seed,
+            "return_token_ids": True,
+        }
         reply = http_json(self.address, "/v1/completions", payload, self.timeout)
         return list(prompt) + [int(t) for t in reply["choices"][0]["token_ids"]]

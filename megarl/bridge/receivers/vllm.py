@@ -267,8 +267,11 @@ class BridgeWorkerExtension:
         """Whether this worker joined the bridge, its worker index and the bytes of its last update."""
         engine = getattr(self, "weight_transfer_engine", None)
         receiver = getattr(engine, "receiver", None)
-        return {"joined": receiver is not None, "worker": getattr(receiver, "worker", None),
-                "last_bytes": getattr(engine, "last_bytes", 0)}  # fmt: skip
+        return {
+            "joined": receiver is not None,
+            "worker": getattr(receiver, "worker", None),
+            "last_bytes": getattr(engine, "last_bytes", 0),
+        }
 
 
 register()  # imported as a worker extension: the engine must be known before the model loads
