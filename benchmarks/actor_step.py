@@ -9,14 +9,16 @@ and an Adam update. Timings: median over ``steps`` after one warm-up step.
   log-softmax logprobs, backward and ``torch.optim.AdamW`` over the same tokens, in the
   same process; ``vs_hf`` = Megatron tokens/s over HF tokens/s.
 * GPU (bf16, Megatron's mixed-precision distributed optimizer): a Qwen2.5-1.5B-shaped model
-  from random init, once with the fused CUDA logprob kernels (``use_fused_kernels=True``) and
-  once with the torch path (False); each row gives step time, MFU and peak GPU memory. MFU =
+  from random init, first with the torch path (``use_fused_kernels=False``), then with the fused
+  CUDA logprob kernels (True), each in its own process (a kernel fault cannot cost the other
+  row; a failed one is a row with its ``error``); each row gives step time, MFU and peak GPU
+  memory. MFU =
   model FLOPs per second over the dense bf16 peak (989 TFLOP/s for H100/H200 SXM), with 6 N
   FLOPs per token for the N non-embedding + LM-head parameters plus causal attention 6 L S h
   (forward 2 + backward 4, halved for causality, times 2 matmuls). The first engine's weights
   are exported to HF and loaded into ``Qwen2ForCausalLM`` (same dtype, same device): the
   ``logp_max_abs_diff`` / ``logp_mean_abs_diff`` columns compare its next-token logprobs with
-  ``compute_logp`` on the first two sequences.
+  ``compute_logp`` on the first two sequences (on the GPU, every row: fused kernels on and off).
 
 ``python -m benchmarks.actor_step --kit OUTDIR`` is the GPU kit's step
 (``benchmarks/gpu_kit.sh``): it runs the GPU rows (the 4-layer shape with ``--quick``) and
@@ -26,6 +28,8 @@ writes ``actor_step_gpu.{json,md}`` to OUTDIR.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import statistics
 import sys
@@ -220,7 +224,7 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def actor_rows(name: str, shape: tuple, dtype: str, steps: int, fused_flags=(True, False)) -> list[dict]:
+def actor_rows(name: str, shape: tuple, dtype: str, steps: int, fused_flags=(False, True)) -> list[dict]:
     """One row per ``use_fused_kernels`` flag: step time, MFU, peak memory; the first row also
     carries the logprob gap to HF transformers with the same weights."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -258,8 +262,29 @@ def _run_cpu(quick: bool) -> list[dict]:
 def _run_gpu(quick: bool) -> list[dict]:
     rows = []
     for name, shape in (GPU_SHAPES_QUICK if quick else GPU_SHAPES).items():
-        rows += actor_rows(name, shape, "bfloat16", 3 if quick else 5)
+        for fused in (False, True):  # the torch path first: it is what a kernel fault must not cost
+            rows.append(_row_in_own_process(name, shape, fused, 3 if quick else 5))
     return rows
+
+
+def _row_in_own_process(name: str, shape: tuple, fused: bool, steps: int) -> dict:
+    """One GPU row in a fresh process (own CUDA context and process group); an error, the
+    process's death included, becomes the row's ``error``."""
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            return pool.submit(_gpu_rows_with_gap, name, shape, fused, steps).result()
+    except Exception as exc:  # noqa: BLE001 (BrokenProcessPool included)
+        return {
+            "shape": name,
+            "impl": "megatron",
+            "fused_kernels": fused,
+            "error": f"{type(exc).__name__}: {exc}"[:300],
+        }
+
+
+def _gpu_rows_with_gap(name: str, shape: tuple, fused: bool, steps: int) -> dict:
+    return actor_rows(name, shape, "bfloat16", steps, fused_flags=(fused,))[0]
 
 
 def results_name() -> str:

@@ -36,6 +36,7 @@ import gc
 import multiprocessing
 import os
 import resource
+import signal
 import statistics
 import time
 
@@ -178,48 +179,80 @@ def _measure_gpu(variant: str, hidden, weight, labels, backward: bool, repeats: 
 
 
 def _cuda_variants() -> list[str]:
+    """The CUDA rows, the forced mma.sync mainloop first: a fault of the wgmma one cannot cost it."""
     from megarl.kernels import _cuda
 
-    ext = _cuda.load_extension()
-    return ["cuda", "cuda_sm80"] if ext is not None and ext.sm90_mainloop_available() else ["cuda"]
+    try:
+        ext = _cuda.load_extension()
+        return ["cuda_sm80", "cuda"] if ext is not None and ext.sm90_mainloop_available() else ["cuda"]
+    except Exception:  # noqa: BLE001 (the cuda row then records the error)
+        return ["cuda"]
 
 
 def _gpu_variants() -> list[str]:
-    variants = ["naive", "chunked", "train", *_cuda_variants(), "matmul"]
+    """The bare matmul (the ceiling) and the torch paths first, then the kernels that could fault."""
+    variants = ["matmul", "naive", "chunked"]
     try:
         import liger_kernel  # noqa: F401
 
-        variants.insert(-1, "liger")
+        variants.append("liger")
     except ImportError:
         pass
-    return variants
+    return [*variants, *_cuda_variants(), "train"]
+
+
+class _Stopped(Exception):
+    """SIGTERM (the GPU kit's step budget ran out): the rows so far are the table."""
+
+
+def _stop(signum, frame):
+    raise _Stopped
+
+
+def _gpu_row(device, T, H, V, tp, variant, inputs, repeats) -> dict:
+    """One variant's row; an error (a failed build, a kernel fault) is recorded in it, not raised."""
+    passes = {}
+    try:
+        for name, backward in (("fwd", False), ("fwd+bwd", True)):
+            if variant in ("liger", "train") and not backward:
+                passes[name] = (None, None)
+            else:
+                slow = variant in ("naive", "chunked", "train")  # torch paths: fewer repeats
+                passes[name] = _measure_gpu(variant, *inputs, backward, 2 if slow else repeats)
+        return _row(device, T, H, V, variant, tp, passes, elem_bytes=2)
+    except Exception as exc:  # noqa: BLE001 (one variant's failure must not lose the others' rows)
+        passes = {name: passes.get(name, (None, None)) for name in ("fwd", "fwd+bwd")}
+        row = _row(device, T, H, V, variant, tp, passes, elem_bytes=2)
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return row
 
 
 def _run_gpu(quick: bool) -> list[dict]:
     rows = []
     device = torch.cuda.get_device_name(0)
     repeats = 3 if quick else 5
-    for T, H, V in GPU_SHAPES_QUICK if quick else GPU_SHAPES:
-        for tp in (1, *(() if quick else GPU_TP_SHARDS)):
-            hidden, weight, labels = _inputs(T, H, V // tp, torch.bfloat16, "cuda")
-            for variant in _gpu_variants() if tp == 1 else [*_cuda_variants(), "matmul"]:
-                passes = {}
-                for name, backward in (("fwd", False), ("fwd+bwd", True)):
-                    if variant in ("liger", "train") and not backward:
-                        passes[name] = (None, None)
-                    else:
-                        slow = variant in ("naive", "chunked", "train")  # torch paths: fewer repeats
-                        passes[name] = _measure_gpu(variant, hidden, weight, labels, backward, 2 if slow else repeats)
-                rows.append(_row(device, T, H, V // tp, variant, tp, passes, elem_bytes=2))
-            del hidden, weight, labels
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        for T, H, V in GPU_SHAPES_QUICK if quick else GPU_SHAPES:
+            for tp in (1, *(() if quick else GPU_TP_SHARDS)):
+                inputs = _inputs(T, H, V // tp, torch.bfloat16, "cuda")
+                for variant in _gpu_variants() if tp == 1 else ["matmul", *_cuda_variants()]:
+                    rows.append(_gpu_row(device, T, H, V // tp, tp, variant, inputs, repeats))
+                del inputs
+    except _Stopped:
+        rows.append({"device": device, "error": "stopped by SIGTERM (the step's time ran out): the rows above"})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     _add_ceiling_ratios(rows)
     return rows
 
 
 def _add_ceiling_ratios(rows: list[dict]) -> None:
     """vs_matmul = TFLOP/s relative to the bare matmul of the same shape (targets: fwd >= 0.85, fwd+bwd >= 0.75)."""
-    ceilings = {(r["T"], r["H"], r["V"]): r for r in rows if r["variant"] == "matmul"}
+    ceilings = {(r["T"], r["H"], r["V"]): r for r in rows if r.get("variant") == "matmul"}
     for r in rows:
+        if "T" not in r:  # the note of a stopped run
+            continue
         ceiling = ceilings.get((r["T"], r["H"], r["V"]))
         for name in ("fwd", "fwd+bwd"):
             ours, best = r.get(f"{name}_TFLOP/s"), ceiling and ceiling.get(f"{name}_TFLOP/s")

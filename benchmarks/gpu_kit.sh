@@ -1,70 +1,100 @@
 #!/usr/bin/env bash
-# The GPU validation kit: one command per GPU lease, everything it measures written to OUTDIR.
+# The GPU validation kit: one command that checks megarl's fused CUDA kernels and the Megatron
+# actor on a GPU node, everything it measures written to OUTDIR (docs/guides/gpu-kit.md).
 #
 #   bash benchmarks/gpu_kit.sh OUTDIR [--dry]
 #
-# On a lent machine (the device tool's `run`), with the megatron-core wheels of
-# benchmarks/gpu_wheels.py carried in .whl:
-#   run(command="bash benchmarks/gpu_kit.sh $OUT", carry=[".whl"], timeout_s=600)
+# Setup, in this shell, so that every step inherits it (the summary records each):
+#   wheels     the wheels in .whl/ (benchmarks/gpu_wheels.py makes them on a machine with
+#              internet; copy the folder to the node as .whl/) whose distribution is not
+#              installed go to /tmp/megarl_site, which goes on PYTHONPATH
+#   CUDA_HOME  the toolkit with include/cuda_runtime_api.h: $CUDA_HOME or $CUDA_PATH when valid,
+#              else the TOP that `nvcc --dryrun` prints (nvcc on PATH may be a wrapper script, so
+#              torch's guess, the directory above nvcc's, can miss the headers), else that guess
+#   locks      stale `lock` files of megarl's torch-extension build dir (a killed JIT build
+#              leaves one, and the next build waits on it forever) are removed
+#   commit     git rev-parse HEAD, or $MEGARL_COMMIT where there is no .git; exported as
+#              MEGARL_COMMIT for the result files
 #
-# Steps, each under `timeout` with its own budget (seconds; they sum to 540, 9 minutes):
-#   env        nvidia-smi, Python/torch/CUDA/triton/nvcc versions, CPU flags          (20)
-#   build      JIT build of csrc/ and which mainloop runs                            (150)
-#   tests_sm90 GPU kernel tests, MEGARL_CUDA_MAINLOOP=auto (wgmma on Hopper)          (60)
-#   tests_sm80 GPU kernel tests, MEGARL_CUDA_MAINLOOP=sm80 (mma.sync)                 (60)
-#   kernels    benchmarks/fused_logprob.py --quick: naive / chunked / CUDA sm90 / CUDA
-#              sm80 / Liger (when importable) / bare cuBLAS matmul in one run         (90)
-#   actor      benchmarks/actor_step.py --kit: the Megatron actor on CUDA, fused kernels
-#              on vs off (runs only when megatron-core imports, after the wheels)    (160)
-# What it writes, as it goes (a device call brings back at most 8 files from $OUT, so the
-# steps share one log): OUTDIR/kit.log gets each step's output under a "== NAME" header while
-# the step runs; OUTDIR/summary.md gets the step's line as soon as it ends: ok, failed (rc N),
-# timed out after Ns, or skipped: reason; the kernels and actor steps write their tables
-# (fused_logprob_gpu.{md,json}, actor_step_gpu.{md,json}) when they end. A failed or timed-out
-# step does not stop the next.
+# Steps, each its own process under `timeout` with its own budget (seconds):
+#   env        nvidia-smi, Python/torch/CUDA/triton/nvcc versions, CUDA_HOME, CPU flags
+#   build      JIT build of csrc/ and which mainloop runs
+#   tests_sm80 each GPU test file (GPU_TEST_FILES) in its own pytest process, with
+#              MEGARL_CUDA_MAINLOOP=sm80: mma.sync forced, also on Hopper
+#   tests_sm90 the same with MEGARL_CUDA_MAINLOOP=auto (wgmma on Hopper)
+#   kernels    benchmarks/fused_logprob.py --quick: naive / chunked / CUDA sm90 / CUDA sm80 /
+#              Liger (when importable) / bare cuBLAS matmul, each variant in its own try
+#   actor      benchmarks/actor_step.py --kit: the Megatron actor on CUDA, fused kernels off
+#              then on, each in its own process (runs only when megatron-core imports)
+# The setup and the steps' budgets sum to at most KIT_LIMIT (540 s; the kit refuses to start
+# otherwise), and no step runs past the kit's deadline. OUTDIR/kit.log gets each step's output
+# under a "== NAME" header while the step runs; OUTDIR/summary.md gets the setup lines first and
+# each step's line as soon as it ends: ok, failed (rc N), timed out after Ns, or skipped: reason.
+# The kernels and actor steps write fused_logprob_gpu.{md,json} and actor_step_gpu.{md,json}.
+# A failed or timed-out step does not stop the next.
 #
 # --dry (automatic when torch sees no CUDA GPU): the CUDA steps report "skipped: no GPU", the
 # rest runs, so the kit's logic can be checked on a CPU (tests/benchmarks/test_gpu_kit.py).
 # For tests: MEGARL_KIT_STEPS="a b" runs only those steps, MEGARL_KIT_CMD_<step> replaces a
-# step's command (run by bash in the repository root), MEGARL_KIT_BUDGET_<step> its budget,
-# MEGARL_KIT_DRY=0 or 1 decides the dry mode instead of asking torch.
+# step's command (run by bash in the repository root; a test file step gets the file as $1),
+# MEGARL_KIT_BUDGET_<step> its budget (per file for the test steps), MEGARL_KIT_DRY=0 or 1
+# decides the dry mode instead of asking torch, MEGARL_KIT_WHEELS_DIR and MEGARL_KIT_SITE
+# replace .whl and /tmp/megarl_site. Each step sees its name as MEGARL_KIT_STEP.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: bash benchmarks/gpu_kit.sh OUTDIR [--dry]" >&2; exit 2; }
+usage() {
+  echo "usage: bash benchmarks/gpu_kit.sh OUTDIR [--dry]" >&2
+  exit 2
+}
 [ $# -ge 1 ] || usage
 OUTDIR=$1
 DRY=${MEGARL_KIT_DRY:-auto}
 if [ $# -eq 2 ]; then [ "$2" = "--dry" ] && DRY=1 || usage; fi
 [ $# -le 2 ] || usage
-mkdir -p "$OUTDIR" || { echo "gpu_kit: cannot create OUTDIR $OUTDIR" >&2; exit 2; }
+mkdir -p "$OUTDIR" || {
+  echo "gpu_kit: cannot create OUTDIR $OUTDIR" >&2
+  exit 2
+}
 OUTDIR=$(cd "$OUTDIR" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 SUMMARY="$OUTDIR/summary.md"
 LOG="$OUTDIR/kit.log"
+WHEELS_DIR=${MEGARL_KIT_WHEELS_DIR:-.whl}
+SITE=${MEGARL_KIT_SITE:-/tmp/megarl_site}
+EXTENSION=megarl_C # the name megarl/kernels/_cuda.py gives torch's JIT build of csrc/
+KIT_LIMIT=540      # seconds for the whole kit, setup included
+KILL_AFTER=5       # what `timeout` waits after TERM before KILL
 
-STEPS=(env build tests_sm90 tests_sm80 kernels actor)
-declare -A BUDGET=([env]=20 [build]=150 [tests_sm90]=60 [tests_sm80]=60 [kernels]=90 [actor]=160)
-declare -A NEEDS_GPU=([build]=1 [tests_sm90]=1 [tests_sm80]=1 [kernels]=1 [actor]=1)
+STEPS=(env build tests_sm80 tests_sm90 kernels actor)
+declare -A BUDGET=([setup]=30 [env]=20 [build]=150 [kernels]=75 [actor]=135)
+declare -A NEEDS_GPU=([build]=1 [tests_sm80]=1 [tests_sm90]=1 [kernels]=1 [actor]=1)
+# The test files that carry the gpu marker, FILE:BUDGET. Each runs in its own pytest process
+# under each mainloop, named explicitly: a collection error in one cannot stop the others.
+# tests/benchmarks/test_gpu_kit.py checks that these are the files with `pytest.mark.gpu`.
+GPU_TEST_FILES=(tests/kernels/test_kernels_cuda.py:45 tests/actor/test_fused_flag.py:20)
+declare -A MAINLOOP=([tests_sm80]=sm80 [tests_sm90]=auto)
 
 # The step commands; each runs with OUTDIR exported, in the repository root.
 step_env() {
   nvidia-smi || echo "(no nvidia-smi)"
+  echo "CUDA_HOME=${CUDA_HOME:-unset} PYTHONPATH=$PYTHONPATH"
   "$PY" - <<'PY'
 import platform, shutil, subprocess, torch
 print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
       "| GPU", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
-for mod in ("triton", "transformers", "megatron.core", "liger_kernel"):
+for mod in ("triton", "transformers", "megatron.core", "transformer_engine", "apex", "liger_kernel"):
     try:
         m = __import__(mod, fromlist=["_"])
-        print(mod, getattr(m, "__version__", "?"))
+        print(mod, getattr(m, "__version__", "?"), getattr(m, "__file__", ""))
     except Exception as exc:  # noqa: BLE001
         print(mod, "not importable:", type(exc).__name__, exc)
 nvcc = shutil.which("nvcc")
 print(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1] if nvcc else "no nvcc")
 PY
   grep -m1 "model name" /proc/cpuinfo || true
-  grep -m1 -o -w -E "avx512_bf16|amx_bf16|avx512f|avx2" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+  grep -m1 -o -w -E "avx512_bf16|amx_bf16|avx512f|avx2" /proc/cpuinfo | sort -u | tr '\n' ' '
+  echo
 }
 step_build() {
   "$PY" - <<'PY'
@@ -79,11 +109,9 @@ print(f"built in {time.perf_counter() - start:.0f} s; {name} sm_{cap[0]}{cap[1]}
       "sm90 (TMA + wgmma)" if available else f"sm80 (mma.sync): {reason}")
 PY
 }
-step_tests() {  # $1: the MEGARL_CUDA_MAINLOOP value
-  MEGARL_CUDA_MAINLOOP=$1 "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/kernels
+step_test_file() { # $1: a test file; MEGARL_CUDA_MAINLOOP comes from the step
+  "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu "$1"
 }
-step_tests_sm90() { step_tests auto; }
-step_tests_sm80() { step_tests sm80; }
 step_kernels() {
   "$PY" - <<'PY'
 import os, pathlib
@@ -93,56 +121,188 @@ PY
 }
 step_actor() { "$PY" -m benchmarks.actor_step --kit "$OUTDIR" --quick; }
 
-# Installs the carried wheels (.whl/*.whl) whose package is not importable yet, into
-# /tmp/megarl_site; prints why the actor step cannot run, or nothing.
-install_wheels() {
-  if ! "$PY" -c "import megatron.core" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    local missing
-    missing=$("$PY" - <<'PY'
-import glob, importlib.metadata as md
-for w in sorted(glob.glob(".whl/*.whl")):
-    name = w.split("/")[-1].split("-")[0]
-    try:
-        md.version(name)
-    except md.PackageNotFoundError:
-        print(w)
-PY
-)
-    # shellcheck disable=SC2086
-    [ -n "$missing" ] && "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/megarl_site $missing
-    export PYTHONPATH="$PYTHONPATH:/tmp/megarl_site"
-  fi
-  "$PY" -c "import megatron.core" 2>/dev/null || echo "megatron-core not installed (run the wheel script)"
-}
+# ---------------------------------------------------------------- setup
+note() { echo "- $*" >>"$SUMMARY"; }
 
-skip_reason() {  # why step $1 does not run, or nothing
-  if [ "$DRY" = 1 ] && [ -n "${NEEDS_GPU[$1]:-}" ]; then echo "no GPU"; return; fi
-  if [ "$1" = actor ] && [ -z "${MEGARL_KIT_CMD_actor:-}" ]; then install_wheels; fi
-}
-
-run_step() {
-  local name=$1 budget reason cmd rc status start
-  budget=$(eval echo "\${MEGARL_KIT_BUDGET_$name:-${BUDGET[$name]:-60}}")
-  reason=$(skip_reason "$name")
-  if [ -n "$reason" ]; then
-    echo "| $name | skipped: $reason | 0 |" >>"$SUMMARY"
+install_wheels() { # the wheels of WHEELS_DIR whose distribution is not installed, into SITE
+  export PYTHONPATH="$PYTHONPATH:$SITE"
+  if ! compgen -G "$WHEELS_DIR/*.whl" >/dev/null; then
+    note "wheels: none in $WHEELS_DIR"
     return
   fi
-  cmd=$(eval echo "\"\${MEGARL_KIT_CMD_$name:-step_$name}\"")
+  local missing rc
+  missing=$(WHEELS_DIR=$WHEELS_DIR "$PY" - <<'PY'
+import glob, importlib.metadata as md, os
+for wheel in sorted(glob.glob(os.path.join(os.environ["WHEELS_DIR"], "*.whl"))):
+    try:
+        md.version(os.path.basename(wheel).split("-")[0])
+    except md.PackageNotFoundError:
+        print(wheel)
+PY
+)
+  if [ -z "$missing" ]; then
+    note "wheels: every wheel of $WHEELS_DIR is installed already"
+    return
+  fi
+  echo "== wheels: installing into $SITE: $missing" >>"$LOG"
+  # shellcheck disable=SC2086
+  timeout --kill-after=$KILL_AFTER 25 "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade \
+    --target "$SITE" $missing >>"$LOG" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    note "wheels: installed into $SITE: $(basename -a $missing | tr '\n' ' ')"
+  else
+    note "wheels: pip install into $SITE failed (rc $rc, see kit.log): $(basename -a $missing | tr '\n' ' ')"
+  fi
+}
+
+has_cuda_headers() { [ -n "$1" ] && [ -f "$1/include/cuda_runtime_api.h" ]; }
+
+nvcc_top() { # the toolkit directory nvcc itself reports, wrapper scripts seen through
+  timeout 5 nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1
+}
+
+find_cuda_home() {
+  local candidate source nvcc
+  for source in CUDA_HOME CUDA_PATH; do
+    candidate=${!source:-}
+    if has_cuda_headers "$candidate"; then
+      export CUDA_HOME=$candidate
+      note "CUDA_HOME: $CUDA_HOME (from \$$source)"
+      return
+    fi
+  done
+  nvcc=$(command -v nvcc) || {
+    note "CUDA_HOME: not found (CUDA_HOME and CUDA_PATH unset or without include/cuda_runtime_api.h, no nvcc on PATH)"
+    return
+  }
+  candidate=$(nvcc_top)
+  [ -n "$candidate" ] && candidate=$(realpath -m "$candidate") # TOP is .../bin/..
+  source="nvcc --dryrun"
+  if ! has_cuda_headers "$candidate"; then
+    candidate=$(dirname "$(dirname "$nvcc")")
+    source="the directory above $nvcc"
+  fi
+  if has_cuda_headers "$candidate"; then
+    export CUDA_HOME=$candidate
+    note "CUDA_HOME: $CUDA_HOME (from $source)"
+  else
+    note "CUDA_HOME: not found (no include/cuda_runtime_api.h under \$CUDA_HOME, \$CUDA_PATH, nvcc's TOP or $candidate)"
+  fi
+}
+
+remove_stale_locks() { # this kit is the node's only user of the build dir while it runs
+  if [ "$DRY" = 1 ]; then
+    note "stale build locks: left alone (dry: nothing is built)"
+    return
+  fi
+  local root=${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/torch_extensions} lock removed=()
+  # TORCH_EXTENSIONS_DIR/megarl_C/lock, or ~/.cache/torch_extensions/py312_cu130/megarl_C/lock
+  while IFS= read -r lock; do
+    rm -f "$lock" && removed+=("$lock")
+  done < <(find "$root" -maxdepth 3 -path "*/$EXTENSION/lock" 2>/dev/null)
+  if [ ${#removed[@]} -gt 0 ]; then
+    note "stale build locks removed: ${removed[*]}"
+  else
+    note "stale build locks: none under $root"
+  fi
+}
+
+find_commit() {
+  local commit
+  commit=$(git rev-parse HEAD 2>/dev/null) || commit=${MEGARL_COMMIT:-unknown}
+  export MEGARL_COMMIT=$commit
+  note "commit: $MEGARL_COMMIT"
+}
+
+# ---------------------------------------------------------------- budgets and steps
+budget_of() { # $1: step; MEGARL_KIT_BUDGET_<step> or the default
+  local override="MEGARL_KIT_BUDGET_$1"
+  echo "${!override:-${BUDGET[$1]:-60}}"
+}
+
+test_budget() { # $1: test step, $2: FILE:BUDGET
+  local override="MEGARL_KIT_BUDGET_$1"
+  echo "${!override:-${2##*:}}"
+}
+
+plan_budgets() { # the budgets of setup and the selected steps: "name=seconds" lines
+  local name entry
+  echo "setup=${BUDGET[setup]}"
+  for name in "${SELECTED[@]}"; do
+    if [ -n "${MAINLOOP[$name]:-}" ]; then
+      for entry in "${GPU_TEST_FILES[@]}"; do echo "$name:${entry%%:*}=$(test_budget "$name" "$entry")"; done
+    else
+      echo "$name=$(budget_of "$name")"
+    fi
+  done
+}
+
+skip_reason() { # why step $1 does not run, or nothing
+  if [ "$DRY" = 1 ] && [ -n "${NEEDS_GPU[$1]:-}" ]; then
+    echo "no GPU"
+    return
+  fi
+  if [ "$1" = actor ] && [ -z "${MEGARL_KIT_CMD_actor:-}" ] && ! "$PY" -c "import megatron.core" 2>/dev/null; then
+    echo "megatron-core not installed (run the wheel script)"
+  fi
+}
+
+run_step() { # LABEL STEP BUDGET COMMAND [ARG]: COMMAND, or MEGARL_KIT_CMD_<STEP>, with ARG as $1
+  local label=$1 step=$2 budget=$3 hook="MEGARL_KIT_CMD_$2" arg=${5:-} cmd rc status start left
+  cmd=${!hook:-$4}
   start=$(date +%s)
-  echo "== $name (budget ${budget}s): $cmd" >>"$LOG"
+  left=$((DEADLINE - start - KILL_AFTER))
+  if [ "$left" -lt 1 ]; then
+    echo "| $label | skipped: the kit's ${KIT_LIMIT}s are spent | 0 |" >>"$SUMMARY"
+    return
+  fi
+  [ "$budget" -le "$left" ] || budget=$left
+  echo "== $label (budget ${budget}s): $cmd" >>"$LOG"
   # bash -c gets the step functions, so a test's command runs the way a step's does
-  timeout --kill-after=5 "$budget" bash -c "$(declare -f); $cmd" >>"$LOG" 2>&1
+  MEGARL_KIT_STEP=$label timeout --kill-after=$KILL_AFTER "$budget" bash -c "$(declare -f); $cmd" "$step" "$arg" \
+    >>"$LOG" 2>&1
   rc=$?
   case $rc in
     0) status="ok" ;;
     124 | 137) status="timed out after ${budget}s" ;;
     *) status="failed (rc $rc)" ;;
   esac
-  echo "| $name | $status | $(($(date +%s) - start)) |" >>"$SUMMARY"
-  echo "gpu_kit: $name: $status"
+  echo "| $label | $status | $(($(date +%s) - start)) |" >>"$SUMMARY"
+  echo "gpu_kit: $label: $status"
 }
 
+run_test_step() { # $1: tests_sm80 or tests_sm90: each GPU test file in its own process
+  local entry file
+  local -x MEGARL_CUDA_MAINLOOP=${MAINLOOP[$1]}
+  for entry in "${GPU_TEST_FILES[@]}"; do
+    file=${entry%%:*}
+    run_step "$1 $file" "$1" "$(test_budget "$1" "$entry")" 'step_test_file "$1"' "$file"
+  done
+}
+
+run_selected_step() {
+  local reason
+  reason=$(skip_reason "$1")
+  if [ -n "$reason" ]; then
+    echo "| $1 | skipped: $reason | 0 |" >>"$SUMMARY"
+  elif [ -n "${MAINLOOP[$1]:-}" ]; then
+    run_test_step "$1"
+  else
+    run_step "$1" "$1" "$(budget_of "$1")" "step_$1"
+  fi
+}
+
+# ---------------------------------------------------------------- main
+KIT_START=$(date +%s)
+DEADLINE=$((KIT_START + KIT_LIMIT))
+read -r -a SELECTED <<<"${MEGARL_KIT_STEPS:-${STEPS[*]}}"
+PLAN=$(plan_budgets)
+PLANNED=$(awk -F= '{ s += $2 } END { print s }' <<<"$PLAN")
+if [ "$PLANNED" -gt "$KIT_LIMIT" ]; then
+  echo "gpu_kit: the budgets sum to ${PLANNED}s, over the kit's ${KIT_LIMIT}s:" $PLAN >&2
+  exit 2
+fi
 if [ "$DRY" = auto ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   DRY=1
   echo "gpu_kit: torch sees no CUDA GPU: dry mode"
@@ -152,12 +312,19 @@ export OUTDIR PY DRY
 {
   echo "# GPU kit: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)$([ "$DRY" = 1 ] && echo ' (dry: no GPU)')"
   echo
-  echo "| step | status | seconds |"
-  echo "|---|---|---|"
 } >"$SUMMARY"
 : >"$LOG"
-read -r -a SELECTED <<<"${MEGARL_KIT_STEPS:-${STEPS[*]}}"
+note "budgets (s): $(tr '\n' ' ' <<<"$PLAN")(sum ${PLANNED} of ${KIT_LIMIT})"
+find_commit
+install_wheels
+find_cuda_home
+remove_stale_locks
+{
+  echo
+  echo "| step | status | seconds |"
+  echo "|---|---|---|"
+} >>"$SUMMARY"
 for name in "${SELECTED[@]}"; do
-  run_step "$name"
+  run_selected_step "$name"
 done
 cat "$SUMMARY"

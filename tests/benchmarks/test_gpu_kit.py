@@ -1,24 +1,47 @@
-"""benchmarks/gpu_kit.sh: per-step time limits, going on after a failure, the summary, skips."""
+"""benchmarks/gpu_kit.sh: per-step time limits, going on after a failure, the summary, skips, and
+one end-to-end run of the real kit on a stub CUDA node (fake nvidia-smi, an nvcc wrapper, a
+wheel to install, a stale build lock)."""
 
+import ast
+import base64
+import hashlib
+import json
 import os
+import re
 import subprocess
+import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
+
+from benchmarks import _harness, fused_logprob
+from tests.kernels.conftest import mainloops_to_test
 
 REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / "benchmarks/gpu_kit.sh"
+KIT_LIMIT = 540
+STUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def _kit(outdir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHON": os.environ.get("PYTHON", "python3"), **env}
+def _kit(outdir: Path, *args: str, kit: Path = KIT, **env: str) -> subprocess.CompletedProcess:
+    scratch = outdir.parent
+    full = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        # never the real build dir's locks nor /tmp/megarl_site
+        "TORCH_EXTENSIONS_DIR": str(scratch / "torch_extensions"),
+        "MEGARL_KIT_SITE": str(scratch / "site"),
+        **env,
+    }
     return subprocess.run(
-        ["bash", str(KIT), str(outdir), *args],
+        ["bash", str(kit), str(outdir), *args],
         check=False,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         env=full,
         cwd=REPO,
     )
@@ -29,16 +52,61 @@ def _statuses(outdir: Path) -> dict[str, str]:
     return {cells[1].strip(): cells[2].strip() for cells in rows if cells[1].strip() != "step"}
 
 
-def test_the_dry_run_goes_end_to_end_on_cpu(tmp_path):
-    proc = _kit(tmp_path / "out", "--dry", PYTHON=str(REPO / ".venv/bin/python"))
+def _setup_line(outdir: Path, key: str) -> str:
+    """The value of the summary's "- KEY: ..." line."""
+    lines = [line for line in (outdir / "summary.md").read_text().splitlines() if line.startswith(f"- {key}: ")]
+    assert lines, f"no '- {key}:' line in the summary"
+    return lines[0].split(": ", 1)[1]
+
+
+def _uses_the_gpu_marker(path: Path) -> bool:
+    """Whether a test module applies ``pytest.mark.gpu`` (as code: not in a string or comment)."""
+    tree = ast.parse(path.read_text())
+    return any(isinstance(node, ast.Attribute) and ast.unparse(node) == "pytest.mark.gpu" for node in ast.walk(tree))
+
+
+def gpu_marked_files() -> set[str]:
+    return {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if _uses_the_gpu_marker(p)}
+
+
+@pytest.fixture(scope="module")
+def dry_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dry") / "out"
+    proc = _kit(out, "--dry")
     assert proc.returncode == 0, proc.stderr
-    statuses = _statuses(tmp_path / "out")
-    assert statuses == {
+    return out
+
+
+def test_the_dry_run_goes_end_to_end_on_cpu(dry_out):
+    assert _statuses(dry_out) == {
         "env": "ok",
-        **{s: "skipped: no GPU" for s in ("build", "tests_sm90", "tests_sm80", "kernels", "actor")},
+        **{s: "skipped: no GPU" for s in ("build", "tests_sm80", "tests_sm90", "kernels", "actor")},
     }
-    log = (tmp_path / "out/kit.log").read_text()
+    log = (dry_out / "kit.log").read_text()
     assert "== env (budget 20s)" in log and "torch 2." in log
+
+
+def test_the_gpu_marker_is_found_in_code_only(tmp_path):
+    (tmp_path / "test_a.py").write_text("import pytest\n\npytestmark = [pytest.mark.gpu]\n")
+    (tmp_path / "test_b.py").write_text("import pytest\n\n# pytest.mark.gpu\nX = 'pytest.mark.gpu'\n")
+    assert _uses_the_gpu_marker(tmp_path / "test_a.py") and not _uses_the_gpu_marker(tmp_path / "test_b.py")
+    assert {"tests/kernels/test_kernels_cuda.py", "tests/actor/test_fused_flag.py"} <= gpu_marked_files()
+
+
+def test_the_budgets_fit_the_kit_limit_and_cover_every_gpu_test_file(dry_out):
+    line = _setup_line(dry_out, "budgets (s)")
+    budgets = dict(re.findall(r"(\S+)=(\d+)", line))
+    total = int(re.search(r"\(sum (\d+) of 540\)", line).group(1))
+    assert sum(map(int, budgets.values())) == total <= KIT_LIMIT
+    assert {"setup", "env", "build", "kernels", "actor"} <= budgets.keys()
+    for step in ("tests_sm80", "tests_sm90"):
+        assert {k.split(":", 1)[1] for k in budgets if k.startswith(step + ":")} == gpu_marked_files()
+
+
+def test_the_kit_refuses_budgets_over_its_limit(tmp_path):
+    proc = _kit(tmp_path / "out", "--dry", MEGARL_KIT_BUDGET_build="400")
+    assert proc.returncode == 2
+    assert "the budgets sum to 790s, over the kit's 540s" in proc.stderr
 
 
 def test_a_failed_or_hung_step_does_not_stop_the_next_and_each_is_recorded_when_it_ends(tmp_path):
@@ -84,3 +152,233 @@ def test_bad_arguments_print_the_usage(tmp_path, args):
         ["bash", str(KIT), *args], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=30
     )
     assert proc.returncode == 2 and "usage: bash benchmarks/gpu_kit.sh OUTDIR [--dry]" in proc.stderr
+
+
+# ---------------------------------------------------------------- the real kit on a stub CUDA node
+
+
+def _write_wheel(folder: Path, name: str = "megarl_stub_pkg", version: str = "0.1") -> Path:
+    """A valid pure-Python wheel of a package that nothing else installs."""
+    dist_info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": b"MARK = 'stub'\n",
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [
+        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}"
+        for path, data in files.items()
+    ]
+    files[f"{dist_info}/RECORD"] = ("\n".join([*record, f"{dist_info}/RECORD,,"]) + "\n").encode()
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return wheel
+
+
+def _script(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def _stub_node(root: Path) -> dict[str, str]:
+    """Fake nvidia-smi; nvcc as a wrapper script whose directory has no CUDA headers, but whose
+    --dryrun names a toolkit that has them; a python that records who calls it (the step, the
+    mainloop, where the stub wheel's package imports from) and stands in for pytest."""
+    toolkit = root / "cuda-13.0"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include/cuda_runtime_api.h").write_text("/* stub */\n")
+    bin_dir = root / "wrappers/bin"
+    bin_dir.mkdir(parents=True)
+    _script(
+        bin_dir / "nvidia-smi",
+        '#!/bin/sh\ncase "$*" in *--query-gpu*) echo "580.65.06" ;; *) echo "NVIDIA H100 80GB HBM3 (stub)" ;; esac\n',
+    )
+    _script(
+        bin_dir / "nvcc",
+        f'#!/bin/sh\ncase "$*" in\n  *--dryrun*) echo "#$ _HERE_={toolkit}/bin"; echo "#$ TOP={toolkit}/bin/.." ;;\n'
+        '  *) echo "Cuda compilation tools, release 13.0, V13.0.88" ;;\nesac\n',
+    )
+    calls = root / "calls.txt"
+    _script(
+        bin_dir / "python",
+        f'#!/bin/sh\nstub=$("{sys.executable}" -c "import megarl_stub_pkg; print(megarl_stub_pkg.__file__)" 2>/dev/null)\n'
+        f'echo "$MEGARL_KIT_STEP|$MEGARL_CUDA_MAINLOOP|$stub|$$|$*" >> "{calls}"\n'
+        'if [ "$1 $2" = "-m pytest" ]; then exit 0; fi\n'
+        f'exec "{sys.executable}" "$@"\n',
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH", "MEGARL_CUDA_MAINLOOP")}
+    return {**env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python")}
+
+
+def _stub_repo(root: Path, kit: Path) -> Path:
+    """The repository without .git, with the kit under test and a wheel in .whl/."""
+    repo = root / "repo"
+    repo.mkdir()
+    for entry in REPO.iterdir():
+        if entry.name not in (".git", ".whl", "benchmarks"):
+            (repo / entry.name).symlink_to(entry)
+    (repo / "benchmarks").mkdir()
+    for entry in (REPO / "benchmarks").iterdir():
+        if entry.name != "gpu_kit.sh":
+            (repo / "benchmarks" / entry.name).symlink_to(entry)
+    (repo / "benchmarks/gpu_kit.sh").write_bytes(kit.read_bytes())
+    _write_wheel(repo / ".whl")
+    return repo
+
+
+# what each stubbed step does: import the stub package (through the recording python), and the
+# kernels and actor steps write their tables; build fails
+STUB_STEPS = {
+    "MEGARL_KIT_CMD_build": '"$PY" -c "import megarl_stub_pkg"; exit 1',
+    "MEGARL_KIT_CMD_kernels": '"$PY" -c "import megarl_stub_pkg" && echo "{}" > "$OUTDIR/fused_logprob_gpu.json"',
+    "MEGARL_KIT_CMD_actor": '"$PY" -c "import megarl_stub_pkg" && echo "{}" > "$OUTDIR/actor_step_gpu.json"',
+}
+
+
+@pytest.fixture(scope="module")
+def stub_run(tmp_path_factory) -> dict:
+    """The kit of this checkout (or MEGARL_TEST_KIT) run once, not dry, on the stub node."""
+    root = tmp_path_factory.mktemp("stub_node")
+    env = _stub_node(root)
+    repo = _stub_repo(root, Path(os.environ.get("MEGARL_TEST_KIT", KIT)))
+    stale = root / "torch_extensions/megarl_C/lock"
+    other = root / "torch_extensions/other_ext/lock"
+    for lock in (stale, other):
+        lock.parent.mkdir(parents=True)
+        lock.write_text("")
+    env.update(
+        STUB_STEPS,
+        MEGARL_KIT_DRY="0",
+        MEGARL_COMMIT=STUB_COMMIT,
+        TORCH_EXTENSIONS_DIR=str(root / "torch_extensions"),
+        MEGARL_KIT_SITE=str(root / "site"),
+    )
+    out = root / "out"
+    proc = subprocess.run(
+        ["bash", str(repo / "benchmarks/gpu_kit.sh"), str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [line.split("|", 4) for line in (root / "calls.txt").read_text().splitlines()]
+    return {"root": root, "out": out, "proc": proc, "calls": calls, "stale": stale, "other": other}
+
+
+def _step_calls(stub_run: dict) -> dict[str, list[list[str]]]:
+    """The recorded python calls of each step (by MEGARL_KIT_STEP), in order."""
+    by_step: dict[str, list[list[str]]] = {}
+    for call in stub_run["calls"]:
+        if call[0]:
+            by_step.setdefault(call[0], []).append(call)
+    return by_step
+
+
+def _expected_steps() -> list[str]:
+    return [
+        "env",
+        "build",
+        *["tests_sm80"] * len(gpu_marked_files()),
+        *["tests_sm90"] * len(gpu_marked_files()),
+        "kernels",
+        "actor",
+    ]
+
+
+def test_every_step_sees_the_installed_wheel(stub_run):
+    site = stub_run["root"] / "site"
+    by_step = _step_calls(stub_run)
+    assert sorted(step.split()[0] for step in by_step) == sorted(_expected_steps())
+    for step, calls in by_step.items():
+        assert all(call[2] == str(site / "megarl_stub_pkg/__init__.py") for call in calls), (step, calls)
+    assert "megarl_stub_pkg-0.1-py3-none-any.whl" in _setup_line(stub_run["out"], "wheels")
+
+
+def test_cuda_home_is_the_toolkit_nvcc_reports(stub_run):
+    toolkit = str(stub_run["root"] / "cuda-13.0")
+    assert _setup_line(stub_run["out"], "CUDA_HOME") == f"{toolkit} (from nvcc --dryrun)"
+    assert f"CUDA_HOME={toolkit} " in (stub_run["out"] / "kit.log").read_text()  # the env step's line
+
+
+def test_sm80_tests_run_first_with_the_mainloop_forced_one_process_per_file(stub_run):
+    pytest_calls = [call for call in stub_run["calls"] if call[4].startswith("-m pytest")]
+    files = sorted(gpu_marked_files())
+    ran = [(call[0].split()[0], call[1]) for call in pytest_calls]
+    assert ran == [("tests_sm80", "sm80")] * len(files) + [("tests_sm90", "auto")] * len(files)
+    for step in ("tests_sm80", "tests_sm90"):  # each file named, once per step
+        named = [call[4].split()[-1] for call in pytest_calls if call[0] == f"{step} {call[4].split()[-1]}"]
+        assert sorted(named) == files
+    assert len({call[3] for call in pytest_calls}) == len(pytest_calls)  # one process each
+    statuses = _statuses(stub_run["out"])
+    assert all(statuses[f"{step} {f}"] == "ok" for step in ("tests_sm80", "tests_sm90") for f in files)
+
+
+def test_a_failing_step_leaves_the_others_results(stub_run):
+    statuses = _statuses(stub_run["out"])
+    assert [step.split()[0] for step in statuses] == _expected_steps()
+    assert statuses["build"] == "failed (rc 1)"
+    assert all(status == "ok" for step, status in statuses.items() if step != "build")
+    assert (stub_run["out"] / "fused_logprob_gpu.json").exists() and (stub_run["out"] / "actor_step_gpu.json").exists()
+
+
+def test_stale_build_locks_of_megarl_are_removed_and_logged(stub_run):
+    assert not stub_run["stale"].exists() and stub_run["other"].exists()
+    assert str(stub_run["stale"]) in _setup_line(stub_run["out"], "stale build locks removed")
+
+
+def test_the_summary_names_the_commit_without_git(stub_run):
+    assert _setup_line(stub_run["out"], "commit") == STUB_COMMIT
+
+
+# ---------------------------------------------------------------- what the steps run
+
+
+def test_an_explicit_mainloop_in_the_environment_is_the_only_one_tested(monkeypatch):
+    monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", "sm80")
+    assert mainloops_to_test() == ("sm80",)
+    monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", "auto")
+    assert mainloops_to_test() == ("sm80", "sm90")
+    monkeypatch.delenv("MEGARL_CUDA_MAINLOOP")
+    assert mainloops_to_test() == ("sm80", "sm90")
+
+
+def test_a_failing_benchmark_variant_is_a_row_with_its_error_and_the_table_is_written(tmp_path, monkeypatch):
+    def measure(variant, hidden, weight, labels, backward, repeats):
+        if variant == "cuda_sm80":
+            raise RuntimeError("an illegal instruction was encountered")
+        return 2.0, 10.0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "stub GPU")
+    monkeypatch.setattr(fused_logprob, "GPU_SHAPES_QUICK", [(128, 64, 256)])
+    monkeypatch.setattr(fused_logprob, "_inputs", lambda T, H, V, dtype, device: (None, None, None))
+    monkeypatch.setattr(fused_logprob, "_cuda_variants", lambda: ["cuda_sm80", "cuda"])
+    monkeypatch.setattr(fused_logprob, "_measure_gpu", measure)
+    monkeypatch.setattr(_harness, "gpu_driver_version", lambda: "580.65.06")
+    _harness.run_benchmark("fused_logprob", quick=True, results_dir=tmp_path)
+    record = json.loads((tmp_path / "fused_logprob_gpu.json").read_text())
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert list(rows) == ["matmul", "naive", "chunked", "cuda_sm80", "cuda", "train"]
+    assert rows["cuda_sm80"]["error"] == "RuntimeError: an illegal instruction was encountered"
+    assert rows["cuda_sm80"]["fwd_ms"] is None and rows["cuda"]["fwd_ms"] == 2.0 and "error" not in rows["cuda"]
+    assert rows["cuda"]["fwd_vs_matmul"] == 1.0
+    machine = record["machine"]
+    assert machine["gpu"] == "stub GPU" and machine["gpu_driver"] == "580.65.06"
+    assert machine["torch"] == torch.__version__ and machine["commit"].startswith(_git_head())
+
+
+def _git_head() -> str:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def test_results_name_the_commit_or_megarl_commit_without_git(monkeypatch, tmp_path):
+    assert _harness.source_commit().startswith(_git_head())
+    monkeypatch.setattr(_harness, "REPO", tmp_path)  # a copy without .git
+    monkeypatch.setenv("MEGARL_COMMIT", STUB_COMMIT)
+    assert _harness.source_commit() == STUB_COMMIT

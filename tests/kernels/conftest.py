@@ -15,6 +15,14 @@ EMULATOR = Path(__file__).resolve().parent / "emulator"
 CUDA_HOME = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
 
 
+def mainloops_to_test() -> tuple[str, ...]:
+    """The mainloops the GPU tests run: both, or only the one that an explicit
+    ``MEGARL_CUDA_MAINLOOP=sm80`` (or ``sm90``) in the environment names, as the GPU kit's
+    ``tests_sm80`` step sets it: the tests' own settings of the variable must not undo it."""
+    forced = os.environ.get("MEGARL_CUDA_MAINLOOP", "auto")
+    return (forced,) if forced in ("sm80", "sm90") else ("sm80", "sm90")
+
+
 def _cuda_include() -> Path | None:
     """The CUDA toolkit's include dir (cuda_bf16.h and cuda_runtime_api.h compile for the host)."""
     nvcc = shutil.which("nvcc")

@@ -10,6 +10,7 @@ from megarl.kernels import (
     logprobs_backend,
     resolve_backend,
 )
+from tests.kernels.conftest import mainloops_to_test
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +32,10 @@ def skip_without_wgmma(ext):
 
 @pytest.fixture(params=["sm80", "sm90"])
 def mainloop(request, ext, monkeypatch):
-    """Each test runs on both mainloops: mma.sync everywhere, TMA + wgmma where the GPU is sm_90."""
+    """Each test runs on both mainloops: mma.sync everywhere, TMA + wgmma where the GPU is sm_90;
+    only on the one that MEGARL_CUDA_MAINLOOP=sm80|sm90 in the environment forces."""
+    if request.param not in mainloops_to_test():
+        pytest.skip(f"MEGARL_CUDA_MAINLOOP={mainloops_to_test()[0]} in the environment")
     if request.param == "sm90":
         skip_without_wgmma(ext)
     monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", request.param)
@@ -134,6 +138,8 @@ def test_forward_splits_merge_exactly(ext, wgmma):
 
 def test_mainloops_agree_on_a_model_sized_shape(ext, monkeypatch):
     """sm_80 and sm_90a mainloops on one shape with every tail: same logprobs and gradients."""
+    if len(mainloops_to_test()) < 2:
+        pytest.skip(f"MEGARL_CUDA_MAINLOOP={mainloops_to_test()[0]} in the environment")
     skip_without_wgmma(ext)
     g = torch.Generator(device="cuda").manual_seed(1)
     T, H, rows = 1000, 1000, 5000
