@@ -69,7 +69,7 @@ KILL_AFTER=5       # what `timeout` waits after TERM before KILL
 STEPS=(env build tests_sm80 tests_sm90 kernels actor)
 declare -A BUDGET=([setup]=30 [env]=20 [build]=150 [kernels]=75 [actor]=135)
 declare -A NEEDS_GPU=([build]=1 [tests_sm80]=1 [tests_sm90]=1 [kernels]=1 [actor]=1)
-# The test files that carry the gpu marker, FILE:BUDGET. Each runs in its own pytest process
+# The test files that use the gpu marker, FILE:BUDGET. Each runs in its own pytest process
 # under each mainloop, named explicitly: a collection error in one cannot stop the others.
 # tests/benchmarks/test_gpu_kit.py checks that these are the files with `pytest.mark.gpu`.
 GPU_TEST_FILES=(tests/kernels/test_kernels_cuda.py:45 tests/actor/test_fused_flag.py:20)
