@@ -201,7 +201,7 @@ def _gpu_variants() -> list[str]:
     return [*variants, *_cuda_variants(), "train"]
 
 
-class _Stopped(Exception):
+class _Stopped(BaseException):  # not an Exception: the per-variant try must not swallow it
     """SIGTERM (the GPU kit's step budget ran out): the rows so far are the table."""
 
 

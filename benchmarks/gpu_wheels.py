@@ -1,14 +1,14 @@
-"""Wheels for the GPU kit's actor step: megatron-core and its pure-Python needs, for a lent machine.
+"""Wheels for the GPU kit's actor step: megatron-core and its pure-Python needs, for a GPU node.
 
-The lent GPU machine (Python 3.12, torch 2.11 cu130; see docs/guides/gpu-kit.md) has no
-megatron-core. This script downloads it for that interpreter and platform, plus the runtime
+A GPU node without internet (Python 3.12, torch 2.11 cu130; see docs/guides/gpu-kit.md) may have
+no megatron-core. This script downloads it for that interpreter and platform, plus the runtime
 requirements its wheel declares (extras and environment markers evaluated for the target),
 leaving out torch, triton and the nvidia-* CUDA libraries, which the machine's torch brings.
 Each wheel is fetched with ``--no-deps``, so the set is exactly what is listed here. It then
 checks the total against the 64 MiB that a device call carries (wheels and working tree
 together) and exits non-zero, saying so, when it does not fit.
 
-    python -m benchmarks.gpu_wheels .whl                       # for the lent machine (3.12)
+    python -m benchmarks.gpu_wheels .whl                       # for the GPU node (3.12)
     python -m benchmarks.gpu_wheels /tmp/w --python-version 3.11 --exclude numpy
 
 On the machine: ``pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` (the kit

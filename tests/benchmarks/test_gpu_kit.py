@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -371,6 +372,27 @@ def test_a_failing_benchmark_variant_is_a_row_with_its_error_and_the_table_is_wr
     machine = record["machine"]
     assert machine["gpu"] == "stub GPU" and machine["gpu_driver"] == "580.65.06"
     assert machine["torch"] == torch.__version__ and machine["commit"].startswith(_git_head())
+
+
+def test_a_benchmark_stopped_by_sigterm_keeps_the_rows_it_has(tmp_path, monkeypatch):
+    """The kit's `timeout` sends SIGTERM: the rows measured so far are still written."""
+
+    def measure(variant, hidden, weight, labels, backward, repeats):
+        if variant == "chunked":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return 2.0, 10.0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "stub GPU")
+    monkeypatch.setattr(fused_logprob, "GPU_SHAPES_QUICK", [(128, 64, 256)])
+    monkeypatch.setattr(fused_logprob, "_inputs", lambda T, H, V, dtype, device: (None, None, None))
+    monkeypatch.setattr(fused_logprob, "_cuda_variants", lambda: ["cuda"])
+    monkeypatch.setattr(fused_logprob, "_measure_gpu", measure)
+    _harness.run_benchmark("fused_logprob", quick=True, results_dir=tmp_path)
+    rows = json.loads((tmp_path / "fused_logprob_gpu.json").read_text())["rows"]
+    assert [row.get("variant") for row in rows] == ["matmul", "naive", None]
+    assert rows[-1]["error"].startswith("stopped by SIGTERM")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def _git_head() -> str:
