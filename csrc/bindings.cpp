@@ -2,6 +2,7 @@
 // Shape and dtype checks live here; the Python layer (megarl/kernels) decides when to call.
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -14,7 +15,9 @@
 namespace {
 
 void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+  if (err == cudaSuccess) return;
+  const std::string detail = megarl::take_launch_error_detail();
+  TORCH_CHECK(false, what, " failed: ", cudaGetErrorString(err), detail.empty() ? "" : ": ", detail);
 }
 
 void check_operands(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels) {

@@ -4,7 +4,9 @@
 // (softmax_stats.cuh) over wgmma's accumulator layout; each token row is held by the 4 lanes
 // of one quad, so the forward's final merge is two shuffles.
 #include <cstdint>
+#include <cstdio>
 #include <string>
+#include <utility>
 
 #include <cuda.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
@@ -201,30 +203,53 @@ __global__ void sm90a_probe_kernel(int* out) {
 }
 #endif
 
+#ifndef MEGARL_HOST_EMULATION
+// A driver API function by name and the CUDA version of its signature, or null where the driver
+// lacks it (the runtime links no driver symbols).
+void* driver_function(const char* name, int version) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+  const cudaError_t err = cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &found);
+#else
+  (void)version;
+  const cudaError_t err = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &found);
+#endif
+  return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? p : nullptr;
+}
+#endif
+
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 #ifdef MEGARL_HOST_EMULATION
   return cuda_emu::tensor_map_encode_tiled;  // no driver on the host: maps the emulator reads
 #else
-  static const auto fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-    const cudaError_t err =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
-#else
-    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &found);
-#endif
-    return err == cudaSuccess && found == cudaDriverEntryPointSuccess
-               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p)
-               : nullptr;
-  }();
+  static const auto fn =
+      reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(driver_function("cuTensorMapEncodeTiled", 12000));
   return fn;
 #endif
 }
 
+// "CUDA_ERROR_INVALID_VALUE (1)": a driver result by its name (cuGetErrorName) and number.
+std::string cu_result_name(CUresult r) {
+  const char* name = nullptr;
+#ifdef MEGARL_HOST_EMULATION
+  cuda_emu::get_error_name(r, &name);
+#else
+  static const auto get_name = reinterpret_cast<PFN_cuGetErrorName_v6000>(driver_function("cuGetErrorName", 6000));
+  if (get_name != nullptr) get_name(r, &name);
+#endif
+  return std::string(name != nullptr ? name : "CUresult") + " (" + std::to_string(static_cast<int>(r)) + ")";
+}
+
+// The detail of this thread's last failed launch, which a cudaError_t cannot carry (bindings.cpp
+// appends it to the exception): set where the driver refuses a tensor map.
+thread_local std::string g_launch_error_detail;
+
 // Tensor map of a row-major bf16 [rows, cols] matrix, read in [box_rows, BK] tiles with the
-// 128-byte swizzle that the wgmma descriptors expect; reads past the edges give zeros.
-cudaError_t make_tensor_map(CUtensorMap* map, const void* data, int rows, int cols, int box_rows) {
+// 128-byte swizzle that the wgmma descriptors expect; reads past the edges give zeros. A refusal
+// by the driver is cudaErrorInvalidValue, with its code and every parameter in the launch detail.
+cudaError_t make_tensor_map(CUtensorMap* map, const char* name, const void* data, int rows, int cols,
+                            int box_rows) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(__nv_bfloat16)};
   const cuuint32_t box[2] = {sm90::BK, static_cast<cuuint32_t>(box_rows)};
@@ -233,13 +258,22 @@ cudaError_t make_tensor_map(CUtensorMap* map, const void* data, int rows, int co
                                     dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                     CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  if (r == CUDA_SUCCESS) return cudaSuccess;
+  char params[320];
+  std::snprintf(params, sizeof(params),
+                "dtype bf16, rank 2, address %p, dims {%llu, %llu}, strides {%llu} bytes, box {%u, %u}, "
+                "element strides {1, 1}, interleave none, swizzle 128B, L2 promotion 256B, oob fill none",
+                data, static_cast<unsigned long long>(dims[0]), static_cast<unsigned long long>(dims[1]),
+                static_cast<unsigned long long>(strides[0]), box[0], box[1]);
+  g_launch_error_detail = "cuTensorMapEncodeTiled returned " + cu_result_name(r) + " for the " + name +
+                          " tensor map [" + params + "]";
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t make_operand_maps(CUtensorMap* hidden_map, CUtensorMap* weight_map, const void* hidden,
                               const void* weight, int T, int H, int valid_v) {
-  cudaError_t err = make_tensor_map(hidden_map, hidden, T, H, BM);
-  return err != cudaSuccess ? err : make_tensor_map(weight_map, weight, valid_v, H, BN);
+  cudaError_t err = make_tensor_map(hidden_map, "hidden", hidden, T, H, BM);
+  return err != cudaSuccess ? err : make_tensor_map(weight_map, "weight", weight, valid_v, H, BN);
 }
 
 cudaError_t set_smem(const void* kernel) {
@@ -316,6 +350,8 @@ Sm90Status sm90_mainloop_status() {
 }
 
 bool sm90_mainloop_available() { return sm90_mainloop_status().available; }
+
+std::string take_launch_error_detail() { return std::exchange(g_launch_error_detail, std::string()); }
 
 cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
                                         int T, int H, int valid_v, int64_t vocab_start, float inv_tau,

@@ -62,6 +62,9 @@ struct Sm90Status {
 };
 Sm90Status sm90_mainloop_status();
 bool sm90_mainloop_available();  // sm90_mainloop_status().available
+// What a launcher's cudaError_t cannot say about its failure on this thread (e.g. the driver's
+// code and the parameters of a tensor map it refused), or ""; reading clears it.
+std::string take_launch_error_detail();
 cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
                                         int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                         int num_splits, float* part, float* label_logit,

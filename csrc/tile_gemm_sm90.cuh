@@ -115,15 +115,28 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 #endif
 }
 
-// How long a thread waits for an mbarrier phase before it traps: 4 s, where a working pipeline
-// waits microseconds (the bound must stay below 2^32 ns, the wrap of the 32-bit timer). A barrier
-// bug (a wrong phase, a missing arrive, expect-tx bytes that never land) then fails the launch
-// instead of hanging the GPU: the next synchronisation reports cudaErrorIllegalInstruction ("an
-// illegal instruction was encountered"), the only trap these kernels reach. Built with
-// MEGARL_MBAR_TIMEOUT_PRINTF (and in the host emulator) the trapping thread first prints its
-// block, thread and awaited parity; not by default, because printf is a function call, and a
-// call in a wgmma kernel makes ptxas serialise the wgmmas and ignore setmaxnreg (C7510, C7507).
-constexpr uint32_t kMbarTimeoutNs = 4000000000u;
+// How long a thread waits for an mbarrier phase before it traps, in ns: MEGARL_MBAR_TIMEOUT_NS,
+// 4 s unless the build defines it (e.g. MEGARL_NVCC_FLAGS="-DMEGARL_MBAR_TIMEOUT_NS=600000000000"
+// under cuda-gdb or compute-sanitizer, which slow a kernel down far beyond 4 s), where a working
+// pipeline waits microseconds. A barrier bug (a wrong phase, a missing arrive, expect-tx bytes that
+// never land) then fails the launch instead of hanging the GPU: the next synchronisation reports
+// cudaErrorIllegalInstruction ("an illegal instruction was encountered"), the only trap these
+// kernels reach. Built with MEGARL_MBAR_TIMEOUT_PRINTF (and in the host emulator) the trapping
+// thread first prints its block, thread and awaited parity; not by default, because printf is a
+// function call, and a call in a wgmma kernel makes ptxas serialise the wgmmas and ignore
+// setmaxnreg (C7510, C7507).
+#ifndef MEGARL_MBAR_TIMEOUT_NS
+#define MEGARL_MBAR_TIMEOUT_NS 4000000000ull
+#endif
+// The wait counts ticks of 2^10 ns (the 64-bit %globaltimer shifted) in 32 bits: one register to
+// hold across the wait, where the accumulators leave the consumers none to spare (clock64 made
+// the forward spill), and a signed difference of two readings, which stays right
+// across the 32-bit wrap and when the timer is set back, for bounds up to 2^31 ticks (36 min).
+constexpr int kTimerTickShift = 10;
+constexpr unsigned long long kMbarTimeoutNs = MEGARL_MBAR_TIMEOUT_NS;
+static_assert(kMbarTimeoutNs >> kTimerTickShift >= 1 && kMbarTimeoutNs >> kTimerTickShift < (1ull << 31),
+              "MEGARL_MBAR_TIMEOUT_NS must lie in [1024 ns, 2^41 ns (about 36 minutes))");
+constexpr int32_t kMbarTimeoutTicks = static_cast<int32_t>(kMbarTimeoutNs >> kTimerTickShift);
 
 // Whether the phase with this parity has completed (a fresh barrier counts parity 1 as done).
 // try_wait may suspend the thread for a system-dependent time limit before it answers false.
@@ -146,35 +159,37 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
 }
 
 #if defined(MEGARL_MBAR_TIMEOUT_PRINTF) || defined(MEGARL_HOST_EMULATION)
-#define MEGARL_MBAR_REPORT(bar, parity, waited)                                                   \
-  printf("megarl: mbarrier wait timed out after %u ns: block (%d,%d,%d) thread %d waits "  \
+#define MEGARL_MBAR_REPORT(bar, parity, waited_ticks)                                            \
+  printf("megarl: mbarrier wait timed out after %llu ns: block (%d,%d,%d) thread %d waits "      \
          "for parity %u of the mbarrier at shared address %u\n",                                 \
-         static_cast<unsigned>(waited), static_cast<int>(blockIdx.x),                           \
-         static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z),                             \
-         static_cast<int>(threadIdx.x), static_cast<unsigned>(parity), smem_addr(bar))
+         static_cast<unsigned long long>(waited_ticks) << kTimerTickShift,                      \
+         static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),                             \
+         static_cast<int>(blockIdx.z), static_cast<int>(threadIdx.x),                            \
+         static_cast<unsigned>(parity), smem_addr(bar))
 #else
-#define MEGARL_MBAR_REPORT(bar, parity, waited) static_cast<void>(0)
+#define MEGARL_MBAR_REPORT(bar, parity, waited_ticks) static_cast<void>(0)
 #endif
 
-// The low 32 bits of the global nanosecond timer: one register to hold across a wait, where
-// the accumulators leave the consumers none to spare (clock64 made the forward spill).
-__device__ __forceinline__ uint32_t globaltimer_lo() {
+// The global nanosecond timer in ticks of 2^10 ns, truncated to 32 bits (see kTimerTickShift).
+__device__ __forceinline__ uint32_t globaltimer_ticks() {
 #ifdef MEGARL_HOST_EMULATION
-  return cuda_emu::globaltimer_lo();
+  return static_cast<uint32_t>(cuda_emu::globaltimer() >> kTimerTickShift);
 #else
-  uint32_t t;
-  asm volatile("mov.u32 %0, %%globaltimer_lo;\n" : "=r"(t));
-  return t;
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return static_cast<uint32_t>(t >> kTimerTickShift);
 #endif
 }
 
 // Wait until the phase with this parity has completed; trap after kMbarTimeoutNs.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   if (mbar_try_wait(bar, parity)) return;
-  const uint32_t start = globaltimer_lo();
+  const uint32_t start = globaltimer_ticks();
   while (!mbar_try_wait(bar, parity)) {
-    const uint32_t waited = globaltimer_lo() - start;  // modulo 2^32: one wrap-around is fine
-    if (waited > kMbarTimeoutNs) {
+    // signed: a wrap of the 32-bit count gives the true elapsed ticks, a timer set back a
+    // negative count (no false time-out)
+    const int32_t waited = static_cast<int32_t>(globaltimer_ticks() - start);
+    if (waited > kMbarTimeoutTicks) {
       MEGARL_MBAR_REPORT(bar, parity, waited);
 #ifdef MEGARL_HOST_EMULATION
       __trap();

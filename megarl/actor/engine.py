@@ -51,7 +51,7 @@ from megarl.actor.packing import (
 from megarl.actor.parallel import ParallelState, init_parallel
 from megarl.config.allocation import AllocationMode, TrainingAllocation
 from megarl.config.train import TrainEngineConfig
-from megarl.kernels import Backend, resolve_backend
+from megarl.kernels import Backend, active_path, kernel_summary, resolve_backend
 from megarl.models.build import (
     build_chunks,
     describe,
@@ -146,6 +146,7 @@ class MegatronEngine:
         self.kernel_backend = resolve_backend(
             self.config.use_fused_kernels, self.tconfig.params_dtype, self.tconfig.hidden_size
         )
+        logger.info("fused kernels: %s", kernel_summary(self.kernel_backend))  # runs their self-check on a GPU
         self.share_prefix = self._share_prefix()
         with cpu_shim.device_mode():
             chunks = build_chunks(self.desc, self.tconfig, use_te=self._use_te())
@@ -157,6 +158,11 @@ class MegatronEngine:
             if self.config.optimizer is not None:
                 self._build_optimizer(_total_steps(ft_spec))
         logger.info("initialised %s (%s) under %s", self.model_path, self.desc.family.name, alloc)
+
+    def fused_kernel_path(self) -> str:
+        """What this rank's logprob kernels run: "sm90" or "sm80" (a CUDA mainloop that passed its
+        self-check, ``megarl.kernels.selfcheck``) or "torch"."""
+        return "torch" if self.kernel_backend == "torch" else (active_path() or "torch")
 
     def _add_heads(self, chunks: list) -> None:
         """Give the built chunks extra modules before the weights load (a critic's value head); none here."""

@@ -34,7 +34,7 @@ from megarl.actor.gap import GapMeter, version_lag
 from megarl.actor.lm_head import LMHeadOutput
 from megarl.actor.routing import RoutingMeter, add_server_routing
 from megarl.config.train import BUILTIN_LOSSES, PPOActorConfig
-from megarl.kernels import logprobs_backend
+from megarl.kernels import PATH_CODES, logprobs_backend
 from megarl.utils import stats_tracker
 from megarl.utils.plugins import import_plugin
 
@@ -155,6 +155,8 @@ class MegatronPPOActor(MegatronEngine):
                         step = self.train_minibatch(minibatch, partial(loss_fn, gap=gap), weight_fn)
                     keys = ("loss", "grad_norm", "lr", "update_successful", "n_mbs", "packed_tokens", "skipped_seqs")
                     stats_tracker.scalar(**{k: step[k] for k in keys})
+                    # 90 / 80: the sm90 / sm80 CUDA mainloop (verified by its self-check), 0: torch
+                    stats_tracker.scalar(fused_kernel_path=PATH_CODES[self.fused_kernel_path()])
                     self.gap.finish(self.parallel.dp_group)
                 all_stats.append(stats_tracker.export())
         return all_stats

@@ -7,7 +7,10 @@ The backward recomputes logit tiles in a kernel that writes the softmax gradient
 chunk dz [T, chunk]; the two gradient GEMMs (dH += dz . W_c, dW_c = dz^T . H) run on cuBLAS.
 
 Two mainloops compute the logit tiles: TMA + wgmma on Hopper (sm_90a), ldmatrix + mma.sync
-elsewhere (sm_80 and later). ``MEGARL_CUDA_MAINLOOP=sm80`` forces the second on Hopper too.
+elsewhere (sm_80 and later). Before a process uses one on a device, it passes a self-check
+(``megarl.kernels.selfcheck``); one that fails gives way to the next, sm90 -> sm80 -> the torch
+path, with one warning (:func:`kernel_path`). ``MEGARL_CUDA_MAINLOOP=sm80|sm90`` forces a mainloop,
+which must pass its check too.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ import functools
 import logging
 import math
 import os
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from megarl.kernels import selfcheck
 from megarl.kernels.reference import VocabShard, merge_stats
 
 logger = logging.getLogger(__name__)
@@ -42,13 +48,20 @@ def arch_flags(capability: tuple[int, int]) -> list[str]:
     return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
+def extra_build_flags() -> tuple[list[str], list[str]]:
+    """(host C++ flags, nvcc flags) an operator adds to the extension's build without editing it:
+    ``MEGARL_CXX_FLAGS`` and ``MEGARL_NVCC_FLAGS``, split as a shell would (setup.py reads the same)."""
+    return shlex.split(os.environ.get("MEGARL_CXX_FLAGS", "")), shlex.split(os.environ.get("MEGARL_NVCC_FLAGS", ""))
+
+
 @functools.cache
 def load_extension() -> ModuleType | None:
     """The compiled kernels, or None where CUDA is absent or they cannot be built.
 
     Order: the ``megarl._C`` module that setup.py builds; else a JIT build of ``csrc/`` with
     ``torch.utils.cpp_extension.load`` (cached by torch under ``TORCH_EXTENSIONS_DIR``).
-    ``MEGARL_DISABLE_CUDA_KERNELS=1`` turns the CUDA path off.
+    ``MEGARL_DISABLE_CUDA_KERNELS=1`` turns the CUDA path off. The JIT build adds
+    :func:`extra_build_flags` (torch rebuilds when they change).
     """
     if os.environ.get("MEGARL_DISABLE_CUDA_KERNELS") == "1" or not torch.cuda.is_available():
         return None
@@ -71,13 +84,14 @@ def load_extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        cxx_flags, nvcc_flags = extra_build_flags()
         logger.info("JIT-building the megarl CUDA kernels from %s (first use only)", CSRC)
         return load(
             name="megarl_C",
             sources=sources,
             extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", "--use_fast_math", *arch_flags(capability)],
+            extra_cflags=["-O3", *cxx_flags],
+            extra_cuda_cflags=["-O3", "--use_fast_math", *arch_flags(capability), *nvcc_flags],
         )
     except Exception as exc:  # noqa: BLE001 (a failed build must not take training down: fall back)
         logger.warning("could not JIT-build the megarl CUDA kernels (%s): using the torch path", exc)
@@ -97,15 +111,20 @@ def unavailable_reason() -> str | None:
     return "megarl._C is not built and JIT-building csrc/ failed (see the warning logged above)"
 
 
-def supports(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the CUDA logprob kernel applies to these operands (and is loadable)."""
+def operands_fit(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the CUDA logprob kernels take these operands: CUDA bf16 with H % 8 == 0."""
     return (
         hidden.is_cuda
         and hidden.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
         and hidden.shape[-1] % 8 == 0
-        and load_extension() is not None
     )
+
+
+def supports(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the CUDA logprob kernels run for these operands: they fit, the extension loads, and
+    a mainloop passed its self-check on their device (:func:`kernel_path`)."""
+    return operands_fit(hidden, weight) and load_extension() is not None and kernel_path(hidden.device) != "torch"
 
 
 @functools.cache
@@ -149,25 +168,136 @@ def _record_sm90_status(device_index: int, available: bool, definite: bool, reas
     return available
 
 
-def use_wgmma(device: torch.device) -> bool:
-    """Whether the kernels on this device run the Hopper (TMA + wgmma) mainloop.
-
-    ``MEGARL_CUDA_MAINLOOP``: "auto" (default) takes it wherever the device and the build
-    have it, "sm80" never, "sm90" always (an error where it cannot run).
-    """
+def _mainloop_choice() -> str:
     choice = os.environ.get("MEGARL_CUDA_MAINLOOP", "auto")
     if choice not in MAINLOOPS:
         raise ValueError(f"MEGARL_CUDA_MAINLOOP must be one of {MAINLOOPS}, got {choice!r}")
+    return choice
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """What the fused kernels run on a device: "sm90" or "sm80" (a mainloop that passed its
+    self-check) or "torch" (none did), and the checks of the mainloops that failed before it."""
+
+    path: str
+    check: selfcheck.CheckResult | None
+    failed: tuple[selfcheck.CheckResult, ...] = ()
+
+    def describe(self) -> str:
+        """e.g. "cuda sm80 (verified: max |diff| 3.1e-07; sm90 failed its self-check: ...)"."""
+        failures = "; ".join(f"{r.mainloop} {r.describe()}" for r in self.failed)
+        if self.check is None:
+            return f"torch (no CUDA mainloop passed its self-check: {failures})"
+        return f"cuda {self.path} ({'; '.join(filter(None, [self.check.describe(), failures]))})"
+
+
+PATH_CODES = {"torch": 0.0, "sm80": 80.0, "sm90": 90.0}
+"""A path as a number, for metrics."""
+
+_CHECKS: dict[tuple[str, str], selfcheck.CheckResult] = {}  # (device, mainloop) -> its self-check
+_PATHS: dict[tuple[str, str], KernelPath] = {}  # (device, MEGARL_CUDA_MAINLOOP) -> the settled path
+_ACTIVE: dict[str, KernelPath] = {}  # device -> the path its latest call took
+
+
+def _self_check(device: torch.device, mainloop: str) -> selfcheck.CheckResult:
+    drivers = selfcheck.Drivers(local_stats, logits_and_stats, softmax_grad_stored, grads)
+    return selfcheck.run_check(drivers, device, mainloop)
+
+
+def _candidates(device: torch.device, choice: str) -> tuple[list[str], bool]:
+    """The mainloops to try in order, and whether that list is final (the sm_90a probe answered)."""
     if choice == "sm80":
-        return False
-    available = _sm90_available(device.index if device.index is not None else torch.cuda.current_device())
+        return ["sm80"], True
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    available = _sm90_available(index)
     if choice == "sm90" and not available:
         raise RuntimeError(
             "MEGARL_CUDA_MAINLOOP=sm90, but the wgmma mainloop cannot run here: it needs an sm_90 "
             "GPU and an extension built with -gencode=arch=compute_90a,code=sm_90a (see the warning "
             "logged by the probe for this device's reason)"
         )
-    return available
+    if choice == "sm90":
+        return ["sm90"], True
+    return (["sm90", "sm80"] if available else ["sm80"]), index in _SM90_KNOWN
+
+
+def _first_passing(device: torch.device, name: str, candidates: list[str]) -> tuple[KernelPath, list]:
+    """The first candidate whose self-check passes (checks run once per device and mainloop), and
+    the checks that failed in this call for the first time."""
+    failed, fresh = [], []
+    for mainloop in candidates:
+        if (name, mainloop) not in _CHECKS:
+            _CHECKS[name, mainloop] = _self_check(device, mainloop)
+            fresh.append(_CHECKS[name, mainloop])
+        result = _CHECKS[name, mainloop]
+        if result.passed:
+            return KernelPath(mainloop, result, tuple(failed)), [r for r in fresh if not r.passed]
+        failed.append(result)
+    return KernelPath("torch", None, tuple(failed)), [r for r in fresh if not r.passed]
+
+
+def _choose(device: torch.device) -> KernelPath:
+    choice, name = _mainloop_choice(), _device_name(device)
+    if (name, choice) in _PATHS:
+        return _PATHS[name, choice]
+    candidates, final = _candidates(device, choice)
+    found, newly_failed = _first_passing(device, name, candidates)
+    if choice != "auto" and found.check is None:
+        # a forced mainloop is what the operator asked to run or measure: failing is an error
+        raise RuntimeError(
+            f"MEGARL_CUDA_MAINLOOP={choice} forces the {choice} kernels, but on {name} they "
+            f"{found.failed[0].describe()}. Unset it to let the kernels fall back (sm90 -> sm80 -> torch)."
+        )
+    if newly_failed:
+        logger.warning("fused kernels on %s: %s", name, found.describe())
+    if final:
+        _PATHS[name, choice] = found
+    _ACTIVE[name] = found
+    return found
+
+
+def verified_path(device: torch.device) -> KernelPath:
+    """The path the fused kernels take on this device (see :func:`kernel_path`), with its checks."""
+    return _choose(device)
+
+
+def kernel_path(device: torch.device) -> str:
+    """The path the fused kernels take on this device: "sm90", "sm80" or "torch".
+
+    Under ``MEGARL_CUDA_MAINLOOP`` "auto" (default): the first of sm90 (where the device and the
+    build have it) and sm80 that passes its self-check on this device, else the torch path; one
+    warning names each mainloop that failed, its error or largest difference, and the path taken.
+    "sm80" or "sm90" forces that mainloop: failing its check (or an sm90 that cannot run) is a
+    RuntimeError naming it, not a fallback. Each check runs once per device and process.
+    """
+    return _choose(device).path
+
+
+def active_path(device: torch.device | str | None = None) -> str | None:
+    """The path the latest call on ``device`` (default: the current CUDA device) took, or None
+    before any: what the run's log and metrics report."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return None
+        device = torch.device("cuda", torch.cuda.current_device())
+    return (found := _ACTIVE.get(_device_name(torch.device(device)))) and found.path
+
+
+def use_wgmma(device: torch.device) -> bool:
+    """Whether the drivers run the Hopper (TMA + wgmma) mainloop on this device: the verified path."""
+    return kernel_path(device) == "sm90"
+
+
+def _wgmma(device: torch.device, mainloop: str | None) -> bool:
+    """A driver's mainloop: the one named (the self-check pins it), else the verified one."""
+    return use_wgmma(device) if mainloop is None else mainloop == "sm90"
 
 
 def num_splits(num_tokens: int, valid: int, device: torch.device, vocab_tile: int = TILE) -> int:
@@ -192,11 +322,13 @@ def local_stats(
     shard: VocabShard,
     inv_tau: float,
     logits: torch.Tensor | None = None,
+    mainloop: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """This shard's (m, s, u, label_logit) ``[T]`` from the fused forward kernel; with ``logits``
-    (fp32 ``[T, >=valid]``) its storing variant also writes the raw logits there."""
+    (fp32 ``[T, >=valid]``) its storing variant also writes the raw logits there. ``mainloop``:
+    "sm80" or "sm90", default the device's verified one (:func:`kernel_path`)."""
     ext = load_extension()
-    wgmma = use_wgmma(hidden.device)
+    wgmma = _wgmma(hidden.device, mainloop)
     vocab_tile = ext.TILE_VOCAB_SM90 if wgmma else ext.TILE_VOCAB
     splits = num_splits(hidden.shape[0], shard.valid, hidden.device, vocab_tile)
     part, label_logit = ext.logprob_forward(
@@ -215,13 +347,18 @@ def local_stats(
 
 
 def logits_and_stats(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard, inv_tau: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    shard: VocabShard,
+    inv_tau: float,
+    mainloop: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The training path's forward of a token chunk (``linear_loss.ChunkOps``): (its raw logits
     x = hidden · weightᵀ fp32 ``[T, valid rounded up to even]``, m, s, u, label_logit), one kernel."""
     logits = torch.empty(hidden.shape[0], shard.valid + shard.valid % 2, dtype=torch.float32, device=hidden.device)
     stored = logits if shard.valid > 0 else None  # an all-padding shard has no logits
-    return logits, *local_stats(hidden, weight, labels, shard, inv_tau, stored)
+    return logits, *local_stats(hidden, weight, labels, shard, inv_tau, stored, mainloop)
 
 
 def softmax_grad_stored(
@@ -266,13 +403,15 @@ def grads(
     chunk_vocab: int,
     need_hidden: bool = True,
     need_weight: bool = True,
+    mainloop: str | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dhidden [T,H] fp32, dweight [V_local,H] bf16), same contract as ``reference.grads_chunked``.
+    """(dhidden [T,H] fp32, dweight [V_local,H] bf16), same contract as ``reference.grads_chunked``;
+    ``mainloop`` as :func:`local_stats`.
 
     Extra memory: a bf16 dz chunk [T, chunk_vocab] and the fp32 dhidden accumulator.
     """
     ext = load_extension()
-    wgmma = use_wgmma(hidden.device)
+    wgmma = _wgmma(hidden.device, mainloop)
     hidden, weight = _operand(hidden), _operand(weight)
     labels = labels.long().contiguous()
     num_tokens = hidden.shape[0]

@@ -39,7 +39,8 @@ def resolve_backend(use_fused_kernels: bool | None, params_dtype: torch.dtype, h
     """The backend of an engine with this ``use_fused_kernels`` flag, parameter dtype and hidden size.
 
     None gives "auto" and False "torch". True gives "cuda" after checking here, at engine
-    initialisation, what the kernels need (the extension, a GPU, bf16 weights, H % 8 == 0), so
+    initialisation, what the kernels need (the extension, a GPU where a mainloop passes its
+    self-check, bf16 weights, H % 8 == 0), so
     that a machine or model they cannot serve fails with an error naming the flag instead of
     inside the first forward.
     """
@@ -51,6 +52,8 @@ def resolve_backend(use_fused_kernels: bool | None, params_dtype: torch.dtype, h
     reason = _cuda.unavailable_reason()
     if reason is not None:
         problems.append(reason)
+    elif (found := _cuda.verified_path(_current_cuda_device())).check is None:
+        problems.append(f"on this GPU they take the {found.describe()}")
     if params_dtype != torch.bfloat16:
         problems.append(f"they run bf16 weights and the engine's dtype is {params_dtype}")
     if hidden_size % 8:
@@ -62,3 +65,19 @@ def resolve_backend(use_fused_kernels: bool | None, params_dtype: torch.dtype, h
             + ". Set use_fused_kernels=None to use them only where they apply, or False for the torch path."
         )
     return "cuda"
+
+
+def _current_cuda_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def kernel_summary(backend: Backend) -> str:
+    """What the fused logprob kernels run on this process's GPU under ``backend``, for the run's
+    log, e.g. "cuda sm80 (verified: max |diff| 3.1e-07)" or "torch (no CUDA device is available)".
+    Runs the self-check of the CUDA path where it has not run yet."""
+    if backend == "torch":
+        return "torch (use_fused_kernels=False)"
+    reason = _cuda.unavailable_reason()
+    if reason is not None:
+        return f"torch ({reason})"
+    return _cuda.verified_path(_current_cuda_device()).describe()

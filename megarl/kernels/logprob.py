@@ -127,7 +127,8 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 def logprobs_backend(backend: Backend, hidden: torch.Tensor, weight: torch.Tensor) -> Literal["cuda", "torch"]:
     """The implementation :func:`fused_logprobs_entropy` runs for these operands under ``backend``."""
     needs = (
-        "CUDA bf16 hidden/weight with H % 8 == 0 and a loadable megarl._C; got "
+        "CUDA bf16 hidden/weight with H % 8 == 0, a loadable megarl._C and a mainloop that passes "
+        "its self-check (see the warning logged); got "
         f"{hidden.device} {hidden.dtype}/{weight.dtype}, H={hidden.shape[-1]}"
     )
     return pick_backend(backend, lambda: _cuda.supports(hidden, weight), needs)

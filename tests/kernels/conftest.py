@@ -30,16 +30,15 @@ def _cuda_include() -> Path | None:
     return next((c for c in candidates if (c / "cuda_bf16.h").exists() and (c / "cuda_runtime_api.h").exists()), None)
 
 
-@pytest.fixture(scope="session")
-def run_kernels(tmp_path_factory) -> Path:
-    """The emulator driver with the kernels of csrc/, built once per session (a few seconds)."""
+def build_emulator(exe: Path, *defines: str) -> Path:
+    """The emulator driver with the kernels of csrc/ at ``exe`` (a few seconds); ``defines`` are
+    extra -D flags, as an operator's MEGARL_NVCC_FLAGS would give them."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         pytest.skip(f"no C++ compiler ({cxx}) to build the kernel emulator")
     include = _cuda_include()
     if include is None:
         pytest.skip(f"CUDA headers not found under {CUDA_HOME}/include nor next to nvcc (set CUDA_HOME)")
-    exe = tmp_path_factory.mktemp("emulator") / "run_kernels"
     cmd = [
         cxx,
         "-std=c++20",
@@ -52,6 +51,7 @@ def run_kernels(tmp_path_factory) -> Path:
         # g++ notes that CUtensorMap (128-byte aligned) is passed by value since GCC 4.6's ABI
         "-Wno-psabi",
         "-DMEGARL_HOST_EMULATION",
+        *defines,
         f"-I{ROOT / 'csrc'}",
         f"-I{EMULATOR}",
         f"-I{include}",
@@ -69,3 +69,9 @@ def run_kernels(tmp_path_factory) -> Path:
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return exe
+
+
+@pytest.fixture(scope="session")
+def run_kernels(tmp_path_factory) -> Path:
+    """The emulator driver with the kernels of csrc/, built once per session."""
+    return build_emulator(tmp_path_factory.mktemp("emulator") / "run_kernels")

@@ -5,9 +5,11 @@ import logging
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 from megarl.kernels import _cuda
 from megarl.kernels.backend import pick_backend
+from megarl.kernels.selfcheck import CheckResult
 
 
 def _never() -> bool:
@@ -53,9 +55,35 @@ def test_unknown_mainloop_is_named(monkeypatch):
 
 
 def test_sm80_mainloop_needs_no_probe(monkeypatch):
+    """Forced, sm80 runs its own self-check and never the sm_90a probe."""
     monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", "sm80")
-    monkeypatch.setattr(_cuda, "load_extension", _never)
+    monkeypatch.setattr(_cuda, "_sm90_available", _never)
+    monkeypatch.setattr(_cuda, "_CHECKS", {})
+    monkeypatch.setattr(_cuda, "_PATHS", {})
+    checked = []
+    monkeypatch.setattr(_cuda, "_self_check", lambda device, m: checked.append(m) or CheckResult(m, 0.0, "dz", 0.0))
     assert _cuda.use_wgmma(torch.device("cpu")) is False
+    assert checked == ["sm80"]
+
+
+def test_extra_build_flags_reach_the_jit_build(monkeypatch):
+    """MEGARL_CXX_FLAGS / MEGARL_NVCC_FLAGS (e.g. a longer mbarrier time-out for a debugger) are
+    split as a shell would and appended to the JIT build's flags."""
+    monkeypatch.setenv("MEGARL_NVCC_FLAGS", "-DMEGARL_MBAR_TIMEOUT_NS=600000000000 -lineinfo")
+    monkeypatch.setenv("MEGARL_CXX_FLAGS", "-DNAME='a b'")
+    monkeypatch.delenv("MEGARL_DISABLE_CUDA_KERNELS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    built = {}
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: built.update(kwargs) or "module")
+    _cuda.load_extension.cache_clear()
+    try:
+        assert _cuda.load_extension() == "module"
+    finally:
+        _cuda.load_extension.cache_clear()
+    assert built["extra_cuda_cflags"][-2:] == ["-DMEGARL_MBAR_TIMEOUT_NS=600000000000", "-lineinfo"]
+    assert "-gencode=arch=compute_90a,code=sm_90a" in built["extra_cuda_cflags"]
+    assert built["extra_cflags"] == ["-O3", "-DNAME=a b"]
 
 
 class _FakeExtension:

@@ -82,7 +82,7 @@ def test_sm90a_build_uses_tma_and_wgmma(tmp_path):
         "mbarrier.try_wait.parity",
         "setmaxnreg.inc",
         "setmaxnreg.dec",
-        "%globaltimer_lo",
+        "%globaltimer;",
         "trap;",
     ):  # the bounded mbarrier wait
         assert instruction in ptx, f"{instruction} missing from the sm_90a PTX"
@@ -137,6 +137,31 @@ def test_the_printf_time_out_report_builds(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "vprintf" in (tmp_path / "k.ptx").read_text()
+
+
+@pytest.mark.parametrize("define, ticks", [(None, 4_000_000_000 >> 10), ("600000000000", 600_000_000_000 >> 10)])
+def test_the_mbarrier_wait_bound_is_a_build_setting(tmp_path, define, ticks):
+    """MEGARL_MBAR_TIMEOUT_NS (4 s unless defined; MEGARL_NVCC_FLAGS passes it) reaches the sm_90a
+    code as its count of 1024-ns ticks, compared as a signed 32-bit difference."""
+    flags = [] if define is None else [f"-DMEGARL_MBAR_TIMEOUT_NS={define}"]
+    proc = _compile(
+        "fused_logprob_sm90.cu", tmp_path / "k.ptx", "-ptx", *flags, "-gencode=arch=compute_90a,code=compute_90a"
+    )
+    assert proc.returncode == 0, proc.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    # the loop goes on while waited < ticks + 1, a signed comparison (a count set back never times out)
+    assert re.search(rf"setp\.lt\.s32\s+%p\d+, %r\d+, {ticks + 1};", ptx), f"no signed comparison with {ticks} ticks"
+
+
+def test_a_wait_bound_past_the_tick_range_is_refused(tmp_path):
+    proc = _compile(
+        "fused_logprob_sm90.cu",
+        tmp_path / "k.ptx",
+        "-ptx",
+        "-DMEGARL_MBAR_TIMEOUT_NS=3000000000000",
+        "-gencode=arch=compute_90a,code=compute_90a",
+    )
+    assert proc.returncode != 0 and "MEGARL_MBAR_TIMEOUT_NS must lie in" in proc.stderr
 
 
 @pytest.mark.slow

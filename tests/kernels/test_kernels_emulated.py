@@ -25,6 +25,8 @@ from megarl.actor import fused_ppo_loss as ppo_module
 from megarl.actor.losses import policy_loss
 from megarl.kernels.reference import finalize_stats, merge_stats
 
+from .conftest import build_emulator
+
 # The vocab rows of one tile, which the forward's splits own whole: kTileVocab (mma.sync) and
 # kTileVocabSm90 (wgmma) in csrc/kernels.h. Both take 128 token rows per CTA (kTileTokens).
 TILE_VOCAB = {"sm80": 128, "sm90": 256}
@@ -318,18 +320,16 @@ def test_ppo_loss(run_kernels, tmp_path, T, use_prox, dual_clip, cap, kept):
     torch.testing.assert_close(stats, want_stats, rtol=1e-5, atol=1e-5)
 
 
-def _hang(exe: Path, try_wait: str) -> subprocess.CompletedProcess:
+def _hang(exe: Path, try_wait: str, **env: str) -> subprocess.CompletedProcess:
     """run_kernels mbar_hang: thread 37 of CTA (2, 1) waits for an mbarrier phase that never completes."""
-    env = {**os.environ, "CUDA_EMU_TRY_WAIT": try_wait}
+    env = {**os.environ, "CUDA_EMU_TRY_WAIT": try_wait, **env}
     return subprocess.run(
         [exe, "mbar_hang", "2", "1", "37"], check=False, capture_output=True, text=True, timeout=60, env=env
     )
 
 
-def test_a_wait_that_never_completes_traps_with_its_place(run_kernels):
-    """With try_wait answering false after its time limit, as the hardware's does, mbar_wait's own
-    bound (4 s of %globaltimer) ends the wait: the thread prints where it waited, then traps."""
-    proc = _hang(run_kernels, "time-limit")
+def _time_out_ns(proc: subprocess.CompletedProcess) -> int:
+    """How long the trapping thread says it waited; also checks where it says it waited."""
     assert proc.returncode != 0 and "the kernel returned" not in proc.stdout, proc.stdout + proc.stderr
     message = re.search(
         r"megarl: mbarrier wait timed out after (\d+) ns: block \((\d+),(\d+),0\) thread (\d+) "
@@ -339,8 +339,39 @@ def test_a_wait_that_never_completes_traps_with_its_place(run_kernels):
     assert message, f"no time-out message in stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     waited, bx, by, thread, parity = map(int, message.groups())
     assert (bx, by, thread, parity) == (2, 1, 37, 0)
-    assert 4_000_000_000 < waited < 4_200_000_000  # the bound, passed by less than one try_wait limit
     assert "__trap() in thread (37,0,0) of CTA (2,1,0)" in proc.stderr
+    return waited
+
+
+def test_a_wait_that_never_completes_traps_with_its_place(run_kernels):
+    """With try_wait answering false after its time limit, as the hardware's does, mbar_wait's own
+    bound (4 s of %globaltimer by default) ends the wait: the thread prints where it waited, then traps."""
+    waited = _time_out_ns(_hang(run_kernels, "time-limit"))
+    assert 4_000_000_000 < waited < 4_200_000_000  # the bound, passed by less than one try_wait limit
+
+
+def test_the_wait_bound_is_right_across_the_wrap_of_its_tick_count(run_kernels):
+    """The wait keeps 32 bits of 1024-ns ticks, which wrap every 2^42 ns: started 1 s before a wrap,
+    the signed difference of the readings still gives 4 s, neither an early nor a missed time-out."""
+    waited = _time_out_ns(_hang(run_kernels, "time-limit", CUDA_EMU_GLOBALTIMER_START=str(2**42 - 10**9)))
+    assert 4_000_000_000 < waited < 4_200_000_000
+
+
+def test_the_wait_bound_is_set_at_build_time(tmp_path):
+    """-DMEGARL_MBAR_TIMEOUT_NS (MEGARL_NVCC_FLAGS on a GPU) replaces the 4 s default."""
+    exe = build_emulator(tmp_path / "run_kernels", "-DMEGARL_MBAR_TIMEOUT_NS=250000000")
+    waited = _time_out_ns(_hang(exe, "time-limit"))
+    assert 250_000_000 < waited < 350_000_000  # 0.25 s, passed by less than one 0.1 s try_wait limit
+
+
+def test_a_refused_tensor_map_names_the_driver_error_and_its_parameters(run_kernels):
+    """TMA needs a 16-byte aligned address: the launch fails, and its error says what the driver
+    refused (bindings.cpp appends the same detail to the exception)."""
+    proc = subprocess.run([run_kernels, "tma_refused"], check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "launch_logprob_forward_sm90 returned cudaError 1: cuTensorMapEncodeTiled returned " in proc.stderr
+    assert "CUDA_ERROR_INVALID_VALUE (1) for the hidden tensor map [dtype bf16, rank 2, address 0x" in proc.stderr
+    assert "dims {64, 5}, strides {128} bytes, box {64, 128}, element strides {1, 1}" in proc.stderr
 
 
 def test_without_a_time_limit_the_emulator_reports_the_deadlock(run_kernels):

@@ -111,8 +111,8 @@ def test_dz_from_stored_logits_matches_float64(run_kernels, tmp_path):
 
 
 class EmulatedExtension:
-    """The two entry points of ``megarl._C`` that the training path calls, run by the emulator:
-    same arguments, same outputs (bf16 operands as the bindings take them; here fp32 tensors
+    """The entry points of ``megarl._C`` that the logprob and training paths call, run by the
+    emulator: same arguments, same outputs (bf16 operands as the bindings take them; here fp32 tensors
     holding bf16 values, as the CPU path hands them over)."""
 
     TILE_VOCAB, TILE_VOCAB_SM90 = 128, 256
@@ -142,6 +142,35 @@ class EmulatedExtension:
             _read(work, "part", torch.float32, 3, num_splits, T).clone(),
             _read(work, "label_logit", torch.float32, T).clone(),
         ]
+
+    def logprob_backward_dz(
+        self,
+        hidden,
+        weight,
+        labels,
+        valid_v,
+        vocab_start,
+        inv_tau,
+        lse,
+        mean_z,
+        g_lp,
+        g_ent,
+        col_begin,
+        count,
+        dz,
+        wgmma,
+    ):
+        mainloop = "sm90" if wgmma and valid_v > 0 else "sm80"  # bindings.cpp: use_wgmma
+        (T, H), rows, work = hidden.shape, weight.shape[0], self._dir()
+        _run(
+            self.exe,
+            work,
+            ["backward", mainloop],
+            [T, H, rows, valid_v, vocab_start, repr(_f32(inv_tau)), col_begin, count, dz.stride(0)],
+            {"hidden": hidden.bfloat16(), "weight": weight.bfloat16(), "labels": labels}
+            | {"lse": lse, "mean_z": mean_z, "g_lp": g_lp, "g_ent": g_ent},
+        )
+        dz[:, :count].copy_(_read(work, "dz", torch.bfloat16, T, dz.stride(0))[:, :count])
 
     def softmax_grad_stored(self, logits, labels, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, dz):
         T, work = logits.shape[0], self._dir()

@@ -239,7 +239,10 @@ bool try_wait_has_time_limit() {
 // (a stand-in for the hardware's system-dependent limit, long enough that a kernel bound of
 // seconds is reached in tens of time-outs).
 constexpr uint64_t kTryWaitLimitNs = 100000000;  // 0.1 s
-uint64_t g_globaltimer_ns = 0;
+uint64_t g_globaltimer_ns = [] {
+  const char* start = std::getenv("CUDA_EMU_GLOBALTIMER_START");
+  return start == nullptr ? uint64_t{0} : std::strtoull(start, nullptr, 10);
+}();
 
 // ---- memory -------------------------------------------------------------------------------
 
@@ -970,8 +973,8 @@ bool mbarrier_try_wait_parity_shared_cta_b64(uint32_t addr, uint32_t parity) {
   return true;
 }
 
-// mov.u32 %r, %globaltimer_lo
-uint32_t globaltimer_lo() { return static_cast<uint32_t>(++g_globaltimer_ns); }
+// mov.u64 %r, %globaltimer
+uint64_t globaltimer() { return ++g_globaltimer_ns; }
 
 // fence.mbarrier_init.release.cluster: orders the mbarrier.init before later accesses from
 // other CTAs of the cluster; nothing to do for one CTA run in program order.
@@ -1113,6 +1116,14 @@ CUresult tensor_map_encode_tiled(CUtensorMap* tensor_map, CUtensorMapDataType da
   std::memset(tensor_map->opaque, 0, sizeof(tensor_map->opaque));
   std::memcpy(tensor_map->opaque, &m, sizeof(m));
   return CUDA_SUCCESS;
+}
+
+CUresult get_error_name(CUresult error, const char** name) {
+  switch (error) {
+    case CUDA_SUCCESS: *name = "CUDA_SUCCESS"; return CUDA_SUCCESS;
+    case CUDA_ERROR_INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; return CUDA_SUCCESS;
+    default: *name = nullptr; return CUDA_ERROR_INVALID_VALUE;
+  }
 }
 
 }  // namespace cuda_emu

@@ -120,12 +120,14 @@ void mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(float (&d)[4], const ui
 // sm_90a. mbarrier.try_wait suspends the thread until the phase completes, so it only returns
 // true (a wait that can never complete is reported as a deadlock), unless CUDA_EMU_TRY_WAIT=
 // time-limit: then such a wait returns false, as the hardware's does after its time limit, and
-// advances globaltimer_lo() by that limit (cuda_host_emu.cpp: kTryWaitLimitNs).
+// advances globaltimer() by that limit (cuda_host_emu.cpp: kTryWaitLimitNs).
 void mbarrier_init_shared_cta_b64(uint32_t addr, uint32_t count);
 void mbarrier_arrive_shared_cta_b64(uint32_t addr);
 void mbarrier_arrive_expect_tx_shared_cta_b64(uint32_t addr, uint32_t tx_count);
 bool mbarrier_try_wait_parity_shared_cta_b64(uint32_t addr, uint32_t parity);
-uint32_t globaltimer_lo();  // mov.u32 %r, %globaltimer_lo (ns)
+// mov.u64 %r, %globaltimer (ns); it starts at CUDA_EMU_GLOBALTIMER_START (default 0), so that a
+// test can put the 32-bit wrap of a kernel's tick count inside a wait
+uint64_t globaltimer();
 void fence_mbarrier_init_release_cluster();
 // cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
 //   [dst], [tensor_map, {c0, c1}], [mbar]   (c0 the innermost coordinate)
@@ -156,6 +158,9 @@ CUresult tensor_map_encode_tiled(CUtensorMap* tensor_map, CUtensorMapDataType da
                                  const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
                                  CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2_promotion,
                                  CUtensorMapFloatOOBfill oob_fill);
+
+// cuGetErrorName (CUDA driver API) for the results tensor_map_encode_tiled returns.
+CUresult get_error_name(CUresult error, const char** name);
 
 }  // namespace cuda_emu
 

@@ -17,6 +17,10 @@
 //   run_kernels ppo DIR T eps_low eps_high dual_clip behav_cap has_prox
 //       in: logp, old_logp, adv [T] f32, mask [T] bool, prox_logp [T] f32 when has_prox
 //       out: loss_tok, grad_tok [T] f32, stats [kNumPPOStats] f32
+//   run_kernels tma_refused
+//       the sm_90a forward on a hidden [5,64] that starts 2 bytes into its buffer: TMA needs a
+//       16-byte aligned address, so the tensor map is refused and the run fails with the launch's
+//       error and its detail (bindings.cpp puts the same text in the exception)
 //   run_kernels mbar_hang BLOCK_X BLOCK_Y THREAD
 //       a grid of 3 x 2 CTAs of 64 threads on an emulated sm_90a device, where thread THREAD of
 //       CTA (BLOCK_X, BLOCK_Y) waits, through sm90::mbar_wait, for an mbarrier phase that never
@@ -74,7 +78,9 @@ void save(const std::string& dir, const std::string& name, const Buffer<T>& buf)
 }
 
 void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) die(std::string(what) + " returned cudaError " + std::to_string(err));
+  if (err == cudaSuccess) return;
+  const std::string detail = megarl::take_launch_error_detail();
+  die(std::string(what) + " returned cudaError " + std::to_string(err) + (detail.empty() ? "" : ": " + detail));
 }
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -184,6 +190,18 @@ void ppo(const std::string& dir, char** argv) {
   save(dir, "stats", stats);
 }
 
+void tma_refused() {
+  use_sm90("sm90");
+  const int T = 5, H = 64, rows = 8;
+  Buffer<uint16_t> hidden(size_t(T) * H + 8, 0), weight(size_t(rows) * H, 0);
+  Buffer<int64_t> labels(T, 0);
+  Buffer<float> part(3 * T, kNaN), label_logit(T, 0.f);
+  check(megarl::launch_logprob_forward_sm90(hidden.get() + 1, weight.get(), labels.get(), T, H, rows, 0,
+                                            1.f, 1, part.get(), label_logit.get(), nullptr, 0, nullptr),
+        "launch_logprob_forward_sm90");
+  std::printf("tma_refused: the launch succeeded\n");
+}
+
 // An mbarrier expecting two arrivals gets one, so its phase 0 never completes; one thread of one
 // CTA waits for it, every other thread exits.
 __global__ void mbar_hang_kernel(int block_x, int block_y, int waiter) {
@@ -210,7 +228,7 @@ void mbar_hang(char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string op = argc > 2 ? argv[1] : "";
+  const std::string op = argc > 1 ? argv[1] : "";
   if (op == "forward" && (argc == 11 || argc == 12)) {
     forward(argv[2], argv[3], argv + 4, argc == 12);
   } else if (op == "softmax_grad" && argc == 9) {
@@ -219,6 +237,8 @@ int main(int argc, char** argv) {
     backward(argv[2], argv[3], argv + 4);
   } else if (op == "ppo" && argc == 9) {
     ppo(argv[2], argv + 3);
+  } else if (op == "tma_refused" && argc == 2) {
+    tma_refused();
   } else if (op == "mbar_hang" && argc == 5) {
     mbar_hang(argv + 2);
   } else {
