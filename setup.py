@@ -6,6 +6,7 @@ use on a GPU and falls back to the chunked torch reference on CPU.
 """
 
 import os
+import shlex
 
 from setuptools import find_namespace_packages, setup
 
@@ -88,8 +89,10 @@ def cuda_extensions():
     ext = CUDAExtension(
         name="megarl._C",
         sources=sources,
+        # MEGARL_CXX_FLAGS / MEGARL_NVCC_FLAGS: an operator's extra flags (e.g. a longer mbarrier
+        # time-out for a debugger), as megarl.kernels._cuda.extra_build_flags gives the JIT build
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
+            "cxx": ["-O3", "-std=c++17", *shlex.split(os.environ.get("MEGARL_CXX_FLAGS", ""))],
             "nvcc": [
                 "-O3",
                 "-std=c++17",
@@ -98,6 +101,7 @@ def cuda_extensions():
                 "-gencode=arch=compute_90a,code=sm_90a",
                 # PTX, so that GPUs newer than Hopper JIT-compile the sm_80 path
                 "-gencode=arch=compute_80,code=compute_80",
+                *shlex.split(os.environ.get("MEGARL_NVCC_FLAGS", "")),
             ],
         },
     )
