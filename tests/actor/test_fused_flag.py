@@ -19,6 +19,7 @@ from megarl.actor.fused_ppo_loss import ppo_loss_backend
 from megarl.actor.lm_head import LMHeadOutput
 from megarl.config.train import PPOActorConfig
 from megarl.kernels import _cuda, logprobs_backend, resolve_backend
+from megarl.kernels.selfcheck import CheckResult
 from megarl.utils import stats_tracker
 from tests.actor.dist_utils import run_ranks
 from tests.actor.workers import engine_config, make_batch
@@ -26,9 +27,18 @@ from tests.actor.workers import engine_config, make_batch
 # ---------------------------------------------------------------- how the flag resolves
 
 
+def _verified(path: str, *failed: str) -> _cuda.KernelPath:
+    checks = [CheckResult(m, error="training dz off by up to 0.1, 9 times its tolerance") for m in failed]
+    passed = None if path == "torch" else CheckResult(path, 1e-6, "dz", 0.01)
+    return _cuda.KernelPath(path, passed, tuple(checks))
+
+
 @pytest.fixture
 def kernels_built(monkeypatch):
+    """The extension loads, and on the (current) GPU its sm80 mainloop passes the self-check."""
     monkeypatch.setattr(_cuda, "load_extension", lambda: SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_cuda, "verified_path", lambda device: _verified("sm80"))
 
 
 @pytest.fixture
@@ -55,6 +65,12 @@ def test_true_is_cuda_where_the_kernels_load(kernels_built):
 
 def test_true_without_the_kernels_names_the_flag_and_the_reason(kernels_missing):
     with pytest.raises(ValueError, match=r"use_fused_kernels=True .*no CUDA device is available"):
+        resolve_backend(True, torch.bfloat16, 64)
+
+
+def test_true_refuses_a_gpu_where_no_mainloop_passes_its_self_check(kernels_built, monkeypatch):
+    monkeypatch.setattr(_cuda, "verified_path", lambda device: _verified("torch", "sm90", "sm80"))
+    with pytest.raises(ValueError, match=r"use_fused_kernels=True .*sm80 failed its self-check: training dz"):
         resolve_backend(True, torch.bfloat16, 64)
 
 
@@ -276,12 +292,16 @@ def ppo_step_with_flag(model_dir: str, batch: dict, use_fused_kernels: bool | No
     """Rank function: one MegatronPPOActor step under the flag, and the kernel paths ppo_loss logged."""
     from tests.actor.workers import ppo_actor_step
 
-    records = _Records()
+    records, start = _Records(), _Records()
     logger = logging.getLogger(ppo.__name__)
     logger.setLevel(logging.DEBUG)
     logger.addHandler(records)
+    engine_logger = logging.getLogger("megarl.actor.engine")
+    engine_logger.setLevel(logging.INFO)
+    engine_logger.addHandler(start)
     result = ppo_actor_step(model_dir, "d1p1t1", batch, use_fused_kernels=use_fused_kernels)
-    return {"stats": result["stats"], "logp_after": result["logp_after"], "paths": records.messages}
+    kernels = {m for m in start.messages if m.startswith("fused kernels: ")}
+    return {"stats": result["stats"], "logp_after": result["logp_after"], "paths": records.messages, "start": kernels}
 
 
 @pytest.mark.multiproc
@@ -295,6 +315,10 @@ def test_actor_update_is_the_same_with_flag_false_and_none_on_cpu(tiny_model_dir
     }
     torch_paths = {"ppo_loss: logprobs on the torch path, surrogate via losses.policy_loss"}
     assert runs[False]["paths"] == runs[None]["paths"] == torch_paths
+    # the start line and the metric say which path runs
+    assert runs[False]["start"] == {"fused kernels: torch (use_fused_kernels=False)"}
+    assert runs[None]["start"] == {"fused kernels: torch (no CUDA device is available)"}
+    assert all(step["ppo_actor/fused_kernel_path"] == 0.0 for run in runs.values() for step in run["stats"])
     assert len(runs[None]["stats"]) == 2  # two mini-batches
     for want, got in zip(runs[False]["stats"], runs[None]["stats"]):
         assert got["ppo_actor/loss"] == want["ppo_actor/loss"]
