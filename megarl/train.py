@@ -40,6 +40,7 @@ from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config import GRPOConfig, save_config
 from megarl.config.train import TrainEngineConfig
 from megarl.data import create_dataloader, load_rl_dataset
+from megarl.kernels import Backend, kernel_summary
 from megarl.models import resolve_model_path
 from megarl.reward.executor import describe_in_flight as describe_rewards_in_flight
 from megarl.rollout import RemoteInferenceEngine
@@ -167,6 +168,15 @@ def readmit_servers(t: Trainer) -> None:
     stats = t.weight_sync.readmit()
     with stats_tracker.scope("weight_sync"):
         stats_tracker.scalar(servers_readmitted_in_rollout=stats.get("servers_readmitted", 0.0))
+
+
+def kernel_line(backend: Backend) -> str | None:
+    """The console's start-up line on the fused kernels where a GPU runs them: the path their
+    self-check chose, and any mainloop that failed it (``megarl.kernels.selfcheck``); None on a
+    CPU or with the kernels off."""
+    if backend == "torch" or not torch.cuda.is_available():
+        return None
+    return f"fused kernels: {kernel_summary(backend)}"
 
 
 def warn_on_gap(t: Trainer, stats: dict[str, float]) -> None:
@@ -466,6 +476,8 @@ def train(t: Trainer) -> dict[str, float]:
         rank=dist.get_rank(),
         start_step=start,
     )
+    if rank0 and (line := kernel_line(t.actor.kernel_backend)) is not None:
+        t.console.line(line)
     baseline = evaluate(t) if start == 0 and t.config.evaluator.before_training else {}
     if baseline:
         t.console.line(

@@ -38,3 +38,29 @@ def test_plugin_import_errors_name_the_setting():
         import_plugin("megarl.reward.gsm8k.missing", "reward_fn")
     with pytest.raises(ConfigError, match="not of the form 'package.module.name'"):
         import_plugin("gsm8k_reward_fn", "reward_fn")
+
+
+def test_the_console_names_the_kernel_path_and_a_mainloop_that_failed_its_self_check(monkeypatch):
+    """On a GPU the start-up line says which fused-kernel path runs; a fallback (here: a wrong sm90
+    kernel, planted as a failing self-check) is on it, naming the mainloop and why. None on a CPU."""
+    from megarl.kernels import _cuda, backend
+    from megarl.kernels.selfcheck import CheckResult
+    from megarl.train import kernel_line
+
+    assert kernel_line("auto") is None or torch.cuda.is_available()
+    checks = {
+        "sm90": CheckResult("sm90", 0.5, "dz", 40.0, error="dz beyond its tolerance by 40x"),
+        "sm80": CheckResult("sm80", 1e-7, "dz", 0.01),
+    }
+    monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", "auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backend, "_current_cuda_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(_cuda, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(_cuda, "_sm90_available", lambda device_index: True)
+    monkeypatch.setattr(_cuda, "_CHECKS", {})
+    monkeypatch.setattr(_cuda, "_PATHS", {})
+    monkeypatch.setattr(_cuda, "_self_check", lambda device, mainloop: checks[mainloop])
+    line = kernel_line("auto")
+    assert line.startswith("fused kernels: cuda sm80 (verified"), line
+    assert "sm90 failed its self-check: dz beyond its tolerance by 40x" in line
+    assert kernel_line("torch") is None
