@@ -4,9 +4,9 @@ A GPU node without internet (Python 3.12, torch 2.11 cu130; see docs/guides/gpu-
 no megatron-core. This script downloads it for that interpreter and platform, plus the runtime
 requirements its wheel declares (extras and environment markers evaluated for the target),
 leaving out torch, triton and the nvidia-* CUDA libraries, which the machine's torch brings.
-Each wheel is fetched with ``--no-deps``, so the set is exactly what is listed here. It then
-checks the total against the 64 MiB that a device call carries (wheels and working tree
-together) and exits non-zero, saying so, when it does not fit.
+Each wheel is fetched with ``--no-deps``, so the set is exactly what is listed here. It prints
+the sizes of the set and of the checkout; with ``--max-mib N`` (a limit of your own on what you
+copy to the node) it exits non-zero, naming the largest wheel, when the two do not fit.
 
     python -m benchmarks.gpu_wheels .whl                       # for the GPU node (3.12)
     python -m benchmarks.gpu_wheels /tmp/w --python-version 3.11 --exclude numpy
@@ -28,7 +28,6 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 MEGATRON_CORE = "megatron-core==0.16.*"
-CARRY_LIMIT = 64 * 2**20  # what one device call carries: working tree and carried paths together
 PROVIDED = ("torch", "triton")  # with every nvidia-* package: the machine's torch has them
 PLATFORMS = (
     "manylinux_2_28_x86_64",
@@ -111,24 +110,26 @@ def fetch(dest: Path, python_version: str, exclude: set[str], megatron_core: str
     return wheels
 
 
-def check_size(wheels: list[Path], tree_bytes: int, limit: int = CARRY_LIMIT) -> str:
-    """A line giving the sizes; raises SystemExit naming the overshoot when they do not fit."""
+def check_size(wheels: list[Path], tree_bytes: int, limit: int | None = None) -> str:
+    """A line giving the sizes; raises SystemExit naming the overshoot when they exceed ``limit`` bytes."""
     total = sum(w.stat().st_size for w in wheels)
     line = (
         f"{len(wheels)} wheels, {total / 2**20:.1f} MiB; with the working tree ({tree_bytes / 2**20:.1f} MiB) "
-        f"{(total + tree_bytes) / 2**20:.1f} MiB of the {limit / 2**20:.0f} MiB a device call carries"
+        f"{(total + tree_bytes) / 2**20:.1f} MiB"
     )
-    if total + tree_bytes > limit:
+    if limit is not None:
+        line += f" of the {limit / 2**20:.0f} MiB limit (--max-mib)"
+    if limit is not None and total + tree_bytes > limit:
         biggest = max(wheels, key=lambda w: w.stat().st_size)
         raise SystemExit(
-            f"too large to carry: {line}; the largest is {biggest.name} "
+            f"too large: {line}; the largest is {biggest.name} "
             f"({biggest.stat().st_size / 2**20:.1f} MiB): --exclude what the machine has"
         )
     return line
 
 
 def working_tree_bytes(repo: Path) -> int:
-    """Bytes of the files a device call sends: tracked and untracked-not-ignored."""
+    """Bytes of the checkout's files: tracked and untracked-not-ignored (what a copy to the node takes)."""
     proc = subprocess.run(
         ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         capture_output=True,
@@ -142,7 +143,7 @@ def working_tree_bytes(repo: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("outdir", type=Path, help="where the wheels go (carry it, e.g. .whl)")
+    parser.add_argument("outdir", type=Path, help="where the wheels go (copy it to the node as .whl/)")
     parser.add_argument("--python-version", default="3.12", help="the target interpreter (default: 3.12)")
     parser.add_argument("--megatron-core", default=MEGATRON_CORE, help=f"requirement (default: {MEGATRON_CORE})")
     parser.add_argument(
@@ -152,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="a requirement the target has already (repeatable)",
     )
+    parser.add_argument("--max-mib", type=float, help="refuse a set that, with the checkout, exceeds this many MiB")
     args = parser.parse_args(argv)
     wheels = fetch(args.outdir, args.python_version, set(args.exclude), args.megatron_core)
     for wheel in wheels:
         print(f"{wheel.stat().st_size / 2**20:8.2f} MiB  {wheel.name}")
-    print(check_size(wheels, working_tree_bytes(Path(__file__).resolve().parents[1])))
+    limit = None if args.max_mib is None else int(args.max_mib * 2**20)
+    print(check_size(wheels, working_tree_bytes(Path(__file__).resolve().parents[1]), limit))
     return 0
 
 
