@@ -253,6 +253,22 @@ def _training(sizes: dict[str, int], part: str, spec: str) -> TrainingAllocation
     return train
 
 
+def check_supported(alloc: AllocationMode) -> None:
+    """Refuse what the grammar reads but megarl cannot run yet: context parallelism (``c`` > 1).
+
+    Megatron-Core would take the size, but nothing splits a sequence over context-parallel
+    ranks here (the packed batches, logprobs and loss are whole sequences per rank), so a
+    run would train wrong or fail deep in the model: it is refused when the config is checked.
+    """
+    train = alloc.train
+    if train is not None and train.cp > 1:
+        raise AllocationError(
+            f"allocation_mode '{alloc}': context parallel c{train.cp} is not supported yet (megarl does not "
+            f"split sequences over context-parallel ranks); drop 'c{train.cp}' and give its devices to "
+            f"d, t or p, e.g. '{replace(train, cp=1, dp=train.dp * train.cp)}'"
+        )
+
+
 def validate_allocation(
     alloc: AllocationMode,
     *,
@@ -264,8 +280,10 @@ def validate_allocation(
 
     The cluster must hold exactly the devices the allocation uses. On several nodes
     the launcher gives inference and training whole nodes of their own, so each part
-    must fill whole nodes, and no inference server may span nodes.
+    must fill whole nodes, and no inference server may span nodes. Context parallel (``c`` > 1)
+    is refused (:func:`check_supported`).
     """
+    check_supported(alloc)
     if n_nodes is not None and n_gpus_per_node is not None:
         _validate_cluster(alloc, n_nodes, n_gpus_per_node)
     if model is not None:

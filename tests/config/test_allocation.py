@@ -187,3 +187,13 @@ def test_model_shape_from_hf_config_dict_and_object():
     assert ModelShape.from_hf_config(Mixtral()).num_experts == 8
     llama = ModelShape.from_hf_config({"num_attention_heads": 9, "num_hidden_layers": 30})
     assert llama.num_key_value_heads == 9 and llama.num_experts == 0
+
+
+@pytest.mark.parametrize("spec", ["vllm:d1t1+megatron:d1p1t1c2", "megatron:d2p2t2c4", "vllm:d2t1|megatron:d1p1t1c2"])
+def test_context_parallel_parses_but_is_refused_until_it_runs(spec):
+    alloc = AllocationMode.from_str(spec)  # the grammar reads it (megarl plan, the table) ...
+    with pytest.raises(AllocationError) as err:
+        validate_allocation(alloc)  # ... but no run takes it
+    message = str(err.value)
+    assert f"'{alloc}'" in message and f"context parallel c{alloc.train.cp} is not supported yet" in message
+    assert f"megatron:d{alloc.train.dp * alloc.train.cp}p{alloc.train.pp}t{alloc.train.tp}'" in message

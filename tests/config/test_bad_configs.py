@@ -87,6 +87,12 @@ BAD = [
         "allocation_mode",
         "'vllm:d1t1' uses 1 devices",
     ),
+    case(
+        "context-parallel-not-yet",
+        ["allocation_mode=vllm:d1t1+megatron:d1p1t1c2", "cluster.n_gpus_per_node=3"],
+        "allocation_mode",
+        "context parallel c2 is not supported yet",
+    ),
     case("malformed-allocation", ["allocation_mode=vllm:d1t1,megatron:d1p1t1"], "allocation_mode", "'d1t1,megatron"),
     case("no-inference-part", ["allocation_mode=megatron:d2p1t1"], "allocation_mode", "'megatron:d2p1t1'"),
     case(

@@ -1,5 +1,6 @@
 """The ``megarl`` console script: help, config printing, allocation checks, clear errors."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -83,3 +84,24 @@ def test_a_joining_server_takes_the_index_past_the_servers_and_earlier_joins(tmp
     for event in ("join", "leave", "join"):  # a leave does not free its index: logs and records keep their names
         append_record(config.run_dir / JOINS_FILE, {"event": event, "server": "s", "address": "h:1"})
     assert joined_index(config) == servers + 2
+
+
+def test_the_console_script_refuses_context_parallel(tmp_path):
+    """``megarl config`` as a user types it: CP is refused, naming the key, the value and why."""
+    exe = shutil.which("megarl", path=str(Path(sys.executable).parent))
+    argv = [
+        exe,
+        "config",
+        "--config",
+        CPU_YAML,
+        "allocation_mode=vllm:d1t1+megatron:d1p1t1c2",
+        "cluster.n_gpus_per_node=3",
+    ]
+    result = subprocess.run(
+        argv, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith("megarl config: error: config error at 'allocation_mode':"), result.stderr
+    assert (
+        "'vllm:d1t1+megatron:d1p1t1c2'" in result.stderr and "context parallel c2 is not supported yet" in result.stderr
+    )
