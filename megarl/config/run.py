@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megarl.config.base import require
+from megarl.utils.plugins import FORMS, is_plugin_path
 
 _SLURM_TIME = re.compile(r"(?i)unlimited|infinite|\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
 _SLURM_MEM = re.compile(r"\d+[KMGT]?")
@@ -41,14 +42,22 @@ class ClusterConfig:
         require(bool(self.fileroot), "fileroot", self.fileroot, "an output directory is required")
 
 
+DATASET_TYPES = ("gsm8k", "chat")
+"""The built-in row formats (``megarl.data.rows.ROW_MAPPERS``; a test checks they agree)."""
+
+
 @dataclass
 class DatasetConfig:
     """A prompt dataset and its loader."""
 
     path: str = "gsm8k"
     """``gsm8k`` (the bundled copy), a local directory or .jsonl/.parquet file, or a hub name."""
-    type: Literal["gsm8k", "chat"] = "gsm8k"
-    """Row format: GSM8K (question/answer) or chat (messages or prompt, plus answer)."""
+    type: str = "gsm8k"
+    """Row format: ``gsm8k`` (question, and a solution ending in ``#### <number>``), ``chat``
+    (``messages`` or ``prompt``, plus ``answer``), or your row adapter, ``my_rows.py:to_row`` or
+    ``package.module.to_row`` (found as :mod:`megarl.utils.plugins` says): a function from a raw
+    row (a dict) to a ``chat`` row, its other keys passed to the reward
+    (``examples/verl_parquet/verl_rows.py`` reads verl's parquet layout)."""
     split: str = "train"
     """Split to read (a directory's ``{split}.jsonl``)."""
     batch_size: int = 8
@@ -62,12 +71,20 @@ class DatasetConfig:
     max_prompt_tokens: int | None = None
     """Drop prompts longer than this many tokens; None keeps all."""
     bad_rows: Literal["raise", "skip"] = "raise"
-    """A row its ``type`` cannot read (a missing, empty or mistyped field, a line that is not JSON or
-    not UTF-8): ``raise`` stops the load naming file and row; ``skip`` drops it, logging the count and
-    the first one."""
+    """A row its ``type`` cannot read (a missing, empty or mistyped field, a GSM8K final answer that
+    is blank or not a number, a chat role other than system/user/assistant/tool, a row adapter that
+    raises on the row or returns no chat row, a line that is not JSON or not UTF-8): ``raise`` stops
+    the load naming file and row; ``skip`` drops it, and the count and the first one are logged and
+    shown on the console when the run starts."""
 
     def check(self) -> None:
         require(bool(self.path), "path", self.path, "a dataset path or name is required")
+        require(
+            self.type in DATASET_TYPES or is_plugin_path(self.type),
+            "type",
+            self.type,
+            f"one of {list(DATASET_TYPES)} or a row adapter, {FORMS}",
+        )
         require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
         require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
         if self.max_prompt_tokens is not None:

@@ -6,10 +6,13 @@
 name ``"owner/name[:config]"``. The hub is tried only for names that are not local paths,
 and a hub that cannot be reached fails fast with :class:`HubUnreachableError`.
 
-A row that its type cannot map (a missing or empty field, a wrong type, an answer without its
-``####`` line; in a ``.jsonl`` file also a line that is not JSON, not an object, or not UTF-8)
-raises :class:`~megarl.data.rows.DatasetRowError` naming the file and row, or with
-``bad_rows="skip"`` is dropped: the count and the first one are logged.
+``type`` is a built-in row format or a user's row adapter (:func:`megarl.data.rows.row_mapper`).
+A row that its type cannot map (a missing or empty field, a wrong type, a GSM8K answer without
+its ``#### <number>`` line, a chat role that is not one of ``CHAT_ROLES``, a row adapter that
+raises or returns no chat row; in a ``.jsonl`` file also a line that is not JSON, not an object,
+or not UTF-8) raises :class:`~megarl.data.rows.DatasetRowError` naming the file and row, or
+with ``bad_rows="skip"`` is dropped: the count and the first one are logged and handed to the
+caller (``skipped``), whose console shows them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import datasets
 from datasets.distributed import split_dataset_by_node
 
 from megarl.data.files import DATASET_SHORT_NAMES, dataset_file, jsonl_lines
-from megarl.data.rows import CONSUMED_COLUMNS, DatasetRowError, row_mapper
+from megarl.data.rows import DatasetRowError, row_mapper
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ def load_rl_dataset(
     max_prompt_tokens: int | None = None,
     tokenizer=None,
     bad_rows: str = "raise",
+    skipped: list[str] | None = None,
 ) -> datasets.Dataset:
     """Load ``split`` of dataset ``path`` as rows ``{"messages", "answer", ...}`` for DP ``rank``.
 
@@ -57,7 +61,8 @@ def load_rl_dataset(
     ``max_prompt_tokens`` is set, rows whose chat-templated prompt is longer are dropped
     (needs ``tokenizer``). The result is the ``rank``-th of ``world_size`` contiguous
     shards: shards are disjoint and their union is the whole (filtered) dataset. ``bad_rows``:
-    ``raise`` (the default) or ``skip`` rows that cannot be read or mapped.
+    ``raise`` (the default) or ``skip`` rows that cannot be read or mapped; ``skipped``, when
+    given, receives why each skipped row was (over the whole file, before sharding).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must satisfy 0 <= rank < world_size={world_size}")
@@ -66,17 +71,18 @@ def load_rl_dataset(
     if bad_rows not in BAD_ROW_POLICIES:
         raise ValueError(f"bad_rows={bad_rows!r} must be one of {BAD_ROW_POLICIES}")
     mapper = row_mapper(type)
-    rows, source, skipped = _load_rows(path, split, type, bad_rows)
-    dataset = _map_rows(rows, mapper, CONSUMED_COLUMNS[type], source, bad_rows, skipped)
+    rows, source, bad = _load_rows(path, split, type, bad_rows)
+    dataset = _map_rows(rows, mapper, source, bad_rows, bad)  # adds the rows it skips to bad
+    if skipped is not None:
+        skipped.extend(bad)
     if max_prompt_tokens is not None:
         dataset = _filter_prompt_length(dataset, tokenizer, max_prompt_tokens)
     logger.info("%s [%s]: %d rows, rank %d of %d", source, split, len(dataset), rank, world_size)
     return split_dataset_by_node(dataset, rank=rank, world_size=world_size)
 
 
-def _map_rows(rows: list, mapper, consumed, source: str, bad_rows: str, skipped: list[str]) -> datasets.Dataset:
-    """Apply ``mapper`` to every row (the raw columns it ``consumed`` dropped, its outputs replacing
-    raw columns of the same name); rows it rejects are raised or, under ``skip``, counted in ``skipped``."""
+def _map_rows(rows: list, mapper, source: str, bad_rows: str, skipped: list[str]) -> datasets.Dataset:
+    """Apply ``mapper`` to every row; rows it rejects are raised or, under ``skip``, added to ``skipped``."""
     mapped, total = [], len(rows) + len(skipped)
     for index, row in enumerate(rows):
         try:
@@ -86,7 +92,7 @@ def _map_rows(rows: list, mapper, consumed, source: str, bad_rows: str, skipped:
                 raise
             skipped.append(str(err))
             continue
-        mapped.append({**{k: v for k, v in row.items() if k not in consumed and k not in out}, **out})
+        mapped.append(out)
     if skipped:
         logger.warning(
             "%s: skipped %d bad rows of %d (bad_rows=skip); the first: %s", source, len(skipped), total, skipped[0]

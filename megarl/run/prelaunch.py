@@ -33,9 +33,9 @@ from megarl.config.base import ConfigError, require
 from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
 from megarl.config.rollout import RUN_ARGUMENTS, WorkflowConfig
 from megarl.config.run import DatasetConfig
-from megarl.config.train import BUILTIN_LOSSES
+from megarl.config.train import BUILTIN_LOSSES, USER_LOSS_CALL
 from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
-from megarl.data.rows import ROW_MAPPERS, DatasetRowError
+from megarl.data.rows import ROW_MAPPERS, DatasetRowError, row_mapper
 from megarl.utils.logging import is_rank0
 from megarl.utils.plugins import accepted_parameters, import_plugin, locate_plugin, signature_problem
 
@@ -87,6 +87,9 @@ class Prelaunch:
             return
         multi_node = config.cluster.n_nodes > 1
         config.tokenizer_path = resolve_hub_id(config.tokenizer_path, "tokenizer_path", multi_node, weights=False)
+        for key, data in (("train_dataset", config.train_dataset), ("valid_dataset", config.valid_dataset)):
+            if data is not None:  # a row adapter's file
+                data.type = locate_plugin(data.type, f"{key}.type", folders(f"{key}.type"))
         if not isinstance(config, GRPOConfig):
             return
         config.reward_fn = locate_plugin(config.reward_fn, "reward_fn", folders("reward_fn"))
@@ -108,7 +111,7 @@ class Prelaunch:
             return
         multi_node = config.cluster.n_nodes > 1
         if isinstance(config, GRPOConfig):
-            _check_loss(config.actor.loss)
+            _check_loss(config.actor.loss, config.actor.loss_kwargs)
             for key, workflow in (("workflow", config.workflow), ("eval_workflow", config.eval_workflow)):
                 if workflow is not None:
                     _check_workflow(key, workflow)
@@ -188,19 +191,44 @@ def _check_reward(reward_fn: str) -> None:
     )
 
 
-def _check_loss(loss: str) -> None:
-    """A user's ``actor.loss`` imports and takes the surrogate's arguments."""
+def _check_loss(loss: str, loss_kwargs: dict[str, Any]) -> None:
+    """A user's ``actor.loss`` imports and takes the surrogate's arguments and ``actor.loss_kwargs``."""
     if loss in BUILTIN_LOSSES:
         return
     fn = import_plugin(loss, "actor.loss")
-    args, kwargs = (None, None, None, None), {"cu_seqlens": None, "config": None}
+    try:
+        accepted = accepted_parameters(fn)
+    except (TypeError, ValueError):  # not callable, or no signature to read: signature_problem says which
+        accepted = None
+    unknown = [] if accepted is None else sorted(set(loss_kwargs) - accepted)
+    if unknown:
+        raise ConfigError(
+            f"actor.loss_kwargs.{unknown[0]}",
+            f"actor.loss={loss!r} ({getattr(fn, '__qualname__', fn)}) takes no keyword argument(s) {unknown}; "
+            f"its own keyword parameters are {_loss_keywords(fn)}",
+            related=("actor.loss",),
+        )
+    args, kwargs = (None, None, None, None), {"cu_seqlens": None, "config": None, **loss_kwargs}
     problem = signature_problem(fn, args, kwargs)
     require(
         problem is None,
         "actor.loss",
         loss,
-        f"expected fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config): {problem}",
+        f"expected {USER_LOSS_CALL} with actor.loss_kwargs {sorted(loss_kwargs)}: {problem}",
     )
+
+
+def _loss_keywords(fn: Any) -> list[str]:
+    """The parameters of a loss function that ``actor.loss_kwargs`` may set: past the four tensors,
+    other than ``cu_seqlens`` and ``config``."""
+    parameters = list(inspect.signature(fn).parameters.values())
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:4]
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        p.name
+        for p in parameters
+        if p.kind in keyword and p not in positional and p.name not in ("cu_seqlens", "config")
+    ]
 
 
 def _check_workflow(key: str, workflow: WorkflowConfig) -> None:
@@ -348,8 +376,10 @@ def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> None:
     Mirrors its lookup: a bundled short name (whose splits are known here), an existing
     local file or directory, else a hub name ``owner/name[:config]``, which fails when an
     offline variable is set (the loader refuses the hub then). As for models, an absolute
-    path that does not exist here is accepted on a multi-node cluster.
+    path that does not exist here is accepted on a multi-node cluster. A row adapter
+    (``type``) is imported and its signature checked, whether or not rows can be read here.
     """
+    row_mapper(data.type, f"{key}.type")
     bundled = DATASET_SHORT_NAMES.get(data.path)
     if bundled is not None:
         splits = sorted(f.stem for f in bundled.glob("*") if f.suffix in DATASET_SUFFIXES)
@@ -396,7 +426,7 @@ def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
             return  # unreadable lines are skipped at load
         raise ConfigError(f"{key}.path", f"{data.path!r}: cannot read {file}: {err}") from None
     require(bool(rows), f"{key}.path", data.path, f"{file} holds no rows")
-    failures = []
+    mapper, failures = row_mapper(data.type, f"{key}.type"), []
     for index, row in enumerate(rows):
         require(
             isinstance(row, dict),
@@ -405,7 +435,7 @@ def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
             f"{file} row {index} is a {type(row).__name__}, expected a mapping of fields",
         )
         try:
-            ROW_MAPPERS[data.type](row, index, str(file))
+            mapper(row, index, str(file))
         except DatasetRowError as err:
             failures.append((row, err))
     # under bad_rows=skip a bad row is dropped at load: the check fails only when none of the first rows maps
