@@ -482,7 +482,7 @@ def _correction_stats(prox: torch.Tensor, old: torch.Tensor, truncated: torch.Te
 def policy_surrogate(cfg: PPOActorConfig):
     """The per-token surrogate of ``cfg.loss``: PPO's clipped one for a built-in name, else the user's function.
 
-    Called as ``fn(logprobs, anchor_logprobs, advantages, loss_mask, cu_seqlens=..., config=cfg)``;
+    A user's is called as :data:`~megarl.config.train.USER_LOSS_CALL` (``actor.loss_kwargs`` as its keywords);
     returns a :class:`losses.SurrogateOutput` and extra per-token stats (see :func:`user_surrogate`).
     """
     if cfg.loss in BUILTIN_LOSSES:
@@ -506,11 +506,12 @@ def _clipped_surrogate(logp, anchor, advantages, mask, *, cu_seqlens, config: PP
 
 
 def user_surrogate(fn, logp, anchor, advantages, mask, *, cu_seqlens, config: PPOActorConfig):
-    """A user's loss: ``fn(...)`` returns the per-token loss [T], or ``(loss, {name: per-token stat})``.
+    """A user's loss, called as :data:`~megarl.config.train.USER_LOSS_CALL`: it returns the per-token loss
+    [T], or ``(loss, {name: per-token stat})``.
 
     Its stats are logged beside the built-in ones (``ppo_actor/<name>``, averaged over loss tokens).
     """
-    result = fn(logp, anchor, advantages, mask, cu_seqlens=cu_seqlens, config=config)
+    result = fn(logp, anchor, advantages, mask, cu_seqlens=cu_seqlens, config=config, **config.loss_kwargs)
     loss, stats = result if isinstance(result, tuple) else (result, {})
     if not isinstance(loss, torch.Tensor) or loss.shape != logp.shape:
         raise ValueError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from megarl.config.base import require
 
@@ -38,6 +38,12 @@ resamples groups without signal; Dr. GRPO divides by a constant length and not b
 reward std; GSPO clips a length-normalised sequence ratio in a narrow band (3e-4, 4e-4)."""
 BUILTIN_LOSSES = tuple(LOSS_PRESETS)
 """``actor.loss`` names megarl implements: PPO's clipped surrogate with the settings of :data:`LOSS_PRESETS`."""
+
+USER_LOSS_CALL = "fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config, **loss_kwargs)"
+"""How megarl calls an ``actor.loss`` function of your own (``megarl.actor.ppo.user_surrogate``), on
+packed tokens [T]; ``loss_kwargs`` are ``actor.loss_kwargs``. The losses reference page quotes it."""
+USER_LOSS_ARGUMENTS = ("logprobs", "anchor_logprobs", "advantages", "loss_mask", "cu_seqlens", "config")
+"""The arguments of :data:`USER_LOSS_CALL` megarl fills in: ``actor.loss_kwargs`` cannot reuse their names."""
 
 
 @dataclass
@@ -254,12 +260,16 @@ class PPOActorConfig(TrainEngineConfig):
     loss: str = "ppo"
     """The policy loss: a built-in (``ppo``, ``grpo``, ``dapo``, ``dr_grpo``, ``gspo``; each sets
     the keys below that define it, such as ``loss_agg_mode``, unless the config sets them) or
-    ``package.module.function`` (or ``path/to/file.py:function``), a per-token surrogate called as
-    ``fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config) -> loss [T]``
-    (or ``(loss, {name: per-token stat})``), where ``anchor_logprobs`` are the proximal
-    (decoupled PPO) or behaviour logprobs and ``config`` is this config. megarl then applies the
-    behaviour weight (``behav_imp_weight_cap`` / ``rollout_correction``), the KL and entropy
-    terms and ``loss_agg_mode``. See ``examples/losses/``."""
+    ``package.module.function`` (or ``path/to/file.py:function``, or ``__main__.function`` in the
+    script that launches the run), a per-token surrogate called as :data:`USER_LOSS_CALL`
+    ``-> loss [T]`` (or ``(loss, {name: per-token stat})``), where ``anchor_logprobs`` are the
+    proximal (decoupled PPO) or behaviour logprobs and ``config`` is this config. megarl then
+    applies the behaviour weight (``behav_imp_weight_cap`` / ``rollout_correction``), the KL and
+    entropy terms and ``loss_agg_mode``. See ``examples/losses/``."""
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of a ``loss`` function of your own (its hyperparameters), given on every
+    call; each must be a parameter of the function (unless it takes ``**kwargs``), checked when
+    the config loads. A built-in loss takes none: its settings are the keys below."""
     ppo_n_minibatches: int = 1
     """Optimizer steps per training step: the batch is split into this many mini-batches."""
     ppo_n_epochs: int = 1
@@ -321,6 +331,20 @@ class PPOActorConfig(TrainEngineConfig):
         super().check()
         require(self.ppo_n_minibatches >= 1, "ppo_n_minibatches", self.ppo_n_minibatches, "must be >= 1")
         require(self.ppo_n_epochs >= 1, "ppo_n_epochs", self.ppo_n_epochs, "must be >= 1")
+        require(
+            self.loss not in BUILTIN_LOSSES or not self.loss_kwargs,
+            "loss_kwargs",
+            self.loss_kwargs,
+            f"the built-in loss {self.loss!r} takes its settings from the actor's own keys (eps_clip, "
+            "loss_agg_mode, ...); loss_kwargs are for a loss function of your own",
+        )
+        reserved = sorted(set(self.loss_kwargs) & set(USER_LOSS_ARGUMENTS))
+        require(
+            not reserved,
+            f"loss_kwargs.{reserved[0] if reserved else ''}",
+            self.loss_kwargs,
+            f"{reserved} are the arguments megarl passes to every loss ({USER_LOSS_CALL}); name yours otherwise",
+        )
         require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
         require(0 < self.eps_clip < 1, "eps_clip", self.eps_clip, "must be in (0, 1)")
         if self.eps_clip_higher is not None:

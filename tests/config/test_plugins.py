@@ -37,6 +37,14 @@ def two_argument_loss(logprobs, advantages):
 
 def one_argument_reward(completion):
     return 1.0
+
+
+def scaled_loss(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config, beta, clip=1.0):
+    return -beta * advantages * logprobs
+
+
+def any_keyword_loss(logprobs, anchor_logprobs, advantages, loss_mask, **kwargs):
+    return -advantages * logprobs
 """
 
 
@@ -209,3 +217,23 @@ def test_workflows_are_built_with_the_run_arguments_they_take():
     assert reward_by_path.reward_fn.__name__ == "brief_answer_reward"
     for wf in (workflow, grouped.workflow, reward_by_path):
         wf.close()
+
+
+def test_a_user_loss_takes_its_own_keyword_arguments_from_the_config(user_module):
+    config = _load(f"actor.loss={user_module}.scaled_loss", "actor.loss_kwargs.beta=0.5")
+    assert config.actor.loss_kwargs == {"beta": 0.5}
+    config = _load(f"actor.loss={user_module}.any_keyword_loss", "actor.loss_kwargs.anything=[1,2]")
+    assert config.actor.loss_kwargs == {"anything": [1, 2]}
+
+
+def test_a_loss_keyword_the_function_does_not_take_names_the_loss_and_the_key(user_module):
+    err = _error(f"actor.loss={user_module}.scaled_loss", "actor.loss_kwargs.betta=0.5")
+    assert err.key == "actor.loss_kwargs.betta", err
+    assert f"actor.loss='{user_module}.scaled_loss' (scaled_loss) takes no keyword argument(s) ['betta']" in str(err)
+    assert "its own keyword parameters are ['beta', 'clip']" in str(err)
+    err = _error(f"actor.loss={user_module}.scaled_loss")  # a parameter without a default, not given
+    assert err.key == "actor.loss" and "missing a required argument: 'beta'" in err.message
+    err = _error(f"actor.loss={user_module}.scaled_loss", "actor.loss_kwargs.beta=1", "actor.loss_kwargs.config=1")
+    assert err.key == "actor.loss_kwargs.config" and "are the arguments megarl passes to every loss" in err.message
+    err = _error("actor.loss=dapo", "actor.loss_kwargs.beta=1")
+    assert err.key == "actor.loss_kwargs" and "the built-in loss 'dapo' takes its settings" in err.message
