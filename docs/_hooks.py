@@ -123,10 +123,12 @@ def _table(rows: list[dict]) -> list[str]:
 def _machine(machine: dict) -> str:
     parts = [f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"]
     if "native_bf16" in machine:
-        parts.append("native bf16" if machine["native_bf16"] else "no native bf16")
+        parts.append({True: "native bf16", False: "no native bf16"}.get(machine["native_bf16"], "native bf16 unknown"))
     if machine.get("cpu_flags"):
         parts.append(f"flags: {machine['cpu_flags']}")
     parts.append(f"GPU: {machine['gpu']} (CUDA {machine.get('cuda')})" if machine.get("gpu") else "no GPU")
+    if machine.get("commit"):
+        parts.append(f"commit `{machine['commit'][:12]}`" + (" (backfilled)" if machine.get("backfilled") else ""))
     return "; ".join(parts)
 
 
