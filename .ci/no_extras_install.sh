@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI step: does `pip install megarl` (no extras, not editable) install what the code imports?
-# A fresh venv in a temporary directory gets the CPU torch (pinned like the Makefile does) and then
+# A fresh venv in a temporary directory gets the CPU torch (the Makefile's .ci/install_torch_cpu.sh) and then
 # the project as a regular package, built from a copy of the checkout's files (tracked and
 # untracked-but-not-ignored, i.e. what a clone would hold), so nothing is written into the checkout.
 # From a directory outside the checkout it then runs the CLI, loads the main job's config and
@@ -27,9 +27,9 @@ py="$tmp/venv/bin/python"
 # pip, quiet; without its warnings about the local indexes' missing project pages
 pip_install() { "$py" -m pip install -q "$@" 2> >(grep -v 'is neither a file nor a directory' >&2); }
 pip_install -U pip wheel setuptools
-# torch first, from the file on disk (a bare `torch>=2.6` would fetch the multi-GB CUDA build)
-pip_install -c "$repo/.ci/constraints.txt" torch==2.13.0
-pip_install -c "$repo/.ci/constraints.txt" "$src"
+# torch's CPU build first, as `make install` gets it (a bare `torch>=2.6` would fetch the multi-GB CUDA build)
+bash "$repo/.ci/install_torch_cpu.sh" "$py" -q -c "$repo/.ci/constraints.txt" "$src" \
+  2> >(grep -v 'is neither a file nor a directory' >&2)
 echo "no-extras install: venv ready after $(( $(date +%s) - start )) s"
 
 cd "$tmp"  # outside the checkout: `import megarl` must come from the venv
