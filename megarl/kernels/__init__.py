@@ -15,9 +15,11 @@ from megarl.kernels._cuda import PATH_CODES, active_path
 from megarl.kernels.backend import Backend, kernel_summary, resolve_backend
 from megarl.kernels.logprob import fused_logprobs_entropy, logprobs_backend
 from megarl.kernels.reference import logprobs_entropy_naive
+from megarl.kernels.truncation import Truncation
 
 __all__ = [
     "PATH_CODES",
+    "Truncation",
     "Backend",
     "active_path",
     "fused_logprobs_entropy",

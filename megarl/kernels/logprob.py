@@ -26,6 +26,7 @@ from megarl.kernels.reference import (
     local_stats_chunked,
     rescale_stats,
 )
+from megarl.kernels.truncation import Truncation, truncated_stats
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class _Spec:
     chunk_tokens: int
     chunk_vocab: int
     reduce_grad_hidden: bool
+    truncation: Truncation | None = None
 
 
 def reduce_over_tp(m, s, u, label_logit, tp_group: dist.ProcessGroup | None, tp_size: int):
@@ -58,31 +60,43 @@ def reduce_over_tp(m, s, u, label_logit, tp_group: dist.ProcessGroup | None, tp_
 class _FusedLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, spec: _Spec):
-        if spec.backend == "cuda":
-            stats = _cuda.local_stats(hidden, weight, labels, spec.shard, spec.inv_tau)
-        else:
-            stats = local_stats_chunked(
-                hidden, weight, labels, spec.shard, spec.inv_tau, spec.chunk_tokens, spec.chunk_vocab
+        threshold = outside = None
+        if spec.truncation is not None:  # already reduced over TP
+            args = (spec.shard, spec.inv_tau, spec.truncation, spec.tp_group, spec.tp_size)
+            *stats, threshold, outside = truncated_stats(
+                hidden, weight, labels, *args, spec.chunk_tokens, spec.chunk_vocab
             )
-        m, s, u, label_logit = reduce_over_tp(*stats, spec.tp_group, spec.tp_size)
+            m, s, u, label_logit = stats
+        else:
+            if spec.backend == "cuda":
+                stats = _cuda.local_stats(hidden, weight, labels, spec.shard, spec.inv_tau)
+            else:
+                stats = local_stats_chunked(
+                    hidden, weight, labels, spec.shard, spec.inv_tau, spec.chunk_tokens, spec.chunk_vocab
+                )
+            m, s, u, label_logit = reduce_over_tp(*stats, spec.tp_group, spec.tp_size)
         hit = (labels >= 0) & (labels < spec.shard.vocab_size)
         logprob, entropy, lse, mean_z = finalize_stats(m, s, u, label_logit, hit)
-        ctx.save_for_backward(hidden, weight, labels, lse, mean_z, hit)
+        ctx.save_for_backward(hidden, weight, labels, lse, mean_z, hit, threshold)
         ctx.spec = spec
-        return logprob, entropy
+        outside = torch.zeros_like(hit) if outside is None else outside
+        ctx.mark_non_differentiable(outside)
+        return logprob, entropy, outside
 
     @staticmethod
-    def backward(ctx, g_logprob, g_entropy):
-        hidden, weight, labels, lse, mean_z, hit = ctx.saved_tensors
+    def backward(ctx, g_logprob, g_entropy, _g_outside):
+        hidden, weight, labels, lse, mean_z, hit, threshold = ctx.saved_tensors
         spec: _Spec = ctx.spec
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_logprob = torch.where(hit, g_logprob.float(), 0.0)  # ignored labels: logprob is a constant 0
         g_entropy = g_entropy.float()
         args = (hidden, weight, labels, spec.shard, spec.inv_tau, lse, mean_z, g_logprob, g_entropy)
-        if spec.backend == "cuda":
+        if spec.backend == "cuda" and threshold is None:
             d_hidden, d_weight = _cuda.grads(*args, spec.chunk_vocab, need_hidden, need_weight)
         else:
-            d_hidden, d_weight = grads_chunked(*args, spec.chunk_tokens, spec.chunk_vocab, need_hidden, need_weight)
+            d_hidden, d_weight = grads_chunked(
+                *args, spec.chunk_tokens, spec.chunk_vocab, need_hidden, need_weight, threshold=threshold
+            )
         if d_hidden is not None:
             if spec.tp_size > 1 and spec.reduce_grad_hidden:
                 dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=spec.tp_group)
@@ -147,7 +161,9 @@ def fused_logprobs_entropy(
     backend: Backend = "auto",
     chunk_tokens: int = 1024,
     chunk_vocab: int = 4096,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    truncation: Truncation | None = None,
+    return_outside: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Log-probability of each label and entropy of each token's softmax, at ``temperature``.
 
     Args:
@@ -163,9 +179,14 @@ def fused_logprobs_entropy(
         backend: "cuda" (fused kernels), "torch" (chunked reference) or "auto".
         chunk_tokens, chunk_vocab: chunk sizes of the torch path (peak memory is
             O(chunk_tokens x chunk_vocab)); ``chunk_vocab`` is also the backward's dz chunk on CUDA.
+        truncation: the sampling's top-k / top-p / min-p (``megarl.kernels.truncation``): logprob
+            and entropy of the truncated, renormalised softmax. It runs the torch path (the
+            CUDA kernels do not take the per-token threshold yet).
+        return_outside: also return the bool mask of labels that fell below their truncation
+            threshold (counted; their threshold is lowered to them).
 
     Returns:
-        (logprobs, entropy), fp32, shaped like ``labels``; the same on every TP rank.
+        (logprobs, entropy[, outside]), fp32, shaped like ``labels``; the same on every TP rank.
     """
     _check_inputs(hidden, weight, labels, temperature)
     if chunk_tokens < 1 or chunk_vocab < 1:
@@ -180,8 +201,12 @@ def fused_logprobs_entropy(
         chunk_tokens=chunk_tokens,
         chunk_vocab=chunk_vocab,
         reduce_grad_hidden=reduce_grad_hidden,
+        truncation=truncation if truncation is not None and truncation.active else None,
     )
+    if truncation is not None:
+        truncation.check()
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)
-    logprob, entropy = _FusedLogprobEntropy.apply(flat_hidden, weight, flat_labels, spec)
-    return logprob.view(labels.shape), entropy.view(labels.shape)
+    logprob, entropy, outside = _FusedLogprobEntropy.apply(flat_hidden, weight, flat_labels, spec)
+    out = (logprob.view(labels.shape), entropy.view(labels.shape))
+    return (*out, outside.view(labels.shape)) if return_outside else out

@@ -175,13 +175,15 @@ def grads_chunked(
     chunk_vocab: int,
     need_hidden: bool = True,
     need_weight: bool = True,
+    threshold: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Gradients (dhidden [T,H] fp32, not yet reduced over TP; dweight [V_local,H] in weight's dtype).
 
     With p = softmax(z) over the whole (global) vocabulary, per token:
         d logprob / dz_v = 1[v = y] - p_v,     d entropy / dz_v = -p_v (z_v - mean_z),
     and dz/dx = 1/tau for x = hidden . weight^T. ``g_logprob`` must already be 0 for ignored
-    labels. Padding rows of the shard get a zero gradient.
+    labels. Padding rows of the shard get a zero gradient. ``threshold`` ``[T]`` (truncation
+    replay, ``megarl.kernels.truncation``): the softmax is over ``z >= threshold`` only, p = 0 elsewhere.
     """
     num_tokens = hidden.shape[0]
     d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
@@ -194,6 +196,8 @@ def grads_chunked(
             h_c = hidden[t0:t1].float()  # [tc,H]
             z = _scaled_logits(h_c, w_c, inv_tau)  # [tc,vc]
             p = (z - lse[t0:t1, None]).exp_()
+            if threshold is not None:
+                p.masked_fill_(z < threshold[t0:t1, None], 0.0)
             idx, inside = _label_in_chunk(label_local[t0:t1], v0, v1)
             rows = slice(t0, t1)
             dz = softmax_grad_(z, p, mean_z[rows], g_logprob[rows], g_entropy[rows], idx, inside)

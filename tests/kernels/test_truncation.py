@@ -1,0 +1,167 @@
+"""Truncation replay (``megarl.kernels.truncation``): logprob, entropy and gradients of the chunked,
+vocab-parallel path under top-k / top-p / min-p equal a plain full-softmax-then-mask reference
+written after vLLM 0.32's sampler (min-p, then its ``apply_top_k_top_p_pytorch``), on one rank
+and over a real 2-rank gloo group."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megarl.kernels import Truncation, fused_logprobs_entropy
+
+V, H, T = 300, 16, 23
+CASES = [
+    Truncation(top_p=0.8),
+    Truncation(top_k=20),
+    Truncation(min_p=0.3),
+    Truncation(top_k=20, top_p=0.8),
+    Truncation(top_k=50, top_p=0.9, min_p=0.05),
+    Truncation(top_p=0.95, candidates=4),  # a flat distribution: the candidate scan grows 4 -> 16 -> 64 -> 256
+    Truncation(min_p=0.5, candidates=4),
+    Truncation(top_k=7, top_p=0.5, candidates=2),
+]
+TEMPERATURES = [1.0, 0.7]
+
+
+def vllm_rule_logits(z: torch.Tensor, trunc: Truncation) -> torch.Tensor:
+    """z [T,V] (already / temperature) with the tokens vLLM 0.32 drops set to -inf: its min-p
+    processor, then its ``apply_top_k_top_p_pytorch`` (sort ascending, k-th value, cumsum <= 1 - p)."""
+    z = z.clone()
+    if trunc.min_p > 0:
+        probs = z.softmax(dim=-1)
+        z.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * trunc.min_p, float("-inf"))
+    logits_sort, logits_idx = z.sort(dim=-1, descending=False)
+    if trunc.top_k > 0:
+        kth = logits_sort.gather(1, torch.full((z.shape[0], 1), z.shape[1] - trunc.top_k))
+        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+    if trunc.top_p < 1:
+        cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        mask = cum <= 1 - trunc.top_p
+        mask[:, -1] = False
+        logits_sort.masked_fill_(mask, float("-inf"))
+    return z.scatter(-1, logits_idx, logits_sort)
+
+
+def reference(hidden, weight, labels, temperature: float, trunc: Truncation):
+    """(logprob, entropy) of the truncated softmax from the full [T, V] logits; differentiable."""
+    z = (hidden.double() @ weight.double().T) / temperature
+    kept = torch.isfinite(vllm_rule_logits(z.detach(), trunc))  # the mask is a constant
+    logp = torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1).masked_fill(~kept, 0.0)
+    entropy = -torch.where(kept, logp.exp() * logp, 0.0).sum(dim=-1)
+    return logp.gather(1, labels[:, None]).squeeze(1), entropy, kept
+
+
+def _inputs(seed: int, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.5 * scale
+    coefs = torch.randn(2, T, generator=g)
+    return hidden, weight, coefs
+
+
+def _sampled_labels(hidden, weight, temperature, trunc, seed):
+    """Labels drawn from the truncated distribution (what a server returns)."""
+    z = (hidden.double() @ weight.double().T) / temperature
+    probs = vllm_rule_logits(z, trunc).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(1)
+
+
+def _ours(hidden, weight, labels, coefs, temperature, trunc, **kwargs):
+    hidden = hidden.clone().requires_grad_(True)
+    weight = weight.clone().requires_grad_(True)
+    logp, ent, outside = fused_logprobs_entropy(
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        chunk_tokens=5,
+        chunk_vocab=64,
+        truncation=trunc,
+        return_outside=True,
+        backend="torch",
+        **kwargs,
+    )
+    (coefs[0] * logp + coefs[1] * ent).sum().backward()
+    return logp.detach(), ent.detach(), hidden.grad, weight.grad, outside
+
+
+def _want(hidden, weight, labels, coefs, temperature, trunc):
+    hidden = hidden.double().requires_grad_(True)
+    weight = weight.double().requires_grad_(True)
+    logp, ent, kept = reference(hidden, weight, labels, temperature, trunc)
+    (coefs[0].double() * logp + coefs[1].double() * ent).sum().backward()
+    return logp.detach().float(), ent.detach().float(), hidden.grad.float(), weight.grad.float(), kept
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("trunc", CASES, ids=repr)
+def test_truncated_logprobs_match_full_softmax_then_mask(trunc, temperature):
+    hidden, weight, coefs = _inputs(seed=3, scale=2.0 if trunc.candidates > 4 else 0.3)
+    labels = _sampled_labels(hidden, weight, temperature, trunc, seed=4)
+    got = _ours(hidden, weight, labels, coefs, temperature, trunc)
+    want = _want(hidden, weight, labels, coefs, temperature, trunc)
+    assert not got[4].any()  # every sampled label lies in the kept set
+    kept = want[4].sum(dim=1)
+    assert (kept < V).all() and (kept > 1).any()  # the filter truncates, and not to one token everywhere
+    for a, b in zip(got[:4], want[:4]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_truncation_changes_the_logprob_and_off_means_full_softmax():
+    hidden, weight, coefs = _inputs(seed=5, scale=2.0)
+    trunc = Truncation(top_p=0.8, top_k=20)
+    labels = _sampled_labels(hidden, weight, 1.0, trunc, seed=6)
+    full = fused_logprobs_entropy(hidden, weight, labels, backend="torch")[0]
+    off = fused_logprobs_entropy(hidden, weight, labels, backend="torch", truncation=Truncation())[0]
+    replay = fused_logprobs_entropy(hidden, weight, labels, backend="torch", truncation=trunc)[0]
+    torch.testing.assert_close(off, full)
+    assert (replay - full).abs().mean() > 0.1  # the bias replay removes
+    assert (replay >= full - 1e-6).all()  # renormalising over fewer tokens raises every kept logprob
+
+
+def test_label_outside_the_kept_set_is_counted_and_finite():
+    hidden, weight, coefs = _inputs(seed=7, scale=2.0)
+    trunc = Truncation(top_k=3)
+    z = hidden @ weight.T
+    labels = z.argsort(dim=1)[:, 0]  # the least likely token: never kept by top-3
+    logp, ent, outside = fused_logprobs_entropy(
+        hidden, weight, labels, backend="torch", truncation=trunc, return_outside=True
+    )
+    assert outside.all() and torch.isfinite(logp).all() and torch.isfinite(ent).all()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1])
+        rows = 152  # rank 1: 148 real rows + 4 padding
+        for i, trunc in enumerate(CASES[3::2]):  # top-k + top-p, all three, the growing scans
+            hidden, weight, coefs = _inputs(seed=10 + i, scale=2.0 if trunc.candidates > 4 else 0.3)
+            labels = _sampled_labels(hidden, weight, 0.7, trunc, seed=11 + i)
+            want = _want(hidden, weight, labels, coefs, 0.7, trunc)
+            padded = torch.cat([weight, torch.zeros(2 * rows - V, H)])
+            shard = padded[rank * rows : (rank + 1) * rows]
+            got = _ours(hidden, shard, labels, coefs, 0.7, trunc, tp_group=group, vocab_size=V)
+            for a, b in zip(got[:3], want[:3]):
+                torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+            mine = want[3][rank * rows : (rank + 1) * rows]
+            torch.testing.assert_close(got[3][: mine.shape[0]], mine, atol=2e-5, rtol=1e-4)
+            assert not got[3][mine.shape[0] :].any()  # padding rows: no gradient
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_two_rank_vocab_parallel_truncation_matches_reference():
+    mp.spawn(_tp_worker, args=(_free_port(),), nprocs=2, join=True)
