@@ -1,0 +1,174 @@
+"""Figures the docs quote from benchmark results are the results' figures.
+
+A figure taken from ``benchmarks/results/NAME.json`` is followed, in the Markdown, by a comment
+that says where it comes from (invisible on GitHub and on the site)::
+
+    exceeded the first 5's by +0.53 / +0.50 <!-- result: learning_arithmetic; gain; setup=fp32; +.2f -->
+
+``NAME; FIELD; ROWS; [HOW ]FORMAT`` (semicolons: a ``|`` would split a table's cell):
+
+* ``FIELD``: a column of the rows, or ``machine.KEY`` / any top-level ``KEY.SUB`` of the record;
+* ``ROWS``: ``*`` for every row, or ``col=v1,v2`` conditions joined by ``&`` (a value may hold a
+  comma: ``setup=bf16, nearest``);
+* ``HOW``: ``each`` (default: one figure per selected row, in row order), ``min``, ``max``,
+  ``mean``, ``median``, ``range`` (two figures: min and max), or ``gain`` (the mean of the last 5
+  values minus that of the first 5: the learning benchmarks' reward gain over steps);
+* ``FORMAT``: a Python format spec (``+.2f``, ``.1f``, ``.0f``, ``d``).
+
+The test formats the selected values and compares them with the last figures written before
+the comment in the same paragraph: change a result and the page must follow, or this fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+MARKER = re.compile(r"<!--\s*result:\s*(.*?)\s*-->", re.DOTALL)
+NUMBER = re.compile(r"(?<![\w.])[+-]?\d+(?:\.\d+)?")
+HOWS = ("each", "min", "max", "mean", "median", "range", "gain")
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), REPO / "examples" / "README.md"]
+
+
+def _rows(record: dict, where: str) -> list[dict]:
+    rows = record["rows"]
+    if where.strip() == "*":
+        return rows
+    for condition in where.split("&"):
+        column, _, values = condition.partition("=")
+        column, values = column.strip(), values.strip()
+        if any(str(row.get(column)) == values for row in rows):  # "bf16, nearest" is one value
+            wanted = {values}
+        else:
+            wanted = {v.strip() for v in values.split(",")}
+        rows = [row for row in rows if str(row.get(column)) in wanted]
+    return rows
+
+
+def expected_figures(spec: str, results: Path = RESULTS) -> list[str]:
+    """The figures a marker's ``NAME; FIELD; ROWS; [HOW ]FORMAT`` stands for, formatted."""
+    parts = [p.strip() for p in spec.split(";")]
+    if len(parts) != 4:
+        raise ValueError(f"marker {spec!r}: want 'NAME; FIELD; ROWS; [HOW ]FORMAT'")
+    name, field, where, fmt = parts
+    how, _, fmt = fmt.rpartition(" ") if " " in fmt else ("each", "", fmt)
+    if how not in HOWS:
+        raise ValueError(f"marker {spec!r}: {how!r} is not one of {', '.join(HOWS)}")
+    path = results / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"marker {spec!r}: no results file {name}.json in {results}")
+    record = json.loads(path.read_text())
+    if "." in field and field.split(".")[0] in record and field.split(".")[0] != "rows":
+        values = [record]
+        for key in field.split("."):
+            values = [values[0][key]]
+    else:
+        rows = _rows(record, where)
+        if not rows or any(field not in row for row in rows):
+            raise ValueError(f"marker {spec!r}: no rows {where!r} with a column {field!r} in {path.name}")
+        values = [row[field] for row in rows]
+    if how == "range":
+        values = [min(values), max(values)]
+    elif how == "gain":
+        values = [statistics.fmean(values[-5:]) - statistics.fmean(values[:5])]
+    elif how != "each":
+        values = [{"min": min, "max": max, "mean": statistics.fmean, "median": statistics.median}[how](values)]
+    return [_fix_zero(format(v, fmt)) for v in values]
+
+
+def _fix_zero(text: str) -> str:
+    return text.replace("-0.00", "0.00") if re.fullmatch(r"-0\.0*", text) else text
+
+
+def check_text(text: str, results: Path = RESULTS) -> tuple[int, list[str]]:
+    """(markers found, problems): each marker's figures against the figures written before it."""
+    problems, count = [], 0
+    for paragraph in re.split(r"\n\s*\n", text):
+        start = 0
+        for m in MARKER.finditer(paragraph):
+            count += 1
+            before = MARKER.sub(" ", paragraph[start : m.start()])
+            start = m.end()
+            try:
+                want = expected_figures(m.group(1), results)
+            except (ValueError, KeyError, TypeError) as e:
+                problems.append(str(e))
+                continue
+            got = NUMBER.findall(before)[-len(want) :]
+            if got != want:
+                where = " ".join(before.split())[-80:]
+                problems.append(f"'...{where}' quotes {got}, {m.group(1)!r} says {want}")
+    return count, problems
+
+
+@pytest.mark.parametrize("page", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_quoted_figures_match_their_results(page):
+    _, problems = check_text(page.read_text(encoding="utf-8"))
+    assert not problems, f"{page.relative_to(REPO)}:\n  " + "\n  ".join(problems)
+
+
+def test_the_pages_that_quote_learning_results_mark_them():
+    """The README, home page and quickstart quote the learning check: each figure is marked."""
+    for name in ("README.md", "docs/index.md", "docs/quickstart.md", "docs/concepts/precision.md"):
+        count, _ = check_text((REPO / name).read_text())
+        assert count >= 1, f"{name} quotes results but marks none"
+    total = sum(check_text(p.read_text(encoding="utf-8"))[0] for p in doc_files())
+    assert total >= 20, total
+
+
+# -- the checker itself ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def results(tmp_path):
+    record = {
+        "machine": {"cores": 2, "native_bf16": True},
+        "rows": [
+            {"setup": "fp32", "gain": 0.525, "step s": 13.2},
+            {"setup": "fp32", "gain": 0.5, "step s": 14.2},
+            {"setup": "bf16", "gain": 0.44375, "step s": 10.3},
+        ],
+    }
+    (tmp_path / "learn.json").write_text(json.dumps(record))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "gained +0.53 / +0.50 <!-- result: learn; gain; setup=fp32; +.2f --> in fp32",
+        "steps of 13.2-14.2 s <!-- result: learn; step s; setup=fp32; range .1f -->",
+        "about +0.5 <!-- result: learn; gain; *; mean +.1f -->, on 2 <!-- result: learn; machine.cores; *; d --> cores",
+        "fp32 +0.53\nand bf16 +0.44 <!-- result: learn; gain; setup=bf16; +.2f -->",
+        "no gain over 3 rows: +0.0 <!-- result: learn; step s; *; gain +.1f -->",
+    ],
+)
+def test_checker_passes_figures_that_match(results, text):
+    assert check_text(text, results) == (text.count("<!--"), [])
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("gained +0.55 / +0.50 <!-- result: learn; gain; setup=fp32; +.2f -->", "quotes ['+0.55', '+0.50']"),
+        ("gained +0.53 <!-- result: learn; gain; setup=fp32; +.2f -->", "says ['+0.53', '+0.50']"),
+        ("steps of 13-14.2 s <!-- result: learn; step s; setup=fp32; range .1f -->", "['13', '14.2']"),
+        ("+0.5\n\n<!-- result: learn; gain; *; mean +.1f -->", "quotes []"),
+        ("x 1 <!-- result: nosuch; gain; *; .1f -->", "no results file"),
+        ("x 1 <!-- result: learn; loss; *; .1f -->", "with a column 'loss'"),
+        ("x 1 <!-- result: learn; gain; *; avg .1f -->", "'avg' is not one of"),
+        ("x 1 <!-- result: learn; gain; .1f -->", "want 'NAME; FIELD; ROWS"),
+    ],
+)
+def test_checker_fails_on_a_figure_that_differs(results, text, expected):
+    _, problems = check_text(text, results)
+    assert any(expected in p for p in problems), problems
