@@ -338,6 +338,7 @@ def build(config: GRPOConfig) -> Trainer:
             batch_size=config.train_dataset.batch_size // layout.dp_size,
             dump_dir=str(config.run_dir),
             tokenizer=tokenizer,
+            vocab_size=actor.desc.dims.vocab_size,  # a server's token id beyond it is refused
         )
     meta = WeightUpdateMeta.from_allocation(config.weight_update, config.allocation)
     weight_sync = connect_engine(actor, rollout, meta)

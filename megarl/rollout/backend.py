@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from megarl.api.io_struct import GenerationHyperparameters
@@ -21,31 +21,56 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass
 class GenerationChunk:
-    """What one ``/generate``-style call produced (possibly cut short by a pause)."""
+    """What one ``/generate``-style call produced (possibly cut short by a pause).
+
+    A backend's parser hands over the values as the reply spelled them; :func:`check_chunk` checks
+    them (a null logprob, a token id outside the vocabulary, ...) and names the reply's field of a bad one.
+    """
 
     output_tokens: list[int]
     output_logprobs: list[float]
     finish_reason: FinishReason
     routed_experts: list[list[int]] | None = None
     """MoE, when asked for: per output token, every layer's top-k experts (layer-major)."""
+    token_field: str = "output_tokens[{}]"
+    """Where the reply holds token ``i`` (``token_field.format(i)``), for error messages."""
+    logprob_field: str = "output_logprobs[{}]"
+    """Where the reply holds the logprob of token ``i``, for error messages."""
 
 
 LOGPROB_TOLERANCE = 1e-3
 """A sampled token's logprob above this (a probability over 1, beyond rounding) is a broken reply."""
 
 
-def check_chunk(chunk: GenerationChunk, max_tokens: int) -> GenerationChunk:
-    """``chunk``, or :class:`MalformedResponseError` (retried like malformed JSON) when it cannot be
-    trained on: more tokens than asked for, a negative token id, a NaN, infinite or positive logprob."""
+def check_chunk(chunk: GenerationChunk, max_tokens: int, vocab_size: int | None = None) -> GenerationChunk:
+    """``chunk`` with float logprobs, or :class:`MalformedResponseError` (retried like malformed JSON) naming
+    the reply's field when it cannot be trained on: more tokens than asked for, a token id that is not an
+    integer in ``[0, vocab_size)`` (the trainer's vocabulary; None: only ``>= 0`` is checked), a logprob
+    that is null, not a number, NaN, infinite or positive."""
     if len(chunk.output_tokens) > max_tokens:
         raise MalformedResponseError(f"{len(chunk.output_tokens)} tokens for a request of at most {max_tokens}")
-    bad_id = next((t for t in chunk.output_tokens if t < 0), None)
-    if bad_id is not None:
-        raise MalformedResponseError(f"negative token id {bad_id}")
-    bad = next((lp for lp in chunk.output_logprobs if not math.isfinite(lp) or lp > LOGPROB_TOLERANCE), None)
-    if bad is not None:
-        raise MalformedResponseError(f"logprob {bad!r} is not a log-probability (finite, <= 0)")
-    return chunk
+    for i, token in enumerate(chunk.output_tokens):
+        field_name = chunk.token_field.format(i)
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise MalformedResponseError(f"{field_name} is {token!r:.40}, not a token id")
+        if token < 0:
+            raise MalformedResponseError(f"{field_name}: negative token id {token}")
+        if vocab_size is not None and token >= vocab_size:
+            raise MalformedResponseError(
+                f"{field_name}: token id {token} is outside the trainer's vocabulary of {vocab_size} "
+                "(does the server serve the trainer's model?)"
+            )
+    logprobs = []
+    for i, value in enumerate(chunk.output_logprobs):
+        field_name = chunk.logprob_field.format(i)
+        if value is None:
+            raise MalformedResponseError(f"{field_name} is null: the reply has no logprob for token {i}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MalformedResponseError(f"{field_name} is {value!r:.40}, not a number")
+        if not math.isfinite(value) or value > LOGPROB_TOLERANCE:
+            raise MalformedResponseError(f"{field_name}: logprob {value!r} is not a log-probability (finite, <= 0)")
+        logprobs.append(float(value))
+    return replace(chunk, output_logprobs=logprobs)
 
 
 @dataclass(frozen=True)
@@ -66,6 +91,8 @@ class InferenceBackend(abc.ABC):
     health_endpoint: str = "/health"
     return_routed_experts: bool = False
     """Ask for the experts each generated token was routed to (``rollout.return_routed_experts``)."""
+    vocab_size: int | None = None
+    """The trainer's vocabulary: a reply holding a token id at or beyond it is refused (None: not checked)."""
 
     @abc.abstractmethod
     def generate_payload(

@@ -198,7 +198,9 @@ class GenerationClient(GenerationEngine):
                     self.backend.generate_endpoint,
                     payload,
                     policy=self.policy,
-                    parse=lambda body: check_chunk(self.backend.parse_generate(body), max_tokens),
+                    parse=lambda body: check_chunk(
+                        self.backend.parse_generate(body), max_tokens, self.backend.vocab_size
+                    ),
                     give_up=lambda: not server.usable(time.monotonic()),
                 )
         finally:

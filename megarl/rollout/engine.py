@@ -74,6 +74,7 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
         dump_dir: str | None = None,
         tokenizer: Any = None,
         wait_healthy: bool = True,
+        vocab_size: int | None = None,
         **_: Any,
     ) -> RemoteInferenceEngine:
         """Find the servers, check their health and start the rollout pool.
@@ -86,8 +87,11 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
                 ``config.dump_trajectories``, and where the launcher records server restarts.
             tokenizer: Decodes dumped trajectories; agent workflows given none render their chat with it.
             wait_healthy: Wait (up to ``config.setup_timeout``) until every server answers.
+            vocab_size: The trainer's vocabulary size: a reply holding a token id at or beyond it is
+                refused like any reply that cannot be trained on (None: not checked).
         """
         addrs = list(server_addrs) if server_addrs else resolve_server_addrs(self.config)
+        self.backend.vocab_size = vocab_size
         batch_size = batch_size or self.config.max_concurrent_rollouts
         if batch_size is None:
             raise ValueError("RemoteInferenceEngine.initialize: pass batch_size or set rollout.max_concurrent_rollouts")

@@ -72,9 +72,9 @@ class SGLangBackend(InferenceBackend):
             finish = meta["finish_reason"]
             finish_type = finish["type"] if isinstance(finish, dict) else finish
             entries = meta["output_token_logprobs"] or []
-            logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
-            tokens = [int(e[1]) for e in entries]
-        except (KeyError, IndexError, TypeError, ValueError) as e:
+            logprobs = [e[0] for e in entries]  # checked by check_chunk: a null is refused
+            tokens = [e[1] for e in entries]
+        except (KeyError, IndexError, TypeError) as e:
             raise MalformedResponseError(f"not a /generate reply with logprobs ({type(e).__name__}: {e})") from None
         output_ids = body.get("output_ids")
         if output_ids is not None and list(output_ids) != tokens:
@@ -82,7 +82,14 @@ class SGLangBackend(InferenceBackend):
         if finish_type not in _FINISH:
             raise MalformedResponseError(f"unknown finish_reason {finish!r}")
         routed = _routed_experts(meta, len(tokens)) if self.return_routed_experts else None
-        return GenerationChunk(tokens, logprobs, _FINISH[finish_type], routed)
+        return GenerationChunk(
+            tokens,
+            logprobs,
+            _FINISH[finish_type],
+            routed,
+            token_field="meta_info.output_token_logprobs[{}][1]",
+            logprob_field="meta_info.output_token_logprobs[{}][0]",
+        )
 
     def pause_calls(self) -> list[HttpCall]:
         return [HttpCall("/pause_generation", payload={"mode": "abort"})]

@@ -70,13 +70,14 @@ class VLLMBackend(InferenceBackend):
             choice = body["choices"][0]
             finish = choice.get("finish_reason")
             logprobs = choice["logprobs"]
-            token_logprobs = logprobs["token_logprobs"]
+            token_logprobs = list(logprobs["token_logprobs"])  # checked by check_chunk: a null is refused
             tokens = choice.get("token_ids")
+            token_field = "choices[0].token_ids[{}]"
             if tokens is None:
                 tokens = [_token_id(t) for t in logprobs["tokens"]]
-            tokens = [_integer(t) for t in tokens]
-            token_logprobs = [float(lp) if lp is not None else 0.0 for lp in token_logprobs]
-        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+                token_field = "choices[0].logprobs.tokens[{}]"
+            tokens = list(tokens)
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise MalformedResponseError(
                 f"not a /v1/completions reply with logprobs ({type(e).__name__}: {e})"
             ) from None
@@ -84,7 +85,13 @@ class VLLMBackend(InferenceBackend):
             raise MalformedResponseError(f"unknown finish_reason {finish!r}")
         if len(tokens) != len(token_logprobs):
             raise MalformedResponseError(f"{len(tokens)} token ids but {len(token_logprobs)} logprobs")
-        return GenerationChunk(output_tokens=tokens, output_logprobs=token_logprobs, finish_reason=_FINISH[finish])
+        return GenerationChunk(
+            output_tokens=tokens,
+            output_logprobs=token_logprobs,
+            finish_reason=_FINISH[finish],
+            token_field=token_field,
+            logprob_field="choices[0].logprobs.token_logprobs[{}]",
+        )
 
     def pause_calls(self) -> list[HttpCall]:
         return [HttpCall("/pause", params={"mode": "abort"})]
@@ -101,16 +108,9 @@ class VLLMBackend(InferenceBackend):
         return [HttpCall("/wake_up")]  # every tag: weights and KV cache back, scheduling again
 
 
-def _integer(value: Any) -> int:
-    """A token id as sent: an integer (a float or string one is a malformed reply)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"token id {value!r} is not an integer")
-    return value
-
-
 def _token_id(token: str) -> int:
     prefix, sep, value = str(token).partition("token_id:")
-    if not sep or prefix:
+    if not sep or prefix or not value.lstrip("-").isdigit():
         raise MalformedResponseError(f"token {token!r} is not 'token_id:N' (return_tokens_as_token_ids)")
     return int(value)
 

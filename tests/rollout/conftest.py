@@ -12,6 +12,7 @@ from megarl.config.rollout import InferenceEngineConfig
 from megarl.rollout import InferenceServer, LaunchSpec, RemoteInferenceEngine
 from megarl.utils.network import find_free_ports
 from tests.conftest import VLLM_MAX_MODEL_LEN  # noqa: F401 -- the tests here import it from this module
+from tests.rollout.fake_server import VOCAB_SIZE
 
 FAKE_SERVER = str(Path(__file__).with_name("fake_server.py"))
 
@@ -74,5 +75,7 @@ def fast_config(**overrides) -> InferenceEngineConfig:
 
 
 def make_engine(addrs: list[str], backend: str = "vllm", batch_size: int = 4, **config) -> RemoteInferenceEngine:
-    """An initialized engine (pool started) on ``addrs``; call ``destroy()`` when done."""
-    return RemoteInferenceEngine(fast_config(**config), backend).initialize(server_addrs=addrs, batch_size=batch_size)
+    """An initialized engine (pool started) on ``addrs``, trained on the fake model's vocabulary; call
+    ``destroy()`` when done."""
+    engine = RemoteInferenceEngine(fast_config(**config), backend)
+    return engine.initialize(server_addrs=addrs, batch_size=batch_size, vocab_size=VOCAB_SIZE)

@@ -33,6 +33,8 @@ import numpy as np
 from aiohttp import web
 
 EOS = 2
+VOCAB_SIZE = 1024
+"""The fake model's vocabulary: every token it generates is below it (tests give the engine this size)."""
 
 
 def routed_at(position: int) -> list[int]:
@@ -78,6 +80,8 @@ CORRUPTIONS = {  # a 200 reply (vLLM dialect) that megarl must not train on: (re
     "empty_choices": lambda reply, n: reply.update(choices=[]),
     "null_logprobs": lambda reply, n: reply["choices"][0].update(logprobs=None),
     "string_token": lambda reply, n: _set_first(reply, token="seven"),
+    "null_logprob": lambda reply, n: reply["choices"][0]["logprobs"]["token_logprobs"].__setitem__(-1, None),
+    "vocab_token": lambda reply, n: _set_first(reply, token=VOCAB_SIZE),
 }
 """Fault names of corrupted complete replies, for ``POST /_faults``."""
 

@@ -148,7 +148,7 @@ def test_corrupted_replies_are_retried_and_never_returned(fake_servers):
     """Complete 200 replies that cannot be trained on (NaN or positive logprobs, more tokens than asked,
     a negative id, lists of different lengths, ...) are retried; what comes back is the clean sample."""
     (server,) = fake_servers(1)
-    engine = make_engine([server.address], request_retries=len(CORRUPTIONS))
+    engine = make_engine([server.address], request_retries=len(CORRUPTIONS), retry_backoff=0.001)  # 2**n backoff
     try:
         _post(server.address, "/_faults", {"faults": list(CORRUPTIONS)})
         resp = _generate(engine, 8)
@@ -209,11 +209,14 @@ def test_retries_then_succeeds(fake_servers):
         ("503", "HTTP 503"),
         ("html", "malformed reply"),
         ("empty_body", "malformed reply"),
-        ("nan_logprob", "logprob nan is not a log-probability"),
-        ("positive_logprob", "logprob 0.5 is not a log-probability"),
+        ("nan_logprob", "choices[0].logprobs.token_logprobs[0]: logprob nan is not a log-probability"),
+        ("positive_logprob", "choices[0].logprobs.token_logprobs[0]: logprob 0.5 is not a log-probability"),
         ("extra_tokens", "9 tokens for a request of at most 8"),
-        ("negative_token", "negative token id -5"),
+        ("negative_token", "choices[0].token_ids[0]: negative token id -5"),
         ("length_mismatch", "8 token ids but 7 logprobs"),
+        ("null_logprob", "choices[0].logprobs.token_logprobs[7] is null"),
+        ("vocab_token", "choices[0].token_ids[0]: token id 1024 is outside the trainer's vocabulary of 1024"),
+        ("string_token", "choices[0].token_ids[0] is 'seven', not a token id"),
     ],
 )
 def test_retry_budget_spent_raises_clear_error(fake_servers, fault, message):
