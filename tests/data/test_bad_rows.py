@@ -1,4 +1,4 @@
-"""Bad dataset rows (issue 20): each kind is rejected at load naming file and row (``bad_rows: raise``),
+"""Bad dataset rows (issues 20, 36): each kind is rejected at load naming file and row (``bad_rows: raise``),
 or skipped with the count and the first one logged (``bad_rows: skip``), the good rows kept in order."""
 
 from __future__ import annotations
@@ -26,6 +26,21 @@ BAD = {
         "'question' must be non-empty text",
     ),
     "unparsable-answer": ("gsm8k", json.dumps({"question": "q", "answer": "one"}), "no '#### <answer>' line"),
+    "blank-final-answer": (
+        "gsm8k",
+        json.dumps({"question": "q", "answer": "She has none left. ####  "}),
+        "final answer after '####' is blank",
+    ),
+    "final-answer-not-a-number": (
+        "gsm8k",
+        json.dumps({"question": "q", "answer": "#### seven"}),
+        "final answer after '####' is not a number: 'seven'",
+    ),
+    "reward-argument-column": (
+        "gsm8k",
+        json.dumps({"question": "q", "answer": "#### 1", "prompt_ids": [1, 2]}),
+        "row 1 has column(s) ['prompt_ids'], which a reward function receives as its own arguments",
+    ),
     "empty-prompt": ("chat", json.dumps({"prompt": "", "answer": "1"}), "'prompt' must be non-empty text"),
     "no-messages": ("chat", json.dumps({"messages": [], "answer": "1"}), "'messages' must be a non-empty list"),
     "message-not-text": (
@@ -40,6 +55,14 @@ BAD = {
     ),
     "answer-a-dict": ("chat", json.dumps({"prompt": "p", "answer": {"x": 1}}), "'answer' must be a non-empty string"),
     "answer-a-bool": ("chat", json.dumps({"prompt": "p", "answer": True}), "'answer' must be a non-empty string"),
+    "answer-not-finite": ("chat", json.dumps({"prompt": "p", "answer": float("nan")}), "'answer' must be a finite"),
+    "unknown-role": (
+        "chat",
+        json.dumps(
+            {"messages": [{"role": "system", "content": "s"}, {"role": "human", "content": "q"}], "answer": "1"}
+        ),
+        "row 1: message 1 has role 'human'; a role is one of ['system', 'user', 'assistant', 'tool']",
+    ),
     "not-json": ("chat", '{"prompt": "p", "answer": ', "line 2 is not a JSON object"),
     "json-list": ("chat", "[1, 2]", "line 2 is not a JSON object: a JSON list"),
     "invalid-utf8": ("chat", b'{"prompt": "caf\xe9", "answer": "1"}', "line 2 is not a JSON object"),
@@ -80,3 +103,23 @@ def test_a_file_of_bad_rows_only_fails_even_when_skipping(tmp_path):
     path.write_text(json.dumps({"prompt": "", "answer": "1"}) + "\n")
     with pytest.raises(ValueError, match=r"no usable rows \(1 bad; the first: .*'prompt' must be non-empty text"):
         load_rl_dataset(str(path), "train", type="chat", bad_rows="skip")
+
+
+def test_skipped_rows_are_handed_to_the_caller(tmp_path):
+    """What the trainer shows on the console at start (``megarl.train``): every reason, in file order."""
+    path = write(tmp_path, "gsm8k", json.dumps({"question": "q", "answer": "#### ?"}))
+    skipped: list[str] = []
+    load_rl_dataset(path, "train", bad_rows="skip", skipped=skipped)
+    assert skipped == [f"{path}: row 1: GSM8K solution's final answer after '####' is not a number: '?'"]
+
+
+def test_a_chat_prompt_becomes_the_chat_and_does_not_reach_the_reward_twice(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1?", "answer": 2, "level": "easy"}) + "\n")
+    (row,) = load_rl_dataset(str(path), "train", type="chat")
+    assert row == {"messages": [{"role": "user", "content": "1+1?"}], "answer": "2", "level": "easy"}
+
+    def reward(prompt, completions, prompt_ids, completion_ids, **data):
+        return float(completions == data["answer"])
+
+    assert reward("1+1?", "2", [], [], **row) == 1.0
