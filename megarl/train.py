@@ -86,6 +86,8 @@ class Trainer:
     threads: TrainerThreads
     console: Console = field(default_factory=lambda: Console(None))
     memory: PeakRSS = field(default_factory=PeakRSS)
+    skipped_rows: list[str] = field(default_factory=list)
+    """Why each dataset row skipped at load was (``bad_rows: skip``), shown on the console at start."""
     stats_logger: StatsLogger | None = None
     progress: Progress | None = None
 
@@ -301,7 +303,7 @@ def build(config: GRPOConfig) -> Trainer:
     workflow = eval_workflow = None
     if layout.is_head:
         workflow, eval_workflow = build_workflows(config, tokenizer)
-    dataloader, n_batches = None, None
+    dataloader, n_batches, skipped_rows = None, None, []
     if layout.is_head:
         dataset = load_rl_dataset(
             config.train_dataset.path,
@@ -312,6 +314,7 @@ def build(config: GRPOConfig) -> Trainer:
             max_prompt_tokens=config.train_dataset.max_prompt_tokens,
             tokenizer=tokenizer,
             bad_rows=config.train_dataset.bad_rows,
+            skipped=skipped_rows,
         )
         dataloader = create_dataloader(
             dataset,
@@ -322,7 +325,7 @@ def build(config: GRPOConfig) -> Trainer:
             num_workers=config.train_dataset.num_workers,
         )
         n_batches = len(dataloader)
-    valid_items = load_valid_items(config, tokenizer) if dist.get_rank() == 0 else []
+    valid_items = load_valid_items(config, tokenizer, skipped_rows) if dist.get_rank() == 0 else []
     steps_per_epoch = min(b for b in all_gather(n_batches) if b is not None)
     total_steps = steps_per_epoch * config.total_train_epochs
     if config.total_train_steps is not None:
@@ -360,6 +363,7 @@ def build(config: GRPOConfig) -> Trainer:
         saver=Saver(config.saver, config.run_dir, steps_per_epoch),
         evaluator=Evaluator(config.evaluator, steps_per_epoch),
         recover=RecoverHandler(config.recover, config.run_dir),
+        skipped_rows=skipped_rows,
         threads=TrainerThreads.for_this_rank(
             config.cluster.cpu_threads, config.device == "cpu", rollout.pool_idle if rollout is not None else None
         ),
@@ -408,8 +412,8 @@ def load_tokenizer(config: GRPOConfig):
     return AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer_path or config.actor.path))
 
 
-def load_valid_items(config: GRPOConfig, tokenizer) -> list[dict]:
-    """The evaluation prompts (rank 0), at most ``evaluator.max_samples``."""
+def load_valid_items(config: GRPOConfig, tokenizer, skipped: list[str] | None = None) -> list[dict]:
+    """The evaluation prompts (rank 0), at most ``evaluator.max_samples``; rows skipped as bad added to ``skipped``."""
     valid = config.valid_dataset
     if valid is None:
         return []
@@ -420,6 +424,7 @@ def load_valid_items(config: GRPOConfig, tokenizer) -> list[dict]:
         max_prompt_tokens=valid.max_prompt_tokens,
         tokenizer=tokenizer,
         bad_rows=valid.bad_rows,
+        skipped=skipped,
     )
     n = len(dataset) if config.evaluator.max_samples is None else min(len(dataset), config.evaluator.max_samples)
     return [dataset[i] for i in range(n)]
@@ -479,6 +484,10 @@ def train(t: Trainer) -> dict[str, float]:
     )
     if rank0 and (line := kernel_line(t.actor.kernel_backend)) is not None:
         t.console.line(line)
+    if rank0 and t.skipped_rows:
+        t.console.line(
+            f"dataset: skipped {len(t.skipped_rows)} bad rows (bad_rows: skip); the first: {t.skipped_rows[0]}"
+        )
     baseline = evaluate(t) if start == 0 and t.config.evaluator.before_training else {}
     if baseline:
         t.console.line(
