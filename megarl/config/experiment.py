@@ -391,6 +391,15 @@ class GRPOConfig(BaseExperimentConfig):
             f"must equal gconfig.temperature={self.gconfig.temperature} "
             "(logprobs are scored at the sampling temperature)",
         )
+        for key in ("top_p", "top_k", "min_p"):
+            ours, theirs = getattr(self.actor, key), getattr(self.gconfig, key)
+            require(
+                ours == theirs or not self.actor.replay_truncation or self.gconfig.greedy,
+                f"actor.{key}",
+                ours,
+                f"must equal gconfig.{key}={theirs} (write `{key}: ${{gconfig.{key}}}`): the trainer replays the "
+                "sampling's truncation; or set actor.replay_truncation=false to train on the full softmax",
+            )
         require(
             not (self.gconfig.greedy and self.gconfig.n_samples > 1 and self.actor.adv_norm.mean_level == "group"),
             "gconfig.greedy",

@@ -9,6 +9,9 @@ every plug-in key (``reward_fn``, ``workflow.type`` and its ``kwargs.reward_fn``
   working directory.
 * ``path/to/file.py:name``: the file relative to the config file's folder, then to the
   working directory (an absolute path as is), imported as a module.
+* ``__main__.name``: the running script (``python my_script.py`` that loads the config or
+  launches the run from Python): it becomes the script's ``/abs/my_script.py:name``, so the
+  trainer ranks, where ``__main__`` is another program, import the same definition from the file.
 
 When the config loads (:func:`locate_plugin`, from ``resolve_locations``), a value found in
 a folder becomes the file's absolute ``/abs/path/file.py:name``: the saved config the
@@ -39,6 +42,7 @@ _NAME = r"[A-Za-z_]\w*"
 _DOTTED = re.compile(rf"{_NAME}(?:\.{_NAME})+")
 _FILE_FORM = re.compile(rf"(?P<file>.+\.py):(?P<name>{_NAME})")
 FORMS = "'package.module.name' or 'path/to/file.py:name'"
+_MAIN = "__main__"
 """The two spellings of a plug-in, for messages."""
 
 
@@ -56,6 +60,8 @@ def locate_plugin(path: str, key: str, folders: Sequence[str | os.PathLike] = ()
     unchanged, for its key's own check. A :class:`ConfigError` naming ``key``, the value and
     each place searched when nothing is found.
     """
+    if path.startswith(f"{_MAIN}."):
+        return _in_running_script(path, key)
     places = _search_folders(folders)
     form = _FILE_FORM.fullmatch(path)
     if form is not None:
@@ -72,6 +78,27 @@ def locate_plugin(path: str, key: str, folders: Sequence[str | os.PathLike] = ()
         c for folder in places for c in (folder / relative.with_suffix(".py"), folder / relative / "__init__.py")
     ]
     return _first_file(path, key, candidates, name, ["the installed packages"], module)
+
+
+def _in_running_script(path: str, key: str) -> str:
+    """``__main__.name`` as ``/abs/script.py:name``: the script this process runs, which defines ``name``."""
+    name = path[len(_MAIN) + 1 :]
+    main = sys.modules.get(_MAIN)
+    script = getattr(main, "__file__", None)
+    if script is None:
+        raise ConfigError(
+            key,
+            f"{path!r}: '__main__' is the running script, but this program runs none (an interactive "
+            f"session or python -c): put {name.partition('.')[0]} in a file and name it 'file.py:{name}'",
+        )
+    script = Path(script).resolve()
+    if "." in name or not hasattr(main, name):
+        raise ConfigError(
+            key,
+            f"{path!r}: the running script {script} defines no {name!r} (at its top level, before it "
+            "loads the config); '__main__.name' names your own script that starts megarl from Python",
+        )
+    return f"{script}:{name}"
 
 
 def _first_file(path: str, key: str, candidates: list[Path], name: str, searched: list[str], module: str = "") -> str:
@@ -147,8 +174,12 @@ def _import_file(file: Path, path: str, key: str):
     """The module of ``file``, imported by its name under its package root (appended to ``sys.path``).
 
     By name rather than from the file alone, so that pickling its functions by reference
-    works in spawned workers, which inherit ``sys.path``.
+    works in spawned workers, which inherit ``sys.path``. The script this process runs is its
+    ``__main__`` module, not run a second time.
     """
+    main = sys.modules.get(_MAIN)
+    if getattr(main, "__file__", None) is not None and Path(main.__file__).resolve() == file.resolve():
+        return main
     root, parts = file.parent, [file.stem] if file.name != "__init__.py" else []
     while (root / "__init__.py").is_file():
         parts.insert(0, root.name)

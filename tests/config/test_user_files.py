@@ -196,3 +196,112 @@ def test_the_saved_config_finds_the_file_from_another_directory_and_a_spawned_re
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "reward 0.25 ok" in result.stdout
+
+
+USER_SCRIPT = """
+import sys
+
+from megarl.api.workflow_api import RolloutWorkflow
+
+print("script imported as", __name__)
+
+
+def my_reward(prompt, completions, prompt_ids, completion_ids, **row):
+    return 0.5 if completions == "four" else 0.0
+
+
+class MyWorkflow(RolloutWorkflow):
+    def __init__(self, reward_fn, greeting="hi"):
+        self.reward_fn, self.greeting = reward_fn, greeting
+
+    async def arun_episode(self, engine, data):
+        return None
+
+
+def my_loss(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config, beta):
+    return -beta * advantages * logprobs
+
+
+if __name__ == "__main__":
+    from megarl.launcher.cli import main
+
+    print("script launches megarl")
+    sys.exit(main(["config", "--save", "--config", sys.argv[1], *sys.argv[2:]]))
+"""
+
+CHILD_SIDE = """
+import asyncio, sys
+from megarl.config import GRPOConfig
+from megarl.reward.executor import AsyncRewardWrapper
+from megarl.run.prelaunch import load_expr_config
+from megarl.utils.plugins import import_plugin
+from megarl.workflow.build import build_workflow
+
+config, _ = load_expr_config(["--config", sys.argv[1]], GRPOConfig)  # as each trainer rank does
+reward_fn = import_plugin(config.reward_fn, "reward_fn")
+workflow = build_workflow(config.workflow, {"reward_fn": reward_fn})
+print("workflow", type(workflow).__module__, type(workflow).__name__, workflow.greeting)
+loss_fn = import_plugin(config.actor.loss, "actor.loss")  # as megarl.actor.ppo.policy_surrogate does
+print("loss", loss_fn.__module__, loss_fn(1.0, 1.0, 1.0, 1.0, cu_seqlens=None, config=config.actor, **config.actor.loss_kwargs))
+reward = AsyncRewardWrapper(reward_fn, timeout_seconds=60, max_workers=1)
+try:
+    score = asyncio.run(reward("", "four", [], []))
+    print("reward", float(score), score.outcome)
+finally:
+    reward.close()
+"""
+
+
+def _python(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_main_names_the_running_script_for_the_launcher_and_the_trainer_ranks(tmp_path):
+    """A user's script defines a reward, a workflow and a loss and launches megarl from Python, naming
+    them ``__main__.X``. The saved config (what ``megarl run`` hands to torchrun's ranks, whose
+    ``__main__`` is another program) names the script's file; a process started elsewhere reads it
+    as the trainer does: the same workflow, loss (with its config keyword) and reward, the latter in a
+    spawned reward worker, and the script's launch under ``if __name__ == "__main__"`` not run again."""
+    script = tmp_path / "mine" / "my_script.py"
+    script.parent.mkdir()
+    script.write_text(USER_SCRIPT)
+    keys = [
+        "reward_fn=__main__.my_reward",
+        "workflow.type=__main__.MyWorkflow",
+        "workflow.kwargs.greeting=hello",
+        "actor.loss=__main__.my_loss",
+        "actor.loss_kwargs.beta=2.0",
+        f"cluster.fileroot={tmp_path / 'runs'}",
+    ]
+    launched = _python([str(script), BASE, *keys], cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.stdout.count("script imported as") == 1, "the launching process imports its script once"
+    for key, name in (("reward_fn", "my_reward"), ("type", "MyWorkflow"), ("loss", "my_loss")):
+        assert f"{key}: {script}:{name}\n" in launched.stdout, launched.stdout
+    saved = tmp_path / "runs" / "arithmetic-grpo-cpu" / "trial0" / "config.yaml"
+    child = _python(["-c", CHILD_SIDE, str(saved)], cwd=Path("/"))
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "script imported as my_script" in child.stdout and "script launches megarl" not in child.stdout
+    assert "workflow my_script MyWorkflow hello" in child.stdout
+    assert "loss my_script -2.0" in child.stdout
+    assert "reward 0.5 ok" in child.stdout
+
+
+def test_main_without_a_script_or_the_name_says_what_main_means(experiment, monkeypatch):
+    """Under ``python -c`` or an interactive session there is no script; a name the script lacks is named."""
+    script = experiment / "launcher_script.py"
+    script.write_text("def my_reward(prompt, completions, prompt_ids, completion_ids, **row):\n    return 1.0\n")
+    main = type(sys)("__main__")
+    main.my_reward = lambda *args, **row: 1.0
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(ConfigError, match=r"this program runs none \(an interactive session or python -c\)"):
+        locate_plugin("__main__.my_reward", "reward_fn")
+    main.__file__ = str(script)
+    assert locate_plugin("__main__.my_reward", "reward_fn") == f"{script.resolve()}:my_reward"
+    assert import_plugin("__main__.my_reward", "reward_fn") is main.my_reward, "the script is not imported again"
+    with pytest.raises(ConfigError, match=r"the running script .*launcher_script.py defines no 'other_reward'"):
+        locate_plugin("__main__.other_reward", "workflow.kwargs.reward_fn")
