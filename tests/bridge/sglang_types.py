@@ -8,7 +8,7 @@ SGLang takes ~15 s: only the fake SGLang server and the contract-check script do
 
 from __future__ import annotations
 
-from tests.sglang_stub import stub_torchvision
+from tests.sglang_stub import prepare_sglang
 
 ROUTES = {
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
@@ -23,7 +23,7 @@ ROUTES = {
 
 def import_sglang():
     """(io_struct module, init_custom_process_group, FlattenedTensorBucket) of the installed SGLang."""
-    stub_torchvision()
+    prepare_sglang()
     from sglang.srt.managers import io_struct
     from sglang.srt.utils.common import init_custom_process_group
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket

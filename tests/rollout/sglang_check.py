@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.sglang_stub import stub_torchvision  # noqa: E402
+from tests.sglang_stub import prepare_sglang  # noqa: E402
 
 
 def main() -> None:
     request = json.load(sys.stdin)
-    stub_torchvision()
+    prepare_sglang()
     from pydantic import TypeAdapter
     from sglang.srt.entrypoints.api_contract import generate_contract_error
     from sglang.srt.managers.io_struct import (

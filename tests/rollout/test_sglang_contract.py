@@ -1,7 +1,7 @@
 """SGLangBackend's payloads and launch command, checked against SGLang's own request types.
 
-SGLang cannot serve on CPU; its request classes can be imported (``pip install --no-deps
-sglang``). Two levels: the generated JSON schema module ``sglang.api.v1.api_types``
+SGLang cannot serve on CPU; its request classes can be imported (``make install`` keeps a
+``--no-deps`` copy of SGLang for them: ``tests/sglang_stub.py``). Two levels: the generated JSON schema module ``sglang.api.v1.api_types``
 (loaded straight from its file: it needs only msgspec), and, in a subprocess,
 ``io_struct.GenerateReqInput`` / ``PauseGenerationReqInput`` / ``ContinueGenerationReqInput``,
 ``SamplingParams.verify`` and the ``ServerArgs`` command-line parser.
@@ -21,9 +21,10 @@ from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import SGLangConfig
 from megarl.rollout import SGLangBackend, sglang_launch_spec
 from tests.rollout.fake_server import EOS
+from tests.sglang_stub import find_sglang
 
-SGLANG = importlib.util.find_spec("sglang")
-pytestmark = pytest.mark.skipif(SGLANG is None, reason="sglang not installed (pip install --no-deps sglang==0.5.23)")
+SGLANG = find_sglang()
+pytestmark = pytest.mark.skipif(SGLANG is None, reason="no SGLang: `make install` puts its request types in the venv")
 CHECK_SCRIPT = str(Path(__file__).with_name("sglang_check.py"))
 
 GCONFIGS = [
