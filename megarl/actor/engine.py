@@ -51,7 +51,7 @@ from megarl.actor.packing import (
 from megarl.actor.parallel import ParallelState, init_parallel
 from megarl.config.allocation import AllocationMode, TrainingAllocation
 from megarl.config.train import TrainEngineConfig
-from megarl.kernels import Backend, active_path, kernel_summary, resolve_backend
+from megarl.kernels import Backend, Truncation, active_path, kernel_summary, resolve_backend
 from megarl.models.build import (
     build_chunks,
     describe,
@@ -469,11 +469,12 @@ class MegatronEngine:
             return self._from_last_stage(result)
 
     @torch.no_grad()
-    def compute_logp(self, data: dict, temperature: float = 1.0) -> torch.Tensor:
-        """Next-token logprobs ``[B, S]`` of ``data``'s tokens under the current weights (0 past each end)."""
+    def compute_logp(self, data: dict, temperature: float = 1.0, truncation: Truncation | None = None) -> torch.Tensor:
+        """Next-token logprobs ``[B, S]`` of ``data``'s tokens under the current weights (0 past each end);
+        ``truncation``: under the sampling's top-k / top-p / min-p (``megarl.kernels.truncation``)."""
 
         def hook(head: LMHeadOutput, mb: dict) -> torch.Tensor:
-            return head.logprobs(mb["labels"], temperature) * mb["label_mask"]
+            return head.logprobs(mb["labels"], temperature, truncation) * mb["label_mask"]
 
         self.eval()
         return self.forward(data, hook)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.kernels import Backend, fused_logprobs_entropy
+from megarl.kernels import Backend, Truncation, fused_logprobs_entropy
 from megarl.kernels.linear_loss import TokenLossFn, fused_linear_token_loss
 
 
@@ -38,27 +38,37 @@ class LMHeadOutput:
     """Kernel backend of the logprob / entropy (and the actor's PPO loss): see ``megarl.kernels.backend``."""
 
     def logprobs_entropy(
-        self, labels: torch.Tensor, temperature: float = 1.0, where: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        labels: torch.Tensor,
+        temperature: float = 1.0,
+        where: torch.Tensor | None = None,
+        truncation: Truncation | None = None,
+        return_outside: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """``(logprob of labels, entropy)`` per token, fp32 ``[T]``, differentiable.
 
         ``where`` (bool ``[T]``, the same on every TP rank): only those tokens go through the
         LM head; the others get 0 and no gradient. A loss over the generated tokens skips the
-        head's work on the prompt's (TRL's ``logits_to_keep``).
+        head's work on the prompt's (TRL's ``logits_to_keep``). ``truncation``: of the sampling's
+        truncated distribution (``megarl.kernels.truncation``); ``return_outside`` adds the bool
+        ``[T]`` of labels that fell below their truncation threshold.
         """
         if where is None:
-            return self._logprobs_entropy(self.hidden, labels, temperature)
+            out = self._logprobs_entropy(self.hidden, labels, temperature, truncation)
+            return out if return_outside else out[:2]
         rows = where.nonzero().squeeze(-1)  # [N]
+        no = torch.zeros(labels.shape, dtype=torch.bool, device=self.hidden.device)
         if rows.numel() == 0:  # nothing to score: zeros that still belong to the graph
             zeros = torch.zeros(labels.shape, device=self.hidden.device) + self.hidden.sum().float() * 0.0
-            return zeros, zeros
-        logp, entropy = self._logprobs_entropy(
-            self.hidden.index_select(0, rows), labels.index_select(0, rows), temperature
+            return (zeros, zeros, no) if return_outside else (zeros, zeros)
+        logp, entropy, outside = self._logprobs_entropy(
+            self.hidden.index_select(0, rows), labels.index_select(0, rows), temperature, truncation
         )
         zeros = torch.zeros(labels.shape, dtype=logp.dtype, device=logp.device)
-        return zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy)
+        out = (zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy))
+        return (*out, no.index_copy(0, rows, outside)) if return_outside else out
 
-    def _logprobs_entropy(self, hidden, labels, temperature):
+    def _logprobs_entropy(self, hidden, labels, temperature, truncation=None):
         return fused_logprobs_entropy(
             hidden,
             self.weight,
@@ -69,6 +79,8 @@ class LMHeadOutput:
             vocab_size=self.vocab_size,
             reduce_grad_hidden=self.reduce_grad_hidden,
             backend=self.backend,
+            truncation=truncation,
+            return_outside=True,
         )
 
     def token_loss(
@@ -98,9 +110,11 @@ class LMHeadOutput:
         )
         return loss, zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy)
 
-    def logprobs(self, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """Logprob of ``labels`` per token, fp32 ``[T]``."""
-        return self.logprobs_entropy(labels, temperature)[0]
+    def logprobs(
+        self, labels: torch.Tensor, temperature: float = 1.0, truncation: Truncation | None = None
+    ) -> torch.Tensor:
+        """Logprob of ``labels`` per token, fp32 ``[T]`` (``truncation``: as :meth:`logprobs_entropy`)."""
+        return self.logprobs_entropy(labels, temperature, truncation=truncation)[0]
 
     def local_logits(self) -> torch.Tensor:
         """``[T, V_local]`` logits of this rank's shard (debugging and tests; not for losses)."""

@@ -34,7 +34,7 @@ from megarl.actor.gap import GapMeter, version_lag
 from megarl.actor.lm_head import LMHeadOutput
 from megarl.actor.routing import RoutingMeter, add_server_routing
 from megarl.config.train import BUILTIN_LOSSES, PPOActorConfig
-from megarl.kernels import PATH_CODES, logprobs_backend
+from megarl.kernels import PATH_CODES, Truncation, logprobs_backend
 from megarl.utils import stats_tracker
 from megarl.utils.plugins import import_plugin
 
@@ -49,9 +49,14 @@ class MegatronPPOActor(MegatronEngine):
         self.config: PPOActorConfig = config
         self.gap = GapMeter()
 
-    def compute_logp(self, data: dict, temperature: float | None = None) -> torch.Tensor:
-        """Next-token logprobs ``[B, S]`` of the current weights at the sampling temperature."""
-        return super().compute_logp(data, self.config.temperature if temperature is None else temperature)
+    def compute_logp(
+        self, data: dict, temperature: float | None = None, truncation: Truncation | None = None
+    ) -> torch.Tensor:
+        """Next-token logprobs ``[B, S]`` of the current weights at the sampling temperature, under the
+        sampling's truncation (:func:`replayed_truncation`) unless ``truncation`` is given."""
+        temperature = self.config.temperature if temperature is None else temperature
+        truncation = replayed_truncation(self.config) if truncation is None else truncation
+        return super().compute_logp(data, temperature, truncation)
 
     def needs_prox_pass(self) -> bool:
         """Whether the proximal logprobs need a forward pass of their own before ``ppo_update``.
@@ -311,10 +316,22 @@ def ppo_loss(
     ``gap``: records the train–inference gap of the micro-batch's tokens when given.
     """
     mask = _mask(mb)
-    if _grads_in_forward(cfg, head):
+    truncation = replayed_truncation(cfg)
+    if _grads_in_forward(cfg, head) and truncation is None:
         return _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap)
-    logp, entropy = head.logprobs_entropy(mb["labels"], cfg.temperature, where=mask)  # no head work on prompts
+    logp, entropy, outside = head.logprobs_entropy(
+        mb["labels"], cfg.temperature, where=mask, truncation=truncation, return_outside=True
+    )  # no head work on prompts
+    if truncation is not None:
+        stats_tracker.denominator(**{"truncation/n_tokens": mask})
+        stats_tracker.stat(denominator="truncation/n_tokens", **{"truncation/label_outside": outside.float()})
     return _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap)
+
+
+def replayed_truncation(cfg: PPOActorConfig) -> Truncation | None:
+    """The sampling's top-k / top-p / min-p the trainer replays (``actor.replay_truncation``); None: none."""
+    truncation = Truncation(top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+    return truncation if cfg.replay_truncation and truncation.active else None
 
 
 def _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap) -> torch.Tensor:

@@ -31,6 +31,8 @@ class GenerationHyperparameters:
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
     """Top-k sampling; -1 disables it."""
+    min_p: float = 0.0
+    """Min-p sampling: tokens below ``min_p`` x the most likely token's probability are dropped; 0 disables it."""
     greedy: bool = False
     """Greedy decoding (evaluation); ignores temperature, top_p and top_k."""
     stop: list[str] = field(default_factory=list)
@@ -65,6 +67,7 @@ class GenerationHyperparameters:
         require(self.greedy or self.temperature > 0, "temperature", self.temperature, "must be > 0 (or set greedy)")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         require(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+        require(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         require(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be null or in [0, 2**63)")
         bad_ids = [i for i in self.stop_token_ids if i < 0]
         require(not bad_ids, "stop_token_ids", self.stop_token_ids, f"token ids are >= 0, got {bad_ids}")

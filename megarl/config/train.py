@@ -276,6 +276,18 @@ class PPOActorConfig(TrainEngineConfig):
     """Passes over the batch per training step."""
     temperature: float = 1.0
     """Temperature at which logprobs are computed; must equal the sampling temperature."""
+    top_p: float = 1.0
+    """The sampling's nucleus mass (``gconfig.top_p``; write ``${gconfig.top_p}``), replayed when
+    ``replay_truncation``: logprobs, entropy and every ratio are those of the truncated,
+    renormalised distribution the servers sampled from (``megarl.kernels.truncation``)."""
+    top_k: int = -1
+    """The sampling's top-k (``gconfig.top_k``; write ``${gconfig.top_k}``); -1: off. Replayed as ``top_p``."""
+    min_p: float = 0.0
+    """The sampling's min-p (``gconfig.min_p``; write ``${gconfig.min_p}``); 0: off. Replayed as ``top_p``."""
+    replay_truncation: bool = True
+    """Compute the trainer's logprobs under the sampling's top-k / top-p / min-p truncation (the
+    three keys above must then equal ``gconfig``'s). False: the full softmax, whose ratio against
+    the servers' truncated logprobs is biased (kept for comparison)."""
     eps_clip: float = 0.2
     """PPO clip range (lower side, and upper when ``eps_clip_higher`` is None)."""
     eps_clip_higher: float | None = None
@@ -346,6 +358,9 @@ class PPOActorConfig(TrainEngineConfig):
             f"{reserved} are the arguments megarl passes to every loss ({USER_LOSS_CALL}); name yours otherwise",
         )
         require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        require(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+        require(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         require(0 < self.eps_clip < 1, "eps_clip", self.eps_clip, "must be in (0, 1)")
         if self.eps_clip_higher is not None:
             require(self.eps_clip_higher > 0, "eps_clip_higher", self.eps_clip_higher, "must be > 0")
