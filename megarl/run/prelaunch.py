@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -234,6 +235,21 @@ def _loss_keywords(fn: Any) -> list[str]:
 def _check_workflow(key: str, workflow: WorkflowConfig) -> None:
     problem = workflow_problem(workflow.class_path, workflow.kwargs, f"{key}.type")
     require(problem is None, f"{key}.type", workflow.type, problem or "")
+    _check_export_style(key, workflow)
+
+
+def _check_export_style(key: str, workflow: WorkflowConfig) -> None:
+    """An :class:`~megarl.workflow.openai_agent.OpenAIAgentWorkflow` of the user's exports rows the trainer takes."""
+    agent_module = sys.modules.get("megarl.workflow.openai_agent")  # unimported: no class of the config extends it
+    cls = import_plugin(workflow.class_path, f"{key}.type")
+    if agent_module is None or not issubclass(cls, agent_module.OpenAIAgentWorkflow):
+        return
+    parameter = inspect.signature(cls).parameters.get("export_style")
+    default = None if parameter is None else parameter.default
+    style = workflow.kwargs.get("export_style", default)
+    problem = agent_module.trainer_export_problem(style) if isinstance(style, str) else None
+    where = f"{key}.kwargs.export_style" if "export_style" in workflow.kwargs else f"{key}.type"
+    require(problem is None, where, style if "export_style" in workflow.kwargs else workflow.type, problem or "")
 
 
 def workflow_problem(class_path: str, kwargs: dict[str, Any], key: str) -> str | None:

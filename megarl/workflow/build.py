@@ -7,7 +7,7 @@ from typing import Any
 from megarl.api.workflow_api import RolloutWorkflow, is_agent
 from megarl.config.rollout import WorkflowConfig
 from megarl.utils.plugins import accepted_parameters, import_plugin
-from megarl.workflow.openai_agent import OpenAIAgentWorkflow
+from megarl.workflow.openai_agent import OpenAIAgentWorkflow, trainer_export_problem
 from megarl.workflow.resolve import resolve_workflow
 
 
@@ -31,7 +31,12 @@ def build_workflow(config: WorkflowConfig, run: dict[str, Any], key: str = "work
     if is_agent(cls):
         agent = OpenAIAgentWorkflow(cls(**kwargs), run.get("gconfig"), run.get("tokenizer"), run.get("max_context_len"))
         return resolve_workflow(agent, None, config.group_size)
-    return resolve_workflow(cls, kwargs, config.group_size)
+    workflow = resolve_workflow(cls, kwargs, config.group_size)
+    inner = getattr(workflow, "workflow", workflow)  # a GroupedRolloutWorkflow runs it group_size times
+    problem = trainer_export_problem(inner.export_style) if isinstance(inner, OpenAIAgentWorkflow) else None
+    if problem is not None:  # set where the config check cannot see it (e.g. in the class's __init__)
+        raise ValueError(f"{key}.type={config.type!r}: {problem}")
+    return workflow
 
 
 def build_eval_workflow(

@@ -27,8 +27,9 @@ Export styles (AReaL's names):
   counted in ``agent_off_chain_calls`` and not trained on. (AReaL's ``concat`` returns a
   row per leaf of the conversation tree, a number that varies per run.)
 * ``individual``: one row per call, its own prompt and output, with its discounted reward.
-  The number of rows varies, which the trainer's GRPO groups do not allow: for loops of
-  your own.
+  The number of rows varies from run to run, which the trainer's GRPO groups do not allow
+  (:func:`trainer_export_problem`): for loops of your own. A config whose workflow would
+  export it is refused when it loads, and the trainer refuses to build one.
 
 A run that raises fails the episode, its exception chained; so does a run that made no
 LLM call through the proxy, or whose call failed in the inference engine (even if the
@@ -52,6 +53,23 @@ from megarl.workflow.chat import Episode
 from megarl.workflow.openai_proxy import CallRecord, OpenAIProxy, ProxySession
 
 ExportStyle = Literal["concat", "individual"]
+
+
+def trainer_export_problem(export_style: str) -> str | None:
+    """Why megarl's trainer cannot train the rows of ``export_style``, else None.
+
+    Its GRPO group is ``gconfig.n_samples`` consecutive rows per prompt: advantages are
+    normalised within it, batches are split over data-parallel ranks on its boundaries and
+    sized from it. ``individual`` gives one row per LLM call, a number that varies per run.
+    """
+    if export_style != "individual":
+        return None
+    return (
+        "export_style='individual' gives one row per LLM call, a number that varies from run to run, but "
+        "the trainer's GRPO groups are gconfig.n_samples rows per prompt (advantages, the data-parallel "
+        "split and the batch size rely on it): use 'concat' (the default: each run's final conversation, "
+        "every sampled token trained); 'individual' is for loops of your own"
+    )
 
 
 class AgentRunError(RuntimeError):

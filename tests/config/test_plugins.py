@@ -237,3 +237,61 @@ def test_a_loss_keyword_the_function_does_not_take_names_the_loss_and_the_key(us
     assert err.key == "actor.loss_kwargs.config" and "are the arguments megarl passes to every loss" in err.message
     err = _error("actor.loss=dapo", "actor.loss_kwargs.beta=1")
     assert err.key == "actor.loss_kwargs" and "the built-in loss 'dapo' takes its settings" in err.message
+
+
+# ---------------------------------------------------------------- agents' export style
+
+AGENT_FLOWS = """
+from megarl.workflow.openai_agent import OpenAIAgentWorkflow
+
+
+class Agent:
+    async def run(self, data, **extra_kwargs):
+        return 1.0
+
+
+class AgentFlow(OpenAIAgentWorkflow):  # the user's own wrapping of an agent, with its export style
+    def __init__(self, gconfig, tokenizer, export_style="concat"):
+        super().__init__(Agent(), gconfig, tokenizer, export_style=export_style)
+
+
+class PerCallFlow(AgentFlow):
+    def __init__(self, gconfig, tokenizer, export_style="individual"):
+        super().__init__(gconfig, tokenizer, export_style)
+
+
+class HiddenPerCallFlow(OpenAIAgentWorkflow):
+    def __init__(self, gconfig):
+        super().__init__(Agent(), gconfig, export_style="individual")
+"""
+
+
+@pytest.fixture
+def agent_flows(tmp_path, monkeypatch):
+    (tmp_path / "agent_flows.py").write_text(textwrap.dedent(AGENT_FLOWS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "agent_flows"
+    sys.modules.pop("agent_flows", None)
+
+
+def test_an_agent_exporting_a_row_per_call_is_refused_before_launch(agent_flows):
+    """The trainer's GRPO groups need n_samples rows per prompt; 'individual' gives one per call."""
+    assert _load(f"workflow.type={agent_flows}.AgentFlow").workflow.kwargs == {}
+    err = _error(f"workflow.type={agent_flows}.AgentFlow", "workflow.kwargs.export_style=individual")
+    assert err.key == "workflow.kwargs.export_style" and "'individual' is invalid" in str(err)
+    assert "gives one row per LLM call, a number that varies from run to run" in err.message
+    err = _error(f"eval_workflow.type={agent_flows}.PerCallFlow")  # its default
+    assert err.key == "eval_workflow.type" and f"'{agent_flows}.PerCallFlow' is invalid" in str(err)
+    assert "use 'concat'" in err.message
+
+
+def test_the_trainer_refuses_to_build_a_per_call_export_the_config_check_cannot_see(agent_flows):
+    from megarl.api.io_struct import GenerationHyperparameters
+    from megarl.workflow.build import build_workflow
+
+    config = _load(f"workflow.type={agent_flows}.HiddenPerCallFlow")  # set inside __init__: not visible here
+    with pytest.raises(ValueError, match=r"workflow.type='agent_flows.HiddenPerCallFlow': export_style='individual'"):
+        build_workflow(config.workflow, {"gconfig": GenerationHyperparameters(n_samples=2), "tokenizer": None})
+    config = _load(f"workflow.type={agent_flows}.AgentFlow")
+    built = build_workflow(config.workflow, {"gconfig": GenerationHyperparameters(n_samples=2), "tokenizer": None})
+    assert built.export_style == "concat"
