@@ -14,7 +14,7 @@ What counts as a name, in inline code or in a fenced code block's command lines:
   suffixes, globs; tokens with ``{``, ``<`` or ``NAME``-style placeholders are skipped);
 * a Python path ``megarl.x.y`` / ``examples.x.Y`` / ``benchmarks.x``: module file, then the name
   defined in it;
-* a relative Markdown link: the file it points to (the pages generated at build time count).
+* a relative Markdown link: the file it points to (``tests/test_doc_links.py`` checks anchors too).
 
 Names of other projects go in a table column headed AReaL, verl or TRL; those cells are not
 checked. The site itself builds with ``mkdocs build --strict`` (``make docs``), which also checks
@@ -116,13 +116,6 @@ def make_targets(makefile: Path = REPO / "Makefile") -> frozenset[str]:
         if m and not line.startswith((".PHONY", "\t")):
             targets.update(m.group(1).split())
     return frozenset(targets)
-
-
-@functools.cache
-def generated_pages() -> frozenset[str]:
-    """Pages docs/_hooks.py adds at build time (paths relative to docs/)."""
-    text = (REPO / "docs" / "_hooks.py").read_text()
-    return frozenset(re.findall(r'File\.generated\(config, "([^"]+)"', text))
 
 
 @functools.cache
@@ -271,9 +264,7 @@ def _check_links(text: str, page: Path, problems: list[str], repo: Path) -> None
         if re.match(r"^[a-z]+:", target) or target.startswith("#"):
             continue
         path = target.split("#")[0]
-        resolved = (page.parent / path).resolve()
-        generated = {(repo / "docs" / g).resolve() for g in generated_pages()}
-        if not resolved.exists() and resolved not in generated:
+        if not (page.parent / path).resolve().exists():
             problems.append(f"link {target!r} points to nothing")
 
 
@@ -318,10 +309,10 @@ def test_page_names_only_what_exists(page):
 
 
 def test_nav_and_pages_agree():
-    """Every page of docs/ is in mkdocs.yml's nav and every nav entry is a page (or a generated one)."""
+    """Every page of docs/ is in mkdocs.yml's nav and every nav entry is a page."""
     nav = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", (REPO / "mkdocs.yml").read_text(), re.MULTILINE))
     pages = {str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md")}
-    assert nav - pages - generated_pages() == set(), "nav entries without a page"
+    assert nav - pages == set(), "nav entries without a page"
     assert pages - nav == set(), "pages missing from the nav"
 
 

@@ -1,0 +1,146 @@
+"""Links read on GitHub work: every relative link of the README, ``docs/`` and the example and launch
+READMEs points to a file of the repository, and an ``#anchor`` to a heading of its page.
+
+The two pages ``docs/_hooks.py`` generates (the supported models and the benchmark results) are
+committed so that links to them work outside the site; the build replaces them with fresh copies,
+and :func:`test_generated_pages_are_committed_fresh` fails when a committed copy is stale.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+CODE_SPAN = re.compile(r"`[^`\n]+`")
+FENCE = re.compile(r"^\s*(```|~~~)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+EXPLICIT_ID = re.compile(r"""(?:id|name)=["']([^"']+)["']|\{\s*#([\w-]+)[^}]*\}""")
+
+
+def pages() -> list[Path]:
+    found = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return found + [p for p in (REPO / "examples" / "README.md", REPO / "launch" / "README.md") if p.exists()]
+
+
+def _prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks."""
+    out, in_fence = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        if not in_fence:
+            out.append(line)
+    return out
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: markup dropped, lower case, punctuation but - and _ removed,
+    each space a hyphen."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text
+    text = re.sub(r"<[^>]+>", "", text).replace("`", "").lower()
+    text = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN")
+    return text.replace(" ", "-")
+
+
+@functools.cache
+def anchors(text: str) -> frozenset[str]:
+    """Every anchor of a Markdown text: its headings' slugs (numbered when repeated) and explicit ids."""
+    seen: dict[str, int] = {}
+    found = set()
+    for line in _prose_lines(text):
+        found.update(a or b for a, b in EXPLICIT_ID.findall(CODE_SPAN.sub("", line)))
+        if m := HEADING.match(line):
+            slug = github_slug(EXPLICIT_ID.sub("", m.group(2)).strip())
+            found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return frozenset(found)
+
+
+def link_problems(page: Path, text: str | None = None) -> list[str]:
+    """Every relative link of ``page`` that points to no file, or to no heading of its page."""
+    problems = []
+    text = page.read_text(encoding="utf-8") if text is None else text
+    for line in _prose_lines(text):
+        line = CODE_SPAN.sub("", line)
+        for target in LINK.findall(line) + IMAGE.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            if not path:  # this page
+                if anchor not in anchors(text):
+                    problems.append(f"link {target!r}: this page has no heading #{anchor}")
+                continue
+            resolved = (page.parent / path).resolve()
+            if not resolved.exists():
+                problems.append(f"link {target!r}: {path} does not exist")
+            elif REPO not in resolved.parents and resolved != REPO:
+                problems.append(f"link {target!r} leaves the repository")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved.read_text(encoding="utf-8")):
+                problems.append(f"link {target!r}: {resolved.relative_to(REPO)} has no heading #{anchor}")
+    return problems
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_points_to_a_file_and_heading(page):
+    problems = link_problems(page)
+    assert not problems, f"{page.relative_to(REPO)}:\n  " + "\n  ".join(problems)
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("megarl_docs_hooks", REPO / "docs" / "_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_pages_are_committed_fresh():
+    """docs/benchmarks.md and docs/reference/models.md, as committed, are what the hook generates now."""
+    stale = [
+        uri
+        for uri, content in _hooks().generated_pages().items()
+        if not (REPO / "docs" / uri).exists() or (REPO / "docs" / uri).read_text(encoding="utf-8") != content
+    ]
+    assert not stale, f"stale generated pages {stale}: run `python docs/_hooks.py` and commit them"
+
+
+# -- the checker itself ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("See [x](no-such-page.md).", "no-such-page.md does not exist"),
+        ("See [x](README.md#no-such-heading).", "has no heading #no-such-heading"),
+        ("See [x](#nowhere).", "has no heading #nowhere"),
+        ("![plot](no.png)", "no.png does not exist"),
+        ("[up](../../outside.md)", "does not exist"),
+    ],
+)
+def test_checker_finds_a_broken_link(text, expected):
+    problems = link_problems(REPO / "page.md", text)
+    assert any(expected in p for p in problems), problems
+
+
+def test_checker_passes_links_that_work():
+    text = (
+        "[a](docs/index.md), [b](docs/concepts/architecture.md#floors-who-may-import-whom), "
+        "[c](https://example.org/x.md), [d](benchmarks/results/plan.md), `[e](nowhere.md)`, "
+        "[f](docs/benchmarks.md#learning_arithmetic), [g](#the-checker)\n\n## The checker\n"
+    )
+    assert link_problems(REPO / "page.md", text) == []
+
+
+def test_slugs_are_githubs():
+    assert github_slug("Floors: who may import whom") == "floors-who-may-import-whom"
+    assert github_slug("`megarl plan` and [the rates](x.md)") == "megarl-plan-and-the-rates"
+    assert github_slug("learning_arithmetic") == "learning_arithmetic"
+    assert github_slug("Coming from AReaL, verl or TRL") == "coming-from-areal-verl-or-trl"
