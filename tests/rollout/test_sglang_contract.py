@@ -1,8 +1,9 @@
 """SGLangBackend's payloads and launch command, checked against SGLang's own request types.
 
 SGLang cannot serve on CPU; its request classes can be imported (``make install`` keeps a
-``--no-deps`` copy of SGLang for them: ``tests/sglang_stub.py``). Two levels: the generated JSON schema module ``sglang.api.v1.api_types``
-(loaded straight from its file: it needs only msgspec), and, in a subprocess,
+``--no-deps`` copy of SGLang for them: ``tests/sglang_stub.py``). Two levels: the generated
+JSON schema module ``sglang.api.v1.api_types`` (loaded straight from its file: it needs only
+msgspec), and, in a subprocess,
 ``io_struct.GenerateReqInput`` / ``PauseGenerationReqInput`` / ``ContinueGenerationReqInput``,
 ``SamplingParams.verify`` and the ``ServerArgs`` command-line parser.
 """
