@@ -11,6 +11,7 @@ set -euo pipefail
 py="$1"
 shift
 version="$(sed -n 's/^torch==\([0-9][0-9.]*\).*/\1/p' "$(dirname "$0")/constraints.txt")"
+: "${version:?no torch==X.Y.Z line in $(dirname "$0")/constraints.txt}"
 torch="torch==${version}+cpu"
 index="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 
