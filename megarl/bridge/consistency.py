@@ -5,6 +5,11 @@ trainer (collective forward) and every server (prompt logprobs) score each probe
 given its prefix; :func:`compare` reports max and mean ``|Δ logprob|`` per server and
 overall. A server's mean above the threshold fails the update loudly (:class:`ConsistencyError`): a
 server whose weights differ from the trainer's silently poisons every later sample.
+
+The full-distribution probe (``weight_update.probe_topk``): every server also returns its top-k
+logprobs at each probe position, the trainer scores the same tokens, and :func:`compare_topk`
+reports the KL over them (plus a bucket for the rest of the vocabulary) and the max and mean
+``|Δ logprob|``; a mean above the gap warning's threshold is a warning (:func:`topk_warning`).
 """
 
 from __future__ import annotations
@@ -94,3 +99,110 @@ def sample_probe(control, count: int, tokens: int, vocab_size: int, seed: int = 
         prompt = torch.randint(0, vocab_size, (4,), generator=gen).tolist()
         out.append(control.generate(prompt, tokens, seed + i))
     return out
+
+
+# ---------------------------------------------------------------------------- full-distribution probe
+# Two engines can agree on the sampled token and differ elsewhere: each server's top-k logprobs at
+# every probe position are compared with the trainer's logprobs of the same tokens.
+
+TopK = list[list[dict[int, float]]]
+"""Per probe sequence, per position t >= 1: a server's top-k ``{token id: logprob}`` of token t."""
+
+
+@dataclass
+class TopKReport:
+    """Per server (mean KL, max |Δ logprob|, mean |Δ logprob|) over the probe positions' top-k tokens.
+
+    The KL is KL(server || trainer) over the server's top-k tokens plus one bucket holding the rest
+    of the vocabulary (a lower bound of the full KL that needs only the k logprobs per side).
+    """
+
+    k: int
+    per_server: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+
+    @property
+    def worst_mean(self) -> float:
+        """The largest per-server mean |Δ logprob| over the top-k tokens (what a warning threshold applies to)."""
+        return max((m for _, _, m in self.per_server.values()), default=0.0)
+
+    def as_dict(self) -> dict[str, float]:
+        values = list(self.per_server.values())
+        if not values:
+            return {}
+        out = {
+            "topk_kl": max(kl for kl, _, _ in values),
+            "topk_logprob_diff_max": max(mx for _, mx, _ in values),
+            "topk_logprob_diff_mean": self.worst_mean,
+        }
+        for i, (kl, max_abs, mean_abs) in enumerate(values):
+            out[f"server{i}/topk_kl"] = kl
+            out[f"server{i}/topk_logprob_diff_max"] = max_abs
+            out[f"server{i}/topk_logprob_diff_mean"] = mean_abs
+        return out
+
+
+def topk_ids(servers: dict[str, TopK], sequences: list[list[int]], k: int) -> torch.Tensor:
+    """``[B, S, k * n_servers]`` token ids to score, in next-token alignment (position t: candidates
+    for token t + 1): server i's top-k in slots ``[i k, (i + 1) k)`` (its first id repeated if it sent fewer)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, k * len(servers), dtype=torch.int64)
+    for i, topk in enumerate(servers.values()):
+        for b, positions in enumerate(topk):
+            for t, entries in enumerate(positions):
+                tokens = list(entries)[:k] or [0]
+                ids[b, t, i * k : (i + 1) * k] = torch.tensor(tokens + tokens[:1] * (k - len(tokens)))
+    return ids
+
+
+def trainer_topk_scores(engine, sequences: list[list[int]], ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S, K]`` logprobs of the token ids ``ids`` (from :func:`topk_ids`) under the trainer's weights
+    at temperature 1, untruncated: what the servers' prompt logprobs are (collective)."""
+    batch = probe_batch(sequences)
+    batch["probe_ids"] = ids
+
+    def hook(head, mb: dict) -> torch.Tensor:
+        cand = mb["probe_ids"]  # [T, K]
+        logp = torch.stack([head.logprobs(cand[:, j]) for j in range(cand.shape[1])], dim=-1)
+        return logp * mb["label_mask"][:, None]
+
+    return engine.eval().forward(batch, hook)
+
+
+def compare_topk(trainer: torch.Tensor, servers: dict[str, TopK], k: int) -> TopKReport:
+    """The :class:`TopKReport` of each server's top-k against the trainer's logprobs ``trainer`` [B, S, K]
+    of the same tokens (:func:`trainer_topk_scores` of :func:`topk_ids`)."""
+    report = TopKReport(k=k)
+    for i, (address, topk) in enumerate(servers.items()):
+        ours, theirs = [], []
+        for b, positions in enumerate(topk):
+            for t, entries in enumerate(positions):
+                values = list(entries.values())[:k]
+                theirs.append(torch.tensor(values, dtype=torch.float64))
+                ours.append(trainer[b, t, i * k : i * k + len(values)].double())
+        if not theirs:
+            continue
+        diffs = torch.cat([(a - b).abs() for a, b in zip(ours, theirs)])
+        kl = torch.stack([bucketed_kl(s, t) for s, t in zip(theirs, ours)])
+        report.per_server[address] = (float(kl.mean()), float(diffs.max()), float(diffs.mean()))
+    return report
+
+
+def bucketed_kl(server: torch.Tensor, trainer: torch.Tensor) -> torch.Tensor:
+    """KL(server || trainer) over k tokens' logprobs ``[k]`` plus one bucket for the rest of the vocabulary."""
+    p, q = server.exp(), trainer.exp()
+    rest_p = (1 - p.sum()).clamp(min=0.0)
+    rest_q = (1 - q.sum()).clamp(min=1e-12)
+    rest = torch.where(rest_p > 0, rest_p * (rest_p.clamp(min=1e-12).log() - rest_q.log()), 0.0)
+    return (p * (server - trainer)).sum() + rest
+
+
+def topk_warning(report: TopKReport, threshold: float) -> str | None:
+    """A console line when a server's mean |Δ logprob| over its top-k tokens passes ``threshold``."""
+    mean = report.worst_mean
+    if threshold <= 0 or mean <= threshold:
+        return None
+    return (
+        f"full-distribution probe: the servers' top-{report.k} logprobs differ from the trainer's by {mean:.4g} "
+        f"on average (> {threshold:g}; KL over them {report.as_dict()['topk_kl']:.4g}): the servers' "
+        "distributions differ from the trainer's beyond the sampled tokens"
+    )

@@ -55,6 +55,10 @@ class WeightUpdateConfig:
     """Probe after every this many updates (the first update of a trainer process always), so that
     it costs little of a step (``benchmarks/e2e_step.py`` reports its share); its metrics are logged
     at every probe. 1 probes every update."""
+    probe_topk: int = 20
+    """Full-distribution probe: at every probe position each server's top-k logprobs (this k) are
+    compared with the trainer's logprobs of the same tokens (``weight_sync/topk_kl``,
+    ``topk_logprob_diff_max`` / ``_mean``; a warning above ``gap_threshold``); 0: off. vLLM servers only."""
 
     def check(self) -> None:
         modes = ("broadcast", "sharded", "disk")
@@ -77,6 +81,7 @@ class WeightUpdateConfig:
         require(self.probe_sequences >= 0, "probe_sequences", self.probe_sequences, "must be >= 0")
         require(self.probe_tokens >= 2, "probe_tokens", self.probe_tokens, "must be >= 2")
         require(self.probe_every >= 1, "probe_every", self.probe_every, "must be >= 1 (updates between probes)")
+        require(self.probe_topk >= 0, "probe_topk", self.probe_topk, "must be >= 0 (0: off)")
 
     @property
     def modes(self) -> tuple[str, ...]:

@@ -37,8 +37,12 @@ from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
 from megarl.bridge.consistency import (
     ConsistencyError,
     compare,
+    compare_topk,
     sample_probe,
+    topk_ids,
+    topk_warning,
     trainer_scores,
+    trainer_topk_scores,
 )
 from megarl.bridge.control import ServerControl, make_control
 from megarl.bridge.source import ShardSource, TrainerCoords
@@ -285,6 +289,28 @@ class WeightSync:
                 f"average (> weight_update.consistency_threshold={report.threshold}); "
                 f"(max, mean) per server: {report.per_server}"
             )
+        return {**report.as_dict(), **self.check_topk()}
+
+    def check_topk(self) -> dict[str, float]:
+        """The full-distribution probe (``probe_topk``): every server's top-k logprobs at each probe
+        position against the trainer's of the same tokens; a warning above the gap threshold (collective)."""
+        k = self.config.probe_topk
+        theirs = None
+        if k > 0 and self.bridge.is_driver:
+            servers = [s for s in self.bridge.servers if s.address not in self.unhealthy]
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                futures = {s.address: pool.submit(s.score_topk, self.probe, k) for s in servers}
+                theirs = {address: f.result() for address, f in futures.items()}
+            theirs = {address: topk for address, topk in theirs.items() if topk is not None}
+        theirs = self.bridge.broadcast_object(theirs)
+        if not theirs:
+            return {}
+        report = compare_topk(trainer_topk_scores(self.engine, self.probe, topk_ids(theirs, self.probe, k)), theirs, k)
+        logger.info("weight sync full-distribution probe: %s", report.as_dict())
+        threshold = self.config.gap_threshold
+        message = topk_warning(report, self.config.consistency_threshold if threshold is None else threshold)
+        if message is not None:
+            logger.warning(message)
         return report.as_dict()
 
 

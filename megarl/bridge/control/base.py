@@ -83,6 +83,11 @@ class ServerControl(abc.ABC):
     def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
         """``prompt`` followed by ``max_tokens`` sampled tokens (probe trajectories)."""
 
+    def score_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]] | None:
+        """Per sequence, per token but the first: the ``k`` most likely tokens there and their logprobs
+        (temperature 1, untruncated), most likely first; None where the server cannot say."""
+        return None
+
     def healthy(self) -> bool:
         try:
             http_json(self.address, "/health", method="GET", timeout=5.0)

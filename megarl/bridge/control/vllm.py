@@ -42,22 +42,44 @@ class VLLMControl(ServerControl):
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         out = []
         for seq in sequences:
-            payload = {
-                "model": self.model(),
-                "prompt": list(seq),
-                "max_tokens": 1,
-                "temperature": 1.0,
-                "prompt_logprobs": 0,
-            }
-            reply = http_json(self.address, "/v1/completions", payload, self.timeout)
+            entries = self._prompt_logprobs(seq, 0)
             try:
-                entries = reply["choices"][0]["prompt_logprobs"][1:]
                 out.append([float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, seq[1:])])
             except (KeyError, IndexError, TypeError) as e:
                 raise ServerControlError(
                     self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})"
                 ) from None
         return out
+
+    def score_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+        """``prompt_logprobs: k``: vLLM returns the top k (and the prompt's own token) per position, raw
+        (prompt tokens skip the sampler's processing whatever ``--logprobs-mode`` says)."""
+        out = []
+        for seq in sequences:
+            try:
+                positions = []
+                for entry in self._prompt_logprobs(seq, k):
+                    top = sorted(entry.items(), key=lambda kv: kv[1]["rank"])[:k]
+                    positions.append({int(tok): float(v["logprob"]) for tok, v in top})
+            except (KeyError, ValueError, AttributeError, TypeError) as e:
+                raise ServerControlError(self.address, "/v1/completions", f"malformed prompt_logprobs ({e})") from None
+            out.append(positions)
+        return out
+
+    def _prompt_logprobs(self, seq: list[int], k: int) -> list:
+        """The reply's ``prompt_logprobs`` of ``seq`` past its first token (``k`` top logprobs each)."""
+        payload = {
+            "model": self.model(),
+            "prompt": list(seq),
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": k,
+        }
+        reply = http_json(self.address, "/v1/completions", payload, self.timeout)
+        try:
+            return reply["choices"][0]["prompt_logprobs"][1:]
+        except (KeyError, IndexError, TypeError) as e:
+            raise ServerControlError(self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})") from None
 
     def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
         """Sample ``max_tokens`` after ``prompt`` (the consistency probe's trajectories)."""
