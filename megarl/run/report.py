@@ -8,6 +8,8 @@ Built from what a run writes: ``metrics.jsonl`` (one line per step) and, with
 * the step time by phase (``timeperf/*``), stacked;
 * staleness: the trajectories trained per version lag, summed over the run, and per step;
 * the train–inference gap per step (``ppo_actor/gap/...``: mean, p99, max; lag 0 apart);
+* the consistency probe at each probe: the sampled tokens' mean |Δ logprob| beside the
+  full-distribution probe's (``weight_sync/topk_*``: KL and max / mean |Δ| over the top-k tokens);
 * the watchdog's events (``watchdog.jsonl``) when there are any;
 * a browser of the dumped trajectories: prompt and completion with each token shaded by its
   logprob (or by the row's GRPO advantage, its reward against its group's), reward, versions
@@ -50,7 +52,7 @@ def build_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     steps = read_metrics(run_dir)
     trajectories = read_trajectories(run_dir)
-    figures = [_curves(go, steps), _phases(go, steps), _staleness(go, steps), _gap(go, steps)]
+    figures = [_curves(go, steps), _phases(go, steps), _staleness(go, steps), _gap(go, steps), _probe(go, steps)]
     sections = []
     for i, (title, figure, note) in enumerate(f for f in figures if f is not None):
         plot = figure.to_html(
@@ -212,6 +214,29 @@ def _gap(go, steps):
         "Train-inference gap",
         fig,
         "Over the tokens trained at each step (megarl/actor/gap.py); lag 0 is numerics alone.",
+    )
+
+
+def _probe(go, steps):
+    fig = go.Figure()
+    for key, name in (
+        ("weight_sync/logprob_diff_mean", "sampled tokens: mean |Δ|"),
+        ("weight_sync/topk_logprob_diff_mean", "top-k tokens: mean |Δ|"),
+        ("weight_sync/topk_logprob_diff_max", "top-k tokens: max |Δ|"),
+        ("weight_sync/topk_kl", "top-k KL (server || trainer)"),
+    ):
+        xs, ys = _series(steps, key)
+        if xs:
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=name))
+    if not fig.data:
+        return None
+    fig.update_layout(xaxis_title="step", yaxis_title="trainer vs servers", yaxis_type="log", height=360)
+    fig.update_xaxes(dtick=_step_tick(steps))
+    return (
+        "Consistency probe",
+        fig,
+        "After a weight update, trainer and servers score the probe: its sampled tokens, and the servers' "
+        "top-k tokens at each position (weight_update.probe_topk; megarl/bridge/consistency.py).",
     )
 
 
