@@ -43,6 +43,7 @@ from megarl.data import create_dataloader, load_rl_dataset
 from megarl.kernels import Backend, kernel_summary
 from megarl.models import resolve_model_path
 from megarl.reward.executor import describe_in_flight as describe_rewards_in_flight
+from megarl.reward.failures import find_reward_error, reward_failures_note
 from megarl.rollout import RemoteInferenceEngine
 from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
 from megarl.run.evaluator import Evaluator, pass_at_1
@@ -227,6 +228,8 @@ def step_line(global_step: int, total_steps: int, stats: dict[str, float]) -> st
         )
     ]
     parts = [f"step {global_step + 1}/{total_steps}", f"reward {stats.get('batch/reward/avg', float('nan')):.3f}"]
+    if (failed := reward_failures_note(stats)) is not None:
+        parts.append(f"failed rewards: {failed}")
     if "eval/pass@1" in stats:
         parts.append(f"pass@1 {stats['eval/pass@1']:.3f}")
     spent = " ".join(f"{label} {seconds:.1f}" for label, seconds in timing if seconds is not None)
@@ -377,6 +380,7 @@ def build_workflows(config: GRPOConfig, tokenizer) -> tuple[RolloutWorkflow, Rol
         "gconfig": config.gconfig,
         "tokenizer": tokenizer,
         "max_context_len": config.context_length,
+        "reward_config": config.reward,
     }
     workflow = build_workflow(config.workflow, run)
     if hasattr(workflow, "warm_up"):
@@ -561,6 +565,12 @@ def main(argv: list[str] | None = None) -> int:
         save_config(config)
     try:
         summary = train(trainer)
+    except Exception as error:
+        if (broken := find_reward_error(error)) is None:
+            raise
+        logger.error("the run stopped: %s", broken)  # the user's code is broken: no stack of megarl's to show
+        console.line(f"megarl: the run stopped: {broken}")
+        return 1
     finally:
         close(trainer)
         heartbeat.stop()

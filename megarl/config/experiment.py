@@ -11,7 +11,7 @@ from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.allocation import AllocationError, AllocationMode, validate_allocation
 from megarl.config.base import ConfigError, require
 from megarl.config.bridge import WeightUpdateConfig
-from megarl.config.rollout import InferenceEngineConfig, SGLangConfig, VLLMConfig, WorkflowConfig
+from megarl.config.rollout import InferenceEngineConfig, RewardConfig, SGLangConfig, VLLMConfig, WorkflowConfig
 from megarl.config.run import (
     ClusterConfig,
     DatasetConfig,
@@ -158,6 +158,8 @@ class GRPOConfig(BaseExperimentConfig):
     the workflows that take a ``reward_fn``): ``package.module.fn`` or ``path/to/file.py:fn``, found in
     the installed packages, then beside the config file, then in the working directory
     (:mod:`megarl.utils.plugins`)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How ``reward_fn`` is called: its timeout, and when its failures stop the run."""
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     """The rollout workflow of training: a built-in (``rlvr``, ``multi_turn``) or a user's class."""
     eval_workflow: WorkflowConfig | None = None

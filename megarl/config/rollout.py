@@ -167,10 +167,43 @@ WORKFLOW_SHORT_NAMES = {
     "multi_turn": "megarl.workflow.multi_turn.MultiTurnReflectionWorkflow",
 }
 """Built-in workflows by short name (``workflow.type``)."""
-RUN_ARGUMENTS = ("reward_fn", "gconfig", "tokenizer", "max_context_len")
+RUN_ARGUMENTS = ("reward_fn", "gconfig", "tokenizer", "max_context_len", "reward_config")
 """Constructor arguments the trainer fills in from the run when a workflow takes them and
 ``kwargs`` does not give them: the imported ``reward_fn``, ``gconfig`` (evaluation: greedy, one
-sample), the tokenizer, and the servers' context length."""
+sample), the tokenizer, the servers' context length and the ``reward`` section (:class:`RewardConfig`)."""
+
+
+@dataclass
+class RewardConfig:
+    """How the built-in workflows call ``reward_fn``: in worker processes, each call bounded in time,
+    and what happens when the function fails (it is the user's code: :mod:`megarl.reward.failures`).
+
+    A call *fails* when the function raises, runs past ``timeout_seconds`` or kills its worker: it scores 0,
+    is counted in ``rollout/reward/error`` or ``rollout/reward/timeout`` and shown on the step's console
+    line. The run stops, naming the function, the exception with its traceback and the row, when each of
+    the run's first 8 calls failed, or when more than ``max_error_fraction`` of the last ``error_window``
+    calls did. A return value that is not a finite number (None, text, NaN, inf) stops the run at once.
+    """
+
+    timeout_seconds: float = 15.0
+    """Bound on one reward call, from when a worker process starts it (a cold worker's start-up is not
+    counted). A call still running then scores 0 and counts as a failed call (``rollout/reward/timeout``)."""
+    max_error_fraction: float = 0.5
+    """The run stops when more than this fraction of the last ``error_window`` reward calls failed
+    (raised or timed out); 1.0: only the first calls' rule and bad values stop it."""
+    error_window: int = 64
+    """Reward calls over which ``max_error_fraction`` is measured (a sliding window, from the run's
+    ``error_window``-th call on)."""
+
+    def check(self) -> None:
+        require(self.timeout_seconds > 0, "timeout_seconds", self.timeout_seconds, "must be > 0 seconds")
+        require(
+            0 < self.max_error_fraction <= 1,
+            "max_error_fraction",
+            self.max_error_fraction,
+            "must be in (0, 1] (1.0: the fraction never stops the run)",
+        )
+        require(self.error_window >= 1, "error_window", self.error_window, "must be >= 1")
 
 
 @dataclass

@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 
 from megarl.api import context as workflow_context
 from megarl.reward.base import ScoredReward
+from megarl.reward.failures import RewardFailure, RewardFailures, as_reward, describe_call
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
 
@@ -45,8 +47,10 @@ def _alarm(signum, frame):
     raise _RewardTimeout
 
 
-def _call_reward(reward_fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> ScoredReward:
-    """Worker side: call ``reward_fn`` under a ``timeout`` alarm; anything it does becomes a ScoredReward.
+def _call_reward(
+    reward_fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float
+) -> ScoredReward | RewardFailure:
+    """Worker side: call ``reward_fn`` under a ``timeout`` alarm; a reward, or what went wrong (never raises).
 
     The clock starts when the worker starts the call, so a cold pool (spawned workers
     importing the trainer's modules, seconds on a busy machine) costs no reward.
@@ -56,19 +60,13 @@ def _call_reward(reward_fn: Callable[..., Any], args: tuple, kwargs: dict, timeo
     try:
         value = reward_fn(*args, **kwargs)
     except _RewardTimeout:
-        return ScoredReward(0.0, "timeout")
-    except Exception as e:  # noqa: BLE001 -- reported as outcome "error", never raised
-        logging.getLogger(__name__).warning("reward function %r raised %r", reward_fn, e)
-        return ScoredReward(0.0, "error")
+        return RewardFailure("timeout")
+    except Exception as e:  # noqa: BLE001 -- the user's code: reported to the parent with its traceback
+        return RewardFailure("raised", "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    if isinstance(value, ScoredReward):
-        return value
-    try:
-        return ScoredReward(float(value), "ok")
-    except (TypeError, ValueError):
-        return ScoredReward(0.0, "error")
+    return as_reward(value)
 
 
 def _import_reward(reward_fn: Callable[..., Any]) -> None:
@@ -92,12 +90,14 @@ def _exit_with_parent() -> None:
 
 
 class AsyncRewardWrapper:
-    """``await wrapper(*args, **kwargs)`` runs ``reward_fn`` in a process pool; never raises.
+    """``await wrapper(*args, **kwargs)`` runs ``reward_fn`` in a process pool.
 
-    A call that exceeds ``timeout_seconds``, crashes its worker or raises scores 0.
-    Every call records ``reward/n_calls`` and ``reward/<outcome>`` counts (and
-    ``reward/failures`` for parse failures, errors and timeouts) to ``stats_tracker``
-    in the caller's scope.
+    A call that exceeds ``timeout_seconds``, crashes its worker or raises scores 0 (a failed call);
+    :class:`~megarl.reward.failures.RewardFunctionError` is raised when the function is broken: each of
+    its first calls failed, more than ``max_error_fraction`` of the last ``error_window`` did, or it
+    returned something that is not a finite number (:mod:`megarl.reward.failures`). Every call records
+    ``reward/n_calls`` and ``reward/<outcome>`` counts (and ``reward/failures`` for parse failures,
+    errors and timeouts) to ``stats_tracker`` in the caller's scope.
 
     Args:
         reward_fn: A picklable (module-level) function returning a float or a ScoredReward.
@@ -106,6 +106,8 @@ class AsyncRewardWrapper:
         startup_grace_seconds: Extra wait for a free, started worker (spawn imports the
             trainer's modules); past ``timeout_seconds`` plus this the call scores 0 and
             the pool is replaced (a worker stuck where the alarm cannot reach it).
+        max_error_fraction, error_window: When failed calls make the function broken
+            (``reward.max_error_fraction``, ``reward.error_window``).
     """
 
     FAILURE_OUTCOMES = ("no_answer", "bad_reference", "error", "timeout")
@@ -116,10 +118,14 @@ class AsyncRewardWrapper:
         timeout_seconds: float = 15.0,
         max_workers: int | None = None,
         startup_grace_seconds: float = 300.0,
+        max_error_fraction: float = 0.5,
+        error_window: int = 64,
     ):
         if timeout_seconds <= 0:
             raise ValueError(f"AsyncRewardWrapper: timeout_seconds must be > 0, got {timeout_seconds}")
         self.reward_fn = reward_fn
+        self.name = f"{getattr(reward_fn, '__module__', '?')}.{getattr(reward_fn, '__qualname__', repr(reward_fn))}"
+        self.failures = RewardFailures(self.name, timeout_seconds, max_error_fraction, error_window)
         self.timeout_seconds = timeout_seconds
         self.startup_grace_seconds = startup_grace_seconds
         self.max_workers = max_workers or min(8, multiprocessing.cpu_count())
@@ -155,30 +161,30 @@ class AsyncRewardWrapper:
         broken.shutdown(wait=False, cancel_futures=False)
 
     async def __call__(self, *args: Any, **kwargs: Any) -> ScoredReward:
-        name = getattr(self.reward_fn, "__qualname__", repr(self.reward_fn))
-        with _REWARD_CALLS.track(name, workflow_context.get().task_id):
-            return await self._score(*args, **kwargs)
+        with _REWARD_CALLS.track(self.name, workflow_context.get().task_id):
+            result = await self._score(*args, **kwargs)
+        reward = self.failures.record(result, describe_call(args, kwargs))  # raises when the function is broken
+        self._record(reward.outcome)
+        return reward
 
-    async def _score(self, *args: Any, **kwargs: Any) -> ScoredReward:
+    async def _score(self, *args: Any, **kwargs: Any) -> ScoredReward | RewardFailure:
         executor = self._get_executor()
         call = functools.partial(_call_reward, self.reward_fn, args, kwargs, self.timeout_seconds)
         try:
             future = asyncio.get_running_loop().run_in_executor(executor, call)
-            result = await asyncio.wait_for(future, self.timeout_seconds + self.startup_grace_seconds)
+            return await asyncio.wait_for(future, self.timeout_seconds + self.startup_grace_seconds)
         except TimeoutError:
             logger.warning(
-                "reward %r got no answer from its worker within %.0fs; scoring 0, replacing the pool",
-                self.reward_fn,
+                "reward %s got no answer from its worker within %.0fs; scoring 0, replacing the pool",
+                self.name,
                 self.timeout_seconds + self.startup_grace_seconds,
             )
             self._replace_executor(executor)
-            result = ScoredReward(0.0, "timeout")
+            return RewardFailure("timeout")
         except BrokenProcessPool as e:
             logger.warning("reward worker died (%s); scoring 0", e)
             self._replace_executor(executor)
-            result = ScoredReward(0.0, "error")
-        self._record(result.outcome)
-        return result
+            return RewardFailure("crashed", str(e))
 
     def _record(self, outcome: str) -> None:
         true = torch.ones(1, dtype=torch.bool)

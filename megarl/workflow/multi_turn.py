@@ -20,6 +20,7 @@ from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest
 from megarl.api.trajectory import concat_padded_tensors
 from megarl.api.workflow_api import RolloutWorkflow
+from megarl.config.rollout import RewardConfig
 from megarl.utils import stats_tracker
 from megarl.workflow.chat import Episode, end_turn, next_turn_ids
 from megarl.workflow.rlvr import (
@@ -51,6 +52,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         reflection_prompt: User message injected after a wrong answer.
         max_context_len: Stop before a turn whose prompt plus ``max_new_tokens`` would
             exceed this (the server's context length); None: no limit.
+        reward_config: As for :class:`RLVRWorkflow`.
     """
 
     def __init__(
@@ -65,7 +67,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         enable_thinking: bool = False,
         get_input_ids_fn: Callable[..., list[int]] = default_get_input_ids_fn,
         data_extract_prompt_fn: Callable[[dict[str, Any]], Any] = default_data_extract_prompt_fn,
-        reward_timeout_seconds: float = 15.0,
+        reward_config: RewardConfig | None = None,
     ):
         if max_turns < 1:
             raise ValueError(f"MultiTurnReflectionWorkflow: max_turns must be >= 1, got {max_turns}")
@@ -78,7 +80,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
             enable_thinking,
             get_input_ids_fn,
             data_extract_prompt_fn,
-            reward_timeout_seconds,
+            reward_config,
         )
         self.gconfig = gconfig
         self.tokenizer = tokenizer

@@ -12,6 +12,7 @@ from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
 from megarl.api.trajectory import concat_padded_tensors, make_trajectory
 from megarl.api.workflow_api import RolloutWorkflow
+from megarl.config.rollout import RewardConfig
 from megarl.reward.executor import AsyncRewardWrapper
 from megarl.utils import stats_tracker
 
@@ -36,7 +37,8 @@ class RLVRWorkflow(RolloutWorkflow):
     """Generates ``gconfig.n_samples`` completions concurrently and scores each.
 
     Returns ``[n_samples, seq_len]`` tensors (see :mod:`megarl.api.trajectory`).
-    Rewards run in worker processes with a timeout (:class:`AsyncRewardWrapper`).
+    Rewards run in worker processes with a timeout (:class:`AsyncRewardWrapper`); a reward function
+    that is broken stops the run (:mod:`megarl.reward.failures`).
 
     Args:
         reward_fn: Module-level ``fn(prompt, completions, prompt_ids, completion_ids, **data) -> float``.
@@ -45,7 +47,8 @@ class RLVRWorkflow(RolloutWorkflow):
         enable_thinking: Passed to the chat template (Qwen3-style thinking).
         get_input_ids_fn: ``(prompt, tokenizer, enable_thinking) -> token ids``.
         data_extract_prompt_fn: ``row -> prompt`` handed to ``get_input_ids_fn``.
-        reward_timeout_seconds: Bound on one reward call; a timeout scores 0.
+        reward_config: The reward's timeout and when its failures stop the run (the ``reward`` section;
+            None: its defaults).
         reward_max_workers: Reward worker processes.
     """
 
@@ -57,7 +60,7 @@ class RLVRWorkflow(RolloutWorkflow):
         enable_thinking: bool = False,
         get_input_ids_fn: Callable[..., list[int]] = default_get_input_ids_fn,
         data_extract_prompt_fn: Callable[[dict[str, Any]], Any] = default_data_extract_prompt_fn,
-        reward_timeout_seconds: float = 15.0,
+        reward_config: RewardConfig | None = None,
         reward_max_workers: int | None = None,
     ):
         gconfig.check()
@@ -67,7 +70,14 @@ class RLVRWorkflow(RolloutWorkflow):
         self.enable_thinking = enable_thinking
         self.get_input_ids_fn = get_input_ids_fn
         self.data_extract_prompt_fn = data_extract_prompt_fn
-        self.async_reward_fn = AsyncRewardWrapper(reward_fn, reward_timeout_seconds, reward_max_workers)
+        reward = reward_config or RewardConfig()
+        self.async_reward_fn = AsyncRewardWrapper(
+            reward_fn,
+            reward.timeout_seconds,
+            reward_max_workers,
+            max_error_fraction=reward.max_error_fraction,
+            error_window=reward.error_window,
+        )
 
     def with_gconfig(self, gconfig: GenerationHyperparameters) -> RLVRWorkflow:
         """This workflow sampling with ``gconfig`` (e.g. greedy evaluation); it shares the reward workers."""

@@ -79,6 +79,9 @@ BAD = [
     # the reward: a module that cannot be imported
     case("reward-module-missing", ["reward_fn=megarl.reward.nope.fn"], "reward_fn", "megarl.reward.nope.fn"),
     case("reward-not-a-path", ["reward_fn=gsm8k"], "reward_fn", "gsm8k"),
+    case("reward-timeout-zero", ["reward.timeout_seconds=0"], "reward.timeout_seconds", "must be > 0 seconds"),
+    case("reward-error-fraction", ["reward.max_error_fraction=0"], "reward.max_error_fraction", "must be in (0, 1]"),
+    case("reward-error-window", ["reward.error_window=0"], "reward.error_window", "must be >= 1"),
     # allocation mode vs cluster and model (SmolLM2-135M: 9 heads, 3 KV heads, 30 layers)
     case("devices-vs-cluster", ["cluster.n_gpus_per_node=4"], "allocation_mode", "nodes x 4 GPUs per node = 4"),
     case(

@@ -64,3 +64,14 @@ def test_the_console_names_the_kernel_path_and_a_mainloop_that_failed_its_self_c
     assert line.startswith("fused kernels: cuda sm80 (verified"), line
     assert "sm90 failed its self-check: dz beyond its tolerance by 40x" in line
     assert kernel_line("torch") is None
+
+
+def test_step_line_shows_the_failed_rewards():
+    """Occasional reward failures (raised, timed out) are on the step's console line, and only then."""
+    from megarl.train import step_line
+
+    stats = {"batch/reward/avg": 0.25, "rollout/reward/n_calls": 16.0, "rollout/reward/error": 2.0}
+    assert "reward 0.250  failed rewards: 2 errors in 16 calls" in step_line(0, 3, stats)
+    stats["rollout/reward/timeout"] = 1.0
+    assert "failed rewards: 2 errors, 1 timeout in 16 calls" in step_line(0, 3, stats)
+    assert "failed" not in step_line(0, 3, {"batch/reward/avg": 0.25, "rollout/reward/n_calls": 16.0})
