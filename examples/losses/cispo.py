@@ -9,11 +9,12 @@ that matter for reasoning stop learning after the first update. CISPO keeps ever
 gradient and clips the importance weight instead:
 ``loss_t = -clip(r_t, max=1 + eps_clip_higher).detach() * A_t * logp_t``.
 
-A loss is ``fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config)`` on
-packed tokens [T]: the current logprobs (with gradient), the proximal (decoupled PPO) or old
-logprobs, the advantages, the loss mask, the sequence starts and the actor config. It returns
-the per-token loss, optionally with per-token stats. megarl applies the behaviour weight, the
-KL and entropy terms and ``actor.loss_agg_mode`` around it.
+A loss is ``fn(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config, **loss_kwargs)``
+on packed tokens [T]: the current logprobs (with gradient), the proximal (decoupled PPO) or old
+logprobs, the advantages, the loss mask, the sequence starts, the actor config and the keys of
+``actor.loss_kwargs`` (none here: CISPO reads its bound from ``actor.eps_clip_higher``). It
+returns the per-token loss, optionally with per-token stats. megarl applies the behaviour
+weight, the KL and entropy terms and ``actor.loss_agg_mode`` around it.
 """
 
 from __future__ import annotations
