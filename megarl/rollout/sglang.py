@@ -50,6 +50,8 @@ class SGLangBackend(InferenceBackend):
             sampling["top_k"] = gconfig.top_k
         if gconfig.greedy:
             sampling["top_k"] = 1
+        if not gconfig.greedy and gconfig.min_p > 0:
+            sampling["min_p"] = gconfig.min_p
         if gconfig.stop:
             sampling["stop"] = list(gconfig.stop)
         if gconfig.stop_token_ids:

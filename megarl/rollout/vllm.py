@@ -51,6 +51,7 @@ class VLLMBackend(InferenceBackend):
             "temperature": 0.0 if gconfig.greedy else gconfig.temperature,
             "top_p": 1.0 if gconfig.greedy else gconfig.top_p,
             "top_k": -1 if gconfig.greedy else gconfig.top_k,
+            "min_p": 0.0 if gconfig.greedy else gconfig.min_p,
             "logprobs": 0,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
