@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.gap import gap_warning
-from megarl.actor.ppo import MegatronPPOActor
+from megarl.actor.ppo import MegatronPPOActor, replayed_truncation
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config import GRPOConfig, save_config
 from megarl.config.train import TrainEngineConfig
@@ -127,7 +127,8 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
             batch["prox_logp"] = t.actor.compute_logp(batch)
     if t.ref is not None:
         with phase(t, "ref_logp"):
-            batch["ref_logp"] = t.ref.compute_logp(batch, cfg.actor.temperature)
+            # the KL compares the policy and the reference on the same (truncated) distribution
+            batch["ref_logp"] = t.ref.compute_logp(batch, cfg.actor.temperature, replayed_truncation(cfg.actor))
     if t.critic is not None:
         with phase(t, "critic_values"):
             batch["values"] = t.critic.compute_values(batch)
