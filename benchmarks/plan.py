@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -212,33 +213,29 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
+GPU_CONFIG = "configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml"
+GPU_RATES = "benchmarks/plan_rates_h100_qwen2.5-7b.yaml"
+
+
 def write_gpu_plan() -> Path:
-    """``megarl plan`` on the 128-GPU config with the ASSUMED H100 rates, into ``plan_128gpu.md``."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
-        "plan",
-        "--rates",
-        "benchmarks/plan_rates_h100_qwen2.5-7b.yaml",
-        "--config",
-        "configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml",
-    ]
+    """``megarl plan`` on the 128-GPU config with the ASSUMED H100 rates, into ``plan_128gpu.md``:
+    the ranking, where the config's own split stands in it, and that split's prediction."""
+    bundled = yaml.safe_load((ROOT / GPU_CONFIG).read_text())["allocation_mode"]
+    cmd = [sys.executable, "-m", "megarl.launcher.cli", "plan", "--rates", GPU_RATES, "--config", GPU_CONFIG]
+    ranking = subprocess.run(cmd + ["--top", "1000"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    rows = [line.split("|") for line in ranking.splitlines() if re.match(r"^\| \d+ \|", line)]
+    rank = next(int(r[1]) for r in rows if r[2].strip() == bundled)
+    first_s, bundled_s = float(rows[0][6]), float(rows[rank - 1][6])
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    mine = subprocess.run(cmd + ["--mode", bundled], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     path = RESULTS_DIR / "plan_128gpu.md"
     path.write_text(
-        "# megarl plan: configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml on 16 nodes x 8 GPUs (ASSUMED rates)\n\n"
-        "Every rate below is an assumption (benchmarks/plan_rates_h100_qwen2.5-7b.yaml cites where each comes "
-        "from), not a measurement: megarl has never run on a GPU. The bundled config's split, "
-        "`vllm:d48t2+megatron:d4p2t4`, is predicted at the end.\n\n```\n$ megarl "
-        + " ".join(cmd[3:])
-        + "\n"
-        + out
-        + "```\n"
+        f"# megarl plan: {GPU_CONFIG} on 16 nodes x 8 GPUs (ASSUMED rates)\n\n"
+        f"Every rate below is an assumption ({GPU_RATES} cites where each comes from), not a measurement: "
+        f"megarl has never run on a GPU. The bundled config's split, `{bundled}`, ranks {rank} of {len(rows)} "
+        f"({bundled_s:.1f} s a step; the first: {first_s:.1f} s); its prediction is at the end.\n\n"
+        f"```\n$ megarl {' '.join(cmd[3:])}\n{out}```\n\n```\n$ megarl {' '.join(cmd[3:])} --mode {bundled}\n{mine}```\n"
     )
-    cmd += ["--mode", "vllm:d48t2+megatron:d4p2t4"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    path.write_text(path.read_text() + "\n```\n$ megarl " + " ".join(cmd[3:]) + "\n" + out + "```\n")
     return path
 
 

@@ -260,3 +260,32 @@ def test_overlap_slowdown_from_an_async_run():
     step = {"batch/n_seqs": 8.0, "batch/seq_len/avg": 200.0, "ppo_actor/n_tokens": 1024.0, "timeperf/train_step": 12.0}
     assert overlap_slowdown(r, [step, step]) == pytest.approx(1.5)
     assert overlap_slowdown(r, [{**step, "timeperf/train_step": 9.0}]) == 1.0  # faster than isolated: no contention
+
+
+# the bundled GPU configs: (experiment, preset or None) the planner ranks with the H100 rates
+RANKED_CONFIGS = [
+    ("configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml", None),
+    ("configs/gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "configs/parallel/dense_7b_128gpu.yaml"),
+]
+
+
+@pytest.mark.parametrize("experiment, preset", RANKED_CONFIGS)
+def test_bundled_large_scale_config_is_the_planners_first_choice(experiment, preset, capsys):
+    import yaml
+
+    files = ["--config", experiment] + (["--config", preset] if preset else [])
+    assert main(["plan", "--rates", str(GPU_RATES), *files, "--top", "1"]) == 0
+    first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |"))
+    bundled = yaml.safe_load((REPO / (preset or experiment)).read_text())["allocation_mode"]
+    assert first.split("|")[2].strip() == bundled, f"{preset or experiment}: {bundled} is not the first choice: {first}"
+
+
+def test_plan_page_says_why_the_other_gpu_configs_are_not_ranked():
+    """Every other bundled GPU config is named on the plan page's 'Not ranked' paragraph."""
+    ranked = {path for pair in RANKED_CONFIGS for path in pair if path}
+    gpu_configs = sorted(REPO.glob("configs/*gpu.yaml")) + sorted(REPO.glob("configs/parallel/*gpu.yaml"))
+    page = (REPO / "docs" / "guides" / "plan.md").read_text()
+    not_ranked = page[page.index("Not ranked:") :]
+    for path in gpu_configs:
+        name = str(path.relative_to(REPO))
+        assert name in ranked or f"`{name}`" in not_ranked, f"{name}: neither ranked first nor explained"

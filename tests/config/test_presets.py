@@ -80,11 +80,11 @@ DP_VS_BATCH = "must be divisible by the trainer's data-parallel size d{}"
 EP_VS_DENSE = "megatron expert parallel e8 is set, but the model has no experts (dense)"
 REFUSED = {
     ("arithmetic_grpo_cpu", "dense_7b_32gpu"): TP_VS_9_HEADS.format(2),
-    ("arithmetic_grpo_cpu", "dense_7b_128gpu"): TP_VS_9_HEADS.format(2),
+    ("arithmetic_grpo_cpu", "dense_7b_128gpu"): DP_VS_BATCH.format(16),
     ("arithmetic_grpo_cpu", "moe_30b_32gpu"): TP_VS_9_HEADS.format(4),
     ("arithmetic_grpo_cpu", "moe_30b_256gpu"): DP_VS_BATCH.format(16),
     ("gsm8k_grpo_cpu", "dense_7b_32gpu"): TP_VS_9_HEADS.format(2),
-    ("gsm8k_grpo_cpu", "dense_7b_128gpu"): DP_VS_BATCH.format(4),
+    ("gsm8k_grpo_cpu", "dense_7b_128gpu"): DP_VS_BATCH.format(16),
     ("gsm8k_grpo_cpu", "moe_30b_32gpu"): DP_VS_BATCH.format(4),
     ("gsm8k_grpo_cpu", "moe_30b_256gpu"): DP_VS_BATCH.format(16),
     ("gsm8k_grpo_qwen2.5-7b_128gpu", "moe_30b_32gpu"): EP_VS_DENSE,
