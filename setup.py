@@ -119,11 +119,11 @@ setup(
     # 3.11: typing.Self (megarl/reward/base.py, megarl/rollout/server.py) and logging.getLevelNamesMapping
     # (megarl/utils/logging.py); tests/test_packaging.py checks that nothing needs a newer Python
     python_requires=">=3.11",
+    # no "License ::" classifier beside it: setuptools prints a deprecation warning per build step for one
     license="Apache-2.0",
     # LICENSE: megarl's own; THIRD_PARTY.md: the licences of the bundled data and the quickstart model
     license_files=["LICENSE", "THIRD_PARTY.md"],
     classifiers=[
-        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3.11",
         "Programming Language :: Python :: 3.12",

@@ -102,11 +102,9 @@ def _install(venv: Path, env: dict[str, str], *args: str) -> subprocess.Complete
 
 
 def _installed(venv: Path) -> dict[str, str]:
+    """{distribution: version} in the venv (names as their dist-info folders spell them)."""
     (site,) = venv.glob("lib/python*/site-packages")
-    return {
-        d.name.split("-")[0]: d.name[len(d.name.split("-")[0]) + 1 : -len(".dist-info")]
-        for d in site.glob("*.dist-info")
-    }
+    return dict(d.name.removesuffix(".dist-info").split("-", 1) for d in site.glob("*.dist-info"))
 
 
 def test_standard_machine_takes_torch_cpu_from_the_cpu_index(tmp_path, venv):
