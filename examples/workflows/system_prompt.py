@@ -23,11 +23,14 @@ from megarl.reward.executor import AsyncRewardWrapper
 
 
 class SystemPromptWorkflow(RolloutWorkflow):
-    def __init__(self, reward_fn, gconfig, tokenizer, system_prompt: str = "You are a careful calculator."):
+    def __init__(
+        self, reward_fn, gconfig, tokenizer, system_prompt: str = "You are a careful calculator.", reward_config=None
+    ):
         self.gconfig = gconfig
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        self.reward = AsyncRewardWrapper(reward_fn)  # runs the reward in worker processes, with a timeout
+        # the reward in worker processes, with the config's reward.timeout_seconds; a broken one stops the run
+        self.reward = AsyncRewardWrapper.from_config(reward_fn, reward_config)
 
     async def arun_episode(self, engine, data):
         messages = [{"role": "system", "content": self.system_prompt}, *data["messages"]]

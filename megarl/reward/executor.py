@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from megarl.api import context as workflow_context
+from megarl.config.rollout import RewardConfig
 from megarl.reward.base import ScoredReward
 from megarl.reward.failures import RewardFailure, RewardFailures, as_reward, describe_call
 from megarl.utils import stats_tracker
@@ -131,6 +132,20 @@ class AsyncRewardWrapper:
         self.max_workers = max_workers or min(8, multiprocessing.cpu_count())
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(
+        cls, reward_fn: Callable[..., Any], config: RewardConfig | None = None, max_workers: int | None = None
+    ) -> AsyncRewardWrapper:
+        """A wrapper of ``reward_fn`` as the ``reward`` section says (None: its defaults)."""
+        config = config or RewardConfig()
+        return cls(
+            reward_fn,
+            config.timeout_seconds,
+            max_workers,
+            max_error_fraction=config.max_error_fraction,
+            error_window=config.error_window,
+        )
 
     def _get_executor(self) -> concurrent.futures.ProcessPoolExecutor:
         with self._lock:

@@ -70,14 +70,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self.enable_thinking = enable_thinking
         self.get_input_ids_fn = get_input_ids_fn
         self.data_extract_prompt_fn = data_extract_prompt_fn
-        reward = reward_config or RewardConfig()
-        self.async_reward_fn = AsyncRewardWrapper(
-            reward_fn,
-            reward.timeout_seconds,
-            reward_max_workers,
-            max_error_fraction=reward.max_error_fraction,
-            error_window=reward.error_window,
-        )
+        self.async_reward_fn = AsyncRewardWrapper.from_config(reward_fn, reward_config, reward_max_workers)
 
     def with_gconfig(self, gconfig: GenerationHyperparameters) -> RLVRWorkflow:
         """This workflow sampling with ``gconfig`` (e.g. greedy evaluation); it shares the reward workers."""
