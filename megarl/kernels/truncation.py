@@ -25,17 +25,18 @@ its shard, then one ``all_gather`` of the ``[T, C + 1]`` candidates (tp · T · 
 ``topk`` of the gathered ones gives the global C + 1 largest) and the MAX / SUM all-reduces of
 the statistics the untruncated path already does. From the candidates every threshold follows:
 min-p's from the max, top-k's is the k-th candidate, top-p's from the descending cumulative
-mass. The kept set must lie within the first C candidates (the (C + 1)-th below theta, which
-also makes ties at the boundary visible); positions where it does not (a flat distribution
-whose nucleus holds more than C tokens) are scanned again with 4 x C candidates, only those
-rows, until it does (at worst C reaches the vocabulary). The truncated statistics (max, sum
-exp, sum exp · z) then come from the candidates: the forward costs one pass over the logits,
-like the untruncated one, plus O(T · C log C); the backward recomputes the logits as before and
+mass. A sampled token below its threshold (a numerical edge: vLLM's fp32 cumulative sum put it
+on the other side of the boundary) would have logprob -inf; its threshold is lowered to its own
+logit and it is counted (``outside``). The threshold kept is halfway between the smallest kept and
+the largest dropped logit, so that the backward's recomputed logits pick the same set. The kept set must lie within the first C candidates (the
+(C + 1)-th below theta, which also makes ties at the boundary visible); positions where it does
+not (a flat distribution whose nucleus holds more than C tokens) are scanned again with 4 x C
+candidates, only those rows, in blocks of rows whose candidates fit one chunk's
+``chunk_tokens x chunk_vocab`` budget, until it does (at worst C reaches the vocabulary). The
+truncated statistics (max, sum exp, sum exp · z) then come from the candidates: the forward
+costs one pass over the logits, like the untruncated one, plus the top-k merges (and one more
+pass per growth for the rows that need it); the backward recomputes the logits as before and
 masks those below theta.
-
-A sampled token below its threshold (a numerical edge: vLLM's fp32 cumulative sum put it on the
-other side of the boundary) would have logprob -inf; its threshold is lowered to its own logit
-and it is counted (``outside``).
 """
 
 from __future__ import annotations
@@ -159,6 +160,35 @@ def _top_p_threshold(top, m, s, theta_before, p: float, everything: bool) -> tor
     return torch.where(short, torch.full_like(theta, -math.inf), torch.maximum(theta, theta_before))
 
 
+def _scan(hidden, labels, hit, rows, weight, shard, inv_tau, trunc: Truncation, n: int, stats, outside, comm):
+    """One candidate scan of ``rows`` with n candidates: fills ``stats`` (m, s, u, label_logit, theta)
+    and ``outside`` of the rows it covers; returns the others."""
+    tp_group, tp_size, chunk_tokens, chunk_vocab = comm
+    label_local = labels[rows] - shard.start
+    top, m, s, lab = _local_candidates(
+        hidden[rows], weight, label_local, shard, inv_tau, n + 1, chunk_tokens, chunk_vocab
+    )
+    top, m, s, lab = _global_candidates(top, m, s, lab, tp_group, tp_size)
+    theta, covered = truncation_thresholds(top, m, s, trunc, shard.vocab_size)
+    out = hit[rows] & (lab < theta)  # the sampled token below its threshold: lowered to it
+    theta = torch.where(out, lab, theta)
+    if n < shard.vocab_size:  # the kept set must still end within the first n candidates
+        covered &= top[:, n] < theta
+    # the same kept set for any threshold in (largest dropped logit, theta]: halfway between, so that
+    # the backward's recomputed logits (other GEMM shapes, other roundings) select it too
+    dropped = torch.where(top < theta[:, None], top, -math.inf).amax(dim=1)
+    theta = torch.where(torch.isfinite(dropped), (theta + dropped) / 2, -math.inf)
+    top = top[covered, :n]
+    d = top - m[covered, None]  # [r,n] <= 0
+    e = torch.where(top >= theta[covered, None], d.exp(), 0.0)
+    done = rows[covered]
+    for i, value in enumerate((m[covered], e.sum(dim=1), torch.where(e > 0, e * d, 0.0).sum(dim=1), lab[covered])):
+        stats[i][done] = value
+    stats[4][done] = theta[covered]
+    outside[done] = out[covered]
+    return rows[~covered]
+
+
 def truncated_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -179,31 +209,18 @@ def truncated_stats(
     the same values.
     """
     num_tokens = hidden.shape[0]
-    label_local = labels - shard.start
+    opts = {"dtype": torch.float32, "device": hidden.device}
+    stats = [torch.zeros(num_tokens, **opts) for _ in range(5)]  # m, s, u, label_logit, theta
+    hit = (labels >= 0) & (labels < shard.vocab_size)
+    outside = torch.zeros_like(hit)
+    comm = (tp_group, tp_size, chunk_tokens, chunk_vocab)
     n = max(trunc.candidates, trunc.top_k)
     rows = torch.arange(num_tokens, device=hidden.device)
-    theta = torch.full((num_tokens,), -math.inf, device=hidden.device)
-    m = torch.zeros(num_tokens, device=hidden.device)
-    label_logit = torch.zeros(num_tokens, device=hidden.device)
-    tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their first C candidates) per scan
-    while rows.numel():
-        top, m_r, s_r, lab_r = _local_candidates(
-            hidden[rows], weight, label_local[rows], shard, inv_tau, n + 1, chunk_tokens, chunk_vocab
-        )
-        top, m_r, s_r, lab_r = _global_candidates(top, m_r, s_r, lab_r, tp_group, tp_size)
-        theta_r, covered = truncation_thresholds(top, m_r, s_r, trunc, shard.vocab_size)
-        done = rows[covered]
-        theta[done], m[done], label_logit[done] = theta_r[covered], m_r[covered], lab_r[covered]
-        tops.append((done, top[covered, :n]))
-        rows, n = rows[~covered], n * 4
-    hit = (labels >= 0) & (labels < shard.vocab_size)
-    outside = hit & (label_logit < theta)
-    theta = torch.where(outside, label_logit, theta)
-    s = torch.zeros(num_tokens, device=hidden.device)
-    u = torch.zeros(num_tokens, device=hidden.device)
-    for done, top in tops:
-        d = top - m[done, None]  # [r,C] <= 0
-        e = torch.where(top >= theta[done, None], d.exp(), 0.0)
-        s[done] = e.sum(dim=1)
-        u[done] = torch.where(e > 0, e * d, 0.0).sum(dim=1)
+    while rows.numel():  # the same rows on every TP rank: the candidates are global
+        # a scan's candidates [rows, n + 1] stay within one chunk's budget: blocks of rows
+        block = max(1, chunk_tokens * chunk_vocab // (n + 1))
+        args = (weight, shard, inv_tau, trunc, n, stats, outside, comm)
+        left = [_scan(hidden, labels, hit, rows[b0 : b0 + block], *args) for b0 in range(0, rows.numel(), block)]
+        rows, n = torch.cat(left), n * 4
+    m, s, u, label_logit, theta = stats
     return m, s, u, label_logit, theta, outside

@@ -130,9 +130,13 @@ def test_label_outside_the_kept_set_is_counted_and_finite():
     z = hidden @ weight.T
     labels = z.argsort(dim=1)[:, 0]  # the least likely token: never kept by top-3
     logp, ent, outside = fused_logprobs_entropy(
-        hidden, weight, labels, backend="torch", truncation=trunc, return_outside=True
+        hidden, weight, labels, backend="torch", truncation=trunc, return_outside=True, chunk_vocab=64
     )
     assert outside.all() and torch.isfinite(logp).all() and torch.isfinite(ent).all()
+    # its threshold lowered to it keeps every token: past the 256 candidates of the first scan
+    full = fused_logprobs_entropy(hidden, weight, labels, backend="torch")
+    torch.testing.assert_close(logp, full[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, full[1], atol=1e-5, rtol=1e-5)
 
 
 def _free_port() -> int:
@@ -146,7 +150,7 @@ def _tp_worker(rank: int, port: int) -> None:
     try:
         group = dist.new_group([0, 1])
         rows = 152  # rank 1: 148 real rows + 4 padding
-        for i, trunc in enumerate(CASES[3::2]):  # top-k + top-p, all three, the growing scans
+        for i, trunc in enumerate(CASES[4::3]):  # all three filters; top-k + top-p with growing scans
             hidden, weight, coefs = _inputs(seed=10 + i, scale=2.0 if trunc.candidates > 4 else 0.3)
             labels = _sampled_labels(hidden, weight, 0.7, trunc, seed=11 + i)
             want = _want(hidden, weight, labels, coefs, 0.7, trunc)
@@ -165,3 +169,23 @@ def _tp_worker(rank: int, port: int) -> None:
 @pytest.mark.multiproc
 def test_two_rank_vocab_parallel_truncation_matches_reference():
     mp.spawn(_tp_worker, args=(_free_port(),), nprocs=2, join=True)
+
+
+def test_never_materialises_full_logits():
+    from tests.kernels.test_fused_logprob_reference import _MaxNumel
+
+    tokens, vocab, ct, cv, cand = 32, 1024, 16, 128, 8
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(tokens, 4, generator=gen).requires_grad_(True)
+    weight = (torch.randn(vocab, 4, generator=gen) * 0.2).requires_grad_(True)  # flat: nuclei of hundreds
+    trunc = Truncation(top_p=0.5, candidates=cand)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    with _MaxNumel() as probe:
+        logp, ent = fused_logprobs_entropy(
+            hidden, weight, labels, chunk_tokens=ct, chunk_vocab=cv, truncation=trunc, backend="torch"
+        )
+        (logp + ent).sum().backward()
+    # chunks (with their running candidates), the parameters' gradients, and the candidates of the
+    # positions whose nucleus grew the scan: never [T, V]
+    # the parameters' gradients, a chunk beside its rows' candidates, or one row's grown candidates: never [T, V]
+    assert probe.max_numel <= max(vocab * 4, 2 * ct * cv, 4 * vocab + 1 + cv) < tokens * vocab
