@@ -21,7 +21,7 @@ from tests.actor.dist_utils import run_ranks
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
 TOKENS = 24
-PROMPTS = [[1, 9, 42, 7], [1, 300, 5, 77], [1, 12, 999, 4]]
+PROMPTS = [[1, 9, 42, 7], [1, 300, 5, 77], [1, 12, 999, 4], [1, 64, 3, 2048]]
 
 
 def _sample(address: str, prompt: list[int], seed: int, **sampling) -> tuple[list[int], list[float]]:
@@ -62,15 +62,19 @@ def _batch(samples: list[tuple[list[int], list[int], list[float]]]) -> tuple[dic
     return batch, server, mask
 
 
-def replay_on_and_off(model_dir: str, batch: dict, top_p: float, top_k: int) -> dict:
-    """A real fp32 MegatronPPOActor's compute_logp with the sampling's truncation replayed, then without."""
+def replay_on_and_off(model_dir: str, batch: dict, top_p: float, top_k: int, rollout: dict) -> dict:
+    """A real fp32 MegatronPPOActor's compute_logp with the sampling's truncation replayed, then without;
+    and the stats of one PPO update on ``rollout`` (the servers' batch) from the same weights, each way."""
     from tests.actor.workers import _ppo_actor
 
-    actor = _ppo_actor(model_dir, "d1p1t1", {"top_p": top_p, "top_k": top_k}, n_mbs=1)
-    replay = actor.compute_logp(batch)
-    actor.config.replay_truncation = False
-    full = actor.compute_logp(batch)
-    return {"replay": replay, "full": full}
+    out = {}
+    for replay in (True, False):
+        actor = _ppo_actor(model_dir, "d1p1t1", {"top_p": top_p, "top_k": top_k, "replay_truncation": replay}, n_mbs=1)
+        out["replay" if replay else "full"] = actor.compute_logp(batch)
+        data = {k: v.clone() for k, v in rollout.items()}
+        actor.compute_advantages(data)
+        out[f"update_{replay}"] = actor.ppo_update(data)[0]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +91,21 @@ def test_replayed_truncation_matches_server_logprobs(fp32_server, vllm_model_dir
     batch_t, server_t, mask_t = _batch(truncated)
     batch_p, server_p, mask_p = _batch(plain)
     both = {k: torch.cat([batch_t[k], batch_p[k]]) for k in batch_t}
-    got = run_ranks(1, f"{__name__}:replay_on_and_off", model_dir=str(vllm_model_dir), batch=both, top_p=0.8, top_k=20)
+    rollout = {  # the trainer's batch as the rollout hands it: token-aligned servers' logprobs and loss mask
+        **batch_t,
+        "loss_mask": torch.roll(mask_t, 1, dims=1).int(),
+        "logprobs": torch.roll(server_t, 1, dims=1),
+        "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0]),
+    }
+    got = run_ranks(
+        1,
+        f"{__name__}:replay_on_and_off",
+        model_dir=str(vllm_model_dir),
+        batch=both,
+        top_p=0.8,
+        top_k=20,
+        rollout=rollout,
+    )
     n = len(PROMPTS)
     replay, full = got[0]["replay"][:n], got[0]["full"][:n]
     floor = (got[0]["full"][n:] - server_p)[mask_p].abs().mean().item()  # untruncated sampling, full softmax
@@ -104,3 +122,14 @@ def test_replayed_truncation_matches_server_logprobs(fp32_server, vllm_model_dir
     assert gap_full > 100 * max(floor, 1e-5)
     assert abs(ratio_replay - 1) < 1e-4
     assert ratio_full < 0.95
+    # the update's own view: its train-inference gap, behaviour weight and counted edge tokens
+    on, off = got[0]["update_True"], got[0]["update_False"]
+    print({k: (on.get(k), off.get(k)) for k in (GAP, WEIGHT, OUTSIDE)})
+    assert on[GAP] < max(3 * floor, 2e-5) and off[GAP] > 100 * max(floor, 1e-5)
+    assert abs(on[WEIGHT] - 1) < 1e-4 and on[OUTSIDE] == 0.0
+    assert OUTSIDE not in off  # nothing replayed, nothing counted
+
+
+GAP = "ppo_actor/gap/abs_logp_diff/avg"
+WEIGHT = "ppo_actor/behave_imp_weight/avg"
+OUTSIDE = "ppo_actor/truncation/label_outside/avg"
