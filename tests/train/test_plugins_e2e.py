@@ -11,7 +11,9 @@ trainer, two short steps each. What shows each plug-in ran:
 - loss (``examples.losses.cispo``): its own per-token stat is in the run's metrics;
 - ``workflow.type=multi_turn``: the episodes' turn count is in the metrics;
 - an OpenAI-client agent (``examples.workflows.openai_agent.CalculatorAgent``): its calls through the
-  proxy are counted in the metrics, every one on the trained conversation.
+  proxy are counted in the metrics, every one on the trained conversation;
+- a script that launches megarl from Python, naming its own reward and loss ``__main__.X``: the
+  trainer ranks import the script's file, and the loss's ``actor.loss_kwargs`` value is in the metrics.
 """
 
 from __future__ import annotations
@@ -138,3 +140,52 @@ def test_openai_client_agent_runs_by_config_alone(tmp_path):
     for step in steps:
         assert step["rollout/agent_calls"] >= 1 and step["rollout/agent_off_chain_calls"] == 0, sorted(step)
         assert "ppo_actor/loss" in step
+
+
+MAIN_SCRIPT = """
+import sys
+
+import torch
+
+
+def main_reward(prompt, completions, prompt_ids, completion_ids, answer, **row):
+    return 1.0 if completions.strip().startswith(str(answer).strip()) else 0.0
+
+
+def scaled_loss(logprobs, anchor_logprobs, advantages, loss_mask, *, cu_seqlens, config, beta):
+    ratio = torch.exp(logprobs.detach() - anchor_logprobs)
+    return -beta * ratio * advantages * logprobs, {"main_beta": torch.full_like(logprobs, beta)}
+
+
+if __name__ == "__main__":
+    from megarl.launcher.cli import main
+
+    sys.exit(main(["run", *sys.argv[1:]]))
+"""
+
+
+def test_a_script_that_launches_megarl_names_its_own_reward_and_loss_by_main(tmp_path):
+    """``python my_run.py`` calls megarl's CLI in-process with ``__main__.X`` keys: the trainer ranks
+    (torchrun's processes) import the script's file; the loss gets ``actor.loss_kwargs``."""
+    script = tmp_path / "my_run.py"
+    script.write_text(MAIN_SCRIPT)
+    argv = [
+        str(script),
+        "configs/arithmetic_grpo_cpu.yaml",
+        f"cluster.fileroot={tmp_path}",
+        *SHORT_RUN,
+        "reward_fn=__main__.main_reward",
+        "actor.loss=__main__.scaled_loss",
+        "actor.loss_kwargs.beta=0.5",
+        "total_train_steps=1",
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
+    result = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
+    saved = (run_dir / "config.yaml").read_text()
+    assert f"reward_fn: {script}:main_reward" in saved and f"loss: {script}:scaled_loss" in saved
+    (step,) = _metrics(run_dir)
+    assert step["ppo_actor/main_beta/avg"] == pytest.approx(0.5), sorted(step)
