@@ -13,7 +13,7 @@ that says where it comes from (invisible on GitHub and on the site)::
 * ``HOW``: ``each`` (default: one figure per selected row, in row order), ``min``, ``max``,
   ``mean``, ``median``, ``range`` (two figures: min and max), or ``gain`` (the mean of the last 5
   values minus that of the first 5: the learning benchmarks' reward gain over steps);
-* ``FORMAT``: a Python format spec (``+.2f``, ``.1f``, ``.0f``, ``d``).
+* ``FORMAT``: a Python format spec (``+.2f``, ``.1f``, ``.0f``, ``d``, ``.0%`` for a share as a percentage).
 
 The test formats the selected values and compares them with the last figures written before
 the comment in the same paragraph: change a result and the page must follow, or this fails.
@@ -82,7 +82,7 @@ def expected_figures(spec: str, results: Path = RESULTS) -> list[str]:
         values = [statistics.fmean(values[-5:]) - statistics.fmean(values[:5])]
     elif how != "each":
         values = [{"min": min, "max": max, "mean": statistics.fmean, "median": statistics.median}[how](values)]
-    return [_fix_zero(format(v, fmt)) for v in values]
+    return [_fix_zero(format(v, fmt)).removesuffix("%") for v in values]  # "11%": the page's 11
 
 
 def _fix_zero(text: str) -> str:
@@ -150,6 +150,7 @@ def results(tmp_path):
         "about +0.5 <!-- result: learn; gain; *; mean +.1f -->, on 2 <!-- result: learn; machine.cores; *; d --> cores",
         "fp32 +0.53\nand bf16 +0.44 <!-- result: learn; gain; setup=bf16; +.2f -->",
         "no gain over 3 rows: +0.0 <!-- result: learn; step s; *; gain +.1f -->",
+        "bf16 gains 44% <!-- result: learn; gain; setup=bf16 & step s=10.3; .0% --> a step",
     ],
 )
 def test_checker_passes_figures_that_match(results, text):
