@@ -53,7 +53,7 @@ from megarl.run.saver import Saver
 from megarl.run.stats_logger import StatsLogger
 from megarl.run.weight_sync import WeightSync, WeightUpdateMeta, connect_engine
 from megarl.utils import heartbeat, stats_tracker
-from megarl.utils.console import Console, Progress, open_console
+from megarl.utils.console import Console, Progress, open_console, record_stop
 from megarl.utils.memory import PeakRSS, release_freed_memory
 from megarl.utils.mpi import discover_ranks
 from megarl.utils.plugins import import_plugin
@@ -571,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         logger.error("the run stopped: %s", broken)  # the user's code is broken: no stack of megarl's to show
         console.line(f"megarl: the run stopped: {broken}")
+        record_stop(config.run_dir, str(broken))  # the launcher neither restarts the trainer nor shows a stack
         return 1
     finally:
         close(trainer)

@@ -50,7 +50,7 @@ from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
 from megarl.rollout.restarts import RESTARTS_FILE, append_record
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.utils.auth import run_api_key, save_run_key
-from megarl.utils.console import CONSOLE_TTY_ENV
+from megarl.utils.console import CONSOLE_TTY_ENV, take_stop
 from megarl.utils.hardware import auto_dtype
 from megarl.utils.heartbeat import flight_recorder_env
 from megarl.utils.network import find_free_ports
@@ -305,6 +305,7 @@ def run_trainer(
     restarts = ServerRestarts(
         config.launcher.server_restarts, config.launcher.max_server_restarts, config.run_dir, relay
     )
+    take_stop(config.run_dir)  # a note of an earlier run's is not this one's
     with open(log_path, "ab") as log, beats:
         for attempt in range(retries + 1):
             log.write(f"# megarl run: trainer attempt {attempt + 1}: {' '.join(cmd)}\n".encode())
@@ -318,6 +319,12 @@ def run_trainer(
                 logger.info("trainer finished")
                 return 0
             relay.end_line()
+            if (reason := take_stop(config.run_dir)) is not None:  # the user's code is broken: a restart would not help
+                logger.info("the trainer stopped: %s", reason)
+                relay.line(
+                    "megarl", f"megarl run: the trainer stopped for the reason above (logs in {log_path.parent})"
+                )
+                return code
             if attempt < retries:
                 logger.warning(
                     "trainer exited with status %d; restarting it (restart %d of %d)", code, attempt + 1, retries

@@ -26,6 +26,27 @@ CONSOLE_TTY_ENV = "MEGARL_CONSOLE_TTY"
 """``1`` when the console the trainer's output ends up on is a terminal (set by ``megarl run``)."""
 STATUS_INTERVAL_S = 10.0
 """Seconds between two status lines when the console is not a terminal."""
+STOP_FILE = "logs/stopped.txt"
+"""Under the run directory: why the trainer stopped on an error of the user's code (e.g. a broken reward),
+written by the trainer for the launcher, which then shows no stack of its own and does not restart it."""
+
+
+def record_stop(run_dir: Path, reason: str) -> None:
+    """Note under ``run_dir`` that the trainer stopped for ``reason`` (see :data:`STOP_FILE`)."""
+    path = Path(run_dir) / STOP_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(reason + "\n")
+
+
+def take_stop(run_dir: Path) -> str | None:
+    """The reason :func:`record_stop` noted under ``run_dir``, removing the note; None when there is none."""
+    path = Path(run_dir) / STOP_FILE
+    try:
+        reason = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    path.unlink(missing_ok=True)
+    return reason
 
 
 def console_is_tty(stream: TextIO) -> bool:

