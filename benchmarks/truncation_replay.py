@@ -7,7 +7,8 @@ distribution the server sampled from, ``megarl/kernels/truncation.py``) and once
 softmax, as trainers without replay compute them). Per run: the batch reward of every step, the
 mean of the first and of the last 5 steps, the mean train-inference gap on the trained tokens
 (``ppo_actor/gap/abs_logp_diff/avg``, the servers returning processed logprobs), the mean behaviour
-importance weight, the share of tokens the cap drops, and the step time. ``--quick``: 4 steps.
+importance weight, the share of tokens the cap drops, and the step time. ``--quick``: 5 steps, for
+the gap and the weights (too few steps to compare learning).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from benchmarks._harness import main_for
 from benchmarks.learning_arithmetic import dtype_overrides, reward_gain, run_arithmetic
 
 TITLE = "Top-p 0.9 sampling, truncation replayed or not: arithmetic GRPO, SmolLM2-135M-Instruct, CPU, fp32"
-STEPS, QUICK_STEPS = 15, 4
+STEPS, QUICK_STEPS = 15, 5
 SEED = 1
 SETUPS = {
     "replay on": ["gconfig.top_p=0.9", "actor.top_p=0.9"],
@@ -71,7 +72,8 @@ def summary(rows: list[dict]) -> str:
         for row in rows
     ]
     steps = len(rows[0]["reward per step"].split())
-    return "; ".join(parts) + f" (seed {SEED}, {steps} steps, first 5 vs last 5 steps)"
+    window = "first 5 vs last 5 steps" if steps >= 10 else "too few steps to compare learning"
+    return "; ".join(parts) + f" (seed {SEED}, {steps} steps; {window})"
 
 
 if __name__ == "__main__":
