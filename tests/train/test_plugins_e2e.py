@@ -164,6 +164,9 @@ if __name__ == "__main__":
 """
 
 
+# Slow: a whole run (servers and trainer start-up). CI checks the same resolution in
+# tests/config/test_user_files.py (a real script saves the config; a second process imports it as a rank).
+@pytest.mark.slow
 def test_a_script_that_launches_megarl_names_its_own_reward_and_loss_by_main(tmp_path):
     """``python my_run.py`` calls megarl's CLI in-process with ``__main__.X`` keys: the trainer ranks
     (torchrun's processes) import the script's file; the loss gets ``actor.loss_kwargs``."""
