@@ -3,6 +3,7 @@ server (``vllm_server``) is in ``tests/conftest.py``, shared with the workflow t
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -74,8 +75,15 @@ def fast_config(**overrides) -> InferenceEngineConfig:
     return InferenceEngineConfig(**values)
 
 
-def make_engine(addrs: list[str], backend: str = "vllm", batch_size: int = 4, **config) -> RemoteInferenceEngine:
-    """An initialized engine (pool started) on ``addrs``, trained on the fake model's vocabulary; call
-    ``destroy()`` when done."""
+def make_engine(
+    addrs: list[str], backend: str = "vllm", batch_size: int = 4, vocab_size: int = VOCAB_SIZE, **config
+) -> RemoteInferenceEngine:
+    """An initialized engine (pool started) on ``addrs``, trained on a model of ``vocab_size`` tokens (the
+    fake server's by default; a real server's model: ``model_vocab_size(dir)``); call ``destroy()`` when done."""
     engine = RemoteInferenceEngine(fast_config(**config), backend)
-    return engine.initialize(server_addrs=addrs, batch_size=batch_size, vocab_size=VOCAB_SIZE)
+    return engine.initialize(server_addrs=addrs, batch_size=batch_size, vocab_size=vocab_size)
+
+
+def model_vocab_size(model_dir) -> int:
+    """The vocabulary size in an HF model directory's config.json (what the trainer of that model has)."""
+    return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]

@@ -15,7 +15,7 @@ from megarl.api.io_struct import GenerationHyperparameters
 from megarl.data import create_dataloader, load_rl_dataset
 from megarl.reward import gsm8k_reward_fn
 from megarl.workflow import MultiTurnReflectionWorkflow, RLVRWorkflow, reflection_token_ids
-from tests.rollout.conftest import VLLM_MAX_MODEL_LEN, make_engine
+from tests.rollout.conftest import VLLM_MAX_MODEL_LEN, make_engine, model_vocab_size
 
 pytestmark = pytest.mark.vllm
 
@@ -33,10 +33,15 @@ def gsm8k_rows():
 
 
 @pytest.fixture
-def engine(vllm_server):
+def engine(vllm_server, vllm_model_dir):
     # A real server on a slow CPU: one request of ~900 tokens can take well over the fakes' 10 s.
     engine = make_engine(
-        [vllm_server.address], batch_size=4, max_concurrent_rollouts=8, max_staleness=2, request_timeout=120.0
+        [vllm_server.address],
+        batch_size=4,
+        vocab_size=model_vocab_size(vllm_model_dir),
+        max_concurrent_rollouts=8,
+        max_staleness=2,
+        request_timeout=120.0,
     )
     yield engine
     engine.destroy()
@@ -241,7 +246,9 @@ def test_tensor_parallel_2_server(vllm_server, vllm_model_dir, tmp_path):
     spec = vllm_launch_spec(config, str(vllm_model_dir), "127.0.0.1", find_free_ports(1)[0], tp=2)
     with InferenceServer(spec, tmp_path / "tp2.log", name="vllm-tp2").start() as server:
         server.wait_until_healthy(config.startup_timeout)
-        engine = make_engine([server.address], batch_size=2, request_timeout=120.0)
+        engine = make_engine(
+            [server.address], batch_size=2, vocab_size=model_vocab_size(vllm_model_dir), request_timeout=120.0
+        )
         try:
             gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=120, min_new_tokens=120, temperature=1.0)
             baseline = _generated_tokens(server.address)

@@ -526,10 +526,12 @@ class SpyEngine:
 def test_a_tool_calling_agent_on_vllm_trains_exactly_what_the_server_sampled(vllm_server, vllm_model_dir):
     from transformers import AutoTokenizer
 
-    from tests.rollout.conftest import make_engine
+    from tests.rollout.conftest import make_engine, model_vocab_size
 
     tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
-    engine = make_engine([vllm_server.address], batch_size=2, request_timeout=120.0)
+    engine = make_engine(
+        [vllm_server.address], batch_size=2, vocab_size=model_vocab_size(vllm_model_dir), request_timeout=120.0
+    )
     gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=12)
     agent = ToolAgent(turns=3, reward=0.25)
     workflow = OpenAIAgentWorkflow(agent, gconfig, tokenizer, max_context_len=VLLM_MAX_MODEL_LEN)
