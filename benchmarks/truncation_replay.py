@@ -52,7 +52,7 @@ def run(quick: bool) -> list[dict]:
                 "behaviour weight mean": _mean(metrics, "ppo_actor/behave_imp_weight/avg"),
                 "capped share": _mean(metrics, "ppo_actor/capped_ratio/avg"),
                 "label outside": _mean(metrics, "ppo_actor/truncation/label_outside/avg"),
-                "top-k probe max |d|": _mean(metrics, "weight_sync/topk_logprob_diff_max"),
+                "top-k probe max diff": _mean(metrics, "weight_sync/topk_logprob_diff_max"),
                 "step s (median)": statistics.median(m["timeperf/step"] for m in metrics),
                 "wall min": minutes,
             }
