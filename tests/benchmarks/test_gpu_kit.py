@@ -388,11 +388,14 @@ def test_a_benchmark_stopped_by_sigterm_keeps_the_rows_it_has(tmp_path, monkeypa
     monkeypatch.setattr(fused_logprob, "_inputs", lambda T, H, V, dtype, device: (None, None, None))
     monkeypatch.setattr(fused_logprob, "_cuda_variants", lambda: ["cuda"])
     monkeypatch.setattr(fused_logprob, "_measure_gpu", measure)
+    # An earlier test in this process may have installed megarl's own SIGTERM handler: whatever was
+    # there before the benchmark is what must be there after it.
+    before = signal.getsignal(signal.SIGTERM)
     _harness.run_benchmark("fused_logprob", quick=True, results_dir=tmp_path)
     rows = json.loads((tmp_path / "fused_logprob_gpu.json").read_text())["rows"]
     assert [row.get("variant") for row in rows] == ["matmul", "naive", None]
     assert rows[-1]["error"].startswith("stopped by SIGTERM")
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def _git_head() -> str:

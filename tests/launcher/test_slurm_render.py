@@ -30,10 +30,11 @@ def test_128gpu_script(tmp_path):
         "#SBATCH --exclusive",
     ]:
         assert line in script.splitlines()
-    assert script.count('\n  "') == 48  # one row per vLLM server
-    assert '  "47 11 6,7 18006"' in script
-    assert "torchrun --nnodes=4 --nproc-per-node=8" in script
-    assert "NODES[12]" in script and "-m megarl.train" in script
+    # vllm:d64t1+megatron:d16p1t4: 64 one-GPU servers on nodes 0-7, the trainer on nodes 8-15
+    assert script.count('\n  "') == 64  # one row per vLLM server
+    assert '  "0 0 0 18000"' in script and '  "63 7 7 18007"' in script
+    assert "torchrun --nnodes=8 --nproc-per-node=8" in script
+    assert 'MEGARL_TRAIN_MASTER="${NODES[8]}"' in script and "-m megarl.train" in script
     assert f"--config {tmp_path / 'config.yaml'}" in script
     # servers start, become healthy, then the trainer starts; the first step to end decides
     assert script.index("megarl serve") < script.index("MEGARL_LLM_SERVER_ADDRS") < script.index("torchrun")
