@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from examples.rewards.brief_answer import brief_answer_reward
+from tests.train.cli_run import ARITHMETIC, QUIET_LOGGERS, ROOT, megarl_run
 
-ROOT = Path(__file__).resolve().parents[2]
 SHORT_RUN = [
     "total_train_steps=2",
     "train_dataset.batch_size=2",
@@ -36,8 +36,7 @@ SHORT_RUN = [
     "gconfig.max_new_tokens=16",
     "valid_dataset=null",
     "saver.freq_steps=null",
-    "stats_logger.wandb.mode=disabled",
-    "stats_logger.tensorboard.enabled=false",
+    *QUIET_LOGGERS,
 ]
 SYSTEM_PROMPT = "Reply with digits only."
 SPECIAL = ("<|im_end|>", "<|endoftext|>")
@@ -46,23 +45,10 @@ pytestmark = pytest.mark.vllm
 
 
 def _run(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = ()) -> Path:
-    """``megarl run`` of the arithmetic config (then ``configs``) from the repository root; the run
-    directory (its console output in ``console.txt`` beside it)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
-        "run",
-        "configs/arithmetic_grpo_cpu.yaml",
-        *configs,
-        f"cluster.fileroot={tmp_path}",
-        *SHORT_RUN,
-        *overrides,
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
-    (tmp_path / "console.txt").write_text(result.stdout + result.stderr)
+    """``megarl run`` of the arithmetic config (then ``configs``); the run directory (its console
+    output in ``console.txt`` beside it)."""
+    console = megarl_run(ARITHMETIC, *configs, f"cluster.fileroot={tmp_path}", *SHORT_RUN, *overrides)
+    (tmp_path / "console.txt").write_text(console)
     return tmp_path / "arithmetic-grpo-cpu" / "trial0"
 
 
@@ -174,7 +160,7 @@ def test_a_script_that_launches_megarl_names_its_own_reward_and_loss_by_main(tmp
     script.write_text(MAIN_SCRIPT)
     argv = [
         str(script),
-        "configs/arithmetic_grpo_cpu.yaml",
+        ARITHMETIC,
         f"cluster.fileroot={tmp_path}",
         *SHORT_RUN,
         "reward_fn=__main__.main_reward",

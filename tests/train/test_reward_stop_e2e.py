@@ -10,15 +10,12 @@ errors, timeouts, are tested on real reward worker processes in ``tests/reward/t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.train.cli_run import ARITHMETIC, QUIET_LOGGERS, megarl_run
+
 BROKEN_REWARD = """\
 def exact_match(prompt, completion, prompt_ids, completion_ids, **row):
     return float(completion.strip() == row["expected"])
@@ -29,12 +26,9 @@ pytestmark = pytest.mark.vllm
 
 def test_a_reward_raising_on_every_call_stops_the_run_in_its_first_step(tmp_path):
     (tmp_path / "my_reward.py").write_text(BROKEN_REWARD)
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
-        "run",
-        "configs/arithmetic_grpo_cpu.yaml",
+    start = time.monotonic()
+    console = megarl_run(
+        ARITHMETIC,
         f"cluster.fileroot={tmp_path}",
         f"reward_fn={tmp_path / 'my_reward.py'}:exact_match",
         "total_train_steps=2",
@@ -44,15 +38,11 @@ def test_a_reward_raising_on_every_call_stops_the_run_in_its_first_step(tmp_path
         "valid_dataset=null",
         "recover.mode=disabled",
         "saver.freq_steps=null",
-        "stats_logger.wandb.mode=disabled",
-        "stats_logger.tensorboard.enabled=false",
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
-    start = time.monotonic()
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+        *QUIET_LOGGERS,
+        expect=1,
+        timeout=900,
+    )
     seconds = time.monotonic() - start
-    console = result.stdout + result.stderr
-    assert result.returncode == 1, console[-5000:]
     stop = console[console.index("megarl: the run stopped: ") :]
     assert "reward function my_reward.exact_match failed on each of its first 8 calls" in stop, stop
     assert "Traceback (most recent call last)" in stop and 'row["expected"]' in stop and "KeyError: 'expected'" in stop
