@@ -154,6 +154,8 @@ class MegatronEngine:
             self._add_heads(chunks)
             if not self.config.init_from_scratch:
                 load_hf_weights(chunks, self.desc, self.model_path, self.coords)
+            if self.config.lora.enabled:
+                self._add_adapters(chunks)
             self.model = self._wrap(chunks)
             if self.config.optimizer is not None:
                 self._build_optimizer(_total_steps(ft_spec))
@@ -166,6 +168,21 @@ class MegatronEngine:
 
     def _add_heads(self, chunks: list) -> None:
         """Give the built chunks extra modules before the weights load (a critic's value head); none here."""
+
+    def _add_adapters(self, chunks: list) -> None:
+        """LoRA: adapters on the targeted linears, everything else frozen before the DDP wrap (so
+        Megatron's DDP gives frozen weights no gradient buffer and the optimizer no state)."""
+        from megarl.models import lora
+
+        n_adapters = lora.add_adapters(chunks, self.config.lora)
+        lora.load_full(chunks, self.coords, lora.peft_init())
+        trainable = sum(q.numel() for chunk in chunks for q in chunk.parameters() if q.requires_grad)
+        logger.info(
+            "LoRA: %d adapters (rank %d), %d trainable parameters on this rank",
+            n_adapters,
+            self.config.lora.rank,
+            trainable,
+        )
 
     @property
     def dtype(self) -> str:
@@ -496,12 +513,14 @@ class MegatronEngine:
         """Write the weights as an HF directory (collective; global rank 0 writes)."""
         from megarl.actor.checkpoint import export_hf
 
+        self._refuse_adapters("an HF export")
         export_hf(self, path, dtype)
 
     def save(self, meta) -> None:
         """Save a resumable Megatron checkpoint, or an HF export (``SaveLoadMeta.weight_format``)."""
         from megarl.actor import checkpoint
 
+        self._refuse_adapters("saving a checkpoint")
         with cpu_shim.device_mode():
             checkpoint.save(self, meta)
 
@@ -509,5 +528,12 @@ class MegatronEngine:
         """Resume from a Megatron checkpoint written with any data-parallel size."""
         from megarl.actor import checkpoint
 
+        self._refuse_adapters("loading a checkpoint")
         with cpu_shim.device_mode():
             checkpoint.load(self, meta)
+
+    def _refuse_adapters(self, what: str) -> None:
+        if self.config.lora.enabled:
+            raise NotImplementedError(
+                f"{what} with LoRA adapters (lora.rank > 0) is not supported yet (docs/guides/lora.md)"
+            )

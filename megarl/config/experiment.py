@@ -208,6 +208,19 @@ class GRPOConfig(BaseExperimentConfig):
         if self.ref is not None:
             require(self.ref.optimizer is None, "ref.optimizer", "set", "the reference model is frozen: leave it null")
         self._check_critic(alloc)
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """LoRA adapters train on the actor engine, but a run cannot carry them yet."""
+        for key, cfg in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)):
+            if cfg is not None:
+                require(
+                    not cfg.lora.enabled,
+                    f"{key}.lora.rank",
+                    cfg.lora.rank,
+                    "LoRA adapters train on the Megatron actor, but sending them to the servers (weight "
+                    "sync), checkpoints and recover do not handle them yet: set rank 0 (docs/guides/lora.md)",
+                )
 
     def resolve_auto(self) -> None:
         """Turn every ``auto`` that depends on this machine into its choice, once, and log it in one line.

@@ -140,6 +140,52 @@ class MegatronConfig:
         pass
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts.linear_fc1", "experts.linear_fc2")
+"""Megatron linears ``actor.lora.target_modules`` can name: attention's fused QKV and output projection,
+the dense MLP's fused gate/up and down projection, and the same two in each routed expert of a MoE layer."""
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters on the Megatron model (``megarl.models.lora``): the base weights are frozen and
+    each targeted linear ``W`` computes ``W x + (alpha / rank) * B A dropout(x)``; only ``A`` and ``B`` train.
+
+    ``A`` starts as PEFT's (Kaiming-uniform) and ``B`` at zero, so the adapted model starts as the
+    base model. The initial values do not depend on the parallel layout. See ``docs/guides/lora.md``
+    for what works with adapters so far."""
+
+    rank: int = 0
+    """Adapter rank ``r``; 0 turns LoRA off (the whole model trains)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training (not on the base linear's)."""
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    """Which linears get an adapter, by name (:data:`LORA_TARGETS`). ``linear_fc1`` / ``linear_fc2`` are the
+    dense MLP's; a MoE model's experts are named ``experts.linear_fc1`` / ``experts.linear_fc2``."""
+    init_from: str | None = None
+    """A PEFT adapter directory to start from. Not supported yet: a value is refused when the config loads."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether adapters are built (``rank > 0``)."""
+        return self.rank > 0
+
+    def check(self) -> None:
+        require(self.rank >= 0, "rank", self.rank, "must be >= 0 (0 turns LoRA off)")
+        require(self.alpha > 0, "alpha", self.alpha, "must be > 0")
+        require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
+        unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
+        require(not unknown, "target_modules", unknown, f"unknown module name(s); known: {list(LORA_TARGETS)}")
+        require(not self.enabled or bool(self.target_modules), "target_modules", self.target_modules, "names no module")
+        require(
+            self.init_from is None,
+            "init_from",
+            self.init_from,
+            "starting from a PEFT adapter directory is not supported yet (docs/guides/lora.md)",
+        )
+
+
 @dataclass
 class TrainEngineConfig:
     """A Megatron model that trains or scores: the actor, a reference model or a critic."""
@@ -163,6 +209,8 @@ class TrainEngineConfig:
     """Megatron-Core options."""
     use_fused_kernels: bool | None = None
     """Fused logprob/entropy/PPO-loss kernels (csrc); None uses them whenever they are built and on GPU."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters: with ``lora.rank > 0`` only the adapters train, the base weights stay frozen."""
     emulate_bf16: bool = False
     """With ``dtype: bfloat16`` on a CPU: keep bf16 weights, activations and gradients but compute
     each matrix product in fp32 and round it to bf16 (what native bf16 hardware does), at fp32

@@ -1,0 +1,264 @@
+"""LoRA adapters on Megatron-Core's tensor-parallel linears, after Megatron-Bridge's ``ParallelLinearAdapter``.
+
+An adapter sits beside its base linear ``W`` (a forward hook adds its output to the base's) and
+computes ``(alpha / r) * B A dropout(x)`` with ``A: [r, in]`` and ``B: [out, r]``. Parameter names
+gain ``.adapter.lora_a`` / ``.adapter.lora_b`` after the base's module name; the base's own
+names do not change, so the HF mapping, loading and the Megatron checkpoints of the base model
+are untouched. How ``A`` and ``B`` are split over the base's tensor-parallel group:
+
+==================  ===================  ===================  ==================================
+base                A ``[r, in]``        B ``[out, r]``       communication (rank-``r`` tensors)
+==================  ===================  ===================  ==================================
+column-parallel     replicated           column (output dim)  backward all-reduce of ``A x``
+(``linear_qkv``,                         (``linear_fc1``:     (sequence parallel: all-gather of
+``linear_fc1``)                          each rank's gate     ``A x`` along the sequence, reduce-
+                                         and up rows)         scatter backward; ``A``'s gradient
+                                                              joins the norms' TP all-reduce)
+row-parallel        row (input dim)      replicated           all-reduce of ``A x``; sequence
+(``linear_proj``,                                             parallel: the output is scattered
+``linear_fc2``)                                               along the sequence as the base's
+==================  ===================  ===================  ==================================
+
+The adapter's communication is its own, on ``r``-wide tensors, instead of riding on the base's
+(``r / hidden`` of the base's traffic); so each replicated matrix gets the same gradient on every
+rank and needs no extra reduction. Expert linears of MoE layers run without tensor-parallel
+communication of their own (the token dispatcher does it): their adapters are supported with
+expert tensor parallelism 1, where they are plain local matrices.
+
+Initial values are drawn per parameter from its canonical name (global layer and expert) as
+full matrices, then split: the same adapter whatever the parallel layout.
+
+Why not Megatron-Bridge's PEFT (``megatron-bridge`` 0.3.1, the release on PyPI): its
+``megatron/bridge/peft/lora.py`` and ``lora_layers.py`` import ``transformer_engine.pytorch`` at
+module level (``ModuleNotFoundError: No module named 'transformer_engine'`` on a CPU-only
+install with megatron-core 0.16.1), and the wheel requires ``transformer-engine[core_cu13,pytorch]
+>=2.10``, ``transformers<5.0.0`` (megarl runs transformers 5), ``mamba-ssm``, ``causal-conv1d`` and
+``nvidia-resiliency-ext``, none of which the CPU path can install. Its ``ParallelLinearAdapter``
+(``megatron/bridge/peft/utils.py``) imports, but it reads Megatron's global process groups
+(megarl passes them explicitly) and its checkpoint layout is tied to Bridge's own.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.hf_io import ShardCoords, canonical_params, unwrap
+
+AdapterSplit = Literal["replicated", "column", "row", "gate_up"]
+ADAPTER_PARAMS = (".adapter.lora_a", ".adapter.lora_b")
+
+
+class LoRASettings(Protocol):
+    """What building adapters reads (``megarl.config.train.LoRAConfig`` has it)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+
+
+@dataclass(frozen=True)
+class AdapterParam:
+    """One adapter matrix on this rank: its canonical name, how it is split, and over which group."""
+
+    name: str
+    param: torch.nn.Parameter
+    split: AdapterSplit
+    group: object
+    rank: int
+    size: int
+
+
+class LoRAAdapter(torch.nn.Module):
+    """``(alpha / r) * B A dropout(x)`` beside one Megatron column- or row-parallel linear."""
+
+    def __init__(self, base: torch.nn.Module, rank: int, alpha: float, dropout: float, gated: bool):
+        super().__init__()
+        from megatron.core import tensor_parallel as tpl
+
+        self.row = isinstance(base, tpl.RowParallelLinear)
+        self.group = base.tp_group
+        self.size = 1 if self.group is None else self.group.size()
+        if base.explicit_expert_comm and self.size > 1:
+            raise ValueError(
+                "LoRA on expert linears needs expert tensor parallelism 1 "
+                f"(got {self.size}): set the allocation's expert TP to 1, or leave experts out of target_modules"
+            )
+        self.local = base.explicit_expert_comm or self.size == 1  # no communication of its own
+        self.sequence_parallel = bool(base.sequence_parallel) and not self.local
+        self.scale = alpha / rank
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        out_local, in_local = base.weight.shape
+        dtype, device = base.weight.dtype, base.weight.device
+        self.lora_a = torch.nn.Parameter(torch.zeros(rank, in_local, dtype=dtype, device=device))
+        self.lora_b = torch.nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
+        self.splits: dict[str, AdapterSplit] = (
+            {"lora_a": "row", "lora_b": "replicated"}
+            if self.row
+            else {"lora_a": "replicated", "lora_b": "gate_up" if gated else "column"}
+        )
+        self._tag(base)
+
+    def _tag(self, base: torch.nn.Module) -> None:
+        """Megatron's parameter attributes: which are split (grad norm), expert-parallel (DDP
+        groups), and which sum over TP (``A`` of a column adapter under sequence parallelism)."""
+        from megatron.core import tensor_parallel as tpl
+
+        for name, param in (("lora_a", self.lora_a), ("lora_b", self.lora_b)):
+            split = self.splits[name]
+            is_split = split != "replicated" or self.local
+            tpl.set_tensor_model_parallel_attributes(param, is_split, 1 if split == "row" else 0, 1)
+            param.allreduce = getattr(base.weight, "allreduce", True)
+        self.lora_a.sequence_parallel = self.sequence_parallel and not self.row
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: the base linear's input ``[s, b, in]`` (its shard); returns what adds to its output."""
+        from megatron.core.tensor_parallel import mappings
+
+        x = self.dropout(x)
+        h = x @ self.lora_a.t()  # [s, b, r]: partial over TP when row-parallel
+        if self.row and not self.local:
+            h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.group)
+        elif self.sequence_parallel:
+            h = mappings.gather_from_sequence_parallel_region(h, group=self.group)
+        elif not self.local:
+            h = mappings.copy_to_tensor_model_parallel_region(h, group=self.group)
+        out = (h @ self.lora_b.t()) * self.scale
+        if self.row and self.sequence_parallel:
+            out = mappings.scatter_to_sequence_parallel_region(out, group=self.group)
+        return out
+
+
+def _add_adapter_output(module: torch.nn.Module, args: tuple, kwargs: dict, output: tuple) -> tuple:
+    x = args[0] if args else kwargs["input_"]
+    out, bias = output
+    return out + module.adapter(x).to(out.dtype), bias
+
+
+def _target_of(name: str) -> str | None:
+    """The ``target_modules`` name of a module path, or None when it is no LoRA target."""
+    last = name.rsplit(".", 1)[-1]
+    if last not in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+        return None
+    if ".experts." in name and ".shared_experts." not in name:
+        return f"experts.{last}"
+    return last
+
+
+def _require_local_linear(name: str, module: torch.nn.Module) -> None:
+    from megatron.core import tensor_parallel as tpl
+
+    if type(module) not in (tpl.ColumnParallelLinear, tpl.RowParallelLinear):
+        raise ValueError(
+            f"LoRA wraps Megatron's own column- and row-parallel linears; {name} is a {type(module).__name__} "
+            "(TransformerEngine layers are not supported yet: set megatron.use_transformer_engine=false)"
+        )
+
+
+def add_adapters(chunks: list, settings: LoRASettings) -> int:
+    """Give every targeted linear of ``chunks`` an adapter and freeze everything else; returns
+    the number of adapters. Call after the base weights are loaded and before the DDP wrap, so
+    that Megatron's DDP and optimizer see only the adapters as trainable."""
+    targets = set(settings.target_modules)
+    count = 0
+    for chunk in chunks:
+        model = unwrap(chunk)
+        model.requires_grad_(False)
+        gated = bool(model.config.gated_linear_unit)
+        for name, module in list(model.named_modules()):
+            if _target_of(name) not in targets:
+                continue
+            _require_local_linear(name, module)
+            fc1 = name.endswith("linear_fc1")
+            module.adapter = LoRAAdapter(module, settings.rank, settings.alpha, settings.dropout, gated and fc1)
+            module.register_forward_hook(_add_adapter_output, with_kwargs=True)
+            count += 1
+    if count == 0:
+        raise ValueError(f"lora.target_modules {list(settings.target_modules)} matched no linear of this model")
+    return count
+
+
+def adapter_params(chunks: list, coords: ShardCoords) -> Iterator[AdapterParam]:
+    """This rank's adapter matrices with their canonical names (global layer and expert numbers)."""
+    for chunk in chunks:
+        canonical = {id(param): name for name, param in canonical_params(chunk, coords).items()}
+        for module in unwrap(chunk).modules():
+            if not isinstance(module, LoRAAdapter):
+                continue
+            for which in ("lora_a", "lora_b"):
+                param = getattr(module, which)
+                rank = dist.get_rank(module.group) if module.size > 1 else 0
+                yield AdapterParam(canonical[id(param)], param, module.splits[which], module.group, rank, module.size)
+
+
+def shard(full: torch.Tensor, split: AdapterSplit, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of a full adapter matrix (``gate_up``: its gate rows, then its up rows)."""
+    if split == "replicated" or size == 1:
+        return full
+    if split == "gate_up":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
+    return full.chunk(size, dim=0 if split == "column" else 1)[rank]
+
+
+def unshard(shards: list[torch.Tensor], split: AdapterSplit) -> torch.Tensor:
+    """The full matrix from every rank's part (the inverse of :func:`shard`)."""
+    if split == "replicated" or len(shards) == 1:
+        return shards[0]
+    if split == "gate_up":
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+        return torch.cat([*gates, *ups])
+    return torch.cat(shards, dim=0 if split == "column" else 1)
+
+
+def full_shape(item: AdapterParam) -> tuple[int, int]:
+    """The shape of the whole matrix ``item`` holds a part of."""
+    rows, cols = item.param.shape
+    if item.split in ("column", "gate_up"):
+        return rows * item.size, cols
+    if item.split == "row":
+        return rows, cols * item.size
+    return rows, cols
+
+
+@torch.no_grad()
+def load_full(chunks: list, coords: ShardCoords, full_of: Callable[[str, tuple[int, int]], torch.Tensor]) -> None:
+    """Set every adapter matrix from ``full_of(canonical name, full shape)`` (a full matrix), split for this rank."""
+    for item in adapter_params(chunks, coords):
+        full = full_of(item.name, full_shape(item))
+        item.param.copy_(shard(full, item.split, item.rank, item.size))
+
+
+def gather_full(chunks: list, coords: ShardCoords, value=None) -> dict[str, torch.Tensor]:
+    """``{canonical name: full matrix}`` of this rank's adapters (``value(param)``: e.g. its ``main_grad``),
+    gathered over each adapter's tensor-parallel group (collective over those groups)."""
+    out = {}
+    for item in adapter_params(chunks, coords):
+        tensor = (item.param.detach() if value is None else value(item.param)).contiguous()
+        shards = [tensor]
+        if item.size > 1 and item.split != "replicated":
+            shards = [torch.empty_like(tensor) for _ in range(item.size)]
+            dist.all_gather(shards, tensor, group=item.group)
+        out[item.name] = unshard([s.cpu() for s in shards], item.split)
+    return out
+
+
+def peft_init(seed: int = 0) -> Callable[[str, tuple[int, int]], torch.Tensor]:
+    """PEFT's initial adapter: ``A`` Kaiming-uniform (``a = sqrt(5)``), ``B`` zero; drawn from ``seed``
+    and the matrix's canonical name, so every layout starts from the same full matrices."""
+
+    def full_of(name: str, shape: tuple[int, int]) -> torch.Tensor:
+        if name.endswith("lora_b"):
+            return torch.zeros(shape)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) on [r, in]
+        return (torch.rand(shape, generator=gen) * 2 - 1) * bound
+
+    return full_of

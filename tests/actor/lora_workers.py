@@ -1,0 +1,130 @@
+"""Functions the LoRA tests run on each rank (see ``dist_utils.run_ranks``), and the adapters they load."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from megarl.config.train import LoRAConfig, OptimizerConfig
+from tests.actor.workers import engine_config, ppo_token_loss, split_rows, token_weight
+
+RANK, ALPHA = 4, 8.0
+DENSE = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+# Deliberately wrong ways to split the full adapter matrices over TP ranks (same local shapes, so the
+# model runs): what a swapped split of A or B computes. The parity test must tell each from the right one.
+WRONG_SPLITS = {
+    # A of a column-parallel layer split over its input dim (as a row-parallel layer's A) instead of replicated
+    "column A split": lambda full, split, which, r, n: (
+        _own_part(full, 1, r, n) if split == "replicated" and which == "lora_a" else None
+    ),
+    # B of a row-parallel layer split over its output dim (as a column-parallel layer's B) instead of replicated
+    "row B split": lambda full, split, which, r, n: (
+        _own_part(full, 0, r, n) if split == "replicated" and which == "lora_b" else None
+    ),
+    # B of linear_fc1 split as one block of rows instead of each rank's gate rows and up rows
+    "fc1 B as one block": lambda full, split, which, r, n: full.chunk(n, 0)[r] if split == "gate_up" else None,
+}
+
+
+def _own_part(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """``full`` with everything but rank ``rank``'s ``1/size`` along ``dim`` zeroed (same shape)."""
+    out = torch.zeros_like(full)
+    step = full.shape[dim] // size
+    index = [slice(None)] * full.dim()
+    index[dim] = slice(rank * step, (rank + 1) * step)
+    out[tuple(index)] = full[tuple(index)]
+    return out
+
+
+def nonzero_adapter(name: str, shape: tuple[int, int]) -> torch.Tensor:
+    """A full adapter matrix for ``name`` with B nonzero, so that the adapter changes the outputs."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    full = torch.randn(shape, generator=gen)
+    return full / shape[1] ** 0.5 if name.endswith("lora_a") else 0.05 * full
+
+
+def _lora_engine(model_dir: str, alloc: str, targets: list[str], sequence_parallel: bool, n_mbs: int):
+    from megarl.actor.engine import MegatronEngine
+
+    optimizer = OptimizerConfig(lr=1e-3, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
+    cfg = engine_config(model_dir, optimizer=optimizer, n_mbs=n_mbs, sequence_parallel=sequence_parallel)
+    cfg.lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets)
+    engine = MegatronEngine(cfg)
+    engine.create_process_group(alloc)
+    engine.initialize()
+    return engine
+
+
+def _trainable_footprint(engine) -> dict:
+    """Parameters the optimizer holds and bytes of the DDP gradient buffers, on this rank."""
+    buffers = [buf for chunk in engine.model for buf in chunk.buffers + chunk.expert_parallel_buffers]
+    return {
+        "optimizer_params": sum(q.numel() for group in engine.optimizer.param_groups for q in group["params"]),
+        "grad_buffer_bytes": sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in buffers),
+    }
+
+
+def lora_run(
+    model_dir: str,
+    alloc: str,
+    batch: dict,
+    targets: list[str] = DENSE,
+    sequence_parallel: bool = True,
+    n_mbs: int = 2,
+    wrong_splits: bool = False,
+    measure_full: bool = False,
+) -> dict:
+    """On this rank's DP share of ``batch``, with :func:`nonzero_adapter`'s adapters: logprobs, PPO loss and the
+    full adapter gradients, the frozen base's state, one Adam step (logprobs after, base unchanged), and
+    the optimizer / grad-buffer footprint (``measure_full``: also of the same engine without LoRA)."""
+    from megarl.actor import cpu_shim
+    from megarl.models import lora
+
+    engine = _lora_engine(model_dir, alloc, targets, sequence_parallel, n_mbs)
+    p = engine.parallel
+    local = split_rows(batch, p.dp_rank, p.alloc.dp)
+    lora.load_full(engine.model, engine.coords, nonzero_adapter)
+    adapters = {id(item.param) for item in lora.adapter_params(engine.model, engine.coords)}
+    base = [q for chunk in engine.model for q in chunk.parameters() if id(q) not in adapters]
+    out = {"dp_rank": p.dp_rank, "logp": engine.eval().forward(local), **_trainable_footprint(engine)}
+    out["n_adapter_params"] = sum(q.numel() for chunk in engine.model for q in chunk.parameters() if id(q) in adapters)
+    out["base_frozen"] = all(not q.requires_grad and getattr(q, "main_grad", None) is None for q in base)
+    out["loss"] = engine.forward_backward(local, ppo_token_loss, token_weight)["loss"]
+    out["grads"] = lora.gather_full(engine.model, engine.coords, value=lambda q: q.main_grad.float())
+    base_before = torch.cat([q.detach().flatten().clone() for q in base])
+    with cpu_shim.device_mode():
+        engine.optimizer.step()
+    out["base_unchanged"] = torch.equal(base_before, torch.cat([q.detach().flatten() for q in base]))
+    out["adapters_after"] = lora.gather_full(engine.model, engine.coords)
+    out["logp_after"] = engine.eval().forward(local)
+    if wrong_splits:
+        out["wrong"] = {what: _logp_with_split(engine, local, split) for what, split in WRONG_SPLITS.items()}
+    if measure_full:
+        out["full_model"] = _full_model_footprint(engine)
+    return out
+
+
+@torch.no_grad()
+def _logp_with_split(engine, local: dict, wrong) -> torch.Tensor:
+    """Logprobs with :func:`nonzero_adapter`'s matrices split by ``wrong`` where it says so (else rightly)."""
+    from megarl.models import lora
+
+    for item in lora.adapter_params(engine.model, engine.coords):
+        full = nonzero_adapter(item.name, lora.full_shape(item))
+        which = item.name.rsplit(".", 1)[-1]
+        part = wrong(full, item.split, which, item.rank, item.size)
+        item.param.copy_(lora.shard(full, item.split, item.rank, item.size) if part is None else part)
+    return engine.eval().forward(local)
+
+
+def _full_model_footprint(lora_engine) -> dict:
+    """The same model and optimizer without LoRA, on the LoRA engine's process groups."""
+    from megarl.actor.engine import MegatronEngine
+
+    cfg = lora_engine.config
+    cfg.lora = LoRAConfig()
+    engine = MegatronEngine(cfg)
+    engine.initialize(parallel=lora_engine.parallel)
+    return _trainable_footprint(engine)

@@ -1,0 +1,154 @@
+"""LoRA adapters on the Megatron actor (``megarl.models.lora``): parity over parallel layouts, on CPU (gloo, fp32).
+
+Every run loads the same full adapter matrices (``lora_workers.nonzero_adapter``, B nonzero so
+that the adapters change the outputs), split for its layout. References: the single-rank LoRA
+model, itself checked against plain torch LoRA hooks on the HF transformers model
+(``W x + (alpha / r) B A x`` on q/k/v, o, gate/up and down, with the fused QKV and gate/up
+matrices of the adapter split by megarl's HF mapping). Each layout's logprobs and full adapter
+gradients must be within 1e-5 of the single-rank model's; the base stays frozen (no gradient
+buffer, unchanged by the Adam step). The TP2 run also loads the adapters with a split swapped
+(A of a column-parallel layer split, B of a row-parallel layer split, linear_fc1's B as one
+block): each must change the logprobs far beyond the tolerance.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from megarl.config.allocation import AllocationMode
+from tests.actor.dist_utils import assert_grads_close, dp_rows, run_ranks
+from tests.actor.lora_workers import ALPHA, RANK, WRONG_SPLITS, nonzero_adapter
+from tests.actor.workers import make_batch
+
+pytestmark = pytest.mark.multiproc
+
+LENGTHS = [7, 12, 5, 9, 11, 6]
+TOL = 1e-5
+MOE_TARGETS = ["linear_qkv", "linear_proj", "experts.linear_fc1", "experts.linear_fc2"]
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_batch(LENGTHS, seed=3)
+
+
+def _run(model_dir, alloc: str, batch, **kwargs) -> dict:
+    """``lora_run`` on every rank of ``alloc``: DP rows merged, per-stage / per-expert gradients merged."""
+    world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
+    results = run_ranks(
+        world, "tests.actor.lora_workers:lora_run", model_dir=str(model_dir), alloc=alloc, batch=batch, **kwargs
+    )
+    merged = {key: [r[key] for r in results] for key in results[0] if key not in ("logp", "logp_after", "wrong")}
+    for key in ("logp", "logp_after"):
+        merged[key] = dp_rows(results, key, batch["input_ids"].shape)
+    merged["grads"] = {name: g for r in results for name, g in r["grads"].items()}
+    merged["adapters_after"] = {name: a for r in results for name, a in r["adapters_after"].items()}
+    if "wrong" in results[0]:
+        merged["wrong"] = {
+            what: dp_rows([{**r, "logp": r["wrong"][what]} for r in results], "logp", batch["input_ids"].shape)
+            for what in WRONG_SPLITS
+        }
+    return merged
+
+
+def _assert_matches(layout: dict, ref: dict) -> None:
+    assert all(layout["base_frozen"]) and all(layout["base_unchanged"])
+    assert (layout["logp"] - ref["logp"]).abs().max() <= TOL
+    assert all(abs(loss - ref["loss"][0]) <= 1e-6 for loss in layout["loss"])
+    assert_grads_close(layout["grads"], ref["grads"], TOL)
+    assert_grads_close(layout["adapters_after"], ref["adapters_after"], TOL)
+    assert (layout["logp_after"] - ref["logp_after"]).abs().max() <= 10 * TOL
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def llama_ref(llama_dir, batch):
+    return _run(llama_dir, "d1p1t1", batch, measure_full=True)
+
+
+def _add_lora(module, args, output, a, b):
+    return output + (args[0] @ a.t() @ b.t()) * (ALPHA / RANK)
+
+
+def _hf_with_lora(model_dir, batch, shapes: dict) -> dict:
+    """Logprobs, token-mean PPO loss and adapter gradients (Megatron layout) of the HF model with torch LoRA hooks."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.build import describe
+    from megarl.models.mapping import export_from_shards
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).requires_grad_(False)
+    desc = describe(str(model_dir))
+    leaves = {name: nonzero_adapter(name, shape).requires_grad_() for name, shape in shapes.items()}
+    for prefix in {name.rsplit(".adapter.", 1)[0] for name in leaves}:
+        rule, fields = desc.mapping.match(f"{prefix}.weight")
+        b_parts = export_from_shards(rule, rule.hf_names(**fields), [leaves[f"{prefix}.adapter.lora_b"]], desc.dims)
+        for hf_name, b in b_parts.items():
+            hook = partial(_add_lora, a=leaves[f"{prefix}.adapter.lora_a"], b=b)
+            model.get_submodule(hf_name.removesuffix(".weight")).register_forward_hook(hook)
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    logp = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    mask = batch["loss_mask"][:, 1:].bool() & attn[:, 1:]
+    ratio = torch.exp(logp - batch["logprobs"][:, 1:])
+    adv = batch["advantages"][:, 1:]
+    loss = (-torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * mask).sum() / mask.sum()
+    loss.backward()
+    padded = torch.zeros(ids.shape)
+    padded[:, :-1] = logp.detach() * attn[:, 1:]
+    return {"logp": padded, "loss": loss.item(), "grads": {name: t.grad for name, t in leaves.items()}}
+
+
+def test_single_rank_lora_matches_torch_lora_on_hf(llama_dir, llama_ref, batch):
+    shapes = {name: tuple(g.shape) for name, g in llama_ref["grads"].items()}
+    assert len(shapes) == 4 * 4 * 2  # 4 layers x qkv, proj, fc1, fc2 x (A, B)
+    hf = _hf_with_lora(llama_dir, batch, shapes)
+    assert (llama_ref["logp"] - hf["logp"]).abs().max() <= 1e-4
+    assert abs(llama_ref["loss"][0] - hf["loss"]) <= 1e-5
+    assert_grads_close(llama_ref["grads"], hf["grads"], 1e-4)
+
+
+def test_only_adapters_train(llama_ref):
+    """Frozen base: no gradient buffer, no optimizer state; the optimizer holds exactly the adapters."""
+    assert llama_ref["base_frozen"] == [True] and llama_ref["base_unchanged"] == [True]
+    n_adapter = llama_ref["n_adapter_params"][0]
+    # per layer: qkv 128 -> 512, proj 256 -> 128, fc1 128 -> 2 x 256, fc2 256 -> 128
+    assert n_adapter == 4 * RANK * ((128 + 512) + (256 + 128) + (128 + 512) + (256 + 128))
+    assert llama_ref["optimizer_params"] == [n_adapter]
+    assert llama_ref["grad_buffer_bytes"][0] < 4 * n_adapter + 4096  # fp32 grads, plus bucket padding
+    full = llama_ref["full_model"][0]
+    assert full["optimizer_params"] > 100 * n_adapter and full["grad_buffer_bytes"] >= 4 * full["optimizer_params"]
+    assert any((a != nonzero_adapter(n, a.shape)).any() for n, a in llama_ref["adapters_after"].items())
+
+
+def test_tp2_with_sequence_parallel_matches_and_catches_swapped_splits(llama_dir, llama_ref, batch):
+    got = _run(llama_dir, "d1p1t2", batch, wrong_splits=True)
+    _assert_matches(got, llama_ref)
+    for what, logp in got["wrong"].items():
+        assert (logp - llama_ref["logp"]).abs().max() > 1e-2, f"{what}: not told apart from the right split"
+
+
+@pytest.mark.parametrize(
+    "alloc,kwargs",
+    [
+        ("d1p2t1", {}),
+        pytest.param("d1p2t2", {"sequence_parallel": False}, id="d1p2t2-no-sp"),
+    ],
+)
+def test_layout_matches_single_rank(llama_dir, llama_ref, batch, alloc, kwargs):
+    _assert_matches(_run(llama_dir, alloc, batch, **kwargs), llama_ref)
+
+
+def test_experts_over_ep2_match_single_rank(tiny_model_dir, batch):
+    """Adapters on attention and on every expert's linears (Qwen3-MoE); EP2 with DP2 (experts' grads reduce
+    over their own data-parallel group, the dense ones over DP)."""
+    moe_dir = tiny_model_dir("qwen3_moe")
+    ref = _run(moe_dir, "d1p1t1", batch, targets=MOE_TARGETS)
+    assert sum(".experts." in name for name in ref["grads"]) == 4 * 4 * 2 * 2  # layers x experts x fc1/2 x A/B
+    _assert_matches(_run(moe_dir, "d2p1t1e2", batch, targets=MOE_TARGETS), ref)
