@@ -93,12 +93,19 @@ std::vector<at::Tensor> logprob_forward(const at::Tensor& hidden, const at::Tens
   return {part, label_logit};
 }
 
+// The optional truncation thresholds [T] fp32 (units of z) as the launchers take them: null for none.
+const float* theta_ptr(const std::optional<at::Tensor>& theta, int64_t T) {
+  if (!theta) return nullptr;
+  check_vec(*theta, T, "theta");
+  return theta->data_ptr<float>();
+}
+
 // Writes the softmax gradient of the stored raw logits [T, >=valid_v] into dz[:, :valid_v] (bf16);
-// see launch_softmax_grad_stored.
+// see launch_softmax_grad_stored. theta: the per-token truncation thresholds, or None.
 void softmax_grad_stored(const at::Tensor& logits, const at::Tensor& labels, int64_t valid_v,
                          int64_t vocab_start, double inv_tau, const at::Tensor& lse,
                          const at::Tensor& mean_z, const at::Tensor& g_lp, const at::Tensor& g_ent,
-                         const at::Tensor& dz) {
+                         const at::Tensor& dz, const std::optional<at::Tensor>& theta) {
   const int64_t T = logits.size(0);
   check_chunk(logits, at::kFloat, T, valid_v, "logits");
   check_chunk(dz, at::kBFloat16, T, valid_v, "dz");
@@ -109,21 +116,25 @@ void softmax_grad_stored(const at::Tensor& logits, const at::Tensor& labels, int
   check_vec(mean_z, T, "mean_z");
   check_vec(g_lp, T, "g_lp");
   check_vec(g_ent, T, "g_ent");
+  const float* theta_data = theta_ptr(theta, T);
   const c10::cuda::CUDAGuard guard(logits.device());
   check_cuda(megarl::launch_softmax_grad_stored(
                  logits.data_ptr<float>(), static_cast<int>(logits.stride(0)),
                  labels.data_ptr<int64_t>(), static_cast<int>(T), static_cast<int>(valid_v),
                  vocab_start, static_cast<float>(inv_tau), lse.data_ptr<float>(),
                  mean_z.data_ptr<float>(), g_lp.data_ptr<float>(), g_ent.data_ptr<float>(),
-                 dz.data_ptr(), static_cast<int>(dz.stride(0)), c10::cuda::getCurrentCUDAStream()),
+                 theta_data, dz.data_ptr(), static_cast<int>(dz.stride(0)),
+                 c10::cuda::getCurrentCUDAStream()),
              "softmax_grad_stored");
 }
 
-// Writes dL/dx for shard rows [col_begin, col_begin + col_count) into dz[:, :col_count].
+// Writes dL/dx for shard rows [col_begin, col_begin + col_count) into dz[:, :col_count];
+// theta: the per-token truncation thresholds, or None (see launch_logprob_backward_dz).
 void logprob_backward_dz(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
                          int64_t valid_v, int64_t vocab_start, double inv_tau, const at::Tensor& lse,
                          const at::Tensor& mean_z, const at::Tensor& g_lp, const at::Tensor& g_ent,
-                         int64_t col_begin, int64_t col_count, const at::Tensor& dz, bool wgmma) {
+                         int64_t col_begin, int64_t col_count, const at::Tensor& dz, bool wgmma,
+                         const std::optional<at::Tensor>& theta) {
   check_operands(hidden, weight, labels);
   const int64_t T = hidden.size(0);
   check_vec(lse, T, "lse");
@@ -138,6 +149,7 @@ void logprob_backward_dz(const at::Tensor& hidden, const at::Tensor& weight, con
   TORCH_CHECK(col_begin % 2 == 0, "col_begin must be even, got ", col_begin);
   TORCH_CHECK(col_begin >= 0 && col_count >= 0 && col_begin + col_count <= weight.size(0),
               "column range out of bounds: ", col_begin, "+", col_count);
+  const float* theta_data = theta_ptr(theta, T);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const auto launch = use_wgmma(wgmma, valid_v) ? megarl::launch_logprob_backward_dz_sm90
                                                  : megarl::launch_logprob_backward_dz;
@@ -146,7 +158,7 @@ void logprob_backward_dz(const at::Tensor& hidden, const at::Tensor& weight, con
                  static_cast<int>(T), static_cast<int>(hidden.size(1)), static_cast<int>(valid_v),
                  vocab_start, static_cast<float>(inv_tau), lse.data_ptr<float>(),
                  mean_z.data_ptr<float>(), g_lp.data_ptr<float>(), g_ent.data_ptr<float>(),
-                 static_cast<int>(col_begin), static_cast<int>(col_count), dz.data_ptr(),
+                 theta_data, static_cast<int>(col_begin), static_cast<int>(col_count), dz.data_ptr(),
                  static_cast<int>(dz.stride(0)),
                  c10::cuda::getCurrentCUDAStream()),
              "logprob_backward_dz");
@@ -190,8 +202,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vocab_start"), py::arg("inv_tau"), py::arg("num_splits"), py::arg("wgmma"),
         py::arg("logits") = py::none());
   m.def("softmax_grad_stored", &softmax_grad_stored,
-        "the training path's softmax gradient from the stored logits of a token chunk");
-  m.def("logprob_backward_dz", &logprob_backward_dz, "recomputed-logit softmax gradient chunk");
+        "the training path's softmax gradient from the stored logits of a token chunk",
+        py::arg("logits"), py::arg("labels"), py::arg("valid_v"), py::arg("vocab_start"),
+        py::arg("inv_tau"), py::arg("lse"), py::arg("mean_z"), py::arg("g_lp"), py::arg("g_ent"),
+        py::arg("dz"), py::arg("theta") = py::none());
+  m.def("logprob_backward_dz", &logprob_backward_dz, "recomputed-logit softmax gradient chunk",
+        py::arg("hidden"), py::arg("weight"), py::arg("labels"), py::arg("valid_v"),
+        py::arg("vocab_start"), py::arg("inv_tau"), py::arg("lse"), py::arg("mean_z"),
+        py::arg("g_lp"), py::arg("g_ent"), py::arg("col_begin"), py::arg("col_count"), py::arg("dz"),
+        py::arg("wgmma"), py::arg("theta") = py::none());
   m.def("sm90_mainloop_available", &megarl::sm90_mainloop_available,
         "whether the TMA + wgmma mainloop runs on the current device");
   m.def(

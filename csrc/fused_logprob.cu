@@ -178,6 +178,7 @@ __global__ void __launch_bounds__(THREADS)
                                const float* __restrict__ mean_z,  // [T]
                                const float* __restrict__ g_lp,    // [T]
                                const float* __restrict__ g_ent,   // [T]
+                               const float* __restrict__ theta,   // [T] or null: no truncation
                                int col_begin, int col_count,
                                __nv_bfloat16* __restrict__ dz,  // [T, ld]
                                int ld) {
@@ -200,23 +201,27 @@ __global__ void __launch_bounds__(THREADS)
     for (int half = 0; half < 2; ++half) {
       const int row = m0 + tile_row(wm, lane, mi, half);
       if (row >= T) continue;
-      const RowGrad r{lse[row], mean_z[row], g_lp[row], g_ent[row], labels[row] - vocab_start};
+      const RowGrad r{lse[row], mean_z[row], g_lp[row], g_ent[row], labels[row] - vocab_start,
+                      row_theta(theta, row)};
       __nv_bfloat16* out = dz + static_cast<size_t>(row) * ld;
+      with_truncation(theta, [&](auto truncated) {
+        constexpr bool kTrunc = decltype(truncated)::value;
 #pragma unroll
-      for (int ni = 0; ni < NI; ++ni) {
-        const int v = n0 + tile_col(wn, lane, ni, 0);  // even; v + 1 is the pair's second column
-        if (v >= col_end) continue;
-        float g[2];
+        for (int ni = 0; ni < NI; ++ni) {
+          const int v = n0 + tile_col(wn, lane, ni, 0);  // even; v + 1 is the pair's second column
+          if (v >= col_end) continue;
+          float g[2];
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-          g[j] = softmax_grad(acc.v[mi][ni][2 * half + j], v + j, r, valid_v, inv_tau);
-        if (v + 1 < col_end) {
-          *reinterpret_cast<__nv_bfloat162*>(out + (v - col_begin)) =
-              __floats2bfloat162_rn(g[0], g[1]);
-        } else {
-          out[v - col_begin] = __float2bfloat16_rn(g[0]);
+          for (int j = 0; j < 2; ++j)
+            g[j] = softmax_grad<kTrunc>(acc.v[mi][ni][2 * half + j], v + j, r, valid_v, inv_tau);
+          if (v + 1 < col_end) {
+            *reinterpret_cast<__nv_bfloat162*>(out + (v - col_begin)) =
+                __floats2bfloat162_rn(g[0], g[1]);
+          } else {
+            out[v - col_begin] = __float2bfloat16_rn(g[0]);
+          }
         }
-      }
+      });
     }
   }
 }
@@ -250,8 +255,8 @@ cudaError_t launch_logprob_forward(const void* hidden, const void* weight, const
 cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, const int64_t* labels,
                                        int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                        const float* lse, const float* mean_z, const float* g_lp,
-                                       const float* g_ent, int col_begin, int col_count, void* dz,
-                                       int ld, cudaStream_t stream) {
+                                       const float* g_ent, const float* theta, int col_begin,
+                                       int col_count, void* dz, int ld, cudaStream_t stream) {
   if (T <= 0 || col_count <= 0) return cudaSuccess;
   if (H % 8 != 0 || col_begin % 2 != 0 || ld % 2 != 0 || ld < col_count)
     return cudaErrorInvalidValue;
@@ -260,7 +265,7 @@ cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, c
   const dim3 grid((col_count + BN - 1) / BN, (T + BM - 1) / BM);
   MEGARL_LAUNCH(logprob_backward_dz_kernel, grid, THREADS, tile::SMEM_BYTES, stream)(
       static_cast<const __nv_bfloat16*>(hidden), static_cast<const __nv_bfloat16*>(weight), labels,
-      T, H, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, col_begin, col_count,
+      T, H, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, theta, col_begin, col_count,
       static_cast<__nv_bfloat16*>(dz), ld);
   return cudaGetLastError();
 }

@@ -48,6 +48,7 @@ struct BackwardArgs {
   const float* mean_z;
   const float* g_lp;
   const float* g_ent;
+  const float* theta;  // [T] truncation thresholds in units of z, or null: none
   int col_begin;
   int col_end;
   __nv_bfloat16* dz;  // [T, ld], column v - col_begin
@@ -142,20 +143,25 @@ struct BackwardEpilogue {
       const int row = m0 + frag.row(h);
       if (row >= a.T) continue;
       const RowGrad r{a.lse[row], a.mean_z[row], a.g_lp[row], a.g_ent[row],
-                      a.labels[row] - a.vocab_start};
+                      a.labels[row] - a.vocab_start, row_theta(a.theta, row)};
       __nv_bfloat16* out = a.dz + static_cast<size_t>(row) * a.ld - a.col_begin;
+      with_truncation(a.theta, [&](auto truncated) {
+        constexpr bool kTrunc = decltype(truncated)::value;
 #pragma unroll
-      for (int j = 0; j < kAccRegs / 4; ++j) {
-        const int v = n0 + frag.col(j, 0);  // even: v and v + 1 form a bf16 pair
-        if (v >= a.col_end) continue;
-        const float g0 = softmax_grad(acc[Fragment::reg(h, j, 0)], v, r, a.valid_v, a.inv_tau);
-        const float g1 = softmax_grad(acc[Fragment::reg(h, j, 1)], v + 1, r, a.valid_v, a.inv_tau);
-        if (v + 1 < a.col_end) {
-          *reinterpret_cast<__nv_bfloat162*>(out + v) = __floats2bfloat162_rn(g0, g1);
-        } else {
-          out[v] = __float2bfloat16_rn(g0);
+        for (int j = 0; j < kAccRegs / 4; ++j) {
+          const int v = n0 + frag.col(j, 0);  // even: v and v + 1 form a bf16 pair
+          if (v >= a.col_end) continue;
+          const float g0 =
+              softmax_grad<kTrunc>(acc[Fragment::reg(h, j, 0)], v, r, a.valid_v, a.inv_tau);
+          const float g1 =
+              softmax_grad<kTrunc>(acc[Fragment::reg(h, j, 1)], v + 1, r, a.valid_v, a.inv_tau);
+          if (v + 1 < a.col_end) {
+            *reinterpret_cast<__nv_bfloat162*>(out + v) = __floats2bfloat162_rn(g0, g1);
+          } else {
+            out[v] = __float2bfloat16_rn(g0);
+          }
         }
-      }
+      });
     }
   }
 
@@ -378,8 +384,8 @@ cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weig
                                             const int64_t* labels, int T, int H, int valid_v,
                                             int64_t vocab_start, float inv_tau, const float* lse,
                                             const float* mean_z, const float* g_lp, const float* g_ent,
-                                            int col_begin, int col_count, void* dz, int ld,
-                                            cudaStream_t stream) {
+                                            const float* theta, int col_begin, int col_count, void* dz,
+                                            int ld, cudaStream_t stream) {
   if (T <= 0 || col_count <= 0) return cudaSuccess;
   if (H % 8 != 0 || col_begin % 2 != 0 || ld % 2 != 0 || ld < col_count || valid_v <= 0)
     return cudaErrorInvalidValue;
@@ -387,7 +393,7 @@ cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weig
   cudaError_t err = make_operand_maps(&tm_hidden, &tm_weight, hidden, weight, T, H, valid_v);
   if (err == cudaSuccess) err = set_smem(reinterpret_cast<const void*>(&logprob_backward_dz_sm90_kernel));
   if (err != cudaSuccess) return err;
-  const BackwardArgs args{labels, T, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent,
+  const BackwardArgs args{labels, T, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, theta,
                           col_begin, col_begin + col_count, static_cast<__nv_bfloat16*>(dz), ld};
   const dim3 grid((col_count + BN - 1) / BN, (T + BM - 1) / BM);
   MEGARL_LAUNCH(logprob_backward_dz_sm90_kernel, grid, sm90::THREADS, sm90::SMEM_BYTES, stream)(

@@ -35,21 +35,25 @@ cudaError_t launch_logprob_forward(const void* hidden, const void* weight, const
 // write dL/dx = inv_tau * dL/dz as bf16 into dz[t * ld + (v - col_begin)], where
 //   dL/dz_v = g_lp * (1[v == label] - p_v) - g_ent * p_v * (z_v - mean_z),  p_v = exp(z_v - lse).
 // lse, mean_z, g_lp, g_ent: [T] fp32 (g_lp already zero for ignored labels). Rows >= valid_v get 0.
+// theta: null, or [T] fp32 truncation thresholds in units of z (truncation replay): p_v = 0 where
+// z_v < theta[t], and lse, mean_z are then those of the softmax over {v : z_v >= theta[t]} (the
+// label's one-hot term stays wherever it lies; -inf keeps every token of that row).
 // col_begin must be even; ld must be even.
 cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, const int64_t* labels,
                                        int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                        const float* lse, const float* mean_z, const float* g_lp,
-                                       const float* g_ent, int col_begin, int col_count, void* dz,
-                                       int ld, cudaStream_t stream);
+                                       const float* g_ent, const float* theta, int col_begin,
+                                       int col_count, void* dz, int ld, cudaStream_t stream);
 
 // The training path's softmax gradient from stored logits (softmax_grad.cu): for the raw logits
 // x [T, ld_logits] fp32 that the storing forward wrote, dz[t * ld_dz + v] = bf16 of the same
-// dL/dx as launch_logprob_backward_dz, for v < valid_v (columns past valid_v untouched).
-// ld_logits and ld_dz even and >= valid_v.
+// dL/dx as launch_logprob_backward_dz (theta likewise), for v < valid_v (columns past valid_v
+// untouched). ld_logits and ld_dz even and >= valid_v.
 cudaError_t launch_softmax_grad_stored(const float* logits, int ld_logits, const int64_t* labels,
                                        int T, int valid_v, int64_t vocab_start, float inv_tau,
                                        const float* lse, const float* mean_z, const float* g_lp,
-                                       const float* g_ent, void* dz, int ld_dz, cudaStream_t stream);
+                                       const float* g_ent, const float* theta, void* dz, int ld_dz,
+                                       cudaStream_t stream);
 
 // The same two kernels on Hopper's TMA + wgmma mainloop (fused_logprob_sm90.cu): identical
 // contracts, 128 x 256 logit tiles. Launch them only where sm90_mainloop_available() (a device
@@ -73,8 +77,8 @@ cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weig
                                             const int64_t* labels, int T, int H, int valid_v,
                                             int64_t vocab_start, float inv_tau, const float* lse,
                                             const float* mean_z, const float* g_lp, const float* g_ent,
-                                            int col_begin, int col_count, void* dz, int ld,
-                                            cudaStream_t stream);
+                                            const float* theta, int col_begin, int col_count, void* dz,
+                                            int ld, cudaStream_t stream);
 
 // Indices into the raw statistics vector written by launch_ppo_loss.
 enum PPOStat : int {

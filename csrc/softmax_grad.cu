@@ -4,7 +4,8 @@
 // dL/dlogprob and dL/dentropy per token, one elementwise pass turns the stored fp32 logits
 // into the bf16 dz that the two gradient GEMMs (cuBLAS) read: no logit is computed twice, so
 // the whole training step over the LM head costs 6·T·V·H FLOPs. The arithmetic is the
-// backward kernels' (softmax_stats.cuh, softmax_grad).
+// backward kernels' (softmax_stats.cuh, softmax_grad), with the same optional per-token
+// truncation threshold.
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -27,22 +28,28 @@ __global__ void __launch_bounds__(kThreads)
                                int64_t vocab_start, float inv_tau,
                                const float* __restrict__ lse, const float* __restrict__ mean_z,
                                const float* __restrict__ g_lp, const float* __restrict__ g_ent,
+                               const float* __restrict__ theta,  // [T] or null
                                __nv_bfloat16* __restrict__ dz, int ld_dz) {  // [T, ld_dz]
   const int pairs = (valid_v + 1) / 2;
   for (int row = blockIdx.y; row < T; row += gridDim.y) {
-    const RowGrad r{lse[row], mean_z[row], g_lp[row], g_ent[row], labels[row] - vocab_start};
+    const RowGrad r{lse[row], mean_z[row], g_lp[row], g_ent[row], labels[row] - vocab_start,
+                    row_theta(theta, row)};
     const float* in = logits + static_cast<size_t>(row) * ld_logits;
     __nv_bfloat16* out = dz + static_cast<size_t>(row) * ld_dz;
-    for (int p = blockIdx.x * kThreads + threadIdx.x; p < pairs; p += gridDim.x * kThreads) {
-      const int v = 2 * p;
-      if (v + 1 < valid_v) {
-        const float2 x = *reinterpret_cast<const float2*>(in + v);
-        *reinterpret_cast<__nv_bfloat162*>(out + v) = __floats2bfloat162_rn(
-            softmax_grad(x.x, v, r, valid_v, inv_tau), softmax_grad(x.y, v + 1, r, valid_v, inv_tau));
-      } else {
-        out[v] = __float2bfloat16_rn(softmax_grad(in[v], v, r, valid_v, inv_tau));
+    with_truncation(theta, [&](auto truncated) {
+      constexpr bool kTrunc = decltype(truncated)::value;
+      for (int p = blockIdx.x * kThreads + threadIdx.x; p < pairs; p += gridDim.x * kThreads) {
+        const int v = 2 * p;
+        if (v + 1 < valid_v) {
+          const float2 x = *reinterpret_cast<const float2*>(in + v);
+          *reinterpret_cast<__nv_bfloat162*>(out + v) =
+              __floats2bfloat162_rn(softmax_grad<kTrunc>(x.x, v, r, valid_v, inv_tau),
+                                    softmax_grad<kTrunc>(x.y, v + 1, r, valid_v, inv_tau));
+        } else {
+          out[v] = __float2bfloat16_rn(softmax_grad<kTrunc>(in[v], v, r, valid_v, inv_tau));
+        }
       }
-    }
+    });
   }
 }
 
@@ -51,7 +58,8 @@ __global__ void __launch_bounds__(kThreads)
 cudaError_t launch_softmax_grad_stored(const float* logits, int ld_logits, const int64_t* labels,
                                        int T, int valid_v, int64_t vocab_start, float inv_tau,
                                        const float* lse, const float* mean_z, const float* g_lp,
-                                       const float* g_ent, void* dz, int ld_dz, cudaStream_t stream) {
+                                       const float* g_ent, const float* theta, void* dz, int ld_dz,
+                                       cudaStream_t stream) {
   if (T <= 0 || valid_v <= 0) return cudaSuccess;
   if (ld_logits % 2 != 0 || ld_dz % 2 != 0 || ld_logits < valid_v || ld_dz < valid_v)
     return cudaErrorInvalidValue;
@@ -60,7 +68,7 @@ cudaError_t launch_softmax_grad_stored(const float* logits, int ld_logits, const
   const dim3 grid(column_blocks < kMaxColumnBlocks ? column_blocks : kMaxColumnBlocks,
                   T < kMaxRowBlocks ? T : kMaxRowBlocks);
   MEGARL_LAUNCH(softmax_grad_stored_kernel, grid, kThreads, 0, stream)(
-      logits, ld_logits, labels, T, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent,
+      logits, ld_logits, labels, T, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, theta,
       static_cast<__nv_bfloat16*>(dz), ld_dz);
   return cudaGetLastError();
 }

@@ -125,22 +125,53 @@ __device__ __forceinline__ void fold_row(Stats& st, Value value, Column column, 
 
 // The per-token inputs of the backward's softmax-gradient epilogue.
 struct RowGrad {
-  float lse;     // logsumexp of z
-  float mean_z;  // E_p[z]
+  float lse;     // logsumexp of z (over the kept tokens z >= theta under truncation)
+  float mean_z;  // E_p[z] (likewise)
   float g_lp;    // upstream gradient of the logprob (0 for ignored labels)
   float g_ent;   // upstream gradient of the entropy
   int64_t label; // label as a row of this shard (may lie outside it)
+  float theta;   // truncation threshold in units of z (read by softmax_grad<true> only)
 };
+
+// The row's truncation threshold: theta[row] where the launch was given one, else -inf (kept
+// everywhere; softmax_grad<false> never reads it).
+__device__ __forceinline__ float row_theta(const float* theta, int row) {
+  return theta != nullptr ? theta[row] : -INFINITY;
+}
 
 // dL/dx at one logit x = z * tau, for shard row v:
 //   inv_tau * (g_lp (1[v == label] - p) - g_ent p (z - E[z])),  p = exp(z - lse); 0 for padding.
+// kTruncated (truncation replay, megarl/kernels/truncation.py): the softmax is over the kept
+// tokens z >= r.theta only, so p = 0 below the threshold (in both terms; lse and E[z] are then
+// the truncated distribution's); the label keeps its one-hot term wherever it lies. The kernels
+// pick the instantiation once per row from whether the launch has a threshold, so the
+// untruncated arithmetic is exactly the one without it.
+template <bool kTruncated = false>
 __device__ __forceinline__ float softmax_grad(float x, int v, const RowGrad& r, int valid_v,
                                               float inv_tau) {
   if (v >= valid_v) return 0.f;
   const float z = x * inv_tau;
-  const float p = __expf(z - r.lse);
+  float p = __expf(z - r.lse);
+  if (kTruncated && z < r.theta) p = 0.f;
   const float onehot = (v == r.label) ? 1.f : 0.f;
   return (r.g_lp * (onehot - p) - r.g_ent * p * (z - r.mean_z)) * inv_tau;
+}
+
+// body(Truncated<true>{}) where the launch has a truncation threshold, body(Truncated<false>{})
+// where it has none (theta == nullptr): one uniform branch per row, which picks the
+// instantiation of softmax_grad that the row's columns run (decltype(tag)::value).
+template <bool B>
+struct Truncated {
+  static constexpr bool value = B;
+};
+
+template <class Body>
+__device__ __forceinline__ void with_truncation(const float* theta, Body&& body) {
+  if (theta != nullptr) {
+    body(Truncated<true>{});
+  } else {
+    body(Truncated<false>{});
+  }
 }
 
 }  // namespace megarl

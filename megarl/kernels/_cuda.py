@@ -5,6 +5,8 @@ What is fused (see ``csrc/``): the forward is one kernel per shard (tiled bf16 G
 online-logsumexp epilogue; per-split partials merged here in torch: O(splits x T) floats).
 The backward recomputes logit tiles in a kernel that writes the softmax gradient as a bf16
 chunk dz [T, chunk]; the two gradient GEMMs (dH += dz . W_c, dW_c = dz^T . H) run on cuBLAS.
+Under truncation replay the backward kernels take the per-token threshold that the torch forward
+(``truncation.truncated_stats``) found and leave the tokens below it out of the softmax.
 
 Two mainloops compute the logit tiles: TMA + wgmma on Hopper (sm_90a), ldmatrix + mma.sync
 elsewhere (sm_80 and later). Before a process uses one on a device, it passes a self-check
@@ -370,16 +372,23 @@ def softmax_grad_stored(
     mean_z: torch.Tensor,
     g_logprob: torch.Tensor,
     g_entropy: torch.Tensor,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dL/dx bf16 ``[T, valid]`` (a view with the logits' row stride) from the logits that
-    :func:`logits_and_stats` stored, once the chunk's statistics and loss gradients are known."""
+    :func:`logits_and_stats` stored, once the chunk's statistics and loss gradients are known.
+    ``threshold`` as :func:`grads`'."""
     dz = torch.empty(logits.shape, dtype=torch.bfloat16, device=logits.device)
     vectors = [t.float().contiguous() for t in (lse, mean_z, g_logprob, g_entropy)]
     if shard.valid > 0:
         load_extension().softmax_grad_stored(
-            logits, labels.long().contiguous(), shard.valid, shard.start, inv_tau, *vectors, dz
+            logits, labels.long().contiguous(), shard.valid, shard.start, inv_tau, *vectors, dz, theta=_theta(threshold)
         )
     return dz[:, : shard.valid]
+
+
+def _theta(threshold: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels' per-token truncation thresholds: contiguous fp32 ``[T]`` (units of z), or None."""
+    return None if threshold is None else threshold.float().contiguous()
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -404,9 +413,12 @@ def grads(
     need_hidden: bool = True,
     need_weight: bool = True,
     mainloop: str | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dhidden [T,H] fp32, dweight [V_local,H] bf16), same contract as ``reference.grads_chunked``;
-    ``mainloop`` as :func:`local_stats`.
+    ``mainloop`` as :func:`local_stats`. ``threshold`` ``[T]`` (truncation replay, in units of
+    z = logits / temperature, global over the TP group): the kernel sets p = 0 where z < threshold,
+    so ``lse`` and ``mean_z`` must be the truncated softmax's (``truncation.truncated_stats``).
 
     Extra memory: a bf16 dz chunk [T, chunk_vocab] and the fp32 dhidden accumulator.
     """
@@ -423,10 +435,11 @@ def grads(
     width = min(chunk, shard.valid + shard.valid % 2)  # even row stride for bf16x2 stores
     dz_buf = torch.empty(num_tokens, width, dtype=torch.bfloat16, device=hidden.device)
     vectors = [t.float().contiguous() for t in (lse, mean_z, g_logprob, g_entropy)]
+    theta = _theta(threshold)
     for v0 in range(0, shard.valid, chunk):
         v1 = min(v0 + chunk, shard.valid)
         ext.logprob_backward_dz(
-            hidden, weight, labels, shard.valid, shard.start, inv_tau, *vectors, v0, v1 - v0, dz_buf, wgmma
+            hidden, weight, labels, shard.valid, shard.start, inv_tau, *vectors, v0, v1 - v0, dz_buf, wgmma, theta=theta
         )
         dz = dz_buf[:, : v1 - v0]  # [T,vc]
         if d_weight is not None:

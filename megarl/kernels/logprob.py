@@ -3,7 +3,11 @@
 The [T, V] logits never exist: each rank reduces its shard to three numbers per token (see
 ``reference``), the TP group combines them with two small collectives (a MAX, then one SUM
 of [3, T]), and the backward recomputes the logits chunk by chunk (torch) or tile by tile
-(CUDA). The hidden-state gradient is all-reduced over the TP group here, as Megatron's
+(CUDA). Under truncation replay (``truncation``) the forward finds each token's threshold and
+the truncated statistics in torch on either backend (chunked GEMMs and ``topk``, one all_gather
+of candidates over TP); the backward then runs on the chosen backend with that threshold (the
+CUDA kernels take it per token and leave the tokens below it out of the softmax).
+The hidden-state gradient is all-reduced over the TP group here, as Megatron's
 column-parallel LM head would; pass ``reduce_grad_hidden=False`` where the caller reduces it
 (e.g. sequence parallelism, whose gather already reduce-scatters in backward).
 """
@@ -91,8 +95,8 @@ class _FusedLogprobEntropy(torch.autograd.Function):
         g_logprob = torch.where(hit, g_logprob.float(), 0.0)  # ignored labels: logprob is a constant 0
         g_entropy = g_entropy.float()
         args = (hidden, weight, labels, spec.shard, spec.inv_tau, lse, mean_z, g_logprob, g_entropy)
-        if spec.backend == "cuda" and threshold is None:
-            d_hidden, d_weight = _cuda.grads(*args, spec.chunk_vocab, need_hidden, need_weight)
+        if spec.backend == "cuda":
+            d_hidden, d_weight = _cuda.grads(*args, spec.chunk_vocab, need_hidden, need_weight, threshold=threshold)
         else:
             d_hidden, d_weight = grads_chunked(
                 *args, spec.chunk_tokens, spec.chunk_vocab, need_hidden, need_weight, threshold=threshold
@@ -180,8 +184,9 @@ def fused_logprobs_entropy(
         chunk_tokens, chunk_vocab: chunk sizes of the torch path (peak memory is
             O(chunk_tokens x chunk_vocab)); ``chunk_vocab`` is also the backward's dz chunk on CUDA.
         truncation: the sampling's top-k / top-p / min-p (``megarl.kernels.truncation``): logprob
-            and entropy of the truncated, renormalised softmax. It runs the torch path (the
-            CUDA kernels do not take the per-token threshold yet).
+            and entropy of the truncated, renormalised softmax. The forward finds the per-token
+            threshold in torch (chunked, never the full logits) on both backends; the backward
+            runs on ``backend`` with it (on "cuda" the kernels mask the tokens below it).
         return_outside: also return the bool mask of labels that fell below their truncation
             threshold (counted; their threshold is lowered to them).
 

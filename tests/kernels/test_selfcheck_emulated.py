@@ -41,9 +41,9 @@ class Sm90RaisesACudaError(EmulatedExtension):
 class SoftmaxGradOffByOnePercent(EmulatedExtension):
     """softmax_grad_stored, which both mainloops share, scaling dz by 1.01."""
 
-    def softmax_grad_stored(self, *args):
-        super().softmax_grad_stored(*args)
-        args[-1].mul_(1.01)
+    def softmax_grad_stored(self, *args, **kwargs):
+        super().softmax_grad_stored(*args, **kwargs)
+        args[9].mul_(1.01)  # dz
 
 
 @pytest.fixture

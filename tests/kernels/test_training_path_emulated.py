@@ -159,6 +159,7 @@ class EmulatedExtension:
         count,
         dz,
         wgmma,
+        theta=None,
     ):
         mainloop = "sm90" if wgmma and valid_v > 0 else "sm80"  # bindings.cpp: use_wgmma
         (T, H), rows, work = hidden.shape, weight.shape[0], self._dir()
@@ -166,22 +167,39 @@ class EmulatedExtension:
             self.exe,
             work,
             ["backward", mainloop],
-            [T, H, rows, valid_v, vocab_start, repr(_f32(inv_tau)), col_begin, count, dz.stride(0)],
+            [T, H, rows, valid_v, vocab_start, repr(_f32(inv_tau)), col_begin, count, dz.stride(0), *_truncated(theta)],
             {"hidden": hidden.bfloat16(), "weight": weight.bfloat16(), "labels": labels}
-            | {"lse": lse, "mean_z": mean_z, "g_lp": g_lp, "g_ent": g_ent},
+            | {"lse": lse, "mean_z": mean_z, "g_lp": g_lp, "g_ent": g_ent}
+            | _theta_input(theta),
         )
         dz[:, :count].copy_(_read(work, "dz", torch.bfloat16, T, dz.stride(0))[:, :count])
 
-    def softmax_grad_stored(self, logits, labels, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, dz):
+    def softmax_grad_stored(
+        self, logits, labels, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, dz, theta=None
+    ):
         T, work = logits.shape[0], self._dir()
         _run(
             self.exe,
             work,
             ["softmax_grad"],
-            [T, valid_v, vocab_start, repr(_f32(inv_tau)), logits.stride(0), dz.stride(0)],
-            {"logits": logits, "labels": labels, "lse": lse, "mean_z": mean_z, "g_lp": g_lp, "g_ent": g_ent},
+            [T, valid_v, vocab_start, repr(_f32(inv_tau)), logits.stride(0), dz.stride(0), *_truncated(theta)],
+            {"logits": logits, "labels": labels, "lse": lse, "mean_z": mean_z, "g_lp": g_lp, "g_ent": g_ent}
+            | _theta_input(theta),
         )
         dz.copy_(_read(work, "dz", torch.bfloat16, T, dz.stride(0))[:, : dz.shape[1]])
+
+
+def _truncated(theta) -> list[int]:
+    """run_kernels' optional last argument: 1 where the launch gets truncation thresholds."""
+    return [] if theta is None else [1]
+
+
+def _theta_input(theta) -> dict[str, torch.Tensor]:
+    """The thresholds as the bindings check them (contiguous fp32 [T]), as an emulator input file."""
+    if theta is None:
+        return {}
+    assert theta.dtype == torch.float32 and theta.is_contiguous() and theta.dim() == 1
+    return {"theta": theta}
 
 
 def _use_emulated_kernels(exe: Path, workdir: Path, mainloop: str, patch) -> None:

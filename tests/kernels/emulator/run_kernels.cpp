@@ -6,11 +6,13 @@
 //       in: hidden [T,H] bf16, weight [rows,H] bf16, labels [T] int64
 //       out: part [3,num_splits,T] f32, label_logit [T] f32; with ld (the storing variant of the
 //       training path) also logits [T,ld] f32
-//   run_kernels softmax_grad DIR T valid_v vocab_start inv_tau ld_logits ld_dz
-//       in: logits [T,ld_logits] f32, labels, lse, mean_z, g_lp, g_ent [T] f32
+//   run_kernels softmax_grad DIR T valid_v vocab_start inv_tau ld_logits ld_dz [truncated]
+//       in: logits [T,ld_logits] f32, labels, lse, mean_z, g_lp, g_ent [T] f32; with truncated = 1
+//       also theta [T] f32 (the truncation thresholds; else the launch gets none)
 //       out: dz [T,ld_dz] bf16
 //   run_kernels backward MAINLOOP DIR T H rows valid_v vocab_start inv_tau col_begin col_count ld
-//       in: hidden, weight, labels, lse, mean_z, g_lp, g_ent [T] f32
+//               [truncated]
+//       in: hidden, weight, labels, lse, mean_z, g_lp, g_ent [T] f32; theta [T] f32 as above
 //       out: dz [T,ld] bf16
 //   MAINLOOP: sm80 (launch_logprob_*, mma.sync) or sm90 (launch_logprob_*_sm90, TMA + wgmma, on
 //   an emulated device of compute capability 9.0)
@@ -127,7 +129,14 @@ void forward(const std::string& mainloop, const std::string& dir, char** argv, b
   if (store) save(dir, "logits", logits);
 }
 
-void softmax_grad(const std::string& dir, char** argv) {
+// theta [T] from DIR where the optional `truncated` argument is 1, else an empty buffer (the
+// launch gets a null threshold).
+Buffer<float> load_theta(const std::string& dir, const char* truncated, int T) {
+  if (truncated == nullptr || std::atoi(truncated) == 0) return Buffer<float>(0, 0.f);
+  return load<float>(dir, "theta", T);
+}
+
+void softmax_grad(const std::string& dir, char** argv, const char* truncated) {
   const int T = std::atoi(argv[0]), valid_v = std::atoi(argv[1]);
   const int64_t vocab_start = std::atoll(argv[2]);
   const float inv_tau = std::strtof(argv[3], nullptr);
@@ -138,15 +147,18 @@ void softmax_grad(const std::string& dir, char** argv) {
   auto mean_z = load<float>(dir, "mean_z", T);
   auto g_lp = load<float>(dir, "g_lp", T);
   auto g_ent = load<float>(dir, "g_ent", T);
+  auto theta = load_theta(dir, truncated, T);
   Buffer<uint16_t> dz(size_t(T) * ld_dz, kNaNBf16);
-  check(megarl::launch_softmax_grad_stored(logits.get(), ld_logits, labels.get(), T, valid_v,
-                                           vocab_start, inv_tau, lse.get(), mean_z.get(),
-                                           g_lp.get(), g_ent.get(), dz.get(), ld_dz, nullptr),
+  check(megarl::launch_softmax_grad_stored(
+            logits.get(), ld_logits, labels.get(), T, valid_v, vocab_start, inv_tau, lse.get(),
+            mean_z.get(), g_lp.get(), g_ent.get(), theta.data.empty() ? nullptr : theta.get(),
+            dz.get(), ld_dz, nullptr),
         "launch_softmax_grad_stored");
   save(dir, "dz", dz);
 }
 
-void backward(const std::string& mainloop, const std::string& dir, char** argv) {
+void backward(const std::string& mainloop, const std::string& dir, char** argv,
+              const char* truncated) {
   const bool sm90 = use_sm90(mainloop);
   const Logits a = parse_logits(argv);
   const int col_begin = std::atoi(argv[6]), col_count = std::atoi(argv[7]), ld = std::atoi(argv[8]);
@@ -157,12 +169,14 @@ void backward(const std::string& mainloop, const std::string& dir, char** argv) 
   auto mean_z = load<float>(dir, "mean_z", a.T);
   auto g_lp = load<float>(dir, "g_lp", a.T);
   auto g_ent = load<float>(dir, "g_ent", a.T);
+  auto theta = load_theta(dir, truncated, a.T);
   Buffer<uint16_t> dz(size_t(a.T) * ld, kNaNBf16);
   const auto launch =
       sm90 ? megarl::launch_logprob_backward_dz_sm90 : megarl::launch_logprob_backward_dz;
   check(launch(hidden.get(), weight.get(), labels.get(), a.T, a.H, a.valid_v, a.vocab_start,
-               a.inv_tau, lse.get(), mean_z.get(), g_lp.get(), g_ent.get(), col_begin, col_count,
-               dz.get(), ld, nullptr),
+               a.inv_tau, lse.get(), mean_z.get(), g_lp.get(), g_ent.get(),
+               theta.data.empty() ? nullptr : theta.get(), col_begin, col_count, dz.get(), ld,
+               nullptr),
         "launch_logprob_backward_dz");
   save(dir, "dz", dz);
 }
@@ -231,10 +245,10 @@ int main(int argc, char** argv) {
   const std::string op = argc > 1 ? argv[1] : "";
   if (op == "forward" && (argc == 11 || argc == 12)) {
     forward(argv[2], argv[3], argv + 4, argc == 12);
-  } else if (op == "softmax_grad" && argc == 9) {
-    softmax_grad(argv[2], argv + 3);
-  } else if (op == "backward" && argc == 13) {
-    backward(argv[2], argv[3], argv + 4);
+  } else if (op == "softmax_grad" && (argc == 9 || argc == 10)) {
+    softmax_grad(argv[2], argv + 3, argc == 10 ? argv[9] : nullptr);
+  } else if (op == "backward" && (argc == 13 || argc == 14)) {
+    backward(argv[2], argv[3], argv + 4, argc == 14 ? argv[13] : nullptr);
   } else if (op == "ppo" && argc == 9) {
     ppo(argv[2], argv + 3);
   } else if (op == "tma_refused" && argc == 2) {
