@@ -59,7 +59,6 @@ def _assert_matches(layout: dict, ref: dict) -> None:
     assert (layout["logp"] - ref["logp"]).abs().max() <= TOL
     assert all(abs(loss - ref["loss"][0]) <= 1e-6 for loss in layout["loss"])
     assert_grads_close(layout["grads"], ref["grads"], TOL)
-    assert_grads_close(layout["adapters_after"], ref["adapters_after"], TOL)
     assert (layout["logp_after"] - ref["logp_after"]).abs().max() <= 10 * TOL
 
 
@@ -138,13 +137,14 @@ def test_tp2_with_sequence_parallel_matches_and_catches_swapped_splits(llama_dir
     "alloc,kwargs",
     [
         ("d1p2t1", {}),
-        pytest.param("d1p2t2", {"sequence_parallel": False}, id="d1p2t2-no-sp"),
+        pytest.param("d1p2t2", {"sequence_parallel": False}, id="d1p2t2-no-sp", marks=pytest.mark.slow),
     ],
 )
 def test_layout_matches_single_rank(llama_dir, llama_ref, batch, alloc, kwargs):
     _assert_matches(_run(llama_dir, alloc, batch, **kwargs), llama_ref)
 
 
+@pytest.mark.slow
 def test_experts_over_ep2_match_single_rank(tiny_model_dir, batch):
     """Adapters on attention and on every expert's linears (Qwen3-MoE); EP2 with DP2 (experts' grads reduce
     over their own data-parallel group, the dense ones over DP)."""
