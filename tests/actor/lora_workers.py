@@ -45,10 +45,12 @@ def nonzero_adapter(name: str, shape: tuple[int, int]) -> torch.Tensor:
     return full / shape[1] ** 0.5 if name.endswith("lora_a") else 0.05 * full
 
 
-def _lora_engine(model_dir: str, alloc: str, targets: list[str], sequence_parallel: bool, n_mbs: int):
+def _lora_engine(
+    model_dir: str, alloc: str, targets: list[str], sequence_parallel: bool, n_mbs: int, distributed: bool
+):
     from megarl.actor.engine import MegatronEngine
 
-    optimizer = OptimizerConfig(lr=1e-3, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
+    optimizer = OptimizerConfig(lr=1e-3, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=distributed)
     cfg = engine_config(model_dir, optimizer=optimizer, n_mbs=n_mbs, sequence_parallel=sequence_parallel)
     cfg.lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets)
     engine = MegatronEngine(cfg)
@@ -75,6 +77,7 @@ def lora_run(
     n_mbs: int = 2,
     wrong_splits: bool = False,
     measure_full: bool = False,
+    distributed_optimizer: bool = False,
 ) -> dict:
     """On this rank's DP share of ``batch``, with :func:`nonzero_adapter`'s adapters: logprobs, PPO loss and the
     full adapter gradients, the frozen base's state, one Adam step (logprobs after, base unchanged), and
@@ -82,7 +85,7 @@ def lora_run(
     from megarl.actor import cpu_shim
     from megarl.models import lora
 
-    engine = _lora_engine(model_dir, alloc, targets, sequence_parallel, n_mbs)
+    engine = _lora_engine(model_dir, alloc, targets, sequence_parallel, n_mbs, distributed_optimizer)
     p = engine.parallel
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
     lora.load_full(engine.model, engine.coords, nonzero_adapter)
