@@ -25,6 +25,10 @@ rank and needs no extra reduction. Expert linears of MoE layers run without tens
 communication of their own (the token dispatcher does it): their adapters are supported with
 expert tensor parallelism 1, where they are plain local matrices.
 
+Dropout masks come from torch's default generator, which every tensor-parallel rank seeds alike
+(``megarl.actor.parallel.seed_everything``): a replicated ``A`` sees the same mask on every rank,
+so its replicas get the same gradient.
+
 Initial values are drawn per parameter from its canonical name (global layer and expert) as
 full matrices, then split: the same adapter whatever the parallel layout.
 
@@ -142,14 +146,10 @@ def _add_adapter_output(module: torch.nn.Module, args: tuple, kwargs: dict, outp
     return out + module.adapter(x).to(out.dtype), bias
 
 
-def _target_of(name: str) -> str | None:
-    """The ``target_modules`` name of a module path, or None when it is no LoRA target."""
+def _target_name(name: str) -> str:
+    """What ``target_modules`` calls the module at ``name``: its last part, after ``experts.`` in a routed expert."""
     last = name.rsplit(".", 1)[-1]
-    if last not in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
-        return None
-    if ".experts." in name and ".shared_experts." not in name:
-        return f"experts.{last}"
-    return last
+    return f"experts.{last}" if ".experts." in name and ".shared_experts." not in name else last
 
 
 def _require_local_linear(name: str, module: torch.nn.Module) -> None:
@@ -173,7 +173,7 @@ def add_adapters(chunks: list, settings: LoRASettings) -> int:
         model.requires_grad_(False)
         gated = bool(model.config.gated_linear_unit)
         for name, module in list(model.named_modules()):
-            if _target_of(name) not in targets:
+            if _target_name(name) not in targets:
                 continue
             _require_local_linear(name, module)
             fc1 = name.endswith("linear_fc1")

@@ -98,7 +98,7 @@ def lora_run(
     out["grads"] = lora.gather_full(engine.model, engine.coords, value=lambda q: q.main_grad.float())
     base_before = torch.cat([q.detach().flatten().clone() for q in base])
     with cpu_shim.device_mode():
-        engine.optimizer.step()
+        _, out["grad_norm"], _ = engine.optimizer.step()
     out["base_unchanged"] = torch.equal(base_before, torch.cat([q.detach().flatten() for q in base]))
     out["adapters_after"] = lora.gather_full(engine.model, engine.coords)
     out["logp_after"] = engine.eval().forward(local)

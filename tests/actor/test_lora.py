@@ -59,6 +59,7 @@ def _assert_matches(layout: dict, ref: dict) -> None:
     assert (layout["logp"] - ref["logp"]).abs().max() <= TOL
     assert all(abs(loss - ref["loss"][0]) <= 1e-6 for loss in layout["loss"])
     assert_grads_close(layout["grads"], ref["grads"], TOL)
+    assert all(norm == pytest.approx(ref["grad_norm"][0], rel=TOL) for norm in layout["grad_norm"])
     assert (layout["logp_after"] - ref["logp_after"]).abs().max() <= 10 * TOL
 
 
