@@ -31,6 +31,13 @@ tokens, so one fp32 buffer is about the size of fp32 hidden states); plus the fp
 ``[T, H]`` and dW ``[V_local, H]`` held from forward to backward, and an fp32 copy of a non-fp32
 weight off CUDA. The no-grad logprobs (``compute_logp``) keep using ``fused_logprobs_entropy``,
 which never holds more than a tile of logits.
+
+Truncation replay (``truncation=``, top-k / top-p / min-p): between steps 2 and 3 each chunk's
+per-token threshold θ and truncated statistics come from a ``topk`` of its logits while they are in
+memory (``truncation.truncated_stats_of_logits``: the C + 1 largest per token, one ``all_gather``
+over TP, positions whose kept set the C do not hold take 4 x C from the same logits); dz then sets
+p = 0 below θ (on CUDA in ``softmax_grad.cu``). No logit is computed twice: still 6·T·V·H FLOPs, plus
+a ``topk`` over the chunk.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from megarl.kernels.reference import (
     finalize_stats,
     softmax_grad_,
 )
+from megarl.kernels.truncation import Truncation, truncated_stats_of_logits
 
 TokenLossFn = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
 """``fn(t0, t1, logprob [t1-t0], entropy [t1-t0]) -> per-token loss [t1-t0]`` of tokens [t0, t1).
@@ -72,8 +80,11 @@ class ChunkOps:
     """``(h_c, w, labels_c, shard, inv_tau) -> (logits, m, s, u, label_logit)``: the chunk's logits
     (in whatever form ``softmax_grad`` reads them back) and this shard's statistics ``[tc]``."""
     softmax_grad: Callable[..., torch.Tensor]
-    """``(logits, labels_c, shard, inv_tau, lse, mean_z, g_lp, g_ent) -> dz`` ``[tc, valid]``, dL/dx
-    for the gradient GEMMs (``logits`` may be consumed)."""
+    """``(logits, labels_c, shard, inv_tau, lse, mean_z, g_lp, g_ent, threshold=None) -> dz``
+    ``[tc, valid]``, dL/dx for the gradient GEMMs (``logits`` may be consumed); ``threshold``
+    ``[tc]`` (truncation, units of z): p = 0 where z < threshold."""
+    raw: bool
+    """Whether ``logits`` holds the raw logits x = z · temperature (the kernels') rather than z."""
 
 
 def _torch_logits_and_stats(h_c, w, labels_c, shard: VocabShard, inv_tau: float) -> tuple[torch.Tensor, ...]:
@@ -81,15 +92,19 @@ def _torch_logits_and_stats(h_c, w, labels_c, shard: VocabShard, inv_tau: float)
     return z, *_local_stats(z, labels_c - shard.start)
 
 
-def _torch_softmax_grad(z, labels_c, shard: VocabShard, inv_tau: float, lse, mean_z, g_lp, g_ent) -> torch.Tensor:
+def _torch_softmax_grad(
+    z, labels_c, shard: VocabShard, inv_tau: float, lse, mean_z, g_lp, g_ent, threshold=None
+) -> torch.Tensor:
     idx, inside = _label_in_chunk(labels_c - shard.start, 0, shard.valid)
     p = (z - lse[:, None]).exp_()
+    if threshold is not None:
+        p.masked_fill_(z < threshold[:, None], 0.0)
     return softmax_grad_(z, p, mean_z, g_lp, g_ent, idx, inside).mul_(inv_tau)
 
 
 CHUNK_OPS = {
-    "torch": ChunkOps(_torch_logits_and_stats, _torch_softmax_grad),
-    "cuda": ChunkOps(_cuda.logits_and_stats, _cuda.softmax_grad_stored),
+    "torch": ChunkOps(_torch_logits_and_stats, _torch_softmax_grad, raw=False),
+    "cuda": ChunkOps(_cuda.logits_and_stats, _cuda.softmax_grad_stored, raw=True),
 }
 """The ops of each backend (tests swap in the kernels run by the host emulator)."""
 
@@ -103,6 +118,7 @@ class _Spec:
     chunk_tokens: int
     reduce_grad_hidden: bool
     backend: str
+    truncation: Truncation | None = None
 
 
 MIN_CHUNK_TOKENS = 256
@@ -171,10 +187,18 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
         entropy = torch.zeros_like(logprob)
         loss = logprob.new_zeros(())
         hit = (labels >= 0) & (labels < shard.vocab_size)
+        outside = torch.zeros_like(hit)
         for t0, t1 in _chunks(num_tokens, spec.chunk_tokens):
             h_c = hidden[t0:t1] if low else hidden[t0:t1].float()  # [tc,H]
             logits, m, s, u, label_logit = ops.logits_and_stats(h_c, w, labels[t0:t1], shard, inv_tau)
             m, s, u, label_logit = reduce_over_tp(m, s, u, label_logit, spec.tp_group, spec.tp_size)
+            threshold = None
+            if spec.truncation is not None:  # from the chunk's logits: a topk, no GEMM
+                comm = (shard, spec.truncation, spec.tp_group, spec.tp_size)
+                scale = inv_tau if ops.raw else 1.0
+                m, s, u, label_logit, threshold, outside[t0:t1] = truncated_stats_of_logits(
+                    logits, scale, m, s, label_logit, hit[t0:t1], *comm
+                )
             lp_c, ent_c, lse, mean_z = finalize_stats(m, s, u, label_logit, hit[t0:t1])
             logprob[t0:t1], entropy[t0:t1] = lp_c, ent_c
             loss_c, g_lp, g_ent = _token_grads(token_loss_fn, t0, t1, lp_c, ent_c)
@@ -182,7 +206,7 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
             g_lp = torch.where(hit[t0:t1], g_lp, 0.0)  # ignored labels: logprob is a constant 0
             if shard.valid == 0:
                 continue
-            dz = ops.softmax_grad(logits, labels[t0:t1], shard, inv_tau, lse, mean_z, g_lp, g_ent)
+            dz = ops.softmax_grad(logits, labels[t0:t1], shard, inv_tau, lse, mean_z, g_lp, g_ent, threshold)
             del logits
             dz = dz.to(w.dtype)  # dL/dx [tc,Vv]
             if d_hidden is not None:
@@ -193,11 +217,11 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
             dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=spec.tp_group)
         ctx.grads = (d_hidden, d_weight)  # not inputs or outputs: plain attributes
         ctx.dtypes = (hidden.dtype, weight.dtype)
-        ctx.mark_non_differentiable(logprob, entropy)
-        return loss, logprob, entropy
+        ctx.mark_non_differentiable(logprob, entropy, outside)
+        return loss, logprob, entropy, outside
 
     @staticmethod
-    def backward(ctx, g_loss, _g_logprob, _g_entropy):
+    def backward(ctx, g_loss, _g_logprob, _g_entropy, _g_outside):
         (d_hidden, d_weight), (hidden_dtype, weight_dtype) = ctx.grads, ctx.dtypes
         del ctx.grads  # freed with the graph's other buffers, not with ctx
         g = g_loss.float()
@@ -219,7 +243,9 @@ def fused_linear_token_loss(
     reduce_grad_hidden: bool = True,
     chunk_tokens: int | None = None,
     backend: Backend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    truncation: Truncation | None = None,
+    return_outside: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Σ_t token_loss_fn(logprob_t, entropy_t), differentiable wrt hidden and weight at 6·T·V·H FLOPs.
 
     Args:
@@ -231,10 +257,16 @@ def fused_linear_token_loss(
             from the kernels of ``csrc/``, :class:`ChunkOps`).
         chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`); peak memory is
             three fp32 ``[chunk_tokens, V_local]`` buffers (torch ops) or 1.5 (the kernels).
+        truncation: the sampling's top-k / top-p / min-p (``megarl.kernels.truncation``): the loss of
+            the truncated, renormalised softmax's logprob and entropy. Each chunk's threshold comes
+            from a ``topk`` of its logits while they are in memory (one ``all_gather`` of
+            candidates over TP), and dz leaves the tokens below it out (on "cuda" in the kernel).
+        return_outside: also return the bool ``[T]`` of labels below their truncation threshold
+            (counted; their threshold is lowered to them).
 
     Returns:
-        (loss 0-d fp32 with the gradients attached, logprob [T], entropy [T]); the last two are
-        detached (for statistics) and the same on every TP rank.
+        (loss 0-d fp32 with the gradients attached, logprob [T], entropy [T][, outside [T]]); the
+        others are detached (for statistics) and the same on every TP rank.
     """
     if hidden.dim() != 2:
         raise ValueError(f"expected hidden [T, H], got {tuple(hidden.shape)}")
@@ -251,5 +283,9 @@ def fused_linear_token_loss(
         tokens,
         reduce_grad_hidden,
         logprobs_backend(backend, hidden, weight),
+        truncation if truncation is not None and truncation.active else None,
     )
-    return _FusedLinearTokenLoss.apply(hidden, weight, labels, token_loss_fn, spec)
+    if truncation is not None:
+        truncation.check()
+    loss, logprob, entropy, outside = _FusedLinearTokenLoss.apply(hidden, weight, labels, token_loss_fn, spec)
+    return (loss, logprob, entropy, outside) if return_outside else (loss, logprob, entropy)

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from megarl.kernels.reference import VocabShard, _chunks, _label_in_chunk, _scaled_logits, rescale_stats
 
-__all__ = ["Truncation", "truncated_stats", "truncation_thresholds"]
+__all__ = ["Truncation", "truncated_stats", "truncated_stats_of_logits", "truncation_thresholds"]
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,22 @@ def _global_candidates(top, m, s, label_logit, tp_group, tp_size):
     """Over the TP group: the n largest of all ranks' candidates, the global max, sum exp and label logit."""
     if tp_size == 1:
         return top, m, s, label_logit
-    parts = [torch.empty_like(top) for _ in range(tp_size)]
-    dist.all_gather(parts, top.contiguous(), group=tp_group)
-    top = torch.cat(parts, dim=1).topk(top.shape[1], dim=1).values  # [T, n]
+    top = _gather_candidates(top, tp_group, tp_size)
     m_all = m.clone()
     dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
     s_to, _ = rescale_stats(m, s, torch.zeros_like(s), m_all)
     packed = torch.stack([s_to, label_logit])  # [2,T]
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
     return top, m_all, packed[0], packed[1]
+
+
+def _gather_candidates(top, tp_group, tp_size):
+    """The n largest ``[T, n]`` of all ranks' candidates ``[T, n]`` (one all_gather)."""
+    if tp_size == 1:
+        return top
+    parts = [torch.empty_like(top) for _ in range(tp_size)]
+    dist.all_gather(parts, top.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=1).topk(top.shape[1], dim=1).values
 
 
 def truncation_thresholds(
@@ -169,24 +176,37 @@ def _scan(hidden, labels, hit, rows, weight, shard, inv_tau, trunc: Truncation, 
         hidden[rows], weight, label_local, shard, inv_tau, n + 1, chunk_tokens, chunk_vocab
     )
     top, m, s, lab = _global_candidates(top, m, s, lab, tp_group, tp_size)
-    theta, covered = truncation_thresholds(top, m, s, trunc, shard.vocab_size)
-    out = hit[rows] & (lab < theta)  # the sampled token below its threshold: lowered to it
+    theta, covered, out = _threshold_from_candidates(top, m, s, lab, hit[rows], trunc, n, shard.vocab_size)
+    kept_s, kept_u = _kept_sums(top[covered, :n], m[covered], theta[covered])
+    done = rows[covered]
+    for i, value in enumerate((m[covered], kept_s, kept_u, lab[covered])):
+        stats[i][done] = value
+    stats[4][done] = theta[covered]
+    outside[done] = out[covered]
+    return rows[~covered]
+
+
+def _kept_sums(top, m, theta):
+    """(sum exp(z - m), sum exp(z - m) (z - m)) ``[r]`` over the candidates ``top`` ``[r, n]`` at or
+    above theta (the kept set, which they hold whole)."""
+    d = top - m[:, None]  # [r,n] <= 0
+    e = torch.where(top >= theta[:, None], d.exp(), 0.0)
+    return e.sum(dim=1), torch.where(e > 0, e * d, 0.0).sum(dim=1)
+
+
+def _threshold_from_candidates(top, m, s, lab, hit, trunc: Truncation, n: int, vocab_size: int):
+    """(theta, covered, outside) ``[r]`` from the global n + 1 largest z ``top`` ``[r, n + 1]``, max m,
+    sum exp s, label logit lab and whether the label is real (hit)."""
+    theta, covered = truncation_thresholds(top, m, s, trunc, vocab_size)
+    out = hit & (lab < theta)  # the sampled token below its threshold: lowered to it
     theta = torch.where(out, lab, theta)
-    if n < shard.vocab_size:  # the kept set must still end within the first n candidates
+    if n < vocab_size:  # the kept set must still end within the first n candidates
         covered &= top[:, n] < theta
     # the same kept set for any threshold in (largest dropped logit, theta]: halfway between, so that
     # the backward's recomputed logits (other GEMM shapes, other roundings) select it too
     dropped = torch.where(top < theta[:, None], top, -math.inf).amax(dim=1)
     theta = torch.where(torch.isfinite(dropped), (theta + dropped) / 2, -math.inf)
-    top = top[covered, :n]
-    d = top - m[covered, None]  # [r,n] <= 0
-    e = torch.where(top >= theta[covered, None], d.exp(), 0.0)
-    done = rows[covered]
-    for i, value in enumerate((m[covered], e.sum(dim=1), torch.where(e > 0, e * d, 0.0).sum(dim=1), lab[covered])):
-        stats[i][done] = value
-    stats[4][done] = theta[covered]
-    outside[done] = out[covered]
-    return rows[~covered]
+    return theta, covered, out
 
 
 def truncated_stats(
@@ -224,3 +244,54 @@ def truncated_stats(
         rows, n = torch.cat(left), n * 4
     m, s, u, label_logit, theta = stats
     return m, s, u, label_logit, theta, outside
+
+
+def truncated_stats_of_logits(
+    logits: torch.Tensor,
+    scale: float,
+    m: torch.Tensor,
+    s: torch.Tensor,
+    label_logit: torch.Tensor,
+    hit: torch.Tensor,
+    shard: VocabShard,
+    trunc: Truncation,
+    tp_group: dist.ProcessGroup | None,
+    tp_size: int,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`truncated_stats` of a token chunk whose logits this rank holds (the training path,
+    ``megarl.kernels.linear_loss``): (m, s, u, label_logit, theta, outside) ``[tc]`` of the truncated
+    distribution.
+
+    ``logits`` ``[tc, >= shard.valid]``: the chunk's logits of this shard, z / ``scale`` in its first
+    ``shard.valid`` columns (``scale`` = 1 / temperature where they are the raw logits, 1 where
+    they are z); (m, s, label_logit) ``[tc]``: the chunk's global max, sum exp(z - m) and label
+    logit over the whole vocabulary (already reduced over TP); ``hit``: the label is a real token.
+    The candidates are a ``topk`` of the stored logits (no GEMM), gathered over the TP group as
+    :func:`truncated_stats` does; positions the first C do not cover take 4 x C, from the same
+    logits (a copy of those rows). Collective over ``tp_group``.
+    """
+    num_tokens, opts = logits.shape[0], {"dtype": torch.float32, "device": logits.device}
+    kept_s, kept_u = torch.zeros(num_tokens, **opts), torch.zeros(num_tokens, **opts)
+    theta = torch.full((num_tokens,), -math.inf, **opts)
+    outside = torch.zeros(num_tokens, dtype=torch.bool, device=logits.device)
+    n = max(trunc.candidates, trunc.top_k)
+    rows, first = torch.arange(num_tokens, device=logits.device), True
+    while rows.numel():  # the same rows on every TP rank: the candidates are global
+        part = logits[:, : shard.valid] if first else logits.index_select(0, rows)[:, : shard.valid]
+        top = _gather_candidates(_top_of(part, n + 1, scale), tp_group, tp_size)  # [r, n + 1]
+        args = (m[rows], s[rows], label_logit[rows], hit[rows], trunc, n, shard.vocab_size)
+        row_theta, covered, out = _threshold_from_candidates(top, *args)
+        done = rows[covered]
+        kept_s[done], kept_u[done] = _kept_sums(top[covered, :n], m[done], row_theta[covered])
+        theta[done], outside[done] = row_theta[covered], out[covered]
+        rows, n, first = rows[~covered], n * 4, False
+    return m, kept_s, kept_u, label_logit, theta, outside
+
+
+def _top_of(logits: torch.Tensor, k: int, scale: float) -> torch.Tensor:
+    """The k largest of each row of ``logits`` ``[r, v]`` times ``scale`` ``[r, k]``, -inf padded past v."""
+    found = min(k, logits.shape[1])
+    top = logits.topk(found, dim=1).values if found else logits.new_empty(logits.shape[0], 0)
+    top = top * scale if scale != 1 else top
+    pad = top.new_full((top.shape[0], k - found), -math.inf)
+    return torch.cat([top, pad], dim=1) if k > found else top

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megarl.kernels import Truncation, fused_logprobs_entropy
+from megarl.kernels.linear_loss import fused_linear_token_loss
 
 V, H, T = 300, 16, 23
 CASES = [
@@ -112,6 +113,41 @@ def test_truncated_logprobs_match_full_softmax_then_mask(trunc, temperature):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
+def _training_path(hidden, weight, labels, coefs, temperature, trunc, **kwargs):
+    """fused_linear_token_loss (gradients made in the forward) with the loss _ours backpropagates."""
+    hidden = hidden.clone().requires_grad_(True)
+    weight = weight.clone().requires_grad_(True)
+    loss, logp, ent, outside = fused_linear_token_loss(
+        hidden,
+        weight,
+        labels,
+        lambda t0, t1, lp, en: coefs[0, t0:t1] * lp + coefs[1, t0:t1] * en,
+        temperature=temperature,
+        chunk_tokens=5,
+        truncation=trunc,
+        return_outside=True,
+        backend="torch",
+        **kwargs,
+    )
+    loss.backward()
+    return logp, ent, hidden.grad, weight.grad, outside
+
+
+@pytest.mark.parametrize("trunc", CASES, ids=repr)
+def test_training_path_with_truncation_matches_the_logprob_path(trunc):
+    """The threshold from a topk of each chunk's stored logits (candidates grown where they do not
+    cover the kept set) gives the logprob path's logprob, entropy and gradients; a label below its
+    threshold is counted the same way."""
+    hidden, weight, coefs = _inputs(seed=3, scale=2.0 if trunc.candidates > 4 else 0.3)
+    labels = _sampled_labels(hidden, weight, 0.7, trunc, seed=4)
+    labels[0] = (hidden[0] @ weight.T).argmin()  # below every threshold: outside, theta lowered
+    got = _training_path(hidden, weight, labels, coefs, 0.7, trunc)
+    want = _ours(hidden, weight, labels, coefs, 0.7, trunc)
+    assert got[4][0] and torch.equal(got[4], want[4])
+    for a, b in zip(got[:4], want[:4]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
 def test_truncation_changes_the_logprob_and_off_means_full_softmax():
     hidden, weight, coefs = _inputs(seed=5, scale=2.0)
     trunc = Truncation(top_p=0.8, top_k=20)
@@ -162,6 +198,11 @@ def _tp_worker(rank: int, port: int) -> None:
             mine = want[3][rank * rows : (rank + 1) * rows]
             torch.testing.assert_close(got[3][: mine.shape[0]], mine, atol=2e-5, rtol=1e-4)
             assert not got[3][mine.shape[0] :].any()  # padding rows: no gradient
+            # the training path: candidates of each chunk's stored logits, gathered over the group
+            trained = _training_path(hidden, shard, labels, coefs, 0.7, trunc, tp_group=group, vocab_size=V)
+            assert torch.equal(trained[4], got[4])
+            for a, b in zip(trained[:4], got[:4]):
+                torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
     finally:
         dist.destroy_process_group()
 

@@ -7,7 +7,9 @@ against float64 with the mask; ``megarl.kernels._cuda.grads`` with the threshold
 ``truncation.truncated_stats`` finds (top-p + top-k, min-p) against the torch path on one rank and
 over two vocab shards that share the global threshold; ``fused_logprobs_entropy(backend="cuda",
 truncation=...)`` running that backward; and that a kernel ignoring the threshold is far outside
-the tolerance (the truncated and untruncated gradients differ by a clear margin).
+the tolerance (the truncated and untruncated gradients differ by a clear margin). The training
+path (``fused_linear_token_loss``) on the kernels: the threshold from each chunk's stored logits,
+then ``softmax_grad.cu`` with it.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import math
 import pytest
 import torch
 
-from megarl.kernels import Truncation, _cuda, fused_logprobs_entropy
+from megarl.kernels import Truncation, _cuda, fused_logprobs_entropy, linear_loss
 from megarl.kernels.reference import VocabShard, finalize_stats, grads_chunked
 from megarl.kernels.selfcheck import TOLERANCES
 from megarl.kernels.truncation import truncated_stats
 
 from .test_kernels_emulated import MAINLOOPS, _bf16_ulp, _f32, _logits, _operands, _read, _run
-from .test_training_path_emulated import _use_emulated_kernels
+from .test_training_path_emulated import EmulatedExtension, _use_emulated_kernels
 
 TRUNCATIONS = [
     pytest.param(Truncation(top_p=0.8, top_k=20), id="top_p0.8-top_k20"),
@@ -286,6 +288,56 @@ def test_fused_logprobs_entropy_runs_the_cuda_backward_with_truncation(run_kerne
     # dL/dlogprob, dL/dentropy = coefs: the bound of those upstream gradients
     lse, mean_z, theta = _truncated_softmax(hidden, weight, labels, trunc)
     torch.testing.assert_close(seen[0], theta, rtol=1e-6, atol=1e-6)  # other chunk sizes: rounding
+    g_lp = torch.where((labels >= 0) & (labels < V), coefs[0], 0.0)
+    exact_h, exact_w = _exact(hidden, weight, labels, lse, mean_z, g_lp, coefs[1], theta)
+    _assert_close(got[2], want[2], exact_h)
+    _assert_close(got[3][:V], want[3][:V], exact_w)
+    assert not got[3][V:].any()
+
+
+@pytest.mark.parametrize("trunc", TRUNCATIONS)
+def test_training_path_on_the_kernels_with_truncation(run_kernels, tmp_path, monkeypatch, trunc):
+    """fused_linear_token_loss(backend="cuda", truncation=...): the storing forward, the threshold
+    from a topk of each chunk's stored raw logits, then softmax_grad.cu with it; against the torch
+    training path and the float64 gradient."""
+    hidden, weight, labels = (t.float() if t.is_floating_point() else t for t in _case(seed=51))
+    coefs = torch.randn(2, T, generator=torch.Generator().manual_seed(52))
+
+    def run(backend):
+        h = hidden.clone().requires_grad_(True)
+        w = weight.clone().requires_grad_(True)
+        loss, lp, ent, outside = linear_loss.fused_linear_token_loss(
+            h,
+            w,
+            labels,
+            lambda t0, t1, lp, ent: coefs[0, t0:t1] * lp + coefs[1, t0:t1] * ent,
+            temperature=TAU,
+            vocab_size=V,
+            chunk_tokens=16,
+            truncation=trunc,
+            return_outside=True,
+            backend=backend,
+        )
+        loss.backward()
+        return lp, ent, h.grad, w.grad, outside
+
+    want = run("torch")
+    _emulated(run_kernels, tmp_path, monkeypatch, "sm80")
+    seen = []
+    real = EmulatedExtension.softmax_grad_stored
+
+    def softmax_grad_stored(self, *args, theta=None):
+        seen.append(theta)
+        return real(self, *args, theta=theta)
+
+    monkeypatch.setattr(EmulatedExtension, "softmax_grad_stored", softmax_grad_stored)
+    got = run("cuda")
+    assert len(seen) == 4 and all(theta is not None for theta in seen)  # one per 16-token chunk
+    assert torch.equal(got[4], want[4])
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    lse, mean_z, theta = _truncated_softmax(hidden.bfloat16(), weight.bfloat16(), labels, trunc)
+    torch.testing.assert_close(torch.cat(seen), theta, atol=1e-5, rtol=1e-6)
     g_lp = torch.where((labels >= 0) & (labels < V), coefs[0], 0.0)
     exact_h, exact_w = _exact(hidden, weight, labels, lse, mean_z, g_lp, coefs[1], theta)
     _assert_close(got[2], want[2], exact_h)
