@@ -84,19 +84,28 @@ class LMHeadOutput:
         )
 
     def token_loss(
-        self, labels: torch.Tensor, token_loss_fn: TokenLossFn, temperature: float, where: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        labels: torch.Tensor,
+        token_loss_fn: TokenLossFn,
+        temperature: float,
+        where: torch.Tensor,
+        truncation: Truncation | None = None,
+        return_outside: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """The training path: ``sum_t token_loss_fn(...)`` over the rows ``where`` (bool ``[T]``) with
         the head's gradients computed in the forward (``megarl.kernels.linear_loss``: 6·T·V·H FLOPs).
 
         ``token_loss_fn`` gets positions among the selected rows. Returns (loss, logprob [T],
-        entropy [T]); the last two detached, 0 outside ``where``.
+        entropy [T]); the last two detached, 0 outside ``where``. ``truncation`` and
+        ``return_outside`` as :meth:`logprobs_entropy`'s.
         """
         rows = where.nonzero().squeeze(-1)  # [N]
         zeros = torch.zeros(labels.shape, dtype=torch.float32, device=self.hidden.device)
+        no = torch.zeros(labels.shape, dtype=torch.bool, device=self.hidden.device)
         if rows.numel() == 0:  # nothing to score: a zero that still belongs to the graph
-            return self.hidden.sum().float() * 0.0, zeros, zeros
-        loss, logp, entropy = fused_linear_token_loss(
+            out = (self.hidden.sum().float() * 0.0, zeros, zeros)
+            return (*out, no) if return_outside else out
+        loss, logp, entropy, outside = fused_linear_token_loss(
             self.hidden.index_select(0, rows),
             self.weight,
             labels.index_select(0, rows),
@@ -107,8 +116,11 @@ class LMHeadOutput:
             vocab_size=self.vocab_size,
             reduce_grad_hidden=self.reduce_grad_hidden,
             backend=self.backend,
+            truncation=truncation,
+            return_outside=True,
         )
-        return loss, zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy)
+        out = (loss, zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy))
+        return (*out, no.index_copy(0, rows, outside)) if return_outside else out
 
     def logprobs(
         self, labels: torch.Tensor, temperature: float = 1.0, truncation: Truncation | None = None

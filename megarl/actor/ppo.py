@@ -317,15 +317,20 @@ def ppo_loss(
     """
     mask = _mask(mb)
     truncation = replayed_truncation(cfg)
-    if _grads_in_forward(cfg, head) and truncation is None:
-        return _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap)
+    if _grads_in_forward(cfg, head):
+        return _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap, truncation)
     logp, entropy, outside = head.logprobs_entropy(
         mb["labels"], cfg.temperature, where=mask, truncation=truncation, return_outside=True
     )  # no head work on prompts
+    _record_truncation(truncation, mask, outside)
+    return _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap)
+
+
+def _record_truncation(truncation: Truncation | None, mask: torch.Tensor, outside: torch.Tensor) -> None:
+    """The share of the micro-batch's tokens whose label fell below its truncation threshold."""
     if truncation is not None:
         stats_tracker.denominator(**{"truncation/n_tokens": mask})
         stats_tracker.stat(denominator="truncation/n_tokens", **{"truncation/label_outside": outside.float()})
-    return _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap)
 
 
 def replayed_truncation(cfg: PPOActorConfig) -> Truncation | None:
@@ -377,9 +382,11 @@ def _token_weights(mask: torch.Tensor, cfg: PPOActorConfig, cu_seqlens: torch.Te
     return coeff / weight.detach().clamp(min=1)
 
 
-def _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap) -> torch.Tensor:
+def _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap, truncation=None) -> torch.Tensor:
     """:func:`ppo_loss` on the training path: the same loss, its gradient made chunk by chunk in the
-    head's forward (``LMHeadOutput.token_loss``), and the same statistics (from the detached logprobs)."""
+    head's forward (``LMHeadOutput.token_loss``; ``truncation``: of the replayed sampling
+    distribution, the threshold from each chunk's logits), and the same statistics (from the
+    detached logprobs)."""
     logger.debug("ppo_loss: training path (grads in the head's forward), surrogate via losses.policy_loss")
     rows = mask.nonzero().squeeze(-1)  # the head's rows
     coeff = _token_weights(mask, cfg, mb["cu_seqlens"].long(), norm_len)[rows]
@@ -394,7 +401,10 @@ def _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap) -> torch.Tens
         token_loss, _ = _add_penalties(out.loss, cfg, chunk, on, logp, entropy)
         return token_loss * coeff[t0:t1]
 
-    loss, logp, entropy = head.token_loss(mb["labels"], terms, cfg.temperature, where=mask)
+    loss, logp, entropy, outside = head.token_loss(
+        mb["labels"], terms, cfg.temperature, where=mask, truncation=truncation, return_outside=True
+    )
+    _record_truncation(truncation, mask, outside)
     with torch.no_grad():  # statistics only
         _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, policy_surrogate(cfg), gap)
     return loss

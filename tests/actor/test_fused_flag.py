@@ -199,6 +199,8 @@ TRAINING_PATH_CONFIGS = {
     "prox-from-update": {"recompute_logprob": True, "entropy_coeff": 0.02},
     "seq-mean-token-mean": {"loss_agg_mode": "seq-mean-token-mean", "kl_ctl": 0.1, "kl_estimator": "k3"},
     "dr-grpo": {"loss_agg_mode": "seq-mean-token-sum-norm", "entropy_coeff": 0.01},
+    # truncation replay: the threshold from each chunk's logits; labels outside the kept set counted
+    "truncation": {"top_p": 0.8, "top_k": 5, "kl_ctl": 0.1, "entropy_coeff": 0.01},
 }
 
 
@@ -220,6 +222,8 @@ def test_training_path_matches_the_logprobs_then_loss_path(monkeypatch, override
     assert trained[3].keys() == pure[3].keys()
     for key, want in pure[3].items():
         assert trained[3][key] == pytest.approx(want, rel=1e-5, abs=1e-7), key
+    if "top_k" in overrides:  # uniform labels: most lie outside the top 5, each counted
+        assert trained[3]["truncation/label_outside/avg"] > 0.5
 
 
 def _counted(fn):
