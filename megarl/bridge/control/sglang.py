@@ -123,21 +123,50 @@ class SGLangControl(ServerControl):
         http_json(self.address, "/update_weight_version", body, self.timeout)
         http_json(self.address, "/flush_cache", None, self.timeout)
 
+    def score_payload(self, seq: list[int], k: int = 0) -> dict:
+        """The ``/generate`` body that scores ``seq`` (``GenerateReqInput``): the logprob of each of its
+        tokens, and with ``k`` > 0 the ``k`` most likely tokens at each position too."""
+        body = {
+            "input_ids": list(seq),
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        return {**body, "top_logprobs_num": k} if k > 0 else body
+
+    def _input_logprobs(self, seq: list[int], field: str, k: int = 0) -> list:
+        """``meta_info[field]`` of the reply scoring ``seq``, past its first token (which has none)."""
+        reply = http_json(self.address, "/generate", self.score_payload(seq, k), self.timeout)
+        try:
+            entries = reply["meta_info"][field][1:]
+        except (KeyError, IndexError, TypeError) as e:
+            raise ServerControlError(self.address, "/generate", f"no {field} in reply ({e})") from None
+        if len(entries) != len(seq) - 1:
+            raise ServerControlError(
+                self.address, "/generate", f"{field} has {len(entries)} positions for {len(seq) - 1} tokens"
+            )
+        return entries
+
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         out = []
         for seq in sequences:
-            body = {
-                "input_ids": list(seq),
-                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-                "return_logprob": True,
-                "logprob_start_len": 0,
-            }
-            reply = http_json(self.address, "/generate", body, self.timeout)
-            try:
-                entries = reply["meta_info"]["input_token_logprobs"][1:]
+            entries = self._input_logprobs(seq, "input_token_logprobs")
+            try:  # each entry is (logprob, token_id, text or None)
                 out.append([float(e[0]) for e in entries])
-            except (KeyError, IndexError, TypeError) as e:
-                raise ServerControlError(self.address, "/generate", f"no input_token_logprobs in reply ({e})") from None
+            except (IndexError, TypeError, ValueError) as e:
+                raise ServerControlError(self.address, "/generate", f"malformed input_token_logprobs ({e})") from None
+        return out
+
+    def score_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+        """``top_logprobs_num: k``: SGLang returns, per input position, its k most likely tokens as
+        (logprob, token_id, text or None), most likely first (``TokenizerManager.add_logprob_to_meta_info``)."""
+        out = []
+        for seq in sequences:
+            entries = self._input_logprobs(seq, "input_top_logprobs", k)
+            try:
+                out.append([{int(tok): float(logprob) for logprob, tok, _ in entry[:k]} for entry in entries])
+            except (IndexError, TypeError, ValueError) as e:
+                raise ServerControlError(self.address, "/generate", f"malformed input_top_logprobs ({e})") from None
         return out
 
     def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
