@@ -52,11 +52,12 @@ from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel as tpl
+from megatron.core.tensor_parallel import mappings
 
 from megarl.models.hf_io import ShardCoords, canonical_params, unwrap
 
 AdapterSplit = Literal["replicated", "column", "row", "gate_up"]
-ADAPTER_PARAMS = (".adapter.lora_a", ".adapter.lora_b")
 
 
 class LoRASettings(Protocol):
@@ -85,11 +86,9 @@ class LoRAAdapter(torch.nn.Module):
 
     def __init__(self, base: torch.nn.Module, rank: int, alpha: float, dropout: float, gated: bool):
         super().__init__()
-        from megatron.core import tensor_parallel as tpl
-
         self.row = isinstance(base, tpl.RowParallelLinear)
-        self.group = base.tp_group
-        self.size = 1 if self.group is None else self.group.size()
+        self.group = base.tp_group  # the expert-TP group on an expert linear
+        self.size, self.tp_rank = self.group.size(), self.group.rank()
         if base.explicit_expert_comm and self.size > 1:
             raise ValueError(
                 "LoRA on expert linears needs expert tensor parallelism 1 "
@@ -113,8 +112,6 @@ class LoRAAdapter(torch.nn.Module):
     def _tag(self, base: torch.nn.Module) -> None:
         """Megatron's parameter attributes: which are split (grad norm), expert-parallel (DDP
         groups), and which sum over TP (``A`` of a column adapter under sequence parallelism)."""
-        from megatron.core import tensor_parallel as tpl
-
         for name, param in (("lora_a", self.lora_a), ("lora_b", self.lora_b)):
             split = self.splits[name]
             is_split = split != "replicated" or self.local
@@ -124,8 +121,6 @@ class LoRAAdapter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: the base linear's input ``[s, b, in]`` (its shard); returns what adds to its output."""
-        from megatron.core.tensor_parallel import mappings
-
         x = self.dropout(x)
         h = x @ self.lora_a.t()  # [s, b, r]: partial over TP when row-parallel
         if self.row and not self.local:
@@ -153,8 +148,6 @@ def _target_name(name: str) -> str:
 
 
 def _require_local_linear(name: str, module: torch.nn.Module) -> None:
-    from megatron.core import tensor_parallel as tpl
-
     if type(module) not in (tpl.ColumnParallelLinear, tpl.RowParallelLinear):
         raise ValueError(
             f"LoRA wraps Megatron's own column- and row-parallel linears; {name} is a {type(module).__name__} "
@@ -194,8 +187,8 @@ def adapter_params(chunks: list, coords: ShardCoords) -> Iterator[AdapterParam]:
                 continue
             for which in ("lora_a", "lora_b"):
                 param = getattr(module, which)
-                rank = dist.get_rank(module.group) if module.size > 1 else 0
-                yield AdapterParam(canonical[id(param)], param, module.splits[which], module.group, rank, module.size)
+                split = module.splits[which]
+                yield AdapterParam(canonical[id(param)], param, split, module.group, module.tp_rank, module.size)
 
 
 def shard(full: torch.Tensor, split: AdapterSplit, rank: int, size: int) -> torch.Tensor:
