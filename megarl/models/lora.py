@@ -141,6 +141,12 @@ def _add_adapter_output(module: torch.nn.Module, args: tuple, kwargs: dict, outp
     return out + module.adapter(x).to(out.dtype), bias
 
 
+def _input_requires_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """A frozen embedding's output needs no gradient, so a reentrant activation checkpoint around the
+    first layer (Megatron's full recompute) would pass none to the adapters inside it: ask for one."""
+    return output.requires_grad_(True)
+
+
 def _target_name(name: str) -> str:
     """What ``target_modules`` calls the module at ``name``: its last part, after ``experts.`` in a routed expert."""
     last = name.rsplit(".", 1)[-1]
@@ -164,6 +170,8 @@ def add_adapters(chunks: list, settings: LoRASettings) -> int:
     for chunk in chunks:
         model = unwrap(chunk)
         model.requires_grad_(False)
+        if getattr(model, "pre_process", False):
+            model.embedding.register_forward_hook(_input_requires_grad)
         gated = bool(model.config.gated_linear_unit)
         for name, module in list(model.named_modules()):
             if _target_name(name) not in targets:

@@ -46,13 +46,20 @@ def nonzero_adapter(name: str, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def _lora_engine(
-    model_dir: str, alloc: str, targets: list[str], sequence_parallel: bool, n_mbs: int, distributed: bool
+    model_dir: str,
+    alloc: str,
+    targets: list[str],
+    sequence_parallel: bool,
+    n_mbs: int,
+    distributed: bool,
+    recompute: bool,
 ):
     from megarl.actor.engine import MegatronEngine
 
     optimizer = OptimizerConfig(lr=1e-3, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=distributed)
     cfg = engine_config(model_dir, optimizer=optimizer, n_mbs=n_mbs, sequence_parallel=sequence_parallel)
     cfg.lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets)
+    cfg.gradient_checkpointing = recompute
     engine = MegatronEngine(cfg)
     engine.create_process_group(alloc)
     engine.initialize()
@@ -78,6 +85,7 @@ def lora_run(
     wrong_splits: bool = False,
     measure_full: bool = False,
     distributed_optimizer: bool = False,
+    recompute: bool = False,
 ) -> dict:
     """On this rank's DP share of ``batch``, with :func:`nonzero_adapter`'s adapters: logprobs, PPO loss and the
     full adapter gradients, the frozen base's state, one Adam step (logprobs after, base unchanged), and
@@ -85,7 +93,7 @@ def lora_run(
     from megarl.actor import cpu_shim
     from megarl.models import lora
 
-    engine = _lora_engine(model_dir, alloc, targets, sequence_parallel, n_mbs, distributed_optimizer)
+    engine = _lora_engine(model_dir, alloc, targets, sequence_parallel, n_mbs, distributed_optimizer, recompute)
     p = engine.parallel
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
     lora.load_full(engine.model, engine.coords, nonzero_adapter)

@@ -146,7 +146,8 @@ def test_parity_catches_a_swapped_split(tp2, llama_ref, what):
 @pytest.mark.parametrize(
     "alloc,kwargs",
     [
-        pytest.param("d1p2t1", {"distributed_optimizer": True}, id="d1p2t1-distributed-optimizer"),
+        pytest.param("d1p2t1", {"distributed_optimizer": True, "recompute": True}, id="d1p2t1-dist-opt-recompute"),
+        pytest.param("d1p2t1v2", {}, id="d1p2t1v2", marks=pytest.mark.slow),
         pytest.param("d1p2t2", {"sequence_parallel": False}, id="d1p2t2-no-sp", marks=pytest.mark.slow),
     ],
 )
