@@ -7,7 +7,10 @@ exact torch reference (``megarl.kernels.reference``'s arithmetic) in float64:
 - the forward: split statistics merged into logprob and entropy (``local_stats``);
 - the recomputing backward: dz chunks of 128 columns, then the two gradient GEMMs (``grads``);
 - the training path: the storing forward's raw logits and statistics (``logits_and_stats``), then
-  the softmax gradient of the stored logits (``softmax_grad_stored``).
+  the softmax gradient of the stored logits (``softmax_grad_stored``);
+- truncation replay: both backward kernels again with a per-token threshold (``threshold=``; two
+  rows in three keep their 16 to 24 largest logits, the third none dropped) and the truncated
+  softmax's lse and E[z].
 
 The problem is small (a few million multiply-adds: milliseconds on a GPU) but ragged where the
 kernels' index arithmetic has edges: 130 tokens (a full 128-token tile and a partial one), a
@@ -33,6 +36,7 @@ from megarl.kernels.reference import VocabShard, _label_in_chunk, chunk_triple, 
 TOKENS, HIDDEN, ROWS, VALID, VOCAB_START, TEMPERATURE = 130, 72, 300, 289, 1000, 0.7
 EDGE_LABELS = (0, 127, 128, 255, 256, VALID - 1)  # local rows on the 128- and 256-row tile edges
 DZ_CHUNK = 128  # the backward's column chunk: three chunks, the last one partial and odd
+KEPT = range(16, 25)  # tokens a truncated row keeps: where its logits have the widest gap
 
 # (atol, rtol) of each output against the float64 reference. The statistics and the logits are
 # fp32 accumulations of a K = 72 dot product (errors near 1e-6; --use_fast_math's exp adds about
@@ -120,6 +124,17 @@ class _Reference:
     mean_z: torch.Tensor
     inside: torch.Tensor  # the label is a real row of the shard
     dz: torch.Tensor  # dL/dx = dL/dz / tau [T, VALID]
+    truncated: _Truncated
+
+
+@dataclass(frozen=True)
+class _Truncated:
+    """The truncated softmax the check's threshold keeps."""
+
+    theta: torch.Tensor  # [T] fp32, units of z; -inf on every third row (nothing dropped)
+    lse: torch.Tensor
+    mean_z: torch.Tensor
+    dz: torch.Tensor  # dL/dx with p = 0 below theta [T, VALID]
 
 
 def _reference(p: _Problem) -> _Reference:
@@ -131,7 +146,24 @@ def _reference(p: _Problem) -> _Reference:
     logprob, entropy, lse, mean_z = finalize_stats(*chunk_triple(z), label_logit, inside)
     prob = (z - lse[:, None]).exp()
     dz = softmax_grad_(z.clone(), prob, mean_z, p.g_lp.double(), p.g_ent.double(), idx, inside) * p.inv_tau
-    return _Reference(raw, logprob, entropy, lse, mean_z, inside, dz)
+    return _Reference(raw, logprob, entropy, lse, mean_z, inside, dz, _truncated(p, z, idx, inside))
+
+
+def _truncated(p: _Problem, z: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor) -> _Truncated:
+    """A threshold halfway across the widest gap between a row's k-th and (k+1)-th largest z for k
+    in KEPT (a gap of tenths: the kernels' fp32 logits fall on the same side as these float64
+    ones), and the reference's gradient under it."""
+    top = z.topk(KEPT.stop, dim=1).values  # [T, 25] descending
+    gaps = top[:, KEPT.start - 1 : KEPT.stop - 1] - top[:, KEPT.start : KEPT.stop]
+    k = gaps.argmax(dim=1, keepdim=True) + KEPT.start - 1  # [T, 1]: the last kept
+    theta = (top.gather(1, k) + top.gather(1, k + 1)).squeeze(1) / 2
+    theta[::3] = -math.inf
+    kept = z >= theta[:, None]
+    lse = torch.where(kept, z, -math.inf).logsumexp(dim=1)
+    prob = torch.where(kept, (z - lse[:, None]).exp(), 0.0)
+    mean_z = (prob * z).sum(dim=1)
+    dz = softmax_grad_(z.clone(), prob, mean_z, p.g_lp.double(), p.g_ent.double(), idx, inside) * p.inv_tau
+    return _Truncated(theta.float(), lse, mean_z, dz)
 
 
 @dataclass(frozen=True)
@@ -168,14 +200,15 @@ def _stats_diffs(prefix: str, stats: tuple[torch.Tensor, ...], ref: _Reference) 
     ]
 
 
-def _gradient_diffs(p: _Problem, ref: _Reference, d_hidden, d_weight) -> list[_Diff]:
+def _gradient_diffs(p: _Problem, dz: torch.Tensor, d_hidden, d_weight, prefix: str = "backward") -> list[_Diff]:
     atol, rtol = TOLERANCES["gradients"]
     weight, hidden = p.weight[: p.shard.valid].double(), p.hidden.double()
     rows = p.shard.valid
+    padding = torch.zeros_like(d_weight[rows:], dtype=torch.float64)
     return [
-        _diff("backward d_hidden", d_hidden, ref.dz @ weight, atol + rtol * (ref.dz.abs() @ weight.abs())),
-        _diff("backward d_weight", d_weight[:rows], ref.dz.T @ hidden, atol + rtol * (ref.dz.abs().T @ hidden.abs())),
-        _diff("backward padding rows", d_weight[rows:], torch.zeros_like(d_weight[rows:], dtype=torch.float64), 1e-30),
+        _diff(f"{prefix} d_hidden", d_hidden, dz @ weight, atol + rtol * (dz.abs() @ weight.abs())),
+        _diff(f"{prefix} d_weight", d_weight[:rows], dz.T @ hidden, atol + rtol * (dz.abs().T @ hidden.abs())),
+        _diff(f"{prefix} padding rows", d_weight[rows:], padding, 1e-30),
     ]
 
 
@@ -190,7 +223,14 @@ def _compare(drivers: Drivers, p: _Problem, ref: _Reference, mainloop: str) -> l
     dz = drivers.softmax_grad_stored(logits, p.labels, p.shard, p.inv_tau, *vectors)
     diffs.append(_close("training dz", dz, ref.dz, "dz"))
     d_hidden, d_weight = drivers.grads(*args, *vectors, DZ_CHUNK, mainloop=mainloop)
-    return diffs + _gradient_diffs(p, ref, d_hidden, d_weight)
+    diffs += _gradient_diffs(p, ref.dz, d_hidden, d_weight)
+    # truncation replay: the same kernels with the threshold
+    cut = ref.truncated
+    vectors = [t.float() for t in (cut.lse, cut.mean_z)] + [p.g_lp, p.g_ent]
+    dz = drivers.softmax_grad_stored(logits, p.labels, p.shard, p.inv_tau, *vectors, threshold=cut.theta)
+    diffs.append(_close("truncated training dz", dz, cut.dz, "dz"))
+    d_hidden, d_weight = drivers.grads(*args, *vectors, DZ_CHUNK, mainloop=mainloop, threshold=cut.theta)
+    return diffs + _gradient_diffs(p, cut.dz, d_hidden, d_weight, "truncated backward")
 
 
 def run_check(drivers: Drivers, device: torch.device, mainloop: str) -> CheckResult:

@@ -5,6 +5,7 @@ import torch
 
 from megarl.actor.fused_ppo_loss import fused_ppo_loss, ppo_loss_backend
 from megarl.kernels import (
+    Truncation,
     _cuda,
     fused_logprobs_entropy,
     logprobs_backend,
@@ -116,6 +117,54 @@ def test_training_path_kernels_match_its_torch_ops(mainloop, T, H, rows, pad, st
         torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)
     assert rel_err(got[3], want[3]) < 1e-2 and rel_err(got[4], want[4]) < 1e-2
     assert torch.all(got[4][rows - pad :] == 0)
+
+
+TRUNCATIONS = [Truncation(top_p=0.8, top_k=20), Truncation(min_p=0.1)]
+
+
+@pytest.mark.parametrize("trunc", TRUNCATIONS, ids=repr)
+def test_truncation_on_both_paths_matches_the_torch_ones(mainloop, trunc):
+    """Truncation replay on the GPU: the recomputing backward and softmax_grad.cu with the per-token
+    threshold against the torch paths (the logprob path's forward is torch on both)."""
+    from megarl.kernels.linear_loss import fused_linear_token_loss
+
+    T, H, rows, pad, tau = 257, 256, 2311, 11, 0.7
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(rows, H, device="cuda", generator=g) * H**-0.5 * 4).bfloat16()
+    vocab = rows - pad
+    z = hidden.float() @ weight[:vocab].float().T / tau
+    labels = torch.multinomial(z.softmax(dim=1), 1, generator=g).squeeze(1)  # as sampled (most kept)
+    coefs = torch.randn(2, T, device="cuda", generator=g)
+    kw = {"temperature": tau, "vocab_size": vocab, "chunk_vocab": 1024, "truncation": trunc}
+    got = run("cuda", hidden, weight, labels, coefs, **kw)
+    want = run("torch", hidden, weight, labels, coefs, **kw)
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)  # the same torch forward
+    assert rel_err(got[2], want[2]) < 1e-2 and rel_err(got[3], want[3]) < 1e-2
+    full = run("cuda", hidden, weight, labels, coefs, **{**kw, "truncation": None})
+    assert rel_err(full[2], got[2]) > 0.2  # the threshold is not ignored (0.38 in fp32 on a CPU)
+
+    results = {}
+    for backend in ("cuda", "torch"):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss, logp, ent = fused_linear_token_loss(
+            h,
+            w,
+            labels,
+            lambda t0, t1, lp, e: coefs[0, t0:t1] * lp + coefs[1, t0:t1] * e,
+            temperature=tau,
+            vocab_size=vocab,
+            chunk_tokens=128,
+            backend=backend,
+            truncation=trunc,
+        )
+        loss.backward()
+        results[backend] = (logp, ent, h.grad.float(), w.grad.float())
+    for a, b in zip(results["cuda"][:2], want[:2]):  # against the logprob path
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)
+    (_, _, gh, gw), (_, _, wh, ww) = results["cuda"], results["torch"]
+    assert rel_err(gh, wh) < 1e-2 and rel_err(gw, ww) < 1e-2
+    assert torch.all(gw[vocab:] == 0)
 
 
 @pytest.mark.parametrize("wgmma", [False, True])

@@ -46,6 +46,16 @@ class SoftmaxGradOffByOnePercent(EmulatedExtension):
         args[9].mul_(1.01)  # dz
 
 
+class IgnoresTheThreshold(EmulatedExtension):
+    """Backward kernels that drop the truncation threshold (the full softmax's p below it)."""
+
+    def logprob_backward_dz(self, *args, theta=None):
+        super().logprob_backward_dz(*args)
+
+    def softmax_grad_stored(self, *args, theta=None):
+        super().softmax_grad_stored(*args)
+
+
 @pytest.fixture
 def emulated(run_kernels, tmp_path, monkeypatch):
     """install(Extension): _cuda drives that extension on the CPU, on a device whose sm_90a probe
@@ -121,6 +131,15 @@ def test_when_every_mainloop_fails_the_torch_path_runs(emulated, caplog, monkeyp
     assert "sm90 failed its self-check: training dz off by up to" in warning
     assert "sm80 failed its self-check: training dz off by up to" in warning
     assert _cuda.active_path(CPU) == "torch"
+
+
+def test_kernels_that_ignore_the_truncation_threshold_fail_the_check(emulated, caplog):
+    emulated(IgnoresTheThreshold)
+    with caplog.at_level(logging.WARNING):
+        assert _cuda.kernel_path(CPU) == "torch"
+    (warning,) = _warnings(caplog)
+    assert "sm90 failed its self-check: truncated " in warning
+    assert "sm80 failed its self-check: truncated " in warning
 
 
 @pytest.mark.parametrize("forced", ["sm90", "sm80"])
