@@ -9,15 +9,18 @@ over two vocab shards that share the global threshold; ``fused_logprobs_entropy(
 truncation=...)`` running that backward; and that a kernel ignoring the threshold is far outside
 the tolerance (the truncated and untruncated gradients differ by a clear margin). The training
 path (``fused_linear_token_loss``) on the kernels: the threshold from each chunk's stored logits,
-then ``softmax_grad.cu`` with it.
+then ``softmax_grad.cu`` with it. Both paths over a real 2-rank gloo group (slow).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from megarl.kernels import Truncation, _cuda, fused_logprobs_entropy, linear_loss
 from megarl.kernels.reference import VocabShard, finalize_stats, grads_chunked
@@ -25,7 +28,7 @@ from megarl.kernels.selfcheck import TOLERANCES
 from megarl.kernels.truncation import truncated_stats
 
 from .test_kernels_emulated import MAINLOOPS, _bf16_ulp, _f32, _logits, _operands, _read, _run
-from .test_training_path_emulated import EmulatedExtension, _use_emulated_kernels
+from .test_training_path_emulated import EmulatedExtension, _free_port, _use_emulated_kernels
 
 TRUNCATIONS = [
     pytest.param(Truncation(top_p=0.8, top_k=20), id="top_p0.8-top_k20"),
@@ -343,3 +346,71 @@ def test_training_path_on_the_kernels_with_truncation(run_kernels, tmp_path, mon
     _assert_close(got[2], want[2], exact_h)
     _assert_close(got[3][:V], want[3][:V], exact_w)
     assert not got[3][V:].any()
+
+
+WORLD = 2
+
+
+def _tp_worker(rank: int, port: int, exe: str, workdir: str) -> None:
+    """Both truncated paths on the emulated kernels (the sm90 mainloop) over
+    a real 2-rank gloo group: the candidates gathered over it, each shard's kernels with the global
+    threshold; equal to the single-rank torch paths."""
+    _use_emulated_kernels(Path(exe), Path(workdir), "sm90", setattr)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        group = dist.new_group([0, 1])
+        own = slice(rank * ROWS, (rank + 1) * ROWS)
+        for i, trunc in enumerate(Truncation(**kw) for kw in ({"top_p": 0.8, "top_k": 20}, {"min_p": 0.1})):
+            hidden, weight, labels = (t.float() if t.is_floating_point() else t for t in _case(seed=61 + i))
+            coefs = torch.randn(2, T, generator=torch.Generator().manual_seed(62 + i))
+            lse, mean_z, theta = _truncated_softmax(hidden.bfloat16(), weight.bfloat16(), labels, trunc)
+            g_lp = torch.where((labels >= 0) & (labels < V), coefs[0], 0.0)
+            exact_h, exact_w = _exact(hidden, weight, labels, lse, mean_z, g_lp, coefs[1], theta)
+            exact_w = (exact_w[0][own], exact_w[1][own])
+            rows = min(ROWS, V - rank * ROWS)
+            for name, fn in (("logprob path", _logprob_path), ("training path", _training_path)):
+                want = fn(hidden, weight, labels, coefs, trunc, "torch")
+                got = fn(hidden, weight[own], labels, coefs, trunc, "cuda", tp_group=group)
+                torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+                _assert_close(got[1], want[1], exact_h)
+                _assert_close(got[2][:rows], want[2][own][:rows], (exact_w[0][:rows], exact_w[1][:rows]))
+                assert not got[2][rows:].any(), f"{name}: padding rows get no gradient"
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss_of(coefs, t0, t1, lp, ent):
+    return coefs[0, t0:t1] * lp + coefs[1, t0:t1] * ent
+
+
+def _logprob_path(hidden, weight, labels, coefs, trunc, backend, **kwargs):
+    h, w = hidden.bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
+    lp, ent = fused_logprobs_entropy(
+        h, w, labels, temperature=TAU, vocab_size=V, truncation=trunc, backend=backend, chunk_tokens=16, **kwargs
+    )
+    _loss_of(coefs, 0, T, lp, ent).sum().backward()
+    return lp.detach(), h.grad.float(), w.grad.float()
+
+
+def _training_path(hidden, weight, labels, coefs, trunc, backend, **kwargs):
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, lp, _ = linear_loss.fused_linear_token_loss(
+        h,
+        w,
+        labels,
+        lambda t0, t1, lp, ent: _loss_of(coefs, t0, t1, lp, ent),
+        temperature=TAU,
+        vocab_size=V,
+        chunk_tokens=32,
+        truncation=trunc,
+        backend=backend,
+        **kwargs,
+    )
+    loss.backward()
+    return lp, h.grad, w.grad
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_both_truncated_paths_on_the_kernels_over_two_vocab_parallel_ranks(run_kernels, tmp_path):
+    mp.spawn(_tp_worker, args=(_free_port(), str(run_kernels), str(tmp_path)), nprocs=WORLD, join=True)
