@@ -68,6 +68,7 @@ EXTRAS = {
         "ruff>=0.6",
         "openai>=1.40",
         "playwright>=1.45",
+        "peft>=0.17",  # loads megarl's LoRA export in tests/actor/test_lora.py
     ],  # the report's browser test drives Debian's chromium
 }
 

@@ -49,6 +49,21 @@ def export_hf(engine, path: str | os.PathLike, dtype: torch.dtype | None = None)
     dist.barrier()
 
 
+def export_peft(engine, path: str | os.PathLike) -> None:
+    """Write the engine's LoRA adapters as a PEFT adapter directory at ``path`` (collective: every rank calls)."""
+    from megarl.models import lora
+
+    p = engine.parallel
+    full = lora.gather_full(engine.model, engine.coords)  # over each adapter's TP group
+    local = full if p.tp_rank == 0 and p.dp_rank == 0 else {}
+    parts = [None] * p.world_size if p.rank == 0 else None
+    dist.gather_object(local, parts, dst=0)  # one copy per pipeline stage
+    if p.rank == 0:
+        tensors = lora.peft_tensors({name: t for part in parts for name, t in part.items()}, engine.desc)
+        lora.write_peft_dir(tensors, engine.config.lora, engine.model_path, path)
+    dist.barrier()
+
+
 @dataclass(frozen=True)
 class SaveLoadMeta:
     """What :meth:`MegatronEngine.save` / ``load`` write or read."""

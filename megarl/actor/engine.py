@@ -513,8 +513,16 @@ class MegatronEngine:
         """Write the weights as an HF directory (collective; global rank 0 writes)."""
         from megarl.actor.checkpoint import export_hf
 
-        self._refuse_adapters("an HF export")
+        self._refuse_adapters("an HF export (merged weights; export_adapters() writes the adapters)")
         export_hf(self, path, dtype)
+
+    def export_adapters(self, path) -> None:
+        """Write the LoRA adapters as a PEFT adapter directory (collective; global rank 0 writes)."""
+        from megarl.actor.checkpoint import export_peft
+
+        if not self.config.lora.enabled:
+            raise ValueError("export_adapters() needs LoRA adapters (lora.rank > 0)")
+        export_peft(self, path)
 
     def save(self, meta) -> None:
         """Save a resumable Megatron checkpoint, or an HF export (``SaveLoadMeta.weight_format``)."""

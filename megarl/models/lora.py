@@ -44,10 +44,13 @@ install with megatron-core 0.16.1), and the wheel requires ``transformer-engine[
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -55,9 +58,13 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel as tpl
 from megatron.core.tensor_parallel import mappings
 
+from megarl.models.build import ModelDesc
 from megarl.models.hf_io import ShardCoords, canonical_params, unwrap
+from megarl.models.mapping import export_from_shards
 
 AdapterSplit = Literal["replicated", "column", "row", "gate_up"]
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
 
 
 class LoRASettings(Protocol):
@@ -263,3 +270,45 @@ def peft_init(seed: int = 0) -> Callable[[str, tuple[int, int]], torch.Tensor]:
         return (torch.rand(shape, generator=gen) * 2 - 1) * bound
 
     return full_of
+
+
+def peft_tensors(full: dict[str, torch.Tensor], desc: ModelDesc) -> dict[str, torch.Tensor]:
+    """PEFT's tensors (``base_model.model.<HF module>.lora_A.weight`` / ``lora_B``) of full adapters named
+    canonically. A fused linear's ``A`` becomes each of its HF modules' ``lora_A`` (``q_proj``, ``k_proj``
+    and ``v_proj`` share it), and its ``B`` is split into theirs by the family's HF mapping: exact."""
+    out = {}
+    for prefix in sorted({name.rsplit(".adapter.", 1)[0] for name in full}):
+        rule, fields = desc.mapping.match(f"{prefix}.weight")
+        if rule.is_expert:
+            raise NotImplementedError(f"PEFT export of expert adapters ({prefix}) is not supported yet")
+        b_parts = export_from_shards(rule, rule.hf_names(**fields), [full[f"{prefix}.adapter.lora_b"]], desc.dims)
+        for hf_name, b in b_parts.items():
+            module = f"base_model.model.{hf_name.removesuffix('.weight')}"
+            out[f"{module}.lora_A.weight"] = full[f"{prefix}.adapter.lora_a"].clone()  # no shared storage on disk
+            out[f"{module}.lora_B.weight"] = b.contiguous()
+    return out
+
+
+def write_peft_dir(
+    tensors: dict[str, torch.Tensor], settings: LoRASettings, base_model: str, out_dir: str | os.PathLike
+) -> Path:
+    """Write ``tensors`` (:func:`peft_tensors`) and their ``adapter_config.json`` as a PEFT adapter directory."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout,
+        "target_modules": sorted({name.split(".")[-3] for name in tensors}),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return out

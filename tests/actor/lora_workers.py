@@ -86,6 +86,7 @@ def lora_run(
     measure_full: bool = False,
     distributed_optimizer: bool = False,
     recompute: bool = False,
+    peft_dir: str | None = None,
 ) -> dict:
     """On this rank's DP share of ``batch``, with :func:`nonzero_adapter`'s adapters: logprobs, PPO loss and the
     full adapter gradients, the frozen base's state, one Adam step (logprobs after, base unchanged), and
@@ -97,6 +98,8 @@ def lora_run(
     p = engine.parallel
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
     lora.load_full(engine.model, engine.coords, nonzero_adapter)
+    if peft_dir is not None:
+        engine.export_adapters(peft_dir)
     adapters = {id(item.param) for item in lora.adapter_params(engine.model, engine.coords)}
     base = [q for chunk in engine.model for q in chunk.parameters() if id(q) not in adapters]
     out = {"dp_rank": p.dp_rank, "logp": engine.eval().forward(local), **_trainable_footprint(engine)}

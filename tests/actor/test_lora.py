@@ -8,7 +8,9 @@ matrices of the adapter split by megarl's HF mapping). Each layout's logprobs an
 gradients must be within 1e-5 of the single-rank model's; the base stays frozen (no gradient
 buffer, unchanged by the Adam step). The TP2 run also loads the adapters with a split swapped
 (A of a column-parallel layer split, B of a row-parallel layer split, linear_fc1's B as one
-block): each must change the logprobs far beyond the tolerance.
+block): each must change the logprobs far beyond the tolerance. The single-rank and PP2 runs export
+their adapters as PEFT directories: the same tensors, and HF ``peft`` on the HF model gives the
+LoRA model's logprobs.
 """
 
 from __future__ import annotations
@@ -69,8 +71,14 @@ def llama_dir(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def llama_ref(llama_dir, batch):
-    return _run(llama_dir, "d1p1t1", batch, measure_full=True)
+def peft_dirs(tmp_path_factory):
+    """Where runs export their adapters (PEFT), by layout."""
+    return lambda alloc: str(tmp_path_factory.getbasetemp() / f"peft_{alloc}")
+
+
+@pytest.fixture(scope="module")
+def llama_ref(llama_dir, batch, peft_dirs):
+    return _run(llama_dir, "d1p1t1", batch, measure_full=True, peft_dir=peft_dirs("d1p1t1"))
 
 
 def _add_lora(module, args, output, a, b):
@@ -143,6 +151,33 @@ def test_parity_catches_a_swapped_split(tp2, llama_ref, what):
     assert (tp2["wrong"][what] - llama_ref["logp"]).abs().max() > 1e-2
 
 
+def test_peft_export_gives_the_same_model_in_peft(llama_dir, llama_ref, batch, peft_dirs):
+    """The exported adapter directory, loaded by HF ``peft`` on the HF model: the LoRA model's logprobs."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, peft_dirs("d1p1t1")).eval()
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+
+    def logp() -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=attn).logits
+        out = torch.zeros(ids.shape)
+        out[:, :-1] = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0] * attn[:, 1:]
+        return out
+
+    assert (logp() - llama_ref["logp"]).abs().max() <= 1e-4
+    with model.disable_adapter():  # the adapters matter: the base model is far off
+        assert (logp() - llama_ref["logp"]).abs().max() > 1e-2
+
+
+def _peft_tensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(f"{path}/adapter_model.safetensors")
+
+
 @pytest.mark.parametrize(
     "alloc,kwargs",
     [
@@ -151,8 +186,11 @@ def test_parity_catches_a_swapped_split(tp2, llama_ref, what):
         pytest.param("d1p2t2", {"sequence_parallel": False}, id="d1p2t2-no-sp", marks=pytest.mark.slow),
     ],
 )
-def test_layout_matches_single_rank(llama_dir, llama_ref, batch, alloc, kwargs):
-    _assert_matches(_run(llama_dir, alloc, batch, **kwargs), llama_ref)
+def test_layout_matches_single_rank(llama_dir, llama_ref, batch, peft_dirs, alloc, kwargs):
+    """Parity, and the same PEFT export as the single-rank model's (gathered over TP, sent from each stage)."""
+    _assert_matches(_run(llama_dir, alloc, batch, peft_dir=peft_dirs(alloc), **kwargs), llama_ref)
+    got, want = _peft_tensors(peft_dirs(alloc)), _peft_tensors(peft_dirs("d1p1t1"))
+    assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want)
 
 
 @pytest.mark.slow
