@@ -174,8 +174,10 @@ class MegatronEngine:
         Megatron's DDP gives frozen weights no gradient buffer and the optimizer no state)."""
         from megarl.models import lora
 
-        n_adapters = lora.add_adapters(chunks, self.config.lora)
-        lora.load_full(chunks, self.coords, lora.peft_init())
+        cfg = self.config.lora
+        n_adapters = lora.add_adapters(chunks, cfg)
+        start = lora.peft_full(cfg.init_from, self.desc, cfg) if cfg.init_from else lora.peft_init()
+        lora.load_full(chunks, self.coords, start)
         trainable = sum(q.numel() for chunk in chunks for q in chunk.parameters() if q.requires_grad)
         logger.info(
             "LoRA: %d adapters (rank %d), %d trainable parameters on this rank",

@@ -164,7 +164,9 @@ class LoRAConfig:
     """Which linears get an adapter, by name (:data:`LORA_TARGETS`). ``linear_fc1`` / ``linear_fc2`` are the
     dense MLP's; a MoE model's experts are named ``experts.linear_fc1`` / ``experts.linear_fc2``."""
     init_from: str | None = None
-    """A PEFT adapter directory to start from. Not supported yet: a value is refused when the config loads."""
+    """A PEFT adapter directory to start from (as ``MegatronEngine.export_adapters`` writes it): its ``r`` and
+    ``lora_alpha`` must be ``rank`` and ``alpha``, and the HF modules of one fused linear (``q_proj``,
+    ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``) must share one ``lora_A``. None: PEFT's initialisation."""
 
     @property
     def enabled(self) -> bool:
@@ -178,12 +180,7 @@ class LoRAConfig:
         unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
         require(not unknown, "target_modules", unknown, f"unknown module name(s); known: {list(LORA_TARGETS)}")
         require(not self.enabled or bool(self.target_modules), "target_modules", self.target_modules, "names no module")
-        require(
-            self.init_from is None,
-            "init_from",
-            self.init_from,
-            "starting from a PEFT adapter directory is not supported yet (docs/guides/lora.md)",
-        )
+        require(self.init_from is None or self.enabled, "init_from", self.init_from, "needs adapters: set rank > 0")
 
 
 @dataclass

@@ -60,7 +60,7 @@ from megatron.core.tensor_parallel import mappings
 
 from megarl.models.build import ModelDesc
 from megarl.models.hf_io import ShardCoords, canonical_params, unwrap
-from megarl.models.mapping import export_from_shards
+from megarl.models.mapping import export_from_shards, load_shard
 
 AdapterSplit = Literal["replicated", "column", "row", "gate_up"]
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -312,3 +312,47 @@ def write_peft_dir(
     }
     (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def peft_full(path: str | os.PathLike, desc: ModelDesc, settings: LoRASettings) -> Callable:
+    """``full_of`` for :func:`load_full` from a PEFT adapter directory (what :func:`write_peft_dir` writes):
+    each fused linear's ``A`` from its HF modules' ``lora_A`` (which must be equal), its ``B`` from
+    theirs, merged by the family's HF mapping."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = json.loads((path / PEFT_CONFIG).read_text())
+    if (config.get("r"), float(config.get("lora_alpha", 0))) != (settings.rank, float(settings.alpha)):
+        raise ValueError(
+            f"lora.init_from={path}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')} in "
+            f"{PEFT_CONFIG}, but lora.rank={settings.rank}, lora.alpha={settings.alpha}"
+        )
+    tensors = load_file(str(path / PEFT_WEIGHTS))
+
+    def peft_tensor(module_weight: str, which: str) -> torch.Tensor:
+        key = f"base_model.model.{module_weight.removesuffix('.weight')}.{which}.weight"
+        if key not in tensors:
+            raise ValueError(f"lora.init_from={path}: no {key} in {PEFT_WEIGHTS} (its target_modules differ?)")
+        return tensors[key]
+
+    def full_of(name: str, shape: tuple[int, int]) -> torch.Tensor:
+        prefix, which = name.rsplit(".adapter.", 1)
+        rule, fields = desc.mapping.match(f"{prefix}.weight")
+        names = rule.hf_names(**fields)
+        if which == "lora_a":
+            a = [peft_tensor(hf_name, "lora_A") for hf_name in names]
+            if any(not torch.equal(a[0], other) for other in a[1:]):
+                raise ValueError(
+                    f"lora.init_from={path}: {', '.join(names)} have different lora_A, but megarl's fused "
+                    f"{prefix} shares one A (docs/guides/lora.md)"
+                )
+            full = a[0]
+        else:
+            b = {hf_name: peft_tensor(hf_name, "lora_B") for hf_name in names}
+            read = lambda n, dim, start, stop: b[n] if dim is None else b[n].narrow(dim, start, stop - start)
+            full = load_shard(rule, names, read, tuple(b[names[0]].shape), 0, 1, desc.dims)
+        if tuple(full.shape) != tuple(shape):
+            raise ValueError(f"lora.init_from={path}: {name} is {tuple(full.shape)} on disk, {tuple(shape)} here")
+        return full
+
+    return full_of

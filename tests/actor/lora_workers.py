@@ -46,19 +46,13 @@ def nonzero_adapter(name: str, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def _lora_engine(
-    model_dir: str,
-    alloc: str,
-    targets: list[str],
-    sequence_parallel: bool,
-    n_mbs: int,
-    distributed: bool,
-    recompute: bool,
+    model_dir: str, alloc: str, lora: LoRAConfig, n_mbs: int, distributed: bool, recompute: bool, **megatron
 ):
     from megarl.actor.engine import MegatronEngine
 
     optimizer = OptimizerConfig(lr=1e-3, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=distributed)
-    cfg = engine_config(model_dir, optimizer=optimizer, n_mbs=n_mbs, sequence_parallel=sequence_parallel)
-    cfg.lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets)
+    cfg = engine_config(model_dir, optimizer=optimizer, n_mbs=n_mbs, **megatron)
+    cfg.lora = lora
     cfg.gradient_checkpointing = recompute
     engine = MegatronEngine(cfg)
     engine.create_process_group(alloc)
@@ -87,6 +81,7 @@ def lora_run(
     distributed_optimizer: bool = False,
     recompute: bool = False,
     peft_dir: str | None = None,
+    init_from: str | None = None,
 ) -> dict:
     """On this rank's DP share of ``batch``, with :func:`nonzero_adapter`'s adapters: logprobs, PPO loss and the
     full adapter gradients, the frozen base's state, one Adam step (logprobs after, base unchanged), and
@@ -94,10 +89,14 @@ def lora_run(
     from megarl.actor import cpu_shim
     from megarl.models import lora
 
-    engine = _lora_engine(model_dir, alloc, targets, sequence_parallel, n_mbs, distributed_optimizer, recompute)
+    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets, init_from=init_from)
+    engine = _lora_engine(
+        model_dir, alloc, settings, n_mbs, distributed_optimizer, recompute, sequence_parallel=sequence_parallel
+    )
     p = engine.parallel
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
-    lora.load_full(engine.model, engine.coords, nonzero_adapter)
+    if init_from is None:  # else the engine started from that PEFT directory
+        lora.load_full(engine.model, engine.coords, nonzero_adapter)
     if peft_dir is not None:
         engine.export_adapters(peft_dir)
     adapters = {id(item.param) for item in lora.adapter_params(engine.model, engine.coords)}

@@ -10,7 +10,7 @@ buffer, unchanged by the Adam step). The TP2 run also loads the adapters with a 
 (A of a column-parallel layer split, B of a row-parallel layer split, linear_fc1's B as one
 block): each must change the logprobs far beyond the tolerance. The single-rank and PP2 runs export
 their adapters as PEFT directories: the same tensors, and HF ``peft`` on the HF model gives the
-LoRA model's logprobs.
+LoRA model's logprobs; PP2 (and TP2 x PP2) start from the single-rank export (``lora.init_from``).
 """
 
 from __future__ import annotations
@@ -181,13 +181,25 @@ def _peft_tensors(path: str) -> dict:
 @pytest.mark.parametrize(
     "alloc,kwargs",
     [
-        pytest.param("d1p2t1", {"distributed_optimizer": True, "recompute": True}, id="d1p2t1-dist-opt-recompute"),
+        pytest.param(
+            "d1p2t1",
+            {"distributed_optimizer": True, "recompute": True, "init_from": "d1p1t1"},
+            id="d1p2t1-dist-opt-recompute-init-from-peft",
+        ),
         pytest.param("d1p2t1v2", {}, id="d1p2t1v2", marks=pytest.mark.slow),
-        pytest.param("d1p2t2", {"sequence_parallel": False}, id="d1p2t2-no-sp", marks=pytest.mark.slow),
+        pytest.param(
+            "d1p2t2",
+            {"sequence_parallel": False, "init_from": "d1p1t1"},
+            id="d1p2t2-no-sp-init-from-peft",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_layout_matches_single_rank(llama_dir, llama_ref, batch, peft_dirs, alloc, kwargs):
-    """Parity, and the same PEFT export as the single-rank model's (gathered over TP, sent from each stage)."""
+    """Parity, and the same PEFT export as the single-rank model's (gathered over TP, sent from each stage).
+    ``init_from``: start from the PEFT directory that layout exported instead of loading the adapters."""
+    if "init_from" in kwargs:
+        kwargs["init_from"] = peft_dirs(kwargs["init_from"])
     _assert_matches(_run(llama_dir, alloc, batch, peft_dir=peft_dirs(alloc), **kwargs), llama_ref)
     got, want = _peft_tensors(peft_dirs(alloc)), _peft_tensors(peft_dirs("d1p1t1"))
     assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want)
@@ -201,3 +213,31 @@ def test_experts_over_ep2_match_single_rank(tiny_model_dir, batch):
     ref = _run(moe_dir, "d1p1t1", batch, targets=MOE_TARGETS)
     assert sum(".experts." in name for name in ref["grads"]) == 4 * 4 * 2 * 2  # layers x experts x fc1/2 x A/B
     _assert_matches(_run(moe_dir, "d2p1t1e2", batch, targets=MOE_TARGETS), ref)
+
+
+def test_init_from_refuses_what_the_fused_adapters_cannot_hold(llama_dir, llama_ref, peft_dirs, tmp_path):
+    """A PEFT directory whose q/k/v lora_A differ (trained elsewhere), or whose r / lora_alpha differ from
+    the config's: a clear error naming the modules or the keys."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megarl.config.train import LoRAConfig
+    from megarl.models.build import describe
+    from megarl.models.lora import peft_full
+
+    shutil.copytree(peft_dirs("d1p1t1"), tmp_path / "peft")
+    weights = tmp_path / "peft" / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"] += 1.0
+    save_file(tensors, str(weights))
+    desc, settings = describe(str(llama_dir)), LoRAConfig(rank=RANK, alpha=ALPHA)
+    full_of = peft_full(tmp_path / "peft", desc, settings)
+    name = "decoder.layers.0.self_attention.linear_qkv.adapter.lora_a"
+    with pytest.raises(ValueError, match="k_proj.weight.*have different lora_A"):
+        full_of(name, tuple(llama_ref["grads"][name].shape))
+    config = tmp_path / "peft" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 2 * ALPHA}))
+    with pytest.raises(ValueError, match="lora_alpha=16.0 in adapter_config.json, but lora.rank=4, lora.alpha=8.0"):
+        peft_full(tmp_path / "peft", desc, settings)

@@ -24,7 +24,7 @@ def in_repo_offline(monkeypatch):
         ("actor.lora.alpha=0", "actor.lora.alpha", "must be > 0"),
         ("actor.lora.dropout=1.0", "actor.lora.dropout", "must be in [0, 1)"),
         ("actor.lora.target_modules=[linear_qkv,q_proj]", "actor.lora.target_modules", "'q_proj'"),
-        ("actor.lora.init_from=/some/adapter", "actor.lora.init_from", "not supported yet"),
+        ("actor.lora.init_from=/some/adapter", "actor.lora.init_from", "set rank > 0"),
         ("actor.lora.rank=8", "actor.lora.rank", "weight sync"),
     ],
 )
