@@ -30,14 +30,16 @@ Dropout masks come from torch's default generator, which every tensor-parallel r
 so its replicas get the same gradient.
 
 Initial values are drawn per parameter from its canonical name (global layer and expert) as
-full matrices, then split: the same adapter whatever the parallel layout.
+full matrices, then split: the same adapter whatever the parallel layout. :func:`peft_tensors`
+and :func:`peft_full` convert full adapters to and from a PEFT adapter directory through the
+family's HF mapping (the fused ``linear_qkv`` / ``linear_fc1`` share one ``A`` over their HF modules).
 
 Why not Megatron-Bridge's PEFT (``megatron-bridge`` 0.3.1, the release on PyPI): its
 ``megatron/bridge/peft/lora.py`` and ``lora_layers.py`` import ``transformer_engine.pytorch`` at
 module level (``ModuleNotFoundError: No module named 'transformer_engine'`` on a CPU-only
 install with megatron-core 0.16.1), and the wheel requires ``transformer-engine[core_cu13,pytorch]
 >=2.10``, ``transformers<5.0.0`` (megarl runs transformers 5), ``mamba-ssm``, ``causal-conv1d`` and
-``nvidia-resiliency-ext``, none of which the CPU path can install. Its ``ParallelLinearAdapter``
+``nvidia-resiliency-ext``: CUDA builds, or a conflict with megarl's own requirements. Its ``ParallelLinearAdapter``
 (``megatron/bridge/peft/utils.py``) imports, but it reads Megatron's global process groups
 (megarl passes them explicitly) and its checkpoint layout is tied to Bridge's own.
 """
