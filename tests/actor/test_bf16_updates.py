@@ -85,7 +85,9 @@ def test_dither_is_the_same_on_every_replica():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("distributed", [False, True], ids=["optimizer", "distributed_optimizer"])
+@pytest.mark.parametrize(
+    "distributed", [pytest.param(False, marks=pytest.mark.slow), True], ids=["optimizer", "distributed_optimizer"]
+)
 def test_bf16_engine_weights_follow_their_main_parameters(tiny_model_dir, distributed):
     """A bf16 Megatron engine at DP=2, three Adam steps at lr 1e-5: its bf16 weights move as far
     as its fp32 main parameters (about 1x; round-to-nearest gives a fraction) and stay equal on

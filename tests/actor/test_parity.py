@@ -190,7 +190,9 @@ def grouped_batch():
     return make_grouped_batch(n_groups=3, group=4, prompt_len=12, seed=5)
 
 
-@pytest.mark.parametrize("alloc", ["d1p1t1", "d1p1t2", "d1p2t1"])
+@pytest.mark.parametrize(
+    "alloc", ["d1p1t1", pytest.param("d1p1t2", marks=pytest.mark.slow), pytest.param("d1p2t1", marks=pytest.mark.slow)]
+)
 def test_shared_prefixes_match_hf(llama_dir, grouped_batch, alloc):
     """GRPO groups packed with their prompt once (``mb_spec.share_prefix``): the HF model's
     logprobs, loss and gradients on the padded batch, from a third fewer tokens. TP2 runs with

@@ -69,7 +69,7 @@ def test_first_minibatch_loss_matches_pure_functions_on_hf_logprobs(llama_dir, b
     assert tp1["stats"][0]["ppo_actor/importance_weight/avg"] == pytest.approx(1.0)  # on-policy first step
 
 
-@pytest.mark.parametrize("alloc", ["d1p1t2", "d2p1t1"])
+@pytest.mark.parametrize("alloc", ["d1p1t2", pytest.param("d2p1t1", marks=pytest.mark.slow)])  # DP: also test_routing
 def test_ppo_update_matches_single_rank(llama_dir, batch, tp1, alloc):
     results = run_ranks(2, "tests.actor.workers:ppo_actor_step", model_dir=str(llama_dir), alloc=alloc, batch=batch)
     for want, got in zip(tp1["stats"], results[0]["stats"]):

@@ -42,7 +42,16 @@ def moe_batch(tiny_model_dir):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("alloc, world", [("d1p1t1", 1), ("d1p2t1", 2), ("d1p1t2", 2), ("d2p1t1e2", 2)])
+# About a minute each: CI runs the EP x DP case, the slow tests the others.
+@pytest.mark.parametrize(
+    "alloc, world",
+    [
+        pytest.param("d1p1t1", 1, marks=pytest.mark.slow),
+        pytest.param("d1p2t1", 2, marks=pytest.mark.slow),
+        pytest.param("d1p1t2", 2, marks=pytest.mark.slow),
+        ("d2p1t1e2", 2),
+    ],
+)
 def test_routing_agreement_with_the_reference(moe_batch, alloc, world):
     model_dir, batch = moe_batch
     n_layers = batch["routed_experts"].shape[-1] // 2  # top-2 of 4 experts in every layer

@@ -56,7 +56,11 @@ def hf_logp(smollm2_dir, gsm8k_batch):
     return out
 
 
-@pytest.mark.parametrize("alloc", ["d1p1t1", "d1p1t3", "d1p2t1"])
+# The real checkpoint's layouts take about a minute each: CI runs one rank, the slow tests TP3 and PP2
+# (tests/actor/test_parity.py checks TP and PP on the tiny models in CI).
+@pytest.mark.parametrize(
+    "alloc", ["d1p1t1", pytest.param("d1p1t3", marks=pytest.mark.slow), pytest.param("d1p2t1", marks=pytest.mark.slow)]
+)
 def test_smollm2_logprobs_and_export_roundtrip(smollm2_dir, gsm8k_batch, hf_logp, tmp_path, alloc):
     world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
     out = tmp_path / "export"

@@ -30,7 +30,7 @@ def _start(tmp_path, dying: bool) -> InferenceServer:
     return InferenceServer(LaunchSpec(cmd=cmd, port=port), tmp_path / f"fake-{port}.log", name="fake-vllm").start()
 
 
-@pytest.mark.parametrize("mode", ["broadcast", "sharded"])
+@pytest.mark.parametrize("mode", [pytest.param("broadcast", marks=pytest.mark.slow), "sharded"])
 def test_server_dying_mid_transfer(mode, tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("llama", vocab_size=1001)
     reader = SafetensorsReader(model_dir)

@@ -374,6 +374,7 @@ def live(tmp_path_factory):
     servers.close()
 
 
+@pytest.mark.slow  # a real vLLM server under the launcher: ~2 min with its start
 @pytest.mark.vllm
 def test_vllm_trainer_restarts_then_succeeds(live):
     assert all(s.proc.poll() is None for s in live.servers), "the shared server was stopped by an earlier test"
@@ -386,6 +387,7 @@ def test_vllm_trainer_restarts_then_succeeds(live):
     assert all(s.proc.poll() is None for s in live.servers), "servers stay up across trainer restarts"
 
 
+@pytest.mark.slow  # a real vLLM server under the launcher: ~2 min with its start
 @pytest.mark.vllm
 def test_vllm_trainer_failure_is_the_exit_code(live):
     assert all(s.proc.poll() is None for s in live.servers), "the shared server was stopped by an earlier test"
@@ -395,6 +397,7 @@ def test_vllm_trainer_failure_is_the_exit_code(live):
     assert len(records) == 1 and alive_after([records[0]["pid"]]) == []
 
 
+@pytest.mark.slow  # a real vLLM server under the launcher: ~2 min with its start
 @pytest.mark.vllm
 def test_vllm_server_death_stops_the_trainer_and_teardown_leaves_nothing(live):
     """Kills the shared server: keep this test last."""

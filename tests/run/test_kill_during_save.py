@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megarl.config.allocation import TrainingAllocation
@@ -99,6 +100,7 @@ def _steps(log: Path) -> dict[int, dict]:
     return seen
 
 
+@pytest.mark.slow  # ~1 min; tests/run/test_recover.py checks the dumps and loads in CI
 def test_sigkill_during_dumps_resumes_with_the_same_data_and_weights(tmp_path):
     reference = tmp_path / "reference.jsonl"
     proc = _start(tmp_path / "reference", reference)

@@ -13,7 +13,8 @@ import pytest
 
 from tests.train.test_plugins_e2e import _metrics, _run
 
-pytestmark = pytest.mark.vllm
+# Slow (~3 min): the critic's parts are checked in CI by tests/actor/test_critic.py.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # reward_bias: every return is nonzero, so the critic learns something from any first batch;
 # keep_last=1: each point holds the actor and the critic with their Adam state (~3.6 GB)

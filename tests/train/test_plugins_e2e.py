@@ -102,6 +102,7 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
     assert SYSTEM_PROMPT in page
 
 
+@pytest.mark.slow  # the agent workflows' parts run in CI: tests/workflow/test_agent_workflows.py
 def test_multi_turn_agent_runs_by_config_alone(tmp_path):
     # a gap threshold no real pair of engines meets: the step's gap warning reaches the console
     run_dir = _run(
@@ -116,6 +117,7 @@ def test_multi_turn_agent_runs_by_config_alone(tmp_path):
         assert 1 <= step["rollout/turns"] <= 2, step
 
 
+@pytest.mark.slow  # the proxy runs in CI: tests/workflow/test_openai_proxy.py
 def test_openai_client_agent_runs_by_config_alone(tmp_path):
     """AReaL's agent API (``async def run(data, **extra_kwargs)`` on the openai client) behind megarl's proxy."""
     run_dir = _run(

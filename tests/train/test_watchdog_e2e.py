@@ -59,6 +59,8 @@ def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
     assert not leftovers, f"processes of the run still alive: {leftovers}"
 
 
+# Slow (~2.5 min): CI checks restart and resume with fake trainers (tests/launcher/test_local.py).
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_restart_resumes_from_the_last_recover_point(tmp_path):
     """``watchdog.action=restart``: the stalled trainer is stopped and started again from its recover
