@@ -195,7 +195,7 @@ def _peft_tensors(path: str) -> dict:
             "d1p2t2",
             {"sequence_parallel": False, "init_from": "d1p1t1"},
             id="d1p2t2-no-sp-init-from-peft",
-            marks=pytest.mark.slow,
+            marks=pytest.mark.slow,  # 4 ranks on the 2-core CI machine: ~15 s
         ),
     ],
 )
@@ -209,7 +209,6 @@ def test_layout_matches_single_rank(llama_dir, llama_ref, batch, peft_dirs, allo
     assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want)
 
 
-@pytest.mark.slow
 def test_experts_over_ep2_match_single_rank(tiny_model_dir, batch):
     """Adapters on attention and on every expert's linears (Qwen3-MoE); EP2 with DP2 (experts' grads reduce
     over their own data-parallel group, the dense ones over DP)."""
