@@ -150,8 +150,9 @@ class LoRAConfig:
     """LoRA adapters on the Megatron model (``megarl.models.lora``): the base weights are frozen and
     each targeted linear ``W`` computes ``W x + (alpha / rank) * B A dropout(x)``; only ``A`` and ``B`` train.
 
-    ``A`` starts as PEFT's (Kaiming-uniform) and ``B`` at zero, so the adapted model starts as the
-    base model. The initial values do not depend on the parallel layout. See ``docs/guides/lora.md``
+    Unless ``init_from`` names adapters to start from, ``A`` starts as PEFT's (Kaiming-uniform) and
+    ``B`` at zero, so the adapted model starts as the base model; the initial values do not depend
+    on the parallel layout. See ``docs/guides/lora.md``
     for what works with adapters so far."""
 
     rank: int = 0
@@ -160,7 +161,7 @@ class LoRAConfig:
     """Scale numerator: the adapter's output is multiplied by ``alpha / rank``."""
     dropout: float = 0.0
     """Dropout on the adapter's input during training (not on the base linear's)."""
-    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS[:4]))
     """Which linears get an adapter, by name (:data:`LORA_TARGETS`). ``linear_fc1`` / ``linear_fc2`` are the
     dense MLP's; a MoE model's experts are named ``experts.linear_fc1`` / ``experts.linear_fc2``."""
     init_from: str | None = None
