@@ -67,6 +67,7 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
         f"workflow.kwargs.system_prompt='{SYSTEM_PROMPT}'",
         "actor.loss=examples.losses.cispo.cispo_loss",
         "rollout.dump_trajectories=true",
+        "weight_update.probe_every=1",
         configs=(str(mine / "reward.yaml"),),
     )
     saved = (run_dir / "config.yaml").read_text()
@@ -95,10 +96,15 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
         assert step["ppo_actor/gap/n_tokens"] > 0 and step["ppo_actor/gap/server_0/n_tokens"] > 0, sorted(step)
         assert step["ppo_actor/gap/abs_logp_diff/p99"] <= step["ppo_actor/gap/abs_logp_diff/max"]
         assert step["ppo_actor/gap/lag_0/abs_logp_diff/avg"] < 0.1, "the server computes what the trainer does"
+    # the consistency probe after every update, the full-distribution one beside the sampled tokens'
+    for step in steps:
+        assert step["weight_sync/logprob_diff_mean"] < 0.1 and step["weight_sync/topk_kl"] < 0.1, sorted(step)
+        assert step["weight_sync/topk_logprob_diff_max"] >= step["weight_sync/topk_logprob_diff_mean"] >= 0
     assert "train-inference gap" not in (tmp_path / "console.txt").read_text()
     # the run's report, written at its end: the curves and the dumped trajectories to browse
     page = (run_dir / "report.html").read_text()
     assert "<h2>Train-inference gap</h2>" in page and '<script id="trajectory-data"' in page
+    assert "<h2>Consistency probe</h2>" in page
     assert SYSTEM_PROMPT in page
 
 
