@@ -1,8 +1,9 @@
 """Every result in ``benchmarks/results/`` says when, where and from which commit it was measured.
 
 The harness (:func:`benchmarks._harness.run_benchmark`) fills these fields for every benchmark
-script; results recorded before it kept a field carry it backfilled, saying so (``backfilled``),
-with an explicit ``unknown (...)`` where the run did not record it and nothing else tells.
+script; results recorded before it kept a field carry it backfilled, saying so (``backfilled``).
+The CPU's flags and whether it computes bf16 natively cannot be backfilled: a result without them
+is re-run.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ def record_problems(record: dict, known_commit=lambda sha: True) -> list[str]:
     elif not known_commit(commit.removesuffix("-dirty")):
         problems.append(f"machine.commit {commit} is not a commit of this repository")
     flags, bf16 = machine.get("cpu_flags"), machine.get("native_bf16")
-    unknown = isinstance(flags, str) and flags.startswith("unknown (")
-    if not isinstance(flags, str) or (not unknown and flags and not re.fullmatch(r"[a-z0-9_ ]+", flags)):
-        problems.append(f"machine.cpu_flags {flags!r} is neither the flags nor 'unknown (why)'")
-    if not (isinstance(bf16, bool) or (unknown and bf16 == "unknown")):
-        problems.append(f"machine.native_bf16 {bf16!r} is not true/false (or 'unknown' beside unknown flags)")
-    if (unknown or "backfilled" in machine) and not machine.get("backfilled"):
+    if not (isinstance(flags, str) and re.fullmatch(r"([a-z0-9_]+( [a-z0-9_]+)*)?", flags)):
+        problems.append(
+            f"machine.cpu_flags {flags!r} is not the CPU's flags (a run that did not record them is re-run)"
+        )
+    if not isinstance(bf16, bool):
+        problems.append(f"machine.native_bf16 {bf16!r} is not true/false")
+    if "backfilled" in machine and not machine.get("backfilled"):
         problems.append("a field was filled in afterwards but machine.backfilled does not say which and how")
     if not record["versions"].get("torch") or not record["versions"].get("megarl"):
         problems.append("versions lack torch or megarl")
@@ -97,7 +99,9 @@ def test_a_fresh_record_has_every_field(tmp_path, monkeypatch):
         (lambda r: r["machine"].update(commit=None), "machine.commit None is not a commit hash"),
         (lambda r: r["machine"].pop("cpu_flags"), "no machine.cpu_flags"),
         (lambda r: r["machine"].update(native_bf16="yes"), "machine.native_bf16 'yes'"),
-        (lambda r: r["machine"].update(cpu_flags="unknown (why)", native_bf16="unknown"), "backfilled does not say"),
+        (lambda r: r["machine"].update(cpu_flags="unknown (why)"), "is not the CPU's flags"),
+        (lambda r: r["machine"].update(native_bf16="unknown"), "machine.native_bf16 'unknown' is not true/false"),
+        (lambda r: r["machine"].update(backfilled=""), "backfilled does not say"),
         (lambda r: r.pop("date"), "no date"),
         (lambda r: r["versions"].pop("torch"), "versions lack torch"),
     ],
