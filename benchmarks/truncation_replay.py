@@ -9,16 +9,26 @@ mean of the first and of the last 5 steps, the mean train-inference gap on the t
 (``ppo_actor/gap/abs_logp_diff/avg``, the servers returning processed logprobs), the mean behaviour
 importance weight, the share of tokens the cap drops, and the step time. ``--quick``: 5 steps, for
 the gap and the weights (too few steps to compare learning).
+
+``MEGARL_REPLAY_DTYPE=bfloat16`` runs both setups in bf16 instead, as GPUs train (native on a CPU
+with AVX-512 BF16, else emulated: ``benchmarks.learning_arithmetic.dtype_overrides``); its results go
+to ``truncation_replay_bf16`` (or ``..._bf16_emulated``). The gap then includes bf16's own rounding.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from benchmarks._harness import main_for
 from benchmarks.learning_arithmetic import dtype_overrides, reward_gain, run_arithmetic
 
-TITLE = "Top-p 0.9 sampling, truncation replayed or not: arithmetic GRPO, SmolLM2-135M-Instruct, CPU, fp32"
+DTYPE = os.environ.get("MEGARL_REPLAY_DTYPE", "float32")
+if DTYPE not in ("float32", "bfloat16"):
+    raise SystemExit(f"MEGARL_REPLAY_DTYPE must be float32 or bfloat16, got {DTYPE!r}")
+TITLE = "Top-p 0.9 sampling, truncation replayed or not: arithmetic GRPO, SmolLM2-135M-Instruct, CPU, " + (
+    "fp32" if DTYPE == "float32" else "bf16"
+)
 STEPS, QUICK_STEPS = 15, 5
 SEED = 1
 SETUPS = {
@@ -36,14 +46,16 @@ def run(quick: bool) -> list[dict]:
     rows = []
     for name, overrides in SETUPS.items():
         steps = QUICK_STEPS if quick else STEPS
-        overrides = [*dtype_overrides("float32"), *overrides, f"seed={SEED}", f"total_train_steps={steps}"]
+        dtype = dtype_overrides(DTYPE)
+        overrides = [*dtype, *overrides, f"seed={SEED}", f"total_train_steps={steps}"]
         metrics, minutes = run_arithmetic(overrides)
         rewards = [m["batch/reward/avg"] for m in metrics]
         first, last = reward_gain(rewards)
         rows.append(
             {
                 "setup": name,
-                "overrides": " ".join(overrides[2:-1]),
+                "overrides": " ".join(overrides[len(dtype) : -1]),
+                "dtype": " ".join(dtype),
                 "reward per step": " ".join(f"{r:.2f}" for r in rewards),
                 "first 5": first,
                 "last 5": last,
@@ -58,6 +70,16 @@ def run(quick: bool) -> list[dict]:
             }
         )
     return rows
+
+
+def results_name() -> str:
+    """``truncation_replay`` (fp32); in bf16 ``truncation_replay_bf16`` where the CPU computes bf16
+    natively, ``truncation_replay_bf16_emulated`` where it is emulated."""
+    from megarl.utils.hardware import cpu_bf16_native
+
+    if DTYPE == "float32":
+        return "truncation_replay"
+    return "truncation_replay_bf16" if cpu_bf16_native()[0] else "truncation_replay_bf16_emulated"
 
 
 def summary(rows: list[dict]) -> str:
