@@ -5,7 +5,8 @@
 * :func:`save` / :func:`load` write and read a Megatron distributed checkpoint
   (``megatron.core.dist_checkpointing``) of the model, the optimizer (sharded state, so a
   different data-parallel size can resume it), the LR scheduler, the RNG states and the
-  engine's version / step counters.
+  engine's version / step counters. LoRA adapters are model parameters like the others,
+  recorded with their tensor-parallel split (``megarl.models.lora``), their optimizer state with them.
 """
 
 from __future__ import annotations
@@ -28,14 +29,21 @@ logger = logging.getLogger(__name__)
 
 
 def export_hf(engine, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-    """Write the engine's weights as an HF directory at ``path`` (collective: every rank calls)."""
+    """Write the engine's weights as an HF directory at ``path`` (collective: every rank calls); with
+    LoRA adapters, each adapted weight merged (``W + (alpha / r) B A``, as the servers get it)."""
+    from megarl.models import lora
+    from megarl.models.hf_io import canonical_params
+
     p = engine.parallel
+    merged = lora.merged_weights(engine.model, engine.coords)
+    names = {id(q): n for chunk in engine.model for n, q in canonical_params(chunk, engine.coords).items()}
     common = {
         "desc": engine.desc,
         "coords": engine.coords,
         "tp_group": p.tp_group,
         "etp_group": p.etp_group,
         "dtype": dtype,
+        "value": lambda q: merged[names[id(q)]]() if names.get(id(q)) in merged else q.detach(),
     }
     # One replica of each tensor is gathered over TP / ETP; one TP / ETP peer sends it.
     dense = gather_hf_tensors(engine.model, include=lambda r: not r.is_expert and p.dp_rank == 0, **common)

@@ -512,10 +512,10 @@ class MegatronEngine:
     # ------------------------------------------------------------------ checkpoints
 
     def export_hf(self, path, dtype: torch.dtype | None = None) -> None:
-        """Write the weights as an HF directory (collective; global rank 0 writes)."""
+        """Write the weights as an HF directory (collective; global rank 0 writes); with LoRA adapters, the
+        merged model (each adapted weight plus ``(alpha / r) B A``; ``export_adapters()`` writes the adapters)."""
         from megarl.actor.checkpoint import export_hf
 
-        self._refuse_adapters("an HF export (merged weights; export_adapters() writes the adapters)")
         export_hf(self, path, dtype)
 
     def export_adapters(self, path) -> None:
@@ -527,10 +527,10 @@ class MegatronEngine:
         export_peft(self, path)
 
     def save(self, meta) -> None:
-        """Save a resumable Megatron checkpoint, or an HF export (``SaveLoadMeta.weight_format``)."""
+        """Save a resumable Megatron checkpoint, or an HF export (``SaveLoadMeta.weight_format``); LoRA
+        adapters and their optimizer state are in the checkpoint (the HF export is the merged model)."""
         from megarl.actor import checkpoint
 
-        self._refuse_adapters("saving a checkpoint")
         with cpu_shim.device_mode():
             checkpoint.save(self, meta)
 
@@ -538,12 +538,5 @@ class MegatronEngine:
         """Resume from a Megatron checkpoint written with any data-parallel size."""
         from megarl.actor import checkpoint
 
-        self._refuse_adapters("loading a checkpoint")
         with cpu_shim.device_mode():
             checkpoint.load(self, meta)
-
-    def _refuse_adapters(self, what: str) -> None:
-        if self.config.lora.enabled:
-            raise NotImplementedError(
-                f"{what} with LoRA adapters (lora.rank > 0) is not supported yet (docs/guides/lora.md)"
-            )

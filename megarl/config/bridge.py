@@ -19,6 +19,12 @@ class WeightUpdateConfig:
     """``sharded``: each inference worker receives only its own slices (vLLM only); ``broadcast``:
     full HF tensors to every worker (vLLM and SGLang); ``disk``: HF safetensors written by the
     owning stages, reloaded by the servers."""
+    lora: Literal["merged", "adapter"] = "merged"
+    """With LoRA adapters on the actor (``actor.lora.rank > 0``): ``merged`` sends the base weights
+    with ``(alpha / rank) B A`` added, computed on the trainer from each tensor-parallel shard before
+    any gather, conversion or resharding, so every mode and server kind serves a plain model (the
+    trainer's own weights are not written). ``adapter`` (the adapters alone, loaded as LoRA by the
+    servers) is not implemented yet. No effect without adapters."""
     extra_modes: list[str] = field(default_factory=list)
     """Other modes to wire at connection time, so one run can switch between them (benchmarks)."""
     bucket_mb: float | None = None
@@ -63,6 +69,7 @@ class WeightUpdateConfig:
     def check(self) -> None:
         modes = ("broadcast", "sharded", "disk")
         require(self.mode in modes, "mode", self.mode, f"must be one of {modes}")
+        require(self.lora in ("merged", "adapter"), "lora", self.lora, "must be 'merged' or 'adapter'")
         for mode in self.extra_modes:
             require(mode in modes, "extra_modes", mode, f"entries must be among {modes}")
         require(self.bucket_mb is None or self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "must be > 0 (or null)")

@@ -60,6 +60,10 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+ADAPTER_SUFFIXES = (".adapter.lora_a", ".adapter.lora_b")
+"""How the canonical names of LoRA adapter matrices end (``megarl.models.lora``)."""
+
+
 def canonical_params(chunk: torch.nn.Module, coords: ShardCoords) -> dict[str, torch.nn.Parameter]:
     """``{canonical name: parameter}`` of one model chunk (GPTModel, possibly wrapped)."""
     model = unwrap(chunk)
@@ -160,6 +164,8 @@ def gather_hf_tensors(
     out = {}
     for chunk in chunks:
         for name, param in canonical_params(chunk, coords).items():
+            if name.endswith(ADAPTER_SUFFIXES):  # LoRA matrices (megarl.models.lora) are no HF weights
+                continue
             rule, fields = desc.mapping.match(name)
             if not rule.export or (include is not None and not include(rule)):
                 continue

@@ -34,6 +34,12 @@ full matrices, then split: the same adapter whatever the parallel layout. :func:
 and :func:`peft_full` convert full adapters to and from a PEFT adapter directory through the
 family's HF mapping (the fused ``linear_qkv`` / ``linear_fc1`` share one ``A`` over their HF modules).
 
+:func:`merged_weight` gives an adapted linear's ``W + (alpha / r) B A`` for this rank's shard (what the
+weight bridge sends the servers, and the HF export writes): each rank's part is its own ``B`` times its
+own ``A`` in every split above. In Megatron's distributed checkpoints each adapter matrix is recorded
+with its split (the base linear's ``sharded_state_dict`` is extended per adapted linear), so the
+optimizer state of the adapters, which follows the model's sharding metadata, is saved whole too.
+
 Why not Megatron-Bridge's PEFT (``megatron-bridge`` 0.3.1, the release on PyPI): its
 ``megatron/bridge/peft/lora.py`` and ``lora_layers.py`` import ``transformer_engine.pytorch`` at
 module level (``ModuleNotFoundError: No module named 'transformer_engine'`` on a CPU-only
@@ -52,6 +58,7 @@ import os
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -189,10 +196,60 @@ def add_adapters(chunks: list, settings: LoRASettings) -> int:
             fc1 = name.endswith("linear_fc1")
             module.adapter = LoRAAdapter(module, settings.rank, settings.alpha, settings.dropout, gated and fc1)
             module.register_forward_hook(_add_adapter_output, with_kwargs=True)
+            module.sharded_state_dict = partial(_sharded_state_dict, module, module.sharded_state_dict)
             count += 1
     if count == 0:
         raise ValueError(f"lora.target_modules {list(settings.target_modules)} matched no linear of this model")
     return count
+
+
+def _sharded_state_dict(linear, base_method, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+    """The linear's Megatron checkpoint entries with its adapter's split recorded: the base
+    linear's own method takes every tensor it does not know as replicated over TP, so each split
+    adapter matrix is described here as its base is (``B`` of ``linear_fc1`` as the gate / up halves
+    of its weight), which Megatron's optimizer state follows too."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    out = base_method(prefix, sharded_offsets, metadata)
+    adapter = linear.adapter
+    tensors = {f"adapter.{which}": getattr(adapter, which) for which in adapter.splits}
+    axes = {f"adapter.{w}": 1 if s == "row" else 0 for w, s in adapter.splits.items() if s != "replicated"}
+    out.update(
+        make_sharded_tensors_for_checkpoint(
+            tensors, prefix, axes, sharded_offsets, tp_group=linear.tp_group, dp_cp_group=metadata["dp_cp_group"]
+        )
+    )
+    if adapter.splits["lora_b"] == "gate_up":  # as Megatron's MLP treats linear_fc1.weight
+        key = f"{prefix}adapter.lora_b"
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
+    return out
+
+
+@torch.no_grad()
+def merged_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """``W + (alpha / r) B A`` of an adapted linear: a new tensor shaped and split as this rank's
+    shard of ``W``, in its dtype (the sum in fp32, rounded once). Each rank's part of the product is
+    its own ``B`` times its own ``A``, whatever the split: a column-parallel base has ``A`` whole and
+    the rows of ``B`` it holds of ``W`` (for ``linear_qkv`` Megatron's grouped query / key / value rows,
+    for ``linear_fc1`` its gate rows then its up rows, as the adapter's output adds to the base's);
+    a row-parallel base has ``B`` whole and the columns of ``A`` it holds of ``W``. ``W`` is not written."""
+    adapter, base = linear.adapter, linear.weight.detach()
+    a, b = adapter.lora_a.detach().float(), adapter.lora_b.detach().float()
+    return torch.addmm(base.float(), b, a, alpha=adapter.scale).to(base.dtype)
+
+
+def merged_weights(chunks: list, coords: ShardCoords) -> dict[str, Callable[[], torch.Tensor]]:
+    """``{canonical name of an adapted base weight: a call that returns its merged shard}`` (:func:`merged_weight`);
+    empty without adapters. Nothing is computed until a call."""
+    out = {}
+    for chunk in chunks:
+        canonical = {id(param): name for name, param in canonical_params(chunk, coords).items()}
+        for module in unwrap(chunk).modules():
+            if isinstance(getattr(module, "adapter", None), LoRAAdapter):
+                out[canonical[id(module.weight)]] = partial(merged_weight, module)
+    return out
 
 
 def adapter_params(chunks: list, coords: ShardCoords) -> Iterator[AdapterParam]:

@@ -1,0 +1,71 @@
+"""LoRA adapters in the weight sync (merged) and in checkpoints, on CPU (gloo, fp32), single rank and TP2.
+
+Each run loads ``lora_workers.nonzero_adapter``'s adapters and takes one Adam step, then:
+
+* the HF tensors the weight bridge gathers (``ShardSource.gather_hf``, what every transport sends)
+  equal, within 1e-6, the HF model with the run's adapters merged by an independent route: HF
+  ``peft``'s ``merge_and_unload()`` on the PEFT directory the run exports; the merged HF export
+  (``engine.export_hf``) too; the base weights keep every bit;
+* a checkpoint saved, then the adapters and the optimizer state perturbed, then the checkpoint
+  loaded: adapters, main parameters, Adam moments and step bit-identical to those saved (the
+  single-rank run with the distributed optimizer, TP2 without it: its state follows the model's
+  sharding metadata, which must record each adapter matrix's split).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.actor.dist_utils import run_ranks
+from tests.actor.workers import make_batch
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def _peft_merged(model_dir, peft_dir) -> dict[str, torch.Tensor]:
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(model, str(peft_dir)).merge_and_unload().state_dict()
+
+
+@pytest.mark.parametrize("alloc,distributed", [("d1p1t1", True), ("d1p1t2", False)])
+def test_merged_sync_and_checkpoint_carry_the_adapters(llama_dir, tmp_path, alloc, distributed):
+    from megarl.models.hf_io import SafetensorsReader
+
+    world = 2 if alloc.endswith("t2") else 1
+    batch = make_batch([7, 12, 5, 9], seed=3)
+    results = run_ranks(
+        world,
+        "tests.actor.lora_sync_workers:lora_sync_run",
+        model_dir=str(llama_dir),
+        alloc=alloc,
+        batch=batch,
+        out_dir=str(tmp_path),
+        distributed_optimizer=distributed,
+    )
+    for r in results:
+        assert r["n_merged"] == 4 * 4  # qkv, proj, fc1, fc2 of 4 layers
+        assert r["cached"] and r["base_bits_kept"]
+        assert r["n_adapters"] == 4 * 4 * 2 and r["n_optim"] > 0 and r["perturbed"]
+        assert r["adapters_restored"] and r["optim_restored"] and r["base_after_load"]
+        assert r["version"] == 7
+
+    want = _peft_merged(llama_dir, tmp_path / "peft")
+    base = SafetensorsReader(llama_dir)
+    exported = SafetensorsReader(tmp_path / "hf")
+    merged = results[0]["merged"]
+    assert set(merged) <= set(want) and len(merged) == len(list(exported.keys()))
+    moved = 0
+    for name, tensor in merged.items():
+        assert (tensor - want[name]).abs().max().item() <= 1e-6, name
+        assert (exported(name, None, 0, 0) - want[name]).abs().max().item() <= 1e-6, name
+        moved += (tensor - base(name, None, 0, 0)).abs().max().item() > 1e-4
+    assert moved == 4 * 7  # q, k, v, o, gate, up, down of 4 layers: the adapters are in
