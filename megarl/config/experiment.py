@@ -211,15 +211,23 @@ class GRPOConfig(BaseExperimentConfig):
         self._check_lora()
 
     def _check_lora(self) -> None:
-        """LoRA adapters train on the actor engine, but a run cannot carry them yet."""
-        for key, cfg in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)):
+        """LoRA adapters run on the actor, with the servers sent the merged weights; not on ref or critic yet."""
+        if self.actor.lora.enabled:
+            require(
+                self.weight_update.lora == "merged",
+                "weight_update.lora",
+                self.weight_update.lora,
+                "sending the adapters themselves to the servers is not implemented yet: use 'merged' "
+                "(the servers get the base weights with the adapters folded in; docs/guides/lora.md)",
+            )
+        for key, cfg in (("ref", self.ref), ("critic", self.critic)):
             if cfg is not None:
                 require(
                     not cfg.lora.enabled,
                     f"{key}.lora.rank",
                     cfg.lora.rank,
-                    "LoRA adapters train on the Megatron actor, but sending them to the servers (weight "
-                    "sync), checkpoints and recover do not handle them yet: set rank 0 (docs/guides/lora.md)",
+                    f"LoRA adapters on the {key} model are not supported yet (the actor's are): set rank 0 "
+                    "(docs/guides/lora.md)",
                 )
 
     def resolve_auto(self) -> None:
