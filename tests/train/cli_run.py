@@ -10,6 +10,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ARITHMETIC = "configs/arithmetic_grpo_cpu.yaml"
 QUIET_LOGGERS = ["stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false"]
+SHORT_RUN = [  # two steps of two prompts x two samples, no evaluation or saving
+    "total_train_steps=2",
+    "train_dataset.batch_size=2",
+    "gconfig.n_samples=2",
+    "gconfig.max_new_tokens=16",
+    "valid_dataset=null",
+    "saver.freq_steps=null",
+    *QUIET_LOGGERS,
+]
 
 
 def megarl_run(*args: str, expect: int = 0, timeout: float = 1500) -> str:

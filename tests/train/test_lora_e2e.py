@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.cli_run import ARITHMETIC, QUIET_LOGGERS, megarl_run
+from tests.train.cli_run import ARITHMETIC, SHORT_RUN, megarl_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -28,14 +28,8 @@ LORA_RUN = [
     f"actor.lora.alpha={ALPHA:g}",
     "actor.dtype=float32",
     "vllm.dtype=float32",
-    "total_train_steps=2",
-    "train_dataset.batch_size=2",
-    "gconfig.n_samples=2",
-    "gconfig.max_new_tokens=16",
-    "valid_dataset=null",
-    "saver.freq_steps=null",
+    *SHORT_RUN,
     "weight_update.probe_every=1",
-    *QUIET_LOGGERS,
 ]
 
 

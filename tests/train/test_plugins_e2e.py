@@ -27,17 +27,8 @@ from pathlib import Path
 import pytest
 
 from examples.rewards.brief_answer import brief_answer_reward
-from tests.train.cli_run import ARITHMETIC, QUIET_LOGGERS, ROOT, megarl_run
+from tests.train.cli_run import ARITHMETIC, ROOT, SHORT_RUN, megarl_run
 
-SHORT_RUN = [
-    "total_train_steps=2",
-    "train_dataset.batch_size=2",
-    "gconfig.n_samples=2",
-    "gconfig.max_new_tokens=16",
-    "valid_dataset=null",
-    "saver.freq_steps=null",
-    *QUIET_LOGGERS,
-]
 SYSTEM_PROMPT = "Reply with digits only."
 SPECIAL = ("<|im_end|>", "<|endoftext|>")
 
