@@ -107,8 +107,9 @@ class AsyncRewardWrapper:
         startup_grace_seconds: Extra wait for a free, started worker (spawn imports the
             trainer's modules); past ``timeout_seconds`` plus this the call scores 0 and
             the pool is replaced (a worker stuck where the alarm cannot reach it).
-        max_error_fraction, error_window: When failed calls make the function broken
-            (``reward.max_error_fraction``, ``reward.error_window``).
+        max_error_fraction: Share of the last ``error_window`` calls that may fail before the
+            function counts as broken (``reward.max_error_fraction``).
+        error_window: How many recent calls that share is taken over (``reward.error_window``).
     """
 
     FAILURE_OUTCOMES = ("no_answer", "bad_reference", "error", "timeout")
