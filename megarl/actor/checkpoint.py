@@ -57,8 +57,9 @@ def export_hf(engine, path: str | os.PathLike, dtype: torch.dtype | None = None)
     dist.barrier()
 
 
-def export_peft(engine, path: str | os.PathLike) -> None:
-    """Write the engine's LoRA adapters as a PEFT adapter directory at ``path`` (collective: every rank calls)."""
+def export_peft(engine, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Write the engine's LoRA adapters as a PEFT adapter directory at ``path`` (collective: every rank
+    calls), in ``dtype`` (None: the adapters' own). Every rank returns after rank 0 has written, or failed to."""
     from megarl.models import lora
 
     p = engine.parallel
@@ -66,10 +67,14 @@ def export_peft(engine, path: str | os.PathLike) -> None:
     local = full if p.tp_rank == 0 and p.dp_rank == 0 else {}
     parts = [None] * p.world_size if p.rank == 0 else None
     dist.gather_object(local, parts, dst=0)  # one copy per pipeline stage
-    if p.rank == 0:
-        tensors = lora.peft_tensors({name: t for part in parts for name, t in part.items()}, engine.desc)
-        lora.write_peft_dir(tensors, engine.config.lora, engine.model_path, path)
-    dist.barrier()
+    try:
+        if p.rank == 0:
+            tensors = lora.peft_tensors({name: t for part in parts for name, t in part.items()}, engine.desc)
+            if dtype is not None:
+                tensors = {name: t.to(dtype) for name, t in tensors.items()}
+            lora.write_peft_dir(tensors, engine.config.lora, engine.model_path, path)
+    finally:
+        dist.barrier()  # a failed write raises on rank 0 only after the others are released
 
 
 @dataclass(frozen=True)

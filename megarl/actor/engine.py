@@ -518,13 +518,14 @@ class MegatronEngine:
 
         export_hf(self, path, dtype)
 
-    def export_adapters(self, path) -> None:
-        """Write the LoRA adapters as a PEFT adapter directory (collective; global rank 0 writes)."""
+    def export_adapters(self, path, dtype: torch.dtype | None = None) -> None:
+        """Write the LoRA adapters as a PEFT adapter directory (collective; global rank 0 writes), in
+        ``dtype`` (None: the adapters' own)."""
         from megarl.actor.checkpoint import export_peft
 
         if not self.config.lora.enabled:
             raise ValueError("export_adapters() needs LoRA adapters (lora.rank > 0)")
-        export_peft(self, path)
+        export_peft(self, path, dtype)
 
     def save(self, meta) -> None:
         """Save a resumable Megatron checkpoint, or an HF export (``SaveLoadMeta.weight_format``); LoRA

@@ -41,6 +41,11 @@ class RolloutControl(abc.ABC):
         """The weights' version from now on (stamped on every token generated after)."""
 
     @abc.abstractmethod
+    def use_adapter(self, name: str | None) -> None:
+        """Ask the servers for the LoRA adapter ``name`` in every request sent from now on (adapter weight
+        sync loads each version as a new adapter); None: their base model."""
+
+    @abc.abstractmethod
     def get_version(self) -> int:
         """The current weights' version."""
 

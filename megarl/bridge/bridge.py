@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megarl.bridge.control import ServerControl
-from megarl.bridge.groups import default_backend, destroy_group
+from megarl.bridge.groups import default_backend, destroy_group, gather_objects, rank0_object
 from megarl.bridge.plan import TransferPlan, build_plan
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
@@ -83,13 +82,15 @@ class UpdateReport:
     failed: dict[str, str] = field(default_factory=dict)
     """Address -> why, for servers that did not commit (old weights, or unhealthy)."""
     sender_errors: list[str] = field(default_factory=list)
+    adapter: str | None = None
+    """Adapter weight sync: the LoRA adapter the updated servers serve ``version`` under."""
 
     @property
     def ok(self) -> bool:
         return not self.failed and not self.sender_errors
 
 
-def _in_threads(calls: dict[str, callable], timeout: float) -> dict[str, str]:
+def in_threads(calls: dict[str, callable], timeout: float) -> dict[str, str]:
     """Run ``{name: fn}`` concurrently; ``{name: error}`` of those that raised or did not finish in time."""
     errors: dict[str, str] = {}
 
@@ -113,9 +114,9 @@ def _in_threads(calls: dict[str, callable], timeout: float) -> dict[str, str]:
 
 
 def _background(calls: dict[str, callable], timeout: float, errors: dict[str, str]) -> threading.Thread:
-    """A started thread running :func:`_in_threads` on ``calls``; their errors land in ``errors``."""
+    """A started thread running :func:`in_threads` on ``calls``; their errors land in ``errors``."""
     thread = threading.Thread(
-        target=lambda: errors.update(_in_threads(calls, timeout)), daemon=True, name="megarl-bridge-control"
+        target=lambda: errors.update(in_threads(calls, timeout)), daemon=True, name="megarl-bridge-control"
     )
     thread.start()
     return thread
@@ -308,7 +309,7 @@ class WeightBridge:
         sender.path = root if path else root / f"v{version}"
         stats = sender.send(source)
         if self.is_driver and not path:
-            _prune(root, self.config.keep_disk_versions)
+            prune_versions(root, self.config.keep_disk_versions)
         return stats
 
     def _drive(self, mode: str, version: int, send) -> dict[str, str]:
@@ -318,7 +319,7 @@ class WeightBridge:
         timeout = self.config.update_timeout
         if self.is_driver:
             heartbeat.step(f"weight sync: {mode} update begins on {len(self.servers)} server(s)")
-            failed.update(_in_threads({s.address: (lambda s=s: s.begin(mode)) for s in self.servers}, timeout))
+            failed.update(in_threads({s.address: (lambda s=s: s.begin(mode)) for s in self.servers}, timeout))
             path = str(self.senders["disk"].path) if mode == "disk" else None
             live = [s for s in self.servers if s.address not in failed]
             receiving = _background({s.address: (lambda s=s: s.receive(mode, path)) for s in live}, timeout, failed)
@@ -331,26 +332,18 @@ class WeightBridge:
             ready = [s for s in self.servers if s.address not in failed]
             heartbeat.step(f"weight sync: commit on {len(ready)} server(s)")
             start = time.perf_counter()
-            failed.update(_in_threads({s.address: (lambda s=s: s.commit(version)) for s in ready}, timeout))
+            failed.update(in_threads({s.address: (lambda s=s: s.commit(version)) for s in ready}, timeout))
             self._commit_seconds = time.perf_counter() - start
         return failed
 
     # ------------------------------------------------------------------ helpers
 
     def _all_gather(self, value) -> list:
-        if not dist.is_initialized():
-            return [value]
-        out = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+        return gather_objects(value, self.group)
 
     def broadcast_object(self, value):
         """Rank 0's ``value`` on every trainer rank."""
-        if not dist.is_initialized():
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return rank0_object(value, self.group)
 
     def _agree(self, errors: dict, what: str) -> None:
         merged = {k: v for part in self._all_gather(errors) for k, v in part.items()}
@@ -371,7 +364,7 @@ def _path(path: str) -> Path:
     return Path(path)
 
 
-def _prune(root: Path, keep: int) -> None:
+def prune_versions(root: Path, keep: int) -> None:
     """Remove all but the newest ``keep`` version directories (``v<N>``) under ``root``."""
     versions = sorted(
         (p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:])

@@ -69,3 +69,22 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
         dist.destroy_process_group(group)
     except (RuntimeError, ValueError, KeyError) as e:  # already destroyed, or its peers died
         logger.debug("destroying bridge group: %s", e)
+
+
+def gather_objects(value, group=None) -> list:
+    """``value`` of every rank of ``group`` (the default group if None), in rank order; ``[value]``
+    without torch.distributed."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def rank0_object(value, group=None):
+    """Rank 0's ``value`` on every rank of ``group`` (the default group if None)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]

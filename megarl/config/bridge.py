@@ -23,8 +23,9 @@ class WeightUpdateConfig:
     """With LoRA adapters on the actor (``actor.lora.rank > 0``): ``merged`` sends the base weights
     with ``(alpha / rank) B A`` added, computed on the trainer from each tensor-parallel shard before
     any gather, conversion or resharding, so every mode and server kind serves a plain model (the
-    trainer's own weights are not written). ``adapter`` (the adapters alone, loaded as LoRA by the
-    servers) is not implemented yet. No effect without adapters."""
+    trainer's own weights are not written). ``adapter``: the servers keep their base weights and load
+    the adapters alone as a LoRA adapter, a new one per version, under ``disk_path``
+    (:mod:`megarl.bridge.adapter`; a few percent of the model per update). No effect without adapters."""
     extra_modes: list[str] = field(default_factory=list)
     """Other modes to wire at connection time, so one run can switch between them (benchmarks)."""
     bucket_mb: float | None = None
@@ -37,7 +38,8 @@ class WeightUpdateConfig:
     model in broadcast mode). False applies buckets as they arrive; a failed server is then
     marked unhealthy."""
     disk_path: str = ""
-    """Disk mode: directory on storage shared by trainer and servers (one sub-directory per version)."""
+    """Disk mode and adapter sync: directory on storage shared by trainer and servers (one sub-directory
+    per version); empty with adapter sync: ``{run_dir}/weight_updates``."""
     keep_disk_versions: int = 2
     """Disk mode: how many version sub-directories to keep."""
     master_address: str = ""

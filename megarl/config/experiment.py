@@ -11,7 +11,14 @@ from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.allocation import AllocationError, AllocationMode, validate_allocation
 from megarl.config.base import ConfigError, require
 from megarl.config.bridge import WeightUpdateConfig
-from megarl.config.rollout import InferenceEngineConfig, RewardConfig, SGLangConfig, VLLMConfig, WorkflowConfig
+from megarl.config.rollout import (
+    MAX_SERVED_LORA_RANK,
+    InferenceEngineConfig,
+    RewardConfig,
+    SGLangConfig,
+    VLLMConfig,
+    WorkflowConfig,
+)
 from megarl.config.run import (
     ClusterConfig,
     DatasetConfig,
@@ -210,15 +217,27 @@ class GRPOConfig(BaseExperimentConfig):
         self._check_critic(alloc)
         self._check_lora()
 
+    @property
+    def adapter_sync(self) -> bool:
+        """The servers serve the actor's LoRA adapters as an adapter (``weight_update.lora: adapter``)."""
+        return self.actor.lora.enabled and self.weight_update.lora == "adapter"
+
     def _check_lora(self) -> None:
-        """LoRA adapters run on the actor, with the servers sent the merged weights; not on ref or critic yet."""
-        if self.actor.lora.enabled:
+        """LoRA adapters run on the actor (not on ref or critic yet); adapter sync serves what servers can load."""
+        if self.adapter_sync:
+            experts = [m for m in self.actor.lora.target_modules if m.startswith("experts.")]
             require(
-                self.weight_update.lora == "merged",
+                not experts,
                 "weight_update.lora",
                 self.weight_update.lora,
-                "sending the adapters themselves to the servers is not implemented yet: use 'merged' "
-                "(the servers get the base weights with the adapters folded in; docs/guides/lora.md)",
+                f"adapters on expert linears ({', '.join(experts)}) have no PEFT form the servers load yet: "
+                "use 'merged' (docs/guides/lora.md)",
+            )
+            require(
+                self.actor.lora.rank <= MAX_SERVED_LORA_RANK,
+                "actor.lora.rank",
+                self.actor.lora.rank,
+                f"adapter sync: vLLM serves LoRA ranks up to {MAX_SERVED_LORA_RANK}; use 'merged' above that",
             )
         for key, cfg in (("ref", self.ref), ("critic", self.critic)):
             if cfg is not None:
@@ -261,6 +280,8 @@ class GRPOConfig(BaseExperimentConfig):
             f"({'and overflow bf16 range ' if wire == 'float16' else ''}so the consistency probe fails); use auto "
             f"(= the servers' dtype) or float32",
         )
+        if self.adapter_sync and not self.weight_update.disk_path:  # where the servers read each version
+            self.weight_update.disk_path = str(self.run_dir / "weight_updates")
         resolved = [key for key, value in before.items() if value == "auto"]
         if resolved and is_rank0():
             logger.info("dtype %s for %s (auto on %s: %s)", chosen, ", ".join(resolved), self.cluster.device, why)
@@ -517,6 +538,8 @@ MANAGED_SERVER_FLAGS = {
         "--block-size": "vllm.block_size",
         "--gpu-memory-utilization": "vllm.gpu_memory_utilization",
         "--api-key": "the launcher",
+        "--enable-lora": "weight_update.lora",
+        "--max-lora-rank": "actor.lora.rank",
     },
     "sglang": {
         "--model-path": "actor.path",
@@ -527,6 +550,8 @@ MANAGED_SERVER_FLAGS = {
         "--tp-size": "allocation_mode",
         "--random-seed": "sglang.random_seed",
         "--mem-fraction-static": "sglang.mem_fraction_static",
+        "--enable-lora": "weight_update.lora",
+        "--max-lora-rank": "actor.lora.rank",
     },
 }
 """Server flags megarl sets from a config key (flag -> key): ``extra_args`` may not repeat them."""

@@ -86,6 +86,12 @@ class InferenceEngineConfig:
         require(self.max_failed_episodes >= 1, "max_failed_episodes", self.max_failed_episodes, "must be >= 1")
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's ``--max-lora-rank`` takes (``vllm/config/lora.py``): a server serving adapters of
+rank r is started with the smallest one >= r."""
+MAX_SERVED_LORA_RANK = VLLM_LORA_RANKS[-1]
+
+
 @dataclass
 class VLLMConfig:
     """Options of ``python -m vllm.entrypoints.openai.api_server`` (one server per replica)."""

@@ -54,6 +54,7 @@ def server_spec(
     ):
         raise ValueError(f"server {index} needs {inference.devices_per_server} devices, got {devices}")
     model = resolve_model_path(config.actor.path)
+    lora_rank = config.actor.lora.rank if config.adapter_sync else 0
     if inference.backend == "vllm":
         return vllm_launch_spec(
             config.vllm,
@@ -65,6 +66,7 @@ def server_spec(
             device_type=config.device,
             replica=index,
             colocated=config.allocation.colocated,
+            lora_rank=lora_rank,
         )
     return sglang_launch_spec(
         config.sglang,
@@ -76,6 +78,7 @@ def server_spec(
         replica=index,
         routed_experts=config.rollout.return_routed_experts,
         colocated=config.allocation.colocated,
+        lora_rank=lora_rank,
     )
 
 

@@ -309,7 +309,7 @@ def gather_full(chunks: list, coords: ShardCoords, value=None) -> dict[str, torc
     out = {}
     for item in adapter_params(chunks, coords):
         tensor = (item.param.detach() if value is None else value(item.param)).contiguous()
-        shards = [tensor]
+        shards = [tensor.clone()]  # not a view of Megatron's parameter buffer: pickled, a view carries all of it
         if item.size > 1 and item.split != "replicated":
             shards = [torch.empty_like(tensor) for _ in range(item.size)]
             dist.all_gather(shards, tensor, group=item.group)

@@ -93,6 +93,9 @@ class InferenceBackend(abc.ABC):
     """Ask for the experts each generated token was routed to (``rollout.return_routed_experts``)."""
     vocab_size: int | None = None
     """The trainer's vocabulary: a reply holding a token id at or beyond it is refused (None: not checked)."""
+    adapter: str | None = None
+    """The LoRA adapter every request asks for (adapter weight sync names each version's adapter; None:
+    the server's base model)."""
 
     @abc.abstractmethod
     def generate_payload(

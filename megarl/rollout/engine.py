@@ -238,6 +238,9 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
         if self.pool is not None:
             self.pool.notify_version()
 
+    def use_adapter(self, name: str | None) -> None:
+        self.backend.adapter = name
+
     def get_version(self) -> int:
         return self.client.get_version()
 

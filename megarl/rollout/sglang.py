@@ -64,6 +64,8 @@ class SGLangBackend(InferenceBackend):
             "return_logprob": True,
             "stream": False,
         }
+        if self.adapter is not None:
+            payload["lora_path"] = self.adapter  # a loaded adapter's name (GenerateReqInput.lora_path)
         if self.return_routed_experts:  # the positions that produce the new tokens: the last input onwards
             payload.update(return_routed_experts=True, routed_experts_start_len=len(input_ids) - 1)
         return payload
@@ -138,9 +140,11 @@ def sglang_launch_spec(
     replica: int = 0,
     routed_experts: bool = False,
     colocated: bool = False,
+    lora_rank: int = 0,
 ) -> LaunchSpec:
     """The command and environment of one SGLang server on GPUs ``devices`` (CUDA only); ``colocated``:
-    it shares them with the trainer and releases its memory while the trainer computes."""
+    it shares them with the trainer and releases its memory while the trainer computes; ``lora_rank`` > 0:
+    it serves the trainer's LoRA adapters of that rank, loaded at run time (adapter weight sync)."""
     cmd = [
         sys.executable,
         "-m",
@@ -173,6 +177,9 @@ def sglang_launch_spec(
         cmd.append("--enable-return-routed-experts")
     if colocated:  # /release_memory_occupation and /resume_memory_occupation (torch_memory_saver)
         cmd.append("--enable-memory-saver")
+    if lora_rank > 0:  # every linear may carry an adapter; the newest two versions (and base) in a batch
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--lora-target-modules", "all"]
+        cmd += ["--max-loras-per-batch", "3", "--max-loaded-loras", "3"]
     if api_key():
         cmd += ["--api-key", api_key()]  # SGLang guards every route but /health with it (no environment variable)
     env: dict[str, str] = {}

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megarl.api.io_struct import GenerationHyperparameters
-from megarl.config.rollout import VLLMConfig
+from megarl.config.rollout import VLLM_LORA_RANKS, VLLMConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
@@ -58,6 +58,8 @@ class VLLMBackend(InferenceBackend):
             "skip_special_tokens": False,
             "stream": False,
         }
+        if self.adapter is not None:
+            payload["model"] = self.adapter  # a loaded LoRA adapter is served as a model of its own
         if gconfig.stop:
             payload["stop"] = list(gconfig.stop)
         if gconfig.stop_token_ids:
@@ -142,6 +144,7 @@ def vllm_launch_spec(
     device_type: str = "cpu",
     replica: int = 0,
     colocated: bool = False,
+    lora_rank: int = 0,
 ) -> LaunchSpec:
     """The command and environment of one vLLM server.
 
@@ -156,6 +159,9 @@ def vllm_launch_spec(
         replica: Index of this server among its replicas (offsets the seed).
         colocated: It shares its devices with the trainer: on CUDA it starts with sleep mode
             (``/sleep`` frees its memory while the trainer computes); on CPU ``/sleep`` only pauses.
+        lora_rank: > 0: it serves the trainer's LoRA adapters of this rank, loaded at run time
+            (adapter weight sync): ``--enable-lora``, room for two adapters (the newest version's and
+            the previous one's), and the runtime load routes.
     """
     cmd = [
         sys.executable,
@@ -202,8 +208,20 @@ def vllm_launch_spec(
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     else:
         raise ValueError(f"vllm_launch_spec: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if lora_rank > 0:
+        cmd += lora_args(lora_rank)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     cmd += ["--middleware", "megarl.utils.auth.RequireApiKey"]  # guards every route but /health (run key)
     if api_key():
         env["VLLM_API_KEY"] = api_key()  # vLLM's own check of /v1, from the environment (not on the command line)
     cmd += WEIGHT_TRANSFER_ARGS + list(config.extra_args)
     return LaunchSpec(cmd=cmd, env=env, host=host, port=port, health_endpoint=VLLMBackend.health_endpoint)
+
+
+def lora_args(rank: int) -> list[str]:
+    """vLLM flags serving LoRA adapters of ``rank``: two in a batch (a version's and the one before) and three
+    held (a third is loaded before the oldest is dropped)."""
+    served = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+    if served is None:
+        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {rank}")
+    return ["--enable-lora", "--max-lora-rank", str(served), "--max-loras", "2", "--max-cpu-loras", "3"]

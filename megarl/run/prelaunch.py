@@ -151,7 +151,7 @@ def _check_outputs(config: BaseExperimentConfig, multi_node: bool) -> None:
 
 def _check_disk_path(config: GRPOConfig) -> None:
     update = config.weight_update
-    if "disk" in update.modes:
+    if "disk" in update.modes or config.adapter_sync:
         problem = writable_dir_problem(update.disk_path)
         require(
             problem is None, "weight_update.disk_path", update.disk_path, f"each update is written there: {problem}"

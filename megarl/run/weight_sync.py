@@ -10,6 +10,10 @@ One update (every trainer rank calls it; collective)::
     probe consistency          # every weight_update.probe_every updates: trainer vs every server,
                                # before new episodes start; ConsistencyError above threshold
 
+With LoRA adapters and ``weight_update.lora: adapter`` the transfer is
+:class:`~megarl.bridge.adapter.AdapterBridge`'s: the servers load the adapters alone as a new LoRA
+adapter per version, and the rollout side asks for it (``RolloutControl.use_adapter``).
+
 The rollout side is reached through :class:`megarl.api.rollout_control.RolloutControl` (the
 trainer's :class:`~megarl.rollout.RemoteInferenceEngine`), the transfer through
 :class:`megarl.bridge.bridge.WeightBridge`. A server that failed the transfer keeps its old
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megarl.api.rollout_control import RolloutControl
+from megarl.bridge.adapter import AdapterBridge
 from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
 from megarl.bridge.consistency import (
     ConsistencyError,
@@ -46,8 +51,10 @@ from megarl.bridge.consistency import (
 )
 from megarl.bridge.control import ServerControl, make_control
 from megarl.bridge.source import ShardSource, TrainerCoords
+from megarl.bridge.transport import wire_dtype
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.utils import heartbeat
+from megarl.utils.hardware import concrete_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +101,35 @@ class WeightSync:
         from megarl.models.hf_io import SafetensorsReader
 
         self.engine, self.config, self.servers, self.rollout = engine, config, list(servers), rollout
-        reader = SafetensorsReader(engine.model_path)
         coords = TrainerCoords.from_parallel(engine.parallel)
         device = next(p for chunk in engine.model for p in chunk.parameters()).device
-        self.bridge = WeightBridge(
-            config,
-            engine.desc,
-            {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
-            engine.parallel.alloc,
-            coords,
-            source_dir=engine.model_path,
-            device=device,
-        )
+        self.adapters = engine.config.lora.enabled and config.lora == "adapter"
+        """Adapter weight sync: the servers serve the policy as a LoRA adapter, updated alone."""
+        if self.adapters:
+            dtype = wire_dtype(concrete_dtype(config.dtype, device.type))
+            self.bridge = AdapterBridge(config, engine.export_adapters, dtype, coords.rank)
+        else:
+            reader = SafetensorsReader(engine.model_path)
+            self.bridge = WeightBridge(
+                config,
+                engine.desc,
+                {n: reader.shape(n) for n in reader.keys()},  # noqa: SIM118 (the reader is not iterable)
+                engine.parallel.alloc,
+                coords,
+                source_dir=engine.model_path,
+                device=device,
+            )
         self.probe: list[list[int]] = []
         self.unhealthy: set[str] = set()
         self.n_updates = 0
 
     def connect(self) -> None:
-        """Form the groups (collective), then sample the consistency probe from the first server."""
+        """Form the groups (collective), then sample the consistency probe from the first server. In
+        adapter sync the servers first load the current adapters: they serve the policy from the start."""
         self.bridge.connect([s for s in self.servers if s.address not in self.unhealthy])
+        if self.adapters:
+            version = self.engine.get_version()
+            self._after(self.bridge.update(None, version), version)
         if self.config.probe_sequences and not self.probe:
             probe = None
             if self.bridge.is_driver:
@@ -262,6 +279,8 @@ class WeightSync:
         if report.updated:
             self.engine.set_version(version)
             if self.rollout is not None:
+                if report.adapter is not None:
+                    self.rollout.use_adapter(report.adapter)
                 self.rollout.set_version(version)
         self.unhealthy -= set(report.updated)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -55,6 +56,9 @@ def lora_sync_run(model_dir: str, alloc: str, batch: dict, out_dir: str, distrib
         "base_bits_kept": all(torch.equal(a, q.detach()) for a, q in zip(base_before, base)),
         "merged": merged if p.rank == 0 else None,
     }
+    full = lora.gather_full(engine.model, engine.coords)  # what the PEFT export sends to rank 0, pickled
+    result["adapter_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
+    result["pickled_bytes"] = len(pickle.dumps(full))
     engine.export_adapters(str(out / "peft"))
     engine.export_hf(str(out / "hf"))
 

@@ -5,7 +5,8 @@ own request class (``sglang_types.validate``); the group is joined with SGLang's
 ``init_custom_process_group`` (rank ``rank_offset``) and each bucket is received into
 SGLang's own ``FlattenedTensorBucket``, so a trainer that fills this server fills a real
 one. Received tensors are kept by name; ``POST /fake/dump {"path"}`` saves them with
-their weight version. Only what the bridge uses is implemented.
+their weight version. LoRA adapters are loaded from their PEFT directory and kept by name
+(``GET /fake/adapters``: each one's tensors, summed). Only what the bridge uses is implemented.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class FakeSGLang:
         self.weights: dict[str, torch.Tensor] = {}
         self.session = False
         self.version = None
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}  # LoRA adapter name -> its tensors
 
     def init_weights_update_group(self, req) -> dict:
         self.groups[req.group_name] = self.init_group(
@@ -61,6 +63,19 @@ class FakeSGLang:
         self.version = req.weight_version
         return {"success": True, "message": "ok", "num_paused_requests": 0}
 
+    def load_lora_adapter(self, req) -> dict:
+        from safetensors.torch import load_file
+
+        if req.lora_name in self.adapters:  # SGLang refuses a name it holds
+            return {"success": False, "error_message": f"LoRA adapter {req.lora_name} is already loaded"}
+        self.adapters[req.lora_name] = load_file(str(Path(req.lora_path) / "adapter_model.safetensors"))
+        return {"success": True, "loaded_adapters": {n: n for n in self.adapters}}
+
+    def unload_lora_adapter(self, req) -> dict:
+        if self.adapters.pop(req.lora_name, None) is None:
+            return {"success": False, "error_message": f"LoRA adapter {req.lora_name} is not loaded"}
+        return {"success": True, "loaded_adapters": {n: n for n in self.adapters}}
+
 
 async def _handle(server: FakeSGLang, route: str, request: web.Request) -> web.Response:
     payload = await request.json() if request.can_read_body else {}
@@ -79,7 +94,8 @@ async def _handle(server: FakeSGLang, route: str, request: web.Request) -> web.R
         server.version = req.new_version
         return web.json_response({})
     method = getattr(server, route.strip("/"))
-    return web.json_response(await loop.run_in_executor(None, method, req))
+    reply = await loop.run_in_executor(None, method, req)
+    return web.json_response(reply, status=400 if reply.get("success") is False and "lora" in route else 200)
 
 
 def make_app(server: FakeSGLang) -> web.Application:
@@ -93,6 +109,8 @@ def make_app(server: FakeSGLang) -> web.Application:
         "/begin_weight_update",
         "/end_weight_update",
         "/update_weight_version",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
     ):
         app.router.add_post(route, lambda r, route=route: _handle(server, route, r))
 
@@ -102,6 +120,13 @@ def make_app(server: FakeSGLang) -> web.Application:
         return web.json_response({"names": len(server.weights)})
 
     app.router.add_post("/fake/dump", dump)
+
+    async def adapters(request):  # each loaded adapter's tensors, summed
+        return web.json_response(
+            {name: {k: float(t.double().sum()) for k, t in ts.items()} for name, ts in server.adapters.items()}
+        )
+
+    app.router.add_get("/fake/adapters", adapters)
     return app
 
 

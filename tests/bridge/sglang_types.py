@@ -18,6 +18,8 @@ ROUTES = {
     "/end_weight_update": "EndWeightUpdateReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
     "/generate": "GenerateReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
 }
 
 

@@ -88,7 +88,13 @@ def test_payloads_validate_against_sglang_request_types(tiny_model_dir):
         ("/update_weights_from_disk", {"model_path": "/x", "weight_version": "3", "flush_cache": True}),
         ("/generate", control.score_payload([1, 2, 3])),
         ("/generate", control.score_payload([1, 2, 3], k=20)),
+        ("/load_lora_adapter", control.adapter_payload("megarl-lora-v3", "/x/lora/v3")),
+        ("/unload_lora_adapter", {"lora_name": "megarl-lora-v1"}),
     ]
+    control.adapter = "megarl-lora-v3"  # adapter weight sync: the probe asks for the served adapter
+    scored = control.score_payload([1, 2, 3], k=20)
+    assert scored["lora_path"] == "megarl-lora-v3"
+    payloads.append(("/generate", scored))
     proc = subprocess.run(
         [sys.executable, "-c", CHECK.format(repo=str(HERE.parents[1]))],
         input=json.dumps(payloads),

@@ -1,5 +1,5 @@
 """``actor.lora`` and ``weight_update.lora``: bad values fail when the config loads, naming the key; a run
-takes adapters with the merged weight sync and refuses the adapter sync (not implemented yet)."""
+takes adapters with either weight sync; the adapter sync refuses what servers cannot load."""
 
 from pathlib import Path
 
@@ -27,7 +27,12 @@ def in_repo_offline(monkeypatch):
         ("actor.lora.target_modules=[linear_qkv,q_proj]", "actor.lora.target_modules", "'q_proj'"),
         ("actor.lora.init_from=/some/adapter", "actor.lora.init_from", "set rank > 0"),
         ("weight_update.lora=folded", "weight_update.lora", "['merged', 'adapter']"),
-        ("actor.lora.rank=8 weight_update.lora=adapter", "weight_update.lora", "not implemented yet"),
+        (
+            "actor.lora.rank=8 actor.lora.target_modules=[linear_qkv,experts.linear_fc1] weight_update.lora=adapter",
+            "weight_update.lora",
+            "adapters on expert linears (experts.linear_fc1) have no PEFT form",
+        ),
+        ("actor.lora.rank=600 weight_update.lora=adapter", "actor.lora.rank", "LoRA ranks up to 512"),
     ],
 )
 def test_bad_lora_values_name_the_key(override, key, fragment):
@@ -45,3 +50,18 @@ def test_lora_is_off_by_default():
 def test_a_run_takes_adapters_with_the_merged_sync():
     config, _ = load_expr_config(["--config", CPU_YAML, "actor.lora.rank=8"], GRPOConfig)
     assert config.actor.lora.enabled and config.weight_update.lora == "merged"
+
+
+def test_adapter_sync_writes_under_the_run_directory_unless_told(tmp_path):
+    """The servers read each version's adapters from ``weight_update.disk_path``: the run directory's
+    ``weight_updates`` by default, the directory given otherwise; and the servers start with LoRA on."""
+    from megarl.launcher.serve import server_spec
+
+    base = ["--config", CPU_YAML, "actor.lora.rank=8", "weight_update.lora=adapter", f"cluster.fileroot={tmp_path}"]
+    config, _ = load_expr_config(base, GRPOConfig)
+    assert config.adapter_sync and config.weight_update.disk_path == str(config.run_dir / "weight_updates")
+    assert "--enable-lora" in server_spec(config, 0, [0], "127.0.0.1", 1).cmd
+    config, _ = load_expr_config([*base, f"weight_update.disk_path={tmp_path / 'shared'}"], GRPOConfig)
+    assert config.weight_update.disk_path == str(tmp_path / "shared")
+    merged, _ = load_expr_config([*base, "weight_update.lora=merged"], GRPOConfig)
+    assert not merged.adapter_sync and "--enable-lora" not in server_spec(merged, 0, [0], "127.0.0.1", 1).cmd

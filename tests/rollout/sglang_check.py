@@ -45,6 +45,8 @@ def main() -> None:
         obj = TypeAdapter(GenerateReqInput).validate_python(payload)  # what FastAPI does with the body
         obj.normalize_batch_and_arguments()
         assert obj.input_ids == payload["input_ids"] and obj.return_logprob is True, obj
+        if "lora_path" in payload:  # a loaded adapter, by name
+            assert obj.lora_path == payload["lora_path"], obj
         if payload.get("return_routed_experts"):
             assert obj.return_routed_experts is True, obj
             assert obj.routed_experts_start_len == payload["routed_experts_start_len"], obj
@@ -67,6 +69,8 @@ def main() -> None:
                 "port": args.port,
                 "routed_experts": args.enable_return_routed_experts,
                 "memory_saver": args.enable_memory_saver,
+                "lora": [args.enable_lora, args.max_lora_rank, args.lora_target_modules, args.max_loras_per_batch]
+                + [args.max_loaded_loras],
             }
         )
     )

@@ -76,6 +76,25 @@ def test_vllm_colocated_gpu_server_starts_in_sleep_mode():
     assert args.enable_sleep_mode is True and args.model == "/m"
 
 
+def test_vllm_serving_lora_adapters_enables_runtime_loading():
+    """Adapter weight sync: LoRA on, the smallest rank vLLM offers at or above the adapters', two adapters in a
+    batch, the runtime load routes on; vLLM's own parser and LoRA config accept the flags."""
+    assert "--enable-lora" not in vllm_launch_spec(VLLMConfig(), "/m", "h", 1).cmd
+    spec = vllm_launch_spec(VLLMConfig(), "/m", "h", 1, lora_rank=12)
+    assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "--max-lora-rank 16" in " ".join(spec.cmd)
+    with pytest.raises(ValueError, match="up to 512, not 600"):
+        vllm_launch_spec(VLLMConfig(), "/m", "h", 1, lora_rank=600)
+    pytest.importorskip("vllm")
+    from vllm.config.lora import LoRAConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(spec.cmd[3:])
+    assert args.enable_lora is True
+    LoRAConfig(max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras)
+
+
 def test_vllm_block_size_is_passed_and_checked_for_the_device():
     assert "--block-size" not in vllm_launch_spec(VLLMConfig(), "/m", "h", 1).cmd  # vLLM's default
     cpu = vllm_launch_spec(VLLMConfig(block_size=32), "/m", "h", 1)

@@ -147,6 +147,7 @@ def test_against_sglang_io_struct_and_server_args(tmp_path):
         "port": 30000,
         "routed_experts": False,
         "memory_saver": False,
+        "lora": [None, None, None, 8, None],
     }
 
 
@@ -177,6 +178,30 @@ def test_routed_experts_request_and_server_flag_against_sglang(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["routed_experts"] is True
+
+
+def test_lora_adapter_requests_and_server_flags_against_sglang():
+    """Adapter weight sync: every request names the served adapter in ``lora_path``, the server starts with
+    LoRA on every linear, room for the newest two versions and base; SGLang's io_struct and ServerArgs agree."""
+    backend = SGLangBackend()
+    backend.adapter = "megarl-lora-v3"
+    payloads = [backend.generate_payload([1, 2, 3, 4], g, 8, 0) for g in GCONFIGS]
+    assert {p["lora_path"] for p in payloads} == {"megarl-lora-v3"}
+    spec = sglang_launch_spec(SGLangConfig(), "/models/qwen", "127.0.0.1", 30000, tp=1, devices=[0], lora_rank=16)
+    (pause,) = backend.pause_calls()
+    _, resume = backend.resume_calls()
+    request = {
+        "vocab_size": 49152,
+        "generate": payloads,
+        "pause": pause.payload,
+        "resume": resume.payload,
+        "launch_args": spec.cmd[3:],
+    }
+    proc = subprocess.run(
+        [sys.executable, CHECK_SCRIPT], input=json.dumps(request), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["lora"] == [True, 16, ["all"], 3, 3]
 
 
 def test_colocated_sleep_and_wake_against_sglang():

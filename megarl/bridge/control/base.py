@@ -28,8 +28,11 @@ class ServerControlError(RuntimeError):
         super().__init__(f"inference server {address}{route}: {reason}")
 
 
-def http_json(address: str, route: str, payload: Any = None, timeout: float = 60.0, method: str = "POST") -> Any:
-    """``method`` ``http://address/route`` with a JSON body; the decoded JSON reply (None if empty)."""
+def http_json(
+    address: str, route: str, payload: Any = None, timeout: float = 60.0, method: str = "POST", text: bool = False
+) -> Any:
+    """``method`` ``http://address/route`` with a JSON body; the decoded JSON reply (None if empty), or
+    with ``text`` the reply's text (routes that answer in plain text)."""
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(
         f"http://{address}{route}",
@@ -45,7 +48,12 @@ def http_json(address: str, route: str, payload: Any = None, timeout: float = 60
         raise ServerControlError(address, route, f"HTTP {e.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
         raise ServerControlError(address, route, f"unreachable or timed out after {timeout:g}s ({e})") from None
-    return json.loads(body) if body.strip() else None
+    if text:
+        return body.decode(errors="replace")
+    try:
+        return json.loads(body) if body.strip() else None
+    except ValueError:
+        raise ServerControlError(address, route, f"reply is not JSON: {body[:_BODY_SNIPPET]!r}") from None
 
 
 class ServerControl(abc.ABC):
@@ -55,6 +63,9 @@ class ServerControl(abc.ABC):
 
     def __init__(self, address: str, tp: int, timeout: float = 600.0):
         self.address, self.tp, self.timeout = address, tp, timeout
+        self.adapter: str | None = None
+        """The LoRA adapter the server serves the trainer's policy under (adapter weight sync): what
+        :meth:`score` and :meth:`generate` ask for; None: the base model."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.address}, tp={self.tp})"
@@ -82,6 +93,15 @@ class ServerControl(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
         """``prompt`` followed by ``max_tokens`` sampled tokens (probe trajectories)."""
+
+    @abc.abstractmethod
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory ``path`` as the LoRA adapter ``name`` and serve the policy
+        under it from now on (:attr:`adapter`); the server keeps the adapters loaded before."""
+
+    @abc.abstractmethod
+    def unload_adapter(self, name: str) -> None:
+        """Drop the LoRA adapter ``name`` from the server."""
 
     def score_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]] | None:
         """Per sequence, per token but the first: the ``k`` most likely tokens there and their logprobs

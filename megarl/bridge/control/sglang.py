@@ -8,7 +8,9 @@ and take in each bucket with ``/update_weights_from_distributed`` (``load_format
 HF directory. Payload field names are those of ``sglang.srt.managers.io_struct``
 (``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
 ``UpdateWeightFromDiskReqInput``, ``UpdateWeightVersionReqInput``, ...); the tests validate
-them against those classes.
+them against those classes. LoRA adapters (adapter weight sync, servers started with
+``--enable-lora``): ``/load_lora_adapter`` (``LoadLoRAAdapterReqInput``), ``/unload_lora_adapter``
+(``UnloadLoRAAdapterReqInput``); a ``/generate`` request names its adapter in ``lora_path``.
 
 Limits: SGLang has no route that receives pre-sharded slices over a group (its
 ``update_weights_from_tensor`` passes CUDA IPC handles on one machine), so sharded mode
@@ -25,7 +27,7 @@ DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32
 
 def _check(address: str, route: str, reply) -> None:
     if isinstance(reply, dict) and reply.get("success") is False:
-        raise ServerControlError(address, route, str(reply.get("message")))
+        raise ServerControlError(address, route, str(reply.get("message") or reply.get("error_message")))
 
 
 class SGLangControl(ServerControl):
@@ -123,6 +125,29 @@ class SGLangControl(ServerControl):
         http_json(self.address, "/update_weight_version", body, self.timeout)
         http_json(self.address, "/flush_cache", None, self.timeout)
 
+    def load_adapter(self, name: str, path: str) -> None:
+        if self.adapter == name:  # the same version pushed again: SGLang refuses a name it holds
+            try:
+                self.unload_adapter(name)
+            except ServerControlError:
+                pass  # a restarted server holds none
+        route = "/load_lora_adapter"
+        _check(self.address, route, http_json(self.address, route, self.adapter_payload(name, path), self.timeout))
+        self.adapter = name
+
+    def unload_adapter(self, name: str) -> None:
+        route = "/unload_lora_adapter"
+        _check(self.address, route, http_json(self.address, route, {"lora_name": name}, self.timeout))
+
+    @staticmethod
+    def adapter_payload(name: str, path: str) -> dict:
+        """The ``/load_lora_adapter`` body (``LoadLoRAAdapterReqInput``)."""
+        return {"lora_name": name, "lora_path": path}
+
+    def _with_adapter(self, body: dict) -> dict:
+        """A ``/generate`` body asking for the served adapter (``lora_path`` takes a loaded adapter's name)."""
+        return body if self.adapter is None else {**body, "lora_path": self.adapter}
+
     def score_payload(self, seq: list[int], k: int = 0) -> dict:
         """The ``/generate`` body that scores ``seq`` (``GenerateReqInput``): the logprob of each of its
         tokens, and with ``k`` > 0 the ``k`` most likely tokens at each position too."""
@@ -132,7 +157,7 @@ class SGLangControl(ServerControl):
             "return_logprob": True,
             "logprob_start_len": 0,
         }
-        return {**body, "top_logprobs_num": k} if k > 0 else body
+        return self._with_adapter({**body, "top_logprobs_num": k} if k > 0 else body)
 
     def _input_logprobs(self, seq: list[int], field: str, k: int = 0) -> list:
         """``meta_info[field]`` of the reply scoring ``seq``, past its first token (which has none)."""
@@ -180,5 +205,5 @@ class SGLangControl(ServerControl):
                 "sampling_seed": seed,
             },
         }
-        reply = http_json(self.address, "/generate", body, self.timeout)
+        reply = http_json(self.address, "/generate", self._with_adapter(body), self.timeout)
         return list(prompt) + [int(t) for t in reply["output_ids"]]

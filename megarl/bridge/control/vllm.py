@@ -2,7 +2,11 @@
 
 Routes (``vllm/entrypoints/rl/online/api_router.py``): ``/init_weight_transfer_engine``
 ``{"init_info"}``, ``/start_weight_update``, ``/update_weights`` ``{"update_info"}``,
-``/finish_weight_update`` ``{"weight_version"}``. The server needs
+``/finish_weight_update`` ``{"weight_version"}``; LoRA adapters (adapter weight sync, servers
+started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``):
+``/v1/load_lora_adapter`` ``{"lora_name", "lora_path", "load_inplace"}`` and
+``/v1/unload_lora_adapter`` ``{"lora_name"}`` (``vllm/entrypoints/serve/lora/protocol.py``), both
+answering in plain text; requests name the adapter as their ``model``. The server needs
 ``--weight-transfer-config '{"backend": "megarl"}'`` (``vllm_launch_spec`` always adds it)
 and the megarl plugin (the ``vllm.general_plugins`` entry point, see :mod:`megarl.bridge.receivers.vllm`).
 """
@@ -33,7 +37,24 @@ class VLLMControl(ServerControl):
     def commit(self, version: int) -> None:
         http_json(self.address, "/finish_weight_update", {"weight_version": str(version)}, self.timeout)
 
+    def load_adapter(self, name: str, path: str) -> None:
+        # load_inplace: a server that holds ``name`` already (the same version pushed again) replaces it
+        body = self.adapter_payload(name, path)
+        http_json(self.address, "/v1/load_lora_adapter", body, self.timeout, text=True)
+        self.adapter = name
+
+    def unload_adapter(self, name: str) -> None:
+        http_json(self.address, "/v1/unload_lora_adapter", {"lora_name": name}, self.timeout, text=True)
+
+    @staticmethod
+    def adapter_payload(name: str, path: str) -> dict:
+        """The ``/v1/load_lora_adapter`` body (``LoadLoRAAdapterRequest``)."""
+        return {"lora_name": name, "lora_path": path, "load_inplace": True}
+
     def model(self) -> str:
+        """The model requests name: the served LoRA adapter, else the server's (base) model."""
+        if self.adapter is not None:
+            return self.adapter
         if self._model is None:
             reply = http_json(self.address, "/v1/models", method="GET", timeout=30)
             self._model = reply["data"][0]["id"]
