@@ -98,6 +98,8 @@ class Rates:
     """Bandwidth of the weight transfer."""
     model_bytes: float = 0.0
     """Bytes sent per weight update (parameters x bytes per parameter)."""
+    sync_what: str = "the model"
+    """What a weight update sends (printed with the plan): the model, or LoRA adapters (:func:`for_config`)."""
     overhead_s: float = 0.0
     """Seconds per step outside the phases, never overlapped."""
     overlap_slowdown: float = 1.0
@@ -276,6 +278,60 @@ def workload_of(
     )
 
 
+def for_config(rates: Rates, config) -> Rates:
+    """``rates`` as an experiment ``config`` changes them: with LoRA adapter sync (``weight_update.lora:
+    adapter``) an update sends the adapters, not the model (:func:`lora_numel`, in the wire dtype)."""
+    from megarl.models.provision import ALIASES, KNOWN_MODELS, resolve_model_path
+    from megarl.run.prelaunch import read_model_config
+
+    if config is None or not config.adapter_sync:
+        return rates
+    path = config.actor.path
+    if path.lower() in {*KNOWN_MODELS, *ALIASES}:  # a short name: its directory (converted locally on first use)
+        path = resolve_model_path(path)
+    hf = read_model_config(path, "actor.path")
+    if hf is None:
+        raise ValueError(
+            f"megarl plan: weight_update.lora=adapter sizes the update from the model's config.json, and "
+            f"actor.path={config.actor.path!r} has none here"
+        )
+    lora = config.actor.lora
+    itemsize = 4 if config.weight_update.dtype == "float32" else 2
+    numel = lora_numel(hf, lora.rank, lora.target_modules)
+    return dataclasses.replace(
+        rates,
+        model_bytes=numel * itemsize,
+        sync_what=f"LoRA adapters of rank {lora.rank}, {numel * itemsize / 1e6:,.1f} MB",
+    )
+
+
+_HF_MODULES = {  # Megatron target -> (HF modules, their input size, their output size) in HF config keys
+    "linear_qkv": (("q", "hidden", "q_out"), ("k", "hidden", "kv_out"), ("v", "hidden", "kv_out")),
+    "linear_proj": (("o", "q_out", "hidden"),),
+    "linear_fc1": (("gate", "hidden", "inter"), ("up", "hidden", "inter")),
+    "linear_fc2": (("down", "inter", "hidden"),),
+}
+
+
+def lora_numel(hf_config: dict, rank: int, target_modules) -> int:
+    """Numbers in a PEFT adapter of ``rank`` on the dense ``target_modules`` of a model (what adapter sync
+    sends per update): ``rank x (in + out)`` per HF module per layer; expert targets are not counted."""
+    hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    sizes = {
+        "hidden": hidden,
+        "q_out": heads * head_dim,
+        "kv_out": (hf_config.get("num_key_value_heads") or heads) * head_dim,
+        "inter": hf_config.get("intermediate_size", 0),
+    }
+    per_layer = sum(
+        rank * (sizes[n_in] + sizes[n_out])
+        for target in target_modules
+        for _, n_in, n_out in _HF_MODULES.get(target, ())
+    )
+    return per_layer * hf_config["num_hidden_layers"]
+
+
 def plan_for_config(rates: Rates, work: Workload, config, max_staleness: int, n_devices: int | None = None) -> Plan:
     """:func:`rank_splits` for an experiment: its cluster (or ``n_devices``), model, batch and backend."""
     from megarl.run.prelaunch import read_model_shape
@@ -326,7 +382,8 @@ def assumptions(rates: Rates, work: Workload, max_staleness: int) -> list[str]:
         f"one server: {servers}",
         f"one trainer replica (recompute + update): {trainers}; DP efficiency {rates.dp_efficiency:g} per doubling",
         (
-            f"weight sync: {sync_seconds(rates):.2f} s; other per-step overhead {rates.overhead_s:.2f} s; "
+            f"weight sync ({rates.sync_what}): {sync_seconds(rates):.2f} s; other per-step overhead "
+            f"{rates.overhead_s:.2f} s; "
             f"rollout and training {rates.overlap_slowdown:.2f}x slower while they overlap"
         ),
         (

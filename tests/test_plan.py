@@ -289,3 +289,32 @@ def test_plan_page_says_why_the_other_gpu_configs_are_not_ranked():
     for path in gpu_configs:
         name = str(path.relative_to(REPO))
         assert name in ranked or f"`{name}`" in not_ranked, f"{name}: neither ranked first nor explained"
+
+
+def test_adapter_sync_plans_with_the_adapters_bytes(capsys):
+    """With ``weight_update.lora=adapter`` an update sends the adapters: the plan sizes the sync from the
+    model's config (SmolLM2-135M, rank 16 on the four dense targets: 4,884,480 numbers, bf16)."""
+    cpu_rates = REPO / "benchmarks" / "results" / "plan_rates_cpu_static.yaml"
+    argv = ["plan", "--rates", str(cpu_rates), "--config", str(REPO / "configs" / "arithmetic_grpo_cpu.yaml")]
+    lora = ["actor.lora.rank=16", "actor.dtype=bfloat16", "vllm.dtype=bfloat16"]
+    assert main([*argv, *lora, "weight_update.lora=adapter"]) == 0
+    assert "weight sync (LoRA adapters of rank 16, 9.8 MB)" in capsys.readouterr().out
+    assert main([*argv, *lora]) == 0  # merged: the model, as the rates measured it
+    assert "weight sync (the model)" in capsys.readouterr().out
+
+
+def test_lora_numel_counts_what_the_peft_export_writes(tmp_path):
+    from safetensors import safe_open
+
+    from megarl.models.provision import resolve_model_path
+    from megarl.plan import lora_numel
+    from megarl.run.prelaunch import read_model_config
+    from tests.train.test_lora_e2e import MODEL, RANK, nonzero_peft_dir
+
+    peft_dir = nonzero_peft_dir(tmp_path)
+    with safe_open(str(peft_dir / "adapter_model.safetensors"), "pt") as f:
+        written = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys())  # noqa: SIM118
+    hf = read_model_config(resolve_model_path(MODEL), "actor.path")
+    targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert lora_numel(hf, RANK, targets) == written == 4_884_480
+    assert lora_numel(hf, RANK, ["linear_qkv"]) == 30 * RANK * (3 * 576 + 576 + 2 * 192)

@@ -72,8 +72,8 @@ def _allocation_table(alloc: AllocationMode, model: ModelShape | None) -> Table:
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from megarl import plan
 
-    rates = plan.load_rates(args.rates)
     config = _load(args) if args.config else None
+    rates = plan.for_config(plan.load_rates(args.rates), config)
     work = plan.workload_of(rates, config, args.prompt_tokens, args.gen_tokens)
     staleness = args.max_staleness if args.max_staleness is not None else config.rollout.max_staleness if config else 1
     if args.mode:
