@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -333,10 +334,29 @@ def run_trainer(
     return code
 
 
+_TRACEBACK = "Traceback (most recent call last):"
+_TORCHRUN = ("torch/distributed/run.py", "ChildFailedError")
+"""What marks torchrun's own report of a failed rank (its traceback, after the rank's)."""
+_TORCHRUN_LOG = re.compile(r"[EWI]\d{4} \d")
+"""torchrun's log lines (``E1125 20:02:41.397000 ... failed (exitcode: 1) ...``)."""
+
+
 def _tail(path: Path, lines: int = 20) -> str:
+    """The end of the trainer's log for the console: its last ``lines`` lines, or, when torchrun's report of
+    a failed rank ends it (which says nothing of why), the end of the rank's own traceback before it."""
     with open(path, "rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
-        return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
+        text = f.read().decode(errors="replace").splitlines()
+    starts = [i for i, line in enumerate(text) if line.strip() == _TRACEBACK]
+    blocks = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
+    if not blocks or not any(mark in "\n".join(blocks[-1]) for mark in _TORCHRUN):
+        return "\n".join(text[-lines:])
+    rank = [b for b in blocks if not any(mark in "\n".join(b) for mark in _TORCHRUN)]
+    if not rank:
+        return "\n".join(text[-lines:])
+    block = rank[-1]
+    end = next((i for i, line in enumerate(block) if _TORCHRUN_LOG.match(line)), len(block))
+    return "\n".join([*block[:end][-lines:], "(torchrun's report of the failed rank follows in the log)"])
 
 
 def _run_trainer_once(
