@@ -122,6 +122,7 @@ class AdapterBridge:
         heartbeat.step(f"weight sync: {len(self.servers)} server(s) load adapter {name}")
         timeout = self.config.update_timeout
         failed = in_threads({s.address: (lambda s=s: s.load_adapter(name, str(path))) for s in self.servers}, timeout)
+        failed = {address: _with_hint(why) for address, why in failed.items()}
         for server in self.servers:
             if server.address in failed:
                 continue
@@ -141,3 +142,14 @@ class AdapterBridge:
     def close(self) -> None:
         """Forget the servers (a restarted one is adopted again at the next :meth:`connect`)."""
         self.connected = False
+
+
+def _with_hint(why: str) -> str:
+    """A server's load failure, with what to check when the server does not serve LoRA at all."""
+    if "HTTP 404" in why or "LoRA is not enabled" in why or "enable_lora" in why or "--enable-lora" in why:
+        return (
+            f"{why} (was the server started with LoRA enabled? vLLM needs --enable-lora and "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, SGLang --enable-lora; `megarl serve` adds them when "
+            "weight_update.lora=adapter)"
+        )
+    return why

@@ -129,7 +129,12 @@ class WeightSync:
         self.bridge.connect([s for s in self.servers if s.address not in self.unhealthy])
         if self.adapters:
             version = self.engine.get_version()
-            self._after(self.bridge.update(None, version), version)
+            report = self.bridge.update(None, version)
+            if not report.updated:
+                raise WeightBridgeError(
+                    f"no server loaded the starting LoRA adapters: {report.sender_errors or report.failed}"
+                )
+            self._after(report, version)
         if self.config.probe_sequences and not self.probe:
             probe = None
             if self.bridge.is_driver:

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from megarl.bridge.adapter import ADAPTER_FILE, AdapterBridge, adapter_name
 from megarl.bridge.control.sglang import SGLangControl
+from megarl.bridge.control.vllm import VLLMControl
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.rollout import InferenceServer, LaunchSpec
 from megarl.utils.network import find_free_ports
@@ -130,5 +131,11 @@ def test_failures_are_reported_per_server_and_for_the_trainer(fake_servers, tmp_
         "No space left on device" in report.sender_errors[0]
         and str(tmp_path / "lora" / "v21") in report.sender_errors[0]
     )
+    no_lora = VLLMControl(fake_servers[1].address, 1, timeout=30)  # as a server without the LoRA routes: 404
+    bridge.connect([no_lora])
+    trainer.fail = False
+    report = bridge.update(None, 22)
+    assert "HTTP 404" in report.failed[no_lora.address]
+    assert "was the server started with LoRA enabled?" in report.failed[no_lora.address]
     with pytest.raises(ValueError, match="weight_update.disk_path"):
         AdapterBridge(WeightUpdateConfig(), trainer.export, torch.float32)
