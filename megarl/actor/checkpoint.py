@@ -118,6 +118,23 @@ def load(engine, meta: SaveLoadMeta) -> None:
     if meta.with_optim and engine.optimizer is not None:
         _prime_adam_state(engine.optimizer)
     state = _sharded_state(engine, meta.with_optim, is_loading=True)
+    saved = dist_checkpointing.load_common_state_dict(meta.path)["engine"]
+    saved_at = saved.get("model_parallel")
+    if "rng_state" in state and saved_at is not None and saved_at != state["engine"]["model_parallel"]:
+        if saved.get("distributed_optimizer") or state["engine"]["distributed_optimizer"]:
+            raise ValueError(
+                f"checkpoint {meta.path} was written at (PP, TP) {tuple(saved_at)}, this engine is "
+                f"{tuple(state['engine']['model_parallel'])}: the distributed optimizer's state reshards over "
+                "data parallelism only; load it at the same PP and TP (another DP size is fine), or save it "
+                "with optimizer.use_distributed_optimizer=false"
+            )
+        # one RNG state per model-parallel rank: another layout has other ranks (weights and optimizer reshard)
+        del state["rng_state"]
+        logger.info(
+            "the checkpoint was written at (PP, TP) %s, this run is %s: its RNG states are not restored",
+            tuple(saved_at),
+            tuple(state["engine"]["model_parallel"]),
+        )
     loaded = dist_checkpointing.load(state, meta.path)
     for key, chunk in _chunk_keys(engine):
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
@@ -126,7 +143,8 @@ def load(engine, meta: SaveLoadMeta) -> None:
         _restore_adam_step(engine.optimizer, loaded["optimizer"])
         _dither_if_saved_undithered(engine, loaded["engine"].get("main_params_rounding", "nearest"))
         engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
-        set_rng_state(loaded["rng_state"])
+        if "rng_state" in loaded:
+            set_rng_state(loaded["rng_state"])
     engine.set_version(int(loaded["engine"]["version"]))
     logger.info("loaded a Megatron distributed checkpoint from %s", meta.path)
 
@@ -216,7 +234,12 @@ def _sharded_state(engine, with_optim: bool, is_loading: bool) -> dict:
         state["rng_state"] = ShardedObject(
             "rng_state", rng_state(), (alloc.pp, alloc.tp), (p.pp_rank, p.tp_rank), replica_id=p.dp_rank
         )
-    state["engine"] = {"version": engine.get_version(), "main_params_rounding": _main_params_rounding(engine)}
+    state["engine"] = {
+        "version": engine.get_version(),
+        "main_params_rounding": _main_params_rounding(engine),
+        "model_parallel": [engine.parallel.alloc.pp, engine.parallel.alloc.tp],  # the layout of rng_state
+        "distributed_optimizer": engine.config.optimizer.use_distributed_optimizer,
+    }
     return state
 
 

@@ -82,3 +82,29 @@ def lora_sync_run(model_dir: str, alloc: str, batch: dict, out_dir: str, distrib
     result["version"] = engine.get_version()
     result["base_after_load"] = all(torch.equal(a, q.detach()) for a, q in zip(base_before, base))
     return result
+
+
+def lora_checkpoint_at(
+    model_dir: str, alloc: str, batch: dict, ckpt: str, save: bool, distributed: bool = False
+) -> dict:
+    """``save``: one Adam step from :func:`nonzero_adapter`'s adapters at ``alloc``, then a checkpoint; else a
+    fresh engine at ``alloc`` loads it. Either way, on rank 0: the full adapters and the full Adam moments of
+    each (gathered over tensor parallelism; not with the ``distributed`` optimizer), and the optimizer's step."""
+    from megarl.actor.checkpoint import SaveLoadMeta
+    from megarl.models import lora
+
+    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=DENSE)
+    engine = _lora_engine(model_dir, alloc, settings, 2, distributed, False, sequence_parallel=True)
+    p = engine.parallel
+    inner = engine.optimizer.optimizer
+    if save:
+        lora.load_full(engine.model, engine.coords, nonzero_adapter)
+        engine.train_batch(split_rows(batch, p.dp_rank, p.alloc.dp), ppo_token_loss, token_weight)
+        engine.save(SaveLoadMeta(ckpt))
+    else:
+        engine.load(SaveLoadMeta(ckpt))
+    out = {"adapters": lora.gather_full(engine.model, engine.coords)}
+    for key in () if distributed else ("exp_avg", "exp_avg_sq"):  # the distributed optimizer keys its own shards
+        out[key] = lora.gather_full(engine.model, engine.coords, value=lambda q, key=key: inner.state[q][key])
+    out["steps"] = sorted({int(inner.state[q]["step"]) for group in inner.param_groups for q in group["params"]})
+    return out if p.rank == 0 else {}
