@@ -1,0 +1,97 @@
+"""LoRA GRPO on arithmetic: learning, and what it costs beside full fine-tuning (the real stack, CPU).
+
+``configs/arithmetic_grpo_cpu.yaml`` end to end (SmolLM2-135M-Instruct, one vLLM-CPU server) in four runs:
+
+* **full fine-tuning**, the config as it is, :data:`COST_STEPS` steps;
+* **LoRA, merged sync** (``weight_update.lora=merged``: the servers get base + BA), :data:`COST_STEPS` steps;
+* **LoRA, adapter sync** (``weight_update.lora=adapter``: the servers load the adapters alone), :data:`STEPS`
+  steps, in this CPU's ``auto`` dtype and in the other one (bf16 and fp32 both: GPUs train in bf16).
+
+LoRA: rank :data:`RANK` on all four dense targets (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
+``linear_fc2``), ``alpha`` 32, learning rate :data:`LORA_LR`: ten times the config's full fine-tuning rate
+(LoRA's usual ratio), the adapters starting at ``B = 0`` (the base model). Rank 16 is vLLM's default
+``--max-lora-rank``; on SmolLM2 it makes each update 3.6% of the model's bytes.
+
+Per run: the batch reward per step, the mean of the first 5 and the last 5 steps and their gain (the bar:
++0.15 within 40 steps), the median step time, the trainer's peak RSS (the largest of its phases' peaks,
+``memory/*_peak_gb``), the median time of a weight update and the bytes it sent, the consistency probe's
+mean |dlogp|. ``--quick`` runs 6 steps of each, in the ``auto`` dtype only.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks._harness import main_for
+from benchmarks.learning_arithmetic import dtype_overrides, reward_gain, run_arithmetic
+
+TITLE = "LoRA GRPO on arithmetic beside full fine-tuning (SmolLM2-135M-Instruct, CPU, configs/arithmetic_grpo_cpu.yaml)"
+STEPS, COST_STEPS, QUICK_STEPS = 40, 10, 6
+RANK, ALPHA = 16, 32
+LORA_LR = 1.0e-4
+"""Ten times the config's full fine-tuning learning rate (1e-5)."""
+GAIN_BAR = 0.15
+LORA = [f"actor.lora.rank={RANK}", f"actor.lora.alpha={ALPHA}", f"actor.optimizer.lr={LORA_LR:g}"]
+SETUPS = {
+    "full fine-tuning": ([], COST_STEPS),
+    "LoRA, merged sync": ([*LORA, "weight_update.lora=merged"], COST_STEPS),
+    "LoRA, adapter sync": ([*LORA, "weight_update.lora=adapter"], STEPS),
+}
+"""Name -> (overrides, steps)."""
+LEARNING_SETUP = "LoRA, adapter sync"
+"""The setup also run in the dtype ``auto`` does not pick."""
+
+
+def _dtypes(quick: bool) -> list[str]:
+    from megarl.utils.hardware import auto_dtype
+
+    auto = auto_dtype("cpu")[0]
+    return [auto] if quick else [auto, "float32" if auto == "bfloat16" else "bfloat16"]
+
+
+def run(quick: bool) -> list[dict]:
+    rows = []
+    for i, dtype in enumerate(_dtypes(quick)):
+        for name, (overrides, steps) in SETUPS.items():
+            if i > 0 and name != LEARNING_SETUP:
+                continue  # the costs are compared in the auto dtype
+            steps = QUICK_STEPS if quick else steps
+            metrics, minutes = run_arithmetic([*dtype_overrides(dtype), *overrides, f"total_train_steps={steps}"])
+            rows.append(_row(name, dtype, overrides, metrics, minutes))
+    return rows
+
+
+def _row(name: str, dtype: str, overrides: list[str], metrics: list[dict], minutes: float) -> dict:
+    rewards = [m["batch/reward/avg"] for m in metrics]
+    first, last = reward_gain(rewards)
+    peaks = [v for m in metrics for k, v in m.items() if k.startswith("memory/") and k.endswith("_peak_gb")]
+    probes = [m["weight_sync/logprob_diff_mean"] for m in metrics if "weight_sync/logprob_diff_mean" in m]
+    return {
+        "setup": name,
+        "dtype": dtype,
+        "overrides": " ".join(overrides),
+        "steps": len(metrics),
+        "reward per step": " ".join(f"{r:.2f}" for r in rewards),
+        "first 5": first,
+        "last 5": last,
+        "gain": last - first,
+        "step s (median)": statistics.median(m["timeperf/step"] for m in metrics),
+        "trainer peak RSS GB": max(peaks),
+        "sync s (median)": statistics.median(m["weight_sync/update_seconds"] for m in metrics),
+        "MB per sync": statistics.median(m["weight_sync/bytes_sent"] for m in metrics) / 1e6,
+        "probe |dlogp| mean": statistics.fmean(probes) if probes else None,
+        "wall min": minutes,
+    }
+
+
+def summary(rows: list[dict]) -> str:
+    parts = []
+    for row in rows:
+        part = f"{row['setup']} ({row['dtype']}): gain {row['gain']:+.2f} in {row['steps']} steps"
+        part += f", step {row['step s (median)']:.1f} s, peak RSS {row['trainer peak RSS GB']:.2f} GB"
+        parts.append(part + f", {row['MB per sync']:.1f} MB / {row['sync s (median)']:.2f} s per sync")
+    return "\n".join(f"- {p}" for p in parts) + f"\n\nbar: LoRA gains >= +{GAIN_BAR} within {STEPS} steps"
+
+
+if __name__ == "__main__":
+    main_for(__name__)
