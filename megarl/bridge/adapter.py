@@ -112,7 +112,11 @@ class AdapterBridge:
             report.failed = {s.address: "the trainer did not write the adapters" for s in self.servers}
         report.updated = [s.address for s in self.servers if s.address not in report.failed]
         report.seconds = time.perf_counter() - start
-        if not report.ok:
+        if report.ok:
+            logger.info(
+                "%d server(s) serve adapter %s (%.1f MB)", len(report.updated), report.adapter, report.bytes_sent / 1e6
+            )
+        else:
             logger.error("adapter update to version %d failed: %s %s", version, report.failed, report.sender_errors)
         return report
 

@@ -337,6 +337,8 @@ def run_trainer(
 _TRACEBACK = "Traceback (most recent call last):"
 _TORCHRUN = ("torch/distributed/run.py", "ChildFailedError")
 """What marks torchrun's own report of a failed rank (its traceback, after the rank's)."""
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
+"""What torch.distributed puts before each line of a rank's uncaught exception."""
 _TORCHRUN_LOG = re.compile(r"[EWI]\d{4} \d")
 """torchrun's log lines (``E1125 20:02:41.397000 ... failed (exitcode: 1) ...``)."""
 
@@ -347,7 +349,7 @@ def _tail(path: Path, lines: int = 20) -> str:
     with open(path, "rb") as f:
         f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
         text = f.read().decode(errors="replace").splitlines()
-    starts = [i for i, line in enumerate(text) if line.strip() == _TRACEBACK]
+    starts = [i for i, line in enumerate(text) if _RANK_PREFIX.sub("", line).strip() == _TRACEBACK]
     blocks = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
     if not blocks or not any(mark in "\n".join(blocks[-1]) for mark in _TORCHRUN):
         return "\n".join(text[-lines:])

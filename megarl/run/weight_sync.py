@@ -124,17 +124,8 @@ class WeightSync:
         self.n_updates = 0
 
     def connect(self) -> None:
-        """Form the groups (collective), then sample the consistency probe from the first server. In
-        adapter sync the servers first load the current adapters: they serve the policy from the start."""
+        """Form the groups (collective), then sample the consistency probe from the first server."""
         self.bridge.connect([s for s in self.servers if s.address not in self.unhealthy])
-        if self.adapters:
-            version = self.engine.get_version()
-            report = self.bridge.update(None, version)
-            if not report.updated:
-                raise WeightBridgeError(
-                    f"no server loaded the starting LoRA adapters: {report.sender_errors or report.failed}"
-                )
-            self._after(report, version)
         if self.config.probe_sequences and not self.probe:
             probe = None
             if self.bridge.is_driver:

@@ -21,7 +21,9 @@ def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:
         None,
     )
     sync.probe, sync.unhealthy, sync.n_updates = [[1, 2, 3]], set(), 0
-    report = SimpleNamespace(seconds=0.0, bytes_sent=0, ok=True, failed={}, updated=["s"], sender_errors={})
+    report = SimpleNamespace(
+        seconds=0.0, bytes_sent=0, ok=True, failed={}, updated=["s"], sender_errors={}, adapter=None
+    )
     sync.bridge = SimpleNamespace(
         connected=True,
         update=lambda *args: report,

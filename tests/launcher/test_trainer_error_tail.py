@@ -8,10 +8,14 @@ import textwrap
 
 from megarl.launcher.local import _tail
 
-FAILING = textwrap.dedent(
+FAILING = textwrap.dedent(  # a rank of a process group: torch prints its exception as "[rank0]: ..." lines
     """
+    import torch.distributed as dist
+
     class ConsistencyError(RuntimeError):
         pass
+
+    dist.init_process_group("gloo")
 
     for line in range(40):
         print(f"step output {line}")

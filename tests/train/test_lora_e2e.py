@@ -123,9 +123,9 @@ def test_an_adapter_run_serves_each_version_as_a_lora_adapter(tmp_path):
     (tmp_path / "console.txt").write_text(console)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 3
-    server_log = (run_dir / "logs" / "server-0.log").read_text()
-    for version in range(4):  # the starting adapters, then one per update
-        assert f"Loaded new LoRA adapter: name 'megarl-lora-v{version}'" in server_log, version
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    for version in range(4):  # the starting adapters (pushed before the first rollout), then one per update
+        assert f"1 server(s) serve adapter megarl-lora-v{version} " in trainer_log, version
     assert {p.name for p in (run_dir / "weight_updates" / "lora").iterdir()} == {"v2", "v3"}  # older ones pruned
     model_bytes = sum(p.stat().st_size for p in Path(resolve_model_path(MODEL)).glob("*.safetensors"))
     effect = adapter_effect(peft_dir)
