@@ -13,7 +13,8 @@ LoRA: rank :data:`RANK` on all four dense targets (``linear_qkv``, ``linear_proj
 ``--max-lora-rank``; on SmolLM2 it makes each update 3.6% of the model's bytes.
 
 Per run: the batch reward per step, the mean of the first 5 and the last 5 steps and their gain (the bar:
-+0.15 within 40 steps), the median step time, the trainer's peak RSS (the largest of its phases' peaks,
++0.15 within 40 steps), the median step time, over all steps and over the first 10 (what every run has),
+with the rollout and the training phase of those 10 and their mean completion length, the trainer's peak RSS (the largest of its phases' peaks,
 ``memory/*_peak_gb``), the median time of a weight update and the bytes it sent, the consistency probe's
 mean |dlogp|. ``--quick`` runs 6 steps of each, in the ``auto`` dtype only.
 """
@@ -76,6 +77,12 @@ def _row(name: str, dtype: str, overrides: list[str], metrics: list[dict], minut
         "last 5": last,
         "gain": last - first,
         "step s (median)": statistics.median(m["timeperf/step"] for m in metrics),
+        "step s, first 10 (median)": statistics.median(m["timeperf/step"] for m in metrics[:COST_STEPS]),
+        "rollout s, first 10 (median)": statistics.median(m["timeperf/rollout"] for m in metrics[:COST_STEPS]),
+        "train s, first 10 (median)": statistics.median(m["timeperf/train_step"] for m in metrics[:COST_STEPS]),
+        "completion tokens, first 10 (mean)": statistics.fmean(
+            m["rollout/completion_len"] for m in metrics[:COST_STEPS]
+        ),
         "trainer peak RSS GB": max(peaks),
         "sync s (median)": statistics.median(m["weight_sync/update_seconds"] for m in metrics),
         "MB per sync": statistics.median(m["weight_sync/bytes_sent"] for m in metrics) / 1e6,
@@ -88,7 +95,9 @@ def summary(rows: list[dict]) -> str:
     parts = []
     for row in rows:
         part = f"{row['setup']} ({row['dtype']}): gain {row['gain']:+.2f} in {row['steps']} steps"
-        part += f", step {row['step s (median)']:.1f} s, peak RSS {row['trainer peak RSS GB']:.2f} GB"
+        part += f", step {row['step s, first 10 (median)']:.1f} s over the first 10 (rollout"
+        part += f" {row['rollout s, first 10 (median)']:.1f} s, train {row['train s, first 10 (median)']:.1f} s)"
+        part += f", peak RSS {row['trainer peak RSS GB']:.2f} GB"
         parts.append(part + f", {row['MB per sync']:.1f} MB / {row['sync s (median)']:.2f} s per sync")
     return "\n".join(f"- {p}" for p in parts) + f"\n\nbar: LoRA gains >= +{GAIN_BAR} within {STEPS} steps"
 
