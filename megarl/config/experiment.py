@@ -282,6 +282,12 @@ class GRPOConfig(BaseExperimentConfig):
         )
         if self.adapter_sync and not self.weight_update.disk_path:  # where the servers read each version
             self.weight_update.disk_path = str(self.run_dir / "weight_updates")
+        if self.adapter_sync and self.cluster.device == "cpu" and is_rank0():
+            logger.warning(
+                "weight_update.lora=adapter on CPU: vLLM-CPU decodes through its LoRA kernels several times "
+                "slower than the merged model; weight_update.lora=merged is faster here "
+                "(docs/guides/lora.md#learning-and-cost)"
+            )
         resolved = [key for key, value in before.items() if value == "auto"]
         if resolved and is_rank0():
             logger.info("dtype %s for %s (auto on %s: %s)", chosen, ", ".join(resolved), self.cluster.device, why)

@@ -52,6 +52,17 @@ def test_a_run_takes_adapters_with_the_merged_sync():
     assert config.actor.lora.enabled and config.weight_update.lora == "merged"
 
 
+def test_adapter_sync_on_cpu_says_merged_is_faster(tmp_path, caplog):
+    argv = ["--config", CPU_YAML, "actor.lora.rank=8", f"cluster.fileroot={tmp_path}", "cluster.device=cpu"]
+    with caplog.at_level("WARNING", logger="megarl.config"):
+        load_expr_config([*argv, "weight_update.lora=adapter"], GRPOConfig)
+    assert "weight_update.lora=merged is faster here" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megarl.config"):
+        load_expr_config(argv, GRPOConfig)
+    assert "lora=merged is faster" not in caplog.text
+
+
 def test_adapter_sync_writes_under_the_run_directory_unless_told(tmp_path):
     """The servers read each version's adapters from ``weight_update.disk_path``: the run directory's
     ``weight_updates`` by default, the directory given otherwise; and the servers start with LoRA on."""
