@@ -305,11 +305,11 @@ def for_config(rates: Rates, config) -> Rates:
     )
 
 
-_HF_MODULES = {  # Megatron target -> (HF modules, their input size, their output size) in HF config keys
-    "linear_qkv": (("q", "hidden", "q_out"), ("k", "hidden", "kv_out"), ("v", "hidden", "kv_out")),
-    "linear_proj": (("o", "q_out", "hidden"),),
-    "linear_fc1": (("gate", "hidden", "inter"), ("up", "hidden", "inter")),
-    "linear_fc2": (("down", "inter", "hidden"),),
+_HF_MODULES = {  # Megatron target -> (input size, output size) of each HF module it covers, in order
+    "linear_qkv": (("hidden", "q_out"), ("hidden", "kv_out"), ("hidden", "kv_out")),  # q, k, v
+    "linear_proj": (("q_out", "hidden"),),  # o
+    "linear_fc1": (("hidden", "inter"), ("hidden", "inter")),  # gate, up
+    "linear_fc2": (("inter", "hidden"),),  # down
 }
 
 
@@ -325,9 +325,7 @@ def lora_numel(hf_config: dict, rank: int, target_modules) -> int:
         "inter": hf_config.get("intermediate_size", 0),
     }
     per_layer = sum(
-        rank * (sizes[n_in] + sizes[n_out])
-        for target in target_modules
-        for _, n_in, n_out in _HF_MODULES.get(target, ())
+        rank * (sizes[n_in] + sizes[n_out]) for target in target_modules for n_in, n_out in _HF_MODULES.get(target, ())
     )
     return per_layer * hf_config["num_hidden_layers"]
 

@@ -12,6 +12,8 @@ Pieces, each in its own module:
 - ``receivers.vllm``: the vLLM plugin / weight-transfer engine (runs inside vLLM).
 - ``control``: how the trainer drives each server family over HTTP.
 - ``bridge``: :class:`WeightBridge`, the trainer side (connect once, update per step).
+- ``adapter``: :class:`~megarl.bridge.adapter.AdapterBridge`, the same interface for LoRA adapter
+  sync (the servers load each version's adapters as a LoRA adapter).
 - ``consistency``: the probe logprob check (trainer vs servers).
 
 The weight-sync phase that drives it each step (pause, transfer, version, resume, probe) is the
