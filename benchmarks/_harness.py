@@ -4,6 +4,9 @@ A benchmark is a module ``benchmarks/NAME.py`` that defines
 
     TITLE: str                      # one line, shown above the table
     def run(quick: bool) -> list[dict]   # one dict per table row
+                                     # (or run(quick, on_rows): it calls on_rows(rows so far)
+                                     # as rows finish, and each call rewrites the result files,
+                                     # marked partial, so a killed run keeps what it measured)
     def results_name() -> str        # optional: the results' file stem (default NAME), e.g.
                                      # to keep a GPU table beside the CPU one
     def summary(rows) -> str         # optional: a line above the table (e.g. a gain over the rows)
@@ -22,6 +25,7 @@ import datetime
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -102,12 +106,18 @@ def machine_info() -> dict:
 
 
 def package_versions() -> dict:
+    """Installed versions of :data:`_PACKAGES`; megarl's from its source tree where it is not
+    installed (a checkout copied to a node and run from its root)."""
     versions = {}
     for name in _PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
+    if "megarl" not in versions:
+        import megarl
+
+        versions["megarl"] = megarl.__version__
     return versions
 
 
@@ -133,13 +143,22 @@ def run_benchmark(name: str, quick: bool = False, results_dir: Path = RESULTS_DI
     module = importlib.import_module(f"benchmarks.{name}")
     started = datetime.datetime.now(datetime.UTC)
     machine = machine_info()  # before the run: the load average is the other work's, not this run's
-    rows = module.run(quick=quick)
+    stem = module.results_name() if hasattr(module, "results_name") else name
+
+    def write_partial(rows_so_far: list[dict]) -> None:
+        record = make_record(name, module.TITLE, list(rows_so_far), quick, started, machine)
+        record["partial"] = "the run ended before its last row: these are the rows it finished"
+        write_record(record, results_dir, stem, refresh_docs=False)
+
+    if "on_rows" in inspect.signature(module.run).parameters:
+        rows = module.run(quick=quick, on_rows=write_partial)
+    else:
+        rows = module.run(quick=quick)
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise TypeError(f"benchmark {name!r}: run() must return a list of dicts, got {type(rows).__name__}")
     record = make_record(name, module.TITLE, rows, quick, started, machine)
     if hasattr(module, "summary"):
         record["summary"] = module.summary(rows)
-    stem = module.results_name() if hasattr(module, "results_name") else name
     write_record(record, results_dir, stem)
     return record
 
@@ -159,16 +178,24 @@ def make_record(
     }
 
 
-def write_record(record: dict, results_dir: Path, stem: str) -> None:
-    """``STEM.json`` and ``STEM.md`` (title, date, machine, summary line, table) in results_dir."""
+def write_record(record: dict, results_dir: Path, stem: str, refresh_docs: bool = True) -> None:
+    """``STEM.json`` and ``STEM.md`` (title, date, machine, summary line, table) in results_dir,
+    each replaced whole (written beside, then renamed), so a reader never sees half a file."""
     results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     header = f"# {record['title']}\n\n{record['date']} on {_machine_line(record['machine'])}\n\n"
-    if "summary" in record:
-        header += record["summary"] + "\n\n"
-    (results_dir / f"{stem}.md").write_text(header + markdown_table(record["rows"]))
-    if results_dir.resolve() == RESULTS_DIR.resolve():
+    for key in ("partial", "summary"):
+        if key in record:
+            header += f"{'Partial: ' if key == 'partial' else ''}{record[key]}\n\n"
+    _replace(results_dir / f"{stem}.json", json.dumps(record, indent=2) + "\n")
+    _replace(results_dir / f"{stem}.md", header + markdown_table(record["rows"]))
+    if refresh_docs and results_dir.resolve() == RESULTS_DIR.resolve():
         refresh_benchmarks_page()
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def refresh_benchmarks_page() -> None:

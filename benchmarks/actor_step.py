@@ -214,6 +214,14 @@ def _hf_gap(engine, batch: dict, dtype: torch.dtype, device: str) -> tuple[float
     return logprob_gap(ours, theirs, mask)
 
 
+def _path_taken(engine) -> dict:
+    """What the engine's logprob kernels ran: ``kernel_path`` "sm90", "sm80" or "torch" (a
+    mainloop that failed its self-check falls back, and the row says so) and the verdict."""
+    from megarl.kernels import kernel_summary
+
+    return {"kernel_path": engine.fused_kernel_path(), "selfcheck": kernel_summary(engine.kernel_backend)}
+
+
 def _peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
@@ -239,7 +247,7 @@ def actor_rows(name: str, shape: tuple, dtype: str, steps: int, fused_flags=(Fal
             step_s = _time_steps(_train_step(engine, batch), steps)
             peak = _peak_gib()
             gap = _hf_gap(engine, batch, getattr(torch, dtype), device) if i == 0 else None
-            rows.append(gpu_row(name, shape, fused, step_s, peak, gap))
+            rows.append(gpu_row(name, shape, fused, step_s, peak, gap) | _path_taken(engine))
             engine.destroy()
             del engine
     return rows
@@ -259,11 +267,13 @@ def _run_cpu(quick: bool) -> list[dict]:
     return rows
 
 
-def _run_gpu(quick: bool) -> list[dict]:
+def _run_gpu(quick: bool, on_rows=None) -> list[dict]:
     rows = []
     for name, shape in (GPU_SHAPES_QUICK if quick else GPU_SHAPES).items():
         for fused in (False, True):  # the torch path first: it is what a kernel fault must not cost
             rows.append(_row_in_own_process(name, shape, fused, 3 if quick else 5))
+            if on_rows is not None:  # written now: a step budget that ends the next row keeps this one
+                on_rows(rows)
     return rows
 
 
@@ -292,9 +302,10 @@ def results_name() -> str:
     return "actor_step_gpu" if torch.cuda.is_available() else "actor_step"
 
 
-def run(quick: bool) -> list[dict]:
-    """CPU comparison with HF, or GPU MFU when CUDA is available."""
-    return _run_gpu(quick) if torch.cuda.is_available() else _run_cpu(quick)
+def run(quick: bool, on_rows=None) -> list[dict]:
+    """CPU comparison with HF, or GPU MFU when CUDA is available (each GPU row handed to
+    ``on_rows`` as it finishes)."""
+    return _run_gpu(quick, on_rows) if torch.cuda.is_available() else _run_cpu(quick)
 
 
 def kit_main(argv: list[str] | None = None) -> int:

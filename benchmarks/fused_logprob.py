@@ -219,7 +219,7 @@ def _gpu_row(device, T, H, V, tp, variant, inputs, repeats) -> dict:
             else:
                 slow = variant in ("naive", "chunked", "train")  # torch paths: fewer repeats
                 passes[name] = _measure_gpu(variant, *inputs, backward, 2 if slow else repeats)
-        return _row(device, T, H, V, variant, tp, passes, elem_bytes=2)
+        return {**_row(device, T, H, V, variant, tp, passes, elem_bytes=2), **_path_taken(variant)}
     except Exception as exc:  # noqa: BLE001 (one variant's failure must not lose the others' rows)
         passes = {name: passes.get(name, (None, None)) for name in ("fwd", "fwd+bwd")}
         row = _row(device, T, H, V, variant, tp, passes, elem_bytes=2)
@@ -227,7 +227,25 @@ def _gpu_row(device, T, H, V, tp, variant, inputs, repeats) -> dict:
         return row
 
 
-def _run_gpu(quick: bool) -> list[dict]:
+KERNEL_VARIANTS = ("cuda", "cuda_sm80", "train")
+
+
+def _path_taken(variant: str) -> dict:
+    """For a variant that runs megarl's kernels: the path its calls took ("sm90", "sm80" or
+    "torch": a mainloop that failed its self-check falls back) and the self-check's verdict, so
+    that a row labelled ``cuda`` never hides a fallback."""
+    if variant not in KERNEL_VARIANTS:
+        return {}
+    from megarl.kernels import _cuda
+
+    try:
+        device = torch.device("cuda", torch.cuda.current_device())
+        return {"kernel_path": _cuda.active_path(device) or "torch", "selfcheck": _cuda.verified_path(device).describe()}
+    except Exception as exc:  # noqa: BLE001 (the row's timings stand; say why the path is unknown)
+        return {"kernel_path": None, "selfcheck": f"unknown: {type(exc).__name__}: {exc}"[:300]}
+
+
+def _run_gpu(quick: bool, on_rows=None) -> list[dict]:
     rows = []
     device = torch.cuda.get_device_name(0)
     repeats = 3 if quick else 5
@@ -238,6 +256,9 @@ def _run_gpu(quick: bool) -> list[dict]:
                 inputs = _inputs(T, H, V // tp, torch.bfloat16, "cuda")
                 for variant in _gpu_variants() if tp == 1 else ["matmul", *_cuda_variants()]:
                     rows.append(_gpu_row(device, T, H, V // tp, tp, variant, inputs, repeats))
+                    _add_ceiling_ratios(rows)
+                    if on_rows is not None:
+                        on_rows(rows)
                 del inputs
     except _Stopped:
         rows.append({"device": device, "error": "stopped by SIGTERM (the step's time ran out): the rows above"})
@@ -264,9 +285,10 @@ def results_name() -> str:
     return "fused_logprob_gpu" if torch.cuda.is_available() else "fused_logprob"
 
 
-def run(quick: bool) -> list[dict]:
-    """Benchmark rows: GPU grid when CUDA is available, else the CPU comparison."""
-    return _run_gpu(quick) if torch.cuda.is_available() else _run_cpu(quick)
+def run(quick: bool, on_rows=None) -> list[dict]:
+    """Benchmark rows: GPU grid when CUDA is available (each row handed to ``on_rows`` as it
+    finishes), else the CPU comparison."""
+    return _run_gpu(quick, on_rows) if torch.cuda.is_available() else _run_cpu(quick)
 
 
 if __name__ == "__main__":

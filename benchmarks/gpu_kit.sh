@@ -191,20 +191,41 @@ find_cuda_home() {
   fi
 }
 
-remove_stale_locks() { # this kit is the node's only user of the build dir while it runs
+check_build_tools() { # what torch's JIT build runs: ninja on PATH and nvcc under CUDA_HOME
+  local ninja
+  if ninja=$(command -v ninja) && version=$(timeout 5 ninja --version 2>/dev/null); then
+    note "ninja: $ninja $version"
+  else
+    note "ninja: not found on PATH (torch's JIT build needs it: pip install ninja, or put it on PATH)"
+  fi
+  if [ -z "${CUDA_HOME:-}" ]; then
+    note "nvcc: no CUDA_HOME, so no \$CUDA_HOME/bin/nvcc for the JIT build"
+  elif [ -x "$CUDA_HOME/bin/nvcc" ]; then
+    note "nvcc: $CUDA_HOME/bin/nvcc $(timeout 10 "$CUDA_HOME/bin/nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/release \1/p')"
+  else
+    note "nvcc: $CUDA_HOME/bin/nvcc is missing or not executable (torch's JIT build runs that one, not PATH's)"
+  fi
+}
+
+remove_locks() { # removes megarl's JIT build locks and prints each removed path
+  local root=${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/torch_extensions} lock
+  # TORCH_EXTENSIONS_DIR/megarl_C/lock, or ~/.cache/torch_extensions/py312_cu130/megarl_C/lock
+  find "$root" -maxdepth 3 -path "*/$EXTENSION/lock" 2>/dev/null | while IFS= read -r lock; do
+    rm -f "$lock" && echo "$lock"
+  done
+}
+
+remove_stale_locks() { # at start: this kit is the node's only user of the build dir while it runs
+  local removed
   if [ "$DRY" = 1 ]; then
     note "stale build locks: left alone (dry: nothing is built)"
     return
   fi
-  local root=${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/torch_extensions} lock removed=()
-  # TORCH_EXTENSIONS_DIR/megarl_C/lock, or ~/.cache/torch_extensions/py312_cu130/megarl_C/lock
-  while IFS= read -r lock; do
-    rm -f "$lock" && removed+=("$lock")
-  done < <(find "$root" -maxdepth 3 -path "*/$EXTENSION/lock" 2>/dev/null)
-  if [ ${#removed[@]} -gt 0 ]; then
-    note "stale build locks removed: ${removed[*]}"
+  removed=$(remove_locks | tr '\n' ' ')
+  if [ -n "$removed" ]; then
+    note "stale build locks removed: $removed"
   else
-    note "stale build locks: none under $root"
+    note "stale build locks: none under ${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/torch_extensions}"
   fi
 }
 
@@ -249,7 +270,7 @@ skip_reason() { # why step $1 does not run, or nothing
 }
 
 run_step() { # LABEL STEP BUDGET COMMAND [ARG]: COMMAND, or MEGARL_KIT_CMD_<STEP>, with ARG as $1
-  local label=$1 step=$2 budget=$3 hook="MEGARL_KIT_CMD_$2" arg=${5:-} cmd rc status start left
+  local label=$1 step=$2 budget=$3 hook="MEGARL_KIT_CMD_$2" arg=${5:-} cmd rc status start left locks=
   cmd=${!hook:-$4}
   start=$(date +%s)
   left=$((DEADLINE - start - KILL_AFTER))
@@ -265,7 +286,12 @@ run_step() { # LABEL STEP BUDGET COMMAND [ARG]: COMMAND, or MEGARL_KIT_CMD_<STEP
   rc=$?
   case $rc in
     0) status="ok" ;;
-    124 | 137) status="timed out after ${budget}s" ;;
+    124 | 137)
+      status="timed out after ${budget}s"
+      # a step killed inside a JIT build leaves its lock, and the next build would wait on it forever
+      [ "$DRY" = 1 ] || locks=$(remove_locks | tr '\n' ' ')
+      [ -z "${locks:-}" ] || status+="; build lock removed: $locks"
+      ;;
     *) status="failed (rc $rc)" ;;
   esac
   echo "| $label | $status | $(($(date +%s) - start)) |" >>"$SUMMARY"
@@ -318,6 +344,7 @@ note "budgets (s): $(tr '\n' ' ' <<<"$PLAN")(sum ${PLANNED} of ${KIT_LIMIT})"
 find_commit
 install_wheels
 find_cuda_home
+check_build_tools
 remove_stale_locks
 {
   echo

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import zipfile
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from benchmarks import _harness, fused_logprob
+from megarl.kernels import _cuda
 from tests.kernels.conftest import mainloops_to_test
 
 REPO = Path(__file__).resolve().parents[2]
@@ -362,12 +364,20 @@ def test_a_failing_benchmark_variant_is_a_row_with_its_error_and_the_table_is_wr
     monkeypatch.setattr(fused_logprob, "_cuda_variants", lambda: ["cuda_sm80", "cuda"])
     monkeypatch.setattr(fused_logprob, "_measure_gpu", measure)
     monkeypatch.setattr(_harness, "gpu_driver_version", lambda: "580.65.06")
+    # the wgmma mainloop failed its self-check: the "cuda" row must say the sm80 one ran
+    fallback = "cuda sm80 (verified: max |diff| 1e-07; sm90 failed its self-check: RuntimeError: trap)"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_cuda, "active_path", lambda device=None: "sm80")
+    monkeypatch.setattr(_cuda, "verified_path", lambda device: types.SimpleNamespace(describe=lambda: fallback))
     _harness.run_benchmark("fused_logprob", quick=True, results_dir=tmp_path)
     record = json.loads((tmp_path / "fused_logprob_gpu.json").read_text())
     rows = {row["variant"]: row for row in record["rows"]}
     assert list(rows) == ["matmul", "naive", "chunked", "cuda_sm80", "cuda", "train"]
     assert rows["cuda_sm80"]["error"] == "RuntimeError: an illegal instruction was encountered"
     assert rows["cuda_sm80"]["fwd_ms"] is None and rows["cuda"]["fwd_ms"] == 2.0 and "error" not in rows["cuda"]
+    assert rows["cuda"]["kernel_path"] == "sm80" and rows["cuda"]["selfcheck"] == fallback
+    assert "kernel_path" not in rows["matmul"] and rows["train"]["kernel_path"] == "sm80"
+    assert "partial" not in record and record["versions"]["megarl"]
     assert rows["cuda"]["fwd_vs_matmul"] == 1.0
     machine = record["machine"]
     assert machine["gpu"] == "stub GPU" and machine["gpu_driver"] == "580.65.06"
