@@ -240,7 +240,10 @@ def _path_taken(variant: str) -> dict:
 
     try:
         device = torch.device("cuda", torch.cuda.current_device())
-        return {"kernel_path": _cuda.active_path(device) or "torch", "selfcheck": _cuda.verified_path(device).describe()}
+        return {
+            "kernel_path": _cuda.active_path(device) or "torch",
+            "selfcheck": _cuda.verified_path(device).describe(),
+        }
     except Exception as exc:  # noqa: BLE001 (the row's timings stand; say why the path is unknown)
         return {"kernel_path": None, "selfcheck": f"unknown: {type(exc).__name__}: {exc}"[:300]}
 
