@@ -43,13 +43,16 @@ MACHINE_FIELDS = ("commit", "cpu", "cores", "cpu_flags", "native_bf16", "hostnam
 
 
 def source_commit() -> str | None:
-    """The commit the numbers come from: ``git rev-parse HEAD`` of this checkout ("-dirty" when
-    tracked files differ from it), else ``MEGARL_COMMIT`` (a copy without .git), else None."""
+    """The commit the numbers come from: ``MEGARL_COMMIT`` when set (a tree copied to another
+    machine: without .git, or with a .git that still names an older HEAD), else ``git rev-parse
+    HEAD`` of this checkout ("-dirty" when tracked files differ from it), else None."""
+    if os.environ.get("MEGARL_COMMIT"):
+        return os.environ["MEGARL_COMMIT"]
     try:
         head = _git("rev-parse", "HEAD")
         dirty = _git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MEGARL_COMMIT") or None
+        return None
     return head + ("-dirty" if dirty else "")
 
 

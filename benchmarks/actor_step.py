@@ -49,6 +49,9 @@ CPU_SHAPES = {"small": (512, 4, 8, 4, 1408, 32000, 8, 512)}
 GPU_SHAPES_QUICK = {"qwen2.5-1.5b-4L": (1536, 4, 12, 2, 8960, 151936, 16, 2048)}
 GPU_SHAPES = {"qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936, 16, 2048)}
 PEAK_BF16_FLOPS = 989e12
+# Tokens per micro-batch where one micro-batch of the whole step does not fit: the 28-layer shape's
+# 32,768 tokens in one micro-batch ran out of an H200's 139 GiB (activations, no recompute).
+GPU_MB_TOKENS = {"qwen2.5-1.5b": 8192}
 
 
 def _write_config(out: Path, shape: tuple) -> None:
@@ -98,8 +101,9 @@ def _time_steps(step, steps: int) -> float:
     return statistics.median(times)
 
 
-def _engine(model_dir: Path, batch: dict, dtype: str, fused: bool | None, parallel=None):
-    """An initialised one-rank MegatronEngine from random weights (``parallel`` reuses the groups)."""
+def _engine(model_dir: Path, batch: dict, dtype: str, fused: bool | None, parallel=None, mb_tokens=None):
+    """An initialised one-rank MegatronEngine from random weights (``parallel`` reuses the groups);
+    the batch is one micro-batch unless ``mb_tokens`` caps it."""
     from megarl.actor.engine import MegatronEngine
     from megarl.config.train import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
     from megarl.utils.network import find_free_port
@@ -111,7 +115,7 @@ def _engine(model_dir: Path, batch: dict, dtype: str, fused: bool | None, parall
         path=str(model_dir),
         dtype=dtype,
         init_from_scratch=True,
-        mb_spec=MicroBatchSpec(max_tokens_per_mb=tokens),
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=min(tokens, mb_tokens or tokens)),
         optimizer=OptimizerConfig(lr=1e-5, use_distributed_optimizer=True),
         use_fused_kernels=fused,
     )
@@ -242,7 +246,7 @@ def actor_rows(name: str, shape: tuple, dtype: str, steps: int, fused_flags=(Fal
         batch = _batch(shape, device)
         for i, fused in enumerate(fused_flags):
             _reset_peak()
-            engine = _engine(Path(tmp), batch, dtype, fused, parallel)
+            engine = _engine(Path(tmp), batch, dtype, fused, parallel, GPU_MB_TOKENS.get(name))
             parallel = engine.parallel
             step_s = _time_steps(_train_step(engine, batch), steps)
             peak = _peak_gib()

@@ -13,8 +13,8 @@
 #              torch's guess, the directory above nvcc's, can miss the headers), else that guess
 #   locks      stale `lock` files of megarl's torch-extension build dir (a killed JIT build
 #              leaves one, and the next build waits on it forever) are removed
-#   commit     git rev-parse HEAD, or $MEGARL_COMMIT where there is no .git; exported as
-#              MEGARL_COMMIT for the result files
+#   commit     $MEGARL_COMMIT when set (a copied tree's .git may name another HEAD), else git
+#              rev-parse HEAD ("-dirty" when tracked files differ): what the result files record
 #
 # Steps, each its own process under `timeout` with its own budget (seconds):
 #   env        nvidia-smi, Python/torch/CUDA/triton/nvcc versions, CUDA_HOME, CPU flags
@@ -229,11 +229,16 @@ remove_stale_locks() { # at start: this kit is the node's only user of the build
   fi
 }
 
-find_commit() {
+find_commit() { # what the result files will record (benchmarks/_harness.py source_commit)
   local commit
-  commit=$(git rev-parse HEAD 2>/dev/null) || commit=${MEGARL_COMMIT:-unknown}
-  export MEGARL_COMMIT=$commit
-  note "commit: $MEGARL_COMMIT"
+  if [ -n "${MEGARL_COMMIT:-}" ]; then # said in so many words: a copied tree's .git may name another HEAD
+    note "commit: $MEGARL_COMMIT (from \$MEGARL_COMMIT)"
+  elif commit=$(git rev-parse HEAD 2>/dev/null); then
+    [ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] || commit+="-dirty"
+    note "commit: $commit (from git)"
+  else
+    note "commit: unknown (no .git here: export MEGARL_COMMIT=<hash of the tree you copied> before the kit)"
+  fi
 }
 
 # ---------------------------------------------------------------- budgets and steps

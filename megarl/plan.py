@@ -22,7 +22,7 @@ it does not change this steady state.
 
 Rates come from a YAML or JSON file (:func:`load_rates`): measured on this machine by
 ``python -m benchmarks.plan --calibrate``, or assumed (the GPU rates in
-``benchmarks/plan_rates_h100_qwen2.5-7b.yaml``: no GPU has run megarl yet).
+``benchmarks/plan_rates_h100_qwen2.5-7b.yaml``: no GPU cluster has run megarl yet).
 """
 
 from __future__ import annotations

@@ -336,7 +336,7 @@ def test_stale_build_locks_of_megarl_are_removed_and_logged(stub_run):
 
 
 def test_the_summary_names_the_commit_without_git(stub_run):
-    assert _setup_line(stub_run["out"], "commit") == STUB_COMMIT
+    assert _setup_line(stub_run["out"], "commit") == f"{STUB_COMMIT} (from $MEGARL_COMMIT)"
 
 
 # ---------------------------------------------------------------- what the steps run
@@ -413,7 +413,41 @@ def _git_head() -> str:
 
 
 def test_results_name_the_commit_or_megarl_commit_without_git(monkeypatch, tmp_path):
+    monkeypatch.delenv("MEGARL_COMMIT", raising=False)
     assert _harness.source_commit().startswith(_git_head())
     monkeypatch.setattr(_harness, "REPO", tmp_path)  # a copy without .git
+    assert _harness.source_commit() is None
     monkeypatch.setenv("MEGARL_COMMIT", STUB_COMMIT)
     assert _harness.source_commit() == STUB_COMMIT
+
+
+def test_megarl_commit_wins_over_a_copied_trees_older_git_head(monkeypatch):
+    """A tree copied to a GPU node with a .git naming an older HEAD recorded that HEAD + "-dirty"
+    (seen on the first H200 run): the commit said in so many words is the one recorded."""
+    monkeypatch.setenv("MEGARL_COMMIT", STUB_COMMIT)
+    assert _git_head() and _harness.source_commit() == STUB_COMMIT
+
+
+class _Killed(BaseException):
+    """The kit's step budget ending the process (SIGKILL leaves no handler a chance to run)."""
+
+
+def test_an_actor_step_killed_in_its_second_row_keeps_the_first_on_disk(tmp_path, monkeypatch):
+    from benchmarks import actor_step
+
+    def row(name, shape, fused, steps):
+        if fused:
+            raise _Killed
+        return {"shape": name, "impl": "megatron", "fused_kernels": False, "step_s": 2.0, "kernel_path": "torch"}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "stub GPU")
+    monkeypatch.setattr(_harness, "gpu_driver_version", lambda: "580.65.06")
+    monkeypatch.setattr(actor_step, "_row_in_own_process", row)
+    with pytest.raises(_Killed):
+        _harness.run_benchmark("actor_step", quick=True, results_dir=tmp_path)
+    record = json.loads((tmp_path / "actor_step_gpu.json").read_text())
+    assert [r["fused_kernels"] for r in record["rows"]] == [False] and record["rows"][0]["kernel_path"] == "torch"
+    assert record["partial"].startswith("the run ended before its last row")
+    assert "Partial: " in (tmp_path / "actor_step_gpu.md").read_text()
+    assert record["versions"]["megarl"] and record["machine"]["gpu"] == "stub GPU"
