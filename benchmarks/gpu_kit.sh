@@ -13,6 +13,8 @@
 #              torch's guess, the directory above nvcc's, can miss the headers), else that guess
 #   locks      stale `lock` files of megarl's torch-extension build dir (a killed JIT build
 #              leaves one, and the next build waits on it forever) are removed
+#   versions   the node's torch, vLLM, megatron-core and TransformerEngine against the GPU version
+#              set (.ci/constraints-gpu.txt): ok, differs, or not installed
 #   commit     $MEGARL_COMMIT when set (a copied tree's .git may name another HEAD), else git
 #              rev-parse HEAD ("-dirty" when tracked files differ): what the result files record
 #
@@ -229,6 +231,15 @@ remove_stale_locks() { # at start: this kit is the node's only user of the build
   fi
 }
 
+check_version_set() { # the node's versions against the GPU version set (.ci/constraints-gpu.txt)
+  local report
+  if report=$(timeout 20 "$PY" -c 'from benchmarks.gpu_wheels import version_set_report as r; print("; ".join(r()))' 2>&1); then
+    note "version set (.ci/constraints-gpu.txt): $report"
+  else
+    note "version set: could not be read: $(tail -1 <<<"$report")"
+  fi
+}
+
 find_commit() { # what the result files will record (benchmarks/_harness.py source_commit)
   local commit
   if [ -n "${MEGARL_COMMIT:-}" ]; then # said in so many words: a copied tree's .git may name another HEAD
@@ -348,6 +359,7 @@ export OUTDIR PY DRY
 note "budgets (s): $(tr '\n' ' ' <<<"$PLAN")(sum ${PLANNED} of ${KIT_LIMIT})"
 find_commit
 install_wheels
+check_version_set
 find_cuda_home
 check_build_tools
 remove_stale_locks

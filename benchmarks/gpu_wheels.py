@@ -27,7 +27,40 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-MEGATRON_CORE = "megatron-core==0.16.*"
+VERSION_SET = Path(__file__).resolve().parents[1] / ".ci" / "constraints-gpu.txt"
+
+
+def read_version_set(path: Path = VERSION_SET) -> dict[str, Requirement]:
+    """The GPU version set (``.ci/constraints-gpu.txt``): canonical name -> requirement."""
+    found = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if line:
+            try:
+                req = Requirement(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: {line!r} is not a requirement: {exc}") from None
+            found[canonicalize_name(req.name)] = req
+    return found
+
+
+def version_set_report(path: Path = VERSION_SET) -> list[str]:
+    """One line per package of the set: the installed version against the set's, for the kit."""
+    import importlib.metadata as md
+
+    lines = []
+    for name, req in read_version_set(path).items():
+        try:
+            have = md.version(name)
+        except md.PackageNotFoundError:
+            lines.append(f"{name}: not installed (set: {req.specifier})")
+            continue
+        verdict = "ok" if req.specifier.contains(have.split("+")[0], prereleases=True) else "differs"
+        lines.append(f"{name}: {have} (set: {req.specifier}: {verdict})")
+    return lines
+
+
+MEGATRON_CORE = str(read_version_set()["megatron-core"])
 PROVIDED = ("torch", "triton")  # with every nvidia-* package: the machine's torch has them
 PLATFORMS = (
     "manylinux_2_28_x86_64",

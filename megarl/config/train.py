@@ -134,7 +134,8 @@ class MegatronConfig:
     moe_router_load_balancing_type: Literal["aux_loss", "none"] = "none"
     """Router load-balancing loss during RL (usually off)."""
     use_transformer_engine: bool | None = None
-    """TransformerEngine layer specs; None picks TE when installed and on GPU."""
+    """TransformerEngine layer specs; None picks TE when installed and on GPU, except with LoRA
+    (``lora.rank > 0``), which wraps Megatron's own linears and so always builds the local spec."""
 
     def check(self) -> None:
         pass
@@ -222,6 +223,13 @@ class TrainEngineConfig:
             "emulate_bf16",
             self.emulate_bf16,
             f"emulates bf16 arithmetic: it needs dtype=bfloat16 (got dtype={self.dtype!r})",
+        )
+        require(
+            not (self.lora.enabled and self.megatron.use_transformer_engine),
+            "megatron.use_transformer_engine",
+            self.megatron.use_transformer_engine,
+            "LoRA wraps Megatron's own linears, not TransformerEngine's: with lora.rank > 0 set it to "
+            "null (LoRA then builds the local layer spec, TE installed or not) or false",
         )
 
 

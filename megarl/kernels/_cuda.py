@@ -33,9 +33,39 @@ from megarl.kernels.reference import VocabShard, merge_stats
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
 TILE = 128  # kTileTokens == kTileVocab in csrc/kernels.h
 MAINLOOPS = ("auto", "sm80", "sm90")
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+"""The kernels' sources in a source checkout (an editable install runs from one)."""
+PACKAGED_CSRC = Path(__file__).resolve().parents[1] / "_csrc"
+"""The same sources as every wheel ships them (setup.py copies csrc/ into the package)."""
+
+
+def kernel_sources() -> Path | None:
+    """Where the JIT build finds the CUDA sources: the checkout's ``csrc/``, else the copy a
+    wheel or regular install ships in ``megarl/_csrc``; None when neither has them."""
+    for folder in (CSRC, PACKAGED_CSRC):
+        if any(folder.glob("*.cu")):
+            return folder
+    return None
+
+
+def build_origin() -> str:
+    """How :func:`load_extension` got (or would get) the kernels, for the start-up line: the
+    extension built at install, or a JIT build from which sources, or why neither is there."""
+    try:
+        from megarl import _C  # type: ignore[attr-defined]  # noqa: F401
+
+        return "megarl._C, built at install"
+    except ImportError:
+        pass
+    sources = kernel_sources()
+    if sources is None:
+        return f"no kernels: megarl._C was not built at install and neither {CSRC} nor {PACKAGED_CSRC} has the sources"
+    return (
+        f"JIT-built from {sources} (megarl._C was not built at install: the build saw no CUDA torch "
+        "or toolkit; `pip install --no-build-isolation` builds it against your torch)"
+    )
 
 
 def arch_flags(capability: tuple[int, int]) -> list[str]:
@@ -79,19 +109,20 @@ def load_extension() -> ModuleType | None:
         return _C
     except ImportError:
         pass
-    sources = sorted(str(p) for p in CSRC.glob("*") if p.suffix in (".cu", ".cpp"))
-    if not sources:
-        logger.warning("megarl._C is not built and %s has no sources: using the torch path", CSRC)
+    folder = kernel_sources()
+    if folder is None:
+        logger.warning("%s: using the torch path", build_origin())
         return None
+    sources = sorted(str(p) for p in folder.glob("*") if p.suffix in (".cu", ".cpp"))
     try:
         from torch.utils.cpp_extension import load
 
         cxx_flags, nvcc_flags = extra_build_flags()
-        logger.info("JIT-building the megarl CUDA kernels from %s (first use only)", CSRC)
+        logger.info("JIT-building the megarl CUDA kernels from %s (first use only)", folder)
         return load(
             name="megarl_C",
             sources=sources,
-            extra_include_paths=[str(CSRC)],
+            extra_include_paths=[str(folder)],
             extra_cflags=["-O3", *cxx_flags],
             extra_cuda_cflags=["-O3", "--use_fast_math", *arch_flags(capability), *nvcc_flags],
         )
@@ -110,7 +141,9 @@ def unavailable_reason() -> str | None:
         return "no CUDA device is available"
     if torch.cuda.get_device_capability() < (8, 0):
         return "the GPU is older than sm_80 (the kernels use cp.async and bf16 tensor-core MMA)"
-    return "megarl._C is not built and JIT-building csrc/ failed (see the warning logged above)"
+    if kernel_sources() is None:
+        return build_origin()
+    return f"megarl._C is not built and JIT-building {kernel_sources()} failed (see the warning logged above)"
 
 
 def operands_fit(hidden: torch.Tensor, weight: torch.Tensor) -> bool:

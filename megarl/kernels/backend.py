@@ -80,4 +80,4 @@ def kernel_summary(backend: Backend) -> str:
     reason = _cuda.unavailable_reason()
     if reason is not None:
         return f"torch ({reason})"
-    return _cuda.verified_path(_current_cuda_device()).describe()
+    return f"{_cuda.verified_path(_current_cuda_device()).describe()}; kernels: {_cuda.build_origin()}"

@@ -451,3 +451,57 @@ def test_an_actor_step_killed_in_its_second_row_keeps_the_first_on_disk(tmp_path
     assert record["partial"].startswith("the run ended before its last row")
     assert "Partial: " in (tmp_path / "actor_step_gpu.md").read_text()
     assert record["versions"]["megarl"] and record["machine"]["gpu"] == "stub GPU"
+
+
+def test_the_summary_checks_the_build_tools_and_the_version_set(stub_run):
+    """torch's JIT build runs ninja from PATH and $CUDA_HOME/bin/nvcc: the stub toolkit has no
+    bin/nvcc (only the wrapper on PATH does), which the summary must say before a build fails."""
+    assert _setup_line(stub_run["out"], "nvcc").endswith(
+        "cuda-13.0/bin/nvcc is missing or not executable (torch's JIT build runs that one, not PATH's)"
+    )
+    assert _setup_line(stub_run["out"], "ninja").startswith(("/", "not found on PATH"))
+    report = _setup_line(stub_run["out"], "version set (.ci/constraints-gpu.txt)")
+    assert "megatron-core: " in report and "torch: " in report and "vllm: " in report
+
+
+def test_a_build_killed_by_its_budget_leaves_no_lock_for_the_next_step(tmp_path):
+    root = tmp_path
+    env = _stub_node(root)
+    repo = _stub_repo(root, KIT)
+    extensions = root / "torch_extensions"
+    env.update(
+        MEGARL_KIT_DRY="0",
+        MEGARL_KIT_STEPS="build",
+        MEGARL_KIT_BUDGET_build="2",
+        # what a JIT build does first: take its lock; then it outlives the step's budget
+        MEGARL_KIT_CMD_build='mkdir -p "$TORCH_EXTENSIONS_DIR/megarl_C" && touch "$TORCH_EXTENSIONS_DIR/megarl_C/lock" && sleep 60',
+        MEGARL_COMMIT=STUB_COMMIT,
+        TORCH_EXTENSIONS_DIR=str(extensions),
+        MEGARL_KIT_SITE=str(root / "site"),
+    )
+    out = root / "out"
+    proc = subprocess.run(
+        ["bash", str(repo / "benchmarks/gpu_kit.sh"), str(out)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| build |"))
+    assert f"timed out after 2s; build lock removed: {extensions}/megarl_C/lock" in line
+    assert not (extensions / "megarl_C/lock").exists()
+
+
+def test_no_gpu_test_reaches_the_wgmma_kernel_without_asking_which_mainloops_run():
+    """The kit's tests_sm80 step forces the mma.sync mainloop: a GPU test that launches (or
+    probes) the wgmma kernel must first ask ``mainloops_to_test`` whether sm90 runs at all."""
+    source = (REPO / "tests/kernels/test_kernels_cuda.py").read_text()
+    unguarded = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name != "skip_without_wgmma":
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            if names & {"skip_without_wgmma", "wgmma"} and "mainloops_to_test" not in names:
+                unguarded.append(node.name)
+    assert not unguarded, f"reach the wgmma kernel whatever MEGARL_CUDA_MAINLOOP says: {unguarded}"

@@ -76,3 +76,35 @@ def test_adapter_sync_writes_under_the_run_directory_unless_told(tmp_path):
     assert config.weight_update.disk_path == str(tmp_path / "shared")
     merged, _ = load_expr_config([*base, "weight_update.lora=merged"], GRPOConfig)
     assert not merged.adapter_sync and "--enable-lora" not in server_spec(merged, 0, [0], "127.0.0.1", 1).cmd
+
+
+def test_lora_with_transformer_engine_asked_for_fails_when_the_config_loads():
+    """TE layers are refused at load, before any server starts (it was at model build, after)."""
+    with pytest.raises(ConfigError) as err:
+        load_expr_config(
+            ["--config", CPU_YAML, "actor.lora.rank=8", "actor.megatron.use_transformer_engine=true"], GRPOConfig
+        )
+    assert err.value.key == "actor.megatron.use_transformer_engine"
+    assert "LoRA wraps Megatron's own linears" in str(err.value) and "null" in str(err.value)
+
+
+@pytest.fixture
+def transformer_engine_on_a_gpu(monkeypatch):
+    """A GPU machine with TransformerEngine installed, as `pip install 'megarl[gpu]'` makes one."""
+    import sys
+    import types
+
+    from megarl.actor import cpu_shim, engine  # noqa: F401 (Megatron asks TE's version when it first imports)
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setattr(cpu_shim, "cuda_available", lambda: True)
+
+
+def test_lora_builds_the_local_spec_when_transformer_engine_is_installed(transformer_engine_on_a_gpu):
+    from megarl.actor.engine import MegatronEngine
+
+    config, _ = load_expr_config(["--config", CPU_YAML, "actor.lora.rank=8"], GRPOConfig)
+    assert config.actor.megatron.use_transformer_engine is None
+    assert MegatronEngine(config.actor)._use_te() is False
+    full, _ = load_expr_config(["--config", CPU_YAML], GRPOConfig)
+    assert MegatronEngine(full.actor)._use_te() is True  # the stub is seen: without LoRA, TE is picked
