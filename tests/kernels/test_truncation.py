@@ -14,6 +14,9 @@ import torch.multiprocessing as mp
 
 from megarl.kernels import Truncation, fused_logprobs_entropy
 from megarl.kernels.linear_loss import fused_linear_token_loss
+from tests.numerics import assert_within, softmax_head_bounds
+
+OUTPUTS = ("logprob", "entropy", "d_hidden", "d_weight")
 
 V, H, T = 300, 16, 23
 CASES = [
@@ -96,7 +99,20 @@ def _want(hidden, weight, labels, coefs, temperature, trunc):
     weight = weight.double().requires_grad_(True)
     logp, ent, kept = reference(hidden, weight, labels, temperature, trunc)
     (coefs[0].double() * logp + coefs[1].double() * ent).sum().backward()
-    return logp.detach().float(), ent.detach().float(), hidden.grad.float(), weight.grad.float(), kept
+    return logp.detach(), ent.detach(), hidden.grad, weight.grad, kept
+
+
+def _bounds(hidden, weight, labels, coefs, temperature, kept):
+    """The float32 error bounds of the four outputs (``tests/numerics.py``), in OUTPUTS order."""
+    b = softmax_head_bounds(hidden, weight, labels, coefs, temperature, torch.float32, kept)
+    return [getattr(b, name) for name in OUTPUTS]
+
+
+def _check(got, want, bounds, factor: float = 1.0) -> None:
+    """got within ``factor`` bounds of want: 1 against the exact values, 2 between two float32
+    computations (each within one bound of the exact value)."""
+    for name, a, b, bound in zip(OUTPUTS, got, want, bounds):
+        assert_within(a, b, factor * bound, name)
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
@@ -109,8 +125,25 @@ def test_truncated_logprobs_match_full_softmax_then_mask(trunc, temperature):
     assert not got[4].any()  # every sampled label lies in the kept set
     kept = want[4].sum(dim=1)
     assert (kept < V).all() and (kept > 1).any()  # the filter truncates, and not to one token everywhere
-    for a, b in zip(got[:4], want[:4]):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    _check(got, want, _bounds(hidden, weight, labels, coefs, temperature, want[4]))
+
+
+def test_each_derived_bound_rejects_an_error_just_above_it():
+    """The bounds are not vacuous: the exact outputs with one element moved 1.01 bounds away fail,
+    each output's bound on its own."""
+    trunc, temperature = CASES[3], 0.7
+    hidden, weight, coefs = _inputs(seed=3, scale=0.3)
+    labels = _sampled_labels(hidden, weight, temperature, trunc, seed=4)
+    want = _want(hidden, weight, labels, coefs, temperature, trunc)
+    bounds = _bounds(hidden, weight, labels, coefs, temperature, want[4])
+    for i, name in enumerate(OUTPUTS):
+        planted = list(want[:4])
+        planted[i] = planted[i].clone()
+        planted[i].view(-1)[1] += 1.01 * bounds[i].view(-1)[1]
+        with pytest.raises(AssertionError, match=f"{name}: 1 of"):
+            _check(planted, want, bounds)
+        planted[i].view(-1)[1] -= 0.02 * bounds[i].view(-1)[1]  # 0.99 of the bound: within
+        _check(planted, want, bounds)
 
 
 def _training_path(hidden, weight, labels, coefs, temperature, trunc, **kwargs):
@@ -144,8 +177,14 @@ def test_training_path_with_truncation_matches_the_logprob_path(trunc):
     got = _training_path(hidden, weight, labels, coefs, 0.7, trunc)
     want = _ours(hidden, weight, labels, coefs, 0.7, trunc)
     assert got[4][0] and torch.equal(got[4], want[4])
-    for a, b in zip(got[:4], want[:4]):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    _check(got, want, _bounds(hidden, weight, labels, coefs, 0.7, _kept_with_labels(hidden, weight, labels, trunc)), 2)
+
+
+def _kept_with_labels(hidden, weight, labels, trunc, temperature: float = 0.7):
+    """The kept set after replay: a label below its row's threshold lowers the threshold to it."""
+    z = (hidden.double() @ weight.double().T) / temperature
+    kept = torch.isfinite(vllm_rule_logits(z, trunc))
+    return kept | (z >= z.gather(1, labels[:, None]))
 
 
 def test_truncation_changes_the_logprob_and_off_means_full_softmax():
@@ -193,16 +232,17 @@ def _tp_worker(rank: int, port: int) -> None:
             padded = torch.cat([weight, torch.zeros(2 * rows - V, H)])
             shard = padded[rank * rows : (rank + 1) * rows]
             got = _ours(hidden, shard, labels, coefs, 0.7, trunc, tp_group=group, vocab_size=V)
-            for a, b in zip(got[:3], want[:3]):
-                torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
-            mine = want[3][rank * rows : (rank + 1) * rows]
-            torch.testing.assert_close(got[3][: mine.shape[0]], mine, atol=2e-5, rtol=1e-4)
-            assert not got[3][mine.shape[0] :].any()  # padding rows: no gradient
+            bounds = _bounds(hidden, weight, labels, coefs, 0.7, want[4])
+            mine = slice(rank * rows, min((rank + 1) * rows, V))  # this rank's real rows of d_weight
+            _check(
+                [*got[:3], got[3][: mine.stop - mine.start]], [*want[:3], want[3][mine]], [*bounds[:3], bounds[3][mine]]
+            )
+            assert not got[3][mine.stop - mine.start :].any()  # padding rows: no gradient
             # the training path: candidates of each chunk's stored logits, gathered over the group
             trained = _training_path(hidden, shard, labels, coefs, 0.7, trunc, tp_group=group, vocab_size=V)
             assert torch.equal(trained[4], got[4])
-            for a, b in zip(trained[:4], got[:4]):
-                torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+            n = mine.stop - mine.start
+            _check([*trained[:3], trained[3][:n]], [*got[:3], got[3][:n]], [*bounds[:3], bounds[3][mine]], 2)
     finally:
         dist.destroy_process_group()
 

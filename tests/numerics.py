@@ -1,0 +1,117 @@
+"""Tolerances derived from floating-point error analysis, not from what one CPU happened to give.
+
+A sum of ``n`` terms computed in a dtype with unit roundoff ``u`` (``torch.finfo(dtype).eps / 2``)
+is within ``gamma(n) * sum(|terms|)`` of the exact sum, ``gamma(n) = n u / (1 - n u)``, in any
+order of summation (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 3.1).
+CPUs differ exactly there: AVX2, AVX-512 and AMX kernels block and order a matrix product's sums
+differently, so a tolerance tuned on one CPU fails on another, while this bound holds on all.
+
+A test computes the exact value in float64, the sums of ``|terms|`` from the same operands, and
+checks the dtype's result with :func:`assert_within`. :func:`softmax_head_bounds` is the bound of
+the fused logprob head (logprob, entropy and both gradients), which several kernel tests check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u: the largest relative error of rounding one real number to ``dtype``."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    """gamma_n = n u / (1 - n u): a sum of n terms is within gamma_n * sum(|terms|) of exact."""
+    nu = n * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"a reduction of {n} terms in {dtype} has no error bound (n u = {nu:.2f} >= 1)")
+    return nu / (1 - nu)
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str) -> float:
+    """Assert |got - want| <= bound elementwise (``want`` exact or float64); returns the largest
+    |got - want| / bound, for reporting how much of the bound a result used."""
+    diff = (got.double() - want.double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(diff)
+    over = diff > bound
+    ratio = float((diff / bound.clamp_min(torch.finfo(torch.float64).tiny)).max()) if diff.numel() else 0.0
+    if over.any():
+        worst = int((diff - bound).argmax())
+        raise AssertionError(
+            f"{what}: {int(over.sum())} of {diff.numel()} elements beyond their error bound; worst "
+            f"|diff| {diff.flatten()[worst]:.3e} where the bound is {bound.flatten()[worst]:.3e} "
+            f"(largest diff / bound: {ratio:.2f})"
+        )
+    return ratio
+
+
+@dataclass
+class HeadBounds:
+    """Per-element error bounds of the fused head's outputs against the exact values."""
+
+    logprob: torch.Tensor  # [T]
+    entropy: torch.Tensor  # [T]
+    d_hidden: torch.Tensor  # [T, H]
+    d_weight: torch.Tensor  # [V, H]
+
+    def __mul__(self, factor: float) -> HeadBounds:
+        return HeadBounds(*(getattr(self, f) * factor for f in ("logprob", "entropy", "d_hidden", "d_weight")))
+
+
+def softmax_head_bounds(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    coefs: torch.Tensor,
+    temperature: float,
+    dtype: torch.dtype,
+    kept: torch.Tensor | None = None,
+) -> HeadBounds:
+    """First-order error bounds of logprob, entropy and the gradients of
+    ``sum(coefs[0] * logprob + coefs[1] * entropy)`` computed in ``dtype`` from
+    ``z = hidden @ weight.T / temperature`` (softmax over the ``kept`` [T, V] tokens, all by default).
+
+    Each step's bound, in the exact (float64) quantities, with E_x the bound of x:
+      logits   E_z[t,j] = gamma(H+1) (|h_t| . |w_j|) / tau              (H products summed, one division)
+      lse      E_lse[t] = max_j E_z + 2u max_j |z| + gamma(V+8)          (exps of shifted logits summed;
+                                                                           chunk merges, exp and log: 8 roundings)
+      p        |dp_j| <= p_j (E_z_j + E_lse)
+      logprob  E_z[t,label] + E_lse + u |logprob|
+      mean z   E_mu = sum_j p_j (E_z_j + |z_j| (E_z_j + E_lse)) + gamma(V) sum_j p_j |z_j|
+      entropy  E_lse + E_mu + u |entropy|
+      g = dL/dz / tau, g_tj = (c0 (onehot - p_j) - c1 p_j (z_j - mu)) / tau, and
+      |dg_tj| <= (|c0| |dp_j| + |c1| (|dp_j| |z_j - mu| + p_j (E_z_j + E_mu))) / tau + 4u |g_tj|
+      d_hidden = g @ W:   |dg| @ |W| + gamma(V) |g| @ |W|;   d_weight = g^T @ H: |dg|^T @ |H| + gamma(T) |g|^T @ |H|
+    Second-order terms (products of two bounds) are left out: each is below u times its first-order term.
+    """
+    h, w = hidden.double(), weight.double()
+    T, H = h.shape
+    V = w.shape[0]
+    u = unit_roundoff(dtype)
+    kept = torch.ones(T, V, dtype=torch.bool) if kept is None else kept
+    z = h @ w.T / temperature
+    e_z = gamma(H + 1, dtype) * (h.abs() @ w.abs().T) / temperature
+    zk = z.masked_fill(~kept, float("-inf"))
+    p = zk.softmax(dim=-1)
+    z0 = z.masked_fill(~kept, 0.0)
+    e_zk = e_z.masked_fill(~kept, 0.0)
+    e_lse = e_zk.amax(dim=-1) + 2 * u * z0.abs().amax(dim=-1) + gamma(V + 8, dtype)
+    dp = p * (e_zk + e_lse[:, None])
+    logp = torch.log_softmax(zk, dim=-1).gather(1, labels[:, None]).squeeze(1)
+    mu = (p * z0).sum(dim=-1)
+    e_mu = (p * (e_zk + z0.abs() * (e_zk + e_lse[:, None]))).sum(dim=-1) + gamma(V, dtype) * (p * z0.abs()).sum(-1)
+    entropy = torch.logsumexp(zk, dim=-1) - mu
+    c0, c1 = coefs[0].double()[:, None], coefs[1].double()[:, None]
+    onehot = torch.zeros(T, V, dtype=torch.float64).scatter_(1, labels[:, None], 1.0)
+    g = (c0 * (onehot - p) - c1 * p * (z0 - mu[:, None])) / temperature
+    dg = (c0.abs() * dp + c1.abs() * (dp * (z0 - mu[:, None]).abs() + p * (e_zk + e_mu[:, None]))) / temperature
+    dg = dg + 4 * u * g.abs()
+    return HeadBounds(
+        logprob=e_z.gather(1, labels[:, None]).squeeze(1) + e_lse + u * logp.abs(),
+        entropy=e_lse + e_mu + u * entropy.abs(),
+        d_hidden=dg @ w.abs() + gamma(V, dtype) * (g.abs() @ w.abs()),
+        d_weight=dg.T @ h.abs() + gamma(T, dtype) * (g.abs().T @ h.abs()),
+    )
