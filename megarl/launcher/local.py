@@ -54,6 +54,7 @@ from megarl.utils.auth import run_api_key, save_run_key
 from megarl.utils.console import CONSOLE_TTY_ENV, take_stop
 from megarl.utils.hardware import auto_dtype
 from megarl.utils.heartbeat import flight_recorder_env
+from megarl.utils.keeper import spawn
 from megarl.utils.network import find_free_ports
 from megarl.utils.process import (
     LAUNCH_TAG_ENV,
@@ -375,13 +376,12 @@ def _run_trainer_once(
     mark = LaunchMark.new()
     # not verbose: the ranks write their own output to the log and only their console lines
     # to stdout; torchrun's own messages (stderr) go to the log
-    proc = subprocess.Popen(
+    proc = spawn(  # torchrun and its ranks end with this process however it dies (keeper)
         cmd,
         env={**env, **mark.env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if relay.verbose else log,
         stdin=subprocess.DEVNULL,
-        start_new_session=True,
     )
     kill_on_exit(proc)
     pump = relay.pipe("trainer", proc.stdout, log) if relay.verbose else relay.console("trainer", proc.stdout, log)

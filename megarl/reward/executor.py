@@ -19,10 +19,8 @@ import concurrent.futures
 import functools
 import logging
 import multiprocessing
-import os
 import signal
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
@@ -36,6 +34,7 @@ from megarl.reward.base import ScoredReward
 from megarl.reward.failures import RewardFailure, RewardFailures, as_reward, describe_call
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
+from megarl.utils.keeper import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -72,22 +71,6 @@ def _call_reward(
 
 def _import_reward(reward_fn: Callable[..., Any]) -> None:
     """Worker side of ``warm_up``: unpickling ``reward_fn`` imported its module; nothing else to do."""
-
-
-def _exit_with_parent() -> None:
-    """Pool initializer: exit once the process that started the pool is gone, even SIGKILLed.
-
-    A worker blocked on the call queue never notices its parent's death; without this it
-    lives on as an orphan (outside a killed Slurm step's or launcher's process tree).
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 class AsyncRewardWrapper:
@@ -153,7 +136,7 @@ class AsyncRewardWrapper:
             if self._executor is None:
                 ctx = multiprocessing.get_context("spawn")
                 self._executor = concurrent.futures.ProcessPoolExecutor(
-                    self.max_workers, mp_context=ctx, initializer=_exit_with_parent
+                    self.max_workers, mp_context=ctx, initializer=exit_with_parent
                 )
             return self._executor
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Self
 
 from megarl.config.rollout import InferenceEngineConfig
+from megarl.utils.keeper import spawn
 from megarl.utils.network import format_host_port, parse_host_port
 from megarl.utils.process import cancel_kill_on_exit, kill_on_exit, terminate_process_tree
 
@@ -76,14 +77,8 @@ class InferenceServer:
         logger.info("starting %s at %s (log %s): %s", self.name, self.address, self.log_path, " ".join(self.spec.cmd))
         self.started_at = time.time()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.spec.cmd,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            # in a session of its own, ended with this process however it dies (keeper)
+            self.proc = spawn(self.spec.cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         kill_on_exit(self.proc)
         return self
 

@@ -145,7 +145,7 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])  # SIGKILL: the keeper
 def test_parent_signal_terminates_server_tree(tmp_path, sig):
     log = tmp_path / "child.log"
     parent = subprocess.Popen(

@@ -1,0 +1,132 @@
+"""megarl.utils.keeper: what :func:`spawn` starts ends with its starter, however the starter dies.
+
+Real processes throughout: a starter process spawns a child through the keeper; the child starts a
+grandchild in a session of its own (as torchrun starts its ranks); the starter is then SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megarl.utils.keeper import spawn, supported
+
+pytestmark = pytest.mark.skipif(not supported(), reason="the keeper needs Linux prctl")
+
+_GONE_WITHIN_S = 15.0
+# The child: a grandchild in a new session (out of the child's process group), then both sleep.
+_CHILD = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {grandchild.pid}")
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(float(sys.argv[2]))
+    """
+)
+# The starter: spawns the child through the keeper (from a thread that then ends, with argv[3]), sleeps.
+_STARTER = textwrap.dedent(
+    """
+    import sys, threading, time
+    from megarl.utils.keeper import spawn
+
+    def start():
+        spawn([sys.executable, "-c", sys.argv[1], sys.argv[2], "600"])
+
+    if sys.argv[3] == "thread":
+        thread = threading.Thread(target=start)
+        thread.start()
+        thread.join()
+    else:
+        start()
+    time.sleep(600)
+    """
+)
+
+
+def _read_pids(path: Path, timeout: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, "the child never wrote its pids"
+        time.sleep(0.05)
+    return [int(pid) for pid in path.read_text().split()]
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _wait_all_gone(procs: list[psutil.Process], timeout: float = _GONE_WITHIN_S) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (alive := _alive(procs)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def _start_tree(tmp_path: Path, how: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """The starter, and every process below it (the keeper, the child, the grandchild) once all run."""
+    pids = tmp_path / "pids"
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, _CHILD, str(pids), how])
+    started = set(_read_pids(pids))
+    tree = psutil.Process(starter.pid).children(recursive=True)
+    assert started <= {proc.pid for proc in tree}
+    return starter, tree
+
+
+@pytest.mark.parametrize("how", ["main", "thread"])
+def test_sigkilled_starter_takes_child_and_grandchild_with_it(tmp_path, how):
+    starter, tree = _start_tree(tmp_path, how)
+    try:
+        if how == "thread":  # the starting thread ended: that is not the starter's death
+            time.sleep(1.0)
+            assert len(_alive(tree)) == len(tree), "the keeper stopped its child when only the starting thread ended"
+        starter.kill()
+        starter.wait()
+        left = _wait_all_gone(tree)
+        assert not left, f"{len(left)} of {len(tree)} outlived a SIGKILLed starter: {[p.cmdline() for p in left]}"
+    finally:
+        starter.kill()
+        for proc in _alive(tree):
+            proc.kill()
+
+
+def test_exit_status_is_the_commands():
+    assert spawn([sys.executable, "-c", "import sys; sys.exit(3)"]).wait() == 3
+    assert spawn(["sh", "-c", "kill -9 $$"]).wait() == -signal.SIGKILL
+    assert spawn(["/nonexistent/megarl-test-command"]).wait() == 127
+
+
+def test_sigterm_reaches_the_command():
+    proc = spawn([sys.executable, "-c", "import time; time.sleep(600)"])
+    time.sleep(1.0)  # the keeper has started it
+    proc.terminate()
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_what_the_command_leaves_behind_is_stopped(tmp_path):
+    pids = tmp_path / "pids"
+    proc = spawn([sys.executable, "-c", _CHILD, str(pids), "0"])  # the child exits at once, its grandchild runs
+    assert proc.wait(timeout=60) == 0
+    _, grandchild = _read_pids(pids)
+    try:
+        left = _wait_all_gone([psutil.Process(grandchild)], timeout=0)
+    except psutil.NoSuchProcess:
+        left = []
+    assert not left, "the exited command's grandchild outlived the keeper"
+    for proc in left:
+        proc.kill()
