@@ -203,7 +203,7 @@ class HealthTarget:
     @classmethod
     def of(cls, server) -> HealthTarget:
         """Of a local :class:`~megarl.rollout.server.InferenceServer`."""
-        return cls(server.name, server.address, server.spec.health_endpoint, server.proc.pid, str(server.log_path))
+        return cls(server.name, server.address, server.spec.health_endpoint, server.pid, str(server.log_path))
 
     def healthy(self, timeout: float) -> bool:
         try:

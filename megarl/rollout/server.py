@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Self
 
 from megarl.config.rollout import InferenceEngineConfig
-from megarl.utils.keeper import spawn
+from megarl.utils.keeper import command_pid, spawn
 from megarl.utils.network import format_host_port, parse_host_port
 from megarl.utils.process import cancel_kill_on_exit, kill_on_exit, terminate_process_tree
 
@@ -67,6 +67,11 @@ class InferenceServer:
     @property
     def address(self) -> str:
         return self.spec.address
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's pid (``proc`` is its keeper, ``megarl.utils.keeper``), None before start."""
+        return None if self.proc is None else command_pid(self.proc)
 
     def start(self) -> InferenceServer:
         """Launch the process (returns at once; see :meth:`wait_until_healthy`)."""

@@ -23,7 +23,10 @@ pool's, beaten from its event loop (so a workflow or reward that blocks the loop
 and each server's, beaten by the launcher whenever the server answers its health check.
 
 Fault injection (tests only): ``MEGARL_FAULT_STALL=NAME:PHASE:SECONDS`` makes process ``NAME``
-sleep ``SECONDS`` on entering ``PHASE``, e.g. ``trainer-1:train_step:600``.
+sleep ``SECONDS`` on entering ``PHASE``, e.g. ``trainer-1:train_step:600``. With
+``MEGARL_FAULT_STALL_PHASE=STALL`` the sleep runs in a phase of its own, ``STALL``, nested in
+``PHASE``: a test then gives the hang alone a short budget (``watchdog.phase_budget_s.STALL``) and
+every real phase one far beyond what a busy machine takes, so the watchdog cannot fire on healthy work.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 FAULT_STALL_ENV = "MEGARL_FAULT_STALL"
 FAULT_STALL_ONCE_ENV = "MEGARL_FAULT_STALL_ONCE"
+FAULT_STALL_PHASE_ENV = "MEGARL_FAULT_STALL_PHASE"
 HEARTBEAT_DIR = "heartbeat"
 STACKS_DIR = "stacks"
 FLIGHT_RECORDER_DIR = "nccl_trace"  # NCCL's flight recorder dumps, one per rank (CUDA only)
@@ -151,7 +155,8 @@ class Heartbeat:
             entry = self._phase_entries[name]
         self._write()
         try:
-            _injected_stall(self.name, name, entry)
+            if seconds := _injected_stall(self.name, name, entry):
+                self._sleep_injected_stall(seconds)
             yield
         finally:
             with self._lock:
@@ -161,6 +166,12 @@ class Heartbeat:
                 top = outer[0] in ("start", "idle")  # between phases: idle from now on
                 self._phase, self._since, self._step = ("idle", time.time(), "") if top else outer
             self._write()
+
+    def _sleep_injected_stall(self, seconds: float) -> None:
+        """The injected hang: a sleep, in its own phase when ``MEGARL_FAULT_STALL_PHASE`` names one."""
+        stall_phase = os.environ.get(FAULT_STALL_PHASE_ENV)
+        with self.phase(stall_phase) if stall_phase else contextlib.nullcontext():
+            time.sleep(seconds)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
@@ -305,24 +316,25 @@ def flight_recorder_dump() -> bytes | None:
         return None
 
 
-def _injected_stall(process: str, phase: str, entry: int) -> None:
+def _injected_stall(process: str, phase: str, entry: int) -> float:
+    """Seconds ``MEGARL_FAULT_STALL`` makes this entry into ``phase`` hang (0: none)."""
     spec = os.environ.get(FAULT_STALL_ENV, "")
     if not spec:
-        return
+        return 0.0
     parts = spec.rsplit(":", 2)
     if len(parts) != 3 or not parts[2].replace(".", "", 1).isdigit():
         raise ValueError(f"{FAULT_STALL_ENV}={spec!r}: expected NAME:PHASE[#N]:SECONDS, e.g. trainer-1:train_step:600")
     name, wanted, seconds = parts
     wanted, _, nth = wanted.partition("#")
     if (name, wanted) != (process, phase) or (nth and int(nth) != entry):
-        return
+        return 0.0
     once = os.environ.get(FAULT_STALL_ONCE_ENV)
     if once:
         if os.path.exists(once):
-            return
+            return 0.0
         Path(once).touch()
     logger.warning("%s=%s: %s sleeps %s s in phase %s", FAULT_STALL_ENV, spec, process, seconds, phase)
-    time.sleep(float(seconds))
+    return float(seconds)
 
 
 _CURRENT: Heartbeat | None = None

@@ -90,6 +90,27 @@ def spawn(cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
     return subprocess.Popen(kept(cmd), start_new_session=True, **popen_kwargs)
 
 
+def command_pid(popen: subprocess.Popen, wait_s: float = 5.0) -> int:
+    """The pid of the command that :func:`spawn` started (the keeper's first child), for what must
+    reach the command itself (``SIGSTOP``, ``py-spy``); ``popen.pid`` where no keeper runs, or when
+    the command is not (or no longer) there within ``wait_s``."""
+    import psutil
+
+    if not supported():
+        return popen.pid
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            children = psutil.Process(popen.pid).children()
+        except psutil.NoSuchProcess:
+            return popen.pid
+        if children:  # orphans re-parented to the keeper come later: the oldest child is the command
+            return min(children, key=lambda c: (c.create_time(), c.pid)).pid
+        if time.monotonic() > deadline or popen.poll() is not None:
+            return popen.pid
+        time.sleep(0.01)
+
+
 def exit_with_parent() -> None:
     """Exit this process once the process that started it is gone, even SIGKILLed.
 

@@ -269,8 +269,11 @@ def test_watchdog_names_a_stalled_rank_and_aborts_the_job(cluster, tmp_path):
     stall = [
         "total_train_steps=2",
         "launcher.env.MEGARL_FAULT_STALL=trainer-0:build:600",
-        "watchdog.budget_s=20",
-        "watchdog.min_budget_s=5",
+        # the hang in a phase of its own with a short budget; real phases far beyond a busy machine's
+        "launcher.env.MEGARL_FAULT_STALL_PHASE=injected_stall",
+        "watchdog.budget_s=1800",
+        "watchdog.min_budget_s=900",
+        "watchdog.phase_budget_s.injected_stall=20",
         "watchdog.interval_s=1",
         "watchdog.action=abort",
     ]
@@ -279,7 +282,7 @@ def test_watchdog_names_a_stalled_rank_and_aborts_the_job(cluster, tmp_path):
     out = job.output()
     assert state == "FAILED" and job.info()["ExitCode"] == "3:0", out[-6000:]
     line = next(line for line in out.splitlines() if line.startswith("megarl watchdog: trainer-0"))
-    assert "trainer-0 in phase 'build'" in line and "(budget 20 s)" in line, line
+    assert "trainer-0 in phase 'injected_stall'" in line and "(budget 20 s)" in line, line
     assert "server-0 in 'serving'" in line, "the watchdog beats for the job's server too"
     assert "megarl: the watchdog stopped the trainer (watchdog.action=abort)" in out
     assert "_injected_stall" in (job.run_dir / "stacks" / "trainer-0.txt").read_text()

@@ -150,7 +150,7 @@ def test_a_server_that_stops_answering_its_health_check_is_named(tmp_path, fake_
     hung.name, healthy.name = "server-0", "server-1"  # as the launcher names them
     with ServerBeats(tmp_path, [HealthTarget.of(hung), HealthTarget.of(healthy)], interval=0.2, timeout=0.5):
         _wait_for_heartbeats(tmp_path, {hung.name, healthy.name})
-        os.kill(hung.proc.pid, signal.SIGSTOP)
+        os.kill(hung.pid, signal.SIGSTOP)  # the server, not its keeper
         try:
             watchdog = Watchdog(tmp_path, _config(silent_s=2.0))
             event, _ = _first_event(watchdog, 15)
@@ -159,7 +159,7 @@ def test_a_server_that_stops_answering_its_health_check_is_named(tmp_path, fake_
             assert f"last beat: serving at {hung.address}" in event.line(), event
             _assert_nothing_else(watchdog)  # the healthy one keeps beating
         finally:
-            os.kill(hung.proc.pid, signal.SIGCONT)
+            os.kill(hung.pid, signal.SIGCONT)
     assert not list((tmp_path / "heartbeat").glob("*.json")), "the beats end with the run"
 
 
@@ -244,3 +244,23 @@ def test_abort_stops_the_trainer_warn_keeps_it(tmp_path, action):
         assert code == WATCHDOG_ABORT_STATUS and time.monotonic() - start < 3
     else:
         assert code == 0 and time.monotonic() - start >= 4, "warn lets the trainer finish"
+
+
+def test_a_hang_in_its_own_phase_is_named_there_and_healthy_phases_keep_long_budgets(tmp_path):
+    """``MEGARL_FAULT_STALL_PHASE``: the planted hang runs in a phase of its own nested in the stalled
+    one, so a test gives it alone a short budget (``phase_budget_s``) and every real phase a budget far
+    beyond what a busy machine takes: only the hang can fire."""
+    from megarl.utils.heartbeat import FAULT_STALL_PHASE_ENV
+
+    port = find_free_port()
+    env = {FAULT_STALL_ENV: "trainer-1:compute#3:600", FAULT_STALL_PHASE_ENV: "injected_stall"}
+    procs = [_start(tmp_path, "collective", rank, 2, port, env=env) for rank in range(2)]
+    try:
+        _wait_for_heartbeats(tmp_path, {"trainer-0", "trainer-1"})
+        config = _config(budget_s=600.0, min_budget_s=300.0, phase_budget_s={"injected_stall": BUDGET_S})
+        event, after = _first_event(Watchdog(tmp_path, config), 6 * BUDGET_S)
+        assert event.names == ["trainer-1"] and event.phase == "injected_stall", event
+        assert BUDGET_S <= event.seconds < BUDGET_S + 2 and f"(budget {BUDGET_S:g} s)" in event.line(), event
+        assert "trainer-0 in 'sync'" in event.others, "the others wait in the collective, within their budgets"
+    finally:
+        _stop(*procs)

@@ -15,10 +15,21 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megarl.utils.heartbeat import FAULT_STALL_ENV, FAULT_STALL_ONCE_ENV
+from megarl.utils.heartbeat import FAULT_STALL_ENV, FAULT_STALL_ONCE_ENV, FAULT_STALL_PHASE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_S = 20
+# The hang runs in a phase of its own with a short budget; every real phase gets budgets far beyond
+# what a loaded 2-core machine takes (the first runs of a phase: HEALTHY_S; once a phase has a median:
+# at least HEALTHY_MIN_S), so the watchdog fires on the planted hang and never on healthy work.
+STALL_PHASE = "injected_stall"
+HEALTHY_S, HEALTHY_MIN_S = 1800, 900
+WATCHDOG = [
+    f"watchdog.budget_s={HEALTHY_S}",
+    f"watchdog.min_budget_s={HEALTHY_MIN_S}",
+    f"watchdog.phase_budget_s.{STALL_PHASE}={BUDGET_S}",
+    "watchdog.interval_s=1",
+]
 
 
 @pytest.mark.vllm
@@ -32,9 +43,7 @@ def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
         f"cluster.fileroot={tmp_path}",
         "total_train_steps=1",
         "stats_logger.wandb.mode=disabled",
-        f"watchdog.budget_s={BUDGET_S}",
-        "watchdog.min_budget_s=5",
-        "watchdog.interval_s=1",
+        *WATCHDOG,
         "watchdog.action=abort",
     ]
     env = dict(
@@ -42,7 +51,7 @@ def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         WANDB_MODE="disabled",
-        **{FAULT_STALL_ENV: "trainer-0:build:600"},
+        **{FAULT_STALL_ENV: "trainer-0:build:600", FAULT_STALL_PHASE_ENV: STALL_PHASE},
     )
     start = time.monotonic()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -50,7 +59,7 @@ def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
     assert result.returncode == 3, console[-3000:]
     assert time.monotonic() - start < BUDGET_S + 90, "named within the budget, then stopped"
     line = next(line for line in console.splitlines() if line.startswith("megarl watchdog:"))
-    assert "trainer-0 in phase 'build'" in line and f"(budget {BUDGET_S} s)" in line, line
+    assert f"trainer-0 in phase '{STALL_PHASE}'" in line and f"(budget {BUDGET_S} s)" in line, line
     assert "watchdog: stopping the run (watchdog.action=abort)" in console
     run_dir = tmp_path / "gsm8k-grpo-cpu" / "trial0"
     assert "_injected_stall" in (run_dir / "stacks" / "trainer-0.txt").read_text()
@@ -78,9 +87,7 @@ def test_restart_resumes_from_the_last_recover_point(tmp_path):
         "recover.mode=auto",
         "recover.retries=1",
         "recover.freq_steps=1",
-        "watchdog.budget_s=600",
-        "watchdog.phase_budget_s.train_step=45",
-        "watchdog.interval_s=1",
+        *WATCHDOG,
         "watchdog.action=restart",
     ]
     once = tmp_path / "stalled-once"
@@ -89,14 +96,18 @@ def test_restart_resumes_from_the_last_recover_point(tmp_path):
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         WANDB_MODE="disabled",
-        **{FAULT_STALL_ENV: "trainer-0:train_step#2:600", FAULT_STALL_ONCE_ENV: str(once)},
+        **{
+            FAULT_STALL_ENV: "trainer-0:train_step#2:600",
+            FAULT_STALL_ONCE_ENV: str(once),
+            FAULT_STALL_PHASE_ENV: STALL_PHASE,
+        },
     )
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     console = result.stdout + result.stderr
     assert result.returncode == 0, console[-3000:]
     assert once.exists(), "the stall happened"
     line = next(line for line in console.splitlines() if line.startswith("megarl watchdog:"))
-    assert "trainer-0 in phase 'train_step' for" in line, line
+    assert f"trainer-0 in phase '{STALL_PHASE}' for" in line and f"(budget {BUDGET_S} s)" in line, line
     assert "watchdog: restarting the trainer from its last recover point (watchdog.action=restart)" in console
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
     steps = [json.loads(line)["global_step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
