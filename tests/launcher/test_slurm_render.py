@@ -99,7 +99,7 @@ def test_script_entry_path_and_env(tmp_path):
     assert "export FOO=bar" in script
 
 
-def test_network_interface_for_servers_and_collectives(tmp_path, monkeypatch):
+def test_network_interface_for_servers_and_collectives(tmp_path, monkeypatch, run_key):
     """The cluster interface: servers bind its address (never 0.0.0.0), gloo and NCCL use it unless
     launcher.env says otherwise."""
     from megarl.launcher.serve import server_host, server_spec
