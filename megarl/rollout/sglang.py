@@ -186,7 +186,7 @@ def sglang_launch_spec(
         cmd += ["--max-loras-per-batch", "3", "--max-loaded-loras", "3"]
     env = unguarded_env(host, insecure, f"SGLang server {replica}")
     if api_key():
-        cmd += ["--api-key", api_key()]  # SGLang guards all but /health*, /metrics (no env variable)
+        cmd += ["--api-key", api_key()]  # all but /health*, /ready*, /metrics (no env variable)
     if devices is not None:
         if len(devices) != tp:
             raise ValueError(f"sglang_launch_spec: tp={tp} needs {tp} devices, got {list(devices)}")
