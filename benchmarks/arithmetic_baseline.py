@@ -90,7 +90,7 @@ def run(quick: bool) -> list[dict]:
         n_samples=n_samples, max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_p=TOP_P
     )
     vconfig = VLLMConfig(max_model_len=1024, max_num_seqs=64)
-    spec = vllm_launch_spec(vconfig, model, "127.0.0.1", find_free_ports(1)[0])
+    spec = vllm_launch_spec(vconfig, model, "127.0.0.1", find_free_ports(1)[0], insecure=True)  # loopback, no key
     with InferenceServer(spec, name="bench-vllm").start() as server:
         server.wait_until_healthy(vconfig.startup_timeout)
         config = InferenceEngineConfig(max_concurrent_rollouts=16, max_staleness=10**6)

@@ -99,7 +99,7 @@ def run(quick: bool) -> list[dict]:
     rows, prompts = _prompts(tokenizer, n)
     gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=m, min_new_tokens=m, temperature=1.0)
     vconfig = VLLMConfig(max_model_len=1024, max_num_seqs=max(64, concurrency))
-    spec = vllm_launch_spec(vconfig, model, "127.0.0.1", find_free_ports(1)[0])
+    spec = vllm_launch_spec(vconfig, model, "127.0.0.1", find_free_ports(1)[0], insecure=True)  # loopback, no key
     results = {"direct": [], "pool": []}
     with InferenceServer(spec, name="bench-vllm").start() as server:
         server.wait_until_healthy(vconfig.startup_timeout)

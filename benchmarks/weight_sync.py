@@ -206,7 +206,7 @@ def _serve(model_dir: Path, tp: int, tmp: Path):
         max_num_seqs=8,
         dtype="bfloat16",
     )
-    spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", find_free_ports(1)[0], tp=tp)
+    spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", find_free_ports(1)[0], tp=tp, insecure=True)
     server = InferenceServer(spec, tmp / "vllm.log", name="bench-vllm").start()
     server.wait_until_healthy(config.startup_timeout)
     return server

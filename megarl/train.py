@@ -53,6 +53,7 @@ from megarl.run.saver import Saver
 from megarl.run.stats_logger import StatsLogger
 from megarl.run.weight_sync import WeightSync, WeightUpdateMeta, connect_engine
 from megarl.utils import heartbeat, stats_tracker
+from megarl.utils.auth import load_run_key
 from megarl.utils.console import Console, Progress, open_console, record_stop
 from megarl.utils.memory import PeakRSS, release_freed_memory
 from megarl.utils.mpi import discover_ranks
@@ -546,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         raise SystemExit(f"megarl.train: unexpected arguments {rest}; overrides are key.path=value")
     discover_ranks()  # under mpirun: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI (torchrun sets them itself)
+    load_run_key(config.run_dir)  # started by hand without $MEGARL_API_KEY: the key megarl serve made there
     rank = int(os.environ.get("RANK", "0"))
     log_name = "trainer.log" if rank == 0 else f"trainer-rank{rank}.log"  # one writer per file, on any filesystem
     console = open_console(config.run_dir / "logs" / log_name, rank, config.launcher.verbose)

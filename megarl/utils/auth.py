@@ -2,28 +2,41 @@
 
 The launchers make a fresh key per run (:func:`run_api_key`) and hand it to every server and
 trainer process in ``$MEGARL_API_KEY`` (never on a command line, where ``ps`` would show it, and
-never in the saved config). Clients add :func:`auth_headers` to each request: the rollout pool,
-the weight bridge's control calls, the health checks.
+never in the saved config). ``megarl serve`` started by hand without that variable takes the run's
+key from ``{run_dir}/api_key``, creating it (mode 0600) when missing (:func:`server_key`). Clients
+add :func:`auth_headers` to each request: the rollout pool, the weight bridge's control calls.
 
 vLLM's own ``--api-key`` (here ``$VLLM_API_KEY``) guards only its ``/v1`` routes, not the
-development routes megarl needs (``/pause``, ``/resume``, the weight-update routes), so vLLM
-servers also load :class:`RequireApiKey` (``--middleware``), which guards every route but
-``/health``. Without a key in the environment (a server started by hand, the tests' shared
-server) nothing is guarded.
+development routes megarl needs (``/pause``, ``/resume``, the weight-update routes,
+``/collective_rpc``), so vLLM servers also load :class:`RequireApiKey` (``--middleware``), which
+guards every route but ``/health``. A server runs without a key only when told so in so many words
+(``megarl serve --insecure``, ``insecure=True`` of the launch specs: :func:`unguarded_env`); a
+server without a key that was not told so refuses every guarded route.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+from megarl.utils.network import is_loopback
+
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "MEGARL_API_KEY"
 """Environment variable holding the run's key."""
+INSECURE_ENV = "MEGARL_INSECURE"
+"""Set to ``1`` in the environment of a server started without a key on purpose (``--insecure``)."""
 OPEN_ROUTES = ("/health",)
 """Routes answered without the key (liveness only)."""
+KEY_FILE = "api_key"
+"""``{run_dir}/api_key``: the run's key, readable by its owner only: for servers that join the run later
+(``megarl serve --join RUN_DIR``), servers started by hand and a trainer started by hand."""
 
 
 def api_key() -> str:
@@ -45,11 +58,6 @@ def run_api_key() -> Iterator[str]:
         os.environ.pop(API_KEY_ENV, None)
 
 
-KEY_FILE = "api_key"
-"""``{run_dir}/api_key``: the run's key, readable by its owner only, for servers that join the run later
-(``megarl serve --join RUN_DIR``)."""
-
-
 def save_run_key(run_dir) -> None:
     """Write this process's key to ``{run_dir}/api_key`` (mode 0600); nothing without a key."""
     if not api_key():
@@ -58,6 +66,7 @@ def save_run_key(run_dir) -> None:
     os.makedirs(run_dir, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # a file that existed keeps its mode otherwise
         f.write(api_key() + "\n")
 
 
@@ -65,8 +74,68 @@ def load_run_key(run_dir) -> None:
     """Take the run's key from ``{run_dir}/api_key`` unless this process has one (a run without a key: none)."""
     path = os.path.join(run_dir, KEY_FILE)
     if not api_key() and os.path.exists(path):
-        with open(path) as f:
-            os.environ[API_KEY_ENV] = f.read().strip()
+        os.environ[API_KEY_ENV] = _read_key(Path(path))
+
+
+def server_key(run_dir) -> Path | None:
+    """Give a server started by hand (and this process's children) the run's key in ``$MEGARL_API_KEY``.
+
+    ``$MEGARL_API_KEY`` wins when set (returns None); else the key in ``{run_dir}/api_key`` (returns its
+    path), made fresh when that file does not exist yet. Several servers of one run started at once
+    on a shared run directory end up with the same key: the file appears whole or not at all.
+    """
+    if api_key():
+        return None
+    path = Path(run_dir) / KEY_FILE
+    if not path.exists():
+        _create_key_file(path)
+    os.environ[API_KEY_ENV] = _read_key(path)
+    return path
+
+
+def _create_key_file(path: Path) -> None:
+    """Write a fresh key to ``path`` (mode 0600) unless another process did first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        os.link(tmp, path)  # atomic, and fails when the file exists: the first writer's key stays
+        logger.info("made the run's API key: %s", path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+
+
+def _read_key(path: Path) -> str:
+    key = path.read_text().strip()
+    if not key:
+        raise ValueError(f"{path} holds no API key: delete it (a fresh one is made) or set ${API_KEY_ENV}")
+    return key
+
+
+def unguarded_env(host: str, insecure: bool, server: str) -> dict[str, str]:
+    """The environment of a server launched at ``host`` without a key, or a ``ValueError`` saying why it
+    must not be: it needs ``insecure`` (``megarl serve --insecure``). Empty when this process has a key."""
+    if api_key():
+        return {}
+    if not insecure:
+        where = "" if is_loopback(host) else f" on {host}, an address other machines can reach,"
+        raise ValueError(
+            f"refusing to start {server}{where} without an API key: anyone who reaches it could pause it, "
+            f"run code in its workers (/collective_rpc) and replace its weights. Set ${API_KEY_ENV} (megarl "
+            f"serve makes one in {{run_dir}}/{KEY_FILE} by itself), or pass --insecure to serve without a key"
+        )
+    if not is_loopback(host):
+        logger.warning(
+            "%s on %s without an API key (--insecure): every route, /collective_rpc and the weight-update "
+            "routes included, is open to anyone who reaches that address",
+            server,
+            host,
+        )
+    return {INSECURE_ENV: "1"}
 
 
 def auth_headers() -> dict[str, str]:
@@ -80,30 +149,40 @@ def _digest(token: str) -> bytes:
 
 
 class RequireApiKey:
-    """ASGI middleware: 401 for any request to a route outside :data:`OPEN_ROUTES` without the key."""
+    """ASGI middleware: 401 for any request to a route outside :data:`OPEN_ROUTES` without the key.
+
+    Without a key it lets every request through only in a server started without one on purpose
+    (``$MEGARL_INSECURE=1``, set by ``--insecure``); otherwise it refuses every guarded route.
+    """
 
     def __init__(self, app):
         self.app = app
         key = api_key()
         self._digest = _digest(key) if key else None
+        self._open = self._digest is None and os.environ.get(INSECURE_ENV) == "1"
 
     async def __call__(self, scope, receive, send):
-        if (
-            self._digest is None
-            or scope["type"] != "http"
-            or scope.get("method") == "OPTIONS"
-            or self._authorized(scope)
-        ):
+        if self._open or scope["type"] != "http" or scope.get("method") == "OPTIONS" or self._authorized(scope):
             return await self.app(scope, receive, send)
         from starlette.responses import JSONResponse
 
-        reply = JSONResponse({"error": "Unauthorized: this server needs the run's API key ($MEGARL_API_KEY)"}, 401)
+        reply = JSONResponse({"error": self._refusal()}, 401)
         await reply(scope, receive, send)
+
+    def _refusal(self) -> str:
+        if self._digest is None:
+            return (
+                f"Unauthorized: this server was started without an API key (${API_KEY_ENV}); restart it with "
+                "one, or with --insecure to serve without"
+            )
+        return f"Unauthorized: this server needs the run's API key (${API_KEY_ENV})"
 
     def _authorized(self, scope) -> bool:
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if path in OPEN_ROUTES:
             return True
+        if self._digest is None:
+            return False
         headers = dict(scope.get("headers") or [])
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(_digest(token), self._digest)

@@ -163,3 +163,13 @@ def parse_host_port(address: str) -> tuple[str, int]:
     elif ":" in host or "[" in host or "]" in host:
         raise ValueError(f"{what}: IPv6 hosts must be bracketed, e.g. '[::1]:8000'")
     return host, _check_port(int(port_str), what)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) reaches this machine only: ``127.0.0.0/8``, ``::1``."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any address

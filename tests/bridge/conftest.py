@@ -18,7 +18,7 @@ def bridge_server_specs(model_dir, tps: list[int], max_model_len: int = 512):
         config = VLLMConfig(max_model_len=max_model_len, max_num_seqs=16)  # dtype auto, as the trainer
         devices = [(cores + i) % os.cpu_count() for i in range(tp)]
         cores += tp
-        spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", port, tp=tp, devices=devices)
+        spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", port, tp=tp, devices=devices, insecure=True)
         specs.append(spec)
     return specs
 

@@ -63,7 +63,7 @@ def test_adapter_sync_on_cpu_says_merged_is_faster(tmp_path, caplog):
     assert "lora=merged is faster" not in caplog.text
 
 
-def test_adapter_sync_writes_under_the_run_directory_unless_told(tmp_path):
+def test_adapter_sync_writes_under_the_run_directory_unless_told(tmp_path, run_key):
     """The servers read each version's adapters from ``weight_update.disk_path``: the run directory's
     ``weight_updates`` by default, the directory given otherwise; and the servers start with LoRA on."""
     from megarl.launcher.serve import server_spec

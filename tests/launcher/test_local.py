@@ -39,6 +39,7 @@ from megarl.launcher.local import (
 )
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.run.prelaunch import build_config
+from megarl.utils.auth import run_api_key
 from megarl.utils.process import terminate_process_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +197,7 @@ def test_devices_are_those_this_process_may_use(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("policy", "bind"), [("static", "6"), ("elastic", "6"), ("shared", "6,7")])
-def test_cpu_threads_policy_places_the_server(tmp_path, monkeypatch, policy, bind):
+def test_cpu_threads_policy_places_the_server(tmp_path, monkeypatch, policy, bind, run_key):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {6, 7})
     config = make_config(tmp_path, "unused", f"cluster.cpu_threads={policy}")
     [spec] = server_specs(config, check_local(config))
@@ -204,7 +205,7 @@ def test_cpu_threads_policy_places_the_server(tmp_path, monkeypatch, policy, bin
     assert trainer_env(config, check_local(config), ["h:1"])["OMP_NUM_THREADS"] == "1"  # the share; phases widen it
 
 
-def test_colocated_server_and_trainer_share_cores_or_gpus(tmp_path, monkeypatch):
+def test_colocated_server_and_trainer_share_cores_or_gpus(tmp_path, monkeypatch, run_key):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {6, 7})
     colocated = ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1", "cluster.cpu_threads=static"]
     config = make_config(tmp_path, "unused", *colocated)
@@ -352,6 +353,7 @@ class LiveServers:
         config = make_config(root, "unused")
         self.plan = check_local(config)
         self.stack = ExitStack()
+        self.stack.enter_context(run_api_key())  # as run_local: servers and trainers share the run's key
         self.servers = self.stack.enter_context(running_servers(config, server_specs(config, self.plan), self.relay))
         leaders = [psutil.Process(s.proc.pid) for s in self.servers]
         self.pids = [p.pid for leader in leaders for p in [leader, *leader.children(recursive=True)]]

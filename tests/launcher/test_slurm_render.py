@@ -99,7 +99,19 @@ def test_script_entry_path_and_env(tmp_path):
     assert "export FOO=bar" in script
 
 
-def test_network_interface_for_servers_and_collectives(tmp_path, monkeypatch):
+def test_one_run_key_reaches_every_server_and_the_trainer(tmp_path):
+    """Exported before any step starts (srun hands a step the script's environment), kept if the submitter set
+    it, saved for joining servers readable by its owner only, and never written into the script."""
+    script = render_sbatch(config("gsm8k_grpo_qwen2.5-7b_128gpu.yaml"), tmp_path / "c.yaml")
+    lines = script.splitlines()
+    export = next(i for i, line in enumerate(lines) if line.startswith('export MEGARL_API_KEY="${MEGARL_API_KEY:-'))
+    steps = [i for i, line in enumerate(lines) if line.lstrip().startswith("srun ")]
+    assert steps and all(export < i for i in steps) and "--export" not in script
+    assert any("megarl serve" in lines[i + 1] for i in steps) and any("-m megarl.train" in lines[i] for i in steps)
+    assert '(umask 077; echo "$MEGARL_API_KEY" > "$RUN_DIR/api_key")' in script
+
+
+def test_network_interface_for_servers_and_collectives(tmp_path, monkeypatch, run_key):
     """The cluster interface: servers bind its address (never 0.0.0.0), gloo and NCCL use it unless
     launcher.env says otherwise."""
     from megarl.launcher.serve import server_host, server_spec

@@ -15,7 +15,7 @@ from megarl.bridge.control.base import http_json
 from megarl.config.rollout import VLLMConfig
 from megarl.rollout import InferenceServer, vllm_launch_spec
 from megarl.rollout.http import make_session
-from megarl.utils.auth import API_KEY_ENV, RequireApiKey, auth_headers
+from megarl.utils.auth import API_KEY_ENV, INSECURE_ENV, RequireApiKey, auth_headers
 from megarl.utils.network import find_free_ports
 
 PROMPT = {"prompt": [1, 422, 2431, 314], "max_tokens": 4, "temperature": 0, "logprobs": 1}
@@ -88,7 +88,7 @@ def test_requests_without_the_key_are_refused_and_weights_stay(keyed_server, mon
     assert asyncio.run(pool_session_completion()) == 200
 
 
-def test_middleware_guards_all_but_health_and_only_with_a_key(monkeypatch):
+def test_middleware_guards_all_but_health_and_opens_only_when_told_insecure(monkeypatch):
     seen = []
 
     async def app(scope, receive, send):
@@ -104,15 +104,20 @@ def test_middleware_guards_all_but_health_and_only_with_a_key(monkeypatch):
         return sent
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(INSECURE_ENV, raising=False)
     assert auth_headers() == {}
-    assert asyncio.run(call("/pause", [])) == [] and seen == ["/pause"]  # no key: nothing guarded
-    monkeypatch.setenv(API_KEY_ENV, "k")
+    refused = asyncio.run(call("/pause", []))  # no key and not told insecure: closed, never a pass-through
+    assert refused[0]["status"] == 401 and b"without an API key" in refused[1]["body"] and seen == []
+    assert asyncio.run(call("/health", [])) == [] and seen == ["/health"]
+    monkeypatch.setenv(INSECURE_ENV, "1")  # --insecure, in so many words
+    assert asyncio.run(call("/pause", [])) == [] and seen == ["/health", "/pause"]
+    monkeypatch.setenv(API_KEY_ENV, "k")  # a key wins over insecure
     refused = asyncio.run(call("/pause", [(b"authorization", b"Bearer x")]))
-    assert refused[0]["status"] == 401 and seen == ["/pause"]
+    assert refused[0]["status"] == 401 and seen == ["/health", "/pause"]
     assert (
         asyncio.run(call("/health", [])) == [] and asyncio.run(call("/pause", [(b"authorization", b"Bearer k")])) == []
     )
-    assert seen == ["/pause", "/health", "/pause"] and auth_headers() == {"Authorization": "Bearer k"}
+    assert seen == ["/health", "/pause", "/health", "/pause"] and auth_headers() == {"Authorization": "Bearer k"}
 
 
 def test_the_run_key_is_saved_for_joining_servers_readable_by_its_owner_only(tmp_path, monkeypatch):

@@ -24,6 +24,8 @@ from megarl.rollout import (
 from megarl.utils.hardware import auto_dtype
 from megarl.utils.network import find_free_ports
 
+pytestmark = pytest.mark.usefixtures("run_key")  # servers are launched with the run's key
+
 
 def test_vllm_command_tp1_cpu():
     spec = vllm_launch_spec(VLLMConfig(max_model_len=512, extra_args=["--swap-space", "1"]), "/m", "127.0.0.1", 8000)
@@ -40,8 +42,20 @@ def test_vllm_command_tp1_cpu():
     ):
         assert part in cmd
     assert "--tensor-parallel-size" not in cmd and "--gpu-memory-utilization" not in cmd
-    assert spec.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert spec.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": "test-run-key"}
+    assert "--middleware megarl.utils.auth.RequireApiKey" in cmd and "test-run-key" not in cmd  # not in ps
     assert spec.address == "127.0.0.1:8000"
+
+
+def test_vllm_dev_mode_server_without_a_key_only_when_told_insecure(monkeypatch):
+    from megarl.utils.auth import API_KEY_ENV, INSECURE_ENV
+
+    monkeypatch.delenv(API_KEY_ENV)
+    with pytest.raises(ValueError, match="refusing to start vLLM server 0 on 192.0.2.9, an address other machines"):
+        vllm_launch_spec(VLLMConfig(), "/m", "192.0.2.9", 8000)
+    spec = vllm_launch_spec(VLLMConfig(), "/m", "127.0.0.1", 8000, insecure=True)
+    assert spec.env[INSECURE_ENV] == "1" and "VLLM_API_KEY" not in spec.env
+    assert "megarl.utils.auth.RequireApiKey" in spec.cmd  # it still answers /health only without INSECURE_ENV
 
 
 def test_vllm_command_tp2_cpu_and_cuda():

@@ -25,7 +25,10 @@ from tests.rollout.fake_server import EOS
 from tests.sglang_stub import find_sglang
 
 SGLANG = find_sglang()
-pytestmark = pytest.mark.skipif(SGLANG is None, reason="no SGLang: `make install` puts its request types in the venv")
+pytestmark = [
+    pytest.mark.skipif(SGLANG is None, reason="no SGLang: `make install` puts its request types in the venv"),
+    pytest.mark.usefixtures("run_key"),  # servers are launched with the run's key
+]
 CHECK_SCRIPT = str(Path(__file__).with_name("sglang_check.py"))
 
 GCONFIGS = [

@@ -243,7 +243,7 @@ def test_tensor_parallel_2_server(vllm_server, vllm_model_dir, tmp_path):
     from megarl.utils.network import find_free_ports
 
     config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=16)
-    spec = vllm_launch_spec(config, str(vllm_model_dir), "127.0.0.1", find_free_ports(1)[0], tp=2)
+    spec = vllm_launch_spec(config, str(vllm_model_dir), "127.0.0.1", find_free_ports(1)[0], tp=2, insecure=True)
     with InferenceServer(spec, tmp_path / "tp2.log", name="vllm-tp2").start() as server:
         server.wait_until_healthy(config.startup_timeout)
         engine = make_engine(

@@ -100,7 +100,7 @@ def test_saved_config_is_concrete_and_not_decided_again(cpu, tmp_path, caplog):
     assert again.actor.dtype == "float32" and not decided, decided
 
 
-def test_vllm_spec_resolves_auto_for_its_device(cpu):
+def test_vllm_spec_resolves_auto_for_its_device(cpu, run_key):
     cpu(AVX2)
     spec = vllm_launch_spec(VLLMConfig(), "/m", "127.0.0.1", 8000)
     assert spec.cmd[spec.cmd.index("--dtype") + 1] == "float32"

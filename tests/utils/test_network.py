@@ -170,3 +170,10 @@ def test_parse_host_port_bad_input(text, match):
     with pytest.raises(ValueError, match=match) as info:
         parse_host_port(text)
     assert repr(text) in str(info.value)
+
+
+def test_is_loopback():
+    from megarl.utils.network import is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "192.0.2.2", "10.0.0.1", "::", "node01", ""))
