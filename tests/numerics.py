@@ -73,6 +73,7 @@ def softmax_head_bounds(
     """First-order error bounds of logprob, entropy and the gradients of
     ``sum(coefs[0] * logprob + coefs[1] * entropy)`` computed in ``dtype`` from
     ``z = hidden @ weight.T / temperature`` (softmax over the ``kept`` [T, V] tokens, all by default).
+    A label outside ``[0, V)`` is ignored: its logprob is 0 and exact, and it adds no one-hot term.
 
     Each step's bound, in the exact (float64) quantities, with E_x the bound of x:
       logits   E_z[t,j] = gamma(H+1) (|h_t| . |w_j|) / tau              (H products summed, one division)
@@ -100,17 +101,19 @@ def softmax_head_bounds(
     e_zk = e_z.masked_fill(~kept, 0.0)
     e_lse = e_zk.amax(dim=-1) + 2 * u * z0.abs().amax(dim=-1) + gamma(V + 8, dtype)
     dp = p * (e_zk + e_lse[:, None])
-    logp = torch.log_softmax(zk, dim=-1).gather(1, labels[:, None]).squeeze(1)
+    hit = (labels >= 0) & (labels < V)
+    labels = labels.clamp(0, V - 1)
+    logp = torch.log_softmax(zk, dim=-1).gather(1, labels[:, None]).squeeze(1) * hit
     mu = (p * z0).sum(dim=-1)
     e_mu = (p * (e_zk + z0.abs() * (e_zk + e_lse[:, None]))).sum(dim=-1) + gamma(V, dtype) * (p * z0.abs()).sum(-1)
     entropy = torch.logsumexp(zk, dim=-1) - mu
     c0, c1 = coefs[0].double()[:, None], coefs[1].double()[:, None]
-    onehot = torch.zeros(T, V, dtype=torch.float64).scatter_(1, labels[:, None], 1.0)
+    onehot = torch.zeros(T, V, dtype=torch.float64).scatter_(1, labels[:, None], hit[:, None].double())
     g = (c0 * (onehot - p) - c1 * p * (z0 - mu[:, None])) / temperature
     dg = (c0.abs() * dp + c1.abs() * (dp * (z0 - mu[:, None]).abs() + p * (e_zk + e_mu[:, None]))) / temperature
     dg = dg + 4 * u * g.abs()
     return HeadBounds(
-        logprob=e_z.gather(1, labels[:, None]).squeeze(1) + e_lse + u * logp.abs(),
+        logprob=(e_z.gather(1, labels[:, None]).squeeze(1) + e_lse + u * logp.abs()) * hit,
         entropy=e_lse + e_mu + u * entropy.abs(),
         d_hidden=dg @ w.abs() + gamma(V, dtype) * (g.abs() @ w.abs()),
         d_weight=dg.T @ h.abs() + gamma(T, dtype) * (g.abs().T @ h.abs()),

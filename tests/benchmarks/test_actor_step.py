@@ -54,3 +54,7 @@ def test_actor_rows_run_the_gpu_steps_on_cpu():
     assert all(r["step_s"] > 0 and 0 < r["MFU"] for r in rows)
     assert rows[0]["logp_max_abs_diff"] < 1e-4  # same weights, fp32: HF and Megatron agree
     assert "logp_max_abs_diff" not in rows[1]
+    # each row says which path its logprob head ran, and why: on CPU the torch path
+    assert [r["kernel_path"] for r in rows] == ["torch", "torch"]
+    assert rows[0]["selfcheck"] == "torch (no CUDA device is available)"
+    assert rows[1]["selfcheck"] == "torch (use_fused_kernels=False)"
