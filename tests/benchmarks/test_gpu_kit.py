@@ -86,7 +86,7 @@ def test_the_dry_run_goes_end_to_end_on_cpu(dry_out):
         **{s: "skipped: no GPU" for s in ("build", "tests_sm80", "tests_sm90", "kernels", "actor")},
     }
     log = (dry_out / "kit.log").read_text()
-    assert "== env (budget 20s)" in log and "torch 2." in log
+    assert "== env (budget 30s)" in log and "torch 2." in log
 
 
 def test_the_gpu_marker_is_found_in_code_only(tmp_path):
@@ -109,7 +109,7 @@ def test_the_budgets_fit_the_kit_limit_and_cover_every_gpu_test_file(dry_out):
 def test_the_kit_refuses_budgets_over_its_limit(tmp_path):
     proc = _kit(tmp_path / "out", "--dry", MEGARL_KIT_BUDGET_build="400")
     assert proc.returncode == 2
-    assert "the budgets sum to 790s, over the kit's 540s" in proc.stderr
+    assert "the budgets sum to 800s, over the kit's 540s" in proc.stderr
 
 
 def test_a_failed_or_hung_step_does_not_stop_the_next_and_each_is_recorded_when_it_ends(tmp_path):
@@ -252,26 +252,26 @@ def stub_run(tmp_path_factory) -> dict:
     for lock in (stale, other):
         lock.parent.mkdir(parents=True)
         lock.write_text("")
-    env.update(
-        STUB_STEPS,
-        MEGARL_KIT_DRY="0",
-        MEGARL_COMMIT=STUB_COMMIT,
-        TORCH_EXTENSIONS_DIR=str(root / "torch_extensions"),
-        MEGARL_KIT_SITE=str(root / "site"),
-    )
-    out = root / "out"
-    proc = subprocess.run(
-        ["bash", str(repo / "benchmarks/gpu_kit.sh"), str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=root,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env.update(STUB_STEPS)
+    out, proc = _run_stub_kit(root, repo, env)
     calls = [line.split("|", 4) for line in (root / "calls.txt").read_text().splitlines()]
     return {"root": root, "out": out, "proc": proc, "calls": calls, "stale": stale, "other": other}
+
+
+def _run_stub_kit(root: Path, repo: Path, env: dict) -> tuple[Path, subprocess.CompletedProcess]:
+    """The kit, not dry, on the stub node: (OUTDIR, the finished process), which must succeed."""
+    env = {
+        **env,
+        "MEGARL_COMMIT": STUB_COMMIT,
+        "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions"),
+        "MEGARL_KIT_SITE": str(root / "site"),
+        "MEGARL_KIT_DRY": "0",
+    }
+    out = root / "out"
+    cmd = ["bash", str(repo / "benchmarks/gpu_kit.sh"), str(out)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc
 
 
 def _step_calls(stub_run: dict) -> dict[str, list[list[str]]]:
@@ -470,25 +470,12 @@ def test_a_build_killed_by_its_budget_leaves_no_lock_for_the_next_step(tmp_path)
     repo = _stub_repo(root, KIT)
     extensions = root / "torch_extensions"
     env.update(
-        MEGARL_KIT_DRY="0",
         MEGARL_KIT_STEPS="build",
         MEGARL_KIT_BUDGET_build="2",
         # what a JIT build does first: take its lock; then it outlives the step's budget
         MEGARL_KIT_CMD_build='mkdir -p "$TORCH_EXTENSIONS_DIR/megarl_C" && touch "$TORCH_EXTENSIONS_DIR/megarl_C/lock" && sleep 60',
-        MEGARL_COMMIT=STUB_COMMIT,
-        TORCH_EXTENSIONS_DIR=str(extensions),
-        MEGARL_KIT_SITE=str(root / "site"),
     )
-    out = root / "out"
-    proc = subprocess.run(
-        ["bash", str(repo / "benchmarks/gpu_kit.sh"), str(out)],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out, _ = _run_stub_kit(root, repo, env)
     line = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| build |"))
     assert f"timed out after 2s; build lock removed: {extensions}/megarl_C/lock" in line
     assert not (extensions / "megarl_C/lock").exists()
