@@ -69,11 +69,14 @@ def softmax_head_bounds(
     temperature: float,
     dtype: torch.dtype,
     kept: torch.Tensor | None = None,
+    coef_errors: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> HeadBounds:
     """First-order error bounds of logprob, entropy and the gradients of
     ``sum(coefs[0] * logprob + coefs[1] * entropy)`` computed in ``dtype`` from
     ``z = hidden @ weight.T / temperature`` (softmax over the ``kept`` [T, V] tokens, all by default).
-    A label outside ``[0, V)`` is ignored: its logprob is 0 and exact, and it adds no one-hot term.
+    A label outside ``[0, V)`` is ignored: its logprob is 0 and exact, and it has no gradient.
+    ``coef_errors``: bounds of the per-token ``coefs`` themselves, where the loss is nonlinear in
+    logprob and entropy and its derivatives are computed in ``dtype`` from them.
 
     Each step's bound, in the exact (float64) quantities, with E_x the bound of x:
       logits   E_z[t,j] = gamma(H+1) (|h_t| . |w_j|) / tau              (H products summed, one division)
@@ -85,6 +88,7 @@ def softmax_head_bounds(
       entropy  E_lse + E_mu + u |entropy|
       g = dL/dz / tau, g_tj = (c0 (onehot - p_j) - c1 p_j (z_j - mu)) / tau, and
       |dg_tj| <= (|c0| |dp_j| + |c1| (|dp_j| |z_j - mu| + p_j (E_z_j + E_mu))) / tau + 4u |g_tj|
+               (+ (E_c0 |onehot - p_j| + E_c1 p_j |z_j - mu|) / tau with ``coef_errors``)
       d_hidden = g @ W:   |dg| @ |W| + gamma(V) |g| @ |W|;   d_weight = g^T @ H: |dg|^T @ |H| + gamma(T) |g|^T @ |H|
     Second-order terms (products of two bounds) are left out: each is below u times its first-order term.
     """
@@ -107,11 +111,14 @@ def softmax_head_bounds(
     mu = (p * z0).sum(dim=-1)
     e_mu = (p * (e_zk + z0.abs() * (e_zk + e_lse[:, None]))).sum(dim=-1) + gamma(V, dtype) * (p * z0.abs()).sum(-1)
     entropy = torch.logsumexp(zk, dim=-1) - mu
-    c0, c1 = coefs[0].double()[:, None], coefs[1].double()[:, None]
+    c0, c1 = coefs[0].double()[:, None] * hit[:, None], coefs[1].double()[:, None]
     onehot = torch.zeros(T, V, dtype=torch.float64).scatter_(1, labels[:, None], hit[:, None].double())
     g = (c0 * (onehot - p) - c1 * p * (z0 - mu[:, None])) / temperature
     dg = (c0.abs() * dp + c1.abs() * (dp * (z0 - mu[:, None]).abs() + p * (e_zk + e_mu[:, None]))) / temperature
     dg = dg + 4 * u * g.abs()
+    if coef_errors is not None:
+        e_c0, e_c1 = (e.double()[:, None] for e in coef_errors)
+        dg = dg + (e_c0 * hit[:, None] * (onehot - p).abs() + e_c1 * p * (z0 - mu[:, None]).abs()) / temperature
     return HeadBounds(
         logprob=(e_z.gather(1, labels[:, None]).squeeze(1) + e_lse + u * logp.abs()) * hit,
         entropy=e_lse + e_mu + u * entropy.abs(),
