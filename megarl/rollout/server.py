@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Self
 
 from megarl.config.rollout import InferenceEngineConfig
-from megarl.utils.keeper import command_pid, spawn
+from megarl.utils.keeper import command_pid, spawn, stop
 from megarl.utils.network import format_host_port, parse_host_port
-from megarl.utils.process import cancel_kill_on_exit, kill_on_exit, terminate_process_tree
+from megarl.utils.process import cancel_kill_on_exit, kill_on_exit
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class InferenceServer:
             return
         logger.info("stopping %s at %s", self.name, self.address)
         cancel_kill_on_exit(self.proc)
-        terminate_process_tree(self.proc, timeout=timeout)
+        stop(self.proc, timeout=timeout)
 
     def __enter__(self) -> Self:
         return self

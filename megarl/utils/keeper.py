@@ -90,6 +90,24 @@ def spawn(cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
     return subprocess.Popen(kept(cmd), start_new_session=True, **popen_kwargs)
 
 
+def stop(popen: subprocess.Popen, timeout: float) -> None:
+    """Stop a command that :func:`spawn` started: SIGTERM to its keeper alone, which passes it on to
+    the command once and, once the command exits, stops what it left; the whole tree gets SIGKILL
+    after ``timeout``. (Signalling the tree as well would reach the command two or three times, and a
+    server that removed its handler after the first one dies by the next without its shutdown.)"""
+    if popen.poll() is not None:
+        return
+    if not supported():
+        terminate_process_tree(popen, timeout=timeout)
+        return
+    popen.terminate()
+    try:
+        popen.wait(timeout + _LEFTOVER_GRACE_S)
+    except subprocess.TimeoutExpired:
+        logger.warning("pid %d did not stop within %.0f s of SIGTERM: killing its tree", popen.pid, timeout)
+        terminate_process_tree(popen, timeout=0.0, sig=signal.SIGKILL)
+
+
 def command_pid(popen: subprocess.Popen, wait_s: float = 5.0) -> int:
     """The pid of the command that :func:`spawn` started (the keeper's first child), for what must
     reach the command itself (``SIGSTOP``, ``py-spy``); ``popen.pid`` where no keeper runs, or when
