@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from tests.train.cli_run import ARITHMETIC, ROOT, SHORT_RUN
+from tests.utils.test_keeper import still_running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -37,18 +38,6 @@ def _first_step_logged(run_dir: Path, launcher: subprocess.Popen, timeout: float
         assert launcher.poll() is None, f"megarl run exited with status {launcher.returncode} before a step"
         assert time.monotonic() < deadline, f"no step logged within {timeout:g}s"
         time.sleep(1.0)
-
-
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    """Those still running (a zombie has exited; a recycled pid is another process)."""
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def _describe(procs: list[psutil.Process]) -> list[str]:
@@ -98,7 +87,7 @@ def test_sigkilled_megarl_run_leaves_no_process_behind(tmp_path):
         os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone: its children lead sessions of their own
         launcher.wait()
         deadline = time.monotonic() + _GONE_WITHIN_S
-        while (left := _alive(descendants)) and time.monotonic() < deadline:
+        while (left := still_running(descendants)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not left, f"{len(left)} of {len(descendants)} processes outlived the run: {_describe(left)}"
         taken = [port for port in sorted(ports) if not _bindable(port)]
@@ -107,5 +96,5 @@ def test_sigkilled_megarl_run_leaves_no_process_behind(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-        for proc in _alive(descendants):  # never leave a failed run's processes on the machine
+        for proc in still_running(descendants):  # never leave a failed run's processes on the machine
             proc.kill()

@@ -60,7 +60,8 @@ def _read_pids(path: Path, timeout: float = 60.0) -> list[int]:
     return [int(pid) for pid in path.read_text().split()]
 
 
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+def still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running (a zombie has exited; a recycled pid is another process)."""
     alive = []
     for proc in procs:
         try:
@@ -73,7 +74,7 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 def _wait_all_gone(procs: list[psutil.Process], timeout: float = _GONE_WITHIN_S) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
-    while (alive := _alive(procs)) and time.monotonic() < deadline:
+    while (alive := still_running(procs)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return alive
 
@@ -94,14 +95,16 @@ def test_sigkilled_starter_takes_child_and_grandchild_with_it(tmp_path, how):
     try:
         if how == "thread":  # the starting thread ended: that is not the starter's death
             time.sleep(1.0)
-            assert len(_alive(tree)) == len(tree), "the keeper stopped its child when only the starting thread ended"
+            assert len(still_running(tree)) == len(tree), (
+                "the keeper stopped its child when only the starting thread ended"
+            )
         starter.kill()
         starter.wait()
         left = _wait_all_gone(tree)
         assert not left, f"{len(left)} of {len(tree)} outlived a SIGKILLed starter: {[p.cmdline() for p in left]}"
     finally:
         starter.kill()
-        for proc in _alive(tree):
+        for proc in still_running(tree):
             proc.kill()
 
 
