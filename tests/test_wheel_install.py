@@ -9,6 +9,7 @@ torch through a path entry (not its site directory: the editable install's finde
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -37,7 +38,8 @@ def _tracked_copy(dest: Path) -> Path:
 
 
 def _run(*cmd, cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # megarl must come from the wheel
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
