@@ -186,9 +186,10 @@ def write_record(record: dict, results_dir: Path, stem: str, refresh_docs: bool 
     each replaced whole (written beside, then renamed), so a reader never sees half a file."""
     results_dir.mkdir(parents=True, exist_ok=True)
     header = f"# {record['title']}\n\n{record['date']} on {_machine_line(record['machine'])}\n\n"
-    for key in ("partial", "summary"):
-        if key in record:
-            header += f"{'Partial: ' if key == 'partial' else ''}{record[key]}\n\n"
+    if "partial" in record:
+        header += f"Partial: {record['partial']}\n\n"
+    if "summary" in record:
+        header += record["summary"] + "\n\n"
     _replace(results_dir / f"{stem}.json", json.dumps(record, indent=2) + "\n")
     _replace(results_dir / f"{stem}.md", header + markdown_table(record["rows"]))
     if refresh_docs and results_dir.resolve() == RESULTS_DIR.resolve():

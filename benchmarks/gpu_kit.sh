@@ -217,10 +217,14 @@ check_build_tools() { # what torch's JIT build runs: ninja on PATH and nvcc unde
   fi
 }
 
+extensions_root() { # where torch's JIT builds go
+  echo "${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/torch_extensions}"
+}
+
 remove_locks() { # removes megarl's JIT build locks and prints each removed path
-  local root=${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/torch_extensions} lock
+  local lock
   # TORCH_EXTENSIONS_DIR/megarl_C/lock, or ~/.cache/torch_extensions/py312_cu130/megarl_C/lock
-  find "$root" -maxdepth 3 -path "*/$EXTENSION/lock" 2>/dev/null | while IFS= read -r lock; do
+  find "$(extensions_root)" -maxdepth 3 -path "*/$EXTENSION/lock" 2>/dev/null | while IFS= read -r lock; do
     rm -f "$lock" && echo "$lock"
   done
 }
@@ -235,7 +239,7 @@ remove_stale_locks() { # at start: this kit is the node's only user of the build
   if [ -n "$removed" ]; then
     note "stale build locks removed: $removed"
   else
-    note "stale build locks: none under ${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/torch_extensions}"
+    note "stale build locks: none under $(extensions_root)"
   fi
 }
 

@@ -141,9 +141,9 @@ def unavailable_reason() -> str | None:
         return "no CUDA device is available"
     if torch.cuda.get_device_capability() < (8, 0):
         return "the GPU is older than sm_80 (the kernels use cp.async and bf16 tensor-core MMA)"
-    if kernel_sources() is None:
+    if (sources := kernel_sources()) is None:
         return build_origin()
-    return f"megarl._C is not built and JIT-building {kernel_sources()} failed (see the warning logged above)"
+    return f"megarl._C is not built and JIT-building {sources} failed (see the warning logged above)"
 
 
 def operands_fit(hidden: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -89,7 +89,7 @@ def server_key(run_dir) -> Path | None:
     path = Path(run_dir) / KEY_FILE
     if not path.exists():
         _create_key_file(path)
-    os.environ[API_KEY_ENV] = _read_key(path)
+    load_run_key(run_dir)
     return path
 
 
