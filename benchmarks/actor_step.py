@@ -47,11 +47,16 @@ TITLE = "Actor train step: Megatron train_batch tokens/s vs HF forward+backward 
 CPU_SHAPES_QUICK = {"tiny": (128, 2, 4, 2, 256, 4096, 4, 128)}
 CPU_SHAPES = {"small": (512, 4, 8, 4, 1408, 32000, 8, 512)}
 GPU_SHAPES_QUICK = {"qwen2.5-1.5b-4L": (1536, 4, 12, 2, 8960, 151936, 16, 2048)}
-GPU_SHAPES = {"qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936, 16, 2048)}
+GPU_SHAPES = {
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936, 16, 2048),
+    # 4 of Qwen2.5-7B's 28 layers with its full vocabulary: the per-layer rate that the planner's
+    # trainer figures (benchmarks/plan_rates_h100_qwen2.5-7b.yaml) assume
+    "qwen2.5-7b-4L": (3584, 4, 28, 4, 18944, 152064, 16, 2048),
+}
 PEAK_BF16_FLOPS = 989e12
 # Tokens per micro-batch where one micro-batch of the whole step does not fit: the 28-layer shape's
 # 32,768 tokens in one micro-batch ran out of an H200's 139 GiB (activations, no recompute).
-GPU_MB_TOKENS = {"qwen2.5-1.5b": 8192}
+GPU_MB_TOKENS = {"qwen2.5-1.5b": 8192, "qwen2.5-7b-4L": 16384}
 
 
 def _write_config(out: Path, shape: tuple) -> None:
