@@ -48,6 +48,12 @@ class WeightUpdateConfig:
     """Seconds to form the groups (servers joining) before giving up."""
     update_timeout: float = 1800.0
     """Seconds one update (any transfer or control call in it) may take."""
+    max_failed_fraction: float = 0.25
+    """Share of the servers an update may fail on while the run goes on: those servers (a hung or
+    erroring one; a dead one always) are taken out of rotation and named in a warning and in
+    ``weight_sync/servers_evicted``, and serve again once the launcher restarts them. More
+    failures, or a failure on the trainer's side, stop the run (``WeightBridgeError``). 0: any
+    failed server stops the run."""
     consistency_threshold: float = 0.1
     """Fail the update when any server's mean |logprob - trainer logprob| over the probe tokens
     exceeds this; <= 0 disables the check (max and mean are logged either way)."""
@@ -85,6 +91,9 @@ class WeightUpdateConfig:
             "expected a host name or an IP address (empty: this host's)",
         )
         require(self.keep_disk_versions >= 1, "keep_disk_versions", self.keep_disk_versions, "must be >= 1")
+        require(
+            0.0 <= self.max_failed_fraction < 1.0, "max_failed_fraction", self.max_failed_fraction, "must be in [0, 1)"
+        )
         for name in ("init_timeout", "update_timeout"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
         require(self.probe_sequences >= 0, "probe_sequences", self.probe_sequences, "must be >= 0")

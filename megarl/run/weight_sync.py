@@ -23,8 +23,10 @@ holds the model's first weights) is out of rotation until an update reaches it: 
 reconnects the bridge with the restarted servers that answer again, pushes the weights and
 version to them too, and puts them back (``weight_sync/servers_readmitted``);
 :meth:`WeightSync.readmit` does so between updates when no other server is left to generate.
-The failure is raised (:class:`~megarl.bridge.bridge.WeightBridgeError`) after the rollout has
-resumed.
+Up to ``weight_update.max_failed_fraction`` of the servers may fail an update (a hung server is
+bounded by ``update_timeout``): they stay out of rotation, named in a warning, and the run goes on.
+More, or a failure on the trainer's side, is raised (:class:`~megarl.bridge.bridge.WeightBridgeError`)
+after the rollout has resumed.
 """
 
 from __future__ import annotations
@@ -196,16 +198,14 @@ class WeightSync:
         try:
             stats = {
                 "update_seconds": report.seconds,
+                "send_seconds": report.send_seconds,
+                "commit_seconds": report.commit_seconds,
                 "bytes_sent": float(report.bytes_sent),
                 "sync_seconds": time.perf_counter() - start,
                 "servers_readmitted": float(len(readmitted)),
             }
             if not report.ok and not died:
-                raise WeightBridgeError(
-                    f"weight update to version {version} failed on {report.failed or 'the trainer'}: "
-                    f"{report.sender_errors}; failed servers keep their old weights or are out of "
-                    "rotation"
-                )
+                stats["servers_evicted"] = float(self._evict_or_raise(report))
             if probing:
                 heartbeat.step("weight sync: consistency probe")
                 probe_start = time.perf_counter()
@@ -216,6 +216,30 @@ class WeightSync:
                 self.rollout.start_episodes()
         self.n_updates += 1
         return stats
+
+    def _evict_or_raise(self, report: UpdateReport) -> int:
+        """Servers that failed the update while the others took it stay out of rotation (``_after`` took
+        them out) and the run goes on, up to ``max_failed_fraction`` of the servers; returns how many.
+        A failure on the trainer's side, or more failed servers, raises :class:`WeightBridgeError`."""
+        total = len(report.updated) + len(report.failed)
+        tolerated = report.updated and len(report.failed) <= self.config.max_failed_fraction * total
+        if report.sender_errors or not tolerated:
+            raise WeightBridgeError(
+                f"weight update to version {report.version} failed on {report.failed or 'the trainer'}: "
+                f"{report.sender_errors}; failed servers keep their old weights or are out of rotation "
+                f"(weight_update.max_failed_fraction={self.config.max_failed_fraction} of {total} servers "
+                "may fail while the run goes on)"
+            )
+        logger.warning(
+            "weight update to version %d: %d of %d servers failed and are out of rotation until the launcher "
+            "restarts them (weight_update.max_failed_fraction=%g): %s",
+            report.version,
+            len(report.failed),
+            total,
+            self.config.max_failed_fraction,
+            "; ".join(f"{address}: {why}" for address, why in sorted(report.failed.items())),
+        )
+        return len(report.failed)
 
     def _died(self, report: UpdateReport) -> bool:
         """Whether the update failed only on servers that died meanwhile (none answers its health check; the

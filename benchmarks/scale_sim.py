@@ -1,0 +1,329 @@
+"""megarl's control plane in front of N simulated inference servers (8, 64, 256): does it keep up?
+
+The servers are ``tests/scale/sim_host.py`` (64 per process, each its own HTTP endpoint speaking
+vLLM's routes, with continuous batching, log-normal answer lengths and a weight-load time). In
+front of them runs megarl's own code, unmodified: ``RemoteInferenceEngine`` (pool, runner,
+staleness control, server set, health checks), ``DistRolloutCoordinator.prepare_batch``, and
+``connect_engine`` / ``WeightSync.update_weights`` with a real one-rank Megatron trainer of a tiny
+model in disk mode (the trainer writes a complete HF checkpoint; each server "receives" it in
+``model_bytes / (tp * bytes_per_s)`` seconds and its consistency-probe answers come from a real HF
+model of those weights). The trainer does not train: a step is ``prepare_batch``, then
+``TRAIN_S`` of sleep, then the weight update with the probe, as ``megarl.train.rl_step`` orders them.
+
+Per size, in its own process (so that resources are the size's own):
+
+* ``pool_share``: tokens the servers generated over what they could have, each at the concurrency
+  the pool is configured to give it (``PER_SERVER`` requests), while not paused;
+* ``update_overhead_s``: the update's control time: pause, then every server acknowledged the new
+  version, then resume (``sync_seconds``: the probe comes after it), minus the simulated receive and the
+  trainer's own write of the checkpoint (``send_seconds``);
+* ``probe_s``: the consistency probe (every server scores 2 sequences);
+* the rollout process's peak RSS, open file descriptors and threads, the pool loop's worst lag
+  (how late a 50 ms sleep on it wakes), and the generation requests per second it sustained;
+* the books, as ``benchmarks/pool_load.py`` keeps them: items fed = handed out + counted drops +
+  stale not rerun + pending, no id twice, every row token by token what its server generated.
+
+Times are simulated at one server's 400 tokens/s peak and 300-token answers so that 256 servers'
+requests fit a 2-core machine; the control plane's costs do not scale with that choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from benchmarks._harness import main_for
+
+TITLE = "Control plane at N simulated servers: pool throughput, weight-update overhead, probe, resources"
+SIZES_QUICK = (8, 64)
+SIZES = (8, 64, 256)
+PROMPT_LEN = 8
+MAX_NEW_TOKENS = 1024
+PER_SERVER = 8
+"""Episodes in flight per server (``max_concurrent_rollouts = PER_SERVER * N``)."""
+STEPS, STEPS_QUICK = 4, 3
+TRAIN_S = 1.0
+RECEIVE_S = 0.5
+"""The simulated weight load per server (``model_bytes / (tp * bytes_per_s)``)."""
+
+
+def serving_model(mean_tokens: float = 300.0):
+    from tests.scale.sim_host import ServingModel
+
+    return ServingModel(peak_tokens_per_s=400.0, half_concurrency=16.0, ttft_s=0.02, mean_tokens=mean_tokens, sigma=0.6)
+
+
+def weight_load():
+    from tests.scale.sim_host import WeightLoad
+
+    return WeightLoad(model_bytes=RECEIVE_S * 25e9, bytes_per_s=25e9, tp=1)
+
+
+class ItemWorkflow:
+    """One generation per item, its prompt made of the item's id (so every answer's length differs);
+    the reward is the id, to follow items through the pool."""
+
+    def __init__(self, prompt_len: int, max_new_tokens: int):
+        from megarl.api.io_struct import GenerationHyperparameters
+
+        self.gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=max_new_tokens, temperature=1.0)
+        self.prompt_len = prompt_len
+
+    def prompt(self, item: int) -> list[int]:
+        digits = [11 + (item >> (7 * i)) % 128 for i in range(self.prompt_len)]
+        return digits
+
+    async def arun_episode(self, engine, data):
+        from megarl.api.io_struct import ModelRequest
+        from megarl.api.trajectory import make_trajectory
+
+        resp = await engine.agenerate(ModelRequest(input_ids=self.prompt(data["id"]), gconfig=self.gconfig))
+        resp.check_aligned()
+        return make_trajectory(
+            resp.input_tokens, resp.output_tokens, resp.output_logprobs, resp.output_versions, float(data["id"])
+        )
+
+
+def row_is_clean(input_ids: list[int], logprobs: list[float], prompt_len: int) -> bool:
+    """A generated row is what the simulated server generates: ``token_at`` / ``logprob_at`` of each
+    position, the last token EOS when the answer stopped there."""
+    from tests.rollout.fake_server import EOS, logprob_at, token_at
+
+    out = input_ids[prompt_len:]
+    for i, token in enumerate(out):
+        p = prompt_len + i
+        want = EOS if (i == len(out) - 1 and token == EOS) else token_at(p, 0)
+        if token != want or abs(logprobs[prompt_len + i] - logprob_at(p)) > 1e-6:
+            return False
+    return bool(out)
+
+
+class LoopLag:
+    """The worst lateness of a 50 ms sleep on an event loop (another thread's), sampled until stopped."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.worst, self._stop = 0.0, threading.Event()
+        self._future = asyncio.run_coroutine_threadsafe(self._watch(), loop)
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stop.is_set():
+            start = loop.time()
+            await asyncio.sleep(0.05)
+            self.worst = max(self.worst, loop.time() - start - 0.05)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._future.result(timeout=10)
+        return self.worst
+
+
+def _trainer(model_dir: Path):
+    """A one-rank Megatron engine of the tiny model (its weights are what the servers start from)."""
+    from megarl.actor.engine import MegatronEngine
+    from megarl.config.train import OptimizerConfig, TrainEngineConfig
+    from megarl.utils.network import find_free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    engine = MegatronEngine(TrainEngineConfig(path=str(model_dir), dtype="float32", optimizer=OptimizerConfig(lr=1e-5)))
+    engine.create_process_group("d1p1t1")
+    engine.initialize()
+    return engine
+
+
+FAULTS = {
+    "hang_update": "one server accepts the weight update and never answers (update_timeout 10 s)",
+    "die_in_update": "5% of the servers die (connections dropped, nothing listening) during a weight update",
+    "straggler": "one server generates 10x slower than the rest",
+    "burst_429": "a quarter of the servers answer their next 20 generation requests with HTTP 429",
+}
+"""The faults ``measure`` can inject at step 1 (``--fault``-style names), and what each does."""
+
+
+class FaultPlan:
+    """Injects one of :data:`FAULTS` into the cluster at step 1 and names the servers it hit."""
+
+    def __init__(self, name: str | None, cluster):
+        if name is not None and name not in FAULTS:
+            raise ValueError(f"unknown fault {name!r}; one of {sorted(FAULTS)}")
+        self.name, self.cluster, self.hit = name, cluster, []
+        self.timer: threading.Timer | None = None
+
+    def before_update(self, step: int) -> None:
+        n = self.cluster.n
+        if step != 1 or self.name is None:
+            return
+        if self.name == "hang_update":
+            self.hit = [n // 2]
+            self.cluster.fault(self.hit[0], hang_update=True)
+        elif self.name == "die_in_update":
+            self.hit = list(range(0, n, 20))[: max(1, n // 20)]
+            self.timer = threading.Timer(RECEIVE_S / 2, lambda: [self.cluster.fault(i, die=True) for i in self.hit])
+            self.timer.start()
+        elif self.name == "burst_429":
+            self.hit = list(range(0, n, 4))
+            for i in self.hit:
+                self.cluster.queue_faults(i, ["429"] * 20)
+
+    def at_start(self) -> None:
+        if self.name == "straggler":
+            self.hit = [1]
+            self.cluster.fault(1, slow=10.0)
+
+
+def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 300.0) -> dict:
+    """One size: the pool, the coordinator and the weight sync driving ``n`` simulated servers, with
+    one of :data:`FAULTS` at step 1 if ``fault`` names one (answers of ``mean_tokens`` on average)."""
+    from megarl.models.tiny import make_tiny_model
+    from tests.scale.sim_cluster import SimCluster
+
+    logging.getLogger("megarl").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model("qwen2", Path(tmp) / "model")
+        cluster = SimCluster(
+            n, PROMPT_LEN, model_dir=str(model_dir), serving=serving_model(mean_tokens), load=weight_load()
+        )
+        cluster.start()
+        try:
+            row = _drive(n, steps, cluster, model_dir, Path(tmp) / "updates", FaultPlan(fault, cluster))
+        finally:
+            cluster.stop()
+    row["pool_share"] = row.pop("generated tokens") / (
+        serving_model(mean_tokens).throughput(PER_SERVER) * row.pop("unpaused server-s")
+    )
+    return row
+
+
+def _drive(n, steps, cluster, model_dir, disk_path, faults: FaultPlan) -> dict:
+    from benchmarks.pool_load import CountingLoader, IdBitmap
+    from megarl.config.bridge import WeightUpdateConfig
+    from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
+    from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
+    from megarl.utils import stats_tracker
+    from tests.rollout.conftest import make_engine
+
+    concurrency = PER_SERVER * n
+    trainer = _trainer(model_dir)
+    rollout = make_engine(
+        cluster.addresses,
+        batch_size=concurrency,
+        max_concurrent_rollouts=concurrency,
+        max_staleness=2,
+        request_timeout=600.0,
+        vocab_size=trainer.desc.dims.vocab_size,
+    )
+    coordinator = DistRolloutCoordinator(rollout, DataParallelLayout(0, 1, True), 1)
+    config = WeightUpdateConfig(mode="disk", disk_path=str(disk_path), probe_sequences=2, probe_tokens=16)
+    config.probe_every, config.probe_topk, config.update_timeout = 1, 0, 10.0 if faults.name == "hang_update" else 120.0
+    meta = WeightUpdateMeta(config)
+    sync = connect_engine(trainer, rollout, meta)
+    loader, workflow = CountingLoader(concurrency), ItemWorkflow(PROMPT_LEN, MAX_NEW_TOKENS)
+    proc, handed_out = psutil.Process(), IdBitmap()
+    books = {"doubled": 0, "misaligned": 0, "dropped": 0, "stale": 0, "stale rerun": 0}
+    peaks = {"rss_mb": 0.0, "fds": 0, "threads": 0}
+    updates = []
+    faults.at_start()
+    lag = LoopLag(rollout.pool.loop)
+    try:
+        before, start = None, None
+        for step in range(steps):
+            batch = coordinator.prepare_batch(loader, workflow)
+            if step == 0:  # the first batch warms the pool up: the window starts here
+                before, start = cluster.stats(), time.monotonic()
+            time.sleep(TRAIN_S)
+            faults.before_update(step)
+            updates.append(sync.update_weights(WeightUpdateMeta(config, version=step + 1)))
+            if step == 1:
+                after_fault = cluster.stats()
+            stats = stats_tracker.export(local=True)
+            _count(batch, stats, books, handed_out)
+            for key, value in (
+                ("rss_mb", proc.memory_info().rss / 2**20),
+                ("fds", proc.num_fds()),
+                ("threads", proc.num_threads()),
+            ):
+                peaks[key] = max(peaks[key], value)
+        after, seconds = cluster.stats(), time.monotonic() - start
+        pending = len(rollout.pool.pending_items())
+    finally:
+        worst_lag = lag.stop()
+        rollout.destroy()
+        trainer.destroy()
+    row = _row(n, steps, before, after, seconds, updates[1:], books, handed_out, loader, pending, peaks, worst_lag)
+    row["fault"] = faults.name or "none"
+    row["servers hit"] = len(faults.hit)
+    row["evicted"] = int(sum(u.get("servers_evicted", 0) for u in updates))
+    # a server out of rotation gets no generation request after the update that took it out
+    evicting = faults.name in ("hang_update", "die_in_update") and steps > 2
+    row["requests to hit after"] = (
+        sum(after[i]["generate"] - after_fault[i]["generate"] for i in faults.hit) if evicting else None
+    )
+    return row
+
+
+def _count(batch, stats, books, handed_out) -> None:
+    books["dropped"] += int(stats.get("rollout/n_dropped_items", 0))
+    books["stale"] += int(stats.get("rollout/n_stale_dropped", 0))
+    books["stale rerun"] += int(stats.get("rollout/n_stale_rerun", 0))
+    ids, logprobs, mask = batch["input_ids"].tolist(), batch["logprobs"].tolist(), batch["attention_mask"]
+    for row, reward in enumerate(batch["rewards"].tolist()):
+        books["doubled"] += handed_out.add(int(reward))
+        length = int(mask[row].sum())
+        books["misaligned"] += not row_is_clean(ids[row][:length], logprobs[row][:length], PROMPT_LEN)
+
+
+def _row(n, steps, before, after, seconds, updates, books, handed_out, loader, pending, peaks, worst_lag) -> dict:
+    tokens = sum(a["tokens"] - b["tokens"] for a, b in zip(after, before))
+    unpaused = sum(a["unpaused_s"] - b["unpaused_s"] for a, b in zip(after, before))
+    requests = sum(a["requests"] - b["requests"] for a, b in zip(after, before))
+    overhead = [u["sync_seconds"] - RECEIVE_S - u["send_seconds"] for u in updates]  # the probe comes after
+    lost = loader.fed - handed_out.count - books["dropped"] - (books["stale"] - books["stale rerun"]) - pending
+    return {
+        "servers": n,
+        "host processes": -(-n // 64),
+        "steps": steps,
+        "generated tokens": tokens,
+        "unpaused server-s": unpaused,
+        "mean_running": sum(a["running_s"] - b["running_s"] for a, b in zip(after, before)) / unpaused,
+        "requests/s": requests / seconds,
+        "update_overhead_s": sorted(overhead)[len(overhead) // 2],
+        "sync_s": sorted(u["sync_seconds"] for u in updates)[len(updates) // 2],
+        "probe_s": sorted(u.get("probe_seconds", 0.0) for u in updates)[len(updates) // 2],
+        "peak_rss_MB": round(peaks["rss_mb"], 1),
+        "peak_fds": peaks["fds"],
+        "peak_threads": peaks["threads"],
+        "loop_lag_ms": 1000 * worst_lag,
+        "items fed": loader.fed,
+        "handed out": handed_out.count,
+        "dropped": books["dropped"],
+        "stale not rerun": books["stale"] - books["stale rerun"],
+        "pending": pending,
+        "lost": lost,
+        "doubled": books["doubled"],
+        "misaligned": books["misaligned"],
+    }
+
+
+def _in_own_process(n: int, steps: int, fault: str | None = None, mean_tokens: float = 300.0) -> dict:
+    """:func:`measure` in a fresh process: its resources and its torch.distributed group are its own."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(measure, n, steps, fault, mean_tokens).result()
+
+
+def run(quick: bool) -> list[dict]:
+    return [_in_own_process(n, STEPS_QUICK if quick else STEPS) for n in (SIZES_QUICK if quick else SIZES)]
+
+
+if __name__ == "__main__":
+    main_for(__name__)

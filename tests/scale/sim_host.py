@@ -1,0 +1,435 @@
+"""Many simulated inference servers in one process: the cluster of ``benchmarks/scale_sim.py``.
+
+Each server is its own HTTP endpoint (its own port) speaking vLLM's or SGLang's real routes, as
+``tests/rollout/fake_server.py`` does (this module reuses its :class:`FakeServer`: generation
+dialects, pause / resume, sleep / wake, injected faults), with what a cluster of GPUs adds:
+
+* **continuous batching.** A server's throughput at concurrency ``c`` is
+  ``peak * c / (c + half)`` tokens/s, shared by its ``c`` running requests: one request alone
+  decodes at ``peak / (1 + half)`` tokens/s, and each one slows as more join, as with vLLM. A
+  request first waits ``ttft`` seconds (prefill). One ticker per process advances every running
+  request every ``TICK`` seconds, so the process's wake-ups do not grow with the requests.
+* **answer lengths.** The number of tokens an answer has is drawn from a log-normal distribution
+  (``mean_tokens``, ``sigma``, capped at the request's ``max_tokens``) seeded by the request's first
+  ``prompt_len`` tokens: a generation interrupted by a pause and continued (the prompt then holds
+  the first part of the answer) ends at the same token as an uninterrupted one. Tokens and
+  logprobs are the fake server's (``token_at``, ``logprob_at``) and the last one is EOS, so the
+  benchmark checks every row it gets token by token.
+* **weight updates.** vLLM's ``/init_weight_transfer_engine``, ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update`` and SGLang's ``/update_weights_from_disk``,
+  ``/update_weight_version``; receiving takes ``model_bytes / (tp * bytes_per_s)`` seconds (the
+  bytes a TP rank loads at its link's rate), then the server serves the new version.
+* **the consistency probe.** Scoring requests (vLLM's ``prompt_logprobs``, SGLang's
+  ``return_logprob``) are answered by a real HF model: the directory given at start, then each
+  update's directory (disk mode writes a complete HF checkpoint), loaded once per process and
+  version, so the trainer's probe compares real numbers.
+* **faults, per server** (``POST /_sim``): ``{"die": true}`` stops listening and drops every open
+  connection (a SIGKILLed server, as its clients see it); ``{"slow": 10}`` divides its throughput
+  by 10; ``{"hang_update": true}`` accepts the next weight-update request and never answers.
+  The fake server's ``/_faults`` queue (a burst of 429s ...) works as before.
+
+``GET /_host`` (any server of the process) returns every server's counters at once.
+
+Run: ``python tests/scale/sim_host.py --ports 20000,20001,... --dialect vllm [--model DIR] ...``;
+it prints ``ready`` once every port listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import hashlib
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.rollout.fake_server import EOS, FakeServer, token_at  # noqa: E402
+
+REQUEST_TRANSPORT: contextvars.ContextVar = contextvars.ContextVar("request_transport", default=None)
+"""The connection of the request a handler task serves (dropped when its server "dies")."""
+
+TICK = 0.05
+"""Seconds between two advances of every running request (one ticker per process)."""
+
+
+@dataclass(frozen=True)
+class ServingModel:
+    """How fast one simulated server generates."""
+
+    peak_tokens_per_s: float = 2000.0
+    """Throughput at saturation (all requests together)."""
+    half_concurrency: float = 16.0
+    """The concurrency at which the server gives half its peak."""
+    ttft_s: float = 0.05
+    """Seconds before a request's first token (prefill)."""
+    mean_tokens: float = 300.0
+    """Mean answer length (log-normal)."""
+    sigma: float = 0.6
+    """The log-normal's sigma: the answer lengths' long tail."""
+
+    def throughput(self, concurrency: float) -> float:
+        """Tokens/s of one server running ``concurrency`` requests."""
+        return self.peak_tokens_per_s * concurrency / (concurrency + self.half_concurrency)
+
+    def answer_tokens(self, prompt_key: bytes) -> int:
+        """The length of the answer to a prompt (at least 1), the same for every call with that prompt."""
+        rng = random.Random(hashlib.sha256(prompt_key).digest())
+        mu = math.log(self.mean_tokens) - self.sigma**2 / 2  # so that the mean is mean_tokens
+        return max(1, round(rng.lognormvariate(mu, self.sigma)))
+
+
+@dataclass(frozen=True)
+class WeightLoad:
+    """How long a server takes to receive new weights."""
+
+    model_bytes: float = 15.2e9
+    bytes_per_s: float = 25e9
+    tp: int = 1
+
+    @property
+    def seconds(self) -> float:
+        return self.model_bytes / (self.tp * self.bytes_per_s)
+
+
+@dataclass
+class Generation:
+    """One running request: how many of its tokens are out, and how many it will have."""
+
+    start_pos: int
+    target: int
+    stops: bool
+    """Whether the answer ends with EOS at ``target`` (else the request's max_tokens cut it)."""
+    started: float
+    done: asyncio.Future
+    transport: asyncio.BaseTransport | None
+    progress: float = 0.0
+
+    def tokens(self, n: int, finish: str) -> tuple[list[int], str]:
+        out = [token_at(self.start_pos + i, 0) for i in range(n)]
+        if finish == "stop":
+            out[-1] = EOS
+        return out, finish
+
+
+class Scorer:
+    """Real logprobs of a sequence under the weights a server holds (an HF model directory)."""
+
+    def __init__(self, model_dir: str | None):
+        self.model_dir = model_dir
+        self.models: dict[str, object] = {}
+        self.loading: dict[str, asyncio.Future] = {}
+
+    def logprobs(self, weights: str | None, seq: list[int], k: int) -> list[tuple[float, dict[int, float]]]:
+        """For each position past the first: (logprob of the sequence's token, its ``k`` most likely tokens)."""
+        import torch
+
+        model = self._model(weights or self.model_dir)
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, :-1].float()
+        logp = logits.log_softmax(-1)
+        chosen = logp.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()
+        if k == 0:
+            return [(lp, {}) for lp in chosen]
+        values, ids = logp.topk(k, dim=-1)
+        return [
+            (lp, dict(zip(i.tolist(), v.tolist(), strict=True))) for lp, v, i in zip(chosen, values, ids, strict=True)
+        ]
+
+    def preload(self, path: str | None) -> asyncio.Future:
+        """Load ``path`` in a thread, once per process however many servers ask (None: nothing to load)."""
+        loop = asyncio.get_running_loop()
+        path = path or self.model_dir
+        if path is None or path in self.models:
+            future = loop.create_future()
+            future.set_result(None)
+            return future
+        if path not in self.loading:
+            self.loading = {path: loop.run_in_executor(None, self._model, path)}  # one version at a time
+        return self.loading[path]
+
+    def _model(self, path: str | None):
+        if path is None:
+            raise web.HTTPBadRequest(text="this simulated cluster was started without --model: it cannot score")
+        if path not in self.models:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+            self.models = {**dict(list(self.models.items())[-1:]), path: model}  # this version and the last
+        return self.models[path]
+
+
+class SimServer(FakeServer):
+    """One simulated server (see the module doc)."""
+
+    def __init__(self, index: int, dialect: str, serving: ServingModel, load: WeightLoad, prompt_len: int, scorer):
+        super().__init__(dialect, token_delay=0.0, eos_every=0)
+        self.index, self.serving, self.load, self.prompt_len, self.scorer = index, serving, load, prompt_len, scorer
+        self.active: list[Generation] = []
+        self.slowdown = 1.0
+        self.hang_update = False
+        self.dead = False
+        self.version = 0
+        self.weights: str | None = None  # the directory of the weights it serves (None: the model it started with)
+        self.pending: str | None = None
+        self.runner: web.AppRunner | None = None
+        self.counters = {"tokens": 0.0, "capacity_tokens": 0.0, "requests": 0, "aborted": 0, "updates": 0}
+        self.counters.update(busy_s=0.0, unpaused_s=0.0, running_s=0.0)
+
+    # ---------------------------------------------------------------- generation
+
+    async def generate_tokens(self, prompt: list[int], max_new: int, exact: bool = False) -> tuple[list[int], str]:
+        await self.resumed.wait()
+        answer = max_new if exact else self.serving.answer_tokens(repr(prompt[: self.prompt_len]).encode())
+        left = answer - (len(prompt) - self.prompt_len) if not exact else max_new
+        target, stops = (left, True) if 0 < left <= max_new else (max_new, False)
+        if target <= 0:
+            return [EOS], "stop"
+        loop = asyncio.get_running_loop()
+        gen = Generation(len(prompt), target, stops and not exact, loop.time(), loop.create_future(), None)
+        gen.transport = REQUEST_TRANSPORT.get()
+        self.active.append(gen)
+        self.counters["requests"] += 1
+        try:
+            return await gen.done
+        finally:
+            if gen in self.active:
+                self.active.remove(gen)
+
+    def tick(self, dt: float, now: float) -> None:
+        """Advance every running request by ``dt`` seconds of decoding (abort them all while paused)."""
+        if not self.resumed.is_set():
+            for gen in list(self.active):
+                n = int(gen.progress)
+                if not gen.done.done():
+                    gen.done.set_result(gen.tokens(n, "abort"))
+                    self.counters["aborted"] += 1
+            self.active.clear()
+            return
+        self.counters["unpaused_s"] += dt
+        running = [g for g in self.active if now - g.started >= self.serving.ttft_s]
+        if not running:
+            return
+        self.counters["busy_s"] += dt
+        self.counters["running_s"] += len(running) * dt  # / unpaused_s: the mean concurrency decoding
+        rate = self.serving.throughput(len(running)) / self.slowdown
+        self.counters["capacity_tokens"] += rate * dt
+        per_request = rate / len(running) * dt
+        for gen in running:
+            before = gen.progress
+            gen.progress = min(gen.target, gen.progress + per_request)
+            self.counters["tokens"] += gen.progress - before
+            if gen.progress >= gen.target and not gen.done.done():
+                gen.done.set_result(gen.tokens(gen.target, "stop" if gen.stops else "length"))
+                self.active.remove(gen)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        REQUEST_TRANSPORT.set(request.transport)
+        body = await request.json()  # aiohttp keeps the body: the parent's handler reads it again
+        if body.get("prompt_logprobs") is not None:
+            await self.scorer.preload(self.weights)
+            return web.json_response(self._vllm_scores(body))
+        if body.get("min_tokens"):  # the consistency probe samples exactly max_tokens
+            out, _ = await self.generate_tokens(body["prompt"], body["max_tokens"], exact=True)
+            return web.json_response({"choices": [{"index": 0, "token_ids": out, "finish_reason": "length"}]})
+        return await super().completions(request)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        REQUEST_TRANSPORT.set(request.transport)
+        body = await request.json()
+        if body.get("return_logprob") and body.get("logprob_start_len") == 0:
+            await self.scorer.preload(self.weights)
+            return web.json_response(self._sglang_scores(body))
+        return await super().generate(request)
+
+    def _vllm_scores(self, body: dict) -> dict:
+        seq, k = body["prompt"], int(body["prompt_logprobs"])
+        entries: list = [None]
+        for tok, (lp, top) in zip(seq[1:], self.scorer.logprobs(self.weights, seq, k), strict=True):
+            ranked = {str(t): {"logprob": v, "rank": r + 1} for r, (t, v) in enumerate(top.items())}
+            ranked.setdefault(str(tok), {"logprob": lp, "rank": k + 1})
+            entries.append(ranked)
+        return {"choices": [{"index": 0, "token_ids": [EOS], "prompt_logprobs": entries, "finish_reason": "length"}]}
+
+    def _sglang_scores(self, body: dict) -> dict:
+        seq, k = body["input_ids"], int(body.get("top_logprobs_num", 0))
+        scored = self.scorer.logprobs(self.weights, seq, k)
+        meta = {"input_token_logprobs": [[None, seq[0], None]] + [[lp, t, None] for (lp, _), t in zip(scored, seq[1:])]}
+        if k:
+            meta["input_top_logprobs"] = [None] + [[[v, t, None] for t, v in top.items()] for _, top in scored]
+        return {"text": "", "output_ids": [EOS], "meta_info": meta}
+
+    # ---------------------------------------------------------------- weight updates
+
+    async def _receive(self, path: str | None) -> None:
+        if self.hang_update:
+            self.hang_update = False
+            await asyncio.sleep(10**6)
+        self.scorer.preload(path)  # in a thread: the simulated receive time stays what it is
+        await asyncio.sleep(self.load.seconds)
+        self.pending = path
+
+    async def vllm_update(self, request: web.Request) -> web.Response:
+        info = (await request.json())["update_info"]
+        await self._receive(info.get("path"))
+        return web.json_response({})
+
+    async def vllm_finish(self, request: web.Request) -> web.Response:
+        self._commit((await request.json())["weight_version"])
+        return web.json_response({})
+
+    async def sglang_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        await self._receive(body["model_path"])
+        self._commit(body["weight_version"])
+        return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+
+    async def sglang_version(self, request: web.Request) -> web.Response:
+        self._commit((await request.json())["new_version"])
+        return web.json_response({"success": True})
+
+    def _commit(self, version: str) -> None:
+        self.version = int(version)
+        self.weights = self.pending or self.weights
+        self.counters["updates"] += 1
+
+    async def ok(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True, "message": ""})
+
+    async def lora_text(self, request: web.Request) -> web.Response:
+        return web.Response(text="Success: LoRA adapter loaded")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "sim", "object": "model"}]})
+
+    # ---------------------------------------------------------------- faults and counters
+
+    async def sim_control(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.slowdown = float(body.get("slow", self.slowdown))
+        self.hang_update = bool(body.get("hang_update", self.hang_update))
+        if body.get("die"):
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.die()))
+        return web.json_response({"index": self.index})
+
+    async def die(self) -> None:
+        """Stop listening and drop every connection, as a killed process would."""
+        self.dead = True
+        for gen in self.active:
+            if gen.transport is not None:
+                gen.transport.abort()
+            gen.done.cancel()  # its handler ends; its client saw the connection drop
+        self.active.clear()
+        if self.runner is not None:
+            for site in list(self.runner.sites):
+                await site.stop()
+            if self.runner.server is not None:
+                for handler in list(self.runner.server.connections):
+                    if handler.transport is not None:
+                        handler.transport.abort()
+
+    def snapshot(self) -> dict:
+        return {
+            "index": self.index,
+            "version": self.version,
+            "dead": self.dead,
+            "paused": not self.resumed.is_set(),
+            "running": len(self.active),
+            **self.counters,
+            **{k: v for k, v in self.stats.items()},
+        }
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_post("/_sim", self.sim_control)
+        app.router.add_get("/v1/models", self.models)
+        if self.dialect == "vllm":
+            app.router.add_post("/init_weight_transfer_engine", self.ok)
+            app.router.add_post("/start_weight_update", self.ok)
+            app.router.add_post("/update_weights", self.vllm_update)
+            app.router.add_post("/finish_weight_update", self.vllm_finish)
+            app.router.add_post("/v1/load_lora_adapter", self.lora_text)
+            app.router.add_post("/v1/unload_lora_adapter", self.lora_text)
+        else:
+            app.router.add_post("/update_weights_from_disk", self.sglang_from_disk)
+            app.router.add_post("/update_weight_version", self.sglang_version)
+            app.router.add_post("/load_lora_adapter", self.ok)
+            app.router.add_post("/unload_lora_adapter", self.ok)
+        return app
+
+
+@dataclass
+class Host:
+    """The servers of this process and their ticker."""
+
+    servers: list[SimServer] = field(default_factory=list)
+
+    async def tick_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(TICK)
+            now = loop.time()
+            for server in self.servers:
+                if not server.dead:
+                    server.tick(now - last, now)
+            last = now
+
+    async def host_stats(self, request: web.Request) -> web.Response:
+        return web.json_response([s.snapshot() for s in self.servers])
+
+
+async def serve(args: argparse.Namespace) -> None:
+    serving = ServingModel(args.peak_tokens_per_s, args.half_concurrency, args.ttft, args.mean_tokens, args.sigma)
+    load = WeightLoad(args.model_bytes, args.bytes_per_s, args.tp)
+    scorer = Scorer(args.model)
+    if args.model:
+        await scorer.preload(args.model)  # torch and transformers imported before the first probe
+    host = Host()
+    for i, port in enumerate(int(p) for p in args.ports.split(",")):
+        server = SimServer(args.first_index + i, args.dialect, serving, load, args.prompt_len, scorer)
+        app = server.app()
+        app.router.add_get("/_host", host.host_stats)
+        server.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
+        await server.runner.setup()
+        await web.TCPSite(server.runner, "127.0.0.1", port, backlog=1024).start()
+        host.servers.append(server)
+    print("ready", flush=True)
+    await host.tick_forever()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="many simulated inference servers in one process")
+    parser.add_argument("--ports", required=True, help="comma-separated ports, one server each")
+    parser.add_argument("--first-index", type=int, default=0, help="the index of the first server (for its counters)")
+    parser.add_argument("--dialect", choices=["vllm", "sglang"], default="vllm")
+    parser.add_argument("--model", default=None, help="HF directory the servers start with (scores the probe)")
+    parser.add_argument(
+        "--prompt-len", type=int, required=True, help="tokens of the prompt that seed its answer length"
+    )
+    parser.add_argument("--peak-tokens-per-s", type=float, default=ServingModel.peak_tokens_per_s)
+    parser.add_argument("--half-concurrency", type=float, default=ServingModel.half_concurrency)
+    parser.add_argument("--ttft", type=float, default=ServingModel.ttft_s)
+    parser.add_argument("--mean-tokens", type=float, default=ServingModel.mean_tokens)
+    parser.add_argument("--sigma", type=float, default=ServingModel.sigma)
+    parser.add_argument("--model-bytes", type=float, default=WeightLoad.model_bytes)
+    parser.add_argument("--bytes-per-s", type=float, default=WeightLoad.bytes_per_s)
+    parser.add_argument("--tp", type=int, default=1)
+    args = parser.parse_args()
+    start = time.monotonic()
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+    print(f"sim host: shut down after {time.monotonic() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
