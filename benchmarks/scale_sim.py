@@ -143,21 +143,30 @@ def _trainer(model_dir: Path):
 
 FAULTS = {
     "hang_update": "one server accepts the weight update and never answers (update_timeout 10 s)",
-    "die_in_update": "5% of the servers die (connections dropped, nothing listening) during a weight update",
+    "die_in_update": "5% of the servers die (nothing listens, connections dropped) during a weight update; "
+    "the launcher restarts them in their slots right after",
     "straggler": "one server generates 10x slower than the rest",
     "burst_429": "a quarter of the servers answer their next 20 generation requests with HTTP 429",
+    "join_leave": "16 servers join the run (megarl serve --join) and 16 others leave it, at once",
 }
-"""The faults ``measure`` can inject at step 1 (``--fault``-style names), and what each does."""
+"""The faults ``measure`` can inject at step 1, and what each does."""
 
 
 class FaultPlan:
-    """Injects one of :data:`FAULTS` into the cluster at step 1 and names the servers it hit."""
+    """Injects one of :data:`FAULTS` into the cluster at step 1, as the launcher and the servers would,
+    and says which servers it hit."""
 
-    def __init__(self, name: str | None, cluster):
+    def __init__(self, name: str | None, cluster, run_dir: Path):
         if name is not None and name not in FAULTS:
             raise ValueError(f"unknown fault {name!r}; one of {sorted(FAULTS)}")
-        self.name, self.cluster, self.hit = name, cluster, []
+        self.name, self.cluster, self.run_dir, self.hit = name, cluster, run_dir, []
         self.timer: threading.Timer | None = None
+        self.joined = None  # the SimCluster of the servers that joined
+
+    def at_start(self) -> None:
+        if self.name == "straggler":
+            self.hit = [1]
+            self.cluster.fault(1, slow=10.0)
 
     def before_update(self, step: int) -> None:
         n = self.cluster.n
@@ -167,18 +176,45 @@ class FaultPlan:
             self.hit = [n // 2]
             self.cluster.fault(self.hit[0], hang_update=True)
         elif self.name == "die_in_update":
-            self.hit = list(range(0, n, 20))[: max(1, n // 20)]
+            self.hit = list(range(1, n, 20))[: max(1, n // 20)]
             self.timer = threading.Timer(RECEIVE_S / 2, lambda: [self.cluster.fault(i, die=True) for i in self.hit])
             self.timer.start()
         elif self.name == "burst_429":
             self.hit = list(range(0, n, 4))
             for i in self.hit:
                 self.cluster.queue_faults(i, ["429"] * 20)
+        elif self.name == "join_leave":
+            self._join_and_leave(16)
 
-    def at_start(self) -> None:
-        if self.name == "straggler":
-            self.hit = [1]
-            self.cluster.fault(1, slow=10.0)
+    def after_update(self, step: int) -> None:
+        """The launcher restarts the servers that died, each in its slot, and records it."""
+        from megarl.rollout.restarts import append_record
+
+        if step != 1 or self.name != "die_in_update":
+            return
+        self.timer.join()
+        for i in self.hit:
+            self.cluster.fault(i, restart=True)
+            record = {"time": time.time(), "server": f"server-{i}", "address": self.cluster.addresses[i]}
+            append_record(self.run_dir / "server_restarts.jsonl", {**record, "exit_code": -9, "restart": 1})
+
+    def _join_and_leave(self, count: int) -> None:
+        from megarl.rollout.restarts import JOINS_FILE, append_record
+        from tests.scale.sim_cluster import SimCluster
+
+        c = self.cluster
+        self.joined = SimCluster(count, c.prompt_len, c.dialect, c.model_dir, c.serving, c.load).start()
+        for i, address in enumerate(self.joined.addresses):
+            record = {"event": "join", "server": f"server-{c.n + i}", "address": address}
+            append_record(self.run_dir / JOINS_FILE, record)
+        self.hit = list(range(count))
+        for i in self.hit:
+            record = {"event": "leave", "server": f"server-{i}", "address": c.addresses[i]}
+            append_record(self.run_dir / JOINS_FILE, record)
+
+    def stop(self) -> None:
+        if self.joined is not None:
+            self.joined.stop()
 
 
 def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 300.0) -> dict:
@@ -194,9 +230,11 @@ def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 3
             n, PROMPT_LEN, model_dir=str(model_dir), serving=serving_model(mean_tokens), load=weight_load()
         )
         cluster.start()
+        faults = FaultPlan(fault, cluster, Path(tmp) / "run")
         try:
-            row = _drive(n, steps, cluster, model_dir, Path(tmp) / "updates", FaultPlan(fault, cluster))
+            row = _drive(n, steps, cluster, model_dir, Path(tmp), faults)
         finally:
+            faults.stop()
             cluster.stop()
     row["pool_share"] = row.pop("generated tokens") / (
         serving_model(mean_tokens).throughput(PER_SERVER) * row.pop("unpaused server-s")
@@ -204,26 +242,26 @@ def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 3
     return row
 
 
-def _drive(n, steps, cluster, model_dir, disk_path, faults: FaultPlan) -> dict:
+def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     from benchmarks.pool_load import CountingLoader, IdBitmap
     from megarl.config.bridge import WeightUpdateConfig
+    from megarl.rollout import RemoteInferenceEngine
     from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
     from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
     from megarl.utils import stats_tracker
-    from tests.rollout.conftest import make_engine
+    from tests.rollout.conftest import fast_config
 
     concurrency = PER_SERVER * n
     trainer = _trainer(model_dir)
-    rollout = make_engine(
-        cluster.addresses,
+    pool_config = fast_config(max_concurrent_rollouts=concurrency, max_staleness=2, request_timeout=600.0)
+    rollout = RemoteInferenceEngine(pool_config, "vllm").initialize(
+        server_addrs=cluster.addresses,
         batch_size=concurrency,
-        max_concurrent_rollouts=concurrency,
-        max_staleness=2,
-        request_timeout=600.0,
         vocab_size=trainer.desc.dims.vocab_size,
+        dump_dir=faults.run_dir,  # where the launcher records restarts and joins
     )
     coordinator = DistRolloutCoordinator(rollout, DataParallelLayout(0, 1, True), 1)
-    config = WeightUpdateConfig(mode="disk", disk_path=str(disk_path), probe_sequences=2, probe_tokens=16)
+    config = WeightUpdateConfig(mode="disk", disk_path=str(tmp / "updates"), probe_sequences=2, probe_tokens=16)
     config.probe_every, config.probe_topk, config.update_timeout = 1, 0, 10.0 if faults.name == "hang_update" else 120.0
     meta = WeightUpdateMeta(config)
     sync = connect_engine(trainer, rollout, meta)
@@ -243,6 +281,7 @@ def _drive(n, steps, cluster, model_dir, disk_path, faults: FaultPlan) -> dict:
             time.sleep(TRAIN_S)
             faults.before_update(step)
             updates.append(sync.update_weights(WeightUpdateMeta(config, version=step + 1)))
+            faults.after_update(step)
             if step == 1:
                 after_fault = cluster.stats()
             stats = stats_tracker.export(local=True)
@@ -263,11 +302,14 @@ def _drive(n, steps, cluster, model_dir, disk_path, faults: FaultPlan) -> dict:
     row["fault"] = faults.name or "none"
     row["servers hit"] = len(faults.hit)
     row["evicted"] = int(sum(u.get("servers_evicted", 0) for u in updates))
-    # a server out of rotation gets no generation request after the update that took it out
-    evicting = faults.name in ("hang_update", "die_in_update") and steps > 2
+    row["readmitted"] = int(sum(u.get("servers_readmitted", 0) for u in updates))
+    # a server out of rotation (evicted, or left the run) gets no generation request after that update
+    out = faults.name in ("hang_update", "join_leave") and steps > 2
     row["requests to hit after"] = (
-        sum(after[i]["generate"] - after_fault[i]["generate"] for i in faults.hit) if evicting else None
+        sum(after[i]["generate"] - after_fault[i]["generate"] for i in faults.hit) if out else None
     )
+    if faults.joined is not None:
+        row["joined serving"] = sum(s["generate"] > 0 and s["version"] >= 2 for s in faults.joined.stats())
     return row
 
 

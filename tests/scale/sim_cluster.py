@@ -65,22 +65,22 @@ class SimCluster:
         """Every server's counters (one request per host process), in server order."""
         out = []
         for first in range(0, self.n, self.per_process):
-            out += self._host_stats(self.addresses[first : first + self.per_process])
+            out += self._on_host(first, lambda address: _get(address, "/_host"))
         return out
 
-    @staticmethod
-    def _host_stats(addresses: list[str]) -> list[dict]:
-        """``/_host`` from the first of a process's servers that still listens (a "dead" one does not)."""
-        for address in addresses:
+    def _on_host(self, index: int, call):
+        """``call(address)`` on the first server of server ``index``'s process that listens (a "dead" one does not)."""
+        first = index - index % self.per_process
+        for address in self.addresses[first : first + self.per_process]:
             try:
-                return _get(address, "/_host")
+                return call(address)
             except OSError:
                 continue
-        raise RuntimeError(f"no server of the host process of {addresses[0]} answers")
+        raise RuntimeError(f"no server of the host process of server {index} answers")
 
     def fault(self, index: int, **what) -> None:
-        """``die=True``, ``slow=F`` or ``hang_update=True`` on server ``index`` (see sim_host)."""
-        _post(self.addresses[index], "/_sim", what)
+        """``die=True``, ``restart=True``, ``slow=F`` or ``hang_update=True`` on server ``index`` (see sim_host)."""
+        self._on_host(index, lambda address: _post(address, "/_host/fault", {"index": index, **what}))
 
     def queue_faults(self, index: int, faults: list[str]) -> None:
         """The fake server's fault queue (e.g. ``["429"] * 20``): its next requests get them."""

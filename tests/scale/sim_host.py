@@ -23,12 +23,13 @@ dialects, pause / resume, sleep / wake, injected faults), with what a cluster of
   ``return_logprob``) are answered by a real HF model: the directory given at start, then each
   update's directory (disk mode writes a complete HF checkpoint), loaded once per process and
   version, so the trainer's probe compares real numbers.
-* **faults, per server** (``POST /_sim``): ``{"die": true}`` stops listening and drops every open
-  connection (a SIGKILLed server, as its clients see it); ``{"slow": 10}`` divides its throughput
+* **faults, per server** (``POST /_host/fault {"index": i, ...}`` to any live server of its process): ``{"die": true}`` stops listening and drops every open
+  connection (a SIGKILLed server, as its clients see it), ``{"restart": true}`` listens again with
+  the model's first weights (the launcher's restart in the slot); ``{"slow": 10}`` divides its throughput
   by 10; ``{"hang_update": true}`` accepts the next weight-update request and never answers.
   The fake server's ``/_faults`` queue (a burst of 429s ...) works as before.
 
-``GET /_host`` (any server of the process) returns every server's counters at once.
+``GET /_host`` (any live server of the process) returns every server's counters at once.
 
 Run: ``python tests/scale/sim_host.py --ports 20000,20001,... --dialect vllm [--model DIR] ...``;
 it prints ``ready`` once every port listens.
@@ -180,6 +181,7 @@ class SimServer(FakeServer):
         self.weights: str | None = None  # the directory of the weights it serves (None: the model it started with)
         self.pending: str | None = None
         self.runner: web.AppRunner | None = None
+        self.port = 0
         self.counters = {"tokens": 0.0, "capacity_tokens": 0.0, "requests": 0, "aborted": 0, "updates": 0}
         self.counters.update(busy_s=0.0, unpaused_s=0.0, running_s=0.0)
 
@@ -235,7 +237,7 @@ class SimServer(FakeServer):
         body = await request.json()  # aiohttp keeps the body: the parent's handler reads it again
         if body.get("prompt_logprobs") is not None:
             await self.scorer.preload(self.weights)
-            return web.json_response(self._vllm_scores(body))
+            return web.json_response(await asyncio.to_thread(self._vllm_scores, body))  # the loop serves on
         if body.get("min_tokens"):  # the consistency probe samples exactly max_tokens
             out, _ = await self.generate_tokens(body["prompt"], body["max_tokens"], exact=True)
             return web.json_response({"choices": [{"index": 0, "token_ids": out, "finish_reason": "length"}]})
@@ -246,7 +248,7 @@ class SimServer(FakeServer):
         body = await request.json()
         if body.get("return_logprob") and body.get("logprob_start_len") == 0:
             await self.scorer.preload(self.weights)
-            return web.json_response(self._sglang_scores(body))
+            return web.json_response(await asyncio.to_thread(self._sglang_scores, body))
         return await super().generate(request)
 
     def _vllm_scores(self, body: dict) -> dict:
@@ -311,13 +313,23 @@ class SimServer(FakeServer):
 
     # ---------------------------------------------------------------- faults and counters
 
-    async def sim_control(self, request: web.Request) -> web.Response:
-        body = await request.json()
+    async def apply(self, body: dict) -> None:
+        """One of the faults (the module doc) on this server."""
         self.slowdown = float(body.get("slow", self.slowdown))
         self.hang_update = bool(body.get("hang_update", self.hang_update))
         if body.get("die"):
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.die()))
-        return web.json_response({"index": self.index})
+        if body.get("restart"):
+            await self.restart()
+
+    async def restart(self) -> None:
+        """Listen again, as the launcher's restart of a dead server in its slot: the model's first weights,
+        version 0, no request running."""
+        if not self.dead:
+            return
+        self.dead, self.version, self.weights, self.pending = False, 0, None, None
+        self.resumed.set()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port, backlog=1024).start()
 
     async def die(self) -> None:
         """Stop listening and drop every connection, as a killed process would."""
@@ -348,7 +360,6 @@ class SimServer(FakeServer):
 
     def app(self) -> web.Application:
         app = super().app()
-        app.router.add_post("/_sim", self.sim_control)
         app.router.add_get("/v1/models", self.models)
         if self.dialect == "vllm":
             app.router.add_post("/init_weight_transfer_engine", self.ok)
@@ -385,19 +396,31 @@ class Host:
     async def host_stats(self, request: web.Request) -> web.Response:
         return web.json_response([s.snapshot() for s in self.servers])
 
+    async def host_fault(self, request: web.Request) -> web.Response:
+        """``POST /_host/fault {"index": i, ...}`` on any live server of the process: a fault on server i
+        (which may not listen, being "dead")."""
+        body = await request.json()
+        server = next(s for s in self.servers if s.index == body["index"])
+        await server.apply(body)
+        return web.json_response({"index": server.index})
+
 
 async def serve(args: argparse.Namespace) -> None:
     serving = ServingModel(args.peak_tokens_per_s, args.half_concurrency, args.ttft, args.mean_tokens, args.sigma)
     load = WeightLoad(args.model_bytes, args.bytes_per_s, args.tp)
     scorer = Scorer(args.model)
     if args.model:
+        import torch
+
+        torch.set_num_threads(1)  # the host's scoring must not take the cores the client under test runs on
         await scorer.preload(args.model)  # torch and transformers imported before the first probe
     host = Host()
     for i, port in enumerate(int(p) for p in args.ports.split(",")):
         server = SimServer(args.first_index + i, args.dialect, serving, load, args.prompt_len, scorer)
         app = server.app()
         app.router.add_get("/_host", host.host_stats)
-        server.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
+        app.router.add_post("/_host/fault", host.host_fault)
+        server.runner, server.port = web.AppRunner(app, access_log=None, shutdown_timeout=0.2), port
         await server.runner.setup()
         await web.TCPSite(server.runner, "127.0.0.1", port, backlog=1024).start()
         host.servers.append(server)
