@@ -54,11 +54,18 @@ class ConsistencyReport:
         # half-updated weights move the mean by whole nats.
         return self.threshold <= 0 or self.worst_mean <= self.threshold
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self, numbers: dict[str, int] | None = None) -> dict[str, float]:
+        """The figures, per server as ``server{i}/...``: ``i`` from ``numbers`` (address -> its number in
+        the run's server list), else the server's place in ``per_server``."""
         out = {"logprob_diff_max": self.max_abs, "logprob_diff_mean": self.mean_abs}
-        for i, (max_abs, mean_abs) in enumerate(self.per_server.values()):
+        for i, (max_abs, mean_abs) in _numbered(self.per_server, numbers):
             out[f"server{i}/logprob_diff_max"], out[f"server{i}/logprob_diff_mean"] = max_abs, mean_abs
         return out
+
+
+def _numbered(per_server: dict[str, tuple], numbers: dict[str, int] | None) -> list[tuple[int, tuple]]:
+    """(number, figures) of each server: its number in ``numbers``, else its place in ``per_server``."""
+    return [((numbers or {}).get(address, i), figures) for i, (address, figures) in enumerate(per_server.items())]
 
 
 def compare(trainer: list[list[float]], servers: dict[str, list[list[float]]], threshold: float) -> ConsistencyReport:
@@ -125,7 +132,8 @@ class TopKReport:
         """The largest per-server mean |Δ logprob| over the top-k tokens (what a warning threshold applies to)."""
         return max((m for _, _, m in self.per_server.values()), default=0.0)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self, numbers: dict[str, int] | None = None) -> dict[str, float]:
+        """The figures, per server as ``server{i}/...`` (``numbers``: as :meth:`ConsistencyReport.as_dict`)."""
         values = list(self.per_server.values())
         if not values:
             return {}
@@ -134,7 +142,7 @@ class TopKReport:
             "topk_logprob_diff_max": max(mx for _, mx, _ in values),
             "topk_logprob_diff_mean": self.worst_mean,
         }
-        for i, (kl, max_abs, mean_abs) in enumerate(values):
+        for i, (kl, max_abs, mean_abs) in _numbered(self.per_server, numbers):
             out[f"server{i}/topk_kl"] = kl
             out[f"server{i}/topk_logprob_diff_max"] = max_abs
             out[f"server{i}/topk_logprob_diff_mean"] = mean_abs

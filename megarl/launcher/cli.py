@@ -218,15 +218,14 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_watchdog(args: argparse.Namespace, console: Console) -> int:
-    from megarl.launcher.watchdog import HealthTarget, watch_job
+    from megarl.launcher.watchdog import job_servers, watch_job
     from megarl.rollout.engine import make_backend
 
     config = _load(args)
     addrs = [a for a in os.environ.get(config.rollout.server_addrs_env, "").split(",") if a]
     inference = config.allocation.inference
     endpoint = make_backend(inference.backend).health_endpoint if inference else "/health"
-    servers = [HealthTarget(f"server-{i}", address, endpoint) for i, address in enumerate(addrs)]
-    return watch_job(config, args.trainer_pid, servers)
+    return watch_job(config, args.trainer_pid, job_servers(addrs, endpoint))
 
 
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:

@@ -10,7 +10,8 @@ hand (``launch/`` holds rendered examples). Its shape:
    and recorded in ``{run_dir}/server_restarts.jsonl`` for the trainer;
 2. wait until every server wrote its address (or one step died, or a deadline);
 3. one ``srun`` step running ``torchrun`` on the training nodes, with the
-   servers' addresses in ``MEGARL_LLM_SERVER_ADDRS``;
+   servers' addresses in ``MEGARL_LLM_SERVER_ADDRS`` in slot order: server i is slot i everywhere
+   (``servers/{i}.addr``, ``slurm/server-{i}-<job>.log``, its restart records, the trainer's ``server-{i}``);
 4. the first step to end decides: the trainer finishing ends the job with its exit
    status; a server slot out of restarts ending first fails the job. Everything left is stopped.
 
@@ -102,7 +103,7 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool 
         "done",
     ]
     if plan.servers:
-        lines += _wait_for_servers(len(plan.servers), slurm.server_wait_timeout)
+        lines += _wait_for_servers(slurm.server_wait_timeout)
     lines += ["", "# 3. trainer", *_flight_recorder(config), *_trainer(config, cfg, plan), *_watchdog(config, cfg)]
     lines += ["", "# 4. the first step to end decides the job's fate", *_first_exit(config, requeue)]
     return lines
@@ -160,19 +161,35 @@ def _serve_slot(config: GRPOConfig, cfg: str) -> list[str]:
     ]
 
 
-def _wait_for_servers(count: int, timeout: int) -> list[str]:
+def _wait_for_servers(timeout: int) -> list[str]:
+    """Wait for every slot's address, then list them in slot order: the trainer's ``server-i`` (the i-th of
+    ``MEGARL_LLM_SERVER_ADDRS``) is slot i, not the i-th file of a glob (0, 1, 10, 11, ..., 2)."""
     return [
         "",
-        "# 2. wait until every server is healthy (each wrote its address)",
+        "# 2. wait until every server is healthy (each wrote its address to $RUN_DIR/servers/<slot>.addr)",
+        "# the trainer's server-i is the i-th address: slot i (its log slurm/server-i-<job>.log, its restart records)",
+        "server_addrs() {  # the servers' addresses in slot order; fails naming the slots without one",
+        "  local server idx addrs=() missing=()",
+        '  for server in "${SERVERS[@]}"; do',
+        "    idx=${server%% *}",
+        '    if [ -s "$RUN_DIR/servers/$idx.addr" ]; then',
+        '      addrs+=("$(< "$RUN_DIR/servers/$idx.addr")")',
+        "    else",
+        '      missing+=("server-$idx")',
+        "    fi",
+        "  done",
+        '  [ ${#missing[@]} -eq 0 ] || { echo "megarl: no address yet from ${missing[*]}" >&2; return 1; }',
+        '  (IFS=,; echo "${addrs[*]}")',
+        "}",
         f"deadline=$((SECONDS + {timeout}))",
-        f'while [ "$(ls "$RUN_DIR"/servers/*.addr 2>/dev/null | wc -l)" -lt {count} ]; do',
+        "until MEGARL_LLM_SERVER_ADDRS=$(server_addrs 2>/dev/null); do",
         '  for pid in "${PIDS[@]}"; do',
         '    kill -0 "$pid" 2>/dev/null || { echo "megarl: a server step exited before it was healthy" >&2; exit 1; }',
         "  done",
-        f'  [ $SECONDS -lt $deadline ] || {{ echo "megarl: servers not healthy after {timeout} s" >&2; exit 1; }}',
+        f'  [ $SECONDS -lt $deadline ] || {{ server_addrs >/dev/null; echo "megarl: servers not healthy after {timeout} s" >&2; exit 1; }}',
         "  sleep 2",
         "done",
-        'export MEGARL_LLM_SERVER_ADDRS=$(cat "$RUN_DIR"/servers/*.addr | paste -sd, -)',
+        "export MEGARL_LLM_SERVER_ADDRS",
         'echo "megarl: servers at $MEGARL_LLM_SERVER_ADDRS"',
     ]
 

@@ -213,6 +213,12 @@ class HealthTarget:
             return False
 
 
+def job_servers(addresses: list[str], health_endpoint: str) -> list[HealthTarget]:
+    """The servers of a job, ``server-{i}`` at the i-th of ``addresses`` (``$MEGARL_LLM_SERVER_ADDRS``,
+    in slot order: the sbatch script's slot i, ``servers/{i}.addr``)."""
+    return [HealthTarget(f"server-{i}", address, health_endpoint) for i, address in enumerate(addresses)]
+
+
 class ServerBeats:
     """The servers' heartbeats: ``server-{i}`` beats whenever that server answers its health check.
 

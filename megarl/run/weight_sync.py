@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -59,6 +61,8 @@ from megarl.utils import heartbeat
 from megarl.utils.hardware import concrete_dtype
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -308,18 +312,10 @@ class WeightSync:
         """Probe logprobs: trainer vs every updated server; ConsistencyError above the threshold."""
         if not self.probe:
             return {}
-        with ThreadPoolExecutor(max_workers=8) as pool:  # servers score while the trainer does
-            futures = {}
-            if self.bridge.is_driver:
-                futures = {
-                    s.address: pool.submit(s.score, self.probe)
-                    for s in self.bridge.servers
-                    if s.address not in self.unhealthy
-                }
-            ours = trainer_scores(self.engine, self.probe)
-            theirs = (
-                {address: future.result() for address, future in futures.items()} if self.bridge.is_driver else None
-            )
+        scored = [s for s in self.bridge.servers if s.address not in self.unhealthy] if self.bridge.is_driver else []
+        futures = score_all(scored, lambda s: s.score(self.probe))  # servers score while the trainer does
+        ours = trainer_scores(self.engine, self.probe)
+        theirs = {address: f.result() for address, f in futures.items()} if self.bridge.is_driver else None
         report = compare(ours, self.bridge.broadcast_object(theirs), self.config.consistency_threshold)
         logger.info("weight sync consistency: max |dlogp| %.4g, mean %.4g", report.max_abs, report.mean_abs)
         if not report.ok:
@@ -328,7 +324,7 @@ class WeightSync:
                 f"average (> weight_update.consistency_threshold={report.threshold}); "
                 f"(max, mean) per server: {report.per_server}"
             )
-        return {**report.as_dict(), **self.check_topk()}
+        return {**report.as_dict(self._numbers()), **self.check_topk()}
 
     def check_topk(self) -> dict[str, float]:
         """The full-distribution probe (``probe_topk``): every server's top-k logprobs at each probe
@@ -337,20 +333,33 @@ class WeightSync:
         theirs = None
         if k > 0 and self.bridge.is_driver:
             servers = [s for s in self.bridge.servers if s.address not in self.unhealthy]
-            with ThreadPoolExecutor(max_workers=8) as pool:
-                futures = {s.address: pool.submit(s.score_topk, self.probe, k) for s in servers}
-                theirs = {address: f.result() for address, f in futures.items()}
+            futures = score_all(servers, lambda s: s.score_topk(self.probe, k))
+            theirs = {address: f.result() for address, f in futures.items()}
             theirs = {address: topk for address, topk in theirs.items() if topk is not None}
         theirs = self.bridge.broadcast_object(theirs)
         if not theirs:
             return {}
         report = compare_topk(trainer_topk_scores(self.engine, self.probe, topk_ids(theirs, self.probe, k)), theirs, k)
-        logger.info("weight sync full-distribution probe: %s", report.as_dict())
+        logger.info("weight sync full-distribution probe: %s", report.as_dict(self._numbers()))
         threshold = self.config.gap_threshold
         message = topk_warning(report, self.config.consistency_threshold if threshold is None else threshold)
         if message is not None:
             logger.warning(message)
-        return report.as_dict()
+        return report.as_dict(self._numbers())
+
+    def _numbers(self) -> dict[str, int]:
+        """Each server's number in the run's server list (``weight_sync/server{i}/...``): the rollout's
+        order, which under Slurm is the slot order; a server out of rotation keeps its number free."""
+        return {s.address: i for i, s in enumerate(self.servers)}
+
+
+def score_all(servers: list[ServerControl], score: Callable[[ServerControl], T]) -> dict[str, Future[T]]:
+    """``score(server)`` on every server at once, a thread each (64 servers score the probe in one round,
+    not eight): address -> its future. The caller goes on (the trainer scores the probe meanwhile)."""
+    pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="megarl-probe")
+    futures = {s.address: pool.submit(score, s) for s in servers}
+    pool.shutdown(wait=False)  # its threads end once their call returns
+    return futures
 
 
 def server_controls(backend: str, addresses: list[str], tp: int, timeout: float) -> list[ServerControl]:

@@ -102,6 +102,7 @@ def _sync_with_probe(monkeypatch, probe_topk: int, offset: float):
     sync = sync_mod.WeightSync.__new__(sync_mod.WeightSync)
     sync.config = WeightUpdateConfig(probe_topk=probe_topk, gap_threshold=0.1)
     sync.probe, sync.unhealthy, sync.engine = probe, set(), None
+    sync.servers = [server]
     sync.bridge = SimpleNamespace(is_driver=True, servers=[server], broadcast_object=lambda obj: obj)
     monkeypatch.setattr(sync_mod, "trainer_scores", lambda engine, seqs: [[-1.0, -1.0, -1.0]])
 

@@ -1,0 +1,93 @@
+"""The consistency probe asks every server at once (not 8 at a time: 64 servers were 8 rounds), and
+names each server's figures by its number in the run's server list (``server{i}``: slot i under Slurm)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl.config.bridge import WeightUpdateConfig
+from megarl.run import weight_sync as sync_mod
+
+N = 24
+PROBE = [[5, 6, 7, 8]]
+TOPK = [[{1: -0.5, 2: -1.5}, {3: -0.7, 4: -1.0}, {1: -0.2, 4: -2.0}]]
+
+
+class InFlight:
+    """Counts the calls running at once; each waits until all ``expected`` are in (or ``timeout`` passes),
+    so a fan-out capped below ``expected`` shows as a smaller maximum, whatever the machine's load."""
+
+    def __init__(self, expected: int, timeout: float = 10.0):
+        self.barrier = threading.Barrier(expected, timeout=timeout)
+        self.lock = threading.Lock()
+        self.now = self.most = 0
+
+    def __call__(self, result):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            pass  # fewer ran at once: the count says how many
+        with self.lock:
+            self.now -= 1
+        return result
+
+
+def _server(address: str, in_flight: InFlight | None = None) -> SimpleNamespace:
+    call = in_flight or (lambda result: result)
+    return SimpleNamespace(
+        address=address,
+        score=lambda seqs: call([[-1.0, -1.0, -1.0]]),
+        score_topk=lambda seqs, k: call([[dict(p) for p in TOPK[0]]]),
+    )
+
+
+def _sync(monkeypatch, servers, unhealthy=(), probe_topk: int = 2) -> sync_mod.WeightSync:
+    """A one-rank WeightSync whose servers score the probe like the trainer."""
+    sync = sync_mod.WeightSync.__new__(sync_mod.WeightSync)
+    sync.config = WeightUpdateConfig(probe_topk=probe_topk)
+    sync.probe, sync.unhealthy, sync.engine, sync.servers = PROBE, set(unhealthy), None, list(servers)
+    connected = [s for s in servers if s.address not in sync.unhealthy]
+    sync.bridge = SimpleNamespace(is_driver=True, servers=connected, broadcast_object=lambda obj: obj)
+    monkeypatch.setattr(sync_mod, "trainer_scores", lambda engine, seqs: [[-1.0, -1.0, -1.0]])
+    ours = torch.tensor([[list(p.values()) for p in TOPK[0]] + [[0.0, 0.0]]])  # [1, 4, 2]: one server's
+    monkeypatch.setattr(sync_mod, "trainer_topk_scores", lambda engine, seqs, ids: ours.repeat(1, 1, len(connected)))
+    return sync
+
+
+def test_every_server_scores_the_probe_at_once(monkeypatch):
+    in_flight = InFlight(N)
+    sync = _sync(monkeypatch, [_server(f"10.0.0.{i}:8000", in_flight) for i in range(N)], probe_topk=0)
+    stats = sync.check_consistency()
+    assert in_flight.most == N, f"{in_flight.most} of {N} servers scored the probe at once"
+    assert stats["logprob_diff_max"] == 0.0 and f"server{N - 1}/logprob_diff_max" in stats
+
+
+def test_every_server_scores_its_top_k_at_once(monkeypatch):
+    in_flight = InFlight(N)
+    sync = _sync(monkeypatch, [_server(f"10.0.0.{i}:8000", in_flight) for i in range(N)])
+    stats = sync.check_topk()
+    assert in_flight.most == N, f"{in_flight.most} of {N} servers scored their top-k at once"
+    assert stats["topk_logprob_diff_max"] == pytest.approx(0.0, abs=1e-6) and f"server{N - 1}/topk_kl" in stats
+
+
+def test_score_all_runs_one_thread_per_server():
+    in_flight = InFlight(N)
+    futures = sync_mod.score_all([_server(f"h{i}:1") for i in range(N)], lambda s: in_flight(s.address))
+    assert [f.result(timeout=30) for f in futures.values()] == [f"h{i}:1" for i in range(N)]
+    assert in_flight.most == N
+    assert sync_mod.score_all([], lambda s: s) == {}
+
+
+def test_a_servers_figures_keep_its_number_when_another_is_out(monkeypatch):
+    """With server 1 out of rotation, server 2's figures are still ``server2/...`` (not ``server1/...``)."""
+    servers = [_server(f"10.0.0.{i}:8000") for i in range(3)]
+    stats = _sync(monkeypatch, servers, unhealthy={"10.0.0.1:8000"}).check_consistency()
+    per_server = sorted({key.split("/")[0] for key in stats if key.startswith("server")})
+    assert per_server == ["server0", "server2"]
