@@ -32,6 +32,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -222,8 +223,9 @@ def job_servers(addresses: list[str], health_endpoint: str) -> list[HealthTarget
 class ServerBeats:
     """The servers' heartbeats: ``server-{i}`` beats whenever that server answers its health check.
 
-    A thread probes every server each ``interval`` seconds (``timeout`` per probe); a server that
-    stops answering (hung, overloaded, its host gone) goes silent and the watchdog names it with
+    A thread probes every server each ``interval`` seconds, all at once (``timeout`` per probe: a round
+    takes one timeout however many servers hang, so a healthy server is never late for its beat
+    because others are); a server that stops answering (hung, overloaded, its host gone) goes silent and the watchdog names it with
     its address and log. Its stacks come from py-spy only (a server has no ``SIGUSR1`` handler).
     """
 
@@ -251,19 +253,21 @@ class ServerBeats:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(self.timeout * len(self.servers) + self.interval)
+        self._thread.join(self.timeout + self.interval + 1.0)
         for beat in self.beats:
             beat.close()
 
     def _run(self) -> None:
-        while True:
-            for server, beat in zip(self.servers, self.beats):
-                if server.healthy(timeout=self.timeout):
-                    beat.set_detail_fn(lambda server=server: f"serving at {server.address}")
-                    beat.set_phase("serving")
-                    beat.beat()
-            if self._stop.wait(self.interval):
-                return
+        with ThreadPoolExecutor(max(1, len(self.servers)), thread_name_prefix="megarl-server-probe") as probes:
+            while True:
+                answered = list(probes.map(lambda server: server.healthy(timeout=self.timeout), self.servers))
+                for server, beat, ok in zip(self.servers, self.beats, answered):
+                    if ok:
+                        beat.set_detail_fn(lambda server=server: f"serving at {server.address}")
+                        beat.set_phase("serving")
+                        beat.beat()
+                if self._stop.wait(self.interval):
+                    return
 
 
 def _silent_server(server: HealthTarget) -> str:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -264,3 +265,39 @@ def test_a_hang_in_its_own_phase_is_named_there_and_healthy_phases_keep_long_bud
         assert "trainer-0 in 'sync'" in event.others, "the others wait in the collective, within their budgets"
     finally:
         _stop(*procs)
+
+
+class _BarrierTarget(HealthTarget):
+    """A server whose health check answers only once ``barrier``'s parties are all probing at once."""
+
+    def __init__(self, name: str, barrier, seen: list):
+        super().__init__(name, f"127.0.0.1:{len(seen)}")
+        self._barrier, self._seen = barrier, seen
+
+    def healthy(self, timeout: float) -> bool:
+        self._seen.append(self.name)
+        try:
+            self._barrier.wait(timeout=30)  # every server's probe at once, or a broken barrier
+        except threading.BrokenBarrierError:
+            return False
+        return True
+
+
+def test_the_servers_are_probed_all_at_once(tmp_path):
+    """With many hung servers one round still takes one probe's timeout: 24 probes are in flight together
+    (probed one after another, the barrier breaks and no server beats)."""
+    barrier, seen = threading.Barrier(24), []
+    targets = [_BarrierTarget(f"server-{i}", barrier, seen) for i in range(24)]
+    with ServerBeats(tmp_path, targets, interval=60.0, timeout=30.0):
+        deadline = time.monotonic() + 60
+        while not all(_phase(tmp_path, t.name) == "serving" for t in targets):
+            assert time.monotonic() < deadline, f"not every server beat: barrier broken {barrier.broken}"
+            time.sleep(0.1)
+    assert not barrier.broken and len(seen) >= 24
+
+
+def _phase(run_dir: Path, name: str) -> str | None:
+    try:
+        return json.loads((run_dir / "heartbeat" / f"{name}.json").read_text()).get("phase")
+    except (OSError, ValueError):
+        return None
