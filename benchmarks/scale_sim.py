@@ -10,7 +10,8 @@ model in disk mode (the trainer writes a complete HF checkpoint; each server "re
 model of those weights). The trainer does not train: a step is ``prepare_batch``, then
 ``TRAIN_S`` of sleep, then the weight update with the probe, as ``megarl.train.rl_step`` orders them.
 
-Per size, in its own process (so that resources are the size's own):
+Per size, in its own process (so that resources are the size's own), then (not ``--quick``) once
+per fault of :data:`FAULTS` at 64 servers:
 
 * ``pool_share``: tokens the servers generated over what they could have, each at the concurrency
   the pool is configured to give it (``PER_SERVER`` requests), while not paused;
@@ -19,7 +20,9 @@ Per size, in its own process (so that resources are the size's own):
   trainer's own write of the checkpoint (``send_seconds``);
 * ``probe_s``: the consistency probe (every server scores 2 sequences);
 * the rollout process's peak RSS, open file descriptors and threads, the pool loop's worst lag
-  (how late a 50 ms sleep on it wakes), and the generation requests per second it sustained;
+  (how late a 50 ms sleep on it wakes), the generation requests per second it sustained and the CPU
+  time it spent per request (the trainer's process: pool, coordinator, weight sync), and how many
+  cores the simulated servers took (on a small machine they compete with the process under test);
 * the books, as ``benchmarks/pool_load.py`` keeps them: items fed = handed out + counted drops +
   stale not rerun + pending, no id twice, every row token by token what its server generated.
 
@@ -249,6 +252,7 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
     from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
     from megarl.utils import stats_tracker
+    from megarl.utils.gc_pauses import freeze_startup_objects
     from tests.rollout.conftest import fast_config
 
     concurrency = PER_SERVER * n
@@ -265,12 +269,14 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     config.probe_every, config.probe_topk, config.update_timeout = 1, 0, 10.0 if faults.name == "hang_update" else 120.0
     meta = WeightUpdateMeta(config)
     sync = connect_engine(trainer, rollout, meta)
+    freeze_startup_objects()  # as megarl.train does once the trainer is built
     loader, workflow = CountingLoader(concurrency), ItemWorkflow(PROMPT_LEN, MAX_NEW_TOKENS)
     proc, handed_out = psutil.Process(), IdBitmap()
     books = {"doubled": 0, "misaligned": 0, "dropped": 0, "stale": 0, "stale rerun": 0}
     peaks = {"rss_mb": 0.0, "fds": 0, "threads": 0}
     updates = []
     faults.at_start()
+    hosts = [psutil.Process(p.pid) for p in cluster.processes]
     lag = LoopLag(rollout.pool.loop)
     try:
         before, start = None, None
@@ -278,6 +284,7 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
             batch = coordinator.prepare_batch(loader, workflow)
             if step == 0:  # the first batch warms the pool up: the window starts here
                 before, start = cluster.stats(), time.monotonic()
+                cpu_before = (_cpu_seconds([proc]), _cpu_seconds(hosts))
             time.sleep(TRAIN_S)
             faults.before_update(step)
             updates.append(sync.update_weights(WeightUpdateMeta(config, version=step + 1)))
@@ -293,12 +300,16 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
             ):
                 peaks[key] = max(peaks[key], value)
         after, seconds = cluster.stats(), time.monotonic() - start
+        cpu = (_cpu_seconds([proc]) - cpu_before[0], _cpu_seconds(hosts) - cpu_before[1])
         pending = len(rollout.pool.pending_items())
     finally:
         worst_lag = lag.stop()
         rollout.destroy()
         trainer.destroy()
     row = _row(n, steps, before, after, seconds, updates[1:], books, handed_out, loader, pending, peaks, worst_lag)
+    requests = sum(a["requests"] - b["requests"] for a, b in zip(after, before))
+    row["client_cpu_ms/request"] = 1000 * cpu[0] / max(1, requests)
+    row["hosts_cores"] = cpu[1] / seconds  # what the simulated servers took of the machine
     row["fault"] = faults.name or "none"
     row["servers hit"] = len(faults.hit)
     row["evicted"] = int(sum(u.get("servers_evicted", 0) for u in updates))
@@ -311,6 +322,16 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     if faults.joined is not None:
         row["joined serving"] = sum(s["generate"] > 0 and s["version"] >= 2 for s in faults.joined.stats())
     return row
+
+
+def _cpu_seconds(procs) -> float:
+    """User + system CPU seconds of ``procs`` (their children included: a host is a keeper and its server)."""
+    total = 0.0
+    for p in procs:
+        for q in (p, *p.children(recursive=True)):
+            times = q.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def _count(batch, stats, books, handed_out) -> None:
@@ -363,8 +384,20 @@ def _in_own_process(n: int, steps: int, fault: str | None = None, mean_tokens: f
         return pool.submit(measure, n, steps, fault, mean_tokens).result()
 
 
-def run(quick: bool) -> list[dict]:
-    return [_in_own_process(n, STEPS_QUICK if quick else STEPS) for n in (SIZES_QUICK if quick else SIZES)]
+FAULT_SERVERS = 64
+"""The size the faults run at (``--quick``: none run)."""
+
+
+def run(quick: bool, on_rows=None) -> list[dict]:
+    """The sizes without a fault, then (not ``--quick``) each fault at :data:`FAULT_SERVERS` servers."""
+    plan = [(n, None) for n in (SIZES_QUICK if quick else SIZES)]
+    plan += [] if quick else [(FAULT_SERVERS, fault) for fault in FAULTS]
+    rows = []
+    for n, fault in plan:
+        rows.append(_in_own_process(n, STEPS_QUICK if quick else STEPS, fault))
+        if on_rows is not None:
+            on_rows(rows)
+    return rows
 
 
 if __name__ == "__main__":

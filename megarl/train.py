@@ -55,6 +55,7 @@ from megarl.run.weight_sync import WeightSync, WeightUpdateMeta, connect_engine
 from megarl.utils import heartbeat, stats_tracker
 from megarl.utils.auth import load_run_key
 from megarl.utils.console import Console, Progress, open_console, record_stop
+from megarl.utils.gc_pauses import freeze_startup_objects
 from megarl.utils.memory import PeakRSS, release_freed_memory
 from megarl.utils.mpi import discover_ranks
 from megarl.utils.plugins import import_plugin
@@ -556,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat.start(config.run_dir, f"trainer-{rank}", config.watchdog.interval_s, trace_collectives=True)
     with heartbeat.phase("build"):
         trainer = build(config)
+        freeze_startup_objects()  # full collections no longer walk the model and the imports
     if trainer.rollout is not None and config.watchdog.enabled:  # a blocked event loop goes silent
         trainer.rollout.start_heartbeat(config.run_dir, f"rollout-{rank}", config.watchdog.interval_s)
     if trainer.rollout is not None:  # what this rank waits for in the rollout: requests and rewards
