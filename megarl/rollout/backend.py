@@ -46,9 +46,24 @@ def check_chunk(chunk: GenerationChunk, max_tokens: int, vocab_size: int | None 
     """``chunk`` with float logprobs, or :class:`MalformedResponseError` (retried like malformed JSON) naming
     the reply's field when it cannot be trained on: more tokens than asked for, a token id that is not an
     integer in ``[0, vocab_size)`` (the trainer's vocabulary; None: only ``>= 0`` is checked), a logprob
-    that is null, not a number, NaN, infinite or positive."""
-    if len(chunk.output_tokens) > max_tokens:
-        raise MalformedResponseError(f"{len(chunk.output_tokens)} tokens for a request of at most {max_tokens}")
+    that is null, not a number, NaN, infinite or positive.
+
+    Every reply of every episode passes here on the pool's event loop, so a clean reply is checked in a
+    few passes over its lists; the first bad entry is looked for, and named, only when there is one."""
+    tokens, values = chunk.output_tokens, chunk.output_logprobs
+    if len(tokens) > max_tokens:
+        raise MalformedResponseError(f"{len(tokens)} tokens for a request of at most {max_tokens}")
+    upper = math.inf if vocab_size is None else vocab_size
+    if not all(type(t) is int for t in tokens) or (tokens and not (min(tokens) >= 0 and max(tokens) < upper)):
+        _raise_bad_token(chunk, vocab_size)
+    if not all(type(v) is float or type(v) is int for v in values) or not all(
+        -math.inf < v <= LOGPROB_TOLERANCE for v in values
+    ):
+        _raise_bad_logprob(chunk)
+    return replace(chunk, output_logprobs=[float(v) for v in values])
+
+
+def _raise_bad_token(chunk: GenerationChunk, vocab_size: int | None) -> None:
     for i, token in enumerate(chunk.output_tokens):
         field_name = chunk.token_field.format(i)
         if isinstance(token, bool) or not isinstance(token, int):
@@ -60,7 +75,9 @@ def check_chunk(chunk: GenerationChunk, max_tokens: int, vocab_size: int | None 
                 f"{field_name}: token id {token} is outside the trainer's vocabulary of {vocab_size} "
                 "(does the server serve the trainer's model?)"
             )
-    logprobs = []
+
+
+def _raise_bad_logprob(chunk: GenerationChunk) -> None:
     for i, value in enumerate(chunk.output_logprobs):
         field_name = chunk.logprob_field.format(i)
         if value is None:
@@ -69,8 +86,6 @@ def check_chunk(chunk: GenerationChunk, max_tokens: int, vocab_size: int | None 
             raise MalformedResponseError(f"{field_name} is {value!r:.40}, not a number")
         if not math.isfinite(value) or value > LOGPROB_TOLERANCE:
             raise MalformedResponseError(f"{field_name}: logprob {value!r} is not a log-probability (finite, <= 0)")
-        logprobs.append(float(value))
-    return replace(chunk, output_logprobs=logprobs)
 
 
 @dataclass(frozen=True)

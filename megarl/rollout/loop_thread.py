@@ -23,6 +23,7 @@ class LoopThread:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._done: set[asyncio.Task] = set()
 
     @property
     def started(self) -> bool:
@@ -64,12 +65,25 @@ class LoopThread:
         """Forget earlier wake-ups (on the loop, before looking at the state that a wake-up announces)."""
         self._wake.clear()
 
-    async def wait(self, tasks: set[asyncio.Task]) -> set[asyncio.Task]:
-        """On the loop: until one of ``tasks`` finishes or :meth:`wake` is called since :meth:`arm`; the finished tasks."""
-        waiter = asyncio.ensure_future(self._wake.wait())
-        done, _ = await asyncio.wait(tasks | {waiter}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        return done - {waiter}
+    def watch(self, task: asyncio.Task) -> asyncio.Task:
+        """On the loop: have ``task``'s end wake :meth:`wait` (and be among what it returns); returns ``task``."""
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._done.add(task)
+        self._wake.set()
+
+    async def wait(self) -> set[asyncio.Task]:
+        """On the loop: until a :meth:`watch`\ ed task finishes or :meth:`wake` is called since :meth:`arm`;
+        the tasks that finished since the last call. Each task's end costs O(1): waiting with
+        ``asyncio.wait`` on every running task instead added and removed a callback on each of them
+        at every wake-up, O(running) per finished episode (the pool's loop then spent most of its
+        time there with thousands of episodes in flight)."""
+        if not self._done:
+            await self._wake.wait()
+        done, self._done = self._done, set()
+        return done
 
     def call_soon(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on the loop (from any thread)."""

@@ -117,7 +117,7 @@ class EpisodeRunner:
         while not self.q.stopping:
             self.thread.arm()  # before launching: a wake-up during launch is not lost
             self._launch_ready(running)
-            running -= await self.thread.wait(running)
+            running -= await self.thread.wait()
         if self._beat_task is not None:
             running.add(self._beat_task)
         for task in running:
@@ -156,7 +156,7 @@ class EpisodeRunner:
                 if task.budgeted:
                     self.staleness.on_rollout_submitted()
                 self.q.cond.notify_all()  # a blocked submit may proceed
-            running.add(asyncio.get_running_loop().create_task(self._run_task(task)))
+            running.add(self.thread.watch(asyncio.get_running_loop().create_task(self._run_task(task))))
 
     # ------------------------------------------------------------------ one episode
 
