@@ -22,7 +22,15 @@ def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:
     )
     sync.probe, sync.unhealthy, sync.n_updates = [[1, 2, 3]], set(), 0
     report = SimpleNamespace(
-        seconds=0.0, bytes_sent=0, ok=True, failed={}, updated=["s"], sender_errors={}, adapter=None
+        seconds=0.0,
+        send_seconds=0.0,
+        commit_seconds=0.0,
+        bytes_sent=0,
+        ok=True,
+        failed={},
+        updated=["s"],
+        sender_errors={},
+        adapter=None,
     )
     sync.bridge = SimpleNamespace(
         connected=True,
