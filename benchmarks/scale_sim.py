@@ -136,8 +136,10 @@ def _trainer(model_dir: Path):
     from megarl.config.train import OptimizerConfig, TrainEngineConfig
     from megarl.utils.network import find_free_port
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    # a port of its own: this runs in a fresh process, whose inherited MASTER_PORT may be another's
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port())
+    )
     engine = MegatronEngine(TrainEngineConfig(path=str(model_dir), dtype="float32", optimizer=OptimizerConfig(lr=1e-5)))
     engine.create_process_group("d1p1t1")
     engine.initialize()

@@ -97,7 +97,7 @@ def _sync(rollout: RolloutControl, updated, failed=None) -> WeightSync:
     engine.set_version = lambda v: setattr(engine, "version", v)
     sync.engine, sync.rollout, sync.probe, sync.unhealthy, sync.n_updates = engine, rollout, [], set(), 0
     sync.servers = [SimpleNamespace(address=a) for a in ("a:1", "b:1")]
-    sync.config = SimpleNamespace(probe_every=10**9)
+    sync.config = SimpleNamespace(probe_every=10**9, max_failed_fraction=0.25)
     sync.bridge = _Bridge(updated, failed or {})
     return sync
 
