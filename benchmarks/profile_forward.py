@@ -38,7 +38,9 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         ms = start.elapsed_time(end) / args.repeats
-        print(f"{variant:7s} T={args.tokens} H={args.hidden} V={args.vocab}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
+        print(
+            f"{variant:7s} T={args.tokens} H={args.hidden} V={args.vocab}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s"
+        )
     torch.cuda.profiler.stop()
 
 

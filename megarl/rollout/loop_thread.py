@@ -75,7 +75,7 @@ class LoopThread:
         self._wake.set()
 
     async def wait(self) -> set[asyncio.Task]:
-        """On the loop: until a :meth:`watch`\ ed task finishes or :meth:`wake` is called since :meth:`arm`;
+        """On the loop: until a task given to :meth:`watch` finishes or :meth:`wake` is called since :meth:`arm`;
         the tasks that finished since the last call. Each task's end costs O(1): waiting with
         ``asyncio.wait`` on every running task instead added and removed a callback on each of them
         at every wake-up, O(running) per finished episode (the pool's loop then spent most of its
