@@ -164,11 +164,23 @@ def _interrupt(signum, frame) -> None:
 
 
 def joined_index(config: GRPOConfig) -> int:
-    """The index of a server joining ``config``'s run: past the allocation's servers and every join so far."""
+    """The index of a server joining ``config``'s run, reserved for it at once: past the allocation's
+    servers and every server that joined or is joining. The reservation is a ``reserve`` line of
+    ``servers_joined.jsonl`` written under a file lock, so two servers joining together (each healthy,
+    and announcing its join, minutes later) do not both take ``server-N`` and its log."""
+    from filelock import FileLock
+
     path = config.run_dir / JOINS_FILE
-    lines = path.read_text().splitlines() if path.exists() else []
-    joins = sum(json.loads(line).get("event") == "join" for line in lines if line.strip())
-    return config.allocation.inference.dp + joins
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        lines = path.read_text().splitlines() if path.exists() else []
+        records = [json.loads(line) for line in lines if line.strip()]
+        reserved = {r.get("server") for r in records if r.get("event") == "reserve"}
+        # runs from before reservations: their joins count one each
+        joins = sum(r.get("event") == "join" and r.get("server") not in reserved for r in records)
+        index = config.allocation.inference.dp + len(reserved) + joins
+        append_record(path, {"time": time.time(), "event": "reserve", "server": f"server-{index}", "address": ""})
+    return index
 
 
 def drain(address: str, timeout: float) -> None:

@@ -233,8 +233,8 @@ class ServerSet:
         for record in self._joins.new_records() if self._joins is not None else []:
             if record.get("event") == "leave":
                 self._drain(record["address"])
-            elif record["address"] not in self.addresses:
-                self._join(record["address"])
+            elif record.get("event") == "join" and record["address"] not in self.addresses:
+                self._join(record["address"])  # (a "reserve" line only holds a joining server's index)
 
     def _join(self, address: str) -> None:
         """A server started with ``megarl serve --join``: in the set, out of rotation until the trainer's

@@ -80,10 +80,26 @@ def test_a_joining_server_takes_the_index_past_the_servers_and_earlier_joins(tmp
 
     config, _ = load_expr_config(["--config", CPU_YAML, f"cluster.fileroot={tmp_path}"], GRPOConfig)
     servers = config.allocation.inference.dp
-    assert joined_index(config) == servers
+    assert joined_index(config) == servers  # reserved: the next one is past it
     for event in ("join", "leave", "join"):  # a leave does not free its index: logs and records keep their names
         append_record(config.run_dir / JOINS_FILE, {"event": event, "server": "s", "address": "h:1"})
-    assert joined_index(config) == servers + 2
+    assert joined_index(config) == servers + 3  # the reservation and the two joins
+
+
+def test_two_servers_joining_together_get_two_indices(tmp_path):
+    """Each join reserves its index when it starts (its join line comes once it is healthy, minutes later):
+    two started together are server-N and server-N+1, not both server-N."""
+    from megarl.config import GRPOConfig
+    from megarl.launcher.serve import joined_index
+    from megarl.rollout.restarts import JOINS_FILE, append_record
+    from megarl.run.prelaunch import load_expr_config
+
+    config, _ = load_expr_config(["--config", CPU_YAML, f"cluster.fileroot={tmp_path}"], GRPOConfig)
+    servers = config.allocation.inference.dp
+    first, second = joined_index(config), joined_index(config)
+    assert (first, second) == (servers, servers + 1)
+    append_record(config.run_dir / JOINS_FILE, {"event": "join", "server": f"server-{first}", "address": "h:1"})
+    assert joined_index(config) == servers + 2  # the first's join line does not count it twice
 
 
 def test_the_console_script_refuses_context_parallel(tmp_path):

@@ -68,9 +68,10 @@ def test_a_server_joins_mid_run_serves_the_current_weights_and_leaves(tmp_path):
             text=True,
         )
         joins = run_dir / "servers_joined.jsonl"
-        _wait_for(lambda: _lines(joins), 300, "join line", run, joiner)
-        (joined,) = _lines(joins)
-        assert joined["event"] == "join" and joined["server"] == "server-1"
+        joined_lines = lambda: [r for r in _lines(joins) if r["event"] == "join"]  # noqa: E731
+        _wait_for(joined_lines, 300, "join line", run, joiner)
+        (joined,) = joined_lines()
+        assert joined["server"] == "server-1"
         joined_at = len(_lines(run_dir / "metrics.jsonl"))
         # served: a step after the push trains on episodes the joined server generated (server index 1)
         _wait_for(
@@ -89,7 +90,8 @@ def test_a_server_joins_mid_run_serves_the_current_weights_and_leaves(tmp_path):
             if proc is not None and proc.poll() is None:
                 proc.kill()
     assert run.returncode == 0, out[-4000:]
-    assert [r["event"] for r in _lines(joins)] == ["join", "leave"]
+    # its index reserved when it started, then joined once healthy, then left
+    assert [(r["event"], r["server"]) for r in _lines(joins)] == [(e, "server-1") for e in ("reserve", "join", "leave")]
     metrics = _lines(run_dir / "metrics.jsonl")
     assert [m["global_step"] for m in metrics] == list(range(steps)), "the run went on after the server left"
     assert metrics[-1]["rollout/servers_joined"] == 1
