@@ -37,6 +37,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -82,8 +83,7 @@ class ItemWorkflow:
         self.prompt_len = prompt_len
 
     def prompt(self, item: int) -> list[int]:
-        digits = [11 + (item >> (7 * i)) % 128 for i in range(self.prompt_len)]
-        return digits
+        return [11 + (item >> (7 * i)) % 128 for i in range(self.prompt_len)]
 
     async def arun_episode(self, engine, data):
         from megarl.api.io_struct import ModelRequest
@@ -241,9 +241,6 @@ def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 3
         finally:
             faults.stop()
             cluster.stop()
-    row["pool_share"] = row.pop("generated tokens") / (
-        serving_model(mean_tokens).throughput(PER_SERVER) * row.pop("unpaused server-s")
-    )
     return row
 
 
@@ -308,10 +305,8 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
         worst_lag = lag.stop()
         rollout.destroy()
         trainer.destroy()
-    row = _row(n, steps, before, after, seconds, updates[1:], books, handed_out, loader, pending, peaks, worst_lag)
-    requests = sum(a["requests"] - b["requests"] for a, b in zip(after, before))
-    row["client_cpu_ms/request"] = 1000 * cpu[0] / max(1, requests)
-    row["hosts_cores"] = cpu[1] / seconds  # what the simulated servers took of the machine
+    row = _row(cluster, steps, before, after, seconds, cpu, updates[1:], books, handed_out, loader, pending, peaks)
+    row["loop_lag_ms"] = 1000 * worst_lag
     row["fault"] = faults.name or "none"
     row["servers hit"] = len(faults.hit)
     row["evicted"] = int(sum(u.get("servers_evicted", 0) for u in updates))
@@ -347,27 +342,30 @@ def _count(batch, stats, books, handed_out) -> None:
         books["misaligned"] += not row_is_clean(ids[row][:length], logprobs[row][:length], PROMPT_LEN)
 
 
-def _row(n, steps, before, after, seconds, updates, books, handed_out, loader, pending, peaks, worst_lag) -> dict:
-    tokens = sum(a["tokens"] - b["tokens"] for a, b in zip(after, before))
-    unpaused = sum(a["unpaused_s"] - b["unpaused_s"] for a, b in zip(after, before))
-    requests = sum(a["requests"] - b["requests"] for a, b in zip(after, before))
+def _delta(after: list[dict], before: list[dict], key: str) -> float:
+    """How much counter ``key`` grew, summed over the servers."""
+    return sum(a[key] - b[key] for a, b in zip(after, before))
+
+
+def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out, loader, pending, peaks) -> dict:
+    unpaused, requests = _delta(after, before, "unpaused_s"), _delta(after, before, "requests")
     overhead = [u["sync_seconds"] - RECEIVE_S - u["send_seconds"] for u in updates]  # the probe comes after
     lost = loader.fed - handed_out.count - books["dropped"] - (books["stale"] - books["stale rerun"]) - pending
     return {
-        "servers": n,
-        "host processes": -(-n // 64),
+        "servers": cluster.n,
+        "host processes": len(cluster.processes),
         "steps": steps,
-        "generated tokens": tokens,
-        "unpaused server-s": unpaused,
-        "mean_running": sum(a["running_s"] - b["running_s"] for a, b in zip(after, before)) / unpaused,
+        "pool_share": _delta(after, before, "tokens") / (cluster.serving.throughput(PER_SERVER) * unpaused),
+        "mean_running": _delta(after, before, "running_s") / unpaused,
         "requests/s": requests / seconds,
-        "update_overhead_s": sorted(overhead)[len(overhead) // 2],
-        "sync_s": sorted(u["sync_seconds"] for u in updates)[len(updates) // 2],
-        "probe_s": sorted(u.get("probe_seconds", 0.0) for u in updates)[len(updates) // 2],
+        "update_overhead_s": statistics.median_high(overhead),
+        "sync_s": statistics.median_high(u["sync_seconds"] for u in updates),
+        "probe_s": statistics.median_high(u.get("probe_seconds", 0.0) for u in updates),
         "peak_rss_MB": round(peaks["rss_mb"], 1),
         "peak_fds": peaks["fds"],
         "peak_threads": peaks["threads"],
-        "loop_lag_ms": 1000 * worst_lag,
+        "client_cpu_ms/request": 1000 * cpu[0] / max(1, requests),
+        "hosts_cores": cpu[1] / seconds,  # what the simulated servers took of the machine
         "items fed": loader.fed,
         "handed out": handed_out.count,
         "dropped": books["dropped"],

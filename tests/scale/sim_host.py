@@ -182,8 +182,7 @@ class SimServer(FakeServer):
         self.pending: str | None = None
         self.runner: web.AppRunner | None = None
         self.port = 0
-        self.counters = {"tokens": 0.0, "capacity_tokens": 0.0, "requests": 0, "aborted": 0, "updates": 0}
-        self.counters.update(busy_s=0.0, unpaused_s=0.0, running_s=0.0)
+        self.counters = {"tokens": 0.0, "requests": 0, "aborted": 0, "updates": 0, "unpaused_s": 0.0, "running_s": 0.0}
 
     # ---------------------------------------------------------------- generation
 
@@ -195,8 +194,9 @@ class SimServer(FakeServer):
         if target <= 0:
             return [EOS], "stop"
         loop = asyncio.get_running_loop()
-        gen = Generation(len(prompt), target, stops and not exact, loop.time(), loop.create_future(), None)
-        gen.transport = REQUEST_TRANSPORT.get()
+        gen = Generation(
+            len(prompt), target, stops and not exact, loop.time(), loop.create_future(), REQUEST_TRANSPORT.get()
+        )
         self.active.append(gen)
         self.counters["requests"] += 1
         try:
@@ -219,10 +219,8 @@ class SimServer(FakeServer):
         running = [g for g in self.active if now - g.started >= self.serving.ttft_s]
         if not running:
             return
-        self.counters["busy_s"] += dt
         self.counters["running_s"] += len(running) * dt  # / unpaused_s: the mean concurrency decoding
         rate = self.serving.throughput(len(running)) / self.slowdown
-        self.counters["capacity_tokens"] += rate * dt
         per_request = rate / len(running) * dt
         for gen in running:
             before = gen.progress
