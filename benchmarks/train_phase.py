@@ -1,0 +1,282 @@
+"""The train phase of a GRPO step on CPU: where its time goes, beside a plain HF step of the same tokens.
+
+The workload is the arithmetic CPU job's (``configs/arithmetic_grpo_cpu.yaml``): SmolLM2-135M's
+shape (30 layers, hidden 576, vocabulary 49,152, tied embeddings; random weights: the time does
+not depend on them), 56 sequences in 7 GRPO groups of 8 with 1,176 tokens in all (a 12-token
+prompt per group, answers of 5 to 16 tokens), the config's actor settings (PPO loss, decoupled,
+one mini-batch, so the proximal logprobs come from the update's own forward and there is no
+recompute pass; micro-batches of at most 1,024 packed tokens; Adam, clipping 1.0). One process,
+one rank (gloo). Per dtype (float32 always; bfloat16 where the CPU computes it natively, or
+with ``--dtype bfloat16``):
+
+* **megarl** ``compute_advantages`` + ``ppo_update`` (its fp32 main weights in bf16), median of
+  ``steps`` after a warm-up step, and its breakdown: inclusive wall time of each part, timed
+  by wrapping the functions that do it (``MegatronEngine.microbatches``, Megatron's
+  ``forward_step`` / ``backward_step``, ``_train_head``, the optimizer's ``prepare_grads``,
+  ``get_grad_norm`` / clipping, ``step_with_ready_grads``, ``zero_grad``); "other" is what no
+  wrapped part covers (Python between them, the stats).
+* **hf** the same tokens through ``transformers``' ``LlamaForCausalLM`` as a plain training
+  step would do it: right-padded ``[56, 28]`` batch, forward, full-vocabulary ``log_softmax``
+  logprobs of the answer tokens, token-mean loss, backward, gradient clipping 1.0,
+  ``torch.optim.AdamW`` on the model's own parameters (in bf16: bf16 weights and Adam states,
+  no fp32 copy, as TRL's ``bf16=True`` on a bf16-loaded model).
+* **ops**: the ten aten operators of one megarl step with the most self CPU time
+  (``torch.profiler``), which show what the hardware is asked to do (bf16 matmuls through
+  oneDNN, dtype copies, elementwise work).
+
+``vs_hf`` = HF step time / megarl train-phase time (above 1: megarl is faster).
+
+    python -m benchmarks.train_phase [--quick] [--dtype float32|bfloat16|both]
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks._harness import main_for, machine_info
+
+TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, 56 sequences): breakdown, vs a plain HF step"
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "arithmetic_grpo_cpu.yaml"
+
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+)
+QUICK = dict(SMOLLM2_135M, num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32)
+GROUPS, GROUP_SIZE, PROMPT = 7, 8, 12
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _write_config(out: Path, shape: dict) -> None:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", **shape).save_pretrained(out)
+
+
+def grpo_batch(vocab: int, seed: int = 0) -> dict:
+    """56 right-padded rows in 7 groups of 8: each group's rows share a prompt; answers of 5-16 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    answers = torch.randint(5, 17, (GROUPS * GROUP_SIZE,), generator=gen).tolist()
+    width = PROMPT + max(answers)
+    n = len(answers)
+    batch = {
+        "input_ids": torch.zeros(n, width, dtype=torch.int64),
+        "attention_mask": torch.zeros(n, width, dtype=torch.bool),
+        "loss_mask": torch.zeros(n, width, dtype=torch.int32),
+        "logprobs": torch.zeros(n, width),
+        "rewards": torch.randint(0, 2, (n,), generator=gen).float(),
+    }
+    for g in range(GROUPS):
+        prompt = torch.randint(0, vocab, (PROMPT,), generator=gen)
+        for i in range(g * GROUP_SIZE, (g + 1) * GROUP_SIZE):
+            length = PROMPT + answers[i]
+            batch["input_ids"][i, :PROMPT] = prompt
+            batch["input_ids"][i, PROMPT:length] = torch.randint(0, vocab, (answers[i],), generator=gen)
+            batch["attention_mask"][i, :length] = True
+            batch["loss_mask"][i, PROMPT:length] = 1
+            batch["logprobs"][i, PROMPT:length] = -torch.rand(answers[i], generator=gen) * 3
+    return batch
+
+
+class PhaseClock:
+    """Inclusive wall time of wrapped callables, summed per label."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._undo: list = []
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, original))
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+
+def _actor(model_dir: Path, dtype: str, tokens: int):
+    from megarl.actor.ppo import MegatronPPOActor
+    from megarl.config.experiment import GRPOConfig
+    from megarl.config.loader import build_config
+    from megarl.utils.network import find_free_port
+
+    overrides = [f"actor.path={model_dir}", "actor.init_from_scratch=true", f"actor.dtype={dtype}"]
+    actor_cfg = build_config(GRPOConfig, [str(CONFIG)], overrides).actor
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    actor = MegatronPPOActor(actor_cfg)
+    actor.create_process_group("d1p1t1")
+    actor.initialize(ft_spec=1000)
+    assert not actor.needs_prox_pass()  # the arithmetic config's one mini-batch: no recompute pass
+    return actor
+
+
+def _train_phase(actor, batch: dict) -> None:
+    data = {k: v.clone() for k, v in batch.items()}
+    actor.compute_advantages(data)
+    actor.ppo_update(data)
+
+
+def _clocked(actor) -> PhaseClock:
+    from megatron.core.pipeline_parallel import schedules
+
+    clock = PhaseClock()
+    clock.wrap(actor, "compute_advantages", "advantages")
+    clock.wrap(actor, "microbatches", "packing")
+    clock.wrap(schedules, "forward_step", "forward (with head)")
+    clock.wrap(actor, "_train_head", "logprob head + loss (forward)")
+    clock.wrap(schedules, "backward_step", "backward")
+    optimizers = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    for opt in {id(o): o for o in [actor.optimizer, *optimizers]}.values():
+        clock.wrap(opt, "zero_grad", "zero grads")
+    clock.wrap(actor.optimizer, "step", "optimizer step")
+    clock.wrap(actor.optimizer, "prepare_grads", "grads to fp32 main")
+    clock.wrap(actor.optimizer, "get_grad_norm", "grad norm + clip")
+    clock.wrap(actor.optimizer, "step_with_ready_grads", "Adam + main to model")
+    return clock
+
+
+PARTS = (
+    "advantages",
+    "packing",
+    "forward (with head)",
+    "backward",
+    "optimizer step",
+    "zero grads",
+)
+SUB_PARTS = ("logprob head + loss (forward)", "grads to fp32 main", "grad norm + clip", "Adam + main to model")
+
+
+def _time(step, steps: int) -> float:
+    step()  # warm-up
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int) -> tuple[float, list[dict]]:
+    actor = _actor(model_dir, dtype, int(batch["attention_mask"].sum()))
+    try:
+        _train_phase(actor, batch)  # warm-up outside the clock
+        clock = _clocked(actor)
+        total = _time(lambda: _train_phase(actor, batch), steps)
+        per_step = {k: v / (steps + 1) for k, v in clock.seconds.items()}
+        clock.restore()
+        ops = _top_ops(lambda: _train_phase(actor, batch))
+    finally:
+        actor.destroy()
+    covered = sum(per_step.get(p, 0.0) for p in PARTS)
+    rows = [_row(dtype, "megarl", "train phase (median)", total, total)]
+    for part in PARTS:
+        rows.append(_row(dtype, "megarl", part, per_step.get(part, 0.0), total))
+        if part == "forward (with head)":
+            rows.append(_row(dtype, "megarl", "  of which logprob head + loss", per_step.get(SUB_PARTS[0], 0.0), total))
+        if part == "optimizer step":
+            for sub in SUB_PARTS[1:]:
+                rows.append(_row(dtype, "megarl", f"  of which {sub}", per_step.get(sub, 0.0), total))
+    rows.append(_row(dtype, "megarl", "other (Python between parts, stats)", max(total - covered, 0.0), total))
+    return total, rows + [_row(dtype, "op", name, s, total) for name, s in ops]
+
+
+def _top_ops(step, n: int = 10) -> list[tuple[str, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [(e.key, e.self_cpu_time_total / 1e6) for e in events[:n]]
+
+
+def hf_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) -> float:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=DTYPES[dtype])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    mask = batch["loss_mask"][:, 1:].bool()
+
+    def step():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (-(logp * mask).sum() / mask.sum()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _time(step, steps)
+
+
+def _row(dtype: str, system: str, part: str, seconds: float, total: float, **extra) -> dict:
+    return {"dtype": dtype, "system": system, "part": part, "seconds": round(seconds, 4),
+            "share": round(seconds / total, 3) if total else None, **extra}
+
+
+def dtypes_to_run() -> list[str]:
+    """float32, and bfloat16 where the CPU has it natively (``MEGARL_TRAIN_PHASE_DTYPES`` overrides)."""
+    chosen = os.environ.get("MEGARL_TRAIN_PHASE_DTYPES")
+    if chosen:
+        return chosen.split(",")
+    return ["float32", "bfloat16"] if machine_info().get("native_bf16") else ["float32"]
+
+
+def run(quick: bool) -> list[dict]:
+    shape = QUICK if quick else SMOLLM2_135M
+    steps = 2 if quick else 5
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_config(Path(tmp), shape)
+        batch = grpo_batch(shape["vocab_size"])
+        tokens = int(batch["attention_mask"].sum())
+        for dtype in dtypes_to_run():
+            hf = hf_step_time(Path(tmp), batch, dtype, steps)
+            total, megarl = megarl_rows(Path(tmp), batch, dtype, steps)
+            megarl[0].update(vs_hf=round(hf / total, 3))
+            rows += megarl
+            rows.append(_row(dtype, "hf", "plain HF step (median)", hf, hf, tokens=tokens,
+                             threads=torch.get_num_threads()))
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    heads = [r for r in rows if r["part"] == "train phase (median)"]
+    return "; ".join(f"{r['dtype']}: megarl {r['seconds']} s, {r['vs_hf']}x HF's speed" for r in heads)
+
+
+if __name__ == "__main__":
+    if "--dtype" in sys.argv:
+        i = sys.argv.index("--dtype")
+        value = sys.argv[i + 1]
+        os.environ["MEGARL_TRAIN_PHASE_DTYPES"] = "float32,bfloat16" if value == "both" else value
+        del sys.argv[i : i + 2]
+    main_for(__name__)
