@@ -2,8 +2,9 @@
 
 The workload is the arithmetic CPU job's (``configs/arithmetic_grpo_cpu.yaml``): SmolLM2-135M's
 shape (30 layers, hidden 576, vocabulary 49,152, tied embeddings; random weights: the time does
-not depend on them), 56 sequences in 7 GRPO groups of 8 with 1,176 tokens in all (a 12-token
-prompt per group, answers of 5 to 16 tokens), the config's actor settings (PPO loss, decoupled,
+not depend on them), 56 sequences in 7 GRPO groups of 8 with 1,232 tokens in all (a 12-token
+prompt per group, answers of 5 to 16 tokens; a measured step of the job had
+1,177 in 56), the config's actor settings (PPO loss, decoupled,
 one mini-batch, so the proximal logprobs come from the update's own forward and there is no
 recompute pass; micro-batches of at most 1,024 packed tokens; Adam, clipping 1.0). One process,
 one rank (gloo). Per dtype (float32 always; bfloat16 where the CPU computes it natively, or
@@ -12,8 +13,9 @@ with ``--dtype bfloat16``):
 * **megarl** ``compute_advantages`` + ``ppo_update`` (its fp32 main weights in bf16), median of
   ``steps`` after a warm-up step, and its breakdown: inclusive wall time of each part, timed
   by wrapping the functions that do it (``MegatronEngine.microbatches``, Megatron's
-  ``forward_step`` / ``backward_step``, ``_train_head``, the optimizer's ``prepare_grads``,
-  ``get_grad_norm`` / clipping, ``step_with_ready_grads``, ``zero_grad``); "other" is what no
+  ``forward_step`` / ``backward_step``, ``_train_head``, ``finalize_model_grads``, the
+  optimizer's ``prepare_grads``, ``get_grad_norm`` / clipping, ``step_with_ready_grads``,
+  ``zero_grad`` and the grad buffers' ``zero_grad_buffer``); "other" is what no
   wrapped part covers (Python between them, the stats).
 * **hf** the same tokens through ``transformers``' ``LlamaForCausalLM`` as a plain training
   step would do it: right-padded ``[56, 28]`` batch, forward, full-vocabulary ``log_softmax``
@@ -41,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._harness import main_for, machine_info
+from benchmarks._harness import machine_info, main_for
 
 TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, 56 sequences): breakdown, vs a plain HF step"
 REPO = Path(__file__).resolve().parents[1]
@@ -59,8 +61,15 @@ SMOLLM2_135M = dict(
     rms_norm_eps=1e-5,
     max_position_embeddings=8192,
 )
-QUICK = dict(SMOLLM2_135M, num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32)
+QUICK = dict(
+    SMOLLM2_135M,
+    num_hidden_layers=2,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
 GROUPS, GROUP_SIZE, PROMPT = 7, 8, 12
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -154,6 +163,9 @@ def _clocked(actor) -> PhaseClock:
     clock.wrap(schedules, "forward_step", "forward (with head)")
     clock.wrap(actor, "_train_head", "logprob head + loss (forward)")
     clock.wrap(schedules, "backward_step", "backward")
+    clock.wrap(actor.tconfig, "finalize_model_grads_func", "finalize grads")
+    for chunk in actor.model:
+        clock.wrap(chunk, "zero_grad_buffer", "zero grads")
     optimizers = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
     for opt in {id(o): o for o in [actor.optimizer, *optimizers]}.values():
         clock.wrap(opt, "zero_grad", "zero grads")
@@ -169,6 +181,7 @@ PARTS = (
     "packing",
     "forward (with head)",
     "backward",
+    "finalize grads",
     "optimizer step",
     "zero grads",
 )
@@ -238,19 +251,25 @@ def hf_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) -> float:
 
 
 def _row(dtype: str, system: str, part: str, seconds: float, total: float, **extra) -> dict:
-    return {"dtype": dtype, "system": system, "part": part, "seconds": round(seconds, 4),
-            "share": round(seconds / total, 3) if total else None, **extra}
+    return {
+        "dtype": dtype,
+        "system": system,
+        "part": part,
+        "seconds": round(seconds, 4),
+        "share": round(seconds / total, 3) if total else None,
+        **extra,
+    }
 
 
 def dtypes_to_run() -> list[str]:
-    """float32, and bfloat16 where the CPU has it natively (``MEGARL_TRAIN_PHASE_DTYPES`` overrides)."""
+    """bfloat16 where the CPU has it natively, then float32 (``MEGARL_TRAIN_PHASE_DTYPES`` overrides)."""
     chosen = os.environ.get("MEGARL_TRAIN_PHASE_DTYPES")
     if chosen:
         return chosen.split(",")
-    return ["float32", "bfloat16"] if machine_info().get("native_bf16") else ["float32"]
+    return ["bfloat16", "float32"] if machine_info().get("native_bf16") else ["float32"]
 
 
-def run(quick: bool) -> list[dict]:
+def run(quick: bool, on_rows=None) -> list[dict]:
     shape = QUICK if quick else SMOLLM2_135M
     steps = 2 if quick else 5
     rows = []
@@ -263,8 +282,11 @@ def run(quick: bool) -> list[dict]:
             total, megarl = megarl_rows(Path(tmp), batch, dtype, steps)
             megarl[0].update(vs_hf=round(hf / total, 3))
             rows += megarl
-            rows.append(_row(dtype, "hf", "plain HF step (median)", hf, hf, tokens=tokens,
-                             threads=torch.get_num_threads()))
+            rows.append(
+                _row(dtype, "hf", "plain HF step (median)", hf, hf, tokens=tokens, threads=torch.get_num_threads())
+            )
+            if on_rows is not None:  # a run cut off later keeps this dtype's rows
+                on_rows(rows)
     return rows
 
 
@@ -277,6 +299,6 @@ if __name__ == "__main__":
     if "--dtype" in sys.argv:
         i = sys.argv.index("--dtype")
         value = sys.argv[i + 1]
-        os.environ["MEGARL_TRAIN_PHASE_DTYPES"] = "float32,bfloat16" if value == "both" else value
+        os.environ["MEGARL_TRAIN_PHASE_DTYPES"] = "bfloat16,float32" if value == "both" else value
         del sys.argv[i : i + 2]
     main_for(__name__)

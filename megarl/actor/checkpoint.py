@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.actor.optim import dither_main_params
+from megarl.actor.optim import dither_main_params, use_fused_adam
 from megarl.models.hf_io import gather_hf_tensors, unwrap, write_hf_dir
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ def load(engine, meta: SaveLoadMeta) -> None:
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if meta.with_optim and engine.optimizer is not None:
         engine.optimizer.load_state_dict(loaded["optimizer"])
+        use_fused_adam(engine.optimizer)  # a state saved before the switch says fused=False
         _restore_adam_step(engine.optimizer, loaded["optimizer"])
         _dither_if_saved_undithered(engine, loaded["engine"].get("main_params_rounding", "nearest"))
         engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
@@ -198,9 +199,11 @@ def _restore_adam_step(optimizer, loaded: dict) -> None:
     step = steps.pop()
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, torch.optim.AdamW):
-            for state in inner.state.values():
-                state["step"] = torch.tensor(step, dtype=torch.float32)
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            # the fused kernel (use_fused_adam) keeps its step on the parameter's device
+            on_device = any(group["fused"] or group["capturable"] for group in inner.param_groups)
+            for param, state in inner.state.items():
+                state["step"] = torch.tensor(step, dtype=torch.float32, device=param.device if on_device else "cpu")
 
 
 def _param_groups(tree) -> list[dict]:

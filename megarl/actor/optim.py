@@ -53,7 +53,35 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list, params_dtype: torch.dtyp
     )
     if cfg.bf16_rounding == "dithered" and params_dtype != torch.float32:
         dither_main_params(optimizer, params_dtype)
+    use_fused_adam(optimizer)
     return optimizer
+
+
+def use_fused_adam(optimizer) -> int:
+    """Run torch's Adam / AdamW inside Megatron's optimizer as torch's fused kernel; returns the
+    number of parameter groups switched.
+
+    Without TransformerEngine or Apex (always on CPU) Megatron builds ``torch.optim.Adam(W)``
+    without choosing an implementation, and for CPU tensors torch then takes its per-tensor
+    loop: about a dozen elementwise passes and temporaries per parameter. The fused kernel does
+    the same update in one vectorised pass (3.7x faster for a 135M-parameter model's step on a
+    2-core AVX2 CPU; ``benchmarks/train_phase.py``). Called again after an optimizer state is
+    loaded, whose parameter groups carry the ``fused`` flag they were saved with.
+    """
+    switched = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue  # TransformerEngine's or Apex's FusedAdam already is one
+        for group in inner.param_groups:
+            params = group["params"]
+            if group.get("differentiable") or not all(p.is_floating_point() for p in params):
+                continue
+            if any(p.device.type not in ("cpu", "cuda") for p in params) or group["fused"]:
+                continue
+            group.update(fused=True, foreach=False)
+            switched += 1
+    return switched
 
 
 def main_params_of_low_precision(optimizer) -> list[torch.Tensor]:

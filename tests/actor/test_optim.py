@@ -45,3 +45,49 @@ def test_warmup_then_cosine_decay():
 def test_schedule_needs_positive_total_steps():
     with pytest.raises(ValueError, match="total_steps must be >= 1"):
         build_lr_scheduler(OptimizerConfig(), _FakeOptimizer(), 0)
+
+
+class _MegatronLike:
+    """What use_fused_adam reads of Megatron's optimizer: the torch optimizer it wraps."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+def test_fused_adam_takes_the_same_steps_as_the_per_tensor_loop():
+    """use_fused_adam switches the wrapped torch AdamW to the fused kernel; three steps match the
+    loop torch takes on CPU by default within fp32 rounding of the update (a few roundings per
+    element: |diff| <= steps * (2 u |p| + 16 u lr), u = 2^-24)."""
+    import torch
+
+    from megarl.actor.optim import use_fused_adam
+    from tests.numerics import unit_roundoff
+
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, 48, generator=gen), torch.randn(48, generator=gen)]
+    params = {name: [torch.nn.Parameter(t.clone()) for t in start] for name in ("loop", "fused")}
+    lr, steps = 1e-3, 3
+    opts = {name: torch.optim.AdamW(p, lr=lr, weight_decay=0.01) for name, p in params.items()}
+    assert use_fused_adam(_MegatronLike(opts["fused"])) == 1
+    assert opts["fused"].param_groups[0]["fused"] is True and not opts["loop"].param_groups[0]["fused"]
+    for _ in range(steps):
+        grads = [torch.randn(t.shape, generator=gen) for t in start]
+        for name, opt in opts.items():
+            for p, g in zip(params[name], grads):
+                p.grad = g.clone()
+            opt.step()
+    u = unit_roundoff(torch.float32)
+    for loop, fused, p0 in zip(params["loop"], params["fused"], start):
+        assert not torch.equal(loop.detach(), p0)  # the parameters moved
+        bound = steps * (2 * u * p0.abs() + 16 * u * lr)
+        assert ((loop - fused).abs() <= bound).all()
+
+
+def test_fused_adam_leaves_other_optimizers_alone():
+    import torch
+
+    from megarl.actor.optim import use_fused_adam
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    assert use_fused_adam(_MegatronLike(sgd)) == 0
+    assert use_fused_adam(object()) == 0  # no wrapped optimizer at all
