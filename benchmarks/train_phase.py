@@ -261,6 +261,14 @@ def _row(dtype: str, system: str, part: str, seconds: float, total: float, **ext
     }
 
 
+def results_name() -> str:
+    """One table per CPU kind (``train_phase_amx``, ``train_phase_avx512_bf16``, ``train_phase_avx2``):
+    the kinds differ most exactly where this benchmark looks."""
+    flags = set((machine_info().get("cpu_flags") or "").split())
+    kind = next((k for k in ("amx_bf16", "avx512_bf16") if k in flags), "avx2")
+    return f"train_phase_{kind.removesuffix('_bf16') if kind == 'amx_bf16' else kind}"
+
+
 def dtypes_to_run() -> list[str]:
     """bfloat16 where the CPU has it natively, then float32 (``MEGARL_TRAIN_PHASE_DTYPES`` overrides)."""
     chosen = os.environ.get("MEGARL_TRAIN_PHASE_DTYPES")
