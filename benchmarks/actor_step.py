@@ -5,9 +5,12 @@ model (QKV bias, GQA, SwiGLU) whose size is set by the shape table below. A step
 micro-batch pass of a token-mean next-token loss (fused vocab-parallel logprobs), backward,
 and an Adam update. Timings: median over ``steps`` after one warm-up step.
 
-* CPU (fp32): the same model as an HF transformers ``Qwen2ForCausalLM`` doing forward,
-  log-softmax logprobs, backward and ``torch.optim.AdamW`` over the same tokens, in the
-  same process; ``vs_hf`` = Megatron tokens/s over HF tokens/s.
+* CPU (fp32; bf16 too where the CPU computes it natively): the same model as an HF
+  transformers ``Qwen2ForCausalLM`` doing forward, log-softmax logprobs, backward and
+  ``torch.optim.AdamW`` over the same tokens in the same dtype (bf16: bf16 weights and Adam
+  states, where megarl keeps fp32 main weights), in the same process; ``vs_hf`` = Megatron
+  tokens/s over HF tokens/s. Where a GRPO step's train phase spends its time, part by part,
+  is ``benchmarks/train_phase.py``'s table.
 * GPU (bf16, Megatron's mixed-precision distributed optimizer): a Qwen2.5-1.5B-shaped model
   from random init, first with the torch path (``use_fused_kernels=False``), then with the fused
   CUDA logprob kernels (True), each in its own process (a kernel fault cannot cost the other
@@ -141,10 +144,10 @@ def _megatron_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) ->
     return _time_steps(_train_step(engine, batch), steps)
 
 
-def _hf_step_time(model_dir: Path, batch: dict, steps: int) -> float:
+def _hf_step_time(model_dir: Path, batch: dict, steps: int, dtype: torch.dtype = torch.float32) -> float:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = batch["input_ids"]
 
@@ -265,15 +268,23 @@ def actor_rows(name: str, shape: tuple, dtype: str, steps: int, fused_flags=(Fal
 def _run_cpu(quick: bool) -> list[dict]:
     rows = []
     for name, shape in (CPU_SHAPES_QUICK if quick else CPU_SHAPES).items():
-        with tempfile.TemporaryDirectory() as tmp:
-            _write_config(Path(tmp), shape)
-            batch = _batch(shape, "cpu")
-            steps = 2 if quick else 3
-            hf = _hf_step_time(Path(tmp), batch, steps)
-            mcore = _megatron_step_time(Path(tmp), batch, "float32", steps)
-        rows.append(_row(name, shape, "megatron", mcore, vs_hf=hf / mcore))
-        rows.append(_row(name, shape, "hf", hf))
+        for dtype in cpu_dtypes():
+            with tempfile.TemporaryDirectory() as tmp:
+                _write_config(Path(tmp), shape)
+                batch = _batch(shape, "cpu")
+                steps = 2 if quick else 3
+                hf = _hf_step_time(Path(tmp), batch, steps, getattr(torch, dtype))
+                mcore = _megatron_step_time(Path(tmp), batch, dtype, steps)
+            rows.append(_row(name, shape, "megatron", mcore, vs_hf=hf / mcore, dtype=dtype))
+            rows.append(_row(name, shape, "hf", hf, dtype=dtype))
     return rows
+
+
+def cpu_dtypes() -> list[str]:
+    """float32, and bfloat16 too where the CPU computes it natively (AVX-512 BF16, AMX)."""
+    from benchmarks._harness import machine_info
+
+    return ["float32", "bfloat16"] if machine_info().get("native_bf16") else ["float32"]
 
 
 def _run_gpu(quick: bool, on_rows=None) -> list[dict]:
