@@ -332,7 +332,7 @@ class FakeServer:
                 **self.stats,
                 "paused": not self.resumed.is_set(),
                 "sleeping": self.sleeping,
-                "payloads": self.payloads[-5:],
+                "payloads": list(self.payloads)[-5:],  # a list, or a bounded deque (tests/scale/sim_host.py)
             }
         )
 

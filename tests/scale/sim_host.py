@@ -29,7 +29,8 @@ dialects, pause / resume, sleep / wake, injected faults), with what a cluster of
   by 10; ``{"hang_update": true}`` accepts the next weight-update request and never answers.
   The fake server's ``/_faults`` queue (a burst of 429s ...) works as before.
 
-``GET /_host`` (any live server of the process) returns every server's counters at once.
+``GET /_host`` (any live server of the process) returns every server's counters at once (tokens,
+requests, and seconds alive, unpaused and busy: see :meth:`SimServer.tick`).
 
 Run: ``python tests/scale/sim_host.py --ports 20000,20001,... --dialect vllm [--model DIR] ...``;
 it prints ``ready`` once every port listens.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextvars
 import hashlib
 import math
@@ -182,7 +184,18 @@ class SimServer(FakeServer):
         self.pending: str | None = None
         self.runner: web.AppRunner | None = None
         self.port = 0
-        self.counters = {"tokens": 0.0, "requests": 0, "aborted": 0, "updates": 0, "unpaused_s": 0.0, "running_s": 0.0}
+        self.counters = {
+            "tokens": 0.0,
+            "requests": 0,
+            "aborted": 0,
+            "updates": 0,
+            "unpaused_s": 0.0,
+            "running_s": 0.0,
+            "alive_s": 0.0,
+            "busy_s": 0.0,
+        }
+        # the fake server keeps every request's body for its tests; a simulated cluster serves millions
+        self.payloads = collections.deque(maxlen=16)
 
     # ---------------------------------------------------------------- generation
 
@@ -206,7 +219,12 @@ class SimServer(FakeServer):
                 self.active.remove(gen)
 
     def tick(self, dt: float, now: float) -> None:
-        """Advance every running request by ``dt`` seconds of decoding (abort them all while paused)."""
+        """Advance every running request by ``dt`` seconds of decoding (abort them all while paused).
+
+        Counters: ``alive_s`` (every tick, paused or not), ``unpaused_s``, ``busy_s`` (unpaused with a
+        request in prefill or decoding: 1 - busy_s / alive_s is the server's idle share, paused included)
+        and ``running_s`` (requests decoding x seconds)."""
+        self.counters["alive_s"] += dt
         if not self.resumed.is_set():
             for gen in list(self.active):
                 n = int(gen.progress)
@@ -216,6 +234,7 @@ class SimServer(FakeServer):
             self.active.clear()
             return
         self.counters["unpaused_s"] += dt
+        self.counters["busy_s"] += dt if self.active else 0.0
         running = [g for g in self.active if now - g.started >= self.serving.ttft_s]
         if not running:
             return
@@ -272,7 +291,8 @@ class SimServer(FakeServer):
         if self.hang_update:
             self.hang_update = False
             await asyncio.sleep(10**6)
-        self.scorer.preload(path)  # in a thread: the simulated receive time stays what it is
+        if self.scorer.model_dir is not None:  # a host started without --model scores nothing: no load
+            self.scorer.preload(path)  # in a thread: the simulated receive time stays what it is
         await asyncio.sleep(self.load.seconds)
         self.pending = path
 
