@@ -372,7 +372,7 @@ def summary(rows: list[dict]) -> str:
     return (
         f"At max_staleness 2 the simulated speedup over synchronous (max_staleness 0) is {two['sim speedup']:.2f}x "
         f"and the planner's {two['planner speedup']:.2f}x: {diff:+.0%} (goal: within 15%, "
-        f"{'met' if abs(diff) <= 0.15 else 'not met'}). The gap is the synchronous step's tail: the planner "
+        f"{'met' if abs(diff) <= 0.15 else 'not met'}). What decides it is the synchronous step's tail: the planner "
         f"waits max_new_tokens x token_latency_s = {work.max_new_tokens} x "
         f"{rates.server[1].token_latency_s * 1e3:.0f} ms = {work.max_new_tokens * rates.server[1].token_latency_s:.1f} s "
         f"for the longest sample, the simulated servers (5,000 tokens/s at 64 requests, faster per request as "
