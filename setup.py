@@ -70,6 +70,7 @@ EXTRAS = {
     "dev": [
         "pytest>=8",
         "pytest-timeout>=2.3",
+        "pytest-xdist>=3.5",  # make test: two workers
         "hypothesis>=6.100",
         "ruff>=0.6",
         "openai>=1.40",

@@ -8,6 +8,16 @@ from pathlib import Path
 
 import pytest
 
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): a test file's tests
+    share a worker, so its module fixtures start once, and every test that starts a real Slurm
+    cluster shares one worker, so two clusters never compete for the machine's slots."""
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 # --------------------------------------------------------------------------------------
 # Models (megarl.models): the provisioned SmolLM2 and tiny random models, once per session.
 # --------------------------------------------------------------------------------------
