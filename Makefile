@@ -78,7 +78,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two pytest-xdist workers: on a 2-core machine the suite took 32 min against 44 in one process (one
+# Two pytest-xdist workers: on a 2-core machine the suite took 32 min against 40-44 in one process (one
 # process keeps ~1.1 cores busy: much of the suite waits on servers and subprocesses starting);
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
