@@ -12,19 +12,10 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): a test file's tests
     share a worker, so its module fixtures start once, and every test that starts a real Slurm
-    cluster shares one worker, so two clusters never compete for the machine's slots. The longest
-    groups go first (the end-to-end runs of ``tests/train``, then Slurm's), so that the last minutes
-    are short groups on both workers, not one long run on one of them."""
+    cluster shares one worker, so two clusters never compete for the machine's slots."""
     for item in items:
         group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=_start_order)  # stable: the collection order within each rank
-
-
-def _start_order(item) -> int:
-    if item.nodeid.startswith("tests/train/"):
-        return 0
-    return 1 if item.get_closest_marker("slurm") else 2
 
 
 # --------------------------------------------------------------------------------------
