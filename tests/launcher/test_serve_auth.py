@@ -115,6 +115,19 @@ def test_megarl_serve_by_hand_refuses_every_route_but_health_without_the_key(vll
     assert address.partition(":")[0] == gethostip()  # the address a user's server binds
 
 
+@pytest.fixture(autouse=True)
+def _key_stays_in_its_test():
+    """``megarl serve`` puts the run key in this process's environment for its server; put it back as
+    it was (``monkeypatch.delenv`` of an unset variable restores nothing), or every server a later test
+    of this worker starts (the session's vLLM server) asks for a key its clients do not send."""
+    before = os.environ.get(API_KEY_ENV)
+    yield
+    if before is None:
+        os.environ.pop(API_KEY_ENV, None)
+    else:
+        os.environ[API_KEY_ENV] = before
+
+
 @pytest.fixture
 def started(monkeypatch) -> list[dict]:
     """``megarl serve``'s calls of :func:`megarl.launcher.serve.serve` (no server starts)."""
@@ -179,3 +192,8 @@ def test_a_joining_server_needs_the_runs_key_or_insecure(tmp_path, monkeypatch, 
     assert f"the run has no {KEY_FILE} file" in capsys.readouterr().err and not started
     (run_dir / KEY_FILE).write_text("the-runs-key\n")
     assert main(["serve", "--join", str(run_dir)]) == 0 and os.environ[API_KEY_ENV] == "the-runs-key"
+
+
+def test_a_serve_test_leaves_no_run_key_behind():
+    """Runs after the serve tests in this file: none of them left ``$MEGARL_API_KEY`` set."""
+    assert API_KEY_ENV not in os.environ
