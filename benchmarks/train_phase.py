@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._harness import machine_info, main_for
+from benchmarks.actor_step import _time_steps
 
 TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, 56 sequences): breakdown, vs a plain HF step"
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +131,7 @@ class PhaseClock:
             setattr(owner, attr, original)
 
 
-def _actor(model_dir: Path, dtype: str, tokens: int):
+def _actor(model_dir: Path, dtype: str):
     from megarl.actor.ppo import MegatronPPOActor
     from megarl.config.experiment import GRPOConfig
     from megarl.config.loader import build_config
@@ -188,22 +188,12 @@ PARTS = (
 SUB_PARTS = ("logprob head + loss (forward)", "grads to fp32 main", "grad norm + clip", "Adam + main to model")
 
 
-def _time(step, steps: int) -> float:
-    step()  # warm-up
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int) -> tuple[float, list[dict]]:
-    actor = _actor(model_dir, dtype, int(batch["attention_mask"].sum()))
+    actor = _actor(model_dir, dtype)
     try:
         _train_phase(actor, batch)  # warm-up outside the clock
         clock = _clocked(actor)
-        total = _time(lambda: _train_phase(actor, batch), steps)
+        total = _time_steps(lambda: _train_phase(actor, batch), steps)
         per_step = {k: v / (steps + 1) for k, v in clock.seconds.items()}
         clock.restore()
         ops = _top_ops(lambda: _train_phase(actor, batch))
@@ -247,7 +237,7 @@ def hf_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time(step, steps)
+    return _time_steps(step, steps)
 
 
 def _row(dtype: str, system: str, part: str, seconds: float, total: float, **extra) -> dict:
