@@ -129,6 +129,7 @@ def soak(
     proc, samples = psutil.Process(), Samples()
     handed_out = IdBitmap()
     totals = {"doubled": 0, "misaligned": 0, "failed": 0, "dropped": 0, "stale": 0, "stale rerun": 0, "steps": 0}
+    stats_tracker.export_all(local=True)  # what this process recorded earlier is not this run's
     start = time.monotonic()
     try:
         while time.monotonic() - start < 60 * minutes:
