@@ -8,7 +8,7 @@ staleness control, server set, health checks), ``DistRolloutCoordinator.prepare_
 model in disk mode (the trainer writes a complete HF checkpoint; each server "receives" it in
 ``model_bytes / (tp * bytes_per_s)`` seconds and its consistency-probe answers come from a real HF
 model of those weights). The trainer does not train: a step is ``prepare_batch``, then
-``TRAIN_S`` of sleep, then the weight update with the probe, as ``megarl.train.rl_step`` orders them.
+``TRAIN_S`` (of sleep, after the check of the batch's rows), then the weight update with the probe, as ``megarl.train.rl_step`` orders them.
 
 Per size, in its own process (so that resources are the size's own), then (not ``--quick``) once
 per fault of :data:`FAULTS` at 64 servers:
@@ -283,15 +283,14 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
             batch = coordinator.prepare_batch(loader, workflow)
             if step == 0:  # the first batch warms the pool up: the window starts here
                 before, start = cluster.stats(), time.monotonic()
-                cpu_before = (_cpu_seconds([proc]), _cpu_seconds(hosts))
-            time.sleep(TRAIN_S)
+                cpu_before = (_cpu_seconds([proc], children=False), _cpu_seconds(hosts))
+            _train(batch, books, handed_out)
             faults.before_update(step)
             updates.append(sync.update_weights(WeightUpdateMeta(config, version=step + 1)))
             faults.after_update(step)
             if step == 1:
                 after_fault = cluster.stats()
-            stats = stats_tracker.export(local=True)
-            _count(batch, stats, books, handed_out)
+            _count_drops(stats_tracker.export(local=True), books)
             for key, value in (
                 ("rss_mb", proc.memory_info().rss / 2**20),
                 ("fds", proc.num_fds()),
@@ -299,7 +298,7 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
             ):
                 peaks[key] = max(peaks[key], value)
         after, seconds = cluster.stats(), time.monotonic() - start
-        cpu = (_cpu_seconds([proc]) - cpu_before[0], _cpu_seconds(hosts) - cpu_before[1])
+        cpu = (_cpu_seconds([proc], children=False) - cpu_before[0], _cpu_seconds(hosts) - cpu_before[1])
         pending = len(rollout.pool.pending_items())
     finally:
         worst_lag = lag.stop()
@@ -321,20 +320,32 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     return row
 
 
-def _cpu_seconds(procs) -> float:
-    """User + system CPU seconds of ``procs`` (their children included: a host is a keeper and its server)."""
+def _cpu_seconds(procs, children: bool = True) -> float:
+    """User + system CPU seconds of ``procs`` (``children``: theirs too: a host is a keeper and its
+    server; the trainer's process has the simulated cluster among its children, so not for it)."""
     total = 0.0
     for p in procs:
-        for q in (p, *p.children(recursive=True)):
+        for q in (p, *p.children(recursive=True)) if children else (p,):
             times = q.cpu_times()
             total += times.user + times.system
     return total
 
 
-def _count(batch, stats, books, handed_out) -> None:
+def _train(batch, books, handed_out) -> None:
+    """The trainer's step: ``TRAIN_S`` at least, in which the batch's rows are checked (the check's
+    CPU time falls where a real trainer's Python runs too, not in the weight update)."""
+    start = time.monotonic()
+    _count_rows(batch, books, handed_out)
+    time.sleep(max(0.0, TRAIN_S - (time.monotonic() - start)))
+
+
+def _count_drops(stats, books) -> None:
     books["dropped"] += int(stats.get("rollout/n_dropped_items", 0))
     books["stale"] += int(stats.get("rollout/n_stale_dropped", 0))
     books["stale rerun"] += int(stats.get("rollout/n_stale_rerun", 0))
+
+
+def _count_rows(batch, books, handed_out) -> None:
     ids, logprobs, mask = batch["input_ids"].tolist(), batch["logprobs"].tolist(), batch["attention_mask"]
     for row, reward in enumerate(batch["rewards"].tolist()):
         books["doubled"] += handed_out.add(int(reward))

@@ -38,6 +38,7 @@ from megarl.bridge.wiring import Wiring, make_wiring, trainer_join
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.utils import heartbeat
+from megarl.utils.fanout import call_all
 from megarl.utils.hardware import concrete_dtype
 from megarl.utils.network import find_free_ports, gethostip
 
@@ -91,26 +92,9 @@ class UpdateReport:
 
 
 def in_threads(calls: dict[str, callable], timeout: float) -> dict[str, str]:
-    """Run ``{name: fn}`` concurrently; ``{name: error}`` of those that raised or did not finish in time."""
-    errors: dict[str, str] = {}
-
-    def run(name, fn):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 (any failure of a server call is reported for that server)
-            errors[name] = f"{type(e).__name__}: {e}"
-
-    threads = {
-        n: threading.Thread(target=run, args=(n, fn), daemon=True, name=f"megarl-bridge-{n}") for n, fn in calls.items()
-    }
-    for thread in threads.values():
-        thread.start()
-    deadline = time.monotonic() + timeout
-    for name, thread in threads.items():
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            errors.setdefault(name, f"no answer within {timeout:g}s")
-    return errors
+    """Run ``{name: fn}`` concurrently; ``{name: error}`` of those that raised or did not finish in time
+    (on the process's fan-out threads: :func:`megarl.utils.fanout.call_all`)."""
+    return call_all(calls, timeout)
 
 
 def _background(calls: dict[str, callable], timeout: float, errors: dict[str, str]) -> threading.Thread:

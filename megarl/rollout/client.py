@@ -26,6 +26,7 @@ from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse, derive_seed
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.rollout.backend import GenerationChunk, InferenceBackend, check_chunk
+from megarl.rollout.gate import Gate
 from megarl.rollout.http import (
     InferenceServerError,
     RetryPolicy,
@@ -37,7 +38,7 @@ from megarl.rollout.servers import NoHealthyServerError, Server, ServerSet
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
 
-_PAUSE_POLL_S = 0.05
+_RESTART_POLL_S = 0.5
 
 
 class ServerLostError(InferenceServerError):
@@ -71,15 +72,32 @@ class GenerationClient(GenerationEngine):
         self.servers = servers
         self.policy = RetryPolicy(config.request_timeout, config.request_retries, config.retry_backoff)
         self.tokenizer = tokenizer
-        self.paused = False
-        """While True, requests wait before they are sent (set around a weight update)."""
-        self.stopped = False
-        """Once True, an aborted request returns what it has instead of waiting for a resume."""
+        self._gate = Gate()  # closed while paused; released once stopped
         self._version = 0
         self._max_connections = max_connections
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         self._lock = threading.Lock()
         self._requests = InFlight("request(s) outstanding")  # by server, for the watchdog
+
+    @property
+    def paused(self) -> bool:
+        """While True, requests wait before they are sent (set around a weight update)."""
+        return self._gate.closed
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._gate.close() if value else self._gate.open()
+
+    @property
+    def stopped(self) -> bool:
+        """Once True, an aborted request returns what it has instead of waiting for a resume."""
+        return self._gate.released
+
+    @stopped.setter
+    def stopped(self, value: bool) -> None:
+        if not value:
+            raise ValueError("a stopped GenerationClient stays stopped")
+        self._gate.release()
 
     @property
     def server_addresses(self) -> list[str]:
@@ -136,7 +154,7 @@ class GenerationClient(GenerationEngine):
                 server = self.servers.choose(req.rid)
             except NoHealthyServerError:
                 if self.servers.awaiting_push() and time.monotonic() < restart_deadline:
-                    await asyncio.sleep(_PAUSE_POLL_S * 10)  # a restarted server comes back once the trainer pushed
+                    await asyncio.sleep(_RESTART_POLL_S)  # a restarted server comes back once the trainer pushed
                     continue
                 outages += 1
                 if outages > self.policy.retries or not await self.servers.wait_for_a_server():
@@ -185,8 +203,7 @@ class GenerationClient(GenerationEngine):
         return resp
 
     async def _wait_while_paused(self) -> None:
-        while self.paused and not self.stopped:
-            await asyncio.sleep(_PAUSE_POLL_S)
+        await self._gate.wait()
 
     async def _send(self, server: Server, payload: dict[str, Any], max_tokens: int) -> GenerationChunk:
         server.in_flight += 1

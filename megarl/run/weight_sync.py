@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -58,6 +58,7 @@ from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transport import wire_dtype
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.utils import heartbeat
+from megarl.utils.fanout import submit_all
 from megarl.utils.hardware import concrete_dtype
 
 logger = logging.getLogger(__name__)
@@ -354,12 +355,9 @@ class WeightSync:
 
 
 def score_all(servers: list[ServerControl], score: Callable[[ServerControl], T]) -> dict[str, Future[T]]:
-    """``score(server)`` on every server at once, a thread each (64 servers score the probe in one round,
-    not eight): address -> its future. The caller goes on (the trainer scores the probe meanwhile)."""
-    pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="megarl-probe")
-    futures = {s.address: pool.submit(score, s) for s in servers}
-    pool.shutdown(wait=False)  # its threads end once their call returns
-    return futures
+    """``score(server)`` on every server at once, a fan-out thread each (64 servers score the probe in
+    one round, not eight): address -> its future. The caller goes on (the trainer scores the probe meanwhile)."""
+    return submit_all({s.address: (lambda s=s: score(s)) for s in servers})
 
 
 def server_controls(backend: str, addresses: list[str], tp: int, timeout: float) -> list[ServerControl]:

@@ -38,6 +38,22 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 _INF = float("inf")
+_SMALL = 64
+"""Host tensors up to this many elements are folded in with Python numbers (:meth:`_Acc._add_numbers`)."""
+
+
+def _lower(acc: Any, v: float) -> Any:
+    """min(acc, v), NaN winning, for an accumulator that is a number or a 0-dim tensor."""
+    if isinstance(acc, torch.Tensor):
+        return torch.minimum(acc, acc.new_tensor(v))
+    return acc if (acc != acc or acc <= v) else v
+
+
+def _upper(acc: Any, v: float) -> Any:
+    """max(acc, v), NaN winning, for an accumulator that is a number or a 0-dim tensor."""
+    if isinstance(acc, torch.Tensor):
+        return torch.maximum(acc, acc.new_tensor(v))
+    return acc if (acc != acc or acc >= v) else v
 
 
 class ReduceType(enum.Enum):
@@ -66,16 +82,29 @@ class _Acc:
         """Fold the elements of ``value`` selected by ``mask`` in, without a host sync."""
         if value.numel() == 0:
             return
+        if value.device.type == "cpu" and value.numel() <= _SMALL:
+            self._add_numbers(value.reshape(-1).tolist(), mask.reshape(-1).tolist())
+            return
         if not value.is_floating_point():
             value = value.double()  # integers cannot hold the +-inf fill values
         s = torch.where(mask, value, 0).sum(dtype=torch.float64)
         lo = torch.where(mask, value, _INF).min().double()
         hi = torch.where(mask, value, -_INF).max().double()
-        first = not isinstance(self.min, torch.Tensor)
         self.sum = self.sum + s
         self.count = self.count + mask.sum(dtype=torch.float64)
-        self.min = lo if first else torch.minimum(self.min, lo)
-        self.max = hi if first else torch.maximum(self.max, hi)
+        self.min = torch.minimum(torch.as_tensor(self.min, dtype=lo.dtype, device=lo.device), lo)
+        self.max = torch.maximum(torch.as_tensor(self.max, dtype=hi.dtype, device=hi.device), hi)
+
+    def _add_numbers(self, values: list, mask: list) -> None:
+        """:meth:`add_tensor` of a few host numbers, in Python: the rollout loop records a handful per
+        episode, where a dozen tensor operations on one element each cost it more than the episode's
+        HTTP request did. NaN propagates as in the tensor path."""
+        picked = [float(v) for v, m in zip(values, mask) if m]
+        self.count = self.count + len(picked)
+        for v in picked:
+            self.sum = self.sum + v
+            self.min = _lower(self.min, v)
+            self.max = _upper(self.max, v)
 
 
 class DistributedStatsTracker:

@@ -85,6 +85,22 @@ def test_score_all_runs_one_thread_per_server():
     assert sync_mod.score_all([], lambda s: s) == {}
 
 
+def test_the_updates_fan_outs_start_no_thread_once_the_pool_has_them(monkeypatch):
+    """Begin, receive, commit and the probe reuse the fan-out's threads: starting a thread per server
+    per phase cost ~2 s per phase at 256 servers while the rollout loop kept the interpreter busy."""
+    from megarl.bridge.bridge import in_threads
+
+    calls = {f"h{i}:1": (lambda: None) for i in range(N)}
+    in_threads(calls, timeout=30)
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self.name) or real_start(self))
+    assert in_threads(calls, timeout=30) == {}
+    futures = sync_mod.score_all([_server(f"h{i}:1") for i in range(N)], lambda s: s.address)
+    assert [f.result(timeout=30) for f in futures.values()] == list(calls)
+    assert started == [], f"{len(started)} threads started for {N} servers"
+
+
 def test_a_servers_figures_keep_its_number_when_another_is_out(monkeypatch):
     """With server 1 out of rotation, server 2's figures are still ``server2/...`` (not ``server1/...``)."""
     servers = [_server(f"10.0.0.{i}:8000") for i in range(3)]

@@ -47,6 +47,29 @@ def test_stats_accumulate_over_calls_as_one_global_mean(tracker):
     assert out == {"n": 3.0, "x/avg": 4.0, "x/min": 1.0, "x/max": 9.0}
 
 
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_small_host_records_agree_with_the_tensor_path(tracker, with_nan):
+    """A few host numbers are folded in with Python (the rollout loop records some per episode); mixed
+    with large records of the same key, the export is the plain torch aggregate of all of them."""
+    gen = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(n, generator=gen, dtype=torch.float64) for n in (1, 3, 500, 2, 64, 65, 1)]
+    masks = [torch.rand(len(c), generator=gen) < 0.7 for c in chunks]
+    masks[0][:] = True
+    if with_nan:
+        chunks[3][0], masks[3][0] = float("nan"), True
+    for chunk, mask in zip(chunks, masks):
+        tracker.denominator(n=mask)
+        tracker.stat(x=chunk, denominator="n")
+    out = tracker.export()
+    picked = torch.cat([c[m] for c, m in zip(chunks, masks)])
+    assert out["n"] == picked.numel()
+    if with_nan:
+        assert all(out[f"x/{k}"] != out[f"x/{k}"] for k in ("avg", "min", "max")), out
+        return
+    assert out["x/avg"] == pytest.approx(picked.mean().item(), rel=1e-12)
+    assert (out["x/min"], out["x/max"]) == (picked.min().item(), picked.max().item())
+
+
 @pytest.mark.parametrize(
     "reduce_type, expected",
     [
