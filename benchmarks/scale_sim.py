@@ -14,10 +14,12 @@ Per size, in its own process (so that resources are the size's own), then (not `
 per fault of :data:`FAULTS` at 64 servers:
 
 * ``pool_share``: tokens the servers generated over what they could have, each at the concurrency
-  the pool is configured to give it (``PER_SERVER`` requests), while not paused;
+  the pool is configured to give it (``PER_SERVER`` requests), between weight syncs (``pool_share_all``:
+  over the whole run, syncs and probes included, while not paused);
 * ``update_overhead_s``: the update's control time: pause, then every server acknowledged the new
   version, then resume (``sync_seconds``: the probe comes after it), minus the simulated receive and the
-  trainer's own write of the checkpoint (``send_seconds``);
+  trainer's own write of the checkpoint (``send_seconds``); ``pause_s``, ``commit_s`` and ``resume_s``
+  are three of its parts (the others: the update's begin and the receive's requests);
 * ``probe_s``: the consistency probe (every server scores 2 sequences);
 * the rollout process's peak RSS, open file descriptors and threads, the pool loop's worst lag
   (how late a 50 ms sleep on it wakes), the generation requests per second it sustained and the CPU
@@ -278,16 +280,20 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     hosts = [psutil.Process(p.pid) for p in cluster.processes]
     lag = LoopLag(rollout.pool.loop)
     try:
-        before, start = None, None
+        before, start, synced = None, None, None
+        between_syncs = []  # (counters after a weight sync, counters before the next)
         for step in range(steps):
             batch = coordinator.prepare_batch(loader, workflow)
             if step == 0:  # the first batch warms the pool up: the window starts here
                 before, start = cluster.stats(), time.monotonic()
+                synced = before
                 cpu_before = (_cpu_seconds([proc], children=False), _cpu_seconds(hosts))
             _train(batch, books, handed_out)
+            between_syncs.append((synced, cluster.stats()))
             faults.before_update(step)
             updates.append(sync.update_weights(WeightUpdateMeta(config, version=step + 1)))
             faults.after_update(step)
+            synced = cluster.stats()
             if step == 1:
                 after_fault = cluster.stats()
             _count_drops(stats_tracker.export(local=True), books)
@@ -305,6 +311,7 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
         rollout.destroy()
         trainer.destroy()
     row = _row(cluster, steps, before, after, seconds, cpu, updates[1:], books, handed_out, loader, pending, peaks)
+    row["pool_share"] = _share(cluster, between_syncs)
     row["loop_lag_ms"] = 1000 * worst_lag
     row["fault"] = faults.name or "none"
     row["servers hit"] = len(faults.hit)
@@ -358,6 +365,15 @@ def _delta(after: list[dict], before: list[dict], key: str) -> float:
     return sum(a[key] - b[key] for a, b in zip(after, before))
 
 
+def _share(cluster, windows: list[tuple[list[dict], list[dict]]]) -> float:
+    """Tokens the servers generated over what they could have, in the windows between weight syncs
+    (the sync, with its probe, is the update columns' business: a simulated server scores the probe on
+    this machine's CPU, 256 of them take seconds, and the pool starts no episode meanwhile)."""
+    tokens = sum(_delta(b, a, "tokens") for a, b in windows)
+    capacity = sum(_delta(b, a, "unpaused_s") for a, b in windows) * cluster.serving.throughput(PER_SERVER)
+    return tokens / capacity
+
+
 def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out, loader, pending, peaks) -> dict:
     unpaused, requests = _delta(after, before, "unpaused_s"), _delta(after, before, "requests")
     overhead = [u["sync_seconds"] - RECEIVE_S - u["send_seconds"] for u in updates]  # the probe comes after
@@ -366,11 +382,17 @@ def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out
         "servers": cluster.n,
         "host processes": len(cluster.processes),
         "steps": steps,
-        "pool_share": _delta(after, before, "tokens") / (cluster.serving.throughput(PER_SERVER) * unpaused),
+        "pool_share": None,  # between weight syncs: _share
+        "pool_share_all": _delta(after, before, "tokens") / (cluster.serving.throughput(PER_SERVER) * unpaused),
         "mean_running": _delta(after, before, "running_s") / unpaused,
         "requests/s": requests / seconds,
         "update_overhead_s": statistics.median_high(overhead),
         "sync_s": statistics.median_high(u["sync_seconds"] for u in updates),
+        # the overhead's parts: pausing every server (their in-flight requests abort), their commit
+        # of the new version, resuming them
+        "pause_s": statistics.median_high(u["pause_seconds"] for u in updates),
+        "commit_s": statistics.median_high(u["commit_seconds"] for u in updates),
+        "resume_s": statistics.median_high(u["resume_seconds"] for u in updates),
         "probe_s": statistics.median_high(u.get("probe_seconds", 0.0) for u in updates),
         "peak_rss_MB": round(peaks["rss_mb"], 1),
         "peak_fds": peaks["fds"],

@@ -182,6 +182,7 @@ class WeightSync:
         if all(s.address in self.unhealthy for s in self.servers):
             return self._nothing_to_send(version, start)
         self._pause()
+        paused = time.perf_counter()
         try:
             if not self.bridge.connected:
                 heartbeat.step("weight sync: connecting the bridge to the servers")
@@ -199,9 +200,12 @@ class WeightSync:
             raise
         # the probe is scored by servers that have no episodes to generate yet: it takes a fraction
         # of a second instead of waiting behind a whole batch's decoding
+        resuming = time.perf_counter()
         self._resume(episodes=not (probing and report.ok))
         try:
             stats = {
+                "pause_seconds": paused - start,
+                "resume_seconds": time.perf_counter() - resuming,
                 "update_seconds": report.seconds,
                 "send_seconds": report.send_seconds,
                 "commit_seconds": report.commit_seconds,
