@@ -224,9 +224,10 @@ class FaultPlan:
             self.joined.stop()
 
 
-def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 300.0) -> dict:
+def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 300.0, dialect: str = "vllm") -> dict:
     """One size: the pool, the coordinator and the weight sync driving ``n`` simulated servers, with
-    one of :data:`FAULTS` at step 1 if ``fault`` names one (answers of ``mean_tokens`` on average)."""
+    one of :data:`FAULTS` at step 1 if ``fault`` names one (answers of ``mean_tokens`` on average),
+    the servers speaking ``dialect`` (``vllm`` or ``sglang``)."""
     from megarl.models.tiny import make_tiny_model
     from tests.scale.sim_cluster import SimCluster
 
@@ -234,7 +235,7 @@ def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 3
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model("qwen2", Path(tmp) / "model")
         cluster = SimCluster(
-            n, PROMPT_LEN, model_dir=str(model_dir), serving=serving_model(mean_tokens), load=weight_load()
+            n, PROMPT_LEN, dialect, str(model_dir), serving=serving_model(mean_tokens), load=weight_load()
         )
         cluster.start()
         faults = FaultPlan(fault, cluster, Path(tmp) / "run")
@@ -259,7 +260,7 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     concurrency = PER_SERVER * n
     trainer = _trainer(model_dir)
     pool_config = fast_config(max_concurrent_rollouts=concurrency, max_staleness=2, request_timeout=600.0)
-    rollout = RemoteInferenceEngine(pool_config, "vllm").initialize(
+    rollout = RemoteInferenceEngine(pool_config, cluster.dialect).initialize(
         server_addrs=cluster.addresses,
         batch_size=concurrency,
         vocab_size=trainer.desc.dims.vocab_size,
@@ -313,6 +314,8 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     row = _row(cluster, steps, before, after, seconds, cpu, updates[1:], books, handed_out, loader, pending, peaks)
     row["pool_share"] = _share(cluster, between_syncs)
     row["loop_lag_ms"] = 1000 * worst_lag
+    row["dialect"] = cluster.dialect
+    row["servers on the last version"] = sum(str(s["version"]) == str(steps) for s in after)
     row["fault"] = faults.name or "none"
     row["servers hit"] = len(faults.hit)
     row["evicted"] = int(sum(u.get("servers_evicted", 0) for u in updates))
@@ -410,11 +413,13 @@ def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out
     }
 
 
-def _in_own_process(n: int, steps: int, fault: str | None = None, mean_tokens: float = 300.0) -> dict:
+def _in_own_process(
+    n: int, steps: int, fault: str | None = None, mean_tokens: float = 300.0, dialect: str = "vllm"
+) -> dict:
     """:func:`measure` in a fresh process: its resources and its torch.distributed group are its own."""
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        return pool.submit(measure, n, steps, fault, mean_tokens).result()
+        return pool.submit(measure, n, steps, fault, mean_tokens, dialect).result()
 
 
 FAULT_SERVERS = 64

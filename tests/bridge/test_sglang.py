@@ -141,3 +141,12 @@ def test_fake_sglang_servers_receive_exact_bytes(tiny_model_dir, tmp_path):
             assert sorted(dump["weights"]) == sorted(hf)
             for name, tensor in hf.items():
                 assert torch.equal(dump["weights"][name], (tensor * version).to(WIRE)), (version, i, name)
+
+
+def test_disk_mode_alone_joins_no_group():
+    """``weight_update.mode: disk`` with SGLang servers: nothing to join at connect (the server reads each
+    version from the path); connecting used to fail every SGLang server ("only broadcast and disk modes")."""
+    control = SGLangControl("127.0.0.1:9", tp=1, timeout=1.0)  # nothing listens there: no request may be made
+    control.init_group({"specs": {"0": {}}, "wiring": {"broadcast": []}, "dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="no sharded receive API"):
+        control.init_group({"specs": {"0": {"sharded": {}}}, "wiring": {"broadcast": []}, "dtype": "bfloat16"})

@@ -37,6 +37,18 @@ def test_a_server_that_hangs_the_update_is_evicted_and_the_run_goes_on():
     assert row["handed out"] == 3 * 8 * 64, row
 
 
+def test_the_control_plane_drives_sglang_servers_too():
+    """The same run against 8 servers speaking SGLang's routes (``/generate``, ``/pause_generation``,
+    ``/update_weights_from_disk``, ``/update_weight_version``): every update reaches every server and
+    the books balance."""
+    from benchmarks.scale_sim import _in_own_process
+
+    row = _in_own_process(8, 2, mean_tokens=60.0, dialect="sglang")
+    assert row["dialect"] == "sglang" and row["servers on the last version"] == 8, row
+    assert (row["lost"], row["doubled"], row["misaligned"]) == (0, 0, 0), row
+    assert row["handed out"] == 2 * 8 * 8 and row["requests/s"] > 0, row
+
+
 def test_a_simulated_server_answers_like_a_batching_server():
     """One request alone decodes at peak / (1 + half) tokens/s, c of them share peak * c / (c + half);
     an answer's length depends on its prompt only, and a generation continued after a pause (prompt +

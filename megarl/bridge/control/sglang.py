@@ -79,9 +79,13 @@ class SGLangControl(ServerControl):
     # ServerControl
 
     def init_group(self, init_info: dict) -> None:
-        if "broadcast" not in init_info["specs"]["0"]:
+        modes = init_info["specs"]["0"]
+        if "sharded" in modes:
             raise ValueError(f"SGLang server {self.address}: only broadcast and disk modes (no sharded receive API)")
-        spec = init_info["specs"]["0"]["broadcast"]
+        if "broadcast" not in modes:  # disk mode only: the server reads each version from the path, no group
+            self._groups, self._buckets = [], []
+            return
+        spec = modes["broadcast"]
         self._groups = [g["name"] for g in init_info["wiring"]["broadcast"]]
         self._buckets, self._dtype = spec["buckets"], DTYPE_NAMES[init_info["dtype"]]
         for payload in self.init_payloads(init_info):
