@@ -254,12 +254,19 @@ def _training(sizes: dict[str, int], part: str, spec: str) -> TrainingAllocation
 
 
 def check_supported(alloc: AllocationMode) -> None:
-    """Refuse what the grammar reads but megarl cannot run yet: context parallelism (``c`` > 1).
+    """Refuse what the grammar reads but megarl cannot run yet: pipeline parallelism inside an inference
+    server (``p`` > 1 on the inference side) and context parallelism (``c`` > 1).
 
-    Megatron-Core would take the size, but nothing splits a sequence over context-parallel
+    The launchers start tensor-parallel servers only. For context parallelism Megatron-Core would take the size, but nothing splits a sequence over context-parallel
     ranks here (the packed batches, logprobs and loss are whole sequences per rank), so a
     run would train wrong or fail deep in the model: it is refused when the config is checked.
     """
+    inference = alloc.inference
+    if inference is not None and inference.pp > 1:
+        raise AllocationError(
+            f"allocation_mode '{alloc}': {inference.backend} servers here are tensor-parallel only: pipeline "
+            f"parallel p{inference.pp} is not started; use t{inference.tp * inference.pp} or more replicas (d)"
+        )
     train = alloc.train
     if train is not None and train.cp > 1:
         raise AllocationError(

@@ -472,13 +472,6 @@ class GRPOConfig(BaseExperimentConfig):
             self.weight_update.mode,
             f"sharded transfer needs vLLM servers; SGLang ({self.allocation_mode}) takes 'broadcast' or 'disk'",
         )
-        require(
-            alloc.inference.pp == 1,
-            "allocation_mode",
-            self.allocation_mode,
-            f"{backend} servers here are tensor-parallel only: pipeline parallel p{alloc.inference.pp} is not "
-            f"started; use t{alloc.inference.tp * alloc.inference.pp} or more replicas (d)",
-        )
         self._check_server_args(backend)
         context_key = "vllm.max_model_len" if backend == "vllm" else "sglang.context_length"
         context = self.context_length
