@@ -125,3 +125,37 @@ def softmax_head_bounds(
         d_hidden=dg @ w.abs() + gamma(V, dtype) * (g.abs() @ w.abs()),
         d_weight=dg.T @ h.abs() + gamma(T, dtype) * (g.abs().T @ h.abs()),
     )
+
+
+PPO_TOKEN_ROUNDINGS = 8
+"""Roundings in one token's PPO loss: the log-ratio subtractions, two exps (ratio and behaviour weight),
+the clip's bounds, the products with the advantage and the weight."""
+
+
+def ppo_loss_bounds(
+    loss_tok: torch.Tensor,
+    grad_tok: torch.Tensor,
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    prox: torch.Tensor | None,
+    mask: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[float, torch.Tensor]:
+    """Bounds of a token-mean PPO loss computed in ``dtype`` and of its gradient per token, against the
+    exact ``loss_tok`` / ``grad_tok`` (float64: the per-token loss, and d(mean loss)/d logp).
+
+    A token's log-ratio x = logp - anchor is rounded once (|dx| <= u |x|) and exp turns that into a
+    relative error |x| u of the ratio; with a proximal policy the behaviour weight exp(prox - old) adds
+    its own. Each token is then within ``(PPO_TOKEN_ROUNDINGS + |x| + |x_w|) u`` of its exact value,
+    relative; the mean adds gamma(n) sum|loss| over the n tokens kept, divided by their (exact) count.
+    A token on a clip boundary within these errors could fall on either side: the caller's data keep
+    clear of that (the clip fractions are compared exactly)."""
+    u = unit_roundoff(dtype)
+    anchor = old if prox is None else prox
+    rel = PPO_TOKEN_ROUNDINGS + (logp.double() - anchor.double()).abs()
+    if prox is not None:
+        rel = rel + (prox.double() - old.double()).abs()
+    rel = rel * u * mask
+    count = max(int(mask.sum()), 1)
+    loss_bound = float(((rel * loss_tok.abs()).sum() + gamma(count, dtype) * loss_tok.abs().sum()) / count)
+    return loss_bound, (rel + u) * grad_tok.abs()

@@ -9,6 +9,7 @@ import torch
 from megarl.actor import fused_ppo_loss as ppo_loss_module
 from megarl.actor.fused_ppo_loss import fused_ppo_loss
 from megarl.actor.losses import aggregate, policy_loss
+from tests.numerics import assert_within, ppo_loss_bounds
 
 
 def plain_ppo_loss(logp, prox, old, adv, eps, mask, c_clip=None, cap=None, eps_high=None):
@@ -64,13 +65,50 @@ def test_matches_plain_torch_autograd(cfg, seed):
         y, prox, old, adv, 0.2, mask, cfg.get("dual_clip"), cfg.get("behav_imp_weight_cap"), cfg.get("eps_clip_high")
     )
     want.backward()
-    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(x.grad, y.grad, atol=1e-6, rtol=1e-5)
+    # both float32 results against the float64 reference, within the bounds derived for float32
+    exact = logp.double().requires_grad_(True)
+    out64 = policy_loss(
+        exact,
+        old.double(),
+        adv.double(),
+        mask,
+        eps_clip=0.2,
+        eps_clip_higher=cfg.get("eps_clip_high"),
+        c_clip=cfg.get("dual_clip"),
+        proximal_logprobs=None if prox is None else prox.double(),
+        behav_imp_weight_cap=cfg.get("behav_imp_weight_cap"),
+    )
+    total, count = aggregate(out64.loss, out64.mask, "token-mean")
+    (total / count.clamp(min=1)).backward()
+    loss_tok = out64.loss.detach() * mask
+    loss_bound, grad_bound = ppo_loss_bounds(loss_tok, exact.grad, logp, old, prox, mask, torch.float32)
+    want64 = total.detach() / count.clamp(min=1)
+    for name, got, got_grad in (("fused", loss, x.grad), ("plain", want, y.grad)):
+        assert_within(got.detach(), want64, torch.tensor(loss_bound), f"{name} loss")
+        assert_within(got_grad, exact.grad, grad_bound, f"{name} gradient")
     torch.testing.assert_close(stats.clip_fraction, clip_frac.float())
     torch.testing.assert_close(stats.dual_clip_fraction, dual_frac.float())
     assert stats.num_tokens.item() == mask.sum().item()
     if "dual_clip" in cfg:
         assert dual_frac > 0, "the batch should exercise the dual clip"
+
+
+def test_the_derived_bounds_reject_an_error_just_above_them():
+    logp, old, prox, adv, mask = random_batch(0)
+    exact = logp.double().requires_grad_(True)
+    out = policy_loss(exact, old.double(), adv.double(), mask, eps_clip=0.2, proximal_logprobs=prox.double())
+    total, count = aggregate(out.loss, out.mask, "token-mean")
+    (total / count).backward()
+    loss_bound, grad_bound = ppo_loss_bounds(out.loss.detach() * mask, exact.grad, logp, old, prox, mask, torch.float32)
+    want = total.detach() / count
+    assert_within(want + 0.99 * loss_bound, want, torch.tensor(loss_bound), "loss just inside")
+    with pytest.raises(AssertionError, match="beyond their error bound"):
+        assert_within(want + 1.01 * loss_bound, want, torch.tensor(loss_bound), "loss just outside")
+    worst = int(grad_bound.argmax())
+    planted = exact.grad.clone()
+    planted[worst] += 1.01 * grad_bound[worst]
+    with pytest.raises(AssertionError, match="1 of 257 elements"):
+        assert_within(planted, exact.grad, grad_bound, "gradient just outside")
 
 
 def test_hand_computed_classic_ppo():
