@@ -132,6 +132,22 @@ PPO_TOKEN_ROUNDINGS = 8
 the clip's bounds, the products with the advantage and the weight."""
 
 
+def ppo_token_relative_error(
+    logp: torch.Tensor, old: torch.Tensor, prox: torch.Tensor | None, dtype: torch.dtype, inputs_rounded: bool = False
+) -> torch.Tensor:
+    """The relative error bound of each token's PPO loss computed in ``dtype`` (see :func:`ppo_loss_bounds`);
+    ``inputs_rounded``: the log-probabilities themselves were rounded to ``dtype`` from exact values (a
+    hand-computed example's ``math.log(0.6)``), each adding u times its magnitude to the log-ratio."""
+    anchor = old if prox is None else prox
+    logs = [logp.double(), old.double()] + ([] if prox is None else [prox.double()])
+    rel = PPO_TOKEN_ROUNDINGS + (logs[0] - anchor.double()).abs()
+    if prox is not None:
+        rel = rel + (prox.double() - old.double()).abs()
+    if inputs_rounded:
+        rel = rel + sum(x.abs() for x in logs) + (0 if prox is None else prox.double().abs() + old.double().abs())
+    return rel * unit_roundoff(dtype)
+
+
 def ppo_loss_bounds(
     loss_tok: torch.Tensor,
     grad_tok: torch.Tensor,
@@ -151,11 +167,7 @@ def ppo_loss_bounds(
     A token on a clip boundary within these errors could fall on either side: the caller's data keep
     clear of that (the clip fractions are compared exactly)."""
     u = unit_roundoff(dtype)
-    anchor = old if prox is None else prox
-    rel = PPO_TOKEN_ROUNDINGS + (logp.double() - anchor.double()).abs()
-    if prox is not None:
-        rel = rel + (prox.double() - old.double()).abs()
-    rel = rel * u * mask
+    rel = ppo_token_relative_error(logp, old, prox, dtype) * mask
     count = max(int(mask.sum()), 1)
     loss_bound = float(((rel * loss_tok.abs()).sum() + gamma(count, dtype) * loss_tok.abs().sum()) / count)
     return loss_bound, (rel + u) * grad_tok.abs()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megarl.actor.losses import aggregate, clipped_surrogate, kl_penalty, policy_loss
+from tests.numerics import assert_within, ppo_token_relative_error, unit_roundoff
 
 T = torch.tensor
 
@@ -43,7 +44,9 @@ def test_policy_loss_plain_ppo_masks_prompt_tokens():
     adv = T([9.0, 9.0, 1.0, -1.0])
     out = policy_loss(logp, old, adv, T([0, 0, 1, 1]), eps_clip=0.2)
     # token 2: r = 1.2 -> -1.2 (at the bound, not clipped); token 3: r = 1 -> 1.0
-    assert torch.allclose(out.loss, T([0.0, 0.0, -1.2, 1.0]), atol=1e-6)
+    want = T([0.0, 0.0, -1.2, 1.0], dtype=torch.float64)
+    bound = ppo_token_relative_error(logp, old, None, torch.float32, inputs_rounded=True) * want.abs()
+    assert_within(out.loss, want, bound, "plain PPO loss")
     assert out.mask.tolist() == [False, False, True, True]
     assert out.behav_weight is None
 
@@ -55,9 +58,14 @@ def test_decoupled_ppo_weights_and_caps_behaviour_ratio():
     adv = T([1.0, 1.0, 1.0])
     out = policy_loss(logp, old, adv, T([1, 1, 1]), eps_clip=0.2, proximal_logprobs=prox, behav_imp_weight_cap=5.0)
     # ratios vs proximal: 1, 2 (clipped to 1.2), 1; behaviour weights exp(prox-old): 2, 0.5, 10 (> cap: dropped)
-    assert torch.allclose(out.behav_weight, T([2.0, 0.5, 10.0]), rtol=1e-5)
+    want = T([2.0, 0.5, 10.0], dtype=torch.float64)  # exp(prox - old): its argument's and its own rounding
+    u = unit_roundoff(torch.float32)
+    weight_error = (4 + (prox.double() - old.double()).abs() + prox.double().abs() + old.double().abs()) * u
+    assert_within(out.behav_weight, want, weight_error * want, "behaviour weights")
     assert out.capped.tolist() == [False, False, True]
-    assert torch.allclose(out.loss, T([-2.0, -0.6, 0.0]), rtol=1e-5)
+    want = T([-2.0, -0.6, 0.0], dtype=torch.float64)
+    bound = ppo_token_relative_error(logp, old, prox, torch.float32, inputs_rounded=True) * want.abs()
+    assert_within(out.loss, want, bound, "decoupled PPO loss")
     total, weight = aggregate(out.loss, out.mask, "token-mean")
     assert torch.isclose(total / weight, T(-2.6 / 3))  # as AReaL: a capped token still counts in the denominator
 
