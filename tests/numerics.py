@@ -56,9 +56,11 @@ class HeadBounds:
     entropy: torch.Tensor  # [T]
     d_hidden: torch.Tensor  # [T, H]
     d_weight: torch.Tensor  # [V, H]
+    lse: torch.Tensor  # [T]: log-sum-exp of the logits
 
     def __mul__(self, factor: float) -> HeadBounds:
-        return HeadBounds(*(getattr(self, f) * factor for f in ("logprob", "entropy", "d_hidden", "d_weight")))
+        fields = ("logprob", "entropy", "d_hidden", "d_weight", "lse")
+        return HeadBounds(*(getattr(self, f) * factor for f in fields))
 
 
 def softmax_head_bounds(
@@ -124,6 +126,7 @@ def softmax_head_bounds(
         entropy=e_lse + e_mu + u * entropy.abs(),
         d_hidden=dg @ w.abs() + gamma(V, dtype) * (g.abs() @ w.abs()),
         d_weight=dg.T @ h.abs() + gamma(T, dtype) * (g.abs().T @ h.abs()),
+        lse=e_lse + u * torch.logsumexp(zk, dim=-1).abs(),
     )
 
 
