@@ -376,3 +376,14 @@ def test_checker_fails_on_a_name_that_does_not_exist(text, expected):
 )
 def test_checker_passes_what_exists(text):
     assert check_page(text, PAGE) == []
+
+
+def test_the_command_table_lists_every_command():
+    """`docs/guides/configs.md`'s command line table has a row for each `megarl` subcommand."""
+    from megarl.launcher.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    table = (REPO / "docs" / "guides" / "configs.md").read_text().split("## The command line", 1)[1]
+    rows = {m.group(1) for m in re.finditer(r"^\| `megarl (\w+)", table, re.MULTILINE)}
+    assert sorted(set(sub.choices) - rows) == [], "commands missing from the table"
