@@ -1,4 +1,4 @@
-"""The rollout pool under load (issue 20, item 6): 512 concurrent episodes for 30 minutes against
+"""The rollout pool under load: 512 concurrent episodes for 30 minutes against
 servers that delay or fail 10% of their requests at random.
 
 A trainer-like loop (``prepare_batch``, ``set_version``, a stats export per step) drives a real

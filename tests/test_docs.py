@@ -387,3 +387,11 @@ def test_the_command_table_lists_every_command():
     table = (REPO / "docs" / "guides" / "configs.md").read_text().split("## The command line", 1)[1]
     rows = {m.group(1) for m in re.finditer(r"^\| `megarl (\w+)", table, re.MULTILINE)}
     assert sorted(set(sub.choices) - rows) == [], "commands missing from the table"
+
+
+def test_pages_speak_to_users_not_of_the_project_tracker():
+    """No page, benchmark or kernel README cites the project's internal issue numbers ("issue 42")."""
+    files = [REPO / "README.md", REPO / "csrc" / "README.md", *(REPO / "docs").rglob("*.md")]
+    files += [*(REPO / "benchmarks").glob("*.py"), *(REPO / "examples").rglob("*.md")]
+    cited = [f"{f.relative_to(REPO)}: {m.group(0)}" for f in files for m in re.finditer(r"(?i)\bissue #?\d+", f.read_text())]
+    assert cited == []
