@@ -395,3 +395,10 @@ def test_pages_speak_to_users_not_of_the_project_tracker():
     files += [*(REPO / "benchmarks").glob("*.py"), *(REPO / "examples").rglob("*.md")]
     cited = [f"{f.relative_to(REPO)}: {m.group(0)}" for f in files for m in re.finditer(r"(?i)\bissue #?\d+", f.read_text())]
     assert cited == []
+
+
+@pytest.mark.parametrize("page, prefix", [("README.md", "docs/"), ("docs/index.md", "")])
+def test_the_guide_lists_have_every_guide_in_the_nav(page, prefix):
+    nav = re.findall(r"^\s+- [^:]+: (guides/[\w\-]+\.md)$", (REPO / "mkdocs.yml").read_text(), re.MULTILINE)
+    text = (REPO / page).read_text()
+    assert nav and [g for g in nav if f"]({prefix}{g}" not in text] == []
