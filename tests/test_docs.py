@@ -402,3 +402,11 @@ def test_the_guide_lists_have_every_guide_in_the_nav(page, prefix):
     nav = re.findall(r"^\s+- [^:]+: (guides/[\w\-]+\.md)$", (REPO / "mkdocs.yml").read_text(), re.MULTILINE)
     text = (REPO / page).read_text()
     assert nav and [g for g in nav if f"]({prefix}{g}" not in text] == []
+
+
+def test_one_reward_signature_everywhere():
+    """Pages and examples write the reward as the run calls it: AReaL's names, `completions` second."""
+    files = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "examples").rglob("*.py")]
+    files += [*(REPO / "examples").rglob("*.md")]
+    singular = re.compile(r"\(prompt(?:: str)?, completion(?:: str)?, prompt_ids")
+    assert [str(f.relative_to(REPO)) for f in files if singular.search(f.read_text())] == []

@@ -70,7 +70,7 @@ def _evaluate(node: ast.AST) -> float:
 class CalculatorAgent:
     """Answers an arithmetic row, calling the calculator as often as it likes (``max_turns`` calls at most).
 
-    ``reward_fn`` scores the last answer (``fn(prompt, completion, prompt_ids, completion_ids, **row)``;
+    ``reward_fn`` scores the last answer (``fn(prompt, completions, prompt_ids, completion_ids, **row)``;
     cheap here, so it runs inline: a slow one belongs in ``megarl.reward.executor.AsyncRewardWrapper``).
     """
 

@@ -36,7 +36,7 @@ from megarl.config.rollout import RUN_ARGUMENTS, WorkflowConfig
 from megarl.config.run import DatasetConfig
 from megarl.config.train import BUILTIN_LOSSES, USER_LOSS_CALL
 from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
-from megarl.data.rows import ROW_MAPPERS, DatasetRowError, row_mapper
+from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row_mapper
 from megarl.utils.logging import is_rank0
 from megarl.utils.plugins import accepted_parameters, import_plugin, locate_plugin, signature_problem
 
@@ -117,7 +117,7 @@ class Prelaunch:
                 if workflow is not None:
                     _check_workflow(key, workflow)
             _check_disk_path(config)
-        _check_dataset("train_dataset", config.train_dataset, multi_node)
+        row = _check_dataset("train_dataset", config.train_dataset, multi_node)
         if config.valid_dataset is not None:
             _check_dataset("valid_dataset", config.valid_dataset, multi_node)
         if config.tokenizer_path:
@@ -126,7 +126,7 @@ class Prelaunch:
         _check_outputs(config, multi_node)
         if isinstance(config, GRPOConfig):
             _check_models(config)
-            _check_reward(config.reward_fn)
+            _check_reward(config.reward_fn, row)
 
 
 PRELAUNCH = Prelaunch()
@@ -182,14 +182,41 @@ def _check_models(config: GRPOConfig) -> None:
                 raise ConfigError("allocation_mode", f"{err} (model {path})", related=(key,)) from None
 
 
-def _check_reward(reward_fn: str) -> None:
-    problem = signature_problem(import_plugin(reward_fn, "reward_fn"), ("prompt", "completion", [], []), partial=True)
+REWARD_ROLES = dict(
+    zip(REWARD_ARGUMENTS, ("prompt text", "completion text", "prompt's token ids", "completion's token ids"))
+)
+
+
+def _check_reward(reward_fn: str, row: dict | None) -> None:
+    """The reward takes the call the run makes: ``fn(prompt, completions, prompt_ids, completion_ids,
+    **row)`` with the dataset's first row (when it can be read here), so a row column that lands on one
+    of its four positional parameters is refused here, naming both, not at every call."""
+    fn = import_plugin(reward_fn, "reward_fn")
+    expected = "expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float"
+    positional = _positional_names(fn)
+    clash = [(column, i) for i, column in enumerate(positional[:4]) if row is not None and column in row]
     require(
-        problem is None,
+        not clash,
         "reward_fn",
         reward_fn,
-        f"expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float: {problem}",
+        "; ".join(
+            f"the dataset's rows have a column {column!r}, and the reward's parameter {column!r} receives the "
+            f"{list(REWARD_ROLES.values())[i]} (argument {i + 1}): rename the column (a row adapter) or the parameter"
+            for column, i in clash
+        ),
     )
+    args, kwargs = ("prompt", "completion", [], []), dict(row or {})
+    problem = signature_problem(fn, args, kwargs, partial=row is None)
+    require(problem is None, "reward_fn", reward_fn, f"{expected}: {problem}")
+
+
+def _positional_names(fn) -> list[str]:
+    """The names of ``fn``'s positional-or-keyword parameters, in order ([] without a signature)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
 
 
 def _check_loss(loss: str, loss_kwargs: dict[str, Any]) -> None:
@@ -386,8 +413,9 @@ def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...
     return f"neither a known short name {known} nor a directory with {' or '.join(marker_files)}{hint}"
 
 
-def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> None:
-    """Raise unless ``megarl.data.load_rl_dataset`` can load ``data.path`` and ``data.split``.
+def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> dict | None:
+    """Raise unless ``megarl.data.load_rl_dataset`` can load ``data.path`` and ``data.split``; the first
+    row as the run will see it, when rows can be read here (else None).
 
     Mirrors its lookup: a bundled short name (whose splits are known here), an existing
     local file or directory, else a hub name ``owner/name[:config]``, which fails when an
@@ -400,19 +428,16 @@ def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> None:
     if bundled is not None:
         splits = sorted(f.stem for f in bundled.glob("*") if f.suffix in DATASET_SUFFIXES)
         require(data.split in splits, f"{key}.split", data.split, f"the bundled {data.path!r} has splits {splits}")
-        _check_rows(key, data, dataset_file(data.path, data.split, bundled))
-        return
+        return _check_rows(key, data, dataset_file(data.path, data.split, bundled))
     local = Path(data.path).expanduser()
     if local.is_file():
         suffixes = ", ".join(DATASET_SUFFIXES)
         require(local.suffix in DATASET_SUFFIXES, f"{key}.path", data.path, f"a dataset file must end in {suffixes}")
-        _check_rows(key, data, local)
-        return
+        return _check_rows(key, data, local)
     if local.is_dir() or (local.is_absolute() and multi_node):
         file = dataset_file(data.path, data.split, None)
-        if file is not None:  # else the split is resolved at load time (a hub snapshot, or on the nodes)
-            _check_rows(key, data, file)
-        return
+        # else the split is resolved at load time (a hub snapshot, or on the nodes)
+        return _check_rows(key, data, file) if file is not None else None
     looks_local = data.path.startswith(("/", ".", "~")) or local.suffix in DATASET_SUFFIXES
     require(not looks_local, f"{key}.path", data.path, "no such file or directory")
     require(
@@ -432,17 +457,18 @@ def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> None:
     )
 
 
-def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
-    """The first rows of ``file`` fit ``data.type``, and a ``drop_last`` loader gets at least one batch."""
+def _check_rows(key: str, data: DatasetConfig, file: Path) -> dict | None:
+    """The first rows of ``file`` fit ``data.type``, and a ``drop_last`` loader gets at least one batch;
+    the first row that maps, as the run sees it."""
     try:
         rows = first_rows(file)
         n_rows = count_rows(file) if data.drop_last else None
     except (OSError, UnicodeDecodeError, ValueError) as err:
         if data.bad_rows == "skip" and not isinstance(err, OSError):
-            return  # unreadable lines are skipped at load
+            return None  # unreadable lines are skipped at load
         raise ConfigError(f"{key}.path", f"{data.path!r}: cannot read {file}: {err}") from None
     require(bool(rows), f"{key}.path", data.path, f"{file} holds no rows")
-    mapper, failures = row_mapper(data.type, f"{key}.type"), []
+    mapper, failures, mapped = row_mapper(data.type, f"{key}.type"), [], []
     for index, row in enumerate(rows):
         require(
             isinstance(row, dict),
@@ -451,7 +477,7 @@ def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
             f"{file} row {index} is a {type(row).__name__}, expected a mapping of fields",
         )
         try:
-            mapper(row, index, str(file))
+            mapped.append(mapper(row, index, str(file)))
         except DatasetRowError as err:
             failures.append((row, err))
     # under bad_rows=skip a bad row is dropped at load: the check fails only when none of the first rows maps
@@ -467,6 +493,7 @@ def _check_rows(key: str, data: DatasetConfig, file: Path) -> None:
             data.batch_size,
             f"{file} has {n_rows} rows, fewer than one batch (drop_last would leave no step)",
         )
+    return mapped[0] if mapped else None
 
 
 def _maps(mapper, row: dict) -> bool:

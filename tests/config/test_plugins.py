@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -36,6 +37,18 @@ def two_argument_loss(logprobs, advantages):
 
 
 def one_argument_reward(completion):
+    return 1.0
+
+
+def trl_named_reward(prompt, completion, prompt_ids, completion_ids, **row):
+    return 1.0
+
+
+def areal_named_reward(prompt, completions, prompt_ids, completion_ids, **row):
+    return 1.0
+
+
+def needs_solution_reward(prompt, completions, prompt_ids, completion_ids, answer, solution):
     return 1.0
 
 
@@ -132,6 +145,33 @@ def test_reward_fn_signature_is_checked(user_module):
     assert _load("reward_fn=examples.rewards.brief_answer.brief_answer_reward").reward_fn.endswith(
         "brief_answer_reward"
     )
+
+
+@pytest.fixture
+def prompt_completion_rows(tmp_path) -> str:
+    """A dataset in TRL's prompt-completion format: each row has a ``completion`` column."""
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "completion": f" {i + 1}"} for i in range(16)]
+    path = tmp_path / "prompt_completion.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_a_row_column_on_a_reward_parameter_is_refused_naming_both(user_module, prompt_completion_rows):
+    """The run calls fn(prompt, completions, prompt_ids, completion_ids, **row): a reward whose second
+    parameter is named ``completion``, on rows with a ``completion`` column, would fail every call with
+    "got multiple values for argument 'completion'"; the config check says so before the run."""
+    data = f"train_dataset.path={prompt_completion_rows}"
+    err = _error(f"reward_fn={user_module}.trl_named_reward", data)
+    assert err.key == "reward_fn", err
+    assert "column 'completion'" in err.message and "parameter 'completion'" in err.message, err.message
+    assert "completion text (argument 2)" in err.message, err.message
+    assert _load(f"reward_fn={user_module}.areal_named_reward", data).reward_fn.endswith("areal_named_reward")
+
+
+def test_the_reward_check_calls_it_with_the_rows_columns(user_module, prompt_completion_rows):
+    """A parameter no row column fills is refused at load, as the first call would fail."""
+    err = _error(f"reward_fn={user_module}.needs_solution_reward", f"train_dataset.path={prompt_completion_rows}")
+    assert err.key == "reward_fn" and "missing a required argument: 'solution'" in err.message, err.message
 
 
 def test_user_loss_is_imported_and_its_signature_checked(user_module):
