@@ -393,7 +393,9 @@ def test_pages_speak_to_users_not_of_the_project_tracker():
     """No page, benchmark or kernel README cites the project's internal issue numbers ("issue 42")."""
     files = [REPO / "README.md", REPO / "csrc" / "README.md", *(REPO / "docs").rglob("*.md")]
     files += [*(REPO / "benchmarks").glob("*.py"), *(REPO / "examples").rglob("*.md")]
-    cited = [f"{f.relative_to(REPO)}: {m.group(0)}" for f in files for m in re.finditer(r"(?i)\bissue #?\d+", f.read_text())]
+    cited = [
+        f"{f.relative_to(REPO)}: {m.group(0)}" for f in files for m in re.finditer(r"(?i)\bissue #?\d+", f.read_text())
+    ]
     assert cited == []
 
 
