@@ -136,19 +136,28 @@ the clip's bounds, the products with the advantage and the weight."""
 
 
 def ppo_token_relative_error(
-    logp: torch.Tensor, old: torch.Tensor, prox: torch.Tensor | None, dtype: torch.dtype, inputs_rounded: bool = False
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    prox: torch.Tensor | None,
+    dtype: torch.dtype,
+    inputs_rounded: bool = False,
+    fast_exp: bool = False,
 ) -> torch.Tensor:
     """The relative error bound of each token's PPO loss computed in ``dtype`` (see :func:`ppo_loss_bounds`);
     ``inputs_rounded``: the log-probabilities themselves were rounded to ``dtype`` from exact values (a
-    hand-computed example's ``math.log(0.6)``), each adding u times its magnitude to the log-ratio."""
+    hand-computed example's ``math.log(0.6)``), each adding u times its magnitude to the log-ratio;
+    ``fast_exp``: the ratio and the behaviour weight come from CUDA's ``__expf`` (the kernel), whose error
+    :func:`fast_exp_relative_error` bounds, instead of a correctly rounded exp."""
     anchor = old if prox is None else prox
     logs = [logp.double(), old.double()] + ([] if prox is None else [prox.double()])
-    rel = PPO_TOKEN_ROUNDINGS + (logs[0] - anchor.double()).abs()
-    if prox is not None:
-        rel = rel + (prox.double() - old.double()).abs()
+    exponents = [logs[0] - anchor.double()] + ([] if prox is None else [prox.double() - old.double()])
+    rel = PPO_TOKEN_ROUNDINGS + sum(x.abs() for x in exponents)
     if inputs_rounded:
         rel = rel + sum(x.abs() for x in logs) + (0 if prox is None else prox.double().abs() + old.double().abs())
-    return rel * unit_roundoff(dtype)
+    rel = rel * unit_roundoff(dtype)
+    if fast_exp:
+        rel = rel + sum(fast_exp_relative_error(x, dtype) for x in exponents)
+    return rel
 
 
 def ppo_loss_bounds(
@@ -174,3 +183,56 @@ def ppo_loss_bounds(
     count = max(int(mask.sum()), 1)
     loss_bound = float(((rel * loss_tok.abs()).sum() + gamma(count, dtype) * loss_tok.abs().sum()) / count)
     return loss_bound, (rel + u) * grad_tok.abs()
+
+
+def fast_exp_relative_error(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Relative error bound of ``exp(x)`` in the kernels of ``csrc/`` (built with ``--use_fast_math``):
+    CUDA documents ``__expf`` within 2 + floor(|1.173 x|) ulp (``exp2f`` as ``ex2.approx``: 2 ulp), and
+    an ulp is at most 2u relative. A correctly rounded exp (the host emulation's, torch's) is within u."""
+    return (2 + 1.173 * x.double().abs()) * 2 * unit_roundoff(dtype)
+
+
+@dataclass
+class PartialBounds:
+    """Bounds of a softmax triple (m = max z, s = sum exp(z - m), u = sum exp(z - m)(z - m)) over a
+    range of logits, against the exact values."""
+
+    m: torch.Tensor
+    s: torch.Tensor
+    u: torch.Tensor
+
+
+def softmax_partial_bounds(z: torch.Tensor, e_z: torch.Tensor, merges: int, dtype: torch.dtype) -> PartialBounds:
+    """Error bounds of the triple over the last dim of the exact logits ``z`` [T, n] computed in ``dtype``
+    from logits each within ``e_z`` of ``z``, with at most ``merges`` merges of partial triples on any
+    term's way (softmax_stats.cuh: a tile's fold, the quad's shuffles, the warps', the tiles' of a split).
+
+      m        E_m = max_j E_z_j                           (a max of computed logits: no rounding of its own)
+      d = z-m  E_d_j = E_z_j + E_m + u (2|z_j| + |m| + |d_j|)  (the fast path forms (z - m) log2 e by one FMA
+                                                            from the raw logit and -m log2 e: cancellation)
+      e = e^d  E_e_j = e_j (E_d_j + fast_exp_relative_error(d_j) + u)
+      s        sum_j E_e_j + gamma(n + 4 merges + 8) s + 4 merges u |u|   (a merge rescales a part by
+                                                            exp(m_a - m), whose argument and fast-exp error
+                                                            grow with |m_a - m| <= |d_j| of its every term)
+      u        sum_j (E_e_j |d_j| + e_j E_d_j) + gamma(n + 4 merges + 8) |u| + (4 merges + 8) u sum_j e_j d_j^2
+    Every term of u has the sign of d_j <= 0, so its sums and merges do not cancel. An empty range is
+    (-inf, 0, 0) exactly: bounds 0."""
+    T, n = z.shape
+    if n == 0:
+        zeros = z.new_zeros(T)
+        return PartialBounds(zeros, zeros, zeros)
+    u_ = unit_roundoff(dtype)
+    m = z.amax(dim=1, keepdim=True)
+    e_m = e_z.amax(dim=1, keepdim=True)
+    d = z - m
+    e_d = e_z + e_m + u_ * (2 * z.abs() + m.abs() + d.abs())
+    e = d.exp()
+    e_e = e * (e_d + fast_exp_relative_error(d, dtype) + u_)
+    u_stat = (e * d).sum(dim=1)
+    g = gamma(n + 4 * merges + 8, dtype)
+    s = e.sum(dim=1)
+    return PartialBounds(
+        m=e_m.squeeze(1),
+        s=e_e.sum(dim=1) + g * s + 4 * merges * u_ * u_stat.abs(),
+        u=(e_e * d.abs() + e * e_d).sum(dim=1) + g * u_stat.abs() + (4 * merges + 8) * u_ * (e * d * d).sum(dim=1),
+    )

@@ -24,7 +24,15 @@ import torch
 from megarl.actor import fused_ppo_loss as ppo_module
 from megarl.actor.losses import policy_loss
 from megarl.kernels.reference import finalize_stats, merge_stats
-from tests.numerics import assert_within, gamma, ppo_token_relative_error, softmax_head_bounds, unit_roundoff
+from tests.numerics import (
+    assert_within,
+    fast_exp_relative_error,
+    gamma,
+    ppo_token_relative_error,
+    softmax_head_bounds,
+    softmax_partial_bounds,
+    unit_roundoff,
+)
 
 from .conftest import build_emulator
 
@@ -105,6 +113,27 @@ def _triple(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return m, e.sum(dim=1), (e * d).sum(dim=1)
 
 
+# Merges of partial triples a term passes through besides one per vocab tile of its split: the quad's
+# two shuffles, the warps' and the split's own (softmax_stats.cuh, logprob_forward_kernel); generous.
+MERGES_BESIDE_TILES = 6
+
+
+def _assert_partials(got: torch.Tensor, hidden, weight, cols: slice, inv_tau: float, tiles: int, what: str):
+    """A split's triple [3, T] against the float64 one of the logits in ``cols``, within the derived fp32
+    bounds (tests/numerics.py softmax_partial_bounds): logits of H bf16 products summed in fp32."""
+    h, w = hidden.double(), weight[cols].double()
+    z = h @ w.T * inv_tau
+    e_z = gamma(hidden.shape[1] + 1, torch.float32) * (h.abs() @ w.abs().T) * inv_tau
+    want = _triple(z)
+    if z.shape[1] == 0:  # an empty split is (-inf, 0, 0) exactly
+        for name, g, w_ in zip("msu", got, want):
+            assert torch.equal(g, w_.to(g.dtype)), f"{what}: empty split's {name}"
+        return
+    bounds = softmax_partial_bounds(z, e_z, tiles + MERGES_BESIDE_TILES, torch.float32)
+    for name, g, w_, b in zip("msu", got, want, (bounds.m, bounds.s, bounds.u)):
+        assert_within(g, w_, b, f"{what}: {name}")
+
+
 # When asynchronous operations take effect. late: copies into shared memory (cp.async, TMA) land
 # at the last moment, wgmma reads its operands at issue, so a read before the data has landed
 # sees stale data. early: copies land at issue, wgmma reads at its wait_group, so a stage
@@ -165,9 +194,8 @@ def test_forward_partials_and_label_logits(
     tile = TILE_VOCAB[mainloop]
     per_split = math.ceil(math.ceil(valid / tile) / splits) * tile
     for x in range(splits):
-        want = _triple(z[:, x * per_split : (x + 1) * per_split])
-        for got_plane, want_plane in zip(part[:, x], want):
-            torch.testing.assert_close(got_plane, want_plane, rtol=1e-5, atol=1e-5)
+        cols = slice(min(x * per_split, valid), min((x + 1) * per_split, valid))
+        _assert_partials(part[:, x], hidden, weight, cols, inv_tau, per_split // tile, f"split {x}")
 
     local = labels - start
     hit = (local >= 0) & (local < valid)
@@ -215,17 +243,10 @@ def test_forward_fast_path_only_on_full_tiles_without_the_label(run_kernels, tmp
     part = _read(tmp_path, "part", torch.float32, 3, 1, T).double()
     label_logit = _read(tmp_path, "label_logit", torch.float32, T).double()
     z = _logits(hidden, weight, valid, inv_tau)
-    for got, want in zip(part[:, 0], _triple(z)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _assert_partials(part[:, 0], hidden, weight, slice(0, valid), inv_tau, math.ceil(valid / tile), "triple")
     everywhere = torch.ones_like(labels, dtype=torch.bool)
     bound = _label_logit_bound(hidden, weight, labels, everywhere, inv_tau)
     assert_within(label_logit, z.gather(1, labels[:, None]).squeeze(1), bound, "label logit")
-
-
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of bf16 numbers at x (8 significant bits)."""
-    _, exponent = torch.frexp(x)
-    return torch.ldexp(torch.ones_like(x), exponent - 8)
 
 
 # T, H, rows, valid_v, vocab_start, temperature, col_begin, col_count, ld: column ranges that
@@ -278,16 +299,28 @@ def test_backward_dz(
     padding = (cols >= valid)[None, :].expand_as(want)
     assert (got[padding] == 0).all(), "padding rows must get a zero gradient"
 
-    # dz is fp32 arithmetic rounded to bf16: within one bf16 ulp of the exact value rounded to
-    # bf16, plus fp32 rounding of the terms for the rare cancellations
-    want_bf16 = want.bfloat16().double()
-    terms = inv_tau * (g_lp.abs() * (onehot + p) + g_ent.abs() * p * (z - mean_z).abs())
-    tol = _bf16_ulp(want_bf16) + 1e-5 * terms
-    bad = ~padding & ~((got - want_bf16).abs() <= tol)
-    assert not bad.any(), (
-        f"{int(bad.sum())} of {bad.numel()} dz values off, e.g. at {bad.nonzero()[:5].tolist()}: "
-        f"got {got[bad][:5].tolist()}, want {want[bad][:5].tolist()}"
-    )
+    # dz is fp32 arithmetic (softmax_stats.cuh softmax_grad) rounded once to bf16
+    e_z = gamma(H + 1, torch.float32) * (hidden.double().abs() @ weight[cols].double().abs().T) * inv_tau
+    bound = _dz_bound(z, e_z, lse, mean_z, g_lp, g_ent, onehot, inv_tau)
+    assert_within(got[~padding], want[~padding], bound[~padding], "dz")
+
+
+def _dz_bound(z, e_z, lse, mean_z, g_lp, g_ent, onehot, inv_tau) -> torch.Tensor:
+    """softmax_grad in fp32 from logits within e_z of z (lse, mean_z and the upstream gradients are its
+    exact fp32 inputs), then rounded to bf16; with u = fp32's unit roundoff:
+      p = exp(z - lse)       E_p = p (E_z + u |z - lse| + fast-exp error)
+      a = onehot - p         E_a = E_p + u |a|
+      b = z - mean_z         E_b = E_z + u |b|
+      dz = (g_lp a - g_ent p b) / tau: (|g_lp| E_a + |g_ent| (E_p |b| + p E_b)) / tau plus 4 roundings of
+      its terms' magnitudes; bf16's rounding adds u_bf16 |dz|."""
+    u, u_bf16 = unit_roundoff(torch.float32), unit_roundoff(torch.bfloat16)
+    p, a, b = (z - lse).exp(), onehot - (z - lse).exp(), z - mean_z
+    e_p = p * (e_z + u * (z - lse).abs() + fast_exp_relative_error(z - lse))
+    magnitude = inv_tau * (g_lp.abs() * a.abs() + g_ent.abs() * p * b.abs())
+    e32 = inv_tau * (g_lp.abs() * (e_p + u * a.abs()) + g_ent.abs() * (e_p * b.abs() + p * (e_z + u * b.abs())))
+    e32 = e32 + 4 * u * magnitude
+    want = inv_tau * (g_lp * a - g_ent * p * b)
+    return e32 + u_bf16 * (want.abs() + e32)
 
 
 # T, prox_logp given, dual clip, behaviour-weight cap, share of masked-in tokens: several CTAs
@@ -332,7 +365,7 @@ def test_ppo_loss(run_kernels, tmp_path, T, use_prox, dual_clip, cap, kept):
     )
     out.loss.sum().backward()
     anchor = old if prox is None else prox
-    want_stats = ppo_module._raw_stats(out, logp - anchor, mask)
+    torch_stats = ppo_module._raw_stats(out, logp - anchor, mask)
     # per token, both float32 results against the float64 loss within the derived PPO bound
     exact = logp.double().requires_grad_(True)
     out64 = policy_loss(
@@ -347,12 +380,55 @@ def test_ppo_loss(run_kernels, tmp_path, T, use_prox, dual_clip, cap, kept):
         behav_imp_weight_cap=cap,
     )
     out64.loss.sum().backward()
-    rel = ppo_token_relative_error(logp, old, prox, torch.float32)
     u = unit_roundoff(torch.float32)
-    for name, got_loss, got_grad in (("kernel", loss_tok, grad_tok), ("torch path", out.loss.detach(), x.grad)):
+    exact_stats = ppo_module._raw_stats(out64, logp.double() - anchor.double(), mask)
+    stats_bound = _ppo_stats_bound(out64, logp, anchor, old, prox, mask)
+    for name, got_loss, got_grad, got_stats, fast_exp in (
+        ("kernel", loss_tok, grad_tok, stats, True),
+        ("torch path", out.loss.detach(), x.grad, torch_stats, False),
+    ):
+        rel = ppo_token_relative_error(logp, old, prox, torch.float32, fast_exp=fast_exp)
         assert_within(got_loss, out64.loss.detach(), rel * out64.loss.detach().abs(), f"{name} loss per token")
         assert_within(got_grad, exact.grad, (rel + u) * exact.grad.abs(), f"{name} gradient per token")
-    torch.testing.assert_close(stats, want_stats, rtol=1e-5, atol=1e-5)
+        finite = exact_stats.isfinite()  # the min ratio of no token is +inf on both
+        assert torch.equal(got_stats[~finite].double(), exact_stats[~finite]), f"{name} stats"
+        assert_within(got_stats[finite], exact_stats[finite], stats_bound[finite], f"{name} stats")
+
+
+def _ppo_stats_bound(out64, logp, anchor, old, prox, mask) -> torch.Tensor:
+    """Bounds of the kernel's raw PPO statistics (fused_ppo_loss._raw_stats order) computed in fp32 with
+    CUDA's fast exp, against float64 ones: the counts are exact (the data keep clear of the clip and cap
+    boundaries); a token's log-ratio x is rounded once and its ratio exp(x) is within
+    r (u |x| + fast-exp error), likewise the behaviour weight; the sums of the n kept tokens add
+    gamma(n) sum |term|; the max and min ratio are within the largest ratio error."""
+    u = unit_roundoff(torch.float32)
+    x = logp.double() - anchor.double()
+    ratio = out64.ratio.detach().double()
+    e_ratio = torch.where(mask, ratio * (u * x.abs() + fast_exp_relative_error(x)), 0.0)
+    e_kl = torch.where(mask, u * x.abs(), 0.0)
+    if prox is None:
+        weight, e_weight = torch.where(mask, 1.0, 0.0), torch.zeros_like(x)
+    else:
+        x_w = prox.double() - old.double()
+        weight = torch.where(mask & ~out64.capped, out64.behav_weight.double(), 0.0)
+        e_weight = weight * (u * x_w.abs() + fast_exp_relative_error(x_w))
+    g = gamma(max(int(mask.sum()), 1), torch.float32)
+
+    def summed(terms, errors):
+        return errors.sum() + g * terms.abs().sum()
+
+    extreme = e_ratio.max()
+    return torch.stack(
+        [
+            *[torch.zeros((), dtype=torch.float64)] * 3,  # kept, clipped, dual-clipped: counts
+            summed(torch.where(mask, ratio, 0.0), e_ratio),
+            summed(torch.where(mask, x, 0.0), e_kl),
+            summed(weight, e_weight),
+            torch.zeros((), dtype=torch.float64),  # capped: a count
+            extreme,
+            extreme,
+        ]
+    )
 
 
 def _hang(exe: Path, try_wait: str, **env: str) -> subprocess.CompletedProcess:
@@ -434,3 +510,48 @@ def test_a_working_pipeline_never_times_out(run_kernels, tmp_path):
         )
         out[mode] = _read(workdir, "part", torch.float32, 3, 3, 130)
     assert torch.equal(out["suspend"], out["time-limit"]) and not out["suspend"].isnan().any()
+
+
+def _planted(want: torch.Tensor, bound: torch.Tensor, factor: float) -> torch.Tensor:
+    """want with its element of the largest bound moved ``factor`` bounds away."""
+    got = want.clone()
+    worst = int(bound.flatten().argmax())
+    got.view(-1)[worst] += factor * bound.flatten()[worst]
+    return got
+
+
+def test_each_derived_bound_rejects_an_error_just_above_it():
+    """The split partials', dz's and the PPO statistics' bounds are not vacuous: the exact values with one
+    element moved 1.01 bounds away fail, 0.99 bounds pass."""
+    T, H, V, tau = 40, 64, 300, 0.7
+    hidden, weight, labels = _operands(T, H, V, 0, V, seed=5)
+    z = _logits(hidden, weight, V, 1 / tau)
+    e_z = gamma(H + 1, torch.float32) * (hidden.double().abs() @ weight.double().abs().T) / tau
+    partial = softmax_partial_bounds(z, e_z, 3 + MERGES_BESIDE_TILES, torch.float32)
+    g = torch.Generator().manual_seed(6)
+    lse, mean_z = torch.logsumexp(z, dim=1)[:, None], (z.softmax(dim=1) * z).sum(dim=1)[:, None]
+    g_lp, g_ent = torch.randn(T, 1, generator=g).double(), torch.randn(T, 1, generator=g).double()
+    onehot = torch.nn.functional.one_hot(labels.clamp(0, V - 1), V).double()
+    dz = (g_lp * (onehot - (z - lse).exp()) - g_ent * (z - lse).exp() * (z - mean_z)) / tau
+    old = -torch.rand(T, generator=g) * 3
+    logp, prox = old + 0.4 * torch.randn(T, generator=g), old + 0.2 * torch.randn(T, generator=g)
+    mask = torch.rand(T, generator=g) < 0.8
+    out64 = policy_loss(
+        logp.double(),
+        old.double(),
+        torch.randn(T, generator=g).double(),
+        mask,
+        eps_clip=0.2,
+        proximal_logprobs=prox.double(),
+    )
+    stats = ppo_module._raw_stats(out64, logp.double() - prox.double(), mask)[3:6]  # the three sums
+    checks = {
+        **{f"partial {name}": (want, getattr(partial, name)) for name, want in zip("msu", _triple(z))},
+        "dz": (dz, _dz_bound(z, e_z, lse, mean_z, g_lp, g_ent, onehot, 1 / tau)),
+        "ppo sums": (stats, _ppo_stats_bound(out64, logp, prox, old, prox, mask)[3:6]),
+    }
+    for what, (want, bound) in checks.items():
+        assert bound.min() >= 0 and bound.max() > 0, what
+        assert_within(_planted(want, bound, 0.99), want, bound, what)
+        with pytest.raises(AssertionError, match=f"{what}: 1 of"):
+            assert_within(_planted(want, bound, 1.01), want, bound, what)
