@@ -158,3 +158,26 @@ class ModelResponse:
                 f"ModelResponse misaligned: {n} output tokens, {len(self.output_logprobs)} logprobs, "
                 f"{len(self.output_versions)} versions"
             )
+
+
+@dataclass
+class FinetuneSpec:
+    """The length of a training run (AReaL's ``FinetuneSpec``): what an engine's ``initialize(addr, ft_spec)``
+    sizes its learning-rate schedule by."""
+
+    total_train_epochs: int
+    dataset_size: int
+    train_batch_size: int
+
+    def __post_init__(self):
+        for name in ("total_train_epochs", "dataset_size", "train_batch_size"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Whole batches per epoch (a last partial batch is dropped, as the trainer's dataloader does)."""
+        return self.dataset_size // self.train_batch_size
+
+    @property
+    def total_train_steps(self) -> int:
+        return self.total_train_epochs * self.steps_per_epoch

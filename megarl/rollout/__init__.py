@@ -2,7 +2,7 @@
 
 from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
 from megarl.rollout.client import GenerationClient, ServerLostError
-from megarl.rollout.engine import RemoteInferenceEngine, make_backend
+from megarl.rollout.engine import RemoteInferenceEngine, RemoteSGLangEngine, RemoteVLLMEngine, make_backend
 from megarl.rollout.http import InferenceServerError, MalformedResponseError, RetryPolicy, ServerUnavailableError
 from megarl.rollout.pool import RolloutError, RolloutPool
 from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError, launch_servers, resolve_server_addrs
@@ -22,6 +22,8 @@ __all__ = [
     "MalformedResponseError",
     "NoHealthyServerError",
     "RemoteInferenceEngine",
+    "RemoteSGLangEngine",
+    "RemoteVLLMEngine",
     "RetryPolicy",
     "RolloutError",
     "RolloutPool",

@@ -316,3 +316,17 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
     ) -> None:
         """Resume a recovered run at ``version`` with its pending ``items`` first (see :meth:`RolloutPool.resubmit`)."""
         self._require_pool().resubmit(version, items, workflow, should_accept_fn)
+
+
+class RemoteSGLangEngine(RemoteInferenceEngine):
+    """AReaL's name: the remote engine on SGLang servers (``RemoteInferenceEngine(config, "sglang")``)."""
+
+    def __init__(self, config: InferenceEngineConfig):
+        super().__init__(config, "sglang")
+
+
+class RemoteVLLMEngine(RemoteInferenceEngine):
+    """AReaL's name: the remote engine on vLLM servers (``RemoteInferenceEngine(config, "vllm")``)."""
+
+    def __init__(self, config: InferenceEngineConfig):
+        super().__init__(config, "vllm")

@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -90,6 +90,25 @@ class WeightUpdateMeta:
         if alloc.inference is None:
             raise ValueError(f"allocation mode '{alloc}' has no inference part to send weights to")
         return cls(config, inference_tp=alloc.inference.tp)
+
+    @classmethod
+    def from_megatron_xccl(cls, allocation_mode, config: WeightUpdateConfig | None = None) -> WeightUpdateMeta:
+        """AReaL's name: the weights streamed from the Megatron layout over the collective backend (NCCL on
+        GPUs, gloo on CPUs) into the servers of ``allocation_mode``; ``config`` None: the ``weight_update``
+        defaults."""
+        return cls.from_allocation(config if config is not None else WeightUpdateConfig(), allocation_mode)
+
+    @classmethod
+    def from_disk(
+        cls, allocation_mode, config: WeightUpdateConfig | None = None, path: str | None = None
+    ) -> WeightUpdateMeta:
+        """AReaL's name: every update written as an HF checkpoint that the servers load
+        (``weight_update.mode: disk``); ``path`` the directory of each update (default
+        ``config.disk_path/v<version>``)."""
+        config = replace(config if config is not None else WeightUpdateConfig(), mode="disk")
+        meta = cls.from_allocation(config, allocation_mode)
+        meta.path = path
+        return meta
 
 
 class WeightSync:

@@ -1,0 +1,38 @@
+"""Old import paths of moved public names: they keep working and warn.
+
+A module that moved leaves a shim at its old path::
+
+    import megarl.run.saver as _moved_to
+    from megarl.utils.deprecation import forward_to
+
+    __getattr__ = forward_to(__name__, _moved_to)
+
+``from megarl.utils.saver import Saver`` then gives ``megarl.run.saver.Saver`` itself, with a
+:class:`DeprecationWarning` naming the new path. Nothing in megarl imports a shim
+(``tests/test_layering.py`` checks it); the shims are removed in a later release, announced in
+the changelog.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+
+def forward_to(old: str, new: ModuleType) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the shim ``old``: every name is looked up in ``new``, with a warning."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):  # the import machinery's own probes (__path__, __file__, ...)
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        value = getattr(new, name)
+        warnings.warn(
+            f"{old}.{name} moved to {new.__name__}.{name}; import it from there (the old path will be removed)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value
+
+    return __getattr__
