@@ -236,3 +236,158 @@ def softmax_partial_bounds(z: torch.Tensor, e_z: torch.Tensor, merges: int, dtyp
         s=e_e.sum(dim=1) + g * s + 4 * merges * u_ * u_stat.abs(),
         u=(e_e * d.abs() + e * e_d).sum(dim=1) + g * u_stat.abs() + (4 * merges + 8) * u_ * (e * d * d).sum(dim=1),
     )
+
+
+@dataclass
+class StatsBounds:
+    """Bounds of each token's finalised softmax statistics (``megarl.kernels.reference.finalize_stats``)
+    against the exact values, each ``[T]``."""
+
+    lse: torch.Tensor
+    mean_z: torch.Tensor
+    logprob: torch.Tensor
+    entropy: torch.Tensor
+
+
+def softmax_stats_bounds(
+    z: torch.Tensor,
+    e_z: torch.Tensor,
+    labels: torch.Tensor,
+    merges: int,
+    dtype: torch.dtype,
+    kept: torch.Tensor | None = None,
+) -> StatsBounds:
+    """Bounds of (lse, mean_z, logprob, entropy) that ``finalize_stats`` computes in ``dtype`` from a
+    triple (m, s, u) over each row's ``kept`` logits (all by default) within :func:`softmax_partial_bounds`
+    (``merges`` merges of partial triples on any term's way; CUDA's ``__expf`` or a correctly rounded exp)
+    of the exact triple of ``z`` [T, V], and from a label logit within ``e_z`` of its exact value. A label
+    outside ``[0, V)`` is ignored: its logprob is 0 and exact. With E_m, E_s, E_u the triple's bounds:
+
+      log s      E_ls  = E_s / s + 2u |log s|                 (log within one ulp)
+      lse        E_lse = E_m + E_ls + u |lse|                 (lse = m + log s)
+      u / s      E_ms  = E_u / s + |u| E_s / s^2 + u |u / s|
+      entropy    E_ls + E_ms + u |entropy|                    (entropy = log s - u / s)
+      mean_z     E_m + E_ms + u |mean_z|                      (mean_z = m + u / s)
+      logprob    e_z[label] + E_lse + u |logprob|             (logprob = label logit - lse)
+
+    The error of m, which cancels from lse to first order, is counted both in E_m and in E_s: a bound,
+    not the tightest one. Second-order terms (products of two bounds) are left out."""
+    T, V = z.shape
+    z, e_z = z.double(), e_z.double()
+    u = unit_roundoff(dtype)
+    if kept is None:
+        part = softmax_partial_bounds(z, e_z, merges, dtype)
+        e_m, e_s, e_u = part.m, part.s, part.u
+        kept = torch.ones(T, V, dtype=torch.bool)
+    else:
+        rows = [softmax_partial_bounds(z[t : t + 1, kept[t]], e_z[t : t + 1, kept[t]], merges, dtype) for t in range(T)]
+        e_m, e_s, e_u = (torch.cat([getattr(r, f) for r in rows]) for f in "msu")
+    zk = z.masked_fill(~kept, float("-inf"))
+    m = zk.amax(dim=1)
+    d = (z - m[:, None]).masked_fill(~kept, 0.0)
+    e = torch.where(kept, d.exp(), 0.0)
+    s, u_stat = e.sum(dim=1), (e * d).sum(dim=1)
+    log_s = s.log()
+    lse, mean_s = m + log_s, u_stat / s
+    hit = (labels >= 0) & (labels < V)
+    label_logit = z.gather(1, labels.clamp(0, V - 1)[:, None]).squeeze(1)
+    logprob = torch.where(hit, label_logit - lse, 0.0)
+    e_ls = e_s / s + 2 * u * log_s.abs()
+    e_lse = e_m + e_ls + u * lse.abs()
+    e_ms = e_u / s + u_stat.abs() * e_s / s**2 + u * mean_s.abs()
+    e_label = e_z.gather(1, labels.clamp(0, V - 1)[:, None]).squeeze(1)
+    return StatsBounds(
+        lse=e_lse,
+        mean_z=e_m + e_ms + u * (m + mean_s).abs(),
+        logprob=torch.where(hit, e_label + e_lse + u * logprob.abs(), 0.0),
+        entropy=e_ls + e_ms + u * (log_s - mean_s).abs(),
+    )
+
+
+def _column(x) -> torch.Tensor | float:
+    """A per-token vector [T] as a column [T, 1] (float64); a number as it is."""
+    return x.double()[:, None] if isinstance(x, torch.Tensor) else x
+
+
+def softmax_grad_bound(
+    z: torch.Tensor,
+    e_z: torch.Tensor,
+    lse: torch.Tensor,
+    mean_z: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor,
+    onehot: torch.Tensor,
+    inv_tau: float,
+    *,
+    e_lse: torch.Tensor | float = 0.0,
+    e_mean_z: torch.Tensor | float = 0.0,
+    e_g_lp: torch.Tensor | float = 0.0,
+    e_g_ent: torch.Tensor | float = 0.0,
+    kept: torch.Tensor | None = None,
+    fast_exp: bool = True,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Bound [T, V] of dz = dL/dx = (g_lp (onehot - p) - g_ent p (z - mean_z)) inv_tau, p = exp(z - lse)
+    on each row's ``kept`` logits and 0 on the others (the softmax gradient of ``softmax_stats.cuh`` and of
+    ``megarl.kernels.reference.softmax_grad_``), computed in fp32 from logits within ``e_z`` of ``z`` and
+    per-token inputs within ``e_*`` of the exact ``[T]`` vectors (0: exact fp32 inputs), then rounded to
+    ``out_dtype``. With u = fp32's unit roundoff:
+
+      p          E_p = p (E_z + E_lse + u |z - lse| + exp error)    (fast_exp: fast_exp_relative_error, CUDA's
+                                                                     ``__expf``; else u, a correctly rounded exp)
+      a          E_a = E_p + u |a|,  a = onehot - p
+      b          E_b = E_z + E_mean_z + u |b|,  b = z - mean_z
+      dz         inv_tau (|g_lp| E_a + E_g_lp |a| + |g_ent| (E_p |b| + p E_b) + E_g_ent p |b|)
+                 + 5u inv_tau (|g_lp| (onehot + p) + |g_ent| p |b|)
+      rounded    + u_out (|dz| + E)                               (out_dtype coarser than fp32: bf16 dz)
+
+    Each term of dz passes at most five roundings in either order of the arithmetic: the kernels'
+    (g_lp a - g_ent p b) inv_tau, and the torch path's g_lp onehot - p (g_lp + g_ent b) with inv_tau applied
+    to it or in the gradient GEMM. A dropped token (p = 0) is taken to be dropped by the computed logits too:
+    the caller's data keep every logit more than its error away from the threshold. Second-order terms
+    are left out."""
+    z, e_z, onehot = z.double(), e_z.double(), onehot.double()
+    lse, mean_z, g_lp, g_ent = (_column(x) for x in (lse, mean_z, g_lp, g_ent))
+    e_lse, e_mean_z, e_g_lp, e_g_ent = (_column(x) for x in (e_lse, e_mean_z, e_g_lp, e_g_ent))
+    u = unit_roundoff(torch.float32)
+    p = (z - lse).exp()
+    if kept is not None:
+        p = torch.where(kept, p, 0.0)
+    exp_error = fast_exp_relative_error(z - lse) if fast_exp else u
+    e_p = p * (e_z + e_lse + u * (z - lse).abs() + exp_error)
+    a, b = onehot - p, z - mean_z
+    e_a, e_b = e_p + u * a.abs(), e_z + e_mean_z + u * b.abs()
+    bound = inv_tau * (
+        g_lp.abs() * e_a + e_g_lp * a.abs() + g_ent.abs() * (e_p * b.abs() + p * e_b) + e_g_ent * p * b.abs()
+    )
+    bound = bound + 5 * u * inv_tau * (g_lp.abs() * (onehot + p) + g_ent.abs() * p * b.abs())
+    u_out = unit_roundoff(out_dtype)
+    if u_out > u:
+        bound = bound + u_out * (inv_tau * (g_lp * a - g_ent * p * b).abs() + bound)
+    return bound
+
+
+def matmul_bound(
+    a: torch.Tensor,
+    e_a: torch.Tensor,
+    b: torch.Tensor,
+    extra_roundings: int = 0,
+    low_roundings: int = 0,
+    dtype: torch.dtype = torch.float32,
+    low_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Bound [m, n] of A @ B computed in ``dtype`` from an A' within ``e_a`` of the exact A [m, k] and the
+    exact B [k, n] (bf16 operands, exact in fp32):
+
+      |A' - A| |B| + gamma(k + extra_roundings) (|A| + e_a) |B| + low_roundings u_low (|A| + e_a) |B|
+
+    The k products summed in ``dtype`` are within gamma_k of their sum in any order and blocking of the
+    sum (the chunks of a chunked GEMM, a CPU's kernel); ``extra_roundings``: further roundings that every
+    term passes (a scale factor such as 1/tau applied in the GEMM, a sum over the ranks of a TP group);
+    ``low_roundings``: roundings of partial or final results to ``low_dtype`` on any term's way (torch's
+    bf16 matmul on a CPU returns bf16 per chunk, a gradient stored in a bf16 parameter): rounding the
+    partial sums P_c of disjoint sets of terms costs sum_c u_low |P_c| <= u_low (|A| + e_a) |B| in all."""
+    a, e_a, b = a.double(), e_a.double(), b.double().abs()
+    magnitude = (a.abs() + e_a) @ b
+    k = a.shape[-1]
+    return e_a @ b + (gamma(k + extra_roundings, dtype) + low_roundings * unit_roundoff(low_dtype)) * magnitude

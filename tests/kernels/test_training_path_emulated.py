@@ -7,6 +7,7 @@ float64 autograd over the full logits, on one rank and vocab-parallel over TP=2 
 
 from __future__ import annotations
 
+import math
 import socket
 import tempfile
 from pathlib import Path
@@ -17,8 +18,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megarl.kernels import _cuda, linear_loss
+from tests.numerics import (
+    StatsBounds,
+    assert_within,
+    gamma,
+    matmul_bound,
+    softmax_grad_bound,
+    softmax_stats_bounds,
+    unit_roundoff,
+)
 
-from .test_kernels_emulated import MAINLOOPS, _f32, _operands, _read, _run
+from .test_kernels_emulated import (
+    MAINLOOPS,
+    MERGES_BESIDE_TILES,
+    TILE_VOCAB,
+    _dz_bound,
+    _f32,
+    _operands,
+    _planted,
+    _read,
+    _run,
+)
 
 # T, H, rows, valid_v, vocab_start, temperature, num_splits, ld: an odd valid count (its last
 # column alone in a pair), padding rows, a row stride wider than the valid columns, several
@@ -44,10 +64,16 @@ def test_storing_forward_writes_the_raw_logits_and_the_same_partials(
 
     logits = _read(stored, "logits", torch.float32, T, ld)
     want = hidden.double() @ weight[:valid].double().T  # raw: before the temperature
-    torch.testing.assert_close(logits[:, :valid].double(), want, rtol=1e-5, atol=1e-5)
+    assert_within(logits[:, :valid], want, _raw_logit_bound(hidden, weight[:valid]), "raw logits")
     assert logits[:, valid:].isnan().all(), "written past the valid columns"
     for name, shape in (("part", (3, splits, T)), ("label_logit", (T,))):
         assert torch.equal(_read(plain, name, torch.float32, *shape), _read(stored, name, torch.float32, *shape)), name
+
+
+def _raw_logit_bound(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The raw logits x = h . w: H products of bf16 operands (exact in fp32) summed in fp32, within
+    gamma(H) sum_k |h_k w_k| of exact (tests/numerics.py)."""
+    return gamma(hidden.shape[1], torch.float32) * (hidden.double().abs() @ weight.double().abs().T)
 
 
 def _row_vectors(z: torch.Tensor, labels: torch.Tensor, start: int, valid: int, seed: int) -> dict[str, torch.Tensor]:
@@ -103,7 +129,10 @@ def test_dz_from_stored_logits_matches_float64(run_kernels, tmp_path):
     p = (z - lse).exp()
     onehot = (torch.arange(valid)[None, :] == (labels - start)[:, None]).double()
     want = inv_tau * (g_lp * (onehot - p) - g_ent * p * (z - mean_z))
-    torch.testing.assert_close(dz[:, :valid].double(), want, rtol=2**-8, atol=1e-6)
+    # softmax_grad's fp32 arithmetic from its exact fp32 inputs, rounded to bf16, where z = x * inv_tau is
+    # one fp32 rounding of the exact product of the stored logit and the fp32 1/tau
+    e_z = unit_roundoff(torch.float32) * z.abs()
+    assert_within(dz[:, :valid], want, _dz_bound(z, e_z, lse, mean_z, g_lp, g_ent, onehot, inv_tau), "dz")
     assert dz[:, valid:].isnan().all()
 
 
@@ -226,36 +255,121 @@ def _terms(coefs, lp, ent):
 
 
 def _reference(hidden, weight, labels, coefs, vocab, tau):
-    """float64 autograd through the full logits; also |dz| . |W| and |dz|^T . |h|, the scale of
-    the error that rounding dz to bf16 (8 significant bits) may leave in each gradient entry."""
-    x = (hidden.double() @ weight[:vocab].double().T).requires_grad_(True)
-    logp_all = torch.log_softmax(x / tau, dim=-1)
+    """float64 autograd through the full logits, with the temperature as the kernels take it (the fp32
+    1/tau), and the bound of each result of the kernels' training path against it: [(loss, bound),
+    (logprob, bound), (entropy, bound), (grad_hidden, bound), (grad_weight, bound)]."""
+    inv_tau = _f32(1 / tau)
+    h, w = hidden.double(), weight[:vocab].double()
+    x = (h @ w.T).requires_grad_(True)
+    logp_all = torch.log_softmax(x * inv_tau, dim=-1)
     hit = (labels >= 0) & (labels < vocab)
     lp = logp_all.gather(1, labels.clamp(0, vocab - 1)[:, None]).squeeze(1) * hit
     ent = -(logp_all.exp() * logp_all).sum(-1)
     loss = _terms(coefs, lp, ent).sum()
     (dz,) = torch.autograd.grad(loss, x)
-    d_hidden = dz @ weight[:vocab].double()
+    d_hidden = dz @ w
     d_weight = torch.zeros(weight.shape, dtype=torch.float64)
-    d_weight[:vocab] = dz.T @ hidden.double()
-    scale_h = dz.abs() @ weight[:vocab].double().abs()
-    scale_w = torch.zeros_like(d_weight)
-    scale_w[:vocab] = dz.abs().T @ hidden.double().abs()
-    return loss.detach(), lp.detach(), ent.detach(), (d_hidden, scale_h), (d_weight, scale_w)
+    d_weight[:vocab] = dz.T @ h
+    bounds = _bounds(h, w, labels, coefs, inv_tau, lp.detach(), ent.detach(), dz)
+    bound_w = torch.zeros_like(d_weight)  # padding rows: exactly 0
+    bound_w[:vocab] = bounds[4]
+    return list(zip((loss.detach(), lp.detach(), ent.detach(), d_hidden, d_weight), (*bounds[:4], bound_w)))
 
 
-def _check(got, want, rows: slice | None = None) -> None:
-    loss, lp, ent, d_hidden, d_weight = got
-    for name, a, b in (("loss", loss, want[0]), ("logprob", lp, want[1]), ("entropy", ent, want[2])):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    for name, a, (b, scale) in (("grad_hidden", d_hidden, want[3]), ("grad_weight", d_weight, want[4])):
+def _forward_merges(vocab: int) -> int:
+    """Merges of partial softmax triples on a term's way in the kernels' forward: one per vocab tile of
+    its split (at most every 128-row tile of the shard), those inside a tile's CTA (MERGES_BESIDE_TILES),
+    the splits' (merge_stats) and the TP group's."""
+    return math.ceil(vocab / min(TILE_VOCAB.values())) + MERGES_BESIDE_TILES + 2
+
+
+def _loss_errors(coefs, lp, ent, stats: StatsBounds) -> tuple[torch.Tensor, ...]:
+    """(c0, c1, E_c0, E_c1, E_terms) [T] of _terms computed in fp32 from the fp32 logprob and entropy (within
+    ``stats`` of the exact ``lp``, ``ent``) and the coefficients rounded to fp32, with e = exp(0.3 (lp - b)):
+
+      c0 = dterms/dlp = 0.3 a e + 0.1 d ent,  c1 = dterms/dent = c + 0.1 d lp   (autograd in fp32)
+      e        relative 0.3 E_lp + u (0.9 |lp - b| + 0.3 |b| + 1)   (b's rounding, lp - b, 0.3's and the
+                                                                      product's roundings, exp)
+      E_c0     |0.3 a e| (0.3 E_lp + u (0.9 |lp - b| + 0.3 |b| + 6)) + |0.1 d| E_ent + 5u |0.1 d ent|
+      E_c1     |0.1 d| E_lp + 2u |c| + 5u |0.1 d lp|
+      E_terms  (|0.3 a e| + |0.1 d ent|) E_lp + (|c| + |0.1 d lp|) E_ent
+               + u (|a e| (0.9 |lp - b| + 0.3 |b| + 5) + 4 |c ent| + 6 |0.1 d lp ent|)
+    (each product, sum and rounded coefficient one u of its magnitude)."""
+    u = unit_roundoff(torch.float32)
+    a, b, c, d = coefs
+    e = torch.exp(0.3 * (lp - b))
+    c0, c1 = 0.3 * a * e + 0.1 * d * ent, c + 0.1 * d * lp
+    e_lp, e_ent = stats.logprob, stats.entropy
+    spread = 0.9 * (lp - b).abs() + 0.3 * b.abs()
+    e_c0 = (
+        (0.3 * a * e).abs() * (0.3 * e_lp + u * (spread + 6)) + (0.1 * d).abs() * e_ent + 5 * u * (0.1 * d * ent).abs()
+    )
+    e_c1 = (0.1 * d).abs() * e_lp + 2 * u * c.abs() + 5 * u * (0.1 * d * lp).abs()
+    e_terms = (
+        ((0.3 * a * e).abs() + (0.1 * d * ent).abs()) * e_lp
+        + (c.abs() + (0.1 * d * lp).abs()) * e_ent
+        + u * ((a * e).abs() * (spread + 5) + 4 * (c * ent).abs() + 6 * (0.1 * d * lp * ent).abs())
+    )
+    return c0, c1, e_c0, e_c1, e_terms
+
+
+def _bounds(h, w, labels, coefs, inv_tau, lp, ent, dz) -> list[torch.Tensor]:
+    """Bounds of (loss, logprob, entropy, grad_hidden, grad_weight of the real rows) of
+    ``fused_linear_token_loss(backend="cuda")`` against the exact values (``lp``, ``ent``, ``dz`` = dL/dx):
+
+      logits   E_z = gamma(H + 1) |h| . |w| / tau     (H bf16 products summed in fp32, then x fp32 1/tau)
+      forward  the kernels' split triples, merged, finalised (softmax_stats_bounds: CUDA's __expf, the merges)
+      loss     the per-token derivatives c0, c1 and the terms in fp32 (_loss_errors); their sum over T
+               tokens adds gamma(T) sum |addends|
+      dz       softmax_grad.cu from the stored logits with the computed lse, E[z], c0, c1 (softmax_grad_bound:
+               __expf, rounded to bf16)
+      grads    fp32 GEMMs of the bf16 dz: d_hidden sums V terms and the TP group's shares, d_weight T terms."""
+    T, H = h.shape
+    V = w.shape[0]
+    z = h @ w.T * inv_tau
+    e_z = gamma(H + 1, torch.float32) * (h.abs() @ w.abs().T) * inv_tau
+    stats = softmax_stats_bounds(z, e_z, labels, _forward_merges(V), torch.float32)
+    coefs = coefs.double()
+    c0, c1, e_c0, e_c1, e_terms = _loss_errors(coefs, lp, ent, stats)
+    hit = (labels >= 0) & (labels < V)
+    onehot = torch.zeros(T, V, dtype=torch.float64).scatter_(1, labels.clamp(0, V - 1)[:, None], hit[:, None].double())
+    lse, mean_z = torch.logsumexp(z, dim=1), (z.softmax(dim=1) * z).sum(dim=1)
+    e_dz = softmax_grad_bound(
+        z,
+        e_z,
+        lse,
+        mean_z,
+        c0 * hit,
+        c1,
+        onehot,
+        inv_tau,
+        e_lse=stats.lse,
+        e_mean_z=stats.mean_z,
+        e_g_lp=e_c0 * hit,
+        e_g_ent=e_c1,
+        out_dtype=torch.bfloat16,
+    )
+    a, b, c, d = coefs
+    addends = (a * torch.exp(0.3 * (lp - b))).abs() + (c * ent).abs() + (0.1 * d * lp * ent).abs()
+    loss = e_terms.sum() + gamma(T, torch.float32) * addends.sum()
+    return [
+        loss,
+        stats.logprob,
+        stats.entropy,
+        matmul_bound(dz, e_dz, w, extra_roundings=1),  # the sum over the TP group
+        matmul_bound(dz.T, e_dz.T, h),
+    ]
+
+
+def _check(got, want, rows: slice | None = None) -> list[float]:
+    """``got`` (loss, logprob, entropy, grad_hidden, grad_weight) within the bounds of ``want`` (from
+    :func:`_reference`), grad_weight in ``rows`` only (a TP rank's); returns the fraction of each bound used."""
+    used = []
+    for name, a, (b, bound) in zip(("loss", "logprob", "entropy", "grad_hidden", "grad_weight"), got, want):
         if name == "grad_weight" and rows is not None:
-            b, scale = b[rows], scale[rows]
-        err = (a.double() - b).abs()
-        bound = 2**-8 * scale + 1e-5
-        assert (err <= bound).all(), (
-            f"{name}: max error {err.max():.3g}, worst ratio to the bf16 bound {(err / bound).max():.3g}"
-        )
+            b, bound = b[rows], bound[rows]
+        used.append(assert_within(a, b, bound, name))
+    return used
 
 
 def _fused(hidden, weight, labels, coefs, **kwargs):
@@ -314,3 +428,33 @@ def _tp_worker(rank: int, port: int, exe: str, workdir: str, mainloop: str) -> N
 @pytest.mark.parametrize("mainloop", MAINLOOPS)
 def test_training_path_on_the_kernels_over_two_vocab_parallel_ranks(run_kernels, tmp_path, mainloop):
     mp.spawn(_tp_worker, args=(_free_port(), str(run_kernels), str(tmp_path), mainloop), nprocs=WORLD, join=True)
+
+
+def test_each_derived_bound_rejects_an_error_just_above_it():
+    """The raw logits', the stored-logits dz's and the training path's bounds (loss, logprob, entropy and
+    both gradients) are not vacuous: the exact values with one element moved 1.01 bounds away fail,
+    0.99 bounds pass."""
+    T, H, rows, vocab, tau = 40, 48, 100, 91, 0.8
+    hidden, weight, coefs = _case(T, H, rows, seed=3)
+    labels = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(4))
+    labels[0] = -100
+    inv_tau = _f32(1 / tau)
+    raw = hidden.double() @ weight[:vocab].double().T
+    z = raw * inv_tau
+    vectors = _row_vectors(z, labels, 0, vocab, seed=5)
+    lse, mean_z, g_lp, g_ent = (vectors[k].double()[:, None] for k in ("lse", "mean_z", "g_lp", "g_ent"))
+    onehot = (torch.arange(vocab)[None, :] == labels[:, None]).double()
+    p = (z - lse).exp()
+    dz = inv_tau * (g_lp * (onehot - p) - g_ent * p * (z - mean_z))
+    e_z = unit_roundoff(torch.float32) * z.abs()
+    names = ("loss", "logprob", "entropy", "grad_hidden", "grad_weight")
+    checks = {
+        "raw logits": (raw, _raw_logit_bound(hidden, weight[:vocab])),
+        "dz": (dz, _dz_bound(z, e_z, lse, mean_z, g_lp, g_ent, onehot, inv_tau)),
+        **dict(zip(names, _reference(hidden, weight, labels, coefs, vocab, tau))),
+    }
+    for what, (want, bound) in checks.items():
+        assert bound.min() >= 0 and bound.max() > 0, what
+        assert_within(_planted(want, bound, 0.99), want, bound, what)
+        with pytest.raises(AssertionError, match=f"{what}: 1 of"):
+            assert_within(_planted(want, bound, 1.01), want, bound, what)
