@@ -16,6 +16,7 @@ from megarl.config.train import PPOActorConfig, RolloutCorrectionConfig
 from megarl.run.prelaunch import build_config
 from megarl.utils import stats_tracker
 from tests.actor.test_fused_flag import _head, _micro_batch
+from tests.numerics import assert_within, gamma
 
 # Four tokens in two sequences [0, 2) and [2, 4); the last token is not a loss token.
 # Token weights w = exp(prox - behav) = 0.5, 1.5, 3, (1).
@@ -108,6 +109,27 @@ def test_none_keeps_the_behaviour_weight_cap():
     assert capped.capped.tolist() == [False, False, True, False]
 
 
+def _mean_gap_and_bound(mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean |prox - behaviour| over the micro-batch's loss tokens, and the bound of the logged one
+    against it: each token's gap is the same float32 subtraction in the loss as here, and the mean of
+    the n gaps is taken in float64 there and here, each within gamma(n + 1) sum|gap| / n of the exact
+    mean of those float32 gaps (n - 1 additions, one division)."""
+    mask = mb["loss_mask"].bool() & mb["label_mask"]
+    gaps = (mb["prox_logp"] - mb["logprobs"]).abs()[mask].double()
+    return gaps.mean(), 2 * gamma(gaps.numel() + 1, torch.float64) * gaps.mean()
+
+
+def test_the_mean_gap_bound_rejects_an_error_just_above_it():
+    """The bound spans some thirty float64 ulps of the mean, too few to plant 1.01 and 0.99 bounds apart:
+    the float64 just past it fails, and the one just short of it passes."""
+    want, bound = _mean_gap_and_bound(_micro_batch(_head()))
+    assert bound > 0
+    edge = want + bound
+    with pytest.raises(AssertionError, match="beyond their error bound"):
+        assert_within(torch.nextafter(edge, edge + 1), want, bound, "mean gap just outside")
+    assert_within(torch.nextafter(edge, edge - 1), want, bound, "mean gap just inside")
+
+
 @pytest.mark.parametrize("mode", ["truncate", "mask", "two_sided_mask"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_ppo_loss_logs_the_correction_every_step(mode, level):
@@ -122,9 +144,9 @@ def test_ppo_loss_logs_the_correction_every_step(mode, level):
     stats_tracker.export(local=True)
     ppo.ppo_loss(head, mb, cfg, norm_len=64).backward()
     stats = stats_tracker.export(local=True)
-    mask = mb["loss_mask"].bool() & mb["label_mask"]
-    gap = (mb["prox_logp"] - mb["logprobs"]).abs()[mask].mean().item()
-    assert stats["rollout_correction/abs_logp_diff/avg"] == pytest.approx(gap, rel=1e-5)
+    want, bound = _mean_gap_and_bound(mb)
+    logged = torch.tensor(stats["rollout_correction/abs_logp_diff/avg"], dtype=torch.float64)
+    assert_within(logged, want, bound, "mean gap")
     assert stats["behave_imp_weight/max"] > 1.3, "the batch has weights above the threshold"
     if mode == "truncate":
         assert stats["rollout_correction/truncated/avg"] > 0 and stats["capped_ratio/avg"] == 0

@@ -9,10 +9,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from megarl.actor import ppo
 from megarl.config.train import USER_LOSS_CALL, PPOActorConfig
 from tests.actor.test_fused_flag import _head, _micro_batch
+from tests.numerics import assert_within, gamma
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,6 +47,24 @@ def _loss(cfg: PPOActorConfig) -> float:
     return ppo.ppo_loss(head, _micro_batch(head), cfg, norm_len=64).item()
 
 
+def _scaled_loss_bound(beta: float) -> float:
+    """The bound of |loss(beta) - beta loss(1)| for the loss ``-beta * advantages * logprobs`` of
+    :func:`_loss`'s micro-batch, in float32. A loss token's term -beta A logp w (w its behaviour weight,
+    the same in both) takes 2 roundings at beta 1 (A logp, then w) and 3 at another beta (-beta A first);
+    the micro-batch's T terms are summed and divided by the n loss tokens. With S = sum |A logp w|,
+    loss(beta) is within gamma(T + 3) beta S / n of beta times the exact loss, loss(1) within
+    gamma(T + 2) S / n of the exact loss, and beta loss(1) is exact in float64: the bound is the sum."""
+    head = _head()
+    mb = _micro_batch(head)
+    mask = mb["loss_mask"].bool() & mb["label_mask"]
+    with torch.no_grad():
+        logp = head.logprobs(mb["labels"]).double()
+    weight = (mb["prox_logp"].double() - mb["logprobs"].double()).exp()
+    terms = (mb["advantages"].double() * logp * weight).abs()[mask].sum() / mask.sum()
+    tokens = mask.numel()
+    return float((gamma(tokens + 3, torch.float32) + gamma(tokens + 2, torch.float32)) * beta * terms)
+
+
 def test_the_reference_page_quotes_the_call_megarl_makes(tmp_path):
     """A function declared exactly as the page says runs through the trainer's loss and receives
     every argument the page names, ``actor.loss_kwargs`` included."""
@@ -75,4 +95,11 @@ def test_loss_kwargs_from_the_config_reach_the_loss(tmp_path):
     loss = _loss_file(tmp_path, source)
     one = _loss(PPOActorConfig(path="unused", loss=loss, loss_kwargs={"beta": 1.0}))
     three = _loss(PPOActorConfig(path="unused", loss=loss, loss_kwargs={"beta": 3.0}))
-    assert three == pytest.approx(3 * one, rel=1e-5) and one != 0
+    assert one != 0
+    bound = _scaled_loss_bound(3.0)
+    got, want = torch.tensor(three, dtype=torch.float64), torch.tensor(3 * one, dtype=torch.float64)
+    assert_within(got, want, bound, "loss at beta 3")
+    # the bound is not vacuous: 1.01 bounds away fails, 0.99 bounds away passes
+    with pytest.raises(AssertionError, match="beyond their error bound"):
+        assert_within(want + 1.01 * bound, want, bound, "loss at beta 3, just outside")
+    assert_within(want + 0.99 * bound, want, bound, "loss at beta 3, just inside")

@@ -7,9 +7,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.kernels import fused_logprobs_entropy, logprobs_entropy_naive
-from tests.numerics import assert_within, softmax_head_bounds
+from tests.numerics import assert_within, softmax_head_bounds, unit_roundoff
 
-TOL = dict(atol=1e-5, rtol=1e-5)  # two float32 paths that compute the same way (same ops, other chunks)
 OUTPUTS = ("logprob", "entropy", "d_hidden", "d_weight")
 
 
@@ -29,6 +28,26 @@ def loss_and_grads(fn, hidden, weight, coef_lp, coef_ent):
     logp, ent = fn(hidden, weight)
     (coef_lp * logp + coef_ent * ent).sum().backward()
     return logp.detach(), ent.detach(), hidden.grad, weight.grad
+
+
+def exact_and_bounds(hidden, weight, labels, vocab, coefs, temperature):
+    """The four outputs in float64 from the same operands (exact to within float64's roundings), and the
+    float32 error bounds of the fused path's (``tests/numerics.py``); d_weight over the real rows."""
+    exact = loss_and_grads(
+        lambda h, w: naive(h, w, labels, temperature, vocab, dtype=torch.float64),
+        hidden.double(),
+        weight.double(),
+        coefs[0].double(),
+        coefs[1].double(),
+    )
+    exact = (*exact[:3], exact[3][:vocab])
+    bounds = softmax_head_bounds(hidden, weight[:vocab], labels, coefs, temperature, torch.float32)
+    return exact, [getattr(bounds, name) for name in OUTPUTS]
+
+
+def bf16_rounded(bound: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """The bound of a float32 result within ``bound`` of ``exact``, then rounded once to bf16."""
+    return bound + unit_roundoff(torch.bfloat16) * (exact.abs() + bound)
 
 
 def make_case(seed, T, H, rows, pad, scale=0.5):
@@ -85,46 +104,67 @@ def test_matches_naive_fp32(seed, T, H, rows, pad, temperature, chunk_tokens, ch
 
 
 def test_peaked_softmax_entropy_is_accurate():
-    """Large logits: the shifted (m, s, u) form keeps a near-zero entropy accurate."""
-    hidden, weight, labels, vocab, (c_lp, c_ent) = make_case(1, 16, 8, 30, 0, scale=8.0)
+    """Large logits: the shifted (m, s, u) form keeps a near-zero entropy within its float32 bound."""
+    hidden, weight, labels, vocab, coefs = make_case(1, 16, 8, 30, 0, scale=8.0)
     got = fused_logprobs_entropy(hidden, weight, labels, chunk_vocab=7, backend="torch")
-    want = naive(hidden, weight, labels, 1.0, vocab, dtype=torch.float64)
-    torch.testing.assert_close(got[0].double(), want[0], atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(got[1].double(), want[1], atol=1e-5, rtol=1e-4)
+    exact, bounds = exact_and_bounds(hidden, weight, labels, vocab, coefs, 1.0)
+    for name, a, b, bound in zip(OUTPUTS, got, exact, bounds):
+        assert_within(a, b, bound, name)
 
 
 def test_bf16_inputs_compute_in_fp32():
-    hidden, weight, labels, vocab, (c_lp, c_ent) = make_case(2, 33, 16, 40, 3)
+    """bf16 operands are exact in float32 and float64: the logprob and entropy are within float32's
+    bounds, and each gradient within them plus one rounding to bf16."""
+    hidden, weight, labels, vocab, coefs = make_case(2, 33, 16, 40, 3)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
 
     def fused(h, w):
         return fused_logprobs_entropy(h, w, labels, temperature=0.8, vocab_size=vocab, chunk_tokens=8, chunk_vocab=16)
 
-    logp, ent, dh, dw = loss_and_grads(fused, hidden, weight, c_lp, c_ent)
+    logp, ent, dh, dw = loss_and_grads(fused, hidden, weight, *coefs)
     assert logp.dtype == ent.dtype == torch.float32 and dh.dtype == dw.dtype == torch.bfloat16
-    want = loss_and_grads(lambda h, w: naive(h, w, labels, 0.8, vocab), hidden, weight, c_lp, c_ent)
-    torch.testing.assert_close(logp, want[0], **TOL)
-    torch.testing.assert_close(ent, want[1], **TOL)
-    torch.testing.assert_close(dh, want[2])  # both are fp32 results rounded once to bf16
-    torch.testing.assert_close(dw, want[3])
+    exact, bounds = exact_and_bounds(hidden, weight, labels, vocab, coefs, 0.8)
+    for name, a, b, bound in zip(OUTPUTS, (logp, ent, dh, dw[:vocab]), exact, bounds):
+        assert_within(a, b, bf16_rounded(bound, b) if a.dtype == torch.bfloat16 else bound, name)
+    assert not dw[vocab:].any(), "padding rows must get zero gradient"
 
 
 def test_leading_dims_and_frozen_weight():
-    hidden, weight, labels, vocab, _ = make_case(3, 12, 8, 20, 0)
+    hidden, weight, labels, vocab, coefs = make_case(3, 12, 8, 20, 0)
     h = hidden.view(3, 4, 8).requires_grad_(True)
     logp, ent = fused_logprobs_entropy(h, weight, labels.view(3, 4), chunk_vocab=6)
     assert logp.shape == ent.shape == (3, 4)
     logp.sum().backward()
-    want_lp, _ = naive(hidden, weight, labels, 1.0, vocab)
-    torch.testing.assert_close(logp.reshape(-1), want_lp, **TOL)
+    exact, bounds = exact_and_bounds(hidden, weight, labels, vocab, coefs, 1.0)
+    assert_within(logp.detach().reshape(-1), exact[0], bounds[0], "logprob")
     assert h.grad.shape == h.shape and weight.grad is None
 
 
 def test_package_naive_matches_test_naive():
+    """The package's baseline and this file's run the same float32 operations in the same order on the
+    same operands (matrix product, division by the temperature, log_softmax, gather, the entropy's sum),
+    so their results are bitwise equal; masking an ignored label by where or by a product gives 0 both ways."""
     hidden, weight, labels, vocab, _ = make_case(4, 9, 8, 20, 4)
     package = logprobs_entropy_naive(hidden, weight, labels, 1.3, vocab)
     for a, b in zip(package, naive(hidden, weight, labels, 1.3, vocab)):
-        torch.testing.assert_close(a, b, **TOL)
+        assert torch.equal(a, b)
+
+
+def test_each_derived_bound_rejects_an_error_just_above_it():
+    """The bounds are not vacuous: the exact outputs with one element moved 1.01 bounds away fail, each
+    output's bound on its own (the gradients' with the rounding to bf16), and 0.99 bounds away pass."""
+    hidden, weight, labels, vocab, coefs = make_case(2, 33, 16, 40, 3)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    exact, bounds = exact_and_bounds(hidden, weight, labels, vocab, coefs, 0.8)
+    bounds = [*bounds[:2], *(bf16_rounded(bound, b) for bound, b in zip(bounds[2:], exact[2:]))]
+    for name, want, bound in zip(OUTPUTS, exact, bounds):
+        at = int(bound.argmax())
+        planted = want.clone()
+        planted.view(-1)[at] += 1.01 * bound.view(-1)[at]
+        with pytest.raises(AssertionError, match=f"{name}: 1 of"):
+            assert_within(planted, want, bound, name)
+        planted.view(-1)[at] -= 0.02 * bound.view(-1)[at]
+        assert_within(planted, want, bound, name)
 
 
 class _MaxNumel(TorchDispatchMode):

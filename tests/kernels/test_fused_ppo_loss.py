@@ -9,7 +9,7 @@ import torch
 from megarl.actor import fused_ppo_loss as ppo_loss_module
 from megarl.actor.fused_ppo_loss import fused_ppo_loss
 from megarl.actor.losses import aggregate, policy_loss
-from tests.numerics import assert_within, ppo_loss_bounds
+from tests.numerics import assert_within, gamma, ppo_loss_bounds, ppo_token_relative_error
 
 
 def plain_ppo_loss(logp, prox, old, adv, eps, mask, c_clip=None, cap=None, eps_high=None):
@@ -28,6 +28,28 @@ def plain_ppo_loss(logp, prox, old, adv, eps, mask, c_clip=None, cap=None, eps_h
     total, count = aggregate(out.loss, out.mask, "token-mean")
     count = count.clamp(min=1)
     return total / count, out.clipped.sum() / count, out.dual_clipped.sum() / count
+
+
+def hand_loss_bound(loss_tok, logp, old, prox, mask) -> torch.Tensor:
+    """The float32 bound of a token-mean PPO loss (``ppo_loss_bounds``) for a hand-computed example whose
+    log-probabilities are float32 roundings of exact logarithms (``math.log``): each token within its
+    relative error of its exact loss ``loss_tok`` (float64), the mean adding gamma(n) sum|loss| over
+    the n tokens kept, divided by their count (a power of 2 in these examples: exact)."""
+    rel = ppo_token_relative_error(logp, old, prox, torch.float32, inputs_rounded=True) * mask
+    count = int(mask.sum())
+    magnitude = loss_tok.abs() * mask
+    return ((rel * magnitude).sum() + gamma(count, torch.float32) * magnitude.sum()) / count
+
+
+CLASSIC_EXACT = torch.tensor([-1.2, -0.5, 3.0, 0.8], dtype=torch.float64)
+"""The classic example's per-token losses: -1.2 (clipped high), -0.5 (unclipped), min(4, 3) = 3 (dual
+clip), 0.8 (clipped low)."""
+
+
+def classic_example():
+    """r = 1.5, 0.5, 4.0, 0.5 against old = 0; advantages 1, 1, -1, -1 (eps 0.2, dual clip 3)."""
+    logp = torch.tensor([math.log(1.5), math.log(0.5), math.log(4.0), math.log(0.5)])
+    return logp, torch.zeros(4), torch.tensor([1.0, 1.0, -1.0, -1.0])
 
 
 def random_batch(seed, n=257):
@@ -109,17 +131,23 @@ def test_the_derived_bounds_reject_an_error_just_above_them():
     planted[worst] += 1.01 * grad_bound[worst]
     with pytest.raises(AssertionError, match="1 of 257 elements"):
         assert_within(planted, exact.grad, grad_bound, "gradient just outside")
+    # the hand-computed examples' bound, with the roundings of their logarithms
+    logp, old, _ = classic_example()
+    hand = hand_loss_bound(CLASSIC_EXACT, logp, old, None, torch.ones(4))
+    want = CLASSIC_EXACT.mean()
+    assert_within(want + 0.99 * hand, want, hand, "hand-computed loss just inside")
+    with pytest.raises(AssertionError, match="beyond their error bound"):
+        assert_within(want + 1.01 * hand, want, hand, "hand-computed loss just outside")
 
 
 def test_hand_computed_classic_ppo():
-    # r = 1.5, 0.5, 4.0, 0.5 against old = 0; eps 0.2, dual clip 3
-    logp = torch.tensor([math.log(1.5), math.log(0.5), math.log(4.0), math.log(0.5)], requires_grad=True)
-    old = torch.zeros(4)
-    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, stats = fused_ppo_loss(logp, old, adv, torch.ones(4, dtype=torch.bool), eps_clip=0.2, dual_clip=3.0)
+    logp, old, adv = classic_example()
+    logp.requires_grad_(True)
+    mask = torch.ones(4, dtype=torch.bool)
+    loss, stats = fused_ppo_loss(logp, old, adv, mask, eps_clip=0.2, dual_clip=3.0)
     loss.backward()
-    # pg: -1.2 (clipped high), -0.5 (unclipped), min(4, 3) = 3 (dual), 0.8 (clipped low)
-    assert loss.item() == pytest.approx((-1.2 - 0.5 + 3.0 + 0.8) / 4, abs=1e-6)
+    bound = hand_loss_bound(CLASSIC_EXACT, logp.detach(), old, None, mask)
+    assert_within(loss.detach(), CLASSIC_EXACT.mean(), bound, "loss")
     torch.testing.assert_close(logp.grad, torch.tensor([0.0, -0.5 / 4, 0.0, 0.0]))
     assert stats.clip_fraction.item() == pytest.approx(0.5)
     assert stats.dual_clip_fraction.item() == pytest.approx(0.25)
@@ -146,8 +174,12 @@ def test_hand_computed_behaviour_cap():
     mask = torch.tensor([True, True, False])
     loss, stats = fused_ppo_loss(logp, old, adv, mask, prox_logprobs=prox, behav_imp_weight_cap=1.5)
     loss.backward()
-    # token 0: w 1.2, pg -2.2 -> -2.64; token 1: w 2 > cap, dropped but counted; token 2 masked
-    assert loss.item() == pytest.approx(-2.64 / 2, abs=1e-6)
+    # token 0: w 1.2, pg -2.2 -> -2.64; token 1: w 2 > cap, dropped but counted; token 2 masked.
+    # logp[0] is the float32 sum of two rounded logarithms: its log-ratio against prox carries the
+    # roundings of log(1.1) and of the sum, within u (|prox| + |logp|) since |log 1.1| < |prox|
+    exact = torch.tensor([-2.64, 0.0, 0.0], dtype=torch.float64)
+    bound = hand_loss_bound(exact, logp.detach(), old, prox, mask)
+    assert_within(loss.detach(), exact.sum() / 2, bound, "loss")
     torch.testing.assert_close(logp.grad, torch.tensor([-2.64 / 2, 0.0, 0.0]))
     assert stats.behav_capped_fraction.item() == pytest.approx(0.5)
     assert stats.behav_weight_mean.item() == pytest.approx(1.2 / 2)
