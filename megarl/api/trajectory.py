@@ -20,6 +20,11 @@ from typing import Any
 
 import torch
 
+TOKEN_ID_DTYPE = torch.int32
+"""The dtype of a trajectory's token ids: no vocabulary megarl trains holds an id beyond it."""
+TOKEN_ID_LIMIT = torch.iinfo(TOKEN_ID_DTYPE).max + 1
+"""Every token id is below this."""
+
 # Value put in padded positions; keys not listed here pad with 0.
 PAD_VALUES = {"versions": -1}
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
@@ -122,7 +127,7 @@ def build_trajectory(
             f"logprobs {len(logprobs)}, versions {len(versions)}"
         )
     return {
-        "input_ids": torch.tensor([list(input_ids)], dtype=torch.int32),
+        "input_ids": torch.tensor([list(input_ids)], dtype=TOKEN_ID_DTYPE),
         "attention_mask": torch.ones(1, n, dtype=torch.bool),
         "loss_mask": torch.tensor([list(loss_mask)], dtype=torch.int32),
         "logprobs": torch.tensor([list(logprobs)], dtype=torch.float32),

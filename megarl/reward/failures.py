@@ -170,6 +170,24 @@ class RewardFailures:
         return result.detail.rstrip()
 
 
+def check_trajectory_rewards(traj: Any, source: str) -> None:
+    """The rewards a trajectory brings to the trainer meet the reward function's check, however they were
+    made (a reward function, a workflow's own ``rewards``, an agent's returned or assigned reward through
+    the OpenAI-compatible proxy): every one a finite number, else :class:`RewardFunctionError` naming
+    ``source``, the row and the value, which stops the run."""
+    rewards = traj.get("rewards") if isinstance(traj, Mapping) else None
+    if rewards is None:
+        return
+    values = rewards.reshape(-1).tolist() if hasattr(rewards, "reshape") else rewards
+    for row, value in enumerate(values if isinstance(values, (list, tuple)) else [values]):
+        result = as_reward(value)
+        if isinstance(result, RewardFailure):
+            raise RewardFunctionError(
+                f"{source} gave row {row} of its trajectory the reward {result.detail}, not a finite number; "
+                "a reward must be an int, a float or a bool"
+            )
+
+
 def find_reward_error(error: BaseException | None) -> RewardFunctionError | None:
     """The :class:`RewardFunctionError` behind ``error`` (the rollout pool wraps it), if any."""
     seen = set()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from megarl.api.io_struct import GenerationHyperparameters
+from megarl.api.trajectory import TOKEN_ID_LIMIT
 from megarl.rollout.http import MalformedResponseError
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -45,7 +46,8 @@ LOGPROB_TOLERANCE = 1e-3
 def check_chunk(chunk: GenerationChunk, max_tokens: int, vocab_size: int | None = None) -> GenerationChunk:
     """``chunk`` with float logprobs, or :class:`MalformedResponseError` (retried like malformed JSON) naming
     the reply's field when it cannot be trained on: more tokens than asked for, a token id that is not an
-    integer in ``[0, vocab_size)`` (the trainer's vocabulary; None: only ``>= 0`` is checked), a logprob
+    integer in ``[0, vocab_size)`` (the trainer's vocabulary; None: below ``TOKEN_ID_LIMIT``, which no
+    vocabulary reaches and a trajectory's int32 ids cannot hold), a logprob
     that is null, not a number, NaN, infinite or positive.
 
     Every reply of every episode passes here on the pool's event loop, so a clean reply is checked in a
@@ -53,7 +55,7 @@ def check_chunk(chunk: GenerationChunk, max_tokens: int, vocab_size: int | None 
     tokens, values = chunk.output_tokens, chunk.output_logprobs
     if len(tokens) > max_tokens:
         raise MalformedResponseError(f"{len(tokens)} tokens for a request of at most {max_tokens}")
-    upper = math.inf if vocab_size is None else vocab_size
+    upper = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
     if not all(type(t) is int for t in tokens) or (tokens and not (min(tokens) >= 0 and max(tokens) < upper)):
         _raise_bad_token(chunk, vocab_size)
     if not all(type(v) is float or type(v) is int for v in values) or not all(
@@ -74,6 +76,11 @@ def _raise_bad_token(chunk: GenerationChunk, vocab_size: int | None) -> None:
             raise MalformedResponseError(
                 f"{field_name}: token id {token} is outside the trainer's vocabulary of {vocab_size} "
                 "(does the server serve the trainer's model?)"
+            )
+        if token >= TOKEN_ID_LIMIT:
+            raise MalformedResponseError(
+                f"{field_name}: token id {token} is beyond any vocabulary (a trajectory's ids are int32, "
+                f"below {TOKEN_ID_LIMIT})"
             )
 
 

@@ -17,6 +17,7 @@ import torch
 from megarl.api import context as workflow_context
 from megarl.api.engine_api import GenerationEngine
 from megarl.api.trajectory import batch_size_of
+from megarl.reward.failures import check_trajectory_rewards
 from megarl.rollout.episodes import EpisodeFailures, EpisodeQueues, Result, RolloutError, Task, logger, server_failure
 from megarl.rollout.loop_thread import LoopThread
 from megarl.rollout.staleness import StalenessManager
@@ -168,6 +169,7 @@ class EpisodeRunner:
         with workflow_context.use(ctx), stats_tracker.scope(scope):
             try:
                 traj = await task.workflow.arun_episode(self.engine, task.data)
+                check_trajectory_rewards(traj, f"workflow {type(task.workflow).__qualname__} (task {task.task_id})")
                 accepted = traj is not None and (task.should_accept_fn is None or bool(task.should_accept_fn(traj)))
             except asyncio.CancelledError:
                 raise

@@ -48,6 +48,7 @@ from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.api.trajectory import concat_padded_tensors, make_trajectory
 from megarl.api.workflow_api import RolloutWorkflow, is_agent
+from megarl.reward.failures import RewardFailure, RewardFunctionError, as_reward
 from megarl.utils import stats_tracker
 from megarl.workflow.chat import Episode
 from megarl.workflow.openai_proxy import CallRecord, OpenAIProxy, ProxySession
@@ -182,12 +183,12 @@ def call_rewards(calls: list[CallRecord], result: Any, turn_discount: float, age
     from the last call, each call adds the next one's reward times ``turn_discount``.
     """
     if isinstance(result, dict):
-        own = {key: float(value) for key, value in result.items()}
+        own = {key: _finite(value, f"agent {agent_name}.run's reward for {key}") for key, value in result.items()}
         unknown = sorted(set(own) - {call.id for call in calls})
         if unknown:
             raise AgentRunError(f"agent {agent_name}.run returned rewards of unknown completion ids {unknown}")
     elif isinstance(result, int | float):
-        own = {calls[-1].id: float(result)}
+        own = {calls[-1].id: _finite(result, f"agent {agent_name}.run's reward")}
     else:
         raise AgentRunError(
             f"agent {agent_name}.run returned {result!r}; expected its reward (a float) or a "
@@ -198,6 +199,17 @@ def call_rewards(calls: list[CallRecord], result: Any, turn_discount: float, age
         carried = carried * turn_discount + own.get(call.id, 0.0)
         rewards.append(carried)
     return rewards[::-1]
+
+
+def _finite(value: Any, what: str) -> float:
+    """An agent's reward meets a reward function's check (megarl.reward.failures): a finite number, else
+    :class:`RewardFunctionError`, which stops the run."""
+    result = as_reward(value)
+    if isinstance(result, RewardFailure):
+        raise RewardFunctionError(
+            f"{what} is {result.detail}, not a finite number; a reward must be an int, a float or a bool"
+        )
+    return float(result)
 
 
 def final_conversation(calls: list[CallRecord], reward: float) -> dict[str, Any]:

@@ -6,9 +6,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 from megarl.api import RolloutWorkflow
 from megarl.config.rollout import InferenceEngineConfig
+from megarl.reward.failures import find_reward_error
 from megarl.rollout import RolloutError, RolloutPool
 from megarl.utils import stats_tracker
 from megarl.workflow import workflow_context
@@ -177,6 +179,32 @@ def test_workflow_exception_surfaces_in_wait(pool_factory):
         pool.wait(1, timeout=5)
     assert isinstance(info.value.__cause__, KeyError)
     assert pool.staleness.get_stats().running == 0
+
+
+class _OwnRewards(RolloutWorkflow):
+    """A workflow that scores its trajectory itself, with ``reward`` (not through a reward function)."""
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    async def arun_episode(self, engine, data):
+        traj = await SimWorkflow().arun_episode(engine, {"id": data["id"], "chunk_delays": [0.001]})
+        traj["rewards"] = torch.tensor([self.reward], dtype=torch.float32)
+        return traj
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), float("-inf")])
+def test_a_workflows_own_non_finite_reward_stops_the_run_naming_it(pool_factory, reward):
+    """A reward that reaches the trainer without a reward function meets the same check (reward/failures.py)."""
+    pool, _ = pool_factory(batch_size=1)
+    pool.submit({"id": 0}, _OwnRewards(reward))
+    with pytest.raises(RolloutError, match="_OwnRewards failed on task") as info:
+        pool.wait(1, timeout=5)
+    cause = find_reward_error(info.value)
+    assert cause is not None and f"row 0 of its trajectory the reward {reward!r}" in str(cause), info.value
+    pool.submit({"id": 1}, _OwnRewards(0.5))  # a finite one passes
+    (traj,) = pool.wait(1, timeout=5)
+    assert traj["rewards"].tolist() == [0.5]
 
 
 class _ContextProbe(RolloutWorkflow):

@@ -132,7 +132,18 @@ def test_vllm_token_beyond_the_vocabulary_in_the_token_strings():
     body = _vllm(_set_vllm_token(60000), without_token_ids=True)
     with pytest.raises(MalformedResponseError, match=r"choices\[0\]\.logprobs\.tokens\[2\]: token id 60000"):
         _check(VLLMBackend(), body)
-    assert _check(VLLMBackend(), body, vocab_size=None).output_tokens[2] == 60000, "no vocabulary given: not checked"
+    assert _check(VLLMBackend(), body, vocab_size=None).output_tokens[2] == 60000, (
+        "no vocabulary given: any vocabulary's"
+    )
+
+
+@pytest.mark.parametrize("token", [2**31, 2**63 + 5])
+def test_without_a_vocabulary_an_id_beyond_any_vocabulary_is_still_refused(token):
+    """The engine used through AReaL's API without the trainer's vocabulary size: an id a trajectory's int32
+    ids cannot hold is no token of any model."""
+    with pytest.raises(MalformedResponseError, match=rf"choices\[0\]\.token_ids\[2\]: token id {token} is beyond any"):
+        _check(VLLMBackend(), _vllm(_set_vllm_token(token)), vocab_size=None)
+    assert _check(VLLMBackend(), _vllm(_set_vllm_token(2**31 - 1)), vocab_size=None).output_tokens[2] == 2**31 - 1
 
 
 def _set_sglang(index: int, value):

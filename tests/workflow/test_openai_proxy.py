@@ -18,6 +18,7 @@ from openai import AsyncOpenAI
 
 from megarl.api.io_struct import GenerationHyperparameters, derive_seed
 from megarl.config.rollout import WorkflowConfig
+from megarl.reward.failures import RewardFunctionError
 from megarl.run.prelaunch import workflow_problem
 from megarl.utils import stats_tracker
 from megarl.workflow import GroupedRolloutWorkflow, OpenAIAgentWorkflow
@@ -421,6 +422,21 @@ def test_a_failed_agent_run_fails_the_episode_naming_the_agent(tokenizer, how, m
     if how == "raise":
         assert isinstance(err.value.__cause__, ValueError), "the agent's exception is chained"
     assert workflow.proxy.url is None, "the proxy stopped with the run"
+
+
+@pytest.mark.parametrize(
+    "reward,match",
+    [
+        (float("nan"), r"ToolAgent\.run's reward is nan \(float\), not a finite number"),
+        (float("inf"), r"ToolAgent\.run's reward is inf \(float\), not a finite number"),
+        ({"first": "1.0"}, r"ToolAgent\.run's reward for first is '1\.0' \(str\), not a finite number"),
+    ],
+)
+def test_an_agents_non_finite_reward_stops_the_run_as_a_reward_functions_does(tokenizer, reward, match):
+    """The reward an agent returns through the proxy meets the reward function's check (reward/failures.py)."""
+    workflow = OpenAIAgentWorkflow(ToolAgent(turns=1, reward=reward), tokenizer=tokenizer)
+    with pytest.raises(RewardFunctionError, match=match):
+        run_episode(workflow, ScriptedLLM(tokenizer))
 
 
 class SwallowsErrors:
