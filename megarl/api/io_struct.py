@@ -24,7 +24,7 @@ class GenerationHyperparameters:
     max_new_tokens: int = 256
     """Upper bound on generated tokens per sample (an interrupted sample keeps its budget)."""
     min_new_tokens: int = 0
-    """Lower bound on generated tokens before a stop is allowed."""
+    """Lower bound on generated tokens before a stop is allowed; 0: none."""
     temperature: float = 1.0
     """Sampling temperature; the trainer scores logprobs at the same temperature."""
     top_p: float = 1.0

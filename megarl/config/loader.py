@@ -263,13 +263,19 @@ def _merge(base, layer, source: str):
     try:
         return OmegaConf.merge(base, layer)
     except (OmegaConfBaseException, TypeError) as err:  # TypeError: a list merged into a mapping
-        key = None if getattr(err, "full_key", None) else _failing_key(base, layer)
-        if key is None:  # OmegaConf named the key (a value of the wrong type), or nothing was found
+        named = getattr(err, "full_key", None)
+        key = named or _failing_key(base, layer)
+        expected = _expected(base, key) if key else None
+        if named and expected == "a single value":  # a block that is null in ``base``: OmegaConf's words say
+            expected = _shape_in(err) or expected
+        if key is None or (named and expected == "a single value"):
+            # OmegaConf's own words name a scalar's value ("Value 'abc' of type 'str' could not be converted
+            # to Integer"); a list or a mapping given the wrong shape gets ours, which names the value
             raise _config_error(err, source) from None
-        value = OmegaConf.select(layer, key)
+        value = OmegaConf.select(layer, key, default=None)
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value, resolve=False)
-        raise ConfigError(key, f"{value!r} is invalid: expected {_expected(base, key)} (in {source})") from None
+        raise ConfigError(key, f"{value!r} is invalid: expected {expected} (in {source})") from None
 
 
 def _failing_key(base, layer, prefix: str = "") -> str | None:
@@ -295,6 +301,16 @@ def _nested(dotted: str, value):
     for part in reversed(dotted.split(".")):
         tree = {part: tree}
     return OmegaConf.create(tree)
+
+
+def _shape_in(err: Exception) -> str | None:
+    """The list or mapping an OmegaConf type error says a key wanted, in words; None for a scalar."""
+    message = str(err)
+    if "is not a ListConfig" in message:
+        return "a list"
+    if message.startswith("Cannot assign") and " to Dict[" in message:
+        return "a mapping of names to values"
+    return None
 
 
 def _expected(base, key: str) -> str:

@@ -116,7 +116,7 @@ class VLLMConfig:
     max_num_seqs: int = 256
     """Sequences batched at once by the scheduler."""
     seed: int = 1
-    """Sampling seed of the server (each replica adds its index)."""
+    """Sampling seed of the server (>= 0; each replica adds its index)."""
     startup_timeout: float = 600.0
     """Seconds to wait for the server's health check after launch."""
     extra_args: list[str] = field(default_factory=list)
@@ -129,6 +129,7 @@ class VLLMConfig:
         )
         require(self.cpu_kvcache_space_gb >= 1, "cpu_kvcache_space_gb", self.cpu_kvcache_space_gb, "must be >= 1")
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        require(self.seed >= 0, "seed", self.seed, "must be >= 0")
         require(self.startup_timeout > 0, "startup_timeout", self.startup_timeout, "must be > 0 seconds")
         if self.block_size is not None:
             require(
@@ -156,7 +157,7 @@ class SGLangConfig:
     enable_metrics: bool = True
     """Expose Prometheus metrics."""
     random_seed: int = 1
-    """Sampling seed of the server (each replica adds its index)."""
+    """Sampling seed of the server (>= 0; each replica adds its index)."""
     startup_timeout: float = 600.0
     """Seconds to wait for the server's health check after launch."""
     extra_args: list[str] = field(default_factory=list)
@@ -164,6 +165,7 @@ class SGLangConfig:
 
     def check(self) -> None:
         require(self.context_length >= 16, "context_length", self.context_length, "must be >= 16")
+        require(self.random_seed >= 0, "random_seed", self.random_seed, "must be >= 0")
         require(0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static, "in (0, 1)")
         require(self.startup_timeout > 0, "startup_timeout", self.startup_timeout, "must be > 0 seconds")
 

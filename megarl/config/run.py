@@ -65,7 +65,7 @@ class DatasetConfig:
     shuffle: bool = True
     """Reshuffle every epoch (seeded by the experiment seed and the epoch)."""
     num_workers: int = 0
-    """Dataloader worker processes."""
+    """Dataloader worker processes; 0: the trainer's own process loads the rows."""
     drop_last: bool = True
     """Drop the last incomplete batch of an epoch."""
     max_prompt_tokens: int | None = None
@@ -349,7 +349,7 @@ class LauncherConfig:
     dying server ends the run."""
     max_server_restarts: int = 10
     """Server restarts of the whole run, all servers together; past this (or past ``server_restarts`` for
-    one server) a dying server ends the run, naming the budget spent."""
+    one server) a dying server ends the run, naming the budget spent. 0: no restart at all."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """Slurm specifics."""
 

@@ -370,9 +370,9 @@ class PPOActorConfig(TrainEngineConfig):
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     reward_scaling: float = 1.0
-    """Rewards are multiplied by this after ``reward_bias`` is added."""
+    """Rewards are multiplied by this (> 0) after ``reward_bias`` is added."""
     reward_bias: float = 0.0
-    """Added to rewards before scaling."""
+    """Added to rewards before scaling; any finite number, negative too."""
     reward_clip: float = 20.0
     """Rewards are clipped to [-reward_clip, reward_clip]."""
     adv_norm: NormConfig = field(default_factory=NormConfig)
@@ -426,6 +426,12 @@ class PPOActorConfig(TrainEngineConfig):
         require(self.kl_ctl >= 0, "kl_ctl", self.kl_ctl, "must be >= 0")
         require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff, "must be >= 0")
         require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")
+        require(
+            self.reward_scaling > 0,
+            "reward_scaling",
+            self.reward_scaling,
+            "must be > 0 (0 removes every reward; a negative scale trains towards the worst answers)",
+        )
         require(0 < self.discount <= 1, "discount", self.discount, "must be in (0, 1]")
         require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
         require(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
