@@ -159,8 +159,20 @@ def _machine(machine: dict) -> str:
         parts.append(f"flags: {machine['cpu_flags']}")
     parts.append(f"GPU: {machine['gpu']} (CUDA {machine.get('cuda')})" if machine.get("gpu") else "no GPU")
     if machine.get("commit"):
-        parts.append(f"commit `{machine['commit'][:12]}`" + (" (backfilled)" if machine.get("backfilled") else ""))
+        commit = machine["commit"]
+        tree = " with uncommitted changes" if commit.endswith("-dirty") else ""
+        parts.append(f"commit `{commit[:12]}`{tree}" + (" (backfilled)" if machine.get("backfilled") else ""))
+    parts.append(_load(machine))
     return "; ".join(parts)
+
+
+def _load(machine: dict) -> str:
+    """The load average when the run started (other work on the machine), against its cores."""
+    load = machine.get("load_avg")
+    if not load:
+        return "load average not recorded"
+    busy = " (busy: above the core count)" if machine.get("cores") and load[0] > machine["cores"] else ""
+    return f"load average {' / '.join(f'{x:g}' for x in load)} (1 / 5 / 15 min) at start{busy}"
 
 
 def _unmeasured(script: str, rows: list[dict]) -> list[str]:
