@@ -500,6 +500,7 @@ def train(t: Trainer) -> dict[str, float]:
         t.console.line(
             f"before training: pass@1 {baseline['eval/pass@1']:.3f} on {baseline['eval/n_samples']:.0f} prompts"
         )
+        t.stats_logger.before_training(baseline)
     t.progress = t.console.progress(t.total_steps, initial=start) if rank0 else None
     for global_step in range(start, t.total_steps):
         step_start = time.perf_counter()

@@ -3,7 +3,8 @@
 Rank 0 only; on other ranks every method does nothing. Files in ``run_dir``:
 
 * ``metrics.jsonl``: one line per step, ``{"epoch", "epoch_step", "global_step", **stats}``;
-* ``curves.png``: one subplot per ``config.plot_keys`` entry with data, against global step;
+* ``curves.png``: one subplot per ``config.plot_keys`` entry with data, against the steps trained
+  (1 for the first step, as the console and the report count; 0: the evaluation before training);
 * ``tensorboard/`` (when enabled), ``wandb/`` and ``wandb_run_id`` (when W&B is on).
 
 A run recovered at ``start_step`` drops the lines of steps >= ``start_step`` (they are
@@ -53,6 +54,9 @@ class StatsLogger:
         self.run_dir = Path(run_dir)
         self.active = rank == 0
         self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        """Per plotted key: (global step, value) of each step that logged it."""
+        self.baseline: dict[str, float] = {}
+        """Plotted values measured before the first step (the evaluation before training)."""
         self._wandb = self._tb = None
         if not self.active:
             return
@@ -117,6 +121,13 @@ class StatsLogger:
             if key in stats:
                 self.history[key].append((global_step, float(stats[key])))
 
+    def before_training(self, stats: dict[str, float]) -> None:
+        """Values measured before the first step (``eval/pass@1`` of the evaluation before training): the
+        curves start from them, at step 0."""
+        if self.active:
+            self.baseline.update({key: float(stats[key]) for key in self.config.plot_keys if key in stats})
+            self._draw()
+
     def commit(self, epoch: int, epoch_step: int, global_step: int, stats: dict[str, float]) -> None:
         """Log one step's ``stats`` to every configured output."""
         if not self.active:
@@ -147,9 +158,15 @@ class StatsLogger:
         except Exception as e:  # noqa: BLE001 -- a view of the run must not end it
             logger.warning("could not write %s: %r", self.run_dir / "report.html", e)
 
+    def curve(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) points of ``key``'s curve: its value before training at step 0, then each step's at
+        the number of steps trained (1 for the first step)."""
+        points = [(0, self.baseline[key])] if key in self.baseline else []
+        return points + [(global_step + 1, value) for global_step, value in self.history.get(key, [])]
+
     def _draw(self) -> None:
         """Redraw ``curves.png`` (written to a temporary name, then renamed)."""
-        keys = [key for key in self.config.plot_keys if self.history.get(key)]
+        keys = [key for key in self.config.plot_keys if self.history.get(key) or key in self.baseline]
         if not keys:
             return
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -158,11 +175,12 @@ class StatsLogger:
         fig = Figure(figsize=(6, 2.4 * len(keys)), layout="constrained")
         FigureCanvasAgg(fig)
         for ax, key in zip(fig.subplots(len(keys), 1, squeeze=False)[:, 0], keys):
-            steps, values = zip(*self.history[key])
+            steps, values = zip(*self.curve(key))
             ax.plot(steps, values, marker="." if len(steps) < 50 else None)
             ax.set_title(key, fontsize=10)
+            ax.set_xlim(left=0)
             ax.grid(alpha=0.3)
-        ax.set_xlabel("global step")
+        ax.set_xlabel("step (0: before training)")
         tmp = self.curves_path.with_name("curves.tmp.png")
         fig.savefig(tmp, dpi=100)
         os.replace(tmp, self.curves_path)

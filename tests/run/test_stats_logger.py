@@ -136,3 +136,17 @@ def test_other_ranks_write_nothing(tmp_path):
     log_steps(stats_logger, range(3))
     stats_logger.close()
     assert not (tmp_path / "run").exists() and stats_logger.summary() == {}
+
+
+def test_curves_count_steps_from_1_and_start_at_the_evaluation_before_training(tmp_path):
+    """As the console and the report count: the first step is step 1; the evaluation before training is
+    step 0, so a run evaluated once at its end draws a line from its start, not a point alone."""
+    stats_logger = StatsLogger(quiet(), tmp_path)
+    stats_logger.before_training({"eval/pass@1": 0.125, "eval/n_samples": 8.0})
+    for step in range(8):
+        stats = {"rollout/reward": step / 10} | ({"eval/pass@1": 0.25} if step == 7 else {})
+        stats_logger.commit(0, step, step, stats)
+    assert stats_logger.curve("eval/pass@1") == [(0, 0.125), (8, 0.25)]
+    assert [x for x, _ in stats_logger.curve("rollout/reward")] == list(range(1, 9))
+    assert stats_logger.summary()["eval/pass@1"]["first_mean"] == 0.25, "the summary is the run's steps"
+    assert (tmp_path / "curves.png").stat().st_size > 0
