@@ -7,8 +7,9 @@ directory. A row per step, from the run's ``metrics.jsonl``: the step's time and
 train-inference logprob gap and the trainer's peak RSS. Then one row for the run: its wall
 time (the command, start-up and the final evaluation and checkpoint included, the venv already
 built), the dtype the launcher chose, pass@1 before training and at the last step (greedy, on
-``evaluator.max_samples`` test prompts), the trainer's peak RSS and the size of the venv it ran
-from. These are the figures the README, home page and quickstart quote.
+``evaluator.max_samples`` test prompts), the trainer's peak RSS, the whole run's (the launcher, the
+vLLM server, the trainer and the reward workers together, sampled every 0.5 s) and the size of the
+venv it ran from. These are the figures the README, home page and quickstart quote.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from benchmarks._harness import main_for
+from benchmarks.peer_trl import TreeRSS
 
 TITLE = "The main job (make run: megarl run configs/gsm8k_grpo_cpu.yaml, defaults): per step and the run"
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +66,11 @@ def run(quick: bool) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="megarl_main_job_") as tmp:
         cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(CONFIG), f"cluster.fileroot={tmp}", *overrides]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with TreeRSS(proc.pid) as tree:  # the launcher, the vLLM server, the trainer and the reward workers
+            stdout, stderr = proc.communicate()
         wall = time.perf_counter() - start
-        console = proc.stdout + proc.stderr
+        console = stdout + stderr
         if proc.returncode != 0:
             raise RuntimeError(f"megarl run failed ({proc.returncode}):\n{console[-4000:]}")
         lines = (Path(tmp) / "gsm8k-grpo-cpu" / "trial0" / "metrics.jsonl").read_text().splitlines()
@@ -87,6 +91,7 @@ def run(quick: bool) -> list[dict]:
             "pass@1 last": evaluated[-1]["eval/pass@1"] if evaluated else None,
             "eval prompts": int(before.group(2)) if before else None,
             "peak RSS GB": max(peaks) if peaks else None,
+            "whole run peak RSS GB": tree.peak_gb,
             "venv GB": venv_gb(),
         }
     )
