@@ -42,15 +42,20 @@ MACHINE_FIELDS = ("commit", "cpu", "cores", "cpu_flags", "native_bf16", "hostnam
 """Keys of every record's ``machine`` (``gpu``, ``gpu_driver``, ``torch``, ``cuda`` too where a GPU ran)."""
 
 
+RESULT_PATHS = (":!benchmarks/results", ":!docs/benchmarks.md")
+"""What benchmarks write (git pathspecs excluding them): a change there does not make a run's tree dirty."""
+
+
 def source_commit() -> str | None:
     """The commit the numbers come from: ``MEGARL_COMMIT`` when set (a tree copied to another
     machine: without .git, or with a .git that still names an older HEAD), else ``git rev-parse
-    HEAD`` of this checkout ("-dirty" when tracked files differ from it), else None."""
+    HEAD`` of this checkout ("-dirty" when tracked files differ from it, other than the results that
+    benchmarks write: one benchmark after another is no change of the code), else None."""
     if os.environ.get("MEGARL_COMMIT"):
         return os.environ["MEGARL_COMMIT"]
     try:
         head = _git("rev-parse", "HEAD")
-        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *RESULT_PATHS)
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("-dirty" if dirty else "")

@@ -81,3 +81,25 @@ def test_runner_rejects_unknown_names():
         [sys.executable, "benchmarks/run.py", "no_such_bench"], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode == 2 and "unknown benchmark" in result.stderr
+
+
+def test_a_run_is_dirty_for_a_changed_source_not_for_another_benchmarks_results(tmp_path, monkeypatch):
+    """Benchmarks run one after another write results files: those alone leave the next run's tree clean."""
+    from benchmarks import _harness
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    for name in ("benchmarks/results/a.json", "docs/benchmarks.md", "megarl/x.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("0\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(_harness, "REPO", tmp_path)
+    monkeypatch.delenv("MEGARL_COMMIT", raising=False)
+    (tmp_path / "benchmarks/results/a.json").write_text("1\n")
+    (tmp_path / "docs/benchmarks.md").write_text("1\n")
+    assert not _harness.source_commit().endswith("-dirty")
+    (tmp_path / "megarl/x.py").write_text("1\n")
+    assert _harness.source_commit().endswith("-dirty")
