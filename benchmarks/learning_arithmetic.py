@@ -41,7 +41,7 @@ SETUPS = {
 def dtype_overrides(dtype: str) -> list[str]:
     """Overrides that train and serve in ``dtype`` on this machine.
 
-    bf16 on a CPU without native bf16 (AVX2 only, where a bf16 matrix product is ~40x slower)
+    bf16 on a CPU without native bf16 (AVX2 only, where a bf16 matrix product is over 100x slower)
     is emulated: the trainer keeps bf16 weights and activations and computes each matrix product
     in fp32 (``actor.emulate_bf16``), the server holds the same bf16 values in fp32.
     """

@@ -208,7 +208,7 @@ def trl_config(output_dir: str, max_steps: int, dtype: str):
     return GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
-        bf16=dtype == "bfloat16",  # TRL's default; emulated (~40x slower) on a CPU without native bf16
+        bf16=dtype == "bfloat16",  # TRL's default; emulated (over 100x slower) on a CPU without native bf16
         fp16=False,
         model_init_kwargs={"dtype": dtype},
         gradient_checkpointing=False,

@@ -2,7 +2,7 @@
 
 Hardware with native bf16 (AVX-512 BF16 or AMX CPUs, every recent GPU) multiplies bf16
 operands with fp32 accumulation and rounds the product to bf16. A CPU with AVX2 only runs
-PyTorch's bf16 matrix products about 40x slower than fp32, so bf16 training there is not
+PyTorch's bf16 matrix products over 100x slower than fp32 (``benchmarks/bf16_matmul.py``), so bf16 training there is not
 practical, yet it is what GPUs run and must be checkable. :class:`emulated_bf16_matmuls`
 runs the same arithmetic at fp32 speed: inside it, a matrix product (``mm``, ``addmm``,
 ``bmm``, ``baddbmm``, forward and backward) with bf16 operands widens them to fp32 exactly,

@@ -214,7 +214,7 @@ class TrainEngineConfig:
     """With ``dtype: bfloat16`` on a CPU: keep bf16 weights, activations and gradients but compute
     each matrix product in fp32 and round it to bf16 (what native bf16 hardware does), at fp32
     speed. For checking bf16 training on CPUs without native bf16 (AVX2 only), where a bf16 matrix
-    product is ~40x slower (``megarl.actor.bf16_emulation``). Not for CUDA."""
+    product is over 100x slower (``megarl.actor.bf16_emulation``). Not for CUDA."""
 
     def check(self) -> None:
         require(bool(self.path), "path", self.path, "a model path or short name is required")

@@ -72,7 +72,10 @@ def cpu_bf16_native() -> tuple[bool, str]:
     """Whether this CPU computes bf16 matmuls natively, and the reason in a few words."""
     info = cpu_info()
     if not info.bf16_flags:
-        return False, f"{info.summary()}; no AVX-512 BF16/AMX, so bf16 matmuls are emulated (~40x slower than fp32)"
+        return (
+            False,
+            f"{info.summary()}; no AVX-512 BF16/AMX, so bf16 matmuls are emulated (over 100x slower than fp32)",
+        )
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     if isa and isa not in _ONEDNN_BF16_ISAS:
         return False, f"{info.summary()}; ONEDNN_MAX_CPU_ISA={isa} hides {'/'.join(info.bf16_flags)} from oneDNN"
