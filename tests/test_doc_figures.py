@@ -20,7 +20,9 @@ that says where it comes from (invisible on GitHub and on the site)::
   percentage, ``.1e`` for ``1.2e-05``).
 
 The test formats the selected values and compares them with the last figures written before
-the comment in the same paragraph: change a result and the page must follow, or this fails.
+the comment in the same paragraph: change a result and the page must follow, or this fails. A
+result measured while other work kept more cores busy than the machine has (its 1-minute load
+average at the start above its core count) is no figure: quoting it fails.
 The README's "What to expect" paragraph and the home page's quote measurements only: there a
 figure with a unit (``3.5 min``, ``19 s``, ``5 GB``, ``12%``, ``70x``) or a sign (``+0.5``) that
 no marker covers fails too.
@@ -78,6 +80,11 @@ def expected_figures(spec: str, results: Path = RESULTS) -> list[str]:
     if not path.is_file():
         raise ValueError(f"marker {spec!r}: no results file {name}.json in {results}")
     record = json.loads(path.read_text())
+    busy = _busy(record.get("machine", {}))
+    if busy:
+        raise ValueError(
+            f"marker {spec!r}: {name}.json was measured {busy}: re-measure it on a quiet machine to quote it"
+        )
     if "." in field and field.split(".")[0] in record and field.split(".")[0] != "rows":
         values = [record]
         for key in field.split("."):
@@ -99,6 +106,16 @@ def expected_figures(spec: str, results: Path = RESULTS) -> list[str]:
     elif how != "each":
         values = [{"min": min, "max": max, "mean": statistics.fmean, "median": statistics.median}[how](values)]
     return [_fix_zero(format(v, fmt)).removesuffix("%") for v in values]  # "11%": the page's 11
+
+
+def _busy(machine: dict) -> str | None:
+    """Why a run's figures cannot be quoted: other work kept more cores busy than the machine has when it
+    started (the 1-minute load average above the core count); None for a quiet run or one that did not
+    record its load."""
+    load, cores = machine.get("load_avg"), machine.get("cores")
+    if load and cores and load[0] > cores:
+        return f"at a load average of {load[0]:g} on {cores} cores"
+    return None
 
 
 def _fix_zero(text: str) -> str:
@@ -185,6 +202,8 @@ def results(tmp_path):
         ],
     }
     (tmp_path / "learn.json").write_text(json.dumps(record))
+    busy = {**record, "machine": {"cores": 2, "load_avg": [2.5, 1.0, 1.0]}}  # another process kept a core busy
+    (tmp_path / "busy.json").write_text(json.dumps(busy))
     return tmp_path
 
 
@@ -218,6 +237,7 @@ def test_checker_passes_figures_that_match(results, text):
         ("x 1 <!-- result: learn; loss; *; .1f -->", "with a column 'loss'"),
         ("x 1 <!-- result: learn; gain; *; avg .1f -->", "'avg' is not one of"),
         ("x 1 <!-- result: learn; gain; .1f -->", "want 'NAME; FIELD; ROWS"),
+        ("+0.53 <!-- result: busy; gain; setup=fp32; +.2f -->", "measured at a load average of 2.5 on 2 cores"),
     ],
 )
 def test_checker_fails_on_a_figure_that_differs(results, text, expected):
