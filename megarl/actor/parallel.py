@@ -176,13 +176,3 @@ def seed_everything(seed: int, state: ParallelState) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(
         seed, tp_rank=state.tp_rank, ep_rank=state.ep_rank, etp_rank=state.etp_rank
     )
-
-
-def destroy_parallel() -> None:
-    """Tear down Megatron's groups and the default process group."""
-    from megatron.core import parallel_state as mpu
-
-    if mpu.model_parallel_is_initialized():
-        mpu.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
