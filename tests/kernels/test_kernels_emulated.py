@@ -29,6 +29,7 @@ from tests.numerics import (
     fast_exp_relative_error,
     gamma,
     ppo_token_relative_error,
+    softmax_grad_bound,
     softmax_head_bounds,
     softmax_partial_bounds,
     unit_roundoff,
@@ -306,21 +307,10 @@ def test_backward_dz(
 
 
 def _dz_bound(z, e_z, lse, mean_z, g_lp, g_ent, onehot, inv_tau) -> torch.Tensor:
-    """softmax_grad in fp32 from logits within e_z of z (lse, mean_z and the upstream gradients are its
-    exact fp32 inputs), then rounded to bf16; with u = fp32's unit roundoff:
-      p = exp(z - lse)       E_p = p (E_z + u |z - lse| + fast-exp error)
-      a = onehot - p         E_a = E_p + u |a|
-      b = z - mean_z         E_b = E_z + u |b|
-      dz = (g_lp a - g_ent p b) / tau: (|g_lp| E_a + |g_ent| (E_p |b| + p E_b)) / tau plus 4 roundings of
-      its terms' magnitudes; bf16's rounding adds u_bf16 |dz|."""
-    u, u_bf16 = unit_roundoff(torch.float32), unit_roundoff(torch.bfloat16)
-    p, a, b = (z - lse).exp(), onehot - (z - lse).exp(), z - mean_z
-    e_p = p * (e_z + u * (z - lse).abs() + fast_exp_relative_error(z - lse))
-    magnitude = inv_tau * (g_lp.abs() * a.abs() + g_ent.abs() * p * b.abs())
-    e32 = inv_tau * (g_lp.abs() * (e_p + u * a.abs()) + g_ent.abs() * (e_p * b.abs() + p * (e_z + u * b.abs())))
-    e32 = e32 + 4 * u * magnitude
-    want = inv_tau * (g_lp * a - g_ent * p * b)
-    return e32 + u_bf16 * (want.abs() + e32)
+    """softmax_grad in fp32 from logits within e_z of z (lse, mean_z and the upstream gradients its exact
+    fp32 inputs), rounded once to bf16: tests/numerics.py softmax_grad_bound."""
+    lse, mean_z, g_lp, g_ent = (x.reshape(-1) for x in (lse, mean_z, g_lp, g_ent))  # [T] or [T, 1]
+    return softmax_grad_bound(z, e_z, lse, mean_z, g_lp, g_ent, onehot, inv_tau, out_dtype=torch.bfloat16)
 
 
 # T, prox_logp given, dual clip, behaviour-weight cap, share of masked-in tokens: several CTAs
