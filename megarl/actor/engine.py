@@ -110,6 +110,7 @@ class MegatronEngine:
         self.share_prefix = False  # resolved from config.mb_spec.share_prefix in initialize()
         self._version = 0
         self.routing_meter = None  # a RoutingMeter (megarl.actor.routing) told each micro-batch while it measures
+        self.routing_replay = None  # a RoutingReplay (megarl.actor.router_replay) that routes MoE tokens as told
 
     # ------------------------------------------------------------------ setup
 
@@ -366,6 +367,8 @@ class MegatronEngine:
             mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
             if self.routing_meter is not None:
                 self.routing_meter.set_microbatch(mb.data)
+            if self.routing_replay is not None:
+                self.routing_replay.before_forward(model, mb.data)
             ids = mb.data["input_ids"][None]
             # RoPE at each token's column in its row: only a shared prefix's branches need it
             positions = mb.data["position_ids"][None] if mb.shares_prefixes else None
@@ -375,6 +378,8 @@ class MegatronEngine:
                 attention_mask=None,
                 packed_seq_params=self._packed_seq_params(mb),
             )
+            if self.routing_replay is not None:
+                self.routing_replay.after_forward(model, mb)
             return output, partial(head_fn, model, mb, extra)
 
         return forward_step

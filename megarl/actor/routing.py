@@ -1,10 +1,12 @@
 """How often the trainer routes a trained token to the experts the server routed it to (MoE).
 
-With ``rollout.return_routed_experts`` the servers report, for every generated token and every
-layer, the top-k experts its forward was routed to (SGLang's ``return_routed_experts``); the
-trajectory keeps them as ``routed_experts`` ``[B, S, layers * top-k]`` (token-aligned like
-``logprobs``; -1 where there is none). A routing mismatch is a train–inference gap that the
-logprob gap hides: the token's logprob may be close while a different expert was trained.
+With ``rollout.return_routed_experts`` the servers report, for every token and every layer, the
+top-k experts of the forward that produced it (SGLang's ``return_routed_experts``, vLLM's
+``--enable-return-routed-experts``); the trajectory keeps them as ``routed_experts``
+``[B, S, layers * top-k]`` (token-aligned like ``logprobs``; -1 where there is none). A routing
+mismatch is a train–inference gap that the logprob gap hides: the token's logprob may be close
+while a different expert was trained. ``actor.routing_replay: R3`` removes it
+(:mod:`megarl.actor.router_replay`); with it this share is 1 by construction.
 
 :class:`RoutingMeter` hooks every Megatron router of the actor for the pass that measures the gap
 (the recompute pass, or the update's own forward) and, over the tokens trained, counts the

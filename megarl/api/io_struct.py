@@ -138,7 +138,10 @@ class ModelResponse:
     server: str = ""
     """Address of the server that produced the last chunk."""
     output_routed_experts: list[list[int]] | None = None
-    """MoE, with ``rollout.return_routed_experts``: per generated token, every layer's top-k experts (layer-major)."""
+    """MoE, with ``rollout.return_routed_experts``: per generated token, every layer's top-k experts (layer-major)
+    of the forward that produced it."""
+    input_routed_experts: list[list[int]] | None = None
+    """MoE, with ``rollout.return_routed_experts``: the same for each input token after the first."""
     tokenizer: Any = None
     """The request's tokenizer, passed through."""
 

@@ -82,11 +82,13 @@ def make_trajectory(
     output_versions: Sequence[int],
     reward: float,
     output_routed_experts: Sequence[Sequence[int]] | None = None,
+    input_routed_experts: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A one-row trajectory ``[1, len(prompt) + len(output)]`` from one generation.
 
-    ``output_routed_experts`` (MoE, :mod:`megarl.actor.routing`): per output token, the experts the
-    server routed it to; kept as ``routed_experts`` ``[1, n, layers * top-k]``, -1 on the prompt.
+    ``output_routed_experts`` (MoE, :mod:`megarl.actor.routing`): per output token, the experts of the
+    server's forward that produced it; ``input_routed_experts`` the same for the prompt's tokens after
+    the first. Kept as ``routed_experts`` ``[1, n, layers * top-k]``, -1 where there are none.
     """
     n_in, n_out = len(prompt_ids), len(output_ids)
     if len(output_logprobs) != n_out or len(output_versions) != n_out:
@@ -108,6 +110,14 @@ def make_trajectory(
             )
         routed = torch.tensor(output_routed_experts, dtype=torch.int16)  # [n_out, layers * top-k]
         prompt = torch.full((n_in, routed.shape[1]), -1, dtype=torch.int16)
+        if input_routed_experts is not None:
+            if len(input_routed_experts) != n_in - 1:
+                raise ValueError(
+                    f"make_trajectory: {n_in} prompt tokens but input routed experts for {len(input_routed_experts)} "
+                    f"(one per prompt token after the first: {n_in - 1})"
+                )
+            if n_in > 1:
+                prompt[1:] = torch.tensor(input_routed_experts, dtype=torch.int16).view(n_in - 1, -1)
         traj["routed_experts"] = torch.cat([prompt, routed])[None]
     return traj
 

@@ -397,13 +397,21 @@ class GRPOConfig(BaseExperimentConfig):
             f"must hold one batch of a trainer rank: train_dataset.batch_size / d{alloc.train.dp} = {per_rank}",
             related=("train_dataset.batch_size", "allocation_mode"),
         )
+        backend = alloc.inference.backend
         require(
-            not self.rollout.return_routed_experts or alloc.inference.backend == "sglang",
+            not self.rollout.return_routed_experts or backend == "sglang" or self.device == "cuda",
             "rollout.return_routed_experts",
             True,
-            f"only SGLang servers report the experts they routed to (vLLM's /v1/completions does not); the "
-            f"allocation's servers are {alloc.inference.backend}",
-            related=("allocation_mode",),
+            f"{backend} servers on CPU cannot report the experts they routed to (vLLM returns them through "
+            "its Model Runner V2, which needs Triton: on CUDA only); SGLang servers, or vLLM on CUDA, can",
+            related=("allocation_mode", "cluster.device"),
+        )
+        require(
+            self.actor.routing_replay != "R3" or self.rollout.return_routed_experts,
+            "actor.routing_replay",
+            "R3",
+            "replays the servers' routes: set rollout.return_routed_experts: true (servers that report them)",
+            related=("rollout.return_routed_experts",),
         )
         require(
             not (alloc.colocated and self.device == "cuda") or self.weight_update.modes == ("disk",),

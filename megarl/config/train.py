@@ -342,6 +342,12 @@ class PPOActorConfig(TrainEngineConfig):
     """Compute the trainer's logprobs under the sampling's top-k / top-p / min-p truncation (the
     three keys above must then equal ``gconfig``'s). False: the full softmax, whose ratio against
     the servers' truncated logprobs is biased (kept for comparison)."""
+    routing_replay: Literal["none", "R2", "R3"] = "none"
+    """MoE routing replay (``megarl.actor.router_replay``, ``docs/guides/moe.md``): ``R3`` routes every
+    scored token to the experts the server routed it to (needs ``rollout.return_routed_experts``);
+    ``R2`` replays in the update the routing of the proximal pass (needs that pass: several
+    mini-batches or epochs, or ``recompute_logprob``); ``none``: the trainer routes freely. Refused
+    for a model without experts."""
     eps_clip: float = 0.2
     """PPO clip range (lower side, and upper when ``eps_clip_higher`` is None)."""
     eps_clip_higher: float | None = None
@@ -410,6 +416,21 @@ class PPOActorConfig(TrainEngineConfig):
             f"loss_kwargs.{reserved[0] if reserved else ''}",
             self.loss_kwargs,
             f"{reserved} are the arguments megarl passes to every loss ({USER_LOSS_CALL}); name yours otherwise",
+        )
+        require(
+            self.routing_replay in ("none", "R2", "R3"),
+            "routing_replay",
+            self.routing_replay,
+            "must be none, R2 (replay the proximal pass's routing) or R3 (replay the servers')",
+        )
+        several_passes = self.ppo_n_minibatches > 1 or self.ppo_n_epochs > 1 or (self.kl_ctl > 0 and self.kl_in_reward)
+        require(
+            self.routing_replay != "R2" or (several_passes and (self.recompute_logprob or self.use_decoupled_loss)),
+            "routing_replay",
+            "R2",
+            "replays the routing of the proximal pass, and this config has none (the update's first forward is "
+            "the proximal policy): set ppo_n_minibatches or ppo_n_epochs > 1 with use_decoupled_loss or "
+            "recompute_logprob, or use R3",
         )
         require(self.temperature > 0, "temperature", self.temperature, "must be > 0")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")

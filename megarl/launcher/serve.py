@@ -74,6 +74,7 @@ def server_spec(
             replica=index,
             colocated=config.allocation.colocated,
             lora_rank=lora_rank,
+            routed_experts=config.rollout.return_routed_experts,
             insecure=insecure,
         )
     return sglang_launch_spec(

@@ -32,7 +32,11 @@ class GenerationChunk:
     output_logprobs: list[float]
     finish_reason: FinishReason
     routed_experts: list[list[int]] | None = None
-    """MoE, when asked for: per output token, every layer's top-k experts (layer-major)."""
+    """MoE, when asked for: per output token, every layer's top-k experts (layer-major) of the forward
+    that produced it."""
+    prompt_routed_experts: list[list[int]] | None = None
+    """MoE, when asked for: the same for the request's input tokens after the first (the forward at
+    input position ``p`` routed, and produced, input token ``p + 1``)."""
     token_field: str = "output_tokens[{}]"
     """Where the reply holds token ``i`` (``token_field.format(i)``), for error messages."""
     logprob_field: str = "output_logprobs[{}]"
@@ -93,6 +97,20 @@ def _raise_bad_logprob(chunk: GenerationChunk) -> None:
             raise MalformedResponseError(f"{field_name} is {value!r:.40}, not a number")
         if not math.isfinite(value) or value > LOGPROB_TOLERANCE:
             raise MalformedResponseError(f"{field_name}: logprob {value!r} is not a log-probability (finite, <= 0)")
+
+
+def split_routes(rows, n_input: int, n_tokens: int, where: str) -> tuple[list[list[int]], list[list[int]]]:
+    """A reply's routed experts, one row per forwarded position from the first input token (the last
+    generated token is not forwarded), as (input tokens after the first, generated tokens)."""
+    expected = n_input - 1 + n_tokens
+    if len(rows) != expected:
+        raise MalformedResponseError(
+            f"{where} has routes for {len(rows)} positions; expected {expected} ({n_input} input tokens and "
+            f"{n_tokens} new tokens, less the last, which was not forwarded)"
+        )
+    if n_tokens == 0:
+        return rows, []
+    return rows[: n_input - 1], rows[n_input - 1 :]
 
 
 @dataclass(frozen=True)

@@ -230,6 +230,8 @@ def _append(resp: ModelResponse, chunk: GenerationChunk, version: int, remaining
         raise InferenceServerError(
             resp.server, "", f"{len(chunk.output_tokens)} tokens for a budget of {remaining}", kind="malformed"
         )
+    if chunk.prompt_routed_experts is not None and not resp.output_tokens and resp.input_routed_experts is None:
+        resp.input_routed_experts = chunk.prompt_routed_experts  # a continuation's input repeats earlier answers
     resp.output_tokens += chunk.output_tokens
     resp.output_logprobs += chunk.output_logprobs
     if chunk.routed_experts is not None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import SGLangConfig
-from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
+from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend, split_routes
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
 from megarl.utils.auth import api_key, unguarded_env
@@ -66,8 +66,8 @@ class SGLangBackend(InferenceBackend):
         }
         if self.adapter is not None:
             payload["lora_path"] = self.adapter  # a loaded adapter's name (GenerateReqInput.lora_path)
-        if self.return_routed_experts:  # the positions that produce the new tokens: the last input onwards
-            payload.update(return_routed_experts=True, routed_experts_start_len=len(input_ids) - 1)
+        if self.return_routed_experts:  # every forwarded position: the input's routes are replayed too
+            payload.update(return_routed_experts=True, routed_experts_start_len=0)
         return payload
 
     def parse_generate(self, body: Any) -> GenerationChunk:
@@ -85,12 +85,13 @@ class SGLangBackend(InferenceBackend):
             raise MalformedResponseError("output_ids disagree with output_token_logprobs")
         if finish_type not in _FINISH:
             raise MalformedResponseError(f"unknown finish_reason {finish!r}")
-        routed = _routed_experts(meta, len(tokens)) if self.return_routed_experts else None
+        prompt_routed, routed = _routed_experts(meta, len(tokens)) if self.return_routed_experts else (None, None)
         return GenerationChunk(
             tokens,
             logprobs,
             _FINISH[finish_type],
             routed,
+            prompt_routed,
             token_field="meta_info.output_token_logprobs[{}][1]",
             logprob_field="meta_info.output_token_logprobs[{}][0]",
         )
@@ -109,24 +110,31 @@ class SGLangBackend(InferenceBackend):
         return [HttpCall("/resume_memory_occupation", payload={})]
 
 
-def _routed_experts(meta: dict, n_tokens: int) -> list[list[int]]:
+def _routed_experts(meta: dict, n_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     """``meta_info.routed_experts``: base64 of int32 ``[positions, layers, top-k]`` (SGLang's
-    ``extract_routed_experts_from_meta_info``), one position per new token."""
+    ``extract_routed_experts_from_meta_info``) from position 0, as (input tokens, new tokens) (:func:`split_routes`)."""
     encoded = meta.get("routed_experts")
     if encoded is None:
         raise MalformedResponseError(
             "rollout.return_routed_experts is set but the reply has no meta_info.routed_experts "
             "(is the server started with --enable-return-routed-experts?)"
         )
+    n_input = meta.get("prompt_tokens")
+    if type(n_input) is not int or n_input < 1:
+        raise MalformedResponseError(f"meta_info.prompt_tokens is {n_input!r:.40}, not a count of input tokens")
     try:
         flat = np.frombuffer(base64.b64decode(encoded, validate=True), dtype=np.int32)
     except (binascii.Error, ValueError, TypeError) as e:
         raise MalformedResponseError(f"meta_info.routed_experts is not base64 of int32 ({e})") from None
-    if n_tokens == 0:
-        return []
-    if flat.size == 0 or flat.size % n_tokens:
-        raise MalformedResponseError(f"meta_info.routed_experts holds {flat.size} ids for {n_tokens} new tokens")
-    return flat.reshape(n_tokens, -1).tolist()
+    positions = n_input - 1 + n_tokens
+    if positions == 0:
+        return [], []
+    if flat.size == 0 or flat.size % positions:
+        raise MalformedResponseError(
+            f"meta_info.routed_experts holds {flat.size} ids for {positions} positions "
+            f"({n_input} input tokens and {n_tokens} new tokens, less the last)"
+        )
+    return split_routes(flat.reshape(positions, -1).tolist(), n_input, n_tokens, "meta_info.routed_experts")
 
 
 def sglang_launch_spec(

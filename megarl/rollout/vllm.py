@@ -14,18 +14,27 @@ Verified against vLLM 0.32 (``vllm/entrypoints/openai/completion/protocol.py`` a
 * ``--logprobs-mode processed_logprobs`` makes logprobs those of the distribution
   actually sampled from (after temperature / top-p / top-k), which is what the PPO
   ratio needs; vLLM's default is the raw model's.
+* MoE, with ``--enable-return-routed-experts`` (Model Runner V2, so CUDA only):
+  ``routed_experts_prompt_start`` skips that many prompt positions, and
+  ``choices[0].routed_experts`` is base64 of a ``.npy`` array ``[positions, layers, top-k]``,
+  one row per forwarded position (the last sampled token is not forwarded).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import VLLM_LORA_RANKS, VLLMConfig
-from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend
+from megarl.rollout.backend import GenerationChunk, HttpCall, InferenceBackend, split_routes
 from megarl.rollout.http import MalformedResponseError
 from megarl.rollout.server import LaunchSpec
 from megarl.utils.auth import api_key, unguarded_env
@@ -66,6 +75,8 @@ class VLLMBackend(InferenceBackend):
             payload["stop_token_ids"] = list(gconfig.stop_token_ids)
         if gconfig.seed is not None:
             payload["seed"] = gconfig.seed
+        if self.return_routed_experts:  # every forwarded position: the input's routes are replayed too
+            payload["routed_experts_prompt_start"] = 0
         return payload
 
     def parse_generate(self, body: Any) -> GenerationChunk:
@@ -88,10 +99,13 @@ class VLLMBackend(InferenceBackend):
             raise MalformedResponseError(f"unknown finish_reason {finish!r}")
         if len(tokens) != len(token_logprobs):
             raise MalformedResponseError(f"{len(tokens)} token ids but {len(token_logprobs)} logprobs")
+        prompt_routed, routed = _routed_experts(choice, len(tokens)) if self.return_routed_experts else (None, None)
         return GenerationChunk(
             output_tokens=tokens,
             output_logprobs=token_logprobs,
             finish_reason=_FINISH[finish],
+            routed_experts=routed,
+            prompt_routed_experts=prompt_routed,
             token_field=token_field,
             logprob_field="choices[0].logprobs.token_logprobs[{}]",
         )
@@ -109,6 +123,33 @@ class VLLMBackend(InferenceBackend):
 
     def wake_calls(self) -> list[HttpCall]:
         return [HttpCall("/wake_up")]  # every tag: weights and KV cache back, scheduling again
+
+
+def _routed_experts(choice: dict, n_tokens: int) -> tuple[list[list[int]] | None, list[list[int]]]:
+    """``choices[0].routed_experts`` from position 0, as (input tokens, new tokens) (:func:`split_routes`):
+    one row ``layers * top-k`` (layer-major) per token. A request aborted before any forward has none."""
+    encoded = choice.get("routed_experts")
+    if encoded is None:
+        if n_tokens == 0:
+            return None, []
+        raise MalformedResponseError(
+            "rollout.return_routed_experts is set but the reply has no choices[0].routed_experts "
+            "(is the server started with --enable-return-routed-experts?)"
+        )
+    prompt = choice.get("prompt_token_ids")
+    if not isinstance(prompt, list) or not prompt:
+        raise MalformedResponseError("choices[0].prompt_token_ids is missing: routed experts cannot be placed")
+    try:
+        routes = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, TypeError, OSError) as e:
+        raise MalformedResponseError(f"choices[0].routed_experts is not base64 of a .npy array ({e})") from None
+    if routes.ndim != 3 or not np.issubdtype(routes.dtype, np.integer):
+        raise MalformedResponseError(
+            f"choices[0].routed_experts has shape {routes.shape} ({routes.dtype}); expected "
+            "[positions, layers, top-k] of integers"
+        )
+    rows = routes.reshape(routes.shape[0], -1).astype(np.int64).tolist()
+    return split_routes(rows, len(prompt), n_tokens, "choices[0].routed_experts")
 
 
 def _token_id(token: str) -> int:
@@ -145,6 +186,7 @@ def vllm_launch_spec(
     replica: int = 0,
     colocated: bool = False,
     lora_rank: int = 0,
+    routed_experts: bool = False,
     insecure: bool = False,
 ) -> LaunchSpec:
     """The command and environment of one vLLM server, guarded by this process's ``$MEGARL_API_KEY``.
@@ -163,6 +205,8 @@ def vllm_launch_spec(
         lora_rank: > 0: it serves the trainer's LoRA adapters of this rank, loaded at run time
             (adapter weight sync): ``--enable-lora``, room for two adapters (the newest version's and
             the previous one's), and the runtime load routes.
+        routed_experts: It reports each token's routed experts (``rollout.return_routed_experts``, MoE;
+            CUDA only: vLLM's Model Runner V2 returns them, which needs Triton and prefix caching).
         insecure: Without ``$MEGARL_API_KEY``, serve every route to anyone who reaches ``host``
             (``megarl serve --insecure``); without either, a ``ValueError``.
     """
@@ -211,6 +255,15 @@ def vllm_launch_spec(
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     else:
         raise ValueError(f"vllm_launch_spec: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if routed_experts:
+        if device_type != "cuda" or not config.enable_prefix_caching:
+            raise ValueError(
+                "rollout.return_routed_experts: vLLM reports routed experts on CUDA with vllm.enable_prefix_caching "
+                f"(its Model Runner V2), not on {device_type}"
+                + ("" if config.enable_prefix_caching else " with prefix caching off")
+            )
+        cmd.append("--enable-return-routed-experts")
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if lora_rank > 0:
         cmd += lora_args(lora_rank)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter, /v1/unload_lora_adapter

@@ -175,6 +175,14 @@ def _check_models(config: GRPOConfig) -> None:
                 config.gconfig.stop_token_ids,
                 f"ids {too_big} are beyond the vocabulary of {path} ({shape.vocab_size} tokens)",
             )
+        if shape is not None and key == "actor.path":
+            require(
+                config.actor.routing_replay == "none" or shape.num_experts > 0,
+                "actor.routing_replay",
+                config.actor.routing_replay,
+                f"replays the routing of a mixture-of-experts model; {path} has no experts",
+                related=(key,),
+            )
         if shape is not None:
             try:
                 validate_model(alloc, shape)

@@ -104,7 +104,13 @@ class RLVRWorkflow(RolloutWorkflow):
         rewards = await asyncio.gather(*(self.score(resp, data) for resp in resps))
         trajs = [
             make_trajectory(
-                r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions, reward, r.output_routed_experts
+                r.input_tokens,
+                r.output_tokens,
+                r.output_logprobs,
+                r.output_versions,
+                reward,
+                r.output_routed_experts,
+                r.input_routed_experts,
             )
             for r, reward in zip(resps, rewards)
         ]

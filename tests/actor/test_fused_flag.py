@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megarl.actor import ppo
+from megarl.actor import ppo_loss
 from megarl.actor.fused_ppo_loss import ppo_loss_backend
 from megarl.actor.lm_head import LMHeadOutput
 from megarl.config.train import PPOActorConfig
@@ -166,7 +166,7 @@ LOSS_CONFIGS = {
 
 def _run_ppo_loss(cfg: PPOActorConfig, mb: dict, **head_kw) -> tuple:
     head = _head(**head_kw)
-    loss = ppo.ppo_loss(head, mb, cfg, norm_len=64)
+    loss = ppo_loss.ppo_loss(head, mb, cfg, norm_len=64)
     loss.backward()
     return loss.detach(), head.hidden.grad, head.weight.grad, stats_tracker.export(local=True)
 
@@ -177,7 +177,7 @@ def test_fused_surrogate_path_matches_policy_loss(monkeypatch, overrides):
     mb = _micro_batch(_head())
     stats_tracker.export(local=True)  # start from an empty tracker
     pure = _run_ppo_loss(cfg, mb)
-    monkeypatch.setattr(ppo, "_fused_surrogate", lambda *args: True)  # fused_ppo_loss, on its torch path
+    monkeypatch.setattr(ppo_loss, "_fused_surrogate", lambda *args: True)  # fused_ppo_loss, on its torch path
     fused = _run_ppo_loss(cfg, mb)
     for got, want in zip(fused[:3], pure[:3]):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -213,10 +213,10 @@ def test_training_path_matches_the_logprobs_then_loss_path(monkeypatch, override
         del mb["prox_logp"]  # the proximal policy is this forward's own (prox_from_update)
     stats_tracker.export(local=True)
     pure = _run_ppo_loss(cfg, mb)
-    monkeypatch.setattr(ppo, "_grads_in_forward", lambda *args: True)
-    monkeypatch.setattr(ppo, "_loss_of_logprobs", _counted(ppo._loss_of_logprobs))
+    monkeypatch.setattr(ppo_loss, "_grads_in_forward", lambda *args: True)
+    monkeypatch.setattr(ppo_loss, "_loss_of_logprobs", _counted(ppo_loss._loss_of_logprobs))
     trained = _run_ppo_loss(cfg, mb)
-    assert ppo._loss_of_logprobs.calls == 1  # the statistics, from the detached logprobs
+    assert ppo_loss._loss_of_logprobs.calls == 1  # the statistics, from the detached logprobs
     for name, got, want in zip(("loss", "grad_hidden", "grad_weight"), trained[:3], pure[:3]):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     assert trained[3].keys() == pure[3].keys()
@@ -246,9 +246,9 @@ def _counted(fn):
 )
 def test_training_path_only_on_the_cuda_logprobs_and_per_token_losses(monkeypatch, overrides, taken):
     cfg = PPOActorConfig(path="unused", **overrides)
-    assert not ppo._grads_in_forward(cfg, _head())  # CPU: the logprobs' torch path
-    monkeypatch.setattr(ppo, "logprobs_backend", lambda backend, hidden, weight: "cuda")  # as on a GPU
-    assert ppo._grads_in_forward(cfg, _head()) is taken
+    assert not ppo_loss._grads_in_forward(cfg, _head())  # CPU: the logprobs' torch path
+    monkeypatch.setattr(ppo_loss, "logprobs_backend", lambda backend, hidden, weight: "cuda")  # as on a GPU
+    assert ppo_loss._grads_in_forward(cfg, _head()) is taken
 
 
 @pytest.mark.gpu
@@ -259,10 +259,10 @@ def test_cuda_epilogue_matches_policy_loss_on_gpu(monkeypatch, overrides):
     cfg = PPOActorConfig(path="unused", **overrides)
     head_kw = {"hidden": 64, "device": "cuda", "dtype": torch.bfloat16}
     mb = {k: v.cuda() for k, v in _micro_batch(_head(hidden=64)).items()}
-    assert ppo._fused_surrogate(cfg, _head(**head_kw), mb["logprobs"])
+    assert ppo_loss._fused_surrogate(cfg, _head(**head_kw), mb["logprobs"])
     stats_tracker.export(local=True)
     fused = _run_ppo_loss(cfg, mb, **head_kw)
-    monkeypatch.setattr(ppo, "_fused_surrogate", lambda *args: False)
+    monkeypatch.setattr(ppo_loss, "_fused_surrogate", lambda *args: False)
     pure = _run_ppo_loss(cfg, mb, **head_kw)
     torch.testing.assert_close(fused[0], pure[0], atol=1e-5, rtol=1e-4)
     for got, want in zip(fused[1:3], pure[1:3]):  # bf16 gradients
@@ -275,9 +275,9 @@ def test_cuda_epilogue_matches_policy_loss_on_gpu(monkeypatch, overrides):
     "overrides", [{"importance_sampling_level": "sequence"}, {"loss_agg_mode": "seq-mean-token-mean"}]
 )
 def test_fused_surrogate_only_for_what_the_epilogue_implements(monkeypatch, overrides):
-    monkeypatch.setattr(ppo, "ppo_loss_backend", lambda backend, logp: "cuda")  # as on a GPU
-    assert ppo._fused_surrogate(PPOActorConfig(path="unused"), _head(), torch.zeros(4))
-    assert not ppo._fused_surrogate(PPOActorConfig(path="unused", **overrides), _head(), torch.zeros(4))
+    monkeypatch.setattr(ppo_loss, "ppo_loss_backend", lambda backend, logp: "cuda")  # as on a GPU
+    assert ppo_loss._fused_surrogate(PPOActorConfig(path="unused"), _head(), torch.zeros(4))
+    assert not ppo_loss._fused_surrogate(PPOActorConfig(path="unused", **overrides), _head(), torch.zeros(4))
 
 
 # ---------------------------------------------------------------- a real actor: False == None on CPU
@@ -297,7 +297,7 @@ def ppo_step_with_flag(model_dir: str, batch: dict, use_fused_kernels: bool | No
     from tests.actor.workers import ppo_actor_step
 
     records, start = _Records(), _Records()
-    logger = logging.getLogger(ppo.__name__)
+    logger = logging.getLogger(ppo_loss.__name__)
     logger.setLevel(logging.DEBUG)
     logger.addHandler(records)
     engine_logger = logging.getLogger("megarl.actor.engine")

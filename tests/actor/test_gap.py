@@ -38,15 +38,15 @@ def recorded_gap_step(model_dir: str, alloc: str, batch: dict, offsets: torch.Te
     """``tests.actor.workers.gap_step`` (one rank's), also returning for every token whose gap it records
     the behaviour logprob and the float32 error bound of the trainer's logprob there, from the hidden
     states and the LM head of the update's forward (``tests/numerics.py`` softmax_head_bounds)."""
-    from megarl.actor import ppo
+    from megarl.actor import ppo_loss
     from tests.actor.workers import gap_step
 
     recorded = []
-    loss_of_logprobs = ppo._loss_of_logprobs
+    loss_of_logprobs = ppo_loss._loss_of_logprobs
 
     def recording(head, mb, cfg, norm_len, mask, *rest):
         if rest[-1] is not None:  # the gap meter: this micro-batch's gap is recorded
-            assert ppo.replayed_truncation(cfg) is None and head.vocab_start == 0, "a full softmax on one rank"
+            assert ppo_loss.replayed_truncation(cfg) is None and head.vocab_start == 0, "a full softmax on one rank"
             rows = mask.nonzero().squeeze(-1)
             hidden, weight = head.hidden.detach()[rows], head.weight.detach()[: head.vocab_size]
             coefs = torch.zeros(2, rows.numel())
@@ -54,7 +54,7 @@ def recorded_gap_step(model_dir: str, alloc: str, batch: dict, offsets: torch.Te
             recorded.append(torch.stack([mb["behaviour_logp"][rows].double(), bound.logprob]))
         return loss_of_logprobs(head, mb, cfg, norm_len, mask, *rest)
 
-    ppo._loss_of_logprobs = recording
+    ppo_loss._loss_of_logprobs = recording
     stats = gap_step(model_dir, alloc, batch, offsets)
     return {"stats": stats, "tokens": torch.cat(recorded, dim=1)}
 

@@ -61,7 +61,19 @@ BAD = [
         "routed-experts-on-vllm",
         ["rollout.return_routed_experts=true"],
         "rollout.return_routed_experts",
-        "only SGLang servers report",
+        "on CPU cannot report the experts",
+    ),
+    case(
+        "r3-without-routes",
+        ["actor.routing_replay=R3"],
+        "actor.routing_replay",
+        "set rollout.return_routed_experts: true",
+    ),
+    case(
+        "replay-on-a-dense-model",
+        ["actor.routing_replay=R2", "actor.ppo_n_minibatches=2"],
+        "actor.routing_replay",
+        "has no experts",
     ),
     case(
         "watchdog-phase-budget-zero",

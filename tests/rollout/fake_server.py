@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import base64
 import collections
+import io
 import random
 
 import numpy as np
@@ -240,6 +241,14 @@ class FakeServer:
                 "text_offset": [],
             },
         }
+        if body.get("return_token_ids"):
+            choice["prompt_token_ids"] = list(prompt)
+        if "routed_experts_prompt_start" in body and out:  # as if started with routes on; vLLM's encoding: base64 of a .npy [positions, layers, top-k]
+            start = body.get("routed_experts_prompt_start", 0)
+            routes = np.array([routed_at(p) for p in range(start, n0 - 1 + len(out))], dtype=np.int32)
+            buffer = io.BytesIO()
+            np.save(buffer, routes.reshape(len(routes), 2, 2), allow_pickle=False)
+            choice["routed_experts"] = base64.b64encode(buffer.getvalue()).decode()
         reply = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
         if self.corrupt_next is not None:
             CORRUPTIONS[self.corrupt_next](reply, body["max_tokens"])
@@ -273,7 +282,7 @@ class FakeServer:
         }
         if body.get("return_routed_experts"):  # SGLang's encoding: base64 of int32 [positions, layers, top-k]
             start = body.get("routed_experts_start_len", 0)
-            positions = range(start, start + len(out))  # the forwards that produced the new tokens
+            positions = range(start, n0 - 1 + len(out))  # every forward from start (the last token: none)
             meta["routed_experts"] = base64.b64encode(
                 np.array([routed_at(p) for p in positions], dtype=np.int32).tobytes()
             ).decode()

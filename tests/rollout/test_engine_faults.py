@@ -384,14 +384,16 @@ def test_mark_unhealthy_keeps_a_server_out_until_marked_healthy(fake_servers):
         engine.destroy()
 
 
-def test_routed_experts_follow_their_tokens_across_an_interruption(fake_servers):
-    """``rollout.return_routed_experts``: each generated token keeps the experts of the forward that
-    produced it, also when a pause cut the request and the rest came from a second request."""
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_routed_experts_follow_their_tokens_across_an_interruption(fake_servers, dialect):
+    """``rollout.return_routed_experts`` (each dialect's reply encoding): each generated token keeps the
+    experts of the forward that produced it, also when a pause cut the request and the rest came from a
+    second request (whose input repeats the first answer tokens); the prompt's come from the first request."""
     from tests.rollout.fake_server import routed_at
 
-    (server,) = fake_servers(1, dialect="sglang", token_delay=0.01)
+    (server,) = fake_servers(1, dialect=dialect, token_delay=0.01)
     config = fast_config(return_routed_experts=True)
-    engine = RemoteInferenceEngine(config, "sglang").initialize(server_addrs=[server.address], batch_size=2)
+    engine = RemoteInferenceEngine(config, dialect).initialize(server_addrs=[server.address], batch_size=2)
     result = {}
     try:
         thread = threading.Thread(target=lambda: result.update(resp=_generate(engine, 40, seed=SEED)))
@@ -407,3 +409,7 @@ def test_routed_experts_follow_their_tokens_across_an_interruption(fake_servers)
     assert resp.n_interruptions >= 1 and resp.output_len == 40
     n_in = len(PROMPT)
     assert resp.output_routed_experts == [routed_at(n_in - 1 + i) for i in range(40)]
+    assert resp.input_routed_experts == [routed_at(p) for p in range(n_in - 1)]
+    payloads = _stats(server.address)["payloads"]
+    starts = {p.get("routed_experts_prompt_start", p.get("routed_experts_start_len")) for p in payloads}
+    assert starts == {0}, "every forwarded position is asked for"

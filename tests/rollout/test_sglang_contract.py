@@ -155,12 +155,13 @@ def test_against_sglang_io_struct_and_server_args(tmp_path):
 
 
 def test_routed_experts_request_and_server_flag_against_sglang(tmp_path):
-    """``rollout.return_routed_experts``: the request asks for the positions that produce the new tokens,
-    the server starts with the flag; SGLang's io_struct, route contract and ServerArgs accept both."""
+    """``rollout.return_routed_experts``: the request asks for every forwarded position (from 0: the prompt's
+    routes are replayed too), the server starts with the flag; SGLang's io_struct, route contract and
+    ServerArgs accept both."""
     backend = SGLangBackend()
     backend.return_routed_experts = True
     payload = backend.generate_payload([1, 2, 3, 4], GCONFIGS[0], 8, 0)
-    assert payload["return_routed_experts"] is True and payload["routed_experts_start_len"] == 3
+    assert payload["return_routed_experts"] is True and payload["routed_experts_start_len"] == 0
     spec = sglang_launch_spec(SGLangConfig(), "/models/moe", "127.0.0.1", 30000, tp=1, devices=[0], routed_experts=True)
     (pause,) = backend.pause_calls()
     _, resume = backend.resume_calls()
@@ -242,7 +243,8 @@ def test_colocated_sleep_and_wake_against_sglang():
 
 
 def test_parse_routed_experts():
-    """SGLang's encoding (``detokenizer_manager``: base64 of the int32 tensor ``[positions, layers, top-k]``)."""
+    """SGLang's encoding (``detokenizer_manager``: base64 of the int32 tensor ``[positions, layers, top-k]``),
+    one position per forward from the first input token: 4 input tokens and 3 new ones give 6 rows."""
     import base64
 
     import numpy as np
@@ -251,13 +253,21 @@ def test_parse_routed_experts():
 
     backend = SGLangBackend()
     backend.return_routed_experts = True
-    experts = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)  # 3 new tokens, 2 layers, top-2
+    experts = np.arange(6 * 2 * 2, dtype=np.int32).reshape(6, 2, 2)  # 3 input + 3 new positions, 2 layers, top-2
     reply = _reply([5, 6, EOS], [-0.1, -0.2, -0.3], {"type": "stop", "matched": EOS})
     reply["meta_info"]["routed_experts"] = base64.b64encode(experts.tobytes()).decode()
     chunk = backend.parse_generate(reply)
-    assert chunk.routed_experts == experts.reshape(3, 4).tolist()
+    assert chunk.prompt_routed_experts == experts[:3].reshape(3, 4).tolist()
+    assert chunk.routed_experts == experts[3:].reshape(3, 4).tolist()
     reply["meta_info"]["routed_experts"] = base64.b64encode(experts[:, :, :1].tobytes()[:-4]).decode()
-    with pytest.raises(MalformedResponseError, match="holds 5 ids for 3 new tokens"):
+    with pytest.raises(MalformedResponseError, match="holds 11 ids for 6 positions"):
+        backend.parse_generate(reply)
+    reply["meta_info"]["routed_experts"] = base64.b64encode(experts[:5].tobytes()).decode()  # 5 rows of 4.8 ids
+    with pytest.raises(MalformedResponseError, match="for 6 positions"):
+        backend.parse_generate(reply)
+    reply["meta_info"]["routed_experts"] = base64.b64encode(experts.tobytes()).decode()
+    reply["meta_info"]["prompt_tokens"] = None
+    with pytest.raises(MalformedResponseError, match="prompt_tokens"):
         backend.parse_generate(reply)
     del reply["meta_info"]["routed_experts"]
     with pytest.raises(MalformedResponseError, match="--enable-return-routed-experts"):
