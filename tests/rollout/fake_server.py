@@ -243,7 +243,7 @@ class FakeServer:
         }
         if body.get("return_token_ids"):
             choice["prompt_token_ids"] = list(prompt)
-        if "routed_experts_prompt_start" in body and out:  # as if started with routes on; vLLM's encoding: base64 of a .npy [positions, layers, top-k]
+        if "routed_experts_prompt_start" in body and out:  # as if started with routes; vLLM's .npy in base64
             start = body.get("routed_experts_prompt_start", 0)
             routes = np.array([routed_at(p) for p in range(start, n0 - 1 + len(out))], dtype=np.int32)
             buffer = io.BytesIO()
