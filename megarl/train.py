@@ -34,18 +34,25 @@ import torch.distributed as dist
 
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
-from megarl.actor.gap import gap_warning
 from megarl.actor.ppo import MegatronPPOActor, replayed_truncation
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config import GRPOConfig, save_config
 from megarl.config.train import TrainEngineConfig
 from megarl.data import create_dataloader, load_rl_dataset
-from megarl.kernels import Backend, kernel_summary
 from megarl.models import resolve_model_path
 from megarl.reward.executor import describe_in_flight as describe_rewards_in_flight
-from megarl.reward.failures import find_reward_error, reward_failures_note
+from megarl.reward.failures import find_reward_error
 from megarl.rollout import RemoteInferenceEngine
 from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
+from megarl.run.console_text import (
+    baseline_line,
+    print_summary,
+    rollout_bar,
+    start_lines,
+    step_line,
+    stop_line,
+    warn_on_gap,
+)
 from megarl.run.evaluator import Evaluator, pass_at_1
 from megarl.run.prelaunch import load_expr_config
 from megarl.run.recover import RecoverHandler, RecoverInfo
@@ -111,7 +118,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
         stats_tracker.record_timing("rollout"),
         t.memory.peak("rollout"),
         heartbeat.phase("rollout"),
-        rollout_bar(t) as progress,
+        rollout_bar(t.progress if t.rollout is not None else None, batch_per_head(t)) as progress,
     ):
         accept = should_accept_fn(cfg.dynamic_filter, cfg.group_size)
         batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, accept, progress, lambda: readmit_servers(t))
@@ -156,7 +163,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     stats = {k: v for step in ppo_stats for k, v in step.items()}
     stats.update(stats_tracker.export())
     stats.update(eval_stats() or {})
-    warn_on_gap(t, stats)
+    warn_on_gap(t.console, cfg.weight_update, stats)
     return stats
 
 
@@ -176,23 +183,9 @@ def readmit_servers(t: Trainer) -> None:
         stats_tracker.scalar(servers_readmitted_in_rollout=stats.get("servers_readmitted", 0.0))
 
 
-def kernel_line(backend: Backend) -> str | None:
-    """The console's start-up line on the fused kernels where a GPU runs them: the path their
-    self-check chose, and any mainloop that failed it (``megarl.kernels.selfcheck``); None on a
-    CPU or with the kernels off."""
-    if backend == "torch" or not torch.cuda.is_available():
-        return None
-    return f"fused kernels: {kernel_summary(backend)}"
-
-
-def warn_on_gap(t: Trainer, stats: dict[str, float]) -> None:
-    """A console warning when the servers' logprobs drift from the trainer's (see ``megarl.actor.gap``)."""
-    threshold = t.config.weight_update.gap_threshold
-    threshold = t.config.weight_update.consistency_threshold if threshold is None else threshold
-    message = gap_warning(stats, threshold) if threshold > 0 else None
-    if message is not None:
-        logger.warning(message)
-        t.console.line(f"warning: {message}")
+def batch_per_head(t: Trainer) -> int:
+    """Accepted groups a step takes from this DP head's rollout pool."""
+    return t.config.train_dataset.batch_size // t.coordinator.layout.dp_size
 
 
 @contextlib.contextmanager
@@ -203,41 +196,6 @@ def phase(t: Trainer, name: str, servers_paused: bool = False):
         yield
     if t.config.device == "cpu":
         release_freed_memory()
-
-
-@contextlib.contextmanager
-def rollout_bar(t: Trainer):
-    """Accepted groups of the batch rank 0 waits for, shown beside the run's bar; yields the update callback."""
-    if t.rollout is None or t.progress is None:
-        yield None
-        return
-    total = t.config.train_dataset.batch_size // t.coordinator.layout.dp_size
-    t.progress.status(f"rollout 0/{total} groups")
-    yield lambda n: t.progress.status(f"rollout {n}/{total} groups")
-    t.progress.status("training")
-
-
-def step_line(global_step: int, total_steps: int, stats: dict[str, float]) -> str:
-    """The console's line for a step: reward, evaluation, where the time went."""
-    timing = [
-        (label, stats.get(f"timeperf/{key}"))
-        for label, key in (
-            ("rollout", "rollout"),
-            ("logp", "recompute_logp"),
-            ("values", "critic_values"),
-            ("train", "train_step"),
-            ("critic", "critic_train"),
-            ("sync", "update_weights"),
-        )
-    ]
-    parts = [f"step {global_step + 1}/{total_steps}", f"reward {stats.get('batch/reward/avg', float('nan')):.3f}"]
-    if (failed := reward_failures_note(stats)) is not None:
-        parts.append(f"failed rewards: {failed}")
-    if "eval/pass@1" in stats:
-        parts.append(f"pass@1 {stats['eval/pass@1']:.3f}")
-    spent = " ".join(f"{label} {seconds:.1f}" for label, seconds in timing if seconds is not None)
-    parts.append(f"{stats.get('timeperf/step', 0.0):.1f} s ({spent})")
-    return "  ".join(parts)
 
 
 def should_accept_fn(dynamic_filter: str, group_size: int):
@@ -489,17 +447,11 @@ def train(t: Trainer) -> dict[str, float]:
         rank=dist.get_rank(),
         start_step=start,
     )
-    if rank0 and (line := kernel_line(t.actor.kernel_backend)) is not None:
+    for line in start_lines(t.actor.kernel_backend, t.skipped_rows) if rank0 else []:
         t.console.line(line)
-    if rank0 and t.skipped_rows:
-        t.console.line(
-            f"dataset: skipped {len(t.skipped_rows)} bad rows (bad_rows: skip); the first: {t.skipped_rows[0]}"
-        )
     baseline = evaluate(t) if start == 0 and t.config.evaluator.before_training else {}
     if baseline:
-        t.console.line(
-            f"before training: pass@1 {baseline['eval/pass@1']:.3f} on {baseline['eval/n_samples']:.0f} prompts"
-        )
+        t.console.line(baseline_line(baseline))
         t.stats_logger.before_training(baseline)
     t.progress = t.console.progress(t.total_steps, initial=start) if rank0 else None
     for global_step in range(start, t.total_steps):
@@ -534,15 +486,6 @@ def close(t: Trainer) -> None:
         t.critic.destroy()
 
 
-def print_summary(console: Console, config: GRPOConfig, summary: dict, seconds: float) -> None:
-    console.line(f"megarl: finished {config.experiment_name}/{config.trial_name} in {seconds / 60:.1f} min")
-    for key, values in summary.items():
-        console.line(f"  {key}: " + ", ".join(f"{name} {value:.4g}" for name, value in values.items()))
-    console.line(f"  metrics: {config.run_dir / 'metrics.jsonl'}\n  plot: {config.run_dir / 'curves.png'}")
-    console.line(f"  report: {config.run_dir / 'report.html'} (megarl report)")
-    console.line(f"  logs: {config.run_dir / 'logs'}")
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     config, rest = load_expr_config(sys.argv[1:] if argv is None else argv, GRPOConfig)
@@ -575,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         if (broken := find_reward_error(error)) is None:
             raise
         logger.error("the run stopped: %s", broken)  # the user's code is broken: no stack of megarl's to show
-        console.line(f"megarl: the run stopped: {broken}")
+        console.line(stop_line(broken))
         record_stop(config.run_dir, str(broken))  # the launcher neither restarts the trainer nor shows a stack
         return 1
     finally:
