@@ -7,7 +7,7 @@ Run it by config alone (no edit in megarl/):
 
 A class with ``async def run(self, data, **extra_kwargs)`` returning a reward is AReaL's agent
 API: megarl runs it (``megarl/workflow/openai_agent.py``) behind its OpenAI-compatible proxy
-(``megarl/workflow/openai_proxy.py``), ``gconfig.n_samples`` runs per prompt. ``extra_kwargs`` holds the run's ``base_url``,
+(``megarl/workflow/openai_proxy/``), ``gconfig.n_samples`` runs per prompt. ``extra_kwargs`` holds the run's ``base_url``,
 ``api_key`` and a shared ``http_client``. Every call is sampled by the policy with the run's
 ``gconfig`` (leave ``temperature`` unset or equal to it), recorded with its token ids, logprobs
 and weight versions, and the run's final conversation is trained on: the sampled tokens only,
