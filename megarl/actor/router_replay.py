@@ -77,7 +77,7 @@ class TokenRouterReplay(RouterReplay):
         self.replay_backward_list: list[torch.Tensor] = []
         self.checkpointed = False
         self.tokens: torch.Tensor | None = None  # which rows of the target are tokens (not packing's padding)
-        self.counts = torch.zeros(2, dtype=torch.float64)  # (replayed, own) token routes, first forwards only
+        self.counts = torch.zeros(3, dtype=torch.float64)  # replayed, own, agreed: see _count (first forwards)
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
@@ -86,26 +86,26 @@ class TokenRouterReplay(RouterReplay):
             self.record_indices(own.detach())
         if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
             return values, own
-        target = self._target()
+        recompute = self.checkpointed and torch.is_grad_enabled() and bool(self.replay_backward_list)
+        target = self.replay_backward_list.pop(0) if recompute else self.target_topk_idx
         if target is None:
             return values, own
         target = target.to(own.device)
         given = (target >= 0).all(dim=-1, keepdim=True)
+        if not recompute:
+            self._count(target, given[:, 0], own)
+            if self.checkpointed and not torch.is_grad_enabled():  # the backward's recompute will want it
+                self.replay_backward_list.append(target)
         indices = torch.where(given, target.clamp(min=0).to(own.dtype), own)
         return scores.gather(1, indices), indices
 
-    def _target(self) -> torch.Tensor | None:
-        if self.checkpointed and torch.is_grad_enabled() and self.replay_backward_list:
-            return self.replay_backward_list.pop(0)  # the recompute of a checkpointed forward
-        target = self.target_topk_idx
-        if target is not None:
-            given = (target >= 0).all(dim=-1).cpu()
-            tokens = self.tokens if self.tokens is not None else torch.ones_like(given)
-            replayed = int((given & tokens).sum())
-            self.counts += torch.tensor([replayed, int(tokens.sum()) - replayed], dtype=torch.float64)
-            if self.checkpointed and not torch.is_grad_enabled():
-                self.replay_backward_list.append(target)
-        return target
+    def _count(self, target: torch.Tensor, given: torch.Tensor, own: torch.Tensor) -> None:
+        """Tokens replayed, tokens routed by the router itself, and replayed tokens whose own top-k set is the
+        replayed one (what the router would have agreed to)."""
+        tokens = self.tokens.to(given.device) if self.tokens is not None else torch.ones_like(given)
+        same = (own.sort(dim=-1).values == target.sort(dim=-1).values).all(dim=-1)
+        replayed, agreed = int((given & tokens).sum()), int((given & tokens & same).sum())
+        self.counts += torch.tensor([replayed, int(tokens.sum()) - replayed, agreed], dtype=torch.float64)
 
 
 def _routers(chunk) -> list:
@@ -265,8 +265,9 @@ class RoutingReplay:
     # ------------------------------------------------------------------ statistics
 
     def finish(self) -> None:
-        """Record the share of (token, MoE layer) routes replayed, over every rank (a world collective)."""
-        counts = torch.zeros(2, dtype=torch.float64)
+        """Record, over every rank (a world collective), the share of (token, MoE layer) routes replayed and the
+        share of replayed routes the router would have chosen itself (``own_match``: 1 - what replay changed)."""
+        counts = torch.zeros(3, dtype=torch.float64)
         for router in self.routers:
             counts += router.router_replay.counts
             router.router_replay.counts.zero_()
@@ -274,6 +275,8 @@ class RoutingReplay:
             counts.zero_()  # every TP rank routed the same tokens: count them once
         if dist.is_initialized():
             dist.all_reduce(counts)
-        replayed, own = counts.tolist()
+        replayed, own, agreed = counts.tolist()
         if replayed + own:
             stats_tracker.scalar(**{"routing_replay/replayed_share": replayed / (replayed + own)})
+        if replayed:
+            stats_tracker.scalar(**{"routing_replay/own_match": agreed / replayed})

