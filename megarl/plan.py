@@ -69,10 +69,17 @@ class Workload:
     """Mean generated tokens per sample."""
     max_new_tokens: int = 0
     """``gconfig.max_new_tokens``: the longest a sample can decode (0: no latency bound)."""
+    route_ids: int = 0
+    """Expert ids the servers return per token (MoE, ``rollout.return_routed_experts``: layers x top-k)."""
 
     @property
     def generated(self) -> float:
         return self.prompts * self.samples * self.gen_tokens
+
+    @property
+    def route_bytes(self) -> float:
+        """Bytes of the routed experts a rollout batch carries to the trainer (int16 per id, every token)."""
+        return self.trained * self.route_ids * 2
 
     @property
     def trained(self) -> float:
@@ -274,8 +281,26 @@ def workload_of(
         return dataclasses.replace(base, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens)
     g = config.gconfig
     return Workload(
-        config.train_dataset.batch_size, g.n_samples, prompt_tokens, min(gen_tokens, g.max_new_tokens), g.max_new_tokens
+        config.train_dataset.batch_size,
+        g.n_samples,
+        prompt_tokens,
+        min(gen_tokens, g.max_new_tokens),
+        g.max_new_tokens,
+        route_ids=_route_ids(config) if config.rollout.return_routed_experts else 0,
     )
+
+
+def _route_ids(config) -> int:
+    """Layers x top-k of the actor's MoE model (0 where its ``config.json`` is not at hand or it has no experts)."""
+    from megarl.models.provision import ALIASES, KNOWN_MODELS, resolve_model_path
+    from megarl.run.prelaunch import read_model_config
+
+    path = config.actor.path
+    if path.lower() in {*KNOWN_MODELS, *ALIASES}:
+        path = resolve_model_path(path)
+    hf = read_model_config(path, "actor.path") or {}
+    top_k = hf.get("num_experts_per_tok") or 0
+    return hf.get("num_hidden_layers", 0) * top_k
 
 
 def for_config(rates: Rates, config) -> Rates:
@@ -388,7 +413,11 @@ def assumptions(rates: Rates, work: Workload, max_staleness: int) -> list[str]:
             f"step: {work.prompts} prompts x {work.samples} samples, {work.prompt_tokens:.0f} prompt + "
             f"{work.gen_tokens:.0f} generated tokens each (max {work.max_new_tokens}); {mode}"
         ),
-    ]
+    ] + (
+        [f"routed experts: {work.route_ids} int16 ids per token, {work.route_bytes / 1e6:,.1f} MB per rollout batch"]
+        if work.route_ids
+        else []
+    )
 
 
 # ------------------------------------------------------------------------------------ rates file

@@ -318,3 +318,24 @@ def test_lora_numel_counts_what_the_peft_export_writes(tmp_path):
     targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     assert lora_numel(hf, RANK, targets) == written == 4_884_480
     assert lora_numel(hf, RANK, ["linear_qkv"]) == 30 * RANK * (3 * 576 + 576 + 2 * 192)
+
+
+def test_routed_experts_bytes_are_in_the_plan(tiny_model_dir):
+    """With ``rollout.return_routed_experts`` every token of a rollout batch carries layers x top-k int16 ids:
+    the tiny Qwen3-MoE's 4 layers x top-2, over 8 x 8 samples of 100 + 50 tokens, are 153,600 bytes."""
+    from types import SimpleNamespace
+
+    from megarl.plan import assumptions, workload_of
+
+    config = SimpleNamespace(
+        train_dataset=SimpleNamespace(batch_size=8),
+        gconfig=SimpleNamespace(n_samples=8, max_new_tokens=64),
+        rollout=SimpleNamespace(return_routed_experts=True),
+        actor=SimpleNamespace(path=str(tiny_model_dir("qwen3_moe"))),
+    )
+    rates = load_rates(REPO / "benchmarks" / "results" / "plan_rates_cpu_static.yaml")
+    work = workload_of(rates, config, prompt_tokens=100, gen_tokens=50)
+    assert work.route_ids == 8 and work.route_bytes == 153_600
+    assert "routed experts: 8 int16 ids per token, 0.2 MB per rollout batch" in assumptions(rates, work, 0)
+    config.rollout.return_routed_experts = False
+    assert workload_of(rates, config, prompt_tokens=100, gen_tokens=50).route_bytes == 0
