@@ -142,6 +142,16 @@ def test_r3_routes_every_token_as_the_server_did(moe_dir, routed, alloc, world):
 
 
 @pytest.mark.multiproc
+def test_r3_under_truncation_replay_routes_as_the_server_did(moe_dir, routed):
+    """The sampling's top-k / top-p replay (``megarl.kernels.truncation``) changes the head, not the routing."""
+    batch, _, _ = routed
+    results = _run(moe_dir, batch, "d2p1t1e2", 2, "R3", top_k=20, top_p=0.9)
+    first = results[0]["stats"][0]
+    assert first["ppo_actor/gap/routing/topk_match"] == 1.0
+    assert first["ppo_actor/routing_replay/own_match"] < 0.5
+
+
+@pytest.mark.multiproc
 def test_without_replay_the_trainer_routes_itself(moe_dir, routed):
     batch, _, free = routed
     results = _run(moe_dir, batch, "d2p1t1e2", 2, "none")
