@@ -6,17 +6,14 @@ stopped, it announces that it leaves, drains and exits while the run goes on."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
+from tests.train.cli_run import ARITHMETIC, read_metrics, start_megarl
 
 
 def _wait_for(predicate, timeout: float, what: str, *procs: subprocess.Popen) -> None:
@@ -37,45 +34,28 @@ def _lines(path: Path) -> list[dict]:
 def test_a_server_joins_mid_run_serves_the_current_weights_and_leaves(tmp_path):
     steps = 12
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
-    run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "megarl.launcher.cli",
-            "run",
-            str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
-            f"cluster.fileroot={tmp_path}",
-            f"total_train_steps={steps}",
-            "stats_logger.wandb.mode=disabled",
-            "evaluator.freq_steps=null",
-            "weight_update.probe_every=1",
-        ],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    run = start_megarl(
+        "run",
+        ARITHMETIC,
+        f"cluster.fileroot={tmp_path}",
+        f"total_train_steps={steps}",
+        "stats_logger.wandb.mode=disabled",
+        "evaluator.freq_steps=null",
+        "weight_update.probe_every=1",
     )
     joiner = None
     try:
-        _wait_for(lambda: len(_lines(run_dir / "metrics.jsonl")) >= 1, 600, "first step", run)
-        joiner = subprocess.Popen(
-            [sys.executable, "-m", "megarl.launcher.cli", "serve", "--join", str(run_dir), "--drain-timeout", "30"],
-            cwd=ROOT,
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        _wait_for(lambda: len(read_metrics(run_dir)) >= 1, 600, "first step", run)
+        joiner = start_megarl("serve", "--join", str(run_dir), "--drain-timeout", "30")
         joins = run_dir / "servers_joined.jsonl"
         joined_lines = lambda: [r for r in _lines(joins) if r["event"] == "join"]  # noqa: E731
         _wait_for(joined_lines, 300, "join line", run, joiner)
         (joined,) = joined_lines()
         assert joined["server"] == "server-1"
-        joined_at = len(_lines(run_dir / "metrics.jsonl"))
+        joined_at = len(read_metrics(run_dir))
         # served: a step after the push trains on episodes the joined server generated (server index 1)
         _wait_for(
-            lambda: any("ppo_actor/gap/server_1/abs_logp_diff/avg" in m for m in _lines(run_dir / "metrics.jsonl")),
+            lambda: any("ppo_actor/gap/server_1/abs_logp_diff/avg" in m for m in read_metrics(run_dir)),
             600,
             "a trained episode of the joined server",
             run,
@@ -92,7 +72,7 @@ def test_a_server_joins_mid_run_serves_the_current_weights_and_leaves(tmp_path):
     assert run.returncode == 0, out[-4000:]
     # its index reserved when it started, then joined once healthy, then left
     assert [(r["event"], r["server"]) for r in _lines(joins)] == [(e, "server-1") for e in ("reserve", "join", "leave")]
-    metrics = _lines(run_dir / "metrics.jsonl")
+    metrics = read_metrics(run_dir)
     assert [m["global_step"] for m in metrics] == list(range(steps)), "the run went on after the server left"
     assert metrics[-1]["rollout/servers_joined"] == 1
     pushed = [m for m in metrics[joined_at - 1 :] if m.get("weight_sync/servers_readmitted", 0) >= 1]

@@ -15,14 +15,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.train.cli_run import ARITHMETIC, ROOT, SHORT_RUN
+from tests.train.cli_run import ARITHMETIC, SHORT_RUN, start_megarl
 from tests.utils.test_keeper import still_running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -74,10 +73,8 @@ def _bindable(port: int) -> bool:
 def test_sigkilled_megarl_run_leaves_no_process_behind(tmp_path):
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
     args = [ARITHMETIC, f"cluster.fileroot={tmp_path}", *SHORT_RUN, "total_train_steps=50"]
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", *args]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     with open(tmp_path / "console.log", "wb") as console:
-        launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT)
+        launcher = start_megarl("run", *args, stdout=console, text=False)
     descendants: list[psutil.Process] = []
     try:
         _first_step_logged(run_dir, launcher, timeout=1200)

@@ -8,7 +8,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.train.cli_run import ARITHMETIC, read_metrics, start_megarl
 
 
 def _server_pids(launcher: psutil.Process) -> list[int]:
@@ -50,12 +49,9 @@ def _kill_at_random_points(launcher: subprocess.Popen, run_dir: Path, kills: int
 
 def _run(tmp_path: Path, steps: int, kills: int, seed: int) -> tuple[subprocess.CompletedProcess, Path, list]:
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
+    args = [
         "run",
-        str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
+        ARITHMETIC,
         f"cluster.fileroot={tmp_path}",
         f"total_train_steps={steps}",
         "stats_logger.wandb.mode=disabled",
@@ -65,14 +61,13 @@ def _run(tmp_path: Path, steps: int, kills: int, seed: int) -> tuple[subprocess.
         f"launcher.server_restarts={kills}",
         f"launcher.max_server_restarts={kills}",
     ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = start_megarl(*args)
     killed: list = []
     killer = threading.Thread(target=_kill_at_random_points, args=(launcher, run_dir, kills, seed, killed), daemon=True)
     killer.start()
     out, _ = launcher.communicate(timeout=1500)
     killer.join(5)
-    return subprocess.CompletedProcess(cmd, launcher.returncode, out), run_dir, killed
+    return subprocess.CompletedProcess(launcher.args, launcher.returncode, out), run_dir, killed
 
 
 def _check(result, run_dir: Path, killed: list, steps: int, kills: int) -> None:
@@ -82,7 +77,7 @@ def _check(result, run_dir: Path, killed: list, steps: int, kills: int) -> None:
     restarts = [json.loads(line) for line in (run_dir / "server_restarts.jsonl").read_text().splitlines()]
     assert len(restarts) == kills and all(r["exit_code"] == -signal.SIGKILL for r in restarts), restarts
     assert "restarting it in its slot (restart 1 of" in console
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run_dir)
     assert [m["global_step"] for m in metrics] == list(range(steps))
     assert metrics[-1]["rollout/server_restarts"] == kills, "the metrics show every restart"
     readmitted = sum(

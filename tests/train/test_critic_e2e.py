@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.train.test_plugins_e2e import _metrics, _run
+from tests.train.cli_run import read_metrics
+from tests.train.test_plugins_e2e import _run
 
 # Slow (~3 min): the critic's parts are checked in CI by tests/actor/test_critic.py.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,7 +32,7 @@ CRITIC = [
 
 def test_critic_ppo_trains_and_resumes_with_its_critic(tmp_path):
     run_dir = _run(tmp_path, *CRITIC)
-    steps = _metrics(run_dir)
+    steps = read_metrics(run_dir)
     assert len(steps) == 2
     for step in steps:
         assert step["ppo_critic/n_tokens"] > 0 and step["ppo_critic/update_successful"] == 1.0, sorted(step)
@@ -44,7 +45,7 @@ def test_critic_ppo_trains_and_resumes_with_its_critic(tmp_path):
     assert (point / "model").is_dir() and (point / "critic").is_dir()
 
     _run(tmp_path, *CRITIC, "total_train_steps=3")  # the same trial: resumes after step 2
-    steps = _metrics(run_dir)
+    steps = read_metrics(run_dir)
     assert [s["global_step"] for s in steps] == [0, 1, 2]
     resumed = steps[-1]
     assert resumed["ppo_critic/values/max"] != 0.0, "the critic's trained head came back from the recover point"

@@ -10,18 +10,14 @@ the dumped prompts are verl's.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from examples.verl_parquet.make_parquet import INSTRUCTION, verl_row
+from tests.train.cli_run import GSM8K, QUIET_LOGGERS, ROOT, megarl_run, read_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
 SHORT_RUN = [
     "total_train_steps=1",
     "train_dataset.batch_size=2",
@@ -33,8 +29,7 @@ SHORT_RUN = [
     "evaluator.freq_steps=null",
     "saver.freq_steps=null",
     "rollout.dump_trajectories=true",
-    "stats_logger.wandb.mode=disabled",
-    "stats_logger.tensorboard.enabled=false",
+    *QUIET_LOGGERS,
 ]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -47,25 +42,17 @@ def test_verl_parquet_trains_through_its_adapter_and_a_skipped_row_is_shown(tmp_
     data = tmp_path / "verl"
     data.mkdir()
     pq.write_table(pa.Table.from_pylist(rows), data / "train.parquet")
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
-        "run",
-        "configs/gsm8k_grpo_cpu.yaml",
+    console = megarl_run(
+        GSM8K,
         "examples/verl_parquet/verl_gsm8k.yaml",
         f"cluster.fileroot={tmp_path}",
         f"train_dataset.path={data}",
         *SHORT_RUN,
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
-    console = result.stdout + result.stderr
-    assert result.returncode == 0, console[-5000:]
+    )
     skipped = f"dataset: skipped 1 bad rows (bad_rows: skip); the first: {data / 'train.parquet'}: row 3: 'answer'"
     assert skipped in console, console[-5000:]
     run_dir = tmp_path / "gsm8k-grpo-cpu" / "trial0"
     assert f"type: {ROOT / 'examples/verl_parquet/verl_rows.py'}:to_row" in (run_dir / "config.yaml").read_text()
     dumped = [json.loads(line) for f in (run_dir / "rollout").rglob("*.jsonl") for line in f.read_text().splitlines()]
     assert len(dumped) >= 4 and all(INSTRUCTION in row["prompt"] for row in dumped), dumped[:1]
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    assert len(read_metrics(run_dir)) == 1

@@ -17,10 +17,6 @@ Two bars:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,9 +24,7 @@ import pytest
 
 from benchmarks.learning_arithmetic import GAIN_BAR, SEEDS, STEPS, dtype_overrides
 from benchmarks.learning_variants import VARIANTS
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from tests.train.cli_run import ARITHMETIC, megarl_run, read_metrics
 
 COLOCATED = ["allocation_mode=vllm:d1t1|megatron:d1p1t1", "cluster.n_gpus_per_node=1"]
 
@@ -57,7 +51,7 @@ def test_learns_arithmetic_within_40_steps_and_20_minutes(tmp_path, variant):
 def test_colocated_learns_arithmetic_within_40_steps_and_20_minutes(tmp_path):
     """Server and trainer on one slot, the server asleep while the trainer computes (the same bar)."""
     run_dir = learns_arithmetic(tmp_path, COLOCATED)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = read_metrics(run_dir)
     assert all("timeperf/sleep_servers" in step for step in steps), "the servers were not put to sleep each step"
     assert "POST /sleep?level=1&mode=abort" in (run_dir / "logs" / "server-0.log").read_text()
 
@@ -65,23 +59,13 @@ def test_colocated_learns_arithmetic_within_40_steps_and_20_minutes(tmp_path):
 def learns_arithmetic(tmp_path: Path, overrides: list[str], bar: float = 0.15, minutes: float = 20) -> Path:
     """Run the arithmetic config with ``overrides`` and check the learning ``bar`` (reward gain,
     first 5 vs last 5 steps) and the time budget; returns the run directory."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
-        "run",
-        str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
-        f"cluster.fileroot={tmp_path}",
-        "stats_logger.wandb.mode=disabled",
-        *overrides,
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     start = time.monotonic()
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30 * 60)
+    megarl_run(
+        ARITHMETIC, f"cluster.fileroot={tmp_path}", "stats_logger.wandb.mode=disabled", *overrides, timeout=30 * 60
+    )
     took = (time.monotonic() - start) / 60
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
-    rewards = [json.loads(line)["batch/reward/avg"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [step["batch/reward/avg"] for step in read_metrics(run_dir)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"rewards per step: {[round(r, 3) for r in rewards]}; first 5 {first:.3f}, last 5 {last:.3f}; {took:.1f} min")
     assert 5 < len(rewards) <= 40, "the config must train more than 5 and at most 40 steps"

@@ -11,14 +11,13 @@ alone would differ by what the adapters change, measured here with HF ``peft`` o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from megarl.models.provision import resolve_model_path
-from tests.train.cli_run import ARITHMETIC, SHORT_RUN, megarl_run
+from tests.train.cli_run import ARITHMETIC, SHORT_RUN, megarl_run, read_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -94,7 +93,7 @@ def test_a_lora_run_sends_the_merged_weights(tmp_path):
     (tmp_path / "console.txt").write_text(console)
     saved = (run_dir / "config.yaml").read_text()
     assert f"rank: {RANK}" in saved and "lora: merged" in saved
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = read_metrics(run_dir)
     assert len(steps) == 2
     effect = adapter_effect(peft_dir)
     gaps = [(s["weight_sync/logprob_diff_mean"], s["weight_sync/logprob_diff_max"]) for s in steps]
@@ -121,7 +120,7 @@ def test_an_adapter_run_serves_each_version_as_a_lora_adapter(tmp_path):
     )
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
     (tmp_path / "console.txt").write_text(console)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = read_metrics(run_dir)
     assert len(steps) == 3
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     for version in range(4):  # the starting adapters (pushed before the first rollout), then one per update

@@ -7,14 +7,10 @@ run's log files, not on the console.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.train.cli_run import GSM8K, QUIET_LOGGERS, megarl_run
+
 SHORT_RUN = [
     "total_train_steps=2",
     "train_dataset.batch_size=2",
@@ -23,8 +19,7 @@ SHORT_RUN = [
     "evaluator.freq_steps=2",
     "evaluator.max_samples=2",
     "saver.freq_steps=null",
-    "stats_logger.wandb.mode=disabled",
-    "stats_logger.tensorboard.enabled=false",
+    *QUIET_LOGGERS,
 ]
 STARTUP_LINES = 4  # what runs where, dtype, threads, servers ready
 STEPS = 2
@@ -32,19 +27,7 @@ STEPS = 2
 
 @pytest.mark.vllm
 def test_main_job_console_has_a_few_lines(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
-        "run",
-        str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"),
-        f"cluster.fileroot={tmp_path}",
-        *SHORT_RUN,
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
-    console = result.stdout + result.stderr
-    assert result.returncode == 0, console[-5000:]
+    console = megarl_run(GSM8K, f"cluster.fileroot={tmp_path}", *SHORT_RUN)
     lines = console.splitlines()
     startup, rest = lines[:STARTUP_LINES], lines[STARTUP_LINES:]
     assert startup[1].startswith("dtype: trainer ") and startup[2].startswith("threads: "), console

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from examples.rewards.brief_answer import brief_answer_reward
-from tests.train.cli_run import ARITHMETIC, ROOT, SHORT_RUN, megarl_run
+from tests.train.cli_run import ARITHMETIC, ROOT, SHORT_RUN, megarl_run, read_metrics
 
 SYSTEM_PROMPT = "Reply with digits only."
 SPECIAL = ("<|im_end|>", "<|endoftext|>")
@@ -41,10 +41,6 @@ def _run(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = ()) -> Path
     console = megarl_run(ARITHMETIC, *configs, f"cluster.fileroot={tmp_path}", *SHORT_RUN, *overrides)
     (tmp_path / "console.txt").write_text(console)
     return tmp_path / "arithmetic-grpo-cpu" / "trial0"
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
@@ -78,7 +74,7 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
         for token in SPECIAL:
             completion = completion.replace(token, "")
         assert row["reward"] == pytest.approx(brief_answer_reward("", completion, [], [], answers[question])), row
-    steps = _metrics(run_dir)
+    steps = read_metrics(run_dir)
     assert len(steps) == 2
     assert all("ppo_actor/cispo_clipped/avg" in step for step in steps), sorted(steps[0])
     assert all(step["ppo_actor/skipped_seqs"] == 0 for step in steps), "a user loss trains on every row"
@@ -105,7 +101,7 @@ def test_multi_turn_agent_runs_by_config_alone(tmp_path):
     run_dir = _run(
         tmp_path, "workflow.type=multi_turn", "workflow.kwargs.max_turns=2", "weight_update.gap_threshold=1e-12"
     )
-    steps = _metrics(run_dir)
+    steps = read_metrics(run_dir)
     assert len(steps) == 2
     trained = [step for step in steps if step.get("ppo_actor/gap/lag_0/n_tokens", 0) > 0]
     warnings = (tmp_path / "console.txt").read_text().count("warning: train-inference gap")
@@ -120,7 +116,7 @@ def test_openai_client_agent_runs_by_config_alone(tmp_path):
     run_dir = _run(
         tmp_path, "workflow.type=examples.workflows.openai_agent.CalculatorAgent", "gconfig.max_new_tokens=48"
     )
-    steps = _metrics(run_dir)
+    steps = read_metrics(run_dir)
     assert len(steps) == 2
     for step in steps:
         assert step["rollout/agent_calls"] >= 1 and step["rollout/agent_off_chain_calls"] == 0, sorted(step)
@@ -175,5 +171,5 @@ def test_a_script_that_launches_megarl_names_its_own_reward_and_loss_by_main(tmp
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
     saved = (run_dir / "config.yaml").read_text()
     assert f"reward_fn: {script}:main_reward" in saved and f"loss: {script}:scaled_loss" in saved
-    (step,) = _metrics(run_dir)
+    (step,) = read_metrics(run_dir)
     assert step["ppo_actor/main_beta/avg"] == pytest.approx(0.5), sorted(step)

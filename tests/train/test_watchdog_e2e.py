@@ -6,18 +6,14 @@ from the last recover point."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from megarl.utils.heartbeat import FAULT_STALL_ENV, FAULT_STALL_ONCE_ENV, FAULT_STALL_PHASE_ENV
+from tests.train.cli_run import ARITHMETIC, GSM8K, megarl_run, read_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
 BUDGET_S = 20
 # The hang runs in a phase of its own with a short budget; every real phase gets budgets far beyond
 # what a loaded 2-core machine takes (the first runs of a phase: HEALTHY_S; once a phase has a median:
@@ -35,29 +31,18 @@ WATCHDOG = [
 
 @pytest.mark.vllm
 def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
-        "run",
-        str(ROOT / "configs" / "gsm8k_grpo_cpu.yaml"),
+    console = megarl_run(
+        GSM8K,
         f"cluster.fileroot={tmp_path}",
         "total_train_steps=1",
         "stats_logger.wandb.mode=disabled",
         *WATCHDOG,
         "watchdog.action=abort",
-    ]
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        WANDB_MODE="disabled",
-        **{FAULT_STALL_ENV: "trainer-0:build:600", FAULT_STALL_PHASE_ENV: STALL_PHASE},
+        expect=3,
+        timeout=TIMEOUT_S,
+        env={FAULT_STALL_ENV: "trainer-0:build:600", FAULT_STALL_PHASE_ENV: STALL_PHASE},
     )
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     ended = time.time()
-    console = result.stdout + result.stderr
-    assert result.returncode == 3, console[-3000:]
     line = next(line for line in console.splitlines() if line.startswith("megarl watchdog:"))
     assert f"trainer-0 in phase '{STALL_PHASE}'" in line and f"(budget {BUDGET_S} s)" in line, line
     assert "watchdog: stopping the run (watchdog.action=abort)" in console
@@ -77,12 +62,9 @@ def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
 def test_restart_resumes_from_the_last_recover_point(tmp_path):
     """``watchdog.action=restart``: the stalled trainer is stopped and started again from its recover
     point (after step 0); the run finishes with every step trained once."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "megarl.launcher.cli",
-        "run",
-        str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
+    once = tmp_path / "stalled-once"
+    console = megarl_run(
+        ARITHMETIC,
         f"cluster.fileroot={tmp_path}",
         "total_train_steps=3",
         "stats_logger.wandb.mode=disabled",
@@ -92,27 +74,18 @@ def test_restart_resumes_from_the_last_recover_point(tmp_path):
         "recover.freq_steps=1",
         *WATCHDOG,
         "watchdog.action=restart",
-    ]
-    once = tmp_path / "stalled-once"
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        WANDB_MODE="disabled",
-        **{
+        timeout=2 * TIMEOUT_S,
+        env={
             FAULT_STALL_ENV: "trainer-0:train_step#2:600",
             FAULT_STALL_ONCE_ENV: str(once),
             FAULT_STALL_PHASE_ENV: STALL_PHASE,
         },
     )
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=2 * TIMEOUT_S, check=False)
-    console = result.stdout + result.stderr
-    assert result.returncode == 0, console[-3000:]
     assert once.exists(), "the stall happened"
     line = next(line for line in console.splitlines() if line.startswith("megarl watchdog:"))
     assert f"trainer-0 in phase '{STALL_PHASE}' for" in line and f"(budget {BUDGET_S} s)" in line, line
     assert "watchdog: restarting the trainer from its last recover point (watchdog.action=restart)" in console
     run_dir = tmp_path / "arithmetic-grpo-cpu" / "trial0"
-    steps = [json.loads(line)["global_step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [step["global_step"] for step in read_metrics(run_dir)]
     assert steps == [0, 1, 2], f"each step once, resumed after step 0: {steps}"
     assert "recover" in (run_dir / "logs" / "trainer.log").read_text().lower()
