@@ -134,11 +134,11 @@ class PhaseClock:
 def _actor(model_dir: Path, dtype: str):
     from megarl.actor.ppo import MegatronPPOActor
     from megarl.config.experiment import GRPOConfig
-    from megarl.config.loader import build_config
+    from megarl.config.loader import build_config_values
     from megarl.utils.network import find_free_port
 
     overrides = [f"actor.path={model_dir}", "actor.init_from_scratch=true", f"actor.dtype={dtype}"]
-    actor_cfg = build_config(GRPOConfig, [str(CONFIG)], overrides).actor
+    actor_cfg = build_config_values(GRPOConfig, [str(CONFIG)], overrides).actor
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     actor = MegatronPPOActor(actor_cfg)

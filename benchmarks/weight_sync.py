@@ -278,9 +278,9 @@ def _run_gpu(quick: bool) -> list[dict]:
     """TP-1 shards on one GPU packed into wire buckets (the broadcast sender's work) vs a plain copy."""
     from types import SimpleNamespace
 
-    from megarl.bridge.plan import build_plan
     from megarl.bridge.schedule import broadcast_schedule
     from megarl.bridge.source import ShardSource, TrainerCoords
+    from megarl.bridge.transfer_plan import build_plan
     from megarl.bridge.transport import pack
     from megarl.config.allocation import TrainingAllocation
     from megarl.models.families import FAMILIES

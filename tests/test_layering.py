@@ -48,6 +48,7 @@ MOVED: dict[str, str] = {
     "megarl/kernels/ppo_loss.py": "megarl.actor.fused_ppo_loss",
     "megarl/launcher/mpi.py": "megarl.utils.mpi",
     "megarl/workflow/context.py": "megarl.api.context",
+    "megarl/bridge/plan.py": "megarl.bridge.transfer_plan",
 }
 """Old paths of moved modules (``megarl.utils.deprecation``): each shim imports its new module,
 whatever its floor, and nothing else of megarl imports a shim; the shims stand outside the floors."""

@@ -2,7 +2,7 @@
 
 Pieces, each in its own module:
 
-- ``plan`` / ``target_layout``: the pure transfer plan. Sources come from the model
+- ``transfer_plan`` / ``target_layout``: the pure transfer plan. Sources come from the model
   family's mapping (``megarl.models.mapping``), targets from vLLM's parallel layouts.
 - ``schedule``: the plan cut into buckets, identically on both sides.
 - ``groups`` / ``wiring``: the bridge's own process groups (NCCL on GPU, gloo on CPU),
@@ -22,7 +22,7 @@ trainer loop's: :mod:`megarl.run.weight_sync`.
 
 from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
 from megarl.bridge.consistency import ConsistencyError, ConsistencyReport
-from megarl.bridge.plan import TransferPlan, build_plan
+from megarl.bridge.transfer_plan import TransferPlan, build_plan
 
 __all__ = [
     "ConsistencyError",

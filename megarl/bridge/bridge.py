@@ -27,9 +27,9 @@ import torch
 
 from megarl.bridge.control import ServerControl
 from megarl.bridge.groups import default_backend, destroy_group, gather_objects, rank0_object
-from megarl.bridge.plan import TransferPlan, build_plan
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
+from megarl.bridge.transfer_plan import TransferPlan, build_plan
 from megarl.bridge.transport import TransferStats, TransportSender, wire_dtype
 from megarl.bridge.transport_broadcast import BroadcastSender
 from megarl.bridge.transport_disk import DiskSender

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megarl.bridge.plan import Owner, Piece, SourceParam, TransferPlan
+from megarl.bridge.transfer_plan import Owner, Piece, SourceParam, TransferPlan
 
 
 def _cut(items: list, sizes: list[int], limit: int) -> list[list]:

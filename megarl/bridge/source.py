@@ -1,7 +1,7 @@
 """The trainer side's view of its weights: this rank's Megatron shards and its coordinates.
 
 :class:`TrainerCoords` places a rank in the layout (stage, TP / expert-TP rank, EP rank,
-data-parallel replica) so it can tell which :class:`~megarl.bridge.plan.Owner` it is.
+data-parallel replica) so it can tell which :class:`~megarl.bridge.transfer_plan.Owner` it is.
 :class:`ShardSource` hands out local shards by canonical Megatron name and, for
 broadcast and disk modes, gathers a parameter over its (expert) tensor-parallel group
 and converts it to HF tensors with the family mapping's ``export_from_shards``.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl.bridge.plan import Owner, SourceParam
+from megarl.bridge.transfer_plan import Owner, SourceParam
 from megarl.models.mapping import ModelDims, export_from_shards
 
 

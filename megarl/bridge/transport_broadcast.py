@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.bridge.plan import TransferPlan
 from megarl.bridge.schedule import BroadcastSchedule
 from megarl.bridge.source import ShardSource, TrainerCoords
+from megarl.bridge.transfer_plan import TransferPlan
 from megarl.bridge.transport import Timer, TransferStats, TransportSender, pack, unpack
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.bridge.plan import TransferPlan
 from megarl.bridge.schedule import BroadcastSchedule
 from megarl.bridge.source import ShardSource, TrainerCoords
+from megarl.bridge.transfer_plan import TransferPlan
 from megarl.bridge.transport import Timer, TransferStats, TransportSender
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 No gather: a trainer rank sends, straight from its local Megatron shard, the runs of
 rows that overlap each worker's local tensors (fused QKV, gate/up and experts included,
-per the plan's :class:`~megarl.bridge.plan.Piece` s). One group spans the sending
+per the plan's :class:`~megarl.bridge.transfer_plan.Piece` s). One group spans the sending
 trainer ranks (group ranks ``0..S-1``) and all workers (``S + worker index``).
 
 Messages go in rounds: round ``k`` carries bucket ``k`` of every (sender, worker) pair as
@@ -20,9 +20,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.bridge.plan import Piece
 from megarl.bridge.schedule import ShardedSchedule
 from megarl.bridge.source import ShardSource, TrainerCoords
+from megarl.bridge.transfer_plan import Piece
 from megarl.bridge.transport import Timer, TransferStats, TransportSender, pack
 
 logger = logging.getLogger(__name__)

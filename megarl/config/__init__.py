@@ -1,6 +1,7 @@
 """Typed experiment configs, YAML + override loading, and the allocation-mode grammar.
 
-The loader (``build_config``, ``load_expr_config``, ``save_config``, ``to_yaml``) is imported on
+The loader (``build_config_values``, ``load_config_values``, ``save_config``, ``to_yaml``: the
+config's values checked; ``megarl.run.prelaunch.load_expr_config`` also checks what it names) is imported on
 first use: it needs omegaconf, which the trainer's and the kernels' modules do not (they import
 ``megarl.config.train``), so they run where only torch is installed (a lent GPU machine).
 """
@@ -61,15 +62,16 @@ __all__ = [
     "TrainEngineConfig",
     "TrainingAllocation",
     "VLLMConfig",
-    "build_config",
-    "load_expr_config",
+    "build_config_values",
+    "load_config_values",
     "save_config",
     "to_yaml",
     "validate_allocation",
 ]
 
 
-_LOADER = ("build_config", "load_expr_config", "save_config", "to_yaml")
+_LOADER = ("build_config_values", "load_config_values", "save_config", "to_yaml")
+_RENAMED = ("build_config", "load_expr_config")  # megarl.config.loader.RENAMED: the old names, with a warning
 
 
 def __getattr__(name: str):
@@ -77,4 +79,8 @@ def __getattr__(name: str):
         from megarl.config import loader
 
         return getattr(loader, name)
+    if name in _RENAMED:
+        from megarl.config import loader
+
+        return loader.renamed_loader(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
-"""Load an experiment config from YAML files plus ``key=value`` overrides.
+"""Load an experiment config from YAML files plus ``key=value`` overrides, checking its values.
 
-    config, rest = load_expr_config(["--config", "configs/gsm8k_grpo_cpu.yaml", "actor.optimizer.lr=2e-6"], GRPOConfig)
+    config, rest = load_config_values(["--config", "configs/gsm8k_grpo_cpu.yaml", "actor.optimizer.lr=2e-6"], GRPOConfig)
 
 Layers, later winning: the dataclass defaults, each ``--config`` file in order (so a
 parallel-strategy preset can follow an experiment file), then the overrides. The
@@ -10,8 +10,10 @@ experiment's ``resolve_auto()`` (if it has one) makes machine-dependent values c
 
 What the config names (files, models, datasets, hubs, the user's code) is not read here: a
 caller that launches a run passes ``prelaunch`` hooks (:class:`PrelaunchHooks`;
-``megarl.run.prelaunch.load_expr_config`` does), which resolve those names into paths every
-process finds before the checks and check them after the config's own.
+``megarl.run.prelaunch.load_expr_config``, AReaL's name and the loader a run uses, does), which
+resolve those names into paths every process finds before the checks and check them after the
+config's own. Hence the names here: :func:`load_config_values` and :func:`build_config_values`
+(``load_expr_config`` and ``build_config`` before; the old names still work, with a warning).
 
 AReaL's names for a few keys are accepted (:data:`AREAL_ALIASES`): each layer's AReaL
 key is renamed to megarl's before the merge, with one INFO line saying so.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -61,24 +64,25 @@ class PrelaunchHooks(Protocol):
         """Raise :class:`ConfigError` for what the config names and cannot be used."""
 
 
-def load_expr_config(
+def load_config_values(
     argv: list[str], config_cls: type[T], prelaunch: PrelaunchHooks | None = None
 ) -> tuple[T, list[str]]:
     """Parse ``--config FILE`` (repeatable) and ``key=value`` overrides from ``argv``.
 
-    Returns the typed, validated config and the arguments that were neither (for the
+    Returns the typed config, its values checked, and the arguments that were neither (for the
     caller's own parser). Raises :class:`ConfigError` naming the key and value at fault.
-    ``prelaunch``: see :func:`build_config`.
+    ``prelaunch``: see :func:`build_config_values`; ``megarl.run.prelaunch.load_expr_config`` is this
+    function with the pre-launch checks.
     """
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config", action="append", default=[], help="YAML config file (repeatable)")
     known, rest = parser.parse_known_args(argv)
     overrides = [arg for arg in rest if "=" in arg and not arg.startswith("-")]
     rest = [arg for arg in rest if arg not in overrides]
-    return build_config(config_cls, known.config, overrides, prelaunch), rest
+    return build_config_values(config_cls, known.config, overrides, prelaunch), rest
 
 
-def build_config(
+def build_config_values(
     config_cls: type[T], files: list[str], overrides: list[str], prelaunch: PrelaunchHooks | None = None
 ) -> T:
     """Merge defaults, YAML ``files`` and dotlist ``overrides`` into a validated ``config_cls``.
@@ -345,3 +349,27 @@ def save_config(config, path: str | Path | None = None) -> Path:
     tmp.write_text(to_yaml(config))
     tmp.replace(target)
     return target
+
+
+RENAMED = {"load_expr_config": "load_config_values", "build_config": "build_config_values"}
+"""Old names of this module's loaders -> their names now (the old ones said nothing of the difference
+from ``megarl.run.prelaunch``'s, which also check what the config names)."""
+
+
+def renamed_loader(name: str, stacklevel: int = 3) -> Callable[..., Any]:
+    """The loader an old name (:data:`RENAMED`) stands for, with a :class:`DeprecationWarning` saying
+    its name now; ``stacklevel``: the caller's frame, as for :func:`warnings.warn`."""
+    new = RENAMED[name]
+    warnings.warn(
+        f"megarl.config.{name} is now megarl.config.{new} (the config's values checked, nothing it names read); "
+        f"megarl.run.prelaunch.{name} also checks what the config names, as a run does",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    return globals()[new]
+
+
+def __getattr__(name: str) -> Any:
+    if name in RENAMED:
+        return renamed_loader(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ the same files.
 
 They run where the config is loaded: ``megarl config``, ``megarl run`` and each trainer rank
 (``megarl.train``) load it with :func:`load_expr_config`, which is
-:func:`megarl.config.load_expr_config` with these checks. Errors are
+:func:`megarl.config.load_config_values` with these checks. Errors are
 :class:`~megarl.config.ConfigError` naming the key, the value and the file.
 """
 
@@ -66,13 +66,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def load_expr_config(argv: list[str], config_cls: type[T]) -> tuple[T, list[str]]:
-    """:func:`megarl.config.load_expr_config` with the pre-launch checks: the config the run uses."""
-    return loader.load_expr_config(argv, config_cls, prelaunch=PRELAUNCH)
+    """:func:`megarl.config.load_config_values` with the pre-launch checks: the config the run uses
+    (AReaL's ``load_expr_config``)."""
+    return loader.load_config_values(argv, config_cls, prelaunch=PRELAUNCH)
 
 
 def build_config(config_cls: type[T], files: list[str], overrides: list[str]) -> T:
-    """:func:`megarl.config.build_config` with the pre-launch checks."""
-    return loader.build_config(config_cls, files, overrides, prelaunch=PRELAUNCH)
+    """:func:`megarl.config.build_config_values` with the pre-launch checks."""
+    return loader.build_config_values(config_cls, files, overrides, prelaunch=PRELAUNCH)
 
 
 class Prelaunch:
@@ -416,7 +417,7 @@ def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...
     if local.is_absolute() and multi_node:
         return None
     hint = (
-        "; a Hugging Face hub id becomes its local directory when the config is loaded (megarl.config.load_expr_config)"
+        "; a Hugging Face hub id becomes its local directory when the config is loaded (megarl.run.prelaunch.load_expr_config)"
         if _HUB_MODEL_ID.fullmatch(path)
         else ""
     )

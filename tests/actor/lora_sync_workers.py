@@ -30,8 +30,8 @@ def lora_sync_run(model_dir: str, alloc: str, batch: dict, out_dir: str, distrib
     gathers (merged), whether the base weights kept their bits, the PEFT and merged HF exports, and a
     checkpoint saved, perturbed and loaded (adapters and optimizer state before and after)."""
     from megarl.actor.checkpoint import SaveLoadMeta
-    from megarl.bridge.plan import enumerate_sources
     from megarl.bridge.source import ShardSource
+    from megarl.bridge.transfer_plan import enumerate_sources
     from megarl.models import lora
 
     out = Path(out_dir)

@@ -7,13 +7,13 @@ import math
 import pytest
 
 from megarl.bridge.consistency import compare, probe_batch
-from megarl.bridge.plan import Owner, build_plan
 from megarl.bridge.schedule import (
     broadcast_schedule,
     receiver_spec,
     sender_group_ranks,
     sharded_schedule,
 )
+from megarl.bridge.transfer_plan import Owner, build_plan
 from megarl.bridge.wiring import Wiring, make_wiring
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.base import ConfigError

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megarl.bridge.control.sglang import SGLangControl
-from megarl.bridge.plan import build_plan
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec
+from megarl.bridge.transfer_plan import build_plan
 from megarl.bridge.wiring import make_wiring
 from megarl.config.allocation import TrainingAllocation
 from megarl.models.build import describe

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from megarl.bridge.plan import build_plan
+from megarl.bridge.transfer_plan import build_plan
 from megarl.config.allocation import TrainingAllocation
 from megarl.models.build import describe
 from megarl.models.hf_io import SafetensorsReader

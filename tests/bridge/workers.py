@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.bridge.plan import build_plan
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
+from megarl.bridge.transfer_plan import build_plan
 from megarl.bridge.transport_broadcast import BroadcastReceiver, BroadcastSender
 from megarl.bridge.transport_disk import DiskSender, iter_checkpoint
 from megarl.bridge.transport_sharded import ShardedReceiver, ShardedSender

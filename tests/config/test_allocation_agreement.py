@@ -10,7 +10,7 @@ import pytest
 
 from megarl.config import AllocationMode, ConfigError, GRPOConfig, validate_allocation
 from megarl.config.allocation import AllocationError
-from megarl.config.loader import load_expr_config
+from megarl.config.loader import load_config_values
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = re.compile(r"(?:vllm|sglang):[a-z0-9]+\+megatron:[a-z0-9]+")
@@ -46,7 +46,7 @@ def _config_verdict(layout: str) -> str | None:
         "weight_update.mode=broadcast",
     ]
     try:
-        load_expr_config(overrides, GRPOConfig)
+        load_config_values(overrides, GRPOConfig)
     except ConfigError as e:
         assert "allocation_mode" in str(e), f"{layout}: megarl config refused something else first: {e}"
         return str(e)

@@ -210,3 +210,20 @@ def test_an_areal_key_contradicting_its_megarl_key_is_an_error():
         load("rollout.group_size=2", "workflow.group_size=3")
     config, _ = load("rollout.group_size=2", "workflow.group_size=2", "actor.group_size=8")  # said twice: fine
     assert config.workflow.group_size == 2
+
+
+def test_the_values_only_loaders_old_names_still_load_and_warn(tmp_path):
+    """``megarl.config.load_expr_config`` / ``build_config`` were renamed for what they check (the
+    values only); the old names give the same functions, with a warning naming both loaders."""
+    import megarl.config as config_module
+    from megarl.config import loader
+
+    for old, new in loader.RENAMED.items():
+        for module in (config_module, loader):
+            with pytest.warns(DeprecationWarning, match=rf"now megarl\.config\.{new}.*megarl\.run\.prelaunch\.{old}"):
+                assert getattr(module, old) is getattr(loader, new)
+    model = tmp_path / "not-a-model"  # the values-only loader reads nothing the config names
+    config, _ = loader.load_config_values(["--config", CPU_YAML, f"actor.path={model}"], GRPOConfig)
+    assert config.actor.path == str(model)
+    with pytest.raises(ConfigError, match="actor.path"):
+        load(f"actor.path={model}")

@@ -8,7 +8,7 @@ import pytest
 
 from megarl.actor.ppo import replayed_truncation
 from megarl.config import ConfigError, GRPOConfig
-from megarl.config.loader import load_expr_config
+from megarl.config.loader import load_config_values
 from megarl.kernels import Truncation
 
 REPO = Path(__file__).resolve().parents[2]
@@ -16,7 +16,7 @@ CPU_YAML = str(REPO / "configs/gsm8k_grpo_cpu.yaml")
 
 
 def _load(*overrides: str) -> GRPOConfig:
-    return load_expr_config(["--config", CPU_YAML, *overrides], GRPOConfig)[0]
+    return load_config_values(["--config", CPU_YAML, *overrides], GRPOConfig)[0]
 
 
 @pytest.mark.parametrize("key, value", [("top_p", "0.9"), ("top_k", "20"), ("min_p", "0.05")])
