@@ -11,6 +11,7 @@ MAX_FILE_LINES = 600
 MAX_CLASS_LINES = {
     ("megarl/rollout/pool.py", "RolloutPool"): 400,
     ("megarl/rollout/engine.py", "RemoteInferenceEngine"): 400,
+    ("megarl/actor/engine.py", "MegatronEngine"): 400,
 }
 """Classes kept small on purpose: (file, class) -> most lines."""
 FMT_SKIP = re.compile(r"#\s*fmt:\s*skip\b(?P<rest>.*)$")
@@ -29,7 +30,7 @@ def test_no_file_of_the_package_is_over_600_lines():
     assert not long, f"files over {MAX_FILE_LINES} lines (split them along a responsibility): {long}"
 
 
-def test_the_rollout_pool_and_engine_classes_stay_small():
+def test_the_rollout_pool_and_the_engine_classes_stay_small():
     for (file, name), most in MAX_CLASS_LINES.items():
         tree = ast.parse((REPO / file).read_text())
         (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name]

@@ -19,9 +19,13 @@ The engine enters it around its forward and backward passes when ``actor.emulate
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+
+from megarl.actor import cpu_shim
 
 aten = torch.ops.aten
 
@@ -45,3 +49,16 @@ class emulated_bf16_matmuls(TorchDispatchMode):  # noqa: N801 - used like a func
             out = func(*tree_map(_widen, args), **tree_map(_widen, kwargs))
             return out.to(torch.bfloat16)
         return func(*args, **kwargs)
+
+
+def compute_mode(emulate_bf16: bool) -> contextlib.AbstractContextManager:
+    """What an engine's forward and backward passes run under: the CPU shim, and bf16 emulation if asked
+    for (``actor.emulate_bf16``, refused on CUDA, which has bf16 arithmetic)."""
+    if not emulate_bf16:
+        return cpu_shim.device_mode()
+    if cpu_shim.cuda_available():
+        raise ValueError("actor.emulate_bf16 emulates bf16 arithmetic on CPUs without it; CUDA has it: unset it")
+    stack = contextlib.ExitStack()
+    stack.enter_context(cpu_shim.device_mode())
+    stack.enter_context(emulated_bf16_matmuls())
+    return stack

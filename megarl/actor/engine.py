@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.actor import cpu_shim
-from megarl.actor.bf16_emulation import emulated_bf16_matmuls
+from megarl.actor.bf16_emulation import compute_mode
 from megarl.actor.lm_head import LMHeadOutput, make_lm_head_output
+from megarl.actor.optim import build_optimizer_and_schedule, wrap_chunks
 from megarl.actor.packing import (
     MicroBatch,
     pack,
@@ -175,17 +176,7 @@ class MegatronEngine:
         Megatron's DDP gives frozen weights no gradient buffer and the optimizer no state)."""
         from megarl.models import lora
 
-        cfg = self.config.lora
-        n_adapters = lora.add_adapters(chunks, cfg)
-        start = lora.peft_full(cfg.init_from, self.desc, cfg) if cfg.init_from else lora.peft_init()
-        lora.load_full(chunks, self.coords, start)
-        trainable = sum(q.numel() for chunk in chunks for q in chunk.parameters() if q.requires_grad)
-        logger.info(
-            "LoRA: %d adapters (rank %d), %d trainable parameters on this rank",
-            n_adapters,
-            self.config.lora.rank,
-            trainable,
-        )
+        lora.add_and_load_adapters(chunks, self.config.lora, self.desc, self.coords)
 
     @property
     def dtype(self) -> str:
@@ -193,15 +184,7 @@ class MegatronEngine:
         return concrete_dtype(self.config.dtype, "cuda" if cpu_shim.cuda_available() else "cpu")
 
     def _compute_mode(self) -> contextlib.AbstractContextManager:
-        """What forward and backward passes run under: the CPU shim, and bf16 emulation if asked for."""
-        if not self.config.emulate_bf16:
-            return cpu_shim.device_mode()
-        if cpu_shim.cuda_available():
-            raise ValueError("actor.emulate_bf16 emulates bf16 arithmetic on CPUs without it; CUDA has it: unset it")
-        stack = contextlib.ExitStack()
-        stack.enter_context(cpu_shim.device_mode())
-        stack.enter_context(emulated_bf16_matmuls())
-        return stack
+        return compute_mode(self.config.emulate_bf16)
 
     def _moe_dispatcher(self) -> str:
         # gloo lacks what the alltoall dispatcher needs (all_to_all_single with split sizes)
@@ -235,57 +218,12 @@ class MegatronEngine:
         return ShardCoords(p.tp_rank, a.tp, p.ep_rank, a.ep, p.etp_rank, a.expert_tp)
 
     def _wrap(self, chunks: list) -> list:
-        from megatron.core.transformer.module import Float16Module
-
-        if self.tconfig.params_dtype != torch.float32:
-            chunks = [Float16Module(self.tconfig, chunk) for chunk in chunks]
-        if self.config.optimizer is None:
-            for chunk in chunks:
-                chunk.requires_grad_(False)
-            return chunks
-        return self._wrap_ddp(chunks)
-
-    def _wrap_ddp(self, chunks: list) -> list:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=self.config.megatron.overlap_grad_reduce,
-            overlap_param_gather=self.config.megatron.overlap_param_gather,
-            use_distributed_optimizer=self.config.optimizer.use_distributed_optimizer,
-        )
-        wrapped = [
-            DistributedDataParallel(self.tconfig, ddp_config, chunk, disable_bucketing=i > 0)
-            for i, chunk in enumerate(chunks)
-        ]
-        no_sync = [chunk.no_sync for chunk in wrapped]
-        self.tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        self.tconfig.finalize_model_grads_func = finalize_model_grads
-        if self.config.megatron.overlap_grad_reduce:
-            grad_sync = [chunk.start_grad_sync for chunk in wrapped]
-            self.tconfig.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-        return wrapped
+        return wrap_chunks(chunks, self.tconfig, self.config)
 
     def _build_optimizer(self, total_steps: int | None) -> None:
-        from megarl.actor.optim import build_lr_scheduler, build_optimizer
-
-        cfg = self.config.optimizer
-        self.optimizer = build_optimizer(cfg, self.model, self.tconfig.params_dtype)
-        self.tconfig.grad_scale_func = self.optimizer.scale_loss
-        if self.config.megatron.overlap_param_gather:
-            sync = [chunk.start_param_sync for chunk in self.model]
-            self.tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
-        needs_steps = cfg.lr_scheduler_type != "constant" or cfg.warmup_steps_proportion > 0
-        if total_steps is None and needs_steps:
-            raise ValueError(
-                f"lr_scheduler_type={cfg.lr_scheduler_type!r} / warmup_steps_proportion="
-                f"{cfg.warmup_steps_proportion} need ft_spec (total training steps)"
-            )
-        self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer, total_steps or 1)
+        self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(
+            self.config.optimizer, self.model, self.tconfig, self.config.megatron.overlap_param_gather, total_steps
+        )
 
     def destroy(self) -> None:
         """Drop the model and optimizer (process groups stay: other engines may share them)."""

@@ -149,3 +149,60 @@ def build_lr_scheduler(cfg: OptimizerConfig, optimizer, total_steps: int):
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=True,
     )
+
+
+def wrap_chunks(chunks: list, tconfig, config) -> list:
+    """An engine's model chunks as it computes with them: in ``Float16Module`` for bf16 / fp16 weights;
+    frozen without an optimizer (a reference model), else in Megatron's DDP, whose gradient hooks the
+    pipeline schedules reach through ``tconfig`` (``no_sync_func``, ``finalize_model_grads_func``, ...).
+
+    ``config``: the engine's :class:`~megarl.config.train.TrainEngineConfig`."""
+    from megatron.core.transformer.module import Float16Module
+
+    if tconfig.params_dtype != torch.float32:
+        chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
+    if config.optimizer is None:
+        for chunk in chunks:
+            chunk.requires_grad_(False)
+        return chunks
+    return _wrap_ddp(chunks, tconfig, config)
+
+
+def _wrap_ddp(chunks: list, tconfig, config) -> list:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=config.megatron.overlap_grad_reduce,
+        overlap_param_gather=config.megatron.overlap_param_gather,
+        use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
+    )
+    wrapped = [
+        DistributedDataParallel(tconfig, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)
+    ]
+    no_sync = [chunk.no_sync for chunk in wrapped]
+    tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    if config.megatron.overlap_grad_reduce:
+        grad_sync = [chunk.start_grad_sync for chunk in wrapped]
+        tconfig.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+    return wrapped
+
+
+def build_optimizer_and_schedule(
+    cfg: OptimizerConfig, model: list, tconfig, overlap_param_gather: bool, total_steps: int | None
+):
+    """The optimizer of the DDP-wrapped ``model`` and its LR schedule over ``total_steps`` (required when the
+    schedule decays or warms up), with the loss-scale and parameter-gather hooks set on ``tconfig``."""
+    optimizer = build_optimizer(cfg, model, tconfig.params_dtype)
+    tconfig.grad_scale_func = optimizer.scale_loss
+    if overlap_param_gather:
+        sync = [chunk.start_param_sync for chunk in model]
+        tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
+    needs_steps = cfg.lr_scheduler_type != "constant" or cfg.warmup_steps_proportion > 0
+    if total_steps is None and needs_steps:
+        raise ValueError(
+            f"lr_scheduler_type={cfg.lr_scheduler_type!r} / warmup_steps_proportion="
+            f"{cfg.warmup_steps_proportion} need ft_spec (total training steps)"
+        )
+    return optimizer, build_lr_scheduler(cfg, optimizer, total_steps or 1)

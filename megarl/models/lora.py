@@ -53,6 +53,7 @@ install with megatron-core 0.16.1), and the wheel requires ``transformer-engine[
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import zlib
@@ -70,6 +71,8 @@ from megatron.core.tensor_parallel import mappings
 from megarl.models.build import ModelDesc
 from megarl.models.hf_io import ShardCoords, canonical_params, unwrap
 from megarl.models.mapping import export_from_shards, load_shard
+
+logger = logging.getLogger(__name__)
 
 AdapterSplit = Literal["replicated", "column", "row", "gate_up"]
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -415,3 +418,16 @@ def peft_full(path: str | os.PathLike, desc: ModelDesc, settings: LoRASettings) 
         return full
 
     return full_of
+
+
+def add_and_load_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: ShardCoords) -> int:
+    """Adapters on ``chunks`` (:func:`add_adapters`), started from ``settings.init_from`` (a PEFT directory)
+    or PEFT's initialisation; the number of adapters."""
+    n_adapters = add_adapters(chunks, settings)
+    start = peft_full(settings.init_from, desc, settings) if settings.init_from else peft_init()
+    load_full(chunks, coords, start)
+    trainable = sum(q.numel() for chunk in chunks for q in chunk.parameters() if q.requires_grad)
+    logger.info(
+        "LoRA: %d adapters (rank %d), %d trainable parameters on this rank", n_adapters, settings.rank, trainable
+    )
+    return n_adapters
