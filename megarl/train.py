@@ -198,18 +198,18 @@ def phase(t: Trainer, name: str, servers_paused: bool = False):
         release_freed_memory()
 
 
-def should_accept_fn(dynamic_filter: str, group_size: int):
-    """The rollout filter: one GRPO group per prompt, then ``config.dynamic_filter``.
+def should_accept_fn(dynamic_filter: str, granularity: int):
+    """The rollout filter: one GRPO group of ``granularity`` rows per prompt, then ``config.dynamic_filter``.
 
-    A workflow that returns another number of rows than ``group_size`` fails the step with
+    A workflow that returns another number of rows than ``granularity`` fails the step with
     a message saying so (the advantages would otherwise mix prompts).
     """
 
     def accept(traj: dict) -> bool:
         rows = traj["attention_mask"].shape[0]
-        if rows != group_size:
+        if rows != granularity:
             raise ValueError(
-                f"the workflow returned {rows} trajectories for one prompt, but a GRPO group here is {group_size} "
+                f"the workflow returned {rows} trajectories for one prompt, but a GRPO group here is {granularity} "
                 "(gconfig.n_samples x workflow.group_size = actor.group_size)"
             )
         if dynamic_filter == "uniform_reward":

@@ -28,6 +28,11 @@ class InferenceEngine(GenerationEngine):
     ``agenerate`` is what a :class:`~megarl.api.workflow_api.RolloutWorkflow` calls;
     ``submit / wait / rollout_batch / prepare_batch`` are what the training loop calls;
     ``pause / set_version / resume`` bracket a weight update.
+
+    ``group_size`` in these calls is AReaL's: how many times the workflow runs on each item (its
+    runs are concatenated into one trajectory group, :class:`~megarl.workflow.grouped.GroupedRolloutWorkflow`).
+    The rows per group the trainer splits batches by are the trainer's ``granularity``
+    (:class:`~megarl.rollout.coordinator.DistRolloutCoordinator`).
     """
 
     @abc.abstractmethod
@@ -52,7 +57,8 @@ class InferenceEngine(GenerationEngine):
         workflow_kwargs: dict[str, Any] | None = None,
         is_eval: bool = False,
     ) -> int:
-        """Queue one episode of ``workflow`` on ``data`` (blocks while the input queue is full); its task id."""
+        """Queue one episode of ``workflow`` on ``data`` (blocks while the input queue is full); its task id.
+        ``group_size``: runs of the workflow on ``data`` in the episode."""
 
     @abc.abstractmethod
     def wait(self, count: int, timeout: float | None = None, raise_timeout: bool = True) -> list[dict[str, Any]]:
@@ -80,8 +86,17 @@ class InferenceEngine(GenerationEngine):
         should_accept_fn: Callable[[dict[str, Any]], bool] | None = None,
         group_size: int = 1,
         workflow_kwargs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """Keep episodes flowing from ``dataloader``; return ``dataloader.batch_size`` accepted ones."""
+        progress: Callable[[int], None] | None = None,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> dict[str, Any] | None:
+        """Keep episodes flowing from ``dataloader``; return ``dataloader.batch_size`` accepted ones,
+        concatenated and padded.
+
+        ``group_size``: runs of the workflow per item. ``progress(n)``: called while it waits, with the
+        number of accepted episodes gathered so far (the trainer's rollout status). ``interrupt()``:
+        polled while it waits; once it returns true, the call returns None and keeps what it gathered
+        for the next call (the trainer then pushes its weights to restarted servers and calls again).
+        """
 
     @abc.abstractmethod
     def pause(self) -> None:

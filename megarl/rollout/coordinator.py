@@ -64,13 +64,15 @@ class DistRolloutCoordinator:
     Args:
         rollout: The rollout engine (DP heads only; None elsewhere).
         layout: This rank's :class:`DataParallelLayout`.
-        group_size: Rows per group (GRPO ``n_samples``); batches are re-split on group boundaries.
+        granularity: Rows per group (AReaL's name; the config's ``actor.group_size``, i.e.
+            ``gconfig.n_samples`` x ``workflow.group_size``); batches are re-split on group boundaries.
+            Not the engine's ``group_size``, which counts the workflow's runs per item.
     """
 
-    def __init__(self, rollout, layout: DataParallelLayout, group_size: int):
+    def __init__(self, rollout, layout: DataParallelLayout, granularity: int):
         if layout.is_head and rollout is None:
             raise ValueError("a data-parallel head needs a rollout engine")
-        self.rollout, self.layout, self.group_size = rollout, layout, group_size
+        self.rollout, self.layout, self.granularity = rollout, layout, granularity
 
     def prepare_batch(
         self,
@@ -106,7 +108,7 @@ class DistRolloutCoordinator:
         if self.layout.head_group is None:
             return _READMIT if local is None else local
         everyone: list = [None] * self.layout.dp_size
-        mine = None if local is None else split_groups(local, self.group_size)
+        mine = None if local is None else split_groups(local, self.granularity)
         dist.all_gather_object(everyone, mine, group=self.layout.head_group)
         if any(head is None for head in everyone):
             return _READMIT
@@ -126,19 +128,19 @@ _READMIT = object()  # a head stopped gathering: push the weights to restarted s
 _READMIT_WIRE = "megarl:readmit"  # the same, through a broadcast (which pickles)
 
 
-def split_groups(batch: dict[str, Any], group_size: int) -> list[dict[str, Any]]:
-    """Cut a batch into its groups of ``group_size`` consecutive rows."""
+def split_groups(batch: dict[str, Any], granularity: int) -> list[dict[str, Any]]:
+    """Cut a batch into its groups of ``granularity`` consecutive rows."""
     rows = batch["attention_mask"].shape[0]
-    if rows % group_size:
-        raise ValueError(f"a batch of {rows} rows is not made of whole groups of {group_size}")
+    if rows % granularity:
+        raise ValueError(f"a batch of {rows} rows is not made of whole groups of {granularity}")
     out = []
-    for start in range(0, rows, group_size):
+    for start in range(0, rows, granularity):
         group = {}
         for key, value in batch.items():
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
-                group[key] = value[start : start + group_size]
+                group[key] = value[start : start + granularity]
             elif isinstance(value, list) and len(value) == rows:
-                group[key] = value[start : start + group_size]
+                group[key] = value[start : start + granularity]
             else:
                 group[key] = value
         out.append(group)

@@ -139,7 +139,8 @@ class RolloutPool:
         ahead, which may be parked until the trainer's next version (after the evaluation).
         A class or string ``workflow`` is instantiated on every call: pass an instance
         when submitting many items. ``should_accept_fn`` may be a callable or a
-        ``"package.module.function"`` path.
+        ``"package.module.function"`` path. ``group_size``: runs of the workflow on the item in
+        the episode (AReaL's grouped rollout; the trainer's rows per group are its ``granularity``).
         """
         wf = resolve_workflow(workflow, workflow_kwargs, group_size)
         task = Task(next(self._ids), data, wf, resolve_should_accept_fn(should_accept_fn), is_eval, _watch)
@@ -323,7 +324,8 @@ class RolloutPool:
         """Return exactly ``dataloader.batch_size`` accepted trajectories, concatenated and padded.
 
         Keeps the input queue fed from ``dataloader`` (cycled over epochs) so rollout
-        overlaps with training; rejected episodes are replaced by new data.
+        overlaps with training; rejected episodes are replaced by new data. ``group_size``: runs
+        of the workflow per item (see :meth:`submit`).
         ``progress(n)`` is called with the number gathered so far while it waits.
         ``interrupt()``: polled while waiting; once true, returns None, keeping what was gathered
         for the next call (the trainer then pushes its weights to restarted servers).

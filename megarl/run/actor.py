@@ -84,7 +84,7 @@ class PPOActor(MegatronPPOActor):
         ``dataloader.batch_size`` prompts' accepted trajectories, which are re-split across the trainer in
         whole groups. ``granularity``: rows per group (default ``config.group_size``)."""
         coordinator = self._connected().coordinator
-        if granularity is not None and granularity != coordinator.group_size:
+        if granularity is not None and granularity != coordinator.granularity:
             coordinator = DistRolloutCoordinator(coordinator.rollout, coordinator.layout, granularity)
         return coordinator.prepare_batch(dataloader, workflow, should_accept_fn, readmit=self.weight_sync.readmit)
 
