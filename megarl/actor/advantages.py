@@ -242,3 +242,45 @@ def _token_moments(values: torch.Tensor, mask: torch.Tensor, scope: torch.Tensor
     mean = zeros.index_add(0, scope, values * weights) / count
     var = zeros.index_add(0, scope, (values - mean[scope]).square() * weights) / count
     return mean[scope], var[scope]
+
+
+def grpo_estimate(rewards, values, loss_mask, cu_seqlens, cfg, kl_token_rewards=None):
+    """``algorithm.adv_estimator: grpo`` with the actor's settings: (advantages [T], None)."""
+    norm = cfg.adv_norm
+    advantages = grpo_advantages(
+        rewards,
+        loss_mask,
+        cu_seqlens,
+        cfg.group_size,
+        mean_level=norm.mean_level,
+        std_level=norm.std_level,
+        leave_one_out=norm.mean_leave1out,
+        eps=norm.eps,
+        kl_token_rewards=kl_token_rewards,
+        gamma=cfg.discount,
+    )
+    return advantages, None
+
+
+def gae_estimate(rewards, values, loss_mask, cu_seqlens, cfg, kl_token_rewards=None):
+    """``algorithm.adv_estimator: gae`` with the actor's settings and a critic's ``values`` [T]:
+    (advantages [T], returns [T])."""
+    norm = cfg.adv_norm
+    return gae_advantages(
+        rewards,
+        values,
+        loss_mask,
+        cu_seqlens,
+        cfg.group_size,
+        gamma=cfg.discount,
+        lam=cfg.gae_lambda,
+        mean_level=norm.mean_level,
+        std_level=norm.std_level,
+        eps=norm.eps,
+        kl_token_rewards=kl_token_rewards,
+    )
+
+
+ADVANTAGE_ESTIMATORS = {"grpo": grpo_estimate, "gae": gae_estimate}
+"""``actor.adv_estimator`` -> ``fn(rewards [N], values [T] | None, loss_mask [T], cu_seqlens, actor config,
+kl_token_rewards [T] | None) -> (advantages [T], returns [T] | None)``: pure, it returns what it computes."""

@@ -103,13 +103,15 @@ class MegatronPPOActor(MegatronEngine):
     def compute_advantages(self, data: dict) -> None:
         """Advantages in place; rolls ``loss_mask`` / ``logprobs`` to next-token alignment.
 
-        GRPO's group-normalised rewards, or with ``data["values"]`` (a critic's
-        :meth:`~megarl.actor.critic.MegatronCritic.compute_values`) GAE, which also adds the
-        ``returns`` the critic regresses on. Adds ``advantages``, ``kl_rewards``, ``tot_rewards``
+        ``actor.adv_estimator`` picks the estimator (``advantages.ADVANTAGE_ESTIMATORS``): GRPO's
+        group-normalised rewards, or GAE over ``data["values"]`` (a critic's
+        :meth:`~megarl.actor.critic.MegatronCritic.compute_values`), which also adds the
+        ``returns`` the critic regresses on. Once per batch: it aligns the batch in place. Adds ``advantages``, ``kl_rewards``, ``tot_rewards``
         and (decoupled PPO) ``prox_logp``; and for the train–inference gap (:mod:`megarl.actor.gap`)
         ``behaviour_logp``, ``version_lag`` and, when the pool stamped the episodes' servers, ``token_server``.
         """
         cfg = self.config
+        _check_advantage_inputs(data, cfg.adv_estimator)
         batch_size, seq_len = data["attention_mask"].shape
         cu_seqlens = torch.arange(batch_size + 1, dtype=torch.int64) * seq_len
         loss_mask = torch.roll(data["loss_mask"], shifts=-1, dims=-1).bool() & data["attention_mask"].bool()
@@ -137,36 +139,12 @@ class MegatronPPOActor(MegatronEngine):
             kl_rewards = -cfg.kl_ctl * losses.kl_penalty(policy_logp, data["ref_logp"].float(), cfg.kl_estimator)
             kl_rewards = kl_rewards * loss_mask
         kl_token_rewards = kl_rewards.flatten() if cfg.kl_in_reward and cfg.kl_ctl > 0 else None
-        norm = cfg.adv_norm
-        if "values" in data:  # PPO with a critic: GAE over the token rewards and the critic's values
-            advantages, returns = adv_fns.gae_advantages(
-                rewards,
-                data["values"].flatten(),
-                loss_mask.flatten(),
-                cu_seqlens,
-                cfg.group_size,
-                gamma=cfg.discount,
-                lam=cfg.gae_lambda,
-                mean_level=norm.mean_level,
-                std_level=norm.std_level,
-                eps=norm.eps,
-                kl_token_rewards=kl_token_rewards,
-            )
+        values = data["values"].flatten() if "values" in data else None
+        estimate = adv_fns.ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
+        advantages, returns = estimate(rewards, values, loss_mask.flatten(), cu_seqlens, cfg, kl_token_rewards)
+        if returns is not None:  # the critic regresses on them
             data["returns"] = returns.view(batch_size, seq_len)
             data["values"] = data["values"].float() * loss_mask
-        else:
-            advantages = adv_fns.grpo_advantages(
-                rewards,
-                loss_mask.flatten(),
-                cu_seqlens,
-                cfg.group_size,
-                mean_level=norm.mean_level,
-                std_level=norm.std_level,
-                leave_one_out=norm.mean_leave1out,
-                eps=norm.eps,
-                kl_token_rewards=kl_token_rewards,
-                gamma=cfg.discount,
-            )
         data["advantages"] = advantages.view(batch_size, seq_len)
         data["loss_mask"] = loss_mask.to(torch.int32)
         data["logprobs"] = old_logp * loss_mask
@@ -258,6 +236,21 @@ class MegatronPPOActor(MegatronEngine):
             placeholder["loss_mask"] = torch.zeros_like(placeholder["loss_mask"])
             return placeholder, weight, n_inert
         return _rows(minibatch, _where(~inert), n_rows), weight, n_inert
+
+
+def _check_advantage_inputs(data: dict, estimator: str) -> None:
+    """A ValueError when ``compute_advantages`` cannot estimate on ``data``: already done (its tensors are
+    next-token aligned now), or values missing for GAE / given to GRPO (a critic the config does not use)."""
+    if "behaviour_logp" in data:  # what compute_advantages adds when it aligns a batch
+        raise ValueError(
+            "compute_advantages: this batch went through compute_advantages already (its loss_mask and "
+            "logprobs are next-token aligned); call it once per batch"
+        )
+    if (estimator == "gae") != ("values" in data):
+        raise ValueError(
+            f"compute_advantages: actor.adv_estimator={estimator!r} "
+            + ("needs data['values'] (a critic's compute_values)" if estimator == "gae" else "takes no data['values']")
+        )
 
 
 def inert_rows(data: dict, cfg: PPOActorConfig) -> torch.Tensor:

@@ -327,6 +327,13 @@ class GRPOConfig(BaseExperimentConfig):
     def _check_critic(self, alloc: AllocationMode) -> None:
         gae = self.algorithm.adv_estimator == "gae"
         require(
+            self.actor.adv_estimator == self.algorithm.adv_estimator,
+            "actor.adv_estimator",
+            self.actor.adv_estimator,
+            f"must be algorithm.adv_estimator ({self.algorithm.adv_estimator}), which sets it: unset it",
+            related=("algorithm.adv_estimator",),
+        )
+        require(
             not gae or self.critic is not None,
             "critic",
             None,

@@ -342,6 +342,10 @@ class PPOActorConfig(TrainEngineConfig):
     """Compute the trainer's logprobs under the sampling's top-k / top-p / min-p truncation (the
     three keys above must then equal ``gconfig``'s). False: the full softmax, whose ratio against
     the servers' truncated logprobs is biased (kept for comparison)."""
+    adv_estimator: Literal["grpo", "gae"] = "grpo"
+    """The advantage estimator ``compute_advantages`` runs (``megarl.actor.advantages.ADVANTAGE_ESTIMATORS``):
+    set from ``algorithm.adv_estimator`` in an experiment config (which must agree); ``gae`` needs the
+    batch's ``values`` from a critic."""
     routing_replay: Literal["none", "R2", "R3"] = "none"
     """MoE routing replay (``megarl.actor.router_replay``, ``docs/guides/moe.md``): ``R3`` routes every
     scored token to the experts the server routed it to (needs ``rollout.return_routed_experts``);
@@ -417,6 +421,7 @@ class PPOActorConfig(TrainEngineConfig):
             self.loss_kwargs,
             f"{reserved} are the arguments megarl passes to every loss ({USER_LOSS_CALL}); name yours otherwise",
         )
+        require(self.adv_estimator in ("grpo", "gae"), "adv_estimator", self.adv_estimator, "must be grpo or gae")
         require(
             self.routing_replay in ("none", "R2", "R3"),
             "routing_replay",
@@ -485,8 +490,8 @@ class PPOActorConfig(TrainEngineConfig):
 
 
 ADV_ESTIMATOR_PRESETS: dict[str, dict] = {
-    "grpo": {},
-    "gae": {"actor": {"adv_norm": {"mean_level": "batch", "std_level": "batch"}}},
+    "grpo": {"actor": {"adv_estimator": "grpo"}},
+    "gae": {"actor": {"adv_estimator": "gae", "adv_norm": {"mean_level": "batch", "std_level": "batch"}}},
 }
 """What each ``algorithm.adv_estimator`` sets under the user's config: GAE's token advantages are
 whitened over the batch (PPO's normalisation), not within a GRPO group."""

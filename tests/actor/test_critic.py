@@ -81,9 +81,11 @@ def test_token_advantages_whitened_per_batch_or_group():
     assert group[mask.bool()].tolist() == pytest.approx([-1.0, 0.0, 1.0, -1.0, 1.0])
 
 
-def test_compute_advantages_uses_gae_when_the_batch_has_values():
-    """The actor's compute_advantages: GAE on values rolled to next-token alignment, returns added."""
-    actor = MegatronPPOActor(PPOActorConfig(path="unused", discount=1.0, gae_lambda=1.0, group_size=1))
+def test_compute_advantages_runs_gae_when_the_config_says():
+    """The actor's compute_advantages (``adv_estimator: gae``): GAE on values rolled to next-token alignment,
+    returns added."""
+    cfg = PPOActorConfig(path="unused", discount=1.0, gae_lambda=1.0, group_size=1, adv_estimator="gae")
+    actor = MegatronPPOActor(cfg)
     actor.config.adv_norm.mean_level = actor.config.adv_norm.std_level = "none"
     data = {
         "attention_mask": torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool),
@@ -97,6 +99,23 @@ def test_compute_advantages_uses_gae_when_the_batch_has_values():
     # lambda = gamma = 1: advantage = return - value, return = 1 at both sampled tokens
     assert data["returns"].tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0]]
     assert data["advantages"].tolist() == [[0.0, 0.75, 0.5, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="call it once per batch"):  # a second roll would misalign the batch
+        actor.compute_advantages(data)
+
+
+@pytest.mark.parametrize(("estimator", "values", "message"), [("gae", False, "needs data"), ("grpo", True, "takes no")])
+def test_compute_advantages_refuses_values_its_estimator_does_not_match(estimator, values, message):
+    actor = MegatronPPOActor(PPOActorConfig(path="unused", group_size=1, adv_estimator=estimator))
+    data = {
+        "attention_mask": torch.ones(1, 3, dtype=torch.bool),
+        "loss_mask": torch.tensor([[0, 1, 1]]),
+        "logprobs": torch.zeros(1, 3),
+        "rewards": torch.tensor([1.0]),
+    }
+    if values:
+        data["values"] = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match=message):
+        actor.compute_advantages(data)
 
 
 # ---------------------------------------------------------------------------- the value model
