@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from megarl.actor import cpu_shim
 from megarl.actor.packing import MicroBatch
 from megarl.actor.routing import ROUTED_KEY
 from megarl.utils import stats_tracker
@@ -101,11 +102,12 @@ class TokenRouterReplay(RouterReplay):
 
     def _count(self, target: torch.Tensor, given: torch.Tensor, own: torch.Tensor) -> None:
         """Tokens replayed, tokens routed by the router itself, and replayed tokens whose own top-k set is the
-        replayed one (what the router would have agreed to)."""
+        replayed one (what the router would have agreed to); kept on the device (no host sync per forward)."""
         tokens = self.tokens.to(given.device) if self.tokens is not None else torch.ones_like(given)
         same = (own.sort(dim=-1).values == target.sort(dim=-1).values).all(dim=-1)
-        replayed, agreed = int((given & tokens).sum()), int((given & tokens & same).sum())
-        self.counts += torch.tensor([replayed, int(tokens.sum()) - replayed, agreed], dtype=torch.float64)
+        replayed, agreed = (given & tokens).sum(), (given & tokens & same).sum()
+        counts = torch.stack([replayed, tokens.sum() - replayed, agreed]).double()
+        self.counts = self.counts.to(counts.device) + counts
 
 
 def _routers(chunk) -> list:
@@ -230,7 +232,7 @@ class RoutingReplay:
                 target = torch.where(data["attention_mask"].bool()[:, None], target, torch.full_like(target, -1))
                 target = self._local_slice(target)
             router.router_replay.target_topk_idx = target
-            router.router_replay.tokens = self._local_slice(data["attention_mask"].bool()).cpu()
+            router.router_replay.tokens = self._local_slice(data["attention_mask"].bool())
 
     def after_forward(self, chunk, mb: MicroBatch) -> None:
         """Write ``chunk``'s recorded top-k for micro-batch ``mb`` into :attr:`record` (recording only)."""
@@ -269,11 +271,12 @@ class RoutingReplay:
         share of replayed routes the router would have chosen itself (``own_match``: 1 - what replay changed)."""
         counts = torch.zeros(3, dtype=torch.float64)
         for router in self.routers:
-            counts += router.router_replay.counts
+            counts += router.router_replay.counts.cpu()
             router.router_replay.counts.zero_()
         if not self.sequence_parallel and self.tp_rank != 0:
             counts.zero_()  # every TP rank routed the same tokens: count them once
-        if dist.is_initialized():
+        if dist.is_initialized():  # on the model's device: NCCL reduces CUDA tensors only
+            counts = counts.to(cpu_shim.device())
             dist.all_reduce(counts)
         replayed, own, agreed = counts.tolist()
         if replayed + own:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megarl.actor import cpu_shim
 from megarl.utils import stats_tracker
 
 ROUTED_KEY = "routed_experts"  # in a trajectory: [B, S, layers * top-k], token-aligned, -1 where none
@@ -98,7 +99,8 @@ class RoutingMeter:
     def finish(self) -> None:
         """Record the share over every rank's tokens and layers (a collective over the whole world)."""
         counts = torch.stack([self._matched, self._pairs])
-        if dist.is_initialized():
+        if dist.is_initialized():  # on the model's device: NCCL reduces CUDA tensors only
+            counts = counts.to(cpu_shim.device())
             dist.all_reduce(counts)
         self._matched.zero_(), self._pairs.zero_()
         matched, pairs = counts.tolist()

@@ -11,6 +11,7 @@ Pieces, each in its own module:
   three modes behind one sender interface; receivers share ``receiver``.
 - ``receivers.vllm``: the vLLM plugin / weight-transfer engine (runs inside vLLM).
 - ``control``: how the trainer drives each server family over HTTP.
+- ``interface``: :class:`~megarl.bridge.interface.ServerBridge`, what the weight-sync phase drives.
 - ``bridge``: :class:`WeightBridge`, the trainer side (connect once, update per step).
 - ``adapter``: :class:`~megarl.bridge.adapter.AdapterBridge`, the same interface for LoRA adapter
   sync (the servers load each version's adapters as a LoRA adapter).
@@ -22,11 +23,13 @@ trainer loop's: :mod:`megarl.run.weight_sync`.
 
 from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
 from megarl.bridge.consistency import ConsistencyError, ConsistencyReport
+from megarl.bridge.interface import ServerBridge
 from megarl.bridge.transfer_plan import TransferPlan, build_plan
 
 __all__ = [
     "ConsistencyError",
     "ConsistencyReport",
+    "ServerBridge",
     "TransferPlan",
     "UpdateReport",
     "WeightBridge",

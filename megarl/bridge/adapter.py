@@ -29,6 +29,7 @@ import torch
 from megarl.bridge.bridge import UpdateReport, in_threads, prune_versions
 from megarl.bridge.control import ServerControl
 from megarl.bridge.groups import gather_objects, rank0_object
+from megarl.bridge.interface import ServerBridge
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.utils import heartbeat
 
@@ -45,9 +46,9 @@ def adapter_name(version: int) -> str:
     return f"megarl-lora-v{version}"
 
 
-class AdapterBridge:
-    """Trainer side of adapter weight sync (one per trainer rank); the :class:`~megarl.bridge.WeightBridge`
-    interface the weight-sync phase drives (``connect``, ``update``, ``broadcast_object``, ``close``).
+class AdapterBridge(ServerBridge):
+    """Trainer side of adapter weight sync (one per trainer rank): the
+    :class:`~megarl.bridge.interface.ServerBridge` the weight-sync phase drives, as ``WeightBridge`` is.
 
     Args:
         config: The ``weight_update`` config (``disk_path``: where the adapter directories go).

@@ -27,6 +27,7 @@ import torch
 
 from megarl.bridge.control import ServerControl
 from megarl.bridge.groups import default_backend, destroy_group, gather_objects, rank0_object
+from megarl.bridge.interface import ServerBridge
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transfer_plan import TransferPlan, build_plan
@@ -106,7 +107,7 @@ def _background(calls: dict[str, callable], timeout: float, errors: dict[str, st
     return thread
 
 
-class WeightBridge:
+class WeightBridge(ServerBridge):
     """Trainer side of the bridge (one per trainer rank).
 
     Args:

@@ -61,9 +61,24 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
         self.config = config
         self.backend = make_backend(backend) if isinstance(backend, str) else backend
         self.backend.return_routed_experts = config.return_routed_experts
-        self.servers = ServerSet(config, self.backend, [])  # replaced by initialize()
-        self.client = GenerationClient(config, self.backend, self.servers)
+        self._servers: ServerSet | None = None  # initialize() finds them
+        self._client: GenerationClient | None = None  # initialize() builds it on the servers
+        self._version = 0  # the policy version set before initialize()
         self.pool: RolloutPool | None = None
+
+    @property
+    def servers(self) -> ServerSet:
+        """The servers and their lifecycle (:class:`~megarl.rollout.servers.ServerSet`), from :meth:`initialize`."""
+        if self._servers is None:
+            raise RuntimeError("RemoteInferenceEngine is not initialized: call initialize() first")
+        return self._servers
+
+    @property
+    def client(self) -> GenerationClient:
+        """The generation client on :attr:`servers`, from :meth:`initialize`."""
+        if self._client is None:
+            raise RuntimeError("RemoteInferenceEngine is not initialized: call initialize() first")
+        return self._client
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -100,21 +115,21 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
             if dump_dir is None:
                 raise ValueError("rollout.dump_trajectories is set: initialize() needs dump_dir (the run directory)")
             dumper = TrajectoryDumper(dump_dir, tokenizer)
-        self.servers = ServerSet(self.config, self.backend, addrs, run_dir=dump_dir)
+        self._servers = ServerSet(self.config, self.backend, addrs, run_dir=dump_dir)
         if wait_healthy:
-            self.servers.wait_healthy(self.config.setup_timeout)
+            self._servers.wait_healthy(self.config.setup_timeout)
         concurrency = self.config.max_concurrent_rollouts or batch_size
         connections = self.config.max_connections or max(64, 16 * concurrency)
-        version = self.client.get_version()
-        self.client = GenerationClient(self.config, self.backend, self.servers, connections, tokenizer)
-        self.client.set_version(version)
+        self._client = GenerationClient(self.config, self.backend, self._servers, connections, tokenizer)
+        self._client.set_version(self._version)
         self.pool = RolloutPool(self.client, self.config, batch_size, dumper).start()
         logger.info("inference engine ready: %d %s server(s) %s", len(addrs), self.backend.name, addrs)
         return self
 
     def destroy(self) -> None:
         """Stop the pool (cancelling running episodes) and close connections."""
-        self.client.stopped = True
+        if self._client is not None:
+            self._client.stopped = True
         if self.pool is not None:
             self.pool.destroy()
             self.pool = None
@@ -137,7 +152,7 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
     @property
     def tokenizer(self) -> Any:
         """The tokenizer given to :meth:`initialize` (None before)."""
-        return self.client.tokenizer
+        return None if self._client is None else self._client.tokenizer
 
     def describe_outstanding(self) -> str:
         """The generation requests waiting for a server now, by server, oldest first (for the watchdog)."""
@@ -226,7 +241,8 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
     def _stop_episodes(self) -> None:
         if self.pool is not None:
             self.pool.pause()
-        self.client.paused = True
+        if self._client is not None:
+            self._client.paused = True
 
     def start_episodes(self) -> None:
         """Let the rollout pool start new episodes again (after ``pause``)."""
@@ -234,7 +250,9 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
             self.pool.resume()
 
     def set_version(self, version: int) -> None:
-        self.client.set_version(version)
+        self._version = version
+        if self._client is not None:
+            self._client.set_version(version)
         if self.pool is not None:
             self.pool.notify_version()
 
@@ -242,7 +260,7 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
         self.backend.adapter = name
 
     def get_version(self) -> int:
-        return self.client.get_version()
+        return self._version if self._client is None else self._client.get_version()
 
     # ------------------------------------------------------------------ batching (the pool)
 

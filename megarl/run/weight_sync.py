@@ -54,6 +54,7 @@ from megarl.bridge.consistency import (
     trainer_topk_scores,
 )
 from megarl.bridge.control import ServerControl, make_control
+from megarl.bridge.interface import ServerBridge
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transport import wire_dtype
 from megarl.config.bridge import WeightUpdateConfig
@@ -131,6 +132,7 @@ class WeightSync:
         device = next(p for chunk in engine.model for p in chunk.parameters()).device
         self.adapters = engine.config.lora.enabled and config.lora == "adapter"
         """Adapter weight sync: the servers serve the policy as a LoRA adapter, updated alone."""
+        self.bridge: ServerBridge
         if self.adapters:
             dtype = wire_dtype(concrete_dtype(config.dtype, device.type))
             self.bridge = AdapterBridge(config, engine.export_adapters, dtype, coords.rank)

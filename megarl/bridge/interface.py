@@ -1,0 +1,47 @@
+"""The interface the weight-sync phase drives: one per way of moving the trainer's weights to the servers.
+
+:class:`~megarl.bridge.bridge.WeightBridge` sends the whole model (broadcast, sharded or disk);
+:class:`~megarl.bridge.adapter.AdapterBridge` sends the LoRA adapters alone (the servers load them as
+an adapter). Both declare :class:`ServerBridge`; :mod:`megarl.run.weight_sync` holds one and knows
+nothing else of it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megarl.bridge.bridge import UpdateReport
+    from megarl.bridge.control import ServerControl
+
+
+class ServerBridge(abc.ABC):
+    """The trainer side of a weight transfer to the inference servers (one per trainer rank; every method
+    but :attr:`is_driver` is collective over the trainer ranks)."""
+
+    connected: bool
+    """Whether :meth:`connect` succeeded and no failure has closed it since."""
+    servers: list[ServerControl]
+    """The servers of the last :meth:`connect`."""
+
+    @property
+    @abc.abstractmethod
+    def is_driver(self) -> bool:
+        """Whether this rank drives the servers' HTTP calls (global rank 0)."""
+
+    @abc.abstractmethod
+    def connect(self, servers: list[ServerControl]) -> None:
+        """Get ready to send to ``servers`` (form groups, adopt them); raises naming what failed."""
+
+    @abc.abstractmethod
+    def update(self, source, version: int, mode: str | None = None, path: str | None = None) -> UpdateReport:
+        """Send the trainer's weights as ``version``; a server's failure is in the report, not raised."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, value):
+        """Rank 0's ``value`` on every trainer rank."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Let go of the servers (the next :meth:`connect` adopts them again)."""
