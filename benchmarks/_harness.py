@@ -138,9 +138,9 @@ def markdown_table(rows: list[dict]) -> str:
     def cell(value) -> str:
         if isinstance(value, float):
             return f"{value:.4g}"
-        return "" if value is None else str(value)
+        return "" if value is None else str(value).replace("|", "\\|")  # a bare | would split the cell
 
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 

@@ -103,3 +103,9 @@ def test_a_run_is_dirty_for_a_changed_source_not_for_another_benchmarks_results(
     assert not _harness.source_commit().endswith("-dirty")
     (tmp_path / "megarl/x.py").write_text("1\n")
     assert _harness.source_commit().endswith("-dirty")
+
+
+def test_a_pipe_in_a_column_or_a_value_does_not_split_its_cell():
+    header, rule, row = markdown_table([{"gap (mean |logp diff|)": 1.5, "setup": "a|b"}]).splitlines()
+    assert header == "| gap (mean \\|logp diff\\|) | setup |" and row == "| 1.5 | a\\|b |"
+    assert rule == "|---|---|"
