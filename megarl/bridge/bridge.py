@@ -20,14 +20,13 @@ import shutil
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from megarl.bridge.control import ServerControl
 from megarl.bridge.groups import default_backend, destroy_group, gather_objects, rank0_object
-from megarl.bridge.interface import ServerBridge
+from megarl.bridge.interface import ServerBridge, UpdateReport
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transfer_plan import TransferPlan, build_plan
@@ -64,32 +63,6 @@ def _own_addresses() -> set[str]:
 
 class WeightBridgeError(RuntimeError):
     """The bridge could not be connected, or an update failed on the trainer side."""
-
-
-@dataclass
-class UpdateReport:
-    """The outcome of one update, the same on every trainer rank."""
-
-    version: int
-    mode: str
-    seconds: float = 0.0
-    bytes_sent: int = 0
-    """Summed over trainer ranks."""
-    send_seconds: float = 0.0
-    """Longest time a trainer rank spent sending (gather / pack / wire, pipelined)."""
-    commit_seconds: float = 0.0
-    """Time the servers took to apply the received weights and record the version."""
-    updated: list[str] = field(default_factory=list)
-    """Addresses of the servers now on ``version``."""
-    failed: dict[str, str] = field(default_factory=dict)
-    """Address -> why, for servers that did not commit (old weights, or unhealthy)."""
-    sender_errors: list[str] = field(default_factory=list)
-    adapter: str | None = None
-    """Adapter weight sync: the LoRA adapter the updated servers serve ``version`` under."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed and not self.sender_errors
 
 
 def in_threads(calls: dict[str, callable], timeout: float) -> dict[str, str]:

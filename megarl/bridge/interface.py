@@ -9,11 +9,37 @@ nothing else of it.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megarl.bridge.bridge import UpdateReport
     from megarl.bridge.control import ServerControl
+
+
+@dataclass
+class UpdateReport:
+    """The outcome of one update, the same on every trainer rank."""
+
+    version: int
+    mode: str
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    """Summed over trainer ranks."""
+    send_seconds: float = 0.0
+    """Longest time a trainer rank spent sending (gather / pack / wire, pipelined)."""
+    commit_seconds: float = 0.0
+    """Time the servers took to apply the received weights and record the version."""
+    updated: list[str] = field(default_factory=list)
+    """Addresses of the servers now on ``version``."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Address -> why, for servers that did not commit (old weights, or unhealthy)."""
+    sender_errors: list[str] = field(default_factory=list)
+    adapter: str | None = None
+    """Adapter weight sync: the LoRA adapter the updated servers serve ``version`` under."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.sender_errors
 
 
 class ServerBridge(abc.ABC):

@@ -490,7 +490,7 @@ class PPOActorConfig(TrainEngineConfig):
 
 
 ADV_ESTIMATOR_PRESETS: dict[str, dict] = {
-    "grpo": {"actor": {"adv_estimator": "grpo"}},
+    "grpo": {},  # actor.adv_estimator's default
     "gae": {"actor": {"adv_estimator": "gae", "adv_norm": {"mean_level": "batch", "std_level": "batch"}}},
 }
 """What each ``algorithm.adv_estimator`` sets under the user's config: GAE's token advantages are
