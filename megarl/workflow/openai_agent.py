@@ -224,8 +224,17 @@ def final_conversation(calls: list[CallRecord], reward: float) -> dict[str, Any]
 
 
 def _call_trajectory(call: CallRecord, reward: float) -> dict[str, Any]:
+    """One call's row; with ``rollout.return_routed_experts`` it keeps the call's routed experts (MoE replay)."""
     r = call.response
-    return make_trajectory(r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions, reward)
+    return make_trajectory(
+        r.input_tokens,
+        r.output_tokens,
+        r.output_logprobs,
+        r.output_versions,
+        reward,
+        r.output_routed_experts,
+        r.input_routed_experts,
+    )
 
 
 async def _gather_or_cancel(coros: list[Coroutine]) -> list[Any]:

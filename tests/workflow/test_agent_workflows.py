@@ -89,3 +89,23 @@ class BothKinds:
 def test_a_workflow_with_a_run_method_too_is_still_a_workflow():
     instance = BothKinds()
     assert resolve_workflow(instance) is instance
+
+
+def test_an_agent_calls_row_keeps_its_routed_experts():
+    """``rollout.return_routed_experts`` (MoE replay): a per-call row carries the call's prompt and answer routes,
+    token-aligned (row ``i``: the forward that produced token ``i``; none for the first token)."""
+    from types import SimpleNamespace
+
+    from megarl.api.io_struct import ModelResponse
+    from megarl.workflow.openai_agent import _call_trajectory
+
+    response = ModelResponse(
+        input_tokens=[1, 2, 3],
+        output_tokens=[4, 5],
+        output_logprobs=[-0.1, -0.2],
+        output_versions=[0, 0],
+        input_routed_experts=[[0, 1], [1, 2]],
+        output_routed_experts=[[2, 3], [3, 0]],
+    )
+    row = _call_trajectory(SimpleNamespace(response=response), reward=1.0)
+    assert row["routed_experts"][0].tolist() == [[-1, -1], [0, 1], [1, 2], [2, 3], [3, 0]]
