@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from megarl.api.trajectory import build_trajectory
 
 # A conversation every chat template accepts; only its end-of-sequence tokens are counted.
@@ -72,20 +74,31 @@ class Episode:
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.routes: list[Sequence[int] | None] = []
+        """MoE (``rollout.return_routed_experts``): per token, the experts of the server's forward that
+        produced it (layer-major), None where no server reported them."""
 
-    def add_prompt(self, ids: Sequence[int]) -> None:
+    def add_prompt(self, ids: Sequence[int], routes: Sequence[Sequence[int]] | None = None) -> None:
         """Ids the model did not sample (prompt, tool results, template): not trained on."""
         self.input_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
+        self.routes += list(routes) if routes is not None else [None] * len(ids)
 
-    def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+    def add_generated(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+        routes: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         """Sampled ids with their behaviour logprobs and weight versions: trained on."""
         self.input_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.versions += versions
+        self.routes += list(routes) if routes is not None else [None] * len(ids)
 
     def add_response(
         self,
@@ -93,13 +106,35 @@ class Episode:
         output_tokens: Sequence[int],
         output_logprobs: Sequence[float],
         output_versions: Sequence[int],
+        output_routed_experts: Sequence[Sequence[int]] | None = None,
+        input_routed_experts: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """One generation whose prompt continues this conversation: its new prompt ids, then its output."""
+        """One generation whose prompt continues this conversation: its new prompt ids, then its output
+        (with the routes the server reported for them: ``input_routed_experts`` has one per input token
+        after the first)."""
         n = len(self.input_ids)
         assert list(input_tokens[:n]) == self.input_ids, "the prompt does not continue the conversation"
-        self.add_prompt(input_tokens[n:])
-        self.add_generated(output_tokens, output_logprobs, output_versions)
+        new_prompt = input_tokens[n:]
+        prompt_routes = None
+        if input_routed_experts is not None and new_prompt:
+            if len(input_routed_experts) != len(input_tokens) - 1:
+                raise ValueError(
+                    f"{len(input_tokens)} input tokens but input routed experts for {len(input_routed_experts)} "
+                    f"(one per input token after the first: {len(input_tokens) - 1})"
+                )
+            rows = [None, *input_routed_experts]  # token i: the forward at position i - 1
+            prompt_routes = rows[n : len(input_tokens)]
+        self.add_prompt(new_prompt, prompt_routes)
+        self.add_generated(output_tokens, output_logprobs, output_versions, output_routed_experts)
 
     def to_trajectory(self, reward: float) -> dict[str, Any]:
-        """The conversation as a one-row trajectory."""
-        return build_trajectory(self.input_ids, self.loss_mask, self.logprobs, self.versions, reward)
+        """The conversation as a one-row trajectory (with ``routed_experts`` where a server reported any)."""
+        traj = build_trajectory(self.input_ids, self.loss_mask, self.logprobs, self.versions, reward)
+        width = next((len(r) for r in self.routes if r is not None), 0)
+        if width:
+            routed = torch.full((len(self.routes), width), -1, dtype=torch.int16)
+            for i, row in enumerate(self.routes):
+                if row is not None:
+                    routed[i] = torch.tensor(row, dtype=torch.int16)
+            traj["routed_experts"] = routed[None]
+        return traj

@@ -219,7 +219,14 @@ def final_conversation(calls: list[CallRecord], reward: float) -> dict[str, Any]
     episode = Episode()
     for call in chain:
         r = call.response
-        episode.add_response(r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions)
+        episode.add_response(
+            r.input_tokens,
+            r.output_tokens,
+            r.output_logprobs,
+            r.output_versions,
+            r.output_routed_experts,
+            r.input_routed_experts,
+        )
     return episode.to_trajectory(reward)
 
 

@@ -80,3 +80,21 @@ def test_multi_turn_trains_the_sampled_ids_not_their_re_encoding(tokenizer):
     assert traj["logprobs"][0][mask].tolist() == pytest.approx(want_logprobs), "each id keeps its own logprob"
     assert traj["versions"][0][mask].tolist() == [1] * len(first) + [2] * len(second)
     assert not traj["loss_mask"][0][: len(engine.requests[0].input_ids)].any(), "the prompt is not trained"
+
+
+def test_a_multi_turn_episode_keeps_each_tokens_route_from_the_call_that_had_it():
+    """MoE replay: a conversation's tokens keep the routes of the call that first forwarded them; the next
+    turn's new prompt ids (feedback, template) take that call's, and the first token has none."""
+    from megarl.workflow.chat import Episode
+
+    episode = Episode()
+    episode.add_response([1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0], [[30], [40]], [[10], [20]])
+    episode.add_response([1, 2, 3, 4, 5, 6, 7], [8], [-0.3], [1], [[70]], [[11], [21], [31], [41], [50], [60]])
+    row = episode.to_trajectory(1.0)
+    assert row["routed_experts"][0, :, 0].tolist() == [-1, 10, 20, 30, 40, 50, 60, 70]
+    assert row["input_ids"][0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    plain = Episode()
+    plain.add_response([1, 2], [3], [-0.1], [0])
+    assert "routed_experts" not in plain.to_trajectory(0.0), "no server reported routes: no key"
+    with pytest.raises(ValueError, match="one per input token after the first"):
+        Episode().add_response([1, 2, 3], [4], [-0.1], [0], [[1]], [[1]])
