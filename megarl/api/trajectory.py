@@ -122,6 +122,20 @@ def make_trajectory(
     return traj
 
 
+def response_trajectory(resp, reward: float) -> dict[str, torch.Tensor]:
+    """:func:`make_trajectory` of one :class:`~megarl.api.io_struct.ModelResponse` (its tokens, logprobs,
+    versions and, with ``rollout.return_routed_experts``, its routed experts)."""
+    return make_trajectory(
+        resp.input_tokens,
+        resp.output_tokens,
+        resp.output_logprobs,
+        resp.output_versions,
+        reward,
+        resp.output_routed_experts,
+        resp.input_routed_experts,
+    )
+
+
 def build_trajectory(
     input_ids: Sequence[int],
     loss_mask: Sequence[int],

@@ -127,6 +127,17 @@ class Episode:
         self.add_prompt(new_prompt, prompt_routes)
         self.add_generated(output_tokens, output_logprobs, output_versions, output_routed_experts)
 
+    def add_model_response(self, resp) -> None:
+        """:meth:`add_response` of a :class:`~megarl.api.io_struct.ModelResponse`, its routes included."""
+        self.add_response(
+            resp.input_tokens,
+            resp.output_tokens,
+            resp.output_logprobs,
+            resp.output_versions,
+            resp.output_routed_experts,
+            resp.input_routed_experts,
+        )
+
     def to_trajectory(self, reward: float) -> dict[str, Any]:
         """The conversation as a one-row trajectory (with ``routed_experts`` where a server reported any)."""
         traj = build_trajectory(self.input_ids, self.loss_mask, self.logprobs, self.versions, reward)

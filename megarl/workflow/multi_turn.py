@@ -107,14 +107,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
                 break
             gconfig = self.gconfig.for_sample(next_prompt, index).new(max_new_tokens=budget)
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=next_prompt, gconfig=gconfig))
-            episode.add_response(
-                resp.input_tokens,
-                resp.output_tokens,
-                resp.output_logprobs,
-                resp.output_versions,
-                resp.output_routed_experts,
-                resp.input_routed_experts,
-            )
+            episode.add_model_response(resp)
             reward = await self.rlvr.score(resp, data)
             turns += 1
             if reward > 0 or turns == self.max_turns:

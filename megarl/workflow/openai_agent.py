@@ -46,7 +46,7 @@ from typing import Any, Literal
 
 from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters
-from megarl.api.trajectory import concat_padded_tensors, make_trajectory
+from megarl.api.trajectory import concat_padded_tensors, response_trajectory
 from megarl.api.workflow_api import RolloutWorkflow, is_agent
 from megarl.reward.failures import RewardFailure, RewardFunctionError, as_reward
 from megarl.utils import stats_tracker
@@ -218,30 +218,13 @@ def final_conversation(calls: list[CallRecord], reward: float) -> dict[str, Any]
     stats_tracker.scalar(agent_off_chain_calls=len(calls) - len(chain))
     episode = Episode()
     for call in chain:
-        r = call.response
-        episode.add_response(
-            r.input_tokens,
-            r.output_tokens,
-            r.output_logprobs,
-            r.output_versions,
-            r.output_routed_experts,
-            r.input_routed_experts,
-        )
+        episode.add_model_response(call.response)
     return episode.to_trajectory(reward)
 
 
 def _call_trajectory(call: CallRecord, reward: float) -> dict[str, Any]:
     """One call's row; with ``rollout.return_routed_experts`` it keeps the call's routed experts (MoE replay)."""
-    r = call.response
-    return make_trajectory(
-        r.input_tokens,
-        r.output_tokens,
-        r.output_logprobs,
-        r.output_versions,
-        reward,
-        r.output_routed_experts,
-        r.input_routed_experts,
-    )
+    return response_trajectory(call.response, reward)
 
 
 async def _gather_or_cancel(coros: list[Coroutine]) -> list[Any]:

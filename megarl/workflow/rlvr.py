@@ -10,7 +10,7 @@ from typing import Any
 
 from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
-from megarl.api.trajectory import concat_padded_tensors, make_trajectory
+from megarl.api.trajectory import concat_padded_tensors, response_trajectory
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config.rollout import RewardConfig
 from megarl.reward.executor import AsyncRewardWrapper
@@ -102,18 +102,7 @@ class RLVRWorkflow(RolloutWorkflow):
         ]
         resps = await asyncio.gather(*(engine.agenerate(req) for req in reqs))
         rewards = await asyncio.gather(*(self.score(resp, data) for resp in resps))
-        trajs = [
-            make_trajectory(
-                r.input_tokens,
-                r.output_tokens,
-                r.output_logprobs,
-                r.output_versions,
-                reward,
-                r.output_routed_experts,
-                r.input_routed_experts,
-            )
-            for r, reward in zip(resps, rewards)
-        ]
+        trajs = [response_trajectory(r, reward) for r, reward in zip(resps, rewards)]
         return concat_padded_tensors(trajs)
 
     def close(self) -> None:
