@@ -39,26 +39,11 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from megarl.actor import cpu_shim
 from megarl.actor.packing import MicroBatch
-from megarl.actor.routing import ROUTED_KEY
+from megarl.actor.routing import server_routes
 from megarl.utils import stats_tracker
 
 REPLAY_KEY = "replay_routes"  # [B, S, layers * top-k], position-aligned, -1 where the router chooses itself
 REPLAY_MODES = ("none", "R2", "R3")
-
-
-def server_routes(data: dict) -> torch.Tensor | None:
-    """The servers' routes of ``data`` (its token-aligned ``routed_experts``) position-aligned; None if it has none.
-
-    ``routed_experts[b, i]`` are the experts of the forward that produced token ``i``, i.e. of
-    position ``i - 1``; a position whose next token is padding (or absent) gets ``-1``.
-    """
-    if ROUTED_KEY not in data:
-        return None
-    routed = torch.roll(data[ROUTED_KEY], shifts=-1, dims=1)
-    attention = data["attention_mask"].bool()
-    has_next = attention & torch.roll(attention, shifts=-1, dims=1)
-    has_next[:, -1] = False
-    return torch.where(has_next[..., None], routed, torch.full_like(routed, -1))
 
 
 class TokenRouterReplay(RouterReplay):
@@ -130,7 +115,8 @@ class RoutingReplay:
             raise ValueError(f"actor.routing_replay={mode!r}: expected one of {list(REPLAY_MODES[1:])}")
         self.mode, self.checkpointed = mode, checkpointed
         self.tp_rank, self.tp_group, self.sequence_parallel = tp_rank, tp_group, sequence_parallel
-        self.routers = [r for chunk in model_chunks for r in _routers(chunk)]
+        self._chunk_routers = {id(chunk): _routers(chunk) for chunk in model_chunks}  # looked up per micro-batch
+        self.routers = [r for routers in self._chunk_routers.values() for r in routers]
         for router in self.routers:
             if router.config.moe_router_fusion or router.routing_type == "sinkhorn":
                 raise ValueError(
@@ -223,22 +209,21 @@ class RoutingReplay:
         """Give ``chunk``'s routers their part of the micro-batch's routes (replaying only)."""
         if self.action != RouterReplayAction.REPLAY_FORWARD:
             return
+        tokens = data["attention_mask"].bool()  # packing's padding routes itself
         routes = data.get(REPLAY_KEY)
-        for router in _routers(chunk):
-            target = None
-            if routes is not None:
-                k, layer = router.topk, router.layer_number - 1
-                target = routes[:, layer * k : (layer + 1) * k].long()
-                target = torch.where(data["attention_mask"].bool()[:, None], target, torch.full_like(target, -1))
-                target = self._local_slice(target)
-            router.router_replay.target_topk_idx = target
-            router.router_replay.tokens = self._local_slice(data["attention_mask"].bool())
+        if routes is not None:
+            routes = self._local_slice(torch.where(tokens[:, None], routes.long(), -1))
+        tokens = self._local_slice(tokens)
+        for router in self._chunk_routers[id(chunk)]:
+            k, layer = router.topk, router.layer_number - 1
+            router.router_replay.target_topk_idx = None if routes is None else routes[:, layer * k : (layer + 1) * k]
+            router.router_replay.tokens = tokens
 
     def after_forward(self, chunk, mb: MicroBatch) -> None:
         """Write ``chunk``'s recorded top-k for micro-batch ``mb`` into :attr:`record` (recording only)."""
         if self.action != RouterReplayAction.RECORD:
             return
-        for router in _routers(chunk):
+        for router in self._chunk_routers[id(chunk)]:
             recorded = self._full_sequence(router.router_replay.recorded_topk_idx).to(torch.int16).cpu()
             k, layer = router.topk, router.layer_number - 1
             offset = 0

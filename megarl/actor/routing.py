@@ -31,14 +31,29 @@ _SERVER_KEY = "server_routing"  # next-token aligned, as the trainer's outputs a
 _MASK_KEY = "routing_mask"
 
 
+def server_routes(data: dict) -> torch.Tensor | None:
+    """The servers' routes of ``data`` (its token-aligned ``routed_experts``) position-aligned; None if it has none.
+
+    ``routed_experts[b, i]`` are the experts of the forward that produced token ``i``, i.e. of
+    position ``i - 1``; a position whose next token is padding (or absent) gets ``-1``.
+    """
+    if ROUTED_KEY not in data:
+        return None
+    routed = torch.roll(data[ROUTED_KEY], shifts=-1, dims=1)
+    attention = data["attention_mask"].bool()
+    has_next = attention & torch.roll(attention, shifts=-1, dims=1)
+    has_next[:, -1] = False
+    return torch.where(has_next[..., None], routed, torch.full_like(routed, -1))
+
+
 def add_server_routing(data: dict, loss_mask: torch.Tensor) -> bool:
     """Align the servers' routing with the trainer's outputs (position ``t`` computes token ``t + 1``).
 
     ``loss_mask``: next-token aligned, ``[B, S]``. Returns whether the batch has any.
     """
-    if ROUTED_KEY not in data:
+    routed = server_routes(data)
+    if routed is None:
         return False
-    routed = torch.roll(data[ROUTED_KEY], shifts=-1, dims=1)
     data[_SERVER_KEY] = routed
     data[_MASK_KEY] = loss_mask.bool() & (routed >= 0).all(dim=-1)
     return True
