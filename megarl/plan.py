@@ -292,29 +292,27 @@ def workload_of(
 
 def _route_ids(config) -> int:
     """Layers x top-k of the actor's MoE model (0 where its ``config.json`` is not at hand or it has no experts)."""
+    hf = _actor_hf_config(config) or {}
+    return hf.get("num_hidden_layers", 0) * (hf.get("num_experts_per_tok") or 0)
+
+
+def _actor_hf_config(config) -> dict | None:
+    """The ``config.json`` of ``actor.path`` (a short name: its directory, made locally on first use), or None."""
     from megarl.models.provision import ALIASES, KNOWN_MODELS, resolve_model_path
     from megarl.run.prelaunch import read_model_config
 
     path = config.actor.path
     if path.lower() in {*KNOWN_MODELS, *ALIASES}:
         path = resolve_model_path(path)
-    hf = read_model_config(path, "actor.path") or {}
-    top_k = hf.get("num_experts_per_tok") or 0
-    return hf.get("num_hidden_layers", 0) * top_k
+    return read_model_config(path, "actor.path")
 
 
 def for_config(rates: Rates, config) -> Rates:
     """``rates`` as an experiment ``config`` changes them: with LoRA adapter sync (``weight_update.lora:
     adapter``) an update sends the adapters, not the model (:func:`lora_numel`, in the wire dtype)."""
-    from megarl.models.provision import ALIASES, KNOWN_MODELS, resolve_model_path
-    from megarl.run.prelaunch import read_model_config
-
     if config is None or not config.adapter_sync:
         return rates
-    path = config.actor.path
-    if path.lower() in {*KNOWN_MODELS, *ALIASES}:  # a short name: its directory (converted locally on first use)
-        path = resolve_model_path(path)
-    hf = read_model_config(path, "actor.path")
+    hf = _actor_hf_config(config)
     if hf is None:
         raise ValueError(
             f"megarl plan: weight_update.lora=adapter sizes the update from the model's config.json, and "
