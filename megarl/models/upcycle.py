@@ -95,7 +95,8 @@ def upcycle(dense_dir: str | Path, out_dir: str | Path, recipe: UpcycleRecipe = 
         raise ValueError(f"upcycle: {dense_dir} is a {config.get('model_type')!r} model; expected a dense llama")
     out_dir.mkdir(parents=True, exist_ok=True)
     for entry in dense_dir.iterdir():  # tokenizer, generation config, chat template
-        if entry.is_file() and entry.name not in _NOT_COPIED and not entry.name.startswith("model.safetensors"):
+        weights = entry.suffix == ".safetensors" or entry.name.endswith(".safetensors.index.json")
+        if entry.is_file() and entry.name not in _NOT_COPIED and not weights:
             shutil.copy2(entry, out_dir / entry.name)
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(dense_dir.glob("*.safetensors")):
