@@ -25,7 +25,7 @@ from benchmarks._harness import main_for
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import InferenceEngineConfig, VLLMConfig
 from megarl.rollout import InferenceServer, RemoteInferenceEngine, VLLMBackend, vllm_launch_spec
-from megarl.rollout.http import make_session
+from megarl.serving.http import make_session
 from megarl.utils.network import find_free_ports
 
 TITLE = "RolloutPool vs direct aiohttp on vLLM-CPU (SmolLM2-135M): generation throughput and overhead"

@@ -195,7 +195,7 @@ class FaultPlan:
 
     def after_update(self, step: int) -> None:
         """The launcher restarts the servers that died, each in its slot, and records it."""
-        from megarl.rollout.restarts import append_record
+        from megarl.serving.restarts import append_record
 
         if step != 1 or self.name != "die_in_update":
             return
@@ -206,7 +206,7 @@ class FaultPlan:
             append_record(self.run_dir / "server_restarts.jsonl", {**record, "exit_code": -9, "restart": 1})
 
     def _join_and_leave(self, count: int) -> None:
-        from megarl.rollout.restarts import JOINS_FILE, append_record
+        from megarl.serving.restarts import JOINS_FILE, append_record
         from tests.scale.sim_cluster import SimCluster
 
         c = self.cluster

@@ -138,11 +138,11 @@ def _trainer(model_dir: str, address: str, tp: int, repeats: int, disk_dir: str)
     """A forward-only TP-2 engine: connect, then time ``repeats`` updates per mode."""
     from megarl.actor.engine import MegatronEngine
     from megarl.bridge.bridge import WeightBridge
-    from megarl.bridge.control.vllm import VLLMControl
     from megarl.bridge.source import ShardSource, TrainerCoords
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.train import TrainEngineConfig
     from megarl.models.hf_io import SafetensorsReader
+    from megarl.serving.vllm import VLLMControl
 
     engine = MegatronEngine(TrainEngineConfig(path=model_dir, dtype="bfloat16", optimizer=None))
     engine.create_process_group("megatron:d1p1t2")

@@ -24,6 +24,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("config",),  # the typed schema, its parsing and the checks that need nothing outside it
     ("data", "reward"),  # datasets and row formats; rewards and the reward process pool
     ("workflow",),  # rollout workflows (RLVR, multi-turn, grouped, agents)
+    ("serving",),  # the inference servers: each backend's HTTP calls, the HTTP stack, ServerSet, launch
     ("actor", "bridge", "rollout"),  # the trainer; weight resharding; the asyncio rollout side
     ("run",),  # run-level services: pre-launch checks, the weight-sync phase, saver, recover, stats
     ("plan", "train"),  # the allocation planner; the trainer script
@@ -49,6 +50,17 @@ MOVED: dict[str, str] = {
     "megarl/launcher/mpi.py": "megarl.utils.mpi",
     "megarl/workflow/context.py": "megarl.api.context",
     "megarl/bridge/plan.py": "megarl.bridge.transfer_plan",
+    "megarl/rollout/http.py": "megarl.serving.http",
+    "megarl/rollout/backend.py": "megarl.serving.backend",
+    "megarl/rollout/server.py": "megarl.serving.launch",
+    "megarl/rollout/servers.py": "megarl.serving.servers",
+    "megarl/rollout/restarts.py": "megarl.serving.restarts",
+    "megarl/rollout/vllm.py": "megarl.serving.vllm",
+    "megarl/rollout/sglang.py": "megarl.serving.sglang",
+    "megarl/bridge/control/__init__.py": "megarl.serving",
+    "megarl/bridge/control/base.py": "megarl.serving.control",
+    "megarl/bridge/control/vllm.py": "megarl.serving.vllm",
+    "megarl/bridge/control/sglang.py": "megarl.serving.sglang",
 }
 """Old paths of moved modules (``megarl.utils.deprecation``): each shim imports its new module,
 whatever its floor, and nothing else of megarl imports a shim; the shims stand outside the floors."""
@@ -274,13 +286,13 @@ def test_an_import_inside_a_function_that_runs_up_is_named_with_its_line(tmp_pat
         },
     )
     assert tree.violations() == [
-        "megarl/utils/a.py:5: utils (floor 1) imports megarl.actor.engine (actor, floor 7): runs up"
+        "megarl/utils/a.py:5: utils (floor 1) imports megarl.actor.engine (actor, floor 8): runs up"
     ]
 
 
 def test_parts_on_one_floor_may_not_import_each_other(tmp_path):
     tree = _tree(tmp_path, {"actor/a.py": "from megarl.rollout import b\n", "rollout/b.py": ""})
-    assert tree.violations() == ["megarl/actor/a.py:1: actor imports megarl.rollout.b: actor and rollout share floor 7"]
+    assert tree.violations() == ["megarl/actor/a.py:1: actor imports megarl.rollout.b: actor and rollout share floor 8"]
 
 
 def test_type_checking_imports_count_unless_declared(tmp_path):

@@ -2,7 +2,8 @@
 
 :class:`megarl.run.weight_sync.WeightSync` pauses the servers, streams the new weights, moves
 the version on and resumes; the trainer script puts colocated servers to sleep and wakes them.
-They reach the rollout side through this interface only, which
+They reach the rollout side through this interface only (and the servers through the one
+:class:`~megarl.serving.servers.ServerSet` it holds), which
 :class:`megarl.rollout.RemoteInferenceEngine` implements (and the tests' fakes do), so neither
 the actor nor the bridge imports the rollout package.
 """
@@ -13,7 +14,7 @@ import abc
 
 
 class RolloutControl(abc.ABC):
-    """Pause / resume, sleep / wake, versions, the server set and its readmission."""
+    """Pause / resume, sleep / wake, versions, the adapter asked for, and the run's servers."""
 
     @abc.abstractmethod
     def pause(self) -> None:
@@ -49,23 +50,8 @@ class RolloutControl(abc.ABC):
     def get_version(self) -> int:
         """The current weights' version."""
 
+    @property
     @abc.abstractmethod
-    def server_listing(self) -> tuple[str, list[str]]:
-        """The servers' backend name (``vllm``, ``sglang``) and every server's ``host:port``."""
-
-    @abc.abstractmethod
-    def mark_unhealthy(self, address: str, reason: str) -> None:
-        """Take a server out of rotation (e.g. it failed a weight update) until :meth:`mark_healthy`."""
-
-    @abc.abstractmethod
-    def mark_healthy(self, address: str) -> None:
-        """Put a server back into rotation (it holds the current weights again)."""
-
-    @abc.abstractmethod
-    def servers_to_readmit(self) -> tuple[list[str], list[str]]:
-        """Servers waiting for the trainer's weights (restarted or joined): (those answering, the
-        others and those that left the run)."""
-
-    @abc.abstractmethod
-    def answering(self, addresses: list[str]) -> list[bool]:
-        """One health probe of each of ``addresses``."""
+    def servers(self):
+        """The run's servers (:class:`megarl.serving.servers.ServerSet`): the weight sync asks it whom to
+        update and tells it where each update landed."""

@@ -10,7 +10,8 @@ Pieces, each in its own module:
 - ``transport`` + ``transport_broadcast`` / ``transport_sharded`` / ``transport_disk``: the
   three modes behind one sender interface; receivers share ``receiver``.
 - ``receivers.vllm``: the vLLM plugin / weight-transfer engine (runs inside vLLM).
-- ``control``: how the trainer drives each server family over HTTP.
+- how the trainer drives each server family over HTTP is :mod:`megarl.serving` (``control`` here is
+  the old path, kept with a warning).
 - ``interface``: :class:`~megarl.bridge.interface.ServerBridge`, what the weight-sync phase drives.
 - ``bridge``: :class:`WeightBridge`, the trainer side (connect once, update per step).
 - ``adapter``: :class:`~megarl.bridge.adapter.AdapterBridge`, the same interface for LoRA adapter

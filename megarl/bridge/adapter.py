@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from megarl.bridge.bridge import UpdateReport, in_threads, prune_versions
-from megarl.bridge.control import ServerControl
 from megarl.bridge.groups import gather_objects, rank0_object
 from megarl.bridge.interface import ServerBridge
 from megarl.config.bridge import WeightUpdateConfig
+from megarl.serving import ServerControl
 from megarl.utils import heartbeat
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Every trainer rank builds a :class:`WeightBridge` and calls :meth:`~WeightBridge.connect`
 and :meth:`~WeightBridge.update` together (they are collective over ``group``, the
-trainer's ranks). Only global rank 0 talks to the servers (:mod:`megarl.bridge.control`);
+trainer's ranks). Only global rank 0 talks to the servers (:mod:`megarl.serving`);
 calls that return once data has moved run in threads while the ranks send.
 
 An update is two-phase. All servers receive; the ones that received everything commit
@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from megarl.bridge.control import ServerControl
 from megarl.bridge.groups import default_backend, destroy_group, gather_objects, rank0_object
 from megarl.bridge.interface import ServerBridge, UpdateReport
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
@@ -37,6 +36,7 @@ from megarl.bridge.transport_sharded import ShardedSender
 from megarl.bridge.wiring import Wiring, make_wiring, trainer_join
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.bridge import WeightUpdateConfig
+from megarl.serving import ServerControl
 from megarl.utils import heartbeat
 from megarl.utils.fanout import call_all
 from megarl.utils.hardware import concrete_dtype

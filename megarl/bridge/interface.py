@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megarl.bridge.control import ServerControl
+    from megarl.serving import ServerControl
 
 
 @dataclass

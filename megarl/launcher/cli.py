@@ -249,7 +249,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     config = _load(args)  # every config error before any process starts
 
     from megarl.launcher.local import check_local, run_local
-    from megarl.rollout.server import ServerLaunchError
+    from megarl.serving.launch import ServerLaunchError
     from megarl.utils.logging import close_log_file, setup_logging
 
     check_local(config)  # placement errors too before anything is written

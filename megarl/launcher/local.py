@@ -48,8 +48,8 @@ from megarl.launcher.output import OutputRelay
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec, servers_on_every_core
 from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
-from megarl.rollout.restarts import RESTARTS_FILE, append_record
-from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
+from megarl.serving.launch import InferenceServer, LaunchSpec, ServerLaunchError
+from megarl.serving.restarts import RESTARTS_FILE, append_record
 from megarl.utils.auth import run_api_key, save_run_key
 from megarl.utils.console import CONSOLE_TTY_ENV, take_stop
 from megarl.utils.hardware import auto_dtype

@@ -12,20 +12,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from megarl.config.experiment import GRPOConfig
 from megarl.models import resolve_model_path
-from megarl.rollout.restarts import JOINS_FILE, append_record
-from megarl.rollout.server import InferenceServer, LaunchSpec
-from megarl.rollout.sglang import sglang_launch_spec
-from megarl.rollout.vllm import vllm_launch_spec
-from megarl.utils.auth import auth_headers
+from megarl.serving.launch import InferenceServer, LaunchSpec
+from megarl.serving.restarts import JOINS_FILE, append_record
+from megarl.serving.sglang import sglang_launch_spec
+from megarl.serving.vllm import running_requests, vllm_launch_spec
 from megarl.utils.network import format_host_port, gethostip
 
 logger = logging.getLogger(__name__)
@@ -194,15 +190,3 @@ def drain(address: str, timeout: float) -> None:
             return
         time.sleep(1.0)
     logger.warning("%s still runs requests after %gs: stopping it (they are re-issued elsewhere)", address, timeout)
-
-
-def running_requests(address: str) -> int | None:
-    """Requests running or waiting on a vLLM server (its Prometheus ``/metrics``); None if unknown."""
-    try:
-        request = urllib.request.Request(f"http://{address}/metrics", headers=auth_headers())
-        with urllib.request.urlopen(request, timeout=5) as reply:
-            text = reply.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError):
-        return None
-    counts = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$", text, flags=re.MULTILINE)
-    return round(sum(float(c) for c in counts)) if counts else None

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from megarl.config.experiment import GRPOConfig
 from megarl.launcher.placement import Placement, plan_placement
-from megarl.rollout.restarts import RESTARTS_FILE
+from megarl.serving.restarts import RESTARTS_FILE
 from megarl.utils.auth import API_KEY_ENV, KEY_FILE
 from megarl.utils.heartbeat import flight_recorder_env
 from megarl.utils.network import INTERFACE_ENV

@@ -30,13 +30,12 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megarl.config.run import WatchdogConfig
+from megarl.serving.http import http_ok
 from megarl.utils.collectives import describe as describe_collective
 from megarl.utils.collectives import same_call
 from megarl.utils.heartbeat import HEARTBEAT_DIR, STACKS_DIR, Heartbeat, request_dumps
@@ -203,15 +202,11 @@ class HealthTarget:
 
     @classmethod
     def of(cls, server) -> HealthTarget:
-        """Of a local :class:`~megarl.rollout.server.InferenceServer`."""
+        """Of a local :class:`~megarl.serving.launch.InferenceServer`."""
         return cls(server.name, server.address, server.spec.health_endpoint, server.pid, str(server.log_path))
 
     def healthy(self, timeout: float) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.address}{self.health_endpoint}", timeout=timeout) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ok(self.address, self.health_endpoint, timeout)
 
 
 def job_servers(addresses: list[str], health_endpoint: str) -> list[HealthTarget]:

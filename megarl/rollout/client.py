@@ -25,16 +25,16 @@ from megarl.api import context as workflow_context
 from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse, derive_seed
 from megarl.config.rollout import InferenceEngineConfig
-from megarl.rollout.backend import GenerationChunk, InferenceBackend, check_chunk
 from megarl.rollout.gate import Gate
-from megarl.rollout.http import (
+from megarl.serving.backend import GenerationChunk, InferenceBackend, check_chunk
+from megarl.serving.http import (
     InferenceServerError,
     RetryPolicy,
     ServerUnavailableError,
     arequest_with_retry,
     make_session,
 )
-from megarl.rollout.servers import NoHealthyServerError, Server, ServerSet
+from megarl.serving.servers import NoHealthyServerError, Server, ServerSet
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
 

@@ -2,7 +2,7 @@
 
 Three parts, each owned here and none holding another:
 
-* :class:`~megarl.rollout.servers.ServerSet`: the servers and their lifecycle (routing, health,
+* :class:`~megarl.serving.servers.ServerSet`: the servers and their lifecycle (routing, health,
   restart, join, leave, readmission, control calls);
 * :class:`~megarl.rollout.client.GenerationClient`: ``agenerate``, interruptible across weight
   updates, every token stamped with its version; the pool hands it to workflows as their engine;
@@ -25,27 +25,15 @@ from megarl.api.io_struct import ModelRequest, ModelResponse
 from megarl.api.rollout_control import RolloutControl
 from megarl.api.workflow_api import WorkflowLike
 from megarl.config.rollout import InferenceEngineConfig
-from megarl.rollout.backend import HttpCall, InferenceBackend
 from megarl.rollout.client import GenerationClient
 from megarl.rollout.pool import RolloutPool
-from megarl.rollout.server import resolve_server_addrs
-from megarl.rollout.servers import ServerSet
+from megarl.serving import make_backend
+from megarl.serving.backend import HttpCall, InferenceBackend
+from megarl.serving.launch import resolve_server_addrs
+from megarl.serving.servers import ServerSet
 from megarl.workflow.dump import TrajectoryDumper
 
 logger = logging.getLogger(__name__)
-
-
-def make_backend(name: str) -> InferenceBackend:
-    """The backend called ``name`` (``"vllm"`` or ``"sglang"``)."""
-    if name == "vllm":
-        from megarl.rollout.vllm import VLLMBackend
-
-        return VLLMBackend()
-    if name == "sglang":
-        from megarl.rollout.sglang import SGLangBackend
-
-        return SGLangBackend()
-    raise ValueError(f"unknown inference backend {name!r}: expected 'vllm' or 'sglang'")
 
 
 class RemoteInferenceEngine(InferenceEngine, RolloutControl):
@@ -68,7 +56,7 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
 
     @property
     def servers(self) -> ServerSet:
-        """The servers and their lifecycle (:class:`~megarl.rollout.servers.ServerSet`), from :meth:`initialize`."""
+        """The servers and their lifecycle (:class:`~megarl.serving.servers.ServerSet`), from :meth:`initialize`."""
         if self._servers is None:
             raise RuntimeError("RemoteInferenceEngine is not initialized: call initialize() first")
         return self._servers
@@ -168,27 +156,6 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
     def server_addresses(self) -> list[str]:
         """Every server's ``host:port``, healthy or not."""
         return self.servers.addresses
-
-    def server_listing(self) -> tuple[str, list[str]]:
-        """The backend's name and every server's address (before :meth:`initialize`: the configured ones)."""
-        return self.backend.name, self.server_addresses or resolve_server_addrs(self.config)
-
-    def mark_unhealthy(self, address: str, reason: str) -> None:
-        """Take ``address`` out of rotation until :meth:`mark_healthy` (e.g. it failed a weight update)."""
-        self.servers.mark_unhealthy(address, reason)
-
-    def mark_healthy(self, address: str) -> None:
-        """Put ``address`` back into rotation (its weights are current again), unless it left the run."""
-        self.servers.mark_healthy(address)
-
-    def servers_to_readmit(self) -> tuple[list[str], list[str]]:
-        """Servers awaiting the trainer's weights (restarted or joined): (those answering their health check,
-        the others and those that left the run)."""
-        return self.servers.to_readmit()
-
-    def answering(self, addresses: list[str]) -> list[bool]:
-        """One health probe of each of ``addresses``."""
-        return self.servers.answering(addresses)
 
     def readmit_due(self) -> bool:
         """Whether no server can take requests while a restarted one answers again and waits for the weights."""

@@ -23,7 +23,7 @@ import torch
 
 from megarl.api.trajectory import batch_size_of, oldest_version
 from megarl.api.workflow_api import RolloutWorkflow
-from megarl.rollout.http import InferenceServerError
+from megarl.serving.http import InferenceServerError
 from megarl.utils import stats_tracker
 
 logger = logging.getLogger("megarl.rollout.pool")  # the pool's log: what users filter on

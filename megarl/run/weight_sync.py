@@ -16,8 +16,10 @@ adapter per version, and the rollout side asks for it (``RolloutControl.use_adap
 
 The rollout side is reached through :class:`megarl.api.rollout_control.RolloutControl` (the
 trainer's :class:`~megarl.rollout.RemoteInferenceEngine`), the transfer through
-:class:`megarl.bridge.bridge.WeightBridge`. A server that failed the transfer keeps its old
-weights (or is half-updated) and is taken out of rotation (``mark_unhealthy``); the bridge
+:class:`megarl.bridge.bridge.WeightBridge`, and whom to send to is the run's one
+:class:`~megarl.serving.servers.ServerSet`'s answer (rank 0 asks it, the other ranks learn it by
+broadcast). A server that failed the transfer keeps its old weights (or is half-updated) and is
+taken out of rotation (:meth:`~megarl.serving.servers.ServerSet.record_update`); the bridge
 reconnects to the healthy servers before the next update. A server the launcher restarted (it
 holds the model's first weights) is out of rotation until an update reaches it: each update
 reconnects the bridge with the restarted servers that answer again, pushes the weights and
@@ -53,11 +55,12 @@ from megarl.bridge.consistency import (
     trainer_scores,
     trainer_topk_scores,
 )
-from megarl.bridge.control import ServerControl, make_control
 from megarl.bridge.interface import ServerBridge
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transport import wire_dtype
 from megarl.config.bridge import WeightUpdateConfig
+from megarl.serving import ServerControl, ServerSet, make_control
+from megarl.serving.servers import UpdatePlan
 from megarl.utils import heartbeat
 from megarl.utils.fanout import submit_all
 from megarl.utils.hardware import concrete_dtype
@@ -113,21 +116,32 @@ class WeightUpdateMeta:
 
 
 class WeightSync:
-    """The trainer's connection to the servers: bridge, server controls, rollout hooks, probe.
+    """The trainer's connection to the servers: bridge, rollout hooks, probe.
 
     Args:
         engine: The :class:`~megarl.actor.engine.MegatronEngine` (initialised).
         config: The ``weight_update`` config.
-        servers: One :class:`~megarl.bridge.control.ServerControl` per server (used on rank 0).
+        servers: The run's servers (:class:`~megarl.serving.servers.ServerSet`) on rank 0, which says
+            whom each update goes to; None on the other ranks (they learn it from rank 0).
         rollout: This rank's rollout side, if it has one (paused / resumed / versioned here).
+        backend: The servers' family (``vllm``, ``sglang``).
+        tp: Every server's tensor-parallel size.
     """
 
     def __init__(
-        self, engine, config: WeightUpdateConfig, servers: list[ServerControl], rollout: RolloutControl | None = None
+        self,
+        engine,
+        config: WeightUpdateConfig,
+        servers: ServerSet | None,
+        rollout: RolloutControl | None = None,
+        *,
+        backend: str = "vllm",
+        tp: int = 1,
     ):
         from megarl.models.hf_io import SafetensorsReader
 
-        self.engine, self.config, self.servers, self.rollout = engine, config, list(servers), rollout
+        self.engine, self.config, self.server_set, self.rollout = engine, config, servers, rollout
+        self.backend, self.tp = backend, tp
         coords = TrainerCoords.from_parallel(engine.parallel)
         device = next(p for chunk in engine.model for p in chunk.parameters()).device
         self.adapters = engine.config.lora.enabled and config.lora == "adapter"
@@ -148,12 +162,27 @@ class WeightSync:
                 device=device,
             )
         self.probe: list[list[int]] = []
-        self.unhealthy: set[str] = set()
+        self.plan: UpdatePlan | None = None
+        """Whom the last update went to (the same on every rank)."""
         self.n_updates = 0
 
-    def connect(self) -> None:
-        """Form the groups (collective), then sample the consistency probe from the first server."""
-        self.bridge.connect([s for s in self.servers if s.address not in self.unhealthy])
+    def _plan(self) -> UpdatePlan:
+        """Whom the next update goes to: rank 0 asks the servers' owner, every rank gets its answer (collective)."""
+        plan = self.server_set.update_plan() if self.bridge.is_driver else None
+        return self.bridge.broadcast_object(plan)
+
+    def _controls(self, addresses: list[str]) -> list[ServerControl]:
+        """The control handles of ``addresses``: rank 0's from the server set (they call the servers), the
+        other ranks' made for the bridge's wiring (they only read a handle's family, address and TP size)."""
+        if self.bridge.is_driver:
+            return self.server_set.controls(addresses, self.tp, self.config.update_timeout)
+        return [make_control(self.backend, a, self.tp, self.config.update_timeout) for a in addresses]
+
+    def connect(self, plan: UpdatePlan | None = None) -> None:
+        """Form the groups with ``plan``'s targets (None: ask for a plan) (collective), then sample the
+        consistency probe from the first server."""
+        self.plan = plan = plan if plan is not None else self._plan()
+        self.bridge.connect(self._controls(plan.targets))
         if self.config.probe_sequences and not self.probe:
             probe = None
             if self.bridge.is_driver:
@@ -171,23 +200,16 @@ class WeightSync:
         logger.info("weight sync: pushing version %d to restarted servers", self.engine.get_version())
         return self.update(self.engine.get_version())
 
-    def _restarted(self) -> list[str]:
-        """The restarted or joined servers answering (rank 0's rollout engine knows them; the same list on
-        every rank); the bridge is closed when they join or its set of servers changes (one left)."""
-        back, down = [], []
-        if self.rollout is not None and self.bridge.is_driver:
-            back, down = self.rollout.servers_to_readmit()
-        back, down = self.bridge.broadcast_object((back, down))
-        known = {s.address for s in self.servers}
-        for address in (a for a in back if a not in known):  # joined the run (megarl serve --join)
-            first = self.servers[0]
-            self.servers.append(make_control(first.name, address, first.tp, self.config.update_timeout))
+    def _next_plan(self) -> UpdatePlan:
+        """Whom this update goes to; the bridge is closed when restarted or joined servers come back or
+        its set of servers changes (one failed, left or was restarted)."""
+        known = set(self.plan.order) if self.plan is not None else set()
+        plan = self._plan()
+        for address in (a for a in plan.readmit if a not in known):  # joined the run (megarl serve --join)
             logger.info("weight sync: server %s joined; this update pushes it the weights", address)
-        self.unhealthy = (self.unhealthy | set(down)) - set(back)
-        wanted = {s.address for s in self.servers if s.address not in self.unhealthy}
-        if self.bridge.connected and (back or wanted != {s.address for s in self.bridge.servers}):
+        if self.bridge.connected and (plan.readmit or set(plan.targets) != {s.address for s in self.bridge.servers}):
             self.bridge.close()  # a restarted server's workers join anew
-        return back
+        return plan
 
     def update_weights(self, meta: WeightUpdateMeta) -> dict[str, float]:
         """Pause, transfer, bump versions, resume, check consistency (collective); ``meta.version``
@@ -199,23 +221,22 @@ class WeightSync:
         """One weight-sync phase (collective); returns timings, bytes and the consistency metric."""
         start = time.perf_counter()
         probing = self.n_updates % self.config.probe_every == 0
-        back = self._restarted()
-        if all(s.address in self.unhealthy for s in self.servers):
+        plan = self._next_plan()
+        if not plan.targets:
+            self.plan = plan
             return self._nothing_to_send(version, start)
         self._pause()
         paused = time.perf_counter()
         try:
             if not self.bridge.connected:
                 heartbeat.step("weight sync: connecting the bridge to the servers")
-                self.connect()
+                self.connect(plan)
+            self.plan = plan
             report = self.bridge.update(ShardSource.from_engine(self.engine), version, mode, path)
-            self._after(report, version)
+            readmitted = self._after(report, version)
             died = self._died(report)
             if died and not report.updated:  # as with no server at all: the version moves on without them
                 self._nothing_to_send(version, start)
-            readmitted = [a for a in back if a in report.updated]
-            for address in readmitted if self.rollout is not None else []:
-                self.rollout.mark_healthy(address)
         except BaseException:
             self._resume()
             raise
@@ -276,7 +297,7 @@ class WeightSync:
         launcher restarts them and they are readmitted): not a failure of the run. The same on every rank."""
         died = False
         if report.failed and self.rollout is not None and self.bridge.is_driver:
-            died = not any(self.rollout.answering(list(report.failed)))
+            died = not any(self.server_set.answering(list(report.failed)))
             if died:
                 logger.warning(
                     "weight update to version %d: %s died during the transfer; out of rotation until "
@@ -293,7 +314,7 @@ class WeightSync:
             "weight sync: no server to send version %d to (%s out of rotation); a restarted one gets it "
             "once it answers",
             version,
-            sorted(self.unhealthy),
+            sorted(set(self.plan.order) - set(self.plan.targets)),
         )
         self.engine.set_version(version)
         if self.rollout is not None:
@@ -320,25 +341,25 @@ class WeightSync:
         if self.rollout is not None:
             self.rollout.resume(start_episodes=episodes)
 
-    def _after(self, report: UpdateReport, version: int) -> None:
-        """Version bump where the update landed; failed servers out of rotation."""
-        for address, reason in report.failed.items():
-            self.unhealthy.add(address)
-            if self.rollout is not None:
-                self.rollout.mark_unhealthy(address, reason)
+    def _after(self, report: UpdateReport, version: int) -> list[str]:
+        """Version bump where the update landed; failed servers out of rotation, the restarted or joined
+        servers it reached back in (returned; the same on every rank)."""
+        if self.bridge.is_driver:
+            self.server_set.record_update(report.updated, report.failed)
+        readmitted = [a for a in self.plan.readmit if a in report.updated]
         if report.updated:
             self.engine.set_version(version)
             if self.rollout is not None:
                 if report.adapter is not None:
                     self.rollout.use_adapter(report.adapter)
                 self.rollout.set_version(version)
-        self.unhealthy -= set(report.updated)
+        return readmitted
 
     def check_consistency(self) -> dict[str, float]:
         """Probe logprobs: trainer vs every updated server; ConsistencyError above the threshold."""
         if not self.probe:
             return {}
-        scored = [s for s in self.bridge.servers if s.address not in self.unhealthy] if self.bridge.is_driver else []
+        scored = self._in_rotation() if self.bridge.is_driver else []
         futures = score_all(scored, lambda s: s.score(self.probe))  # servers score while the trainer does
         ours = trainer_scores(self.engine, self.probe)
         theirs = {address: f.result() for address, f in futures.items()} if self.bridge.is_driver else None
@@ -358,8 +379,7 @@ class WeightSync:
         k = self.config.probe_topk
         theirs = None
         if k > 0 and self.bridge.is_driver:
-            servers = [s for s in self.bridge.servers if s.address not in self.unhealthy]
-            futures = score_all(servers, lambda s: s.score_topk(self.probe, k))
+            futures = score_all(self._in_rotation(), lambda s: s.score_topk(self.probe, k))
             theirs = {address: f.result() for address, f in futures.items()}
             theirs = {address: topk for address, topk in theirs.items() if topk is not None}
         theirs = self.bridge.broadcast_object(theirs)
@@ -373,10 +393,15 @@ class WeightSync:
             logger.warning(message)
         return report.as_dict(self._numbers())
 
+    def _in_rotation(self) -> list[ServerControl]:
+        """Rank 0: the bridge's servers that took the last update (those that failed it are held out)."""
+        held = self.server_set.held_out()
+        return [s for s in self.bridge.servers if s.address not in held]
+
     def _numbers(self) -> dict[str, int]:
         """Each server's number in the run's server list (``weight_sync/server{i}/...``): the rollout's
         order, which under Slurm is the slot order; a server out of rotation keeps its number free."""
-        return {s.address: i for i, s in enumerate(self.servers)}
+        return self.plan.number()
 
 
 def score_all(servers: list[ServerControl], score: Callable[[ServerControl], T]) -> dict[str, Future[T]]:
@@ -385,28 +410,25 @@ def score_all(servers: list[ServerControl], score: Callable[[ServerControl], T])
     return submit_all({s.address: (lambda s=s: score(s)) for s in servers})
 
 
-def server_controls(backend: str, addresses: list[str], tp: int, timeout: float) -> list[ServerControl]:
-    """Controls of ``addresses`` (all of TP size ``tp``)."""
-    return [make_control(backend, a, tp, timeout) for a in addresses]
-
-
 def connect_engine(
     engine, rollout: RolloutControl | None, meta: WeightUpdateMeta, servers: list[ServerControl] | None = None
 ) -> WeightSync:
     """Build the trainer's connection to the servers once (collective) and return it.
 
-    ``servers`` (needed on rank 0 only) default: the servers of rank 0's rollout side, each of TP
-    ``meta.inference_tp``. Every rank learns the list from rank 0.
+    Rank 0 asks its rollout side's servers (:attr:`RolloutControl.servers`), each of TP
+    ``meta.inference_tp``; ``servers`` (rank 0, without a rollout side) names them instead. Every rank
+    learns the servers' family and TP size from rank 0.
     """
-    if servers is None and _rank() == 0:
-        servers = _servers_of(rollout, meta)
-    listing = [(s.name, s.address, s.tp) for s in servers] if _rank() == 0 else None
+    server_set, family = None, None
+    if _rank() == 0:
+        server_set = _server_set(rollout, servers)
+        family = (server_set.backend.name, servers[0].tp if servers else meta.inference_tp)
     if dist.is_initialized():
-        box = [listing]
+        box = [family]
         dist.broadcast_object_list(box, src=0)
-        listing = box[0]
-    servers = [make_control(name, address, tp, meta.config.update_timeout) for name, address, tp in listing]
-    sync = WeightSync(engine, meta.config, servers, rollout)
+        family = box[0]
+    backend, tp = family
+    sync = WeightSync(engine, meta.config, server_set, rollout, backend=backend, tp=tp)
     sync.connect()
     return sync
 
@@ -415,8 +437,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _servers_of(rollout: RolloutControl | None, meta: WeightUpdateMeta) -> list[ServerControl]:
-    if rollout is None:
+def _server_set(rollout: RolloutControl | None, servers: list[ServerControl] | None) -> ServerSet:
+    """Rank 0's owner of the servers: the rollout side's, else one of ``servers`` alone (no rollout side here)."""
+    if rollout is not None:
+        return rollout.servers
+    if not servers:
         raise ValueError("connect_engine: rank 0 needs a rollout engine or servers=")
-    backend, addresses = rollout.server_listing()
-    return server_controls(backend, addresses, meta.inference_tp, meta.config.update_timeout)
+    return ServerSet.of([s.address for s in servers], servers[0].name)

@@ -78,11 +78,16 @@ def test_every_tutorial_name_imports_from_its_documented_path(areal, megarl_path
     assert resolve(megarl_path) is not None
 
 
+def _module_of(file: str) -> str:
+    """``megarl/a/b.py`` -> ``megarl.a.b``; a package's ``__init__.py`` -> the package."""
+    return file.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
 def test_the_name_mapping_page_lists_the_same_paths():
     page = (REPO / "docs" / "name-mapping.md").read_text()
     rows = dict(re.findall(r"^\| `(areal\.[\w.]+)` \| `(megarl\.[\w.]+)` \|", page, re.M))
     assert rows == TUTORIAL_NAMES
-    old_paths = [f.removesuffix(".py").replace("/", ".") for f in MOVED]
+    old_paths = [_module_of(f) for f in MOVED]
     assert [p for p in old_paths if f"`{p}`" not in page] == [], "the page lists every old path"
 
 
@@ -136,9 +141,11 @@ def test_the_actor_says_to_connect_before_a_weight_update():
 
 @pytest.mark.parametrize("old_file,new", sorted(MOVED.items()))
 def test_an_old_path_gives_the_moved_names_with_a_deprecation_warning(old_file, new):
-    old = old_file.removesuffix(".py").replace("/", ".")
+    old = _module_of(old_file)
     new_module = importlib.import_module(new)
-    public = [n for n, v in vars(new_module).items() if not n.startswith("_") and getattr(v, "__module__", "") == new]
+    public = list(getattr(new_module, "__all__", [])) or [
+        n for n, v in vars(new_module).items() if not n.startswith("_") and getattr(v, "__module__", "") == new
+    ]
     assert public, f"{new} defines no public name"
     shim = importlib.import_module(old)
     for name in public:

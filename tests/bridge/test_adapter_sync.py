@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from megarl.bridge.adapter import ADAPTER_FILE, AdapterBridge, adapter_name
-from megarl.bridge.control.sglang import SGLangControl
-from megarl.bridge.control.vllm import VLLMControl
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.rollout import InferenceServer, LaunchSpec
+from megarl.serving.sglang import SGLangControl
+from megarl.serving.vllm import VLLMControl
 from megarl.utils.network import find_free_ports
 from tests.sglang_stub import find_sglang
 

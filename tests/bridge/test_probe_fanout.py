@@ -11,6 +11,7 @@ import torch
 
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.run import weight_sync as sync_mod
+from megarl.serving.servers import ServerSet, UpdatePlan
 
 N = 24
 PROBE = [[5, 6, 7, 8]]
@@ -52,8 +53,13 @@ def _sync(monkeypatch, servers, unhealthy=(), probe_topk: int = 2) -> sync_mod.W
     """A one-rank WeightSync whose servers score the probe like the trainer."""
     sync = sync_mod.WeightSync.__new__(sync_mod.WeightSync)
     sync.config = WeightUpdateConfig(probe_topk=probe_topk)
-    sync.probe, sync.unhealthy, sync.engine, sync.servers = PROBE, set(unhealthy), None, list(servers)
-    connected = [s for s in servers if s.address not in sync.unhealthy]
+    sync.probe, sync.engine = PROBE, None
+    sync.server_set = ServerSet.of([s.address for s in servers])
+    for address in unhealthy:
+        sync.server_set.mark_unhealthy(address, "failed the update")
+    order = [s.address for s in servers]
+    sync.plan = UpdatePlan(order, [a for a in order if a not in unhealthy], [])
+    connected = [s for s in servers if s.address not in unhealthy]
     sync.bridge = SimpleNamespace(is_driver=True, servers=connected, broadcast_object=lambda obj: obj)
     monkeypatch.setattr(sync_mod, "trainer_scores", lambda engine, seqs: [[-1.0, -1.0, -1.0]])
     ours = torch.tensor([[list(p.values()) for p in TOPK[0]] + [[0.0, 0.0]]])  # [1, 4, 2]: one server's

@@ -9,18 +9,19 @@ import pytest
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.run import weight_sync as update_mod
 from megarl.run.weight_sync import WeightSync
+from megarl.serving import ServerSet
 
 
 def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:
     """A WeightSync whose transfer always succeeds, recording the versions it probed after."""
     sync = WeightSync.__new__(WeightSync)
-    sync.engine, sync.config, sync.servers, sync.rollout = (
+    sync.engine, sync.config, sync.server_set, sync.rollout = (
         SimpleNamespace(set_version=lambda v: None),
         WeightUpdateConfig(probe_every=probe_every),
-        [SimpleNamespace(address="s")],
+        ServerSet.of(["s:1"]),
         None,
     )
-    sync.probe, sync.unhealthy, sync.n_updates = [[1, 2, 3]], set(), 0
+    sync.probe, sync.plan, sync.n_updates = [[1, 2, 3]], None, 0
     report = SimpleNamespace(
         seconds=0.0,
         send_seconds=0.0,
@@ -28,7 +29,7 @@ def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:
         bytes_sent=0,
         ok=True,
         failed={},
-        updated=["s"],
+        updated=["s:1"],
         sender_errors={},
         adapter=None,
     )
@@ -36,7 +37,7 @@ def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:
         connected=True,
         update=lambda *args: report,
         is_driver=True,
-        servers=sync.servers,
+        servers=[SimpleNamespace(address="s:1")],
         broadcast_object=lambda obj: obj,
     )  # one rank: a broadcast returns its input
     monkeypatch.setattr(update_mod.ShardSource, "from_engine", staticmethod(lambda engine: None))
@@ -79,9 +80,6 @@ class _Rollout:
 
     def set_version(self, version):
         pass
-
-    def servers_to_readmit(self):
-        return [], []  # no server was restarted
 
 
 def test_probe_runs_before_new_episodes_start(monkeypatch):

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.bridge.control.sglang import SGLangControl
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec
 from megarl.bridge.transfer_plan import build_plan
 from megarl.bridge.wiring import make_wiring
@@ -23,6 +22,7 @@ from megarl.config.allocation import TrainingAllocation
 from megarl.models.build import describe
 from megarl.models.hf_io import SafetensorsReader
 from megarl.rollout import InferenceServer, LaunchSpec
+from megarl.serving.sglang import SGLangControl
 from megarl.utils.network import find_free_ports
 from tests.actor.dist_utils import run_ranks
 from tests.bridge.workers import WIRE

@@ -32,7 +32,7 @@ def trainer_topk(model_dir: str, sequences: list[list[int]], ids: torch.Tensor) 
 @pytest.mark.vllm
 @pytest.mark.multiproc
 def test_topk_probe_against_a_real_vllm_server(vllm_server_fp32, vllm_model_dir):
-    from megarl.bridge.control.vllm import VLLMControl
+    from megarl.serving.vllm import VLLMControl
 
     server = VLLMControl(vllm_server_fp32.address, tp=1, timeout=120)
     theirs = {server.address: server.score_topk(SEQUENCES, K)}
@@ -93,6 +93,7 @@ def _sync_with_probe(monkeypatch, probe_topk: int, offset: float):
 
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.run import weight_sync as sync_mod
+    from megarl.serving.servers import ServerSet, UpdatePlan
 
     probe = [[5, 6, 7, 8]]
     topk = [[{1: -0.5, 2: -1.5}, {3: -0.7, 4: -1.0}, {1: -0.2, 4: -2.0}]]
@@ -101,8 +102,8 @@ def _sync_with_probe(monkeypatch, probe_topk: int, offset: float):
     )
     sync = sync_mod.WeightSync.__new__(sync_mod.WeightSync)
     sync.config = WeightUpdateConfig(probe_topk=probe_topk, gap_threshold=0.1)
-    sync.probe, sync.unhealthy, sync.engine = probe, set(), None
-    sync.servers = [server]
+    sync.probe, sync.engine = probe, None
+    sync.server_set, sync.plan = ServerSet.of(["s"]), UpdatePlan(["s"], ["s"], [])
     sync.bridge = SimpleNamespace(is_driver=True, servers=[server], broadcast_object=lambda obj: obj)
     monkeypatch.setattr(sync_mod, "trainer_scores", lambda engine, seqs: [[-1.0, -1.0, -1.0]])
 
@@ -129,8 +130,8 @@ def test_sglang_top_logprobs_reply_becomes_the_probe_topk(monkeypatch):
     """SGLang's ``/generate`` with ``top_logprobs_num``: ``meta_info.input_top_logprobs`` holds, per input
     position, (logprob, token_id, text or None) most likely first, and nothing for the first token
     (sglang/srt/managers/tokenizer_manager.py, ``detokenize_top_logprobs_tokens``)."""
-    from megarl.bridge.control import sglang
-    from megarl.bridge.control.base import ServerControlError
+    from megarl.serving import sglang
+    from megarl.serving.control import ServerControlError
 
     replies = {
         (1, 2, 3): [None, [[-0.1, 2, None], [-2.5, 9, None]], [[-0.3, 5, "x"], [-1.4, 3, "y"]]],

@@ -202,10 +202,10 @@ def e2e_sync(
     """Per mode: one optimizer step, the servers' probe mismatch before the update, then ``update_weights``."""
     from megarl.actor.engine import MegatronEngine
     from megarl.bridge.consistency import compare, trainer_scores
-    from megarl.bridge.control import make_control
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.train import OptimizerConfig
     from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
+    from megarl.serving import make_control
     from tests.actor.workers import engine_config, make_batch
 
     optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
@@ -252,10 +252,10 @@ def e2e_modes_same_weights(
     """``steps`` optimizer steps, then the same weights through every mode: servers' probe scores per mode."""
     from megarl.actor.engine import MegatronEngine
     from megarl.bridge.consistency import compare, trainer_scores
-    from megarl.bridge.control import make_control
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.train import OptimizerConfig
     from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
+    from megarl.serving import make_control
     from tests.actor.workers import engine_config, make_batch
 
     optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
@@ -297,12 +297,12 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
 
     from megarl.actor.engine import MegatronEngine
     from megarl.api.io_struct import GenerationHyperparameters, ModelRequest
-    from megarl.bridge.control import make_control
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.rollout import InferenceEngineConfig
     from megarl.config.train import OptimizerConfig
     from megarl.rollout import RemoteInferenceEngine
     from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
+    from megarl.serving import make_control
     from tests.actor.workers import engine_config, make_batch
 
     optimizer = OptimizerConfig(lr=1e-2, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
@@ -351,9 +351,9 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
 def sglang_transfer(model_dir: str, layout: dict, addresses: list[str], dump_dir: str, disk_dir: str) -> dict:
     """A trainer (fake shards) updating fake SGLang servers: two broadcast updates, then one from disk."""
     from megarl.bridge.bridge import WeightBridge
-    from megarl.bridge.control.base import http_json
-    from megarl.bridge.control.sglang import SGLangControl
     from megarl.config.bridge import WeightUpdateConfig
+    from megarl.serving.control import http_json
+    from megarl.serving.sglang import SGLangControl
 
     dist.init_process_group("gloo")
     layout = TrainingAllocation(**layout)
@@ -393,9 +393,9 @@ def sglang_transfer(model_dir: str, layout: dict, addresses: list[str], dump_dir
 def fault_transfer(model_dir: str, addresses: list[str], mode: str, dump_dir: str) -> list:
     """Three updates to fake vLLM servers, one of which dies during the second; reconnect to the survivor."""
     from megarl.bridge.bridge import WeightBridge
-    from megarl.bridge.control.base import http_json
-    from megarl.bridge.control.vllm import VLLMControl
     from megarl.config.bridge import WeightUpdateConfig
+    from megarl.serving.control import http_json
+    from megarl.serving.vllm import VLLMControl
 
     layout, coords = TrainingAllocation(), TrainerCoords(0)
     reader = SafetensorsReader(model_dir)

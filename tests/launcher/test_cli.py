@@ -75,8 +75,8 @@ def test_serve_join_names_a_missing_run_and_another_runs_directory(tmp_path, cap
 def test_a_joining_server_takes_the_index_past_the_servers_and_earlier_joins(tmp_path):
     from megarl.config import GRPOConfig
     from megarl.launcher.serve import joined_index
-    from megarl.rollout.restarts import JOINS_FILE, append_record
     from megarl.run.prelaunch import load_expr_config
+    from megarl.serving.restarts import JOINS_FILE, append_record
 
     config, _ = load_expr_config(["--config", CPU_YAML, f"cluster.fileroot={tmp_path}"], GRPOConfig)
     servers = config.allocation.inference.dp
@@ -91,8 +91,8 @@ def test_two_servers_joining_together_get_two_indices(tmp_path):
     two started together are server-N and server-N+1, not both server-N."""
     from megarl.config import GRPOConfig
     from megarl.launcher.serve import joined_index
-    from megarl.rollout.restarts import JOINS_FILE, append_record
     from megarl.run.prelaunch import load_expr_config
+    from megarl.serving.restarts import JOINS_FILE, append_record
 
     config, _ = load_expr_config(["--config", CPU_YAML, f"cluster.fileroot={tmp_path}"], GRPOConfig)
     servers = config.allocation.inference.dp

@@ -37,8 +37,8 @@ from megarl.launcher.local import (
     startup_lines,
     trainer_env,
 )
-from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.run.prelaunch import build_config
+from megarl.serving.launch import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.utils.auth import run_api_key
 from megarl.utils.process import terminate_process_tree
 

@@ -11,8 +11,8 @@ import pytest
 from megarl.config.base import ConfigError
 from megarl.config.run import LauncherConfig
 from megarl.launcher.local import ServerRestarts, _check_servers
-from megarl.rollout.restarts import RESTARTS_FILE, RestartLog
-from megarl.rollout.server import InferenceServer, LaunchSpec, ServerLaunchError
+from megarl.serving.launch import InferenceServer, LaunchSpec, ServerLaunchError
+from megarl.serving.restarts import RESTARTS_FILE, RestartLog
 
 
 def _server(tmp_path, name: str, port: int) -> InferenceServer:

@@ -13,8 +13,8 @@ from megarl.config.rollout import InferenceEngineConfig
 from megarl.launcher.slurm import render_sbatch
 from megarl.launcher.watchdog import job_servers
 from megarl.rollout.engine import make_backend
-from megarl.rollout.restarts import RESTARTS_FILE
-from megarl.rollout.servers import ServerSet
+from megarl.serving.restarts import RESTARTS_FILE
+from megarl.serving.servers import ServerSet
 from tests.launcher.test_slurm_render import config
 from tests.launcher.test_slurm_server_restart import _serve_slot
 

@@ -9,7 +9,7 @@ import os
 import subprocess
 
 from megarl.launcher.slurm import render_sbatch
-from megarl.rollout.restarts import RESTARTS_FILE, RestartLog
+from megarl.serving.restarts import RESTARTS_FILE, RestartLog
 from tests.launcher.test_slurm_render import config
 
 # the fake srun: counts its runs per server index, writes the server's address once, then "dies"

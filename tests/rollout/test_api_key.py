@@ -11,10 +11,10 @@ import urllib.request
 
 import pytest
 
-from megarl.bridge.control.base import http_json
 from megarl.config.rollout import VLLMConfig
 from megarl.rollout import InferenceServer, vllm_launch_spec
-from megarl.rollout.http import make_session
+from megarl.serving.control import http_json
+from megarl.serving.http import make_session
 from megarl.utils.auth import API_KEY_ENV, INSECURE_ENV, RequireApiKey, auth_headers
 from megarl.utils.network import find_free_ports
 

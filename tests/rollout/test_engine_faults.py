@@ -373,13 +373,13 @@ def test_mark_unhealthy_keeps_a_server_out_until_marked_healthy(fake_servers):
     engine.initialize(server_addrs=[a.address, b.address], batch_size=2)
     try:
         assert engine.server_addresses == [a.address, b.address]
-        engine.mark_unhealthy(a.address, "weight update to version 1 failed")
+        engine.servers.mark_unhealthy(a.address, "weight update to version 1 failed")
         time.sleep(0.05)  # past the retry interval of transient failures
         assert {engine.servers.choose().address for _ in range(8)} == {b.address}
-        engine.mark_healthy(a.address)
+        engine.servers.mark_healthy(a.address)
         assert a.address in {engine.servers.choose(f"r{i}").address for i in range(8)}
         with pytest.raises(ValueError, match="not one of the servers"):
-            engine.mark_unhealthy("127.0.0.1:1", "nope")
+            engine.servers.mark_unhealthy("127.0.0.1:1", "nope")
     finally:
         engine.destroy()
 

@@ -1,8 +1,8 @@
 """``gconfig.min_p`` reaches the servers (vLLM's ``min_p``; SGLang's ``sampling_params.min_p``), off when greedy."""
 
 from megarl.api.io_struct import GenerationHyperparameters
-from megarl.rollout.sglang import SGLangBackend
-from megarl.rollout.vllm import VLLMBackend
+from megarl.serving.sglang import SGLangBackend
+from megarl.serving.vllm import VLLMBackend
 
 
 def test_min_p_in_the_payloads():

@@ -15,10 +15,10 @@ import urllib.request
 import pytest
 
 from megarl.rollout import RolloutError
-from megarl.rollout.backend import check_chunk
-from megarl.rollout.http import MalformedResponseError
-from megarl.rollout.sglang import SGLangBackend
-from megarl.rollout.vllm import VLLMBackend
+from megarl.serving.backend import check_chunk
+from megarl.serving.http import MalformedResponseError
+from megarl.serving.sglang import SGLangBackend
+from megarl.serving.vllm import VLLMBackend
 from tests.rollout.conftest import make_engine
 from tests.rollout.helpers import OneShotWorkflow
 

@@ -12,7 +12,7 @@ import time
 from megarl.api import ModelRequest
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.rollout import RemoteInferenceEngine
-from megarl.rollout.restarts import JOINS_FILE, RESTARTS_FILE, append_record
+from megarl.serving.restarts import JOINS_FILE, RESTARTS_FILE, append_record
 from megarl.utils import stats_tracker
 from tests.rollout.conftest import fast_config, make_engine
 from tests.rollout.helpers import OneShotWorkflow, expected_tokens
@@ -67,10 +67,10 @@ def test_a_restarted_server_waits_for_the_trainers_weights(fake_servers, tmp_pat
         time.sleep(0.05)  # past the retry interval of transient failures: still out
         assert {engine.servers.choose().address for _ in range(8)} == {b.address}
         assert engine.restarts_seen == 1
-        assert engine.servers_to_readmit() == ([a.address], [])
+        assert engine.servers.to_readmit() == ([a.address], [])
         assert not engine.readmit_due(), "b still generates: the push waits for the next weight update"
-        engine.mark_healthy(a.address)  # the trainer pushed its weights
-        assert engine.servers_to_readmit() == ([], [])
+        engine.servers.mark_healthy(a.address)  # the trainer pushed its weights
+        assert engine.servers.to_readmit() == ([], [])
         assert a.address in {engine.servers.choose(f"r{i}").address for i in range(8)}
     finally:
         engine.destroy()
@@ -91,7 +91,7 @@ def test_with_every_server_restarted_requests_wait_for_the_push(fake_servers, tm
         await asyncio.sleep(0.5)
         assert not request.done(), "the request waits for the push"
         due = await asyncio.to_thread(engine.readmit_due)
-        engine.mark_healthy(a.address)
+        engine.servers.mark_healthy(a.address)
         return due, await asyncio.wait_for(request, 10)
 
     try:
@@ -141,14 +141,14 @@ def test_a_joined_server_serves_after_the_push_and_a_leaving_one_is_drained(fake
         _record_join(tmp_path, b.address)
         assert {engine.servers.choose(f"r{i}").address for i in range(8)} == {a.address}
         assert engine.server_addresses == [a.address, b.address] and engine.servers_joined == 1
-        assert engine.servers_to_readmit() == ([b.address], [])
-        engine.mark_healthy(b.address)  # the weight sync reached it
+        assert engine.servers.to_readmit() == ([b.address], [])
+        engine.servers.mark_healthy(b.address)  # the weight sync reached it
         usable = lambda: [s.address for s in engine.servers._servers if s.usable(time.monotonic())]  # noqa: E731
         assert usable() == [a.address, b.address]
         _record_join(tmp_path, b.address, "leave")
         assert {engine.servers.choose(f"t{i}").address for i in range(8)} == {a.address} and usable() == [a.address]
-        assert engine.servers_to_readmit() == ([], [b.address])
-        engine.mark_healthy(b.address)  # a later update does not bring it back
+        assert engine.servers.to_readmit() == ([], [b.address])
+        engine.servers.mark_healthy(b.address)  # a later update does not bring it back
         assert usable() == [a.address]
     finally:
         engine.destroy()

@@ -249,7 +249,7 @@ def test_parse_routed_experts():
 
     import numpy as np
 
-    from megarl.rollout.http import MalformedResponseError
+    from megarl.serving.http import MalformedResponseError
 
     backend = SGLangBackend()
     backend.return_routed_experts = True

@@ -12,8 +12,8 @@ import pytest
 
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import VLLMConfig
-from megarl.rollout.http import MalformedResponseError
-from megarl.rollout.vllm import VLLMBackend, vllm_launch_spec
+from megarl.serving.http import MalformedResponseError
+from megarl.serving.vllm import VLLMBackend, vllm_launch_spec
 
 GCONFIG = GenerationHyperparameters(n_samples=1, max_new_tokens=8)
 

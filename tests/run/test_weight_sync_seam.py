@@ -2,7 +2,8 @@
 
 A fake that implements the interface (and nothing else of a rollout engine) is driven through
 one update: pause before the transfer, the version moved on the rollout side where the bridge
-landed it, resume after; a server that failed the transfer is taken out of rotation.
+landed it, resume after; a server that failed the transfer is taken out of rotation (in the run's
+one :class:`~megarl.serving.servers.ServerSet`, which the interface hands the weight sync).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from megarl.api.rollout_control import RolloutControl
 from megarl.bridge.bridge import UpdateReport
 from megarl.rollout import RemoteInferenceEngine
 from megarl.run.weight_sync import WeightSync, WeightUpdateMeta
+from megarl.serving import ServerSet
 
 
 class FakeRollout(RolloutControl):
@@ -23,6 +25,7 @@ class FakeRollout(RolloutControl):
     def __init__(self):
         self.calls: list[tuple] = []
         self.version = 0
+        self.server_set = ServerSet.of(["a:1", "b:1"])
 
     def pause(self):
         self.calls.append(("pause",))
@@ -49,20 +52,9 @@ class FakeRollout(RolloutControl):
     def get_version(self):
         return self.version
 
-    def server_listing(self):
-        return "vllm", ["a:1", "b:1"]
-
-    def mark_unhealthy(self, address, reason):
-        self.calls.append(("mark_unhealthy", address))
-
-    def mark_healthy(self, address):
-        self.calls.append(("mark_healthy", address))
-
-    def servers_to_readmit(self):
-        return [], []
-
-    def answering(self, addresses):
-        return [True] * len(addresses)
+    @property
+    def servers(self):
+        return self.server_set
 
 
 class _Bridge:
@@ -95,8 +87,8 @@ def _sync(rollout: RolloutControl, updated, failed=None) -> WeightSync:
     engine = SimpleNamespace(version=0)
     engine.get_version = lambda: engine.version
     engine.set_version = lambda v: setattr(engine, "version", v)
-    sync.engine, sync.rollout, sync.probe, sync.unhealthy, sync.n_updates = engine, rollout, [], set(), 0
-    sync.servers = [SimpleNamespace(address=a) for a in ("a:1", "b:1")]
+    sync.engine, sync.rollout, sync.probe, sync.n_updates = engine, rollout, [], 0
+    sync.server_set, sync.plan = rollout.servers, None
     sync.config = SimpleNamespace(probe_every=10**9, max_failed_fraction=0.25)
     sync.bridge = _Bridge(updated, failed or {})
     return sync
@@ -120,7 +112,7 @@ def test_a_server_that_failed_the_transfer_leaves_rotation(monkeypatch):
     sync._died = lambda report: False
     with pytest.raises(Exception, match="b:1"):
         sync.update_weights(WeightUpdateMeta(config=None, version=1))
-    assert ("mark_unhealthy", "b:1") in rollout.calls and rollout.calls[-1] == ("resume", True)
+    assert rollout.servers.held_out() == {"b:1"} and rollout.calls[-1] == ("resume", True)
 
 
 def test_the_rollout_engine_implements_the_interface():

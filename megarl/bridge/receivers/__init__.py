@@ -2,5 +2,5 @@
 
 SGLang needs none: its native ``/init_weights_update_group``,
 ``/update_weights_from_distributed`` and ``/update_weights_from_disk`` are the receiver
-(see ``megarl.bridge.control.sglang``).
+(see :class:`megarl.serving.sglang.SGLangControl`).
 """

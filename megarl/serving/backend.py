@@ -1,0 +1,165 @@
+"""The small interface behind which each inference server's HTTP dialect lives.
+
+One implementation per file: :mod:`megarl.serving.vllm` and :mod:`megarl.serving.sglang`.
+A backend only translates: a generation step into a request body and the reply into a
+:class:`GenerationChunk`, and pause / resume into endpoint calls. Retries, routing and
+continuation are the engine's.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from megarl.api.io_struct import GenerationHyperparameters
+from megarl.api.trajectory import TOKEN_ID_LIMIT
+from megarl.serving.http import MalformedResponseError
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class GenerationChunk:
+    """What one ``/generate``-style call produced (possibly cut short by a pause).
+
+    A backend's parser hands over the values as the reply spelled them; :func:`check_chunk` checks
+    them (a null logprob, a token id outside the vocabulary, ...) and names the reply's field of a bad one.
+    """
+
+    output_tokens: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    routed_experts: list[list[int]] | None = None
+    """MoE, when asked for: per output token, every layer's top-k experts (layer-major) of the forward
+    that produced it."""
+    prompt_routed_experts: list[list[int]] | None = None
+    """MoE, when asked for: the same for the request's input tokens after the first (the forward at
+    input position ``p`` routed, and produced, input token ``p + 1``)."""
+    token_field: str = "output_tokens[{}]"
+    """Where the reply holds token ``i`` (``token_field.format(i)``), for error messages."""
+    logprob_field: str = "output_logprobs[{}]"
+    """Where the reply holds the logprob of token ``i``, for error messages."""
+
+
+LOGPROB_TOLERANCE = 1e-3
+"""A sampled token's logprob above this (a probability over 1, beyond rounding) is a broken reply."""
+
+
+def check_chunk(chunk: GenerationChunk, max_tokens: int, vocab_size: int | None = None) -> GenerationChunk:
+    """``chunk`` with float logprobs, or :class:`MalformedResponseError` (retried like malformed JSON) naming
+    the reply's field when it cannot be trained on: more tokens than asked for, a token id that is not an
+    integer in ``[0, vocab_size)`` (the trainer's vocabulary; None: below ``TOKEN_ID_LIMIT``, which no
+    vocabulary reaches and a trajectory's int32 ids cannot hold), a logprob
+    that is null, not a number, NaN, infinite or positive.
+
+    Every reply of every episode passes here on the pool's event loop, so a clean reply is checked in a
+    few passes over its lists; the first bad entry is looked for, and named, only when there is one."""
+    tokens, values = chunk.output_tokens, chunk.output_logprobs
+    if len(tokens) > max_tokens:
+        raise MalformedResponseError(f"{len(tokens)} tokens for a request of at most {max_tokens}")
+    upper = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
+    if not all(type(t) is int for t in tokens) or (tokens and not (min(tokens) >= 0 and max(tokens) < upper)):
+        _raise_bad_token(chunk, vocab_size)
+    if not all(type(v) is float or type(v) is int for v in values) or not all(
+        -math.inf < v <= LOGPROB_TOLERANCE for v in values
+    ):
+        _raise_bad_logprob(chunk)
+    return replace(chunk, output_logprobs=[float(v) for v in values])
+
+
+def _raise_bad_token(chunk: GenerationChunk, vocab_size: int | None) -> None:
+    for i, token in enumerate(chunk.output_tokens):
+        field_name = chunk.token_field.format(i)
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise MalformedResponseError(f"{field_name} is {token!r:.40}, not a token id")
+        if token < 0:
+            raise MalformedResponseError(f"{field_name}: negative token id {token}")
+        if vocab_size is not None and token >= vocab_size:
+            raise MalformedResponseError(
+                f"{field_name}: token id {token} is outside the trainer's vocabulary of {vocab_size} "
+                "(does the server serve the trainer's model?)"
+            )
+        if token >= TOKEN_ID_LIMIT:
+            raise MalformedResponseError(
+                f"{field_name}: token id {token} is beyond any vocabulary (a trajectory's ids are int32, "
+                f"below {TOKEN_ID_LIMIT})"
+            )
+
+
+def _raise_bad_logprob(chunk: GenerationChunk) -> None:
+    for i, value in enumerate(chunk.output_logprobs):
+        field_name = chunk.logprob_field.format(i)
+        if value is None:
+            raise MalformedResponseError(f"{field_name} is null: the reply has no logprob for token {i}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MalformedResponseError(f"{field_name} is {value!r:.40}, not a number")
+        if not math.isfinite(value) or value > LOGPROB_TOLERANCE:
+            raise MalformedResponseError(f"{field_name}: logprob {value!r} is not a log-probability (finite, <= 0)")
+
+
+def split_routes(rows, n_input: int, n_tokens: int, where: str) -> tuple[list[list[int]], list[list[int]]]:
+    """A reply's routed experts, one row per forwarded position from the first input token (the last
+    generated token is not forwarded), as (input tokens after the first, generated tokens)."""
+    expected = n_input - 1 + n_tokens
+    if len(rows) != expected:
+        raise MalformedResponseError(
+            f"{where} has routes for {len(rows)} positions; expected {expected} ({n_input} input tokens and "
+            f"{n_tokens} new tokens, less the last, which was not forwarded)"
+        )
+    if n_tokens == 0:
+        return rows, []
+    return rows[: n_input - 1], rows[n_input - 1 :]
+
+
+@dataclass(frozen=True)
+class HttpCall:
+    """One control-plane call: ``method endpoint`` with an optional JSON body and query."""
+
+    endpoint: str
+    payload: Any = None
+    method: str = "POST"
+    params: dict[str, str] = field(default_factory=dict)
+
+
+class InferenceBackend(abc.ABC):
+    """Translates generation and pause/resume into one server family's HTTP API."""
+
+    name: str
+    generate_endpoint: str
+    health_endpoint: str = "/health"
+    return_routed_experts: bool = False
+    """Ask for the experts each generated token was routed to (``rollout.return_routed_experts``)."""
+    vocab_size: int | None = None
+    """The trainer's vocabulary: a reply holding a token id at or beyond it is refused (None: not checked)."""
+    adapter: str | None = None
+    """The LoRA adapter every request asks for (adapter weight sync names each version's adapter; None:
+    the server's base model)."""
+
+    @abc.abstractmethod
+    def generate_payload(
+        self, input_ids: list[int], gconfig: GenerationHyperparameters, max_new_tokens: int, min_new_tokens: int
+    ) -> dict[str, Any]:
+        """Body of a request generating at most ``max_new_tokens`` after ``input_ids``."""
+
+    @abc.abstractmethod
+    def parse_generate(self, body: Any) -> GenerationChunk:
+        """The chunk in a generate reply; ``MalformedResponseError`` if the body is not one."""
+
+    @abc.abstractmethod
+    def pause_calls(self) -> list[HttpCall]:
+        """Calls that stop generation on a server, aborting in-flight requests with their tokens so far."""
+
+    @abc.abstractmethod
+    def resume_calls(self) -> list[HttpCall]:
+        """Calls that let a paused server generate again (and drop caches made stale by new weights)."""
+
+    @abc.abstractmethod
+    def sleep_calls(self) -> list[HttpCall]:
+        """Calls that stop generation (aborting in-flight requests) and free the server's device memory
+        for a colocated trainer: weights offloaded to host memory, KV cache dropped."""
+
+    @abc.abstractmethod
+    def wake_calls(self) -> list[HttpCall]:
+        """Calls that bring a sleeping server's weights and KV cache back (new weights are pushed next)."""

@@ -1,0 +1,73 @@
+"""The trainer's handle on one inference server: weight updates, LoRA adapters, probe scoring.
+
+One implementation per server family, in the family's file beside its generation dialect
+(:class:`megarl.serving.vllm.VLLMControl`, :class:`megarl.serving.sglang.SGLangControl`). Only
+trainer rank 0 talks to servers. Calls that return only once the data has moved (``init_group``,
+``receive``) run in a thread while the trainer ranks send; every call has a timeout and raises
+:class:`~megarl.serving.http.ServerControlError` naming the server, the route and why.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from megarl.serving.http import ServerControlError, http_json, http_ok
+
+__all__ = ["ServerControl", "ServerControlError", "http_json"]
+
+
+class ServerControl(abc.ABC):
+    """Trainer-side driver of one server's weight updates."""
+
+    name: str
+
+    def __init__(self, address: str, tp: int, timeout: float = 600.0):
+        self.address, self.tp, self.timeout = address, tp, timeout
+        self.adapter: str | None = None
+        """The LoRA adapter the server serves the trainer's policy under (adapter weight sync): what
+        :meth:`score` and :meth:`generate` ask for; None: the base model."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address}, tp={self.tp})"
+
+    @abc.abstractmethod
+    def init_group(self, init_info: dict) -> None:
+        """Make the server's workers join the bridge groups (returns once they joined)."""
+
+    @abc.abstractmethod
+    def begin(self, mode: str) -> None:
+        """Open an update of ``mode`` (the server is paused meanwhile)."""
+
+    @abc.abstractmethod
+    def receive(self, mode: str, path: str | None = None) -> None:
+        """Make the workers receive one update (returns once everything arrived)."""
+
+    @abc.abstractmethod
+    def commit(self, version: int) -> None:
+        """Apply what was received and record weight version ``version``."""
+
+    @abc.abstractmethod
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprob of every token but the first of each sequence, under the served weights."""
+
+    @abc.abstractmethod
+    def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
+        """``prompt`` followed by ``max_tokens`` sampled tokens (probe trajectories)."""
+
+    @abc.abstractmethod
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory ``path`` as the LoRA adapter ``name`` and serve the policy
+        under it from now on (:attr:`adapter`); the server keeps the adapters loaded before."""
+
+    @abc.abstractmethod
+    def unload_adapter(self, name: str) -> None:
+        """Drop the LoRA adapter ``name`` from the server."""
+
+    def score_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]] | None:
+        """Per sequence, per token but the first: the ``k`` most likely tokens there and their logprobs
+        (temperature 1, untruncated), most likely first; None where the server cannot say."""
+        return None
+
+    def healthy(self) -> bool:
+        """Whether the server answers its health check."""
+        return http_ok(self.address, "/health", timeout=5.0)
