@@ -21,7 +21,8 @@ LAYERS, EXPERTS, TOP_K = 4, 4, 2  # the tiny qwen3_moe (megarl.models.tiny)
 LOGP_TOL = 1e-4  # fp32 Megatron vs fp32 HF on one rank (tests/actor/test_parity.py); replay adds no arithmetic
 LAYOUTS = [
     pytest.param("d1p1t1", 1, marks=pytest.mark.slow),
-    ("d2p1t1e2", 2),
+    # EP2 alone: d1p1t2e2et1 below has the same two expert ranks (and TP2 with sequence parallelism)
+    pytest.param("d2p1t1e2", 2, marks=pytest.mark.slow),
     ("d1p1t2e2et1", 2),
     ("d1p2t1", 2),
 ]
@@ -163,7 +164,7 @@ def test_without_replay_the_trainer_routes_itself(moe_dir, routed):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("alloc, world", [("d1p1t2", 2), ("d1p2t1", 2)])
+@pytest.mark.parametrize("alloc, world", [pytest.param("d1p1t2", 2, marks=pytest.mark.slow), ("d1p2t1", 2)])
 def test_r2_records_the_proximal_routing_and_replays_it(moe_dir, routed, alloc, world):
     """R2 records the trainer's own routing in the proximal pass (sequence-parallel halves gathered, each
     pipeline stage its own layers) and the update replays it for every token, each at its own position."""
@@ -203,6 +204,7 @@ def test_r3_with_activation_recompute_trains_as_without(moe_dir, routed):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # about 70 s: three EP2 runs; replay's exactness is the R3 layout tests' (in `make test`)
 def test_r3_brings_the_moe_gap_down_to_the_dense_noise(tiny_model_dir, tmp_path_factory):
     """A bf16 "server" (the HF model in bf16, its own routes) against the fp32 trainer: without replay the
     gap is the dtype's noise plus the tokens routed elsewhere; with R3 the noise only, as for a dense model.
