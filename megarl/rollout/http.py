@@ -1,4 +1,4 @@
-"""Moved to :mod:`megarl.serving.http` (the one HTTP stack to the servers)."""
+"""Moved to :mod:`megarl.serving.http` (HTTP to the servers: sessions, retries, errors)."""
 
 import megarl.serving.http as _moved_to
 from megarl.utils.deprecation import forward_to

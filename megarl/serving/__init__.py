@@ -6,7 +6,8 @@ side speaks (:class:`~megarl.serving.backend.InferenceBackend`), the trainer's c
 (:class:`~megarl.serving.control.ServerControl`: weight updates, LoRA adapters, probe scoring) and
 the launch command. Beside them:
 
-- ``http``: the one HTTP stack (aiohttp) both sides speak through, its retries and errors;
+- ``http``: the HTTP plumbing both sides use (the rollout side's async requests, the trainer's blocking
+  calls), its retries and errors;
 - ``servers``: :class:`~megarl.serving.servers.ServerSet`, the one owner of the run's servers (routing,
   health, restart, join, leave, readmission), which the rollout side routes with and the weight-sync
   phase asks whom to update;

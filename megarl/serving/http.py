@@ -1,9 +1,9 @@
-"""megarl's one HTTP stack to the inference servers (aiohttp): sessions, retries, errors, blocking calls.
+"""How megarl talks HTTP to the inference servers: sessions, retries, errors, blocking calls.
 
 The rollout side's requests run on its event loop (:func:`arequest_with_retry` on a
-:func:`make_session`); the trainer's control calls are blocking (:func:`http_json`, :func:`http_ok`)
-and run on one event loop kept in a thread of this process, with one session for every server
-(connections kept between calls: a weight update's pause, update and commit reuse them).
+:func:`make_session`, aiohttp); the trainer's control calls are blocking (:func:`http_json`,
+:func:`http_ok`: the standard library's client, on the thread that makes them) and its health checks
+of many servers go out at once (:func:`http_ok_all`).
 
 Failures of the rollout side's requests fall in three groups:
 
@@ -23,13 +23,11 @@ step metrics when it ends an episode for it.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import json
 import logging
-import os
-import threading
-from collections.abc import Callable, Coroutine
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -195,63 +193,32 @@ def make_session(max_connections: int) -> aiohttp.ClientSession:
 # ------------------------------------------------------------------------- blocking calls (the trainer's)
 
 _CONTROL_BODY_SNIPPET = 400
-_blocking_lock = threading.Lock()
-_blocking: tuple[int, asyncio.AbstractEventLoop] | None = None  # (pid, loop) of this process's control loop
-_control_session: aiohttp.ClientSession | None = None  # on that loop
 
 
-def _control_loop() -> asyncio.AbstractEventLoop:
-    """This process's control loop, in a daemon thread started on first use (again after a fork)."""
-    global _blocking, _control_session
-    with _blocking_lock:
-        if _blocking is None or _blocking[0] != os.getpid():
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="megarl-http", daemon=True).start()
-            _blocking, _control_session = (os.getpid(), loop), None
-            atexit.register(_close_control_session, loop, os.getpid())
-        return _blocking[1]
+def http_json(
+    address: str, route: str, payload: Any = None, timeout: float = 60.0, method: str = "POST", text: bool = False
+) -> Any:
+    """``method`` ``http://address/route`` with a JSON body, blocking; the decoded JSON reply (None if
+    empty), or with ``text`` the reply's text (routes that answer in plain text).
+    :class:`ServerControlError` names the server, the route and why a call failed.
 
-
-def _close_control_session(loop: asyncio.AbstractEventLoop, pid: int) -> None:
-    """At exit: close the control loop's session (its sockets) while the loop still runs (not in a forked
-    child, which has neither)."""
-    session = _control_session
-    if pid == os.getpid() and session is not None and not session.closed and loop.is_running():
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout=5)
-
-
-def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on this process's control loop and wait for its result (from any thread but that loop's)."""
-    return asyncio.run_coroutine_threadsafe(coro, _control_loop()).result()
-
-
-def _session() -> aiohttp.ClientSession:
-    """The control loop's session (on the loop): no cap on connections, every server's kept open."""
-    global _control_session
-    if _control_session is None or _control_session.closed:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        _control_session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
-    return _control_session
-
-
-async def _ajson(address: str, route: str, payload: Any, timeout: float, method: str, text: bool) -> Any:
+    The calling thread does the whole call (the weight update fans out on threads, one per server), so
+    no event loop of these calls competes with the rollout pool's for the interpreter."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(
+        f"http://{address}{route}",
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **auth_headers()},
+    )
     try:
-        async with _session().request(
-            method,
-            f"http://{address}{route}",
-            data=None if payload is None else json.dumps(payload),
-            headers={"Content-Type": "application/json", **auth_headers()},
-            timeout=aiohttp.ClientTimeout(total=timeout),
-        ) as reply:
-            body = await reply.read()
-            status = reply.status
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:  # refused, reset, cut short, timed out
-        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise ServerControlError(address, route, f"unreachable or timed out after {timeout:g}s ({why})") from None
-    if status >= 400:
-        detail = body[:_CONTROL_BODY_SNIPPET].decode(errors="replace")
-        raise ServerControlError(address, route, f"HTTP {status}: {detail}")
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            body = reply.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:_CONTROL_BODY_SNIPPET].decode(errors="replace")
+        raise ServerControlError(address, route, f"HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+        raise ServerControlError(address, route, f"unreachable or timed out after {timeout:g}s ({e})") from None
     if text:
         return body.decode(errors="replace")
     try:
@@ -260,31 +227,28 @@ async def _ajson(address: str, route: str, payload: Any, timeout: float, method:
         raise ServerControlError(address, route, f"reply is not JSON: {body[:_CONTROL_BODY_SNIPPET]!r}") from None
 
 
-def http_json(
-    address: str, route: str, payload: Any = None, timeout: float = 60.0, method: str = "POST", text: bool = False
-) -> Any:
-    """``method`` ``http://address/route`` with a JSON body, blocking; the decoded JSON reply (None if
-    empty), or with ``text`` the reply's text (routes that answer in plain text).
-    :class:`ServerControlError` names the server, the route and why a call failed."""
-    return run_blocking(_ajson(address, route, payload, timeout, method, text))
-
-
 def http_ok(address: str, route: str, timeout: float = 5.0) -> bool:
-    """Whether ``GET http://address/route`` answers within ``timeout`` s without an error (a health check)."""
-    return http_ok_all([address], route, timeout)[0]
+    """Whether ``GET http://address/route`` answers 200 within ``timeout`` s (a health check), blocking."""
+    try:
+        with urllib.request.urlopen(f"http://{address}{route}", timeout=timeout) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def http_ok_all(addresses: list[str], route: str, timeout: float = 5.0) -> list[bool]:
-    """:func:`http_ok` of each of ``addresses``, all at once, blocking."""
+    """:func:`http_ok` of each of ``addresses``, all at once on an event loop of the calling thread
+    (which must not be running one)."""
 
-    async def ok(address: str) -> bool:
+    async def ok(session: aiohttp.ClientSession, address: str) -> bool:
         try:
-            await _ajson(address, route, None, timeout, "GET", True)
-        except ServerControlError:
+            async with session.get(f"http://{address}{route}", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
-        return True
 
     async def every() -> list[bool]:
-        return list(await asyncio.gather(*(ok(a) for a in addresses)))
+        async with make_session(len(addresses) + 1) as session:
+            return list(await asyncio.gather(*(ok(session, a) for a in addresses)))
 
-    return run_blocking(every()) if addresses else []
+    return asyncio.run(every()) if addresses else []
