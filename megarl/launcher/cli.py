@@ -219,7 +219,7 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_watchdog(args: argparse.Namespace, console: Console) -> int:
     from megarl.launcher.watchdog import job_servers, watch_job
-    from megarl.rollout.engine import make_backend
+    from megarl.serving import make_backend
 
     config = _load(args)
     addrs = [a for a in os.environ.get(config.rollout.server_addrs_env, "").split(",") if a]
