@@ -46,3 +46,77 @@ def test_fmt_skip_only_with_a_reason():
             if match and not match["rest"].strip().lstrip("#").strip():
                 bare.append(f"{path.relative_to(REPO)}:{number}")
     assert not bare, f"'# fmt: skip' without a comment saying why: {bare}"
+
+
+SERVER_ROUTES = {
+    "vllm": (
+        "/v1/completions",
+        "/v1/models",
+        "/pause",
+        "/resume",
+        "/sleep",
+        "/wake_up",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/metrics",
+    ),
+    "sglang": (
+        "/generate",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/init_weights_update_group",
+        "/begin_weight_update",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+    ),
+}
+"""Every route megarl calls on a server family (``/health`` aside: every family's and megarl's own)."""
+
+
+def _strings(path: Path) -> set[str]:
+    return {
+        node.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+
+
+def test_each_server_familys_routes_are_called_from_its_one_file():
+    """What megarl says to a vLLM (SGLang) server is read in one file: ``megarl/serving/vllm.py`` (``sglang.py``)."""
+    elsewhere = {}
+    for path in python_files("megarl"):
+        rel = str(path.relative_to(REPO))
+        for family, routes in SERVER_ROUTES.items():
+            found = sorted(_strings(path) & set(routes))
+            if found and rel != f"megarl/serving/{family}.py":
+                elsewhere[(rel, family)] = found
+    assert not elsewhere, f"server routes outside their family's file in megarl/serving/: {elsewhere}"
+
+
+def test_only_the_server_set_keeps_servers_out_of_rotation():
+    """No module but ``megarl/serving/servers.py`` keeps its own record of unhealthy servers (an attribute or
+    variable named ``unhealthy``, ``*_unhealthy``, ``unhealthy_servers``): the weight sync asks the run's
+    ``ServerSet``."""
+    found = []
+    for path in python_files("megarl"):
+        rel = str(path.relative_to(REPO))
+        if rel == "megarl/serving/servers.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) else []:
+                name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+                if re.fullmatch(r"_?unhealthy(_servers)?|.*_unhealthy", name or ""):
+                    found.append(f"{rel}:{node.lineno} {name}")
+    assert not found, f"a second record of unhealthy servers: {found}"
