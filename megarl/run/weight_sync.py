@@ -221,17 +221,15 @@ class WeightSync:
         """One weight-sync phase (collective); returns timings, bytes and the consistency metric."""
         start = time.perf_counter()
         probing = self.n_updates % self.config.probe_every == 0
-        plan = self._next_plan()
-        if not plan.targets:
-            self.plan = plan
+        self.plan = self._next_plan()
+        if not self.plan.targets:
             return self._nothing_to_send(version, start)
         self._pause()
         paused = time.perf_counter()
         try:
             if not self.bridge.connected:
                 heartbeat.step("weight sync: connecting the bridge to the servers")
-                self.connect(plan)
-            self.plan = plan
+                self.connect(self.plan)
             report = self.bridge.update(ShardSource.from_engine(self.engine), version, mode, path)
             readmitted = self._after(report, version)
             died = self._died(report)

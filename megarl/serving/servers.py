@@ -336,16 +336,14 @@ class ServerSet:
         with self._lock:
             return {s.address for s in self._servers if math.isinf(s.unhealthy_until)}
 
-    def record_update(self, updated: list[str], failed: dict[str, str]) -> list[str]:
+    def record_update(self, updated: list[str], failed: dict[str, str]) -> None:
         """An update landed on ``updated`` and failed on ``failed`` (address -> why): the failed servers leave
-        rotation until new weights reach them; the restarted or joined ones it reached come back. Returns those."""
+        rotation until new weights reach them; the restarted or joined ones it reached come back."""
         held = self.held_out()
         for address, reason in failed.items():
             self.mark_unhealthy(address, reason)
-        back = [a for a in updated if a in held]
-        for address in back:
+        for address in (a for a in updated if a in held):
             self.mark_healthy(address)
-        return back
 
     def controls(self, addresses: list[str], tp: int, timeout: float) -> list[ServerControl]:
         """The trainer's control handle on each of ``addresses`` (TP size ``tp``, calls bounded by ``timeout``
