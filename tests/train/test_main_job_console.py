@@ -60,6 +60,8 @@ def test_main_job_console_has_a_few_lines(tmp_path):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 4 or not sys.argv[3].isdigit():
+        sys.exit(f"usage: python -m tests.train.test_main_job_console RUN_LOG RUN_DIR STEPS (got {sys.argv[1:]})")
     log, run_dir, steps = sys.argv[1:]
     try:
         check_console(Path(log).read_text(), Path(run_dir), int(steps))
