@@ -113,6 +113,18 @@ def machine_info() -> dict:
     return info
 
 
+def cpu_kind(flags: str | None = None) -> str:
+    """The CPU kind a benchmark that compares CPUs names its table after: ``amx`` (AMX bf16 tiles),
+    ``avx512_bf16`` (AVX-512 with bf16 dot products), ``avx512`` (AVX-512, bf16 emulated) or ``avx2``.
+    ``flags``: space-separated CPU flags (default: this machine's, as ``machine_info`` records them)."""
+    have = set((machine_info()["cpu_flags"] if flags is None else flags).split())
+    if "amx_bf16" in have:
+        return "amx"
+    if "avx512_bf16" in have:
+        return "avx512_bf16"
+    return "avx512" if "avx512f" in have else "avx2"
+
+
 def package_versions() -> dict:
     """Installed versions of :data:`_PACKAGES`; megarl's from its source tree where it is not
     installed (a checkout copied to a node and run from its root)."""

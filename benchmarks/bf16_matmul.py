@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from benchmarks._harness import main_for
+from benchmarks._harness import cpu_kind, main_for
 
 TITLE = "torch matmul on CPU: fp32 vs bf16 GFLOP/s (N x N @ N x N, every core)"
 
@@ -26,6 +26,12 @@ def gflops(dtype: torch.dtype, n: int, repeats: int) -> float:
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+def results_name() -> str:
+    """One table per CPU kind (``bf16_matmul_avx2``, ``bf16_matmul_avx512``, ...): how slow emulated bf16
+    is depends on the instructions the emulation has (AVX2 or AVX-512)."""
+    return f"bf16_matmul_{cpu_kind()}"
 
 
 def run(quick: bool) -> list[dict]:

@@ -67,7 +67,7 @@ from typing import Self
 
 import psutil
 
-from benchmarks._harness import main_for
+from benchmarks._harness import cpu_kind, main_for
 from megarl.utils.hardware import auto_dtype, cpu_info
 
 TITLE = "GRPO on CPU: megarl vs TRL GRPOTrainer (SmolLM2-135M-Instruct, arithmetic, 8 prompts x 8 samples, 16 tokens)"
@@ -434,6 +434,13 @@ def row(system: str, result: dict) -> dict:
         "cpu": cpu_info().summary(),
         "notes": f"{NOTES[system]}; {DEFINITIONS}",
     }
+
+
+def results_name() -> str:
+    """One table per CPU kind (``peer_trl_avx2``, ``peer_trl_avx512``, ``peer_trl_avx512_bf16``,
+    ``peer_trl_amx``): the dtype both run in, and how much each side gains from the CPU, differ
+    by kind."""
+    return f"peer_trl_{cpu_kind()}"
 
 
 def run(quick: bool) -> list[dict]:

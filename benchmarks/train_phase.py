@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._harness import machine_info, main_for
+from benchmarks._harness import cpu_kind, machine_info, main_for
 from benchmarks.actor_step import _time_steps
 
 TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, 56 sequences): breakdown, vs a plain HF step"
@@ -252,11 +252,9 @@ def _row(dtype: str, system: str, part: str, seconds: float, total: float, **ext
 
 
 def results_name() -> str:
-    """One table per CPU kind (``train_phase_amx``, ``train_phase_avx512_bf16``, ``train_phase_avx2``):
-    the kinds differ most exactly where this benchmark looks."""
-    flags = set((machine_info().get("cpu_flags") or "").split())
-    kind = next((k for k in ("amx_bf16", "avx512_bf16") if k in flags), "avx2")
-    return f"train_phase_{kind.removesuffix('_bf16') if kind == 'amx_bf16' else kind}"
+    """One table per CPU kind (``train_phase_amx``, ``train_phase_avx512_bf16``, ``train_phase_avx512``,
+    ``train_phase_avx2``): the kinds differ most exactly where this benchmark looks."""
+    return f"train_phase_{cpu_kind()}"
 
 
 def dtypes_to_run() -> list[str]:

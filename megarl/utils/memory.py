@@ -62,6 +62,11 @@ class PeakRSS:
                 self._peak = max(self._peak, rss)
             threading.Event().wait(self.interval)
 
+    def peak_so_far(self) -> int:
+        """The highest RSS (bytes) sampled in the phase in progress (or the last one) so far."""
+        with self._lock:
+            return self._peak
+
     @contextlib.contextmanager
     def peak(self, name: str) -> Iterator[None]:
         """Record the peak RSS of the block as ``memory/<scopes>/<name>_peak_gb``."""

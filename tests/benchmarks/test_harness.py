@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._harness import markdown_table, run_benchmark
+from benchmarks._harness import cpu_kind, markdown_table, run_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,3 +109,17 @@ def test_a_pipe_in_a_column_or_a_value_does_not_split_its_cell():
     header, rule, row = markdown_table([{"gap (mean |logp diff|)": 1.5, "setup": "a|b"}]).splitlines()
     assert header == "| gap (mean \\|logp diff\\|) | setup |" and row == "| 1.5 | a\\|b |"
     assert rule == "|---|---|"
+
+
+@pytest.mark.parametrize(
+    ("flags", "kind"),
+    [
+        ("avx avx2 fma", "avx2"),
+        ("avx avx2 avx512f avx512bw avx512_vnni fma", "avx512"),
+        ("avx2 avx512f avx512_bf16 fma", "avx512_bf16"),
+        ("amx_bf16 amx_tile avx2 avx512f avx512_bf16", "amx"),
+        ("", "avx2"),
+    ],
+)
+def test_cpu_kind_names_the_table_of_each_cpu_kind(flags, kind):
+    assert cpu_kind(flags) == kind
