@@ -95,17 +95,18 @@ def test_bf16_engine_weights_follow_their_main_parameters(tiny_model_dir, distri
     model = str(tiny_model_dir("llama"))
     batch = make_batch([20, 14, 17, 9], seed=3)
     world = AllocationMode.from_str("megatron:d2p1t1").train.world_size
+    by_rank = run_ranks(
+        world,
+        "tests.actor.workers:bf16_update_run",
+        model_dir=model,
+        alloc="d2p1t1",
+        batch=batch,
+        roundings=["dithered", "nearest"],
+        distributed=distributed,
+    )
     ratios = {}
     for rounding in ("dithered", "nearest"):
-        results = run_ranks(
-            world,
-            "tests.actor.workers:bf16_update_run",
-            model_dir=model,
-            alloc="d2p1t1",
-            batch=batch,
-            rounding=rounding,
-            distributed=distributed,
-        )
+        results = [rank[rounding] for rank in by_rank]
         assert torch.equal(results[0]["weights"], results[1]["weights"]), f"{rounding}: DP replicas diverged"
         owners = results if distributed else results[:1]  # shards of the main parameters, or a whole copy
         mains_moved = sum(r["mains_abs_change"] for r in owners) / sum(r["mains_numel"] for r in owners)
@@ -119,19 +120,19 @@ def test_recover_point_keeps_the_dithered_main_parameters(tiny_model_dir, tmp_pa
     """A resumed run continues from the saved main parameters, offsets included, not from a new
     draw; main parameters saved by a round-to-nearest run are dithered on load, the model unchanged."""
     model = str(tiny_model_dir("llama"))
-    run = lambda ckpt, save, rounding: run_ranks(
-        1,
-        "tests.actor.workers:bf16_main_params_through_checkpoint",
-        model_dir=model,
-        alloc="d1p1t1",
-        ckpt_dir=str(tmp_path / ckpt),
-        save=save,
-        rounding=rounding,
+    runs = [  # (checkpoint, save it or load it, rounding), one engine after the other in one process
+        (str(tmp_path / "dithered"), True, "dithered"),
+        (str(tmp_path / "dithered"), False, "dithered"),
+        (str(tmp_path / "nearest"), True, "nearest"),
+        (str(tmp_path / "nearest"), False, "dithered"),
+    ]
+    results = run_ranks(
+        1, "tests.actor.workers:bf16_main_params_through_checkpoint", model_dir=model, alloc="d1p1t1", runs=runs
     )[0]
-    saved, loaded = run("dithered", True, "dithered"), run("dithered", False, "dithered")
+    saved, loaded = results[0], results[1]
     assert torch.equal(loaded["mains"], saved["mains"])
     assert torch.equal(loaded["weights"], saved["weights"])
-    saved, loaded = run("nearest", True, "nearest"), run("nearest", False, "dithered")
+    saved, loaded = results[2], results[3]
     assert torch.equal(loaded["weights"], saved["weights"])
     redithered = (loaded["mains"] != saved["mains"]).float().mean().item()
     assert redithered > 0.9, f"only {redithered:.1%} of the main parameters saved undithered were dithered"

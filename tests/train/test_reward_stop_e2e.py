@@ -21,7 +21,10 @@ def exact_match(prompt, completion, prompt_ids, completion_ids, **row):
     return float(completion.strip() == row["expected"])
 """
 
-pytestmark = pytest.mark.vllm
+# a whole run (~1-2 min on 2 cores): with the slow tests; in `make test`, the stop at the first calls on real
+# reward workers (tests/reward/test_reward_failures.py) and a trainer's stop reason on the launcher's console
+# (tests/train/test_watchdog_e2e.py)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_a_reward_raising_on_every_call_stops_the_run_in_its_first_step(tmp_path):
