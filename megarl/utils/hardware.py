@@ -69,13 +69,12 @@ def cpu_info() -> CPUInfo:
 
 
 def cpu_bf16_native() -> tuple[bool, str]:
-    """Whether this CPU computes bf16 matmuls natively, and the reason in a few words."""
+    """Whether this CPU computes bf16 matmuls natively, and the reason in a few words (emulated bf16's
+    cost from ``benchmarks/results/bf16_matmul_avx512.md`` and ``bf16_matmul_avx2.md``)."""
     info = cpu_info()
     if not info.bf16_flags:
-        return (
-            False,
-            f"{info.summary()}; no AVX-512 BF16/AMX, so bf16 matmuls are emulated (over 100x slower than fp32)",
-        )
+        cost = "3-5x" if "avx512f" in info.flags else "over 100x"
+        return False, f"{info.summary()}; no AVX-512 BF16/AMX, so bf16 matmuls are emulated ({cost} slower than fp32)"
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     if isa and isa not in _ONEDNN_BF16_ISAS:
         return False, f"{info.summary()}; ONEDNN_MAX_CPU_ISA={isa} hides {'/'.join(info.bf16_flags)} from oneDNN"

@@ -52,6 +52,14 @@ def test_auto_follows_the_bf16_instructions(cpu, flags, want):
     assert hardware.auto_dtype("cuda")[0] == "bfloat16"
 
 
+@pytest.mark.parametrize(("flags", "cost"), [(AVX2, "over 100x slower"), (AVX2 | {"avx512f"}, "3-5x slower")])
+def test_the_reason_says_what_emulated_bf16_costs_here(cpu, flags, cost):
+    """AVX-512 emulates bf16 products at a third to a fifth of fp32's speed, AVX2 alone at under a hundredth
+    (benchmarks/results/bf16_matmul_avx512.md, bf16_matmul_avx2.md)."""
+    cpu(flags)
+    assert f"bf16 matmuls are emulated ({cost} than fp32)" in hardware.auto_dtype("cpu")[1]
+
+
 def test_onednn_isa_cap_counts_as_no_native_bf16(cpu, monkeypatch):
     cpu(SAPPHIRE_RAPIDS)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
