@@ -44,9 +44,10 @@ the wall time of the whole run including start-up.
 
 The full run trains each system for 12 minutes (megarl is stopped with SIGTERM, which its
 launcher turns into a clean teardown, once its step times add up to that); ``--quick`` runs 3
-steps each, a smoke test of the script.
+steps each, a smoke test of the script. ``--dtype bfloat16`` (or ``float32``) runs both in that dtype
+whatever ``auto`` picks (e.g. bf16 on a CPU that emulates it), into a table of its own.
 
-    python -m benchmarks.peer_trl [--quick]
+    python -m benchmarks.peer_trl [--quick] [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -169,9 +170,18 @@ def summarize(system: str, steps: list[dict], window_s: float = WINDOW_S, last_n
     }
 
 
+DTYPE_ENV = "MEGARL_PEER_DTYPE"
+"""Set by ``--dtype``: both systems in this dtype instead of what ``auto`` picks on this CPU."""
+
+
 def peer_dtype() -> tuple[str, str]:
-    """The dtype both systems run in, and why: what megarl's ``dtype: auto`` gives on this CPU."""
-    return auto_dtype("cpu")
+    """The dtype both systems run in, and why: what megarl's ``dtype: auto`` gives on this CPU,
+    unless ``--dtype`` asked for another."""
+    auto, why = auto_dtype("cpu")
+    asked = os.environ.get(DTYPE_ENV)
+    if asked and asked != auto:
+        return asked, f"asked for with --dtype; auto would pick {auto}: {why}"
+    return auto, why
 
 
 # ---------------------------------------------------------------- TRL side
@@ -439,8 +449,9 @@ def row(system: str, result: dict) -> dict:
 def results_name() -> str:
     """One table per CPU kind (``peer_trl_avx2``, ``peer_trl_avx512``, ``peer_trl_avx512_bf16``,
     ``peer_trl_amx``): the dtype both run in, and how much each side gains from the CPU, differ
-    by kind."""
-    return f"peer_trl_{cpu_kind()}"
+    by kind. A dtype other than ``auto``'s (``--dtype``) gets its own table: ``peer_trl_avx512_bfloat16``."""
+    dtype, auto = peer_dtype()[0], auto_dtype("cpu")[0]
+    return f"peer_trl_{cpu_kind()}" + ("" if dtype == auto else f"_{dtype}")
 
 
 def run(quick: bool) -> list[dict]:
@@ -472,4 +483,8 @@ if __name__ == "__main__":
     if "--trl-worker" in sys.argv:
         _worker_main(sys.argv[1:])
     else:
+        if "--dtype" in sys.argv:  # python -m benchmarks.peer_trl --dtype bfloat16: both sides in bf16
+            i = sys.argv.index("--dtype")
+            os.environ[DTYPE_ENV] = sys.argv[i + 1]
+            del sys.argv[i : i + 2]
         main_for(__name__)

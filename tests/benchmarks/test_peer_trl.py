@@ -147,6 +147,20 @@ def test_both_systems_run_in_the_dtype_megarl_auto_picks(monkeypatch, tmp_path, 
     assert [r["generation"] for r in rows] == ["vLLM-CPU server", "transformers generate (use_vllm=False)"]
 
 
+def test_a_dtype_asked_for_runs_both_sides_in_it_into_a_table_of_its_own(monkeypatch):
+    """``--dtype bfloat16`` on an AVX-512 CPU without the bf16 instructions: both in bf16 (emulated),
+    saying what ``auto`` would have picked; its table is not the CPU kind's own."""
+    _cpu(monkeypatch, "avx2", "avx512f")
+    monkeypatch.delenv(peer_trl.DTYPE_ENV, raising=False)
+    assert peer_trl.peer_dtype()[0] == "float32" and peer_trl.results_name() == "peer_trl_avx512"
+    monkeypatch.setenv(peer_trl.DTYPE_ENV, "float32")  # what auto picks anyway: the kind's own table
+    assert peer_trl.results_name() == "peer_trl_avx512"
+    monkeypatch.setenv(peer_trl.DTYPE_ENV, "bfloat16")
+    dtype, why = peer_trl.peer_dtype()
+    assert dtype == "bfloat16" and "auto would pick float32" in why, why
+    assert peer_trl.results_name() == "peer_trl_avx512_bfloat16"
+
+
 def test_the_megarl_run_sets_both_dtypes(monkeypatch, tmp_path):
     """The megarl side pins actor.dtype and vllm.dtype to the shared choice (the launcher is not run)."""
     calls = []
