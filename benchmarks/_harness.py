@@ -10,6 +10,8 @@ A benchmark is a module ``benchmarks/NAME.py`` that defines
     def results_name() -> str        # optional: the results' file stem (default NAME), e.g.
                                      # to keep a GPU table beside the CPU one
     def summary(rows) -> str         # optional: a line above the table (e.g. a gain over the rows)
+    CLI_OPTIONS: dict                # optional: the script's own options when run standalone,
+                                     # {"--flag": (ENV_VAR, {choice: value of ENV_VAR})}
 
 and ends with ``if __name__ == "__main__": main_for(__name__)`` so that it also runs
 standalone. ``benchmarks/run.py`` runs several. Every result file records the date, the
@@ -116,8 +118,10 @@ def machine_info() -> dict:
 def cpu_kind(flags: str | None = None) -> str:
     """The CPU kind a benchmark that compares CPUs names its table after: ``amx`` (AMX bf16 tiles),
     ``avx512_bf16`` (AVX-512 with bf16 dot products), ``avx512`` (AVX-512, bf16 emulated) or ``avx2``.
-    ``flags``: space-separated CPU flags (default: this machine's, as ``machine_info`` records them)."""
-    have = set((machine_info()["cpu_flags"] if flags is None else flags).split())
+    ``flags``: space-separated CPU flags (default: this machine's)."""
+    from megarl.utils.hardware import cpu_info
+
+    have = cpu_info().flags if flags is None else set(flags.split())
     if "amx_bf16" in have:
         return "amx"
     if "avx512_bf16" in have:
@@ -247,9 +251,17 @@ def print_record(record: dict) -> None:
 
 
 def main_for(module_name: str) -> None:
-    """Entry point of a standalone benchmark script: ``python -m benchmarks.NAME [--quick]``."""
+    """Entry point of a standalone benchmark script: ``python -m benchmarks.NAME [--quick]``, and the
+    module's ``CLI_OPTIONS``: a choice given on the command line sets its variable before the run
+    (argparse refuses any other value, naming it)."""
     name = module_name.rsplit(".", 1)[-1] if module_name != "__main__" else Path(sys.argv[0]).stem
+    options = getattr(sys.modules.get(module_name), "CLI_OPTIONS", {})
     parser = argparse.ArgumentParser(description=f"run the {name} benchmark")
     parser.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    for flag, (env, values) in options.items():
+        parser.add_argument(flag, dest=env, choices=list(values), help=f"sets ${env}")
     args = parser.parse_args()
+    for env, values in options.values():
+        if getattr(args, env) is not None:
+            os.environ[env] = values[getattr(args, env)]
     print_record(run_benchmark(name, quick=args.quick))

@@ -172,6 +172,7 @@ def summarize(system: str, steps: list[dict], window_s: float = WINDOW_S, last_n
 
 DTYPE_ENV = "MEGARL_PEER_DTYPE"
 """Set by ``--dtype``: both systems in this dtype instead of what ``auto`` picks on this CPU."""
+CLI_OPTIONS = {"--dtype": (DTYPE_ENV, {"bfloat16": "bfloat16", "float32": "float32"})}
 
 
 def peer_dtype() -> tuple[str, str]:
@@ -483,8 +484,4 @@ if __name__ == "__main__":
     if "--trl-worker" in sys.argv:
         _worker_main(sys.argv[1:])
     else:
-        if "--dtype" in sys.argv:  # python -m benchmarks.peer_trl --dtype bfloat16: both sides in bf16
-            i = sys.argv.index("--dtype")
-            os.environ[DTYPE_ENV] = sys.argv[i + 1]
-            del sys.argv[i : i + 2]
         main_for(__name__)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -257,9 +256,14 @@ def results_name() -> str:
     return f"train_phase_{cpu_kind()}"
 
 
+DTYPES_ENV = "MEGARL_TRAIN_PHASE_DTYPES"
+"""Set by ``--dtype``: the dtypes to time, comma-separated."""
+CLI_OPTIONS = {"--dtype": (DTYPES_ENV, {"both": "bfloat16,float32", "bfloat16": "bfloat16", "float32": "float32"})}
+
+
 def dtypes_to_run() -> list[str]:
-    """bfloat16 where the CPU has it natively, then float32 (``MEGARL_TRAIN_PHASE_DTYPES`` overrides)."""
-    chosen = os.environ.get("MEGARL_TRAIN_PHASE_DTYPES")
+    """bfloat16 where the CPU has it natively, then float32 (``--dtype``, i.e. ``MEGARL_TRAIN_PHASE_DTYPES``, overrides)."""
+    chosen = os.environ.get(DTYPES_ENV)
     if chosen:
         return chosen.split(",")
     return ["bfloat16", "float32"] if machine_info().get("native_bf16") else ["float32"]
@@ -292,9 +296,4 @@ def summary(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    if "--dtype" in sys.argv:
-        i = sys.argv.index("--dtype")
-        value = sys.argv[i + 1]
-        os.environ["MEGARL_TRAIN_PHASE_DTYPES"] = "bfloat16,float32" if value == "both" else value
-        del sys.argv[i : i + 2]
     main_for(__name__)

@@ -1,6 +1,7 @@
 """The benchmark harness writes JSON + markdown with machine, versions and date."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -123,3 +124,22 @@ def test_a_pipe_in_a_column_or_a_value_does_not_split_its_cell():
 )
 def test_cpu_kind_names_the_table_of_each_cpu_kind(flags, kind):
     assert cpu_kind(flags) == kind
+
+
+def test_a_scripts_own_option_sets_its_variable_and_a_bad_value_is_named(monkeypatch, capsys):
+    import benchmarks._harness as harness
+
+    ran = []
+    monkeypatch.setattr(harness, "run_benchmark", lambda name, quick: ran.append((name, quick)) or {})
+    monkeypatch.setattr(harness, "print_record", lambda record: None)
+    monkeypatch.delenv("MEGARL_TEST_DTYPES", raising=False)
+    script = types.ModuleType("benchmarks.peer")
+    script.CLI_OPTIONS = {"--dtype": ("MEGARL_TEST_DTYPES", {"both": "bfloat16,float32", "float32": "float32"})}
+    monkeypatch.setitem(sys.modules, "benchmarks.peer", script)
+    monkeypatch.setattr(sys, "argv", ["peer.py", "--dtype", "both", "--quick"])
+    harness.main_for("benchmarks.peer")
+    assert os.environ["MEGARL_TEST_DTYPES"] == "bfloat16,float32" and ran == [("peer", True)]
+    monkeypatch.setattr(sys, "argv", ["peer.py", "--dtype", "float16"])
+    with pytest.raises(SystemExit):
+        harness.main_for("benchmarks.peer")
+    assert "--dtype: invalid choice: 'float16'" in capsys.readouterr().err and len(ran) == 1
