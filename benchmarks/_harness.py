@@ -129,6 +129,19 @@ def cpu_kind(flags: str | None = None) -> str:
     return "avx512" if "avx512f" in have else "avx2"
 
 
+DTYPE_CHOICES = {"both": "bfloat16,float32", "bfloat16": "bfloat16", "float32": "float32"}
+"""A CPU benchmark's ``--dtype`` choices (its ``CLI_OPTIONS``), as the comma-separated dtypes they select."""
+
+
+def cpu_dtypes_to_run(env: str) -> list[str]:
+    """The dtypes a CPU benchmark times: those ``$env`` lists (set by its ``--dtype``, see
+    :data:`DTYPE_CHOICES`), else bfloat16 where the CPU computes it natively, then float32."""
+    chosen = os.environ.get(env)
+    if chosen:
+        return chosen.split(",")
+    return ["bfloat16", "float32"] if machine_info().get("native_bf16") else ["float32"]
+
+
 def package_versions() -> dict:
     """Installed versions of :data:`_PACKAGES`; megarl's from its source tree where it is not
     installed (a checkout copied to a node and run from its root)."""

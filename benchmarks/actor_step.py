@@ -2,15 +2,18 @@
 
 One process, one rank (``megatron:d1p1t1``; gloo on CPU, NCCL on CUDA), a random Qwen2-shaped
 model (QKV bias, GQA, SwiGLU) whose size is set by the shape table below. A step is a packed
-micro-batch pass of a token-mean next-token loss (fused vocab-parallel logprobs), backward,
-and an Adam update. Timings: median over ``steps`` after one warm-up step.
+micro-batch pass of a token-mean next-token loss through the head's training path (the one
+the PPO loss takes: ``LMHeadOutput.token_loss``, the head's gradients computed in its forward),
+backward, and an Adam update. Timings: median over ``steps`` after one warm-up step (on CPU megarl's and
+HF's steps take turns).
 
-* CPU (fp32; bf16 too where the CPU computes it natively): the same model as an HF
+* CPU (fp32; bf16 too where the CPU computes it natively, or as ``--dtype`` asks): the same model as an HF
   transformers ``Qwen2ForCausalLM`` doing forward, log-softmax logprobs, backward and
   ``torch.optim.AdamW`` over the same tokens in the same dtype (bf16: bf16 weights and Adam
   states, where megarl keeps fp32 main weights), in the same process; ``vs_hf`` = Megatron
   tokens/s over HF tokens/s. Where a GRPO step's train phase spends its time, part by part,
-  is ``benchmarks/train_phase.py``'s table.
+  is ``benchmarks/train_phase.py``'s table. One table per CPU kind (``actor_step_avx2``,
+  ``actor_step_avx512``, ``actor_step_avx512_bf16``, ``actor_step_amx``).
 * GPU (bf16, Megatron's mixed-precision distributed optimizer): a Qwen2.5-1.5B-shaped model
   from random init, first with the torch path (``use_fused_kernels=False``), then with the fused
   CUDA logprob kernels (True), each in its own process (a kernel fault cannot cost the other
@@ -23,6 +26,7 @@ and an Adam update. Timings: median over ``steps`` after one warm-up step.
   ``logp_max_abs_diff`` / ``logp_mean_abs_diff`` columns compare its next-token logprobs with
   ``compute_logp`` on the first two sequences (on the GPU, every row: fused kernels on and off).
 
+``python -m benchmarks.actor_step [--quick] [--dtype both|bfloat16|float32]`` runs it here;
 ``python -m benchmarks.actor_step --kit OUTDIR`` is the GPU kit's step
 (``benchmarks/gpu_kit.sh``): it runs the GPU rows (the 4-layer shape with ``--quick``) and
 writes ``actor_step_gpu.{json,md}`` to OUTDIR.
@@ -42,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._harness import main_for
+from benchmarks._harness import DTYPE_CHOICES, cpu_dtypes_to_run, cpu_kind, main_for
 
 TITLE = "Actor train step: Megatron train_batch tokens/s vs HF forward+backward (CPU); MFU (GPU)"
 
@@ -88,8 +92,12 @@ def _batch(shape: tuple, device: str) -> dict:
 
 
 def _nll(head, mb: dict) -> torch.Tensor:
+    """Token-mean NLL through the head's training path (``LMHeadOutput.token_loss``, as the PPO loss
+    does): the head's gradients come out of its forward, 6·T·V·H FLOPs, no logits recomputed."""
     mask = mb["label_mask"]
-    return -(head.logprobs(mb["labels"]) * mask).sum() / mask.sum().clamp(min=1)
+    count = mask.sum().clamp(min=1)
+    loss, _, _ = head.token_loss(mb["labels"], lambda t0, t1, logp, entropy: -logp / count, 1.0, where=mask)
+    return loss
 
 
 def _sync() -> None:
@@ -139,12 +147,24 @@ def _train_step(engine, batch: dict):
     return lambda: engine.train_batch(batch, _nll, weight)
 
 
-def _megatron_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) -> float:
-    engine = _engine(model_dir, batch, dtype, None)
-    return _time_steps(_train_step(engine, batch), steps)
+def _time_alternating(steps_of: dict, steps: int) -> dict[str, float]:
+    """Median seconds of each named step, the steps run in turns (a, b, a, b, ...) after one warm-up
+    each, so that a machine that slows down or speeds up during the run slows both alike."""
+    for step in steps_of.values():
+        step()
+    times = {name: [] for name in steps_of}
+    for _ in range(steps):
+        for name, step in steps_of.items():
+            _sync()
+            start = time.perf_counter()
+            step()
+            _sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _hf_step_time(model_dir: Path, batch: dict, steps: int, dtype: torch.dtype = torch.float32) -> float:
+def _hf_step(model_dir: Path, batch: dict, dtype: torch.dtype = torch.float32):
+    """A plain HF training step over ``batch`` (forward, log-softmax logprobs, backward, AdamW)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
@@ -158,7 +178,7 @@ def _hf_step_time(model_dir: Path, batch: dict, steps: int, dtype: torch.dtype =
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time_steps(step, steps)
+    return step
 
 
 def _flops_per_token(shape: tuple) -> float:
@@ -268,23 +288,22 @@ def actor_rows(name: str, shape: tuple, dtype: str, steps: int, fused_flags=(Fal
 def _run_cpu(quick: bool) -> list[dict]:
     rows = []
     for name, shape in (CPU_SHAPES_QUICK if quick else CPU_SHAPES).items():
-        for dtype in cpu_dtypes():
+        for dtype in cpu_dtypes_to_run(DTYPES_ENV):
             with tempfile.TemporaryDirectory() as tmp:
                 _write_config(Path(tmp), shape)
                 batch = _batch(shape, "cpu")
-                steps = 2 if quick else 3
-                hf = _hf_step_time(Path(tmp), batch, steps, getattr(torch, dtype))
-                mcore = _megatron_step_time(Path(tmp), batch, dtype, steps)
+                megarl_step = _train_step(_engine(Path(tmp), batch, dtype, None), batch)
+                hf_step = _hf_step(Path(tmp), batch, getattr(torch, dtype))
+                times = _time_alternating({"megatron": megarl_step, "hf": hf_step}, 2 if quick else 7)
+                mcore, hf = times["megatron"], times["hf"]
             rows.append(_row(name, shape, "megatron", mcore, vs_hf=hf / mcore, dtype=dtype))
             rows.append(_row(name, shape, "hf", hf, dtype=dtype))
     return rows
 
 
-def cpu_dtypes() -> list[str]:
-    """float32, and bfloat16 too where the CPU computes it natively (AVX-512 BF16, AMX)."""
-    from benchmarks._harness import machine_info
-
-    return ["float32", "bfloat16"] if machine_info().get("native_bf16") else ["float32"]
+DTYPES_ENV = "MEGARL_ACTOR_STEP_DTYPES"
+"""Set by ``--dtype``: the CPU dtypes to time, comma-separated."""
+CLI_OPTIONS = {"--dtype": (DTYPES_ENV, DTYPE_CHOICES)}
 
 
 def _run_gpu(quick: bool, on_rows=None) -> list[dict]:
@@ -318,8 +337,9 @@ def _gpu_rows_with_gap(name: str, shape: tuple, fused: bool, steps: int) -> dict
 
 
 def results_name() -> str:
-    """The GPU table (MFU, fused on/off) and the CPU one (vs HF) are different experiments."""
-    return "actor_step_gpu" if torch.cuda.is_available() else "actor_step"
+    """The GPU table (MFU, fused on/off) and the CPU ones (vs HF) are different experiments; the
+    CPU kinds (:func:`~benchmarks._harness.cpu_kind`) differ most in bf16, so each has its own table."""
+    return "actor_step_gpu" if torch.cuda.is_available() else f"actor_step_{cpu_kind()}"
 
 
 def run(quick: bool, on_rows=None) -> list[dict]:

@@ -447,6 +447,7 @@ def row(system: str, result: dict) -> dict:
         "threads": result["threads"],
         "wall s": result["wall_s"],
         "cpu": cpu_info().summary(),
+        "cpu kind": cpu_kind(),
         "notes": f"{NOTES[system]}; {DEFINITIONS}",
     }
 

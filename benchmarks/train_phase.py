@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._harness import cpu_kind, machine_info, main_for
+from benchmarks._harness import DTYPE_CHOICES, cpu_dtypes_to_run, cpu_kind, main_for
 from benchmarks.actor_step import _time_steps
 
 TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, 56 sequences): breakdown, vs a plain HF step"
@@ -258,15 +258,12 @@ def results_name() -> str:
 
 DTYPES_ENV = "MEGARL_TRAIN_PHASE_DTYPES"
 """Set by ``--dtype``: the dtypes to time, comma-separated."""
-CLI_OPTIONS = {"--dtype": (DTYPES_ENV, {"both": "bfloat16,float32", "bfloat16": "bfloat16", "float32": "float32"})}
+CLI_OPTIONS = {"--dtype": (DTYPES_ENV, DTYPE_CHOICES)}
 
 
 def dtypes_to_run() -> list[str]:
     """bfloat16 where the CPU has it natively, then float32 (``--dtype``, i.e. ``MEGARL_TRAIN_PHASE_DTYPES``, overrides)."""
-    chosen = os.environ.get(DTYPES_ENV)
-    if chosen:
-        return chosen.split(",")
-    return ["bfloat16", "float32"] if machine_info().get("native_bf16") else ["float32"]
+    return cpu_dtypes_to_run(DTYPES_ENV)
 
 
 def run(quick: bool, on_rows=None) -> list[dict]:

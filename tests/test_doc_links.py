@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import re
 import unicodedata
 from pathlib import Path
@@ -110,6 +111,23 @@ def test_generated_pages_are_committed_fresh():
         if not (REPO / "docs" / uri).exists() or (REPO / "docs" / uri).read_text(encoding="utf-8") != content
     ]
     assert not stale, f"stale generated pages {stale}: run `python docs/_hooks.py` and commit them"
+
+
+def test_promised_rows_show_under_a_script_with_one_table_per_cpu_kind(tmp_path, monkeypatch):
+    """A script whose results are all per-kind tables (``x_avx2``, ``x_avx512``, no ``x``) still lists
+    what it promised and no run measured, once, under its last table; a measured promise drops out."""
+    hooks = _hooks()
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (tmp_path / "benchmarks" / "x.py").write_text("")
+    monkeypatch.setattr(hooks, "PROMISED", {"x": [("kind", "amx", "an AMX CPU"), ("kind", "avx2", "an AVX2 CPU")]})
+    for kind in ("avx2", "avx512"):
+        record = {"name": "x", "title": "X", "rows": [{"kind": kind, "s": 1.0}]}
+        (results / f"x_{kind}.json").write_text(json.dumps(record))
+    page = hooks.benchmarks_page(results)
+    assert page.count("| kind amx | not measured | an AMX CPU |") == 1
+    assert "kind avx2 | not measured" not in page
+    assert page.index("## x_avx512") < page.index("| kind amx | not measured")
 
 
 # -- the checker itself ---------------------------------------------------------------------------

@@ -210,6 +210,7 @@ def test_row_has_every_column():
     row = peer_trl.row("trl", result)
     assert row["system"] == "trl" and row["peak RSS GB"] == row["trainer peak RSS GB"] == 1.5
     assert row["dtype"] == "float32" and row["wall s"] == 30.0 and "cores" in row["cpu"]
+    assert row["cpu kind"] == peer_trl.cpu_kind()  # what the promised native-bf16 rows are found by
     assert row["generation"] == "transformers generate (use_vllm=False)"
     assert row["version"] == "1.16.0"
     assert "use_vllm=False" in row["notes"] and "600 s" in row["notes"]
