@@ -21,12 +21,14 @@ with ``--dtype bfloat16``):
   step would do it: right-padded ``[56, 28]`` batch, forward, full-vocabulary ``log_softmax``
   logprobs of the answer tokens, token-mean loss, backward, gradient clipping 1.0,
   ``torch.optim.AdamW`` on the model's own parameters (in bf16: bf16 weights and Adam states,
-  no fp32 copy, as TRL's ``bf16=True`` on a bf16-loaded model).
+  no fp32 copy: the cheapest plain bf16 step).
 * **ops**: the ten aten operators of one megarl step with the most self CPU time
   (``torch.profiler``), which show what the hardware is asked to do (bf16 matmuls through
   oneDNN, dtype copies, elementwise work).
 
-``vs_hf`` = HF step time / megarl train-phase time (above 1: megarl is faster).
+``vs_hf`` = HF step time / megarl train-phase time (above 1: megarl is faster). megarl's and HF's
+steps take turns (a, b, a, b, ...), so that a machine whose speed drifts during the run (a shared
+virtual machine's often does, by a third) slows both alike.
 
     python -m benchmarks.train_phase [--quick] [--dtype float32|bfloat16|both]
 """
@@ -42,7 +44,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._harness import DTYPE_CHOICES, cpu_dtypes_to_run, cpu_kind, main_for
-from benchmarks.actor_step import _time_steps
+from benchmarks.actor_step import _time_alternating
 
 TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, 56 sequences): breakdown, vs a plain HF step"
 REPO = Path(__file__).resolve().parents[1]
@@ -187,13 +189,15 @@ PARTS = (
 SUB_PARTS = ("logprob head + loss (forward)", "grads to fp32 main", "grad norm + clip", "Adam + main to model")
 
 
-def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int) -> tuple[float, list[dict]]:
+def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int, hf_step) -> tuple[float, float, list[dict]]:
+    """(megarl's train phase, HF's step, megarl's rows): medians of ``steps`` each, the two taking turns."""
     actor = _actor(model_dir, dtype)
     try:
         _train_phase(actor, batch)  # warm-up outside the clock
         clock = _clocked(actor)
-        total = _time_steps(lambda: _train_phase(actor, batch), steps)
-        per_step = {k: v / (steps + 1) for k, v in clock.seconds.items()}
+        times = _time_alternating({"megarl": lambda: _train_phase(actor, batch), "hf": hf_step}, steps)
+        total = times["megarl"]
+        per_step = {k: v / (steps + 1) for k, v in clock.seconds.items()}  # + _time_alternating's warm-up
         clock.restore()
         ops = _top_ops(lambda: _train_phase(actor, batch))
     finally:
@@ -208,7 +212,7 @@ def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int) -> tuple[f
             for sub in SUB_PARTS[1:]:
                 rows.append(_row(dtype, "megarl", f"  of which {sub}", per_step.get(sub, 0.0), total))
     rows.append(_row(dtype, "megarl", "other (Python between parts, stats)", max(total - covered, 0.0), total))
-    return total, rows + [_row(dtype, "op", name, s, total) for name, s in ops]
+    return total, times["hf"], rows + [_row(dtype, "op", name, s, total) for name, s in ops]
 
 
 def _top_ops(step, n: int = 10) -> list[tuple[str, float]]:
@@ -220,7 +224,8 @@ def _top_ops(step, n: int = 10) -> list[tuple[str, float]]:
     return [(e.key, e.self_cpu_time_total / 1e6) for e in events[:n]]
 
 
-def hf_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) -> float:
+def hf_step(model_dir: Path, batch: dict, dtype: str):
+    """A plain HF training step over the same tokens (see the module docstring)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=DTYPES[dtype])
@@ -236,7 +241,7 @@ def hf_step_time(model_dir: Path, batch: dict, dtype: str, steps: int) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time_steps(step, steps)
+    return step
 
 
 def _row(dtype: str, system: str, part: str, seconds: float, total: float, **extra) -> dict:
@@ -275,8 +280,7 @@ def run(quick: bool, on_rows=None) -> list[dict]:
         batch = grpo_batch(shape["vocab_size"])
         tokens = int(batch["attention_mask"].sum())
         for dtype in dtypes_to_run():
-            hf = hf_step_time(Path(tmp), batch, dtype, steps)
-            total, megarl = megarl_rows(Path(tmp), batch, dtype, steps)
+            total, hf, megarl = megarl_rows(Path(tmp), batch, dtype, steps, hf_step(Path(tmp), batch, dtype))
             megarl[0].update(vs_hf=round(hf / total, 3))
             rows += megarl
             rows.append(
