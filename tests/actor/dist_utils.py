@@ -25,15 +25,32 @@ REPO = Path(__file__).resolve().parents[2]
 _BOOT = "from tests.actor.dist_utils import _rank_main; _rank_main()"
 
 
+PORT_ATTEMPTS = 3
+"""Rendezvous ports tried: the free port found is released before rank 0 binds it, and another
+process (a parallel test's ranks, any outgoing connection) can take it in between."""
+
+
 def run_ranks(world_size: int, target: str, timeout: float = 300.0, **kwargs) -> list:
-    """Run ``target(**kwargs)`` on ``world_size`` ranks; return the per-rank results (rank order)."""
+    """Run ``target(**kwargs)`` on ``world_size`` ranks; return the per-rank results (rank order).
+    Ranks that could not bind their rendezvous port are started again on another."""
     with tempfile.TemporaryDirectory(prefix="megarl_ranks_") as tmp:
         tmp = Path(tmp)
         (tmp / "args.pkl").write_bytes(pickle.dumps(kwargs))
-        port = find_free_port()
-        procs = [_start(rank, world_size, port, target, tmp) for rank in range(world_size)]
-        _wait(procs, timeout, tmp)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            port = find_free_port()
+            procs = [_start(rank, world_size, port, target, tmp) for rank in range(world_size)]
+            try:
+                _wait(procs, timeout, tmp)
+                break
+            except RuntimeError as exc:
+                if attempt == PORT_ATTEMPTS or not _lost_the_port(str(exc), port):
+                    raise
         return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _lost_the_port(logs: str, port: int) -> bool:
+    """Whether the ranks failed because their rendezvous port was taken before rank 0 bound it."""
+    return "EADDRINUSE" in logs and f"port: {port}," in logs
 
 
 def dp_rows(results: list, key: str, shape: torch.Size) -> torch.Tensor:
