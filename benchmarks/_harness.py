@@ -136,10 +136,12 @@ DTYPE_CHOICES = {"both": "bfloat16,float32", "bfloat16": "bfloat16", "float32": 
 def cpu_dtypes_to_run(env: str) -> list[str]:
     """The dtypes a CPU benchmark times: those ``$env`` lists (set by its ``--dtype``, see
     :data:`DTYPE_CHOICES`), else bfloat16 where the CPU computes it natively, then float32."""
+    from megarl.utils.hardware import cpu_bf16_native
+
     chosen = os.environ.get(env)
     if chosen:
         return chosen.split(",")
-    return ["bfloat16", "float32"] if machine_info().get("native_bf16") else ["float32"]
+    return ["bfloat16", "float32"] if cpu_bf16_native()[0] else ["float32"]
 
 
 def package_versions() -> dict:

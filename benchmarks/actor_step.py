@@ -106,15 +106,8 @@ def _sync() -> None:
 
 
 def _time_steps(step, steps: int) -> float:
-    step()  # warm-up
-    times = []
-    for _ in range(steps):
-        _sync()
-        start = time.perf_counter()
-        step()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of ``step`` over ``steps`` runs after one warm-up run."""
+    return _time_alternating({"step": step}, steps)["step"]
 
 
 def _engine(model_dir: Path, batch: dict, dtype: str, fused: bool | None, parallel=None, mb_tokens=None):

@@ -318,7 +318,6 @@ def trl_worker(out: str, max_steps: int, budget_s: float | None, dtype: str) -> 
     result = {
         "steps": clock.steps,
         "dtype": "bfloat16" if trainer.args.bf16 else str(trainer.model.dtype).removeprefix("torch."),
-        "weights": str(trainer.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
     }
     Path(out).write_text(json.dumps(result))

@@ -266,11 +266,6 @@ DTYPES_ENV = "MEGARL_TRAIN_PHASE_DTYPES"
 CLI_OPTIONS = {"--dtype": (DTYPES_ENV, DTYPE_CHOICES)}
 
 
-def dtypes_to_run() -> list[str]:
-    """bfloat16 where the CPU has it natively, then float32 (``--dtype``, i.e. ``MEGARL_TRAIN_PHASE_DTYPES``, overrides)."""
-    return cpu_dtypes_to_run(DTYPES_ENV)
-
-
 def run(quick: bool, on_rows=None) -> list[dict]:
     shape = QUICK if quick else SMOLLM2_135M
     steps = 2 if quick else 5
@@ -279,7 +274,7 @@ def run(quick: bool, on_rows=None) -> list[dict]:
         _write_config(Path(tmp), shape)
         batch = grpo_batch(shape["vocab_size"])
         tokens = int(batch["attention_mask"].sum())
-        for dtype in dtypes_to_run():
+        for dtype in cpu_dtypes_to_run(DTYPES_ENV):
             total, hf, megarl = megarl_rows(Path(tmp), batch, dtype, steps, hf_step(Path(tmp), batch, dtype))
             megarl[0].update(vs_hf=round(hf / total, 3))
             rows += megarl

@@ -225,8 +225,9 @@ def benchmarks_page(results_dir: Path) -> str:
     by_script: dict[str, list[dict]] = {}
     last_of_script: dict[str, str] = {}  # a script's promises go under its last table (per-kind tables too)
     for name, record in records.items():
-        by_script.setdefault(_script(name, results_dir), []).extend(record.get("rows", []))
-        last_of_script[_script(name, results_dir)] = name
+        script = _script(name, results_dir)
+        by_script.setdefault(script, []).extend(record.get("rows", []))
+        last_of_script[script] = name
     for name, record in records.items():
         script = _script(name, results_dir)
         versions = ", ".join(f"{k} {v}" for k, v in record.get("versions", {}).items())

@@ -26,7 +26,7 @@ the kernels apply) they are the kernels of ``csrc/``: the fused forward in its s
 (one pass gives the chunk's split statistics and writes its raw fp32 logits), then
 ``softmax_grad.cu`` turning the stored logits into bf16 dz; the gradient GEMMs are cuBLAS. With
 torch ops, steps 1-2 are an fp32 GEMM and elementwise passes; when the loss has no entropy term
-(g_ent = 0 for the whole chunk) step 4's dz = g_lp (1[v = y] - p) takes three passes over the chunk. Memory: the torch ops keep three
+(g_ent = 0 for the whole chunk) step 4's dz = g_lp (1[v = y] - p) takes one pass after p (``softmax_grad_``). Memory: the torch ops keep three
 fp32 chunk buffers ``[tc, V_local]``, the kernels one fp32 and one bf16 (by default tc ≈ T·H/V_local
 tokens, so one fp32 buffer is about the size of fp32 hidden states); plus the fp32 gradients dH
 ``[T, H]`` and dW ``[V_local, H]`` held from forward to backward, and an fp32 copy of a non-fp32
@@ -99,11 +99,9 @@ def _torch_softmax_grad(
     idx, inside = _label_in_chunk(labels_c - shard.start, 0, shard.valid)
     # dz is linear in (g_lp, g_ent): the 1/tau of dx = dz / tau goes on these [tc] vectors, not on dz
     g_lp, g_ent = g_lp * inv_tau, g_ent * inv_tau
-    if threshold is None and not bool(g_ent.any()):  # no entropy term in the loss (the usual case)
-        # dz = g_lp (1[v = y] - p), built in z's storage: three passes over the chunk instead of nine
-        dz = z.sub_(lse[:, None]).exp_().mul_(-g_lp[:, None])
-        return dz.scatter_add_(1, idx[:, None], torch.where(inside, g_lp, 0.0)[:, None])
-    p = (z - lse[:, None]).exp_()
+    # without an entropy term or a threshold z is not read once p is formed: p takes z's storage
+    z_read_again = threshold is not None or bool(g_ent.any())
+    p = (z - lse[:, None]).exp_() if z_read_again else z.sub_(lse[:, None]).exp_()
     if threshold is not None:
         p.masked_fill_(z < threshold[:, None], 0.0)
     return softmax_grad_(z, p, mean_z, g_lp, g_ent, idx, inside)
