@@ -169,8 +169,8 @@ class PausedFixedCost:
         self.own: list[float] = []
         self.slept = 0.0
 
-    def pause(self) -> None:
-        self._rollout.pause()
+    def pause(self, servers: bool = True) -> None:
+        self._rollout.pause(servers)
         self.slept = max(0.0, self.fixed_s - (statistics.median(self.own) if self.own else 0.0))
         time.sleep(self.slept)
 

@@ -292,9 +292,12 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
             _train(batch, books, handed_out)
             between_syncs.append((synced, cluster.stats()))
             faults.before_update(step)
+            cpu_start = _cpu_seconds([proc], children=False)
             updates.append(sync.update_weights(WeightUpdateMeta(config, version=step + 1)))
+            updates[-1]["trainer_cpu_s"] = _cpu_seconds([proc], children=False) - cpu_start
             faults.after_update(step)
             synced = cluster.stats()
+            updates[-1]["calls_per_server"] = _control_calls(synced, between_syncs[-1][1]) / n
             if step == 1:
                 after_fault = cluster.stats()
             _count_drops(stats_tracker.export(local=True), books)
@@ -363,6 +366,14 @@ def _count_rows(batch, books, handed_out) -> None:
         books["misaligned"] += not row_is_clean(ids[row][:length], logprobs[row][:length], PROMPT_LEN)
 
 
+def _control_calls(after: list[dict], before: list[dict]) -> int:
+    """Control calls the servers got between two snapshots (every route but generation and health,
+    ``tests/rollout/fake_server.py``'s ``calls /route`` counters), summed over the servers."""
+    return sum(
+        value - b.get(key, 0) for a, b in zip(after, before) for key, value in a.items() if key.startswith("calls /")
+    )
+
+
 def _delta(after: list[dict], before: list[dict], key: str) -> float:
     """How much counter ``key`` grew, summed over the servers."""
     return sum(a[key] - b[key] for a, b in zip(after, before))
@@ -390,6 +401,10 @@ def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out
         "mean_running": _delta(after, before, "running_s") / unpaused,
         "requests/s": requests / seconds,
         "update_overhead_s": statistics.median_high(overhead),
+        # calls each server got in an update (probe scoring aside: generation requests), and the trainer
+        # process's CPU seconds in it (its control plane's own cost: the servers share this machine's cores)
+        "calls_per_server_per_update": statistics.median_high(u["calls_per_server"] for u in updates),
+        "trainer_cpu_s_per_update": statistics.median_high(u["trainer_cpu_s"] for u in updates),
         "sync_s": statistics.median_high(u["sync_seconds"] for u in updates),
         # the overhead's parts: pausing every server (their in-flight requests abort), their commit
         # of the new version, resuming them

@@ -60,6 +60,7 @@ SERVER_ROUTES = {
         "/start_weight_update",
         "/update_weights",
         "/finish_weight_update",
+        "/megarl/update_weights",
         "/v1/load_lora_adapter",
         "/v1/unload_lora_adapter",
         "/metrics",

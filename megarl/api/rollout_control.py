@@ -17,13 +17,15 @@ class RolloutControl(abc.ABC):
     """Pause / resume, sleep / wake, versions, the adapter asked for, and the run's servers."""
 
     @abc.abstractmethod
-    def pause(self) -> None:
-        """Stop new episodes and abort in-flight generations (they continue after :meth:`resume`)."""
+    def pause(self, servers: bool = True) -> None:
+        """Stop new episodes and hold generations (they continue after :meth:`resume`); with ``servers``
+        also pause every server, aborting its in-flight generations (without: the weight update's own
+        call pauses each server, or another head's rollout side does)."""
 
     @abc.abstractmethod
-    def resume(self, start_episodes: bool = True) -> None:
-        """Servers generate again; new episodes start unless ``start_episodes`` is False (then
-        :meth:`start_episodes` does, later)."""
+    def resume(self, start_episodes: bool = True, servers: bool = True) -> None:
+        """Generations go on (with ``servers``: every server is resumed too); new episodes start unless
+        ``start_episodes`` is False (then :meth:`start_episodes` does, later)."""
 
     @abc.abstractmethod
     def start_episodes(self) -> None:

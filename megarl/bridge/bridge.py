@@ -33,6 +33,7 @@ from megarl.bridge.transport import TransferStats, TransportSender, wire_dtype
 from megarl.bridge.transport_broadcast import BroadcastSender
 from megarl.bridge.transport_disk import DiskSender
 from megarl.bridge.transport_sharded import ShardedSender
+from megarl.bridge.update_round import UpdateRound
 from megarl.bridge.wiring import Wiring, make_wiring, trainer_join
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.bridge import WeightUpdateConfig
@@ -271,6 +272,30 @@ class WeightBridge(ServerBridge):
         return stats
 
     def _drive(self, mode: str, version: int, send) -> dict[str, str]:
+        """Rank 0 drives the servers; every rank sends. Servers that update in one call get one each
+        (:class:`~megarl.bridge.update_round.UpdateRound`), the others three (begin, receive, commit)."""
+        if not all(s.one_call_update for s in self.servers):
+            return self._drive_in_phases(mode, version, send)
+        round_ = None
+        if self.is_driver:
+            heartbeat.step(f"weight sync: {mode} update of {len(self.servers)} server(s), one call each")
+            path = str(self.senders["disk"].path) if mode == "disk" else None
+            round_ = UpdateRound(self.servers, mode, path, version, self.config)
+            round_.start()
+            heartbeat.step("weight sync: waiting for the servers to pause")
+            round_.wait_paused()  # the one barrier before the transfer: every receiver is about to post
+        if send is not None:
+            heartbeat.step(f"weight sync: sending ({mode})")
+            send()
+        if round_ is None:
+            return {}
+        heartbeat.step("weight sync: waiting for the servers to commit")
+        start = time.perf_counter()
+        failed = round_.wait_committed()
+        self._commit_seconds = time.perf_counter() - start
+        return failed
+
+    def _drive_in_phases(self, mode: str, version: int, send) -> dict[str, str]:
         """Rank 0 drives the servers (begin, receive while ``send`` runs, commit); every rank sends."""
         failed: dict[str, str] = {}
         receiving = None

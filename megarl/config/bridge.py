@@ -47,7 +47,16 @@ class WeightUpdateConfig:
     init_timeout: float = 600.0
     """Seconds to form the groups (servers joining) before giving up."""
     update_timeout: float = 1800.0
-    """Seconds one update (any transfer or control call in it) may take."""
+    """Seconds one update (any transfer or control call in it) may take: the cap. A server far slower
+    than the others is evicted earlier, at its relative deadline (``straggler_factor``)."""
+    straggler_factor: float = 4.0
+    """Relative deadline of each stage of an update (a server paused, a server committed): once half
+    the servers have answered it, the others must within ``max(straggler_floor_s, straggler_factor x``
+    the median answer time)``; later they are evicted and named (a slow-but-alive server, or one whose
+    health check answers while its control routes hang), instead of every server waiting paused up to
+    ``update_timeout``. 0: no relative deadline (``update_timeout`` only)."""
+    straggler_floor_s: float = 30.0
+    """The shortest relative deadline of an update's stage (``straggler_factor``), in seconds."""
     max_failed_fraction: float = 0.25
     """Share of the servers an update may fail on while the run goes on: those servers (a hung or
     erroring one; a dead one always) are taken out of rotation and named in a warning and in
@@ -94,7 +103,13 @@ class WeightUpdateConfig:
         require(
             0.0 <= self.max_failed_fraction < 1.0, "max_failed_fraction", self.max_failed_fraction, "must be in [0, 1)"
         )
-        for name in ("init_timeout", "update_timeout"):
+        require(
+            self.straggler_factor == 0 or self.straggler_factor >= 1,
+            "straggler_factor",
+            self.straggler_factor,
+            "must be 0 (off) or >= 1 (a multiple of the median answer time)",
+        )
+        for name in ("init_timeout", "update_timeout", "straggler_floor_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
         require(self.probe_sequences >= 0, "probe_sequences", self.probe_sequences, "must be >= 0")
         require(self.probe_tokens >= 2, "probe_tokens", self.probe_tokens, "must be >= 2")

@@ -15,9 +15,8 @@ sync drives around an update: pause, resume, sleep, wake, versions and the serve
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from megarl.api.engine_api import InferenceEngine
@@ -174,23 +173,21 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
     # ------------------------------------------------------------------ pause / resume / version
 
     def _control(self, calls: list[HttpCall]) -> None:
-        """Send ``calls`` to every server, on the pool's event loop while it runs."""
-        coro: Coroutine = self.servers.control(calls)
-        loop = self.pool.loop if self.pool is not None else None
-        if loop is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(coro, loop).result()
-        else:
-            asyncio.run(coro)
+        """Send ``calls`` to every server, on the trainer's control loop (not the pool's)."""
+        self.servers.control_all(calls)
 
-    def pause(self) -> None:
-        """Stop new episodes and abort in-flight generations on every server (they continue after resume)."""
+    def pause(self, servers: bool = True) -> None:
+        """Stop new episodes and hold generations; with ``servers`` also abort in-flight generations on
+        every server (they continue after resume)."""
         self._stop_episodes()
-        self._control(self.backend.pause_calls())
+        if servers:
+            self._control(self.backend.pause_calls())
 
-    def resume(self, start_episodes: bool = True) -> None:
-        """Let the servers generate again, continue interrupted generations, start episodes
-        (unless ``start_episodes`` is False: then :meth:`start_episodes` does, later)."""
-        self._control(self.backend.resume_calls())
+    def resume(self, start_episodes: bool = True, servers: bool = True) -> None:
+        """Let the servers generate again (``servers``: resume each), continue interrupted generations,
+        start episodes (unless ``start_episodes`` is False: then :meth:`start_episodes` does, later)."""
+        if servers:
+            self._control(self.backend.resume_calls())
         self.client.paused = False
         if start_episodes:
             self.start_episodes()

@@ -3,10 +3,11 @@
 
 One update (every trainer rank calls it; collective)::
 
-    rollout.pause()            # in-flight generations aborted, continued after resume
-    bridge.update(...)         # transfer; servers commit the new weights + version
+    rollout.pause(servers=...) # every head holds its generations (continued after resume); rank 0
+                               # pauses the servers only where the update call does not (SGLang, adapters)
+    bridge.update(...)         # rank 0: one call per server (pause, receive, commit); ranks send
     actor.set_version(v); rollout.set_version(v)
-    rollout.resume()           # continued sequences carry v on their later tokens
+    rollout.resume(servers=rank 0) # continued sequences carry v on their later tokens
     probe consistency          # every weight_update.probe_every updates: trainer vs every server,
                                # before new episodes start; ConsistencyError above threshold
 
@@ -60,6 +61,7 @@ from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transport import wire_dtype
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.serving import ServerControl, ServerSet, make_control
+from megarl.serving.families import FAMILIES
 from megarl.serving.servers import UpdatePlan
 from megarl.utils import heartbeat
 from megarl.utils.fanout import submit_all
@@ -161,6 +163,8 @@ class WeightSync:
                 source_dir=engine.model_path,
                 device=device,
             )
+        self.servers_pause_themselves = not self.adapters and FAMILIES[backend][1].one_call_update
+        """Each server pauses itself in its update call (vLLM, full weights): no head sends ``/pause``."""
         self.probe: list[list[int]] = []
         self.plan: UpdatePlan | None = None
         """Whom the last update went to (the same on every rank)."""
@@ -325,19 +329,21 @@ class WeightSync:
         }
 
     def _pause(self) -> None:
-        heartbeat.step("weight sync: pausing the servers")
+        """Every head holds its own generations; rank 0 pauses the servers unless each update call does."""
+        heartbeat.step("weight sync: pausing the rollout")
         if self.rollout is not None:
-            self.rollout.pause()
+            self.rollout.pause(servers=self.bridge.is_driver and not self.servers_pause_themselves)
         if dist.is_initialized():
-            dist.barrier()  # no server is still generating when the first byte moves
+            dist.barrier()  # no head sends a request stamped with the old version once a server pauses
 
     def _resume(self, episodes: bool = True) -> None:
-        """Servers generate again; the rollout starts new episodes too unless ``episodes`` is False."""
+        """Rank 0 resumes the servers, every head its generations (and new episodes unless ``episodes`` is
+        False), once every head has the new version."""
         heartbeat.step("weight sync: resuming the servers")
         if dist.is_initialized():
             dist.barrier()
         if self.rollout is not None:
-            self.rollout.resume(start_episodes=episodes)
+            self.rollout.resume(start_episodes=episodes, servers=self.bridge.is_driver)
 
     def _after(self, report: UpdateReport, version: int) -> list[str]:
         """Version bump where the update landed; failed servers out of rotation, the restarted or joined

@@ -46,6 +46,15 @@ class ServerControl(abc.ABC):
     def commit(self, version: int) -> None:
         """Apply what was received and record weight version ``version``."""
 
+    one_call_update = False
+    """Whether :meth:`aupdate` does a whole update in one call (else :meth:`begin`, :meth:`receive`, :meth:`commit`)."""
+
+    async def aupdate(self, session, mode: str, path: str | None, version: int, on_paused) -> None:
+        """The whole update in one call on the trainer's control loop (:mod:`megarl.serving.control_loop`):
+        pause, begin, receive, commit ``version``; ``on_paused()`` once paused and begun. Families with
+        :attr:`one_call_update` only."""
+        raise NotImplementedError(f"{type(self).__name__} updates in three calls (begin, receive, commit)")
+
     @abc.abstractmethod
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Logprob of every token but the first of each sequence, under the served weights."""

@@ -12,7 +12,8 @@
   :meth:`ServerSet.mark_healthy`);
 * **join / leave**: a server started with ``megarl serve --join`` enters out of rotation the same
   way; one that leaves is drained (no new request; those running there finish) and never comes back;
-* **control**: pause, resume, sleep and wake calls go to every server at once (:meth:`ServerSet.control`);
+* **control**: pause, resume, sleep and wake calls go to every server at once, on the trainer's control
+  loop (:meth:`ServerSet.control_all`);
 * **weight updates**: the trainer's weight sync asks whom to send the next update to
   (:meth:`ServerSet.update_plan`), takes each server's control handle from here
   (:meth:`ServerSet.controls`) and reports where the update landed (:meth:`ServerSet.record_update`).
@@ -35,6 +36,7 @@ import aiohttp
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.serving.backend import HttpCall, InferenceBackend
 from megarl.serving.control import ServerControl
+from megarl.serving.control_loop import control_loop
 from megarl.serving.families import make_backend, make_control
 from megarl.serving.http import (
     InferenceServerError,
@@ -42,7 +44,6 @@ from megarl.serving.http import (
     ServerUnavailableError,
     arequest_with_retry,
     http_ok_all,
-    make_session,
 )
 from megarl.serving.restarts import JOINS_FILE, RestartLog
 
@@ -294,9 +295,14 @@ class ServerSet:
 
     # ------------------------------------------------------------------ control
 
+    def control_all(self, calls: list[HttpCall]) -> None:
+        """Send ``calls`` in order to every server (concurrently across servers), on the process's control
+        loop over its kept-alive connections; a dead server is marked failed and skipped, any other error
+        is raised."""
+        control_loop().run(self.control(calls))
+
     async def control(self, calls: list[HttpCall]) -> None:
-        """Send ``calls`` in order to every server (concurrently across servers); a dead server is marked
-        failed and skipped, any other error is raised."""
+        """:meth:`control_all` on the control loop (its coroutine)."""
 
         async def run_on(session: aiohttp.ClientSession, server: Server) -> None:
             for call in calls:
@@ -312,8 +318,8 @@ class ServerSet:
                 )
 
         servers = list(self._servers)
-        async with make_session(2 * len(servers) + 1) as session:
-            results = await asyncio.gather(*(run_on(session, s) for s in servers), return_exceptions=True)
+        session = control_loop().session()
+        results = await asyncio.gather(*(run_on(session, s) for s in servers), return_exceptions=True)
         for server, result in zip(servers, results):
             if isinstance(result, ServerUnavailableError):
                 self.mark_failed(server, result)

@@ -27,7 +27,9 @@ Verified against vLLM 0.32 (``vllm/entrypoints/openai/completion/protocol.py`` a
 
 Control routes (``vllm/entrypoints/rl/online/api_router.py``): ``/init_weight_transfer_engine``
 ``{"init_info"}``, ``/start_weight_update``, ``/update_weights`` ``{"update_info"}``,
-``/finish_weight_update`` ``{"weight_version"}``; LoRA adapters (adapter weight sync, servers
+``/finish_weight_update`` ``{"weight_version"}``; each update makes one call per server, to megarl's
+own route :data:`UPDATE_ROUTE` (:class:`~megarl.serving.vllm_route.WeightUpdateRoute`, an ASGI middleware every server megarl
+starts loads), which pauses, starts, receives and finishes in the server against its engine client; LoRA adapters (adapter weight sync, servers
 started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``):
 ``/v1/load_lora_adapter`` ``{"lora_name", "lora_path", "load_inplace"}`` and
 ``/v1/unload_lora_adapter`` ``{"lora_name"}`` (``vllm/entrypoints/serve/lora/protocol.py``), both
@@ -44,9 +46,10 @@ import io
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import aiohttp
 import numpy as np
 
 from megarl.api.io_struct import GenerationHyperparameters
@@ -59,6 +62,13 @@ from megarl.utils.auth import api_key, unguarded_env
 from megarl.utils.hardware import concrete_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+UPDATE_ROUTE = "/megarl/update_weights"
+"""``POST {"mode", "path", "version"}``: one weight update in one call. The reply (``application/x-ndjson``)
+is a line ``{"paused": true}`` once generation is paused (in-flight requests aborted, as ``/pause?mode=abort``)
+and the update started, then ``{"version": "<v>"}`` once the weights are committed as version v, or
+``{"error": "..."}`` at any point. The server stays paused: the trainer resumes every server (``/resume``)
+once the rollout side has moved to the new version."""
 
 
 class VLLMBackend(InferenceBackend):
@@ -285,7 +295,14 @@ def vllm_launch_spec(
     if lora_rank > 0:
         cmd += lora_args(lora_rank)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
-    cmd += ["--middleware", "megarl.utils.auth.RequireApiKey"]  # guards every route but /health (run key)
+    # megarl's update route, then the key check: vLLM adds each middleware outside the ones before it,
+    # so the key check guards every route but /health, megarl's own included
+    cmd += [
+        "--middleware",
+        "megarl.serving.vllm_route.WeightUpdateRoute",
+        "--middleware",
+        "megarl.utils.auth.RequireApiKey",
+    ]
     env.update(unguarded_env(host, insecure, f"vLLM server {replica}"))
     if api_key():
         env["VLLM_API_KEY"] = api_key()  # vLLM's own check of /v1, from the environment (not on the command line)
@@ -325,6 +342,38 @@ class VLLMControl(ServerControl):
 
     def commit(self, version: int) -> None:
         http_json(self.address, "/finish_weight_update", {"weight_version": str(version)}, self.timeout)
+
+    one_call_update = True
+
+    async def aupdate(
+        self,
+        session: aiohttp.ClientSession,
+        mode: str,
+        path: str | None,
+        version: int,
+        on_paused: Callable[[], None],
+    ) -> None:
+        """The whole update in one call (:data:`UPDATE_ROUTE`): ``on_paused()`` once the server has paused
+        and started the update (its workers receive next); returns once it committed ``version``."""
+        body = {"mode": mode, "path": path, "version": version}
+        try:
+            async with session.post(f"http://{self.address}{UPDATE_ROUTE}", json=body) as reply:
+                if reply.status != 200:
+                    text = (await reply.text())[:400]
+                    raise ServerControlError(self.address, UPDATE_ROUTE, f"HTTP {reply.status}: {text}")
+                async for line in reply.content:
+                    message = _update_message(self.address, line)
+                    if "error" in message:
+                        raise ServerControlError(self.address, UPDATE_ROUTE, str(message["error"]))
+                    if message.get("paused"):
+                        on_paused()
+                    if message.get("version") == str(version):
+                        return
+        except (aiohttp.ClientError, OSError) as e:
+            raise ServerControlError(
+                self.address, UPDATE_ROUTE, f"connection failed: {type(e).__name__}: {e}"
+            ) from None
+        raise ServerControlError(self.address, UPDATE_ROUTE, "the reply ended before the update was committed")
 
     def load_adapter(self, name: str, path: str) -> None:
         # load_inplace: a server that holds ``name`` already (the same version pushed again) replaces it
@@ -414,3 +463,14 @@ def running_requests(address: str) -> int | None:
         return None
     counts = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$", text, flags=re.MULTILINE)
     return round(sum(float(c) for c in counts)) if counts else None
+
+
+def _update_message(address: str, line: bytes) -> dict:
+    """One line of :data:`UPDATE_ROUTE`'s reply, a JSON object."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        message = None
+    if not isinstance(message, dict):
+        raise ServerControlError(address, UPDATE_ROUTE, f"reply line is not a JSON object: {line[:200]!r}")
+    return message

@@ -24,6 +24,8 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megarl.bridge.receiver import ReceiverInit, WorkerReceiver, write_pieces
 from megarl.bridge.transport_disk import iter_checkpoint
+from megarl.serving.vllm import UPDATE_ROUTE
+from tests.rollout.fake_server import serve_update_route
 
 
 class FakeVLLM:
@@ -94,12 +96,34 @@ def make_app(server: FakeVLLM) -> web.Application:
         "/finish_weight_update", lambda r: _call(r, body, lambda b: run(server.finish, b["weight_version"]))
     )
 
+    app.router.add_post(UPDATE_ROUTE, lambda r: serve_update_route(r, _Steps(server)))
+
     async def dump(request):
         torch.save({"weights": server.weights, "version": server.version}, (await request.json())["path"])
         return web.json_response({})
 
     app.router.add_post("/fake/dump", dump)
     return app
+
+
+class _Steps:
+    """The fake's steps of megarl's one-call update (``megarl.serving.vllm_route.UpdateSteps``): it generates
+    nothing, so pausing has nothing to abort."""
+
+    def __init__(self, server: FakeVLLM):
+        self.server = server
+
+    async def pause(self) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def receive(self, mode: str, path: str | None) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.server.update, {"mode": mode, "path": path})
+
+    async def finish(self, version: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.server.finish, version)
 
 
 async def _call(request, body, handler):

@@ -22,6 +22,7 @@ def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:
         None,
     )
     sync.probe, sync.plan, sync.n_updates = [[1, 2, 3]], None, 0
+    sync.servers_pause_themselves = True
     report = SimpleNamespace(
         seconds=0.0,
         send_seconds=0.0,
@@ -66,11 +67,11 @@ class _Rollout:
         self.calls: list[str] = []
         self.episodes = True
 
-    def pause(self):
+    def pause(self, servers: bool = True):
         self.calls.append("pause")
         self.episodes = False
 
-    def resume(self, start_episodes: bool = True):
+    def resume(self, start_episodes: bool = True, servers: bool = True):
         self.calls.append(f"resume(episodes={start_episodes})")
         self.episodes = start_episodes
 

@@ -26,6 +26,7 @@ from megarl.launcher.cli import main
 from megarl.rollout import sglang_launch_spec
 from megarl.run.prelaunch import load_expr_config
 from megarl.serving.http import http_json, make_session
+from megarl.serving.vllm import UPDATE_ROUTE
 from megarl.utils.auth import API_KEY_ENV, INSECURE_ENV, KEY_FILE
 from megarl.utils.network import HOST_IP_ENV, INTERFACE_ENV, find_free_ports, gethostip
 
@@ -55,6 +56,7 @@ ROUTES = [  # (method, route, body): what anyone on the network could try; the d
     ("POST", "/update_weights", {"update_info": {"mode": "disk", "path": "/nonexistent/weights"}}),
     ("POST", "/finish_weight_update", {}),
     ("POST", "/update_weight_version", {"weight_version": "666"}),
+    ("POST", UPDATE_ROUTE, {"mode": "no-such-mode", "version": 666}),  # megarl's own (refused, nothing paused)
 ]
 ANSWER_200_WITH_THE_KEY = {"/v1/models", "/v1/completions", "/is_paused", "/pause?mode=abort", "/resume"}
 
@@ -141,6 +143,7 @@ def test_megarl_serve_by_hand_refuses_every_route_but_health_without_the_key(vll
     refused = {route: code for route, code in with_key.items() if code == 401}
     assert not refused, f"refused with the key: {refused}"
     assert all(with_key[route] == 200 for route in ANSWER_200_WITH_THE_KEY), with_key
+    assert with_key[UPDATE_ROUTE] == 400, "megarl's update route is served (and checks its body) behind the key"
     assert address.partition(":")[0] == gethostip()  # the address a user's server binds
 
 

@@ -28,6 +28,7 @@ import asyncio
 import base64
 import collections
 import io
+import json
 import random
 
 import numpy as np
@@ -346,7 +347,7 @@ class FakeServer:
         )
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._count_calls])
         app.router.add_get("/health", self.health)
         app.router.add_post("/_faults", self.set_faults)
         app.router.add_get("/_stats", self.get_stats)
@@ -364,6 +365,34 @@ class FakeServer:
             app.router.add_post("/release_memory_occupation", self.sleep)
             app.router.add_post("/resume_memory_occupation", self.wake)
         return app
+
+    @web.middleware
+    async def _count_calls(self, request: web.Request, handler):
+        """``stats["calls /route"]``: the requests to each route but generation, health and the test's own."""
+        if request.path not in _UNCOUNTED:
+            self.stats[f"calls {request.path}"] += 1
+        return await handler(request)
+
+
+_UNCOUNTED = {"/health", "/_faults", "/_stats", "/v1/completions", "/generate", "/v1/models", "/_host", "/_host/fault"}
+"""Routes whose calls ``stats`` does not count (generation, health, the tests' own)."""
+
+
+async def serve_update_route(request: web.Request, steps) -> web.StreamResponse:
+    """megarl's one-call update route (``megarl.serving.vllm_route``) on an aiohttp test server, doing ``steps``
+    (a ``megarl.serving.vllm_route.UpdateSteps``): the same request checks and reply lines as in a vLLM server."""
+    from megarl.serving.vllm_route import update_lines, update_request
+
+    try:
+        mode, path, version = update_request(await request.json())
+    except ValueError as e:
+        return web.json_response({"error": str(e)}, status=400)
+    reply = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await reply.prepare(request)
+    async for line in update_lines(steps, mode, path, version):
+        await reply.write(json.dumps(line).encode() + b"\n")
+    await reply.write_eof()
+    return reply
 
 
 def main() -> None:

@@ -27,11 +27,11 @@ class FakeRollout(RolloutControl):
         self.version = 0
         self.server_set = ServerSet.of(["a:1", "b:1"])
 
-    def pause(self):
-        self.calls.append(("pause",))
+    def pause(self, servers=True):
+        self.calls.append(("pause", servers))
 
-    def resume(self, start_episodes=True):
-        self.calls.append(("resume", start_episodes))
+    def resume(self, start_episodes=True, servers=True):
+        self.calls.append(("resume", start_episodes, servers))
 
     def start_episodes(self):
         self.calls.append(("start_episodes",))
@@ -82,7 +82,7 @@ class _Bridge:
         self.connected = False
 
 
-def _sync(rollout: RolloutControl, updated, failed=None) -> WeightSync:
+def _sync(rollout: RolloutControl, updated, failed=None, driver=True, servers_pause_themselves=True) -> WeightSync:
     sync = WeightSync.__new__(WeightSync)  # no real bridge: the seam is what is tested
     engine = SimpleNamespace(version=0)
     engine.get_version = lambda: engine.version
@@ -91,6 +91,8 @@ def _sync(rollout: RolloutControl, updated, failed=None) -> WeightSync:
     sync.server_set, sync.plan = rollout.servers, None
     sync.config = SimpleNamespace(probe_every=10**9, max_failed_fraction=0.25)
     sync.bridge = _Bridge(updated, failed or {})
+    sync.bridge.is_driver = driver
+    sync.servers_pause_themselves = servers_pause_themselves
     return sync
 
 
@@ -100,8 +102,25 @@ def test_the_rollout_side_is_paused_versioned_and_resumed(monkeypatch):
     sync = _sync(rollout, updated=["a:1", "b:1"])
     sync.n_updates = 1  # not a probing update
     sync.update_weights(WeightUpdateMeta(config=None, version=3))
-    assert rollout.calls == [("pause",), ("set_version", 3), ("resume", True)]
+    # vLLM: each server pauses in its update call; rank 0 resumes them once the version moved
+    assert rollout.calls == [("pause", False), ("set_version", 3), ("resume", True, True)]
     assert sync.engine.get_version() == 3
+
+
+@pytest.mark.parametrize(
+    "driver, pause_themselves, pause_servers, resume_servers",
+    [(True, False, True, True), (False, True, False, False), (False, False, False, False)],
+)
+def test_only_rank_0_calls_the_servers(monkeypatch, driver, pause_themselves, pause_servers, resume_servers):
+    """Every head holds its own pool; the servers get ``/pause`` (where their update call does not pause
+    them) and ``/resume`` from rank 0 alone, not once per head."""
+    monkeypatch.setattr("megarl.run.weight_sync.ShardSource.from_engine", lambda engine: None)
+    rollout = FakeRollout()
+    sync = _sync(rollout, updated=["a:1", "b:1"], driver=driver, servers_pause_themselves=pause_themselves)
+    sync._plan = rollout.servers.update_plan  # what rank 0 broadcasts
+    sync.n_updates = 1
+    sync.update_weights(WeightUpdateMeta(config=None, version=2))
+    assert rollout.calls == [("pause", pause_servers), ("set_version", 2), ("resume", True, resume_servers)]
 
 
 def test_a_server_that_failed_the_transfer_leaves_rotation(monkeypatch):
@@ -112,7 +131,7 @@ def test_a_server_that_failed_the_transfer_leaves_rotation(monkeypatch):
     sync._died = lambda report: False
     with pytest.raises(Exception, match="b:1"):
         sync.update_weights(WeightUpdateMeta(config=None, version=1))
-    assert rollout.servers.held_out() == {"b:1"} and rollout.calls[-1] == ("resume", True)
+    assert rollout.servers.held_out() == {"b:1"} and rollout.calls[-1] == ("resume", True, True)
 
 
 def test_the_rollout_engine_implements_the_interface():

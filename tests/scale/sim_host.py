@@ -54,7 +54,8 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.rollout.fake_server import EOS, FakeServer, token_at  # noqa: E402
+from megarl.serving.vllm import UPDATE_ROUTE  # noqa: E402
+from tests.rollout.fake_server import EOS, FakeServer, serve_update_route, token_at  # noqa: E402
 
 REQUEST_TRANSPORT: contextvars.ContextVar = contextvars.ContextVar("request_transport", default=None)
 """The connection of the request a handler task serves (dropped when its server "dies")."""
@@ -301,6 +302,9 @@ class SimServer(FakeServer):
         await self._receive(info.get("path"))
         return web.json_response({})
 
+    async def vllm_update_in_one_call(self, request: web.Request) -> web.StreamResponse:
+        return await serve_update_route(request, _Steps(self))
+
     async def vllm_finish(self, request: web.Request) -> web.Response:
         self._commit((await request.json())["weight_version"])
         return web.json_response({})
@@ -384,6 +388,7 @@ class SimServer(FakeServer):
             app.router.add_post("/start_weight_update", self.ok)
             app.router.add_post("/update_weights", self.vllm_update)
             app.router.add_post("/finish_weight_update", self.vllm_finish)
+            app.router.add_post(UPDATE_ROUTE, self.vllm_update_in_one_call)
             app.router.add_post("/v1/load_lora_adapter", self.lora_text)
             app.router.add_post("/v1/unload_lora_adapter", self.lora_text)
         else:
@@ -392,6 +397,25 @@ class SimServer(FakeServer):
             app.router.add_post("/load_lora_adapter", self.ok)
             app.router.add_post("/unload_lora_adapter", self.ok)
         return app
+
+
+class _Steps:
+    """A simulated server's steps of megarl's one-call update (``megarl.serving.vllm_route.UpdateSteps``)."""
+
+    def __init__(self, server: SimServer):
+        self.server = server
+
+    async def pause(self) -> None:
+        self.server.resumed.clear()  # the ticker aborts the running requests, as /pause?mode=abort
+
+    async def start(self) -> None:
+        pass
+
+    async def receive(self, mode: str, path: str | None) -> None:
+        await self.server._receive(path)
+
+    async def finish(self, version: str) -> None:
+        self.server._commit(version)
 
 
 @dataclass

@@ -1,0 +1,122 @@
+"""One weight update's calls to the servers: one call per server, two waits, relative deadlines.
+
+The trainer's rank 0 makes each server's whole update one call (:meth:`ServerControl.aupdate`, on the
+process's control loop, :mod:`megarl.serving.control_loop`) and waits twice: until every server has
+paused and begun the update (then the trainer ranks send), and until every server has committed.
+
+Each wait has a deadline of its own, relative to the fleet: ``update_timeout`` at most, and once half
+the servers have answered, ``max(straggler_floor_s, straggler_factor x`` their median answer time``)``.
+A server past it (slow but alive, or its health check answering while its control route hangs) is
+failed with the reason named; its call is cancelled, the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Callable
+
+from megarl.config.bridge import WeightUpdateConfig
+from megarl.serving import ServerControl
+from megarl.serving.control_loop import ControlLoop, control_loop
+
+PAUSED, COMMITTED = "paused", "committed"
+"""The two stages every server reports."""
+
+
+def stage_deadline(answered: list[float], servers: int, config: WeightUpdateConfig) -> float:
+    """Seconds from a stage's start by which every server must have answered it, given the answer times
+    so far (``answered``, seconds from the stage's start) of ``servers`` in all."""
+    cap = config.update_timeout
+    if config.straggler_factor <= 0 or 2 * len(answered) < servers:
+        return cap
+    return min(cap, max(config.straggler_floor_s, config.straggler_factor * statistics.median(answered)))
+
+
+class UpdateRound:
+    """The calls of one update to ``servers`` (rank 0 only): :meth:`start`, :meth:`wait_paused`, then the
+    trainer sends, then :meth:`wait_committed`; ``failed`` names each failed server and why."""
+
+    def __init__(
+        self,
+        servers: list[ServerControl],
+        mode: str,
+        path: str | None,
+        version: int,
+        config: WeightUpdateConfig,
+        loop: ControlLoop | None = None,
+        clock: Callable[[], float] | None = None,
+    ):
+        self.servers, self.mode, self.path, self.version, self.config = servers, mode, path, version, config
+        self.loop = loop or control_loop()
+        self.failed: dict[str, str] = {}
+        self.answered: dict[str, dict[str, float]] = {s.address: {} for s in servers}
+        """Per server, the loop time at which it reached each stage."""
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._changed: asyncio.Event | None = None
+
+    def start(self) -> None:
+        """Send every server its update call (returns at once)."""
+        self.loop.run(self._start())
+
+    async def _start(self) -> None:
+        self._changed = asyncio.Event()
+        session = self.loop.session()
+        for server in self.servers:
+            self._tasks[server.address] = asyncio.ensure_future(self._call(session, server))
+
+    async def _call(self, session, server: ServerControl) -> None:
+        loop, seen = asyncio.get_running_loop(), self.answered[server.address]
+
+        def reached(stage: str) -> None:
+            seen[stage] = loop.time()
+            self._changed.set()
+
+        try:
+            await server.aupdate(session, self.mode, self.path, self.version, lambda: reached(PAUSED))
+            reached(COMMITTED)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 (each server's failure is its own, named in the report)
+            self.failed.setdefault(server.address, f"{type(e).__name__}: {e}")
+            self._changed.set()
+
+    def wait_paused(self) -> dict[str, str]:
+        """Block until every server has paused and begun the update, failed, or passed its deadline; the
+        failed servers so far."""
+        return self.loop.run(self._wait(PAUSED))
+
+    def wait_committed(self) -> dict[str, str]:
+        """Block until every server has committed the version, failed, or passed its deadline; the failed
+        servers (a server past its deadline has its call cancelled)."""
+        return self.loop.run(self._wait(COMMITTED))
+
+    async def _wait(self, stage: str) -> dict[str, str]:
+        loop = asyncio.get_running_loop()
+        begun = loop.time()
+        while True:
+            waiting = [a for a in self.answered if a not in self.failed and stage not in self.answered[a]]
+            if not waiting:
+                return dict(self.failed)
+            times = [max(0.0, seen[stage] - begun) for seen in self.answered.values() if stage in seen]
+            limit = stage_deadline(times, len(self.servers), self.config)
+            left = begun + limit - loop.time()
+            if left <= 0:
+                self._expire(waiting, stage, limit, times)
+                return dict(self.failed)
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    def _expire(self, addresses: list[str], stage: str, limit: float, times: list[float]) -> None:
+        median = f", {self.config.straggler_factor:g}x the median {statistics.median(times):.2f}s" if times else ""
+        for address in addresses:
+            self.failed[address] = (
+                f"not {stage} within {limit:.1f}s of the {'update' if stage == PAUSED else 'transfer'}'s start "
+                f"(weight_update.update_timeout={self.config.update_timeout:g}s, straggler_floor_s="
+                f"{self.config.straggler_floor_s:g}s{median}): evicted while alive and slow, or its control "
+                "route hangs"
+            )
+            self._tasks[address].cancel()
