@@ -54,6 +54,7 @@ from megarl.run.console_text import (
     warn_on_gap,
 )
 from megarl.run.evaluator import Evaluator, pass_at_1
+from megarl.run.open_files import check_open_files
 from megarl.run.prelaunch import load_expr_config
 from megarl.run.recover import RecoverHandler, RecoverInfo
 from megarl.run.saver import Saver
@@ -491,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     config, rest = load_expr_config(sys.argv[1:] if argv is None else argv, GRPOConfig)
     if rest:
         raise SystemExit(f"megarl.train: unexpected arguments {rest}; overrides are key.path=value")
+    check_open_files(config)  # on this node, before the build: RLIMIT_NOFILE raised for the pool's connections
     discover_ranks()  # under mpirun: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI (torchrun sets them itself)
     load_run_key(config.run_dir)  # started by hand without $MEGARL_API_KEY: the key megarl serve made there
     rank = int(os.environ.get("RANK", "0"))

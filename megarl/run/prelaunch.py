@@ -3,8 +3,9 @@
 ``megarl.config`` checks a config's values and how they fit together. What the config *names*
 is checked here, by reading it: the model directories (their ``config.json`` against the
 allocation), the datasets (their first rows against ``type``, their size against the batch),
-the tokenizer, the directories the run writes, a recover point to resume, and the user's own
-code (reward, workflow, loss: imported, their signatures checked). Hub ids become local
+the tokenizer, the directories the run writes, a recover point to resume, the user's own
+code (reward, workflow, loss: imported, their signatures checked), and the open files a trainer
+head needs (``RLIMIT_NOFILE``, :mod:`megarl.run.open_files`). Hub ids become local
 snapshot directories here, and plug-in files absolute paths, so every process of the run reads
 the same files.
 
@@ -38,6 +39,7 @@ from megarl.config.run import DatasetConfig
 from megarl.config.train import BUILTIN_LOSSES, USER_LOSS_CALL
 from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
 from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row_mapper
+from megarl.run.open_files import check_open_files
 from megarl.utils.logging import is_rank0
 from megarl.utils.plugins import accepted_parameters, import_plugin, locate_plugin, signature_problem
 
@@ -130,6 +132,8 @@ class Prelaunch:
         if isinstance(config, GRPOConfig):
             _check_models(config)
             _check_reward(config.reward_fn, row)
+            # several nodes: this may be a login node; each trainer rank refuses on its own node (megarl.train)
+            check_open_files(config, refuse=not multi_node)
 
 
 PRELAUNCH = Prelaunch()
