@@ -51,21 +51,44 @@ from benchmarks._harness import main_for
 
 TITLE = "Control plane at N simulated servers: pool throughput, weight-update overhead, probe, resources"
 SIZES_QUICK = (8, 64)
-SIZES = (8, 64, 256)
+SIZES = (8, 64, 256, 1024)
 PROMPT_LEN = 8
 MAX_NEW_TOKENS = 1024
 PER_SERVER = 8
 """Episodes in flight per server (``max_concurrent_rollouts = PER_SERVER * N``)."""
 STEPS, STEPS_QUICK = 4, 3
 TRAIN_S = 1.0
+TRAIN_GIL_SHARE = 0.5
+"""Share of the train phase in which the trainer's Python holds the interpreter lock (an assumption:
+a real step's Python between its kernels; the rest releases it)."""
 RECEIVE_S = 0.5
 """The simulated weight load per server (``model_bytes / (tp * bytes_per_s)``)."""
 
 
+REAL_SERVER_TOKENS_PER_S = 5000.0
+"""A real server's generated tokens/s: the planner's rate for one TP-1 H100 vLLM server of Qwen2.5-7B
+(``benchmarks/plan_rates_h100_qwen2.5-7b.yaml``, ``server.t1``), the bundled 128-GPU config's servers."""
+REAL_HEADS = 16
+"""That config's trainer heads (``megatron:d16p1t4``): each head's rollout pool sends its share of the requests."""
+HALF_CONCURRENCY = 16.0
+
+
+def head_request_rate(mean_tokens: float = 300.0) -> float:
+    """Generation requests per second one head's pool sends each server in a real cluster of the bundled
+    128-GPU layout: the server's rate in answers (of ``mean_tokens``), shared by its :data:`REAL_HEADS`."""
+    return REAL_SERVER_TOKENS_PER_S / mean_tokens / REAL_HEADS
+
+
 def serving_model(mean_tokens: float = 300.0):
+    """Simulated servers that, at the pool's :data:`PER_SERVER` requests each, answer at
+    :func:`head_request_rate`: the process under test is one head of a real cluster, at its real rate."""
     from tests.scale.sim_host import ServingModel
 
-    return ServingModel(peak_tokens_per_s=400.0, half_concurrency=16.0, ttft_s=0.02, mean_tokens=mean_tokens, sigma=0.6)
+    tokens_per_s = head_request_rate(mean_tokens) * mean_tokens  # at PER_SERVER requests in flight
+    peak = tokens_per_s * (PER_SERVER + HALF_CONCURRENCY) / PER_SERVER
+    return ServingModel(
+        peak_tokens_per_s=peak, half_concurrency=HALF_CONCURRENCY, ttft_s=0.02, mean_tokens=mean_tokens, sigma=0.6
+    )
 
 
 def weight_load():
@@ -113,10 +136,11 @@ def row_is_clean(input_ids: list[int], logprobs: list[float], prompt_len: int) -
 
 
 class LoopLag:
-    """The worst lateness of a 50 ms sleep on an event loop (another thread's), sampled until stopped."""
+    """How late a 50 ms sleep on an event loop (another thread's) wakes, sampled until stopped."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.worst, self._stop = 0.0, threading.Event()
+        self.lags: list[float] = []
+        self._stop = threading.Event()
         self._future = asyncio.run_coroutine_threadsafe(self._watch(), loop)
 
     async def _watch(self) -> None:
@@ -124,12 +148,14 @@ class LoopLag:
         while not self._stop.is_set():
             start = loop.time()
             await asyncio.sleep(0.05)
-            self.worst = max(self.worst, loop.time() - start - 0.05)
+            self.lags.append(loop.time() - start - 0.05)
 
-    def stop(self) -> float:
+    def stop(self) -> tuple[float, float]:
+        """(the worst lag, the 99th percentile), in seconds."""
         self._stop.set()
         self._future.result(timeout=10)
-        return self.worst
+        lags = sorted(self.lags) or [0.0]
+        return lags[-1], lags[min(len(lags) - 1, int(0.99 * len(lags)))]
 
 
 def _trainer(model_dir: Path):
@@ -149,7 +175,11 @@ def _trainer(model_dir: Path):
 
 
 FAULTS = {
-    "hang_update": "one server accepts the weight update and never answers (update_timeout 10 s)",
+    "hang_update": "one server accepts the weight update and never answers (the default deadlines: evicted at the "
+    "relative deadline, not after update_timeout)",
+    "slow_pause": "one server's update call takes 120 s to pause (a slow /pause)",
+    "slow_receive": "one server loads the weights 100x slower than the others (slow but alive)",
+    "control_down": "one server's update call hangs before it pauses while its health check answers",
     "die_in_update": "5% of the servers die (nothing listens, connections dropped) during a weight update; "
     "the launcher restarts them in their slots right after",
     "straggler": "one server generates 10x slower than the rest",
@@ -179,9 +209,15 @@ class FaultPlan:
         n = self.cluster.n
         if step != 1 or self.name is None:
             return
-        if self.name == "hang_update":
+        one = {
+            "hang_update": {"hang_update": True},
+            "slow_pause": {"pause_delay": 120.0},
+            "slow_receive": {"receive_factor": 100.0},
+            "control_down": {"control_down": True},
+        }
+        if self.name in one:
             self.hit = [n // 2]
-            self.cluster.fault(self.hit[0], hang_update=True)
+            self.cluster.fault(self.hit[0], **one[self.name])
         elif self.name == "die_in_update":
             self.hit = list(range(1, n, 20))[: max(1, n // 20)]
             self.timer = threading.Timer(RECEIVE_S / 2, lambda: [self.cluster.fault(i, die=True) for i in self.hit])
@@ -224,10 +260,18 @@ class FaultPlan:
             self.joined.stop()
 
 
-def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 300.0, dialect: str = "vllm") -> dict:
+def measure(
+    n: int,
+    steps: int,
+    fault: str | None = None,
+    mean_tokens: float = 300.0,
+    dialect: str = "vllm",
+    straggler_floor_s: float | None = None,
+) -> dict:
     """One size: the pool, the coordinator and the weight sync driving ``n`` simulated servers, with
     one of :data:`FAULTS` at step 1 if ``fault`` names one (answers of ``mean_tokens`` on average),
-    the servers speaking ``dialect`` (``vllm`` or ``sglang``)."""
+    the servers speaking ``dialect`` (``vllm`` or ``sglang``); ``straggler_floor_s``: the weight update's
+    (None: its default)."""
     from megarl.models.tiny import make_tiny_model
     from tests.scale.sim_cluster import SimCluster
 
@@ -240,14 +284,14 @@ def measure(n: int, steps: int, fault: str | None = None, mean_tokens: float = 3
         cluster.start()
         faults = FaultPlan(fault, cluster, Path(tmp) / "run")
         try:
-            row = _drive(n, steps, cluster, model_dir, Path(tmp), faults)
+            row = _drive(n, steps, cluster, model_dir, Path(tmp), faults, straggler_floor_s)
         finally:
             faults.stop()
             cluster.stop()
     return row
 
 
-def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
+def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan, straggler_floor_s: float | None) -> dict:
     from benchmarks.pool_load import CountingLoader, IdBitmap
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.rollout import RemoteInferenceEngine
@@ -268,7 +312,9 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     )
     coordinator = DistRolloutCoordinator(rollout, DataParallelLayout(0, 1, True), 1)
     config = WeightUpdateConfig(mode="disk", disk_path=str(tmp / "updates"), probe_sequences=2, probe_tokens=16)
-    config.probe_every, config.probe_topk, config.update_timeout = 1, 0, 10.0 if faults.name == "hang_update" else 120.0
+    config.probe_every, config.probe_topk = 1, 0
+    if straggler_floor_s is not None:
+        config.straggler_floor_s = straggler_floor_s
     meta = WeightUpdateMeta(config)
     sync = connect_engine(trainer, rollout, meta)
     freeze_startup_objects()  # as megarl.train does once the trainer is built
@@ -311,12 +357,13 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
         cpu = (_cpu_seconds([proc], children=False) - cpu_before[0], _cpu_seconds(hosts) - cpu_before[1])
         pending = len(rollout.pool.pending_items())
     finally:
-        worst_lag = lag.stop()
+        worst_lag, p99_lag = lag.stop()
         rollout.destroy()
         trainer.destroy()
     row = _row(cluster, steps, before, after, seconds, cpu, updates[1:], books, handed_out, loader, pending, peaks)
     row["pool_share"] = _share(cluster, between_syncs)
     row["loop_lag_ms"] = 1000 * worst_lag
+    row["loop_lag_p99_ms"] = 1000 * p99_lag
     row["dialect"] = cluster.dialect
     row["servers on the last version"] = sum(str(s["version"]) == str(steps) for s in after)
     row["fault"] = faults.name or "none"
@@ -324,7 +371,7 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan) -> dict:
     row["evicted"] = int(sum(u.get("servers_evicted", 0) for u in updates))
     row["readmitted"] = int(sum(u.get("servers_readmitted", 0) for u in updates))
     # a server out of rotation (evicted, or left the run) gets no generation request after that update
-    out = faults.name in ("hang_update", "join_leave") and steps > 2
+    out = faults.name in ("hang_update", "slow_pause", "slow_receive", "control_down", "join_leave") and steps > 2
     row["requests to hit after"] = (
         sum(after[i]["generate"] - after_fault[i]["generate"] for i in faults.hit) if out else None
     )
@@ -346,9 +393,15 @@ def _cpu_seconds(procs, children: bool = True) -> float:
 
 def _train(batch, books, handed_out) -> None:
     """The trainer's step: ``TRAIN_S`` at least, in which the batch's rows are checked (the check's
-    CPU time falls where a real trainer's Python runs too, not in the weight update)."""
+    CPU time falls where a real trainer's Python runs too, not in the weight update), then Python runs
+    holding the interpreter lock for ``TRAIN_GIL_SHARE`` of the step (as a real step's Python does between
+    its kernels; the pool's loop thread gets the lock only at the interpreter's switch interval), then
+    the rest of the step sleeps (kernels that release the lock)."""
     start = time.monotonic()
     _count_rows(batch, books, handed_out)
+    busy_until = start + TRAIN_GIL_SHARE * TRAIN_S
+    while time.monotonic() < busy_until:
+        sum(range(1000))  # pure Python: holds the lock
     time.sleep(max(0.0, TRAIN_S - (time.monotonic() - start)))
 
 
@@ -428,16 +481,14 @@ def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out
     }
 
 
-def _in_own_process(
-    n: int, steps: int, fault: str | None = None, mean_tokens: float = 300.0, dialect: str = "vllm"
-) -> dict:
+def _in_own_process(n: int, steps: int, fault: str | None = None, **kwargs) -> dict:
     """:func:`measure` in a fresh process: its resources and its torch.distributed group are its own."""
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        return pool.submit(measure, n, steps, fault, mean_tokens, dialect).result()
+        return pool.submit(measure, n, steps, fault, **kwargs).result()
 
 
-FAULT_SERVERS = 64
+FAULT_SERVERS = 256
 """The size the faults run at (``--quick``: none run)."""
 
 

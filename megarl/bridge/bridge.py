@@ -141,7 +141,7 @@ class WeightBridge(ServerBridge):
         wiring = self._wire(bsched.senders if "broadcast" in modes else [], ssched.senders if ssched else [])
         errors: dict[str, str] = {}
         joining = None
-        if self.is_driver:  # servers join in the background while the trainer ranks join here
+        if self.is_driver and set(modes) != {"disk"}:  # servers join (in the background) the groups: disk mode has none
             infos = {s.address: self._init_info(i, wiring, modes) for i, s in enumerate(servers)}
             calls = {s.address: (lambda s=s: s.init_group(infos[s.address])) for s in servers}
             joining = _background(calls, self.config.init_timeout, errors)

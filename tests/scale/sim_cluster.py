@@ -79,7 +79,8 @@ class SimCluster:
         raise RuntimeError(f"no server of the host process of server {index} answers")
 
     def fault(self, index: int, **what) -> None:
-        """``die=True``, ``restart=True``, ``slow=F`` or ``hang_update=True`` on server ``index`` (see sim_host)."""
+        """``die=True``, ``restart=True``, ``slow=F``, ``hang_update=True``, ``pause_delay=S``, ``receive_factor=F``
+        or ``control_down=True`` on server ``index`` (see sim_host)."""
         self._on_host(index, lambda address: _post(address, "/_host/fault", {"index": index, **what}))
 
     def queue_faults(self, index: int, faults: list[str]) -> None:

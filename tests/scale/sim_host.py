@@ -26,7 +26,10 @@ dialects, pause / resume, sleep / wake, injected faults), with what a cluster of
 * **faults, per server** (``POST /_host/fault {"index": i, ...}`` to any live server of its process): ``{"die": true}`` stops listening and drops every open
   connection (a SIGKILLed server, as its clients see it), ``{"restart": true}`` listens again with
   the model's first weights (the launcher's restart in the slot); ``{"slow": 10}`` divides its throughput
-  by 10; ``{"hang_update": true}`` accepts the next weight-update request and never answers.
+  by 10; ``{"hang_update": true}`` accepts the next weight-update request and never answers;
+  ``{"pause_delay": s}`` makes each update call take ``s`` seconds to pause (a slow ``/pause``);
+  ``{"receive_factor": f}`` makes its weight load ``f`` times slower (a slow receive);
+  ``{"control_down": true}`` hangs its update calls before they pause while ``/health`` answers.
   The fake server's ``/_faults`` queue (a burst of 429s ...) works as before.
 
 ``GET /_host`` (any live server of the process) returns every server's counters at once (tokens,
@@ -179,6 +182,9 @@ class SimServer(FakeServer):
         self.active: list[Generation] = []
         self.slowdown = 1.0
         self.hang_update = False
+        self.pause_delay = 0.0  # seconds its update call takes to pause (a slow /pause)
+        self.receive_factor = 1.0  # its weight load takes this many times the others' (a slow receive)
+        self.control_down = False  # its update call hangs before pausing while /health answers
         self.dead = False
         self.version = 0
         self.weights: str | None = None  # the directory of the weights it serves (None: the model it started with)
@@ -294,7 +300,7 @@ class SimServer(FakeServer):
             await asyncio.sleep(10**6)
         if self.scorer.model_dir is not None:  # a host started without --model scores nothing: no load
             self.scorer.preload(path)  # in a thread: the simulated receive time stays what it is
-        await asyncio.sleep(self.load.seconds)
+        await asyncio.sleep(self.load.seconds * self.receive_factor)
         self.pending = path
 
     async def vllm_update(self, request: web.Request) -> web.Response:
@@ -339,6 +345,9 @@ class SimServer(FakeServer):
         """One of the faults (the module doc) on this server."""
         self.slowdown = float(body.get("slow", self.slowdown))
         self.hang_update = bool(body.get("hang_update", self.hang_update))
+        self.pause_delay = float(body.get("pause_delay", self.pause_delay))
+        self.receive_factor = float(body.get("receive_factor", self.receive_factor))
+        self.control_down = bool(body.get("control_down", self.control_down))
         if body.get("die"):
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.die()))
         if body.get("restart"):
@@ -406,6 +415,9 @@ class _Steps:
         self.server = server
 
     async def pause(self) -> None:
+        if self.server.control_down:
+            await asyncio.sleep(10**6)
+        await asyncio.sleep(self.server.pause_delay)
         self.server.resumed.clear()  # the ticker aborts the running requests, as /pause?mode=abort
 
     async def start(self) -> None:
