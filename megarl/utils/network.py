@@ -56,7 +56,7 @@ def find_free_ports(
     if count < 1:
         raise ValueError(f"find_free_ports: count must be >= 1, got {count}")
     if port_range is None:
-        candidates = (0 for _ in range(_MAX_ATTEMPTS))
+        candidates = (0 for _ in range(max(_MAX_ATTEMPTS, 2 * count)))  # OS picks: every one held is new
     else:
         low, high = port_range
         if not 1 <= low <= high <= 65535:

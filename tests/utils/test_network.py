@@ -31,6 +31,12 @@ def test_find_free_ports_distinct_and_bindable():
     assert _bindable(find_free_port())
 
 
+def test_find_free_ports_finds_more_than_a_thousand():
+    """1,024 simulated servers on one host (``benchmarks/scale_sim.py``): the OS's picks are not capped at 1,000."""
+    ports = find_free_ports(1100)
+    assert len(set(ports)) == 1100
+
+
 def test_find_free_ports_respects_range_and_exclude():
     excluded = {20001, 20003}
     ports = find_free_ports(3, exclude=excluded, port_range=(20000, 20005))
