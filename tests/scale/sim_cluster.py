@@ -37,18 +37,23 @@ class SimCluster:
     addresses: list[str] = field(default_factory=list)
     processes: list[subprocess.Popen] = field(default_factory=list)
 
-    def start(self, timeout: float = 120.0) -> SimCluster:
+    def start(self, timeout: float | None = None) -> SimCluster:
+        """Start the host processes; returns once every one listens (``timeout``: seconds for all of them,
+        by default 60 + 30 per process: 16 processes load their HF model together on a 2-core machine)."""
         ports = find_free_ports(self.n)
         self.addresses = [f"127.0.0.1:{p}" for p in ports]
         for first in range(0, self.n, self.per_process):
             chunk = ports[first : first + self.per_process]
             self.processes.append(spawn(self._command(first, chunk), stdout=subprocess.PIPE, text=True))
+        timeout = timeout if timeout is not None else 60.0 + 30.0 * len(self.processes)
         deadline = time.monotonic() + timeout
         for proc in self.processes:
             line = proc.stdout.readline()  # "ready" once its ports listen
-            if line.strip() != "ready" or time.monotonic() > deadline:
+            late = time.monotonic() > deadline
+            if line.strip() != "ready" or late:
                 self.stop()
-                raise RuntimeError(f"simulated host {proc.args} did not start: {line!r} (exit {proc.poll()})")
+                why = f"not within {timeout:g} s" if late else f"it printed {line!r} (exit {proc.poll()})"
+                raise RuntimeError(f"simulated host {proc.args[:8]}... did not start: {why}")
         return self
 
     def _command(self, first: int, ports: list[int]) -> list[str]:
