@@ -7,14 +7,19 @@ of many servers go out at once (:func:`http_ok_all`).
 
 Failures of the rollout side's requests fall in three groups:
 
-* connection failures (refused, reset, server gone mid-response): retried with backoff;
-  when the budget is spent, :class:`ServerUnavailableError`, which the engine answers by
+* connection failures (refused, reset, server gone mid-response, a body cut short): retried with
+  backoff; when the budget is spent, :class:`ServerUnavailableError`, which the engine answers by
   marking the server unhealthy and re-issuing the request elsewhere;
-* 5xx replies, 408 and 429 (the server is busy), timeouts (no complete reply within
-  ``request_timeout``: a hang or a trickle) and malformed bodies (not JSON, an HTML page,
-  cut short, or a 200 reply that cannot be trained on): retried with backoff, then
-  :class:`InferenceServerError` naming the server, endpoint, attempts and last failure;
+* 5xx replies, 408 and 429 (the server is busy), timeouts (no reply before the deadline: a hang; or a
+  body that does not arrive whole within :attr:`RetryPolicy.body_timeout` of its headers: a stall or a
+  trickle) and malformed bodies (not JSON, an HTML page, or a 200 reply that cannot be trained on):
+  retried with backoff, then :class:`InferenceServerError` naming the server, endpoint, attempts and
+  last failure;
 * other 4xx replies: the request itself is wrong; :class:`InferenceServerError` at once.
+
+Every attempt and every wait between attempts fits in the request's deadline,
+:attr:`RetryPolicy.timeout` (``rollout.request_timeout``) from its first attempt: a retry that would
+start past it is not made, and the request fails with its last failure.
 
 Each error carries a ``kind`` (:data:`FAILURE_KINDS`) that the rollout pool counts in the
 step metrics when it ends an episode for it.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -82,7 +88,11 @@ class MalformedResponseError(ValueError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How hard to try one request: timeout per attempt, retries, initial backoff (doubling)."""
+    """How hard to try one request: its deadline, retries, initial backoff (doubling).
+
+    ``timeout`` is the deadline: seconds from the first attempt to the final result, every attempt and
+    backoff included.
+    """
 
     timeout: float = 3600.0
     retries: int = 3
@@ -92,6 +102,13 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (1-based)."""
         return min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+
+    @property
+    def body_timeout(self) -> float:
+        """Seconds a reply's body may take once its headers are in: one attempt's share of the deadline, so
+        that a body that stalls is cut and retried in time. (aiohttp's ``sock_read`` cannot say this: it
+        also times the wait for the headers, which for a generation is the whole generation.)"""
+        return self.timeout / (self.retries + 1)
 
 
 class _Retryable(Exception):
@@ -111,19 +128,29 @@ async def _attempt(
     url: str,
     payload: Any,
     params: dict | None,
-    timeout: float,
+    policy: RetryPolicy,
+    deadline: float,
     parse: Callable[[Any], T],
     expect_json: bool,
 ) -> T:
-    """One try; raises _Retryable for retryable failures, InferenceServerError for 4xx."""
+    """One try, ended by ``deadline`` (``time.monotonic()``); raises _Retryable for retryable failures,
+    InferenceServerError for 4xx."""
+    total = max(1e-3, deadline - time.monotonic())  # never 0: aiohttp reads a total of 0 as no limit
     try:
         async with session.request(
-            method, url, json=payload, params=params, timeout=aiohttp.ClientTimeout(total=timeout)
+            method, url, json=payload, params=params, timeout=aiohttp.ClientTimeout(total=total)
         ) as resp:
-            text = await resp.text()
+            body_timeout = min(policy.body_timeout, deadline - time.monotonic())
+            try:
+                async with asyncio.timeout(body_timeout):
+                    text = await resp.text()
+            except TimeoutError:
+                reason = f"no complete reply: the body did not arrive within {body_timeout:.3g}s of the headers"
+                raise _Retryable(reason, "timeout") from None
             status = resp.status
     except TimeoutError:
-        raise _Retryable(f"no complete reply within {timeout:g}s (request_timeout)", "timeout") from None
+        reason = f"no complete reply within the request's deadline of {policy.timeout:g}s (request_timeout)"
+        raise _Retryable(reason, "timeout") from None
     except aiohttp.ClientPayloadError as e:  # the body ended short of its length, or could not be decoded
         raise _Retryable(f"reply cut short: {type(e).__name__}: {e}", "connection") from None
     except (aiohttp.ClientConnectionError, ConnectionError) as e:
@@ -165,22 +192,29 @@ async def arequest_with_retry(
     ``parse`` the body text (control endpoints that answer in plain text).
     """
     url = f"http://{address}{endpoint}"
+    deadline = time.monotonic() + policy.timeout
     last: _Retryable | None = None
+    attempts = 0
     for attempt in range(policy.retries + 1):
         if attempt:
+            if time.monotonic() + policy.delay(attempt) >= deadline:
+                if last.kind != "timeout":  # a timeout's reason names its time already
+                    last.reason += f" (no time left to retry within request_timeout={policy.timeout:g}s)"
+                break
             await asyncio.sleep(policy.delay(attempt))
+        attempts += 1
         try:
-            return await _attempt(session, method, url, payload, params, policy.timeout, parse, expect_json)
+            return await _attempt(session, method, url, payload, params, policy, deadline, parse, expect_json)
         except _Retryable as e:
             last = e
-            logger.debug("attempt %d/%d on %s failed: %s", attempt + 1, policy.retries + 1, url, e.reason)
+            logger.debug("attempt %d/%d on %s failed: %s", attempts, policy.retries + 1, url, e.reason)
             if e.connection and give_up():
-                raise ServerUnavailableError(address, endpoint, e.reason, attempt + 1) from None
+                raise ServerUnavailableError(address, endpoint, e.reason, attempts) from None
         except InferenceServerError as e:
-            raise InferenceServerError(address, endpoint, e.reason, attempt + 1, e.kind) from None
+            raise InferenceServerError(address, endpoint, e.reason, attempts, e.kind) from None
     assert last is not None
     error_cls = ServerUnavailableError if last.connection else InferenceServerError
-    raise error_cls(address, endpoint, last.reason, policy.retries + 1, kind=last.kind)
+    raise error_cls(address, endpoint, last.reason, attempts, kind=last.kind)
 
 
 def make_session(max_connections: int) -> aiohttp.ClientSession:

@@ -196,14 +196,19 @@ def test_corrupted_replies_are_retried_and_never_returned(fake_servers):
 
 @pytest.mark.parametrize("fault", sorted(TRANSPORT_FAULTS))
 def test_transport_faults_retried_or_refused(fake_servers, fault):
-    """Every kind of bad reply (status, body, a hang or a trickle, a connection dropped before or in the
-    middle of the body): retried, and the sample is the clean one; a 4xx that retrying cannot fix
-    (400, 404) fails at once with ``kind='http_4xx'``, after one attempt."""
+    """Every kind of bad reply (status, body, a trickle, a connection dropped before or in the middle
+    of the body): retried, and the sample is the clean one; a 4xx that retrying cannot fix (400, 404)
+    fails at once with ``kind='http_4xx'``, after one attempt; a hang uses the request's whole deadline
+    (``request_timeout``) and fails with ``kind='timeout'``, after one attempt."""
     (server,) = fake_servers(1)
     engine = make_engine([server.address], request_retries=2, request_timeout=1.0)
     try:
         _post(server.address, "/_faults", {"faults": [fault]})
-        if TRANSPORT_FAULTS[fault] == "fail":
+        if fault == "hang":
+            with pytest.raises(InferenceServerError) as info:
+                _generate(engine, 8)
+            assert info.value.kind == "timeout" and info.value.attempts == 1
+        elif TRANSPORT_FAULTS[fault] == "fail":
             with pytest.raises(InferenceServerError) as info:
                 _generate(engine, 8)
             assert info.value.kind == "http_4xx" and info.value.attempts == 1
@@ -216,7 +221,7 @@ def test_transport_faults_retried_or_refused(fake_servers, fault):
         engine.destroy()
     stats = _stats(server.address)
     assert stats[f"fault_{fault}"] == 1
-    assert stats["generate"] == (1 if TRANSPORT_FAULTS[fault] == "fail" else 2)
+    assert stats["generate"] == (1 if TRANSPORT_FAULTS[fault] == "fail" or fault == "hang" else 2)
 
 
 def test_retries_then_succeeds(fake_servers):
@@ -263,7 +268,8 @@ def test_retry_budget_spent_raises_clear_error(fake_servers, fault, message):
     finally:
         engine.destroy()
     err = info.value
-    assert message in str(err) and server.address in str(err) and "after 3 attempts" in str(err)
+    attempts = "after 1 attempt" if fault == "hang" else "after 3 attempts"  # a hang spends the whole deadline
+    assert message in str(err) and server.address in str(err) and attempts in str(err)
     assert err.endpoint == "/v1/completions"
 
 
