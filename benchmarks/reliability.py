@@ -124,7 +124,7 @@ def _reply_outcomes() -> tuple[list[str], list[str]]:
     requests, episodes = [], []
     try:
         for fault in [*TRANSPORT_FAULTS, *CORRUPTIONS]:
-            refused_at_once = TRANSPORT_FAULTS.get(fault) == "fail"
+            refused_at_once = TRANSPORT_FAULTS.get(fault) in ("fail", "deadline")  # one attempt, then an error
             requests += _request_outcomes(server.address, fault, refused_at_once)
             episodes.append(_episode_outcome(server.address, fault, 1 if refused_at_once else 3))
     finally:

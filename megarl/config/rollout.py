@@ -24,7 +24,9 @@ class InferenceEngineConfig:
     queue_size: int | None = None
     """Bound of the input and output queues; None means 4x max_concurrent_rollouts."""
     request_timeout: float = 3600.0
-    """Seconds one HTTP generation request may take before it counts as failed."""
+    """Seconds one HTTP generation request may take on a server before it counts as failed, its retries
+    and their backoff included (a reply that never starts uses all of it; a body that stalls after its
+    headers is cut after ``request_timeout / (request_retries + 1)`` and retried)."""
     request_retries: int = 3
     """Retries of a failed request (connection error, 5xx, timeout) before the server is marked unhealthy."""
     retry_backoff: float = 1.0

@@ -87,7 +87,8 @@ CORRUPTIONS = {  # a 200 reply (vLLM dialect) that megarl must not train on: (re
 }
 """Fault names of corrupted complete replies, for ``POST /_faults``."""
 
-TRANSPORT_FAULTS = {  # name -> what megarl must do with it: "retry" (then the clean sample) or "fail" (at once)
+TRANSPORT_FAULTS = {  # name -> what megarl must do with it: "retry" (then the clean sample), "fail" (at once) or
+    # "deadline" (fail once the request's deadline, rollout.request_timeout, is spent: no time is left to retry)
     "500": "retry",  # internal server error
     "503": "retry",  # overloaded / starting
     "429": "retry",  # too many requests (Retry-After: 0)
@@ -99,7 +100,7 @@ TRANSPORT_FAULTS = {  # name -> what megarl must do with it: "retry" (then the c
     "empty_body": "retry",  # 200, nothing in the body
     "html": "retry",  # 200, an HTML page (a proxy's error page) instead of JSON
     "truncated": "retry",  # 200, the body cut in the middle (valid prefix, then EOF at the announced length)
-    "hang": "retry",  # never answers
+    "hang": "deadline",  # never answers
     "trickle": "retry",  # headers, then a byte now and then, never the whole body
     "disconnect": "retry",  # the connection dropped before any reply
     "reset_mid_body": "retry",  # headers and half the body, then the connection dropped
