@@ -71,6 +71,12 @@ and the update started, then ``{"version": "<v>"}`` once the weights are committ
 once the rollout side has moved to the new version."""
 
 
+_NO_ROUTE_HINT = (
+    " (a vLLM server not started by megarl: start it with `megarl serve`, or add `--middleware "
+    "megarl.serving.vllm_route.WeightUpdateRoute` to its command line)"
+)
+
+
 class VLLMBackend(InferenceBackend):
     """Generation through ``/v1/completions`` with token-id prompts."""
 
@@ -360,7 +366,8 @@ class VLLMControl(ServerControl):
             async with session.post(f"http://{self.address}{UPDATE_ROUTE}", json=body) as reply:
                 if reply.status != 200:
                     text = (await reply.text())[:400]
-                    raise ServerControlError(self.address, UPDATE_ROUTE, f"HTTP {reply.status}: {text}")
+                    hint = _NO_ROUTE_HINT if reply.status == 404 else ""
+                    raise ServerControlError(self.address, UPDATE_ROUTE, f"HTTP {reply.status}: {text}{hint}")
                 async for line in reply.content:
                     message = _update_message(self.address, line)
                     if "error" in message:

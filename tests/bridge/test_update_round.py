@@ -160,3 +160,30 @@ def test_no_relative_deadline_when_turned_off():
 def test_the_config_refuses_a_factor_below_one():
     with pytest.raises(ValueError, match="straggler_factor"):
         _config(straggler_factor=0.5).check()
+
+
+def test_a_server_without_megarls_route_is_named_with_how_to_start_it():
+    """A vLLM server started by hand without megarl's middleware answers 404: the error says what to do."""
+    app = web.Application()  # no update route
+    loop, addresses = asyncio.new_event_loop(), []
+    ready = threading.Event()
+
+    async def start():
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        addresses.append(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+
+    def main():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(start())
+        ready.set()
+        loop.run_forever()
+
+    threading.Thread(target=main, daemon=True).start()
+    ready.wait(30)
+    rnd = UpdateRound([VLLMControl(addresses[0], tp=1)], "disk", "/x", 1, _config())
+    rnd.start()
+    failed = rnd.wait_paused()
+    assert "HTTP 404" in failed[addresses[0]] and "megarl serve" in failed[addresses[0]]

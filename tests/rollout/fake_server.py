@@ -390,9 +390,12 @@ async def serve_update_route(request: web.Request, steps) -> web.StreamResponse:
         return web.json_response({"error": str(e)}, status=400)
     reply = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await reply.prepare(request)
-    async for line in update_lines(steps, mode, path, version):
-        await reply.write(json.dumps(line).encode() + b"\n")
-    await reply.write_eof()
+    try:
+        async for line in update_lines(steps, mode, path, version):
+            await reply.write(json.dumps(line).encode() + b"\n")
+        await reply.write_eof()
+    except ConnectionResetError:  # the trainer gave up on this server (its deadline passed)
+        pass
     return reply
 
 
