@@ -9,6 +9,13 @@ Messages go in rounds: round ``k`` carries bucket ``k`` of every (sender, worker
 one batch of point-to-point operations (``batch_isend_irecv``: NCCL may order them as it
 likes, so no rank waits on a peer that waits on it). Bucket ``k + 1`` is packed while
 round ``k`` is on the wire.
+
+A worker that dies mid-transfer (its server killed) costs only its own messages: on gloo every
+message is its own operation, so a send to it that fails (connection reset, or the group's
+timeout for a peer that stopped reading) marks that worker lost, the sender sends it nothing more
+and goes on with the others, who take the whole update. The lost worker's server fails its own
+update call (it died, or it cannot have received everything); the sender reports no error. On NCCL
+a round is one coalesced operation, so a failure there is the whole sender's, as before.
 """
 
 from __future__ import annotations
@@ -58,36 +65,77 @@ class ShardedSender(TransportSender):
     def send(self, source: ShardSource) -> TransferStats:
         stats, packing = TransferStats(), Timer()
         start = time.perf_counter()
+        lost: dict[int, str] = {}  # worker -> why its messages stopped
+        per_message = self.group is not None and dist.get_backend(self.group) == "gloo"
         pending: list = []
         for k in range(self.schedule.rounds):
             with packing:
-                ops = []
+                messages = []
                 for s, worker, pieces in self.schedule.round_messages(k):
-                    if s in self.mine:
+                    if s in self.mine and worker not in lost:
                         buf = pack(
                             (_piece_view(source.local(p.src), p) for p in pieces),
                             sum(p.numel for p in pieces),
                             self.dtype,
                             source.device,
                         )
-                        ops.append(dist.P2POp(dist.isend, buf, self.num_senders + worker, group=self.group))
-                        stats.bytes_sent += buf.numel() * buf.element_size()
+                        messages.append((worker, buf))
             try:
-                works = dist.batch_isend_irecv(ops) if ops else []
-                for work in pending:
-                    work.wait()  # round k - 1 done while round k was packed
-            except RuntimeError as e:  # a worker died or timed out; no trainer collective to keep in step
+                if per_message:
+                    works = self._post_each(messages, lost, k)
+                else:
+                    ops = [dist.P2POp(dist.isend, b, self.num_senders + w, group=self.group) for w, b in messages]
+                    works = [(None, work) for work in (dist.batch_isend_irecv(ops) if ops else [])]
+                self._wait(pending, lost, k - 1)  # round k - 1 done while round k was packed
+            except RuntimeError as e:  # no trainer collective to keep in step
                 stats.error = f"sharded send, round {k}: {e}"
                 return stats
             pending = works
-            stats.messages += len(ops)
+            for worker, buf in messages:
+                if worker not in lost:
+                    stats.bytes_sent += buf.numel() * buf.element_size()
+                    stats.messages += 1
         try:
-            for work in pending:
-                work.wait()
+            self._wait(pending, lost, self.schedule.rounds - 1)
         except RuntimeError as e:
             stats.error = f"sharded send, last round: {e}"
+        if lost:
+            stats.extra["lost_workers"] = lost
         stats.seconds, stats.pack_seconds = time.perf_counter() - start, packing.seconds
         return stats
+
+    def _post_each(self, messages: list, lost: dict[int, str], k: int) -> list:
+        """gloo: each message its own send (what ``batch_isend_irecv`` does there), so that a send to a
+        dead worker fails alone: ``[(worker, work)]`` of those posted."""
+        works = []
+        for worker, buf in messages:
+            try:
+                works.append((worker, dist.isend(buf, self.num_senders + worker, group=self.group)))
+            except RuntimeError as e:
+                self._lose(lost, worker, k, e)
+        return works
+
+    def _wait(self, works: list, lost: dict[int, str], k: int) -> None:
+        """Wait for round ``k``'s sends; a failed one loses its worker, or raises where the round was
+        coalesced into one operation (worker None)."""
+        for worker, work in works:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                if worker is None:
+                    raise
+                self._lose(lost, worker, k, e)
+
+    def _lose(self, lost: dict[int, str], worker: int, k: int, error: Exception) -> None:
+        if worker not in lost:
+            lost[worker] = f"round {k}: {error}"
+            logger.warning(
+                "sharded send: inference worker %d lost in round %d (%s); sending it nothing more, the other "
+                "workers go on (its server fails its update)",
+                worker,
+                k,
+                str(error).splitlines()[0][:300],
+            )
 
 
 class ShardedReceiver:
