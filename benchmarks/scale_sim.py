@@ -315,7 +315,7 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan, straggler
     )
     coordinator = DistRolloutCoordinator(rollout, DataParallelLayout(0, 1, True), 1)
     config = WeightUpdateConfig(mode="disk", disk_path=str(tmp / "updates"), probe_sequences=2, probe_tokens=16)
-    config.probe_every, config.probe_topk = 1, 0
+    config.probe_every, config.probe_topk = 2, 0  # the steady-state columns come from the updates between probes
     if straggler_floor_s is not None:
         config.straggler_floor_s = straggler_floor_s
     meta = WeightUpdateMeta(config)
@@ -341,9 +341,10 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan, straggler
             _train(batch, books, handed_out)
             between_syncs.append((synced, cluster.stats()))
             faults.before_update(step)
-            cpu_start = _cpu_seconds([proc], children=False)
+            cpu_start = (_cpu_seconds([proc], children=False), _update_threads_cpu(proc))
             updates.append(sync.update_weights(WeightUpdateMeta(config, version=step + 1)))
-            updates[-1]["trainer_cpu_s"] = _cpu_seconds([proc], children=False) - cpu_start
+            updates[-1]["process_cpu_s"] = _cpu_seconds([proc], children=False) - cpu_start[0]
+            updates[-1]["trainer_cpu_s"] = _update_threads_cpu(proc) - cpu_start[1]
             faults.after_update(step)
             synced = cluster.stats()
             updates[-1]["calls_per_server"] = _control_calls(synced, between_syncs[-1][1]) / n
@@ -381,6 +382,13 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan, straggler
     if faults.joined is not None:
         row["joined serving"] = sum(s["generate"] > 0 and s["version"] >= 2 for s in faults.joined.stats())
     return row
+
+
+def _update_threads_cpu(proc: psutil.Process) -> float:
+    """CPU seconds so far of this process's threads but the rollout pool's loop (``megarl-rollout``): the
+    weight update's own (the calling thread, the control loop, the fan-out threads of the probe)."""
+    pool = {t.native_id for t in threading.enumerate() if t.name.startswith("megarl-rollout")}
+    return sum(t.user_time + t.system_time for t in proc.threads() if t.id not in pool)
 
 
 def _cpu_seconds(procs, children: bool = True) -> float:
@@ -447,6 +455,8 @@ def _share(cluster, windows: list[tuple[list[dict], list[dict]]]) -> float:
 def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out, loader, pending, peaks) -> dict:
     unpaused, requests = _delta(after, before, "unpaused_s"), _delta(after, before, "requests")
     overhead = [u["sync_seconds"] - RECEIVE_S - u["send_seconds"] for u in updates]  # the probe comes after
+    probing = [u for u in updates if "probe_seconds" in u]
+    steady = [u for u in updates if "probe_seconds" not in u] or updates  # no probe in the update
     lost = loader.fed - handed_out.count - books["dropped"] - (books["stale"] - books["stale rerun"]) - pending
     return {
         "servers": cluster.n,
@@ -457,17 +467,19 @@ def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out
         "mean_running": _delta(after, before, "running_s") / unpaused,
         "requests/s": requests / seconds,
         "update_overhead_s": statistics.median_high(overhead),
-        # calls each server got in an update (probe scoring aside: generation requests), and the trainer
-        # process's CPU seconds in it (its control plane's own cost: the servers share this machine's cores)
-        "calls_per_server_per_update": statistics.median_high(u["calls_per_server"] for u in updates),
-        "trainer_cpu_s_per_update": statistics.median_high(u["trainer_cpu_s"] for u in updates),
+        # calls each server got in an update (probe scoring aside: generation requests), and the CPU seconds
+        # in it of the trainer process's threads but the pool's loop (the update's own cost: the servers
+        # share this machine's cores), and of the whole process (the pool's handling of the aborts too)
+        "calls_per_server_per_update": statistics.median_high(u["calls_per_server"] for u in steady),
+        "trainer_cpu_s_per_update": statistics.median_high(u["trainer_cpu_s"] for u in steady),
+        "process_cpu_s_per_update": statistics.median_high(u["process_cpu_s"] for u in steady),
         "sync_s": statistics.median_high(u["sync_seconds"] for u in updates),
         # the overhead's parts: pausing every server (their in-flight requests abort), their commit
         # of the new version, resuming them
         "pause_s": statistics.median_high(u["pause_seconds"] for u in updates),
         "commit_s": statistics.median_high(u["commit_seconds"] for u in updates),
         "resume_s": statistics.median_high(u["resume_seconds"] for u in updates),
-        "probe_s": statistics.median_high(u.get("probe_seconds", 0.0) for u in updates),
+        "probe_s": statistics.median_high(u["probe_seconds"] for u in probing) if probing else None,
         "peak_rss_MB": round(peaks["rss_mb"], 1),
         "peak_fds": peaks["fds"],
         "peak_threads": peaks["threads"],

@@ -21,6 +21,8 @@ from tests.scale.sim_host import ServingModel, WeightLoad
 
 SIM_HOST = Path(__file__).with_name("sim_host.py")
 SERVERS_PER_PROCESS = 64
+PORT_RANGE = (12000, 32000)
+"""Where the simulated servers listen."""
 
 
 @dataclass
@@ -40,7 +42,9 @@ class SimCluster:
     def start(self, timeout: float | None = None) -> SimCluster:
         """Start the host processes; returns once every one listens (``timeout``: seconds for all of them,
         by default 60 + 30 per process: 16 processes load their HF model together on a 2-core machine)."""
-        ports = find_free_ports(self.n)
+        # below Linux's ephemeral range (32768-60999 by default): the thousands of connections the pool and
+        # the weight sync open take their local ports from that range while the hosts start
+        ports = find_free_ports(self.n, port_range=PORT_RANGE)
         self.addresses = [f"127.0.0.1:{p}" for p in ports]
         for first in range(0, self.n, self.per_process):
             chunk = ports[first : first + self.per_process]
