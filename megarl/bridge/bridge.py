@@ -26,7 +26,7 @@ import torch
 
 from megarl.bridge.groups import default_backend, destroy_group, gather_objects, rank0_object
 from megarl.bridge.interface import ServerBridge, UpdateReport
-from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
+from megarl.bridge.schedule import ReceiverSpecs, broadcast_schedule, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transfer_plan import TransferPlan, build_plan
 from megarl.bridge.transport import TransferStats, TransportSender, wire_dtype
@@ -142,7 +142,8 @@ class WeightBridge(ServerBridge):
         errors: dict[str, str] = {}
         joining = None
         if self.is_driver and set(modes) != {"disk"}:  # servers join (in the background) the groups: disk mode has none
-            infos = {s.address: self._init_info(i, wiring, modes) for i, s in enumerate(servers)}
+            specs = ReceiverSpecs(self.plan, bsched, ssched, wiring.sender_ranks)  # each part built once
+            infos = {s.address: self._init_info(i, wiring, modes, specs) for i, s in enumerate(servers)}
             calls = {s.address: (lambda s=s: s.init_group(infos[s.address])) for s in servers}
             joining = _background(calls, self.config.init_timeout, errors)
         try:
@@ -200,19 +201,15 @@ class WeightBridge(ServerBridge):
                     "interface's"
                 )
 
-    def _init_info(self, server: int, wiring: Wiring, modes) -> dict:
-        specs = {}
-        for rank in range(self.servers[server].tp):
-            worker = self.plan.worker_index(server, rank)
-            specs[str(rank)] = {
-                m: receiver_spec(self.plan, worker, m, self.bucket_numel, wiring.sender_ranks)
-                for m in modes
-                if m != "disk"
-            }
+    def _init_info(self, server: int, wiring: Wiring, modes, specs: ReceiverSpecs) -> dict:
+        """Server ``server``'s init body: the wiring and its workers' packed receive specs
+        (:class:`~megarl.bridge.schedule.ReceiverSpecs`; each packed part once per body)."""
+        packed, shared = specs.server(server, [m for m in modes if m != "disk"])
         return {
             "wiring": wiring.to_json(),
             "worker_offset": self.plan.worker_index(server, 0),
-            "specs": specs,
+            "specs": packed,
+            "shared": shared,
             "dtype": str(self.dtype).removeprefix("torch."),
             "timeout": self.config.update_timeout,
             "stage": self.config.stage,

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megarl.bridge.groups import destroy_group
+from megarl.bridge.schedule import worker_specs
 from megarl.bridge.transport import wire_dtype
 from megarl.bridge.transport_broadcast import BroadcastReceiver
 from megarl.bridge.transport_disk import iter_checkpoint
@@ -39,13 +40,20 @@ class ReceiverInit:
     worker_offset: int
     """Worker index of this server's TP rank 0."""
     specs: dict
-    """``{str(tp rank): {mode: receiver_spec}}`` for this server's workers."""
+    """``{str(tp rank): {mode: spec}}`` for this server's workers: a packed spec names its part in
+    ``shared`` (:mod:`megarl.bridge.schedule`), a plain one is the ``receiver_spec`` itself."""
     dtype: str = "bfloat16"
     """Wire dtype."""
     timeout: float = 600.0
     """Seconds any join or receive may take."""
     stage: bool = True
     """Receive a whole update before applying any of it (see the module docstring)."""
+    shared: dict = field(default_factory=dict)
+    """Packed spec parts the specs name, each once per server (base64 of zlib-compressed JSON)."""
+
+    def worker_specs(self, tp_rank: int) -> dict:
+        """``{mode: receiver_spec}`` of this server's TP rank ``tp_rank``, unpacked."""
+        return worker_specs(self.specs, self.shared, tp_rank)
 
 
 @dataclass
@@ -65,7 +73,7 @@ class WorkerReceiver:
         self.init, self.tp_rank, self.device = init, tp_rank, torch.device(device)
         self.wiring = Wiring.from_json(init.wiring)
         self.worker = init.worker_offset + tp_rank
-        self.specs = init.specs[str(tp_rank)]
+        self.specs = init.worker_specs(tp_rank)
         self.dtype = wire_dtype(init.dtype)
         self.broadcast_groups: list = []
         self.sharded_group = None

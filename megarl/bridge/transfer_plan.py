@@ -17,12 +17,23 @@ worker ``(server s, TP rank r)`` holds. Matching the two gives, per worker, a li
 :class:`Piece` s: contiguous runs copied from one trainer rank's shard into one local
 tensor. Bytes per worker are then the worker's share of the model (sharded mode).
 
+Every server of one TP size holds the same slices, so the local tensors and pieces are
+computed once per (server TP size, TP rank) and shared by all such workers (the same list
+objects): a piece names its shard's replica 0, and which data-parallel replica sends it to a
+given worker is :meth:`TransferPlan.sender` (``server % replicas``, spreading the servers over
+the trainer's copies). Planning is then O(model x distinct TP ranks + workers), not O(model x
+workers): 1,024 workers of a 30B MoE cost what 4 do.
+
 Broadcast mode instead lists, per sender (pipeline stage x expert-parallel rank), the
 full HF tensors it gathers over TP / ETP and broadcasts to every worker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import gc
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -82,6 +93,8 @@ class Piece:
     src: str
     src_start: int
     owner: Owner
+    """The shard it is cut from, as its replica 0 (every replica holds the same rows):
+    :meth:`TransferPlan.sender` names the replica that sends it to a given worker."""
     numel: int
 
 
@@ -94,14 +107,25 @@ class TransferPlan:
     sources: list[SourceParam]
     hf_shapes: dict[str, tuple[int, ...]]
     local: dict[int, list[LocalTensor]] = field(default_factory=dict)
-    """Per worker index: the tensors it holds (vLLM layout)."""
+    """Per worker index: the tensors it holds (vLLM layout); one list shared by the workers of
+    equal (server TP size, TP rank)."""
     pieces: dict[int, list[Piece]] = field(default_factory=dict)
-    """Per worker index: what it receives in sharded mode, in send order."""
+    """Per worker index: what it receives in sharded mode, in send order; one list shared like
+    ``local`` (owners as replica 0: :meth:`sender`)."""
 
     @property
     def workers(self) -> list[tuple[int, int]]:
         """(server, TP rank) of every inference worker, in worker-index order."""
         return [(s, r) for s, tp in enumerate(self.server_tp) for r in range(tp)]
+
+    def sender(self, worker: int, owner: Owner) -> Owner:
+        """The replica of ``owner`` (a piece's owner) that sends to ``worker``: ``server % replicas``."""
+        server = self._server_of[worker]
+        replicas = self.trainer.edp if owner.expert else self.trainer.dense_replicas
+        return dataclasses.replace(owner, replica=server % replicas)
+
+    def __post_init__(self):
+        self._server_of = [s for s, tp in enumerate(self.server_tp) for _ in range(tp)]
 
     def worker_index(self, server: int, rank: int) -> int:
         return sum(self.server_tp[:server]) + rank
@@ -236,8 +260,16 @@ def _numel(shape: tuple[int, ...], dim: int | None, length: int) -> int:
 
 
 def _pieces_for(
-    local: LocalTensor, src: SourceParam, owners: dict[str, _RowOwners], owner_of, worker_rank: int, size: int
+    local: LocalTensor,
+    src: SourceParam,
+    owners: dict[str, _RowOwners],
+    owner_of,
+    worker_rank: int,
+    size: int,
+    runs: dict | None = None,
 ) -> list[Piece]:
+    """``runs``: a memo of :func:`_runs` per (row table, segment) (tables are shared by the
+    parameters of one rule and shape, e.g. every expert's)."""
     pieces, offset = [], 0
     for seg in local.segments:
         if seg.hf is None:  # padding rows: the receiver zero-fills them
@@ -261,17 +293,21 @@ def _pieces_for(
                 )
             )
             continue
-        if rows.tp is None:
-            tp = torch.full((seg.length,), worker_rank % size, dtype=torch.int64)
-            pos = torch.arange(seg.start, seg.stop, dtype=torch.int64)
+        if rows.tp is None:  # replicated by the trainer: one run from this rank's copy
+            found = [(0, seg.length, worker_rank % size, seg.start)] if seg.length else []
         else:
             if split_dim(src.rule) != local.dim:
                 raise ValueError(
                     f"{seg.hf}: split along dim {split_dim(src.rule)} by the trainer, {local.dim} by the server"
                 )
-            tp, pos = rows.tp[seg.start : seg.stop], rows.pos[seg.start : seg.stop]
-        for start, length, t, src_start in _runs(offset, tp, pos):
-            numel = _numel(local.shape, local.dim, length)
+            key = (id(rows), seg.start, seg.stop)
+            found = runs.get(key) if runs is not None else None
+            if found is None:
+                found = _runs(0, rows.tp[seg.start : seg.stop], rows.pos[seg.start : seg.stop])
+                if runs is not None:
+                    runs[key] = found
+        for at, length, t, src_start in found:
+            numel, start = _numel(local.shape, local.dim, length), offset + at
             pieces.append(
                 Piece(local.name, local.expert, local.dim, start, length, src.megatron, src_start, owner_of(t), numel)
             )
@@ -279,6 +315,28 @@ def _pieces_for(
     return pieces
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """No cyclic garbage collection inside (also as a decorator). Planning allocates hundreds of
+    thousands of objects that form no cycles; full collections triggered midway would walk every
+    object of the process (the trainer's model and imports too) several times, more than the
+    planning itself costs."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@functools.cache
+def _owner(pp: int, tp: int, ep: int, expert: bool) -> Owner:
+    """The owner of a piece: its shard's replica 0 (one object per shard)."""
+    return Owner(pp, tp, ep, expert, 0)
+
+
+@gc_paused()
 def build_plan(
     desc,
     hf_shapes: dict[str, tuple[int, ...]],
@@ -309,22 +367,26 @@ def build_plan(
         )
         for tp in set(server_tp)
     }
-    tables = []
+    tables, computed = [], {}
     for src in sources:
         if src.rule.export:
             size = trainer.expert_tp if src.rule.is_expert else trainer.tp
-            tables.append((src, size, _row_owners(src, shapes, size, desc.dims)))
+            key = (src.rule, tuple(shapes[n] for n in src.hf_names), size)  # equal for every layer / expert
+            if key not in computed:
+                computed[key] = list(_row_owners(src, shapes, size, desc.dims).values())
+            tables.append((src, size, dict(zip(src.hf_names, computed[key]))))
+    runs: dict = {}
+    first: dict[tuple[int, int], int] = {}
     for worker, (server, rank) in enumerate(plan.workers):
+        twin = first.setdefault((server_tp[server], rank), worker)  # the first worker of this TP size and rank
+        if twin != worker:
+            plan.local[worker], plan.pieces[worker] = plan.local[twin], plan.pieces[twin]
+            continue
         layout = layouts[server_tp[server]]
         plan.local[worker], plan.pieces[worker] = [], []
         for src, size, owners in tables:
-            replicas = trainer.edp if src.rule.is_expert else trainer.dense_replicas
-            expert = src.rule.is_expert
-
-            def owner_of(t, src=src, expert=expert, replica=server % replicas):
-                return Owner(src.pp, t, src.ep, expert, replica)
-
+            owner_of = functools.partial(_owner, src.pp, ep=src.ep, expert=src.rule.is_expert)
             for local in layout.local_tensors(src.rule, src.hf_names, shapes, rank):
                 plan.local[worker].append(local)
-                plan.pieces[worker] += _pieces_for(local, src, owners, owner_of, rank, size)
+                plan.pieces[worker] += _pieces_for(local, src, owners, owner_of, rank, size, runs)
     return plan

@@ -284,7 +284,9 @@ class SGLangControl(ServerControl):
     # ServerControl
 
     def init_group(self, init_info: dict) -> None:
-        modes = init_info["specs"]["0"]
+        from megarl.bridge.schedule import worker_specs  # here: megarl.bridge imports megarl.serving
+
+        modes = worker_specs(init_info["specs"], init_info.get("shared"), 0)
         if "sharded" in modes:
             raise ValueError(f"SGLang server {self.address}: only broadcast and disk modes (no sharded receive API)")
         if "broadcast" not in modes:  # disk mode only: the server reads each version from the path, no group
