@@ -196,8 +196,8 @@ def measure(model: str, mode: str, servers: int) -> dict:
         ssched = sharded_schedule(bridge.plan, bridge.bucket_numel) if "sharded" in modes else None
         wiring = _wiring(bridge.plan, bsched.senders if "broadcast" in modes else [], ssched.senders if ssched else [])
         init = time.perf_counter()
-        specs = ReceiverSpecs(bridge.plan, bsched, ssched, wiring.sender_ranks)
-        infos = {s.address: bridge._init_info(i, wiring, modes, specs) for i, s in enumerate(bridge.servers)}
+        specs, wired = ReceiverSpecs(bridge.plan, bsched, ssched, wiring.sender_ranks), wiring.to_json()
+        infos = {s.address: bridge._init_info(i, wired, modes, specs) for i, s in enumerate(bridge.servers)}
         end = time.perf_counter()
     body_kb = max(len(json.dumps(info)) for info in infos.values()) / 1024
     return {

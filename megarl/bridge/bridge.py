@@ -142,8 +142,8 @@ class WeightBridge(ServerBridge):
         errors: dict[str, str] = {}
         joining = None
         if self.is_driver and set(modes) != {"disk"}:  # servers join (in the background) the groups: disk mode has none
-            specs = ReceiverSpecs(self.plan, bsched, ssched, wiring.sender_ranks)  # each part built once
-            infos = {s.address: self._init_info(i, wiring, modes, specs) for i, s in enumerate(servers)}
+            specs, wired = ReceiverSpecs(self.plan, bsched, ssched, wiring.sender_ranks), wiring.to_json()  # once
+            infos = {s.address: self._init_info(i, wired, modes, specs) for i, s in enumerate(servers)}
             calls = {s.address: (lambda s=s: s.init_group(infos[s.address])) for s in servers}
             joining = _background(calls, self.config.init_timeout, errors)
         try:
@@ -201,12 +201,12 @@ class WeightBridge(ServerBridge):
                     "interface's"
                 )
 
-    def _init_info(self, server: int, wiring: Wiring, modes, specs: ReceiverSpecs) -> dict:
-        """Server ``server``'s init body: the wiring and its workers' packed receive specs
-        (:class:`~megarl.bridge.schedule.ReceiverSpecs`; each packed part once per body)."""
+    def _init_info(self, server: int, wiring: dict, modes, specs: ReceiverSpecs) -> dict:
+        """Server ``server``'s init body: the wiring (``Wiring.to_json``) and its workers' packed receive
+        specs (:class:`~megarl.bridge.schedule.ReceiverSpecs`; each packed part once per body)."""
         packed, shared = specs.server(server, [m for m in modes if m != "disk"])
         return {
-            "wiring": wiring.to_json(),
+            "wiring": wiring,
             "worker_offset": self.plan.worker_index(server, 0),
             "specs": packed,
             "shared": shared,

@@ -32,8 +32,8 @@ zlib-compressed JSON of the part}``, each part once per body. Broadcast: the pac
 "senders": [sender of each slot]}``, and the part a *template*: the plain spec with each
 message's sender replaced by its slot (``senders[slot]`` gives it back), shared by all
 workers of one server TP size and rank (only which replica sends differs between servers),
-packed in columns (``"columns": 1``, :func:`_columns`: indices into its distinct names,
-shapes, padding rows and piece kinds, as differences). :func:`worker_specs` turns a body back
+packed in columns (``"columns": 1``, :meth:`ReceiverSpecs._sharded_template`: indices into
+its distinct names, shapes, padding rows and piece kinds, as differences). :func:`worker_specs` turns a body back
 into plain specs; a plain spec in place of a packed one (the format before packing) is read as
 it is. For a Qwen3-30B-A3B-sized MoE a TP-4 server's body is ~75 KB in broadcast mode (the
 bucket list of 18,000 tensors, once) and ~25 KB in sharded mode, where the plain specs were
@@ -199,10 +199,10 @@ class ReceiverSpecs:
     The broadcast spec is the same for every worker. A sharded spec splits into a *template*
     (tensors, and rounds whose messages name their sender by slot), shared by the workers whose
     plan lists and buckets are shared (one per server TP size and rank, whatever the number of
-    servers), and the worker's own sender of each slot. :meth:`server` gives one server's part of
-    the init body (the wire format is in the module docstring); :meth:`spec` the plain spec of one
-    worker, what the receiver decodes (:func:`worker_specs`). The returned objects are shared: do not
-    modify them.
+    servers), and the worker's own sender of each slot; templates are built in their packed form
+    (columns, :func:`_from_columns` reads them). :meth:`server` gives one server's part of the init
+    body (the wire format is in the module docstring); :meth:`spec` the plain spec of one worker,
+    what the receiver decodes (:func:`worker_specs`). Returned objects are shared: do not modify them.
     """
 
     def __init__(
@@ -219,84 +219,116 @@ class ReceiverSpecs:
         self.first_worker = [0]
         for tp in plan.server_tp:
             self.first_worker.append(self.first_worker[-1] + tp)
-        self._broadcast: dict | None = None
+        self._parts: dict = {}
+        """Part name -> the part (the broadcast spec, or a sharded template in columns)."""
         self._names: dict[tuple, str] = {}
-        """Key of a sharded template (the worker's plan list and bucket lists) -> its name."""
-        self._templates: dict[str, dict] = {}
+        """Key of a sharded template (the worker's plan list and bucket lists) -> its part name."""
         self._packed: dict[str, str] = {}
+        self._bodies: dict[tuple[str, ...], list[tuple[dict, dict]]] = {}
 
     def spec(self, worker: int, mode: str) -> dict:
         """The plain spec of ``worker`` in ``mode`` (what :func:`receiver_spec` returns)."""
-        if mode == "broadcast":
-            return self._broadcast_spec()
-        if mode != "sharded":
-            raise ValueError(f"receiver_spec: mode {mode!r} has no group schedule (broadcast or sharded)")
-        _, template, senders = self._sharded_template(worker)
-        return _expand(template, senders)
+        name, senders = self._part(worker, mode)
+        part = self._parts[name]
+        return part if mode == "broadcast" else _expand(_from_columns(part), senders)
 
-    @gc_paused()
     def server(self, server: int, modes) -> tuple[dict, dict]:
         """``(specs, shared)`` of one server's init body: ``{str(TP rank): {mode: packed spec}}`` and the
-        packed parts those name (one copy per server, however many of its workers name one)."""
-        specs, shared = {}, {}
-        for rank in range(self.plan.server_tp[server]):
-            worker = self.first_worker[server] + rank
-            mine = {}
-            for mode in modes:
-                if mode == "broadcast":
-                    name, part = "broadcast", self._broadcast_spec()
-                    mine[mode] = {"packed": name}
-                elif mode == "sharded":
-                    name, part, senders = self._sharded_template(worker)
-                    mine[mode] = {"packed": name, "senders": senders}
-                else:
-                    raise ValueError(f"receiver_spec: mode {mode!r} has no group schedule (broadcast or sharded)")
-                if name not in self._packed:
-                    self._packed[name] = pack_part(part)
-                shared[name] = self._packed[name]
-            specs[str(rank)] = mine
-        return specs, shared
+        packed parts those name (one copy per server, however many of its workers name one). The
+        first call computes every server's (a connect asks for all), with one pause of the garbage
+        collector instead of one per server."""
+        modes = tuple(modes)
+        if modes not in self._bodies:
+            self._bodies[modes] = self._all_servers(modes)
+        return self._bodies[modes][server]
 
-    def _broadcast_spec(self) -> dict:
-        if self._broadcast is None:
+    @gc_paused()
+    def _all_servers(self, modes: tuple[str, ...]) -> list[tuple[dict, dict]]:
+        out = []
+        for server, tp in enumerate(self.plan.server_tp):
+            specs, shared = {}, {}
+            for rank in range(tp):
+                mine = {}
+                for mode in modes:
+                    name, senders = self._part(self.first_worker[server] + rank, mode)
+                    mine[mode] = {"packed": name} if senders is None else {"packed": name, "senders": senders}
+                    if name not in self._packed:
+                        self._packed[name] = _pack(self._parts[name])
+                    shared[name] = self._packed[name]
+                specs[str(rank)] = mine
+            out.append((specs, shared))
+        return out
+
+    def _part(self, worker: int, mode: str) -> tuple[str, list[int] | None]:
+        """(part name, sender of each slot: sharded) of ``worker``'s spec in ``mode``, the part built once."""
+        if mode == "broadcast":
             if self.broadcast is None:
                 raise ValueError("ReceiverSpecs: no broadcast schedule given")
-            sched, plan = self.broadcast, self.plan
-            buckets = [
-                [[[n, list(shape)] for n, shape in sched.entries(plan, s, b)] for b in range(len(bs))]
-                for s, bs in enumerate(sched.buckets)
-            ]
-            self._broadcast = {"mode": "broadcast", "senders": len(sched.senders), "buckets": buckets}
-        return self._broadcast
-
-    def _sharded_template(self, worker: int) -> tuple[str, dict, list[int]]:
-        """(name, template, sender of each slot) of ``worker``'s sharded spec."""
+            if "broadcast" not in self._parts:
+                self._parts["broadcast"] = self._broadcast_spec()
+            return "broadcast", None
+        if mode != "sharded":
+            raise ValueError(f"receiver_spec: mode {mode!r} has no group schedule (broadcast or sharded)")
         if self.sharded is None:
             raise ValueError("ReceiverSpecs: no sharded schedule given")
         pairs = self.sharded.by_worker.get(worker, [])
         key = (id(self.plan.local[worker]), *(id(buckets) for _, buckets in pairs))
         if key not in self._names:
-            local = self.plan.local[worker]
-            slot = {(t.name, t.expert): i for i, t in enumerate(local)}
-            rounds = [
+            self._names[key] = name = f"sharded-{len(self._names)}"
+            self._parts[name] = self._sharded_template(worker, pairs)
+        return self._names[key], [s for s, _ in pairs]
+
+    @gc_paused()
+    def _broadcast_spec(self) -> dict:
+        sched, plan = self.broadcast, self.plan
+        buckets = [
+            [[[n, list(shape)] for n, shape in sched.entries(plan, s, b)] for b in range(len(bs))]
+            for s, bs in enumerate(sched.buckets)
+        ]
+        return {"mode": "broadcast", "senders": len(sched.senders), "buckets": buckets}
+
+    @gc_paused()
+    def _sharded_template(self, worker: int, pairs: list) -> dict:
+        """``worker``'s sharded template in columns, straight from the plan: tensors as differences of
+        indices into their distinct names / shapes / padding rows (``expert`` -1: none), each
+        message's pieces as differences of tensor slots and indices into the distinct
+        ``(dim, dest start, length)``; messages name their sender by slot."""
+        local = self.plan.local[worker]
+        names: dict = {}  # distinct value -> its index, in order of first use
+        shapes: dict = {}
+        paddings: dict = {}
+        kinds: dict = {}
+        slot = {(t.name, t.expert): i for i, t in enumerate(local)}
+        tensors = {
+            "name": _delta([names.setdefault(t.name, len(names)) for t in local]),
+            "expert": _delta([-1 if t.expert is None else t.expert for t in local]),
+            "shape": [shapes.setdefault(t.shape, len(shapes)) for t in local],
+            "padding": [paddings.setdefault(_padding_rows(t), len(paddings)) for t in local],
+        }
+        rounds = [
+            [
                 [
-                    [j, [[slot[p.dest, p.expert], p.dim, p.dest_start, p.length] for p in buckets[k]]]
-                    for j, (_, buckets) in enumerate(pairs)
-                    if k < len(buckets)
+                    j,
+                    _delta([slot[p.dest, p.expert] for p in buckets[k]]),
+                    [kinds.setdefault((p.dim, p.dest_start, p.length), len(kinds)) for p in buckets[k]],
                 ]
-                for k in range(self.sharded.rounds)
+                for j, (_, buckets) in enumerate(pairs)
+                if k < len(buckets)
             ]
-            template = {
-                "mode": "sharded",
-                "senders": len(self.sharded.senders),
-                "sender_ranks": self.sender_ranks,
-                "tensors": [[t.name, t.expert, list(t.shape), _padding_rows(t)] for t in local],
-                "rounds": rounds,
-            }
-            self._names[key] = f"sharded-{len(self._names)}"
-            self._templates[self._names[key]] = template
-        name = self._names[key]
-        return name, self._templates[name], [s for s, _ in pairs]
+            for k in range(self.sharded.rounds)
+        ]
+        return {
+            "mode": "sharded",
+            "columns": 1,
+            "senders": len(self.sharded.senders),
+            "sender_ranks": self.sender_ranks,
+            "names": list(names),
+            "shapes": [list(x) for x in shapes],
+            "paddings": [[list(r) for r in x] for x in paddings],
+            "kinds": [list(x) for x in kinds],
+            "tensors": tensors,
+            "rounds": rounds,
+        }
 
 
 def _expand(template: dict, senders: list[int]) -> dict:
@@ -305,36 +337,20 @@ def _expand(template: dict, senders: list[int]) -> dict:
     return {**template, "sender_ranks": list(template["sender_ranks"]), "rounds": rounds}
 
 
-def pack_part(part: dict) -> str:
-    """A spec part as the init body carries it: base64 of the zlib-compressed compact JSON of the
-    part (a sharded template in columns: :func:`_columns`)."""
-    if part["mode"] == "sharded":
-        part = _columns(part)
+@gc_paused()
+def _pack(part: dict) -> str:
+    """A spec part as the init body carries it: base64 of the zlib-compressed compact JSON."""
     text = json.dumps(part, separators=(",", ":")).encode()
     return base64.b64encode(zlib.compress(text, PACK_LEVEL)).decode("ascii")
 
 
 @functools.lru_cache(maxsize=16)
 def unpack_part(packed: str) -> dict:
-    """The part of :func:`pack_part`, decoded once per distinct part (the trainer's SGLang controls
-    hold one body per server, all naming the same part: one copy). Do not modify it."""
+    """The part of :func:`_pack` (a sharded template back in rows), decoded once per distinct part
+    (the trainer's SGLang controls hold one body per server, all naming the same part: one copy).
+    Do not modify it."""
     part = json.loads(zlib.decompress(base64.b64decode(packed)))
     return _from_columns(part) if "columns" in part else part
-
-
-class _Index:
-    """Distinct values in order of first use; calling it gives a value's index."""
-
-    def __init__(self):
-        self.values: list = []
-        self._at: dict = {}
-
-    def __call__(self, value) -> int:
-        at = self._at.get(value)
-        if at is None:
-            at = self._at[value] = len(self.values)
-            self.values.append(value)
-        return at
 
 
 def _delta(values: list[int]) -> list[int]:
@@ -345,36 +361,8 @@ def _undelta(deltas: list[int]) -> list[int]:
     return list(itertools.accumulate(deltas))
 
 
-def _columns(template: dict) -> dict:
-    """A sharded template in columns, what compresses well: tensors as differences of indices into
-    their distinct names / shapes / padding rows (``expert`` -1: none), each message's pieces as
-    differences of tensor slots and indices into the distinct ``(dim, start, length)``."""
-    names, shapes, paddings, kinds = _Index(), _Index(), _Index(), _Index()
-    tensors = template["tensors"]
-    return {
-        "mode": "sharded",
-        "columns": 1,
-        "senders": template["senders"],
-        "sender_ranks": template["sender_ranks"],
-        "names": names.values,
-        "shapes": shapes.values,
-        "paddings": paddings.values,
-        "kinds": kinds.values,
-        "tensors": {
-            "name": _delta([names(t[0]) for t in tensors]),
-            "expert": _delta([-1 if t[1] is None else t[1] for t in tensors]),
-            "shape": [shapes(tuple(t[2])) for t in tensors],
-            "padding": [paddings(tuple(tuple(r) for r in t[3])) for t in tensors],
-        },
-        "rounds": [
-            [[j, _delta([p[0] for p in pieces]), [kinds(tuple(p[1:])) for p in pieces]] for j, pieces in messages]
-            for messages in template["rounds"]
-        ],
-    }
-
-
 def _from_columns(part: dict) -> dict:
-    """The sharded template of :func:`_columns`."""
+    """The sharded template (in rows) of one in columns (:meth:`ReceiverSpecs._sharded_template`)."""
     names, shapes, paddings, kinds = part["names"], part["shapes"], part["paddings"], part["kinds"]
     columns = part["tensors"]
     tensors = [
@@ -409,11 +397,11 @@ def worker_specs(specs: dict, shared: dict | None, rank: int) -> dict:
     return out
 
 
-def _padding_rows(tensor) -> list[list[int]]:
+def _padding_rows(tensor) -> tuple[tuple[int, int], ...]:
     """[start, stop) rows along the split dim that are padding (the receiver zero-fills them)."""
     out, offset = [], 0
     for seg in tensor.segments:
         if seg.hf is None:
-            out.append([offset, offset + seg.length])
+            out.append((offset, offset + seg.length))
         offset += seg.length
-    return out
+    return tuple(out)

@@ -253,12 +253,6 @@ def _runs(dest_start: int, tp: torch.Tensor, pos: torch.Tensor) -> list[tuple[in
     return [(dest_start + a, b - a, int(tp[a]), int(pos[a])) for a, b in itertools.pairwise(bounds)]
 
 
-def _numel(shape: tuple[int, ...], dim: int | None, length: int) -> int:
-    if dim is None:
-        return math.prod(shape)
-    return math.prod(shape) // shape[dim] * length
-
-
 def _pieces_for(
     local: LocalTensor,
     src: SourceParam,
@@ -306,8 +300,9 @@ def _pieces_for(
                 found = _runs(0, rows.tp[seg.start : seg.stop], rows.pos[seg.start : seg.stop])
                 if runs is not None:
                     runs[key] = found
+        row = math.prod(local.shape) // local.shape[local.dim]  # elements per row along dim
         for at, length, t, src_start in found:
-            numel, start = _numel(local.shape, local.dim, length), offset + at
+            start, numel = offset + at, row * length
             pieces.append(
                 Piece(local.name, local.expert, local.dim, start, length, src.megatron, src_start, owner_of(t), numel)
             )
@@ -374,7 +369,8 @@ def build_plan(
             key = (src.rule, tuple(shapes[n] for n in src.hf_names), size)  # equal for every layer / expert
             if key not in computed:
                 computed[key] = list(_row_owners(src, shapes, size, desc.dims).values())
-            tables.append((src, size, dict(zip(src.hf_names, computed[key]))))
+            shard_owners = tuple(_owner(src.pp, t, src.ep, src.rule.is_expert) for t in range(size))
+            tables.append((src, size, dict(zip(src.hf_names, computed[key])), shard_owners.__getitem__))
     runs: dict = {}
     first: dict[tuple[int, int], int] = {}
     for worker, (server, rank) in enumerate(plan.workers):
@@ -384,8 +380,7 @@ def build_plan(
             continue
         layout = layouts[server_tp[server]]
         plan.local[worker], plan.pieces[worker] = [], []
-        for src, size, owners in tables:
-            owner_of = functools.partial(_owner, src.pp, ep=src.ep, expert=src.rule.is_expert)
+        for src, size, owners, owner_of in tables:
             for local in layout.local_tensors(src.rule, src.hf_names, shapes, rank):
                 plan.local[worker].append(local)
                 plan.pieces[worker] += _pieces_for(local, src, owners, owner_of, rank, size, runs)

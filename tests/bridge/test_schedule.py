@@ -149,6 +149,15 @@ def _old_sharded_schedule(plan, bucket_numel: int) -> tuple[list, dict]:
     return owners, {key: _cut(ps, [p.numel for p in ps], bucket_numel) for key, ps in per_pair.items()}
 
 
+def _old_padding_rows(tensor) -> list[list[int]]:
+    out, offset = [], 0
+    for seg in tensor.segments:
+        if seg.hf is None:
+            out.append([offset, offset + seg.length])
+        offset += seg.length
+    return out
+
+
 def _old_receiver_spec(plan, worker: int, mode: str, bucket_numel: int, sender_ranks=None) -> dict:
     """``receiver_spec`` as it was: the whole schedule recomputed, every pair re-sorted each round."""
     if mode == "broadcast":
@@ -171,9 +180,7 @@ def _old_receiver_spec(plan, worker: int, mode: str, bucket_numel: int, sender_r
                 if w == worker
             ]
         )
-    tensors = [
-        [t.name, t.expert, list(t.shape), schedule_module._padding_rows(t)] for t in local
-    ]  # padding rows: unchanged helper
+    tensors = [[t.name, t.expert, list(t.shape), _old_padding_rows(t)] for t in local]
     return {
         "mode": mode,
         "senders": len(owners),
@@ -226,7 +233,7 @@ def test_specs_from_one_schedule_equal_the_old_per_worker_specs(tiny_model_dir, 
             decoded = worker_specs(body["specs"], body["shared"], rank)
             assert decoded == {m: _old_receiver_spec(plan, worker, m, bucket, ranks) for m in decoded}
     # one template per (server TP size, rank), whatever the number of servers and replicas
-    assert len(specs._templates) == len({(tp, r) for tp in servers for r in range(tp)})
+    assert len(specs._names) == len({(tp, r) for tp in servers for r in range(tp)})
 
 
 def test_plain_specs_in_an_init_body_still_read(plan):
@@ -331,7 +338,7 @@ def test_the_init_body_of_a_30b_moe_server_stays_under_256_kb():
         )
         specs = ReceiverSpecs(bridge.plan, bsched, ssched, wiring.sender_ranks)
         for server in range(2):
-            body = json.dumps(bridge._init_info(server, wiring, config.modes, specs))
+            body = json.dumps(bridge._init_info(server, wiring.to_json(), config.modes, specs))
             assert len(body) <= 256 * 1024, (mode, len(body))
         decoded = worker_specs(json.loads(body)["specs"], json.loads(body)["shared"], 3)[mode]
         assert decoded == specs.spec(bridge.plan.worker_index(1, 3), mode)
