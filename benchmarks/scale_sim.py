@@ -1,35 +1,38 @@
-"""megarl's control plane in front of N simulated inference servers (8, 64, 256): does it keep up?
+"""megarl's control plane in front of N simulated inference servers (8, 64, 256, 1,024): does it keep up?
 
 The servers are ``tests/scale/sim_host.py`` (64 per process, each its own HTTP endpoint speaking
-vLLM's routes, with continuous batching, log-normal answer lengths and a weight-load time). In
-front of them runs megarl's own code, unmodified: ``RemoteInferenceEngine`` (pool, runner,
-staleness control, server set, health checks), ``DistRolloutCoordinator.prepare_batch``, and
-``connect_engine`` / ``WeightSync.update_weights`` with a real one-rank Megatron trainer of a tiny
+vLLM's routes and megarl's update route, with continuous batching, log-normal answer lengths and a
+weight-load time). In front of them runs megarl's own code, unmodified: ``RemoteInferenceEngine``
+(pool, runner, staleness control, server set, health checks), ``DistRolloutCoordinator.prepare_batch``,
+and ``connect_engine`` / ``WeightSync.update_weights`` with a real one-rank Megatron trainer of a tiny
 model in disk mode (the trainer writes a complete HF checkpoint; each server "receives" it in
 ``model_bytes / (tp * bytes_per_s)`` seconds and its consistency-probe answers come from a real HF
-model of those weights). The trainer does not train: a step is ``prepare_batch``, then
-``TRAIN_S`` (of sleep, after the check of the batch's rows), then the weight update with the probe, as ``megarl.train.rl_step`` orders them.
+model of those weights). The trainer does not train: a step is ``prepare_batch``, then ``TRAIN_S``
+(the check of the batch's rows, Python holding the interpreter lock for ``TRAIN_GIL_SHARE`` of it, then
+sleep), then the weight update, with the probe every second update, as ``megarl.train.rl_step`` orders
+them. The servers answer at a real head's request rate (:func:`head_request_rate`).
 
 Per size, in its own process (so that resources are the size's own), then (not ``--quick``) once
-per fault of :data:`FAULTS` at 64 servers:
+per fault of :data:`FAULTS` at :data:`FAULT_SERVERS` servers:
 
 * ``pool_share``: tokens the servers generated over what they could have, each at the concurrency
   the pool is configured to give it (``PER_SERVER`` requests), between weight syncs (``pool_share_all``:
   over the whole run, syncs and probes included, while not paused);
-* ``update_overhead_s``: the update's control time: pause, then every server acknowledged the new
-  version, then resume (``sync_seconds``: the probe comes after it), minus the simulated receive and the
+* ``update_overhead_s``: the update's control time: its calls from the first to every server's
+  commit, then resume (``sync_seconds``: the probe comes after it), minus the simulated receive and the
   trainer's own write of the checkpoint (``send_seconds``); ``pause_s``, ``commit_s`` and ``resume_s``
-  are three of its parts (the others: the update's begin and the receive's requests);
+  are three of its parts;
+* ``calls_per_server_per_update``, ``trainer_cpu_s_per_update``, ``process_cpu_s_per_update``: the
+  control calls each server got in an update without a probe, and the CPU seconds in it of the
+  trainer process's threads but the pool's loop, and of the whole process;
 * ``probe_s``: the consistency probe (every server scores 2 sequences);
-* the rollout process's peak RSS, open file descriptors and threads, the pool loop's worst lag
-  (how late a 50 ms sleep on it wakes), the generation requests per second it sustained and the CPU
-  time it spent per request (the trainer's process: pool, coordinator, weight sync), and how many
-  cores the simulated servers took (on a small machine they compete with the process under test);
+* the rollout process's peak RSS, open file descriptors and threads, the pool loop's worst and 99th
+  percentile lag (how late a 50 ms sleep on it wakes), the generation requests per second it
+  sustained and the CPU time it spent per request (the trainer's process: pool, coordinator, weight
+  sync), and how many cores the simulated servers took (on a small machine they compete with the
+  process under test);
 * the books, as ``benchmarks/pool_load.py`` keeps them: items fed = handed out + counted drops +
   stale not rerun + pending, no id twice, every row token by token what its server generated.
-
-Times are simulated at one server's 400 tokens/s peak and 300-token answers so that 256 servers'
-requests fit a 2-core machine; the control plane's costs do not scale with that choice.
 """
 
 from __future__ import annotations
