@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.bridge.groups import destroy_group
-from megarl.bridge.schedule import worker_specs
 from megarl.bridge.transport import wire_dtype
 from megarl.bridge.transport_broadcast import BroadcastReceiver
 from megarl.bridge.transport_disk import iter_checkpoint
 from megarl.bridge.transport_sharded import ShardedReceiver
 from megarl.bridge.wiring import Wiring, worker_join
+from megarl.serving.init_specs import worker_specs
 
 logger = logging.getLogger(__name__)
 

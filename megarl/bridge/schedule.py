@@ -43,8 +43,6 @@ bucket list of 18,000 tensors, once) and ~25 KB in sharded mode, where the plain
 from __future__ import annotations
 
 import base64
-import functools
-import itertools
 import json
 import math
 import zlib
@@ -52,6 +50,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megarl.bridge.transfer_plan import Owner, Piece, SourceParam, TransferPlan, gc_paused
+from megarl.serving.init_specs import expand_template, from_columns
 
 
 def _cut(items: list, sizes: list[int], limit: int) -> list[list]:
@@ -200,7 +199,7 @@ class ReceiverSpecs:
     (tensors, and rounds whose messages name their sender by slot), shared by the workers whose
     plan lists and buckets are shared (one per server TP size and rank, whatever the number of
     servers), and the worker's own sender of each slot; templates are built in their packed form
-    (columns, :func:`_from_columns` reads them). :meth:`server` gives one server's part of the init
+    (columns, :func:`~megarl.serving.init_specs.from_columns` reads them). :meth:`server` gives one server's part of the init
     body (the wire format is in the module docstring); :meth:`spec` the plain spec of one worker,
     what the receiver decodes (:func:`worker_specs`). Returned objects are shared: do not modify them.
     """
@@ -230,7 +229,7 @@ class ReceiverSpecs:
         """The plain spec of ``worker`` in ``mode`` (what :func:`receiver_spec` returns)."""
         name, senders = self._part(worker, mode)
         part = self._parts[name]
-        return part if mode == "broadcast" else _expand(_from_columns(part), senders)
+        return part if mode == "broadcast" else expand_template(from_columns(part), senders)
 
     def server(self, server: int, modes) -> tuple[dict, dict]:
         """``(specs, shared)`` of one server's init body: ``{str(TP rank): {mode: packed spec}}`` and the
@@ -331,12 +330,6 @@ class ReceiverSpecs:
         }
 
 
-def _expand(template: dict, senders: list[int]) -> dict:
-    """A sharded template with each message's slot replaced by its sender: the plain spec."""
-    rounds = [[[senders[j], pieces] for j, pieces in msgs] for msgs in template["rounds"]]
-    return {**template, "sender_ranks": list(template["sender_ranks"]), "rounds": rounds}
-
-
 @gc_paused()
 def _pack(part: dict) -> str:
     """A spec part as the init body carries it: base64 of the zlib-compressed compact JSON."""
@@ -344,57 +337,8 @@ def _pack(part: dict) -> str:
     return base64.b64encode(zlib.compress(text, PACK_LEVEL)).decode("ascii")
 
 
-@functools.lru_cache(maxsize=16)
-def unpack_part(packed: str) -> dict:
-    """The part of :func:`_pack` (a sharded template back in rows), decoded once per distinct part
-    (the trainer's SGLang controls hold one body per server, all naming the same part: one copy).
-    Do not modify it."""
-    part = json.loads(zlib.decompress(base64.b64decode(packed)))
-    return _from_columns(part) if "columns" in part else part
-
-
 def _delta(values: list[int]) -> list[int]:
     return [b - a for a, b in zip([0, *values[:-1]], values)]
-
-
-def _undelta(deltas: list[int]) -> list[int]:
-    return list(itertools.accumulate(deltas))
-
-
-def _from_columns(part: dict) -> dict:
-    """The sharded template (in rows) of one in columns (:meth:`ReceiverSpecs._sharded_template`)."""
-    names, shapes, paddings, kinds = part["names"], part["shapes"], part["paddings"], part["kinds"]
-    columns = part["tensors"]
-    tensors = [
-        [names[n], None if e < 0 else e, list(shapes[s]), [list(r) for r in paddings[p]]]
-        for n, e, s, p in zip(
-            _undelta(columns["name"]), _undelta(columns["expert"]), columns["shape"], columns["padding"]
-        )
-    ]
-    rounds = [
-        [[j, [[slot, *kinds[k]] for slot, k in zip(_undelta(slots), ks)]] for j, slots, ks in messages]
-        for messages in part["rounds"]
-    ]
-    return {
-        "mode": "sharded",
-        "senders": part["senders"],
-        "sender_ranks": part["sender_ranks"],
-        "tensors": tensors,
-        "rounds": rounds,
-    }
-
-
-def worker_specs(specs: dict, shared: dict | None, rank: int) -> dict:
-    """``{mode: plain spec}`` of TP rank ``rank`` from an init body's ``specs`` and ``shared``
-    (plain specs, the format before packing, are taken as they are)."""
-    out = {}
-    for mode, spec in specs[str(rank)].items():
-        if "packed" not in spec:
-            out[mode] = spec
-            continue
-        part = unpack_part((shared or {})[spec["packed"]])
-        out[mode] = _expand(part, spec["senders"]) if part["mode"] == "sharded" else part
-    return out
 
 
 def _padding_rows(tensor) -> tuple[tuple[int, int], ...]:

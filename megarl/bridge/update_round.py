@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-from collections.abc import Callable
 
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.serving import ServerControl
@@ -45,9 +44,11 @@ class UpdateRound:
         version: int,
         config: WeightUpdateConfig,
         loop: ControlLoop | None = None,
-        clock: Callable[[], float] | None = None,
+        resume: bool = False,
     ):
         self.servers, self.mode, self.path, self.version, self.config = servers, mode, path, version, config
+        self.resume = resume
+        """Each server generates again once it committed (no rollout side resumes it after the update)."""
         self.loop = loop or control_loop()
         self.failed: dict[str, str] = {}
         self.answered: dict[str, dict[str, float]] = {s.address: {} for s in servers}
@@ -73,7 +74,7 @@ class UpdateRound:
             self._changed.set()
 
         try:
-            await server.aupdate(session, self.mode, self.path, self.version, lambda: reached(PAUSED))
+            await server.aupdate(session, self.mode, self.path, self.version, lambda: reached(PAUSED), self.resume)
             reached(COMMITTED)
         except asyncio.CancelledError:
             raise

@@ -165,6 +165,7 @@ class WeightSync:
             )
         self.servers_pause_themselves = not self.adapters and FAMILIES[backend][1].one_call_update
         """Each server pauses itself in its update call (vLLM, full weights): no head sends ``/pause``."""
+        self.bridge.resume_servers = rollout is None  # else rank 0's rollout side resumes them (``_resume``)
         self.probe: list[list[int]] = []
         self.plan: UpdatePlan | None = None
         """Whom the last update went to (the same on every rank)."""

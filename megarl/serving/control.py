@@ -49,10 +49,10 @@ class ServerControl(abc.ABC):
     one_call_update = False
     """Whether :meth:`aupdate` does a whole update in one call (else :meth:`begin`, :meth:`receive`, :meth:`commit`)."""
 
-    async def aupdate(self, session, mode: str, path: str | None, version: int, on_paused) -> None:
+    async def aupdate(self, session, mode: str, path: str | None, version: int, on_paused, resume=False) -> None:
         """The whole update in one call on the trainer's control loop (:mod:`megarl.serving.control_loop`):
-        pause, begin, receive, commit ``version``; ``on_paused()`` once paused and begun. Families with
-        :attr:`one_call_update` only."""
+        pause, begin, receive, commit ``version`` (and with ``resume`` generate again); ``on_paused()`` once
+        paused and begun. Families with :attr:`one_call_update` only."""
         raise NotImplementedError(f"{type(self).__name__} updates in three calls (begin, receive, commit)")
 
     @abc.abstractmethod

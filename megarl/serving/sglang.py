@@ -44,6 +44,7 @@ from megarl.config.rollout import SGLangConfig
 from megarl.serving.backend import GenerationChunk, HttpCall, InferenceBackend, split_routes
 from megarl.serving.control import ServerControl, ServerControlError
 from megarl.serving.http import MalformedResponseError, http_json
+from megarl.serving.init_specs import worker_specs
 from megarl.serving.launch import LaunchSpec
 from megarl.utils.auth import api_key, unguarded_env
 from megarl.utils.hardware import concrete_dtype
@@ -284,8 +285,6 @@ class SGLangControl(ServerControl):
     # ServerControl
 
     def init_group(self, init_info: dict) -> None:
-        from megarl.bridge.schedule import worker_specs  # here: megarl.bridge imports megarl.serving
-
         modes = worker_specs(init_info["specs"], init_info.get("shared"), 0)
         if "sharded" in modes:
             raise ValueError(f"SGLang server {self.address}: only broadcast and disk modes (no sharded receive API)")

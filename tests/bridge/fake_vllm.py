@@ -146,6 +146,9 @@ class _Steps:
     async def finish(self, version: str) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.server.finish, version)
 
+    async def resume(self) -> None:
+        pass
+
 
 async def _call(request, body, handler):
     return await handler(await body(request))

@@ -19,7 +19,6 @@ from megarl.bridge.schedule import (
     receiver_spec,
     sender_group_ranks,
     sharded_schedule,
-    worker_specs,
 )
 from megarl.bridge.transfer_plan import Owner, build_plan
 from megarl.bridge.wiring import Wiring, make_wiring
@@ -28,6 +27,7 @@ from megarl.config.base import ConfigError
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.models.build import describe
 from megarl.models.hf_io import SafetensorsReader
+from megarl.serving.init_specs import worker_specs
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,9 @@ class _Steps:
     async def finish(self, version):
         self.log.append(f"finish {version}")
 
+    async def resume(self):
+        self.log.append("resume")
+
 
 class Servers:
     """``n`` HTTP servers on a loop thread; ``calls[i]`` every request server i got."""
@@ -85,10 +88,10 @@ def _config(**kw) -> WeightUpdateConfig:
     return WeightUpdateConfig(mode="disk", disk_path="/tmp/unused", **kw)
 
 
-def _round(servers: Servers, config: WeightUpdateConfig, version: int = 1) -> tuple[dict, float]:
+def _round(servers: Servers, config: WeightUpdateConfig, version: int = 1, resume=False) -> tuple[dict, float]:
     controls = [VLLMControl(a, tp=1) for a in servers.addresses]
     start = time.monotonic()
-    rnd = UpdateRound(controls, "disk", "/tmp/unused", version, config)
+    rnd = UpdateRound(controls, "disk", "/tmp/unused", version, config, resume=resume)
     rnd.start()
     rnd.wait_paused()
     failed = rnd.wait_committed()
@@ -100,7 +103,15 @@ def test_every_server_updates_in_one_call():
     failed, _ = _round(servers, _config(), version=3)
     assert failed == {}
     assert all(calls == [UPDATE_ROUTE] for calls in servers.calls)
-    assert all(log == ["pause", "finish 3"] for log in servers.steps_log)
+    assert all(log == ["pause", "finish 3"] for log in servers.steps_log)  # paused until the rollout resumes
+
+
+def test_servers_resume_themselves_when_asked():
+    """A bridge used without a rollout side (``connect_engine(..., servers=...)``) has each server generate
+    again once committed: nobody else would resume it."""
+    servers = Servers([Behaviour() for _ in range(2)])
+    failed, _ = _round(servers, _config(), version=4, resume=True)
+    assert failed == {} and all(log == ["pause", "finish 4", "resume"] for log in servers.steps_log)
 
 
 def test_a_slow_receiver_is_evicted_at_its_relative_deadline_not_the_cap():

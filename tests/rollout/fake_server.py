@@ -385,13 +385,13 @@ async def serve_update_route(request: web.Request, steps) -> web.StreamResponse:
     from megarl.serving.vllm_route import update_lines, update_request
 
     try:
-        mode, path, version = update_request(await request.json())
+        mode, path, version, resume = update_request(await request.json())
     except ValueError as e:
         return web.json_response({"error": str(e)}, status=400)
     reply = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await reply.prepare(request)
     try:
-        async for line in update_lines(steps, mode, path, version):
+        async for line in update_lines(steps, mode, path, version, resume):
             await reply.write(json.dumps(line).encode() + b"\n")
         await reply.write_eof()
     except ConnectionResetError:  # the trainer gave up on this server (its deadline passed)

@@ -429,6 +429,9 @@ class _Steps:
     async def finish(self, version: str) -> None:
         self.server._commit(version)
 
+    async def resume(self) -> None:
+        self.server.resumed.set()
+
 
 @dataclass
 class Host:
