@@ -201,17 +201,12 @@ def measure(model: str, mode: str, servers: int) -> dict:
         end = time.perf_counter()
     body_kb = max(len(json.dumps(info)) for info in infos.values()) / 1024
     return {
-        "model": model,
-        "mode": mode,
-        "servers": servers,
-        "tp": SERVER_TP,
-        "workers": servers * SERVER_TP,
+        **_empty_row(model, mode, servers),
         "connect_plan_s": round(end - start, 3),
         "rank0_mem_mb": round(max(0.0, mem.peak - mem.before), 1),
         "max_init_body_kb": round(body_kb, 1),
         "build_plan_s": round(planned - start, 3),
         "init_infos_s": round(end - init, 3),
-        "stopped": "",
     }
 
 
