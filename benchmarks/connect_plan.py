@@ -161,8 +161,8 @@ class _PeakRSS:
         self.peak = max(self.peak, _rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
-def measure(model: str, mode: str, servers: int) -> dict:
-    """One row: rank 0's planning in ``WeightBridge.connect`` for ``servers`` servers of TP 4."""
+def measure(model: str, mode: str, servers: int, tp: int = SERVER_TP) -> dict:
+    """One row: rank 0's planning in ``WeightBridge.connect`` for ``servers`` servers of TP ``tp``."""
     import gc
     import logging
 
@@ -184,7 +184,7 @@ def measure(model: str, mode: str, servers: int) -> dict:
     shapes = hf_shapes(desc, trainer)
     config = WeightUpdateConfig(mode=mode, dtype="bfloat16", bucket_mb=BUCKET_MB)
     bridge = WeightBridge(config, desc, shapes, trainer, TrainerCoords(0), device="cpu")
-    bridge.servers = [_Server(i, SERVER_TP) for i in range(servers)]
+    bridge.servers = [_Server(i, tp) for i in range(servers)]
     modes = config.modes
     gc.collect()
     with _PeakRSS() as mem:
@@ -201,7 +201,7 @@ def measure(model: str, mode: str, servers: int) -> dict:
         end = time.perf_counter()
     body_kb = max(len(json.dumps(info)) for info in infos.values()) / 1024
     return {
-        **_empty_row(model, mode, servers),
+        **_empty_row(model, mode, servers, tp),
         "connect_plan_s": round(end - start, 3),
         "rank0_mem_mb": round(max(0.0, mem.peak - mem.before), 1),
         "max_init_body_kb": round(body_kb, 1),
@@ -228,20 +228,20 @@ def _wiring(plan, broadcast_owners, sharded_owners):
     )
 
 
-def _child(conn, model: str, mode: str, servers: int) -> None:
+def _child(conn, model: str, mode: str, servers: int, tp: int) -> None:
     try:
-        conn.send(("ok", measure(model, mode, servers)))
+        conn.send(("ok", measure(model, mode, servers, tp)))
     except Exception as e:  # noqa: BLE001 (reported in the row)
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def _in_own_process(model: str, mode: str, servers: int) -> dict:
+def _in_own_process(model: str, mode: str, servers: int, tp: int = SERVER_TP) -> dict:
     """:func:`measure` in a fresh process, stopped past :data:`LIMIT_S` or :data:`MEMORY_LIMIT_MB`."""
     import psutil
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, model, mode, servers), daemon=True)
+    proc = ctx.Process(target=_child, args=(child, model, mode, servers, tp), daemon=True)
     start = time.perf_counter()
     proc.start()
     child.close()
@@ -264,17 +264,17 @@ def _in_own_process(model: str, mode: str, servers: int) -> dict:
     result = None if stopped else parent.recv()
     proc.join(10)
     if result is None or result[0] != "ok":
-        return {**_empty_row(model, mode, servers), "stopped": stopped or result[1]}
+        return {**_empty_row(model, mode, servers, tp), "stopped": stopped or result[1]}
     return result[1]
 
 
-def _empty_row(model: str, mode: str, servers: int) -> dict:
+def _empty_row(model: str, mode: str, servers: int, tp: int = SERVER_TP) -> dict:
     return {
         "model": model,
         "mode": mode,
         "servers": servers,
-        "tp": SERVER_TP,
-        "workers": servers * SERVER_TP,
+        "tp": tp,
+        "workers": servers * tp,
         "connect_plan_s": None,
         "rank0_mem_mb": None,
         "max_init_body_kb": None,

@@ -68,6 +68,10 @@ RECEIVE_S = 0.5
 """The simulated weight load per server (``model_bytes / (tp * bytes_per_s)``)."""
 
 
+SIM_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 32}
+"""The trainer's model (a Qwen2 of the simulated servers' vocabulary, 0.23 M parameters: 0.9 MB per worker
+and update in float32, sent for real in ``sharded`` mode; the simulated receive time stands for a real model's)."""
+
 REAL_SERVER_TOKENS_PER_S = 5000.0
 """A real server's generated tokens/s: the planner's rate for one TP-1 H100 vLLM server of Qwen2.5-7B
 (``benchmarks/plan_rates_h100_qwen2.5-7b.yaml``, ``server.t1``), the bundled 128-GPU config's servers."""
@@ -94,10 +98,11 @@ def serving_model(mean_tokens: float = 300.0):
     )
 
 
-def weight_load():
+def weight_load(tp: int = 1):
+    """Each of a server's ``tp`` workers loads its part in :data:`RECEIVE_S`."""
     from tests.scale.sim_host import WeightLoad
 
-    return WeightLoad(model_bytes=RECEIVE_S * 25e9, bytes_per_s=25e9, tp=1)
+    return WeightLoad(model_bytes=RECEIVE_S * 25e9 * tp, bytes_per_s=25e9, tp=tp)
 
 
 class ItemWorkflow:
@@ -164,20 +169,140 @@ class LoopLag:
         return lags[-1], lags[min(len(lags) - 1, int(0.99 * len(lags)))]
 
 
-def _trainer(model_dir: Path):
-    """A one-rank Megatron engine of the tiny model (its weights are what the servers start from)."""
+def _trainer(model_dir: Path, rank: int, heads: int, port: int):
+    """Trainer rank ``rank`` of ``heads`` (a Megatron engine of the tiny model, data-parallel over the
+    heads: each rank is a head, as in ``megatron:d<heads>p1t1``)."""
     from megarl.actor.engine import MegatronEngine
     from megarl.config.train import OptimizerConfig, TrainEngineConfig
-    from megarl.utils.network import find_free_port
 
-    # a port of its own: this runs in a fresh process, whose inherited MASTER_PORT may be another's
     os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port())
+        RANK=str(rank), WORLD_SIZE=str(heads), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     engine = MegatronEngine(TrainEngineConfig(path=str(model_dir), dtype="float32", optimizer=OptimizerConfig(lr=1e-5)))
-    engine.create_process_group("d1p1t1")
+    engine.create_process_group(f"d{heads}p1t1")
     engine.initialize()
     return engine
+
+
+def head_concurrency(n: int, rank: int, heads: int) -> int:
+    """Episodes in flight in head ``rank``'s pool: the first head (the process under test) runs
+    :data:`PER_SERVER` per server, at a real head's request rate; the others together one per server
+    (their pools run the same code; the simulated servers share this machine's cores)."""
+    return PER_SERVER * n if rank == 0 else max(4, -(-n // (heads - 1)))
+
+
+def sync_config(mode: str, tmp: Path, straggler_floor_s: float | None):
+    """The weight update's config, the same on every head."""
+    from megarl.config.bridge import WeightUpdateConfig
+
+    config = WeightUpdateConfig(mode=mode, disk_path=str(tmp / "updates"), probe_sequences=2, probe_tokens=16)
+    config.dtype = "float32"
+    config.probe_every, config.probe_topk = 2, 0  # the steady-state columns come from the updates between probes
+    if straggler_floor_s is not None:
+        config.straggler_floor_s = straggler_floor_s
+    return config
+
+
+class Head:
+    """One trainer head: its Megatron rank, its rollout pool, coordinator and weight sync (megarl's
+    code as ``megarl.train`` builds it for a DP head; batches are not exchanged between heads)."""
+
+    def __init__(self, rank: int, heads: int, port: int, cluster: dict, run_dir: Path, config):
+        from benchmarks.pool_load import CountingLoader, IdBitmap
+        from megarl.rollout import RemoteInferenceEngine
+        from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
+        from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
+        from tests.rollout.conftest import fast_config
+
+        concurrency = head_concurrency(len(cluster["addresses"]), rank, heads)
+        self.rank, self.config = rank, config
+        self.trainer = _trainer(Path(cluster["model_dir"]), rank, heads, port)
+        pool_config = fast_config(max_concurrent_rollouts=concurrency, max_staleness=2, request_timeout=600.0)
+        self.rollout = RemoteInferenceEngine(pool_config, cluster["dialect"]).initialize(
+            server_addrs=cluster["addresses"],
+            batch_size=concurrency,
+            vocab_size=self.trainer.desc.dims.vocab_size,
+            dump_dir=run_dir,  # where the launcher records restarts and joins
+        )
+        self.coordinator = DistRolloutCoordinator(self.rollout, DataParallelLayout(rank, heads, True), 1)
+        start = time.perf_counter()
+        self.sync = connect_engine(self.trainer, self.rollout, WeightUpdateMeta(config))
+        self.connect_s = time.perf_counter() - start
+        self.loader, self.workflow = CountingLoader(concurrency), ItemWorkflow(PROMPT_LEN, MAX_NEW_TOKENS)
+        self.handed_out = IdBitmap()
+        self.books = {"doubled": 0, "misaligned": 0, "dropped": 0, "stale": 0, "stale rerun": 0}
+
+    def batch(self):
+        return self.coordinator.prepare_batch(self.loader, self.workflow)
+
+    def train(self, batch) -> None:
+        """The step (:func:`_train` on the first head, whose Python holds the lock as a real step's
+        does; the others check their rows and sleep), then the data-parallel ranks meet (a real step's
+        gradient all-reduce): every head starts the update together."""
+        import torch.distributed as dist
+
+        if self.rank == 0:
+            _train(batch, self.books, self.handed_out)
+        else:
+            _count_rows(batch, self.books, self.handed_out)
+            time.sleep(TRAIN_S)
+        dist.barrier()
+
+    def update(self, version: int) -> dict:
+        from megarl.run.weight_sync import WeightUpdateMeta
+        from megarl.utils import stats_tracker
+
+        stats = self.sync.update_weights(WeightUpdateMeta(self.config, version=version))
+        _count_drops(stats_tracker.export(local=True), self.books)
+        return stats
+
+    def ledger(self) -> dict:
+        """This head's books: items fed = handed out + counted drops + stale not rerun + pending + lost."""
+        pending = len(self.rollout.pool.pending_items())
+        stale = self.books["stale"] - self.books["stale rerun"]
+        handed = self.handed_out.count
+        return {
+            "items fed": self.loader.fed,
+            "handed out": handed,
+            "dropped": self.books["dropped"],
+            "stale not rerun": stale,
+            "pending": pending,
+            "lost": self.loader.fed - handed - self.books["dropped"] - stale - pending,
+            "doubled": self.books["doubled"],
+            "misaligned": self.books["misaligned"],
+        }
+
+    def close(self) -> None:
+        self.rollout.destroy()
+        self.trainer.destroy()
+
+
+def _other_head(rank: int, heads: int, port: int, cluster: dict, run_dir: str, config, steps: int) -> None:
+    """A head but the first, in its own process: the same steps, its books gathered by the first at the end."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    logging.getLogger("megarl").setLevel(logging.ERROR)
+    head = Head(rank, heads, port, cluster, Path(run_dir), config)
+    try:
+        for step in range(steps):
+            head.train(head.batch())
+            head.update(step + 1)
+        dist.gather_object(head.ledger(), None, dst=0)
+    finally:
+        head.close()
+
+
+def start_other_heads(heads: int, port: int, cluster: dict, run_dir: Path, config, steps: int) -> list:
+    """Heads 1..``heads``-1, each in a fresh process (spawned: a trainer rank of its own)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in range(1, heads):
+        args = (rank, heads, port, cluster, str(run_dir), config, steps)
+        procs.append(ctx.Process(target=_other_head, args=args, daemon=False, name=f"sim-head-{rank}"))
+        procs[-1].start()
+    return procs
 
 
 FAULTS = {
@@ -273,79 +398,73 @@ def measure(
     mean_tokens: float = 300.0,
     dialect: str = "vllm",
     straggler_floor_s: float | None = None,
+    heads: int = 1,
+    mode: str = "sharded",
+    tp: int = 1,
 ) -> dict:
-    """One size: the pool, the coordinator and the weight sync driving ``n`` simulated servers, with
-    one of :data:`FAULTS` at step 1 if ``fault`` names one (answers of ``mean_tokens`` on average),
-    the servers speaking ``dialect`` (``vllm`` or ``sglang``); ``straggler_floor_s``: the weight update's
-    (None: its default)."""
+    """One row: ``heads`` trainer heads (pools, coordinators, weight syncs) driving ``n`` simulated
+    servers of TP ``tp`` in update ``mode``, with one of :data:`FAULTS` at step 1 if ``fault`` names
+    one (answers of ``mean_tokens`` on average), the servers speaking ``dialect`` (``vllm`` or
+    ``sglang``); ``straggler_floor_s``: the weight update's (None: its default)."""
     from megarl.models.tiny import make_tiny_model
+    from megarl.utils.network import find_free_port
+    from tests.rollout.fake_server import VOCAB_SIZE
     from tests.scale.sim_cluster import SimCluster
 
+    # gloo connects the pairs that exchange messages only, as NCCL does at first use (a group of
+    # 1,024 workers would otherwise open a million connections at once); inherited by hosts and heads
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     logging.getLogger("megarl").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model("qwen2", Path(tmp) / "model")
+        model_dir = make_tiny_model("qwen2", Path(tmp) / "model", vocab_size=VOCAB_SIZE, **SIM_MODEL)
         cluster = SimCluster(
-            n, PROMPT_LEN, dialect, str(model_dir), serving=serving_model(mean_tokens), load=weight_load()
+            n, PROMPT_LEN, dialect, str(model_dir), serving=serving_model(mean_tokens), load=weight_load(tp)
         )
         cluster.start()
         faults = FaultPlan(fault, cluster, Path(tmp) / "run")
+        config = sync_config(mode, Path(tmp), straggler_floor_s)
+        where = {"addresses": cluster.addresses, "model_dir": str(model_dir), "dialect": dialect}
+        port = find_free_port()
+        others = start_other_heads(heads, port, where, faults.run_dir, config, steps)
         try:
-            row = _drive(n, steps, cluster, model_dir, Path(tmp), faults, straggler_floor_s)
+            row = _drive(Head(0, heads, port, where, faults.run_dir, config), steps, cluster, faults)
         finally:
+            for proc in others:
+                proc.join(timeout=60)
+                proc.kill()
             faults.stop()
             cluster.stop()
-    return row
+    return {"servers": n, "tp": tp, "heads": heads, "mode": mode, **row}
 
 
-def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan, straggler_floor_s: float | None) -> dict:
-    from benchmarks.pool_load import CountingLoader, IdBitmap
-    from megarl.config.bridge import WeightUpdateConfig
-    from megarl.rollout import RemoteInferenceEngine
-    from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
-    from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
-    from megarl.utils import stats_tracker
+def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
+    """The first head's steps, measured; the others' books gathered at the end."""
+    import torch.distributed as dist
+
     from megarl.utils.gc_pauses import freeze_startup_objects
-    from tests.rollout.conftest import fast_config
 
-    concurrency = PER_SERVER * n
-    trainer = _trainer(model_dir)
-    pool_config = fast_config(max_concurrent_rollouts=concurrency, max_staleness=2, request_timeout=600.0)
-    rollout = RemoteInferenceEngine(pool_config, cluster.dialect).initialize(
-        server_addrs=cluster.addresses,
-        batch_size=concurrency,
-        vocab_size=trainer.desc.dims.vocab_size,
-        dump_dir=faults.run_dir,  # where the launcher records restarts and joins
-    )
-    coordinator = DistRolloutCoordinator(rollout, DataParallelLayout(0, 1, True), 1)
-    config = WeightUpdateConfig(mode="disk", disk_path=str(tmp / "updates"), probe_sequences=2, probe_tokens=16)
-    config.probe_every, config.probe_topk = 2, 0  # the steady-state columns come from the updates between probes
-    if straggler_floor_s is not None:
-        config.straggler_floor_s = straggler_floor_s
-    meta = WeightUpdateMeta(config)
-    sync = connect_engine(trainer, rollout, meta)
+    n = cluster.n
     freeze_startup_objects()  # as megarl.train does once the trainer is built
-    loader, workflow = CountingLoader(concurrency), ItemWorkflow(PROMPT_LEN, MAX_NEW_TOKENS)
-    proc, handed_out = psutil.Process(), IdBitmap()
-    books = {"doubled": 0, "misaligned": 0, "dropped": 0, "stale": 0, "stale rerun": 0}
+    proc = psutil.Process()
     peaks = {"rss_mb": 0.0, "fds": 0, "threads": 0}
     updates = []
     faults.at_start()
     hosts = [psutil.Process(p.pid) for p in cluster.processes]
-    lag = LoopLag(rollout.pool.loop)
+    lag = LoopLag(head.rollout.pool.loop)
     try:
         before, start, synced = None, None, None
         between_syncs = []  # (counters after a weight sync, counters before the next)
         for step in range(steps):
-            batch = coordinator.prepare_batch(loader, workflow)
+            batch = head.batch()
             if step == 0:  # the first batch warms the pool up: the window starts here
                 before, start = cluster.stats(), time.monotonic()
                 synced = before
                 cpu_before = (_cpu_seconds([proc], children=False), _cpu_seconds(hosts))
-            _train(batch, books, handed_out)
+            head.train(batch)
             between_syncs.append((synced, cluster.stats()))
             faults.before_update(step)
             cpu_start = (_cpu_seconds([proc], children=False), _update_threads_cpu(proc))
-            updates.append(sync.update_weights(WeightUpdateMeta(config, version=step + 1)))
+            updates.append(head.update(step + 1))
             updates[-1]["process_cpu_s"] = _cpu_seconds([proc], children=False) - cpu_start[0]
             updates[-1]["trainer_cpu_s"] = _update_threads_cpu(proc) - cpu_start[1]
             faults.after_update(step)
@@ -353,7 +472,6 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan, straggler
             updates[-1]["calls_per_server"] = _control_calls(synced, between_syncs[-1][1]) / n
             if step == 1:
                 after_fault = cluster.stats()
-            _count_drops(stats_tracker.export(local=True), books)
             for key, value in (
                 ("rss_mb", proc.memory_info().rss / 2**20),
                 ("fds", proc.num_fds()),
@@ -362,18 +480,22 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan, straggler
                 peaks[key] = max(peaks[key], value)
         after, seconds = cluster.stats(), time.monotonic() - start
         cpu = (_cpu_seconds([proc], children=False) - cpu_before[0], _cpu_seconds(hosts) - cpu_before[1])
-        pending = len(rollout.pool.pending_items())
+        ledgers = [None] * dist.get_world_size() if dist.get_world_size() > 1 else None
+        mine = head.ledger()
+        if ledgers is not None:
+            dist.gather_object(mine, ledgers, dst=0)
     finally:
         worst_lag, p99_lag = lag.stop()
-        rollout.destroy()
-        trainer.destroy()
-    row = _row(cluster, steps, before, after, seconds, cpu, updates[1:], books, handed_out, loader, pending, peaks)
+        head.close()
+    books = {key: sum(ledger[key] for ledger in ledgers or [mine]) for key in mine}
+    row = {"fault": faults.name or "none"}
+    row.update(_row(cluster, steps, before, after, seconds, cpu, updates[1:], books, peaks))
+    row["connect_s"] = head.connect_s
     row["pool_share"] = _share(cluster, between_syncs)
     row["loop_lag_ms"] = 1000 * worst_lag
     row["loop_lag_p99_ms"] = 1000 * p99_lag
     row["dialect"] = cluster.dialect
     row["servers on the last version"] = sum(str(s["version"]) == str(steps) for s in after)
-    row["fault"] = faults.name or "none"
     row["servers hit"] = len(faults.hit)
     row["evicted"] = int(sum(u.get("servers_evicted", 0) for u in updates))
     row["readmitted"] = int(sum(u.get("servers_readmitted", 0) for u in updates))
@@ -384,6 +506,7 @@ def _drive(n, steps, cluster, model_dir, tmp: Path, faults: FaultPlan, straggler
     )
     if faults.joined is not None:
         row["joined serving"] = sum(s["generate"] > 0 and s["version"] >= 2 for s in faults.joined.stats())
+    row["bytes_received"] = sum(s["bytes_received"] for s in after)
     return row
 
 
@@ -455,26 +578,29 @@ def _share(cluster, windows: list[tuple[list[dict], list[dict]]]) -> float:
     return tokens / capacity
 
 
-def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out, loader, pending, peaks) -> dict:
+def _row(cluster, steps, before, after, seconds, cpu, updates, books, peaks) -> dict:
     unpaused, requests = _delta(after, before, "unpaused_s"), _delta(after, before, "requests")
     overhead = [u["sync_seconds"] - RECEIVE_S - u["send_seconds"] for u in updates]  # the probe comes after
     probing = [u for u in updates if "probe_seconds" in u]
     steady = [u for u in updates if "probe_seconds" not in u] or updates  # no probe in the update
-    lost = loader.fed - handed_out.count - books["dropped"] - (books["stale"] - books["stale rerun"]) - pending
     return {
-        "servers": cluster.n,
+        # calls each server got in an update (probe scoring aside: generation requests), and the CPU seconds
+        # in it of the trainer process's threads but the pool's loop (the update's own cost: the servers
+        # share this machine's cores), and of the whole process (the pool's handling of the aborts too)
+        "calls_per_server_per_update": statistics.median_high(u["calls_per_server"] for u in steady),
+        "update_overhead_s": statistics.median_high(overhead),
+        "trainer_cpu_s_per_update": statistics.median_high(u["trainer_cpu_s"] for u in steady),
+        "loop_lag_p99_ms": None,  # _drive
+        "connect_plan_s": None,  # run(): the planning of a real model at this size (connect_plan.py)
+        "lost": books["lost"],
+        "doubled": books["doubled"],
+        "misaligned": books["misaligned"],
         "host processes": len(cluster.processes),
         "steps": steps,
         "pool_share": None,  # between weight syncs: _share
         "pool_share_all": _delta(after, before, "tokens") / (cluster.serving.throughput(PER_SERVER) * unpaused),
         "mean_running": _delta(after, before, "running_s") / unpaused,
         "requests/s": requests / seconds,
-        "update_overhead_s": statistics.median_high(overhead),
-        # calls each server got in an update (probe scoring aside: generation requests), and the CPU seconds
-        # in it of the trainer process's threads but the pool's loop (the update's own cost: the servers
-        # share this machine's cores), and of the whole process (the pool's handling of the aborts too)
-        "calls_per_server_per_update": statistics.median_high(u["calls_per_server"] for u in steady),
-        "trainer_cpu_s_per_update": statistics.median_high(u["trainer_cpu_s"] for u in steady),
         "process_cpu_s_per_update": statistics.median_high(u["process_cpu_s"] for u in steady),
         "sync_s": statistics.median_high(u["sync_seconds"] for u in updates),
         # the overhead's parts: pausing every server (their in-flight requests abort), their commit
@@ -482,20 +608,18 @@ def _row(cluster, steps, before, after, seconds, cpu, updates, books, handed_out
         "pause_s": statistics.median_high(u["pause_seconds"] for u in updates),
         "commit_s": statistics.median_high(u["commit_seconds"] for u in updates),
         "resume_s": statistics.median_high(u["resume_seconds"] for u in updates),
+        "send_s": statistics.median_high(u["send_seconds"] for u in updates),
         "probe_s": statistics.median_high(u["probe_seconds"] for u in probing) if probing else None,
         "peak_rss_MB": round(peaks["rss_mb"], 1),
         "peak_fds": peaks["fds"],
         "peak_threads": peaks["threads"],
         "client_cpu_ms/request": 1000 * cpu[0] / max(1, requests),
         "hosts_cores": cpu[1] / seconds,  # what the simulated servers took of the machine
-        "items fed": loader.fed,
-        "handed out": handed_out.count,
+        "items fed": books["items fed"],
+        "handed out": books["handed out"],
         "dropped": books["dropped"],
-        "stale not rerun": books["stale"] - books["stale rerun"],
-        "pending": pending,
-        "lost": lost,
-        "doubled": books["doubled"],
-        "misaligned": books["misaligned"],
+        "stale not rerun": books["stale not rerun"],
+        "pending": books["pending"],
     }
 
 
@@ -508,15 +632,33 @@ def _in_own_process(n: int, steps: int, fault: str | None = None, **kwargs) -> d
 
 FAULT_SERVERS = 256
 """The size the faults run at (``--quick``: none run)."""
+REAL_PLAN_MODEL = "qwen2.5-7b"
+"""Whose connect planning ``connect_plan_s`` reports (``benchmarks/connect_plan.py``): the bundled
+128-GPU config's model, at the row's servers, TP and mode."""
+
+
+def plan(quick: bool) -> list[dict]:
+    """The rows: steady state at every size with 1 and :data:`REAL_HEADS` heads in the default mode
+    (``sharded``), ``disk`` beside it, TP 4 at 256 servers (1,024 workers), then (not ``--quick``)
+    each fault at :data:`FAULT_SERVERS` servers."""
+    if quick:
+        return [{"n": 8}, {"n": 64, "heads": 4}]
+    rows = [{"n": n} for n in SIZES] + [{"n": n, "heads": REAL_HEADS} for n in SIZES]
+    rows += [{"n": n, "mode": "disk"} for n in (256, 1024)] + [{"n": 256, "tp": 4}]
+    return rows + [{"n": FAULT_SERVERS, "fault": fault} for fault in FAULTS]
 
 
 def run(quick: bool, on_rows=None) -> list[dict]:
-    """The sizes without a fault, then (not ``--quick``) each fault at :data:`FAULT_SERVERS` servers."""
-    plan = [(n, None) for n in (SIZES_QUICK if quick else SIZES)]
-    plan += [] if quick else [(FAULT_SERVERS, fault) for fault in FAULTS]
+    """:func:`plan`'s rows, each in its own process, with the real model's connect planning beside."""
+    from benchmarks import connect_plan
+
     rows = []
-    for n, fault in plan:
-        rows.append(_in_own_process(n, STEPS_QUICK if quick else STEPS, fault))
+    for spec in plan(quick):
+        n = spec.pop("n")
+        rows.append(_in_own_process(n, STEPS_QUICK if quick else STEPS, **spec))
+        if rows[-1]["mode"] != "disk":
+            planned = connect_plan._in_own_process(REAL_PLAN_MODEL, rows[-1]["mode"], n, rows[-1]["tp"])
+            rows[-1]["connect_plan_s"] = planned["connect_plan_s"]
         if on_rows is not None:
             on_rows(rows)
     return rows

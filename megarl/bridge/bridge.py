@@ -226,7 +226,7 @@ class WeightBridge(ServerBridge):
             )
         if ssched is not None:
             self.senders["sharded"] = ShardedSender(
-                ssched, self.coords, sharded, len(wiring.sharded_members), self.dtype
+                ssched, self.coords, sharded, len(wiring.sharded_members), self.dtype, self.config
             )
 
     # ------------------------------------------------------------------ update

@@ -13,7 +13,10 @@ round ``k`` is on the wire.
 A worker that dies mid-transfer (its server killed) costs only its own messages: on gloo every
 message is its own operation, so a send to it that fails (connection reset, or the group's
 timeout for a peer that stopped reading) marks that worker lost, the sender sends it nothing more
-and goes on with the others, who take the whole update. The lost worker's server fails its own
+and goes on with the others, who take the whole update. A worker alive but not receiving (its server
+hangs before it posts its receives) is lost the same way once a send to it has waited past the
+relative deadline: ``max(weight_update.straggler_floor_s, straggler_factor x`` the median round's
+wait so far``)``, ``update_timeout`` before any round finished (gloo closes that worker's connection). The lost worker's server fails its own
 update call (it died, or it cannot have received everything); the sender reports no error. On NCCL
 a round is one coalesced operation, so a failure there is the whole sender's, as before.
 """
@@ -21,8 +24,10 @@ a round is one coalesced operation, so a failure there is the whole sender's, as
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,6 +36,7 @@ from megarl.bridge.schedule import ShardedSchedule
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transfer_plan import Piece
 from megarl.bridge.transport import Timer, TransferStats, TransportSender, pack
+from megarl.config.bridge import WeightUpdateConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +52,8 @@ def _piece_view(shard: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 class ShardedSender(TransportSender):
-    """Trainer side. ``num_senders``: trainer ranks in the group (workers follow them)."""
+    """Trainer side. ``num_senders``: trainer ranks in the group (workers follow them); ``config``: the
+    deadlines of a send to a worker that does not receive (None: the group's timeout)."""
 
     mode = "sharded"
 
@@ -57,10 +64,24 @@ class ShardedSender(TransportSender):
         group: dist.ProcessGroup | None,
         num_senders: int,
         dtype: torch.dtype,
+        config: WeightUpdateConfig | None = None,
     ):
         self.schedule, self.coords, self.group = schedule, coords, group
-        self.num_senders, self.dtype = num_senders, dtype
+        self.num_senders, self.dtype, self.config = num_senders, dtype, config
         self.mine = {i for i, owner in enumerate(schedule.senders) if coords.holds(owner)}
+        self.round_seconds: list[float] = []
+        """How long the last rounds' sends took to complete (no worker lost): the deadline's median."""
+
+    def message_limit(self) -> timedelta | None:
+        """How long one send may wait for its worker (gloo), relative to the rounds so far."""
+        config = self.config
+        if config is None:
+            return None
+        limit = config.update_timeout
+        if self.round_seconds and config.straggler_factor > 0:
+            relative = max(config.straggler_floor_s, config.straggler_factor * statistics.median(self.round_seconds))
+            limit = min(limit, relative)
+        return timedelta(seconds=limit)
 
     def send(self, source: ShardSource) -> TransferStats:
         stats, packing = TransferStats(), Timer()
@@ -116,15 +137,18 @@ class ShardedSender(TransportSender):
         return works
 
     def _wait(self, works: list, lost: dict[int, str], k: int) -> None:
-        """Wait for round ``k``'s sends; a failed one loses its worker, or raises where the round was
-        coalesced into one operation (worker None)."""
+        """Wait for round ``k``'s sends; a failed one (or, on gloo, one past :meth:`message_limit`) loses
+        its worker, or raises where the round was coalesced into one operation (worker None)."""
+        start, limit, before = time.perf_counter(), self.message_limit(), len(lost)
         for worker, work in works:
             try:
-                work.wait()
+                work.wait() if worker is None or limit is None else work.wait(limit)
             except RuntimeError as e:
                 if worker is None:
                     raise
                 self._lose(lost, worker, k, e)
+        if works and len(lost) == before:
+            self.round_seconds = [*self.round_seconds[-63:], time.perf_counter() - start]
 
     def _lose(self, lost: dict[int, str], worker: int, k: int, error: Exception) -> None:
         if worker not in lost:

@@ -35,6 +35,12 @@ class InferenceEngineConfig:
     """Seconds to wait for every server to answer its health check."""
     pause_grace_period: float = 0.5
     """Seconds an interrupted request waits before it is continued (lets the weight update finish)."""
+    switch_interval_ms: float = 0.2
+    """The interpreter's thread switch interval (``sys.setswitchinterval``) in the process that runs the
+    pool, set when the pool starts; 0 leaves the interpreter's (5 ms). The pool's loop thread makes many
+    small socket reads and writes per turn, each releasing the interpreter lock; while the trainer's
+    Python holds it, each costs the loop one interval to get it back. With 5 ms, a trainer step that
+    holds the lock for half its time left the loop 0.46 s behind at 8 servers (``docs/scale.md``)."""
     schedule_policy: Literal["least_loaded", "round_robin"] = "least_loaded"
     """Server choice for a new request; requests continuing an episode stick to their server."""
     dump_trajectories: bool = False
@@ -77,6 +83,7 @@ class InferenceEngineConfig:
         require(self.retry_backoff >= 0, "retry_backoff", self.retry_backoff, "must be >= 0 seconds")
         require(self.setup_timeout > 0, "setup_timeout", self.setup_timeout, "must be > 0 seconds")
         require(self.pause_grace_period >= 0, "pause_grace_period", self.pause_grace_period, "must be >= 0 seconds")
+        require(self.switch_interval_ms >= 0, "switch_interval_ms", self.switch_interval_ms, "must be >= 0 ms")
         if self.max_connections is not None:
             require(self.max_connections >= 1, "max_connections", self.max_connections, "must be >= 1")
         require(

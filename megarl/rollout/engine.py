@@ -16,6 +16,7 @@ sync drives around an update: pause, resume, sleep, wake, versions and the serve
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -109,6 +110,8 @@ class RemoteInferenceEngine(InferenceEngine, RolloutControl):
         connections = self.config.max_connections or max(64, 16 * concurrency)
         self._client = GenerationClient(self.config, self.backend, self._servers, connections, tokenizer)
         self._client.set_version(self._version)
+        if self.config.switch_interval_ms > 0:  # the pool's loop thread shares the lock with the trainer's Python
+            sys.setswitchinterval(self.config.switch_interval_ms / 1000)
         self.pool = RolloutPool(self.client, self.config, batch_size, dumper).start()
         logger.info("inference engine ready: %d %s server(s) %s", len(addrs), self.backend.name, addrs)
         return self

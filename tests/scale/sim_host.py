@@ -16,9 +16,16 @@ dialects, pause / resume, sleep / wake, injected faults), with what a cluster of
   logprobs are the fake server's (``token_at``, ``logprob_at``) and the last one is EOS, so the
   benchmark checks every row it gets token by token.
 * **weight updates.** vLLM's ``/init_weight_transfer_engine``, ``/start_weight_update``,
-  ``/update_weights``, ``/finish_weight_update`` and SGLang's ``/update_weights_from_disk``,
-  ``/update_weight_version``; receiving takes ``model_bytes / (tp * bytes_per_s)`` seconds (the
-  bytes a TP rank loads at its link's rate), then the server serves the new version.
+  ``/update_weights``, ``/finish_weight_update``, megarl's one-call update route, and SGLang's
+  ``/update_weights_from_disk``, ``/update_weight_version``; receiving takes ``model_bytes / (tp *
+  bytes_per_s)`` seconds (the bytes a TP rank loads at its link's rate), then the server serves the
+  new version. In ``sharded`` mode each of a server's ``--tp`` workers joins the trainer's group for
+  real (``/init_weight_transfer_engine``: a ``TCPStore`` client and a gloo process group of this
+  process, as rank ``senders + worker``) and receives its slices of every update over it, message by
+  message as its receive schedule says (:class:`GroupReceiver`), before the simulated load time.
+  Run the hosts and the trainer with ``TORCH_GLOO_LAZY_INIT=1``: gloo then connects only the pairs
+  that exchange messages (each worker with its senders), as NCCL connects at first use; without it
+  a group of W members opens W^2 connections at once.
 * **the consistency probe.** Scoring requests (vLLM's ``prompt_logprobs``, SGLang's
   ``return_logprob``) are answered by a real HF model: the directory given at start, then each
   update's directory (disk mode writes a complete HF checkpoint), loaded once per process and
@@ -44,10 +51,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import contextvars
+import datetime
+import faulthandler
 import hashlib
+import logging
 import math
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -65,6 +77,10 @@ REQUEST_TRANSPORT: contextvars.ContextVar = contextvars.ContextVar("request_tran
 
 TICK = 0.05
 """Seconds between two advances of every running request (one ticker per process)."""
+JOINS = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="sim-join")
+"""Where the workers of this process join their groups (a blocking rendezvous each)."""
+RECEIVES = concurrent.futures.ThreadPoolExecutor(256, thread_name_prefix="sim-receive")
+"""Where each server posts an update's receives (every server of the process at once)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,71 @@ class Scorer:
         return self.models[path]
 
 
+class GroupReceiver:
+    """One simulated server's workers in the trainer's sharded group: joined at init, then each update's
+    slices received over it, message by message as each worker's receive schedule says (the data is
+    counted, not applied: the simulated model does not change)."""
+
+    def __init__(self, init_info: dict, tp: int):
+        from megarl.bridge.receiver import ReceiverInit
+        from megarl.bridge.wiring import Wiring
+
+        self.init = ReceiverInit(**init_info)
+        self.wiring = Wiring.from_json(self.init.wiring)
+        self.specs = [self.init.worker_specs(r).get("sharded") for r in range(tp)]
+        self.groups: list = []
+
+    def join(self) -> None:
+        """Every worker joins the sharded group (blocking: run it in a thread)."""
+        import torch.distributed as dist
+
+        spec, timeout = self.wiring.sharded, datetime.timedelta(seconds=self.init.timeout)
+        senders = len(self.wiring.sharded_members)
+        for r in range(len(self.specs)):
+            rank = senders + self.init.worker_offset + r
+            store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timeout)
+            # the keys megarl.bridge.groups.join_group's helper uses: <name>/<name>/cpu/...
+            prefixed = dist.PrefixStore("cpu/", dist.PrefixStore(f"{spec.name}/", dist.PrefixStore(spec.name, store)))
+            self.groups.append(dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout))
+
+    async def receive(self) -> int:
+        """One update's messages to every worker of the server, in a thread of its own (a gloo receive
+        completes only in ``wait``; a pair's first message waits for its sender to connect); the bytes
+        received. Raises if a message failed."""
+        return await asyncio.get_running_loop().run_in_executor(RECEIVES, self._receive)
+
+    def _receive(self) -> int:
+        works = self._post()
+        for _, work in works:
+            work.wait()  # raises the message's error
+        return sum(buf.numel() * buf.element_size() for buf, _ in works)
+
+    def _post(self) -> list:
+        import torch
+
+        from megarl.bridge.transport import wire_dtype
+
+        dtype, works = wire_dtype(self.init.dtype), []
+        for group, spec in zip(self.groups, self.specs, strict=True):
+            shapes = [tuple(t[2]) for t in spec["tensors"]]
+            for msgs in spec["rounds"]:
+                for sender, pieces in msgs:
+                    numel = sum(_piece_numel(shapes[slot], dim, length) for slot, dim, _, length in pieces)
+                    buf = torch.empty(numel, dtype=dtype)
+                    works.append((buf, group.recv([buf], spec["sender_ranks"][sender], 0)))
+        return works
+
+    def abort(self) -> None:
+        """Drop the groups as a killed process would: the trainer's sends to them fail."""
+        for group in self.groups:
+            group.abort()
+        self.groups = []
+
+
+def _piece_numel(shape: tuple[int, ...], dim: int | None, length: int) -> int:
+    return math.prod(length if d == dim else n for d, n in enumerate(shape))
+
+
 class SimServer(FakeServer):
     """One simulated server (see the module doc)."""
 
@@ -189,6 +270,7 @@ class SimServer(FakeServer):
         self.version = 0
         self.weights: str | None = None  # the directory of the weights it serves (None: the model it started with)
         self.pending: str | None = None
+        self.group: GroupReceiver | None = None  # its workers in the trainer's sharded group
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.counters = {
@@ -200,6 +282,7 @@ class SimServer(FakeServer):
             "running_s": 0.0,
             "alive_s": 0.0,
             "busy_s": 0.0,
+            "bytes_received": 0,
         }
         # the fake server keeps every request's body for its tests; a simulated cluster serves millions
         self.payloads = collections.deque(maxlen=16)
@@ -294,10 +377,14 @@ class SimServer(FakeServer):
 
     # ---------------------------------------------------------------- weight updates
 
-    async def _receive(self, path: str | None) -> None:
+    async def _receive(self, path: str | None, mode: str = "disk") -> None:
         if self.hang_update:
             self.hang_update = False
             await asyncio.sleep(10**6)
+        if mode == "sharded":
+            if self.group is None:
+                raise web.HTTPBadRequest(text="a sharded update before /init_weight_transfer_engine")
+            self.counters["bytes_received"] += await self.group.receive()
         if self.scorer.model_dir is not None:  # a host started without --model scores nothing: no load
             self.scorer.preload(path)  # in a thread: the simulated receive time stays what it is
         await asyncio.sleep(self.load.seconds * self.receive_factor)
@@ -305,11 +392,23 @@ class SimServer(FakeServer):
 
     async def vllm_update(self, request: web.Request) -> web.Response:
         info = (await request.json())["update_info"]
-        await self._receive(info.get("path"))
+        await self._receive(info.get("path"), info.get("mode", "disk"))
         return web.json_response({})
 
     async def vllm_update_in_one_call(self, request: web.Request) -> web.StreamResponse:
         return await serve_update_route(request, _Steps(self))
+
+    async def vllm_init(self, request: web.Request) -> web.Response:
+        """Join the trainer's sharded group (its workers' ends; the old ones dropped), if the wiring has one."""
+        info = (await request.json())["init_info"]
+        if self.group is not None:
+            self.group.abort()
+            self.group = None
+        if info["wiring"].get("sharded"):
+            group = GroupReceiver(info, self.load.tp)
+            await asyncio.get_running_loop().run_in_executor(JOINS, group.join)
+            self.group = group
+        return web.json_response({})
 
     async def vllm_finish(self, request: web.Request) -> web.Response:
         self._commit((await request.json())["weight_version"])
@@ -365,6 +464,9 @@ class SimServer(FakeServer):
     async def die(self) -> None:
         """Stop listening and drop every connection, as a killed process would."""
         self.dead = True
+        if self.group is not None:
+            self.group.abort()
+            self.group = None
         for gen in self.active:
             if gen.transport is not None:
                 gen.transport.abort()
@@ -393,7 +495,7 @@ class SimServer(FakeServer):
         app = super().app()
         app.router.add_get("/v1/models", self.models)
         if self.dialect == "vllm":
-            app.router.add_post("/init_weight_transfer_engine", self.ok)
+            app.router.add_post("/init_weight_transfer_engine", self.vllm_init)
             app.router.add_post("/start_weight_update", self.ok)
             app.router.add_post("/update_weights", self.vllm_update)
             app.router.add_post("/finish_weight_update", self.vllm_finish)
@@ -424,7 +526,7 @@ class _Steps:
         pass
 
     async def receive(self, mode: str, path: str | None) -> None:
-        await self.server._receive(path)
+        await self.server._receive(path, mode)
 
     async def finish(self, version: str) -> None:
         self.server._commit(version)
@@ -486,6 +588,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: every thread's stack on stderr (a hang's)
+    logging.basicConfig(level=logging.WARNING, format="sim host %(process)d: %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description="many simulated inference servers in one process")
     parser.add_argument("--ports", required=True, help="comma-separated ports, one server each")
     parser.add_argument("--first-index", type=int, default=0, help="the index of the first server (for its counters)")

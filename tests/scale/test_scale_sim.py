@@ -1,7 +1,8 @@
-"""The control plane in front of a simulated cluster (``benchmarks/scale_sim.py``): 64 servers, one fault.
+"""The control plane in front of a simulated cluster (``benchmarks/scale_sim.py``): 64 servers, 4 heads, one fault.
 
-The simulated servers are real HTTP endpoints (``tests/scale/sim_host.py``); megarl's pool,
-coordinator and weight sync are its own code, with a real one-rank Megatron trainer.
+The simulated servers are real HTTP endpoints (``tests/scale/sim_host.py``) whose workers join the
+trainer's group; megarl's pools, coordinators and weight syncs are its own code, with real Megatron
+trainer ranks.
 """
 
 from __future__ import annotations
@@ -23,20 +24,25 @@ def _post(address: str, route: str, body: dict) -> dict:
         return json.loads(reply.read())
 
 
-def test_a_server_that_hangs_the_update_is_evicted_and_the_run_goes_on():
-    """64 servers; at step 1 one accepts the weight update and never answers: the update gives up on it
-    at its relative deadline (here max(3 s, 4 x the median)), names it, takes it out of rotation, and
-    the next step runs on the other 63 with nothing lost, doubled or misaligned; each update is two calls
-    per server. (Before weight_update.max_failed_fraction, the update raised WeightBridgeError and the
-    run stopped.)"""
+def test_four_heads_in_sharded_mode_evict_a_server_that_hangs_and_go_on():
+    """64 servers, 4 trainer heads (a gloo world of 4 Megatron ranks, each with its own pool), the
+    default ``sharded`` mode (every server joins the trainer's group for real and receives its slices).
+    At step 1 one server accepts the weight update and never receives: the sender gives up on it at
+    the relative deadline (here max(3 s, 4 x the median round)), the update names it and takes it out
+    of rotation, and the next step runs on the other 63 with nothing lost, doubled or misaligned. Each
+    update is two calls per server whatever the heads (the other heads only gate their own pools).
+    Before: the sharded send waited on the hung worker for the group's timeout with every server
+    paused, and every head sent /pause and /resume to every server."""
     from benchmarks.scale_sim import _in_own_process
 
-    row = _in_own_process(64, 3, "hang_update", mean_tokens=100.0, straggler_floor_s=3.0)  # a short test
-    assert row["steps"] == 3 and row["evicted"] == 1, row
+    row = _in_own_process(64, 3, "hang_update", mean_tokens=100.0, straggler_floor_s=3.0, heads=4)
+    assert (row["heads"], row["mode"], row["steps"]) == (4, "sharded", 3), row
+    assert row["evicted"] == 1 and row["servers on the last version"] == 63, row
     assert row["calls_per_server_per_update"] <= 2, row
     assert row["requests to hit after"] == 0, row
     assert (row["lost"], row["doubled"], row["misaligned"]) == (0, 0, 0), row
-    assert row["handed out"] == 3 * 8 * 64, row
+    assert row["handed out"] > 3 * 8 * 64 and row["bytes_received"] > 0, row
+    assert row["send_s"] < 30, row  # the hung worker cost the floor, not update_timeout
 
 
 def test_the_control_plane_drives_sglang_servers_too():
@@ -45,7 +51,7 @@ def test_the_control_plane_drives_sglang_servers_too():
     the books balance."""
     from benchmarks.scale_sim import _in_own_process
 
-    row = _in_own_process(8, 2, mean_tokens=60.0, dialect="sglang")
+    row = _in_own_process(8, 2, mean_tokens=60.0, dialect="sglang", mode="disk")  # SGLang has no sharded receive
     assert row["dialect"] == "sglang" and row["servers on the last version"] == 8, row
     assert (row["lost"], row["doubled"], row["misaligned"]) == (0, 0, 0), row
     assert row["handed out"] == 2 * 8 * 8 and row["requests/s"] > 0, row
