@@ -638,14 +638,15 @@ REAL_PLAN_MODEL = "qwen2.5-7b"
 
 
 def plan(quick: bool) -> list[dict]:
-    """The rows: steady state at every size with 1 and :data:`REAL_HEADS` heads in the default mode
-    (``sharded``), ``disk`` beside it, TP 4 at 256 servers (1,024 workers), then (not ``--quick``)
-    each fault at :data:`FAULT_SERVERS` servers."""
+    """The rows (``--quick``: the first two): steady state at every size with 1 and :data:`REAL_HEADS`
+    heads in the default mode (``sharded``), each fault of :data:`FAULTS` at :data:`FAULT_SERVERS`
+    servers, TP 4 at 256 servers (1,024 workers), and ``disk`` at 256."""
     if quick:
         return [{"n": 8}, {"n": 64, "heads": 4}]
-    rows = [{"n": n} for n in SIZES] + [{"n": n, "heads": REAL_HEADS} for n in SIZES]
-    rows += [{"n": n, "mode": "disk"} for n in (256, 1024)] + [{"n": 256, "tp": 4}]
-    return rows + [{"n": FAULT_SERVERS, "fault": fault} for fault in FAULTS]
+    rows = [{"n": n} for n in SIZES] + [{"n": n, "heads": REAL_HEADS} for n in SIZES[:-1]]
+    rows += [{"n": FAULT_SERVERS, "fault": fault} for fault in FAULTS]
+    rows += [{"n": SIZES[-1], "heads": REAL_HEADS}, {"n": 256, "tp": 4}]
+    return rows + [{"n": 256, "mode": "disk"}]
 
 
 def run(quick: bool, on_rows=None) -> list[dict]:
@@ -655,8 +656,14 @@ def run(quick: bool, on_rows=None) -> list[dict]:
     rows = []
     for spec in plan(quick):
         n = spec.pop("n")
-        rows.append(_in_own_process(n, STEPS_QUICK if quick else STEPS, **spec))
-        if rows[-1]["mode"] != "disk":
+        try:
+            rows.append(_in_own_process(n, STEPS_QUICK if quick else STEPS, **spec))
+        except Exception as e:  # noqa: BLE001 (the row says what failed; the others still run)
+            rows.append(
+                {"servers": n, "tp": 1, "heads": 1, "mode": "sharded", **spec, "error": f"{type(e).__name__}: {e}"}
+            )
+            logging.getLogger(__name__).exception("scale_sim row %s failed", rows[-1])
+        if rows[-1]["mode"] != "disk" and "error" not in rows[-1]:
             planned = connect_plan._in_own_process(REAL_PLAN_MODEL, rows[-1]["mode"], n, rows[-1]["tp"])
             rows[-1]["connect_plan_s"] = planned["connect_plan_s"]
         if on_rows is not None:
