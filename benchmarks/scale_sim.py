@@ -24,7 +24,8 @@ per fault of :data:`FAULTS` at :data:`FAULT_SERVERS` servers:
   are three of its parts;
 * ``calls_per_server_per_update``, ``trainer_cpu_s_per_update``, ``process_cpu_s_per_update``: the
   control calls each server got in an update without a probe, and the CPU seconds in it of the
-  trainer process's threads but the pool's loop, and of the whole process;
+  trainer process's threads but the pool's loop (the data's own sending aside: ``send_cpu_s_per_update``,
+  gloo's copies over loopback), and of the whole process;
 * ``probe_s``: the consistency probe (every server scores 2 sequences);
 * the rollout process's peak RSS, open file descriptors and threads, the pool loop's worst and 99th
   percentile lag (how late a 50 ms sleep on it wakes), the generation requests per second it
@@ -68,9 +69,18 @@ RECEIVE_S = 0.5
 """The simulated weight load per server (``model_bytes / (tp * bytes_per_s)``)."""
 
 
-SIM_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 32}
-"""The trainer's model (a Qwen2 of the simulated servers' vocabulary, 0.23 M parameters: 0.9 MB per worker
-and update in float32, sent for real in ``sharded`` mode; the simulated receive time stands for a real model's)."""
+SIM_MODEL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "tie_word_embeddings": True,
+}
+"""The trainer's model: a Qwen2 of the simulated servers' vocabulary, 42 k parameters (0.17 MB per worker
+and update in float32, sent for real in ``sharded`` mode over loopback, whose copies take this machine's
+CPU as NCCL's would not; the simulated receive time stands for a real model's)."""
 
 REAL_SERVER_TOKENS_PER_S = 5000.0
 """A real server's generated tokens/s: the planner's rate for one TP-1 H100 vLLM server of Qwen2.5-7B
@@ -450,6 +460,7 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
     updates = []
     faults.at_start()
     hosts = [psutil.Process(p.pid) for p in cluster.processes]
+    sending = SendCPU(head.sync.bridge, proc)
     lag = LoopLag(head.rollout.pool.loop)
     try:
         before, start, synced = None, None, None
@@ -464,9 +475,11 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
             between_syncs.append((synced, cluster.stats()))
             faults.before_update(step)
             cpu_start = (_cpu_seconds([proc], children=False), _update_threads_cpu(proc))
+            sending.seconds = 0.0
             updates.append(head.update(step + 1))
             updates[-1]["process_cpu_s"] = _cpu_seconds([proc], children=False) - cpu_start[0]
-            updates[-1]["trainer_cpu_s"] = _update_threads_cpu(proc) - cpu_start[1]
+            updates[-1]["send_cpu_s"] = sending.seconds
+            updates[-1]["trainer_cpu_s"] = _update_threads_cpu(proc) - cpu_start[1] - sending.seconds
             faults.after_update(step)
             synced = cluster.stats()
             updates[-1]["calls_per_server"] = _control_calls(synced, between_syncs[-1][1]) / n
@@ -508,6 +521,35 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
         row["joined serving"] = sum(s["generate"] > 0 and s["version"] >= 2 for s in faults.joined.stats())
     row["bytes_received"] = sum(s["bytes_received"] for s in after)
     return row
+
+
+class SendCPU:
+    """The CPU seconds the update's threads spend while the trainer sends the data (``send_cpu_s``):
+    over loopback, gloo's copies of a small model's bytes to every worker, which NCCL does on the GPU;
+    counted apart from the control plane's (``trainer_cpu_s``). Wraps each sender's ``send`` (the
+    bridge's senders are rebuilt at every connect: looked up at each update)."""
+
+    def __init__(self, bridge, proc: psutil.Process):
+        self.bridge, self.proc, self.seconds = bridge, proc, 0.0
+        original = bridge.update
+
+        def update(*args, **kwargs):
+            for sender in bridge.senders.values():
+                if not getattr(sender, "_sim_timed", False):
+                    sender.send, sender._sim_timed = self._timed(sender.send), True
+            return original(*args, **kwargs)
+
+        bridge.update = update
+
+    def _timed(self, send):
+        def timed(source):
+            start = _update_threads_cpu(self.proc)
+            try:
+                return send(source)
+            finally:
+                self.seconds += _update_threads_cpu(self.proc) - start
+
+        return timed
 
 
 def _update_threads_cpu(proc: psutil.Process) -> float:
@@ -590,6 +632,7 @@ def _row(cluster, steps, before, after, seconds, cpu, updates, books, peaks) -> 
         "calls_per_server_per_update": statistics.median_high(u["calls_per_server"] for u in steady),
         "update_overhead_s": statistics.median_high(overhead),
         "trainer_cpu_s_per_update": statistics.median_high(u["trainer_cpu_s"] for u in steady),
+        "send_cpu_s_per_update": statistics.median_high(u["send_cpu_s"] for u in steady),
         "loop_lag_p99_ms": None,  # _drive
         "connect_plan_s": None,  # run(): the planning of a real model at this size (connect_plan.py)
         "lost": books["lost"],
