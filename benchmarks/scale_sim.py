@@ -680,24 +680,39 @@ REAL_PLAN_MODEL = "qwen2.5-7b"
 128-GPU config's model, at the row's servers, TP and mode."""
 
 
-def plan(quick: bool) -> list[dict]:
-    """The rows (``--quick``: the first two): steady state at every size with 1 and :data:`REAL_HEADS`
-    heads in the default mode (``sharded``), each fault of :data:`FAULTS` at :data:`FAULT_SERVERS`
-    servers, TP 4 at 256 servers (1,024 workers), and ``disk`` at 256."""
+ROW_GROUPS = ("sizes", "heads", "faults", "extra")
+"""The benchmark's rows in groups (``--rows``, default all, in this order): steady state at every size with
+one head, the same with :data:`REAL_HEADS` heads up to 256 servers, each fault at :data:`FAULT_SERVERS`
+servers, then 1,024 servers with 16 heads, TP 4 at 256 servers (1,024 workers) and ``disk`` at 256."""
+CLI_OPTIONS = {"--rows": ("MEGARL_SCALE_SIM_ROWS", {"all": "all", **{g: g for g in ROW_GROUPS}})}
+
+
+def results_name() -> str:
+    """``scale_sim``, or ``scale_sim_<group>`` for one group of rows (``--rows``)."""
+    rows = os.environ.get("MEGARL_SCALE_SIM_ROWS", "all")
+    return "scale_sim" if rows == "all" else f"scale_sim_{rows}"
+
+
+def plan(quick: bool, groups: tuple[str, ...] = ROW_GROUPS) -> list[dict]:
+    """The rows of ``groups`` (:data:`ROW_GROUPS`); ``--quick``: 8 servers, then 64 with 4 heads."""
     if quick:
         return [{"n": 8}, {"n": 64, "heads": 4}]
-    rows = [{"n": n} for n in SIZES] + [{"n": n, "heads": REAL_HEADS} for n in SIZES[:-1]]
-    rows += [{"n": FAULT_SERVERS, "fault": fault} for fault in FAULTS]
-    rows += [{"n": SIZES[-1], "heads": REAL_HEADS}, {"n": 256, "tp": 4}]
-    return rows + [{"n": 256, "mode": "disk"}]
+    rows = {
+        "sizes": [{"n": n} for n in SIZES],
+        "heads": [{"n": n, "heads": REAL_HEADS} for n in SIZES[:-1]],
+        "faults": [{"n": FAULT_SERVERS, "fault": fault} for fault in FAULTS],
+        "extra": [{"n": SIZES[-1], "heads": REAL_HEADS}, {"n": 256, "tp": 4}, {"n": 256, "mode": "disk"}],
+    }
+    return [row for group in groups for row in rows[group]]
 
 
 def run(quick: bool, on_rows=None) -> list[dict]:
     """:func:`plan`'s rows, each in its own process, with the real model's connect planning beside."""
     from benchmarks import connect_plan
 
+    selected = os.environ.get("MEGARL_SCALE_SIM_ROWS", "all")
     rows = []
-    for spec in plan(quick):
+    for spec in plan(quick, ROW_GROUPS if selected == "all" else (selected,)):
         n = spec.pop("n")
         try:
             rows.append(_in_own_process(n, STEPS_QUICK if quick else STEPS, **spec))
