@@ -179,11 +179,15 @@ class LoopLag:
         return lags[-1], lags[min(len(lags) - 1, int(0.99 * len(lags)))]
 
 
-def _trainer(model_dir: Path, rank: int, heads: int, port: int):
+def _trainer(model_dir: Path, rank: int = 0, heads: int = 1, port: int | None = None):
     """Trainer rank ``rank`` of ``heads`` (a Megatron engine of the tiny model, data-parallel over the
-    heads: each rank is a head, as in ``megatron:d<heads>p1t1``)."""
+    heads: each rank is a head, as in ``megatron:d<heads>p1t1``); ``port``: the group's (None: a free
+    one, for one rank alone: this runs in a fresh process, whose inherited MASTER_PORT may be another's)."""
     from megarl.actor.engine import MegatronEngine
     from megarl.config.train import OptimizerConfig, TrainEngineConfig
+    from megarl.utils.network import find_free_port
+
+    port = port if port is not None else find_free_port()
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(heads), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
