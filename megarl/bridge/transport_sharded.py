@@ -13,18 +13,17 @@ round ``k`` is on the wire.
 A worker that dies mid-transfer (its server killed) costs only its own messages: on gloo every
 message is its own operation, so a send to it that fails (connection reset, or the group's
 timeout for a peer that stopped reading) marks that worker lost, the sender sends it nothing more
-and goes on with the others, who take the whole update. A worker alive but not receiving (its server
-hangs before it posts its receives) is lost the same way once a send to it has waited past the
-relative deadline: ``max(weight_update.straggler_floor_s, straggler_factor x`` the median round's
-wait so far``)``, ``update_timeout`` before any round finished (gloo closes that worker's connection). The lost worker's server fails its own
-update call (it died, or it cannot have received everything); the sender reports no error. On NCCL
-a round is one coalesced operation, so a failure there is the whole sender's, as before.
+and goes on with the others, who take the whole update. A worker alive but not receiving (its
+server hangs before it posts its receives) is lost the same way once a send to it has waited past
+the relative deadline (``WeightUpdateConfig.relative_deadline`` of the rounds' waits so far; gloo
+closes that worker's connection). The lost worker's server fails its own update call (it died, or
+it cannot have received everything); the sender reports no error. On NCCL a round is one coalesced
+operation, so a failure there is the whole sender's, as before.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -74,14 +73,7 @@ class ShardedSender(TransportSender):
 
     def message_limit(self) -> timedelta | None:
         """How long one send may wait for its worker (gloo), relative to the rounds so far."""
-        config = self.config
-        if config is None:
-            return None
-        limit = config.update_timeout
-        if self.round_seconds and config.straggler_factor > 0:
-            relative = max(config.straggler_floor_s, config.straggler_factor * statistics.median(self.round_seconds))
-            limit = min(limit, relative)
-        return timedelta(seconds=limit)
+        return None if self.config is None else timedelta(seconds=self.config.relative_deadline(self.round_seconds))
 
     def send(self, source: ShardSource) -> TransferStats:
         stats, packing = TransferStats(), Timer()

@@ -26,10 +26,9 @@ PAUSED, COMMITTED = "paused", "committed"
 def stage_deadline(answered: list[float], servers: int, config: WeightUpdateConfig) -> float:
     """Seconds from a stage's start by which every server must have answered it, given the answer times
     so far (``answered``, seconds from the stage's start) of ``servers`` in all."""
-    cap = config.update_timeout
-    if config.straggler_factor <= 0 or 2 * len(answered) < servers:
-        return cap
-    return min(cap, max(config.straggler_floor_s, config.straggler_factor * statistics.median(answered)))
+    if 2 * len(answered) < servers:  # half the fleet first: a median of a few says little
+        return config.update_timeout
+    return config.relative_deadline(answered)
 
 
 class UpdateRound:

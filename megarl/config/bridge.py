@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -82,6 +83,14 @@ class WeightUpdateConfig:
     """Full-distribution probe: at every probe position each server's top-k logprobs (this k) are
     compared with the trainer's logprobs of the same tokens (``weight_sync/topk_kl``,
     ``topk_logprob_diff_max`` / ``_mean``; a warning above ``gap_threshold``); 0: off. vLLM servers only."""
+
+    def relative_deadline(self, times: list[float]) -> float:
+        """Seconds a server (or a worker's message) may take, given how long the others took (``times``):
+        ``max(straggler_floor_s, straggler_factor x`` their median``)``, at most ``update_timeout``, which
+        is also the deadline before any time is known or with ``straggler_factor`` 0."""
+        if self.straggler_factor <= 0 or not times:
+            return self.update_timeout
+        return min(self.update_timeout, max(self.straggler_floor_s, self.straggler_factor * statistics.median(times)))
 
     def check(self) -> None:
         modes = ("broadcast", "sharded", "disk")

@@ -40,7 +40,7 @@ class InferenceEngineConfig:
     pool, set when the pool starts; 0 leaves the interpreter's (5 ms). The pool's loop thread makes many
     small socket reads and writes per turn, each releasing the interpreter lock; while the trainer's
     Python holds it, each costs the loop one interval to get it back. With 5 ms, a trainer step that
-    holds the lock for half its time left the loop 0.46 s behind at 8 servers (``docs/scale.md``)."""
+    holds the lock for half its time left the loop 0.46 s behind at 8 servers (``docs/guides/scale-simulation.md``)."""
     schedule_policy: Literal["least_loaded", "round_robin"] = "least_loaded"
     """Server choice for a new request; requests continuing an episode stick to their server."""
     dump_trajectories: bool = False
