@@ -23,12 +23,15 @@ PAUSED, COMMITTED = "paused", "committed"
 """The two stages every server reports."""
 
 
-def stage_deadline(answered: list[float], servers: int, config: WeightUpdateConfig) -> float:
-    """Seconds from a stage's start by which every server must have answered it, given the answer times
-    so far (``answered``, seconds from the stage's start) of ``servers`` in all."""
-    if 2 * len(answered) < servers:  # half the fleet first: a median of a few says little
+def stage_deadline(answered: list[float], servers: int, config: WeightUpdateConfig, since: float = 0.0) -> float:
+    """Seconds from a stage's start (at time ``since``) by which every server must have answered it, given
+    the times at which servers answered so far (``answered``, ascending; one before ``since`` counts as
+    0) of ``servers`` in all. O(1): the median is read off the middle of ``answered``."""
+    n = len(answered)
+    if 2 * n < servers:  # half the fleet first: a median of a few says little
         return config.update_timeout
-    return config.relative_deadline(answered)
+    middle = [max(0.0, answered[i] - since) for i in sorted({(n - 1) // 2, n // 2})]
+    return config.deadline_after(sum(middle) / len(middle))
 
 
 class UpdateRound:
@@ -50,8 +53,11 @@ class UpdateRound:
         """Each server generates again once it committed (no rollout side resumes it after the update)."""
         self.loop = loop or control_loop()
         self.failed: dict[str, str] = {}
-        self.answered: dict[str, dict[str, float]] = {s.address: {} for s in servers}
-        """Per server, the loop time at which it reached each stage."""
+        self.answered: dict[str, list[float]] = {PAUSED: [], COMMITTED: []}
+        """Per stage, the loop times at which servers reached it, in order."""
+        self._open: dict[str, set[str]] = {stage: {s.address for s in servers} for stage in self.answered}
+        """Per stage, the servers that have neither reached it nor failed (kept as answers come: a wait
+        does not go over the whole fleet at every answer)."""
         self._tasks: dict[str, asyncio.Task] = {}
         self._changed: asyncio.Event | None = None
 
@@ -66,20 +72,28 @@ class UpdateRound:
             self._tasks[server.address] = asyncio.ensure_future(self._call(session, server))
 
     async def _call(self, session, server: ServerControl) -> None:
-        loop, seen = asyncio.get_running_loop(), self.answered[server.address]
+        loop, address = asyncio.get_running_loop(), server.address
 
         def reached(stage: str) -> None:
-            seen[stage] = loop.time()
-            self._changed.set()
+            if address in self._open[stage]:
+                self._open[stage].discard(address)
+                self.answered[stage].append(loop.time())
+                self._changed.set()
 
         try:
             await server.aupdate(session, self.mode, self.path, self.version, lambda: reached(PAUSED), self.resume)
+            reached(PAUSED)  # a reply without its "paused" line still passed the stage
             reached(COMMITTED)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 (each server's failure is its own, named in the report)
-            self.failed.setdefault(server.address, f"{type(e).__name__}: {e}")
-            self._changed.set()
+            self._fail(address, f"{type(e).__name__}: {e}")
+
+    def _fail(self, address: str, why: str) -> None:
+        self.failed.setdefault(address, why)
+        for waiting in self._open.values():
+            waiting.discard(address)
+        self._changed.set()
 
     def wait_paused(self) -> dict[str, str]:
         """Block until every server has paused and begun the update, failed, or passed its deadline; the
@@ -94,29 +108,28 @@ class UpdateRound:
     async def _wait(self, stage: str) -> dict[str, str]:
         loop = asyncio.get_running_loop()
         begun = loop.time()
-        while True:
-            waiting = [a for a in self.answered if a not in self.failed and stage not in self.answered[a]]
-            if not waiting:
-                return dict(self.failed)
-            times = [max(0.0, seen[stage] - begun) for seen in self.answered.values() if stage in seen]
-            limit = stage_deadline(times, len(self.servers), self.config)
+        while self._open[stage]:
+            limit = stage_deadline(self.answered[stage], len(self.servers), self.config, since=begun)
             left = begun + limit - loop.time()
             if left <= 0:
-                self._expire(waiting, stage, limit, times)
-                return dict(self.failed)
+                self._expire(stage, limit, begun)
+                break
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
                 pass
+        return dict(self.failed)
 
-    def _expire(self, addresses: list[str], stage: str, limit: float, times: list[float]) -> None:
+    def _expire(self, stage: str, limit: float, begun: float) -> None:
+        times = [max(0.0, t - begun) for t in self.answered[stage]]
         median = f", {self.config.straggler_factor:g}x the median {statistics.median(times):.2f}s" if times else ""
-        for address in addresses:
-            self.failed[address] = (
+        for address in sorted(self._open[stage]):
+            self._fail(
+                address,
                 f"not {stage} within {limit:.1f}s of the {'update' if stage == PAUSED else 'transfer'}'s start "
                 f"(weight_update.update_timeout={self.config.update_timeout:g}s, straggler_floor_s="
                 f"{self.config.straggler_floor_s:g}s{median}): evicted while alive and slow, or its control "
-                "route hangs"
+                "route hangs",
             )
             self._tasks[address].cancel()

@@ -88,9 +88,13 @@ class WeightUpdateConfig:
         """Seconds a server (or a worker's message) may take, given how long the others took (``times``):
         ``max(straggler_floor_s, straggler_factor x`` their median``)``, at most ``update_timeout``, which
         is also the deadline before any time is known or with ``straggler_factor`` 0."""
-        if self.straggler_factor <= 0 or not times:
+        return self.deadline_after(statistics.median(times) if times else None)
+
+    def deadline_after(self, median: float | None) -> float:
+        """:meth:`relative_deadline` given the others' median time (None: none known yet)."""
+        if self.straggler_factor <= 0 or median is None:
             return self.update_timeout
-        return min(self.update_timeout, max(self.straggler_floor_s, self.straggler_factor * statistics.median(times)))
+        return min(self.update_timeout, max(self.straggler_floor_s, self.straggler_factor * median))
 
     def check(self) -> None:
         modes = ("broadcast", "sharded", "disk")

@@ -5,9 +5,10 @@ One update (every trainer rank calls it; collective)::
 
     rollout.pause(servers=...) # every head holds its generations (continued after resume); rank 0
                                # pauses the servers only where the update call does not (SGLang, adapters)
-    bridge.update(...)         # rank 0: one call per server (pause, receive, commit); ranks send
+    bridge.update(...)         # rank 0: one call per server (pause, receive, commit, resume); ranks send
     actor.set_version(v); rollout.set_version(v)
-    rollout.resume(servers=rank 0) # continued sequences carry v on their later tokens
+    rollout.resume(servers=...) # every head's requests go out again, carrying v on their later tokens;
+                               # rank 0 resumes the servers only where the update call does not
     probe consistency          # every weight_update.probe_every updates: trainer vs every server,
                                # before new episodes start; ConsistencyError above threshold
 
@@ -164,8 +165,10 @@ class WeightSync:
                 device=device,
             )
         self.servers_pause_themselves = not self.adapters and FAMILIES[backend][1].one_call_update
-        """Each server pauses itself in its update call (vLLM, full weights): no head sends ``/pause``."""
-        self.bridge.resume_servers = rollout is None  # else rank 0's rollout side resumes them (``_resume``)
+        """Each server pauses and resumes itself in its update call (vLLM, full weights): no head sends
+        ``/pause`` or ``/resume``. A server generates again once it committed; the heads' requests wait
+        for their own version to move (``_resume``), so none stamped with the old version reaches it."""
+        self.bridge.resume_servers = True
         self.probe: list[list[int]] = []
         self.plan: UpdatePlan | None = None
         """Whom the last update went to (the same on every rank)."""
@@ -344,7 +347,8 @@ class WeightSync:
         if dist.is_initialized():
             dist.barrier()
         if self.rollout is not None:
-            self.rollout.resume(start_episodes=episodes, servers=self.bridge.is_driver)
+            servers = self.bridge.is_driver and not self.servers_pause_themselves
+            self.rollout.resume(start_episodes=episodes, servers=servers)
 
     def _after(self, report: UpdateReport, version: int) -> list[str]:
         """Version bump where the update landed; failed servers out of rotation, the restarted or joined

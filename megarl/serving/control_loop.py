@@ -6,7 +6,8 @@ new TCP connection per call, and calls on the rollout pool's loop wait behind it
 traffic (its lag was seconds at 256 simulated servers) and slow it down in turn. So the control
 calls (pause, resume, sleep, wake, each update's one call per server) run here: one daemon thread
 per process running one event loop, with one aiohttp session whose connections are kept alive
-between updates. :func:`control_loop` returns the process's (started on first use, anew after a fork).
+between updates (:data:`~megarl.serving.http.CONTROL_KEEPALIVE_S`; the servers megarl starts keep theirs
+longer, :data:`~megarl.serving.http.SERVER_KEEPALIVE_S`). :func:`control_loop` returns the process's (started on first use, anew after a fork).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from megarl.serving.http import make_session
+from megarl.serving.http import CONTROL_KEEPALIVE_S, make_session
 
 T = TypeVar("T")
 
@@ -43,7 +44,7 @@ class ControlLoop:
     def session(self) -> aiohttp.ClientSession:
         """The loop's session (call on the loop)."""
         if self._session is None or self._session.closed:
-            self._session = make_session(0)
+            self._session = make_session(0, keepalive_s=CONTROL_KEEPALIVE_S)
         return self._session
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:

@@ -217,9 +217,22 @@ async def arequest_with_retry(
     raise error_cls(address, endpoint, last.reason, attempts, kind=last.kind)
 
 
-def make_session(max_connections: int) -> aiohttp.ClientSession:
-    """A client session for the running loop with at most ``max_connections`` open sockets."""
-    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, ttl_dns_cache=300)
+SERVER_KEEPALIVE_S = 3600
+"""How long the servers megarl starts keep an idle connection open (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``,
+5 s by default): the trainer's update calls reuse the previous update's connection to each server, where
+a new TCP connection per server per update would cost the trainer's process milliseconds each."""
+
+CONTROL_KEEPALIVE_S = SERVER_KEEPALIVE_S / 2
+"""How long the trainer's control session keeps an idle connection (shorter than the servers' own, so that
+it never sends on a connection the server is closing)."""
+
+
+def make_session(max_connections: int, keepalive_s: float = 15.0) -> aiohttp.ClientSession:
+    """A client session for the running loop with at most ``max_connections`` open sockets (0: no limit),
+    each kept ``keepalive_s`` while idle."""
+    connector = aiohttp.TCPConnector(
+        limit=max_connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=keepalive_s
+    )
     # Per-request timeouts come from RetryPolicy; the session default must not cut them short.
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=auth_headers())
 

@@ -56,7 +56,7 @@ from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import VLLM_LORA_RANKS, VLLMConfig
 from megarl.serving.backend import GenerationChunk, HttpCall, InferenceBackend, split_routes
 from megarl.serving.control import ServerControl, ServerControlError
-from megarl.serving.http import MalformedResponseError, http_json
+from megarl.serving.http import SERVER_KEEPALIVE_S, MalformedResponseError, http_json
 from megarl.serving.launch import LaunchSpec
 from megarl.utils.auth import api_key, unguarded_env
 from megarl.utils.hardware import concrete_dtype
@@ -274,7 +274,10 @@ def vllm_launch_spec(
         cmd.append("--enforce-eager")
     if tp > 1:
         cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
-    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume and the weight-update routes
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume and the weight-update routes
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEPALIVE_S),  # each update call reuses the last one's connection
+    }
     if device_type == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gb)
         if devices is not None:
@@ -370,14 +373,16 @@ class VLLMControl(ServerControl):
                     text = (await reply.text())[:400]
                     hint = _NO_ROUTE_HINT if reply.status == 404 else ""
                     raise ServerControlError(self.address, UPDATE_ROUTE, f"HTTP {reply.status}: {text}{hint}")
-                async for line in reply.content:
+                committed = False
+                async for line in reply.content:  # to the end: a reply read whole keeps its connection
                     message = _update_message(self.address, line)
                     if "error" in message:
                         raise ServerControlError(self.address, UPDATE_ROUTE, str(message["error"]))
                     if message.get("paused"):
                         on_paused()
-                    if message.get("version") == str(version):
-                        return
+                    committed = committed or message.get("version") == str(version)
+                if committed:
+                    return
         except (aiohttp.ClientError, OSError) as e:
             raise ServerControlError(
                 self.address, UPDATE_ROUTE, f"connection failed: {type(e).__name__}: {e}"

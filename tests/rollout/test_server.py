@@ -21,6 +21,7 @@ from megarl.rollout import (
     resolve_server_addrs,
     vllm_launch_spec,
 )
+from megarl.serving.http import SERVER_KEEPALIVE_S
 from megarl.utils.hardware import auto_dtype
 from megarl.utils.network import find_free_ports
 
@@ -42,7 +43,12 @@ def test_vllm_command_tp1_cpu():
     ):
         assert part in cmd
     assert "--tensor-parallel-size" not in cmd and "--gpu-memory-utilization" not in cmd
-    assert spec.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": "test-run-key"}
+    assert spec.env == {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEPALIVE_S),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_API_KEY": "test-run-key",
+    }
     assert "--middleware megarl.utils.auth.RequireApiKey" in cmd and "test-run-key" not in cmd  # not in ps
     assert spec.address == "127.0.0.1:8000"
 

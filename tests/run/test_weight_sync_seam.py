@@ -102,18 +102,18 @@ def test_the_rollout_side_is_paused_versioned_and_resumed(monkeypatch):
     sync = _sync(rollout, updated=["a:1", "b:1"])
     sync.n_updates = 1  # not a probing update
     sync.update_weights(WeightUpdateMeta(config=None, version=3))
-    # vLLM: each server pauses in its update call; rank 0 resumes them once the version moved
-    assert rollout.calls == [("pause", False), ("set_version", 3), ("resume", True, True)]
+    # vLLM: each server pauses and resumes in its update call; the heads' requests go out once the version moved
+    assert rollout.calls == [("pause", False), ("set_version", 3), ("resume", True, False)]
     assert sync.engine.get_version() == 3
 
 
 @pytest.mark.parametrize(
     "driver, pause_themselves, pause_servers, resume_servers",
-    [(True, False, True, True), (False, True, False, False), (False, False, False, False)],
+    [(True, True, False, False), (True, False, True, True), (False, True, False, False), (False, False, False, False)],
 )
 def test_only_rank_0_calls_the_servers(monkeypatch, driver, pause_themselves, pause_servers, resume_servers):
-    """Every head holds its own pool; the servers get ``/pause`` (where their update call does not pause
-    them) and ``/resume`` from rank 0 alone, not once per head."""
+    """Every head holds its own pool; the servers get ``/pause`` and ``/resume`` (where their update call
+    does not pause and resume them) from rank 0 alone, not once per head."""
     monkeypatch.setattr("megarl.run.weight_sync.ShardSource.from_engine", lambda engine: None)
     rollout = FakeRollout()
     sync = _sync(rollout, updated=["a:1", "b:1"], driver=driver, servers_pause_themselves=pause_themselves)
@@ -131,7 +131,7 @@ def test_a_server_that_failed_the_transfer_leaves_rotation(monkeypatch):
     sync._died = lambda report: False
     with pytest.raises(Exception, match="b:1"):
         sync.update_weights(WeightUpdateMeta(config=None, version=1))
-    assert rollout.servers.held_out() == {"b:1"} and rollout.calls[-1] == ("resume", True, True)
+    assert rollout.servers.held_out() == {"b:1"} and rollout.calls[-1] == ("resume", True, False)
 
 
 def test_the_rollout_engine_implements_the_interface():

@@ -69,6 +69,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megarl.serving.http import SERVER_KEEPALIVE_S  # noqa: E402
 from megarl.serving.vllm import UPDATE_ROUTE  # noqa: E402
 from tests.rollout.fake_server import EOS, FakeServer, serve_update_route, token_at  # noqa: E402
 
@@ -579,7 +580,9 @@ async def serve(args: argparse.Namespace) -> None:
         app = server.app()
         app.router.add_get("/_host", host.host_stats)
         app.router.add_post("/_host/fault", host.host_fault)
-        server.runner, server.port = web.AppRunner(app, access_log=None, shutdown_timeout=0.2), port
+        # idle connections kept as the vLLM servers megarl starts keep them (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2, keepalive_timeout=SERVER_KEEPALIVE_S)
+        server.runner, server.port = runner, port
         await server.runner.setup()
         await web.TCPSite(server.runner, "127.0.0.1", port, backlog=1024).start()
         host.servers.append(server)
