@@ -464,7 +464,7 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
     updates = []
     faults.at_start()
     hosts = [psutil.Process(p.pid) for p in cluster.processes]
-    sending = SendCPU(head.sync.bridge, proc)
+    sending = SendCPU(head.sync.bridge)
     lag = LoopLag(head.rollout.pool.loop)
     try:
         before, start, synced = None, None, None
@@ -478,12 +478,12 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
             head.train(batch)
             between_syncs.append((synced, cluster.stats()))
             faults.before_update(step)
-            cpu_start = (_cpu_seconds([proc], children=False), _update_threads_cpu(proc))
+            cpu_start = (_cpu_seconds([proc], children=False), _update_threads_cpu())
             sending.seconds = 0.0
             updates.append(head.update(step + 1))
             updates[-1]["process_cpu_s"] = _cpu_seconds([proc], children=False) - cpu_start[0]
             updates[-1]["send_cpu_s"] = sending.seconds
-            updates[-1]["trainer_cpu_s"] = _update_threads_cpu(proc) - cpu_start[1] - sending.seconds
+            updates[-1]["trainer_cpu_s"] = _update_threads_cpu() - cpu_start[1] - sending.seconds
             faults.after_update(step)
             synced = cluster.stats()
             updates[-1]["calls_per_server"] = _control_calls(synced, between_syncs[-1][1]) / n
@@ -533,8 +533,8 @@ class SendCPU:
     counted apart from the control plane's (``trainer_cpu_s``). Wraps each sender's ``send`` (the
     bridge's senders are rebuilt at every connect: looked up at each update)."""
 
-    def __init__(self, bridge, proc: psutil.Process):
-        self.bridge, self.proc, self.seconds = bridge, proc, 0.0
+    def __init__(self, bridge):
+        self.bridge, self.seconds = bridge, 0.0
         original = bridge.update
 
         def update(*args, **kwargs):
@@ -547,20 +547,28 @@ class SendCPU:
 
     def _timed(self, send):
         def timed(source):
-            start = _update_threads_cpu(self.proc)
+            start = _update_threads_cpu()
             try:
                 return send(source)
             finally:
-                self.seconds += _update_threads_cpu(self.proc) - start
+                self.seconds += _update_threads_cpu() - start
 
         return timed
 
 
-def _update_threads_cpu(proc: psutil.Process) -> float:
+def _update_threads_cpu() -> float:
     """CPU seconds so far of this process's threads but the rollout pool's loop (``megarl-rollout``): the
-    weight update's own (the calling thread, the control loop, the fan-out threads of the probe)."""
-    pool = {t.native_id for t in threading.enumerate() if t.name.startswith("megarl-rollout")}
-    return sum(t.user_time + t.system_time for t in proc.threads() if t.id not in pool)
+    weight update's own (the calling thread, the control loop, the fan-out threads of the probe, and those
+    that ended). The process's total less the pool's thread: two reads, where listing every thread would
+    take tens of milliseconds at 1,024 servers (a thread per server) and count in what it measures."""
+    pool = [t.native_id for t in threading.enumerate() if t.name.startswith("megarl-rollout")]
+    return time.process_time() - sum(_thread_cpu(tid) for tid in pool)
+
+
+def _thread_cpu(tid: int) -> float:
+    """User + system CPU seconds of this process's thread ``tid`` (``/proc/self/task/<tid>/stat``)."""
+    fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_seconds(procs, children: bool = True) -> float:
