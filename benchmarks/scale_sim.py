@@ -4,13 +4,15 @@ The servers are ``tests/scale/sim_host.py`` (64 per process, each its own HTTP e
 vLLM's routes and megarl's update route, with continuous batching, log-normal answer lengths and a
 weight-load time). In front of them runs megarl's own code, unmodified: ``RemoteInferenceEngine``
 (pool, runner, staleness control, server set, health checks), ``DistRolloutCoordinator.prepare_batch``,
-and ``connect_engine`` / ``WeightSync.update_weights`` with a real one-rank Megatron trainer of a tiny
-model in disk mode (the trainer writes a complete HF checkpoint; each server "receives" it in
-``model_bytes / (tp * bytes_per_s)`` seconds and its consistency-probe answers come from a real HF
-model of those weights). The trainer does not train: a step is ``prepare_batch``, then ``TRAIN_S``
-(the check of the batch's rows, Python holding the interpreter lock for ``TRAIN_GIL_SHARE`` of it, then
-sleep), then the weight update, with the probe every second update, as ``megarl.train.rl_step`` orders
-them. The servers answer at a real head's request rate (:func:`head_request_rate`).
+and ``connect_engine`` / ``WeightSync.update_weights``, on 1 to 16 trainer heads (Megatron ranks of a
+gloo world, each with its own pool) of a small model, in ``sharded`` mode by default (every simulated
+server's workers join the trainer's group and receive their slices of each update over it; then the
+load takes ``model_bytes / (tp * bytes_per_s)``) or ``disk``; the consistency probe's answers come
+from a real HF model of the weights each server was sent. The trainer does not train: a step is
+``prepare_batch``, then ``TRAIN_S`` (the check of the batch's rows, Python holding the interpreter lock
+for ``TRAIN_GIL_SHARE`` of it, then sleep), then the weight update, with the probe every second update,
+as ``megarl.train.rl_step`` orders them. The servers answer at a real head's request rate
+(:func:`head_request_rate`).
 
 Per size, in its own process (so that resources are the size's own), then (not ``--quick``) once
 per fault of :data:`FAULTS` at :data:`FAULT_SERVERS` servers:
@@ -19,9 +21,8 @@ per fault of :data:`FAULTS` at :data:`FAULT_SERVERS` servers:
   the pool is configured to give it (``PER_SERVER`` requests), between weight syncs (``pool_share_all``:
   over the whole run, syncs and probes included, while not paused);
 * ``update_overhead_s``: the update's control time: its calls from the first to every server's
-  commit, then resume (``sync_seconds``: the probe comes after it), minus the simulated receive and the
-  trainer's own write of the checkpoint (``send_seconds``); ``pause_s``, ``commit_s`` and ``resume_s``
-  are three of its parts;
+  commit (``sync_seconds``: the probe comes after it), minus the simulated receive and the trainer's
+  send (``send_seconds``); ``pause_s``, ``commit_s`` and ``resume_s`` are three of its parts;
 * ``calls_per_server_per_update``, ``trainer_cpu_s_per_update``, ``process_cpu_s_per_update``: the
   control calls each server got in an update without a probe, and the CPU seconds in it of the
   trainer process's threads but the pool's loop (the data's own sending aside: ``send_cpu_s_per_update``,
