@@ -118,9 +118,6 @@ class WeightBridge(ServerBridge):
         self._groups: list = []
         self._commit_seconds = 0.0
         self.connected = False
-        self.resume_servers = True
-        """Servers that update in one call generate again once they committed; off where the caller resumes
-        them itself once its rollout side moved to the new version (:class:`~megarl.run.weight_sync.WeightSync`)."""
 
     @property
     def is_driver(self) -> bool:
@@ -280,7 +277,8 @@ class WeightBridge(ServerBridge):
         if self.is_driver:
             heartbeat.step(f"weight sync: {mode} update of {len(self.servers)} server(s), one call each")
             path = str(self.senders["disk"].path) if mode == "disk" else None
-            round_ = UpdateRound(self.servers, mode, path, version, self.config, resume=self.resume_servers)
+            # each server generates again once it committed; the heads hold their requests until they have the version
+            round_ = UpdateRound(self.servers, mode, path, version, self.config, resume=True)
             round_.start()
             heartbeat.step("weight sync: waiting for the servers to pause")
             round_.wait_paused()  # the one barrier before the transfer: every receiver is about to post

@@ -30,8 +30,8 @@ def stage_deadline(answered: list[float], servers: int, config: WeightUpdateConf
     n = len(answered)
     if 2 * n < servers:  # half the fleet first: a median of a few says little
         return config.update_timeout
-    middle = [max(0.0, answered[i] - since) for i in sorted({(n - 1) // 2, n // 2})]
-    return config.deadline_after(sum(middle) / len(middle))
+    low, high = (max(0.0, answered[i] - since) for i in ((n - 1) // 2, n // 2))
+    return config.deadline_after((low + high) / 2)
 
 
 class UpdateRound:

@@ -168,7 +168,6 @@ class WeightSync:
         """Each server pauses and resumes itself in its update call (vLLM, full weights): no head sends
         ``/pause`` or ``/resume``. A server generates again once it committed; the heads' requests wait
         for their own version to move (``_resume``), so none stamped with the old version reaches it."""
-        self.bridge.resume_servers = True
         self.probe: list[list[int]] = []
         self.plan: UpdatePlan | None = None
         """Whom the last update went to (the same on every rank)."""
