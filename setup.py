@@ -23,6 +23,7 @@ CORE = [
     "datasets>=3.0",
     "torchdata>=0.10",
     "aiohttp>=3.9",
+    "httptools>=0.6",  # the trainer's weight-update calls parse their replies with it (megarl/serving/control_http.py)
     "httpx>=0.27",  # the HTTP client megarl hands to agents for their OpenAI client (megarl/workflow/openai_proxy/server.py)
     "omegaconf>=2.3",
     "pyyaml>=6.0",

@@ -67,11 +67,11 @@ class UpdateRound:
 
     async def _start(self) -> None:
         self._changed = asyncio.Event()
-        session = self.loop.session()
+        connections = self.loop.connections()
         for server in self.servers:
-            self._tasks[server.address] = asyncio.ensure_future(self._call(session, server))
+            self._tasks[server.address] = asyncio.ensure_future(self._call(connections, server))
 
-    async def _call(self, session, server: ServerControl) -> None:
+    async def _call(self, connections, server: ServerControl) -> None:
         loop, address = asyncio.get_running_loop(), server.address
 
         def reached(stage: str) -> None:
@@ -81,7 +81,7 @@ class UpdateRound:
                 self._changed.set()
 
         try:
-            await server.aupdate(session, self.mode, self.path, self.version, lambda: reached(PAUSED), self.resume)
+            await server.aupdate(connections, self.mode, self.path, self.version, lambda: reached(PAUSED), self.resume)
             reached(PAUSED)  # a reply without its "paused" line still passed the stage
             reached(COMMITTED)
         except asyncio.CancelledError:

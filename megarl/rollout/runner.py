@@ -19,6 +19,7 @@ from megarl.api.engine_api import GenerationEngine
 from megarl.api.trajectory import batch_size_of
 from megarl.reward.failures import check_trajectory_rewards
 from megarl.rollout.episodes import EpisodeFailures, EpisodeQueues, Result, RolloutError, Task, logger, server_failure
+from megarl.rollout.gate import RELEASE_PER_TURN
 from megarl.rollout.loop_thread import LoopThread
 from megarl.rollout.staleness import StalenessManager
 from megarl.utils import stats_tracker
@@ -117,7 +118,9 @@ class EpisodeRunner:
         running: set[asyncio.Task] = set()
         while not self.q.stopping:
             self.thread.arm()  # before launching: a wake-up during launch is not lost
-            self._launch_ready(running)
+            if not self._launch_ready(running):
+                await asyncio.sleep(0)  # a turn of the loop: the episodes just started send their requests
+                continue
             running -= await self.thread.wait()
         if self._beat_task is not None:
             running.add(self._beat_task)
@@ -144,20 +147,24 @@ class EpisodeRunner:
     def _output_full(self) -> bool:
         return len(self.q.results) + self.q.n_running >= max(self.queue_size, self.q.demand)
 
-    def _launch_ready(self, running: set[asyncio.Task]) -> None:
-        while True:
+    def _launch_ready(self, running: set[asyncio.Task]) -> bool:
+        """Start queued episodes while they may start, :data:`~megarl.rollout.gate.RELEASE_PER_TURN` at
+        most (each sends its first request in the loop's next turn: a batch of 2,048 started at once held
+        the loop's timers and replies for seconds); False when more could start now."""
+        for _ in range(RELEASE_PER_TURN):
             with self.q.cond:
                 if self.q.paused or not self.q.input:
-                    return
+                    return True
                 task = self._next_launchable()
                 if task is None:
-                    return
+                    return True
                 self.q.input.remove(task)
                 self.q.n_running += 1
                 if task.budgeted:
                     self.staleness.on_rollout_submitted()
                 self.q.cond.notify_all()  # a blocked submit may proceed
             running.add(self.thread.watch(asyncio.get_running_loop().create_task(self._run_task(task))))
+        return False
 
     # ------------------------------------------------------------------ one episode
 

@@ -55,18 +55,33 @@ def check_chunk(chunk: GenerationChunk, max_tokens: int, vocab_size: int | None 
     that is null, not a number, NaN, infinite or positive.
 
     Every reply of every episode passes here on the pool's event loop, so a clean reply is checked in a
-    few passes over its lists; the first bad entry is looked for, and named, only when there is one."""
+    few passes over its lists that run in C (``map`` of a builtin, where a generator expression steps a
+    Python frame per token); the first bad entry is looked for, and named, only when there is one."""
     tokens, values = chunk.output_tokens, chunk.output_logprobs
     if len(tokens) > max_tokens:
         raise MalformedResponseError(f"{len(tokens)} tokens for a request of at most {max_tokens}")
     upper = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
-    if not all(type(t) is int for t in tokens) or (tokens and not (min(tokens) >= 0 and max(tokens) < upper)):
+    if not set(map(type, tokens)) <= _INT or (tokens and not (min(tokens) >= 0 and max(tokens) < upper)):
         _raise_bad_token(chunk, vocab_size)
-    if not all(type(v) is float or type(v) is int for v in values) or not all(
-        -math.inf < v <= LOGPROB_TOLERANCE for v in values
-    ):
+    logprobs = _floats(values)
+    if logprobs is None or (logprobs and (not all(map(math.isfinite, logprobs)) or max(logprobs) > LOGPROB_TOLERANCE)):
         _raise_bad_logprob(chunk)
-    return replace(chunk, output_logprobs=[float(v) for v in values])
+    return replace(chunk, output_logprobs=logprobs)
+
+
+def _floats(values: list) -> list[float] | None:
+    """``values`` as floats, or None when one is not a number (or an integer beyond a float's range)."""
+    if not set(map(type, values)) <= _NUMBER:
+        return None
+    try:
+        return list(map(float, values))
+    except OverflowError:
+        return None
+
+
+_INT = frozenset({int})
+_NUMBER = frozenset({int, float})
+"""The types a reply's token ids and logprobs may have (``bool`` is neither: ``type(True) is bool``)."""
 
 
 def _raise_bad_token(chunk: GenerationChunk, vocab_size: int | None) -> None:
@@ -95,8 +110,15 @@ def _raise_bad_logprob(chunk: GenerationChunk) -> None:
             raise MalformedResponseError(f"{field_name} is null: the reply has no logprob for token {i}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise MalformedResponseError(f"{field_name} is {value!r:.40}, not a number")
-        if not math.isfinite(value) or value > LOGPROB_TOLERANCE:
+        if not math.isfinite(_float_or_inf(value)) or value > LOGPROB_TOLERANCE:
             raise MalformedResponseError(f"{field_name}: logprob {value!r} is not a log-probability (finite, <= 0)")
+
+
+def _float_or_inf(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond a float's range
+        return math.inf
 
 
 def split_routes(rows, n_input: int, n_tokens: int, where: str) -> tuple[list[list[int]], list[list[int]]]:

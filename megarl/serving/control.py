@@ -49,7 +49,7 @@ class ServerControl(abc.ABC):
     one_call_update = False
     """Whether :meth:`aupdate` does a whole update in one call (else :meth:`begin`, :meth:`receive`, :meth:`commit`)."""
 
-    async def aupdate(self, session, mode: str, path: str | None, version: int, on_paused, resume=False) -> None:
+    async def aupdate(self, connections, mode: str, path: str | None, version: int, on_paused, resume=False) -> None:
         """The whole update in one call on the trainer's control loop (:mod:`megarl.serving.control_loop`):
         pause, begin, receive, commit ``version`` (and with ``resume`` generate again); ``on_paused()`` once
         paused and begun. Families with :attr:`one_call_update` only."""

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from megarl.serving.control_http import ControlConnections
 from megarl.serving.http import CONTROL_KEEPALIVE_S, make_session
 
 T = TypeVar("T")
@@ -31,6 +32,7 @@ class ControlLoop:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._session: aiohttp.ClientSession | None = None
+        self._connections: ControlConnections | None = None
         started = threading.Event()
         self._thread = threading.Thread(target=self._main, args=(started,), daemon=True, name="megarl-control-loop")
         self._thread.start()
@@ -46,6 +48,12 @@ class ControlLoop:
         if self._session is None or self._session.closed:
             self._session = make_session(0, keepalive_s=CONTROL_KEEPALIVE_S)
         return self._session
+
+    def connections(self) -> ControlConnections:
+        """The loop's update connections, one per server (call on the loop): :mod:`megarl.serving.control_http`."""
+        if self._connections is None:
+            self._connections = ControlConnections()
+        return self._connections
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
         """Schedule ``coro`` on the loop; a concurrent future of its result (for any thread)."""

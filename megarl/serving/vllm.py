@@ -49,13 +49,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import aiohttp
 import numpy as np
 
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import VLLM_LORA_RANKS, VLLMConfig
 from megarl.serving.backend import GenerationChunk, HttpCall, InferenceBackend, split_routes
 from megarl.serving.control import ServerControl, ServerControlError
+from megarl.serving.control_http import ControlConnections
 from megarl.serving.http import SERVER_KEEPALIVE_S, MalformedResponseError, http_json
 from megarl.serving.launch import LaunchSpec
 from megarl.utils.auth import api_key, unguarded_env
@@ -356,38 +356,39 @@ class VLLMControl(ServerControl):
 
     async def aupdate(
         self,
-        session: aiohttp.ClientSession,
+        connections: ControlConnections,
         mode: str,
         path: str | None,
         version: int,
         on_paused: Callable[[], None],
         resume: bool = False,
     ) -> None:
-        """The whole update in one call (:data:`UPDATE_ROUTE`): ``on_paused()`` once the server has paused
-        and started the update (its workers receive next); returns once it committed ``version`` (and,
-        with ``resume``, generates again)."""
-        body = {"mode": mode, "path": path, "version": version, "resume": resume}
+        """The whole update in one call (:data:`UPDATE_ROUTE`) over the control loop's ``connections``:
+        ``on_paused()`` once the server has paused and started the update (its workers receive next);
+        returns once it committed ``version`` (and, with ``resume``, generates again)."""
+        body = json.dumps({"mode": mode, "path": path, "version": version, "resume": resume}).encode()
+        committed = False
+
+        def on_line(line: bytes) -> None:
+            nonlocal committed
+            message = _update_message(self.address, line)
+            if "error" in message:
+                raise ServerControlError(self.address, UPDATE_ROUTE, str(message["error"]))
+            if message.get("paused"):
+                on_paused()
+            committed = committed or message.get("version") == str(version)
+
         try:
-            async with session.post(f"http://{self.address}{UPDATE_ROUTE}", json=body) as reply:
-                if reply.status != 200:
-                    text = (await reply.text())[:400]
-                    hint = _NO_ROUTE_HINT if reply.status == 404 else ""
-                    raise ServerControlError(self.address, UPDATE_ROUTE, f"HTTP {reply.status}: {text}{hint}")
-                committed = False
-                async for line in reply.content:  # to the end: a reply read whole keeps its connection
-                    message = _update_message(self.address, line)
-                    if "error" in message:
-                        raise ServerControlError(self.address, UPDATE_ROUTE, str(message["error"]))
-                    if message.get("paused"):
-                        on_paused()
-                    committed = committed or message.get("version") == str(version)
-                if committed:
-                    return
-        except (aiohttp.ClientError, OSError) as e:
+            reply = await connections.post(self.address, UPDATE_ROUTE, body, on_line)
+        except OSError as e:
             raise ServerControlError(
                 self.address, UPDATE_ROUTE, f"connection failed: {type(e).__name__}: {e}"
             ) from None
-        raise ServerControlError(self.address, UPDATE_ROUTE, "the reply ended before the update was committed")
+        if reply.status != 200:
+            hint = _NO_ROUTE_HINT if reply.status == 404 else ""
+            raise ServerControlError(self.address, UPDATE_ROUTE, f"HTTP {reply.status}: {reply.text[:400]}{hint}")
+        if not committed:
+            raise ServerControlError(self.address, UPDATE_ROUTE, "the reply ended before the update was committed")
 
     def load_adapter(self, name: str, path: str) -> None:
         # load_inplace: a server that holds ``name`` already (the same version pushed again) replaces it

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 
 import pytest
 
-from megarl.rollout.gate import Gate
+from megarl.rollout.gate import RELEASE_PER_TURN, Gate
 from megarl.rollout.loop_thread import LoopThread
 
 
@@ -81,3 +82,47 @@ def test_a_released_gate_lets_everyone_through_even_closed(loops):
     [w.result(timeout=5) for w in held]
     assert gate.closed and gate.released
     _waiters(gate, [loop], 1)[0].result(timeout=5)  # later waiters pass too
+
+
+def test_opening_lets_waiters_through_a_batch_per_turn_of_their_loop(loops):
+    """2,048 paused episodes do not all resume in one turn of the pool's loop: its timers and replies
+    wait for one batch of them, not for every one."""
+    (loop,) = loops(1)
+    gate = Gate()
+    gate.close()
+    n = 8 * RELEASE_PER_TURN
+    turn, woken_at = [0], []  # the loop's turns so far; the turn each waiter went through in
+
+    def count_turns():
+        turn[0] += 1
+        if len(woken_at) < n:
+            loop.call_soon(count_turns)  # runs once per turn of the loop
+
+    async def waiter():
+        await gate.wait()
+        woken_at.append(turn[0])
+
+    async def hold():
+        tasks = [asyncio.ensure_future(waiter()) for _ in range(n)]
+        await asyncio.sleep(0.1)
+        count_turns()
+        gate.open()
+        await asyncio.gather(*tasks)
+
+    asyncio.run_coroutine_threadsafe(hold(), loop).result(timeout=10)
+    assert len(woken_at) == n
+    most = collections.Counter(woken_at).most_common(1)[0][1]
+    assert most <= RELEASE_PER_TURN, f"{most} waiters went through in one turn of the loop"
+
+
+def test_a_cancelled_waiter_is_skipped(loops):
+    (loop,) = loops(1)
+    gate = Gate()
+    gate.close()
+    waiters = _waiters(gate, [loop], 3)
+    time.sleep(0.1)
+    waiters[1].cancel()
+    time.sleep(0.1)
+    gate.open()
+    waiters[0].result(timeout=5)
+    waiters[2].result(timeout=5)

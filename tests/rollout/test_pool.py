@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -12,6 +13,7 @@ from megarl.api import RolloutWorkflow
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.reward.failures import find_reward_error
 from megarl.rollout import RolloutError, RolloutPool
+from megarl.rollout.gate import RELEASE_PER_TURN
 from megarl.utils import stats_tracker
 from megarl.workflow import workflow_context
 from tests.rollout.sim import ListLoader, SimEngine, SimWorkflow, sim_items
@@ -375,3 +377,31 @@ def test_a_dataloader_item_whose_trajectory_came_too_late_runs_again(pool_factor
     assert stats["rollout/n_stale_rerun"] >= 1
     assert consumed.count(0) <= 1 and len(set(consumed)) == len(consumed), "no prompt trained twice"
     assert 0 in consumed + [int(p["id"]) for p in pool.pending_items()], "the slow prompt was skipped"
+
+
+def test_a_batch_of_episodes_starts_a_few_per_turn_of_the_loop(pool_factory):
+    """Episodes that may all start at once (a new version opens the staleness budget by a batch: 2,048 at
+    256 servers) start :data:`RELEASE_PER_TURN` per turn of the pool's loop, so its timers and replies
+    wait for one batch of first requests, not for all of them."""
+    n = 8 * RELEASE_PER_TURN
+    pool, _ = pool_factory(batch_size=n, max_concurrent_rollouts=n, max_staleness=0)
+    turn, started_at = [0], []
+
+    def count_turns():
+        turn[0] += 1
+        if len(started_at) < n:
+            pool.loop.call_soon(count_turns)  # runs once per turn of the loop
+
+    class Recording(SimWorkflow):
+        async def arun_episode(self, engine, data):
+            started_at.append(turn[0])
+            return await super().arun_episode(engine, data)
+
+    pool.pause()
+    for i in range(n):
+        pool.submit({"id": i, "chunk_delays": [0.0]}, Recording())
+    pool.loop.call_soon_threadsafe(count_turns)
+    pool.resume()
+    assert len(pool.wait(n, timeout=30)) == n
+    most = collections.Counter(started_at).most_common(1)[0][1]
+    assert most <= RELEASE_PER_TURN, f"{most} episodes started in one turn of the loop"
