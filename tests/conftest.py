@@ -15,6 +15,8 @@ def pytest_collection_modifyitems(config, items):
     cluster shares one worker, so two clusters never compete for the machine's slots."""
     for item in items:
         group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        if {"vllm_server", "vllm_server_fp32"} & set(getattr(item, "fixturenames", ())):
+            group = "vllm-session"  # one worker starts the session's vLLM server (a minute or two), not both
         item.add_marker(pytest.mark.xdist_group(group))
 
 

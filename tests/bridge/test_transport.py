@@ -29,9 +29,12 @@ CASES = {
     "llama-tp2pp2": ("llama", {"tp": 2, "pp": 2}, [1, 2]),
     "qwen3_moe-tp2ep2": ("qwen3_moe", {"tp": 2, "ep": 2, "etp": 1}, [2]),
 }
+SLOW = {"llama-tp2pp2"}
+"""Cases that run with the slow tests only (a minute and a half each; `make test` keeps the plan's pieces of
+every layout in tests/bridge/test_transfer_plan.py and PP-2 senders in tests/bridge/test_sglang.py)."""
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_fake_receivers_get_exact_bytes(case, tiny_model_dir, tmp_path):
     family, layout, server_tp = CASES[case]
     model_dir = tiny_model_dir(family, vocab_size=1001)

@@ -103,6 +103,7 @@ def test_a_lora_run_sends_the_merged_weights(tmp_path):
         assert mean < 1e-3 and mean < effect / 100 and worst < 1e-2, (gaps, effect)
 
 
+@pytest.mark.slow  # 4.5 min; `make test` keeps the parts: tests/bridge/test_adapter_sync.py, tests/actor/test_lora*.py
 def test_an_adapter_run_serves_each_version_as_a_lora_adapter(tmp_path):
     """``weight_update.lora=adapter``: the vLLM-CPU server keeps its base weights and loads the adapters alone,
     as ``megarl-lora-v<N>``, at the start and after each of two updates; the probe after every update

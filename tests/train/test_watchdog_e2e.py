@@ -29,6 +29,7 @@ WATCHDOG = [
 ]
 
 
+@pytest.mark.slow  # a whole run; `make test` keeps the watchdog's own cases in tests/launcher/test_watchdog.py
 @pytest.mark.vllm
 def test_a_stalled_trainer_is_named_and_the_run_aborted(tmp_path):
     console = megarl_run(
