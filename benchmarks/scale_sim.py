@@ -31,7 +31,7 @@ per fault of :data:`FAULTS` at :data:`FAULT_SERVERS` servers:
 * the rollout process's peak RSS, open file descriptors and threads, the pool loop's worst and 99th
   percentile lag (how late a 50 ms sleep on it wakes), the generation requests per second it
   sustained and the CPU time it spent per request (the trainer's process: pool, coordinator, weight
-  sync), and how many cores the simulated servers took (on a small machine they compete with the
+  sync; ``pool_loop_cpu_ms/request``: the pool's loop thread alone), and how many cores the simulated servers took (on a small machine they compete with the
   process under test);
 * the books, as ``benchmarks/pool_load.py`` keeps them: items fed = handed out + counted drops +
   stale not rerun + pending, no id twice, every row token by token what its server generated.
@@ -475,7 +475,7 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
             if step == 0:  # the first batch warms the pool up: the window starts here
                 before, start = cluster.stats(), time.monotonic()
                 synced = before
-                cpu_before = (_cpu_seconds([proc], children=False), _cpu_seconds(hosts))
+                cpu_before = (_cpu_seconds([proc], children=False), _cpu_seconds(hosts), _pool_loop_cpu())
             head.train(batch)
             between_syncs.append((synced, cluster.stats()))
             faults.before_update(step)
@@ -497,7 +497,11 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
             ):
                 peaks[key] = max(peaks[key], value)
         after, seconds = cluster.stats(), time.monotonic() - start
-        cpu = (_cpu_seconds([proc], children=False) - cpu_before[0], _cpu_seconds(hosts) - cpu_before[1])
+        cpu = (
+            _cpu_seconds([proc], children=False) - cpu_before[0],
+            _cpu_seconds(hosts) - cpu_before[1],
+            _pool_loop_cpu() - cpu_before[2],
+        )
         ledgers = [None] * dist.get_world_size() if dist.get_world_size() > 1 else None
         mine = head.ledger()
         if ledgers is not None:
@@ -562,8 +566,12 @@ def _update_threads_cpu() -> float:
     weight update's own (the calling thread, the control loop, the fan-out threads of the probe, and those
     that ended). The process's total less the pool's thread: two reads, where listing every thread would
     take tens of milliseconds at 1,024 servers (a thread per server) and count in what it measures."""
-    pool = [t.native_id for t in threading.enumerate() if t.name.startswith("megarl-rollout")]
-    return time.process_time() - sum(_thread_cpu(tid) for tid in pool)
+    return time.process_time() - _pool_loop_cpu()
+
+
+def _pool_loop_cpu() -> float:
+    """CPU seconds so far of the rollout pool's loop thread (``megarl-rollout``)."""
+    return sum(_thread_cpu(t.native_id) for t in threading.enumerate() if t.name.startswith("megarl-rollout"))
 
 
 def _thread_cpu(tid: int) -> float:
@@ -670,6 +678,7 @@ def _row(cluster, steps, before, after, seconds, cpu, updates, books, peaks) -> 
         "peak_fds": peaks["fds"],
         "peak_threads": peaks["threads"],
         "client_cpu_ms/request": 1000 * cpu[0] / max(1, requests),
+        "pool_loop_cpu_ms/request": 1000 * cpu[2] / max(1, requests),
         "hosts_cores": cpu[1] / seconds,  # what the simulated servers took of the machine
         "items fed": books["items fed"],
         "handed out": books["handed out"],
