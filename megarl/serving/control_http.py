@@ -39,7 +39,6 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.closed = False
         self.spare = False
         """Opened beside the server's kept one (that one was busy): closed after its reply."""
         self._waiter: asyncio.Future | None = None
@@ -51,6 +50,11 @@ class _Connection(asyncio.Protocol):
     @property
     def busy(self) -> bool:
         return self._waiter is not None
+
+    @property
+    def closed(self) -> bool:
+        """Closed by either side (or closing): no request goes on it again."""
+        return self.transport is None or self.transport.is_closing()
 
     def begin(self, request: bytes, on_line: Callable[[bytes], None]) -> asyncio.Future:
         """Write ``request``; the future of its :class:`Reply`."""
@@ -73,7 +77,6 @@ class _Connection(asyncio.Protocol):
             self._fail(ConnectionError(f"not an HTTP reply: {e}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
         self._fail(ConnectionError(f"the server closed the connection mid-reply{f' ({exc})' if exc else ''}"))
 
     # httptools callbacks
@@ -103,7 +106,6 @@ class _Connection(asyncio.Protocol):
             waiter.set_exception(error)
 
     def close(self) -> None:
-        self.closed = True
         if self.transport is not None:
             self.transport.close()
 
@@ -125,16 +127,8 @@ class ControlConnections:
         server cannot be reached or drops the connection before the reply's end. Cancelled, the
         connection is closed (its reply may still come)."""
         connection = await self._connection(address)
-        request = (
-            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
-            % (
-                path.encode(),
-                address.encode(),
-                len(body),
-                self._headers,
-                body,
-            )
-        )
+        head = f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        request = head.encode() + self._headers + b"\r\n" + body
         try:
             return await connection.begin(request, on_line)
         except asyncio.CancelledError:
@@ -144,7 +138,7 @@ class ControlConnections:
     async def _connection(self, address: str) -> _Connection:
         """The server's kept connection, a new one if it is closed, a spare one while it is busy."""
         kept = self._connections.get(address)
-        if kept is not None and not (kept.closed or kept.transport.is_closing()) and not kept.busy:
+        if kept is not None and not kept.closed and not kept.busy:
             return kept
         host, port = address.rsplit(":", 1)
         _, connection = await asyncio.get_running_loop().create_connection(_Connection, host.strip("[]"), int(port))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import threading
 import time
 
@@ -11,6 +10,7 @@ import pytest
 
 from megarl.rollout.gate import RELEASE_PER_TURN, Gate
 from megarl.rollout.loop_thread import LoopThread
+from tests.rollout.helpers import LoopTurns
 
 
 @pytest.fixture
@@ -91,27 +91,23 @@ def test_opening_lets_waiters_through_a_batch_per_turn_of_their_loop(loops):
     gate = Gate()
     gate.close()
     n = 8 * RELEASE_PER_TURN
-    turn, woken_at = [0], []  # the loop's turns so far; the turn each waiter went through in
-
-    def count_turns():
-        turn[0] += 1
-        if len(woken_at) < n:
-            loop.call_soon(count_turns)  # runs once per turn of the loop
+    woken_at = []  # the loop's turn in which each waiter went through
+    turns = LoopTurns(loop, done=lambda: len(woken_at) == n)
 
     async def waiter():
         await gate.wait()
-        woken_at.append(turn[0])
+        woken_at.append(turns.now)
 
     async def hold():
         tasks = [asyncio.ensure_future(waiter()) for _ in range(n)]
         await asyncio.sleep(0.1)
-        count_turns()
+        turns.tick()
         gate.open()
         await asyncio.gather(*tasks)
 
     asyncio.run_coroutine_threadsafe(hold(), loop).result(timeout=10)
     assert len(woken_at) == n
-    most = collections.Counter(woken_at).most_common(1)[0][1]
+    most = LoopTurns.most_in_one_turn(woken_at)
     assert most <= RELEASE_PER_TURN, f"{most} waiters went through in one turn of the loop"
 
 

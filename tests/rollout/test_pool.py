@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 
@@ -16,6 +15,7 @@ from megarl.rollout import RolloutError, RolloutPool
 from megarl.rollout.gate import RELEASE_PER_TURN
 from megarl.utils import stats_tracker
 from megarl.workflow import workflow_context
+from tests.rollout.helpers import LoopTurns
 from tests.rollout.sim import ListLoader, SimEngine, SimWorkflow, sim_items
 
 
@@ -385,23 +385,19 @@ def test_a_batch_of_episodes_starts_a_few_per_turn_of_the_loop(pool_factory):
     wait for one batch of first requests, not for all of them."""
     n = 8 * RELEASE_PER_TURN
     pool, _ = pool_factory(batch_size=n, max_concurrent_rollouts=n, max_staleness=0)
-    turn, started_at = [0], []
-
-    def count_turns():
-        turn[0] += 1
-        if len(started_at) < n:
-            pool.loop.call_soon(count_turns)  # runs once per turn of the loop
+    started_at = []  # the loop's turn in which each episode started
+    turns = LoopTurns(pool.loop, done=lambda: len(started_at) == n)
 
     class Recording(SimWorkflow):
         async def arun_episode(self, engine, data):
-            started_at.append(turn[0])
+            started_at.append(turns.now)
             return await super().arun_episode(engine, data)
 
     pool.pause()
     for i in range(n):
         pool.submit({"id": i, "chunk_delays": [0.0]}, Recording())
-    pool.loop.call_soon_threadsafe(count_turns)
+    pool.loop.call_soon_threadsafe(turns.tick)
     pool.resume()
     assert len(pool.wait(n, timeout=30)) == n
-    most = collections.Counter(started_at).most_common(1)[0][1]
+    most = LoopTurns.most_in_one_turn(started_at)
     assert most <= RELEASE_PER_TURN, f"{most} episodes started in one turn of the loop"
