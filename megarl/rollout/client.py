@@ -19,8 +19,6 @@ import threading
 import time
 from typing import Any
 
-import aiohttp
-
 from megarl.api import context as workflow_context
 from megarl.api.engine_api import GenerationEngine
 from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse, derive_seed
@@ -32,8 +30,8 @@ from megarl.serving.http import (
     RetryPolicy,
     ServerUnavailableError,
     arequest_with_retry,
-    make_session,
 )
+from megarl.serving.kept_http import KeptConnections
 from megarl.serving.servers import NoHealthyServerError, Server, ServerSet
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
@@ -75,7 +73,7 @@ class GenerationClient(GenerationEngine):
         self._gate = Gate()  # closed while paused; released once stopped
         self._version = 0
         self._max_connections = max_connections
-        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._connections: dict[asyncio.AbstractEventLoop, KeptConnections] = {}
         self._lock = threading.Lock()
         self._requests = InFlight("request(s) outstanding")  # by server, for the watchdog
 
@@ -116,23 +114,23 @@ class GenerationClient(GenerationEngine):
 
     # ------------------------------------------------------------------ connections
 
-    def _session(self) -> aiohttp.ClientSession:
-        """The session of the running event loop (one per loop: sessions are loop-bound)."""
+    def _connections_here(self) -> KeptConnections:
+        """The running event loop's connections (one set per loop: connections are loop-bound)."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            session = self._sessions.get(loop)
-            if session is None or session.closed:
-                for old in [lp for lp in self._sessions if lp.is_closed()]:
-                    del self._sessions[old]
-                session = self._sessions[loop] = make_session(self._max_connections)
-            return session
+            connections = self._connections.get(loop)
+            if connections is None or connections.closed:
+                for old in [lp for lp in self._connections if lp.is_closed()]:
+                    del self._connections[old]
+                connections = self._connections[loop] = KeptConnections(self._max_connections)
+            return connections
 
     async def aclose(self) -> None:
-        """Close the running loop's session (the pool calls this when it stops)."""
+        """Close the running loop's connections (the pool calls this when it stops)."""
         with self._lock:
-            session = self._sessions.pop(asyncio.get_running_loop(), None)
-        if session is not None:
-            await session.close()
+            connections = self._connections.pop(asyncio.get_running_loop(), None)
+        if connections is not None:
+            connections.close()
 
     # ------------------------------------------------------------------ generation
 
@@ -210,7 +208,7 @@ class GenerationClient(GenerationEngine):
         try:
             with self._requests.track(server.address, workflow_context.get().task_id):
                 return await arequest_with_retry(
-                    self._session(),
+                    self._connections_here(),
                     server.address,
                     self.backend.generate_endpoint,
                     payload,

@@ -5,9 +5,10 @@ count; the servers themselves are the calls): blocking calls on a thread each co
 new TCP connection per call, and calls on the rollout pool's loop wait behind its generation
 traffic (its lag was seconds at 256 simulated servers) and slow it down in turn. So the control
 calls (pause, resume, sleep, wake, each update's one call per server) run here: one daemon thread
-per process running one event loop, with one aiohttp session whose connections are kept alive
+per process running one event loop, with :class:`~megarl.serving.kept_http.KeptConnections` kept alive
 between updates (:data:`~megarl.serving.http.CONTROL_KEEPALIVE_S`; the servers megarl starts keep theirs
-longer, :data:`~megarl.serving.http.SERVER_KEEPALIVE_S`). :func:`control_loop` returns the process's (started on first use, anew after a fork).
+longer, :data:`~megarl.serving.http.SERVER_KEEPALIVE_S`). :func:`control_loop` returns the process's
+(started on first use, anew after a fork).
 """
 
 from __future__ import annotations
@@ -18,21 +19,18 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import aiohttp
-
-from megarl.serving.control_http import ControlConnections
-from megarl.serving.http import CONTROL_KEEPALIVE_S, make_session
+from megarl.serving.http import CONTROL_KEEPALIVE_S
+from megarl.serving.kept_http import KeptConnections
 
 T = TypeVar("T")
 
 
 class ControlLoop:
-    """An event loop in a daemon thread and its session (no limit on connections: one per server)."""
+    """An event loop in a daemon thread and its connections to the servers."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._session: aiohttp.ClientSession | None = None
-        self._connections: ControlConnections | None = None
+        self._connections: KeptConnections | None = None
         started = threading.Event()
         self._thread = threading.Thread(target=self._main, args=(started,), daemon=True, name="megarl-control-loop")
         self._thread.start()
@@ -43,16 +41,10 @@ class ControlLoop:
         self.loop.call_soon(started.set)
         self.loop.run_forever()
 
-    def session(self) -> aiohttp.ClientSession:
-        """The loop's session (call on the loop)."""
-        if self._session is None or self._session.closed:
-            self._session = make_session(0, keepalive_s=CONTROL_KEEPALIVE_S)
-        return self._session
-
-    def connections(self) -> ControlConnections:
-        """The loop's update connections, one per server (call on the loop): :mod:`megarl.serving.control_http`."""
+    def connections(self) -> KeptConnections:
+        """The loop's connections to the servers (call on the loop; no limit on their number)."""
         if self._connections is None:
-            self._connections = ControlConnections()
+            self._connections = KeptConnections(max_idle_s=CONTROL_KEEPALIVE_S)
         return self._connections
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:

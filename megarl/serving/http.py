@@ -1,7 +1,7 @@
 """How megarl talks HTTP to the inference servers: sessions, retries, errors, blocking calls.
 
-The rollout side's requests run on its event loop (:func:`arequest_with_retry` on a
-:func:`make_session`, aiohttp); the trainer's control calls are blocking (:func:`http_json`,
+The rollout side's requests run on its event loop (:func:`arequest_with_retry` over the loop's
+:class:`~megarl.serving.kept_http.KeptConnections`); the trainer's control calls are blocking (:func:`http_json`,
 :func:`http_ok`: the standard library's client, on the thread that makes them) and its health checks
 of many servers go out at once (:func:`http_ok_all`).
 
@@ -36,9 +36,11 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlencode
 
 import aiohttp
 
+from megarl.serving.kept_http import KeptConnections, ReplyCutError, ReplyTimeout
 from megarl.utils.auth import auth_headers
 
 logger = logging.getLogger(__name__)
@@ -106,8 +108,8 @@ class RetryPolicy:
     @property
     def body_timeout(self) -> float:
         """Seconds a reply's body may take once its headers are in: one attempt's share of the deadline, so
-        that a body that stalls is cut and retried in time. (aiohttp's ``sock_read`` cannot say this: it
-        also times the wait for the headers, which for a generation is the whole generation.)"""
+        that a body that stalls is cut and retried in time. (A read timeout cannot say this: it also times
+        the wait for the headers, which for a generation is the whole generation.)"""
         return self.timeout / (self.retries + 1)
 
 
@@ -123,11 +125,11 @@ class _Retryable(Exception):
 
 
 async def _attempt(
-    session: aiohttp.ClientSession,
+    connections: KeptConnections,
     method: str,
-    url: str,
-    payload: Any,
-    params: dict | None,
+    address: str,
+    path: str,
+    body: bytes | None,
     policy: RetryPolicy,
     deadline: float,
     parse: Callable[[Any], T],
@@ -135,43 +137,41 @@ async def _attempt(
 ) -> T:
     """One try, ended by ``deadline`` (``time.monotonic()``); raises _Retryable for retryable failures,
     InferenceServerError for 4xx."""
-    total = max(1e-3, deadline - time.monotonic())  # never 0: aiohttp reads a total of 0 as no limit
     try:
-        async with session.request(
-            method, url, json=payload, params=params, timeout=aiohttp.ClientTimeout(total=total)
-        ) as resp:
-            body_timeout = min(policy.body_timeout, deadline - time.monotonic())
-            try:
-                async with asyncio.timeout(body_timeout):
-                    text = await resp.text()
-            except TimeoutError:
-                reason = f"no complete reply: the body did not arrive within {body_timeout:.3g}s of the headers"
-                raise _Retryable(reason, "timeout") from None
-            status = resp.status
-    except TimeoutError:
-        reason = f"no complete reply within the request's deadline of {policy.timeout:g}s (request_timeout)"
+        reply = await connections.request(
+            address, path, body, method=method, deadline=deadline, body_timeout=policy.body_timeout
+        )
+        text = reply.body.decode()
+    except ReplyTimeout as e:
+        if e.waiting_for == "body":
+            reason = f"no complete reply: the body did not arrive within {policy.body_timeout:.3g}s of the headers"
+        else:
+            reason = f"no complete reply within the request's deadline of {policy.timeout:g}s (request_timeout)"
         raise _Retryable(reason, "timeout") from None
-    except aiohttp.ClientPayloadError as e:  # the body ended short of its length, or could not be decoded
-        raise _Retryable(f"reply cut short: {type(e).__name__}: {e}", "connection") from None
-    except (aiohttp.ClientConnectionError, ConnectionError) as e:
+    except ReplyCutError as e:
+        raise _Retryable(f"reply cut short: {e}", "connection") from None
+    except OSError as e:  # refused, reset, closed before replying, not HTTP
         raise _Retryable(f"connection failed: {type(e).__name__}: {e}", "connection") from None
     except UnicodeDecodeError as e:
         raise _Retryable(f"malformed reply (not text: {e})", "malformed") from None
+    status = reply.status
     if status >= 500 or status in _BUSY_STATUSES:
         raise _Retryable(f"HTTP {status}: {text[:_BODY_SNIPPET]!r}", "http_5xx" if status >= 500 else "http_4xx")
     if status >= 400:
         raise InferenceServerError(
-            url, "", f"HTTP {status} (bad request, not retried): {text[:_BODY_SNIPPET]!r}", kind="http_4xx"
+            f"http://{address}{path}",
+            "",
+            f"HTTP {status} (bad request, not retried): {text[:_BODY_SNIPPET]!r}",
+            kind="http_4xx",
         )
     try:
-        body = (json.loads(text) if text else None) if expect_json else text
-        return parse(body)
+        return parse((json.loads(text) if text else None) if expect_json else text)
     except (json.JSONDecodeError, MalformedResponseError) as e:
         raise _Retryable(f"malformed reply ({e}): {text[:_BODY_SNIPPET]!r}", "malformed") from None
 
 
 async def arequest_with_retry(
-    session: aiohttp.ClientSession,
+    connections: KeptConnections,
     address: str,
     endpoint: str,
     payload: Any = None,
@@ -183,7 +183,8 @@ async def arequest_with_retry(
     give_up: Callable[[], bool] = lambda: False,
     expect_json: bool = True,
 ) -> T:
-    """Send one request to ``http://{address}{endpoint}`` with retries; return ``parse(json_body)``.
+    """Send one request to ``http://{address}{endpoint}`` over ``connections`` with retries; return
+    ``parse(json_body)``.
 
     ``parse`` may raise :class:`MalformedResponseError` for a body of the wrong shape;
     that is retried like malformed JSON. ``give_up()`` is asked after a connection
@@ -191,7 +192,8 @@ async def arequest_with_retry(
     retries at once with :class:`ServerUnavailableError`. ``expect_json=False`` hands
     ``parse`` the body text (control endpoints that answer in plain text).
     """
-    url = f"http://{address}{endpoint}"
+    path = f"{endpoint}?{urlencode(params)}" if params else endpoint
+    body = None if payload is None else json.dumps(payload).encode()
     deadline = time.monotonic() + policy.timeout
     last: _Retryable | None = None
     attempts = 0
@@ -204,10 +206,10 @@ async def arequest_with_retry(
             await asyncio.sleep(policy.delay(attempt))
         attempts += 1
         try:
-            return await _attempt(session, method, url, payload, params, policy, deadline, parse, expect_json)
+            return await _attempt(connections, method, address, path, body, policy, deadline, parse, expect_json)
         except _Retryable as e:
             last = e
-            logger.debug("attempt %d/%d on %s failed: %s", attempts, policy.retries + 1, url, e.reason)
+            logger.debug("attempt %d/%d on %s%s failed: %s", attempts, policy.retries + 1, address, path, e.reason)
             if e.connection and give_up():
                 raise ServerUnavailableError(address, endpoint, e.reason, attempts) from None
         except InferenceServerError as e:

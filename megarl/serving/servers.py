@@ -31,8 +31,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.serving.backend import HttpCall, InferenceBackend
 from megarl.serving.control import ServerControl
@@ -45,6 +43,7 @@ from megarl.serving.http import (
     arequest_with_retry,
     http_ok_all,
 )
+from megarl.serving.kept_http import KeptConnections
 from megarl.serving.restarts import JOINS_FILE, RestartLog
 
 logger = logging.getLogger(__name__)
@@ -304,10 +303,10 @@ class ServerSet:
     async def control(self, calls: list[HttpCall]) -> None:
         """:meth:`control_all` on the control loop (its coroutine)."""
 
-        async def run_on(session: aiohttp.ClientSession, server: Server) -> None:
+        async def run_on(connections: KeptConnections, server: Server) -> None:
             for call in calls:
                 await arequest_with_retry(
-                    session,
+                    connections,
                     server.address,
                     call.endpoint,
                     call.payload,
@@ -318,8 +317,8 @@ class ServerSet:
                 )
 
         servers = list(self._servers)
-        session = control_loop().session()
-        results = await asyncio.gather(*(run_on(session, s) for s in servers), return_exceptions=True)
+        connections = control_loop().connections()
+        results = await asyncio.gather(*(run_on(connections, s) for s in servers), return_exceptions=True)
         for server, result in zip(servers, results):
             if isinstance(result, ServerUnavailableError):
                 self.mark_failed(server, result)

@@ -55,8 +55,8 @@ from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import VLLM_LORA_RANKS, VLLMConfig
 from megarl.serving.backend import GenerationChunk, HttpCall, InferenceBackend, split_routes
 from megarl.serving.control import ServerControl, ServerControlError
-from megarl.serving.control_http import ControlConnections
 from megarl.serving.http import SERVER_KEEPALIVE_S, MalformedResponseError, http_json
+from megarl.serving.kept_http import KeptConnections
 from megarl.serving.launch import LaunchSpec
 from megarl.utils.auth import api_key, unguarded_env
 from megarl.utils.hardware import concrete_dtype
@@ -356,7 +356,7 @@ class VLLMControl(ServerControl):
 
     async def aupdate(
         self,
-        connections: ControlConnections,
+        connections: KeptConnections,
         mode: str,
         path: str | None,
         version: int,
@@ -379,7 +379,7 @@ class VLLMControl(ServerControl):
             committed = committed or message.get("version") == str(version)
 
         try:
-            reply = await connections.post(self.address, UPDATE_ROUTE, body, on_line)
+            reply = await connections.request(self.address, UPDATE_ROUTE, body, on_line=on_line)
         except OSError as e:
             raise ServerControlError(
                 self.address, UPDATE_ROUTE, f"connection failed: {type(e).__name__}: {e}"

@@ -23,7 +23,8 @@ from megarl.api import ModelRequest
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.rollout.client import GenerationClient
 from megarl.serving import make_backend
-from megarl.serving.http import InferenceServerError, ServerUnavailableError, arequest_with_retry, make_session
+from megarl.serving.http import InferenceServerError, ServerUnavailableError, arequest_with_retry
+from megarl.serving.kept_http import KeptConnections
 from megarl.serving.servers import ServerSet
 from tests.rollout.conftest import fast_config, make_engine, start_fake_servers
 from tests.rollout.helpers import expected_tokens
@@ -123,10 +124,13 @@ def test_arequest_with_retry_ends_within_the_deadline(cut_server):
     payload = backend.generate_payload(PROMPT, GenerationHyperparameters(max_new_tokens=8), 8, 0)
 
     async def call():
-        async with make_session(4) as session:
+        connections = KeptConnections(4)
+        try:
             return await arequest_with_retry(
-                session, cut_server.address, backend.generate_endpoint, payload, policy=policy
+                connections, cut_server.address, backend.generate_endpoint, payload, policy=policy
             )
+        finally:
+            connections.close()
 
     start = time.monotonic()
     with pytest.raises(InferenceServerError) as info:
