@@ -26,6 +26,7 @@ import collections
 import itertools
 import logging
 import math
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from megarl.serving.restarts import JOINS_FILE, RestartLog
 
 logger = logging.getLogger(__name__)
 
+_IN_FLIGHT = operator.attrgetter("in_flight")
 _STICKY_CAPACITY = 100_000  # rids remembered for sticky routing (LRU)
 _CONTROL_POLICY = RetryPolicy(timeout=120.0, retries=3, backoff=0.5)
 
@@ -117,6 +119,10 @@ class ServerSet:
         self._lock = threading.Lock()
         self._left: set[str] = set()  # servers that left the run: drained, never back in rotation
         self._next_readmit_probe = 0.0
+        self._rotation: list[Server] = []
+        self._rotation_until = -math.inf
+        """The usable servers, kept until a server's health changes or a marked one's interval ends (a
+        request's choice does not go over the whole fleet)."""
         self.restarts_seen = 0
         """Server restarts the launcher recorded since this set was made."""
         self.servers_joined = 0
@@ -150,7 +156,7 @@ class ServerSet:
             if server is not None and server.usable(now):
                 self._sticky.move_to_end(rid)
                 return server
-            usable = [s for s in self._servers if s.usable(now)]
+            usable = self._usable(now)
             if not usable:
                 why = "; ".join(f"{s.address}: {s.why_unhealthy}" for s in self._servers)
                 raise NoHealthyServerError(
@@ -163,12 +169,25 @@ class ServerSet:
             if self.config.schedule_policy == "round_robin":
                 server = usable[next(self._rr) % len(usable)]
             else:
-                server = min(usable, key=lambda s: s.in_flight)
+                server = min(usable, key=_IN_FLIGHT)
             if rid is not None:
                 self._sticky[rid] = server
                 if len(self._sticky) > _STICKY_CAPACITY:
                     self._sticky.popitem(last=False)
             return server
+
+    def _usable(self, now: float) -> list[Server]:
+        """The servers in rotation at ``now`` (call holding the lock)."""
+        if now >= self._rotation_until:
+            self._rotation = [s for s in self._servers if s.usable(now)]
+            self._rotation_until = min(
+                (s.unhealthy_until for s in self._servers if not s.usable(now)), default=math.inf
+            )
+        return self._rotation
+
+    def _health_changed(self) -> None:
+        """A server's ``unhealthy_until`` changed, or one was added (call holding the lock)."""
+        self._rotation_until = -math.inf
 
     def awaiting_push(self) -> bool:
         """Whether some server waits for the trainer's weights (restarted or joined)."""
@@ -197,6 +216,7 @@ class ServerSet:
                 )
             server.unhealthy_until = time.monotonic() + self.config.unhealthy_retry_interval
             server.why_unhealthy = str(error)
+            self._health_changed()
 
     def mark_unhealthy(self, address: str, reason: str) -> None:
         """Take ``address`` out of rotation until :meth:`mark_healthy` (e.g. it failed a weight update)."""
@@ -207,6 +227,7 @@ class ServerSet:
             logger.warning("taking %s out of rotation: %s", address, reason)
             server.unhealthy_until = math.inf
             server.why_unhealthy = reason
+            self._health_changed()
 
     def mark_healthy(self, address: str) -> None:
         """Put ``address`` back into rotation (its weights are current again), unless it left the run."""
@@ -217,6 +238,7 @@ class ServerSet:
                 if server.address == address:
                     server.unhealthy_until = 0.0
                     server.awaiting_push = False
+            self._health_changed()
 
     def wait_healthy(self, timeout: float) -> None:
         """Block until every server answers its health check; :class:`InferenceServerError` after ``timeout`` s."""
@@ -261,6 +283,7 @@ class ServerSet:
         why = "joined the run; in rotation once it holds the current weights"
         with self._lock:
             self._servers.append(Server(address, unhealthy_until=math.inf, awaiting_push=True, why_unhealthy=why))
+            self._health_changed()
         self.servers_joined += 1
         logger.info("server %s joined the run; it serves once the next weight sync reaches it", address)
 
