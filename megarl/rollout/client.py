@@ -217,6 +217,7 @@ class GenerationClient(GenerationEngine):
                         self.backend.parse_generate(body), max_tokens, self.backend.vocab_size
                     ),
                     give_up=lambda: not server.usable(time.monotonic()),
+                    hold=self._gate.wait,
                 )
         finally:
             server.in_flight -= 1

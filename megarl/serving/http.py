@@ -33,7 +33,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlencode
@@ -134,6 +134,7 @@ async def _attempt(
     deadline: float,
     parse: Callable[[Any], T],
     expect_json: bool,
+    hold: Callable[[], Awaitable[None]] | None,
 ) -> T:
     """One try, ended by ``deadline`` (``time.monotonic()``); raises _Retryable for retryable failures,
     InferenceServerError for 4xx."""
@@ -141,6 +142,8 @@ async def _attempt(
         reply = await connections.request(
             address, path, body, method=method, deadline=deadline, body_timeout=policy.body_timeout
         )
+        if hold is not None:
+            await hold()
         text = reply.body.decode()
     except ReplyTimeout as e:
         if e.waiting_for == "body":
@@ -182,6 +185,7 @@ async def arequest_with_retry(
     parse: Callable[[Any], T] = lambda body: body,
     give_up: Callable[[], bool] = lambda: False,
     expect_json: bool = True,
+    hold: Callable[[], Awaitable[None]] | None = None,
 ) -> T:
     """Send one request to ``http://{address}{endpoint}`` over ``connections`` with retries; return
     ``parse(json_body)``.
@@ -190,7 +194,10 @@ async def arequest_with_retry(
     that is retried like malformed JSON. ``give_up()`` is asked after a connection
     failure; true (e.g. another request already found the server dead) ends the
     retries at once with :class:`ServerUnavailableError`. ``expect_json=False`` hands
-    ``parse`` the body text (control endpoints that answer in plain text).
+    ``parse`` the body text (control endpoints that answer in plain text). ``hold()``, if given, is
+    awaited between a reply's arrival and its parsing (the rollout pool holds the replies that come while
+    it is paused: the requests its servers abort as a weight update pauses them come back at once, a
+    reply per request in flight, and are parsed as the pool resumes, a batch per turn of its loop).
     """
     path = f"{endpoint}?{urlencode(params)}" if params else endpoint
     body = None if payload is None else json.dumps(payload).encode()
@@ -206,7 +213,7 @@ async def arequest_with_retry(
             await asyncio.sleep(policy.delay(attempt))
         attempts += 1
         try:
-            return await _attempt(connections, method, address, path, body, policy, deadline, parse, expect_json)
+            return await _attempt(connections, method, address, path, body, policy, deadline, parse, expect_json, hold)
         except _Retryable as e:
             last = e
             logger.debug("attempt %d/%d on %s%s failed: %s", attempts, policy.retries + 1, address, path, e.reason)
