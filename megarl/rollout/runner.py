@@ -26,6 +26,7 @@ from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import Heartbeat
 from megarl.workflow.dump import TrajectoryDumper
 
+_YES, _NO = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)  # an episode's counts (read only)
 _EVENT_LOOP_BLOCKED = (
     "its event loop is blocked (a workflow, reward or tool made a synchronous call that has not returned: the "
     "stacks of the trainer process that runs the pool show which), or that process died"
@@ -207,12 +208,11 @@ class EpisodeRunner:
 
     def _finish(self, task: Task, traj: dict[str, Any] | None, error: Exception | None, elapsed: float) -> None:
         """File an episode's outcome: a result, the workflow's error, a run again, or nothing (rejected, dropped)."""
-        true = torch.ones(1, dtype=torch.bool)
         failure = server_failure(error)
         stats_tracker.denominator(
-            n_finished=true,
-            n_accepted=true if traj is not None else ~true,
-            n_failed=true if failure is not None else ~true,
+            n_finished=_YES,
+            n_accepted=_YES if traj is not None else _NO,
+            n_failed=_YES if failure is not None else _NO,
         )
         stats_tracker.scalar(episode_seconds=elapsed, accepted=float(traj is not None))
         again, run_error = self.failures.finished(task, failure)

@@ -74,6 +74,7 @@ class _Connection(asyncio.Protocol):
         self._replying = False  # a byte of the reply came
         self._body_timeout: float | None = None
         self._deadline: float | None = None
+        self._body_deadline: float | None = None  # set once the headers came, until its timer is
         self._lost = False
 
     @property
@@ -92,7 +93,7 @@ class _Connection(asyncio.Protocol):
         self._waiter = self._loop.create_future()
         self._parser = httptools.HttpResponseParser(self)
         self._on_line, self._body, self._pending, self._replying = on_line, [], b"", False
-        self._deadline, self._body_timeout = deadline, body_timeout
+        self._deadline, self._body_timeout, self._body_deadline = deadline, body_timeout, None
         if deadline is not None:
             self._timer = self._loop.call_at(deadline, self._time_out, "headers")
         self.transport.write(request)
@@ -113,6 +114,10 @@ class _Connection(asyncio.Protocol):
             self._fail(e.__context__ or e)
         except httptools.HttpParserError as e:
             self._fail(ConnectionError(f"not an HTTP reply: {e}"))
+        else:
+            if self._body_deadline is not None and self._waiter is not None:  # the body goes on in later packets
+                self._set_timer(self._body_deadline, "body")
+                self._body_deadline = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
@@ -125,10 +130,12 @@ class _Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_headers_complete(self) -> None:
+        # the body's clock is set once this packet is parsed, and only if the body goes on past it (most
+        # replies come whole in one packet: no timer to set and cancel)
         if self._body_timeout is not None:
             body_deadline = self._loop.time() + self._body_timeout
             if self._deadline is None or body_deadline < self._deadline:
-                self._set_timer(body_deadline, "body")
+                self._body_deadline = body_deadline
 
     def on_body(self, body: bytes) -> None:
         if self._on_line is None:

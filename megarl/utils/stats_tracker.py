@@ -123,12 +123,16 @@ class DistributedStatsTracker:
         )
         self._accs: dict[str, _Acc] = {}
         self._masks: dict[str, torch.Tensor] = {}  # latest mask of each denominator
+        self._full_keys: dict[tuple[tuple[str, ...], str], str] = {}
 
     # ---------------------------------------------------------------- keys and scopes
 
     def _full_key(self, key: str) -> str:
-        parts = (self.name, *self._scopes.get(), key)
-        return "/".join(p for p in parts if p)
+        scopes = self._scopes.get()
+        full = self._full_keys.get((scopes, key))
+        if full is None:  # (the rollout loop records a few keys per episode, always in the same scopes)
+            full = self._full_keys[(scopes, key)] = "/".join(p for p in (self.name, *scopes, key) if p)
+        return full
 
     @contextmanager
     def scope(self, name: str) -> Iterator[None]:
