@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -62,10 +62,10 @@ from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transport import wire_dtype
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.serving import ServerControl, ServerSet, make_control
+from megarl.serving.control_loop import control_loop
 from megarl.serving.families import FAMILIES
 from megarl.serving.servers import UpdatePlan
 from megarl.utils import heartbeat
-from megarl.utils.fanout import submit_all
 from megarl.utils.hardware import concrete_dtype
 
 logger = logging.getLogger(__name__)
@@ -368,7 +368,7 @@ class WeightSync:
         if not self.probe:
             return {}
         scored = self._in_rotation() if self.bridge.is_driver else []
-        futures = score_all(scored, lambda s: s.score(self.probe))  # servers score while the trainer does
+        futures = score_all(scored, lambda s: s.ascore(self.probe))  # servers score while the trainer does
         ours = trainer_scores(self.engine, self.probe)
         theirs = {address: f.result() for address, f in futures.items()} if self.bridge.is_driver else None
         report = compare(ours, self.bridge.broadcast_object(theirs), self.config.consistency_threshold)
@@ -387,7 +387,7 @@ class WeightSync:
         k = self.config.probe_topk
         theirs = None
         if k > 0 and self.bridge.is_driver:
-            futures = score_all(self._in_rotation(), lambda s: s.score_topk(self.probe, k))
+            futures = score_all(self._in_rotation(), lambda s: s.ascore_topk(self.probe, k))
             theirs = {address: f.result() for address, f in futures.items()}
             theirs = {address: topk for address, topk in theirs.items() if topk is not None}
         theirs = self.bridge.broadcast_object(theirs)
@@ -412,10 +412,15 @@ class WeightSync:
         return self.plan.number()
 
 
-def score_all(servers: list[ServerControl], score: Callable[[ServerControl], T]) -> dict[str, Future[T]]:
-    """``score(server)`` on every server at once, a fan-out thread each (64 servers score the probe in
-    one round, not eight): address -> its future. The caller goes on (the trainer scores the probe meanwhile)."""
-    return submit_all({s.address: (lambda s=s: score(s)) for s in servers})
+def score_all(
+    servers: list[ServerControl], score: Callable[[ServerControl], Coroutine[Any, Any, T]]
+) -> dict[str, Future[T]]:
+    """``score(server)`` (a coroutine) on every server at once, on the control loop over its kept
+    connections: address -> its future. The caller goes on (the trainer scores the probe meanwhile).
+    (A fan-out thread per server, as before, had 256 threads parse their replies at once at 256 servers,
+    seconds of the interpreter taken from the rollout pool's loop.)"""
+    loop = control_loop()
+    return {s.address: loop.submit(score(s)) for s in servers}
 
 
 def connect_engine(

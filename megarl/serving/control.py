@@ -10,7 +10,11 @@ trainer rank 0 talks to servers. Calls that return only once the data has moved 
 from __future__ import annotations
 
 import abc
+import asyncio
+import json
+from typing import Any
 
+from megarl.serving.control_loop import control_loop
 from megarl.serving.http import ServerControlError, http_json, http_ok
 
 __all__ = ["ServerControl", "ServerControlError", "http_json"]
@@ -55,9 +59,15 @@ class ServerControl(abc.ABC):
         paused and begun. Families with :attr:`one_call_update` only."""
         raise NotImplementedError(f"{type(self).__name__} updates in three calls (begin, receive, commit)")
 
-    @abc.abstractmethod
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Logprob of every token but the first of each sequence, under the served weights."""
+        """Logprob of every token but the first of each sequence, under the served weights (blocking:
+        :meth:`ascore` on the control loop)."""
+        return control_loop().run(self.ascore(sequences))
+
+    @abc.abstractmethod
+    async def ascore(self, sequences: list[list[int]]) -> list[list[float]]:
+        """:meth:`score` on the control loop (:mod:`megarl.serving.control_loop`): the probe asks every
+        server at once there, over kept connections, with no thread per server."""
 
     @abc.abstractmethod
     def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
@@ -74,8 +84,33 @@ class ServerControl(abc.ABC):
 
     def score_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]] | None:
         """Per sequence, per token but the first: the ``k`` most likely tokens there and their logprobs
-        (temperature 1, untruncated), most likely first; None where the server cannot say."""
+        (temperature 1, untruncated), most likely first; None where the server cannot say (blocking:
+        :meth:`ascore_topk` on the control loop)."""
+        return control_loop().run(self.ascore_topk(sequences, k))
+
+    async def ascore_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]] | None:
+        """:meth:`score_topk` on the control loop."""
         return None
+
+    async def _ajson(self, route: str, payload: Any = None, method: str = "POST") -> Any:
+        """``method`` ``route`` with the JSON ``payload`` over the control loop's connections (call on that
+        loop); the decoded JSON reply. :class:`ServerControlError` names why it failed (within :attr:`timeout`)."""
+        body = None if payload is None else json.dumps(payload).encode()
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        try:
+            reply = (
+                await control_loop().connections().request(self.address, route, body, method=method, deadline=deadline)
+            )
+        except TimeoutError:
+            raise ServerControlError(self.address, route, f"no reply within {self.timeout:g}s") from None
+        except OSError as e:
+            raise ServerControlError(self.address, route, f"unreachable: {type(e).__name__}: {e}") from None
+        if reply.status != 200:
+            raise ServerControlError(self.address, route, f"HTTP {reply.status}: {reply.text[:400]}")
+        try:
+            return json.loads(reply.body)
+        except ValueError:
+            raise ServerControlError(self.address, route, f"reply is not JSON: {reply.body[:400]!r}") from None
 
     def healthy(self) -> bool:
         """Whether the server answers its health check."""

@@ -369,9 +369,9 @@ class SGLangControl(ServerControl):
         }
         return self._with_adapter({**body, "top_logprobs_num": k} if k > 0 else body)
 
-    def _input_logprobs(self, seq: list[int], field: str, k: int = 0) -> list:
+    async def _input_logprobs(self, seq: list[int], field: str, k: int = 0) -> list:
         """``meta_info[field]`` of the reply scoring ``seq``, past its first token (which has none)."""
-        reply = http_json(self.address, "/generate", self.score_payload(seq, k), self.timeout)
+        reply = await self._ajson("/generate", self.score_payload(seq, k))
         try:
             entries = reply["meta_info"][field][1:]
         except (KeyError, IndexError, TypeError) as e:
@@ -382,22 +382,22 @@ class SGLangControl(ServerControl):
             )
         return entries
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    async def ascore(self, sequences: list[list[int]]) -> list[list[float]]:
         out = []
         for seq in sequences:
-            entries = self._input_logprobs(seq, "input_token_logprobs")
+            entries = await self._input_logprobs(seq, "input_token_logprobs")
             try:  # each entry is (logprob, token_id, text or None)
                 out.append([float(e[0]) for e in entries])
             except (IndexError, TypeError, ValueError) as e:
                 raise ServerControlError(self.address, "/generate", f"malformed input_token_logprobs ({e})") from None
         return out
 
-    def score_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+    async def ascore_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
         """``top_logprobs_num: k``: SGLang returns, per input position, its k most likely tokens as
         (logprob, token_id, text or None), most likely first (``TokenizerManager.add_logprob_to_meta_info``)."""
         out = []
         for seq in sequences:
-            entries = self._input_logprobs(seq, "input_top_logprobs", k)
+            entries = await self._input_logprobs(seq, "input_top_logprobs", k)
             try:
                 out.append([{int(tok): float(logprob) for logprob, tok, _ in entry[:k]} for entry in entries])
             except (IndexError, TypeError, ValueError) as e:

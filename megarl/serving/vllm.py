@@ -413,10 +413,10 @@ class VLLMControl(ServerControl):
             self._model = reply["data"][0]["id"]
         return self._model
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    async def ascore(self, sequences: list[list[int]]) -> list[list[float]]:
         out = []
         for seq in sequences:
-            entries = self._prompt_logprobs(seq, 0)
+            entries = await self._prompt_logprobs(seq, 0)
             try:
                 out.append([float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, seq[1:])])
             except (KeyError, IndexError, TypeError) as e:
@@ -425,14 +425,14 @@ class VLLMControl(ServerControl):
                 ) from None
         return out
 
-    def score_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+    async def ascore_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
         """``prompt_logprobs: k``: vLLM returns the top k (and the prompt's own token) per position, raw
         (prompt tokens skip the sampler's processing whatever ``--logprobs-mode`` says)."""
         out = []
         for seq in sequences:
             try:
                 positions = []
-                for entry in self._prompt_logprobs(seq, k):
+                for entry in await self._prompt_logprobs(seq, k):
                     top = sorted(entry.items(), key=lambda kv: kv[1]["rank"])[:k]
                     positions.append({int(tok): float(v["logprob"]) for tok, v in top})
             except (KeyError, ValueError, AttributeError, TypeError) as e:
@@ -440,8 +440,11 @@ class VLLMControl(ServerControl):
             out.append(positions)
         return out
 
-    def _prompt_logprobs(self, seq: list[int], k: int) -> list:
+    async def _prompt_logprobs(self, seq: list[int], k: int) -> list:
         """The reply's ``prompt_logprobs`` of ``seq`` past its first token (``k`` top logprobs each)."""
+        if self.adapter is None and self._model is None:
+            reply = await self._ajson("/v1/models", method="GET")
+            self._model = reply["data"][0]["id"]
         payload = {
             "model": self.model(),
             "prompt": list(seq),
@@ -449,7 +452,7 @@ class VLLMControl(ServerControl):
             "temperature": 1.0,
             "prompt_logprobs": k,
         }
-        reply = http_json(self.address, "/v1/completions", payload, self.timeout)
+        reply = await self._ajson("/v1/completions", payload)
         try:
             return reply["choices"][0]["prompt_logprobs"][1:]
         except (KeyError, IndexError, TypeError) as e:

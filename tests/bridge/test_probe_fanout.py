@@ -1,8 +1,10 @@
-"""The consistency probe asks every server at once (not 8 at a time: 64 servers were 8 rounds), and
+"""The consistency probe asks every server at once (not 8 at a time: 64 servers were 8 rounds; on the control
+loop, not a thread per server), and
 names each server's figures by its number in the run's server list (``server{i}``: slot i under Slurm)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from types import SimpleNamespace
 
@@ -11,6 +13,7 @@ import torch
 
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.run import weight_sync as sync_mod
+from megarl.serving.control_loop import control_loop
 from megarl.serving.servers import ServerSet, UpdatePlan
 
 N = 24
@@ -19,33 +22,38 @@ TOPK = [[{1: -0.5, 2: -1.5}, {3: -0.7, 4: -1.0}, {1: -0.2, 4: -2.0}]]
 
 
 class InFlight:
-    """Counts the calls running at once; each waits until all ``expected`` are in (or ``timeout`` passes),
-    so a fan-out capped below ``expected`` shows as a smaller maximum, whatever the machine's load."""
+    """Counts the calls running at once on the control loop; each waits until all ``expected`` are in (or
+    ``timeout`` passes), so a fan-out capped below ``expected`` shows as a smaller maximum, whatever the
+    machine's load."""
 
     def __init__(self, expected: int, timeout: float = 10.0):
-        self.barrier = threading.Barrier(expected, timeout=timeout)
-        self.lock = threading.Lock()
+        self.expected, self.timeout = expected, timeout
         self.now = self.most = 0
+        self._all_in: asyncio.Event | None = None
 
-    def __call__(self, result):
-        with self.lock:
-            self.now += 1
-            self.most = max(self.most, self.now)
+    async def __call__(self, result):
+        if self._all_in is None:
+            self._all_in = asyncio.Event()
+        self.now += 1
+        self.most = max(self.most, self.now)
+        if self.now == self.expected:
+            self._all_in.set()
         try:
-            self.barrier.wait()
-        except threading.BrokenBarrierError:
+            await asyncio.wait_for(self._all_in.wait(), self.timeout)
+        except TimeoutError:
             pass  # fewer ran at once: the count says how many
-        with self.lock:
-            self.now -= 1
+        self.now -= 1
         return result
 
 
 def _server(address: str, in_flight: InFlight | None = None) -> SimpleNamespace:
-    call = in_flight or (lambda result: result)
+    async def call(result):
+        return await in_flight(result) if in_flight is not None else result
+
     return SimpleNamespace(
         address=address,
-        score=lambda seqs: call([[-1.0, -1.0, -1.0]]),
-        score_topk=lambda seqs, k: call([[dict(p) for p in TOPK[0]]]),
+        ascore=lambda seqs: call([[-1.0, -1.0, -1.0]]),
+        ascore_topk=lambda seqs, k: call([[dict(p) for p in TOPK[0]]]),
     )
 
 
@@ -83,27 +91,33 @@ def test_every_server_scores_its_top_k_at_once(monkeypatch):
     assert stats["topk_logprob_diff_max"] == pytest.approx(0.0, abs=1e-6) and f"server{N - 1}/topk_kl" in stats
 
 
-def test_score_all_runs_one_thread_per_server():
+def test_score_all_runs_every_server_at_once_on_the_control_loop_with_no_thread_of_its_own(monkeypatch):
+    """The probe asks every server at once, on the control loop: no thread per server (256 fan-out threads
+    parsing their replies at once took seconds of the interpreter from the rollout pool's loop)."""
+    control_loop()  # started before the count
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self.name) or real_start(self))
     in_flight = InFlight(N)
     futures = sync_mod.score_all([_server(f"h{i}:1") for i in range(N)], lambda s: in_flight(s.address))
     assert [f.result(timeout=30) for f in futures.values()] == [f"h{i}:1" for i in range(N)]
     assert in_flight.most == N
+    assert started == [], f"{len(started)} threads started for {N} servers"
     assert sync_mod.score_all([], lambda s: s) == {}
 
 
 def test_the_updates_fan_outs_start_no_thread_once_the_pool_has_them(monkeypatch):
-    """Begin, receive, commit and the probe reuse the fan-out's threads: starting a thread per server
-    per phase cost ~2 s per phase at 256 servers while the rollout loop kept the interpreter busy."""
+    """Begin, receive and commit reuse the fan-out's threads: starting a thread per server per phase cost
+    ~2 s per phase at 256 servers while the rollout loop kept the interpreter busy."""
     from megarl.bridge.bridge import in_threads
 
-    calls = {f"h{i}:1": (lambda: None) for i in range(N)}
-    in_threads(calls, timeout=30)
+    together = threading.Barrier(N, timeout=10)
+    calls = {f"h{i}:1": together.wait for i in range(N)}
+    in_threads(calls, timeout=30)  # N at once: the pool has N threads
     started = []
     real_start = threading.Thread.start
     monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self.name) or real_start(self))
     assert in_threads(calls, timeout=30) == {}
-    futures = sync_mod.score_all([_server(f"h{i}:1") for i in range(N)], lambda s: s.address)
-    assert [f.result(timeout=30) for f in futures.values()] == list(calls)
     assert started == [], f"{len(started)} threads started for {N} servers"
 
 

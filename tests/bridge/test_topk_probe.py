@@ -97,9 +97,14 @@ def _sync_with_probe(monkeypatch, probe_topk: int, offset: float):
 
     probe = [[5, 6, 7, 8]]
     topk = [[{1: -0.5, 2: -1.5}, {3: -0.7, 4: -1.0}, {1: -0.2, 4: -2.0}]]
-    server = SimpleNamespace(
-        address="s", score=lambda seqs: [[-1.0, -1.0, -1.0]], score_topk=lambda seqs, k: [[dict(p) for p in topk[0]]]
-    )
+
+    async def ascore(seqs):
+        return [[-1.0, -1.0, -1.0]]
+
+    async def ascore_topk(seqs, k):
+        return [[dict(p) for p in topk[0]]]
+
+    server = SimpleNamespace(address="s", ascore=ascore, ascore_topk=ascore_topk)
     sync = sync_mod.WeightSync.__new__(sync_mod.WeightSync)
     sync.config = WeightUpdateConfig(probe_topk=probe_topk, gap_threshold=0.1)
     sync.probe, sync.engine = probe, None
@@ -139,11 +144,11 @@ def test_sglang_top_logprobs_reply_becomes_the_probe_topk(monkeypatch):
     }
     sent = []
 
-    def http_json(address, route, payload, timeout):
+    async def ajson(self, route, payload):
         sent.append(payload)
         return {"meta_info": {"input_top_logprobs": replies[tuple(payload["input_ids"])]}}
 
-    monkeypatch.setattr(sglang, "http_json", http_json)
+    monkeypatch.setattr(sglang.SGLangControl, "_ajson", ajson)
     control = sglang.SGLangControl("127.0.0.1:1", 1)
     assert control.score_topk([[1, 2, 3]], 2) == [[{2: -0.1, 9: -2.5}, {5: -0.3, 3: -1.4}]]
     assert sent[0]["top_logprobs_num"] == 2 and sent[0]["logprob_start_len"] == 0
