@@ -112,6 +112,7 @@ class ServerSet:
         self.config = config
         self.backend = backend
         self._servers = [Server(a) for a in addresses]
+        self._addresses: list[str] = []
         self._restarts = RestartLog(run_dir) if run_dir is not None else None
         self._joins = RestartLog(run_dir, name=JOINS_FILE) if run_dir is not None else None
         self._sticky: collections.OrderedDict[str, Server] = collections.OrderedDict()
@@ -137,7 +138,9 @@ class ServerSet:
     @property
     def addresses(self) -> list[str]:
         """Every server's ``host:port``, in rotation or not."""
-        return [s.address for s in self._servers]
+        if len(self._addresses) != len(self._servers):  # (asked per episode: kept, not rebuilt)
+            self._addresses = [s.address for s in self._servers]
+        return list(self._addresses)
 
     @property
     def restartable(self) -> bool:
