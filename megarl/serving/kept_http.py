@@ -75,7 +75,6 @@ class _Connection(asyncio.Protocol):
         self._body_timeout: float | None = None
         self._deadline: float | None = None
         self._body_deadline: float | None = None  # set once the headers came, until its timer is
-        self._lost = False
 
     @property
     def closed(self) -> bool:
@@ -120,7 +119,6 @@ class _Connection(asyncio.Protocol):
                 self._body_deadline = None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = True
         self.pool._forget(self)
         why = f" ({exc})" if exc else ""
         if self._replying:
@@ -263,7 +261,7 @@ class KeptConnections:
         finally:
             self._opening -= 1
             self._wake_a_waiter()
-        if connection._lost:  # closed before it could be used
+        if connection.closed:  # closed before it could be used
             raise ConnectionError(f"{address} closed the connection at once")
         self._open.add(connection)
         return connection

@@ -112,7 +112,7 @@ class ServerSet:
         self.config = config
         self.backend = backend
         self._servers = [Server(a) for a in addresses]
-        self._addresses: list[str] = []
+        self._addresses = list(addresses)  # kept beside _servers (asked per episode: not rebuilt)
         self._restarts = RestartLog(run_dir) if run_dir is not None else None
         self._joins = RestartLog(run_dir, name=JOINS_FILE) if run_dir is not None else None
         self._sticky: collections.OrderedDict[str, Server] = collections.OrderedDict()
@@ -138,8 +138,6 @@ class ServerSet:
     @property
     def addresses(self) -> list[str]:
         """Every server's ``host:port``, in rotation or not."""
-        if len(self._addresses) != len(self._servers):  # (asked per episode: kept, not rebuilt)
-            self._addresses = [s.address for s in self._servers]
         return list(self._addresses)
 
     @property
@@ -286,6 +284,7 @@ class ServerSet:
         why = "joined the run; in rotation once it holds the current weights"
         with self._lock:
             self._servers.append(Server(address, unhealthy_until=math.inf, awaiting_push=True, why_unhealthy=why))
+            self._addresses.append(address)
             self._health_changed()
         self.servers_joined += 1
         logger.info("server %s joined the run; it serves once the next weight sync reaches it", address)

