@@ -9,6 +9,10 @@ The launcher calls :meth:`Watchdog.check` from its watch loop. It reads the hear
   the rollout pool, its event loop blocked; for a server, not answering its health check).
   Parts that run all along (``watch: "silence"``: the pool, the servers) are only checked for this.
 
+A rank waiting in a collective for a rank of its group that is still at work outside it is not
+the cause: the one it waits for is named when its own phase runs over (whichever entered its
+phase first). A rank waiting for one that is idle, silent, gone or in another call is named itself.
+
 Then it prints one line naming the process(es), the phase (and the step inside it: the
 micro-batch, the weight-sync stage), how long and what they wait for (the detail their heartbeat
 carries: the rollout pool's outstanding requests by server and task, the reward calls still
@@ -116,8 +120,8 @@ class Watchdog:
         stalled = [(b, self._overdue(b, now)) for b in beats]
         stalled = [(b, kind) for b, kind in stalled if kind and _key(b) not in self._reported]
         by_name = {b["name"]: b for b in beats}
-        # a rank waiting in a collective for one already reported is part of that incident
-        stalled = [(b, kind) for b, kind in stalled if not self._waits_on_reported(b, by_name)]
+        # a rank waiting in a collective for one still at work (or already reported) is not the cause
+        stalled = [(b, kind) for b, kind in stalled if kind == "silent" or not self._waits_on_peer(b, by_name)]
         if not stalled:
             return None
         # the process longest in its phase is the likeliest cause: the others wait for it (a collective)
@@ -150,15 +154,24 @@ class Watchdog:
         self._record(event, beats)
         return event
 
-    def _waits_on_reported(self, beat: dict, by_name: dict[str, dict]) -> bool:
+    def _waits_on_peer(self, beat: dict, by_name: dict[str, dict]) -> bool:
+        """Whether ``beat``'s rank waits in a collective for a rank of its group that has not arrived
+        because it is still at work outside any collective (it is named when its own phase runs over)
+        or was reported already. A peer that is idle, silent, gone or in another collective is not
+        waited on: the waiting rank is the one to name."""
         collective = beat.get("collective")
         if not collective:
             return False
-        peers = (by_name.get(f"trainer-{rank}") for rank in collective["ranks"])
-        return any(
-            p is not None and not same_call(collective, p.get("collective")) and _key(p) in self._reported
-            for p in peers
-        )
+        for rank in collective["ranks"]:
+            peer = by_name.get(f"trainer-{rank}")
+            if peer is None or same_call(collective, peer.get("collective")):
+                continue
+            if _key(peer) in self._reported:
+                return True
+            at_work = peer["phase"] != "idle" and peer.get("watch", "phase") == "phase"
+            if at_work and not peer.get("collective"):
+                return True
+        return False
 
     def _budget_of(self, beat: dict) -> float:
         runs = beat.get("runs", {})

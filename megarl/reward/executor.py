@@ -140,13 +140,14 @@ class AsyncRewardWrapper:
                 )
             return self._executor
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> list[concurrent.futures.Future]:
         """Start every worker now, not at the first call: each spawned worker imports the
         trainer's and the reward's modules, seconds of CPU that would otherwise delay the
-        first step's rewards (and slow the servers decoding beside them)."""
+        first step's rewards (and slow the servers decoding beside them). Returns the imports'
+        futures (for whoever wants to wait for them)."""
         executor = self._get_executor()
-        for _ in range(self.max_workers):  # a submit with no idle worker spawns one
-            executor.submit(_import_reward, self.reward_fn)
+        # a submit with no idle worker spawns one
+        return [executor.submit(_import_reward, self.reward_fn) for _ in range(self.max_workers)]
 
     def _replace_executor(self, broken: concurrent.futures.ProcessPoolExecutor) -> None:
         """Drop ``broken`` (hung or crashed); the next call starts a fresh pool.

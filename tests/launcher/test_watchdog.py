@@ -301,3 +301,51 @@ def _phase(run_dir: Path, name: str) -> str | None:
         return json.loads((run_dir / "heartbeat" / f"{name}.json").read_text()).get("phase")
     except (OSError, ValueError):
         return None
+
+
+def _beat(name: str, phase: str, since: float, now: float, collective: dict | None = None) -> dict:
+    beat = {"name": name, "phase": phase, "since": since, "beat": now, "collective": collective, "watch": "phase"}
+    return {**beat, "host": "another-host"}  # asked for its stacks by file, not signalled
+
+
+def _write_beats(run_dir: Path, beats: list[dict]) -> None:
+    (run_dir / "heartbeat").mkdir(exist_ok=True)
+    for beat in beats:
+        (run_dir / "heartbeat" / f"{beat['name']}.json").write_text(json.dumps(beat))
+
+
+@pytest.mark.parametrize("late_by_s", [0.0, 1.5])
+def test_the_rank_the_collective_waits_for_is_named_whichever_phase_began_first(tmp_path, late_by_s):
+    """A rank that reaches its work after its peer entered the collective (a slow start on a busy host):
+    the one in the collective runs over first, yet the one it waits for is named, at its own budget."""
+    call = {"op": "all_reduce", "ranks": [0, 1], "seq": 1, "backend": "gloo", "since": 100.0}
+    watchdog = Watchdog(tmp_path, _config())
+    for now in (104.5, 105.0):  # trainer-0 in sync 4.5 s and 5 s, trainer-1 still within its budget
+        _write_beats(
+            tmp_path,
+            [_beat("trainer-0", "sync", 100.0, now, call), _beat("trainer-1", "compute", 100.0 + late_by_s, now)],
+        )
+        assert late_by_s == 0 or watchdog.check(now) is None, "the rank waiting in the collective named"
+    now = 100.0 + late_by_s + BUDGET_S + 0.5
+    _write_beats(
+        tmp_path, [_beat("trainer-0", "sync", 100.0, now, call), _beat("trainer-1", "compute", 100.0 + late_by_s, now)]
+    )
+    event = watchdog.check(now)
+    assert event is not None and event.names == ["trainer-1"] and event.phase == "compute", event
+    assert "not arrived: trainer-1" in event.collectives, event
+    assert watchdog.check(now + 1) is None, "the rank in the collective is part of the same incident"
+
+
+@pytest.mark.parametrize("peer", ["idle", "other call"])
+def test_a_rank_waiting_for_one_that_will_not_come_is_named(tmp_path, peer):
+    """Its peer is idle (done, the collective never comes) or in another collective (mismatched calls)."""
+    call = {"op": "all_reduce", "ranks": [0, 1], "seq": 1, "backend": "gloo", "since": 100.0}
+    other = {"op": "broadcast", "ranks": [0, 1], "seq": 1, "backend": "gloo", "since": 100.0}
+    now = 100.0 + BUDGET_S + 0.5
+    waiting = _beat("trainer-0", "sync", 100.0, now, call)
+    elsewhere = (
+        _beat("trainer-1", "idle", 99.0, now) if peer == "idle" else _beat("trainer-1", "sync", 101.0, now, other)
+    )
+    _write_beats(tmp_path, [waiting, elsewhere])
+    event = Watchdog(tmp_path, _config()).check(now)
+    assert event is not None and event.names == ["trainer-0"] and event.phase == "sync", event

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import pickle
 import threading
-import time
 
 import pytest
 
@@ -179,14 +179,14 @@ def test_warm_up_starts_every_worker_before_the_first_call():
 
     wrapper = AsyncRewardWrapper(gsm8k_reward_fn, timeout_seconds=60, max_workers=2)
     try:
-        wrapper.warm_up()
-        workers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+        imports = wrapper.warm_up()
+        workers = {p.pid for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())}
         assert len(workers) == 2  # spawned now, not at the first call
-        deadline = time.monotonic() + 120
-        while any(w.cpu_times().user < 0.5 for w in workers) and time.monotonic() < deadline:
-            time.sleep(0.5)  # both import torch and megarl: real work before any reward is asked for
-        started = time.monotonic()
+        concurrent.futures.wait(imports, timeout=120)  # both import torch and megarl before any reward
+        assert all(f.done() and f.exception() is None for f in imports), imports
         result = asyncio.run(wrapper("p", "\\boxed{72}", [], [], answer=GSM8K_REF))
-        assert result.outcome == "correct" and time.monotonic() - started < 5
+        assert result.outcome == "correct"
+        spawned = {p.pid for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())}
+        assert spawned == workers, "the first call ran in the warmed workers, none started for it"
     finally:
         wrapper.close()

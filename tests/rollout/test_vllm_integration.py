@@ -158,23 +158,26 @@ def test_prepare_batch_exact_with_half_rejected(engine, tokenizer):
     loader = create_dataloader(load_rl_dataset("gsm8k", "test"), batch_size=4, seed=3)
     gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=8)
     workflow = RLVRWorkflow(gsm8k_reward_fn, gconfig, tokenizer, reward_max_workers=1)
-    verdicts = []
+    verdicts, accepted = [], set()
 
-    def half(traj):  # keeps trajectories whose last token id is even: about half
-        keep = int(traj["input_ids"][0, int(traj["attention_mask"][0].sum()) - 1]) % 2 == 0
+    def every_other(traj):  # rejects the first trajectory offered, keeps the second, and so on
+        keep = len(verdicts) % 2 == 1
         verdicts.append(keep)
+        if keep:
+            accepted.add(tuple(traj["input_ids"][0, : int(traj["attention_mask"][0].sum())].tolist()))
         return keep
 
     try:
         for step in range(2):
-            batch = engine.prepare_batch(loader, workflow, should_accept_fn=half)
+            batch = engine.prepare_batch(loader, workflow, should_accept_fn=every_other)
             assert batch["input_ids"].shape[0] == 4
-            last = batch["attention_mask"].sum(1) - 1
-            assert all(int(batch["input_ids"][i, last[i]]) % 2 == 0 for i in range(4))
+            for row in range(4):
+                ids = tuple(batch["input_ids"][row, : int(batch["attention_mask"][row].sum())].tolist())
+                assert ids in accepted, "a rejected trajectory reached the batch"
             engine.set_version(step + 1)
     finally:
         workflow.close()
-    assert verdicts.count(False) >= 2, f"the filter should have rejected some: {verdicts}"
+    assert verdicts.count(False) >= 8, f"every other trajectory rejected: {verdicts}"
 
 
 def _generated_tokens(address: str) -> float:
