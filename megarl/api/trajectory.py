@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from megarl.utils.host_tensors import host_list, host_tensor
+
 TOKEN_ID_DTYPE = torch.int32
 """The dtype of a trajectory's token ids: no vocabulary megarl trains holds an id beyond it."""
 TOKEN_ID_LIMIT = torch.iinfo(TOKEN_ID_DTYPE).max + 1
@@ -150,13 +152,14 @@ def build_trajectory(
             f"build_trajectory: lengths differ: input_ids {n}, loss_mask {len(loss_mask)}, "
             f"logprobs {len(logprobs)}, versions {len(versions)}"
         )
+    # built on the rollout pool's thread: numpy, not torch operations (megarl.utils.host_tensors)
     return {
-        "input_ids": torch.tensor([list(input_ids)], dtype=TOKEN_ID_DTYPE),
-        "attention_mask": torch.ones(1, n, dtype=torch.bool),
-        "loss_mask": torch.tensor([list(loss_mask)], dtype=torch.int32),
-        "logprobs": torch.tensor([list(logprobs)], dtype=torch.float32),
-        "versions": torch.tensor([list(versions)], dtype=torch.int32),
-        "rewards": torch.tensor([float(reward)], dtype=torch.float32),
+        "input_ids": host_tensor([list(input_ids)], TOKEN_ID_DTYPE),
+        "attention_mask": host_tensor([[True] * n], torch.bool),
+        "loss_mask": host_tensor([list(loss_mask)], torch.int32),
+        "logprobs": host_tensor([list(logprobs)], torch.float32),
+        "versions": host_tensor([list(versions)], torch.int32),
+        "rewards": host_tensor([float(reward)], torch.float32),
     }
 
 
@@ -165,8 +168,7 @@ def oldest_version(traj: dict[str, Any]) -> int | None:
     versions = traj.get("versions")
     if not isinstance(versions, torch.Tensor):
         return None
-    generated = versions[versions >= 0]
-    return int(generated.min()) if generated.numel() else None
+    return min((v for v in host_list(versions) if v >= 0), default=None)
 
 
 def batch_size_of(traj: dict[str, Any]) -> int:

@@ -23,8 +23,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from megarl.api import context as workflow_context
 from megarl.reward.base import ScoredReward
+from megarl.utils.host_tensors import host_list
 
 logger = logging.getLogger("megarl.reward")
 
@@ -178,7 +181,10 @@ def check_trajectory_rewards(traj: Any, source: str) -> None:
     rewards = traj.get("rewards") if isinstance(traj, Mapping) else None
     if rewards is None:
         return
-    values = rewards.reshape(-1).tolist() if hasattr(rewards, "reshape") else rewards
+    if isinstance(rewards, torch.Tensor):
+        values = host_list(rewards)  # on the pool's thread: no torch operation (megarl.utils.host_tensors)
+    else:
+        values = rewards.reshape(-1).tolist() if hasattr(rewards, "reshape") else rewards
     for row, value in enumerate(values if isinstance(values, (list, tuple)) else [values]):
         result = as_reward(value)
         if isinstance(result, RewardFailure):

@@ -25,6 +25,7 @@ from megarl.api.trajectory import batch_size_of, oldest_version
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.serving.http import InferenceServerError
 from megarl.utils import stats_tracker
+from megarl.utils.host_tensors import host_list
 
 logger = logging.getLogger("megarl.rollout.pool")  # the pool's log: what users filter on
 
@@ -68,7 +69,7 @@ class Result:
     def of(cls, task: Task, traj: dict[str, Any], seq: int, version: int) -> Result:
         """``traj`` of ``task``; ``version`` stands for its oldest token when it carries no versions."""
         oldest = oldest_version(traj)
-        n_tokens = int(traj["loss_mask"].sum()) if "loss_mask" in traj else 0
+        n_tokens = sum(host_list(traj["loss_mask"])) if "loss_mask" in traj else 0
         return cls(version if oldest is None else oldest, seq, task, traj, n_tokens)
 
     @property

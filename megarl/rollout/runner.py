@@ -24,6 +24,7 @@ from megarl.rollout.loop_thread import LoopThread
 from megarl.rollout.staleness import StalenessManager
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import Heartbeat
+from megarl.utils.host_tensors import host_tensor
 from megarl.workflow.dump import TrajectoryDumper
 
 _YES, _NO = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)  # an episode's counts (read only)
@@ -195,7 +196,7 @@ class EpisodeRunner:
         addresses = list(getattr(self.engine, "server_addresses", []))
         index = addresses.index(servers[0]) if len(servers) == 1 and servers[0] in addresses else -1
         if isinstance(traj, dict) and "attention_mask" in traj and "server_index" not in traj:
-            traj["server_index"] = torch.full((batch_size_of(traj),), index, dtype=torch.int32)
+            traj["server_index"] = host_tensor([index] * batch_size_of(traj), torch.int32)
 
     async def _dump(self, traj: dict[str, Any], task: Task) -> None:
         version = self.engine.get_version()

@@ -41,6 +41,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from megarl.serving.kept_http import KeptConnections, ReplyCutError, ReplyTimeout
+from megarl.utils import json_codec
 from megarl.utils.auth import auth_headers
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ async def _attempt(
             kind="http_4xx",
         )
     try:
-        return parse((json.loads(text) if text else None) if expect_json else text)
+        return parse((json_codec.loads(reply.body) if text else None) if expect_json else text)
     except (json.JSONDecodeError, MalformedResponseError) as e:
         raise _Retryable(f"malformed reply ({e}): {text[:_BODY_SNIPPET]!r}", "malformed") from None
 
@@ -200,7 +201,7 @@ async def arequest_with_retry(
     reply per request in flight, and are parsed as the pool resumes, a batch per turn of its loop).
     """
     path = f"{endpoint}?{urlencode(params)}" if params else endpoint
-    body = None if payload is None else json.dumps(payload).encode()
+    body = None if payload is None else json_codec.dumps(payload)
     deadline = time.monotonic() + policy.timeout
     last: _Retryable | None = None
     attempts = 0

@@ -27,13 +27,15 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megarl.utils.host_tensors import host_list
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class _Acc:
         if value.numel() == 0:
             return
         if value.device.type == "cpu" and value.numel() <= _SMALL:
-            self._add_numbers(value.reshape(-1).tolist(), mask.reshape(-1).tolist())
+            self._add_numbers(host_list(value), host_list(mask))
             return
         if not value.is_floating_point():
             value = value.double()  # integers cannot hold the +-inf fill values
@@ -95,10 +97,18 @@ class _Acc:
         self.min = torch.minimum(torch.as_tensor(self.min, dtype=lo.dtype, device=lo.device), lo)
         self.max = torch.maximum(torch.as_tensor(self.max, dtype=hi.dtype, device=hi.device), hi)
 
-    def _add_numbers(self, values: list, mask: list) -> None:
+    def add_mask(self, mask: torch.Tensor) -> None:
+        """Fold a denominator's mask in: every element counts, its True ones sum."""
+        if mask.device.type == "cpu" and mask.numel() <= _SMALL:
+            self._add_numbers(host_list(mask), itertools.repeat(True))
+        else:
+            self.add_tensor(mask, torch.ones_like(mask))
+
+    def _add_numbers(self, values: list, mask: Iterable) -> None:
         """:meth:`add_tensor` of a few host numbers, in Python: the rollout loop records a handful per
-        episode, where a dozen tensor operations on one element each cost it more than the episode's
-        HTTP request did. NaN propagates as in the tensor path."""
+        episode, where each tensor operation would release the interpreter lock and wait for it again
+        behind the trainer's Python (:mod:`megarl.utils.host_tensors`). NaN propagates as in the tensor
+        path."""
         picked = [float(v) for v, m in zip(values, mask) if m]
         self.count = self.count + len(picked)
         for v in picked:
@@ -212,9 +222,7 @@ class DistributedStatsTracker:
                     got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
                     raise ValueError(f"denominator {key!r} must be a bool tensor, got {got}")
                 full_key = self._full_key(key)
-                mask = mask.detach()
-                acc = self._acc(full_key, ReduceType.SUM)
-                acc.add_tensor(mask, torch.ones_like(mask))
+                self._acc(full_key, ReduceType.SUM).add_mask(mask)  # (a bool tensor carries no gradient)
                 self._masks[full_key] = mask
 
     def stat(
