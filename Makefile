@@ -83,7 +83,7 @@ lint: install
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: install system-deps
-	$(call run_pytest,-m "not slow" --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup))
+	$(call run_pytest,-m "not slow" --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder))
 
 test-slow: install system-deps
 	$(call run_pytest,-m slow)

@@ -72,7 +72,7 @@ EXTRAS = {
     "dev": [
         "pytest>=8",
         "pytest-timeout>=2.3",
-        "pytest-xdist>=3.5",  # make test: two workers
+        "pytest-xdist>=3.6",  # make test: two workers, the longest test files first (--no-loadscope-reorder)
         "hypothesis>=6.100",
         "ruff>=0.6",
         "openai>=1.40",

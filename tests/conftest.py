@@ -3,21 +3,38 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
 import pytest
 
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Seconds each test file took in ``make test`` (setup, call and teardown of its tests, summed):
+``python -m tests.durations <log of pytest --durations=0>`` writes it."""
+
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): a test file's tests
     share a worker, so its module fixtures start once, and every test that starts a real Slurm
-    cluster shares one worker, so two clusters never compete for the machine's slots."""
+    cluster shares one worker, so two clusters never compete for the machine's slots.
+
+    The groups run longest first (``make test`` passes ``--no-loadscope-reorder``, so the workers take
+    them in this order): a group of a few minutes left for the end would run alone on one worker
+    while the other has nothing left to do."""
+    groups = {}
     for item in items:
         group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
         if {"vllm_server", "vllm_server_fp32"} & set(getattr(item, "fixturenames", ())):
             group = "vllm-session"  # one worker starts the session's vLLM server (a minute or two), not both
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = group
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    files_of: dict[str, set[str]] = {}
+    for item, group in groups.items():
+        files_of.setdefault(group, set()).add(item.nodeid.split("::")[0])
+    length = {group: sum(seconds.get(f, 0.0) for f in files) for group, files in files_of.items()}
+    items.sort(key=lambda item: -length[groups[item]])  # stable: a file's tests keep their order
 
 
 # --------------------------------------------------------------------------------------
