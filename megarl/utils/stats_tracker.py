@@ -80,13 +80,15 @@ class _Acc:
     min: Any = _INF
     max: Any = -_INF
 
-    def add_tensor(self, value: torch.Tensor, mask: torch.Tensor) -> None:
-        """Fold the elements of ``value`` selected by ``mask`` in, without a host sync."""
+    def add_tensor(self, value: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Fold the elements of ``value`` selected by ``mask`` (None: every one) in, without a host sync."""
         if value.numel() == 0:
             return
         if value.device.type == "cpu" and value.numel() <= _SMALL:
-            self._add_numbers(host_list(value), host_list(mask))
+            self._add_numbers(host_list(value), itertools.repeat(True) if mask is None else host_list(mask))
             return
+        if mask is None:
+            mask = torch.ones_like(value, dtype=torch.bool)
         if not value.is_floating_point():
             value = value.double()  # integers cannot hold the +-inf fill values
         s = torch.where(mask, value, 0).sum(dtype=torch.float64)
@@ -96,13 +98,6 @@ class _Acc:
         self.count = self.count + mask.sum(dtype=torch.float64)
         self.min = torch.minimum(torch.as_tensor(self.min, dtype=lo.dtype, device=lo.device), lo)
         self.max = torch.maximum(torch.as_tensor(self.max, dtype=hi.dtype, device=hi.device), hi)
-
-    def add_mask(self, mask: torch.Tensor) -> None:
-        """Fold a denominator's mask in: every element counts, its True ones sum."""
-        if mask.device.type == "cpu" and mask.numel() <= _SMALL:
-            self._add_numbers(host_list(mask), itertools.repeat(True))
-        else:
-            self.add_tensor(mask, torch.ones_like(mask))
 
     def _add_numbers(self, values: list, mask: Iterable) -> None:
         """:meth:`add_tensor` of a few host numbers, in Python: the rollout loop records a handful per
@@ -222,7 +217,7 @@ class DistributedStatsTracker:
                     got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
                     raise ValueError(f"denominator {key!r} must be a bool tensor, got {got}")
                 full_key = self._full_key(key)
-                self._acc(full_key, ReduceType.SUM).add_mask(mask)  # (a bool tensor carries no gradient)
+                self._acc(full_key, ReduceType.SUM).add_tensor(mask)  # every element counts; a bool carries no gradient
                 self._masks[full_key] = mask
 
     def stat(
