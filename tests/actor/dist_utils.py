@@ -1,28 +1,46 @@
 """Run a function on N local ranks (gloo on 127.0.0.1), torchrun-style, and collect what each returns.
 
-Each rank is a fresh ``python`` subprocess with the torchrun environment (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and one OpenMP thread; it imports
-``target`` ("module:function"), calls it with the pickled keyword arguments and
-``torch.save``s the return value. Fresh processes keep Megatron's global state out
-of the pytest process and give every test clean groups.
+Each rank is a fresh process with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) and one OpenMP thread; it imports ``target`` ("module:function"),
+calls it with the pickled keyword arguments and ``torch.save``s the return value. Fresh
+processes keep Megatron's global state out of the pytest process and give every test clean
+groups.
+
+The ranks are forked from one server process per pytest process (multiprocessing's
+forkserver) that has imported torch, Megatron-Core and megarl's engine once (:data:`PRELOAD`):
+those imports take about ten seconds of CPU, which every rank of every test would repeat.
+The server forks before any rank's work, so a rank starts from a process that has only
+imported modules: no process group, no Megatron state, no torch thread pool.
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from megarl.utils.network import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
-_BOOT = "from tests.actor.dist_utils import _rank_main; _rank_main()"
+
+PRELOAD = [
+    "torch.distributed",
+    "megatron.core",
+    "megarl.actor.engine",
+    "megarl.models.hf_io",
+    "transformers.models.auto",
+    "safetensors.torch",
+]
+"""Modules the rank server imports before it forks the ranks (a rank imports the rest itself)."""
 
 
 PORT_ATTEMPTS = 3
@@ -72,7 +90,7 @@ def assert_grads_close(got: dict, want: dict, rtol: float) -> None:
         assert err <= rtol * scale, f"{name}: max |diff| {err:.3g} > {rtol} x {scale:.3g}"
 
 
-def _start(rank: int, world_size: int, port: int, target: str, tmp: Path) -> subprocess.Popen:
+def _start(rank: int, world_size: int, port: int, target: str, tmp: Path) -> multiprocessing.Process:
     env = dict(
         os.environ,
         RANK=str(rank),
@@ -87,24 +105,54 @@ def _start(rank: int, world_size: int, port: int, target: str, tmp: Path) -> sub
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         PYTHONWARNINGS="ignore",
     )
-    log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115 (the child writes it until it exits)
-    return subprocess.Popen([sys.executable, "-c", _BOOT], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = _rank_server().Process(target=_forked_rank, args=(env, str(tmp / f"rank{rank}.log")), name=f"rank{rank}")
+    proc.start()
+    return proc
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float, tmp: Path) -> None:
+def _rank_server() -> multiprocessing.context.BaseContext:
+    """The forkserver context whose server has imported :data:`PRELOAD` (started on first use, with
+    the ranks' one OpenMP thread, which the OpenMP runtime reads when torch loads it, and their
+    warning filters, which the ranks inherit)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    with mock.patch.dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"):
+        multiprocessing.forkserver.ensure_running()
+    return context
+
+
+def _forked_rank(env: dict, log: str) -> None:
+    """A rank, just forked: ``env`` as its whole environment, ``log`` as its stdout and stderr, the
+    repository as its working directory; then :func:`_rank_main` and the exit handlers that a
+    process's normal exit would run (multiprocessing's children skip them)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        _rank_main()
+    finally:
+        sys.stdout.flush()
+        atexit._run_exitfuncs()
+
+
+def _wait(procs: list[multiprocessing.Process], timeout: float, tmp: Path) -> None:
     deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+        while any(p.exitcode is None for p in procs):
+            failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     finally:
         for proc in procs:
-            if proc.poll() is None:
+            if proc.exitcode is None:
                 proc.kill()
-                proc.wait()
-    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+            proc.join()
+    bad = [i for i, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         logs = "\n".join(f"--- rank {i} ---\n{(tmp / f'rank{i}.log').read_text()[-6000:]}" for i in bad)
         raise RuntimeError(f"ranks {bad} failed (or timed out after {timeout}s):\n{logs}")
