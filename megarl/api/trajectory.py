@@ -168,7 +168,7 @@ def oldest_version(traj: dict[str, Any]) -> int | None:
     versions = traj.get("versions")
     if not isinstance(versions, torch.Tensor):
         return None
-    return min((v for v in host_list(versions) if v >= 0), default=None)
+    return min((v for v in set(host_list(versions)) if v >= 0), default=None)  # a few distinct versions
 
 
 def batch_size_of(traj: dict[str, Any]) -> int:
