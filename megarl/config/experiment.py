@@ -437,16 +437,14 @@ class GRPOConfig(BaseExperimentConfig):
             "a group of one sample always has a uniform reward, so every group would be dropped: "
             "sample gconfig.n_samples > 1, or dynamic_filter=none",
         )
-        if (
-            single
-            and self.algorithm.adv_estimator == "grpo"
-            and self.actor.adv_norm.mean_level == "group"
-            and is_rank0()
-        ):
-            logger.warning(
-                "gconfig.n_samples=1 under a group-mean baseline makes every advantage 0 (nothing is "
-                "learned): sample > 1, or set actor.adv_norm.mean_level=batch"
-            )
+        require(
+            not (single and self.algorithm.adv_estimator == "grpo" and self.actor.adv_norm.mean_level == "group"),
+            "gconfig.n_samples",
+            self.gconfig.n_samples,
+            "a GRPO group of one sample is its own baseline, so every advantage is 0 and nothing is learned: "
+            "sample > 1 per prompt, or set actor.adv_norm.mean_level=batch (or algorithm.adv_estimator=gae)",
+            related=("actor.adv_norm.mean_level", "algorithm.adv_estimator"),
+        )
 
     def _check_sampling(self) -> None:
         require(

@@ -68,6 +68,8 @@ class InferenceEngineConfig:
             host, sep, port = addr.rpartition(":")
             require(bool(host) and sep == ":" and port.isdigit(), f"server_addrs[{i}]", addr, "expected 'host:port'")
             require(1 <= int(port) <= 65535, f"server_addrs[{i}]", addr, "the port must be in [1, 65535]")
+            first = self.server_addrs.index(addr)
+            require(first == i, f"server_addrs[{i}]", addr, f"listed twice (also server_addrs[{first}])")
         if self.max_concurrent_rollouts is not None:
             require(
                 self.max_concurrent_rollouts >= 1,

@@ -39,6 +39,7 @@ from megarl.config.run import DatasetConfig
 from megarl.config.train import BUILTIN_LOSSES, USER_LOSS_CALL
 from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
 from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row_mapper
+from megarl.models.lora import PEFT_CONFIG
 from megarl.run.open_files import check_open_files
 from megarl.utils.logging import is_rank0
 from megarl.utils.plugins import accepted_parameters, import_plugin, locate_plugin, signature_problem
@@ -131,6 +132,7 @@ class Prelaunch:
         _check_outputs(config, multi_node)
         if isinstance(config, GRPOConfig):
             _check_models(config)
+            _check_adapter_start(config.actor.lora.init_from, multi_node)
             _check_reward(config.reward_fn, row)
             # several nodes: this may be a login node; each trainer rank refuses on its own node (megarl.train)
             check_open_files(config, refuse=not multi_node)
@@ -195,6 +197,22 @@ def _check_models(config: GRPOConfig) -> None:
                 validate_model(alloc, shape)
             except AllocationError as err:
                 raise ConfigError("allocation_mode", f"{err} (model {path})", related=(key,)) from None
+
+
+def _check_adapter_start(init_from: str | None, multi_node: bool) -> None:
+    """``actor.lora.init_from`` is a PEFT adapter directory (an absolute path missing here is accepted on
+    a multi-node cluster: the nodes may mount storage this machine does not)."""
+    if init_from is None:
+        return
+    local = Path(init_from).expanduser()
+    if (local / PEFT_CONFIG).is_file() or (multi_node and local.is_absolute() and not local.exists()):
+        return
+    found = "is a directory without it" if local.is_dir() else "is a file" if local.exists() else "does not exist"
+    raise ConfigError(
+        "actor.lora.init_from",
+        f"{init_from!r} is invalid: expected a PEFT adapter directory with {PEFT_CONFIG} (as "
+        f"MegatronEngine.export_adapters writes it); this path {found}",
+    )
 
 
 REWARD_ROLES = dict(

@@ -259,6 +259,27 @@ BAD += [
     case("stop-string-empty", ["gconfig.stop=['']"], "gconfig.stop", "empty stop string"),
     case("server-port-too-big", ["rollout.server_addrs=[localhost:99999]"], "rollout.server_addrs[0]", "[1, 65535]"),
     case("server-port-zero", ["rollout.server_addrs=[10.0.0.1:0]"], "rollout.server_addrs[0]", "'10.0.0.1:0'"),
+    case(
+        "server-listed-twice",
+        ["rollout.server_addrs=[10.0.0.1:8000,10.0.0.2:8000,10.0.0.1:8000]"],
+        "rollout.server_addrs[2]",
+        "listed twice (also server_addrs[0])",
+    ),
+    # a GRPO group of one: every advantage 0 (verl refuses it too)
+    case("grpo-one-sample", ["gconfig.n_samples=1", "actor.group_size=1"], "gconfig.n_samples", "nothing is learned"),
+    # LoRA started from adapters that are not there
+    case(
+        "lora-init-from-missing",
+        ["actor.lora.rank=8", "actor.lora.init_from=/nonexistent/adapter"],
+        "actor.lora.init_from",
+        "does not exist",
+    ),
+    case(
+        "lora-init-from-not-peft",
+        ["actor.lora.rank=8", "actor.lora.init_from=configs"],
+        "actor.lora.init_from",
+        "without it",
+    ),
     case("seed-negative", ["seed=-1"], "seed", "numpy's seed range"),
     case("seed-too-big", ["seed=1099511627776"], "seed", "1099511627776"),
     case("name-with-space", ["experiment_name=my run"], "experiment_name", "'my run'"),
