@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.ppo import MegatronPPOActor, replayed_truncation
+from megarl.api import context as workflow_context
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config import GRPOConfig, save_config
 from megarl.config.train import TrainEngineConfig
@@ -295,6 +296,7 @@ def build(config: GRPOConfig) -> Trainer:
     total_steps = steps_per_epoch * config.total_train_epochs
     if config.total_train_steps is not None:
         total_steps = min(total_steps, config.total_train_steps)
+    workflow_context.set_run_length(total_steps, steps_per_epoch)  # a reward's trainer_state.max_steps, epoch
     actor.initialize(ft_spec=total_steps)
     ref = build_ref(config, parallel)
     critic = build_critic(config, parallel, total_steps)

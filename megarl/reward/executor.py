@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import multiprocessing
 import signal
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 from megarl.api import context as workflow_context
 from megarl.config.rollout import RewardConfig
 from megarl.reward.base import ScoredReward
+from megarl.reward.call import LOGGED_PREFIX, TrainerState, episode_trainer_state, reward_call
 from megarl.reward.failures import RewardFailure, RewardFailures, as_reward, describe_call
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
@@ -47,26 +49,41 @@ def _alarm(signum, frame):
     raise _RewardTimeout
 
 
-def _call_reward(
-    reward_fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float
-) -> ScoredReward | RewardFailure:
-    """Worker side: call ``reward_fn`` under a ``timeout`` alarm; a reward, or what went wrong (never raises).
+def call_reward(
+    reward_fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float, trainer_state: TrainerState
+) -> tuple[ScoredReward | RewardFailure, dict[str, list[float]]]:
+    """Worker side: call ``reward_fn`` under a ``timeout`` alarm at ``trainer_state``; a reward, or what
+    went wrong (never raises), and the numbers it logged (:mod:`megarl.reward.call`). The config check
+    makes the same call in its own process.
 
     The clock starts when the worker starts the call, so a cold pool (spawned workers
     importing the trainer's modules, seconds on a busy machine) costs no reward.
     """
+    with reward_call(trainer_state) as call, _alarm_after(timeout):
+        try:
+            value = reward_fn(*args, **kwargs)
+        except _RewardTimeout:
+            return RewardFailure("timeout"), dict(call.logged)
+        except Exception as e:  # noqa: BLE001 -- the user's code: reported to the parent with its traceback
+            trace = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+            return RewardFailure("raised", trace), dict(call.logged)
+    return as_reward(value), dict(call.logged)
+
+
+@contextlib.contextmanager
+def _alarm_after(timeout: float) -> Iterator[None]:
+    """``_RewardTimeout`` in the block after ``timeout`` seconds (no alarm off the main thread: signals
+    reach only the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        value = reward_fn(*args, **kwargs)
-    except _RewardTimeout:
-        return RewardFailure("timeout")
-    except Exception as e:  # noqa: BLE001 -- the user's code: reported to the parent with its traceback
-        return RewardFailure("raised", "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)))
+        yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    return as_reward(value)
 
 
 def _import_reward(reward_fn: Callable[..., Any]) -> None:
@@ -162,14 +179,16 @@ class AsyncRewardWrapper:
 
     async def __call__(self, *args: Any, **kwargs: Any) -> ScoredReward:
         with _REWARD_CALLS.track(self.name, workflow_context.get().task_id):
-            result = await self._score(*args, **kwargs)
+            result, logged = await self._score(*args, **kwargs)
+        _record_logged(logged)
         reward = self.failures.record(result, describe_call(args, kwargs))  # raises when the function is broken
         self._record(reward.outcome)
         return reward
 
-    async def _score(self, *args: Any, **kwargs: Any) -> ScoredReward | RewardFailure:
+    async def _score(self, *args: Any, **kwargs: Any) -> tuple[ScoredReward | RewardFailure, dict[str, list[float]]]:
         executor = self._get_executor()
-        call = functools.partial(_call_reward, self.reward_fn, args, kwargs, self.timeout_seconds)
+        state = episode_trainer_state()
+        call = functools.partial(call_reward, self.reward_fn, args, kwargs, self.timeout_seconds, state)
         try:
             future = asyncio.get_running_loop().run_in_executor(executor, call)
             return await asyncio.wait_for(future, self.timeout_seconds + self.startup_grace_seconds)
@@ -180,11 +199,11 @@ class AsyncRewardWrapper:
                 self.timeout_seconds + self.startup_grace_seconds,
             )
             self._replace_executor(executor)
-            return RewardFailure("timeout")
+            return RewardFailure("timeout"), {}
         except BrokenProcessPool as e:
             logger.warning("reward worker died (%s); scoring 0", e)
             self._replace_executor(executor)
-            return RewardFailure("crashed", str(e))
+            return RewardFailure("crashed", str(e)), {}
 
     def _record(self, outcome: str) -> None:
         true = torch.ones(1, dtype=torch.bool)
@@ -202,6 +221,13 @@ class AsyncRewardWrapper:
 
     def __getstate__(self):
         raise TypeError("AsyncRewardWrapper holds a process pool and cannot be pickled")
+
+
+def _record_logged(logged: dict[str, list[float]]) -> None:
+    """What a reward call logged, in the caller's stats scope: each value under ``reward/logged/<name>``."""
+    for name, values in logged.items():
+        for value in values:
+            stats_tracker.scalar(**{LOGGED_PREFIX + name: value})
 
 
 _REWARD_CALLS = InFlight("reward call(s) running")  # of this process, by reward function

@@ -171,7 +171,9 @@ class EpisodeRunner:
     # ------------------------------------------------------------------ one episode
 
     async def _run_task(self, task: Task) -> None:
-        ctx = workflow_context.WorkflowContext(is_eval=task.is_eval, task_id=task.task_id)
+        ctx = workflow_context.WorkflowContext(
+            is_eval=task.is_eval, task_id=task.task_id, version=self.engine.get_version()
+        )
         scope = "eval-rollout" if task.is_eval else "rollout"
         traj, error = None, None
         start = time.perf_counter()

@@ -22,6 +22,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import re
 import sys
 import tempfile
@@ -40,6 +41,9 @@ from megarl.config.train import BUILTIN_LOSSES, USER_LOSS_CALL
 from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
 from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row_mapper
 from megarl.models.lora import PEFT_CONFIG
+from megarl.reward.call import TrainerState
+from megarl.reward.executor import call_reward
+from megarl.reward.failures import RewardFailure
 from megarl.run.open_files import check_open_files
 from megarl.utils.logging import is_rank0
 from megarl.utils.plugins import accepted_parameters, import_plugin, locate_plugin, signature_problem
@@ -133,7 +137,7 @@ class Prelaunch:
         if isinstance(config, GRPOConfig):
             _check_models(config)
             _check_adapter_start(config.actor.lora.init_from, multi_node)
-            _check_reward(config.reward_fn, row)
+            _check_reward(config.reward_fn, row, config.reward.timeout_seconds)
             # several nodes: this may be a login node; each trainer rank refuses on its own node (megarl.train)
             check_open_files(config, refuse=not multi_node)
 
@@ -220,10 +224,11 @@ REWARD_ROLES = dict(
 )
 
 
-def _check_reward(reward_fn: str, row: dict | None) -> None:
+def _check_reward(reward_fn: str, row: dict | None, timeout: float) -> None:
     """The reward takes the call the run makes: ``fn(prompt, completions, prompt_ids, completion_ids,
     **row)`` with the dataset's first row (when it can be read here), so a row column that lands on one
-    of its four positional parameters is refused here, naming both, not at every call."""
+    of its four positional parameters is refused here, naming both, not at every call; then it is
+    called so (:func:`_check_reward_call`)."""
     fn = import_plugin(reward_fn, "reward_fn")
     expected = "expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float"
     positional = _positional_names(fn)
@@ -241,6 +246,42 @@ def _check_reward(reward_fn: str, row: dict | None) -> None:
     args, kwargs = ("prompt", "completion", [], []), dict(row or {})
     problem = signature_problem(fn, args, kwargs, partial=row is None)
     require(problem is None, "reward_fn", reward_fn, f"{expected}: {problem}")
+    if row is not None:
+        _check_reward_call(reward_fn, fn, row, timeout)
+
+
+def _check_reward_call(reward_fn: str, fn: Callable, row: dict, timeout: float) -> None:
+    """Call the reward once on the dataset's first row, as a reward worker would: sent through pickle,
+    under its timeout, at ``trainer_state`` global step 0 (max_steps 0: the run's length is not known
+    yet). No server has generated a completion yet, so the prompt is the row's messages as text and
+    the completion a stand-in: the row's ``answer`` as text, with no token ids. Refused: a reward that
+    cannot be sent, raises, or returns no finite number; one past its timeout is only warned about."""
+    try:
+        sent = pickle.loads(pickle.dumps(fn))
+    except Exception as e:  # noqa: BLE001 -- whatever pickle raises, the reward cannot reach the workers
+        raise ConfigError(
+            "reward_fn", f"{reward_fn!r} cannot be sent to the reward worker processes (pickle): {e!r}"
+        ) from None
+    completion = str(row.get("answer", ""))
+    args = (_stand_in_prompt(row), completion, [], [])
+    result, _ = call_reward(sent, args, dict(row), timeout, TrainerState())
+    called = f"called on the dataset's first row with the stand-in completion {completion!r:.60}"
+    if isinstance(result, RewardFailure) and result.kind == "timeout":
+        logger.warning("reward_fn %s ran past reward.timeout_seconds=%g s when %s", reward_fn, timeout, called)
+    elif isinstance(result, RewardFailure):
+        what = (
+            "it raised:\n" + result.detail.rstrip()
+            if result.kind == "raised"
+            else f"it returned {result.detail}, not a finite number"
+        )
+        raise ConfigError("reward_fn", f"{reward_fn!r} failed when {called}: {what}")
+
+
+def _stand_in_prompt(row: dict) -> str:
+    """The row's chat as text, one message a line (the run passes the chat-templated prompt)."""
+    messages = row.get("messages")
+    turns = messages if isinstance(messages, list) else []
+    return "\n".join(str(turn.get("content", "")) for turn in turns if isinstance(turn, dict))
 
 
 def _positional_names(fn) -> list[str]:

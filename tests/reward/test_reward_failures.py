@@ -72,7 +72,7 @@ def test_a_function_raising_on_every_call_stops_at_its_first_calls(wrapper):
     text = str(results[-1])
     assert f"reward function {__name__}.user_reward failed on each of its first {FIRST_CALLS} calls" in text, text
     assert "Traceback (most recent call last)" in text and "in _lookup" in text and "KeyError: 'expected'" in text
-    assert "_call_reward" not in text, "the worker's own frame is not the user's concern"
+    assert "in call_reward" not in text, "the worker's own frame is not the user's concern"
     assert f"task {FIRST_CALLS - 1}; row {{do='raise', answer='42', question_id={FIRST_CALLS - 1}}}" in text, text
     assert "What is 17 + 25? Reply with digits only." in text, text
     stats = stats_tracker.export(local=True)
