@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import json
 from typing import Any
 
 from megarl.serving.control_loop import control_loop
 from megarl.serving.http import ServerControlError, http_json, http_ok
+from megarl.utils import json_codec
 
 __all__ = ["ServerControl", "ServerControlError", "http_json"]
 
@@ -95,7 +95,7 @@ class ServerControl(abc.ABC):
     async def _ajson(self, route: str, payload: Any = None, method: str = "POST") -> Any:
         """``method`` ``route`` with the JSON ``payload`` over the control loop's connections (call on that
         loop); the decoded JSON reply. :class:`ServerControlError` names why it failed (within :attr:`timeout`)."""
-        body = None if payload is None else json.dumps(payload).encode()
+        body = None if payload is None else json_codec.dumps(payload)
         deadline = asyncio.get_running_loop().time() + self.timeout
         try:
             reply = (
@@ -108,7 +108,7 @@ class ServerControl(abc.ABC):
         if reply.status != 200:
             raise ServerControlError(self.address, route, f"HTTP {reply.status}: {reply.text[:400]}")
         try:
-            return json.loads(reply.body)
+            return json_codec.loads(reply.body)
         except ValueError:
             raise ServerControlError(self.address, route, f"reply is not JSON: {reply.body[:400]!r}") from None
 

@@ -58,6 +58,7 @@ from megarl.serving.control import ServerControl, ServerControlError
 from megarl.serving.http import SERVER_KEEPALIVE_S, MalformedResponseError, http_json
 from megarl.serving.kept_http import KeptConnections
 from megarl.serving.launch import LaunchSpec
+from megarl.utils import json_codec
 from megarl.utils.auth import api_key, unguarded_env
 from megarl.utils.hardware import concrete_dtype
 
@@ -366,7 +367,7 @@ class VLLMControl(ServerControl):
         """The whole update in one call (:data:`UPDATE_ROUTE`) over the control loop's ``connections``:
         ``on_paused()`` once the server has paused and started the update (its workers receive next);
         returns once it committed ``version`` (and, with ``resume``, generates again)."""
-        body = json.dumps({"mode": mode, "path": path, "version": version, "resume": resume}).encode()
+        body = json_codec.dumps({"mode": mode, "path": path, "version": version, "resume": resume})
         committed = False
 
         def on_line(line: bytes) -> None:
@@ -486,7 +487,7 @@ def running_requests(address: str) -> int | None:
 def _update_message(address: str, line: bytes) -> dict:
     """One line of :data:`UPDATE_ROUTE`'s reply, a JSON object."""
     try:
-        message = json.loads(line)
+        message = json_codec.loads(line)
     except ValueError:
         message = None
     if not isinstance(message, dict):
