@@ -1,8 +1,11 @@
 """megarl: asynchronous RL for LLMs (GRPO, PPO) on Megatron-Core.
 
 The fused CUDA kernels in ``csrc/`` are built here when a CUDA toolkit and a CUDA
-build of torch are present; otherwise ``megarl.kernels`` JIT-loads them on first
-use on a GPU and falls back to the chunked torch reference on CPU.
+build of torch are present in the build's environment: only with
+``pip install --no-build-isolation`` (pip's isolated build has no torch; install
+``setuptools>=70`` and ``wheel`` first, pyproject.toml's build requirements).
+Otherwise ``megarl.kernels`` JIT-loads them on first use on a GPU and falls back
+to the chunked torch reference on CPU.
 """
 
 import os

@@ -232,8 +232,8 @@ class WatchdogConfig:
     phase_budget_s: dict[str, float] = field(default_factory=dict)
     """Fixed budgets of named phases, instead of the rule above, e.g. ``{build: 3600}`` where loading
     the model takes long, or ``{save: 7200}`` for large checkpoints. Trainer phases: ``build``,
-    ``rollout``, ``recompute_logp``, ``ref_logp``, ``critic_values``, ``train_step``, ``critic_train``,
-    ``update_weights``, ``save``."""
+    ``rollout``, ``sleep_servers`` (colocated placement), ``recompute_logp``, ``ref_logp``, ``critic_values``,
+    ``train_step``, ``critic_train``, ``update_weights``, ``save``."""
     silent_s: float = 120.0
     """A process whose heartbeat was not refreshed for this long is reported as not responding."""
     interval_s: float = 5.0
