@@ -281,7 +281,8 @@ def _first_passing(device: torch.device, name: str, candidates: list[str]) -> tu
 def _choose(device: torch.device) -> KernelPath:
     choice, name = _mainloop_choice(), _device_name(device)
     if (name, choice) in _PATHS:
-        return _PATHS[name, choice]
+        _ACTIVE[name] = _PATHS[name, choice]
+        return _ACTIVE[name]
     candidates, final = _candidates(device, choice)
     found, newly_failed = _first_passing(device, name, candidates)
     if choice != "auto" and found.check is None:

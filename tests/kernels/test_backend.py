@@ -66,6 +66,20 @@ def test_sm80_mainloop_needs_no_probe(monkeypatch):
     assert checked == ["sm80"]
 
 
+def test_active_path_follows_the_mainloop_each_call_takes(monkeypatch):
+    """Alternating MEGARL_CUDA_MAINLOOP (as a benchmark does per row): each call's path is the one
+    reported, also when it comes from the cache of paths already chosen."""
+    monkeypatch.setattr(_cuda, "_sm90_available", lambda index: True)
+    for cache in ("_CHECKS", "_PATHS", "_ACTIVE"):
+        monkeypatch.setattr(_cuda, cache, {})
+    monkeypatch.setattr(_cuda, "_self_check", lambda device, m: CheckResult(m, 0.0, "dz", 0.0))
+    device = torch.device("cpu")
+    for mainloop in ("sm90", "sm80", "sm90", "sm80"):
+        monkeypatch.setenv("MEGARL_CUDA_MAINLOOP", mainloop)
+        assert _cuda.kernel_path(device) == mainloop
+        assert _cuda.active_path(device) == mainloop
+
+
 def test_extra_build_flags_reach_the_jit_build(monkeypatch):
     """MEGARL_CXX_FLAGS / MEGARL_NVCC_FLAGS (e.g. a longer mbarrier time-out for a debugger) are
     split as a shell would and appended to the JIT build's flags."""
