@@ -79,7 +79,8 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
 
 
 # --------------------------------------------------------------------------------------
-# Auth (megarl.utils.auth): a server's launch spec needs the run's key (or insecure=True).
+# Auth (megarl.utils.auth): a server's launch spec takes the run's key (or insecure=True; on loopback without
+# either, a key made for the process).
 # --------------------------------------------------------------------------------------
 
 

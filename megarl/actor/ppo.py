@@ -58,6 +58,11 @@ __all__ = [
 ]
 
 
+SERVER_CALLS = ("connect_engine", "prepare_batch", "update_weights")
+"""AReaL's actor calls that reach the servers: :class:`megarl.run.actor.PPOActor` has them (a floor above this
+one), not this actor."""
+
+
 class MegatronPPOActor(MegatronEngine):
     """The policy: a MegatronEngine with the PPO / GRPO algorithm on top."""
 
@@ -65,6 +70,12 @@ class MegatronPPOActor(MegatronEngine):
         super().__init__(config)
         self.config: PPOActorConfig = config
         self.gap = GapMeter()
+
+    def __getattr__(self, name: str):
+        """Only for names not found otherwise: the server calls point to the actor that has them."""
+        if name in SERVER_CALLS:
+            raise AttributeError(server_call_moved(type(self).__name__, name))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def initialize(self, addr: str | None = None, ft_spec=None, parallel=None) -> None:
         super().initialize(addr, ft_spec, parallel)
@@ -312,3 +323,14 @@ def _rows(data: dict, rows: list[int], n_rows: int) -> dict:
 
 def _where(rows: torch.Tensor) -> list[int]:
     return rows.nonzero().flatten().tolist()
+
+
+def server_call_moved(actor: str, call: str) -> str:
+    """Why ``actor`` has no ``call`` (one of :data:`SERVER_CALLS`), and which actor to build instead."""
+    return (
+        f"{actor} has no {call}(): it stands below the servers. AReaL's calls that reach them "
+        f"({', '.join(SERVER_CALLS)}) are on megarl.run.actor.PPOActor, this actor with the weight sync and "
+        "the rollout batches, whose other calls are the same: build it instead, "
+        "`from megarl.run.actor import PPOActor; actor = PPOActor(config=config.actor)` "
+        "(docs/name-mapping.md, AReaL's imports and calls)"
+    )

@@ -45,7 +45,8 @@ def server_spec(
     insecure: bool = False,
 ) -> LaunchSpec:
     """The launch spec of server ``index`` of ``config``'s inference part (``joined``: one more, beyond it),
-    guarded by ``$MEGARL_API_KEY`` (``insecure``: without one, open to anyone who reaches ``host``)."""
+    guarded by ``$MEGARL_API_KEY`` (``insecure``: without one, open to anyone who reaches ``host``; without
+    either, on loopback a key made for this process, elsewhere a ``ValueError``)."""
     inference = config.allocation.inference
     if inference is None:
         raise ValueError(f"allocation_mode {config.allocation_mode!r} has no inference part to serve")

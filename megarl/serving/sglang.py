@@ -46,7 +46,7 @@ from megarl.serving.control import ServerControl, ServerControlError
 from megarl.serving.http import MalformedResponseError, http_json
 from megarl.serving.init_specs import worker_specs
 from megarl.serving.launch import LaunchSpec
-from megarl.utils.auth import api_key, unguarded_env
+from megarl.utils.auth import api_key, server_guard_env
 from megarl.utils.hardware import concrete_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -178,8 +178,9 @@ def sglang_launch_spec(
     it shares them with the trainer and releases its memory while the trainer computes; ``lora_rank`` > 0:
     it serves the trainer's LoRA adapters of that rank, loaded at run time (adapter weight sync).
 
-    It is guarded by this process's ``$MEGARL_API_KEY``; without one, ``insecure`` must say that it serves
-    every route (its weight-update routes included) to anyone who reaches ``host``, else a ``ValueError``."""
+    It is guarded by this process's ``$MEGARL_API_KEY``; without one, ``insecure`` says that it serves every
+    route (its weight-update routes included) to anyone who reaches ``host``. Without either: on loopback a
+    key made for this process (:func:`~megarl.utils.auth.server_guard_env`), elsewhere a ``ValueError``."""
     cmd = [
         sys.executable,
         "-m",
@@ -215,7 +216,7 @@ def sglang_launch_spec(
     if lora_rank > 0:  # every linear may carry an adapter; the newest two versions (and base) in a batch
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--lora-target-modules", "all"]
         cmd += ["--max-loras-per-batch", "3", "--max-loaded-loras", "3"]
-    env = unguarded_env(host, insecure, f"SGLang server {replica}")
+    env = server_guard_env(host, insecure, f"SGLang server {replica}")
     if api_key():
         cmd += ["--api-key", api_key()]  # all but /health*, /ready*, /metrics (no env variable)
     if devices is not None:

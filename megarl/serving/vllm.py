@@ -59,7 +59,7 @@ from megarl.serving.http import SERVER_KEEPALIVE_S, MalformedResponseError, http
 from megarl.serving.kept_http import KeptConnections
 from megarl.serving.launch import LaunchSpec
 from megarl.utils import json_codec
-from megarl.utils.auth import api_key, unguarded_env
+from megarl.utils.auth import api_key, server_guard_env
 from megarl.utils.hardware import concrete_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -243,7 +243,8 @@ def vllm_launch_spec(
         routed_experts: It reports each token's routed experts (``rollout.return_routed_experts``, MoE;
             CUDA only: vLLM's Model Runner V2 returns them, which needs Triton and prefix caching).
         insecure: Without ``$MEGARL_API_KEY``, serve every route to anyone who reaches ``host``
-            (``megarl serve --insecure``); without either, a ``ValueError``.
+            (``megarl serve --insecure``). Without either: on loopback a key made for this process
+            (:func:`~megarl.utils.auth.server_guard_env`), elsewhere a ``ValueError``.
     """
     cmd = [
         sys.executable,
@@ -313,7 +314,7 @@ def vllm_launch_spec(
         "--middleware",
         "megarl.utils.auth.RequireApiKey",
     ]
-    env.update(unguarded_env(host, insecure, f"vLLM server {replica}"))
+    env.update(server_guard_env(host, insecure, f"vLLM server {replica}"))
     if api_key():
         env["VLLM_API_KEY"] = api_key()  # vLLM's own check of /v1, from the environment (not on the command line)
     cmd += WEIGHT_TRANSFER_ARGS + list(config.extra_args)

@@ -11,7 +11,8 @@ development routes megarl needs (``/pause``, ``/resume``, the weight-update rout
 ``/collective_rpc``), so vLLM servers also load :class:`RequireApiKey` (``--middleware``), which
 guards every route but ``/health``. A server runs without a key only when told so in so many words
 (``megarl serve --insecure``, ``insecure=True`` of the launch specs: :func:`unguarded_env`); a
-server without a key that was not told so refuses every guarded route.
+server without a key that was not told so refuses every guarded route. A server launched from library code
+on loopback in a process without a key gets a key made for that process (:func:`server_guard_env`).
 """
 
 from __future__ import annotations
@@ -116,21 +117,43 @@ def _read_key(path: Path) -> str:
     return key
 
 
-def unguarded_env(host: str, insecure: bool, server: str) -> dict[str, str]:
-    """The environment of a server launched at ``host`` without a key, or a ``ValueError`` saying why it
-    must not be: it needs ``insecure`` (``megarl serve --insecure``). Empty when this process has a key."""
+def server_guard_env(host: str, insecure: bool, server: str) -> dict[str, str]:
+    """The environment that guards a server this process launches at ``host``; a ``ValueError`` when none may.
+
+    With this process's key: the key guards it (empty; the launch spec hands the key over). Without one:
+    ``insecure`` serves every route without a key (:func:`unguarded_env`); on loopback a key is made for this
+    process (:func:`make_process_key`), which its clients and the processes it starts afterwards send;
+    on an address other machines reach, its clients there need the key too: refused, saying how to pass one.
+    """
     if api_key():
         return {}
-    if not insecure:
-        where = "" if is_loopback(host) else f" on {host}, an address other machines can reach,"
-        raise ValueError(
-            f"refusing to start {server}{where} without an API key: anyone who reaches it could pause it, "
-            f"run code in its workers (/collective_rpc) and replace its weights. Set ${API_KEY_ENV} (megarl "
-            f"serve makes one in {{run_dir}}/{KEY_FILE} by itself), or pass --insecure to serve without a key"
-        )
+    if insecure:
+        return unguarded_env(host, server)
+    if is_loopback(host):
+        make_process_key(server)
+        return {}
+    raise ValueError(
+        f"refusing to start {server} on {host}, an address other machines can reach, without an API key: anyone "
+        f"who reaches it could pause it, run code in its workers (/collective_rpc) and replace its weights. Set "
+        f"${API_KEY_ENV} to the key its clients send (megarl serve makes one in {{run_dir}}/{KEY_FILE} by itself), "
+        "or serve without a key: insecure=True of the launch spec (vllm_launch_spec, sglang_launch_spec, "
+        "server_spec), --insecure of megarl serve"
+    )
+
+
+def make_process_key(server: str) -> str:
+    """A fresh key in this process's ``$MEGARL_API_KEY``: the servers it launches, its clients (made after
+    this) and the processes it starts afterwards share it."""
+    os.environ[API_KEY_ENV] = secrets.token_urlsafe(32)
+    logger.info("%s: made an API key for this process in $%s, which its clients send", server, API_KEY_ENV)
+    return api_key()
+
+
+def unguarded_env(host: str, server: str) -> dict[str, str]:
+    """The environment of a server launched at ``host`` without a key on purpose (``insecure``)."""
     if not is_loopback(host):
         logger.warning(
-            "%s on %s without an API key (--insecure): every route, /collective_rpc and the weight-update "
+            "%s on %s without an API key (insecure): every route, /collective_rpc and the weight-update "
             "routes included, is open to anyone who reaches that address",
             server,
             host,
@@ -173,7 +196,8 @@ class RequireApiKey:
         if self._digest is None:
             return (
                 f"Unauthorized: this server was started without an API key (${API_KEY_ENV}); restart it with "
-                "one, or with --insecure to serve without"
+                "one, or without one on purpose: insecure=True of the launch spec (vllm_launch_spec, "
+                "sglang_launch_spec, server_spec), --insecure of megarl serve"
             )
         return f"Unauthorized: this server needs the run's API key (${API_KEY_ENV})"
 

@@ -139,6 +139,21 @@ def test_the_actor_says_to_connect_before_a_weight_update():
         actor.prepare_batch(None)
 
 
+@pytest.mark.parametrize("call", ["connect_engine", "prepare_batch", "update_weights"])
+def test_the_actor_below_the_servers_names_the_one_with_the_server_calls(call):
+    """A port written when the documented actor was ``megarl.actor.ppo.MegatronPPOActor``."""
+    from megarl.actor.ppo import MegatronPPOActor
+
+    actor = MegatronPPOActor.__new__(MegatronPPOActor)
+    with pytest.raises(AttributeError, match=rf"MegatronPPOActor has no {call}\(\).*megarl\.run\.actor\.PPOActor"):
+        getattr(actor, call)
+    with pytest.raises(AttributeError, match=r"actor = PPOActor\(config=config\.actor\)"):
+        getattr(actor, call)
+    with pytest.raises(AttributeError, match="'MegatronPPOActor' object has no attribute 'no_such_call'"):
+        actor.no_such_call  # noqa: B018 -- any other missing name: the usual error
+    assert all(callable(getattr(actor, c)) for c in ("compute_logp", "ppo_update", "set_version"))
+
+
 @pytest.mark.parametrize("old_file,new", sorted(MOVED.items()))
 def test_an_old_path_gives_the_moved_names_with_a_deprecation_warning(old_file, new):
     old = _module_of(old_file)

@@ -212,7 +212,7 @@ def test_a_server_without_a_key_on_a_routable_address_is_refused_before_it_start
     with pytest.raises(ValueError, match="on 192.0.2.9, an address other machines can reach, without an API key"):
         serve(config, 0, [0], 8000, None)
     assert not (config.run_dir / "logs").exists(), "nothing started"
-    with pytest.raises(ValueError, match=f"Set \\${API_KEY_ENV} .* or pass --insecure"):
+    with pytest.raises(ValueError, match=f"Set \\${API_KEY_ENV} .* insecure=True of the launch spec"):
         sglang_launch_spec(SGLangConfig(), "/m", "192.0.2.9", 30000, devices=[0])
     spec = sglang_launch_spec(SGLangConfig(), "/m", "192.0.2.9", 30000, devices=[0], insecure=True)
     assert spec.env[INSECURE_ENV] == "1" and "--api-key" not in spec.cmd

@@ -64,6 +64,17 @@ def test_vllm_dev_mode_server_without_a_key_only_when_told_insecure(monkeypatch)
     assert "megarl.utils.auth.RequireApiKey" in spec.cmd  # it still answers /health only without INSECURE_ENV
 
 
+def test_a_server_from_library_code_on_loopback_is_guarded_by_a_key_made_for_the_process(monkeypatch):
+    """As a notebook starts one: no launcher, no key set, no ``insecure``."""
+    from megarl.utils.auth import API_KEY_ENV, INSECURE_ENV, auth_headers
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    spec = vllm_launch_spec(VLLMConfig(), "/m", "127.0.0.1", 8000)
+    key = os.environ[API_KEY_ENV]
+    assert spec.env["VLLM_API_KEY"] == key and INSECURE_ENV not in spec.env
+    assert auth_headers() == {"Authorization": f"Bearer {key}"}  # what this process's clients send
+
+
 def test_vllm_command_tp2_cpu_and_cuda():
     cpu = vllm_launch_spec(VLLMConfig(), "/m", "127.0.0.1", 8000, tp=2)
     assert "--tensor-parallel-size 2 --distributed-executor-backend mp" in " ".join(cpu.cmd)

@@ -1,5 +1,6 @@
 """The run's key for servers started by hand (``{run_dir}/api_key``, mode 0600, or ``$MEGARL_API_KEY``) and the
-rule that a server without a key must be told ``insecure`` in so many words."""
+rule that a server without a key must be told ``insecure`` in so many words, or, launched from library code on
+loopback, gets a key made for its process."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import logging
 
 import pytest
 
-from megarl.utils.auth import API_KEY_ENV, INSECURE_ENV, KEY_FILE, api_key, server_key, unguarded_env
+from megarl.utils.auth import (
+    API_KEY_ENV,
+    INSECURE_ENV,
+    KEY_FILE,
+    api_key,
+    auth_headers,
+    server_guard_env,
+    server_key,
+)
 
 
 @pytest.fixture
@@ -38,19 +47,29 @@ def test_an_empty_key_file_is_an_error_that_says_what_to_do(tmp_path, no_key):
         server_key(tmp_path)
 
 
-def test_no_key_is_refused_unless_insecure_and_a_key_needs_nothing(monkeypatch, no_key, caplog):
+def test_no_key_off_loopback_is_refused_naming_the_library_option(no_key):
     with pytest.raises(ValueError) as refused:
-        unguarded_env("192.0.2.7", insecure=False, server="vLLM server 0")
+        server_guard_env("192.0.2.7", insecure=False, server="vLLM server 0")
     message = str(refused.value)
-    assert "on 192.0.2.7, an address other machines can reach" in message
-    assert f"${API_KEY_ENV}" in message and "--insecure" in message and "/collective_rpc" in message
-    with pytest.raises(ValueError, match="without an API key"):
-        unguarded_env("127.0.0.1", insecure=False, server="vLLM server 0")  # loopback too: insecure said aloud
+    assert "on 192.0.2.7, an address other machines can reach" in message and "/collective_rpc" in message
+    assert f"${API_KEY_ENV}" in message and "insecure=True of the launch spec" in message
+    assert api_key() == "", "no key is made for a server other machines' clients reach"
+
+
+def test_no_key_on_loopback_makes_one_for_the_process(no_key):
+    """A server launched from library code (no launcher, no key): guarded by a key this process's clients send."""
+    assert server_guard_env("127.0.0.1", insecure=False, server="vLLM server 0") == {}
+    made = api_key()
+    assert len(made) >= 32 and auth_headers() == {"Authorization": f"Bearer {made}"}
+    assert server_guard_env("127.0.0.1", insecure=False, server="vLLM server 1") == {} and api_key() == made
+
+
+def test_insecure_serves_without_a_key_and_a_key_always_guards(monkeypatch, no_key, caplog):
     with caplog.at_level(logging.WARNING, logger="megarl.utils.auth"):
-        assert unguarded_env("127.0.0.1", insecure=True, server="s") == {INSECURE_ENV: "1"}
+        assert server_guard_env("127.0.0.1", insecure=True, server="s") == {INSECURE_ENV: "1"}
         assert not caplog.records
-        assert unguarded_env("192.0.2.7", insecure=True, server="s") == {INSECURE_ENV: "1"}
-    assert "open to anyone who reaches that address" in caplog.text
+        assert server_guard_env("192.0.2.7", insecure=True, server="s") == {INSECURE_ENV: "1"}
+    assert "open to anyone who reaches that address" in caplog.text and api_key() == ""
     monkeypatch.setenv(API_KEY_ENV, "k")
-    assert unguarded_env("192.0.2.7", insecure=False, server="s") == {}
-    assert unguarded_env("192.0.2.7", insecure=True, server="s") == {}, "a key always guards"
+    assert server_guard_env("192.0.2.7", insecure=False, server="s") == {}
+    assert server_guard_env("192.0.2.7", insecure=True, server="s") == {}, "a key always guards"
