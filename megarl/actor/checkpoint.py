@@ -241,7 +241,9 @@ def _sharded_state(engine, with_optim: bool, is_loading: bool) -> dict:
         "version": engine.get_version(),
         "main_params_rounding": _main_params_rounding(engine),
         "model_parallel": [engine.parallel.alloc.pp, engine.parallel.alloc.tp],  # the layout of rng_state
-        "distributed_optimizer": engine.config.optimizer.use_distributed_optimizer,
+        # a frozen engine (no optimizer: a reference model, a conversion) has no optimizer state
+        "distributed_optimizer": engine.config.optimizer is not None
+        and engine.config.optimizer.use_distributed_optimizer,
     }
     return state
 
