@@ -142,6 +142,7 @@ class MegatronEngine:
             sequence_parallel=self.config.megatron.sequence_parallel,
             dtype=self.dtype,
             moe_dispatcher=self._moe_dispatcher(),
+            moe_aux_loss_coeff=self._moe_aux_loss_coeff(),
             recompute=self._recompute(),
             perform_initialization=self.config.init_from_scratch,
         )
@@ -185,6 +186,10 @@ class MegatronEngine:
 
     def _compute_mode(self) -> contextlib.AbstractContextManager:
         return compute_mode(self.config.emulate_bf16)
+
+    def _moe_aux_loss_coeff(self) -> float:
+        megatron = self.config.megatron
+        return megatron.moe_aux_loss_coeff if megatron.moe_router_load_balancing_type == "aux_loss" else 0.0
 
     def _moe_dispatcher(self) -> str:
         # gloo lacks what the alltoall dispatcher needs (all_to_all_single with split sizes)

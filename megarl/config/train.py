@@ -132,13 +132,17 @@ class MegatronConfig:
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "alltoall"
     """MoE token dispatcher; the CPU path forces ``allgather`` (gloo lacks what alltoall needs)."""
     moe_router_load_balancing_type: Literal["aux_loss", "none"] = "none"
-    """Router load-balancing loss during RL (usually off)."""
+    """Router load-balancing loss during RL (usually off): ``aux_loss`` adds Megatron's auxiliary loss,
+    weighted by ``moe_aux_loss_coeff``, to the gradient of the routers."""
+    moe_aux_loss_coeff: float = 1e-3
+    """Weight of the load-balancing loss under ``moe_router_load_balancing_type: aux_loss`` (Qwen3-MoE's
+    and Mixtral's ``router_aux_loss_coef`` is 0.001)."""
     use_transformer_engine: bool | None = None
     """TransformerEngine layer specs; None picks TE when installed and on GPU, except with LoRA
     (``lora.rank > 0``), which wraps Megatron's own linears and so always builds the local spec."""
 
     def check(self) -> None:
-        pass
+        require(self.moe_aux_loss_coeff >= 0, "moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must be >= 0")
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts.linear_fc1", "experts.linear_fc2")

@@ -125,13 +125,15 @@ def transformer_config(
     sequence_parallel: bool = False,
     dtype: str = "bfloat16",
     moe_dispatcher: str = "allgather",
+    moe_aux_loss_coeff: float = 0.0,
     recompute: str = "none",
     use_cpu_initialization: bool = True,
     perform_initialization: bool = False,
 ):
     """Megatron's TransformerConfig for ``desc`` under ``alloc`` (dropout off: RL recomputes logprobs).
 
-    ``sequence_parallel`` takes effect only with tensor parallelism (tp > 1).
+    ``sequence_parallel`` takes effect only with tensor parallelism (tp > 1). ``moe_aux_loss_coeff`` > 0
+    adds Megatron's router load-balancing loss (``aux_loss``) with that weight; 0 leaves it off.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -178,11 +180,11 @@ def transformer_config(
         if recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     if desc.family.moe:
-        kwargs.update(_moe_kwargs(hf, moe_dispatcher))
+        kwargs.update(_moe_kwargs(hf, moe_dispatcher, moe_aux_loss_coeff))
     return TransformerConfig(**kwargs)
 
 
-def _moe_kwargs(hf, dispatcher: str) -> dict:
+def _moe_kwargs(hf, dispatcher: str, aux_loss_coeff: float) -> dict:
     num_experts = getattr(hf, "num_experts", None) or hf.num_local_experts
     return {
         "num_moe_experts": num_experts,
@@ -191,8 +193,8 @@ def _moe_kwargs(hf, dispatcher: str) -> dict:
         # softmax over the top-k logits == renormalised top-k probabilities (norm_topk_prob)
         "moe_router_pre_softmax": not getattr(hf, "norm_topk_prob", True),
         "moe_router_score_function": "softmax",
-        "moe_router_load_balancing_type": "none",
-        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "aux_loss" if aux_loss_coeff > 0 else "none",
+        "moe_aux_loss_coeff": aux_loss_coeff,
         "moe_token_dispatcher_type": dispatcher,
         "moe_grouped_gemm": False,
         "moe_router_dtype": "fp32",
