@@ -244,6 +244,7 @@ def _drive(max_staleness: int, cluster, model_dir, tmp: Path, warmup: int, steps
             if step == warmup:
                 before, cpu_before = cluster.stats(), (_cpu_seconds([client]), _cpu_seconds(hosts))
                 lag = LoopLag(rollout.pool.loop)
+                lag.start_window()
             starts.append(time.monotonic())
             batch = coordinator.prepare_batch(loader, workflow)
             wait = time.monotonic() - starts[-1]
@@ -261,7 +262,7 @@ def _drive(max_staleness: int, cluster, model_dir, tmp: Path, warmup: int, steps
         end = time.monotonic()
         after, cpu = cluster.stats(), (_cpu_seconds([client]) - cpu_before[0], _cpu_seconds(hosts) - cpu_before[1])
     finally:
-        worst_lag = lag.stop() if lag is not None else math.nan
+        worst_lag = lag.stop()["loop_lag_ms"] / 1000 if lag is not None else math.nan
         rollout.destroy()
         trainer.destroy()
     steps_s = [b - a for a, b in zip(starts[warmup:], [*starts[warmup + 1 :], end])]

@@ -29,7 +29,9 @@ per fault of :data:`FAULTS` at :data:`FAULT_SERVERS` servers:
   gloo's copies over loopback), and of the whole process;
 * ``probe_s``: the consistency probe (every server scores 2 sequences);
 * the rollout process's peak RSS, open file descriptors and threads, the pool loop's worst and 99th
-  percentile lag (how late a 50 ms sleep on it wakes), the generation requests per second it
+  percentile lag (how late a 50 ms sleep on it wakes, in the window of the other columns: from the end
+  of the first batch, which starts the pool; ``loop_lag_p99_ms/batch``, ``/train``, ``/update``: in
+  each phase of the step), the generation requests per second it
   sustained and the CPU time it spent per request (the trainer's process: pool, coordinator, weight
   sync; ``pool_loop_cpu_ms/request``: the pool's loop thread alone), and how many cores the simulated servers took (on a small machine they compete with the
   process under test);
@@ -155,29 +157,44 @@ def row_is_clean(input_ids: list[int], logprobs: list[float], prompt_len: int) -
 
 
 class LoopLag:
-    """How late a 50 ms sleep on an event loop (another thread's) wakes, sampled until stopped."""
+    """How late a 50 ms sleep on an event loop (another thread's) wakes, sampled until stopped, each
+    sample under the step's phase (``phase``: ``batch``, ``train`` or ``update``, set by the driver);
+    samples before :meth:`start_window` (the first batch, which starts the pool) are not kept."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.lags: list[float] = []
+        self.lags: dict[str, list[float]] = {}
+        self.phase: str | None = None  # None: outside the window
         self._stop = threading.Event()
         self._future = asyncio.run_coroutine_threadsafe(self._watch(), loop)
+
+    def start_window(self) -> None:
+        self.phase = "train"
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stop.is_set():
-            start = loop.time()
+            start, phase = loop.time(), self.phase
             await asyncio.sleep(0.05)
-            self.lags.append(loop.time() - start - 0.05)
+            if phase is not None:
+                self.lags.setdefault(phase, []).append(loop.time() - start - 0.05)
 
-    def stop(self) -> tuple[float, float]:
-        """(the worst lag, the 99th percentile), in seconds."""
+    def stop(self) -> dict[str, float]:
+        """The worst lag and the 99th percentile, overall and per phase, in milliseconds."""
         self._stop.set()
         try:
             self._future.result(timeout=60)
         except concurrent.futures.TimeoutError:  # the loop is that late: the samples so far say so
             self._future.cancel()
-        lags = sorted(self.lags) or [0.0]
-        return lags[-1], lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+        every = [lag for lags in self.lags.values() for lag in lags]
+        row = {"loop_lag_ms": 1000 * max(every, default=0.0), "loop_lag_p99_ms": _p99(every)}
+        for phase, lags in self.lags.items():
+            row[f"loop_lag_p99_ms/{phase}"] = _p99(lags)
+        return row
+
+
+def _p99(lags: list[float]) -> float:
+    lags = sorted(lags) or [0.0]
+    return 1000 * lags[min(len(lags) - 1, int(0.99 * len(lags)))]
 
 
 def _trainer(model_dir: Path, rank: int = 0, heads: int = 1, port: int | None = None):
@@ -471,16 +488,20 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
         before, start, synced = None, None, None
         between_syncs = []  # (counters after a weight sync, counters before the next)
         for step in range(steps):
+            lag.phase = lag.phase and "batch"
             batch = head.batch()
             if step == 0:  # the first batch warms the pool up: the window starts here
                 before, start = cluster.stats(), time.monotonic()
                 synced = before
                 cpu_before = (_cpu_seconds([proc], children=False), _cpu_seconds(hosts), _pool_loop_cpu())
+                lag.start_window()
+            lag.phase = "train"
             head.train(batch)
             between_syncs.append((synced, cluster.stats()))
             faults.before_update(step)
             cpu_start = (_cpu_seconds([proc], children=False), _update_threads_cpu())
             sending.seconds = 0.0
+            lag.phase = "update"
             updates.append(head.update(step + 1))
             updates[-1]["process_cpu_s"] = _cpu_seconds([proc], children=False) - cpu_start[0]
             updates[-1]["send_cpu_s"] = sending.seconds
@@ -507,15 +528,14 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
         if ledgers is not None:
             dist.gather_object(mine, ledgers, dst=0)
     finally:
-        worst_lag, p99_lag = lag.stop()
+        lags = lag.stop()
         head.close()
     books = {key: sum(ledger[key] for ledger in ledgers or [mine]) for key in mine}
     row = {"fault": faults.name or "none"}
     row.update(_row(cluster, steps, before, after, seconds, cpu, updates[1:], books, peaks))
     row["connect_s"] = head.connect_s
     row["pool_share"] = _share(cluster, between_syncs)
-    row["loop_lag_ms"] = 1000 * worst_lag
-    row["loop_lag_p99_ms"] = 1000 * p99_lag
+    row.update(lags)
     row["dialect"] = cluster.dialect
     row["servers on the last version"] = sum(str(s["version"]) == str(steps) for s in after)
     row["servers hit"] = len(faults.hit)
