@@ -22,6 +22,7 @@ import os
 import pickle
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -123,8 +124,10 @@ def _rank_server() -> multiprocessing.context.BaseContext:
 
 def _forked_rank(env: dict, log: str) -> None:
     """A rank, just forked: ``env`` as its whole environment, ``log`` as its stdout and stderr, the
-    repository as its working directory; then :func:`_rank_main` and the exit handlers that a
-    process's normal exit would run (multiprocessing's children skip them)."""
+    repository as its working directory; then :func:`_rank_main` and what the interpreter runs on a
+    normal exit, which multiprocessing's children skip: the threads' exit hooks and the wait for
+    non-daemon threads (a process pool left open, e.g. the reward executor's, shuts down there),
+    then the ``atexit`` handlers."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
@@ -136,6 +139,7 @@ def _forked_rank(env: dict, log: str) -> None:
         _rank_main()
     finally:
         sys.stdout.flush()
+        threading._shutdown()
         atexit._run_exitfuncs()
 
 
