@@ -136,17 +136,22 @@ class BaseExperimentConfig:
         return Path(self.cluster.fileroot) / self.experiment_name / self.trial_name
 
 
+GROUP = 4
+"""The default GRPO group: samples per prompt (``gconfig.n_samples``, ``actor.group_size``)."""
+
+
 @dataclass
 class GRPOConfig(BaseExperimentConfig):
     """GRPO / PPO with asynchronous rollouts (AReaL's ``GRPOConfig``)."""
 
     experiment_name: str = "gsm8k-grpo"
     """Experiment name: groups trials under ``{fileroot}/{experiment_name}``."""
-    gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
-    """Sampling of training rollouts."""
+    gconfig: GenerationHyperparameters = field(default_factory=lambda: GenerationHyperparameters(n_samples=GROUP))
+    """Sampling of training rollouts (a GRPO group of :data:`GROUP` samples per prompt by default: a
+    group of one is refused, its advantages are all 0)."""
     rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
     """Inference client and rollout pool."""
-    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
+    actor: PPOActorConfig = field(default_factory=lambda: PPOActorConfig(group_size=GROUP))
     """The policy."""
     ref: TrainEngineConfig | None = None
     """Frozen reference model for the KL penalty; None uses the actor's initial weights when ``actor.kl_ctl > 0``."""
