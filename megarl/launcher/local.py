@@ -414,7 +414,11 @@ def _watch(
     while (code := proc.poll()) is None:
         if startup is not None and startup.waiting:
             startup.poll()
-        _check_servers(servers, "during training", restarts if startup is None or not startup.waiting else None)
+        starting = startup is not None and bool(startup.waiting)
+        # a server that dies while the start-up waits for it (also after this poll looked) died before it was healthy
+        _check_servers(
+            servers, "before it was healthy" if starting else "during training", None if starting else restarts
+        )
         event = watchdog.check() if watchdog is not None else None
         if event is not None:
             if relay is not None:

@@ -71,12 +71,11 @@ from megatron.core.tensor_parallel import mappings
 from megarl.models.build import ModelDesc
 from megarl.models.hf_io import ShardCoords, canonical_params, unwrap
 from megarl.models.mapping import export_from_shards, load_shard
+from megarl.models.peft_files import PEFT_CONFIG, PEFT_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
 AdapterSplit = Literal["replicated", "column", "row", "gate_up"]
-PEFT_WEIGHTS = "adapter_model.safetensors"
-PEFT_CONFIG = "adapter_config.json"
 
 
 class LoRASettings(Protocol):

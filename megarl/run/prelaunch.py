@@ -40,7 +40,7 @@ from megarl.config.run import DatasetConfig
 from megarl.config.train import BUILTIN_LOSSES, USER_LOSS_CALL
 from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
 from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row_mapper
-from megarl.models.lora import PEFT_CONFIG
+from megarl.models.peft_files import PEFT_CONFIG
 from megarl.reward.call import TrainerState
 from megarl.reward.executor import call_reward
 from megarl.reward.failures import RewardFailure
