@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from megarl.utils.event_loop import new_bounded_event_loop
+
 logger = logging.getLogger(__name__)
 
 
@@ -92,7 +94,7 @@ class LoopThread:
         self._loop.call_soon_threadsafe(fn)
 
     def _main(self, main: Callable[[], Coroutine[Any, Any, None]], started: threading.Event) -> None:
-        loop = asyncio.new_event_loop()
+        loop = new_bounded_event_loop()  # a burst of replies is spread over turns: timers stay on time
         asyncio.set_event_loop(loop)
         self._loop = loop
         self._wake = asyncio.Event()
