@@ -58,6 +58,9 @@ class UpdateRound:
         self._open: dict[str, set[str]] = {stage: {s.address for s in servers} for stage in self.answered}
         """Per stage, the servers that have neither reached it nor failed (kept as answers come: a wait
         does not go over the whole fleet at every answer)."""
+        self._began: dict[str, float] = {}
+        """Per stage, the loop time its clock started: the calls' sending (paused), the transfer's start
+        (committed: when :meth:`wait_paused` returned; receivers commit while the trainer sends)."""
         self._tasks: dict[str, asyncio.Task] = {}
         self._changed: asyncio.Event | None = None
 
@@ -67,6 +70,7 @@ class UpdateRound:
 
     async def _start(self) -> None:
         self._changed = asyncio.Event()
+        self._began[PAUSED] = asyncio.get_running_loop().time()
         connections = self.loop.connections()
         for server in self.servers:
             self._tasks[server.address] = asyncio.ensure_future(self._call(connections, server))
@@ -107,7 +111,7 @@ class UpdateRound:
 
     async def _wait(self, stage: str) -> dict[str, str]:
         loop = asyncio.get_running_loop()
-        begun = loop.time()
+        begun = self._began.setdefault(stage, loop.time())
         while self._open[stage]:
             limit = stage_deadline(self.answered[stage], len(self.servers), self.config, since=begun)
             left = begun + limit - loop.time()
@@ -119,6 +123,8 @@ class UpdateRound:
                 await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
                 pass
+        if stage == PAUSED:
+            self._began[COMMITTED] = loop.time()  # the transfer starts now
         return dict(self.failed)
 
     def _expire(self, stage: str, limit: float, begun: float) -> None:

@@ -7,6 +7,7 @@ code (``megarl.serving.vllm_route.update_lines``) over steps whose timing each t
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -135,6 +136,22 @@ def test_a_slow_receiver_is_evicted_at_its_relative_deadline_not_the_cap():
     slow = servers.addresses[-1]
     assert list(failed) == [slow] and "not committed within 1.0s" in failed[slow]
     assert seconds < 10.0, f"the slow server held the update {seconds:.1f}s (relative deadline 1 s)"
+
+
+def test_the_commit_deadline_counts_from_the_transfers_start():
+    """Receivers commit while the trainer sends (here a 1 s transfer): their answers count from the
+    transfer's start, so the median the eviction names is theirs (0.3 s), where counting from the wait's
+    start made every answer before it 0 s ("4x the median 0.00s")."""
+    servers = Servers([Behaviour(receive_s=0.3) for _ in range(7)] + [Behaviour(receive_s=30.0)])
+    config = _config(update_timeout=600.0, straggler_floor_s=1.5, straggler_factor=4.0)
+    rnd = UpdateRound([VLLMControl(a, tp=1) for a in servers.addresses], "disk", "/tmp/unused", 1, config)
+    rnd.start()
+    rnd.wait_paused()
+    time.sleep(1.0)  # the transfer
+    failed = rnd.wait_committed()
+    slow = servers.addresses[-1]
+    median = float(re.search(r"4x the median ([0-9.]+)s", failed[slow])[1])
+    assert list(failed) == [slow] and 0.25 <= median <= 0.9, failed[slow]
 
 
 def test_a_server_whose_update_route_hangs_is_evicted_and_named():
