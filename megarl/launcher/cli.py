@@ -117,7 +117,11 @@ def _cmd_models(args: argparse.Namespace, console: Console) -> int:
 
 
 def _load(args: argparse.Namespace) -> GRPOConfig:
-    argv = [a for path in args.config for a in ("--config", path)] + args.overrides
+    # `megarl run EXPERIMENT.yaml [PRESET.yaml ...] key=value`: leading YAML files are configs, in order
+    files = []
+    while args.overrides and args.overrides[0].endswith((".yaml", ".yml")) and "=" not in args.overrides[0]:
+        files.append(args.overrides.pop(0))
+    argv = [a for path in files + args.config for a in ("--config", path)] + args.overrides
     config, rest = load_expr_config(argv, GRPOConfig)
     if rest:
         raise ConfigError("", f"unexpected arguments {rest}; overrides are key.path=value")
@@ -241,18 +245,19 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
-    # `megarl run EXPERIMENT.yaml [PRESET.yaml ...] key=value`: leading YAML files are configs, in order
-    files = []
-    while args.overrides and args.overrides[0].endswith((".yaml", ".yml")) and "=" not in args.overrides[0]:
-        files.append(args.overrides.pop(0))
-    args.config = files + args.config
     config = _load(args)  # every config error before any process starts
 
-    from megarl.launcher.local import check_local, run_local
+    from megarl.launcher.local import check_local, run_local, server_specs, startup_lines
     from megarl.serving.launch import ServerLaunchError
     from megarl.utils.logging import close_log_file, setup_logging
 
-    check_local(config)  # placement errors too before anything is written
+    plan = check_local(config)  # placement errors too before anything is written
+    if args.check:
+        server_specs(config, plan)  # each server's command line builds
+        for line in startup_lines(config, plan):
+            console.print(f"megarl: {line}", markup=False, highlight=False)
+        console.print("megarl run --check: the config checks out; nothing was started", markup=False)
+        return 0
     log_file = config.run_dir / "logs" / "launcher.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     setup_logging("INFO", log_file=str(log_file), console_level="INFO" if config.launcher.verbose else "WARNING")
@@ -269,6 +274,9 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         close_log_file()
 
 
+CONFIG_ARGS_HELP = "CONFIG.yaml files (an experiment, then e.g. a parallel preset), then key.path=value overrides"
+
+
 def _add_config_args(parser: argparse.ArgumentParser, overrides_help: str = "key.path=value overrides") -> None:
     parser.add_argument("--config", action="append", default=[], help="YAML file (repeatable; later files win)")
     parser.add_argument("overrides", nargs="*", help=overrides_help)
@@ -280,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="load, validate and print an experiment config")
     config.add_argument("--save", action="store_true", help="also write it to {fileroot}/{experiment}/{trial}")
-    _add_config_args(config)
+    _add_config_args(config, CONFIG_ARGS_HELP)
     config.set_defaults(func=_cmd_config)
 
     alloc = sub.add_parser("allocation", help="parse and check an allocation_mode string")
@@ -324,13 +332,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--requeue", action="store_true", help="let Slurm requeue the job; it resumes (recover.mode=auto)"
     )
     slurm.add_argument("--output", help="where to write the script (default {run_dir}/job.sbatch)")
-    _add_config_args(slurm)
+    _add_config_args(slurm, CONFIG_ARGS_HELP)
     slurm.set_defaults(func=_cmd_slurm)
 
     run = sub.add_parser("run", help="run an experiment on this machine: inference servers, then the trainer")
-    _add_config_args(
-        run, "CONFIG.yaml files (an experiment, then e.g. a parallel preset), then key.path=value overrides"
+    run.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config and where each process would go on this machine, print what would start, and "
+        "exit without starting or writing anything",
     )
+    _add_config_args(run, CONFIG_ARGS_HELP)
     run.set_defaults(func=_cmd_run)
 
     watchdog = sub.add_parser(

@@ -39,6 +39,20 @@ def test_config_save_writes_run_dir(tmp_path, capsys):
     assert (tmp_path / "gsm8k-grpo-cpu" / "trial0" / "config.yaml").is_file()
 
 
+def test_config_takes_leading_yaml_files_as_run_does(capsys):
+    assert main(["config", CPU_YAML, "gconfig.n_samples=7"]) == 0
+    assert "n_samples: 7" in capsys.readouterr().out
+
+
+def test_run_check_checks_and_starts_and_writes_nothing(tmp_path, capsys):
+    assert main(["run", "--check", CPU_YAML, f"cluster.fileroot={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "1 vllm server(s) of TP 1" in out and "nothing was started" in out
+    assert list(tmp_path.iterdir()) == []
+    assert main(["run", "--check", CPU_YAML, "launcher.trainer_entry=nowhere.py"]) == 2  # the launch's own checks
+    assert "launcher.trainer_entry 'nowhere.py' is not a file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
