@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 from aiohttp import web
 
+from megarl.bridge import update_round
 from megarl.bridge.update_round import UpdateRound, stage_deadline
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.serving.vllm import UPDATE_ROUTE, VLLMControl
@@ -152,6 +153,18 @@ def test_the_commit_deadline_counts_from_the_transfers_start():
     slow = servers.addresses[-1]
     median = float(re.search(r"4x the median ([0-9.]+)s", failed[slow])[1])
     assert list(failed) == [slow] and 0.25 <= median <= 0.9, failed[slow]
+
+
+def test_the_wait_does_not_wake_at_every_answer(monkeypatch):
+    """Rank 0's wait recomputes the deadline by the clock, not at each server's answer: at 1,024 servers a
+    wake-up per answer and stage was 2,048 tasks and timers of the control loop per update."""
+    looks = []
+    original = update_round.stage_deadline
+    monkeypatch.setattr(update_round, "stage_deadline", lambda *a, **k: looks.append(1) or original(*a, **k))
+    servers = Servers([Behaviour(receive_s=0.05) for _ in range(64)])
+    failed, seconds = _round(servers, _config())
+    assert failed == {}
+    assert len(looks) <= 4 + 2 * seconds / update_round.DEADLINE_TICK_S, f"{len(looks)} looks in {seconds:.2f}s"
 
 
 def test_a_server_whose_update_route_hangs_is_evicted_and_named():
