@@ -177,16 +177,20 @@ def test_cold_worker_start_does_not_count_against_the_timeout():
 def test_warm_up_starts_every_worker_before_the_first_call():
     import psutil
 
+    def spawned_children() -> set[int]:
+        return {p.pid for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())}
+
+    before = spawned_children()  # another test's spawned process may still be ending
     wrapper = AsyncRewardWrapper(gsm8k_reward_fn, timeout_seconds=60, max_workers=2)
     try:
         imports = wrapper.warm_up()
-        workers = {p.pid for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())}
+        workers = spawned_children() - before
         assert len(workers) == 2  # spawned now, not at the first call
         concurrent.futures.wait(imports, timeout=120)  # both import torch and megarl before any reward
         assert all(f.done() and f.exception() is None for f in imports), imports
         result = asyncio.run(wrapper("p", "\\boxed{72}", [], [], answer=GSM8K_REF))
         assert result.outcome == "correct"
-        spawned = {p.pid for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())}
+        spawned = spawned_children() - before
         assert spawned == workers, "the first call ran in the warmed workers, none started for it"
     finally:
         wrapper.close()

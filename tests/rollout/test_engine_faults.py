@@ -85,7 +85,10 @@ def test_pause_aborts_and_resume_continues(fake_servers, dialect):
     try:
         thread = threading.Thread(target=generate)
         thread.start()
-        time.sleep(0.25)
+        deadline = time.monotonic() + 30
+        while not _stats(server.address).get("generate") and time.monotonic() < deadline:
+            time.sleep(0.02)  # the request reached the server (a loaded machine may take longer than 0.25 s)
+        time.sleep(0.25)  # ~25 tokens generated before the pause
         engine.pause()
         assert _stats(server.address)["paused"]
         time.sleep(0.3)  # the "weight update"
