@@ -4,9 +4,14 @@ Variants per shape (T tokens, H hidden, V vocab):
   naive    matmul -> log_softmax -> gather ([T, V] fp32 logits materialised)
   chunked  megarl.kernels, torch path (chunks of 1024 tokens x 4096 vocab, fp32); its backward
            recomputes the logits: 8 T V H FLOPs executed for fwd+bwd
-  train    the training path, megarl.kernels.linear_loss (gradients made in the forward, token
-           chunks of ~T H / V tokens; on CUDA the storing forward kernel + softmax_grad.cu +
-           cuBLAS, elsewhere torch): fwd+bwd only, 6 T V H FLOPs executed
+  train    the training path, megarl.kernels.linear_loss (gradients made in the forward; on CUDA
+           the storing forward kernel + softmax_grad.cu + cuBLAS, elsewhere torch) with its default
+           token chunks (on a GPU ~1 GiB of fp32 logits, elsewhere ~T H / V tokens): fwd+bwd only,
+           6 T V H FLOPs executed
+  train@liger  the same with the host's chunks of ~T H / V tokens (the GPU default before
+           chunks were sized by memory; GPU only)
+  train@4096   the same with chunks of 4096 tokens (GPU only)
+  train_torch  the training path with torch's ops for the chunk's logits and dz (GPU only)
   cuda     megarl.kernels, CUDA kernels (GPU only; on Hopper the TMA + wgmma mainloop)
   cuda_sm80  the same kernels with the mma.sync mainloop forced (Hopper only, for comparison)
   liger    Liger-Kernel's fused linear cross entropy, summed (GPU only, when installed;
@@ -16,10 +21,13 @@ Variants per shape (T tokens, H hidden, V vocab):
 FLOPs are model FLOPs: 2 T V H for fwd, 6 T V H for fwd+bwd (recomputation not counted);
 ``bwd_recompute`` says which variants execute 2 T V H more (8 T V H in all).
 
-On a GPU: bf16 inputs, CUDA-event timing (median of repeats after a warm-up), peak extra
-memory = torch.cuda.max_memory_allocated during the call minus what was allocated before it
+On a GPU: bf16 inputs, CUDA-event timing (min / median / max of 10 repeats after a warm-up, 3
+with --quick; the bare matmul's backward takes a random upstream gradient made before the
+timing), peak extra memory = torch.cuda.max_memory_allocated during the call minus what was allocated before it
 (inputs excluded, gradients included). Full grid T in {4k,16k,32k} x H in {2048,4096} x
 V in {32k,152k} at TP 1, plus simulated TP shards (one rank's V/tp rows, no collectives).
+``--grid train``: the TP-1 shapes with the bare matmul, the recompute path (``cuda``) and the
+training path's variants only.
 
 On CPU: fp32 inputs, naive vs chunked vs matmul at shapes two cores finish in about a minute
 each (timings there are noisy on shared cores). Peak extra memory = peak RSS (ru_maxrss) of
@@ -52,6 +60,9 @@ GPU_SHAPES_QUICK = [(4096, 2048, 32768)]
 GPU_SHAPES = [(t, h, v) for t in (4096, 16384, 32768) for h in (2048, 4096) for v in (32768, 152064)]
 GPU_TP_SHARDS = (4, 8)  # simulated shards, CUDA kernel and matmul only
 MIB = 2**20
+GPU_TRAIN_VARIANTS = ("train", "train@liger", "train@4096", "train_torch")
+CLI_OPTIONS = {"--grid": ("MEGARL_FUSED_GRID", {"all": "all", "train": "train"})}
+"""``--grid train``: the TP-1 shapes, matmul + cuda + the training path's variants only."""
 
 
 def _inputs(T: int, H: int, V: int, dtype: torch.dtype, device: str):
@@ -62,8 +73,27 @@ def _inputs(T: int, H: int, V: int, dtype: torch.dtype, device: str):
     return hidden, weight, labels
 
 
-def _step(variant: str, hidden, weight, labels, backward: bool):
-    """One forward (and backward) of a variant; returns nothing, frees its outputs."""
+def _train_step(variant: str, h, w, labels, backward: bool) -> None:
+    """A variant of the training path (``train``, ``train@liger``, ``train@N``, ``train_torch``)."""
+    from megarl.kernels.linear_loss import default_chunk_tokens, fused_linear_token_loss
+
+    chunks = variant.partition("@")[2]
+    chunk_tokens = None
+    if chunks == "liger":
+        chunk_tokens = default_chunk_tokens(h.shape[0], w.shape[0], h.shape[1], on_gpu=False)
+    elif chunks:
+        chunk_tokens = int(chunks)
+    backend = "torch" if variant == "train_torch" else "auto"
+    os.environ["MEGARL_CUDA_MAINLOOP"] = "auto"
+    token_loss = lambda t0, t1, lp, ent: lp + ent  # noqa: E731
+    loss = fused_linear_token_loss(h, w, labels, token_loss, chunk_tokens=chunk_tokens, backend=backend)[0]
+    if backward:
+        loss.backward()
+
+
+def _step(variant: str, hidden, weight, labels, backward: bool, upstream=None):
+    """One forward (and backward) of a variant; returns nothing, frees its outputs. ``upstream``:
+    the matmul's output gradient [T, V] (made outside the timing; ones when not given)."""
     from megarl.kernels import fused_logprobs_entropy, logprobs_entropy_naive
 
     h = hidden.detach().requires_grad_(backward)
@@ -71,7 +101,7 @@ def _step(variant: str, hidden, weight, labels, backward: bool):
     if variant == "matmul":
         out = h @ w.T
         if backward:
-            grad = torch.ones_like(out)
+            grad = torch.ones_like(out) if upstream is None else upstream
             _ = grad @ w, grad.T @ h
         return
     if variant == "liger":
@@ -79,12 +109,8 @@ def _step(variant: str, hidden, weight, labels, backward: bool):
 
         LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, labels).backward()
         return
-    if variant == "train":
-        from megarl.kernels.linear_loss import fused_linear_token_loss
-
-        loss = fused_linear_token_loss(h, w, labels, lambda t0, t1, lp, ent: lp + ent)[0]
-        if backward:
-            loss.backward()
+    if variant.startswith("train"):
+        _train_step(variant, h, w, labels, backward)
         return
     if variant == "naive":
         logp, ent = logprobs_entropy_naive(h, w, labels)
@@ -100,9 +126,12 @@ def _step(variant: str, hidden, weight, labels, backward: bool):
 def _row(device, T, H, V, variant, tp, passes: dict, elem_bytes: int) -> dict:
     row = {"device": device, "T": T, "H": H, "V": V, "tp": tp, "variant": variant}
     logits_mib = T * V * 4 / MIB
-    for name, (ms, extra_mib) in passes.items():
+    for name, (times, extra_mib) in passes.items():
         flops = (2 if name == "fwd" else 6) * T * V * H
+        ms = None if not times else statistics.median(times)
         row[f"{name}_ms"] = ms
+        row[f"{name}_ms_min"] = None if not times else min(times)
+        row[f"{name}_ms_max"] = None if not times else max(times)
         row[f"{name}_TFLOP/s"] = None if ms is None else flops / (ms * 1e-3) / 1e12
         row[f"{name}_extra_MiB"] = extra_mib
         row[f"{name}_extra/logits_%"] = None if extra_mib is None else 100 * extra_mib / logits_mib
@@ -120,7 +149,7 @@ def _rss_bytes() -> int:
 
 
 def _measure_cpu(variant: str, T: int, H: int, V: int, repeats: int) -> dict:
-    """Runs in a fresh process: (ms, peak extra MiB) for fwd and fwd+bwd."""
+    """Runs in a fresh process: (times in ms, peak extra MiB) for fwd and fwd+bwd."""
     for backward in (False, True):  # lazy library set-up (BLAS buffers, autograd) outside the measurement
         _step(variant, *_inputs(16, 16, 64, torch.float32, "cpu"), backward)
     hidden, weight, labels = _inputs(T, H, V, torch.float32, "cpu")
@@ -138,7 +167,7 @@ def _measure_cpu(variant: str, T: int, H: int, V: int, repeats: int) -> dict:
             start = time.perf_counter()
             _step(variant, hidden, weight, labels, backward)
             times.append((time.perf_counter() - start) * 1e3)
-        result[name] = (statistics.median(times), max(0, peak - base) / MIB)
+        result[name] = (times, max(0, peak - base) / MIB)
     return result
 
 
@@ -156,8 +185,12 @@ def _run_cpu(quick: bool) -> list[dict]:
 
 # ---------------------------------------------------------------- GPU
 def _measure_gpu(variant: str, hidden, weight, labels, backward: bool, repeats: int):
+    """(times in ms, peak extra MiB) of ``repeats`` calls after a warm-up; (None, None) when out of memory."""
     try:
-        _step(variant, hidden, weight, labels, backward)  # warm-up (and JIT build)
+        upstream = None
+        if variant == "matmul" and backward:  # made here, outside the timing (and the peak)
+            upstream = torch.randn(hidden.shape[0], weight.shape[0], device=hidden.device, dtype=hidden.dtype)
+        _step(variant, hidden, weight, labels, backward, upstream)  # warm-up (and JIT build)
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()
@@ -167,11 +200,11 @@ def _measure_gpu(variant: str, hidden, weight, labels, backward: bool, repeats: 
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            _step(variant, hidden, weight, labels, backward)
+            _step(variant, hidden, weight, labels, backward, upstream)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / MIB
+        return times, (torch.cuda.max_memory_allocated() - base) / MIB
     except torch.cuda.OutOfMemoryError:
         gc.collect()
         torch.cuda.empty_cache()
@@ -191,6 +224,8 @@ def _cuda_variants() -> list[str]:
 
 def _gpu_variants() -> list[str]:
     """The bare matmul (the ceiling) and the torch paths first, then the kernels that could fault."""
+    if os.environ.get("MEGARL_FUSED_GRID", "all") == "train":
+        return ["matmul", "cuda", *GPU_TRAIN_VARIANTS]
     variants = ["matmul", "naive", "chunked"]
     try:
         import liger_kernel  # noqa: F401
@@ -198,7 +233,7 @@ def _gpu_variants() -> list[str]:
         variants.append("liger")
     except ImportError:
         pass
-    return [*variants, *_cuda_variants(), "train"]
+    return [*variants, *_cuda_variants(), *GPU_TRAIN_VARIANTS]
 
 
 class _Stopped(BaseException):  # not an Exception: the per-variant try must not swallow it
@@ -214,11 +249,10 @@ def _gpu_row(device, T, H, V, tp, variant, inputs, repeats) -> dict:
     passes = {}
     try:
         for name, backward in (("fwd", False), ("fwd+bwd", True)):
-            if variant in ("liger", "train") and not backward:
+            if (variant == "liger" or variant.startswith("train")) and not backward:
                 passes[name] = (None, None)
             else:
-                slow = variant in ("naive", "chunked", "train")  # torch paths: fewer repeats
-                passes[name] = _measure_gpu(variant, *inputs, backward, 2 if slow else repeats)
+                passes[name] = _measure_gpu(variant, *inputs, backward, repeats)
         return {**_row(device, T, H, V, variant, tp, passes, elem_bytes=2), **_path_taken(variant)}
     except Exception as exc:  # noqa: BLE001 (one variant's failure must not lose the others' rows)
         passes = {name: passes.get(name, (None, None)) for name in ("fwd", "fwd+bwd")}
@@ -227,7 +261,7 @@ def _gpu_row(device, T, H, V, tp, variant, inputs, repeats) -> dict:
         return row
 
 
-KERNEL_VARIANTS = ("cuda", "cuda_sm80", "train")
+KERNEL_VARIANTS = ("cuda", "cuda_sm80", "train", "train@liger", "train@4096")
 
 
 def _path_taken(variant: str) -> dict:
@@ -251,11 +285,12 @@ def _path_taken(variant: str) -> dict:
 def _run_gpu(quick: bool, on_rows=None) -> list[dict]:
     rows = []
     device = torch.cuda.get_device_name(0)
-    repeats = 3 if quick else 5
+    repeats = 3 if quick else 10
+    only_train = os.environ.get("MEGARL_FUSED_GRID", "all") == "train"
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         for T, H, V in GPU_SHAPES_QUICK if quick else GPU_SHAPES:
-            for tp in (1, *(() if quick else GPU_TP_SHARDS)):
+            for tp in (1, *(() if quick or only_train else GPU_TP_SHARDS)):
                 inputs = _inputs(T, H, V // tp, torch.bfloat16, "cuda")
                 for variant in _gpu_variants() if tp == 1 else ["matmul", *_cuda_variants()]:
                     rows.append(_gpu_row(device, T, H, V // tp, tp, variant, inputs, repeats))

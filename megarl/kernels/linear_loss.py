@@ -129,12 +129,26 @@ class _Spec:
 MIN_CHUNK_TOKENS = 256
 """Each chunk adds into all of dW [V_local, H]: fewer tokens than this make that pass, not the GEMMs, the cost."""
 
+GPU_CHUNK_LOGITS_BYTES = 1 << 30
+"""On a GPU, the size of one chunk's fp32 logits ``[chunk_tokens, V_local]`` (the kernels hold 1.5
+times this at once, the torch ops 3 times)."""
 
-def default_chunk_tokens(num_tokens: int, vocab_local: int, hidden_size: int) -> int:
-    """Liger's choice, a power of two near T·H/V (a chunk's logits about the size of the hidden
-    states), but at least :data:`MIN_CHUNK_TOKENS`."""
-    per_chunk = math.ceil(num_tokens / math.ceil(vocab_local / hidden_size))
-    tokens = max(MIN_CHUNK_TOKENS, 2 ** math.ceil(math.log2(max(per_chunk, 1))))
+
+def default_chunk_tokens(num_tokens: int, vocab_local: int, hidden_size: int, on_gpu: bool = False) -> int:
+    """Tokens per chunk of the training path.
+
+    On a GPU, the most tokens whose fp32 logits fit :data:`GPU_CHUNK_LOGITS_BYTES` (a multiple of
+    :data:`MIN_CHUNK_TOKENS`): each chunk reads and writes all of the fp32 dW and launches ~40
+    kernels and an ``autograd.grad``, which the tensor-core GEMMs do not hide (on an H200, chunks
+    of 256 tokens ran at 0.15-0.88 of the recompute path's speed). Elsewhere Liger's choice, a
+    power of two near T·H/V (a chunk's logits about the size of the hidden states), at least
+    :data:`MIN_CHUNK_TOKENS`: the GEMMs dominate there, and host memory is the scarcer resource."""
+    if on_gpu:
+        fitting = GPU_CHUNK_LOGITS_BYTES // (4 * max(vocab_local, 1))
+        tokens = max(MIN_CHUNK_TOKENS, fitting // MIN_CHUNK_TOKENS * MIN_CHUNK_TOKENS)
+    else:
+        per_chunk = math.ceil(num_tokens / math.ceil(vocab_local / hidden_size))
+        tokens = max(MIN_CHUNK_TOKENS, 2 ** math.ceil(math.log2(max(per_chunk, 1))))
     return max(1, min(num_tokens, tokens))
 
 
@@ -260,8 +274,9 @@ def fused_linear_token_loss(
         tp_group, temperature, vocab_start, vocab_size, reduce_grad_hidden, backend: as
             :func:`megarl.kernels.fused_logprobs_entropy` ("cuda": the chunk's logits and dz
             from the kernels of ``csrc/``, :class:`ChunkOps`).
-        chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`); peak memory is
-            three fp32 ``[chunk_tokens, V_local]`` buffers (torch ops) or 1.5 (the kernels).
+        chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`: on a GPU, chunks of
+            about 1 GiB of fp32 logits); peak memory is three fp32 ``[chunk_tokens, V_local]``
+            buffers (torch ops) or 1.5 (the kernels).
         truncation: the sampling's top-k / top-p / min-p (``megarl.kernels.truncation``): the loss of
             the truncated, renormalised softmax's logprob and entropy. Each chunk's threshold comes
             from a ``topk`` of its logits while they are in memory (one ``all_gather`` of
@@ -279,7 +294,7 @@ def fused_linear_token_loss(
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     shard, tp_size = _resolve_shard(weight.shape[0], tp_group, vocab_start, vocab_size)
-    tokens = chunk_tokens or default_chunk_tokens(hidden.shape[0], weight.shape[0], hidden.shape[1])
+    tokens = chunk_tokens or default_chunk_tokens(hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.is_cuda)
     spec = _Spec(
         shard,
         1.0 / temperature,

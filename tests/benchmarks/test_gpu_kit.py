@@ -355,7 +355,7 @@ def test_a_failing_benchmark_variant_is_a_row_with_its_error_and_the_table_is_wr
     def measure(variant, hidden, weight, labels, backward, repeats):
         if variant == "cuda_sm80":
             raise RuntimeError("an illegal instruction was encountered")
-        return 2.0, 10.0
+        return [2.0, 1.5, 3.0], 10.0
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "stub GPU")
@@ -372,16 +372,54 @@ def test_a_failing_benchmark_variant_is_a_row_with_its_error_and_the_table_is_wr
     _harness.run_benchmark("fused_logprob", quick=True, results_dir=tmp_path)
     record = json.loads((tmp_path / "fused_logprob_gpu.json").read_text())
     rows = {row["variant"]: row for row in record["rows"]}
-    assert list(rows) == ["matmul", "naive", "chunked", "cuda_sm80", "cuda", "train"]
+    assert list(rows) == ["matmul", "naive", "chunked", "cuda_sm80", "cuda", *fused_logprob.GPU_TRAIN_VARIANTS]
     assert rows["cuda_sm80"]["error"] == "RuntimeError: an illegal instruction was encountered"
     assert rows["cuda_sm80"]["fwd_ms"] is None and rows["cuda"]["fwd_ms"] == 2.0 and "error" not in rows["cuda"]
+    assert (rows["cuda"]["fwd_ms_min"], rows["cuda"]["fwd_ms_max"]) == (1.5, 3.0)
     assert rows["cuda"]["kernel_path"] == "sm80" and rows["cuda"]["selfcheck"] == fallback
     assert "kernel_path" not in rows["matmul"] and rows["train"]["kernel_path"] == "sm80"
+    assert "kernel_path" not in rows["train_torch"]  # torch's ops: no mainloop to name
     assert "partial" not in record and record["versions"]["megarl"]
     assert rows["cuda"]["fwd_vs_matmul"] == 1.0
     machine = record["machine"]
     assert machine["gpu"] == "stub GPU" and machine["gpu_driver"] == "580.65.06"
     assert machine["torch"] == torch.__version__ and machine["commit"].startswith(_git_head())
+
+
+def test_the_train_grid_runs_the_tp1_shapes_with_the_training_path_variants(tmp_path, monkeypatch):
+    seen = []
+
+    def measure(variant, hidden, weight, labels, backward, repeats):
+        seen.append((variant, backward, repeats))
+        return [2.0] * repeats, 10.0
+
+    monkeypatch.setenv("MEGARL_FUSED_GRID", "train")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "stub GPU")
+    monkeypatch.setattr(fused_logprob, "GPU_SHAPES", [(128, 64, 256), (256, 64, 512)])
+    monkeypatch.setattr(fused_logprob, "_inputs", lambda T, H, V, dtype, device: (None, None, None))
+    monkeypatch.setattr(fused_logprob, "_measure_gpu", measure)
+    monkeypatch.setattr(fused_logprob, "_path_taken", lambda variant: {})
+    monkeypatch.setattr(_harness, "gpu_driver_version", lambda: "580.65.06")
+    _harness.run_benchmark("fused_logprob", quick=False, results_dir=tmp_path)
+    rows = json.loads((tmp_path / "fused_logprob_gpu.json").read_text())["rows"]
+    assert {row["tp"] for row in rows} == {1} and len(rows) == 2 * 6
+    assert [row["variant"] for row in rows[:6]] == ["matmul", "cuda", *fused_logprob.GPU_TRAIN_VARIANTS]
+    # the training path has no forward alone; every timed pass is 10 repeats
+    assert ("train", False, 10) not in seen and ("train", True, 10) in seen and {r for *_, r in seen} == {10}
+
+
+@pytest.mark.parametrize("variant", fused_logprob.GPU_TRAIN_VARIANTS)
+def test_each_training_path_variant_gives_the_gradients_of_the_default_one(variant):
+    """The variants differ in chunking and ops only: the same loss's gradients (fp32, on the host)."""
+    hidden, weight, labels = fused_logprob._inputs(40, 16, 96, torch.float32, "cpu")
+    grads = {}
+    for name in ("train@7", variant):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        fused_logprob._train_step(name, h, w, labels, backward=True)
+        grads[name] = (h.grad, w.grad)
+    for ours, reference in zip(grads[variant], grads["train@7"], strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
 
 
 def test_a_benchmark_stopped_by_sigterm_keeps_the_rows_it_has(tmp_path, monkeypatch):
@@ -390,7 +428,7 @@ def test_a_benchmark_stopped_by_sigterm_keeps_the_rows_it_has(tmp_path, monkeypa
     def measure(variant, hidden, weight, labels, backward, repeats):
         if variant == "chunked":
             os.kill(os.getpid(), signal.SIGTERM)
-        return 2.0, 10.0
+        return [2.0, 1.5, 3.0], 10.0
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "stub GPU")

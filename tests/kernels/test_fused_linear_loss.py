@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.kernels import fused_logprobs_entropy
-from megarl.kernels.linear_loss import default_chunk_tokens, fused_linear_token_loss
+from megarl.kernels.linear_loss import (
+    GPU_CHUNK_LOGITS_BYTES,
+    MIN_CHUNK_TOKENS,
+    default_chunk_tokens,
+    fused_linear_token_loss,
+)
 from tests.numerics import assert_within, gamma, softmax_head_bounds, unit_roundoff
 
 from .test_fused_logprob_reference import _MaxNumel, make_case, naive
@@ -214,6 +219,21 @@ def test_default_chunk_holds_about_the_hidden_states():
     assert default_chunk_tokens(512, 152064, 256) == 256  # not 1: each chunk passes over all of dW
     assert default_chunk_tokens(5, 1000, 64) == 5
     assert default_chunk_tokens(100, 10, 64) == 100  # V < H: one chunk
+
+
+def test_gpu_chunk_is_the_most_tokens_whose_logits_fit_the_budget():
+    """On a GPU the per-chunk dW pass and launches, not the GEMMs, cost the small chunks (H200:
+    chunks of 256 tokens ran at 0.15-0.88 of the recompute path): chunks fill the budget."""
+    budget = GPU_CHUNK_LOGITS_BYTES
+    for T, V, H in [(4096, 32768, 2048), (32768, 152064, 4096), (16384, 38016, 2048), (8192, 151936, 1536)]:
+        tokens = default_chunk_tokens(T, V, H, on_gpu=True)
+        assert tokens == T or tokens * V * 4 <= budget < (tokens + MIN_CHUNK_TOKENS) * V * 4, (T, V, H, tokens)
+        assert tokens % MIN_CHUNK_TOKENS == 0 or tokens == T
+    assert default_chunk_tokens(4096, 32768, 2048, on_gpu=True) == 4096  # was 256: 16 passes over dW
+    assert default_chunk_tokens(32768, 152064, 4096, on_gpu=True) == 1536  # 0.87 GiB of logits
+    assert default_chunk_tokens(100, 10**9, 64, on_gpu=True) == 100  # at least MIN_CHUNK_TOKENS, at most T
+    assert default_chunk_tokens(100, 32768, 2048) == 100  # the host keeps Liger's choice
+    assert default_chunk_tokens(4096, 32768, 2048) == 256
 
 
 def test_ignored_labels_give_no_logprob_gradient():
