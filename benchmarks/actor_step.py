@@ -26,7 +26,8 @@ HF's steps take turns).
   ``logp_max_abs_diff`` / ``logp_mean_abs_diff`` columns compare its next-token logprobs with
   ``compute_logp`` on the first two sequences (on the GPU, every row: fused kernels on and off).
 
-``python -m benchmarks.actor_step [--quick] [--dtype both|bfloat16|float32]`` runs it here;
+``python -m benchmarks.actor_step [--quick] [--dtype both|bfloat16|float32]`` runs it here; on a GPU
+``--shape NAME`` runs one shape (into ``actor_step_gpu_NAME``) and ``--fused on|off`` one of its rows;
 ``python -m benchmarks.actor_step --kit OUTDIR`` is the GPU kit's step
 (``benchmarks/gpu_kit.sh``): it runs the GPU rows (the 4-layer shape with ``--quick``) and
 writes ``actor_step_gpu.{json,md}`` to OUTDIR.
@@ -296,13 +297,34 @@ def _run_cpu(quick: bool) -> list[dict]:
 
 DTYPES_ENV = "MEGARL_ACTOR_STEP_DTYPES"
 """Set by ``--dtype``: the CPU dtypes to time, comma-separated."""
-CLI_OPTIONS = {"--dtype": (DTYPES_ENV, DTYPE_CHOICES)}
+SHAPE_ENV = "MEGARL_ACTOR_STEP_SHAPE"
+"""Set by ``--shape``: the one GPU shape to run (its rows go to ``actor_step_gpu_SHAPE``)."""
+FUSED_ENV = "MEGARL_ACTOR_STEP_FUSED"
+"""Set by ``--fused``: ``on`` or ``off`` runs only that GPU row of each shape."""
+CLI_OPTIONS = {
+    "--dtype": (DTYPES_ENV, DTYPE_CHOICES),
+    "--shape": (SHAPE_ENV, {name: name for name in {**GPU_SHAPES_QUICK, **GPU_SHAPES}}),
+    "--fused": (FUSED_ENV, {"on": "on", "off": "off"}),
+}
+
+
+def _gpu_shapes(quick: bool) -> dict[str, tuple]:
+    """The GPU shapes to run: ``--shape``'s one, else the quick or the full set."""
+    chosen = os.environ.get(SHAPE_ENV)
+    if chosen:
+        return {chosen: {**GPU_SHAPES_QUICK, **GPU_SHAPES}[chosen]}
+    return GPU_SHAPES_QUICK if quick else GPU_SHAPES
+
+
+def _fused_flags() -> tuple[bool, ...]:
+    """The torch path first, then the kernels (a kernel fault must not cost the other row), or ``--fused``'s."""
+    return {"on": (True,), "off": (False,)}.get(os.environ.get(FUSED_ENV, ""), (False, True))
 
 
 def _run_gpu(quick: bool, on_rows=None) -> list[dict]:
     rows = []
-    for name, shape in (GPU_SHAPES_QUICK if quick else GPU_SHAPES).items():
-        for fused in (False, True):  # the torch path first: it is what a kernel fault must not cost
+    for name, shape in _gpu_shapes(quick).items():
+        for fused in _fused_flags():
             rows.append(_row_in_own_process(name, shape, fused, 3 if quick else 5))
             if on_rows is not None:  # written now: a step budget that ends the next row keeps this one
                 on_rows(rows)
@@ -332,7 +354,9 @@ def _gpu_rows_with_gap(name: str, shape: tuple, fused: bool, steps: int) -> dict
 def results_name() -> str:
     """The GPU table (MFU, fused on/off) and the CPU ones (vs HF) are different experiments; the
     CPU kinds (:func:`~benchmarks._harness.cpu_kind`) differ most in bf16, so each has its own table."""
-    return "actor_step_gpu" if torch.cuda.is_available() else f"actor_step_{cpu_kind()}"
+    if not torch.cuda.is_available():
+        return f"actor_step_{cpu_kind()}"
+    return f"actor_step_gpu_{os.environ[SHAPE_ENV]}" if os.environ.get(SHAPE_ENV) else "actor_step_gpu"
 
 
 def run(quick: bool, on_rows=None) -> list[dict]:

@@ -307,20 +307,38 @@ def _run_gpu(quick: bool, on_rows=None) -> list[dict]:
 
 
 def _add_ceiling_ratios(rows: list[dict]) -> None:
-    """vs_matmul = TFLOP/s relative to the bare matmul of the same shape (targets: fwd >= 0.85, fwd+bwd >= 0.75)."""
-    ceilings = {(r["T"], r["H"], r["V"]): r for r in rows if r.get("variant") == "matmul"}
+    """vs_matmul = TFLOP/s relative to the bare matmul of the same shape (targets: fwd >= 0.85,
+    fwd+bwd >= 0.75); for the training path's rows, ``fwd+bwd_vs_cuda``: the recompute path's
+    (``cuda``) fwd+bwd time over the row's (above 1: the training path is faster)."""
+    by_variant = {(r.get("variant"), r.get("T"), r.get("H"), r.get("V")): r for r in rows}
     for r in rows:
         if "T" not in r:  # the note of a stopped run
             continue
-        ceiling = ceilings.get((r["T"], r["H"], r["V"]))
+        ceiling = by_variant.get(("matmul", r["T"], r["H"], r["V"]))
         for name in ("fwd", "fwd+bwd"):
             ours, best = r.get(f"{name}_TFLOP/s"), ceiling and ceiling.get(f"{name}_TFLOP/s")
             r[f"{name}_vs_matmul"] = ours / best if ours and best else None
+        if r["variant"].startswith("train"):
+            recompute = by_variant.get(("cuda", r["T"], r["H"], r["V"]), {}).get("fwd+bwd_ms")
+            r["fwd+bwd_vs_cuda"] = recompute / r["fwd+bwd_ms"] if recompute and r.get("fwd+bwd_ms") else None
+
+
+def summary(rows: list[dict]) -> str:
+    """The training path (default chunks) against the recompute path, over the shapes measured."""
+    ratios = [r["fwd+bwd_vs_cuda"] for r in rows if r.get("variant") == "train" and r.get("fwd+bwd_vs_cuda")]
+    if not ratios:
+        return "No shape with both a training-path and a recompute-path (cuda) time."
+    return (
+        f"Training path (default chunks) over the recompute path (cuda), fwd+bwd: {min(ratios):.2f}x to"
+        f" {max(ratios):.2f}x as fast at {len(ratios)} shapes ({sum(x >= 1 for x in ratios)} at or above 1)."
+    )
 
 
 def results_name() -> str:
-    """GPU and CPU tables are different experiments: neither overwrites the other."""
-    return "fused_logprob_gpu" if torch.cuda.is_available() else "fused_logprob"
+    """GPU and CPU tables, and the GPU's ``--grid train``, are different experiments: none overwrites another."""
+    if not torch.cuda.is_available():
+        return "fused_logprob"
+    return "fused_logprob_gpu_train" if os.environ.get("MEGARL_FUSED_GRID", "all") == "train" else "fused_logprob_gpu"
 
 
 def run(quick: bool, on_rows=None) -> list[dict]:

@@ -58,3 +58,20 @@ def test_actor_rows_run_the_gpu_steps_on_cpu():
     assert [r["kernel_path"] for r in rows] == ["torch", "torch"]
     assert rows[0]["selfcheck"] == "torch (no CUDA device is available)"
     assert rows[1]["selfcheck"] == "torch (use_fused_kernels=False)"
+
+
+def test_shape_and_fused_filters_pick_the_gpu_rows_and_name_the_table(monkeypatch):
+    from benchmarks import actor_step
+
+    ran = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(actor_step, "_row_in_own_process", lambda name, shape, fused, steps: ran.append((name, fused)))
+    actor_step._run_gpu(quick=False)
+    assert ran == [(name, fused) for name in actor_step.GPU_SHAPES for fused in (False, True)]
+    assert actor_step.results_name() == "actor_step_gpu"
+    ran.clear()
+    monkeypatch.setenv(actor_step.SHAPE_ENV, "qwen2.5-1.5b")
+    monkeypatch.setenv(actor_step.FUSED_ENV, "on")
+    actor_step._run_gpu(quick=True)  # the shape asked for wins over --quick's
+    assert ran == [("qwen2.5-1.5b", True)]
+    assert actor_step.results_name() == "actor_step_gpu_qwen2.5-1.5b"

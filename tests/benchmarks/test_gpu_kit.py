@@ -402,7 +402,7 @@ def test_the_train_grid_runs_the_tp1_shapes_with_the_training_path_variants(tmp_
     monkeypatch.setattr(fused_logprob, "_path_taken", lambda variant: {})
     monkeypatch.setattr(_harness, "gpu_driver_version", lambda: "580.65.06")
     _harness.run_benchmark("fused_logprob", quick=False, results_dir=tmp_path)
-    rows = json.loads((tmp_path / "fused_logprob_gpu.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "fused_logprob_gpu_train.json").read_text())["rows"]  # not the full grid's file
     assert {row["tp"] for row in rows} == {1} and len(rows) == 2 * 6
     assert [row["variant"] for row in rows[:6]] == ["matmul", "cuda", *fused_logprob.GPU_TRAIN_VARIANTS]
     # the training path has no forward alone; every timed pass is 10 repeats
