@@ -23,6 +23,7 @@ Registered in ``mkdocs.yml`` under ``hooks:``; ``exclude_docs`` keeps this file 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -345,6 +346,11 @@ def _servers(script: str, machine: dict) -> str:
     return kind or "none"
 
 
+def _anchor(name: str) -> str:
+    """The anchor GitHub and the site give the heading ``## NAME`` (a result's name): its dots dropped."""
+    return re.sub(r"[^\w\- ]", "", name.lower()).replace(" ", "-")
+
+
 def what_has_run_page(results_dir: Path) -> str:
     """Which CPU kinds, GPUs, machine counts and servers the results ran on, each with its files."""
     records = {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(results_dir.glob("*.json"))}
@@ -387,7 +393,7 @@ def what_has_run_page(results_dir: Path) -> str:
         "|---|---|",
     ]
     for where, names, _ in glance:
-        cell = ", ".join(f"[`{n}`](benchmarks.md#{n})" for n in names) or "**not run**"
+        cell = ", ".join(f"[`{n}`](benchmarks.md#{_anchor(n)})" for n in names) or "**not run**"
         lines.append(f"| {where} | {cell} |")
     lines += [
         "",
@@ -417,7 +423,7 @@ def what_has_run_page(results_dir: Path) -> str:
         if load and machine.get("cores") and load[0] > machine["cores"]:
             load_cell += " (busy: above the core count)"
         lines.append(
-            f"| [`{name}`](benchmarks.md#{name}) | {_where(machine)} | {i['servers']} "
+            f"| [`{name}`](benchmarks.md#{_anchor(name)}) | {_where(machine)} | {i['servers']} "
             f"| {str(record.get('date', 'unknown'))[:10]} | {_commit(machine)} | {load_cell} |"
         )
     return "\n".join(lines) + "\n"
