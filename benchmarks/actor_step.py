@@ -21,7 +21,8 @@ HF's steps take turns).
   memory. MFU =
   model FLOPs per second over the dense bf16 peak (989 TFLOP/s for H100/H200 SXM), with 6 N
   FLOPs per token for the N non-embedding + LM-head parameters plus causal attention 6 L S h
-  (forward 2 + backward 4, halved for causality, times 2 matmuls). The first engine's weights
+  (forward 2 + backward 4, halved for causality, times 2 matmuls; :mod:`megarl.models.flops`);
+  ``MFU_megatron`` counts attention as Megatron-LM does, 12 L S h (the full score matrix). The first engine's weights
   are exported to HF and loaded into ``Qwen2ForCausalLM`` (same dtype, same device): the
   ``logp_max_abs_diff`` / ``logp_mean_abs_diff`` columns compare its next-token logprobs with
   ``compute_logp`` on the first two sequences (on the GPU, every row: fused kernels on and off).
@@ -48,6 +49,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._harness import DTYPE_CHOICES, cpu_dtypes_to_run, cpu_kind, main_for
+from megarl.models.flops import MatmulShape, train_flops
 
 TITLE = "Actor train step: Megatron train_batch tokens/s vs HF forward+backward (CPU); MFU (GPU)"
 
@@ -175,19 +177,21 @@ def _hf_step(model_dir: Path, batch: dict, dtype: torch.dtype = torch.float32):
     return step
 
 
-def _flops_per_token(shape: tuple) -> float:
-    hidden, layers, heads, kv, inter, vocab, _, seq_len = shape
-    head_dim = hidden // heads
-    attn = hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden
-    params = layers * (attn + 3 * hidden * inter) + vocab * hidden  # + LM head
-    return 6 * params + 6 * layers * seq_len * hidden
+def _flops_per_token(shape: tuple, convention: str = "causal") -> float:
+    """Model FLOPs per token of a step over ``shape`` (:mod:`megarl.models.flops`)."""
+    hidden, layers, heads, kv, inter, vocab, sequences, seq_len = shape
+    matmuls = MatmulShape(hidden, layers, heads, kv, hidden // heads, inter, vocab)
+    return train_flops(matmuls, [seq_len], convention) / seq_len
 
 
-def mfu(shape: tuple, step_s: float, peak_flops: float = PEAK_BF16_FLOPS) -> tuple[float, float]:
-    """(model TFLOP/s, MFU) of one step over ``shape``'s sequences x seq_len tokens in ``step_s``."""
+def mfu(
+    shape: tuple, step_s: float, peak_flops: float = PEAK_BF16_FLOPS, convention: str = "causal"
+) -> tuple[float, float]:
+    """(model TFLOP/s, MFU) of one step over ``shape``'s sequences x seq_len tokens in ``step_s``;
+    ``convention="megatron"`` counts attention's full score matrix, as Megatron-LM's MFU does."""
     if step_s <= 0:
         raise ValueError(f"step_s must be positive, got {step_s}")
-    flops = _flops_per_token(shape) * shape[6] * shape[7] / step_s
+    flops = _flops_per_token(shape, convention) * shape[6] * shape[7] / step_s
     return flops / 1e12, flops / peak_flops
 
 
@@ -199,7 +203,9 @@ def _row(name: str, shape: tuple, impl: str, step_s: float, **extra) -> dict:
 def gpu_row(name: str, shape: tuple, fused: bool | None, step_s: float, peak_gib: float, logp_gap=None) -> dict:
     """A GPU table row: step time, tokens/s, TFLOP/s, MFU, peak memory, and the logprob gap to HF."""
     tflops, util = mfu(shape, step_s)
+    megatron_util = mfu(shape, step_s, convention="megatron")[1]
     row = _row(name, shape, "megatron", step_s, fused_kernels=fused, **{"TFLOP/s": tflops, "MFU": util})
+    row["MFU_megatron"] = megatron_util
     row["peak_GiB"] = peak_gib
     if logp_gap is not None:
         row["logp_max_abs_diff"], row["logp_mean_abs_diff"] = logp_gap

@@ -2,7 +2,7 @@
 # The GPU validation kit: one command that checks megarl's fused CUDA kernels and the Megatron
 # actor on a GPU node, everything it measures written to OUTDIR (docs/guides/gpu-kit.md).
 #
-#   bash benchmarks/gpu_kit.sh OUTDIR [--dry]
+#   bash benchmarks/gpu_kit.sh OUTDIR [--dry] [--call]
 #
 # Setup, in this shell, so that every step inherits it (the summary records each):
 #   wheels     the wheels in .whl/ (benchmarks/gpu_wheels.py makes them on a machine with
@@ -35,6 +35,12 @@
 # The kernels and actor steps write fused_logprob_gpu.{md,json} and actor_step_gpu.{md,json}.
 # A failed or timed-out step does not stop the next.
 #
+# --call: the prepared GPU call, the steps that measure rather than check (CALL_STEPS): env, build,
+# the wgmma tests (the self-check), the training path's grid (fused_logprob --grid train), the
+# 28-layer Qwen2.5-1.5B actor step with the kernels off and on, then Qwen2.5-7B's 4 layers if time
+# remains. OUTDIR then holds at most MAX_FILES files: the summary and the JSON records stay, the rest
+# (the tables' Markdown, kit.log) go into rest.tar.gz.
+#
 # --dry (automatic when torch sees no CUDA GPU): the CUDA steps report "skipped: no GPU", the
 # rest runs, so the kit's logic can be checked on a CPU (tests/benchmarks/test_gpu_kit.py).
 # For tests: MEGARL_KIT_STEPS="a b" runs only those steps, MEGARL_KIT_CMD_<step> replaces a
@@ -45,14 +51,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage() {
-  echo "usage: bash benchmarks/gpu_kit.sh OUTDIR [--dry]" >&2
+  echo "usage: bash benchmarks/gpu_kit.sh OUTDIR [--dry] [--call]" >&2
   exit 2
 }
-[ $# -ge 1 ] || usage
+[ $# -ge 1 ] && [ $# -le 3 ] || usage
 OUTDIR=$1
 DRY=${MEGARL_KIT_DRY:-auto}
-if [ $# -eq 2 ]; then [ "$2" = "--dry" ] && DRY=1 || usage; fi
-[ $# -le 2 ] || usage
+CALL=0
+for flag in "${@:2}"; do
+  case $flag in
+    --dry) DRY=1 ;;
+    --call) CALL=1 ;;
+    *) usage ;;
+  esac
+done
 mkdir -p "$OUTDIR" || {
   echo "gpu_kit: cannot create OUTDIR $OUTDIR" >&2
   exit 2
@@ -70,7 +82,12 @@ KILL_AFTER=5       # what `timeout` waits after TERM before KILL
 
 STEPS=(env build tests_sm80 tests_sm90 kernels actor)
 declare -A BUDGET=([setup]=30 [env]=30 [build]=140 [kernels]=75 [actor]=135)
-declare -A NEEDS_GPU=([build]=1 [tests_sm80]=1 [tests_sm90]=1 [kernels]=1 [actor]=1)
+CALL_STEPS=(env build tests_sm90 train_grid actor_28l actor_7b4l)
+declare -A CALL_BUDGET=([setup]=30 [env]=20 [build]=60 [train_grid]=110 [actor_28l]=180 [actor_7b4l]=75)
+MAX_FILES=8 # what one call may bring back
+declare -A NEEDS_GPU=([build]=1 [tests_sm80]=1 [tests_sm90]=1 [kernels]=1 [actor]=1 [train_grid]=1 [actor_28l]=1
+  [actor_7b4l]=1)
+declare -A NEEDS_MEGATRON=([actor]=1 [actor_28l]=1 [actor_7b4l]=1)
 # The test files that use the gpu marker, FILE:BUDGET. Each runs in its own pytest process
 # under each mainloop, named explicitly: a collection error in one cannot stop the others.
 # tests/benchmarks/test_gpu_kit.py checks that these are the files with `pytest.mark.gpu`.
@@ -130,6 +147,19 @@ print_record(run_benchmark("fused_logprob", quick=True, results_dir=pathlib.Path
 PY
 }
 step_actor() { "$PY" -m benchmarks.actor_step --kit "$OUTDIR" --quick; }
+step_train_grid() { MEGARL_FUSED_GRID=train step_kernels_full; }
+step_kernels_full() {
+  "$PY" - <<'PY'
+import os, pathlib
+from benchmarks._harness import print_record, run_benchmark
+print_record(run_benchmark("fused_logprob", results_dir=pathlib.Path(os.environ["OUTDIR"])))
+PY
+}
+step_actor_shape() { # $1: a GPU shape of benchmarks/actor_step.py, both rows, into OUTDIR
+  MEGARL_ACTOR_STEP_SHAPE=$1 "$PY" -m benchmarks.actor_step --kit "$OUTDIR"
+}
+step_actor_28l() { step_actor_shape qwen2.5-1.5b; }
+step_actor_7b4l() { step_actor_shape qwen2.5-7b-4L; }
 
 # ---------------------------------------------------------------- setup
 note() { echo "- $*" >>"$SUMMARY"; }
@@ -292,7 +322,8 @@ skip_reason() { # why step $1 does not run, or nothing
     echo "no GPU"
     return
   fi
-  if [ "$1" = actor ] && [ -z "${MEGARL_KIT_CMD_actor:-}" ] && ! "$PY" -c "import megatron.core" 2>/dev/null; then
+  local hook="MEGARL_KIT_CMD_$1"
+  if [ -n "${NEEDS_MEGATRON[$1]:-}" ] && [ -z "${!hook:-}" ] && ! "$PY" -c "import megatron.core" 2>/dev/null; then
     echo "megatron-core not installed (run the wheel script)"
   fi
 }
@@ -347,9 +378,24 @@ run_selected_step() {
   fi
 }
 
+bundle_extra_files() { # at most MAX_FILES files in OUTDIR: the summary and the JSON records stay
+  local count rest
+  count=$(find "$OUTDIR" -maxdepth 1 -type f | wc -l)
+  [ "$count" -gt "$MAX_FILES" ] || return 0
+  rest=$(cd "$OUTDIR" && find . -maxdepth 1 -type f ! -name summary.md ! -name '*.json' ! -name rest.tar.gz -printf '%P\n' | sort)
+  [ -n "$rest" ] || return 0
+  # shellcheck disable=SC2086
+  (cd "$OUTDIR" && tar czf rest.tar.gz $rest && rm -f $rest)
+  echo "- bundled into rest.tar.gz (at most $MAX_FILES files come back): $(tr '\n' ' ' <<<"$rest")" >>"$SUMMARY"
+}
+
 # ---------------------------------------------------------------- main
 KIT_START=$(date +%s)
 DEADLINE=$((KIT_START + KIT_LIMIT))
+if [ "$CALL" = 1 ]; then
+  STEPS=("${CALL_STEPS[@]}")
+  for name in "${!CALL_BUDGET[@]}"; do BUDGET[$name]=${CALL_BUDGET[$name]}; done
+fi
 read -r -a SELECTED <<<"${MEGARL_KIT_STEPS:-${STEPS[*]}}"
 PLAN=$(plan_budgets)
 PLANNED=$(awk -F= '{ s += $2 } END { print s }' <<<"$PLAN")
@@ -364,7 +410,7 @@ fi
 [ "$DRY" = 1 ] || DRY=0
 export OUTDIR PY DRY
 {
-  echo "# GPU kit: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)$([ "$DRY" = 1 ] && echo ' (dry: no GPU)')"
+  echo "# GPU kit$([ "$CALL" = 1 ] && echo ' (the prepared call)'): $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)$([ "$DRY" = 1 ] && echo ' (dry: no GPU)')"
   echo
 } >"$SUMMARY"
 : >"$LOG"
@@ -383,4 +429,5 @@ remove_stale_locks
 for name in "${SELECTED[@]}"; do
   run_selected_step "$name"
 done
+[ "$CALL" = 0 ] || bundle_extra_files
 cat "$SUMMARY"

@@ -60,6 +60,7 @@ from megarl.run.prelaunch import load_expr_config
 from megarl.run.recover import RecoverHandler, RecoverInfo
 from megarl.run.saver import Saver
 from megarl.run.stats_logger import StatsLogger
+from megarl.run.throughput import record_train_throughput
 from megarl.run.weight_sync import WeightSync, WeightUpdateMeta, connect_engine
 from megarl.utils import heartbeat, stats_tracker
 from megarl.utils.auth import load_run_key
@@ -120,6 +121,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
         stats_tracker.record_timing("rollout"),
         t.memory.peak("rollout"),
         heartbeat.phase("rollout"),
+        nvtx_range(t, "rollout"),
         rollout_bar(t.progress if t.rollout is not None else None, batch_per_head(t)) as progress,
     ):
         accept = should_accept_fn(cfg.dynamic_filter, cfg.group_size)
@@ -145,8 +147,11 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
             batch["values"] = t.critic.compute_values(batch)
     t.actor.compute_advantages(batch)  # GAE with the critic's values, else GRPO
     with phase(t, "train_step"):
+        started = time.perf_counter()
         ppo_stats = t.actor.ppo_update(batch)
         t.actor.step_lr_scheduler()
+        train_s = time.perf_counter() - started
+    record_train_throughput(t.actor, batch, train_s, cfg.actor.ppo_n_epochs, cfg.device)
     if t.critic is not None:
         with phase(t, "critic_train"):
             ppo_stats += t.critic.ppo_update(batch)
@@ -193,11 +198,22 @@ def batch_per_head(t: Trainer) -> int:
 @contextlib.contextmanager
 def phase(t: Trainer, name: str, servers_paused: bool = False):
     """A trainer phase of the step: its wall time and peak RSS in the stats, on every core if the servers idle."""
-    with stats_tracker.record_timing(name), t.memory.peak(name), t.threads.phase(servers_paused), heartbeat.phase(name):
+    with (
+        stats_tracker.record_timing(name),
+        t.memory.peak(name),
+        t.threads.phase(servers_paused),
+        heartbeat.phase(name),
+        nvtx_range(t, name),
+    ):
         stats_tracker.scalar(**{f"threads/{name}": torch.get_num_threads()})
         yield
     if t.config.device == "cpu":
         release_freed_memory()
+
+
+def nvtx_range(t: Trainer, name: str):
+    """On a GPU, an NVTX range named after the phase (the step's phases on an Nsight Systems timeline)."""
+    return torch.cuda.nvtx.range(name) if t.config.device == "cuda" else contextlib.nullcontext()
 
 
 def should_accept_fn(dynamic_filter: str, granularity: int):

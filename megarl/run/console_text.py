@@ -69,7 +69,8 @@ def rollout_bar(progress: Progress | None, total: int) -> Iterator[Callable[[int
 
 
 def step_line(global_step: int, total_steps: int, stats: dict[str, float]) -> str:
-    """The console's line for a step: reward, evaluation, where the time went."""
+    """The console's line for a step: reward, evaluation, where the time went, the train phase's
+    tokens/s per rank (and MFU on a GPU)."""
     timing = [(label, stats.get(f"timeperf/{key}")) for label, key in STEP_TIMINGS]
     parts = [f"step {global_step + 1}/{total_steps}", f"reward {stats.get('batch/reward/avg', float('nan')):.3f}"]
     if (failed := reward_failures_note(stats)) is not None:
@@ -78,6 +79,9 @@ def step_line(global_step: int, total_steps: int, stats: dict[str, float]) -> st
         parts.append(f"pass@1 {stats['eval/pass@1']:.3f}")
     spent = " ".join(f"{label} {seconds:.1f}" for label, seconds in timing if seconds is not None)
     parts.append(f"{stats.get('timeperf/step', 0.0):.1f} s ({spent})")
+    if (tokens := stats.get("perf/train_tokens_per_s")) is not None:
+        mfu = stats.get("perf/mfu")
+        parts.append(f"train {tokens:,.0f} tok/s" + ("" if mfu is None else f" MFU {mfu:.2f}"))
     return "  ".join(parts)
 
 

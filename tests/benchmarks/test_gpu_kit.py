@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import types
 import zipfile
@@ -149,12 +150,47 @@ def test_without_megatron_core_the_actor_step_says_how_to_get_it(tmp_path):
     assert _statuses(tmp_path / "out") == {"actor": "skipped: megatron-core not installed (run the wheel script)"}
 
 
-@pytest.mark.parametrize("args", [[], ["out", "--wet"], ["out", "--dry", "extra"]])
+def test_the_prepared_call_runs_its_steps_within_the_limit_dry(tmp_path):
+    out = tmp_path / "out"
+    proc = _kit(out, "--call", "--dry", MEGARL_KIT_WHEELS_DIR=str(tmp_path / "no_wheels"))
+    assert proc.returncode == 0, proc.stderr
+    skipped = ("build", "tests_sm90", "train_grid", "actor_28l", "actor_7b4l")
+    assert _statuses(out) == {"env": "ok", **{step: "skipped: no GPU" for step in skipped}}
+    line = _setup_line(out, "budgets (s)")
+    budgets = dict(re.findall(r"(\S+)=(\d+)", line))
+    assert sum(map(int, budgets.values())) == int(re.search(r"\(sum (\d+) of 540\)", line).group(1)) <= KIT_LIMIT
+    assert "tests_sm80" not in line and (out / "summary.md").read_text().startswith("# GPU kit (the prepared call)")
+
+
+def test_the_prepared_call_brings_back_at_most_eight_files_json_records_kept(tmp_path):
+    out = tmp_path / "out"
+    # each step writes two records and two tables: 12 files, the summary and kit.log
+    write = 'for i in 1 2; do echo "{}" > "$OUTDIR/${MEGARL_KIT_STEP}_$i.json"; echo t > "$OUTDIR/${MEGARL_KIT_STEP}_$i.md"; done'
+    steps = "env train_grid actor_28l"
+    proc = _kit(
+        out,
+        "--call",
+        MEGARL_KIT_DRY="0",
+        MEGARL_KIT_STEPS=steps,
+        MEGARL_KIT_WHEELS_DIR=str(tmp_path / "no_wheels"),
+        **{f"MEGARL_KIT_CMD_{step}": write for step in steps.split()},
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [f"{step}_{i}.json" for step in steps.split() for i in (1, 2)]
+    assert sorted(p.name for p in out.iterdir()) == sorted([*records, "summary.md", "rest.tar.gz"])
+    with tarfile.open(out / "rest.tar.gz") as tar:
+        bundled = set(tar.getnames())
+    assert bundled == {"kit.log", *(name.replace(".json", ".md") for name in records)}
+    assert "kit.log" in bundled and "train_grid_2.md" in bundled
+    assert "bundled into rest.tar.gz" in (out / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("args", [[], ["out", "--wet"], ["out", "--dry", "extra"], ["out", "--dry", "--call", "x"]])
 def test_bad_arguments_print_the_usage(tmp_path, args):
     proc = subprocess.run(
         ["bash", str(KIT), *args], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=30
     )
-    assert proc.returncode == 2 and "usage: bash benchmarks/gpu_kit.sh OUTDIR [--dry]" in proc.stderr
+    assert proc.returncode == 2 and "usage: bash benchmarks/gpu_kit.sh OUTDIR [--dry] [--call]" in proc.stderr
 
 
 # ---------------------------------------------------------------- the real kit on a stub CUDA node

@@ -41,6 +41,14 @@ def test_step_line_shows_the_failed_rewards():
     assert "failed" not in step_line(0, 3, {"batch/reward/avg": 0.25, "rollout/reward/n_calls": 16.0})
 
 
+def test_step_line_shows_the_train_phases_throughput_and_mfu_where_measured():
+    stats = {"batch/reward/avg": 0.25, "timeperf/step": 3.0, "perf/train_tokens_per_s": 12345.6}
+    assert step_line(0, 3, stats).endswith("  train 12,346 tok/s")
+    stats["perf/mfu"] = 0.384
+    assert step_line(0, 3, stats).endswith("  train 12,346 tok/s MFU 0.38")
+    assert "tok/s" not in step_line(0, 3, {"batch/reward/avg": 0.25})
+
+
 def test_start_lines_name_the_skipped_rows_on_a_cpu():
     assert start_lines("torch", []) == []
     assert start_lines("torch", ["row 3: no answer", "row 9: too long"]) == [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.cli_run import GSM8K, QUIET_LOGGERS, megarl_run
+from tests.train.cli_run import GSM8K, QUIET_LOGGERS, megarl_run, read_metrics
 
 SHORT_RUN = [
     "total_train_steps=2",
@@ -50,6 +50,9 @@ def check_console(console: str, run_dir: Path, steps: int) -> None:
     trainer_log = (logs / "trainer.log").read_text()
     assert "Apex is not installed" in trainer_log and f"step {steps}/{steps}" in trainer_log  # kept, in the log
     assert "Application startup complete" in (logs / "server-0.log").read_text()
+    # the train phase's throughput, on the console and in the metrics
+    assert all(" tok/s" in line for line in step_lines), console
+    assert all(step.get("perf/train_tokens_per_s", 0) > 0 for step in read_metrics(run_dir)), "no perf/ stats"
 
 
 @pytest.mark.slow  # CI checks its own main-job run's console with check_console (.ci/run)
