@@ -534,6 +534,8 @@ def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
     row = {"fault": faults.name or "none"}
     row.update(_row(cluster, steps, before, after, seconds, cpu, updates[1:], books, peaks))
     row["connect_s"] = head.connect_s
+    # the group formed again in an update (a server died, joined or left): the slowest such connect
+    row["reconnect_s"] = max((u.get("connect_seconds", 0.0) for u in updates[1:]), default=0.0)
     row["pool_share"] = _share(cluster, between_syncs)
     row.update(lags)
     row["dialect"] = cluster.dialect
@@ -725,7 +727,8 @@ REAL_PLAN_MODEL = "qwen2.5-7b"
 ROW_GROUPS = ("sizes", "heads", "faults", "extra")
 """The benchmark's rows in groups (``--rows``, default all, in this order): steady state at every size with
 one head, the same with :data:`REAL_HEADS` heads up to 256 servers, each fault at :data:`FAULT_SERVERS`
-servers, then 1,024 servers with 16 heads, TP 4 at 256 servers (1,024 workers) and ``disk`` at 256."""
+servers, then 1,024 servers with 16 heads, TP 4 at 256 servers (1,024 workers; steady, then with 5% of
+the servers dying in an update, after which the group forms again) and ``disk`` at 256."""
 CLI_OPTIONS = {"--rows": ("MEGARL_SCALE_SIM_ROWS", {"all": "all", **{g: g for g in ROW_GROUPS}})}
 
 
@@ -743,7 +746,12 @@ def plan(quick: bool, groups: tuple[str, ...] = ROW_GROUPS) -> list[dict]:
         "sizes": [{"n": n} for n in SIZES],
         "heads": [{"n": n, "heads": REAL_HEADS} for n in SIZES[:-1]],
         "faults": [{"n": FAULT_SERVERS, "fault": fault} for fault in FAULTS],
-        "extra": [{"n": SIZES[-1], "heads": REAL_HEADS}, {"n": 256, "tp": 4}, {"n": 256, "mode": "disk"}],
+        "extra": [
+            {"n": SIZES[-1], "heads": REAL_HEADS},
+            {"n": 256, "tp": 4},
+            {"n": 256, "tp": 4, "fault": "die_in_update"},  # the group formed again over 1,024 workers
+            {"n": 256, "mode": "disk"},
+        ],
     }
     return [row for group in groups for row in rows[group]]
 

@@ -233,10 +233,13 @@ class WeightSync:
             return self._nothing_to_send(version, start)
         self._pause()
         paused = time.perf_counter()
+        connect_seconds = 0.0  # the group forms at the first update and again after a server joins or leaves it
         try:
             if not self.bridge.connected:
                 heartbeat.step("weight sync: connecting the bridge to the servers")
+                connecting = time.perf_counter()
                 self.connect(self.plan)
+                connect_seconds = time.perf_counter() - connecting
             report = self.bridge.update(ShardSource.from_engine(self.engine), version, mode, path)
             readmitted = self._after(report, version)
             died = self._died(report)
@@ -252,6 +255,7 @@ class WeightSync:
         try:
             stats = {
                 "pause_seconds": paused - start,
+                "connect_seconds": connect_seconds,
                 "resume_seconds": time.perf_counter() - resuming,
                 "update_seconds": report.seconds,
                 "send_seconds": report.send_seconds,

@@ -8,6 +8,7 @@ one :class:`~megarl.serving.servers.ServerSet`, which the interface hands the we
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -121,6 +122,26 @@ def test_only_rank_0_calls_the_servers(monkeypatch, driver, pause_themselves, pa
     sync.n_updates = 1
     sync.update_weights(WeightUpdateMeta(config=None, version=2))
     assert rollout.calls == [("pause", pause_servers), ("set_version", 2), ("resume", True, resume_servers)]
+
+
+def test_an_update_that_forms_the_group_again_says_what_that_took(monkeypatch):
+    """After a server left the group (the bridge closed), the next update connects first: its stats
+    carry the time, so a run's metrics show what each re-formation cost; a steady update says 0."""
+    monkeypatch.setattr("megarl.run.weight_sync.ShardSource.from_engine", lambda engine: None)
+    sync = _sync(FakeRollout(), updated=["a:1", "b:1"])
+    sync.n_updates = 1
+    connects = []
+
+    def connect(plan):
+        time.sleep(0.05)
+        connects.append(plan)
+        sync.bridge.connected = True
+
+    sync.connect = connect
+    assert sync.update_weights(WeightUpdateMeta(config=None, version=1))["connect_seconds"] == 0.0
+    sync.bridge.close()
+    stats = sync.update_weights(WeightUpdateMeta(config=None, version=2))
+    assert len(connects) == 1 and stats["connect_seconds"] >= 0.05
 
 
 def test_a_server_that_failed_the_transfer_leaves_rotation(monkeypatch):
