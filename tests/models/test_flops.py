@@ -15,19 +15,32 @@ def _matrix_params(model: torch.nn.Module) -> int:
 
 def test_a_dense_models_matmul_params_are_its_weight_matrices():
     config = Qwen2Config(
-        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, vocab_size=500, tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=500,
+        tie_word_embeddings=False,
+    )
     shape = MatmulShape.from_hf_config(config)
     assert shape.matmul_params == _matrix_params(Qwen2ForCausalLM(config))  # the LM head included
 
 
 def test_an_moe_token_passes_through_its_top_k_experts_and_the_router():
     config = Qwen3MoeConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=128, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-        vocab_size=500, tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=500,
+        tie_word_embeddings=False,
+    )
     shape = MatmulShape.from_hf_config(config)
     every_expert = _matrix_params(Qwen3MoeForCausalLM(config))
     idle = 2 * (8 - 2) * 3 * 64 * 48  # per layer, the 6 experts (gate, up, down) a token does not visit

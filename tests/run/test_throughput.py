@@ -11,9 +11,13 @@ from megarl.run.throughput import record_train_throughput
 from megarl.utils import stats_tracker
 
 CONFIG = Qwen2Config(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
     vocab_size=500,
-)  # fmt: skip
+)
 
 
 def _actor(tp=1, pp=1, cp=1):
