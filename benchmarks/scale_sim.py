@@ -258,7 +258,7 @@ class Head:
         )
         self.coordinator = DistRolloutCoordinator(self.rollout, DataParallelLayout(rank, heads, True), 1)
         start = time.perf_counter()
-        self.sync = connect_engine(self.trainer, self.rollout, WeightUpdateMeta(config))
+        self.sync = connect_engine(self.trainer, self.rollout, WeightUpdateMeta(config, inference_tp=cluster["tp"]))
         self.connect_s = time.perf_counter() - start
         self.loader, self.workflow = CountingLoader(concurrency), ItemWorkflow(PROMPT_LEN, MAX_NEW_TOKENS)
         self.handed_out = IdBitmap()
@@ -448,14 +448,16 @@ def measure(
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     logging.getLogger("megarl").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model("qwen2", Path(tmp) / "model", vocab_size=VOCAB_SIZE, **SIM_MODEL)
+        # at TP > 1 the model needs a query head per server worker (the KV head is replicated)
+        shape = {**SIM_MODEL, "num_attention_heads": max(SIM_MODEL["num_attention_heads"], tp)}
+        model_dir = make_tiny_model("qwen2", Path(tmp) / "model", vocab_size=VOCAB_SIZE, **shape)
         cluster = SimCluster(
             n, PROMPT_LEN, dialect, str(model_dir), serving=serving_model(mean_tokens), load=weight_load(tp)
         )
         cluster.start()
         faults = FaultPlan(fault, cluster, Path(tmp) / "run")
         config = sync_config(mode, Path(tmp), straggler_floor_s)
-        where = {"addresses": cluster.addresses, "model_dir": str(model_dir), "dialect": dialect}
+        where = {"addresses": cluster.addresses, "model_dir": str(model_dir), "dialect": dialect, "tp": tp}
         port = find_free_port()
         others = start_other_heads(heads, port, where, faults.run_dir, config, steps)
         try:
