@@ -55,7 +55,6 @@ def doc_files() -> list[Path]:
 
 
 LOAD_NOT_RECORDED = {
-    "bf16_update": "a 2-core Intel Xeon with AMX",
     "e2e_step": "a 2-core AMD EPYC with AVX2",
     "e2e_step_colocated": "a 2-core Intel Xeon with AMX",
     "learning_variants": "a 2-core AMD EPYC with AVX2",
