@@ -56,7 +56,6 @@ def doc_files() -> list[Path]:
 
 LOAD_NOT_RECORDED = {
     "e2e_step": "a 2-core AMD EPYC with AVX2",
-    "e2e_step_colocated": "a 2-core Intel Xeon with AMX",
     "learning_variants": "a 2-core AMD EPYC with AVX2",
     "peer_trl_avx2": "a 2-core AMD EPYC with AVX2",
     "plan": "a 2-core AMD EPYC with AVX-512 BF16",
