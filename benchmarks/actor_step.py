@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._harness import DTYPE_CHOICES, cpu_dtypes_to_run, cpu_kind, main_for
-from megarl.models.flops import MatmulShape, train_flops
+from megarl.models.flops import PEAK_BF16_TFLOPS, MatmulShape, train_flops
 
 TITLE = "Actor train step: Megatron train_batch tokens/s vs HF forward+backward (CPU); MFU (GPU)"
 
@@ -63,7 +63,7 @@ GPU_SHAPES = {
     # trainer figures (benchmarks/plan_rates_h100_qwen2.5-7b.yaml) assume
     "qwen2.5-7b-4L": (3584, 4, 28, 4, 18944, 152064, 16, 2048),
 }
-PEAK_BF16_FLOPS = 989e12
+PEAK_BF16_FLOPS = PEAK_BF16_TFLOPS["H200"] * 1e12  # the H100 / H200 SXM dense bf16 peak
 # Tokens per micro-batch where one micro-batch of the whole step does not fit: the 28-layer shape's
 # 32,768 tokens in one micro-batch ran out of an H200's 139 GiB (activations, no recompute).
 GPU_MB_TOKENS = {"qwen2.5-1.5b": 8192, "qwen2.5-7b-4L": 16384}

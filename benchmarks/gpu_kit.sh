@@ -139,22 +139,17 @@ PY
 step_test_file() { # $1: a test file; MEGARL_CUDA_MAINLOOP comes from the step
   "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu "$1"
 }
-step_kernels() {
+fused_logprob_into_outdir() { # KIT_QUICK=1: the quick shape; the table goes to OUTDIR
   "$PY" - <<'PY'
 import os, pathlib
 from benchmarks._harness import print_record, run_benchmark
-print_record(run_benchmark("fused_logprob", quick=True, results_dir=pathlib.Path(os.environ["OUTDIR"])))
+quick = os.environ.get("KIT_QUICK") == "1"
+print_record(run_benchmark("fused_logprob", quick=quick, results_dir=pathlib.Path(os.environ["OUTDIR"])))
 PY
 }
+step_kernels() { KIT_QUICK=1 fused_logprob_into_outdir; }
 step_actor() { "$PY" -m benchmarks.actor_step --kit "$OUTDIR" --quick; }
-step_train_grid() { MEGARL_FUSED_GRID=train step_kernels_full; }
-step_kernels_full() {
-  "$PY" - <<'PY'
-import os, pathlib
-from benchmarks._harness import print_record, run_benchmark
-print_record(run_benchmark("fused_logprob", results_dir=pathlib.Path(os.environ["OUTDIR"])))
-PY
-}
+step_train_grid() { MEGARL_FUSED_GRID=train fused_logprob_into_outdir; }
 step_actor_shape() { # $1: a GPU shape of benchmarks/actor_step.py, both rows, into OUTDIR
   MEGARL_ACTOR_STEP_SHAPE=$1 "$PY" -m benchmarks.actor_step --kit "$OUTDIR"
 }

@@ -30,13 +30,11 @@ def record_train_throughput(actor, batch: dict, seconds: float, epochs: int, dev
     ranks = alloc.tp * alloc.pp * alloc.cp
     shape = MatmulShape.from_hf_config(actor.desc.hf_config)
     per_rank_s = seconds * ranks / epochs
-    stats = {
-        "train_tokens_per_s": sum(seq_lens) / per_rank_s,
-        "train_tflops": train_flops(shape, seq_lens) / per_rank_s / 1e12,
-    }
+    flops_per_s = train_flops(shape, seq_lens) / per_rank_s
+    stats = {"train_tokens_per_s": sum(seq_lens) / per_rank_s, "train_tflops": flops_per_s / 1e12}
     peak = peak_bf16_flops(torch.cuda.get_device_name()) if device == "cuda" else None
     if peak is not None:
-        stats["mfu"] = train_flops(shape, seq_lens) / per_rank_s / peak
+        stats["mfu"] = flops_per_s / peak
         stats["mfu_megatron"] = train_flops(shape, seq_lens, "megatron") / per_rank_s / peak
     with stats_tracker.scope("perf"):
         stats_tracker.scalar(**stats)
