@@ -168,10 +168,9 @@ def measure(model: str, mode: str, servers: int, tp: int = SERVER_TP) -> dict:
 
     import torch
 
+    from megarl.bridge.blocks import regroup
     from megarl.bridge.bridge import WeightBridge
-    from megarl.bridge.schedule import ReceiverSpecs, broadcast_schedule, sharded_schedule
     from megarl.bridge.source import TrainerCoords
-    from megarl.bridge.transfer_plan import build_plan
     from megarl.config.allocation import AllocationMode
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.models.build import describe
@@ -189,15 +188,17 @@ def measure(model: str, mode: str, servers: int, tp: int = SERVER_TP) -> dict:
     gc.collect()
     with _PeakRSS() as mem:
         start = time.perf_counter()
-        # WeightBridge.connect, up to the init bodies (the lines that build plan, schedules and bodies)
-        bridge.plan = build_plan(desc, shapes, trainer, tuple(s.tp for s in bridge.servers), sharded="sharded" in modes)
+        # WeightBridge.connect, up to the init bodies (the servers cut into blocks, a plan and schedules
+        # per distinct block, every block's wiring and every server's init body)
+        blocks = [bridge._block(run, modes) for run in regroup([], bridge.servers, config.group_servers(servers))[1]]
         planned = time.perf_counter()
-        bsched = broadcast_schedule(bridge.plan, bridge.bucket_numel)
-        ssched = sharded_schedule(bridge.plan, bridge.bucket_numel) if "sharded" in modes else None
-        wiring = _wiring(bridge.plan, bsched.senders if "broadcast" in modes else [], ssched.senders if ssched else [])
+        for block in blocks:
+            bsched, ssched = block.broadcast_schedule, block.sharded_schedule
+            block.wiring = _wiring(
+                block.plan, bsched.senders if "broadcast" in modes else [], ssched.senders if ssched else []
+            )
         init = time.perf_counter()
-        specs, wired = ReceiverSpecs(bridge.plan, bsched, ssched, wiring.sender_ranks), wiring.to_json()
-        infos = {s.address: bridge._init_info(i, wired, modes, specs) for i, s in enumerate(bridge.servers)}
+        infos = {s.address: info for b in blocks for s, info in zip(b.servers, bridge._init_infos(b))}
         end = time.perf_counter()
     body_kb = max(len(json.dumps(info)) for info in infos.values()) / 1024
     return {

@@ -223,11 +223,13 @@ def head_concurrency(n: int, rank: int, heads: int) -> int:
     return PER_SERVER * n if rank == 0 else max(4, -(-n // (heads - 1)))
 
 
-def sync_config(mode: str, tmp: Path, straggler_floor_s: float | None):
-    """The weight update's config, the same on every head."""
+def sync_config(mode: str, tmp: Path, straggler_floor_s: float | None, servers_per_group: int | None = None):
+    """The weight update's config, the same on every head (``servers_per_group`` None: its default)."""
     from megarl.config.bridge import WeightUpdateConfig
 
     config = WeightUpdateConfig(mode=mode, disk_path=str(tmp / "updates"), probe_sequences=2, probe_tokens=16)
+    if servers_per_group is not None:
+        config.servers_per_group = servers_per_group
     config.dtype = "float32"
     config.probe_every, config.probe_topk = 2, 0  # the steady-state columns come from the updates between probes
     if straggler_floor_s is not None:
@@ -433,11 +435,12 @@ def measure(
     heads: int = 1,
     mode: str = "sharded",
     tp: int = 1,
+    servers_per_group: int | None = None,
 ) -> dict:
     """One row: ``heads`` trainer heads (pools, coordinators, weight syncs) driving ``n`` simulated
     servers of TP ``tp`` in update ``mode``, with one of :data:`FAULTS` at step 1 if ``fault`` names
     one (answers of ``mean_tokens`` on average), the servers speaking ``dialect`` (``vllm`` or
-    ``sglang``); ``straggler_floor_s``: the weight update's (None: its default)."""
+    ``sglang``); ``straggler_floor_s`` and ``servers_per_group``: the weight update's (None: its default)."""
     from megarl.models.tiny import make_tiny_model
     from megarl.utils.network import find_free_port
     from tests.rollout.fake_server import VOCAB_SIZE
@@ -456,7 +459,7 @@ def measure(
         )
         cluster.start()
         faults = FaultPlan(fault, cluster, Path(tmp) / "run")
-        config = sync_config(mode, Path(tmp), straggler_floor_s)
+        config = sync_config(mode, Path(tmp), straggler_floor_s, servers_per_group)
         where = {"addresses": cluster.addresses, "model_dir": str(model_dir), "dialect": dialect, "tp": tp}
         port = find_free_port()
         others = start_other_heads(heads, port, where, faults.run_dir, config, steps)
@@ -468,7 +471,8 @@ def measure(
                 proc.kill()
             faults.stop()
             cluster.stop()
-    return {"servers": n, "tp": tp, "heads": heads, "mode": mode, **row}
+    per_group = config.group_servers(n) if mode != "disk" else None
+    return {"servers": n, "tp": tp, "heads": heads, "mode": mode, "servers_per_group": per_group, **row}
 
 
 def _drive(head: Head, steps: int, cluster, faults: FaultPlan) -> dict:
@@ -726,11 +730,13 @@ REAL_PLAN_MODEL = "qwen2.5-7b"
 128-GPU config's model, at the row's servers, TP and mode."""
 
 
-ROW_GROUPS = ("sizes", "heads", "faults", "extra")
+ROW_GROUPS = ("sizes", "heads", "faults", "extra", "blocks")
 """The benchmark's rows in groups (``--rows``, default all, in this order): steady state at every size with
 one head, the same with :data:`REAL_HEADS` heads up to 256 servers, each fault at :data:`FAULT_SERVERS`
 servers, then 1,024 servers with 16 heads, TP 4 at 256 servers (1,024 workers; steady, then with 5% of
-the servers dying in an update, after which the group forms again) and ``disk`` at 256."""
+the servers dying in an update, after which the group forms again) and ``disk`` at 256; then the
+dying row twice more, with the default blocks of servers per group and with one group of every
+worker (``weight_update.servers_per_group`` 0), one after the other."""
 CLI_OPTIONS = {"--rows": ("MEGARL_SCALE_SIM_ROWS", {"all": "all", **{g: g for g in ROW_GROUPS}})}
 
 
@@ -753,6 +759,10 @@ def plan(quick: bool, groups: tuple[str, ...] = ROW_GROUPS) -> list[dict]:
             {"n": 256, "tp": 4},
             {"n": 256, "tp": 4, "fault": "die_in_update"},  # the group formed again over 1,024 workers
             {"n": 256, "mode": "disk"},
+        ],
+        "blocks": [
+            {"n": 256, "tp": 4, "fault": "die_in_update"},  # the dead servers' blocks form again
+            {"n": 256, "tp": 4, "fault": "die_in_update", "servers_per_group": 0},  # one group of 1,024 workers
         ],
     }
     return [row for group in groups for row in rows[group]]

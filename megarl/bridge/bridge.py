@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.bridge.groups import default_backend, destroy_group, gather_objects, rank0_object
+from megarl.bridge.blocks import Block, BlockSenders, regroup
+from megarl.bridge.groups import default_backend, gather_objects, rank0_object
 from megarl.bridge.interface import ServerBridge, UpdateReport
 from megarl.bridge.schedule import ReceiverSpecs, broadcast_schedule, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
@@ -113,9 +114,15 @@ class WeightBridge(ServerBridge):
         self.dtype = wire_dtype(concrete_dtype(config.dtype, self.device.type))
         self.bucket_numel = config.bucket_bytes(self.device.type == "cuda") // self.dtype.itemsize
         self.servers: list[ServerControl] = []
+        self.blocks: list[Block] = []
+        """The servers' blocks, each with its groups (:mod:`megarl.bridge.blocks`)."""
+        self._plans: dict = {}
+        """(TP sizes, modes) of a block -> its plan and schedules (blocks alike share them)."""
+        self._specs: dict = {}
+        """(plan, sender ranks) -> the receive specs of a connect's blocks alike (computed once)."""
         self.plan: TransferPlan | None = None
+        """The first block's plan (the model's sources are the same in every block's)."""
         self.senders: dict[str, TransportSender] = {}
-        self._groups: list = []
         self._commit_seconds = 0.0
         self.connected = False
 
@@ -126,66 +133,101 @@ class WeightBridge(ServerBridge):
     # ------------------------------------------------------------------ connect
 
     def connect(self, servers: list[ServerControl]) -> None:
-        """Form the groups with ``servers`` (collective); raises WeightBridgeError naming what failed."""
-        self.close()
+        """Form the groups with ``servers`` (collective); raises WeightBridgeError naming what failed.
+
+        The groups of blocks that are intact and whose servers are all still wanted are kept (their
+        servers are not called); the other servers are cut into blocks whose groups form now
+        (:mod:`megarl.bridge.blocks`)."""
         modes = self.config.modes
         backend = servers[0].name if servers else "vllm"
         if backend == "sglang" and "sharded" in modes:
             raise ValueError("weight_update.mode 'sharded' needs vLLM servers (SGLang has no sharded receive API)")
+        if not servers:
+            raise ValueError("the weight bridge has no inference servers to connect to")
         self.servers = list(servers)
-        self.plan = build_plan(
-            self.desc, self.hf_shapes, self.trainer, tuple(s.tp for s in servers), sharded="sharded" in modes
-        )
-        bsched = broadcast_schedule(self.plan, self.bucket_numel)
-        ssched = sharded_schedule(self.plan, self.bucket_numel) if "sharded" in modes else None
-        wiring = self._wire(bsched.senders if "broadcast" in modes else [], ssched.senders if ssched else [])
+        kept, runs = regroup(self.blocks, self.servers, self.config.group_servers(len(servers)))
+        for block in self.blocks:
+            if block not in kept:
+                block.close()
+        forming, self._specs = [self._block(run, modes) for run in runs], {}
+        self.blocks = kept + forming
+        self.plan = self.blocks[0].plan
+        self._wire(forming)
         errors: dict[str, str] = {}
         joining = None
         if self.is_driver and set(modes) != {"disk"}:  # servers join (in the background) the groups: disk mode has none
-            specs, wired = ReceiverSpecs(self.plan, bsched, ssched, wiring.sender_ranks), wiring.to_json()  # once
-            infos = {s.address: self._init_info(i, wired, modes, specs) for i, s in enumerate(servers)}
-            calls = {s.address: (lambda s=s: s.init_group(infos[s.address])) for s in servers}
+            infos = {s.address: info for block in forming for s, info in zip(block.servers, self._init_infos(block))}
+            calls = {s.address: (lambda s=s: s.init_group(infos[s.address])) for b in forming for s in b.servers}
             joining = _background(calls, self.config.init_timeout, errors)
-        try:
-            broadcast, sharded = trainer_join(wiring, self.coords.rank, self.config.init_timeout)
-        except RuntimeError as e:
-            broadcast, sharded, errors[f"trainer rank {self.coords.rank}"] = {}, None, str(e)
+        for i, block in enumerate(forming):  # in block order on every rank: no rendezvous waits in a cycle
+            try:
+                block.broadcast_groups, block.sharded_group = trainer_join(
+                    block.wiring, self.coords.rank, self.config.init_timeout
+                )
+            except RuntimeError as e:
+                errors[f"trainer rank {self.coords.rank}, group {i + 1} of {len(forming)}"] = str(e)
         if joining is not None:
             joining.join()
-        self._groups = [*broadcast.values(), sharded]
         self._agree(errors, "connecting the weight bridge")
-        self._build_senders(bsched, ssched, broadcast, sharded, wiring, backend)
+        self._build_senders(backend)
         self.connected = True
-        logger.info("weight bridge connected to %d server(s) (%s), modes %s", len(servers), backend, modes)
-
-    def _wire(self, broadcast_owners, sharded_owners) -> Wiring:
-        table = self._all_gather(self.coords)
-        rank_of = {o: next(c.rank for c in table if c.holds(o)) for o in [*broadcast_owners, *sharded_owners]}
-        backend = default_backend(self.device)
-        count = make_wiring(
+        logger.info(
+            "weight bridge connected to %d server(s) (%s), modes %s: %d group(s) formed, %d kept",
+            len(servers),
             backend,
-            len(self.plan.workers),
-            broadcast_owners,
-            sharded_owners,
-            rank_of.__getitem__,
-            lambda r, k: ("", 0),
-            "count",
+            modes,
+            len(forming),
+            len(kept),
         )
+
+    def release(self, addresses) -> None:
+        """The groups of the blocks holding ``addresses`` (restarted, failed, leaving) re-form at the next
+        :meth:`connect`; the other blocks keep theirs. Not connected until then."""
+        for block in self.blocks:
+            block.release(set(addresses))
+        self.connected = False
+
+    def _block(self, servers: list[ServerControl], modes) -> Block:
+        """A block of ``servers`` with its plan and schedules (shared by blocks of the same TP sizes)."""
+        key = (tuple(s.tp for s in servers), modes)
+        if key not in self._plans:
+            plan = build_plan(self.desc, self.hf_shapes, self.trainer, key[0], sharded="sharded" in modes)
+            sharded = sharded_schedule(plan, self.bucket_numel) if "sharded" in modes else None
+            self._plans[key] = (plan, broadcast_schedule(plan, self.bucket_numel), sharded)
+        return Block(list(servers), *self._plans[key])
+
+    def _wire(self, blocks: list[Block]) -> None:
+        """Each block's wiring: its groups, their hosts and rendezvous ports (one gather of every rank's
+        ports for all ``blocks``)."""
+        if not blocks:
+            return
+        modes = self.config.modes
+        table = self._all_gather(self.coords)
+        backend = default_backend(self.device)
+
+        def wiring(block: Block, address_of, prefix: str) -> Wiring:
+            bowners = block.broadcast_schedule.senders if "broadcast" in modes else []
+            sowners = block.sharded_schedule.senders if block.sharded_schedule is not None else []
+            rank_of = {o: next(c.rank for c in table if c.holds(o)) for o in [*bowners, *sowners]}
+            return make_wiring(
+                backend, len(block.plan.workers), bowners, sowners, rank_of.__getitem__, address_of, prefix
+            )
+
+        counted = [wiring(b, lambda r, k: ("", 0), "count") for b in blocks]
+        mine = sum(w.groups_hosted_by(self.coords.rank) for w in counted)
         host = self.config.master_address or gethostip()
-        mine = count.groups_hosted_by(self.coords.rank)
         addresses = self._all_gather((host, find_free_ports(mine, host="0.0.0.0") if mine else [], _own_addresses()))
         self._check_reachable(addresses)
         prefix = f"megarl-bridge-{int(time.time() * 1000) % 10**9}"
         prefix = self._all_gather(prefix)[0]  # every rank names the groups alike
-        return make_wiring(
-            backend,
-            len(self.plan.workers),
-            broadcast_owners,
-            sharded_owners,
-            rank_of.__getitem__,
-            lambda r, k: (addresses[r][0], addresses[r][1][k]),
-            prefix,
-        )
+        hosted: dict[int, int] = {}  # trainer rank -> ports of it handed out so far
+
+        def address_of(rank: int, _k: int) -> tuple[str, int]:
+            k = hosted[rank] = hosted.get(rank, -1) + 1
+            return addresses[rank][0], addresses[rank][1][k]
+
+        for i, block in enumerate(blocks):
+            block.wiring = wiring(block, address_of, f"{prefix}-{i}")
 
     def _check_reachable(self, addresses: list[tuple[str, list[int], set[str]]]) -> None:
         """Fail (on every rank alike) when a trainer rank would host groups on a loopback address that
@@ -201,13 +243,25 @@ class WeightBridge(ServerBridge):
                     "interface's"
                 )
 
-    def _init_info(self, server: int, wiring: dict, modes, specs: ReceiverSpecs) -> dict:
-        """Server ``server``'s init body: the wiring (``Wiring.to_json``) and its workers' packed receive
-        specs (:class:`~megarl.bridge.schedule.ReceiverSpecs`; each packed part once per body)."""
+    def _init_infos(self, block: Block) -> list[dict]:
+        """The init body of each server of ``block``."""
+        modes = self.config.modes
+        key = (id(block.plan), tuple(block.wiring.sender_ranks))
+        if key not in self._specs:  # each distinct part computed once for the blocks alike
+            self._specs[key] = ReceiverSpecs(
+                block.plan, block.broadcast_schedule, block.sharded_schedule, block.wiring.sender_ranks
+            )
+        specs = self._specs[key]
+        wired = block.wiring.to_json()
+        return [self._init_info(block.plan, i, wired, modes, specs) for i in range(len(block.servers))]
+
+    def _init_info(self, plan: TransferPlan, server: int, wiring: dict, modes, specs: ReceiverSpecs) -> dict:
+        """Server ``server``'s (of ``plan``) init body: the wiring (``Wiring.to_json``) and its workers'
+        packed receive specs (:class:`~megarl.bridge.schedule.ReceiverSpecs`; each packed part once per body)."""
         packed, shared = specs.server(server, [m for m in modes if m != "disk"])
         return {
             "wiring": wiring,
-            "worker_offset": self.plan.worker_index(server, 0),
+            "worker_offset": plan.worker_index(server, 0),
             "specs": packed,
             "shared": shared,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -215,15 +269,38 @@ class WeightBridge(ServerBridge):
             "stage": self.config.stage,
         }
 
-    def _build_senders(self, bsched, ssched, broadcast, sharded, wiring, backend) -> None:
-        self.senders = {"disk": DiskSender(self.plan, bsched, self.coords, self.dtype, self.source_dir, self.group)}
-        if wiring.broadcast:
-            self.senders["broadcast"] = BroadcastSender(
-                self.plan, bsched, self.coords, broadcast, self.dtype, as_bytes=backend == "sglang"
+    def _build_senders(self, backend: str) -> None:
+        first = self.blocks[0]
+        self.senders = {
+            "disk": DiskSender(
+                first.plan, first.broadcast_schedule, self.coords, self.dtype, self.source_dir, self.group
             )
-        if ssched is not None:
-            self.senders["sharded"] = ShardedSender(
-                ssched, self.coords, sharded, len(wiring.sharded_members), self.dtype, self.config
+        }
+        if first.wiring is not None and first.wiring.broadcast:  # broadcast mode: one block
+            self.senders["broadcast"] = BroadcastSender(
+                first.plan,
+                first.broadcast_schedule,
+                self.coords,
+                first.broadcast_groups,
+                self.dtype,
+                as_bytes=backend == "sglang",
+            )
+        if first.sharded_schedule is not None:
+            self.senders["sharded"] = BlockSenders(
+                [
+                    (
+                        b,
+                        ShardedSender(
+                            b.sharded_schedule,
+                            self.coords,
+                            b.sharded_group,
+                            len(b.wiring.sharded_members),
+                            self.dtype,
+                            self.config,
+                        ),
+                    )
+                    for b in self.blocks
+                ]
             )
 
     # ------------------------------------------------------------------ update
@@ -254,8 +331,8 @@ class WeightBridge(ServerBridge):
         report.sender_errors = errors
         report.updated = [s.address for s in self.servers if s.address not in report.failed]
         report.seconds = time.perf_counter() - start
-        if not report.ok:
-            self.connected = False  # a group with a dead or lagging member is unusable: connect() again
+        if not report.ok:  # a group with a dead or lagging member is unusable: connect() again
+            self.release(report.failed if not errors else [s.address for s in self.servers])
             logger.error("weight update to version %d (%s) failed: %s %s", version, mode, report.failed, errors)
         return report
 
@@ -333,10 +410,10 @@ class WeightBridge(ServerBridge):
             raise WeightBridgeError(f"{what} failed: " + "; ".join(f"{k}: {v}" for k, v in merged.items()))
 
     def close(self) -> None:
-        """Leave the groups (the servers' ends are replaced at the next connect)."""
-        for group in self._groups:
-            destroy_group(group)
-        self._groups, self.senders, self.connected = [], {}, False
+        """Leave every group (the servers' ends are replaced at the next connect)."""
+        for block in self.blocks:
+            block.close()
+        self.blocks, self.senders, self.connected = [], {}, False
 
 
 def _path(path: str) -> Path:

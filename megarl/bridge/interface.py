@@ -71,3 +71,8 @@ class ServerBridge(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Let go of the servers (the next :meth:`connect` adopts them again)."""
+
+    def release(self, addresses: list[str]) -> None:
+        """``addresses`` changed (restarted, joined, failed, left): the next :meth:`connect` adopts them
+        anew (default: lets go of every server)."""
+        self.close()

@@ -47,6 +47,13 @@ class WeightUpdateConfig:
     """Address the servers use to reach the trainer ranks that host groups; empty: this host's IP."""
     init_timeout: float = 600.0
     """Seconds to form the groups (servers joining) before giving up."""
+    servers_per_group: int = 16
+    """Sharded mode: the sending trainer ranks form one group with the workers of each run of this
+    many servers (a group per block), so a server that dies, is evicted, restarts, joins or leaves
+    re-forms its own block's group only: the other servers keep theirs and are not re-initialised.
+    Each sending rank holds one group per block. 0: one group of every server (any change re-forms
+    it). Broadcast mode always forms one group per sender over every server's workers (a group per
+    block would send each bucket once per block)."""
     update_timeout: float = 1800.0
     """Seconds one update (any transfer or control call in it) may take: the cap. A server far slower
     than the others is evicted earlier, at its relative deadline (``straggler_factor``)."""
@@ -112,6 +119,7 @@ class WeightUpdateConfig:
             self.master_address,
             "expected a host name or an IP address (empty: this host's)",
         )
+        require(self.servers_per_group >= 0, "servers_per_group", self.servers_per_group, "must be >= 0 (0: one group)")
         require(self.keep_disk_versions >= 1, "keep_disk_versions", self.keep_disk_versions, "must be >= 1")
         require(
             0.0 <= self.max_failed_fraction < 1.0, "max_failed_fraction", self.max_failed_fraction, "must be in [0, 1)"
@@ -133,6 +141,13 @@ class WeightUpdateConfig:
     def modes(self) -> tuple[str, ...]:
         """Every mode to wire: ``mode`` then ``extra_modes``."""
         return tuple(dict.fromkeys([self.mode, *self.extra_modes]))
+
+    def group_servers(self, servers: int) -> int:
+        """How many of ``servers`` servers one bridge group holds (``servers_per_group``; all of them
+        when 0 or when broadcast mode is wired)."""
+        if self.servers_per_group == 0 or "broadcast" in self.modes:
+            return max(servers, 1)
+        return self.servers_per_group
 
     def bucket_bytes(self, on_gpu: bool) -> int:
         mb = self.bucket_mb if self.bucket_mb is not None else (1024 if on_gpu else 64)

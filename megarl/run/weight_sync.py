@@ -208,14 +208,15 @@ class WeightSync:
         return self.update(self.engine.get_version())
 
     def _next_plan(self) -> UpdatePlan:
-        """Whom this update goes to; the bridge is closed when restarted or joined servers come back or
-        its set of servers changes (one failed, left or was restarted)."""
+        """Whom this update goes to; the bridge's groups of the servers that changed (restarted, joined,
+        failed, left) are released, to re-form before the transfer (the others are kept)."""
         known = set(self.plan.order) if self.plan is not None else set()
         plan = self._plan()
         for address in (a for a in plan.readmit if a not in known):  # joined the run (megarl serve --join)
             logger.info("weight sync: server %s joined; this update pushes it the weights", address)
-        if self.bridge.connected and (plan.readmit or set(plan.targets) != {s.address for s in self.bridge.servers}):
-            self.bridge.close()  # a restarted server's workers join anew
+        changed = set(plan.readmit) | set(plan.targets).symmetric_difference(s.address for s in self.bridge.servers)
+        if changed:
+            self.bridge.release(sorted(changed))  # a restarted server's workers join anew
         return plan
 
     def update_weights(self, meta: WeightUpdateMeta) -> dict[str, float]:

@@ -45,8 +45,11 @@ class FakeVLLM:
         self.staged: list = []
         self.weights: dict = {}
         self.version: str | None = None
+        self.inits = 0
+        """How many times the trainer initialised this server (joined it to new groups)."""
 
     def init(self, info: dict) -> None:
+        self.inits += 1
         if self.receiver is not None:
             self.receiver.close()
         self.receiver = WorkerReceiver(ReceiverInit(**info), tp_rank=0, device="cpu")
@@ -120,7 +123,8 @@ def make_app(server: FakeVLLM) -> web.Application:
     app.router.add_post(UPDATE_ROUTE, lambda r: serve_update_route(r, _Steps(server)))
 
     async def dump(request):
-        torch.save({"weights": server.weights, "version": server.version}, (await request.json())["path"])
+        dump = {"weights": server.weights, "version": server.version, "inits": server.inits}
+        torch.save(dump, (await request.json())["path"])
         return web.json_response({})
 
     app.router.add_post("/fake/dump", dump)

@@ -84,14 +84,14 @@ class _Rollout(RolloutControl):
 
 
 def sync_through_a_kill(
-    model_dir: str, addresses: list[str], dump_dir: str, update_timeout: float
+    model_dir: str, addresses: list[str], dump_dir: str, update_timeout: float, servers_per_group: int
 ) -> tuple[float, list[dict]]:
     """Three sharded updates through ``WeightSync`` (versions 1, 2, 3); a receiver is killed from outside
     during the second. Returns the seconds this process waited for the servers to be up and, per update,
     what it returned or raised, how long it took, the bridge's report, whom the server set holds out,
     which workers the sender lost, and each answering server's dump."""
     import megarl.run.weight_sync as weight_sync
-    from megarl.bridge.transport_sharded import ShardedSender
+    from megarl.bridge.blocks import BlockSenders
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.serving.http import http_json, http_ok_all
     from megarl.serving.vllm import VLLMControl
@@ -110,8 +110,8 @@ def sync_through_a_kill(
     waited = time.monotonic() - begun
     weight_sync.ShardSource = _Source  # the engine's shards: the stand-in's (the rest is the run's code)
     sent = []  # each sharded send's stats (which workers it lost)
-    send = ShardedSender.send
-    ShardedSender.send = lambda self, source: sent.append(send(self, source)) or sent[-1]
+    send = BlockSenders.send
+    BlockSenders.send = lambda self, source: sent.append(send(self, source)) or sent[-1]
     config = WeightUpdateConfig(
         mode="sharded",
         bucket_mb=0.1,
@@ -120,6 +120,7 @@ def sync_through_a_kill(
         update_timeout=update_timeout,
         straggler_floor_s=10,
         probe_sequences=0,
+        servers_per_group=servers_per_group,
     )
     engine, rollout = _Engine(model_dir), _Rollout(addresses)
     controls = [VLLMControl(a, 1, timeout=update_timeout) for a in addresses]

@@ -18,8 +18,8 @@ class _Bridge:
     def broadcast_object(self, value):
         return value
 
-    def close(self):
-        self.connected = False
+    def release(self, addresses):
+        self.released, self.connected = list(addresses), False
 
 
 def _sync(connected: list[str], back: list[str], down: list[str], unhealthy=()) -> WeightSync:
@@ -40,6 +40,7 @@ def test_a_restarted_server_back_reconnects_the_bridge():
     plan = sync._next_plan()
     assert plan.readmit == ["a:1"] and plan.targets == ["a:1", "b:1"]
     assert not sync.bridge.connected, "its workers must join new groups"
+    assert sync.bridge.released == ["a:1"], "only its group re-forms"
 
 
 def test_a_restarted_server_still_down_is_left_out_of_the_bridge():

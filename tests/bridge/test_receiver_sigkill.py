@@ -9,7 +9,8 @@ update 2 one server stops after two buckets and the test kills its process with 
 (nothing of it runs again: no cleanup, its sockets reset by the kernel). Update 2 must come back well
 within ``weight_update.update_timeout``, with the dead server failed and out of rotation, the run
 going on; update 3 goes to the 15 survivors (the bridge reconnected) and every one holds version 3's
-weights.
+weights. The bridge forms a group per block of 4 servers: update 3 re-forms the victim's block alone, so
+its 3 survivors are initialised a second time and the 12 others are not called.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ SERVERS = 16
 VICTIM = 5
 """Which server is killed (not the first: the first is the bridge's reference server)."""
 UPDATE_TIMEOUT = 60.0
+PER_GROUP = 4
+"""``weight_update.servers_per_group``: servers 4-7 are the victim's block."""
 
 
 def _start(tmp_path: Path, ports: list[int], stall_marker: Path | None = None) -> InferenceServer:
@@ -84,6 +87,7 @@ def test_a_receiver_sigkilled_mid_transfer_fails_alone(tiny_model_dir, tmp_path)
             addresses=addresses,
             dump_dir=str(tmp_path),
             update_timeout=UPDATE_TIMEOUT,
+            servers_per_group=PER_GROUP,
         )
     finally:
         stop.set()
@@ -112,8 +116,8 @@ def test_a_receiver_sigkilled_mid_transfer_fails_alone(tiny_model_dir, tmp_path)
     assert list(second["report"]["failed"]) == [victim], summary
     assert sorted(second["report"]["updated"]) == sorted(survivors), summary
     assert second["report"]["sender_errors"] == [], summary
-    # the sender lost the dead worker alone, if it saw it die (TP 1: worker index = server index)
-    assert set(second["lost_workers"]) <= {VICTIM}, summary
+    # the sender lost the dead worker alone, if it saw it die
+    assert set(second["lost_workers"]) <= {f"{victim} rank 0"}, summary
     assert second["held_out"] == [victim], summary  # evicted from rotation
     assert second["engine_version"] == second["rollout_version"] == 2
     for address in survivors:  # the survivors took the whole update (no one half-updated)
@@ -127,6 +131,11 @@ def test_a_receiver_sigkilled_mid_transfer_fails_alone(tiny_model_dir, tmp_path)
     assert sorted(third["dumped"]) == sorted(survivors)
     for address in survivors:
         _check_dump(tmp_path, 3, address, hf)
+    # only the victim's block re-formed: its survivors joined new groups, the other blocks kept theirs
+    block = VICTIM // PER_GROUP * PER_GROUP
+    rejoined = {a for a in addresses[block : block + PER_GROUP] if a != victim}
+    inits = {a: torch.load(tmp_path / f"v3-{a.replace(':', '_')}.pt")["inits"] for a in survivors}
+    assert inits == {a: 2 if a in rejoined else 1 for a in survivors}, inits
 
 
 def _check_dump(tmp_path: Path, version: int, address: str, hf: dict) -> None:

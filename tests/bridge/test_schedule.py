@@ -338,7 +338,7 @@ def test_the_init_body_of_a_30b_moe_server_stays_under_256_kb():
         )
         specs = ReceiverSpecs(bridge.plan, bsched, ssched, wiring.sender_ranks)
         for server in range(2):
-            body = json.dumps(bridge._init_info(server, wiring.to_json(), config.modes, specs))
+            body = json.dumps(bridge._init_info(bridge.plan, server, wiring.to_json(), config.modes, specs))
             assert len(body) <= 256 * 1024, (mode, len(body))
         decoded = worker_specs(json.loads(body)["specs"], json.loads(body)["shared"], 3)[mode]
         assert decoded == specs.spec(bridge.plan.worker_index(1, 3), mode)
