@@ -232,7 +232,7 @@ def write_gpu_plan() -> Path:
     path.write_text(
         f"# megarl plan: {GPU_CONFIG} on 16 nodes x 8 GPUs (ASSUMED rates)\n\n"
         f"Every rate below is an assumption ({GPU_RATES} cites where each comes from), not a measurement: "
-        f"megarl has not trained on a GPU cluster (one H200 ran its kernels and a 4-layer actor step). The bundled config's split, `{bundled}`, ranks {rank} of {len(rows)} "
+        f"megarl has not trained on a GPU cluster (one H200 ran its kernels, a 4-layer actor step and the full 28-layer Qwen2.5-1.5B actor step). The bundled config's split, `{bundled}`, ranks {rank} of {len(rows)} "
         f"({bundled_s:.1f} s a step; the first: {first_s:.1f} s); its prediction is at the end.\n\n"
         f"```\n$ megarl {' '.join(cmd[3:])}\n{out}```\n\n```\n$ megarl {' '.join(cmd[3:])} --mode {bundled}\n{mine}```\n"
     )

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from megarl.bridge.blocks import Block, BlockSenders, regroup
-from megarl.bridge.groups import default_backend, gather_objects, rank0_object
+from megarl.bridge.groups import default_backend, gather_objects, host_store, rank0_object
 from megarl.bridge.interface import ServerBridge, UpdateReport
 from megarl.bridge.schedule import ReceiverSpecs, broadcast_schedule, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
@@ -42,7 +42,7 @@ from megarl.serving import ServerControl
 from megarl.utils import heartbeat
 from megarl.utils.fanout import call_all
 from megarl.utils.hardware import concrete_dtype
-from megarl.utils.network import find_free_ports, gethostip
+from megarl.utils.network import gethostip
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class WeightBridge(ServerBridge):
         forming, self._specs = [self._block(run, modes) for run in runs], {}
         self.blocks = kept + forming
         self.plan = self.blocks[0].plan
-        self._wire(forming)
+        stores = self._wire(forming)
         errors: dict[str, str] = {}
         joining = None
         if self.is_driver and set(modes) != {"disk"}:  # servers join (in the background) the groups: disk mode has none
@@ -162,7 +162,7 @@ class WeightBridge(ServerBridge):
         for i, block in enumerate(forming):  # in block order on every rank: no rendezvous waits in a cycle
             try:
                 block.broadcast_groups, block.sharded_group = trainer_join(
-                    block.wiring, self.coords.rank, self.config.init_timeout
+                    block.wiring, self.coords.rank, self.config.init_timeout, stores
                 )
             except RuntimeError as e:
                 errors[f"trainer rank {self.coords.rank}, group {i + 1} of {len(forming)}"] = str(e)
@@ -196,11 +196,11 @@ class WeightBridge(ServerBridge):
             self._plans[key] = (plan, broadcast_schedule(plan, self.bucket_numel), sharded)
         return Block(list(servers), *self._plans[key])
 
-    def _wire(self, blocks: list[Block]) -> None:
+    def _wire(self, blocks: list[Block]) -> dict:
         """Each block's wiring: its groups, their hosts and rendezvous ports (one gather of every rank's
-        ports for all ``blocks``)."""
+        ports for all ``blocks``). Returns the stores this rank hosts, by port, already listening."""
         if not blocks:
-            return
+            return {}
         modes = self.config.modes
         table = self._all_gather(self.coords)
         backend = default_backend(self.device)
@@ -216,7 +216,8 @@ class WeightBridge(ServerBridge):
         counted = [wiring(b, lambda r, k: ("", 0), "count") for b in blocks]
         mine = sum(w.groups_hosted_by(self.coords.rank) for w in counted)
         host = self.config.master_address or gethostip()
-        addresses = self._all_gather((host, find_free_ports(mine, host="0.0.0.0") if mine else [], _own_addresses()))
+        stores = {s.port: s for s in (host_store(host, self.config.init_timeout) for _ in range(mine))}
+        addresses = self._all_gather((host, list(stores), _own_addresses()))
         self._check_reachable(addresses)
         prefix = f"megarl-bridge-{int(time.time() * 1000) % 10**9}"
         prefix = self._all_gather(prefix)[0]  # every rank names the groups alike
@@ -228,6 +229,7 @@ class WeightBridge(ServerBridge):
 
         for i, block in enumerate(blocks):
             block.wiring = wiring(block, address_of, f"{prefix}-{i}")
+        return stores
 
     def _check_reachable(self, addresses: list[tuple[str, list[int], set[str]]]) -> None:
         """Fail (on every rank alike) when a trainer rank would host groups on a loopback address that

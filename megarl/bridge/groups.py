@@ -33,10 +33,28 @@ def default_backend(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def host_store(host: str, timeout: float) -> dist.TCPStore:
+    """A group's rendezvous store, listening already on a port the system chose (``store.port``): it is
+    bound before anyone is told the port, so nothing else can take the port in between (a group of a
+    later block forms minutes after the ports were chosen)."""
+    try:
+        return dist.TCPStore(host, 0, None, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except (RuntimeError, dist.DistStoreError, OSError) as e:
+        raise BridgeGroupError(f"hosting a bridge group's store on {host} failed: {e}") from e
+
+
 def join_group(
-    host: str, port: int, world_size: int, rank: int, group_name: str, backend: str, timeout: float
+    host: str,
+    port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    backend: str,
+    timeout: float,
+    store: dist.TCPStore | None = None,
 ) -> dist.ProcessGroup:
-    """Join (rank 0: host) the group ``group_name`` of ``world_size`` members rendezvousing at ``host:port``."""
+    """Join (rank 0: host) the group ``group_name`` of ``world_size`` members rendezvousing at ``host:port``;
+    ``store``: rank 0's store, already listening there (:func:`host_store`; None: made here)."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -48,7 +66,8 @@ def join_group(
         raise ValueError(f"bridge group {group_name!r}: rank {rank} outside world size {world_size}")
     wait = timedelta(seconds=timeout)
     try:
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait, multi_tenant=True)
+        if store is None:
+            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait, multi_tenant=True)
         pg, _ = _new_process_group_helper(
             world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=wait
         )

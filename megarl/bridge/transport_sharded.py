@@ -3,7 +3,8 @@
 No gather: a trainer rank sends, straight from its local Megatron shard, the runs of
 rows that overlap each worker's local tensors (fused QKV, gate/up and experts included,
 per the plan's :class:`~megarl.bridge.transfer_plan.Piece` s). One group spans the sending
-trainer ranks (group ranks ``0..S-1``) and all workers (``S + worker index``).
+trainer ranks (group ranks ``0..S-1``) and the workers of one block of servers (``S + worker
+index``; :class:`~megarl.bridge.blocks.BlockSenders` runs one sender per block).
 
 Messages go in rounds: round ``k`` carries bucket ``k`` of every (sender, worker) pair as
 one batch of point-to-point operations (``batch_isend_irecv``: NCCL may order them as it

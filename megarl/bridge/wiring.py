@@ -5,6 +5,9 @@
 * Sharded: one group: the trainer ranks that send at ranks ``0..S-1`` (the first hosts),
   worker ``w`` at ``S + w``.
 
+A wiring covers one block of servers (:mod:`megarl.bridge.blocks`; worker indices are the
+block's): the bridge makes one per block.
+
 Every member joins its groups in the order listed here (broadcast groups, then the
 sharded one), so the blocking rendezvous never waits in a cycle. :class:`Wiring` is
 JSON-friendly: the trainer hands it to the servers at initialisation.
@@ -88,20 +91,22 @@ def make_wiring(
     return wiring
 
 
-def _join(spec: GroupSpec, rank: int, backend: str, timeout: float):
-    return join_group(spec.host, spec.port, spec.world_size, rank, spec.name, backend, timeout)
+def _join(spec: GroupSpec, rank: int, backend: str, timeout: float, stores: dict | None = None):
+    store = (stores or {}).get(spec.port) if rank == 0 else None
+    return join_group(spec.host, spec.port, spec.world_size, rank, spec.name, backend, timeout, store)
 
 
-def trainer_join(wiring: Wiring, rank: int, timeout: float) -> tuple[dict, object]:
-    """Join the groups trainer rank ``rank`` belongs to: ({broadcast sender index: group}, sharded group or None)."""
+def trainer_join(wiring: Wiring, rank: int, timeout: float, stores: dict | None = None) -> tuple[dict, object]:
+    """Join the groups trainer rank ``rank`` belongs to: ({broadcast sender index: group}, sharded group or None).
+    ``stores``: port -> the store this rank hosts there (:func:`~megarl.bridge.groups.host_store`)."""
     broadcast = {
-        i: _join(spec, 0, wiring.backend, timeout)
+        i: _join(spec, 0, wiring.backend, timeout, stores)
         for i, (spec, host) in enumerate(zip(wiring.broadcast, wiring.broadcast_hosts))
         if host == rank
     }
     sharded = None
     if wiring.sharded is not None and rank in wiring.sharded_members:
-        sharded = _join(wiring.sharded, wiring.sharded_members.index(rank), wiring.backend, timeout)
+        sharded = _join(wiring.sharded, wiring.sharded_members.index(rank), wiring.backend, timeout, stores)
     return broadcast, sharded
 
 

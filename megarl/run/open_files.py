@@ -38,7 +38,8 @@ class OpenFilesPlan:
     control: int
     """Control calls and health checks: :data:`CONTROL_FILES_PER_SERVER` per server."""
     bridge: int
-    """A weight-bridge group: its TCPStore's socket and a transport connection per member."""
+    """The weight bridge's groups: a transport connection per member and each group's TCPStore socket
+    (a group per block of ``weight_update.servers_per_group`` servers), both ends counted."""
     margin: int = OPEN_FILES_MARGIN
 
     @property
@@ -67,7 +68,8 @@ def trainer_open_files(config: GRPOConfig) -> OpenFilesPlan:
     else:  # servers started elsewhere: the addresses the trainer will be given
         addrs = rollout.server_addrs or [a for a in os.environ.get(rollout.server_addrs_env, "").split(",") if a]
         servers = workers = len(addrs)
-    bridge = 0 if set(config.weight_update.modes) == {"disk"} else 2 * (workers + 1)
+    groups = -(-servers // config.weight_update.group_servers(servers)) if servers else 1
+    bridge = 0 if set(config.weight_update.modes) == {"disk"} else 2 * (workers + groups)
     return OpenFilesPlan(generation, CONTROL_FILES_PER_SERVER * servers, bridge)
 
 

@@ -234,7 +234,7 @@ class WeightSync:
             return self._nothing_to_send(version, start)
         self._pause()
         paused = time.perf_counter()
-        connect_seconds = 0.0  # the group forms at the first update and again after a server joins or leaves it
+        connect_seconds = 0.0  # groups form at the first update, and a block's again after a server of it changed
         try:
             if not self.bridge.connected:
                 heartbeat.step("weight sync: connecting the bridge to the servers")

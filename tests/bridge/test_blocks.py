@@ -69,3 +69,28 @@ def test_broadcast_mode_and_zero_keep_one_group_of_every_server():
     assert WeightUpdateConfig(mode="sharded", servers_per_group=0).group_servers(256) == 256
     assert WeightUpdateConfig(mode="broadcast").group_servers(256) == 256
     assert WeightUpdateConfig(mode="sharded", extra_modes=["broadcast"]).group_servers(7) == 7
+
+
+def test_every_groups_store_is_listening_before_its_port_is_told(tiny_model_dir):
+    """The trainer binds each group's rendezvous port when it chooses it: a group of a later block
+    forms minutes after the ports were chosen, and at 256 servers another socket took a port that
+    had only been found free (EADDRINUSE, and 16 servers waited out ``init_timeout``)."""
+    import socket
+
+    from megarl.bridge.bridge import WeightBridge
+    from megarl.bridge.source import TrainerCoords
+    from megarl.config.allocation import TrainingAllocation
+    from megarl.models.build import describe
+    from tests.bridge.test_schedule import _FakeServer, _shapes
+
+    path = tiny_model_dir("llama")
+    config = WeightUpdateConfig(mode="sharded", servers_per_group=2, master_address="127.0.0.1")
+    bridge = WeightBridge(config, describe(path, 1), _shapes(path), TrainingAllocation(), TrainerCoords(0))
+    servers = [_FakeServer(9000 + i, 1) for i in range(5)]
+    blocks = [bridge._block(run, config.modes) for run in regroup([], servers, 2)[1]]
+    stores = bridge._wire(blocks)
+    ports = [b.wiring.sharded.port for b in blocks]
+    assert len(ports) == 3 and sorted(stores) == sorted(ports)
+    for port in ports:
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", port))  # taken: the store listens there already
