@@ -121,3 +121,27 @@ def test_only_the_server_set_keeps_servers_out_of_rotation():
                 if re.fullmatch(r"_?unhealthy(_servers)?|.*_unhealthy", name or ""):
                     found.append(f"{rel}:{node.lineno} {name}")
     assert not found, f"a second record of unhealthy servers: {found}"
+
+
+def _layout_block() -> list[str]:
+    """The code block under the architecture page's ``## Layout`` heading."""
+    page = (REPO / "docs" / "concepts" / "architecture.md").read_text()
+    section = page[page.index("## Layout") :]
+    return section[section.index("```\n") + 4 : section.index("\n```", section.index("```\n") + 4)].splitlines()
+
+
+def test_the_architecture_pages_layout_block_matches_the_tree():
+    """Every part of the package (subpackage or top-level module) is in the Layout block once, the block
+    names nothing that is not there, and each top-level folder it names exists; the tests mirror the
+    package: a ``tests/<part>/`` per subpackage."""
+    lines = _layout_block()
+    listed = [m.group(1) for line in lines if (m := re.match(r"^  (\w+(?:/|\.py))\s", line))]
+    parts = sorted(
+        [f"{p.name}/" for p in (REPO / "megarl").iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+        + [p.name for p in (REPO / "megarl").glob("*.py") if p.name != "__init__.py"]
+    )
+    assert sorted(listed) == parts, f"the Layout block lists {sorted(listed)}, the package has {parts}"
+    top = [m.group(1) for line in lines if (m := re.match(r"^(\w+/)\s", line))]
+    assert [t for t in top if not (REPO / t).is_dir()] == [], top
+    missing = [p for p in parts if p.endswith("/") and not (REPO / "tests" / p).is_dir()]
+    assert missing == [], f"tests/ does not mirror megarl/: no tests/ folder for {missing}"

@@ -11,6 +11,10 @@ A module that moved leaves a shim at its old path::
 :class:`DeprecationWarning` naming the new path. Nothing in megarl imports a shim
 (``tests/test_layering.py`` checks it); the shims are removed in a later release, announced in
 the changelog.
+
+Only a documented path keeps a shim (the public API is what ``docs/name-mapping.md`` and the API
+reference list); the warning names the release that removes it (:data:`REMOVED_IN`). An
+undocumented module that moves just moves.
 """
 
 from __future__ import annotations
@@ -20,16 +24,21 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+REMOVED_IN = "0.2.0"
+"""The release that removes today's shims."""
 
-def forward_to(old: str, new: ModuleType) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for the shim ``old``: every name is looked up in ``new``, with a warning."""
+
+def forward_to(old: str, new: ModuleType, removed_in: str = REMOVED_IN) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the shim ``old``: every name is looked up in ``new``, with a warning
+    naming the release ``removed_in`` that removes ``old``."""
 
     def __getattr__(name: str) -> Any:
         if name.startswith("__"):  # the import machinery's own probes (__path__, __file__, ...)
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
         value = getattr(new, name)
         warnings.warn(
-            f"{old}.{name} moved to {new.__name__}.{name}; import it from there (the old path will be removed)",
+            f"{old}.{name} moved to {new.__name__}.{name}; import it from there ({old} is removed in megarl "
+            f"{removed_in})",
             DeprecationWarning,
             stacklevel=2,
         )

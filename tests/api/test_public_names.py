@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from megarl.utils.deprecation import REMOVED_IN
 from tests.test_layering import MOVED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,7 +165,8 @@ def test_an_old_path_gives_the_moved_names_with_a_deprecation_warning(old_file, 
     assert public, f"{new} defines no public name"
     shim = importlib.import_module(old)
     for name in public:
-        with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)}\.{name} moved to {re.escape(new)}\.{name}"):
+        moved = rf"{re.escape(old)}\.{name} moved to {re.escape(new)}\.{name}; .* removed in megarl {REMOVED_IN}"
+        with pytest.warns(DeprecationWarning, match=moved):
             assert getattr(shim, name) is getattr(new_module, name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -1,6 +1,0 @@
-"""Deprecated path: moved to :mod:`megarl.run.recover`. Its names still import from here, with a DeprecationWarning."""
-
-import megarl.run.recover as _moved_to
-from megarl.utils.deprecation import forward_to
-
-__getattr__ = forward_to(__name__, _moved_to)
