@@ -283,7 +283,7 @@ def _run_gpu(quick: bool) -> list[dict]:
     from megarl.bridge.transfer_plan import build_plan
     from megarl.bridge.transport import pack
     from megarl.config.allocation import TrainingAllocation
-    from megarl.models.families import FAMILIES
+    from megarl.models.families import MODEL_FAMILIES
     from megarl.models.mapping import ModelDims, load_shard
 
     shape = QUICK_SHAPE if quick else SHAPE
@@ -297,7 +297,7 @@ def _run_gpu(quick: bool) -> list[dict]:
     )
     hf_config = SimpleNamespace(num_hidden_layers=shape["num_hidden_layers"])
     dims = ModelDims(heads, kv, hd, vocab, vocab)
-    desc = SimpleNamespace(hf_config=hf_config, dims=dims, mapping=FAMILIES["llama"].mapping(True))
+    desc = SimpleNamespace(hf_config=hf_config, dims=dims, mapping=MODEL_FAMILIES["llama"].mapping(True))
     shapes = _llama_shapes(shape["num_hidden_layers"], heads, kv, hd, hidden, inter, vocab)
     plan = build_plan(desc, shapes, TrainingAllocation(), (1,), sharded=False)
     hf = {n: torch.randn(s, dtype=torch.bfloat16, device="cuda") for n, s in shapes.items()}

@@ -1,6 +1,6 @@
 """MkDocs hooks: the pages generated from the code and the results, so that they cannot drift.
 
-* ``reference/models.md`` from :data:`megarl.models.families.FAMILIES` (what is mapped),
+* ``reference/models.md`` from :data:`megarl.models.families.MODEL_FAMILIES` (what is mapped),
   :data:`megarl.models.tiny.TINY_FAMILIES` and the test files that name each family (what is tested),
   and :data:`megarl.models.provision.KNOWN_MODELS` (what is provisioned by short name).
 * ``benchmarks.md`` from ``benchmarks/results/*.json``: each result's title, date, machine and
@@ -149,7 +149,7 @@ def _tests_naming(family: str) -> list[str]:
 
 def models_page() -> str:
     """The supported-models page, from the families table and the tests."""
-    from megarl.models.families import FAMILIES
+    from megarl.models.families import MODEL_FAMILIES
     from megarl.models.provision import KNOWN_MODELS
     from megarl.models.tiny import TINY_FAMILIES
     from megarl.models.upcycle import UPCYCLED_FAMILY
@@ -170,7 +170,7 @@ def models_page() -> str:
         "| family (`model_type`) | HF architectures | features | status | test files naming it |",
         "|---|---|---|---|---|",
     ]
-    for name, fam in FAMILIES.items():
+    for name, fam in MODEL_FAMILIES.items():
         features = [f for f, on in (("QKV bias", fam.qkv_bias), ("QK norm", fam.qk_norm), ("MoE", fam.moe)) if on]
         tests = _tests_naming(name) if name in TINY_FAMILIES or name == UPCYCLED_FAMILY else []
         status = "tested on CPU" if tests else "**not yet tested** (mapping only)"

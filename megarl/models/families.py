@@ -3,12 +3,13 @@
 A :class:`Family` names the HF architecture(s), the features its layer spec needs
 (QKV bias, QK norm, MoE) and produces the family's :class:`~megarl.models.mapping.ParamRule`
 table for a given HF config. Adding a Llama-like family is one more entry in
-:data:`FAMILIES`; everything downstream (model build, HF load / export, the weight
+:data:`MODEL_FAMILIES`; everything downstream (model build, HF load / export, the weight
 bridge) reads this table.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from megarl.models.mapping import FamilyMapping, ParamRule
@@ -86,7 +87,7 @@ class Family:
         ]
 
 
-FAMILIES: dict[str, Family] = {
+MODEL_FAMILIES: dict[str, Family] = {
     "llama": Family("llama", ("LlamaForCausalLM",)),
     "mistral": Family("mistral", ("MistralForCausalLM",)),
     "qwen2": Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True),
@@ -106,6 +107,18 @@ FAMILIES: dict[str, Family] = {
 def family_of(hf_config) -> Family:
     """The :class:`Family` of an HF config (by ``model_type``); ValueError names unsupported ones."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)}")
-    return FAMILIES[model_type]
+    if model_type not in MODEL_FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {sorted(MODEL_FAMILIES)}")
+    return MODEL_FAMILIES[model_type]
+
+
+def __getattr__(name: str):
+    """``FAMILIES``, the table's name before 0.1.0 (the add-a-model-family guide named it), until 0.2.0."""
+    if name == "FAMILIES":
+        warnings.warn(
+            "megarl.models.families.FAMILIES is now MODEL_FAMILIES (megarl 0.2.0 removes the old name)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return MODEL_FAMILIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -64,7 +64,7 @@ _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _TRUE = frozenset({"1", "on", "yes", "true"})
 
 MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
-"""``model_type`` values megarl builds (``megarl.models.families.FAMILIES``; a test checks they agree)."""
+"""``model_type`` values megarl builds (``megarl.models.families.MODEL_FAMILIES``; a test checks they agree)."""
 MODEL_INT_FIELDS = ("num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")
 """Fields of ``config.json`` the Megatron build reads and HF gives no safe default for."""
 

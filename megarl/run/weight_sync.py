@@ -63,7 +63,7 @@ from megarl.bridge.transport import wire_dtype
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.serving import ServerControl, ServerSet, make_control
 from megarl.serving.control_loop import control_loop
-from megarl.serving.families import FAMILIES
+from megarl.serving.families import SERVER_FAMILIES
 from megarl.serving.servers import UpdatePlan
 from megarl.utils import heartbeat
 from megarl.utils.hardware import concrete_dtype
@@ -164,7 +164,7 @@ class WeightSync:
                 source_dir=engine.model_path,
                 device=device,
             )
-        self.servers_pause_themselves = not self.adapters and FAMILIES[backend][1].one_call_update
+        self.servers_pause_themselves = not self.adapters and SERVER_FAMILIES[backend][1].one_call_update
         """Each server pauses and resumes itself in its update call (vLLM, full weights): no head sends
         ``/pause`` or ``/resume``. A server generates again once it committed; the heads' requests wait
         for their own version to move (``_resume``), so none stamped with the old version reaches it."""

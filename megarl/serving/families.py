@@ -7,7 +7,7 @@ from megarl.serving.control import ServerControl
 from megarl.serving.sglang import SGLangBackend, SGLangControl
 from megarl.serving.vllm import VLLMBackend, VLLMControl
 
-FAMILIES: dict[str, tuple[type[InferenceBackend], type[ServerControl]]] = {
+SERVER_FAMILIES: dict[str, tuple[type[InferenceBackend], type[ServerControl]]] = {
     "vllm": (VLLMBackend, VLLMControl),
     "sglang": (SGLangBackend, SGLangControl),
 }
@@ -15,9 +15,9 @@ FAMILIES: dict[str, tuple[type[InferenceBackend], type[ServerControl]]] = {
 
 
 def _family(name: str) -> tuple[type[InferenceBackend], type[ServerControl]]:
-    if name not in FAMILIES:
+    if name not in SERVER_FAMILIES:
         raise ValueError(f"unknown inference backend {name!r}: expected 'vllm' or 'sglang'")
-    return FAMILIES[name]
+    return SERVER_FAMILIES[name]
 
 
 def make_backend(name: str) -> InferenceBackend:

@@ -468,12 +468,12 @@ def test_local_model_dir_is_accepted_and_checked(tmp_path):
 def test_short_names_match_the_loaders():
     """The config layer's copies of the short names agree with the modules that resolve them."""
     from megarl.data.rl_dataset import SHORT_NAMES
-    from megarl.models.families import FAMILIES
+    from megarl.models.families import MODEL_FAMILIES
     from megarl.models.provision import ALIASES, KNOWN_MODELS, default_cache_dir
     from megarl.run.prelaunch import MODEL_TYPES
 
     assert set(MODEL_SHORT_NAMES) == set(KNOWN_MODELS) | set(ALIASES)
-    assert set(MODEL_TYPES) == set(FAMILIES)
+    assert set(MODEL_TYPES) == set(MODEL_FAMILIES)
     assert SHORT_NAMES is DATASET_SHORT_NAMES
     for name in KNOWN_MODELS:
         provisioned = default_cache_dir() / name

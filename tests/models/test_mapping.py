@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.models.families import FAMILIES, family_of
+from megarl.models.families import MODEL_FAMILIES, family_of
 from megarl.models.mapping import (
     ModelDims,
     ParamRule,
@@ -110,7 +110,7 @@ def test_expert_placement_is_contiguous():
 
 
 def test_family_mapping_matches_global_layer_and_expert():
-    mapping = FAMILIES["qwen3_moe"].mapping(tie_word_embeddings=False)
+    mapping = MODEL_FAMILIES["qwen3_moe"].mapping(tie_word_embeddings=False)
     rule, fields = mapping.match("decoder.layers.12.mlp.experts.local_experts.5.linear_fc1.weight")
     assert rule.split == "gate_up" and rule.is_expert and fields == {"layer": 12, "expert": 5}
     assert rule.hf_names(**fields) == (
@@ -122,7 +122,7 @@ def test_family_mapping_matches_global_layer_and_expert():
 
 
 def test_tied_embeddings_load_output_layer_from_embedding_and_skip_it_on_export():
-    rule, _ = FAMILIES["llama"].mapping(tie_word_embeddings=True).match("output_layer.weight")
+    rule, _ = MODEL_FAMILIES["llama"].mapping(tie_word_embeddings=True).match("output_layer.weight")
     assert rule.hf == ("model.embed_tokens.weight",) and not rule.export
 
 
@@ -143,3 +143,10 @@ def test_family_of_rejects_unknown_model_type():
 
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         family_of(Cfg())
+
+
+def test_the_model_tables_old_name_warns_until_0_2_0():
+    import megarl.models.families as families
+
+    with pytest.warns(DeprecationWarning, match="MODEL_FAMILIES .*0.2.0"):
+        assert families.FAMILIES is MODEL_FAMILIES
