@@ -15,6 +15,7 @@ mode there is one block (a group per block would send each bucket once per block
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from megarl.bridge.groups import destroy_group
@@ -85,8 +86,9 @@ def regroup(blocks: list[Block], servers: list, size: int) -> tuple[list[Block],
 
 
 class BlockSenders(TransportSender):
-    """Sharded mode over blocks: each block's :class:`ShardedSender` in turn (the trainer's links carry
-    the same bytes either way), their stats summed; a lost worker is named ``address rank r``."""
+    """Sharded mode over blocks: every block's :class:`ShardedSender` round by round together (round
+    ``k`` of each block posted before any block waits on its round ``k``, as with one group), their
+    stats summed; a lost worker is named ``address rank r``."""
 
     mode = "sharded"
 
@@ -94,12 +96,15 @@ class BlockSenders(TransportSender):
         self.senders = senders
 
     def send(self, source) -> TransferStats:
-        total, lost, errors = TransferStats(), {}, []
-        for i, (block, sender) in enumerate(self.senders):
-            stats = sender.send(source)  # a block that fails does not stop the others' servers from receiving
+        start = time.perf_counter()
+        each = [TransferStats() for _ in self.senders]
+        running = [sender.rounds(source, stats) for (_, sender), stats in zip(self.senders, each)]
+        while running:  # a block that fails stops; the others' servers go on receiving
+            running = [r for r in running if next(r, None) is not None]
+        total, lost, errors = TransferStats(seconds=time.perf_counter() - start), {}, []
+        for i, ((block, _), stats) in enumerate(zip(self.senders, each)):
             total.bytes_sent += stats.bytes_sent
             total.messages += stats.messages
-            total.seconds += stats.seconds
             total.pack_seconds += stats.pack_seconds
             if stats.error:
                 errors.append(f"block {i} ({', '.join(block.addresses)}): {stats.error}")

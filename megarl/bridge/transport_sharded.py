@@ -77,7 +77,16 @@ class ShardedSender(TransportSender):
         return None if self.config is None else timedelta(seconds=self.config.relative_deadline(self.round_seconds))
 
     def send(self, source: ShardSource) -> TransferStats:
-        stats, packing = TransferStats(), Timer()
+        stats = TransferStats()
+        for _ in self.rounds(source, stats):
+            pass
+        return stats
+
+    def rounds(self, source: ShardSource, stats: TransferStats) -> Iterator[int]:
+        """The send, a round at a time: yields ``k`` once round ``k`` is posted and round ``k - 1`` done,
+        so that the senders of several blocks go round by round together
+        (:class:`~megarl.bridge.blocks.BlockSenders`); ``stats`` is filled as it goes."""
+        packing = Timer()
         start = time.perf_counter()
         lost: dict[int, str] = {}  # worker -> why its messages stopped
         per_message = self.group is not None and dist.get_backend(self.group) == "gloo"
@@ -103,12 +112,13 @@ class ShardedSender(TransportSender):
                 self._wait(pending, lost, k - 1)  # round k - 1 done while round k was packed
             except RuntimeError as e:  # no trainer collective to keep in step
                 stats.error = f"sharded send, round {k}: {e}"
-                return stats
+                return
             pending = works
             for worker, buf in messages:
                 if worker not in lost:
                     stats.bytes_sent += buf.numel() * buf.element_size()
                     stats.messages += 1
+            yield k
         try:
             self._wait(pending, lost, self.schedule.rounds - 1)
         except RuntimeError as e:
@@ -116,7 +126,6 @@ class ShardedSender(TransportSender):
         if lost:
             stats.extra["lost_workers"] = lost
         stats.seconds, stats.pack_seconds = time.perf_counter() - start, packing.seconds
-        return stats
 
     def _post_each(self, messages: list, lost: dict[int, str], k: int) -> list:
         """gloo: each message its own send (what ``batch_isend_irecv`` does there), so that a send to a
