@@ -736,7 +736,8 @@ one head, the same with :data:`REAL_HEADS` heads up to 256 servers, each fault a
 servers, then 1,024 servers with 16 heads, TP 4 at 256 servers (1,024 workers; steady, then with 5% of
 the servers dying in an update, after which the group forms again) and ``disk`` at 256; then the
 dying row twice more, with the default blocks of servers per group and with one group of every
-worker (``weight_update.servers_per_group`` 0), one after the other."""
+worker (``weight_update.servers_per_group`` 0), one after the other, then the same pair without a
+fault."""
 CLI_OPTIONS = {"--rows": ("MEGARL_SCALE_SIM_ROWS", {"all": "all", **{g: g for g in ROW_GROUPS}})}
 
 
@@ -763,6 +764,8 @@ def plan(quick: bool, groups: tuple[str, ...] = ROW_GROUPS) -> list[dict]:
         "blocks": [
             {"n": 256, "tp": 4, "fault": "die_in_update"},  # the dead servers' blocks form again
             {"n": 256, "tp": 4, "fault": "die_in_update", "servers_per_group": 0},  # one group of 1,024 workers
+            {"n": 256, "tp": 4},  # what the blocks cost an update without a fault
+            {"n": 256, "tp": 4, "servers_per_group": 0},
         ],
     }
     return [row for group in groups for row in rows[group]]
