@@ -302,9 +302,28 @@ def check_page(text: str, page: Path, repo: Path = REPO) -> list[str]:
 # -- the tests ------------------------------------------------------------------------------------
 
 
+REMOVED_PATHS = (
+    "megarl.rollout.http",
+    "megarl.rollout.backend",
+    "megarl.rollout.vllm",
+    "megarl.rollout.sglang",
+    "megarl.rollout.restarts",
+    "megarl.bridge.control",
+    "megarl.bridge.plan",
+    "megarl.kernels.ppo_loss",
+    "megarl.launcher.mpi",
+    "megarl.workflow.context",
+    "megarl.utils.recover",
+    "megarl.utils.report",
+)
+"""Old module paths megarl removed: the changelog, and only it, names them (what a port must change)."""
+
+
 @pytest.mark.parametrize("page", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
 def test_page_names_only_what_exists(page):
     problems = check_page(page.read_text(encoding="utf-8"), page)
+    if page.name == "changelog.md":
+        problems = [p for p in problems if not any(f"'{path}'" in p for path in REMOVED_PATHS)]
     assert not problems, f"{page.relative_to(REPO)}:\n  " + "\n  ".join(problems)
 
 

@@ -268,7 +268,9 @@ def test_a_connect_builds_each_schedule_once_and_one_template_per_tp_rank(tiny_m
 
         monkeypatch.setattr(schedule_module, fn.__name__, counted)
         monkeypatch.setattr(bridge_module, fn.__name__, counted)
-    monkeypatch.setattr(bridge_module, "trainer_join", lambda wiring, rank, timeout, stores=None: ({}, None))  # no groups formed
+    monkeypatch.setattr(
+        bridge_module, "trainer_join", lambda wiring, rank, timeout, stores=None: ({}, None)
+    )  # no groups formed
     path = tiny_model_dir("llama")
     config = WeightUpdateConfig(mode="sharded", extra_modes=["broadcast"])
     bridge = WeightBridge(config, describe(path, 1), _shapes(path), TrainingAllocation(), TrainerCoords(0))
