@@ -60,7 +60,7 @@ from megarl.run.prelaunch import load_expr_config
 from megarl.run.recover import RecoverHandler, RecoverInfo
 from megarl.run.saver import Saver
 from megarl.run.stats_logger import StatsLogger
-from megarl.run.throughput import record_train_throughput
+from megarl.run.throughput import record_train_parts, record_train_throughput
 from megarl.run.weight_sync import WeightSync, WeightUpdateMeta, connect_engine
 from megarl.utils import heartbeat, stats_tracker
 from megarl.utils.auth import load_run_key
@@ -148,10 +148,12 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
     t.actor.compute_advantages(batch)  # GAE with the critic's values, else GRPO
     with phase(t, "train_step"):
         started = time.perf_counter()
+        t.actor.train_clock.reset()
         ppo_stats = t.actor.ppo_update(batch)
         t.actor.step_lr_scheduler()
         train_s = time.perf_counter() - started
     record_train_throughput(t.actor, batch, train_s, cfg.actor.ppo_n_epochs, cfg.device)
+    record_train_parts(t.actor.train_clock.seconds, train_s)
     if t.critic is not None:
         with phase(t, "critic_train"):
             ppo_stats += t.critic.ppo_update(batch)

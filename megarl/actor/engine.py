@@ -63,6 +63,7 @@ from megarl.models.layers import SharedPrefixSeqParams
 from megarl.models.spec import resolve_use_te
 from megarl.utils import heartbeat
 from megarl.utils.hardware import concrete_dtype
+from megarl.utils.part_clock import PartClock
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class MegatronEngine:
         self._version = 0
         self.routing_meter = None  # a RoutingMeter (megarl.actor.routing) told each micro-batch while it measures
         self.routing_replay = None  # a RoutingReplay (megarl.actor.router_replay) that routes MoE tokens as told
+        self.train_clock = PartClock(not cpu_shim.cuda_available())  # train steps' seconds by part, on a CPU
 
     # ------------------------------------------------------------------ setup
 
@@ -315,7 +317,7 @@ class MegatronEngine:
             ids = mb.data["input_ids"][None]
             # RoPE at each token's column in its row: only a shared prefix's branches need it
             positions = mb.data["position_ids"][None] if mb.shares_prefixes else None
-            output = model(
+            output = self.train_clock.timed("forward", model)(  # the model's forward, then the head's (below)
                 input_ids=ids,
                 position_ids=positions,
                 attention_mask=None,
@@ -323,7 +325,7 @@ class MegatronEngine:
             )
             if self.routing_replay is not None:
                 self.routing_replay.after_forward(model, mb)
-            return output, partial(head_fn, model, mb, extra)
+            return output, partial(self.train_clock.timed("forward", head_fn), model, mb, extra)
 
         return forward_step
 
@@ -356,7 +358,7 @@ class MegatronEngine:
         ``input_=None`` (on every rank) steps on zero gradients; see :meth:`forward_backward`.
         """
         stats = self.forward_backward(input_, loss_fn, loss_weight_fn, extra_weight)
-        with cpu_shim.device_mode():
+        with cpu_shim.device_mode(), self.train_clock.part("optimizer"):
             update_successful, grad_norm, _ = self.optimizer.step()
         stats.update(grad_norm=float(grad_norm or 0.0), lr=self.current_lr, update_successful=float(update_successful))
         return stats
@@ -382,7 +384,7 @@ class MegatronEngine:
             mbs = self.microbatches(input_)
             scales, total = self._loss_scales(mbs, loss_weight_fn, extra_weight)
             head_fn = partial(self._train_head, loss_fn)
-            outputs = self._run_schedule(mbs, scales, head_fn, forward_only=False)
+            outputs = self.train_clock.timed("schedule", self._run_schedule)(mbs, scales, head_fn, forward_only=False)
             loss = self._weighted_loss(outputs, len(mbs))
         packed = float(sum(mb.num_tokens for mb in mbs))
         return {"loss": loss, "loss_weight": total, "n_mbs": float(len(mbs)), "packed_tokens": packed}

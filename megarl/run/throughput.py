@@ -39,3 +39,23 @@ def record_train_throughput(actor, batch: dict, seconds: float, epochs: int, dev
     with stats_tracker.scope("perf"):
         stats_tracker.scalar(**stats)
     return stats
+
+
+def record_train_parts(clock: dict[str, float], seconds: float) -> dict[str, float]:
+    """Record (and return) where a train phase of ``seconds`` went, from the actor's
+    :attr:`~megarl.actor.engine.MegatronEngine.train_clock` (on a CPU; empty on a GPU): under
+    ``timeperf/train_step/``, ``forward`` (the model, the logprob head and the loss), ``backward``
+    (Megatron's pass less the forward: backward and the gradients' reduction), ``optimizer`` (the
+    step: gradients to the main weights, norm and clipping, Adam) and ``other`` (the rest: micro-batch
+    packing, the loss's bookkeeping, the stats)."""
+    if not clock:
+        return {}
+    forward, schedule, optimizer = (clock.get(k, 0.0) for k in ("forward", "schedule", "optimizer"))
+    parts = {
+        "forward": forward,
+        "backward": max(0.0, schedule - forward),
+        "optimizer": optimizer,
+        "other": max(0.0, seconds - schedule - optimizer),
+    }
+    stats_tracker.scalar(**{f"timeperf/train_step/{name}": value for name, value in parts.items()})
+    return parts

@@ -547,3 +547,15 @@ def _bf16_main_params(model_dir: str, alloc: str, ckpt_dir: str, save: bool, rou
     weights = torch.cat([q.detach().float().flatten() for chunk in engine.model for q in chunk.parameters()])
     engine.destroy()
     return {"mains": mains, "weights": weights}
+
+
+def train_clock_parts(model_dir: str, alloc: str, batch: dict) -> dict:
+    """One train step's parts from the engine's clock (after a warm-up step), and the step's wall time."""
+    import time
+
+    engine = _ckpt_engine(model_dir, alloc, "float32")
+    _step(engine, batch)
+    engine.train_clock.reset()
+    start = time.perf_counter()
+    _step(engine, batch)
+    return {"parts": dict(engine.train_clock.seconds), "wall": time.perf_counter() - start}
