@@ -46,11 +46,10 @@ class Block:
     def addresses(self) -> list[str]:
         return [s.address for s in self.servers]
 
-    def release(self, addresses: set[str]) -> bool:
-        """Mark the block for re-forming if it holds one of ``addresses``; returns whether it does."""
+    def release(self, addresses: set[str]) -> None:
+        """Mark the block for re-forming if it holds one of ``addresses``."""
         if addresses.intersection(self.addresses):
             self.intact = False
-        return not self.intact
 
     def worker_name(self, worker: int) -> str:
         """``address rank r`` of the block's worker ``worker``."""

@@ -139,11 +139,11 @@ class WeightBridge(ServerBridge):
         servers are not called); the other servers are cut into blocks whose groups form now
         (:mod:`megarl.bridge.blocks`)."""
         modes = self.config.modes
-        backend = servers[0].name if servers else "vllm"
-        if backend == "sglang" and "sharded" in modes:
-            raise ValueError("weight_update.mode 'sharded' needs vLLM servers (SGLang has no sharded receive API)")
         if not servers:
             raise ValueError("the weight bridge has no inference servers to connect to")
+        backend = servers[0].name
+        if backend == "sglang" and "sharded" in modes:
+            raise ValueError("weight_update.mode 'sharded' needs vLLM servers (SGLang has no sharded receive API)")
         self.servers = list(servers)
         kept, runs = regroup(self.blocks, self.servers, self.config.group_servers(len(servers)))
         for block in self.blocks:
@@ -183,8 +183,9 @@ class WeightBridge(ServerBridge):
     def release(self, addresses) -> None:
         """The groups of the blocks holding ``addresses`` (restarted, failed, leaving) re-form at the next
         :meth:`connect`; the other blocks keep theirs. Not connected until then."""
+        addresses = set(addresses)
         for block in self.blocks:
-            block.release(set(addresses))
+            block.release(addresses)
         self.connected = False
 
     def _block(self, servers: list[ServerControl], modes) -> Block:
@@ -278,7 +279,7 @@ class WeightBridge(ServerBridge):
                 first.plan, first.broadcast_schedule, self.coords, self.dtype, self.source_dir, self.group
             )
         }
-        if first.wiring is not None and first.wiring.broadcast:  # broadcast mode: one block
+        if first.wiring.broadcast:  # broadcast mode: one block
             self.senders["broadcast"] = BroadcastSender(
                 first.plan,
                 first.broadcast_schedule,

@@ -9,10 +9,10 @@ bridge) reads this table.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from megarl.models.mapping import FamilyMapping, ParamRule
+from megarl.utils.deprecation import renamed_in
 
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
@@ -112,13 +112,5 @@ def family_of(hf_config) -> Family:
     return MODEL_FAMILIES[model_type]
 
 
-def __getattr__(name: str):
-    """``FAMILIES``, the table's name before 0.1.0 (the add-a-model-family guide named it), until 0.2.0."""
-    if name == "FAMILIES":
-        warnings.warn(
-            "megarl.models.families.FAMILIES is now MODEL_FAMILIES (megarl 0.2.0 removes the old name)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return MODEL_FAMILIES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``FAMILIES``, the table's name before 0.1.0 (the add-a-model-family guide named it)
+__getattr__ = renamed_in(__name__, {"FAMILIES": "MODEL_FAMILIES"}, globals())

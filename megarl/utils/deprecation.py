@@ -45,3 +45,20 @@ def forward_to(old: str, new: ModuleType, removed_in: str = REMOVED_IN) -> Calla
         return value
 
     return __getattr__
+
+
+def renamed_in(module: str, renames: dict[str, str], namespace: dict, removed_in: str = REMOVED_IN):
+    """A module ``__getattr__`` for names of ``module`` that were renamed (``renames``: old -> new, the
+    new ones in ``namespace``, the module's globals), each old name with a warning naming the release
+    ``removed_in`` that removes it."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in renames:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        new = renames[name]
+        warnings.warn(
+            f"{module}.{name} is now {new} (megarl {removed_in} removes the old name)", DeprecationWarning, stacklevel=2
+        )
+        return namespace[new]
+
+    return __getattr__
