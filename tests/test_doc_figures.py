@@ -55,9 +55,7 @@ def doc_files() -> list[Path]:
 
 
 LOAD_NOT_RECORDED = {
-    "e2e_step": "a 2-core AMD EPYC with AVX2",
     "learning_variants": "a 2-core AMD EPYC with AVX2",
-    "peer_trl_avx2": "a 2-core AMD EPYC with AVX2",
     "plan": "a 2-core AMD EPYC with AVX-512 BF16",
 }
 """Quoted results measured before the harness recorded the load, and what each must be measured on
