@@ -298,11 +298,12 @@ def _route_ids(config) -> int:
 
 def _actor_hf_config(config) -> dict | None:
     """The ``config.json`` of ``actor.path`` (a short name: its directory, made locally on first use), or None."""
-    from megarl.models.provision import ALIASES, KNOWN_MODELS, resolve_model_path
+    from megarl.models.names import known_name
+    from megarl.models.provision import resolve_model_path
     from megarl.run.prelaunch import read_model_config
 
     path = config.actor.path
-    if path.lower() in {*KNOWN_MODELS, *ALIASES}:
+    if known_name(path) is not None:
         path = resolve_model_path(path)
     return read_model_config(path, "actor.path")
 

@@ -38,13 +38,12 @@ from megarl.actor.ppo import MegatronPPOActor, replayed_truncation
 from megarl.api import context as workflow_context
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config import GRPOConfig, save_config
-from megarl.config.train import TrainEngineConfig
 from megarl.data import create_dataloader, load_rl_dataset
-from megarl.models import resolve_model_path
 from megarl.reward.executor import describe_in_flight as describe_rewards_in_flight
 from megarl.reward.failures import find_reward_error
 from megarl.rollout import RemoteInferenceEngine
 from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
+from megarl.run.components import build_critic, build_ref, build_workflows, load_tokenizer, load_valid_items
 from megarl.run.console_text import (
     baseline_line,
     print_summary,
@@ -68,9 +67,7 @@ from megarl.utils.console import Console, Progress, open_console, record_stop
 from megarl.utils.gc_pauses import freeze_startup_objects
 from megarl.utils.memory import PeakRSS, release_freed_memory
 from megarl.utils.mpi import discover_ranks
-from megarl.utils.plugins import import_plugin
 from megarl.utils.threads import TrainerThreads
-from megarl.workflow.build import build_eval_workflow, build_workflow
 
 logger = logging.getLogger("megarl.train")
 
@@ -353,67 +350,6 @@ def build(config: GRPOConfig) -> Trainer:
             config.cluster.cpu_threads, config.device == "cpu", rollout.pool_idle if rollout is not None else None
         ),
     )
-
-
-def build_workflows(config: GRPOConfig, tokenizer) -> tuple[RolloutWorkflow, RolloutWorkflow]:
-    """``config.workflow`` and ``config.eval_workflow`` (or the greedy twin of the first), warmed up."""
-    run = {
-        "reward_fn": import_plugin(config.reward_fn, "reward_fn"),
-        "gconfig": config.gconfig,
-        "tokenizer": tokenizer,
-        "max_context_len": config.context_length,
-        "reward_config": config.reward,
-    }
-    workflow = build_workflow(config.workflow, run)
-    if hasattr(workflow, "warm_up"):
-        workflow.warm_up()  # its reward workers start while the model loads and the servers come up
-    eval_run = {**run, "gconfig": config.gconfig.new(n_samples=1, greedy=True)}
-    return workflow, build_eval_workflow(config.eval_workflow, config.workflow, workflow, eval_run)
-
-
-def build_ref(config: GRPOConfig, parallel) -> MegatronEngine | None:
-    """The frozen reference model of the KL term: ``config.ref``, else the actor's initial weights."""
-    if config.actor.kl_ctl <= 0:
-        return None
-    a = config.actor
-    ref = MegatronEngine(
-        config.ref or TrainEngineConfig(path=a.path, dtype=a.dtype, mb_spec=a.mb_spec, megatron=a.megatron)
-    )
-    ref.initialize(parallel=parallel)
-    return ref
-
-
-def build_critic(config: GRPOConfig, parallel, total_steps: int) -> MegatronCritic | None:
-    """PPO's value model (``algorithm.adv_estimator: gae``) in the actor's layout; ``critic.path`` defaults to the actor's."""
-    if config.critic is None:
-        return None
-    critic = MegatronCritic(replace(config.critic, path=config.critic.path or config.actor.path))
-    critic.initialize(parallel=parallel, ft_spec=total_steps)
-    return critic
-
-
-def load_tokenizer(config: GRPOConfig):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer_path or config.actor.path))
-
-
-def load_valid_items(config: GRPOConfig, tokenizer, skipped: list[str] | None = None) -> list[dict]:
-    """The evaluation prompts (rank 0), at most ``evaluator.max_samples``; rows skipped as bad added to ``skipped``."""
-    valid = config.valid_dataset
-    if valid is None:
-        return []
-    dataset = load_rl_dataset(
-        valid.path,
-        valid.split,
-        type=valid.type,
-        max_prompt_tokens=valid.max_prompt_tokens,
-        tokenizer=tokenizer,
-        bad_rows=valid.bad_rows,
-        skipped=skipped,
-    )
-    n = len(dataset) if config.evaluator.max_samples is None else min(len(dataset), config.evaluator.max_samples)
-    return [dataset[i] for i in range(n)]
 
 
 def to_container(config: GRPOConfig) -> dict:

@@ -36,6 +36,8 @@ EXTERNAL = ("megarl._C",)
 TYPE_CHECKING_ALLOWED: set[tuple[str, str]] = {
     # a workflow's episode receives the engine it generates with, and the engine runs workflows
     ("megarl/api/workflow_api.py", "megarl.api.engine_api"),
+    # the cross-section checks take the experiment config that runs them
+    ("megarl/config/checks.py", "megarl.config.experiment"),
 }
 """(file, imported module) pairs allowed under ``if TYPE_CHECKING:`` against the floors, or
 closing a loop of files (a loop of type annotations only, which never runs)."""

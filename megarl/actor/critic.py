@@ -32,7 +32,7 @@ from megarl.actor import cpu_shim
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.losses import aggregate
 from megarl.actor.ppo import ppo_loss_weight, split_minibatches
-from megarl.config.train import PPOCriticConfig
+from megarl.config.ppo import PPOCriticConfig
 from megarl.models.hf_io import unwrap
 from megarl.models.mapping import FamilyMapping, ParamRule
 from megarl.utils import stats_tracker

@@ -42,6 +42,7 @@ from megarl.actor.lm_head import LMHeadOutput, make_lm_head_output
 from megarl.actor.optim import build_optimizer_and_schedule, wrap_chunks
 from megarl.actor.packing import (
     MicroBatch,
+    MicroBatchHook,
     pack,
     pack_units,
     round_up,
@@ -111,8 +112,7 @@ class MegatronEngine:
         self.kernel_backend: Backend = "auto"  # resolved from config.use_fused_kernels in initialize()
         self.share_prefix = False  # resolved from config.mb_spec.share_prefix in initialize()
         self._version = 0
-        self.routing_meter = None  # a RoutingMeter (megarl.actor.routing) told each micro-batch while it measures
-        self.routing_replay = None  # a RoutingReplay (megarl.actor.router_replay) that routes MoE tokens as told
+        self.microbatch_hooks: list[MicroBatchHook] = []  # told each micro-batch around a chunk's forward
         self.train_clock = PartClock(not cpu_shim.cuda_available())  # train steps' seconds by part, on a CPU
 
     # ------------------------------------------------------------------ setup
@@ -310,10 +310,8 @@ class MegatronEngine:
             mb, extra = next(data_iterator)
             # packing happens on the host; losses and hooks see the micro-batch on the model's device
             mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
-            if self.routing_meter is not None:
-                self.routing_meter.set_microbatch(mb.data)
-            if self.routing_replay is not None:
-                self.routing_replay.before_forward(model, mb.data)
+            for hook in self.microbatch_hooks:
+                hook.before_forward(model, mb.data)
             ids = mb.data["input_ids"][None]
             # RoPE at each token's column in its row: only a shared prefix's branches need it
             positions = mb.data["position_ids"][None] if mb.shares_prefixes else None
@@ -323,8 +321,8 @@ class MegatronEngine:
                 attention_mask=None,
                 packed_seq_params=self._packed_seq_params(mb),
             )
-            if self.routing_replay is not None:
-                self.routing_replay.after_forward(model, mb)
+            for hook in self.microbatch_hooks:
+                hook.after_forward(model, mb)
             return output, partial(self.train_clock.timed("forward", head_fn), model, mb, extra)
 
         return forward_step

@@ -29,7 +29,7 @@ import torch
 
 from megarl.actor.rollout_correction import behaviour_weights, capped_weights
 from megarl.actor.segments import segment_sum, sequence_ids
-from megarl.config.train import RolloutCorrectionConfig
+from megarl.config.ppo import RolloutCorrectionConfig
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

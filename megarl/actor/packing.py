@@ -30,6 +30,7 @@ same for every row it stands for and no loss ever counts one of its tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -106,6 +107,15 @@ class MicroBatch:
     @property
     def parents(self) -> tuple[int | None, ...]:
         return tuple(s.parent for s in self.segments)
+
+
+class MicroBatchHook(Protocol):
+    """What the engine tells around each model chunk's forward on a packed micro-batch (e.g. the MoE
+    routing meter and replay of :mod:`megarl.actor.moe_routing`): ``data`` is on the model's device."""
+
+    def before_forward(self, chunk, data: dict) -> None: ...
+
+    def after_forward(self, chunk, mb: MicroBatch) -> None: ...
 
 
 def sequence_lengths(batch: dict) -> list[int]:

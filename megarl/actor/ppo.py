@@ -29,6 +29,7 @@ from megarl.actor import advantages as adv_fns
 from megarl.actor import losses
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.gap import GapMeter, version_lag
+from megarl.actor.moe_routing import RoutingMeter, RoutingReplay, add_server_routing
 from megarl.actor.ppo_loss import (  # the loss of one micro-batch; its public names also load from here
     _uses_prox,
     policy_surrogate,
@@ -38,9 +39,7 @@ from megarl.actor.ppo_loss import (  # the loss of one micro-batch; its public n
     replayed_truncation,
     user_surrogate,
 )
-from megarl.actor.router_replay import RoutingReplay
-from megarl.actor.routing import RoutingMeter, add_server_routing
-from megarl.config.train import BUILTIN_LOSSES, PPOActorConfig
+from megarl.config.ppo import BUILTIN_LOSSES, PPOActorConfig
 from megarl.kernels import PATH_CODES, Truncation
 from megarl.utils import stats_tracker
 
@@ -79,12 +78,14 @@ class MegatronPPOActor(MegatronEngine):
 
     def initialize(self, addr: str | None = None, ft_spec=None, parallel=None) -> None:
         super().initialize(addr, ft_spec, parallel)
-        if self.config.routing_replay != "none":  # MoE routing replay (megarl.actor.router_replay)
+        self.routing_replay: RoutingReplay | None = None
+        if self.config.routing_replay != "none":  # MoE routing replay (megarl.actor.moe_routing)
             p, t = self.parallel, self.tconfig
             checkpointed = t.recompute_granularity == "full"
             self.routing_replay = RoutingReplay(
                 self.config.routing_replay, self.model, p.tp_rank, p.tp_group, t.sequence_parallel, checkpointed
             )
+            self.microbatch_hooks.append(self.routing_replay)
 
     def compute_logp(
         self, data: dict, temperature: float | None = None, truncation: Truncation | None = None
@@ -205,18 +206,18 @@ class MegatronPPOActor(MegatronEngine):
 
     @contextlib.contextmanager
     def _routing_meter(self, minibatch: dict, first: bool):
-        """MoE routing agreement with the servers (:mod:`megarl.actor.routing`), measured on the first
+        """MoE routing agreement with the servers (:mod:`megarl.actor.moe_routing`), measured on the first
         mini-batch's forward (the weights before the update) when the servers reported their routing."""
         if not first or "server_routing" not in minibatch:
             yield
             return
         meter = RoutingMeter(self.parallel.tp_rank, self.parallel.alloc.tp)
-        self.routing_meter = meter
+        self.microbatch_hooks.append(meter)
         try:
             with meter.watching(self.model):
                 yield
         finally:
-            self.routing_meter = None
+            self.microbatch_hooks.remove(meter)
         meter.finish()
 
     def train_minibatch(self, minibatch: dict, loss_fn, weight_fn) -> dict[str, float]:

@@ -25,7 +25,7 @@ from megarl.actor import losses
 from megarl.actor.fused_ppo_loss import fused_ppo_loss, ppo_loss_backend
 from megarl.actor.gap import GapMeter
 from megarl.actor.lm_head import LMHeadOutput
-from megarl.config.train import BUILTIN_LOSSES, PPOActorConfig
+from megarl.config.ppo import BUILTIN_LOSSES, PPOActorConfig
 from megarl.kernels import Truncation, logprobs_backend
 from megarl.utils import stats_tracker
 from megarl.utils.plugins import import_plugin
@@ -262,7 +262,7 @@ def _correction_stats(prox: torch.Tensor, old: torch.Tensor, truncated: torch.Te
 def policy_surrogate(cfg: PPOActorConfig):
     """The per-token surrogate of ``cfg.loss``: PPO's clipped one for a built-in name, else the user's function.
 
-    A user's is called as :data:`~megarl.config.train.USER_LOSS_CALL` (``actor.loss_kwargs`` as its keywords);
+    A user's is called as :data:`~megarl.config.ppo.USER_LOSS_CALL` (``actor.loss_kwargs`` as its keywords);
     returns a :class:`losses.SurrogateOutput` and extra per-token stats (see :func:`user_surrogate`).
     """
     if cfg.loss in BUILTIN_LOSSES:
@@ -286,7 +286,7 @@ def _clipped_surrogate(logp, anchor, advantages, mask, *, cu_seqlens, config: PP
 
 
 def user_surrogate(fn, logp, anchor, advantages, mask, *, cu_seqlens, config: PPOActorConfig):
-    """A user's loss, called as :data:`~megarl.config.train.USER_LOSS_CALL`: it returns the per-token loss
+    """A user's loss, called as :data:`~megarl.config.ppo.USER_LOSS_CALL`: it returns the per-token loss
     [T], or ``(loss, {name: per-token stat})``.
 
     Its stats are logged beside the built-in ones (``ppo_actor/<name>``, averaged over loss tokens).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.actor.segments import segment_sum, sequence_ids
-from megarl.config.train import RolloutCorrectionConfig
+from megarl.config.ppo import RolloutCorrectionConfig
 
 
 @dataclass

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from megarl.api.io_struct import ModelRequest, ModelResponse
+from megarl.api.rollout_control import RolloutControl
 from megarl.api.workflow_api import WorkflowLike
 
 
@@ -22,12 +23,13 @@ class GenerationEngine(abc.ABC):
         """The current weight version."""
 
 
-class InferenceEngine(GenerationEngine):
+class InferenceEngine(GenerationEngine, RolloutControl):
     """Streams generations for workflows and batches of trajectories for the trainer.
 
     ``agenerate`` is what a :class:`~megarl.api.workflow_api.RolloutWorkflow` calls;
     ``submit / wait / rollout_batch / prepare_batch`` are what the training loop calls;
-    ``pause / set_version / resume`` bracket a weight update.
+    ``pause / set_version / resume`` bracket a weight update (declared once, by
+    :class:`~megarl.api.rollout_control.RolloutControl`, the side the weight sync drives).
 
     ``group_size`` in these calls is AReaL's: how many times the workflow runs on each item (its
     runs are concatenated into one trajectory group, :class:`~megarl.workflow.grouped.GroupedRolloutWorkflow`).
@@ -97,19 +99,3 @@ class InferenceEngine(GenerationEngine):
         polled while it waits; once it returns true, the call returns None and keeps what it gathered
         for the next call (the trainer then pushes its weights to restarted servers and calls again).
         """
-
-    @abc.abstractmethod
-    def pause(self) -> None:
-        """Stop starting episodes and interrupt in-flight generations (before a weight update)."""
-
-    @abc.abstractmethod
-    def resume(self) -> None:
-        """Continue interrupted generations and start episodes again."""
-
-    @abc.abstractmethod
-    def set_version(self, version: int) -> None:
-        """Set the weight version stamped on tokens generated from now on."""
-
-    @abc.abstractmethod
-    def get_version(self) -> int:
-        """The current weight version."""

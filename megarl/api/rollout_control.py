@@ -48,10 +48,6 @@ class RolloutControl(abc.ABC):
         """Ask the servers for the LoRA adapter ``name`` in every request sent from now on (adapter weight
         sync loads each version as a new adapter); None: their base model."""
 
-    @abc.abstractmethod
-    def get_version(self) -> int:
-        """The current weights' version."""
-
     @property
     @abc.abstractmethod
     def servers(self):

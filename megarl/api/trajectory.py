@@ -88,7 +88,7 @@ def make_trajectory(
 ) -> dict[str, torch.Tensor]:
     """A one-row trajectory ``[1, len(prompt) + len(output)]`` from one generation.
 
-    ``output_routed_experts`` (MoE, :mod:`megarl.actor.routing`): per output token, the experts of the
+    ``output_routed_experts`` (MoE, :mod:`megarl.actor.moe_routing`): per output token, the experts of the
     server's forward that produced it; ``input_routed_experts`` the same for the prompt's tokens after
     the first. Kept as ``routed_experts`` ``[1, n, layers * top-k]``, -1 where there are none.
     """

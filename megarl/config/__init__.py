@@ -17,6 +17,7 @@ from megarl.config.allocation import (
 )
 from megarl.config.base import ConfigError
 from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
+from megarl.config.ppo import AlgorithmConfig, NormConfig, PPOActorConfig, PPOCriticConfig
 from megarl.config.rollout import InferenceEngineConfig, SGLangConfig, VLLMConfig
 from megarl.config.run import (
     ClusterConfig,
@@ -26,15 +27,7 @@ from megarl.config.run import (
     SaverConfig,
     StatsLoggerConfig,
 )
-from megarl.config.train import (
-    AlgorithmConfig,
-    MicroBatchSpec,
-    NormConfig,
-    OptimizerConfig,
-    PPOActorConfig,
-    PPOCriticConfig,
-    TrainEngineConfig,
-)
+from megarl.config.train import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 
 __all__ = [
     "AlgorithmConfig",

@@ -59,7 +59,7 @@ class InferenceEngineConfig:
     return_routed_experts: bool = False
     """MoE: the servers report, per generated token and layer, the top-k experts they routed it to, and
     the trainer logs how often its own routing agrees (``ppo_actor/gap/routing/topk_match``,
-    :mod:`megarl.actor.routing`) and can replay them (``actor.routing_replay: R3``). SGLang servers, or
+    :mod:`megarl.actor.moe_routing`) and can replay them (``actor.routing_replay: R3``). SGLang servers, or
     vLLM on CUDA (both started with ``--enable-return-routed-experts``; vLLM on CPU cannot). Costs
     layers x top-k int16 per token in every batch (``docs/guides/moe.md``)."""
 

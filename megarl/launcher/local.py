@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -47,27 +47,19 @@ from megarl.config.loader import save_config
 from megarl.launcher.output import OutputRelay
 from megarl.launcher.placement import Placement, plan_placement
 from megarl.launcher.serve import server_spec, servers_on_every_core
+from megarl.launcher.server_health import POLL_S, ServerRestarts, ServerStartup, check_servers, wait_healthy
 from megarl.launcher.watchdog import HealthTarget, ServerBeats, Watchdog
-from megarl.serving.launch import InferenceServer, LaunchSpec, ServerLaunchError
-from megarl.serving.restarts import RESTARTS_FILE, append_record
+from megarl.serving.launch import InferenceServer, LaunchSpec
 from megarl.utils.auth import run_api_key, save_run_key
+from megarl.utils.children import Child
 from megarl.utils.console import CONSOLE_TTY_ENV, take_stop
 from megarl.utils.hardware import auto_dtype
 from megarl.utils.heartbeat import flight_recorder_env
-from megarl.utils.keeper import spawn
 from megarl.utils.network import find_free_ports
-from megarl.utils.process import (
-    LAUNCH_TAG_ENV,
-    LaunchMark,
-    cancel_kill_on_exit,
-    kill_on_exit,
-    stop_leftovers,
-    terminate_process_tree,
-)
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.5
+
 _STOP_TIMEOUT_S = 15.0
 _HOST = "127.0.0.1"  # one machine: the servers need not be reachable from elsewhere
 
@@ -161,87 +153,27 @@ def running_servers(
     """Start a server per spec, wait until all are healthy (unless not ``wait``: see
     :class:`ServerStartup`), yield them; stop every tree on exit."""
     log_dir = config.run_dir / "logs"
-    marks = [LaunchMark.new() for _ in specs]
-    servers = [
-        InferenceServer(replace(spec, env={**spec.env, **mark.env}), log_dir / f"server-{i}.log", name=f"server-{i}")
-        for i, (spec, mark) in enumerate(zip(specs, marks, strict=True))
-    ]
+    servers = [InferenceServer(spec, log_dir / f"server-{i}.log", name=f"server-{i}") for i, spec in enumerate(specs)]
     try:
         for server in servers:
             if relay.verbose:
                 relay.follow(server.name, server.log_path)
             server.start()
         if wait:
-            _wait_healthy(servers, _startup_timeout(config))
+            wait_healthy(servers, _startup_timeout(config))
         yield servers
     finally:
         relay.close()  # a server's shutdown chatter stays in its log file, off the console
-        _stop_all(servers, marks)
+        _stop_all(servers)
 
 
-def _wait_healthy(servers: list[InferenceServer], timeout: float) -> None:
-    """Wait until every server answers its health check; fail as soon as one exits."""
-    startup = ServerStartup(servers, timeout)
-    while not startup.poll():
-        time.sleep(_POLL_S)
-
-
-class ServerStartup:
-    """Servers on their way up, probed by whoever waits for them (the launcher's watch loop).
-
-    The trainer starts with the servers, not after them: its imports, model build and
-    weight loading (~15 s for the main job) overlap the servers' start-up, and its rollout
-    engine waits for their health itself (``rollout.setup_timeout``).
-    """
-
-    def __init__(self, servers: list[InferenceServer], timeout: float, on_ready: Callable[[float], None] | None = None):
-        self.waiting = list(servers)
-        self.started = time.monotonic()
-        self.timeout = timeout
-        self.on_ready = on_ready
-
-    def poll(self) -> bool:
-        """Whether every server is healthy now; ``ServerLaunchError`` if one exited or the deadline passed."""
-        for server in list(self.waiting):
-            if server.proc.poll() is not None:
-                raise ServerLaunchError(_death_message(server, "before it was healthy"))
-            if server.is_healthy(timeout=2.0):
-                self.waiting.remove(server)
-                if not self.waiting:
-                    self._ready()
-        if self.waiting and time.monotonic() - self.started > self.timeout:
-            names = ", ".join(s.name for s in self.waiting)
-            raise ServerLaunchError(
-                f"{names} not healthy within {self.timeout:g} s (vllm/sglang.startup_timeout); "
-                f"last lines of {self.waiting[0].log_path}:\n{self.waiting[0].log_tail()}"
-            )
-        return not self.waiting
-
-    def _ready(self) -> None:
-        seconds = time.monotonic() - self.started
-        logger.info("servers healthy after %.1f s", seconds)
-        if self.on_ready is not None:
-            self.on_ready(seconds)
-
-
-def _death_message(server: InferenceServer, when: str) -> str:
-    return (
-        f"{server.name} at {server.address} exited with code {server.proc.returncode} {when}; "
-        f"last lines of {server.log_path}:\n{server.log_tail()}"
-    )
-
-
-def _stop_all(servers: list[InferenceServer], marks: list[LaunchMark]) -> None:
-    """Stop every server's tree at once (each may take seconds), then whatever a dead one left."""
-    started = [(s, mark) for s, mark in zip(servers, marks, strict=True) if s.proc is not None]
-    threads = [threading.Thread(target=s.stop, args=(_STOP_TIMEOUT_S,)) for s, _ in started]
+def _stop_all(servers: list[InferenceServer]) -> None:
+    """Stop every server at once (each may take seconds), a dead one's leftovers too."""
+    threads = [threading.Thread(target=s.stop, args=(_STOP_TIMEOUT_S,)) for s in servers]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    for server, mark in started:
-        cancel_kill_on_exit(server.proc)
-        stop_leftovers(server.proc.pid, mark)
 
 
 def trainer_command(config: GRPOConfig, config_file: Path, plan: Placement) -> list[str]:
@@ -373,31 +305,27 @@ def _run_trainer_once(
     restarts: ServerRestarts | None = None,
 ) -> int:
     logger.info("starting trainer: %s", " ".join(cmd))
-    mark = LaunchMark.new()
     # not verbose: the ranks write their own output to the log and only their console lines
     # to stdout; torchrun's own messages (stderr) go to the log
-    proc = spawn(  # torchrun and its ranks end with this process however it dies (keeper)
+    proc = Child(  # torchrun and its ranks end with this process however it dies
         cmd,
-        env={**env, **mark.env},
+        env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if relay.verbose else log,
         stdin=subprocess.DEVNULL,
     )
-    kill_on_exit(proc)
     pump = relay.pipe("trainer", proc.stdout, log) if relay.verbose else relay.console("trainer", proc.stdout, log)
     try:
         code = _watch(proc, servers, startup, watchdog, relay, restarts)
     finally:
-        cancel_kill_on_exit(proc)
-        terminate_process_tree(proc, timeout=_STOP_TIMEOUT_S)
-        stop_leftovers(proc.pid, mark)
+        proc.stop(_STOP_TIMEOUT_S, whole_tree=True)
         pump.join(5.0)
         if pump.is_alive():  # closing would block on the reader's lock
             logger.warning("the trainer's output pipe is still open: some process outside its tree holds it")
         else:
             proc.stdout.close()
     if code != 0:
-        _check_servers(servers, "while the trainer ran")  # it likely failed for that: name the server
+        check_servers(servers, "while the trainer ran")  # it likely failed for that: name the server
     return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
 
 
@@ -416,7 +344,7 @@ def _watch(
             startup.poll()
         starting = startup is not None and bool(startup.waiting)
         # a server that dies while the start-up waits for it (also after this poll looked) died before it was healthy
-        _check_servers(
+        check_servers(
             servers, "before it was healthy" if starting else "during training", None if starting else restarts
         )
         event = watchdog.check() if watchdog is not None else None
@@ -434,82 +362,11 @@ def _watch(
                 if relay is not None:
                     relay.line("megarl", f"watchdog: {what} (watchdog.action={watchdog.config.action})")
                 return WATCHDOG_ABORT_STATUS  # the caller's finally stops the trainer's process tree
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     return code
 
 
 WATCHDOG_ABORT_STATUS = 3  # the trainer stopped by the watchdog (warn keeps it running)
-
-
-def _check_servers(servers: list[InferenceServer], when: str, restarts: ServerRestarts | None = None) -> None:
-    """Restart a server that exited (``restarts``' budget allowing), else ``ServerLaunchError``."""
-    for i, server in enumerate(servers):
-        if server.proc.poll() is not None:
-            if restarts is None:
-                raise ServerLaunchError(_death_message(server, when))
-            servers[i] = restarts.restart(server, when)
-
-
-class ServerRestarts:
-    """Restarts dead servers in their slots within the budget (``launcher.server_restarts`` per server,
-    ``launcher.max_server_restarts`` per run); each restart is a line of ``{run_dir}/server_restarts.jsonl``.
-
-    The new process has the dead one's spec: same command, devices, port and launch tag (so that
-    teardown finds it like the first). What the dead one left (vLLM's engine core, its workers) is
-    killed first: it may hold the port or the devices.
-    """
-
-    def __init__(self, per_server: int, per_run: int, run_dir: Path, relay: OutputRelay | None = None):
-        self.per_server, self.per_run, self.relay = per_server, per_run, relay
-        self.log = Path(run_dir) / RESTARTS_FILE
-        self.counts: dict[str, int] = {}
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def restart(self, server: InferenceServer, when: str) -> InferenceServer:
-        """A started replacement of the exited ``server``; ``ServerLaunchError`` once the budget is spent."""
-        message = _death_message(server, when)
-        spent = self._spent(server.name)
-        if spent:
-            raise ServerLaunchError(f"{message}\nnot restarted: {spent}")
-        self.counts[server.name] = self.counts.get(server.name, 0) + 1
-        n = self.counts[server.name]
-        line = (
-            f"{server.name} at {server.address} exited with code {server.proc.returncode} {when}; restarting it "
-            f"in its slot (restart {n} of {self.per_server} for it, {self.total} of {self.per_run} this run)"
-        )
-        logger.warning("%s; last lines of %s:\n%s", line, server.log_path, server.log_tail(10))
-        if self.relay is not None:
-            self.relay.end_line()
-            self.relay.line("megarl", line)
-        cancel_kill_on_exit(server.proc)
-        stop_leftovers(
-            server.proc.pid, LaunchMark(server.spec.env.get(LAUNCH_TAG_ENV, ""), (server.started_at or 0.0) - 2.0)
-        )
-        with open(server.log_path, "ab") as f:
-            f.write(f"# megarl: {line}\n".encode())
-        replacement = InferenceServer(server.spec, server.log_path, name=server.name).start()
-        append_record(
-            self.log,
-            {
-                "time": time.time(),
-                "server": server.name,
-                "address": server.address,
-                "exit_code": server.proc.returncode,
-                "restart": n,
-                "run_total": self.total,
-            },
-        )
-        return replacement
-
-    def _spent(self, name: str) -> str:
-        if self.counts.get(name, 0) >= self.per_server:
-            return f"launcher.server_restarts={self.per_server} restarts of {name} are spent"
-        if self.total >= self.per_run:
-            return f"launcher.max_server_restarts={self.per_run} restarts of this run are spent"
-        return ""
 
 
 @contextmanager

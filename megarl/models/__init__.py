@@ -1,26 +1,33 @@
 """Models: provisioning (short names → HF dirs), tiny test models, HF <-> Megatron mappings.
 
-Only modules that do not import Megatron are re-exported here; ``megarl.models.build``,
-``hf_io``, ``spec`` and ``layers`` load Megatron-Core and are imported directly.
+The names below load on first use, so that a torch-free module of the package
+(:mod:`megarl.models.names`, ``provision``, ``upcycle``) imports without torch.
+``megarl.models.build``, ``hf_io``, ``spec`` and ``layers`` load Megatron-Core and are imported
+directly.
 """
 
-from megarl.models.families import MODEL_FAMILIES, Family, family_of
-from megarl.models.mapping import FamilyMapping, ModelDims, ParamRule, export_from_shards, load_shard
-from megarl.models.provision import KNOWN_MODELS, default_cache_dir, resolve_model_path
-from megarl.models.tiny import TINY_FAMILIES, make_tiny_model
+import importlib
 
-__all__ = [
-    "MODEL_FAMILIES",
-    "KNOWN_MODELS",
-    "TINY_FAMILIES",
-    "Family",
-    "FamilyMapping",
-    "ModelDims",
-    "ParamRule",
-    "default_cache_dir",
-    "export_from_shards",
-    "family_of",
-    "load_shard",
-    "make_tiny_model",
-    "resolve_model_path",
-]
+_HOMES = {
+    "MODEL_FAMILIES": "families",
+    "Family": "families",
+    "family_of": "families",
+    "FamilyMapping": "mapping",
+    "ModelDims": "mapping",
+    "ParamRule": "mapping",
+    "export_from_shards": "mapping",
+    "load_shard": "mapping",
+    "KNOWN_MODELS": "provision",
+    "default_cache_dir": "provision",
+    "resolve_model_path": "provision",
+    "TINY_FAMILIES": "tiny",
+    "make_tiny_model": "tiny",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'megarl.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"megarl.models.{_HOMES[name]}"), name)

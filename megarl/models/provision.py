@@ -25,6 +25,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from megarl.models.names import known_name, short_names
 from megarl.models.upcycle import SMOLLM2_MOE, UpcycleRecipe, check_upcycled, upcycle
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,6 @@ KNOWN_MODELS = types.MappingProxyType(
         ),
     }
 )
-ALIASES = types.MappingProxyType({"smollm2": "smollm2-135m-instruct"})
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
 """A hub model id: ``org/name`` or ``org/name@revision`` (a branch, tag or commit)."""
 HUB_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
@@ -104,17 +104,17 @@ def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = 
     """The HF directory for a short model name (provisioned on first use), an HF dir path, or
     a hub id (from the Hugging Face cache, downloaded when missing: :func:`hub_snapshot`).
 
-    Short names (``KNOWN_MODELS`` and ``ALIASES``, case-insensitive) take precedence over
+    Short names (:mod:`megarl.models.names`, case-insensitive) take precedence over
     same-named relative paths, and an existing directory over a hub id. ``cache_dir`` (short
     names only) defaults to :func:`default_cache_dir`.
     """
-    name = ALIASES.get(name_or_path.lower(), name_or_path.lower())
-    if name in KNOWN_MODELS:
+    name = known_name(name_or_path)
+    if name is not None:
         return str(provision(name, cache_dir))
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
         return str(path)
-    known = sorted([*KNOWN_MODELS, *ALIASES])
+    known = short_names()
     if path.is_dir():
         raise ValueError(
             f"model path {name_or_path!r} is a directory without config.json; "

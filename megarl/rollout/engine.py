@@ -22,7 +22,6 @@ from typing import Any
 
 from megarl.api.engine_api import InferenceEngine
 from megarl.api.io_struct import ModelRequest, ModelResponse
-from megarl.api.rollout_control import RolloutControl
 from megarl.api.workflow_api import WorkflowLike
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.rollout.client import GenerationClient
@@ -36,7 +35,7 @@ from megarl.workflow.dump import TrajectoryDumper
 logger = logging.getLogger(__name__)
 
 
-class RemoteInferenceEngine(InferenceEngine, RolloutControl):
+class RemoteInferenceEngine(InferenceEngine):
     """Generation on remote vLLM / SGLang servers, and the rollout pool on top.
 
     Args:

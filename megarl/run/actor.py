@@ -35,7 +35,7 @@ from typing import Any
 
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.config.allocation import AllocationMode, TrainingAllocation
-from megarl.config.train import PPOActorConfig
+from megarl.config.ppo import PPOActorConfig
 from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
 from megarl.run.weight_sync import WeightSync, WeightUpdateMeta, connect_engine
 

@@ -17,7 +17,6 @@ They run where the config is loaded: ``megarl config``, ``megarl run`` and each 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import logging
@@ -35,11 +34,12 @@ from megarl.config import loader
 from megarl.config.allocation import AllocationError, ModelShape, validate_model
 from megarl.config.base import ConfigError, require
 from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
+from megarl.config.ppo import BUILTIN_LOSSES, USER_LOSS_CALL
 from megarl.config.rollout import RUN_ARGUMENTS, WorkflowConfig
 from megarl.config.run import DatasetConfig
-from megarl.config.train import BUILTIN_LOSSES, USER_LOSS_CALL
 from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
 from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row_mapper
+from megarl.models.names import MODEL_SHAPES, known_name, short_names
 from megarl.models.peft_files import PEFT_CONFIG
 from megarl.reward.call import TrainerState
 from megarl.reward.executor import call_reward
@@ -51,13 +51,8 @@ from megarl.utils.plugins import accepted_parameters, import_plugin, locate_plug
 logger = logging.getLogger("megarl.config")
 T = TypeVar("T")
 
-# Model names megarl resolves without a hub, known here so a config is checked before anything is
-# provisioned or loaded. They mirror megarl.models.provision (KNOWN_MODELS, ALIASES), whose module
-# imports torch (seconds); tests/config/test_bad_configs.py checks that the copies agree.
-_SMOLLM2_135M = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152)
-_SMOLLM2_MOE = dataclasses.replace(_SMOLLM2_135M, num_experts=4)
-MODEL_SHORT_NAMES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M, "smollm2-135m-moe": _SMOLLM2_MOE}
-"""Model short names (lower case) and the shapes that constrain a parallel layout."""
+MODEL_SHORT_NAMES = {name: ModelShape(**MODEL_SHAPES[known_name(name)]) for name in short_names()}
+"""Model short names (lower case) and the shapes that constrain a parallel layout (:mod:`megarl.models.names`)."""
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_MODEL_ID = re.compile(_HUB_ID.pattern + r"(?:@[\w./-]+)?")  # megarl.models.provision.HUB_ID
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")

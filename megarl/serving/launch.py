@@ -1,10 +1,10 @@
 """Starting inference servers, waiting for them to be healthy, and stopping them.
 
-A server is started in its own session (process group) with its output in a log
-file; it is registered with :func:`megarl.utils.process.kill_on_exit`, so its whole
-process tree (vLLM's engine core and TP workers included) goes away when the parent
-exits, is interrupted (Ctrl-C) or gets SIGTERM. A server that dies before it is
-healthy raises :class:`ServerLaunchError` quoting the end of its log.
+A server is a :class:`megarl.utils.children.Child` with its output in a log file: its whole
+process tree (vLLM's engine core and TP workers included) goes away when the parent exits
+however it does, and :meth:`InferenceServer.stop` also kills what a dead server left behind.
+A server that dies before it is healthy raises :class:`ServerLaunchError` quoting the end of
+its log.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from typing import Self
 
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.serving.http import http_ok
-from megarl.utils.keeper import command_pid, spawn, stop
+from megarl.utils.children import Child
 from megarl.utils.network import format_host_port, parse_host_port
-from megarl.utils.process import cancel_kill_on_exit, kill_on_exit
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +59,7 @@ class InferenceServer:
             fd, log_path = tempfile.mkstemp(prefix=f"megarl-{name}-", suffix=".log")
             os.close(fd)
         self.log_path = Path(log_path)
-        self.proc: subprocess.Popen | None = None
-        self.started_at: float | None = None  # time.time() at start(): finds what a dead one left behind
+        self.proc: Child | None = None
 
     @property
     def address(self) -> str:
@@ -70,7 +68,7 @@ class InferenceServer:
     @property
     def pid(self) -> int | None:
         """The server process's pid (``proc`` is its keeper, ``megarl.utils.keeper``), None before start."""
-        return None if self.proc is None else command_pid(self.proc)
+        return None if self.proc is None else self.proc.command_pid()
 
     def start(self) -> InferenceServer:
         """Launch the process (returns at once; see :meth:`wait_until_healthy`)."""
@@ -79,11 +77,8 @@ class InferenceServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env}
         logger.info("starting %s at %s (log %s): %s", self.name, self.address, self.log_path, " ".join(self.spec.cmd))
-        self.started_at = time.time()
         with open(self.log_path, "ab") as log:
-            # in a session of its own, ended with this process however it dies (keeper)
-            self.proc = spawn(self.spec.cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        kill_on_exit(self.proc)
+            self.proc = Child(self.spec.cmd, env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return self
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
@@ -123,12 +118,12 @@ class InferenceServer:
             time.sleep(_POLL_S)
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Terminate the server's whole process tree (idempotent)."""
-        if self.proc is None or self.proc.returncode is not None:
+        """Terminate the server's whole process tree, or kill what it left if it died (idempotent)."""
+        if self.proc is None:
             return
-        logger.info("stopping %s at %s", self.name, self.address)
-        cancel_kill_on_exit(self.proc)
-        stop(self.proc, timeout=timeout)
+        if self.proc.poll() is None:
+            logger.info("stopping %s at %s", self.name, self.address)
+        self.proc.stop(timeout)
 
     def __enter__(self) -> Self:
         return self

@@ -19,6 +19,7 @@ undocumented module that moves just moves.
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -43,6 +44,24 @@ def forward_to(old: str, new: ModuleType, removed_in: str = REMOVED_IN) -> Calla
             stacklevel=2,
         )
         return value
+
+    return __getattr__
+
+
+def moved_names(old: str, new: str, names: tuple[str, ...], removed_in: str = REMOVED_IN) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the names ``names`` that moved from the module ``old`` to the module
+    ``new`` (imported on first use), each with a warning naming the release ``removed_in`` that removes
+    the old path."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{old}.{name} moved to {new}.{name}; import it from there ({old}.{name} is removed in megarl {removed_in})",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(new), name)
 
     return __getattr__
 

@@ -16,7 +16,7 @@ import torch
 from megarl.actor import advantages as adv_fns
 from megarl.actor.critic import value_loss
 from megarl.actor.ppo import MegatronPPOActor
-from megarl.config.train import PPOActorConfig
+from megarl.config.ppo import PPOActorConfig
 from tests.actor.dist_utils import assert_grads_close, dp_rows, run_ranks
 from tests.actor.workers import make_critic_batch
 

@@ -17,7 +17,7 @@ import torch
 from megarl.actor import ppo_loss
 from megarl.actor.fused_ppo_loss import ppo_loss_backend
 from megarl.actor.lm_head import LMHeadOutput
-from megarl.config.train import PPOActorConfig
+from megarl.config.ppo import PPOActorConfig
 from megarl.kernels import _cuda, logprobs_backend, resolve_backend
 from megarl.kernels.selfcheck import CheckResult
 from megarl.utils import stats_tracker

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.actor.ppo import prox_from_update
-from megarl.config.train import PPOActorConfig
+from megarl.config.ppo import PPOActorConfig
 from tests.actor.dist_utils import run_ranks
 from tests.actor.workers import make_batch
 

@@ -12,7 +12,7 @@ from megarl.actor import losses, ppo
 from megarl.actor.rollout_correction import behaviour_weights
 from megarl.config import GRPOConfig
 from megarl.config.base import ConfigError
-from megarl.config.train import PPOActorConfig, RolloutCorrectionConfig
+from megarl.config.ppo import PPOActorConfig, RolloutCorrectionConfig
 from megarl.run.prelaunch import build_config
 from megarl.utils import stats_tracker
 from tests.actor.test_fused_flag import _head, _micro_batch

@@ -1,4 +1,4 @@
-"""MoE routing agreement (``megarl.actor.routing``): a tiny Qwen3-MoE actor against the HF model's own
+"""MoE routing agreement (``megarl.actor.moe_routing``): a tiny Qwen3-MoE actor against the HF model's own
 router choices standing in for the server's, on one rank and across pipeline stages."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MoE routing replay (``actor.routing_replay``, ``megarl.actor.router_replay``) on a tiny Qwen3-MoE actor.
+"""MoE routing replay (``actor.routing_replay``, ``megarl.actor.moe_routing``) on a tiny Qwen3-MoE actor.
 
 The reference is independent of megarl: the HF model, one sequence at a time, its gates sent to the given
 experts (``tests/actor/replay_workers.py``). Layouts: EP2 (experts on two DP ranks), EP2 with TP2 and
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.actor.router_replay import TokenRouterReplay, server_routes
+from megarl.actor.moe_routing import TokenRouterReplay, server_routes
 from megarl.config import ConfigError
-from megarl.config.train import PPOActorConfig
+from megarl.config.ppo import PPOActorConfig
 from tests.actor.dist_utils import run_ranks
 from tests.actor.replay_workers import hf_logp_with_routes, merge_rows, random_routes, scaled_copy
 from tests.actor.workers import make_grouped_batch

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megarl.actor.ppo import inert_rows, padded_as_packed, ppo_loss_weight
-from megarl.config.train import PPOActorConfig
+from megarl.config.ppo import PPOActorConfig
 from tests.actor.dist_utils import run_ranks
 from tests.actor.workers import make_grouped_batch
 

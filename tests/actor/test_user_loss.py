@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.actor import ppo
-from megarl.config.train import USER_LOSS_CALL, PPOActorConfig
+from megarl.config.ppo import USER_LOSS_CALL, PPOActorConfig
 from tests.actor.test_fused_flag import _head, _micro_batch
 from tests.numerics import assert_within, gamma
 

@@ -6,7 +6,8 @@ from functools import partial
 
 import torch
 
-from megarl.config.train import MicroBatchSpec, OptimizerConfig, PPOActorConfig, TrainEngineConfig
+from megarl.config.ppo import PPOActorConfig
+from megarl.config.train import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from megarl.utils import stats_tracker
 
 
@@ -327,7 +328,7 @@ def make_critic_batch(lengths: list[int], seed: int = 0, batch: dict | None = No
 
 def _critic(model_dir: str, alloc: str, lr: float = 1e-5, n_mbs: int = 2, share_prefix: bool | None = None, **fields):
     from megarl.actor.critic import MegatronCritic
-    from megarl.config.train import PPOCriticConfig
+    from megarl.config.ppo import PPOCriticConfig
 
     optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
     critic = MegatronCritic(

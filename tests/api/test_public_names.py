@@ -174,6 +174,21 @@ def test_an_old_path_gives_the_moved_names_with_a_deprecation_warning(old_file, 
             shim.no_such_name  # noqa: B018 -- an unknown name is an AttributeError, not a warning
 
 
+def test_the_loss_configs_moved_out_of_the_engine_configs_still_import_from_there():
+    """``megarl.config.train`` is on the config reference page: its PPO names moved to ``megarl.config.ppo``."""
+    import megarl.config.ppo as ppo
+    import megarl.config.train as train
+
+    for name in ("PPOActorConfig", "PPOCriticConfig", "AlgorithmConfig", "NormConfig", "LOSS_PRESETS"):
+        moved = (
+            rf"megarl\.config\.train\.{name} moved to megarl\.config\.ppo\.{name}; .* removed in megarl {REMOVED_IN}"
+        )
+        with pytest.warns(DeprecationWarning, match=moved):
+            assert getattr(train, name) is getattr(ppo, name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        train.no_such_name  # noqa: B018 -- an unknown name is the usual error
+
+
 def test_the_seed_tutorials_old_megarl_imports_still_work():
     """The imports a port written against megarl's earlier layout made (changelog, "Layering")."""
     with pytest.warns(DeprecationWarning):

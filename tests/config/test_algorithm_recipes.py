@@ -12,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from megarl.config import GRPOConfig
-from megarl.config.train import ADV_ESTIMATOR_PRESETS, LOSS_PRESETS
+from megarl.config.ppo import ADV_ESTIMATOR_PRESETS, LOSS_PRESETS
 from megarl.run.prelaunch import load_expr_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,6 +6,8 @@ already in ``test_loader.py`` are not repeated here.
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -466,19 +468,28 @@ def test_local_model_dir_is_accepted_and_checked(tmp_path):
 
 
 def test_short_names_match_the_loaders():
-    """The config layer's copies of the short names agree with the modules that resolve them."""
+    """One model-name table (megarl.models.names) for the checks and provisioning; its shapes are the files'."""
     from megarl.data.rl_dataset import SHORT_NAMES
     from megarl.models.families import MODEL_FAMILIES
-    from megarl.models.provision import ALIASES, KNOWN_MODELS, default_cache_dir
+    from megarl.models.names import ALIASES, MODEL_SHAPES
+    from megarl.models.provision import KNOWN_MODELS, default_cache_dir
     from megarl.run.prelaunch import MODEL_TYPES
 
-    assert set(MODEL_SHORT_NAMES) == set(KNOWN_MODELS) | set(ALIASES)
+    assert set(KNOWN_MODELS) == set(MODEL_SHAPES)
+    assert set(MODEL_SHORT_NAMES) == set(MODEL_SHAPES) | set(ALIASES)
     assert set(MODEL_TYPES) == set(MODEL_FAMILIES)
     assert SHORT_NAMES is DATASET_SHORT_NAMES
     for name in KNOWN_MODELS:
         provisioned = default_cache_dir() / name
         if (provisioned / "config.json").is_file():
             assert read_model_shape(str(provisioned)) == MODEL_SHORT_NAMES[name]
+
+
+def test_the_model_name_table_imports_without_torch():
+    """The planner and the checks read short names without paying for torch (seconds)."""
+    code = "import sys, megarl.models.names, megarl.models.provision; assert 'torch' not in sys.modules, 'torch'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_hub_model_id_offline_and_not_cached_says_how_to_fetch_it(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 
 from megarl.config.base import ConfigError
 from megarl.config.run import LauncherConfig
-from megarl.launcher.local import ServerRestarts, _check_servers
+from megarl.launcher.server_health import ServerRestarts, check_servers
 from megarl.serving.launch import InferenceServer, LaunchSpec, ServerLaunchError
 from megarl.serving.restarts import RESTARTS_FILE, RestartLog
 
@@ -32,23 +32,23 @@ def test_a_dead_server_restarts_in_its_slot_until_the_budget_is_spent(tmp_path):
     try:
         first = servers[0]
         _die(first)
-        _check_servers(servers, "during training", restarts)
+        check_servers(servers, "during training", restarts)
         assert servers[0] is not first and servers[0].proc.poll() is None, "a new process in the slot"
         assert servers[0].address == first.address and servers[0].spec.env == first.spec.env
         assert servers[1].proc.poll() is None
         assert log.new_addresses() == ["127.0.0.1:1111"], "the trainer learns of the restart"
         _die(servers[0])
-        _check_servers(servers, "during training", restarts)
+        check_servers(servers, "during training", restarts)
         _die(servers[0])
         with pytest.raises(ServerLaunchError, match=r"not restarted: launcher.server_restarts=2 restarts of server-0"):
-            _check_servers(servers, "during training", restarts)
+            check_servers(servers, "during training", restarts)
         others = servers[1:]  # (the run would have ended: go on with server-1 alone)
         _die(others[0])
-        _check_servers(others, "during training", restarts)  # the run's third
+        check_servers(others, "during training", restarts)  # the run's third
         servers[1] = others[0]
         _die(servers[1])
         with pytest.raises(ServerLaunchError, match=r"launcher.max_server_restarts=3 restarts of this run are spent"):
-            _check_servers(others, "during training", restarts)
+            check_servers(others, "during training", restarts)
     finally:
         for server in servers:
             server.stop(timeout=2)
@@ -65,7 +65,7 @@ def test_no_restart_budget_fails_as_before(tmp_path):
     servers = [_server(tmp_path, "server-0", 1111)]
     _die(servers[0])
     with pytest.raises(ServerLaunchError, match="launcher.server_restarts=0 restarts of server-0 are spent"):
-        _check_servers(servers, "during training", ServerRestarts(0, 10, tmp_path))
+        check_servers(servers, "during training", ServerRestarts(0, 10, tmp_path))
 
 
 def test_restart_budgets_are_checked():

@@ -17,8 +17,9 @@ def walkthrough(model_dir: str, address: str, steps: int = 2) -> dict:
     from megarl.api.io_struct import FinetuneSpec, GenerationHyperparameters
     from megarl.config import AllocationMode
     from megarl.config.bridge import WeightUpdateConfig
+    from megarl.config.ppo import PPOActorConfig
     from megarl.config.rollout import InferenceEngineConfig
-    from megarl.config.train import MicroBatchSpec, OptimizerConfig, PPOActorConfig
+    from megarl.config.train import MicroBatchSpec, OptimizerConfig
     from megarl.data import create_dataloader, load_rl_dataset
     from megarl.rollout import RemoteVLLMEngine
     from megarl.run.actor import PPOActor

@@ -165,3 +165,13 @@ def test_the_rollout_engine_implements_the_interface():
                 pass
 
         Partial()
+
+
+def test_pause_resume_and_versions_are_declared_once_in_the_api():
+    """The engine contract AReaL's users call and the seam the weight sync drives are one declaration."""
+    from megarl.api.engine_api import InferenceEngine
+
+    assert issubclass(InferenceEngine, RolloutControl)
+    for name in ("pause", "resume", "set_version"):
+        owners = [c.__name__ for c in InferenceEngine.__mro__ if name in vars(c)]
+        assert owners == ["RolloutControl"], (name, owners)

@@ -1,0 +1,297 @@
+"""The checks of a GRPO experiment that read more than one section.
+
+Each function checks one concern across the sections it joins (batching, sampling, servers,
+rollout, critic, LoRA) and raises :class:`~megarl.config.base.ConfigError` naming the key and value;
+:meth:`megarl.config.experiment.GRPOConfig.check` runs them in order. A check that reads one
+section only lives on that section's dataclass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megarl.config.allocation import AllocationMode
+from megarl.config.base import require
+from megarl.config.rollout import MAX_SERVED_LORA_RANK
+from megarl.utils.hardware import machine_memory_gib
+
+if TYPE_CHECKING:
+    from megarl.config.experiment import GRPOConfig
+
+
+def check_experiment(config: GRPOConfig, alloc: AllocationMode) -> None:
+    """Every cross-section check of ``config``, whose allocation is ``alloc``."""
+    check_batching(config, alloc)
+    check_sampling(config)
+    check_servers(config, alloc)
+    check_rollout(config, alloc)
+    check_critic(config, alloc)
+    check_lora(config)
+
+
+def check_batching(config: GRPOConfig, alloc: AllocationMode) -> None:
+    dp = alloc.train.dp
+    bs = config.train_dataset.batch_size
+    require(
+        bs % dp == 0,
+        "train_dataset.batch_size",
+        bs,
+        f"must be divisible by the trainer's data-parallel size d{dp} so every rank gets whole groups",
+        related=("allocation_mode",),
+    )
+    n_mb = config.actor.ppo_n_minibatches
+    require(
+        bs % (dp * n_mb) == 0,
+        "train_dataset.batch_size",
+        bs,
+        f"must be divisible by data-parallel d{dp} x actor.ppo_n_minibatches {n_mb} = {dp * n_mb}",
+        related=("allocation_mode", "actor.ppo_n_minibatches"),
+    )
+    n, g = config.gconfig.n_samples, config.workflow.group_size
+    require(
+        config.actor.group_size == config.group_size,
+        "actor.group_size",
+        config.actor.group_size,
+        f"must equal gconfig.n_samples={n}"
+        + (f" x workflow.group_size={g} = {n * g}" if g > 1 else "")
+        + " (write `group_size: ${gconfig.n_samples}`)",
+    )
+
+
+def check_sampling(config: GRPOConfig) -> None:
+    require(
+        config.actor.temperature == config.gconfig.temperature or config.gconfig.greedy,
+        "actor.temperature",
+        config.actor.temperature,
+        f"must equal gconfig.temperature={config.gconfig.temperature} "
+        "(logprobs are scored at the sampling temperature)",
+    )
+    for key in ("top_p", "top_k", "min_p"):
+        ours, theirs = getattr(config.actor, key), getattr(config.gconfig, key)
+        require(
+            ours == theirs or not config.actor.replay_truncation or config.gconfig.greedy,
+            f"actor.{key}",
+            ours,
+            f"must equal gconfig.{key}={theirs} (write `{key}: ${{gconfig.{key}}}`): the trainer replays the "
+            "sampling's truncation; or set actor.replay_truncation=false to train on the full softmax",
+        )
+    require(
+        not (config.gconfig.greedy and config.gconfig.n_samples > 1 and config.actor.adv_norm.mean_level == "group"),
+        "gconfig.greedy",
+        config.gconfig.greedy,
+        f"greedy training rollouts make the gconfig.n_samples={config.gconfig.n_samples} samples of a group "
+        "identical, so every group-normalised advantage is 0; sample with a temperature instead",
+    )
+
+
+def check_servers(config: GRPOConfig, alloc: AllocationMode) -> None:
+    backend = alloc.inference.backend
+    require(
+        backend == "vllm" or config.cluster.device != "cpu",
+        "allocation_mode",
+        config.allocation_mode,
+        "SGLang servers need CUDA, but cluster.device is 'cpu'; use 'vllm:' on CPU",
+    )
+    require(
+        backend == "vllm" or "sharded" not in config.weight_update.modes,
+        "weight_update.mode",
+        config.weight_update.mode,
+        f"sharded transfer needs vLLM servers; SGLang ({config.allocation_mode}) takes 'broadcast' or 'disk'",
+    )
+    check_server_args(config, backend)
+    context_key = "vllm.max_model_len" if backend == "vllm" else "sglang.context_length"
+    context = config.context_length
+    probe = config.weight_update.probe_tokens
+    require(
+        config.weight_update.probe_sequences == 0 or probe < context,
+        "weight_update.probe_tokens",
+        probe,
+        f"the probe generates this many tokens after a prompt: must be below {context_key}={context}",
+    )
+    new = config.gconfig.max_new_tokens
+    for name, data in (("train_dataset", config.train_dataset), ("valid_dataset", config.valid_dataset)):
+        if data is None:
+            continue
+        prompt = data.max_prompt_tokens
+        if prompt is None:
+            why = f"must exceed gconfig.max_new_tokens={new} to leave room for a prompt"
+        else:
+            why = (
+                f"must hold {name}.max_prompt_tokens={prompt} + gconfig.max_new_tokens={new} = "
+                f"{prompt + new} tokens (the server rejects longer requests)"
+            )
+        require((prompt or 1) + new <= context, context_key, context, why)
+
+
+def check_server_args(config: GRPOConfig, backend: str) -> None:
+    """``extra_args`` do not set what megarl sets; on CPU the KV cache fits the machine and its blocks."""
+    dtype_key, server = config.server_config()
+    key = dtype_key.partition(".")[0]
+    owned = MANAGED_SERVER_FLAGS[backend]
+    clash = [a.split("=", 1)[0] for a in server.extra_args if a.split("=", 1)[0] in owned]
+    require(
+        not clash,
+        f"{key}.extra_args",
+        server.extra_args,
+        f"{clash} are set by megarl from its own keys ({', '.join(owned[f] for f in clash)}): set those instead",
+    )
+    if backend != "vllm" or config.device != "cpu":
+        return
+    block = config.vllm.block_size
+    require(block is None or block % 32 == 0, "vllm.block_size", block, "vLLM-CPU takes multiples of 32")
+    memory = machine_memory_gib()
+    per_node = -(-config.allocation.inference.dp // config.cluster.n_nodes)
+    kv = config.vllm.cpu_kvcache_space_gb * per_node
+    require(
+        memory is None or config.cluster.n_nodes > 1 or kv < memory,
+        "vllm.cpu_kvcache_space_gb",
+        config.vllm.cpu_kvcache_space_gb,
+        f"{per_node} server(s) x {config.vllm.cpu_kvcache_space_gb} GiB of KV cache exceed this machine's "
+        f"{memory:.0f} GiB of memory",
+    )
+
+
+def check_rollout(config: GRPOConfig, alloc: AllocationMode) -> None:
+    """The pool's queue holds a batch; group-level statistics have groups of more than one (else a warning)."""
+    queue, per_rank = config.rollout.queue_size, config.train_dataset.batch_size // alloc.train.dp
+    require(
+        queue is None or queue >= per_rank,
+        "rollout.queue_size",
+        queue,
+        f"must hold one batch of a trainer rank: train_dataset.batch_size / d{alloc.train.dp} = {per_rank}",
+        related=("train_dataset.batch_size", "allocation_mode"),
+    )
+    backend = alloc.inference.backend
+    require(
+        not config.rollout.return_routed_experts or backend == "sglang" or config.device == "cuda",
+        "rollout.return_routed_experts",
+        True,
+        f"{backend} servers on CPU cannot report the experts they routed to (vLLM returns them through "
+        "its Model Runner V2, which needs Triton: on CUDA only); SGLang servers, or vLLM on CUDA, can",
+        related=("allocation_mode", "cluster.device"),
+    )
+    require(
+        config.actor.routing_replay != "R3" or config.rollout.return_routed_experts,
+        "actor.routing_replay",
+        "R3",
+        "replays the servers' routes: set rollout.return_routed_experts: true (servers that report them)",
+        related=("rollout.return_routed_experts",),
+    )
+    require(
+        not (alloc.colocated and config.device == "cuda") or config.weight_update.modes == ("disk",),
+        "weight_update.mode",
+        config.weight_update.mode,
+        "a colocated allocation on GPU puts a trainer rank and a server worker on one GPU, and NCCL cannot "
+        "join two ranks on the same GPU: use weight_update.mode=disk with weight_update.disk_path on local "
+        "storage (e.g. /dev/shm/megarl) and no extra_modes",
+        related=("allocation_mode",),
+    )
+    single = config.group_size == 1
+    require(
+        not (single and config.dynamic_filter == "uniform_reward"),
+        "dynamic_filter",
+        config.dynamic_filter,
+        "a group of one sample always has a uniform reward, so every group would be dropped: "
+        "sample gconfig.n_samples > 1, or dynamic_filter=none",
+    )
+    require(
+        not (single and config.algorithm.adv_estimator == "grpo" and config.actor.adv_norm.mean_level == "group"),
+        "gconfig.n_samples",
+        config.gconfig.n_samples,
+        "a GRPO group of one sample is its own baseline, so every advantage is 0 and nothing is learned: "
+        "sample > 1 per prompt, or set actor.adv_norm.mean_level=batch (or algorithm.adv_estimator=gae)",
+        related=("actor.adv_norm.mean_level", "algorithm.adv_estimator"),
+    )
+
+
+def check_critic(config: GRPOConfig, alloc: AllocationMode) -> None:
+    gae = config.algorithm.adv_estimator == "gae"
+    require(
+        config.actor.adv_estimator == config.algorithm.adv_estimator,
+        "actor.adv_estimator",
+        config.actor.adv_estimator,
+        f"must be algorithm.adv_estimator ({config.algorithm.adv_estimator}), which sets it: unset it",
+        related=("algorithm.adv_estimator",),
+    )
+    require(
+        not gae or config.critic is not None,
+        "critic",
+        None,
+        "algorithm.adv_estimator=gae learns a value model: give a critic block (e.g. `critic: {}` for the actor's model)",
+    )
+    require(
+        gae or config.critic is None,
+        "algorithm.adv_estimator",
+        config.algorithm.adv_estimator,
+        "a critic is configured but only algorithm.adv_estimator=gae uses one: set it to gae, or critic: null",
+    )
+    if config.critic is None:
+        return
+    dp, n_mb, bs = alloc.train.dp, config.critic.ppo_n_minibatches, config.train_dataset.batch_size
+    require(
+        bs % (dp * n_mb) == 0,
+        "train_dataset.batch_size",
+        bs,
+        f"must be divisible by data-parallel d{dp} x critic.ppo_n_minibatches {n_mb} = {dp * n_mb}",
+        related=("allocation_mode", "critic.ppo_n_minibatches"),
+    )
+
+
+def check_lora(config: GRPOConfig) -> None:
+    """LoRA adapters run on the actor (not on ref or critic yet); adapter sync serves what servers can load."""
+    if config.adapter_sync:
+        experts = [m for m in config.actor.lora.target_modules if m.startswith("experts.")]
+        require(
+            not experts,
+            "weight_update.lora",
+            config.weight_update.lora,
+            f"adapters on expert linears ({', '.join(experts)}) have no PEFT form the servers load yet: "
+            "use 'merged' (docs/guides/lora.md)",
+        )
+        require(
+            config.actor.lora.rank <= MAX_SERVED_LORA_RANK,
+            "actor.lora.rank",
+            config.actor.lora.rank,
+            f"adapter sync: vLLM serves LoRA ranks up to {MAX_SERVED_LORA_RANK}; use 'merged' above that",
+        )
+    for key, cfg in (("ref", config.ref), ("critic", config.critic)):
+        if cfg is not None:
+            require(
+                not cfg.lora.enabled,
+                f"{key}.lora.rank",
+                cfg.lora.rank,
+                f"LoRA adapters on the {key} model are not supported yet (the actor's are): set rank 0 "
+                "(docs/guides/lora.md)",
+            )
+
+
+MANAGED_SERVER_FLAGS = {
+    "vllm": {
+        "--model": "actor.path",
+        "--host": "the launcher",
+        "--port": "the launcher",
+        "--dtype": "vllm.dtype",
+        "--max-model-len": "vllm.max_model_len",
+        "--max-num-seqs": "vllm.max_num_seqs",
+        "--seed": "vllm.seed",
+        "--tensor-parallel-size": "allocation_mode",
+        "--block-size": "vllm.block_size",
+        "--gpu-memory-utilization": "vllm.gpu_memory_utilization",
+        "--api-key": "the launcher",
+        "--enable-lora": "weight_update.lora",
+        "--max-lora-rank": "actor.lora.rank",
+    },
+    "sglang": {
+        "--model-path": "actor.path",
+        "--host": "the launcher",
+        "--port": "the launcher",
+        "--dtype": "sglang.dtype",
+        "--context-length": "sglang.context_length",
+        "--tp-size": "allocation_mode",
+        "--random-seed": "sglang.random_seed",
+        "--mem-fraction-static": "sglang.mem_fraction_static",
+        "--enable-lora": "weight_update.lora",
+        "--max-lora-rank": "actor.lora.rank",
+    },
+}
+"""Server flags megarl sets from a config key (flag -> key): ``extra_args`` may not repeat them."""
