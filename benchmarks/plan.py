@@ -24,8 +24,8 @@ Without ``--calibrate`` it predicts each layout of ``LAYOUTS`` from those files
 calibration run. The first layout was calibrated (in other runs): it checks the model's sums and
 the run-to-run noise. The others, with twice the batch (synchronous on either thread policy, and
 ``static`` asynchronous), were not: they test the model on workloads the rates never saw. ``pred step s, f=1`` is the prediction without
-the measured contention (what the model predicts from synchronous runs alone). The machine is
-shared with other work: numbers move from run to run.
+the measured contention (what the model predicts from synchronous runs alone). A virtual
+machine's speed drifts: numbers move from run to run.
 """
 
 from __future__ import annotations
@@ -244,9 +244,9 @@ def summary(rows: list[dict]) -> str:
     load = os.getloadavg()[0]
     return (
         f"{hits} of {len(rows)} layouts predicted within 20% of the median measured step time. "
-        f"Rates: benchmarks/results/plan_rates_cpu_{{static,shared}}.yaml (`--calibrate`). The machine was shared "
-        f"with other work (load average {load:.2f} at the end): each layout ran in fresh runs, min and median of "
-        "the runs' mean step times shown."
+        f"Rates: benchmarks/results/plan_rates_cpu_{{static,shared}}.yaml (`--calibrate`). Load average {load:.2f} "
+        "at the end, the last run's own server and trainer included (the load at the start is in the record's "
+        "machine line): each layout ran in fresh runs, min and median of the runs' mean step times shown."
     )
 
 

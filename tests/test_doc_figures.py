@@ -56,7 +56,6 @@ def doc_files() -> list[Path]:
 
 LOAD_NOT_RECORDED = {
     "learning_variants": "a 2-core AMD EPYC with AVX2",
-    "plan": "a 2-core AMD EPYC with AVX-512 BF16",
 }
 """Quoted results measured before the harness recorded the load, and what each must be measured on
 again; nothing is added here (``test_only_records_without_a_load_are_excused`` keeps it shrinking)."""
