@@ -73,8 +73,12 @@ def run(quick: bool) -> list[dict]:
         metrics, minutes = run_arithmetic([*overrides, *(["total_train_steps=6"] if quick else [])])
         rewards[name] = [m["batch/reward/avg"] for m in metrics]
         first, last = reward_gain(rewards[name])
-        stats = ", ".join(f"{label} {_mean(metrics, key):.3g}" for label, key in _STATS.items())
-        stats += f"; value error of the last 5 steps {_mean(metrics[-5:], _STATS['value error']):.3g}"
+        # what a variant does not log (a critic's values without a critic) is left out, not written as nan
+        stats = ", ".join(
+            f"{label} {_mean(metrics, key):.3g}" for label, key in _STATS.items() if any(key in m for m in metrics)
+        )
+        if any(_STATS["value error"] in m for m in metrics):
+            stats += f"; value error of the last 5 steps {_mean(metrics[-5:], _STATS['value error']):.3g}"
         _summaries.append(
             f"{name}: first 5 {first:.3f}, last 5 {last:.3f}, gain {last - first:+.3f} over "
             f"{len(metrics)} steps in {minutes:.1f} min; {stats}"
