@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.actor import cpu_shim
+from megarl.actor import engine_settings as settings
 from megarl.actor.bf16_emulation import compute_mode
 from megarl.actor.lm_head import LMHeadOutput, make_lm_head_output
 from megarl.actor.optim import build_optimizer_and_schedule, wrap_chunks
@@ -61,9 +62,7 @@ from megarl.models.build import (
 )
 from megarl.models.hf_io import ShardCoords, load_hf_weights, unwrap
 from megarl.models.layers import SharedPrefixSeqParams
-from megarl.models.spec import resolve_use_te
 from megarl.utils import heartbeat
-from megarl.utils.hardware import concrete_dtype
 from megarl.utils.part_clock import PartClock
 
 logger = logging.getLogger(__name__)
@@ -143,18 +142,18 @@ class MegatronEngine:
             alloc,
             sequence_parallel=self.config.megatron.sequence_parallel,
             dtype=self.dtype,
-            moe_dispatcher=self._moe_dispatcher(),
-            moe_aux_loss_coeff=self._moe_aux_loss_coeff(),
-            recompute=self._recompute(),
+            moe_dispatcher=settings.moe_dispatcher(self.config),
+            moe_aux_loss_coeff=settings.moe_aux_loss_coeff(self.config),
+            recompute=settings.recompute_granularity(self.config),
             perform_initialization=self.config.init_from_scratch,
         )
         self.kernel_backend = resolve_backend(
             self.config.use_fused_kernels, self.tconfig.params_dtype, self.tconfig.hidden_size
         )
         logger.info("fused kernels: %s", kernel_summary(self.kernel_backend))  # runs their self-check on a GPU
-        self.share_prefix = self._share_prefix()
+        self.share_prefix = settings.share_prefix(self.config)
         with cpu_shim.device_mode():
-            chunks = build_chunks(self.desc, self.tconfig, use_te=self._use_te())
+            chunks = build_chunks(self.desc, self.tconfig, use_te=settings.use_transformer_engine(self.config))
             chunks = [chunk.to(cpu_shim.device()) for chunk in chunks]
             self._add_heads(chunks)
             if not self.config.init_from_scratch:
@@ -184,39 +183,10 @@ class MegatronEngine:
     @property
     def dtype(self) -> str:
         """The parameter dtype: ``config.dtype``, with ``auto`` resolved for this machine."""
-        return concrete_dtype(self.config.dtype, "cuda" if cpu_shim.cuda_available() else "cpu")
+        return settings.param_dtype(self.config)
 
     def _compute_mode(self) -> contextlib.AbstractContextManager:
         return compute_mode(self.config.emulate_bf16)
-
-    def _moe_aux_loss_coeff(self) -> float:
-        megatron = self.config.megatron
-        return megatron.moe_aux_loss_coeff if megatron.moe_router_load_balancing_type == "aux_loss" else 0.0
-
-    def _moe_dispatcher(self) -> str:
-        # gloo lacks what the alltoall dispatcher needs (all_to_all_single with split sizes)
-        return self.config.megatron.moe_token_dispatcher_type if cpu_shim.cuda_available() else "allgather"
-
-    def _recompute(self) -> str:
-        if self.config.gradient_checkpointing:
-            return "full"
-        return self.config.megatron.recompute_granularity
-
-    def _use_te(self) -> bool:
-        requested = self.config.megatron.use_transformer_engine
-        if requested is None and self.config.lora.enabled:
-            return False  # LoRA wraps Megatron's own linears; the config check refuses TE with LoRA
-        return resolve_use_te(requested, cpu_shim.cuda_available())
-
-    def _share_prefix(self) -> bool:
-        """``mb_spec.share_prefix`` resolved: only megarl's SDPA attention reads a shared-prefix layout."""
-        requested = self.config.mb_spec.share_prefix
-        if requested and self._use_te():
-            raise ValueError(
-                "actor.mb_spec.share_prefix=true needs megarl's SDPA attention, but this engine uses "
-                "TransformerEngine's: set megatron.use_transformer_engine=false, or share_prefix=null/false"
-            )
-        return not self._use_te() if requested is None else requested
 
     @property
     def coords(self) -> ShardCoords:

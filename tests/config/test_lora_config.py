@@ -101,10 +101,10 @@ def transformer_engine_on_a_gpu(monkeypatch):
 
 
 def test_lora_builds_the_local_spec_when_transformer_engine_is_installed(transformer_engine_on_a_gpu):
-    from megarl.actor.engine import MegatronEngine
+    from megarl.actor.engine_settings import use_transformer_engine
 
     config, _ = load_expr_config(["--config", CPU_YAML, "actor.lora.rank=8"], GRPOConfig)
     assert config.actor.megatron.use_transformer_engine is None
-    assert MegatronEngine(config.actor)._use_te() is False
+    assert use_transformer_engine(config.actor) is False
     full, _ = load_expr_config(["--config", CPU_YAML], GRPOConfig)
-    assert MegatronEngine(full.actor)._use_te() is True  # the stub is seen: without LoRA, TE is picked
+    assert use_transformer_engine(full.actor) is True  # the stub is seen: without LoRA, TE is picked

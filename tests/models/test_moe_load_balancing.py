@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from megarl.actor.engine import MegatronEngine
+from megarl.actor.engine_settings import moe_aux_loss_coeff
 from megarl.config.train import MegatronConfig, TrainEngineConfig
 from megarl.models.build import describe, transformer_config
 
@@ -19,7 +19,7 @@ def test_the_load_balancing_loss_is_built_only_when_weighted(tiny_model_dir):
 
 def test_the_engine_weights_the_loss_as_configured():
     def weight(**megatron) -> float:
-        return MegatronEngine(TrainEngineConfig(megatron=MegatronConfig(**megatron)))._moe_aux_loss_coeff()
+        return moe_aux_loss_coeff(TrainEngineConfig(megatron=MegatronConfig(**megatron)))
 
     assert weight() == 0.0  # off by default
     assert weight(moe_router_load_balancing_type="aux_loss") == 1e-3
