@@ -52,7 +52,7 @@ import torch
 from benchmarks._harness import DTYPE_CHOICES, cpu_dtypes_to_run, cpu_kind, main_for
 from benchmarks.actor_step import _time_alternating
 
-TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, 56 sequences): breakdown, vs a plain HF step"
+TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, the arithmetic job's 64 sequences): breakdown, vs a plain HF step and a real run"
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "arithmetic_grpo_cpu.yaml"
 

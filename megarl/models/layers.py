@@ -45,6 +45,14 @@ class SharedPrefixSeqParams(PackedSeqParams):
     parents: tuple[int | None, ...] = ()
 
 
+CPU_ATTENTION_IN_FP32 = True
+"""Attend in fp32 on CPU when the model computes in bf16 or fp16. torch's CPU flash-attention kernel
+is slow in bf16 for the short sequences of RL (its bf16 backward took 1.06 s of a 5.5 s train phase
+where fp32's took 0.20 s, ``benchmarks/results/train_phase_amx.md``), and the attention's matrices are
+small next to the linear layers' at these lengths, so the casts cost less than they save; fp32 is also
+the more exact of the two."""
+
+
 class SDPACoreAttention(MegatronModule):
     """Causal attention through torch SDPA; drop-in for Megatron's ``core_attention`` slot."""
 
@@ -93,8 +101,13 @@ class SDPACoreAttention(MegatronModule):
 
     def _sdpa(self, q, k, v, dropout, mask=None):
         """[b, n, s, hn] tensors; k/v may hold fewer (grouped) heads. ``mask`` [b, 1, s, s_k] (True:
-        attend) where some row's queries see a prefix of keys before their own; else causal."""
-        return F.scaled_dot_product_attention(
+        attend) where some row's queries see a prefix of keys before their own; else causal.
+
+        On CPU a bf16 / fp16 attention runs in fp32 (:data:`CPU_ATTENTION_IN_FP32`) and its output is cast back."""
+        dtype = q.dtype
+        if CPU_ATTENTION_IN_FP32 and q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+            q, k, v = q.float(), k.float(), v.float()
+        out = F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -104,6 +117,7 @@ class SDPACoreAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
+        return out.to(dtype)
 
 
 def _gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
