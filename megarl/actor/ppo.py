@@ -69,6 +69,7 @@ class MegatronPPOActor(MegatronEngine):
         super().__init__(config)
         self.config: PPOActorConfig = config
         self.gap = GapMeter()
+        self.routing_replay: RoutingReplay | None = None  # built by initialize() with actor.routing_replay
 
     def __getattr__(self, name: str):
         """Only for names not found otherwise: the server calls point to the actor that has them."""
@@ -78,7 +79,6 @@ class MegatronPPOActor(MegatronEngine):
 
     def initialize(self, addr: str | None = None, ft_spec=None, parallel=None) -> None:
         super().initialize(addr, ft_spec, parallel)
-        self.routing_replay: RoutingReplay | None = None
         if self.config.routing_replay != "none":  # MoE routing replay (megarl.actor.moe_routing)
             p, t = self.parallel, self.tconfig
             checkpointed = t.recompute_granularity == "full"

@@ -39,14 +39,7 @@ def check_batching(config: GRPOConfig, alloc: AllocationMode) -> None:
         f"must be divisible by the trainer's data-parallel size d{dp} so every rank gets whole groups",
         related=("allocation_mode",),
     )
-    n_mb = config.actor.ppo_n_minibatches
-    require(
-        bs % (dp * n_mb) == 0,
-        "train_dataset.batch_size",
-        bs,
-        f"must be divisible by data-parallel d{dp} x actor.ppo_n_minibatches {n_mb} = {dp * n_mb}",
-        related=("allocation_mode", "actor.ppo_n_minibatches"),
-    )
+    _check_minibatches(bs, dp, config.actor.ppo_n_minibatches, "actor")
     n, g = config.gconfig.n_samples, config.workflow.group_size
     require(
         config.actor.group_size == config.group_size,
@@ -227,13 +220,17 @@ def check_critic(config: GRPOConfig, alloc: AllocationMode) -> None:
     )
     if config.critic is None:
         return
-    dp, n_mb, bs = alloc.train.dp, config.critic.ppo_n_minibatches, config.train_dataset.batch_size
+    _check_minibatches(config.train_dataset.batch_size, alloc.train.dp, config.critic.ppo_n_minibatches, "critic")
+
+
+def _check_minibatches(batch_size: int, dp: int, n_minibatches: int, model: str) -> None:
+    """Every data-parallel rank gets whole mini-batches of ``model``'s (``actor`` or ``critic``) update."""
     require(
-        bs % (dp * n_mb) == 0,
+        batch_size % (dp * n_minibatches) == 0,
         "train_dataset.batch_size",
-        bs,
-        f"must be divisible by data-parallel d{dp} x critic.ppo_n_minibatches {n_mb} = {dp * n_mb}",
-        related=("allocation_mode", "critic.ppo_n_minibatches"),
+        batch_size,
+        f"must be divisible by data-parallel d{dp} x {model}.ppo_n_minibatches {n_minibatches} = {dp * n_minibatches}",
+        related=("allocation_mode", f"{model}.ppo_n_minibatches"),
     )
 
 

@@ -37,12 +37,7 @@ def forward_to(old: str, new: ModuleType, removed_in: str = REMOVED_IN) -> Calla
         if name.startswith("__"):  # the import machinery's own probes (__path__, __file__, ...)
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
         value = getattr(new, name)
-        warnings.warn(
-            f"{old}.{name} moved to {new.__name__}.{name}; import it from there ({old} is removed in megarl "
-            f"{removed_in})",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        _warn_moved(f"{old}.{name}", f"{new.__name__}.{name}", old, removed_in)
         return value
 
     return __getattr__
@@ -56,14 +51,20 @@ def moved_names(old: str, new: str, names: tuple[str, ...], removed_in: str = RE
     def __getattr__(name: str) -> Any:
         if name not in names:
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
-        warnings.warn(
-            f"{old}.{name} moved to {new}.{name}; import it from there ({old}.{name} is removed in megarl {removed_in})",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        _warn_moved(f"{old}.{name}", f"{new}.{name}", f"{old}.{name}", removed_in)
         return getattr(importlib.import_module(new), name)
 
     return __getattr__
+
+
+def _warn_moved(old: str, new: str, removed: str, removed_in: str) -> None:
+    """The warning of an old path ``old`` now at ``new``; ``removed`` (the old module or name) goes in
+    ``removed_in``. ``stacklevel=3``: the line of the import that asked for it."""
+    warnings.warn(
+        f"{old} moved to {new}; import it from there ({removed} is removed in megarl {removed_in})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def renamed_in(module: str, renames: dict[str, str], namespace: dict, removed_in: str = REMOVED_IN):
