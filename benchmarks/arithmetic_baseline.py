@@ -78,7 +78,8 @@ def run(quick: bool) -> list[dict]:
     from megarl.config.rollout import InferenceEngineConfig, VLLMConfig
     from megarl.models import resolve_model_path
     from megarl.reward.arithmetic import arithmetic_reward_fn
-    from megarl.rollout import InferenceServer, RemoteInferenceEngine, vllm_launch_spec
+    from megarl.rollout import RemoteInferenceEngine
+    from megarl.serving import InferenceServer, vllm_launch_spec
     from megarl.utils.network import find_free_ports
     from megarl.workflow import RLVRWorkflow
 

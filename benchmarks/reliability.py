@@ -147,7 +147,7 @@ def _request_outcomes(address: str, fault: str, refused_at_once: bool) -> list[s
 
     from megarl.api import ModelRequest
     from megarl.api.io_struct import GenerationHyperparameters
-    from megarl.rollout import InferenceServerError
+    from megarl.serving import InferenceServerError
     from tests.rollout.conftest import make_engine
     from tests.rollout.helpers import expected_tokens
 

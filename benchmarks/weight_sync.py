@@ -198,7 +198,7 @@ def _make_model(out: Path, quick: bool) -> Path:
 
 def _serve(model_dir: Path, tp: int, tmp: Path):
     from megarl.config.rollout import VLLMConfig
-    from megarl.rollout import InferenceServer, vllm_launch_spec
+    from megarl.serving import InferenceServer, vllm_launch_spec
     from megarl.utils.network import find_free_ports
 
     config = VLLMConfig(

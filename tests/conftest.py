@@ -111,7 +111,7 @@ def vllm_model_dir(tiny_model_dir) -> Path:
 def serve_vllm(model_dir: Path, log_dir: Path, **config):
     """A real vLLM-CPU server (TP=1) on ``model_dir`` while the block runs; ``config``: VLLMConfig keys."""
     from megarl.config.rollout import VLLMConfig
-    from megarl.rollout import InferenceServer, vllm_launch_spec
+    from megarl.serving import InferenceServer, vllm_launch_spec
     from megarl.utils.network import find_free_ports
 
     config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=64, **config)
@@ -133,7 +133,7 @@ def vllm_server(vllm_model_dir, tmp_path_factory):
     ``$MEGARL_TEST_VLLM_ADDR`` (host:port of a server already serving the same tiny
     model) skips the ~60 s start-up while iterating on tests.
     """
-    from megarl.rollout import InferenceServer, LaunchSpec
+    from megarl.serving import InferenceServer, LaunchSpec
     from megarl.utils.network import parse_host_port
 
     reuse = os.environ.get("MEGARL_TEST_VLLM_ADDR")

@@ -27,8 +27,6 @@ sequence-level with sequence counts), whatever the packing, DP size or pipeline 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -41,17 +39,9 @@ from megarl.actor import engine_settings as settings
 from megarl.actor.bf16_emulation import compute_mode
 from megarl.actor.lm_head import LMHeadOutput, make_lm_head_output
 from megarl.actor.optim import build_optimizer_and_schedule, wrap_chunks
-from megarl.actor.packing import (
-    MicroBatch,
-    MicroBatchHook,
-    pack,
-    pack_units,
-    round_up,
-    sequence_lengths,
-    split_by_token_budget,
-    unpack,
-)
+from megarl.actor.packing import MicroBatch, MicroBatchHook, unpack
 from megarl.actor.parallel import ParallelState, init_parallel
+from megarl.actor.schedule import plan_microbatches, run_schedule
 from megarl.config.allocation import AllocationMode, TrainingAllocation
 from megarl.config.train import TrainEngineConfig
 from megarl.kernels import Backend, Truncation, active_path, kernel_summary, resolve_backend
@@ -61,8 +51,6 @@ from megarl.models.build import (
     transformer_config,
 )
 from megarl.models.hf_io import ShardCoords, load_hf_weights, unwrap
-from megarl.models.layers import SharedPrefixSeqParams
-from megarl.utils import heartbeat
 from megarl.utils.part_clock import PartClock
 
 logger = logging.getLogger(__name__)
@@ -83,10 +71,6 @@ def training_allocation(alloc: TrainingAllocation | AllocationMode | str) -> Tra
             raise ValueError(f"allocation mode '{alloc}' has no training part ('megatron:...')")
         alloc = alloc.train
     return alloc
-
-
-def _to(value, device):
-    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
 def _total_steps(ft_spec) -> int | None:
@@ -236,66 +220,7 @@ class MegatronEngine:
 
     def microbatches(self, batch: dict) -> list[MicroBatch]:
         """Pack ``batch`` by the token budget; count and length agree across DP ranks (and fit VPP)."""
-        spec = self.config.mb_spec
-        alloc = self.parallel.alloc
-        units = pack_units(batch, spec.max_tokens_per_mb, self.share_prefix)
-        seqlens = sequence_lengths(batch)
-        sizes = [unit.num_tokens(seqlens) for unit in units]
-        n_groups = len(split_by_token_budget(sizes, spec.max_tokens_per_mb, spec.n_mbs))
-        if alloc.vpp > 1:  # interleaved schedule: micro-batches in whole groups of PP
-            n_groups = round_up(max(n_groups, alloc.pp), alloc.pp)
-        (n_groups,) = self._all_reduce_max([n_groups])
-        groups = split_by_token_budget(sizes, spec.max_tokens_per_mb, n_groups)
-        groups += [[] for _ in range(n_groups - len(groups))]
-        longest = max(sum(sizes[i] for i in g) for g in groups)
-        (longest,) = self._all_reduce_max([longest])
-        return pack(batch, [[units[i] for i in g] for g in groups], round_up(max(longest, 1), alloc.tp))
-
-    def _all_reduce_max(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64, device=cpu_shim.device())
-        if self.parallel.alloc.dp * self.parallel.alloc.cp > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.parallel.dp_group)
-        return tensor.tolist()
-
-    def _packed_seq_params(self, mb: MicroBatch):
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        cu = mb.cu_seqlens.to(cpu_shim.device())
-        thd = dict(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen
-        )
-        if mb.shares_prefixes:
-            return SharedPrefixSeqParams(**thd, parents=mb.parents)
-        return PackedSeqParams(**thd)
-
-    def _forward_step(self, head_fn, n_microbatches: int, forward_only: bool):
-        """Megatron ``forward_step_func``: run a chunk on the next micro-batch; ``head_fn`` is its loss."""
-        device = cpu_shim.device()
-        calls = itertools.count(1)  # one per micro-batch and model chunk (virtual pipeline stage)
-        total = n_microbatches * len(self.model)
-        what = "forward" if forward_only else "forward-backward"
-
-        def forward_step(data_iterator, model):
-            heartbeat.step(f"micro-batch {what} {next(calls)} of {total}")  # the watchdog names where a rank is
-            mb, extra = next(data_iterator)
-            # packing happens on the host; losses and hooks see the micro-batch on the model's device
-            mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
-            for hook in self.microbatch_hooks:
-                hook.before_forward(model, mb.data)
-            ids = mb.data["input_ids"][None]
-            # RoPE at each token's column in its row: only a shared prefix's branches need it
-            positions = mb.data["position_ids"][None] if mb.shares_prefixes else None
-            output = self.train_clock.timed("forward", model)(  # the model's forward, then the head's (below)
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=None,
-                packed_seq_params=self._packed_seq_params(mb),
-            )
-            for hook in self.microbatch_hooks:
-                hook.after_forward(model, mb)
-            return output, partial(self.train_clock.timed("forward", head_fn), model, mb, extra)
-
-        return forward_step
+        return plan_microbatches(batch, self.config.mb_spec, self.parallel, self.share_prefix)
 
     def _head(self, model, output: torch.Tensor) -> LMHeadOutput:
         return make_lm_head_output(
@@ -303,18 +228,7 @@ class MegatronEngine:
         )
 
     def _run_schedule(self, mbs: list[MicroBatch], extras: list, head_fn, forward_only: bool) -> list:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        items = list(zip(mbs, extras))
-        return get_forward_backward_func()(
-            forward_step_func=self._forward_step(head_fn, len(mbs), forward_only),
-            data_iterator=[iter(items) for _ in self.model],
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(mbs),
-            seq_length=mbs[0].padded_len,
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        return run_schedule(self.model, mbs, extras, head_fn, forward_only, self.microbatch_hooks, self.train_clock)
 
     # ------------------------------------------------------------------ training
 

@@ -39,6 +39,7 @@ from megarl.actor.ppo_loss import (  # the loss of one micro-batch; its public n
     replayed_truncation,
     user_surrogate,
 )
+from megarl.actor.schedule import all_reduce_max
 from megarl.config.ppo import BUILTIN_LOSSES, PPOActorConfig
 from megarl.kernels import PATH_CODES, Truncation
 from megarl.utils import stats_tracker
@@ -236,7 +237,7 @@ class MegatronPPOActor(MegatronEngine):
         if not _drops_inert_rows(self.config):  # the same config on every rank: no collective needed
             return minibatch, 0.0, 0
         inert = inert_rows(minibatch, self.config)
-        (anyone_active,) = self._all_reduce_max([int(not inert.all())])  # on every DP rank, always
+        (anyone_active,) = all_reduce_max([int(not inert.all())], self.parallel)  # on every DP rank, always
         if not inert.any():
             return minibatch, 0.0, 0
         n_rows, n_inert = len(inert), int(inert.sum())

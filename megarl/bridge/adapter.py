@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.bridge.bridge import UpdateReport, in_threads, prune_versions
+from megarl.bridge.bridge import UpdateReport, prune_versions
+from megarl.bridge.drive import in_threads
 from megarl.bridge.groups import gather_objects, rank0_object
 from megarl.bridge.interface import ServerBridge
 from megarl.config.bridge import WeightUpdateConfig
@@ -126,7 +127,11 @@ class AdapterBridge(ServerBridge):
         ``{address: why}`` of those that failed to load."""
         heartbeat.step(f"weight sync: {len(self.servers)} server(s) load adapter {name}")
         timeout = self.config.update_timeout
-        failed = in_threads({s.address: (lambda s=s: s.load_adapter(name, str(path))) for s in self.servers}, timeout)
+        calls = {
+            s.address: (lambda s=s: s.load_adapter(name, str(path), replace=name in self._loaded.get(s.address, [])))
+            for s in self.servers
+        }
+        failed = in_threads(calls, timeout)
         failed = {address: _with_hint(why) for address, why in failed.items()}
         for server in self.servers:
             if server.address in failed:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import shutil
 import socket
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 from megarl.bridge.blocks import Block, BlockSenders, regroup
+from megarl.bridge.drive import drive, in_background
 from megarl.bridge.groups import default_backend, gather_objects, host_store, rank0_object
 from megarl.bridge.interface import ServerBridge, UpdateReport
 from megarl.bridge.schedule import ReceiverSpecs, broadcast_schedule, sharded_schedule
@@ -34,13 +34,10 @@ from megarl.bridge.transport import TransferStats, TransportSender, wire_dtype
 from megarl.bridge.transport_broadcast import BroadcastSender
 from megarl.bridge.transport_disk import DiskSender
 from megarl.bridge.transport_sharded import ShardedSender
-from megarl.bridge.update_round import UpdateRound
 from megarl.bridge.wiring import Wiring, make_wiring, trainer_join
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.bridge import WeightUpdateConfig
 from megarl.serving import ServerControl
-from megarl.utils import heartbeat
-from megarl.utils.fanout import call_all
 from megarl.utils.hardware import concrete_dtype
 from megarl.utils.network import gethostip
 
@@ -65,21 +62,6 @@ def _own_addresses() -> set[str]:
 
 class WeightBridgeError(RuntimeError):
     """The bridge could not be connected, or an update failed on the trainer side."""
-
-
-def in_threads(calls: dict[str, callable], timeout: float) -> dict[str, str]:
-    """Run ``{name: fn}`` concurrently; ``{name: error}`` of those that raised or did not finish in time
-    (on the process's fan-out threads: :func:`megarl.utils.fanout.call_all`)."""
-    return call_all(calls, timeout)
-
-
-def _background(calls: dict[str, callable], timeout: float, errors: dict[str, str]) -> threading.Thread:
-    """A started thread running :func:`in_threads` on ``calls``; their errors land in ``errors``."""
-    thread = threading.Thread(
-        target=lambda: errors.update(in_threads(calls, timeout)), daemon=True, name="megarl-bridge-control"
-    )
-    thread.start()
-    return thread
 
 
 class WeightBridge(ServerBridge):
@@ -123,7 +105,6 @@ class WeightBridge(ServerBridge):
         self.plan: TransferPlan | None = None
         """The first block's plan (the model's sources are the same in every block's)."""
         self.senders: dict[str, TransportSender] = {}
-        self._commit_seconds = 0.0
         self.connected = False
 
     @property
@@ -158,7 +139,7 @@ class WeightBridge(ServerBridge):
         if self.is_driver and set(modes) != {"disk"}:  # servers join (in the background) the groups: disk mode has none
             infos = {s.address: info for block in forming for s, info in zip(block.servers, self._init_infos(block))}
             calls = {s.address: (lambda s=s: s.init_group(infos[s.address])) for b in forming for s in b.servers}
-            joining = _background(calls, self.config.init_timeout, errors)
+            joining = in_background(calls, self.config.init_timeout, errors)
         for i, block in enumerate(forming):  # in block order on every rank: no rendezvous waits in a cycle
             try:
                 block.broadcast_groups, block.sharded_group = trainer_join(
@@ -320,17 +301,17 @@ class WeightBridge(ServerBridge):
         start = time.perf_counter()
         report = UpdateReport(version, mode)
         if mode == "disk":
-            stats = self._send_disk(source, path, version)
-            failed = self._drive(mode, version, send=None)
+            stats, send = self._send_disk(source, path, version), None
         else:
             stats = TransferStats()
             send = lambda: stats.__dict__.update(self.senders[mode].send(source).__dict__)
-            failed = self._drive(mode, version, send=send)
+        disk_dir = str(self.senders["disk"].path) if mode == "disk" else None
+        failed, commit_seconds = drive(self.servers, mode, disk_dir, version, self.config, send, self.is_driver)
         errors = [e for e in self._all_gather(stats.error) if e]
         report.bytes_sent = sum(self._all_gather(stats.bytes_sent))
         report.send_seconds = max(self._all_gather(stats.seconds))
         report.failed = self.broadcast_object(failed)
-        report.commit_seconds = self.broadcast_object(self._commit_seconds)
+        report.commit_seconds = self.broadcast_object(commit_seconds)
         report.sender_errors = errors
         report.updated = [s.address for s in self.servers if s.address not in report.failed]
         report.seconds = time.perf_counter() - start
@@ -347,55 +328,6 @@ class WeightBridge(ServerBridge):
         if self.is_driver and not path:
             prune_versions(root, self.config.keep_disk_versions)
         return stats
-
-    def _drive(self, mode: str, version: int, send) -> dict[str, str]:
-        """Rank 0 drives the servers; every rank sends. Servers that update in one call get one each
-        (:class:`~megarl.bridge.update_round.UpdateRound`), the others three (begin, receive, commit)."""
-        if not all(s.one_call_update for s in self.servers):
-            return self._drive_in_phases(mode, version, send)
-        round_ = None
-        if self.is_driver:
-            heartbeat.step(f"weight sync: {mode} update of {len(self.servers)} server(s), one call each")
-            path = str(self.senders["disk"].path) if mode == "disk" else None
-            # each server generates again once it committed; the heads hold their requests until they have the version
-            round_ = UpdateRound(self.servers, mode, path, version, self.config, resume=True)
-            round_.start()
-            heartbeat.step("weight sync: waiting for the servers to pause")
-            round_.wait_paused()  # the one barrier before the transfer: every receiver is about to post
-        if send is not None:
-            heartbeat.step(f"weight sync: sending ({mode})")
-            send()
-        if round_ is None:
-            return {}
-        heartbeat.step("weight sync: waiting for the servers to commit")
-        start = time.perf_counter()
-        failed = round_.wait_committed()
-        self._commit_seconds = time.perf_counter() - start
-        return failed
-
-    def _drive_in_phases(self, mode: str, version: int, send) -> dict[str, str]:
-        """Rank 0 drives the servers (begin, receive while ``send`` runs, commit); every rank sends."""
-        failed: dict[str, str] = {}
-        receiving = None
-        timeout = self.config.update_timeout
-        if self.is_driver:
-            heartbeat.step(f"weight sync: {mode} update begins on {len(self.servers)} server(s)")
-            failed.update(in_threads({s.address: (lambda s=s: s.begin(mode)) for s in self.servers}, timeout))
-            path = str(self.senders["disk"].path) if mode == "disk" else None
-            live = [s for s in self.servers if s.address not in failed]
-            receiving = _background({s.address: (lambda s=s: s.receive(mode, path)) for s in live}, timeout, failed)
-        if send is not None:
-            heartbeat.step(f"weight sync: sending ({mode})")
-            send()
-        if self.is_driver:
-            heartbeat.step("weight sync: waiting for the servers to receive")
-            receiving.join()
-            ready = [s for s in self.servers if s.address not in failed]
-            heartbeat.step(f"weight sync: commit on {len(ready)} server(s)")
-            start = time.perf_counter()
-            failed.update(in_threads({s.address: (lambda s=s: s.commit(version)) for s in ready}, timeout))
-            self._commit_seconds = time.perf_counter() - start
-        return failed
 
     # ------------------------------------------------------------------ helpers
 

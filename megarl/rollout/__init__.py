@@ -1,19 +1,17 @@
-"""The rollout side: remote inference engine (servers, generation client, rollout pool), backends, launch, staleness."""
+"""The rollout side: remote inference engine (servers, generation client, rollout pool), staleness.
+
+The server families' dialects, HTTP errors and launching are in :mod:`megarl.serving`; the names this
+package exported from there before still import from here until 0.2.0, with a ``DeprecationWarning``.
+"""
 
 from megarl.rollout.client import GenerationClient, ServerLostError
-from megarl.rollout.engine import RemoteInferenceEngine, RemoteSGLangEngine, RemoteVLLMEngine, make_backend
+from megarl.rollout.engine import RemoteInferenceEngine, RemoteSGLangEngine, RemoteVLLMEngine
 from megarl.rollout.pool import RolloutError, RolloutPool
 from megarl.rollout.staleness import RolloutStat, StalenessManager
-from megarl.serving.backend import GenerationChunk, HttpCall, InferenceBackend
-from megarl.serving.http import InferenceServerError, MalformedResponseError, RetryPolicy, ServerUnavailableError
-from megarl.serving.launch import InferenceServer, LaunchSpec, ServerLaunchError, launch_servers, resolve_server_addrs
-from megarl.serving.servers import NoHealthyServerError, ServerSet
-from megarl.serving.sglang import SGLangBackend, sglang_launch_spec
-from megarl.serving.vllm import VLLMBackend, vllm_launch_spec
+from megarl.utils.deprecation import moved_names
 
-__all__ = [
+MOVED_TO_SERVING = (
     "GenerationChunk",
-    "GenerationClient",
     "HttpCall",
     "InferenceBackend",
     "InferenceServer",
@@ -21,23 +19,31 @@ __all__ = [
     "LaunchSpec",
     "MalformedResponseError",
     "NoHealthyServerError",
-    "RemoteInferenceEngine",
-    "RemoteSGLangEngine",
-    "RemoteVLLMEngine",
     "RetryPolicy",
-    "RolloutError",
-    "RolloutPool",
-    "RolloutStat",
     "SGLangBackend",
     "ServerLaunchError",
-    "ServerLostError",
     "ServerSet",
     "ServerUnavailableError",
-    "StalenessManager",
     "VLLMBackend",
     "launch_servers",
     "make_backend",
     "resolve_server_addrs",
     "sglang_launch_spec",
     "vllm_launch_spec",
+)
+"""Names of :mod:`megarl.serving` this package exported (documented in the name mapping's "A server started
+from your own code"): they forward there with a warning until 0.2.0."""
+
+__getattr__ = moved_names(__name__, "megarl.serving", MOVED_TO_SERVING)
+
+__all__ = [
+    "GenerationClient",
+    "RemoteInferenceEngine",
+    "RemoteSGLangEngine",
+    "RemoteVLLMEngine",
+    "RolloutError",
+    "RolloutPool",
+    "RolloutStat",
+    "ServerLostError",
+    "StalenessManager",
 ]

@@ -166,6 +166,7 @@ class GenerationClient(GenerationEngine):
                 _continuation(gconfig, resp.output_tokens),
                 remaining,
                 max(0, gconfig.min_new_tokens - resp.output_len),
+                self.servers.adapter,
             )
             try:
                 chunk = await self._send(server, payload, remaining)

@@ -223,7 +223,7 @@ class RemoteInferenceEngine(InferenceEngine):
             self.pool.notify_version()
 
     def use_adapter(self, name: str | None) -> None:
-        self.backend.adapter = name
+        self.servers.adapter = name
 
     def get_version(self) -> int:
         return self._version if self._client is None else self._client.get_version()

@@ -19,7 +19,7 @@ exception of the workflow's own code is raised to the trainer by ``wait``: it is
 Back-pressure instead of errors: ``submit`` blocks while the input queue is full, and
 no episode starts while accepted-but-unconsumed plus running episodes fill the output
 bound. Trajectories holding a token older than ``version - max_staleness`` are dropped
-at hand-off (see :mod:`megarl.rollout.staleness`); a dataloader item's is run again, first,
+at hand-off (:mod:`megarl.rollout.handoff`); a dataloader item's is run again, first,
 with the current weights (up to 3 times), so that no prompt of the epoch is skipped.
 """
 
@@ -27,22 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
-
 from megarl.api.engine_api import GenerationEngine
 from megarl.api.trajectory import concat_padded_tensors
 from megarl.api.workflow_api import RolloutWorkflow, WorkflowLike
 from megarl.config.rollout import InferenceEngineConfig
-from megarl.rollout.episodes import EpisodeFailures, EpisodeQueues, HandoffStats, Result, RolloutError, Task, logger
+from megarl.rollout.episodes import EpisodeFailures, EpisodeQueues, Result, RolloutError, Task
+from megarl.rollout.handoff import HandOff
 from megarl.rollout.runner import EpisodeRunner
 from megarl.rollout.staleness import StalenessManager
-from megarl.utils import stats_tracker
 from megarl.workflow.dump import TrajectoryDumper
 from megarl.workflow.resolve import resolve_should_accept_fn, resolve_workflow
 
@@ -50,7 +47,6 @@ __all__ = ["RolloutError", "RolloutPool"]
 
 _POLL_S = 0.2  # prepare_batch re-checks whether to feed more data at least this often
 _UNFINISHED = object()  # a rollout_batch episode without an outcome yet
-_MAX_STALE_RERUNS = 3  # a dataloader item whose trajectory came too late runs again this often at most
 
 
 class RolloutPool:
@@ -88,7 +84,7 @@ class RolloutPool:
         self._data_source: Any = None
         self._data_iter: Iterator | None = None
         self._held: list[Result] = []  # gathered by an interrupted prepare_batch, for the next call
-        self._handoff_stats = HandoffStats()
+        self._handoff = HandOff(engine, self._q, self.staleness, self._runner)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -151,97 +147,12 @@ class RolloutPool:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"submit: input queue stayed full ({self.queue_size}) for {timeout}s")
                 self._q.cond.wait(remaining)
-            self._check_running()
+            self._handoff.check_running()
             self._q.input.append(task)
             if _track:  # a dataloader item: pending until its trajectory reaches the trainer
                 self._q.pending[task.task_id] = data
         self._runner.thread.wake()
         return task.task_id
-
-    def _check_running(self) -> None:
-        if not self._runner.thread.started or self._q.stopping:
-            raise RuntimeError("RolloutPool is not running: call start() (or engine.initialize()) first")
-
-    def _drop_stale_locked(self) -> list[int]:
-        """Discard accepted training trajectories older than the staleness bound allows; their versions."""
-        floor = self.staleness.min_allowed_version(self.engine.get_version())
-        dropped = []
-        while self._q.results and self._q.results[0].oldest < floor and not self._q.results[0].is_eval:
-            stale = heapq.heappop(self._q.results)
-            self.staleness.on_rollout_dropped()
-            dropped.append(stale.oldest)
-            again = self._rerun_stale_locked(stale)
-            logger.warning(
-                "dropped a stale trajectory of version %d (version %d, max_staleness=%d, oldest allowed %d)%s",
-                stale.oldest,
-                self.engine.get_version(),
-                self.staleness.max_staleness,
-                floor,
-                "; its dataloader item runs again" if again else "",
-            )
-            true = torch.ones(1, dtype=torch.bool)
-            with stats_tracker.scope("rollout"):
-                stats_tracker.denominator(n_stale_dropped=true, n_stale_rerun=true if again else ~true)
-        return dropped
-
-    def _rerun_stale_locked(self, stale: Result) -> bool:
-        """Queue a stale trajectory's dataloader item again, first, so no prompt is skipped (a few times at most)."""
-        task = stale.task
-        if task.task_id not in self._q.pending or task.stale_reruns >= _MAX_STALE_RERUNS:
-            self._q.pending.pop(stale.task_id, None)
-            return False
-        task.stale_reruns += 1
-        self._q.input.appendleft(task)
-        self._runner.thread.wake()
-        return True
-
-    def _take(self, max_count: int, min_count: int, timeout: float | None, fail_on_stale: bool = False) -> list[Result]:
-        """Pop between ``min_count`` and ``max_count`` results, oldest first, or [] on timeout.
-
-        ``fail_on_stale``: raise at once when stale drops leave fewer than ``min_count`` that
-        can still arrive (queued, running or ready), rather than wait for the timeout.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        dropped: list[int] = []
-        with self._q.cond:
-            try:
-                while True:
-                    if self._q.errors:
-                        raise self._q.errors.pop(0)
-                    dropped += self._drop_stale_locked()
-                    if len(self._q.results) >= min_count:
-                        n = min(max_count, len(self._q.results))
-                        taken = [heapq.heappop(self._q.results) for _ in range(n)]
-                        for result in taken:
-                            self._q.pending.pop(result.task_id, None)
-                        return taken
-                    can_arrive = len(self._q.results) + self._q.n_running + len(self._q.input)
-                    if fail_on_stale and dropped and can_arrive < min_count:
-                        raise RolloutError(self._stale_message(min_count, can_arrive, dropped))
-                    self._check_running()
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return []
-                    self._raise_demand(min_count)
-                    self._q.cond.wait(remaining)
-            finally:
-                self._q.demand = 0
-
-    def _stale_message(self, wanted: int, can_arrive: int, dropped: list[int]) -> str:
-        version = self.engine.get_version()
-        return (
-            f"wait: {len(dropped)} trajectories were dropped as stale (generated at version(s) "
-            f"{sorted(set(dropped))}; at version {version} max_staleness={self.staleness.max_staleness} accepts "
-            f"version {self.staleness.min_allowed_version(version)} or newer), so only {can_arrive} of the {wanted} "
-            "asked for can still arrive. Call set_version() once per training step, not more, or raise "
-            "rollout.max_staleness."
-        )
-
-    def _raise_demand(self, count: int) -> None:
-        """Let the loop run past the output bound until ``count`` results exist (lock held)."""
-        if count > self._q.demand:
-            self._q.demand = count
-            self._runner.thread.wake()
 
     def wait(self, count: int, timeout: float | None = None) -> list[dict[str, Any]]:
         """Return ``count`` accepted trajectories, oldest weights first.
@@ -252,12 +163,12 @@ class RolloutPool:
         """
         if count <= 0:
             return []
-        results = self._take(count, count, timeout, fail_on_stale=True)
+        results = self._handoff.take(count, count, timeout, fail_on_stale=True)
         if not results:
             with self._q.cond:
                 have = len(self._q.results)
             raise TimeoutError(f"wait: only {have} of {count} trajectories ready after {timeout}s")
-        self._record_handoff(results)
+        self._handoff.record(results)
         return [r.traj for r in results]
 
     def rollout_batch(
@@ -286,7 +197,7 @@ class RolloutPool:
         if failed is not None:
             raise failed
         mine = [o for o in outcomes if isinstance(o, Result)]
-        self._record_handoff(mine)
+        self._handoff.record(mine)
         return concat_padded_tensors([r.traj for r in mine])
 
     def _wait_watched(self, ids: list[int]) -> list[Result | RolloutError | None]:
@@ -308,7 +219,7 @@ class RolloutPool:
                 queued = {t.task_id for t in self._q.input if t.task_id in unfinished}
                 self._q.input = collections.deque(t for t in self._q.input if t.task_id not in queued)
                 self._q.abandoned |= unfinished - queued
-            self._check_running()
+            self._handoff.check_running()
         return [None if o is _UNFINISHED else o for o in outcomes]
 
     def prepare_batch(
@@ -343,10 +254,10 @@ class RolloutPool:
                 self._held = results
                 return None
             self._feed(wf, should_accept_fn, batch_size)
-            results += self._take(batch_size - len(results), 1, _POLL_S)
+            results += self._handoff.take(batch_size - len(results), 1, _POLL_S)
             if progress is not None:
                 progress(len(results))
-        self._record_handoff(results, batch=True)
+        self._handoff.record(results, batch=True)
         return concat_padded_tensors([r.traj for r in results])
 
     def _feed(self, wf: RolloutWorkflow, should_accept_fn, batch_size: int) -> None:
@@ -403,13 +314,6 @@ class RolloutPool:
     def notify_version(self) -> None:
         """The version changed: capacity may have grown."""
         self._runner.thread.wake()
-
-    def _record_handoff(self, results: list[Result], batch: bool = False) -> None:
-        with self._q.cond:
-            depths = dict(
-                input_queue_depth=len(self._q.input), output_queue_depth=len(self._q.results), running=self._q.n_running
-            )
-        self._handoff_stats.record(results, self.engine.get_version(), depths, batch)
 
 
 def _cycle(dataloader: Iterable) -> Iterator:

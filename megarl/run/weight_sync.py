@@ -164,7 +164,7 @@ class WeightSync:
                 source_dir=engine.model_path,
                 device=device,
             )
-        self.servers_pause_themselves = not self.adapters and SERVER_FAMILIES[backend][1].one_call_update
+        self.servers_pause_themselves = not self.adapters and SERVER_FAMILIES[backend].one_call_update
         """Each server pauses and resumes itself in its update call (vLLM, full weights): no head sends
         ``/pause`` or ``/resume``. A server generates again once it committed; the heads' requests wait
         for their own version to move (``_resume``), so none stamped with the old version reaches it."""
@@ -266,7 +266,7 @@ class WeightSync:
                 "servers_readmitted": float(len(readmitted)),
             }
             if not report.ok and not died:
-                stats["servers_evicted"] = float(self._evict_or_raise(report))
+                stats["servers_evicted"] = float(evict_or_raise(report, self.config))
             if probing:
                 heartbeat.step("weight sync: consistency probe")
                 probe_start = time.perf_counter()
@@ -277,30 +277,6 @@ class WeightSync:
                 self.rollout.start_episodes()
         self.n_updates += 1
         return stats
-
-    def _evict_or_raise(self, report: UpdateReport) -> int:
-        """Servers that failed the update while the others took it stay out of rotation (``_after`` took
-        them out) and the run goes on, up to ``max_failed_fraction`` of the servers; returns how many.
-        A failure on the trainer's side, or more failed servers, raises :class:`WeightBridgeError`."""
-        total = len(report.updated) + len(report.failed)
-        tolerated = report.updated and len(report.failed) <= self.config.max_failed_fraction * total
-        if report.sender_errors or not tolerated:
-            raise WeightBridgeError(
-                f"weight update to version {report.version} failed on {report.failed or 'the trainer'}: "
-                f"{report.sender_errors}; failed servers keep their old weights or are out of rotation "
-                f"(weight_update.max_failed_fraction={self.config.max_failed_fraction} of {total} servers "
-                "may fail while the run goes on)"
-            )
-        logger.warning(
-            "weight update to version %d: %d of %d servers failed and are out of rotation until the launcher "
-            "restarts them (weight_update.max_failed_fraction=%g): %s",
-            report.version,
-            len(report.failed),
-            total,
-            self.config.max_failed_fraction,
-            "; ".join(f"{address}: {why}" for address, why in sorted(report.failed.items())),
-        )
-        return len(report.failed)
 
     def _died(self, report: UpdateReport) -> bool:
         """Whether the update failed only on servers that died meanwhile (none answers its health check; the
@@ -362,18 +338,27 @@ class WeightSync:
         readmitted = [a for a in self.plan.readmit if a in report.updated]
         if report.updated:
             self.engine.set_version(version)
+            if report.adapter is not None:
+                self._serve_adapter(report.adapter)
             if self.rollout is not None:
-                if report.adapter is not None:
-                    self.rollout.use_adapter(report.adapter)
                 self.rollout.set_version(version)
         return readmitted
+
+    def _serve_adapter(self, name: str) -> None:
+        """The servers serve the policy as the LoRA adapter ``name`` from now on: the rollout side's requests
+        ask for it (rank 0's rollout side owns :attr:`server_set`), and so do the probes."""
+        if self.rollout is not None:
+            self.rollout.use_adapter(name)
+        if self.server_set is not None:
+            self.server_set.adapter = name
 
     def check_consistency(self) -> dict[str, float]:
         """Probe logprobs: trainer vs every updated server; ConsistencyError above the threshold."""
         if not self.probe:
             return {}
         scored = self._in_rotation() if self.bridge.is_driver else []
-        futures = score_all(scored, lambda s: s.ascore(self.probe))  # servers score while the trainer does
+        adapter = self.server_set.adapter if scored else None
+        futures = score_all(scored, lambda s: s.ascore(self.probe, adapter))  # servers score while the trainer does
         ours = trainer_scores(self.engine, self.probe)
         theirs = {address: f.result() for address, f in futures.items()} if self.bridge.is_driver else None
         report = compare(ours, self.bridge.broadcast_object(theirs), self.config.consistency_threshold)
@@ -392,7 +377,7 @@ class WeightSync:
         k = self.config.probe_topk
         theirs = None
         if k > 0 and self.bridge.is_driver:
-            futures = score_all(self._in_rotation(), lambda s: s.ascore_topk(self.probe, k))
+            futures = score_all(self._in_rotation(), lambda s: s.ascore_topk(self.probe, k, self.server_set.adapter))
             theirs = {address: f.result() for address, f in futures.items()}
             theirs = {address: topk for address, topk in theirs.items() if topk is not None}
         theirs = self.bridge.broadcast_object(theirs)
@@ -415,6 +400,31 @@ class WeightSync:
         """Each server's number in the run's server list (``weight_sync/server{i}/...``): the rollout's
         order, which under Slurm is the slot order; a server out of rotation keeps its number free."""
         return self.plan.number()
+
+
+def evict_or_raise(report: UpdateReport, config: WeightUpdateConfig) -> int:
+    """Servers that failed the update while the others took it stay out of rotation (``WeightSync._after``
+    took them out) and the run goes on, up to ``max_failed_fraction`` of the servers; returns how many.
+    A failure on the trainer's side, or more failed servers, raises :class:`WeightBridgeError`."""
+    total = len(report.updated) + len(report.failed)
+    tolerated = report.updated and len(report.failed) <= config.max_failed_fraction * total
+    if report.sender_errors or not tolerated:
+        raise WeightBridgeError(
+            f"weight update to version {report.version} failed on {report.failed or 'the trainer'}: "
+            f"{report.sender_errors}; failed servers keep their old weights or are out of rotation "
+            f"(weight_update.max_failed_fraction={config.max_failed_fraction} of {total} servers "
+            "may fail while the run goes on)"
+        )
+    logger.warning(
+        "weight update to version %d: %d of %d servers failed and are out of rotation until the launcher "
+        "restarts them (weight_update.max_failed_fraction=%g): %s",
+        report.version,
+        len(report.failed),
+        total,
+        config.max_failed_fraction,
+        "; ".join(f"{address}: {why}" for address, why in sorted(report.failed.items())),
+    )
+    return len(report.failed)
 
 
 def score_all(

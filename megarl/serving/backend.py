@@ -155,15 +155,19 @@ class InferenceBackend(abc.ABC):
     """Ask for the experts each generated token was routed to (``rollout.return_routed_experts``)."""
     vocab_size: int | None = None
     """The trainer's vocabulary: a reply holding a token id at or beyond it is refused (None: not checked)."""
-    adapter: str | None = None
-    """The LoRA adapter every request asks for (adapter weight sync names each version's adapter; None:
-    the server's base model)."""
 
     @abc.abstractmethod
     def generate_payload(
-        self, input_ids: list[int], gconfig: GenerationHyperparameters, max_new_tokens: int, min_new_tokens: int
+        self,
+        input_ids: list[int],
+        gconfig: GenerationHyperparameters,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
-        """Body of a request generating at most ``max_new_tokens`` after ``input_ids``."""
+        """Body of a request generating at most ``max_new_tokens`` after ``input_ids``, under the loaded LoRA
+        adapter ``adapter`` (None: the server's base model; :attr:`ServerSet.adapter
+        <megarl.serving.servers.ServerSet.adapter>` says which one the run serves)."""
 
     @abc.abstractmethod
     def parse_generate(self, body: Any) -> GenerationChunk:

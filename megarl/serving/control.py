@@ -13,23 +13,30 @@ import abc
 import asyncio
 from typing import Any
 
+from megarl.api.io_struct import GenerationHyperparameters
+from megarl.serving.backend import InferenceBackend
 from megarl.serving.control_loop import control_loop
-from megarl.serving.http import ServerControlError, http_json, http_ok
+from megarl.serving.http import MalformedResponseError, ServerControlError, http_json, http_ok
 from megarl.utils import json_codec
 
 __all__ = ["ServerControl", "ServerControlError", "http_json"]
 
 
 class ServerControl(abc.ABC):
-    """Trainer-side driver of one server's weight updates."""
+    """Trainer-side driver of one server: weight updates, LoRA adapters, probe scoring and sampling.
+
+    A family's control class is its one client: :attr:`dialect` is the same family's generation dialect,
+    which the rollout side speaks to every server of the family and :meth:`generate` speaks to this one.
+    Calls that read the policy take the LoRA ``adapter`` to ask for (None: the base model):
+    :attr:`ServerSet.adapter <megarl.serving.servers.ServerSet.adapter>` is the one the run serves.
+    """
 
     name: str
+    dialect: type[InferenceBackend]
+    """The family's generation dialect (:class:`~megarl.serving.backend.InferenceBackend`)."""
 
     def __init__(self, address: str, tp: int, timeout: float = 600.0):
         self.address, self.tp, self.timeout = address, tp, timeout
-        self.adapter: str | None = None
-        """The LoRA adapter the server serves the trainer's policy under (adapter weight sync): what
-        :meth:`score` and :meth:`generate` ask for; None: the base model."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.address}, tp={self.tp})"
@@ -59,36 +66,50 @@ class ServerControl(abc.ABC):
         paused and begun. Families with :attr:`one_call_update` only."""
         raise NotImplementedError(f"{type(self).__name__} updates in three calls (begin, receive, commit)")
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def score(self, sequences: list[list[int]], adapter: str | None = None) -> list[list[float]]:
         """Logprob of every token but the first of each sequence, under the served weights (blocking:
         :meth:`ascore` on the control loop)."""
-        return control_loop().run(self.ascore(sequences))
+        return control_loop().run(self.ascore(sequences, adapter))
 
     @abc.abstractmethod
-    async def ascore(self, sequences: list[list[int]]) -> list[list[float]]:
+    async def ascore(self, sequences: list[list[int]], adapter: str | None = None) -> list[list[float]]:
         """:meth:`score` on the control loop (:mod:`megarl.serving.control_loop`): the probe asks every
         server at once there, over kept connections, with no thread per server."""
 
-    @abc.abstractmethod
-    def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
-        """``prompt`` followed by ``max_tokens`` sampled tokens (probe trajectories)."""
+    def generate(self, prompt: list[int], max_tokens: int, seed: int, adapter: str | None = None) -> list[int]:
+        """``prompt`` followed by ``max_tokens`` tokens sampled at temperature 1 (probe trajectories), asked
+        in the family's :attr:`dialect`, as the rollout side asks."""
+        dialect = self.dialect()
+        gconfig = GenerationHyperparameters(max_new_tokens=max_tokens, min_new_tokens=max_tokens, seed=seed)
+        body = dialect.generate_payload(list(prompt), gconfig, max_tokens, max_tokens, adapter)
+        reply = http_json(self.address, dialect.generate_endpoint, body, self.timeout)
+        try:
+            chunk = dialect.parse_generate(reply)
+        except MalformedResponseError as e:
+            raise ServerControlError(self.address, dialect.generate_endpoint, str(e)) from None
+        return list(prompt) + chunk.output_tokens
 
     @abc.abstractmethod
-    def load_adapter(self, name: str, path: str) -> None:
-        """Load the PEFT adapter directory ``path`` as the LoRA adapter ``name`` and serve the policy
-        under it from now on (:attr:`adapter`); the server keeps the adapters loaded before."""
+    def load_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        """Load the PEFT adapter directory ``path`` as the LoRA adapter ``name`` (``replace``: the server
+        holds one of that name already, the same version pushed again); the server keeps the adapters
+        loaded before."""
 
     @abc.abstractmethod
     def unload_adapter(self, name: str) -> None:
         """Drop the LoRA adapter ``name`` from the server."""
 
-    def score_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]] | None:
+    def score_topk(
+        self, sequences: list[list[int]], k: int, adapter: str | None = None
+    ) -> list[list[dict[int, float]]] | None:
         """Per sequence, per token but the first: the ``k`` most likely tokens there and their logprobs
         (temperature 1, untruncated), most likely first; None where the server cannot say (blocking:
         :meth:`ascore_topk` on the control loop)."""
-        return control_loop().run(self.ascore_topk(sequences, k))
+        return control_loop().run(self.ascore_topk(sequences, k, adapter))
 
-    async def ascore_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]] | None:
+    async def ascore_topk(
+        self, sequences: list[list[int]], k: int, adapter: str | None = None
+    ) -> list[list[dict[int, float]]] | None:
         """:meth:`score_topk` on the control loop."""
         return None
 

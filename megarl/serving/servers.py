@@ -124,6 +124,9 @@ class ServerSet:
         self._rotation_until = -math.inf
         """The usable servers, kept until a server's health changes or a marked one's interval ends (a
         request's choice does not go over the whole fleet)."""
+        self.adapter: str | None = None
+        """The LoRA adapter the servers serve the trainer's policy under (adapter weight sync sets it once
+        every server loaded it): what every generation request and probe asks for; None: the base model."""
         self.restarts_seen = 0
         """Server restarts the launcher recorded since this set was made."""
         self.servers_joined = 0
@@ -377,7 +380,7 @@ class ServerSet:
 
     def controls(self, addresses: list[str], tp: int, timeout: float) -> list[ServerControl]:
         """The trainer's control handle on each of ``addresses`` (TP size ``tp``, calls bounded by ``timeout``
-        s), made once per server: a handle keeps what it learned (the served adapter, the model's name)."""
+        s), made once per server: a handle keeps what it learned (the model's name, its update groups)."""
         by_address = {s.address: s for s in self._servers}
         for address in addresses:
             server = by_address[address]

@@ -60,7 +60,12 @@ class SGLangBackend(InferenceBackend):
     health_endpoint = "/health"
 
     def generate_payload(
-        self, input_ids: list[int], gconfig: GenerationHyperparameters, max_new_tokens: int, min_new_tokens: int
+        self,
+        input_ids: list[int],
+        gconfig: GenerationHyperparameters,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
         sampling: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
@@ -87,8 +92,8 @@ class SGLangBackend(InferenceBackend):
             "return_logprob": True,
             "stream": False,
         }
-        if self.adapter is not None:
-            payload["lora_path"] = self.adapter  # a loaded adapter's name (GenerateReqInput.lora_path)
+        if adapter is not None:
+            payload["lora_path"] = adapter  # a loaded adapter's name (GenerateReqInput.lora_path)
         if self.return_routed_experts:  # every forwarded position: the input's routes are replayed too
             payload.update(return_routed_experts=True, routed_experts_start_len=0)
         return payload
@@ -241,6 +246,7 @@ class SGLangControl(ServerControl):
     """An SGLang server; broadcast and disk modes."""
 
     name = "sglang"
+    dialect = SGLangBackend
 
     def __init__(self, address: str, tp: int, timeout: float = 600.0):
         super().__init__(address, tp, timeout)
@@ -336,15 +342,14 @@ class SGLangControl(ServerControl):
         http_json(self.address, "/update_weight_version", body, self.timeout)
         http_json(self.address, "/flush_cache", None, self.timeout)
 
-    def load_adapter(self, name: str, path: str) -> None:
-        if self.adapter == name:  # the same version pushed again: SGLang refuses a name it holds
+    def load_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        if replace:  # the same version pushed again: SGLang refuses a name it holds
             try:
                 self.unload_adapter(name)
             except ServerControlError:
                 pass  # a restarted server holds none
         route = "/load_lora_adapter"
         _check(self.address, route, http_json(self.address, route, self.adapter_payload(name, path), self.timeout))
-        self.adapter = name
 
     def unload_adapter(self, name: str) -> None:
         route = "/unload_lora_adapter"
@@ -355,24 +360,26 @@ class SGLangControl(ServerControl):
         """The ``/load_lora_adapter`` body (``LoadLoRAAdapterReqInput``)."""
         return {"lora_name": name, "lora_path": path}
 
-    def _with_adapter(self, body: dict) -> dict:
-        """A ``/generate`` body asking for the served adapter (``lora_path`` takes a loaded adapter's name)."""
-        return body if self.adapter is None else {**body, "lora_path": self.adapter}
-
-    def score_payload(self, seq: list[int], k: int = 0) -> dict:
+    @staticmethod
+    def score_payload(seq: list[int], k: int = 0, adapter: str | None = None) -> dict:
         """The ``/generate`` body that scores ``seq`` (``GenerateReqInput``): the logprob of each of its
-        tokens, and with ``k`` > 0 the ``k`` most likely tokens at each position too."""
+        tokens, and with ``k`` > 0 the ``k`` most likely tokens at each position too; under the loaded LoRA
+        ``adapter`` (``lora_path`` takes its name) if given."""
         body = {
             "input_ids": list(seq),
             "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
             "return_logprob": True,
             "logprob_start_len": 0,
         }
-        return self._with_adapter({**body, "top_logprobs_num": k} if k > 0 else body)
+        if k > 0:
+            body["top_logprobs_num"] = k
+        if adapter is not None:
+            body["lora_path"] = adapter
+        return body
 
-    async def _input_logprobs(self, seq: list[int], field: str, k: int = 0) -> list:
+    async def _input_logprobs(self, seq: list[int], field: str, k: int, adapter: str | None) -> list:
         """``meta_info[field]`` of the reply scoring ``seq``, past its first token (which has none)."""
-        reply = await self._ajson("/generate", self.score_payload(seq, k))
+        reply = await self._ajson("/generate", self.score_payload(seq, k, adapter))
         try:
             entries = reply["meta_info"][field][1:]
         except (KeyError, IndexError, TypeError) as e:
@@ -383,38 +390,26 @@ class SGLangControl(ServerControl):
             )
         return entries
 
-    async def ascore(self, sequences: list[list[int]]) -> list[list[float]]:
+    async def ascore(self, sequences: list[list[int]], adapter: str | None = None) -> list[list[float]]:
         out = []
         for seq in sequences:
-            entries = await self._input_logprobs(seq, "input_token_logprobs")
+            entries = await self._input_logprobs(seq, "input_token_logprobs", 0, adapter)
             try:  # each entry is (logprob, token_id, text or None)
                 out.append([float(e[0]) for e in entries])
             except (IndexError, TypeError, ValueError) as e:
                 raise ServerControlError(self.address, "/generate", f"malformed input_token_logprobs ({e})") from None
         return out
 
-    async def ascore_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+    async def ascore_topk(
+        self, sequences: list[list[int]], k: int, adapter: str | None = None
+    ) -> list[list[dict[int, float]]]:
         """``top_logprobs_num: k``: SGLang returns, per input position, its k most likely tokens as
         (logprob, token_id, text or None), most likely first (``TokenizerManager.add_logprob_to_meta_info``)."""
         out = []
         for seq in sequences:
-            entries = await self._input_logprobs(seq, "input_top_logprobs", k)
+            entries = await self._input_logprobs(seq, "input_top_logprobs", k, adapter)
             try:
                 out.append([{int(tok): float(logprob) for logprob, tok, _ in entry[:k]} for entry in entries])
             except (IndexError, TypeError, ValueError) as e:
                 raise ServerControlError(self.address, "/generate", f"malformed input_top_logprobs ({e})") from None
         return out
-
-    def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
-        body = {
-            "input_ids": list(prompt),
-            "return_logprob": False,
-            "sampling_params": {
-                "max_new_tokens": max_tokens,
-                "min_new_tokens": max_tokens,
-                "temperature": 1.0,
-                "sampling_seed": seed,
-            },
-        }
-        reply = http_json(self.address, "/generate", self._with_adapter(body), self.timeout)
-        return list(prompt) + [int(t) for t in reply["output_ids"]]

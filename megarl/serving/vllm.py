@@ -86,7 +86,12 @@ class VLLMBackend(InferenceBackend):
     health_endpoint = "/health"
 
     def generate_payload(
-        self, input_ids: list[int], gconfig: GenerationHyperparameters, max_new_tokens: int, min_new_tokens: int
+        self,
+        input_ids: list[int],
+        gconfig: GenerationHyperparameters,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
         payload: dict[str, Any] = {
             "prompt": input_ids,
@@ -102,8 +107,8 @@ class VLLMBackend(InferenceBackend):
             "skip_special_tokens": False,
             "stream": False,
         }
-        if self.adapter is not None:
-            payload["model"] = self.adapter  # a loaded LoRA adapter is served as a model of its own
+        if adapter is not None:
+            payload["model"] = adapter  # a loaded LoRA adapter is served as a model of its own
         if gconfig.stop:
             payload["stop"] = list(gconfig.stop)
         if gconfig.stop_token_ids:
@@ -337,6 +342,7 @@ class VLLMControl(ServerControl):
     """A vLLM server with megarl's weight-transfer engine."""
 
     name = "vllm"
+    dialect = VLLMBackend
 
     def __init__(self, address: str, tp: int, timeout: float = 600.0):
         super().__init__(address, tp, timeout)
@@ -392,11 +398,10 @@ class VLLMControl(ServerControl):
         if not committed:
             raise ServerControlError(self.address, UPDATE_ROUTE, "the reply ended before the update was committed")
 
-    def load_adapter(self, name: str, path: str) -> None:
+    def load_adapter(self, name: str, path: str, replace: bool = False) -> None:
         # load_inplace: a server that holds ``name`` already (the same version pushed again) replaces it
         body = self.adapter_payload(name, path)
         http_json(self.address, "/v1/load_lora_adapter", body, self.timeout, text=True)
-        self.adapter = name
 
     def unload_adapter(self, name: str) -> None:
         http_json(self.address, "/v1/unload_lora_adapter", {"lora_name": name}, self.timeout, text=True)
@@ -406,19 +411,10 @@ class VLLMControl(ServerControl):
         """The ``/v1/load_lora_adapter`` body (``LoadLoRAAdapterRequest``)."""
         return {"lora_name": name, "lora_path": path, "load_inplace": True}
 
-    def model(self) -> str:
-        """The model requests name: the served LoRA adapter, else the server's (base) model."""
-        if self.adapter is not None:
-            return self.adapter
-        if self._model is None:
-            reply = http_json(self.address, "/v1/models", method="GET", timeout=30)
-            self._model = reply["data"][0]["id"]
-        return self._model
-
-    async def ascore(self, sequences: list[list[int]]) -> list[list[float]]:
+    async def ascore(self, sequences: list[list[int]], adapter: str | None = None) -> list[list[float]]:
         out = []
         for seq in sequences:
-            entries = await self._prompt_logprobs(seq, 0)
+            entries = await self._prompt_logprobs(seq, 0, adapter)
             try:
                 out.append([float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, seq[1:])])
             except (KeyError, IndexError, TypeError) as e:
@@ -427,14 +423,16 @@ class VLLMControl(ServerControl):
                 ) from None
         return out
 
-    async def ascore_topk(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+    async def ascore_topk(
+        self, sequences: list[list[int]], k: int, adapter: str | None = None
+    ) -> list[list[dict[int, float]]]:
         """``prompt_logprobs: k``: vLLM returns the top k (and the prompt's own token) per position, raw
         (prompt tokens skip the sampler's processing whatever ``--logprobs-mode`` says)."""
         out = []
         for seq in sequences:
             try:
                 positions = []
-                for entry in await self._prompt_logprobs(seq, k):
+                for entry in await self._prompt_logprobs(seq, k, adapter):
                     top = sorted(entry.items(), key=lambda kv: kv[1]["rank"])[:k]
                     positions.append({int(tok): float(v["logprob"]) for tok, v in top})
             except (KeyError, ValueError, AttributeError, TypeError) as e:
@@ -442,13 +440,19 @@ class VLLMControl(ServerControl):
             out.append(positions)
         return out
 
-    async def _prompt_logprobs(self, seq: list[int], k: int) -> list:
-        """The reply's ``prompt_logprobs`` of ``seq`` past its first token (``k`` top logprobs each)."""
-        if self.adapter is None and self._model is None:
+    async def _model_name(self, adapter: str | None) -> str:
+        """The model a request names: the LoRA ``adapter``, else the server's (base) model."""
+        if adapter is not None:
+            return adapter
+        if self._model is None:
             reply = await self._ajson("/v1/models", method="GET")
             self._model = reply["data"][0]["id"]
+        return self._model
+
+    async def _prompt_logprobs(self, seq: list[int], k: int, adapter: str | None) -> list:
+        """The reply's ``prompt_logprobs`` of ``seq`` past its first token (``k`` top logprobs each)."""
         payload = {
-            "model": self.model(),
+            "model": await self._model_name(adapter),
             "prompt": list(seq),
             "max_tokens": 1,
             "temperature": 1.0,
@@ -459,20 +463,6 @@ class VLLMControl(ServerControl):
             return reply["choices"][0]["prompt_logprobs"][1:]
         except (KeyError, IndexError, TypeError) as e:
             raise ServerControlError(self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})") from None
-
-    def generate(self, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
-        """Sample ``max_tokens`` after ``prompt`` (the consistency probe's trajectories)."""
-        payload = {
-            "model": self.model(),
-            "prompt": list(prompt),
-            "max_tokens": max_tokens,
-            "min_tokens": max_tokens,
-            "temperature": 1.0,
-            "seed": seed,
-            "return_token_ids": True,
-        }
-        reply = http_json(self.address, "/v1/completions", payload, self.timeout)
-        return list(prompt) + [int(t) for t in reply["choices"][0]["token_ids"]]
 
 
 def running_requests(address: str) -> int | None:

@@ -201,3 +201,17 @@ def test_the_seed_tutorials_old_megarl_imports_still_work():
         resolve(f"megarl.run.{m}.{c}")
         for m, c in (("saver", "Saver"), ("evaluator", "Evaluator"), ("stats_logger", "StatsLogger"))
     )
+
+
+def test_the_serving_names_megarl_rollout_exported_forward_with_a_warning():
+    """``from megarl.rollout import InferenceServer, vllm_launch_spec`` (the name mapping's own-server
+    example before 0.1.0) gives ``megarl.serving``'s names with a warning naming the release that removes them."""
+    import megarl.rollout as rollout
+    import megarl.serving as serving
+
+    for name in rollout.MOVED_TO_SERVING:
+        moved = rf"megarl\.rollout\.{name} moved to megarl\.serving\.{name}; .* removed in megarl {REMOVED_IN}"
+        with pytest.warns(DeprecationWarning, match=moved):
+            assert getattr(rollout, name) is getattr(serving, name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        rollout.no_such_name  # noqa: B018 -- an unknown name is the usual error

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from megarl.config.rollout import VLLMConfig
-from megarl.rollout import launch_servers, vllm_launch_spec
+from megarl.serving import launch_servers, vllm_launch_spec
 from megarl.utils.network import find_free_ports
 
 

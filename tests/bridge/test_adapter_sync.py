@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from megarl.bridge.adapter import ADAPTER_FILE, AdapterBridge, adapter_name
 from megarl.config.bridge import WeightUpdateConfig
-from megarl.rollout import InferenceServer, LaunchSpec
+from megarl.serving import InferenceServer, LaunchSpec
 from megarl.serving.sglang import SGLangControl
 from megarl.serving.vllm import VLLMControl
 from megarl.utils.network import find_free_ports
@@ -89,7 +89,6 @@ def test_each_version_is_loaded_as_a_new_adapter_and_older_ones_dropped(fake_ser
         assert 2 * 2 * 4 * 64 < report.bytes_sent < 2 * 2 * 4 * 64 + 1024  # two bf16 matrices and the header
         kept = [v for v in (version - 1, version) if v >= 0]
         for server, control in zip(fake_servers, controls):
-            assert control.adapter == adapter_name(version)  # what its probe asks for
             held = loaded(server)
             assert sorted(held) == sorted(adapter_name(v) for v in kept), (version, held)
             for v in kept:  # the bytes of that version, in the wire dtype

@@ -52,8 +52,8 @@ def _server(address: str, in_flight: InFlight | None = None) -> SimpleNamespace:
 
     return SimpleNamespace(
         address=address,
-        ascore=lambda seqs: call([[-1.0, -1.0, -1.0]]),
-        ascore_topk=lambda seqs, k: call([[dict(p) for p in TOPK[0]]]),
+        ascore=lambda seqs, adapter: call([[-1.0, -1.0, -1.0]]),
+        ascore_topk=lambda seqs, k, adapter: call([[dict(p) for p in TOPK[0]]]),
     )
 
 
@@ -109,7 +109,7 @@ def test_score_all_runs_every_server_at_once_on_the_control_loop_with_no_thread_
 def test_the_updates_fan_outs_start_no_thread_once_the_pool_has_them(monkeypatch):
     """Begin, receive and commit reuse the fan-out's threads: starting a thread per server per phase cost
     ~2 s per phase at 256 servers while the rollout loop kept the interpreter busy."""
-    from megarl.bridge.bridge import in_threads
+    from megarl.bridge.drive import in_threads
 
     together = threading.Barrier(N, timeout=10)
     calls = {f"h{i}:1": together.wait for i in range(N)}

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megarl.models.hf_io import SafetensorsReader
-from megarl.rollout import InferenceServer, LaunchSpec
+from megarl.serving import InferenceServer, LaunchSpec
 from megarl.utils.network import find_free_ports
 from tests.actor.dist_utils import run_ranks
 from tests.bridge.workers import WIRE

@@ -21,7 +21,7 @@ from megarl.bridge.wiring import make_wiring
 from megarl.config.allocation import TrainingAllocation
 from megarl.models.build import describe
 from megarl.models.hf_io import SafetensorsReader
-from megarl.rollout import InferenceServer, LaunchSpec
+from megarl.serving import InferenceServer, LaunchSpec
 from megarl.serving.sglang import SGLangControl
 from megarl.utils.network import find_free_ports
 from tests.actor.dist_utils import run_ranks
@@ -91,8 +91,7 @@ def test_payloads_validate_against_sglang_request_types(tiny_model_dir):
         ("/load_lora_adapter", control.adapter_payload("megarl-lora-v3", "/x/lora/v3")),
         ("/unload_lora_adapter", {"lora_name": "megarl-lora-v1"}),
     ]
-    control.adapter = "megarl-lora-v3"  # adapter weight sync: the probe asks for the served adapter
-    scored = control.score_payload([1, 2, 3], k=20)
+    scored = control.score_payload([1, 2, 3], k=20, adapter="megarl-lora-v3")  # the probe under the served adapter
     assert scored["lora_path"] == "megarl-lora-v3"
     payloads.append(("/generate", scored))
     proc = subprocess.run(

@@ -98,10 +98,10 @@ def _sync_with_probe(monkeypatch, probe_topk: int, offset: float):
     probe = [[5, 6, 7, 8]]
     topk = [[{1: -0.5, 2: -1.5}, {3: -0.7, 4: -1.0}, {1: -0.2, 4: -2.0}]]
 
-    async def ascore(seqs):
+    async def ascore(seqs, adapter):
         return [[-1.0, -1.0, -1.0]]
 
-    async def ascore_topk(seqs, k):
+    async def ascore_topk(seqs, k, adapter):
         return [[dict(p) for p in topk[0]]]
 
     server = SimpleNamespace(address="s", ascore=ascore, ascore_topk=ascore_topk)

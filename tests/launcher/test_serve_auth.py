@@ -23,8 +23,8 @@ import pytest
 from megarl.config import GRPOConfig
 from megarl.config.rollout import SGLangConfig
 from megarl.launcher.cli import main
-from megarl.rollout import sglang_launch_spec
 from megarl.run.prelaunch import load_expr_config
+from megarl.serving import sglang_launch_spec
 from megarl.serving.http import http_json
 from megarl.serving.kept_http import KeptConnections
 from megarl.serving.vllm import UPDATE_ROUTE

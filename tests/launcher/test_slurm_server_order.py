@@ -12,7 +12,7 @@ import subprocess
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.launcher.slurm import render_sbatch
 from megarl.launcher.watchdog import job_servers
-from megarl.rollout.engine import make_backend
+from megarl.serving import make_backend
 from megarl.serving.restarts import RESTARTS_FILE
 from megarl.serving.servers import ServerSet
 from tests.launcher.test_slurm_render import config

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from megarl.config.rollout import InferenceEngineConfig
-from megarl.rollout import InferenceServer, LaunchSpec, RemoteInferenceEngine
+from megarl.rollout import RemoteInferenceEngine
+from megarl.serving import InferenceServer, LaunchSpec
 from megarl.utils.network import find_free_ports
 from tests.conftest import VLLM_MAX_MODEL_LEN  # noqa: F401 -- the tests here import it from this module
 from tests.rollout.fake_server import VOCAB_SIZE

@@ -14,7 +14,8 @@ import pytest
 
 from megarl.api import ModelRequest
 from megarl.api.io_struct import GenerationHyperparameters, derive_seed
-from megarl.rollout import InferenceServerError, RemoteInferenceEngine
+from megarl.rollout import RemoteInferenceEngine
+from megarl.serving import InferenceServerError
 from tests.rollout.conftest import fast_config, make_engine
 from tests.rollout.fake_server import CORRUPTIONS, TRANSPORT_FAULTS
 from tests.rollout.helpers import OneShotWorkflow, expected_tokens

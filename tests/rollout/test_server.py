@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from megarl.config.rollout import InferenceEngineConfig, VLLMConfig
-from megarl.rollout import (
+from megarl.serving import (
     InferenceServer,
     LaunchSpec,
     ServerLaunchError,
@@ -163,7 +163,7 @@ def test_server_past_deadline_is_stopped(tmp_path):
 
 _PARENT = """
 import sys, time
-from megarl.rollout import InferenceServer, LaunchSpec
+from megarl.serving import InferenceServer, LaunchSpec
 child = '''
 import subprocess, sys, time
 g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

@@ -20,7 +20,7 @@ import pytest
 
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import SGLangConfig
-from megarl.rollout import SGLangBackend, sglang_launch_spec
+from megarl.serving import SGLangBackend, sglang_launch_spec
 from tests.rollout.fake_server import EOS
 from tests.sglang_stub import find_sglang
 
@@ -188,8 +188,7 @@ def test_lora_adapter_requests_and_server_flags_against_sglang():
     """Adapter weight sync: every request names the served adapter in ``lora_path``, the server starts with
     LoRA on every linear, room for the newest two versions and base; SGLang's io_struct and ServerArgs agree."""
     backend = SGLangBackend()
-    backend.adapter = "megarl-lora-v3"
-    payloads = [backend.generate_payload([1, 2, 3, 4], g, 8, 0) for g in GCONFIGS]
+    payloads = [backend.generate_payload([1, 2, 3, 4], g, 8, 0, adapter="megarl-lora-v3") for g in GCONFIGS]
     assert {p["lora_path"] for p in payloads} == {"megarl-lora-v3"}
     spec = sglang_launch_spec(SGLangConfig(), "/models/qwen", "127.0.0.1", 30000, tp=1, devices=[0], lora_rank=16)
     (pause,) = backend.pause_calls()

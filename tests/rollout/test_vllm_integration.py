@@ -242,7 +242,7 @@ def test_tensor_parallel_2_server(vllm_server, vllm_model_dir, tmp_path):
     """A TP=2 server (``-tp 2 --distributed-executor-backend mp``) serves the same model:
     its logprobs agree with the TP=1 server's rescoring, and pause/resume works across both ranks."""
     from megarl.config.rollout import VLLMConfig
-    from megarl.rollout import InferenceServer, vllm_launch_spec
+    from megarl.serving import InferenceServer, vllm_launch_spec
     from megarl.utils.network import find_free_ports
 
     config = VLLMConfig(max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=16)
@@ -286,7 +286,7 @@ def test_payload_is_a_valid_vllm_completion_request(gconfig):
     """Every field we send is one vLLM's CompletionRequest knows (unknown ones would be ignored silently)."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from megarl.rollout import VLLMBackend
+    from megarl.serving import VLLMBackend
 
     payload = VLLMBackend().generate_payload([1, 2, 3], gconfig, gconfig.max_new_tokens, gconfig.min_new_tokens)
     request = CompletionRequest.model_validate(payload)

@@ -175,3 +175,23 @@ def test_pause_resume_and_versions_are_declared_once_in_the_api():
     for name in ("pause", "resume", "set_version"):
         owners = [c.__name__ for c in InferenceEngine.__mro__ if name in vars(c)]
         assert owners == ["RolloutControl"], (name, owners)
+
+
+def test_an_adapter_update_makes_the_adapter_the_one_the_server_set_serves(monkeypatch):
+    """Adapter weight sync: once the servers loaded a version's adapter, the rollout side asks for it and the
+    run's :class:`ServerSet` serves it (one fact, read by every request and every probe)."""
+    monkeypatch.setattr("megarl.run.weight_sync.ShardSource.from_engine", lambda engine: None)
+    rollout = FakeRollout()
+    sync = _sync(rollout, updated=["a:1", "b:1"])
+    sync.n_updates = 1
+    adapter_report = sync.bridge.update
+
+    def update(source, version, mode, path):
+        report = adapter_report(source, version, mode, path)
+        report.adapter = f"megarl-lora-v{version}"
+        return report
+
+    sync.bridge.update = update
+    sync.update_weights(WeightUpdateMeta(config=None, version=4))
+    assert ("use_adapter", "megarl-lora-v4") in rollout.calls
+    assert rollout.servers.adapter == "megarl-lora-v4"

@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from megarl.config import GRPOConfig, VLLMConfig
-from megarl.rollout import vllm_launch_spec
 from megarl.run.prelaunch import build_config
+from megarl.serving import vllm_launch_spec
 from megarl.utils import hardware
 
 AVX2 = frozenset({"avx2", "fma", "sse4_2"})
