@@ -11,7 +11,8 @@ run and the two paths alternate (ABBA). Target: pool tokens/s >= 0.95x direct.
 ``pool_overhead_ms_per_request`` is measured inside the pool: the mean episode time
 minus the mean time spent in ``agenerate`` (chat template, reward in a worker process,
 trajectory tensors, scheduling). On a shared 2-core machine the throughput ratio moves
-by several percent from run to run with the load of other processes.
+by several percent from run to run with the load of other processes. One table per CPU kind
+(:func:`results_name`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import statistics
 import time
 import urllib.request
 
-from benchmarks._harness import main_for
+from benchmarks._harness import cpu_kind, main_for
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import InferenceEngineConfig, VLLMConfig
 from megarl.rollout import RemoteInferenceEngine
@@ -122,6 +123,12 @@ def run(quick: bool) -> list[dict]:
             workflow.close()
             engine.destroy()
     return _rows(results, n, m, concurrency)
+
+
+def results_name() -> str:
+    """One table per CPU kind (``rollout_pool_amx``, ``rollout_pool_avx512_bf16``, ...): on a 2-core machine
+    the client's CPU is taken from the server's, so the ratio depends on the kind."""
+    return f"rollout_pool_{cpu_kind()}"
 
 
 def _rows(results: dict, n: int, m: int, concurrency: int) -> list[dict]:

@@ -1,8 +1,9 @@
 """The train phase of a GRPO step on CPU: where its time goes, beside a plain HF step and a real run.
 
 The workload is the arithmetic CPU job's (``configs/arithmetic_grpo_cpu.yaml``): SmolLM2-135M's
-shape (30 layers, hidden 576, vocabulary 49,152, tied embeddings; random weights: the time does
-not depend on them), 64 sequences in 8 GRPO groups of 8, as the job's batch (8 prompts x 8
+model (30 layers, hidden 576, vocabulary 49,152, tied embeddings; its own weights, as the job trains
+them: with random ones the phase measured faster, by about as much as this machine drifts between
+runs; ``--quick``: a tiny random model), 64 sequences in 8 GRPO groups of 8, as the job's batch (8 prompts x 8
 samples): a 45-token chat prompt per group and answers of 5 to 16 tokens, about 3,700 tokens in
 all, which megarl packs into about 1,100 (each group's prompt once: ``mb_spec.share_prefix``) in
 two micro-batches of at most 1,024, as a real step of the job does. The config's actor settings
@@ -58,6 +59,8 @@ from benchmarks.actor_step import _time_alternating
 TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, the arithmetic job's 64 sequences): breakdown, vs a plain HF step and a real run"
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "arithmetic_grpo_cpu.yaml"
+CONFIG_MODEL = "smollm2-135m-instruct"
+"""The job's model (``actor.path`` of :data:`CONFIG`), provisioned as a run provisions it."""
 
 SMOLLM2_135M = dict(
     hidden_size=576,
@@ -143,13 +146,17 @@ class PhaseClock:
             setattr(owner, attr, original)
 
 
-def _actor(model_dir: Path, dtype: str):
+def _actor(model_dir: Path, dtype: str, random_weights: bool):
     from megarl.actor.ppo import MegatronPPOActor
     from megarl.config.experiment import GRPOConfig
     from megarl.config.loader import build_config_values
     from megarl.utils.network import find_free_port
 
-    overrides = [f"actor.path={model_dir}", "actor.init_from_scratch=true", f"actor.dtype={dtype}"]
+    overrides = [
+        f"actor.path={model_dir}",
+        f"actor.init_from_scratch={str(random_weights).lower()}",
+        f"actor.dtype={dtype}",
+    ]
     actor_cfg = build_config_values(GRPOConfig, [str(CONFIG)], overrides).actor
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
@@ -200,9 +207,11 @@ PARTS = (
 SUB_PARTS = ("logprob head + loss (forward)", "grads to fp32 main", "grad norm + clip", "Adam + main to model")
 
 
-def megarl_rows(model_dir: Path, batch: dict, dtype: str, steps: int, hf_steps: dict) -> tuple[float, dict, list[dict]]:
+def megarl_rows(
+    model_dir: Path, batch: dict, dtype: str, steps: int, hf_steps: dict, random_weights: bool
+) -> tuple[float, dict, list[dict]]:
     """(megarl's train phase, each HF step's time, megarl's rows): medians of ``steps`` each, all taking turns."""
-    actor = _actor(model_dir, dtype)
+    actor = _actor(model_dir, dtype, random_weights)
     try:
         warm_up = _train_phase(actor, batch)[-1]  # outside the clock
         packed = {k: int(warm_up[f"ppo_actor/{k}"]) for k in ("packed_tokens", "n_mbs")}
@@ -237,15 +246,18 @@ def _top_ops(step, n: int = 10) -> list[tuple[str, float]]:
     return [(e.key, e.self_cpu_time_total / 1e6) for e in events[:n]]
 
 
-def hf_step(model_dir: Path, batch: dict, dtype: str, packed: bool = False):
+def hf_step(model_dir: Path, batch: dict, dtype: str, packed: bool = False, random_weights: bool = False):
     """A plain HF training step over the same tokens (see the module docstring): right-padded rows with an
     attention mask, or with ``packed`` HF's own packed format, without padding inside a row (each GRPO
     group's rows concatenated into one row, ``position_ids`` restarting at every sequence and no attention
     mask, from which ``transformers`` builds a block-causal mask; the rows' ends padded to the longest as
-    one more sequence that no loss counts)."""
+    one more sequence that no loss counts). The model's own weights, or ``random_weights``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=DTYPES[dtype])
+    if random_weights:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=DTYPES[dtype])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     if packed:
         ids, positions, mask = _packed_rows(batch)
@@ -345,19 +357,22 @@ CLI_OPTIONS = {"--dtype": (DTYPES_ENV, DTYPE_CHOICES)}
 
 
 def run(quick: bool, on_rows=None) -> list[dict]:
-    shape = QUICK if quick else SMOLLM2_135M
+    from megarl.models import resolve_model_path
+
     steps = 2 if quick else 5
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        _write_config(Path(tmp), shape)
-        batch = grpo_batch(shape["vocab_size"])
+        model_dir = Path(tmp) if quick else Path(resolve_model_path(CONFIG_MODEL))
+        if quick:
+            _write_config(model_dir, QUICK)
+        batch = grpo_batch((QUICK if quick else SMOLLM2_135M)["vocab_size"])
         tokens = int(batch["attention_mask"].sum())
         for dtype in cpu_dtypes_to_run(DTYPES_ENV):
             hf_steps = {
-                HF_PADDED: hf_step(Path(tmp), batch, dtype),
-                HF_PACKED: hf_step(Path(tmp), batch, dtype, packed=True),
+                HF_PADDED: hf_step(model_dir, batch, dtype, random_weights=quick),
+                HF_PACKED: hf_step(model_dir, batch, dtype, packed=True, random_weights=quick),
             }
-            total, hf, megarl = megarl_rows(Path(tmp), batch, dtype, steps, hf_steps)
+            total, hf, megarl = megarl_rows(model_dir, batch, dtype, steps, hf_steps, random_weights=quick)
             megarl[0].update(vs_hf=round(min(hf.values()) / total, 3))
             rows += megarl
             for name, seconds in hf.items():

@@ -31,7 +31,7 @@ from megarl.bridge.drive import in_threads
 from megarl.bridge.groups import gather_objects, rank0_object
 from megarl.bridge.interface import ServerBridge
 from megarl.config.bridge import WeightUpdateConfig
-from megarl.serving import ServerControl
+from megarl.serving import ServerControl, ServerRef
 from megarl.utils import heartbeat
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class AdapterBridge(ServerBridge):
             raise ValueError("weight_update.lora=adapter needs weight_update.disk_path (storage the servers read)")
         self.config, self.export, self.dtype, self.rank, self.group = config, export, dtype, rank, group
         self.root = Path(config.disk_path) / "lora"
-        self.servers: list[ServerControl] = []
+        self.servers: list[ServerControl | ServerRef] = []
         self.connected = False
         self._loaded: dict[str, list[str]] = {}  # server address -> adapter names it holds, oldest first
 
@@ -80,7 +80,7 @@ class AdapterBridge(ServerBridge):
     def is_driver(self) -> bool:
         return self.rank == 0
 
-    def connect(self, servers: list[ServerControl]) -> None:
+    def connect(self, servers: list[ServerControl | ServerRef]) -> None:
         """Adopt ``servers`` (no groups to form: the servers read the adapters from disk)."""
         self.servers = list(servers)
         self.connected = True

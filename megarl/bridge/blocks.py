@@ -31,7 +31,8 @@ class Block:
     """A run of servers, its plan and schedules, and this trainer rank's groups with them."""
 
     servers: list
-    """Their :class:`~megarl.serving.ServerControl` s; a server's index here is its index in ``plan``."""
+    """Their :class:`~megarl.serving.ServerControl` s on rank 0, :class:`~megarl.serving.ServerRef` s on the
+    other ranks; a server's index here is its index in ``plan``."""
     plan: TransferPlan
     broadcast_schedule: BroadcastSchedule
     sharded_schedule: ShardedSchedule | None

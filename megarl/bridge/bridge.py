@@ -37,7 +37,7 @@ from megarl.bridge.transport_sharded import ShardedSender
 from megarl.bridge.wiring import Wiring, make_wiring, trainer_join
 from megarl.config.allocation import TrainingAllocation
 from megarl.config.bridge import WeightUpdateConfig
-from megarl.serving import ServerControl
+from megarl.serving import ServerControl, ServerRef
 from megarl.utils.hardware import concrete_dtype
 from megarl.utils.network import gethostip
 
@@ -95,7 +95,7 @@ class WeightBridge(ServerBridge):
         self.source_dir, self.device = source_dir, torch.device(device)
         self.dtype = wire_dtype(concrete_dtype(config.dtype, self.device.type))
         self.bucket_numel = config.bucket_bytes(self.device.type == "cuda") // self.dtype.itemsize
-        self.servers: list[ServerControl] = []
+        self.servers: list[ServerControl | ServerRef] = []
         self.blocks: list[Block] = []
         """The servers' blocks, each with its groups (:mod:`megarl.bridge.blocks`)."""
         self._plans: dict = {}
@@ -113,7 +113,7 @@ class WeightBridge(ServerBridge):
 
     # ------------------------------------------------------------------ connect
 
-    def connect(self, servers: list[ServerControl]) -> None:
+    def connect(self, servers: list[ServerControl | ServerRef]) -> None:
         """Form the groups with ``servers`` (collective); raises WeightBridgeError naming what failed.
 
         The groups of blocks that are intact and whose servers are all still wanted are kept (their
@@ -169,7 +169,7 @@ class WeightBridge(ServerBridge):
             block.release(addresses)
         self.connected = False
 
-    def _block(self, servers: list[ServerControl], modes) -> Block:
+    def _block(self, servers: list[ServerControl | ServerRef], modes) -> Block:
         """A block of ``servers`` with its plan and schedules (shared by blocks of the same TP sizes)."""
         key = (tuple(s.tp for s in servers), modes)
         if key not in self._plans:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from megarl.bridge.update_round import UpdateRound
 from megarl.config.bridge import WeightUpdateConfig
-from megarl.serving import ServerControl
+from megarl.serving import ServerControl, ServerRef
 from megarl.utils import heartbeat
 from megarl.utils.fanout import call_all
 
@@ -34,7 +34,7 @@ def in_background(calls: dict[str, callable], timeout: float, errors: dict[str, 
 
 
 def drive(
-    servers: list[ServerControl],
+    servers: list[ServerControl | ServerRef],
     mode: str,
     path: str | None,
     version: int,

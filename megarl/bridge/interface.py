@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megarl.serving import ServerControl
+    from megarl.serving import ServerControl, ServerRef
 
 
 @dataclass
@@ -48,8 +48,9 @@ class ServerBridge(abc.ABC):
 
     connected: bool
     """Whether :meth:`connect` succeeded and no failure has closed it since."""
-    servers: list[ServerControl]
-    """The servers of the last :meth:`connect`."""
+    servers: list[ServerControl | ServerRef]
+    """The servers of the last :meth:`connect`: their control handles on rank 0, which calls them; on the
+    other ranks what they know of each (:class:`~megarl.serving.control.ServerRef`)."""
 
     @property
     @abc.abstractmethod
@@ -57,7 +58,7 @@ class ServerBridge(abc.ABC):
         """Whether this rank drives the servers' HTTP calls (global rank 0)."""
 
     @abc.abstractmethod
-    def connect(self, servers: list[ServerControl]) -> None:
+    def connect(self, servers: list[ServerControl | ServerRef]) -> None:
         """Get ready to send to ``servers`` (form groups, adopt them); raises naming what failed."""
 
     @abc.abstractmethod

@@ -61,7 +61,7 @@ from megarl.bridge.interface import ServerBridge
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transport import wire_dtype
 from megarl.config.bridge import WeightUpdateConfig
-from megarl.serving import ServerControl, ServerSet, make_control
+from megarl.serving import ServerControl, ServerRef, ServerSet, server_ref
 from megarl.serving.control_loop import control_loop
 from megarl.serving.families import SERVER_FAMILIES
 from megarl.serving.servers import UpdatePlan
@@ -178,18 +178,18 @@ class WeightSync:
         plan = self.server_set.update_plan() if self.bridge.is_driver else None
         return self.bridge.broadcast_object(plan)
 
-    def _controls(self, addresses: list[str]) -> list[ServerControl]:
-        """The control handles of ``addresses``: rank 0's from the server set (they call the servers), the
-        other ranks' made for the bridge's wiring (they only read a handle's family, address and TP size)."""
+    def _servers(self, addresses: list[str]) -> list[ServerControl] | list[ServerRef]:
+        """The servers at ``addresses`` for the bridge: rank 0's control handles from the server set (it
+        calls the servers), the other ranks' family, address and TP size (they form groups and send)."""
         if self.bridge.is_driver:
             return self.server_set.controls(addresses, self.tp, self.config.update_timeout)
-        return [make_control(self.backend, a, self.tp, self.config.update_timeout) for a in addresses]
+        return [server_ref(self.backend, a, self.tp) for a in addresses]
 
     def connect(self, plan: UpdatePlan | None = None) -> None:
         """Form the groups with ``plan``'s targets (None: ask for a plan) (collective), then sample the
         consistency probe from the first server."""
         self.plan = plan = plan if plan is not None else self._plan()
-        self.bridge.connect(self._controls(plan.targets))
+        self.bridge.connect(self._servers(plan.targets))
         if self.config.probe_sequences and not self.probe:
             probe = None
             if self.bridge.is_driver:

@@ -18,8 +18,8 @@ bridge it receives from (:mod:`megarl.bridge.receivers.vllm`).
 """
 
 from megarl.serving.backend import GenerationChunk, HttpCall, InferenceBackend
-from megarl.serving.control import ServerControl
-from megarl.serving.families import make_backend, make_control
+from megarl.serving.control import ServerControl, ServerRef
+from megarl.serving.families import make_backend, make_control, server_ref
 from megarl.serving.http import (
     InferenceServerError,
     MalformedResponseError,
@@ -48,6 +48,7 @@ __all__ = [
     "ServerControl",
     "ServerControlError",
     "ServerLaunchError",
+    "ServerRef",
     "ServerSet",
     "ServerUnavailableError",
     "VLLMBackend",
@@ -57,6 +58,7 @@ __all__ = [
     "make_backend",
     "make_control",
     "resolve_server_addrs",
+    "server_ref",
     "sglang_launch_spec",
     "vllm_launch_spec",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from megarl.api.io_struct import GenerationHyperparameters
@@ -19,7 +20,19 @@ from megarl.serving.control_loop import control_loop
 from megarl.serving.http import MalformedResponseError, ServerControlError, http_json, http_ok
 from megarl.utils import json_codec
 
-__all__ = ["ServerControl", "ServerControlError", "http_json"]
+__all__ = ["ServerControl", "ServerControlError", "ServerRef", "http_json"]
+
+
+@dataclass(frozen=True)
+class ServerRef:
+    """What every trainer rank knows of a server an update goes to: its family, address and TP size. Rank 0
+    holds the server's :class:`ServerControl`, which says the same and calls it; the other ranks only form
+    groups with it and send (the weight bridge reads these four fields on every rank)."""
+
+    name: str
+    address: str
+    tp: int
+    one_call_update: bool
 
 
 class ServerControl(abc.ABC):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megarl.serving.backend import InferenceBackend
-from megarl.serving.control import ServerControl
+from megarl.serving.control import ServerControl, ServerRef
 from megarl.serving.sglang import SGLangControl
 from megarl.serving.vllm import VLLMControl
 
@@ -25,3 +25,8 @@ def make_backend(name: str) -> InferenceBackend:
 def make_control(backend: str, address: str, tp: int, timeout: float = 600.0) -> ServerControl:
     """The trainer's handle on a ``backend`` (``vllm`` / ``sglang``) server at ``address`` with ``tp`` workers."""
     return _family(backend)(address, tp, timeout)
+
+
+def server_ref(backend: str, address: str, tp: int) -> ServerRef:
+    """What a trainer rank other than 0 knows of a ``backend`` server at ``address`` with ``tp`` workers."""
+    return ServerRef(backend, address, tp, _family(backend).one_call_update)

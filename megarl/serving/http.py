@@ -84,6 +84,9 @@ class ServerControlError(RuntimeError):
         self.address, self.route, self.reason = address, route, reason
         super().__init__(f"inference server {address}{route}: {reason}")
 
+    def __reduce__(self):  # raised in a trainer head's process, read in another (its arguments, not its text)
+        return type(self), (self.address, self.route, self.reason)
+
 
 class MalformedResponseError(ValueError):
     """A 200 reply whose body is not what the endpoint promises."""

@@ -17,7 +17,7 @@ from megarl.api.rollout_control import RolloutControl
 from megarl.bridge.bridge import UpdateReport
 from megarl.rollout import RemoteInferenceEngine
 from megarl.run.weight_sync import WeightSync, WeightUpdateMeta
-from megarl.serving import ServerSet
+from megarl.serving import ServerRef, ServerSet
 
 
 class FakeRollout(RolloutControl):
@@ -195,3 +195,17 @@ def test_an_adapter_update_makes_the_adapter_the_one_the_server_set_serves(monke
     sync.update_weights(WeightUpdateMeta(config=None, version=4))
     assert ("use_adapter", "megarl-lora-v4") in rollout.calls
     assert rollout.servers.adapter == "megarl-lora-v4"
+
+
+@pytest.mark.parametrize("backend, one_call", [("vllm", True), ("sglang", False)])
+def test_ranks_other_than_0_know_the_servers_without_a_control_handle(backend, one_call):
+    """Rank 0 calls the servers through their control handles; the other ranks only form groups and send,
+    knowing each server's family, address and TP size."""
+    sync = _sync(FakeRollout(), updated=["a:1", "b:1"], driver=False)
+    sync.backend, sync.tp = backend, 2
+    assert sync._servers(["a:1", "b:1"]) == [ServerRef(backend, a, 2, one_call) for a in ("a:1", "b:1")]
+    sync.bridge.is_driver = True
+    sync.config.update_timeout = 5.0
+    controls = sync._servers(["a:1", "b:1"])
+    assert [type(c).__name__ for c in controls] == ["VLLMControl"] * 2  # the rollout side's family
+    assert controls == sync._servers(["a:1", "b:1"])  # made once per server

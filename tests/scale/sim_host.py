@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megarl.serving.http import SERVER_KEEPALIVE_S  # noqa: E402
 from megarl.serving.vllm import UPDATE_ROUTE  # noqa: E402
-from tests.rollout.fake_server import EOS, FakeServer, serve_update_route, token_at  # noqa: E402
+from tests.rollout.fake_server import EOS, FakeServer, logprob_at, serve_update_route, token_at  # noqa: E402
 
 REQUEST_TRANSPORT: contextvars.ContextVar = contextvars.ContextVar("request_transport", default=None)
 """The connection of the request a handler task serves (dropped when its server "dies")."""
@@ -348,7 +348,12 @@ class SimServer(FakeServer):
             return web.json_response(await asyncio.to_thread(self._vllm_scores, body))  # the loop serves on
         if body.get("min_tokens"):  # the consistency probe samples exactly max_tokens
             out, _ = await self.generate_tokens(body["prompt"], body["max_tokens"], exact=True)
-            return web.json_response({"choices": [{"index": 0, "token_ids": out, "finish_reason": "length"}]})
+            choice = {"index": 0, "token_ids": out, "finish_reason": "length"}
+            if body.get("logprobs") is not None:  # as vLLM: the sampled tokens' logprobs when asked
+                n0 = len(body["prompt"])
+                lps = [logprob_at(n0 + i) for i in range(len(out))]
+                choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in out], "token_logprobs": lps}
+            return web.json_response({"choices": [choice]})
         return await super().completions(request)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

@@ -189,3 +189,15 @@ def test_a_server_sending_null_logprobs_fails_the_run_naming_server_and_field(fa
     assert "2 episodes in a row failed on the inference servers (rollout.max_failed_episodes=1)" in text, text
     assert f"inference server {server.address}/v1/completions failed after 2 attempts" in text, text
     assert "malformed reply (choices[0].logprobs.token_logprobs[5] is null" in text, text
+
+
+def test_a_control_error_crosses_a_process_boundary():
+    """A trainer head's process raises it and another process reads it (the scale simulation's heads, a
+    process pool's result): it unpickles with its address, route and reason, not a TypeError."""
+    import pickle
+
+    from megarl.serving.http import ServerControlError
+
+    error = pickle.loads(pickle.dumps(ServerControlError("10.0.0.1:8000", "/v1/completions", "no logprobs")))
+    assert (error.address, error.route, error.reason) == ("10.0.0.1:8000", "/v1/completions", "no logprobs")
+    assert str(error) == "inference server 10.0.0.1:8000/v1/completions: no logprobs"
