@@ -42,6 +42,7 @@ machine's often does, by a third) slows them alike.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import statistics
@@ -55,6 +56,7 @@ import torch
 
 from benchmarks._harness import DTYPE_CHOICES, cpu_dtypes_to_run, cpu_kind, main_for
 from benchmarks.actor_step import _time_alternating
+from megarl.utils.memory import release_freed_memory
 
 TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, the arithmetic job's 64 sequences): breakdown, vs a plain HF step and a real run"
 REPO = Path(__file__).resolve().parents[1]
@@ -378,6 +380,9 @@ def run(quick: bool, on_rows=None) -> list[dict]:
             for name, seconds in hf.items():
                 rows.append(_row(dtype, "hf", name, seconds, seconds, tokens=tokens, threads=torch.get_num_threads()))
             if not quick:  # the same work in a real run, its server beside it
+                del hf_steps  # the run shares this machine's memory: this process's models and freed heap go
+                gc.collect()  # back first (it held 16 GB once, and the run beside it waited on evicted pages)
+                release_freed_memory()
                 real = real_run_rows(dtype)
                 real[0].update(
                     vs_in_process=round(real[0]["seconds"] / total, 3),
