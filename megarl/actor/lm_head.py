@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megarl.kernels import Backend, Truncation, fused_logprobs_entropy
 from megarl.kernels.linear_loss import TokenLossFn, fused_linear_token_loss
@@ -127,6 +128,26 @@ class LMHeadOutput:
     ) -> torch.Tensor:
         """Logprob of ``labels`` per token, fp32 ``[T]`` (``truncation``: as :meth:`logprobs_entropy`)."""
         return self.logprobs_entropy(labels, temperature, truncation=truncation)[0]
+
+    def candidate_logprobs(self, candidates: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """``[T, K]`` logprobs of ``K`` candidate token ids per token (``candidates`` ``[T, K]``; 0 for an id
+        outside the vocabulary), not differentiable: one pass of the head gives each token's softmax
+        normaliser (from the logprob of its first valid candidate), and each candidate's logit is its
+        row of the head times the hidden state (the row's TP rank gives it, a SUM all-reduce the rest).
+        K logprob passes would cost K times the head's GEMM."""
+        with torch.no_grad():
+            valid = (candidates >= 0) & (candidates < self.vocab_size)
+            anchor = torch.where(valid, candidates, self.vocab_size).min(dim=1, keepdim=True).values
+            anchor = anchor.clamp(max=self.vocab_size - 1)  # a token without a valid candidate: any id
+            ids = torch.cat([anchor, candidates], dim=1)  # [T, 1 + K]
+            local = ids - self.vocab_start
+            mine = (local >= 0) & (local < self.weight.shape[0]) & (ids < self.vocab_size)
+            rows = self.weight[local.clamp(0, self.weight.shape[0] - 1)].float()  # [T, 1 + K, H]
+            z = torch.einsum("th,tkh->tk", self.hidden.float(), rows).div_(temperature) * mine
+            if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+                dist.all_reduce(z, group=self.tp_group)
+            lse = z[:, 0] - self.logprobs(anchor.squeeze(1), temperature)
+            return (z[:, 1:] - lse[:, None]) * valid
 
     def local_logits(self) -> torch.Tensor:
         """``[T, V_local]`` logits of this rank's shard (debugging and tests; not for losses)."""

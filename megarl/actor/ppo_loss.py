@@ -115,15 +115,15 @@ def _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn
 
 
 def _grads_in_forward(cfg: PPOActorConfig, head: LMHeadOutput) -> bool:
-    """Whether :func:`ppo_loss` takes the training path (the head's gradients computed in its forward).
+    """Whether :func:`ppo_loss` takes the training path (the head's gradients computed in its forward:
+    6·T·V·H FLOPs instead of the 8 of logprobs under autograd), on the head's CUDA or torch path.
 
-    Where the fused kernels run (the logprobs' CUDA path) and the loss is a sum of per-token terms
-    of (logprob, entropy): a built-in surrogate with per-token ratios and no sequence-level
-    rollout correction (any aggregation: it only weighs the tokens).
+    Where the loss is a sum of per-token terms of (logprob, entropy): a built-in surrogate with
+    per-token ratios and no sequence-level rollout correction (any aggregation: it only weighs
+    the tokens).
     """
     per_token = cfg.importance_sampling_level == "token" and cfg.rollout_correction.mode == "none"
-    per_token = per_token and cfg.loss in BUILTIN_LOSSES
-    return per_token and logprobs_backend(head.backend, head.hidden, head.weight) == "cuda"
+    return per_token and cfg.loss in BUILTIN_LOSSES
 
 
 def _token_weights(mask: torch.Tensor, cfg: PPOActorConfig, cu_seqlens: torch.Tensor, norm_len: int) -> torch.Tensor:

@@ -169,9 +169,7 @@ def trainer_topk_scores(engine, sequences: list[list[int]], ids: torch.Tensor) -
     batch["probe_ids"] = ids
 
     def hook(head, mb: dict) -> torch.Tensor:
-        cand = mb["probe_ids"]  # [T, K]
-        logp = torch.stack([head.logprobs(cand[:, j]) for j in range(cand.shape[1])], dim=-1)
-        return logp * mb["label_mask"][:, None]
+        return head.candidate_logprobs(mb["probe_ids"]) * mb["label_mask"][:, None]  # [T, K]
 
     return engine.eval().forward(batch, hook)
 

@@ -64,6 +64,7 @@ from megarl.kernels.reference import (
     softmax_grad_,
 )
 from megarl.kernels.truncation import Truncation, truncated_stats_of_logits
+from megarl.utils.hardware import cpu_bf16_native
 
 TokenLossFn = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
 """``fn(t0, t1, logprob [t1-t0], entropy [t1-t0]) -> per-token loss [t1-t0]`` of tokens [t0, t1).
@@ -189,19 +190,67 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         _addmm_fp32(acc, a, b)
 
 
+def _bf16_grads(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the gradient GEMMs (dH = dz·W, dW = dzᵀ·h) take bf16 operands with dz rounded to bf16:
+    for bf16 hidden and weight on a GPU or on a CPU with native bf16 (AVX-512 BF16, AMX), where a bf16
+    GEMM runs at 2-3x (AVX-512 BF16) or many times (AMX) fp32's rate. dz's rounding is the error of
+    any bf16 backward (the model's own layers take theirs in bf16); dW still accumulates over the
+    chunks in fp32. Without native bf16 the GEMMs stay fp32: emulated bf16 is slower than fp32."""
+    if not hidden.dtype == weight.dtype == torch.bfloat16:
+        return False
+    return hidden.is_cuda or (hidden.device.type == "cpu" and cpu_bf16_native()[0])
+
+
+class _WeightGrad:
+    """The head's dW = Σ_chunks dzᵀ·h_c ``[V_local, H]``, held from the forward to the backward.
+
+    Accumulated over the token chunks in fp32; or, with bf16 gradient GEMMs off CUDA and at most
+    2H tokens (an RL micro-batch's answer tokens on a small model), the chunks' bf16 dz ``[T, V_local]``
+    are kept instead, no larger than that fp32 buffer, and dW is one GEMM in the backward: no
+    pass per chunk over the whole fp32 dW, no zeroing, scaling and casting it (on a CPU those
+    memory-bound passes cost about what the GEMMs do)."""
+
+    def __init__(self, weight: torch.Tensor, valid: int, hidden: torch.Tensor, grads_bf16: bool):
+        self.shape, self.valid, self.hidden = weight.shape, valid, hidden
+        num_tokens, hidden_size = hidden.shape
+        self.deferred = grads_bf16 and not hidden.is_cuda and num_tokens <= 2 * hidden_size
+        opts = {"dtype": torch.bfloat16 if self.deferred else torch.float32, "device": hidden.device}
+        self.dz = torch.empty(num_tokens, valid, **opts) if self.deferred else None
+        self.acc = None if self.deferred else torch.zeros(self.shape, **opts)  # padding rows stay 0
+
+    def add(self, t0: int, t1: int, dz: torch.Tensor, h_c: torch.Tensor) -> None:
+        """The chunk of tokens [t0, t1): its dz ``[tc, valid]`` and hidden states ``[tc, H]``."""
+        if self.deferred:
+            self.dz[t0:t1] = dz
+        else:
+            _accumulate(self.acc[: self.valid], dz.T, h_c)  # fp32 accumulation over chunks
+
+    def result(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """dW times the incoming gradient ``g`` (0-d fp32), in ``dtype``."""
+        if not self.deferred:
+            return (self.acc * g).to(dtype)
+        out = torch.empty(self.shape, dtype=self.dz.dtype, device=self.dz.device)
+        out[self.valid :].zero_()  # padding rows
+        torch.mm(self.dz.T, self.hidden, out=out[: self.valid])
+        return (out if float(g) == 1.0 else out.mul_(g)).to(dtype)
+
+
 class _FusedLinearTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, token_loss_fn: TokenLossFn, spec: _Spec):
         shard, inv_tau, ops = spec.shard, spec.inv_tau, CHUNK_OPS[spec.backend]
         num_tokens = hidden.shape[0]
         # bf16 on a GPU: cuBLAS bf16 GEMMs accumulating in fp32 (dz rounded to bf16, as the CUDA
-        # backward's); elsewhere fp32 GEMMs (an fp32 copy of a bf16 weight)
+        # backward's); elsewhere the logits from fp32 GEMMs (an fp32 copy of a bf16 weight), and
+        # the gradient GEMMs in bf16 where the CPU computes bf16 natively (:func:`_bf16_grads`)
         low = hidden.is_cuda and hidden.dtype == weight.dtype == torch.bfloat16
         w = weight[: shard.valid] if low else weight[: shard.valid].float()  # [Vv,H]
+        grads_bf16 = _bf16_grads(hidden, weight)
+        w_grad = weight[: shard.valid] if grads_bf16 else w  # the dH GEMM's operand
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         opts = {"dtype": torch.float32, "device": hidden.device}
         d_hidden = torch.zeros(hidden.shape, **opts) if need_hidden else None
-        d_weight = torch.zeros(weight.shape, **opts) if need_weight else None  # padding rows stay 0
+        d_weight = _WeightGrad(weight, shard.valid, hidden, grads_bf16) if need_weight else None
         logprob = torch.zeros(num_tokens, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(logprob)
         loss = logprob.new_zeros(())
@@ -227,11 +276,11 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
                 continue
             dz = ops.softmax_grad(logits, labels[t0:t1], shard, inv_tau, lse, mean_z, g_lp, g_ent, threshold)
             del logits
-            dz = dz.to(w.dtype)  # dL/dx [tc,Vv]
+            dz = dz.to(w_grad.dtype)  # dL/dx [tc,Vv]
             if d_hidden is not None:
-                _accumulate(d_hidden[t0:t1], dz, w)
+                _accumulate(d_hidden[t0:t1], dz, w_grad)
             if d_weight is not None:
-                _accumulate(d_weight[: shard.valid], dz.T, h_c)  # fp32 accumulation over chunks
+                d_weight.add(t0, t1, dz, hidden[t0:t1] if grads_bf16 else h_c)
         if d_hidden is not None and spec.tp_size > 1 and spec.reduce_grad_hidden:
             dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=spec.tp_group)
         ctx.grads = (d_hidden, d_weight)  # not inputs or outputs: plain attributes
@@ -245,7 +294,7 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
         del ctx.grads  # freed with the graph's other buffers, not with ctx
         g = g_loss.float()
         d_hidden = None if d_hidden is None else (d_hidden * g).to(hidden_dtype)
-        d_weight = None if d_weight is None else (d_weight * g).to(weight_dtype)
+        d_weight = None if d_weight is None else d_weight.result(g, weight_dtype)
         return d_hidden, d_weight, None, None, None
 
 

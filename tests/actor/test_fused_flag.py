@@ -244,9 +244,9 @@ def _counted(fn):
         ({"loss_agg_mode": "seq-mean-token-mean"}, True),
     ],
 )
-def test_training_path_only_on_the_cuda_logprobs_and_per_token_losses(monkeypatch, overrides, taken):
+def test_training_path_for_per_token_losses_on_either_head_path(monkeypatch, overrides, taken):
     cfg = PPOActorConfig(path="unused", **overrides)
-    assert not ppo_loss._grads_in_forward(cfg, _head())  # CPU: the logprobs' torch path
+    assert ppo_loss._grads_in_forward(cfg, _head()) is taken  # CPU: the head's torch path
     monkeypatch.setattr(ppo_loss, "logprobs_backend", lambda backend, hidden, weight: "cuda")  # as on a GPU
     assert ppo_loss._grads_in_forward(cfg, _head()) is taken
 
@@ -317,7 +317,10 @@ def test_actor_update_is_the_same_with_flag_false_and_none_on_cpu(tiny_model_dir
         flag: run_ranks(1, target, model_dir=model_dir, batch=batch, use_fused_kernels=flag)[0]
         for flag in (False, None)
     }
-    torch_paths = {"ppo_loss: logprobs on the torch path, surrogate via losses.policy_loss"}
+    torch_paths = {  # the loss through the head's training path; its statistics from the torch logprobs
+        "ppo_loss: training path (grads in the head's forward), surrogate via losses.policy_loss",
+        "ppo_loss: logprobs on the torch path, surrogate via losses.policy_loss",
+    }
     assert runs[False]["paths"] == runs[None]["paths"] == torch_paths
     # the start line and the metric say which path runs
     assert runs[False]["start"] == {"fused kernels: torch (use_fused_kernels=False)"}

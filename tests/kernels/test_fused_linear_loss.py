@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megarl.kernels import fused_logprobs_entropy
+from megarl.kernels import fused_logprobs_entropy, linear_loss
 from megarl.kernels.linear_loss import (
     GPU_CHUNK_LOGITS_BYTES,
     MIN_CHUNK_TOKENS,
@@ -145,9 +145,11 @@ def test_backward_scales_the_stored_gradients_by_grad_output():
         assert_within(got[rows], want[rows], 2.5 * bound[rows] + u * want[rows].abs(), name)
 
 
-def test_bf16_operands_give_bf16_gradients_of_the_fp32_computation():
+def test_bf16_operands_give_bf16_gradients_of_the_fp32_computation(monkeypatch):
     """The bf16 operands, exactly as float64, are the reference's; the computation is float32's
-    (within its bound) and each gradient is then rounded once to bf16 (u_bf16 = 2^-9 relative)."""
+    (within its bound) and each gradient is then rounded once to bf16 (u_bf16 = 2^-9 relative).
+    (The gradient GEMMs in fp32, as on a CPU without native bf16.)"""
+    monkeypatch.setattr(linear_loss, "_bf16_grads", lambda hidden, weight: False)
     hidden, weight, labels, vocab, _ = make_case(2, 33, 16, 40, 3)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
     coefs = _coefs(33, 2)
@@ -163,6 +165,45 @@ def test_bf16_operands_give_bf16_gradients_of_the_fp32_computation():
         ("grad_weight", got[4][:vocab], exact[4][:vocab], bounds[4]),
     ):
         assert_within(a, b, bound + u16 * (b.abs() + bound), name)
+
+
+@pytest.mark.parametrize("T", [20, 33], ids=["dW in the backward (T <= 2H)", "dW accumulated (T > 2H)"])
+def test_bf16_gradient_gemms_round_dz_to_bf16(monkeypatch, T):
+    """With native bf16 (``_bf16_grads``) dz is rounded to bf16 and the gradient GEMMs take bf16
+    operands, their products exact and summed in fp32: on top of the float32 bound, each dz's
+    rounding (u_bf16 of each |dz_v| |w_v| or |dz_t| |h_t| term), the GEMM's bf16 result and the final
+    bf16 gradient (u_bf16 each). dW is one GEMM in the backward from the kept dz when the micro-batch
+    has at most 2H tokens, else accumulated over the chunks in fp32."""
+    monkeypatch.setattr(linear_loss, "_bf16_grads", lambda hidden, weight: True)
+    hidden, weight, labels, vocab, _ = make_case(2, T, 16, 40, 3)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    coefs = _coefs(T, 2)
+    got = _fused(hidden, weight, labels, coefs, temperature=0.8, vocab_size=vocab, chunk_tokens=8)
+    assert got[3].dtype == got[4].dtype == torch.bfloat16
+    exact = _autograd_f64(hidden, weight, labels, coefs, 0.8, vocab)
+    bounds = _bounds(hidden.double(), weight.double(), labels, coefs, 0.8, vocab, *exact[1:3])
+    for name, a, b, bound in zip(("loss", "logprob", "entropy"), got, exact, bounds):
+        assert_within(a, b, bound, name)
+    dz = _logit_grads_f64(hidden, weight, labels, coefs, 0.8, vocab).abs()
+    h, w = hidden.double().abs(), weight[:vocab].double().abs()
+    u16 = unit_roundoff(torch.bfloat16)
+    for name, a, b, bound, terms in (
+        ("grad_hidden", got[3], exact[3], bounds[3], dz @ w),
+        ("grad_weight", got[4][:vocab], exact[4][:vocab], bounds[4], dz.T @ h),
+    ):
+        assert_within(a, b, bound + 2 * u16 * (terms + b.abs() + bound), name)
+    assert torch.all(got[4][vocab:] == 0), "padding rows must get zero gradient"
+
+
+def _logit_grads_f64(hidden, weight, labels, coefs, temperature, vocab) -> torch.Tensor:
+    """d loss / d (h . w^T) ``[T, vocab]`` in float64: the dz the gradient GEMMs take."""
+    logits = (hidden.double() @ weight[:vocab].double().T).requires_grad_(True)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    hit = (labels >= 0) & (labels < vocab)
+    lp = logp_all.gather(1, labels.clamp(0, vocab - 1)[:, None]).squeeze(1) * hit
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    (dz,) = torch.autograd.grad(_terms(coefs, lp, ent).sum(), logits)
+    return dz
 
 
 class _MatmulFlops(TorchDispatchMode):
