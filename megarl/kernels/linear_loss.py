@@ -204,24 +204,27 @@ def _bf16_grads(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 class _WeightGrad:
     """The head's dW = Σ_chunks dzᵀ·h_c ``[V_local, H]``, held from the forward to the backward.
 
-    Accumulated over the token chunks in fp32; or, with bf16 gradient GEMMs off CUDA and at most
-    2H tokens (an RL micro-batch's answer tokens on a small model), the chunks' bf16 dz ``[T, V_local]``
-    are kept instead, no larger than that fp32 buffer, and dW is one GEMM in the backward: no
-    pass per chunk over the whole fp32 dW, no zeroing, scaling and casting it (on a CPU those
-    memory-bound passes cost about what the GEMMs do)."""
+    Accumulated over the token chunks in fp32; or, off CUDA, where the chunks' dz ``[T, V_local]`` in
+    the gradient GEMMs' dtype is no larger than that fp32 buffer (at most 2H tokens with bf16 GEMMs,
+    H with fp32 ones: an RL micro-batch's answer tokens on a small model), dz and the hidden states
+    are kept and dW is one GEMM in the backward: no pass per chunk over the whole fp32 dW, no
+    zeroing, scaling and casting it (on a CPU those memory-bound passes cost about what the GEMMs do)."""
 
-    def __init__(self, weight: torch.Tensor, valid: int, hidden: torch.Tensor, grads_bf16: bool):
-        self.shape, self.valid, self.hidden = weight.shape, valid, hidden
+    def __init__(self, weight: torch.Tensor, valid: int, hidden: torch.Tensor, dtype: torch.dtype):
+        self.shape, self.valid = weight.shape, valid
         num_tokens, hidden_size = hidden.shape
-        self.deferred = grads_bf16 and not hidden.is_cuda and num_tokens <= 2 * hidden_size
-        opts = {"dtype": torch.bfloat16 if self.deferred else torch.float32, "device": hidden.device}
-        self.dz = torch.empty(num_tokens, valid, **opts) if self.deferred else None
-        self.acc = None if self.deferred else torch.zeros(self.shape, **opts)  # padding rows stay 0
+        size = torch.finfo(dtype).bits // 8
+        self.deferred = not hidden.is_cuda and num_tokens * size <= hidden_size * 4
+        opts = {"dtype": dtype if self.deferred else torch.float32, "device": hidden.device}
+        if self.deferred:
+            self.dz, self.h = torch.empty(num_tokens, valid, **opts), torch.empty(num_tokens, hidden_size, **opts)
+        else:
+            self.acc = torch.zeros(self.shape, **opts)  # padding rows stay 0
 
     def add(self, t0: int, t1: int, dz: torch.Tensor, h_c: torch.Tensor) -> None:
-        """The chunk of tokens [t0, t1): its dz ``[tc, valid]`` and hidden states ``[tc, H]``."""
+        """The chunk of tokens [t0, t1): its dz ``[tc, valid]`` and hidden states ``[tc, H]``, in the GEMMs' dtype."""
         if self.deferred:
-            self.dz[t0:t1] = dz
+            self.dz[t0:t1], self.h[t0:t1] = dz, h_c
         else:
             _accumulate(self.acc[: self.valid], dz.T, h_c)  # fp32 accumulation over chunks
 
@@ -231,7 +234,7 @@ class _WeightGrad:
             return (self.acc * g).to(dtype)
         out = torch.empty(self.shape, dtype=self.dz.dtype, device=self.dz.device)
         out[self.valid :].zero_()  # padding rows
-        torch.mm(self.dz.T, self.hidden, out=out[: self.valid])
+        torch.mm(self.dz.T, self.h, out=out[: self.valid])
         return (out if float(g) == 1.0 else out.mul_(g)).to(dtype)
 
 
@@ -250,7 +253,7 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         opts = {"dtype": torch.float32, "device": hidden.device}
         d_hidden = torch.zeros(hidden.shape, **opts) if need_hidden else None
-        d_weight = _WeightGrad(weight, shard.valid, hidden, grads_bf16) if need_weight else None
+        d_weight = _WeightGrad(weight, shard.valid, hidden, w_grad.dtype) if need_weight else None
         logprob = torch.zeros(num_tokens, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(logprob)
         loss = logprob.new_zeros(())
