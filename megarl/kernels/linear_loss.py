@@ -29,8 +29,9 @@ torch ops, steps 1-2 are an fp32 GEMM and elementwise passes; when the loss has 
 (g_ent = 0 for the whole chunk) step 4's dz = g_lp (1[v = y] - p) takes one pass after p (``softmax_grad_``). Memory: the torch ops keep three
 fp32 chunk buffers ``[tc, V_local]``, the kernels one fp32 and one bf16 (by default tc ≈ T·H/V_local
 tokens, so one fp32 buffer is about the size of fp32 hidden states); plus the fp32 gradients dH
-``[T, H]`` and dW ``[V_local, H]`` held from forward to backward, and an fp32 copy of a non-fp32
-weight off CUDA. The no-grad logprobs (``compute_logp``) keep using ``fused_logprobs_entropy``,
+``[T, H]`` and dW ``[V_local, H]`` held from forward to backward (off CUDA, when no larger, the
+chunks' dz ``[T, V_local]`` instead of dW, which the backward makes in one GEMM: ``_WeightGrad``),
+and an fp32 copy of a non-fp32 weight off CUDA. The no-grad logprobs (``compute_logp``) keep using ``fused_logprobs_entropy``,
 which never holds more than a tile of logits.
 
 Truncation replay (``truncation=``, top-k / top-p / min-p): between steps 2 and 3 each chunk's
@@ -194,8 +195,8 @@ def _bf16_grads(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the gradient GEMMs (dH = dz·W, dW = dzᵀ·h) take bf16 operands with dz rounded to bf16:
     for bf16 hidden and weight on a GPU or on a CPU with native bf16 (AVX-512 BF16, AMX), where a bf16
     GEMM runs at 2-3x (AVX-512 BF16) or many times (AMX) fp32's rate. dz's rounding is the error of
-    any bf16 backward (the model's own layers take theirs in bf16); dW still accumulates over the
-    chunks in fp32. Without native bf16 the GEMMs stay fp32: emulated bf16 is slower than fp32."""
+    any bf16 backward (the model's own layers take theirs in bf16); the GEMMs still sum in fp32
+    (:class:`_WeightGrad`). Without native bf16 they stay fp32: emulated bf16 is slower than fp32."""
     if not hidden.dtype == weight.dtype == torch.bfloat16:
         return False
     return hidden.is_cuda or (hidden.device.type == "cpu" and cpu_bf16_native()[0])
