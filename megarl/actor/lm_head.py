@@ -134,7 +134,9 @@ class LMHeadOutput:
         outside the vocabulary), not differentiable: one pass of the head gives each token's softmax
         normaliser (from the logprob of its first valid candidate), and each candidate's logit is its
         row of the head times the hidden state (the row's TP rank gives it, a SUM all-reduce the rest).
-        K logprob passes would cost K times the head's GEMM."""
+        K logprob passes would cost K times the head's GEMM. Each distinct row is multiplied once, so
+        memory grows with the distinct candidates (at most this rank's vocabulary), not with K (the
+        probe's K is k per server)."""
         with torch.no_grad():
             valid = (candidates >= 0) & (candidates < self.vocab_size)
             anchor = torch.where(valid, candidates, self.vocab_size).min(dim=1, keepdim=True).values
@@ -142,8 +144,9 @@ class LMHeadOutput:
             ids = torch.cat([anchor, candidates], dim=1)  # [T, 1 + K]
             local = ids - self.vocab_start
             mine = (local >= 0) & (local < self.weight.shape[0]) & (ids < self.vocab_size)
-            rows = self.weight[local.clamp(0, self.weight.shape[0] - 1)].float()  # [T, 1 + K, H]
-            z = torch.einsum("th,tkh->tk", self.hidden.float(), rows).div_(temperature) * mine
+            rows, column = torch.unique(torch.where(mine, local, 0), return_inverse=True)  # [U], [T, 1 + K]
+            z = (self.hidden.float() @ self.weight[rows].float().T).gather(1, column)  # [T, 1 + K]
+            z = z.div_(temperature) * mine
             if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
                 dist.all_reduce(z, group=self.tp_group)
             lse = z[:, 0] - self.logprobs(anchor.squeeze(1), temperature)
