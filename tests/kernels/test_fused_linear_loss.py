@@ -150,15 +150,7 @@ def test_bf16_operands_give_bf16_gradients_of_the_fp32_computation(monkeypatch):
     (within its bound) and each gradient is then rounded once to bf16 (u_bf16 = 2^-9 relative).
     (The gradient GEMMs in fp32, as on a CPU without native bf16.)"""
     monkeypatch.setattr(linear_loss, "_bf16_grads", lambda hidden, weight: False)
-    hidden, weight, labels, vocab, _ = make_case(2, 33, 16, 40, 3)
-    hidden, weight = hidden.bfloat16(), weight.bfloat16()
-    coefs = _coefs(33, 2)
-    got = _fused(hidden, weight, labels, coefs, temperature=0.8, vocab_size=vocab, chunk_tokens=8)
-    assert got[3].dtype == got[4].dtype == torch.bfloat16
-    exact = _autograd_f64(hidden, weight, labels, coefs, 0.8, vocab)
-    bounds = _bounds(hidden.double(), weight.double(), labels, coefs, 0.8, vocab, *exact[1:3])
-    for name, a, b, bound in zip(("loss", "logprob", "entropy"), got, exact, bounds):
-        assert_within(a, b, bound, name)
+    (hidden, weight, labels, coefs, vocab), got, exact, bounds = _bf16_case(33)
     u16 = unit_roundoff(torch.bfloat16)
     for name, a, b, bound in (
         ("grad_hidden", got[3], exact[3], bounds[3]),
@@ -175,15 +167,7 @@ def test_bf16_gradient_gemms_round_dz_to_bf16(monkeypatch, T):
     bf16 gradient (u_bf16 each). dW is one GEMM in the backward from the kept dz when the micro-batch
     has at most 2H tokens, else accumulated over the chunks in fp32."""
     monkeypatch.setattr(linear_loss, "_bf16_grads", lambda hidden, weight: True)
-    hidden, weight, labels, vocab, _ = make_case(2, T, 16, 40, 3)
-    hidden, weight = hidden.bfloat16(), weight.bfloat16()
-    coefs = _coefs(T, 2)
-    got = _fused(hidden, weight, labels, coefs, temperature=0.8, vocab_size=vocab, chunk_tokens=8)
-    assert got[3].dtype == got[4].dtype == torch.bfloat16
-    exact = _autograd_f64(hidden, weight, labels, coefs, 0.8, vocab)
-    bounds = _bounds(hidden.double(), weight.double(), labels, coefs, 0.8, vocab, *exact[1:3])
-    for name, a, b, bound in zip(("loss", "logprob", "entropy"), got, exact, bounds):
-        assert_within(a, b, bound, name)
+    (hidden, weight, labels, coefs, vocab), got, exact, bounds = _bf16_case(T)
     dz = _logit_grads_f64(hidden, weight, labels, coefs, 0.8, vocab).abs()
     h, w = hidden.double().abs(), weight[:vocab].double().abs()
     u16 = unit_roundoff(torch.bfloat16)
@@ -193,6 +177,22 @@ def test_bf16_gradient_gemms_round_dz_to_bf16(monkeypatch, T):
     ):
         assert_within(a, b, bound + 2 * u16 * (terms + b.abs() + bound), name)
     assert torch.all(got[4][vocab:] == 0), "padding rows must get zero gradient"
+
+
+def _bf16_case(T: int):
+    """bf16 operands (H 16, 40 rows of which 37 the vocabulary) through the training path in chunks of 8
+    tokens: ``(operands, got, exact, bounds)``, the loss, logprob and entropy already checked within
+    their float32 bounds and both gradients checked to be bf16."""
+    hidden, weight, labels, vocab, _ = make_case(2, T, 16, 40, 3)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    coefs = _coefs(T, 2)
+    got = _fused(hidden, weight, labels, coefs, temperature=0.8, vocab_size=vocab, chunk_tokens=8)
+    assert got[3].dtype == got[4].dtype == torch.bfloat16
+    exact = _autograd_f64(hidden, weight, labels, coefs, 0.8, vocab)
+    bounds = _bounds(hidden.double(), weight.double(), labels, coefs, 0.8, vocab, *exact[1:3])
+    for name, a, b, bound in zip(("loss", "logprob", "entropy"), got, exact, bounds):
+        assert_within(a, b, bound, name)
+    return (hidden, weight, labels, coefs, vocab), got, exact, bounds
 
 
 def _logit_grads_f64(hidden, weight, labels, coefs, temperature, vocab) -> torch.Tensor:
