@@ -18,6 +18,11 @@ from tests.actor.dist_utils import run_ranks
 from tests.actor.workers import make_grouped_batch
 
 GROUP = 2
+# The two passes pack different tokens (65 vs 36 here), so every fp32 GEMM blocks and orders its sums
+# differently, and differently again on each CPU: the gradients agree to rounding (up to 1.6e-6 of the
+# largest seen), with the same 1e-4 as the parallel layouts' parity. A row wrongly dropped or kept out of
+# the normaliser moves them by that row's share of the gradient, orders of magnitude more.
+GRAD_RTOL = 1e-4
 
 
 def grouped_batch(rewards: list[float]) -> dict:
@@ -33,7 +38,7 @@ def assert_same_update(out: dict) -> None:
     assert skip["loss_weight"] == pytest.approx(full["loss_weight"])
     scale = full["grads"].abs().max()
     assert scale > 1e-6  # a real gradient, not two zeros
-    assert (skip["grads"] - full["grads"]).abs().max() <= 1e-6 * scale
+    assert (skip["grads"] - full["grads"]).abs().max() <= GRAD_RTOL * scale
 
 
 @pytest.mark.multiproc

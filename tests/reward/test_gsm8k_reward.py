@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import pickle
 import threading
+import time
 
 import pytest
 
@@ -184,8 +185,11 @@ def test_warm_up_starts_every_worker_before_the_first_call():
     wrapper = AsyncRewardWrapper(gsm8k_reward_fn, timeout_seconds=60, max_workers=2)
     try:
         imports = wrapper.warm_up()
-        workers = spawned_children() - before
-        assert len(workers) == 2  # spawned now, not at the first call
+        # spawned now, not at the first call; a child shows spawn_main once it has exec'd
+        deadline = time.monotonic() + 30
+        while len(workers := spawned_children() - before) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(workers) == 2
         concurrent.futures.wait(imports, timeout=120)  # both import torch and megarl before any reward
         assert all(f.done() and f.exception() is None for f in imports), imports
         result = asyncio.run(wrapper("p", "\\boxed{72}", [], [], answer=GSM8K_REF))
