@@ -94,7 +94,30 @@ def probe_batch(sequences: list[list[int]]) -> dict[str, torch.Tensor]:
 
 def trainer_scores(engine, sequences: list[list[int]]) -> list[list[float]]:
     """Logprob of every token but the first of each sequence under the trainer's weights (collective)."""
-    logp = engine.eval().forward(probe_batch(sequences))  # [B, S]: position t scores token t + 1
+    return trainer_probe_scores(engine, sequences)[0]
+
+
+def trainer_probe_scores(
+    engine, sequences: list[list[int]], ids: torch.Tensor | None = None
+) -> tuple[list[list[float]], torch.Tensor | None]:
+    """One forward for the whole probe (collective): :func:`trainer_scores` and, given ``ids`` ``[B, S, K]``
+    (:func:`topk_ids`), their logprobs ``[B, S, K]`` (:func:`trainer_topk_scores`; None without ``ids``).
+    The tokens' own logprobs come from the same head pass as the candidates' (one softmax normaliser)."""
+    batch = probe_batch(sequences)
+    if ids is None:
+        logp = engine.eval().forward(batch)  # [B, S]: position t scores token t + 1
+        return _per_sequence(logp, sequences), None
+    batch["probe_ids"] = ids
+
+    def hook(head, mb: dict) -> torch.Tensor:
+        candidates = torch.cat([mb["labels"][:, None], mb["probe_ids"]], dim=1)  # the token itself first
+        return head.candidate_logprobs(candidates) * mb["label_mask"][:, None]  # [T, 1 + K]
+
+    out = engine.eval().forward(batch, hook)
+    return _per_sequence(out[..., 0], sequences), out[..., 1:]
+
+
+def _per_sequence(logp: torch.Tensor, sequences: list[list[int]]) -> list[list[float]]:
     return [logp[i, : len(seq) - 1].double().tolist() for i, seq in enumerate(sequences)]
 
 
@@ -165,13 +188,7 @@ def topk_ids(servers: dict[str, TopK], sequences: list[list[int]], k: int) -> to
 def trainer_topk_scores(engine, sequences: list[list[int]], ids: torch.Tensor) -> torch.Tensor:
     """``[B, S, K]`` logprobs of the token ids ``ids`` (from :func:`topk_ids`) under the trainer's weights
     at temperature 1, untruncated: what the servers' prompt logprobs are (collective)."""
-    batch = probe_batch(sequences)
-    batch["probe_ids"] = ids
-
-    def hook(head, mb: dict) -> torch.Tensor:
-        return head.candidate_logprobs(mb["probe_ids"]) * mb["label_mask"][:, None]  # [T, K]
-
-    return engine.eval().forward(batch, hook)
+    return trainer_probe_scores(engine, sequences, ids)[1]
 
 
 def compare_topk(trainer: torch.Tensor, servers: dict[str, TopK], k: int) -> TopKReport:

@@ -49,13 +49,13 @@ from megarl.bridge.adapter import AdapterBridge
 from megarl.bridge.bridge import UpdateReport, WeightBridge, WeightBridgeError
 from megarl.bridge.consistency import (
     ConsistencyError,
+    TopKReport,
     compare,
     compare_topk,
     sample_probe,
     topk_ids,
     topk_warning,
-    trainer_scores,
-    trainer_topk_scores,
+    trainer_probe_scores,
 )
 from megarl.bridge.interface import ServerBridge
 from megarl.bridge.source import ShardSource, TrainerCoords
@@ -353,15 +353,23 @@ class WeightSync:
             self.server_set.adapter = name
 
     def check_consistency(self) -> dict[str, float]:
-        """Probe logprobs: trainer vs every updated server; ConsistencyError above the threshold."""
+        """Probe logprobs: trainer vs every updated server; ConsistencyError above the threshold. With
+        ``probe_topk``, each server's top-k logprobs too, against the trainer's of the same tokens (a
+        warning above the gap threshold). One request per server, one trainer forward (collective)."""
         if not self.probe:
             return {}
-        scored = self._in_rotation() if self.bridge.is_driver else []
-        adapter = self.server_set.adapter if scored else None
-        futures = score_all(scored, lambda s: s.ascore(self.probe, adapter))  # servers score while the trainer does
-        ours = trainer_scores(self.engine, self.probe)
-        theirs = {address: f.result() for address, f in futures.items()} if self.bridge.is_driver else None
-        report = compare(ours, self.bridge.broadcast_object(theirs), self.config.consistency_threshold)
+        k = self.config.probe_topk
+        theirs = None
+        if self.bridge.is_driver:
+            adapter = self.server_set.adapter
+            futures = score_all(self._in_rotation(), lambda s: s.aprobe(self.probe, k, adapter))
+            theirs = {address: f.result() for address, f in futures.items()}
+        theirs = self.bridge.broadcast_object(theirs)
+        scores = {address: scored for address, (scored, _) in theirs.items()}
+        topk = {address: top for address, (_, top) in theirs.items() if top is not None}
+        ids = topk_ids(topk, self.probe, k) if topk else None
+        ours, our_topk = trainer_probe_scores(self.engine, self.probe, ids)
+        report = compare(ours, scores, self.config.consistency_threshold)
         logger.info("weight sync consistency: max |dlogp| %.4g, mean %.4g", report.max_abs, report.mean_abs)
         if not report.ok:
             raise ConsistencyError(
@@ -369,21 +377,13 @@ class WeightSync:
                 f"average (> weight_update.consistency_threshold={report.threshold}); "
                 f"(max, mean) per server: {report.per_server}"
             )
-        return {**report.as_dict(self._numbers()), **self.check_topk()}
+        stats = report.as_dict(self._numbers())
+        if topk:
+            stats.update(self._topk_stats(compare_topk(our_topk, topk, k)))
+        return stats
 
-    def check_topk(self) -> dict[str, float]:
-        """The full-distribution probe (``probe_topk``): every server's top-k logprobs at each probe
-        position against the trainer's of the same tokens; a warning above the gap threshold (collective)."""
-        k = self.config.probe_topk
-        theirs = None
-        if k > 0 and self.bridge.is_driver:
-            futures = score_all(self._in_rotation(), lambda s: s.ascore_topk(self.probe, k, self.server_set.adapter))
-            theirs = {address: f.result() for address, f in futures.items()}
-            theirs = {address: topk for address, topk in theirs.items() if topk is not None}
-        theirs = self.bridge.broadcast_object(theirs)
-        if not theirs:
-            return {}
-        report = compare_topk(trainer_topk_scores(self.engine, self.probe, topk_ids(theirs, self.probe, k)), theirs, k)
+    def _topk_stats(self, report: TopKReport) -> dict[str, float]:
+        """The full-distribution probe's figures (``probe_topk``), logged; a warning above the gap threshold."""
         logger.info("weight sync full-distribution probe: %s", report.as_dict(self._numbers()))
         threshold = self.config.gap_threshold
         message = topk_warning(report, self.config.consistency_threshold if threshold is None else threshold)

@@ -126,6 +126,15 @@ class ServerControl(abc.ABC):
         """:meth:`score_topk` on the control loop."""
         return None
 
+    async def aprobe(
+        self, sequences: list[list[int]], k: int, adapter: str | None = None
+    ) -> tuple[list[list[float]], list[list[dict[int, float]]] | None]:
+        """What the consistency probe asks a server after an update: :meth:`ascore` of ``sequences`` and,
+        with ``k`` > 0, :meth:`ascore_topk` (None where ``k`` is 0 or the server cannot say). A family whose
+        server answers both in one request overrides this."""
+        scores = await self.ascore(sequences, adapter)
+        return scores, (await self.ascore_topk(sequences, k, adapter) if k > 0 else None)
+
     async def _ajson(self, route: str, payload: Any = None, method: str = "POST") -> Any:
         """``method`` ``route`` with the JSON ``payload`` over the control loop's connections (call on that
         loop); the decoded JSON reply. :class:`ServerControlError` names why it failed (within :attr:`timeout`)."""

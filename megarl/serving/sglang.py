@@ -31,6 +31,7 @@ half-updated, and the bridge marks it unhealthy.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import sys
@@ -377,9 +378,8 @@ class SGLangControl(ServerControl):
             body["lora_path"] = adapter
         return body
 
-    async def _input_logprobs(self, seq: list[int], field: str, k: int, adapter: str | None) -> list:
+    def _positions(self, seq: list[int], reply: Any, field: str) -> list:
         """``meta_info[field]`` of the reply scoring ``seq``, past its first token (which has none)."""
-        reply = await self._ajson("/generate", self.score_payload(seq, k, adapter))
         try:
             entries = reply["meta_info"][field][1:]
         except (KeyError, IndexError, TypeError) as e:
@@ -390,26 +390,34 @@ class SGLangControl(ServerControl):
             )
         return entries
 
+    async def _probe_one(self, seq: list[int], k: int, adapter: str | None) -> tuple[list[float], list | None]:
+        """One ``/generate`` scoring ``seq``: each token's logprob (``input_token_logprobs``, entries of
+        (logprob, token_id, text or None)) and, with ``k`` > 0, the k most likely tokens at each position,
+        most likely first (``input_top_logprobs``, ``TokenizerManager.add_logprob_to_meta_info``)."""
+        reply = await self._ajson("/generate", self.score_payload(seq, k, adapter))
+        field = "input_token_logprobs"
+        try:
+            scores = [float(e[0]) for e in self._positions(seq, reply, field)]
+            if k <= 0:
+                return scores, None
+            field = "input_top_logprobs"
+            tops = self._positions(seq, reply, field)
+            return scores, [{int(tok): float(logprob) for logprob, tok, _ in entry[:k]} for entry in tops]
+        except (IndexError, TypeError, ValueError) as e:
+            raise ServerControlError(self.address, "/generate", f"malformed {field} ({e})") from None
+
+    async def aprobe(
+        self, sequences: list[list[int]], k: int, adapter: str | None = None
+    ) -> tuple[list[list[float]], list[list[dict[int, float]]] | None]:
+        """One ``/generate`` per sequence, all at once, each answering both the scores and the top k."""
+        replies = await asyncio.gather(*(self._probe_one(seq, k, adapter) for seq in sequences))
+        scores = [scored for scored, _ in replies]
+        return scores, [top for _, top in replies] if k > 0 else None
+
     async def ascore(self, sequences: list[list[int]], adapter: str | None = None) -> list[list[float]]:
-        out = []
-        for seq in sequences:
-            entries = await self._input_logprobs(seq, "input_token_logprobs", 0, adapter)
-            try:  # each entry is (logprob, token_id, text or None)
-                out.append([float(e[0]) for e in entries])
-            except (IndexError, TypeError, ValueError) as e:
-                raise ServerControlError(self.address, "/generate", f"malformed input_token_logprobs ({e})") from None
-        return out
+        return (await self.aprobe(sequences, 0, adapter))[0]
 
     async def ascore_topk(
         self, sequences: list[list[int]], k: int, adapter: str | None = None
     ) -> list[list[dict[int, float]]]:
-        """``top_logprobs_num: k``: SGLang returns, per input position, its k most likely tokens as
-        (logprob, token_id, text or None), most likely first (``TokenizerManager.add_logprob_to_meta_info``)."""
-        out = []
-        for seq in sequences:
-            entries = await self._input_logprobs(seq, "input_top_logprobs", k, adapter)
-            try:
-                out.append([{int(tok): float(logprob) for logprob, tok, _ in entry[:k]} for entry in entries])
-            except (IndexError, TypeError, ValueError) as e:
-                raise ServerControlError(self.address, "/generate", f"malformed input_top_logprobs ({e})") from None
-        return out
+        return (await self.aprobe(sequences, k, adapter))[1]

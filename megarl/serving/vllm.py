@@ -412,33 +412,29 @@ class VLLMControl(ServerControl):
         return {"lora_name": name, "lora_path": path, "load_inplace": True}
 
     async def ascore(self, sequences: list[list[int]], adapter: str | None = None) -> list[list[float]]:
-        out = []
-        for seq in sequences:
-            entries = await self._prompt_logprobs(seq, 0, adapter)
-            try:
-                out.append([float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, seq[1:])])
-            except (KeyError, IndexError, TypeError) as e:
-                raise ServerControlError(
-                    self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})"
-                ) from None
-        return out
+        return (await self.aprobe(sequences, 0, adapter))[0]
 
     async def ascore_topk(
         self, sequences: list[list[int]], k: int, adapter: str | None = None
     ) -> list[list[dict[int, float]]]:
         """``prompt_logprobs: k``: vLLM returns the top k (and the prompt's own token) per position, raw
         (prompt tokens skip the sampler's processing whatever ``--logprobs-mode`` says)."""
-        out = []
-        for seq in sequences:
+        return (await self.aprobe(sequences, k, adapter))[1]
+
+    async def aprobe(
+        self, sequences: list[list[int]], k: int, adapter: str | None = None
+    ) -> tuple[list[list[float]], list[list[dict[int, float]]] | None]:
+        """One ``/v1/completions`` request for every sequence, ``prompt_logprobs: k``: each position's
+        entry holds the prompt's own token (its score) and, with ``k`` > 0, the top k."""
+        scores, topk = [], []
+        for seq, entries in zip(sequences, await self._prompt_logprobs(sequences, k, adapter)):
             try:
-                positions = []
-                for entry in await self._prompt_logprobs(seq, k, adapter):
-                    top = sorted(entry.items(), key=lambda kv: kv[1]["rank"])[:k]
-                    positions.append({int(tok): float(v["logprob"]) for tok, v in top})
+                scores.append([float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, seq[1:])])
+                if k > 0:
+                    topk.append([_top(entry, k) for entry in entries])
             except (KeyError, ValueError, AttributeError, TypeError) as e:
                 raise ServerControlError(self.address, "/v1/completions", f"malformed prompt_logprobs ({e})") from None
-            out.append(positions)
-        return out
+        return scores, topk if k > 0 else None
 
     async def _model_name(self, adapter: str | None) -> str:
         """The model a request names: the LoRA ``adapter``, else the server's (base) model."""
@@ -449,20 +445,36 @@ class VLLMControl(ServerControl):
             self._model = reply["data"][0]["id"]
         return self._model
 
-    async def _prompt_logprobs(self, seq: list[int], k: int, adapter: str | None) -> list:
-        """The reply's ``prompt_logprobs`` of ``seq`` past its first token (``k`` top logprobs each)."""
+    async def _prompt_logprobs(self, sequences: list[list[int]], k: int, adapter: str | None) -> list[list]:
+        """Per sequence, the reply's ``prompt_logprobs`` past its first token (``k`` top logprobs each):
+        one request with every sequence as a prompt of its own (choices come in the prompts' order)."""
         payload = {
             "model": await self._model_name(adapter),
-            "prompt": list(seq),
+            "prompt": [list(seq) for seq in sequences],
             "max_tokens": 1,
             "temperature": 1.0,
             "prompt_logprobs": k,
         }
         reply = await self._ajson("/v1/completions", payload)
         try:
-            return reply["choices"][0]["prompt_logprobs"][1:]
+            choices = sorted(reply["choices"], key=lambda choice: choice["index"])
+            entries = [choice["prompt_logprobs"][1:] for choice in choices]
         except (KeyError, IndexError, TypeError) as e:
             raise ServerControlError(self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})") from None
+        lengths = [len(e) for e in entries]
+        if lengths != [len(seq) - 1 for seq in sequences]:
+            raise ServerControlError(
+                self.address,
+                "/v1/completions",
+                f"prompt_logprobs for {lengths} positions, asked for {[len(seq) - 1 for seq in sequences]}",
+            )
+        return entries
+
+
+def _top(entry: dict, k: int) -> dict[int, float]:
+    """The ``k`` most likely tokens of one ``prompt_logprobs`` entry, most likely first: {token id: logprob}."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1]["rank"])[:k]
+    return {int(tok): float(value["logprob"]) for tok, value in ranked}
 
 
 def running_requests(address: str) -> int | None:

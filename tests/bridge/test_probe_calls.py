@@ -10,6 +10,7 @@ import threading
 import pytest
 from aiohttp import web
 
+from megarl.serving.control_loop import control_loop
 from megarl.serving.http import ServerControlError
 from megarl.serving.vllm import VLLMControl
 from megarl.utils.network import find_free_port
@@ -21,6 +22,7 @@ class VLLMScorer:
 
     def __init__(self):
         self.peers: set = set()
+        self.requests: list = []
         self.port = find_free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -46,14 +48,26 @@ class VLLMScorer:
     async def completions(self, request):
         self.peers.add(request.transport.get_extra_info("peername"))
         body = await request.json()
-        prompt = body["prompt"]
-        if prompt[0] == 666:
+        prompts, k = body["prompt"], body["prompt_logprobs"]
+        if prompts[0][0] == 666:
             return web.Response(status=500, text="engine dead")
-        if prompt[0] == 777:
+        if prompts[0][0] == 777:
             return web.Response(text="<html>proxy error</html>")
-        assert body["model"] == "policy" and body["prompt_logprobs"] == 0
-        entries = [None] + [{str(t): {"logprob": -t / 100, "rank": 1}} for t in prompt[1:]]
-        return web.json_response({"choices": [{"prompt_logprobs": entries}]})
+        assert body["model"] == "policy"
+        self.requests.append(prompts)
+        choices = [
+            {"index": i, "prompt_logprobs": [None] + [self.entry(t, k) for t in prompt[1:]]}
+            for i, prompt in enumerate(prompts)
+        ]
+        if prompts[0][0] == 888:  # one position short
+            choices[0]["prompt_logprobs"].pop()
+        return web.json_response({"choices": choices[::-1]})  # any order: each names its prompt
+
+    @staticmethod
+    def entry(token: int, k: int) -> dict:
+        """The prompt token's own logprob (ranked below the top k) and the top k: tokens 1001.. at -j / 10."""
+        top = {str(1000 + j): {"logprob": -j / 10, "rank": j} for j in range(k, 0, -1)}
+        return {**top, str(token): {"logprob": -token / 100, "rank": k + 1}}
 
     def stop(self):
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self._loop).result(10)
@@ -71,7 +85,18 @@ def test_scores_come_back_over_one_kept_connection(scorer):
     control = VLLMControl(scorer.address, tp=1, timeout=30)
     for _ in range(3):
         assert control.score([[1, 20, 30], [5, 7]]) == [[-0.2, -0.3], [-0.07]]
-    assert len(scorer.peers) == 1, f"{len(scorer.peers)} connections for 7 calls"
+    assert len(scorer.peers) == 1, f"{len(scorer.peers)} connections for 4 calls"
+    assert scorer.requests == [[[1, 20, 30], [5, 7]]] * 3  # both sequences in one request
+
+
+def test_one_request_scores_the_probe_and_its_top_k(scorer):
+    control = VLLMControl(scorer.address, tp=1, timeout=30)
+    scores, topk = control_loop().run(control.aprobe([[1, 20, 30], [5, 7]], 2))
+    assert scores == [[-0.2, -0.3], [-0.07]]
+    assert topk == [[{1001: -0.1, 1002: -0.2}] * 2, [{1001: -0.1, 1002: -0.2}]]
+    assert list(topk[0][0]) == [1001, 1002]  # most likely first
+    assert len(scorer.requests) == 1
+    assert control.score_topk([[5, 7]], 1) == [[{1001: -0.1}]]
 
 
 def test_a_bad_reply_is_named(scorer):
@@ -80,6 +105,8 @@ def test_a_bad_reply_is_named(scorer):
         control.score([[666, 1]])
     with pytest.raises(ServerControlError, match="reply is not JSON: b'<html>proxy error"):
         control.score([[777, 1]])
+    with pytest.raises(ServerControlError, match=r"prompt_logprobs for \[0, 1\] positions, asked for \[1, 1\]"):
+        control.score([[888, 1], [2, 3]])
 
 
 def test_a_server_that_does_not_listen_is_named_unreachable():

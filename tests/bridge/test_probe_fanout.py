@@ -52,8 +52,7 @@ def _server(address: str, in_flight: InFlight | None = None) -> SimpleNamespace:
 
     return SimpleNamespace(
         address=address,
-        ascore=lambda seqs, adapter: call([[-1.0, -1.0, -1.0]]),
-        ascore_topk=lambda seqs, k, adapter: call([[dict(p) for p in TOPK[0]]]),
+        aprobe=lambda seqs, k, adapter: call(([[-1.0, -1.0, -1.0]], [[dict(p) for p in TOPK[0]]] if k else None)),
     )
 
 
@@ -69,9 +68,12 @@ def _sync(monkeypatch, servers, unhealthy=(), probe_topk: int = 2) -> sync_mod.W
     sync.plan = UpdatePlan(order, [a for a in order if a not in unhealthy], [])
     connected = [s for s in servers if s.address not in unhealthy]
     sync.bridge = SimpleNamespace(is_driver=True, servers=connected, broadcast_object=lambda obj: obj)
-    monkeypatch.setattr(sync_mod, "trainer_scores", lambda engine, seqs: [[-1.0, -1.0, -1.0]])
     ours = torch.tensor([[list(p.values()) for p in TOPK[0]] + [[0.0, 0.0]]])  # [1, 4, 2]: one server's
-    monkeypatch.setattr(sync_mod, "trainer_topk_scores", lambda engine, seqs, ids: ours.repeat(1, 1, len(connected)))
+
+    def trainer_probe_scores(engine, seqs, ids):
+        return [[-1.0, -1.0, -1.0]], None if ids is None else ours.repeat(1, 1, len(connected))
+
+    monkeypatch.setattr(sync_mod, "trainer_probe_scores", trainer_probe_scores)
     return sync
 
 
@@ -86,7 +88,7 @@ def test_every_server_scores_the_probe_at_once(monkeypatch):
 def test_every_server_scores_its_top_k_at_once(monkeypatch):
     in_flight = InFlight(N)
     sync = _sync(monkeypatch, [_server(f"10.0.0.{i}:8000", in_flight) for i in range(N)])
-    stats = sync.check_topk()
+    stats = sync.check_consistency()
     assert in_flight.most == N, f"{in_flight.most} of {N} servers scored their top-k at once"
     assert stats["topk_logprob_diff_max"] == pytest.approx(0.0, abs=1e-6) and f"server{N - 1}/topk_kl" in stats
 

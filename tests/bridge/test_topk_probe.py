@@ -98,25 +98,21 @@ def _sync_with_probe(monkeypatch, probe_topk: int, offset: float):
     probe = [[5, 6, 7, 8]]
     topk = [[{1: -0.5, 2: -1.5}, {3: -0.7, 4: -1.0}, {1: -0.2, 4: -2.0}]]
 
-    async def ascore(seqs, adapter):
-        return [[-1.0, -1.0, -1.0]]
+    async def aprobe(seqs, k, adapter):
+        return [[-1.0, -1.0, -1.0]], [[dict(p) for p in topk[0]]] if k else None
 
-    async def ascore_topk(seqs, k, adapter):
-        return [[dict(p) for p in topk[0]]]
-
-    server = SimpleNamespace(address="s", ascore=ascore, ascore_topk=ascore_topk)
+    server = SimpleNamespace(address="s", aprobe=aprobe)
     sync = sync_mod.WeightSync.__new__(sync_mod.WeightSync)
     sync.config = WeightUpdateConfig(probe_topk=probe_topk, gap_threshold=0.1)
     sync.probe, sync.engine = probe, None
     sync.server_set, sync.plan = ServerSet.of(["s"]), UpdatePlan(["s"], ["s"], [])
     sync.bridge = SimpleNamespace(is_driver=True, servers=[server], broadcast_object=lambda obj: obj)
-    monkeypatch.setattr(sync_mod, "trainer_scores", lambda engine, seqs: [[-1.0, -1.0, -1.0]])
 
-    def trainer_topk(engine, seqs, ids):
+    def trainer_probe_scores(engine, seqs, ids):
         values = torch.tensor([[list(p.values()) for p in topk[0]] + [[0.0, 0.0]]])  # [1, 4, 2]
-        return values + offset
+        return [[-1.0, -1.0, -1.0]], None if ids is None else values + offset
 
-    monkeypatch.setattr(sync_mod, "trainer_topk_scores", trainer_topk)
+    monkeypatch.setattr(sync_mod, "trainer_probe_scores", trainer_probe_scores)
     return sync
 
 
@@ -137,6 +133,7 @@ def test_sglang_top_logprobs_reply_becomes_the_probe_topk(monkeypatch):
     (sglang/srt/managers/tokenizer_manager.py, ``detokenize_top_logprobs_tokens``)."""
     from megarl.serving import sglang
     from megarl.serving.control import ServerControlError
+    from megarl.serving.control_loop import control_loop
 
     replies = {
         (1, 2, 3): [None, [[-0.1, 2, None], [-2.5, 9, None]], [[-0.3, 5, "x"], [-1.4, 3, "y"]]],
@@ -146,11 +143,16 @@ def test_sglang_top_logprobs_reply_becomes_the_probe_topk(monkeypatch):
 
     async def ajson(self, route, payload):
         sent.append(payload)
-        return {"meta_info": {"input_top_logprobs": replies[tuple(payload["input_ids"])]}}
+        ids = payload["input_ids"]
+        own = [None] + [[-0.5 * t, t, None] for t in ids[1:]]
+        return {"meta_info": {"input_token_logprobs": own, "input_top_logprobs": replies[tuple(ids)]}}
 
     monkeypatch.setattr(sglang.SGLangControl, "_ajson", ajson)
     control = sglang.SGLangControl("127.0.0.1:1", 1)
     assert control.score_topk([[1, 2, 3]], 2) == [[{2: -0.1, 9: -2.5}, {5: -0.3, 3: -1.4}]]
     assert sent[0]["top_logprobs_num"] == 2 and sent[0]["logprob_start_len"] == 0
+    sent.clear()  # the probe's scores and top k come from the same request
+    scores, topk = control_loop().run(control.aprobe([[1, 2, 3]], 2))
+    assert (scores, topk) == ([[-1.0, -1.5]], [[{2: -0.1, 9: -2.5}, {5: -0.3, 3: -1.4}]]) and len(sent) == 1
     with pytest.raises(ServerControlError, match="input_top_logprobs has 0 positions for 1 tokens"):
         control.score_topk([[1, 2]], 2)
