@@ -140,11 +140,15 @@ class WeightSync:
         *,
         backend: str = "vllm",
         tp: int = 1,
+        server_tp: dict[str, int] | None = None,
     ):
         from megarl.models.hf_io import SafetensorsReader
 
         self.engine, self.config, self.server_set, self.rollout = engine, config, servers, rollout
         self.backend, self.tp = backend, tp
+        self.server_tp = server_tp or {}
+        """The TP size of each server named at connect (``connect_engine(..., servers=...)``, which may differ
+        from server to server); the others (the rollout side's, restarted or joined) have ``tp``."""
         coords = TrainerCoords.from_parallel(engine.parallel)
         device = next(p for chunk in engine.model for p in chunk.parameters()).device
         self.adapters = engine.config.lora.enabled and config.lora == "adapter"
@@ -181,9 +185,10 @@ class WeightSync:
     def _servers(self, addresses: list[str]) -> list[ServerControl] | list[ServerRef]:
         """The servers at ``addresses`` for the bridge: rank 0's control handles from the server set (it
         calls the servers), the other ranks' family, address and TP size (they form groups and send)."""
+        tps = [self.server_tp.get(a, self.tp) for a in addresses]
         if self.bridge.is_driver:
-            return self.server_set.controls(addresses, self.tp, self.config.update_timeout)
-        return [server_ref(self.backend, a, self.tp) for a in addresses]
+            return self.server_set.controls(addresses, tps, self.config.update_timeout)
+        return [server_ref(self.backend, a, tp) for a, tp in zip(addresses, tps)]
 
     def connect(self, plan: UpdatePlan | None = None) -> None:
         """Form the groups with ``plan``'s targets (None: ask for a plan) (collective), then sample the
@@ -444,19 +449,19 @@ def connect_engine(
     """Build the trainer's connection to the servers once (collective) and return it.
 
     Rank 0 asks its rollout side's servers (:attr:`RolloutControl.servers`), each of TP
-    ``meta.inference_tp``; ``servers`` (rank 0, without a rollout side) names them instead. Every rank
-    learns the servers' family and TP size from rank 0.
+    ``meta.inference_tp``; ``servers`` (rank 0, without a rollout side) names them instead, each with its
+    own TP size. Every rank learns the servers' family and TP sizes from rank 0.
     """
     server_set, family = None, None
     if _rank() == 0:
         server_set = _server_set(rollout, servers)
-        family = (server_set.backend.name, servers[0].tp if servers else meta.inference_tp)
+        family = (server_set.backend.name, meta.inference_tp, {s.address: s.tp for s in servers or []})
     if dist.is_initialized():
         box = [family]
         dist.broadcast_object_list(box, src=0)
         family = box[0]
-    backend, tp = family
-    sync = WeightSync(engine, meta.config, server_set, rollout, backend=backend, tp=tp)
+    backend, tp, server_tp = family
+    sync = WeightSync(engine, meta.config, server_set, rollout, backend=backend, tp=tp, server_tp=server_tp)
     sync.connect()
     return sync
 

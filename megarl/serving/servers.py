@@ -378,11 +378,11 @@ class ServerSet:
         for address in (a for a in updated if a in held):
             self.mark_healthy(address)
 
-    def controls(self, addresses: list[str], tp: int, timeout: float) -> list[ServerControl]:
-        """The trainer's control handle on each of ``addresses`` (TP size ``tp``, calls bounded by ``timeout``
-        s), made once per server: a handle keeps what it learned (the model's name, its update groups)."""
+    def controls(self, addresses: list[str], tps: list[int], timeout: float) -> list[ServerControl]:
+        """The trainer's control handle on each of ``addresses`` (of TP size ``tps[i]``, calls bounded by
+        ``timeout`` s), made once per server: a handle keeps what it learned (the model's name, its update groups)."""
         by_address = {s.address: s for s in self._servers}
-        for address in addresses:
+        for address, tp in zip(addresses, tps, strict=True):
             server = by_address[address]
             if server.control is None:
                 server.control = make_control(self.backend.name, address, tp, timeout)

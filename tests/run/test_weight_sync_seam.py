@@ -94,6 +94,7 @@ def _sync(rollout: RolloutControl, updated, failed=None, driver=True, servers_pa
     sync.bridge = _Bridge(updated, failed or {})
     sync.bridge.is_driver = driver
     sync.servers_pause_themselves = servers_pause_themselves
+    sync.server_tp = {}
     return sync
 
 
@@ -209,3 +210,15 @@ def test_ranks_other_than_0_know_the_servers_without_a_control_handle(backend, o
     controls = sync._servers(["a:1", "b:1"])
     assert [type(c).__name__ for c in controls] == ["VLLMControl"] * 2  # the rollout side's family
     assert controls == sync._servers(["a:1", "b:1"])  # made once per server
+
+
+def test_servers_of_different_tp_sizes_are_each_known_by_their_own():
+    """Servers named at connect with their own TP sizes (one of TP 1, one of TP 2): each rank knows each
+    server's size (the TP-2 server's second worker got no receive spec when the first one's size was
+    taken for all); a server not named then has the run's size."""
+    sync = _sync(FakeRollout(), updated=["a:1", "b:1"], driver=False)
+    sync.backend, sync.tp, sync.server_tp = "vllm", 1, {"a:1": 1, "b:1": 2}
+    assert [ref.tp for ref in sync._servers(["b:1", "a:1", "c:1"])] == [2, 1, 1]
+    sync.bridge.is_driver = True
+    sync.config.update_timeout = 5.0
+    assert [control.tp for control in sync._servers(["b:1", "a:1"])] == [2, 1]
