@@ -365,13 +365,19 @@ class SimServer(FakeServer):
         return await super().generate(request)
 
     def _vllm_scores(self, body: dict) -> dict:
-        seq, k = body["prompt"], int(body["prompt_logprobs"])
-        entries: list = [None]
-        for tok, (lp, top) in zip(seq[1:], self.scorer.logprobs(self.weights, seq, k), strict=True):
-            ranked = {str(t): {"logprob": v, "rank": r + 1} for r, (t, v) in enumerate(top.items())}
-            ranked.setdefault(str(tok), {"logprob": lp, "rank": k + 1})
-            entries.append(ranked)
-        return {"choices": [{"index": 0, "token_ids": [EOS], "prompt_logprobs": entries, "finish_reason": "length"}]}
+        """As vLLM's ``/v1/completions`` with ``prompt_logprobs``: one choice per prompt (a prompt of token ids,
+        or a list of them), each position's own token and its top k."""
+        prompts, k = body["prompt"], int(body["prompt_logprobs"])
+        prompts = prompts if prompts and isinstance(prompts[0], list) else [prompts]
+        choices = []
+        for index, seq in enumerate(prompts):
+            entries: list = [None]
+            for tok, (lp, top) in zip(seq[1:], self.scorer.logprobs(self.weights, seq, k), strict=True):
+                ranked = {str(t): {"logprob": v, "rank": r + 1} for r, (t, v) in enumerate(top.items())}
+                ranked.setdefault(str(tok), {"logprob": lp, "rank": k + 1})
+                entries.append(ranked)
+            choices.append({"index": index, "token_ids": [EOS], "prompt_logprobs": entries, "finish_reason": "length"})
+        return {"choices": choices}
 
     def _sglang_scores(self, body: dict) -> dict:
         seq, k = body["input_ids"], int(body.get("top_logprobs_num", 0))
