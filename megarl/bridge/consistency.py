@@ -92,17 +92,13 @@ def probe_batch(sequences: list[list[int]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def trainer_scores(engine, sequences: list[list[int]]) -> list[list[float]]:
-    """Logprob of every token but the first of each sequence under the trainer's weights (collective)."""
-    return trainer_probe_scores(engine, sequences)[0]
-
-
 def trainer_probe_scores(
     engine, sequences: list[list[int]], ids: torch.Tensor | None = None
 ) -> tuple[list[list[float]], torch.Tensor | None]:
-    """One forward for the whole probe (collective): :func:`trainer_scores` and, given ``ids`` ``[B, S, K]``
-    (:func:`topk_ids`), their logprobs ``[B, S, K]`` (:func:`trainer_topk_scores`; None without ``ids``).
-    The tokens' own logprobs come from the same head pass as the candidates' (one softmax normaliser)."""
+    """One forward for the whole probe under the trainer's weights (collective): the logprob of every token
+    but the first of each sequence and, given ``ids`` ``[B, S, K]`` (:func:`topk_ids`), those candidates'
+    logprobs ``[B, S, K]`` at temperature 1, untruncated, as the servers' prompt logprobs are (None without
+    ``ids``). The tokens' own logprobs come from the same head pass as the candidates' then."""
     batch = probe_batch(sequences)
     if ids is None:
         logp = engine.eval().forward(batch)  # [B, S]: position t scores token t + 1
@@ -185,15 +181,9 @@ def topk_ids(servers: dict[str, TopK], sequences: list[list[int]], k: int) -> to
     return ids
 
 
-def trainer_topk_scores(engine, sequences: list[list[int]], ids: torch.Tensor) -> torch.Tensor:
-    """``[B, S, K]`` logprobs of the token ids ``ids`` (from :func:`topk_ids`) under the trainer's weights
-    at temperature 1, untruncated: what the servers' prompt logprobs are (collective)."""
-    return trainer_probe_scores(engine, sequences, ids)[1]
-
-
 def compare_topk(trainer: torch.Tensor, servers: dict[str, TopK], k: int) -> TopKReport:
     """The :class:`TopKReport` of each server's top-k against the trainer's logprobs ``trainer`` [B, S, K]
-    of the same tokens (:func:`trainer_topk_scores` of :func:`topk_ids`)."""
+    of the same tokens (:func:`trainer_probe_scores` of :func:`topk_ids`)."""
     report = TopKReport(k=k)
     for i, (address, topk) in enumerate(servers.items()):
         ours, theirs = [], []

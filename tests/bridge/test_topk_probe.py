@@ -18,15 +18,15 @@ SEQUENCES = [[1, 9, 42, 7, 300, 5, 77, 12, 999, 4, 8, 16], [1, 2, 3, 4, 5, 6, 7,
 
 def trainer_topk(model_dir: str, sequences: list[list[int]], ids: torch.Tensor) -> dict:
     """A real fp32 MegatronEngine's probe scores of ``ids``, then after scaling its weights by 1.05."""
-    from megarl.bridge.consistency import trainer_topk_scores
+    from megarl.bridge.consistency import trainer_probe_scores
     from tests.actor.workers import _engine
 
     engine = _engine(model_dir, "d1p1t1")
-    same = trainer_topk_scores(engine, sequences, ids)
+    same = trainer_probe_scores(engine, sequences, ids)[1]
     with torch.no_grad():
         for param in engine.model[0].parameters():
             param.mul_(1.05)
-    return {"same": same, "changed": trainer_topk_scores(engine, sequences, ids)}
+    return {"same": same, "changed": trainer_probe_scores(engine, sequences, ids)[1]}
 
 
 @pytest.mark.vllm

@@ -201,7 +201,7 @@ def e2e_sync(
 ) -> list[dict]:
     """Per mode: one optimizer step, the servers' probe mismatch before the update, then ``update_weights``."""
     from megarl.actor.engine import MegatronEngine
-    from megarl.bridge.consistency import compare, trainer_scores
+    from megarl.bridge.consistency import compare, trainer_probe_scores
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.train import OptimizerConfig
     from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
@@ -231,7 +231,7 @@ def e2e_sync(
     out = []
     for version, mode in enumerate(modes, start=1):
         engine.train_batch(batch, nll_loss, lambda mb: float(mb["label_mask"].sum()))
-        ours = trainer_scores(engine, sync.probe)
+        ours = trainer_probe_scores(engine, sync.probe)[0]
         theirs = {s.address: s.score(sync.probe) for s in controls} if dist.get_rank() == 0 else None
         before = sync.bridge.broadcast_object(theirs)
         stats = sync.update_weights(WeightUpdateMeta(config, version=version, mode=mode))
@@ -251,7 +251,7 @@ def e2e_modes_same_weights(
 ) -> dict:
     """``steps`` optimizer steps, then the same weights through every mode: servers' probe scores per mode."""
     from megarl.actor.engine import MegatronEngine
-    from megarl.bridge.consistency import compare, trainer_scores
+    from megarl.bridge.consistency import compare, trainer_probe_scores
     from megarl.config.bridge import WeightUpdateConfig
     from megarl.config.train import OptimizerConfig
     from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
@@ -277,7 +277,7 @@ def e2e_modes_same_weights(
     batch = make_batch([32, 24, 40, 16], seed=1, vocab=engine.desc.dims.vocab_size)
     for _ in range(steps):
         engine.train_batch(batch, nll_loss, lambda mb: float(mb["label_mask"].sum()))
-    ours = trainer_scores(engine, sync.probe)
+    ours = trainer_probe_scores(engine, sync.probe)[0]
     scores = lambda: sync.bridge.broadcast_object(
         [s.score(sync.probe) for s in controls] if dist.get_rank() == 0 else None
     )
