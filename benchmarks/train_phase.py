@@ -370,7 +370,9 @@ CLI_OPTIONS = {"--dtype": (DTYPES_ENV, DTYPE_CHOICES)}
 
 def run(quick: bool, on_rows=None) -> list[dict]:
     from megarl.models import resolve_model_path
+    from megarl.utils.threads import set_compute_threads
 
+    set_compute_threads(torch.get_num_threads())  # as the trainer does: one OpenMP team in the process
     steps = 2 if quick else 5
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

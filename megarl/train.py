@@ -67,7 +67,7 @@ from megarl.utils.console import Console, Progress, open_console, record_stop
 from megarl.utils.gc_pauses import freeze_startup_objects
 from megarl.utils.memory import PeakRSS, release_freed_memory
 from megarl.utils.mpi import discover_ranks
-from megarl.utils.threads import TrainerThreads
+from megarl.utils.threads import TrainerThreads, set_compute_threads
 
 logger = logging.getLogger("megarl.train")
 
@@ -450,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"megarl.train: unexpected arguments {rest}; overrides are key.path=value")
     check_open_files(config)  # on this node, before the build: RLIMIT_NOFILE raised for the pool's connections
     discover_ranks()  # under mpirun: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI (torchrun sets them itself)
+    if config.device == "cpu":  # before gloo's and the rollout's threads run torch work: one OpenMP team
+        set_compute_threads(torch.get_num_threads())
     load_run_key(config.run_dir)  # started by hand without $MEGARL_API_KEY: the key megarl serve made there
     rank = int(os.environ.get("RANK", "0"))
     log_name = "trainer.log" if rank == 0 else f"trainer-rank{rank}.log"  # one writer per file, on any filesystem

@@ -35,6 +35,15 @@ def servers_on_every_core(config: GRPOConfig) -> bool:
     return config.device == "cpu" and (config.cluster.cpu_threads == "shared" or config.allocation.colocated)
 
 
+SHARED_CORES_NICE = 10
+"""CPU priority (``nice``) of a server that shares its cores with the trainer (:func:`servers_on_every_core`).
+
+A vLLM worker that has just answered busy-waits (``sched_yield``) for about a second before it sleeps,
+which is when the trainer starts its update: that second ran at a fraction of its speed, ~15% of the
+arithmetic job's train phase on a 2-core CPU. At nice 10 the trainer's threads win the cores whenever
+both want them; a server alone (while it generates, the trainer waits) still has them all."""
+
+
 def server_spec(
     config: GRPOConfig,
     index: int,
@@ -57,6 +66,16 @@ def server_spec(
         config.device == "cuda" and len(devices) > inference.devices_per_server
     ):
         raise ValueError(f"server {index} needs {inference.devices_per_server} devices, got {devices}")
+    spec = _backend_spec(config, index, devices, host, port, insecure)
+    if servers_on_every_core(config):
+        spec.nice = SHARED_CORES_NICE
+    return spec
+
+
+def _backend_spec(
+    config: GRPOConfig, index: int, devices: list[int], host: str, port: int, insecure: bool
+) -> LaunchSpec:
+    inference = config.allocation.inference
     model = resolve_model_path(config.actor.path)
     lora_rank = config.actor.lora.rank if config.adapter_sync else 0
     if inference.backend == "vllm":

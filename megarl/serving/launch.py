@@ -43,6 +43,8 @@ class LaunchSpec:
     host: str = "127.0.0.1"
     port: int = 0
     health_endpoint: str = "/health"
+    nice: int = 0
+    """CPU priority below this process's (``nice``; Linux): the server's whole process tree runs at it."""
 
     @property
     def address(self) -> str:
@@ -78,7 +80,9 @@ class InferenceServer:
         env = {**os.environ, **self.spec.env}
         logger.info("starting %s at %s (log %s): %s", self.name, self.address, self.log_path, " ".join(self.spec.cmd))
         with open(self.log_path, "ab") as log:
-            self.proc = Child(self.spec.cmd, env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = Child(
+                self.spec.cmd, env, nice=self.spec.nice, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         return self
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:

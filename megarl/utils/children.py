@@ -27,10 +27,10 @@ from megarl.utils.process import LaunchMark, cancel_kill_on_exit, kill_on_exit, 
 class Child:
     """One started command (see the module doc); ``popen_kwargs`` go to ``subprocess.Popen``."""
 
-    def __init__(self, cmd: Sequence[str], env: dict[str, str] | None = None, **popen_kwargs):
+    def __init__(self, cmd: Sequence[str], env: dict[str, str] | None = None, nice: int = 0, **popen_kwargs):
         self.mark = LaunchMark.new()
         env = {**(os.environ if env is None else env), **self.mark.env}
-        self.popen = keeper.spawn(cmd, env=env, **popen_kwargs)
+        self.popen = keeper.spawn(cmd, env=env, nice=nice, **popen_kwargs)
         kill_on_exit(self.popen)
         self._stopped = False
 

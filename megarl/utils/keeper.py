@@ -11,7 +11,9 @@ small process between the caller and the command that
   out of any process group the caller could signal) are reached;
 * when the command exits, stops what it left behind and exits with the command's status (killed by
   the same signal when the command was);
-* passes SIGTERM, SIGINT and SIGHUP on to the command, which gets SIGTERM if the keeper itself dies.
+* passes SIGTERM, SIGINT and SIGHUP on to the command, which gets SIGTERM if the keeper itself dies;
+* with ``nice``, lowers the CPU priority of the session it leads, and so of the whole tree (see
+  :func:`lower_priority`).
 
 Why a process and not ``PR_SET_PDEATHSIG`` on the child alone: the setting is not inherited through
 ``fork``, so it would reach vLLM's server and torchrun but not the engine core or the ranks they start,
@@ -74,20 +76,37 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(errno, f"prctl({option}, {value}): {os.strerror(errno)}")
 
 
-def kept(cmd: Sequence[str]) -> list[str]:
-    """``cmd`` run under a keeper that ends it (and all it starts) when this process dies."""
+def kept(cmd: Sequence[str], nice: int = 0) -> list[str]:
+    """``cmd`` run under a keeper that ends it (and all it starts) when this process dies, at ``nice``."""
     if not supported():
         return list(cmd)
-    return [sys.executable, "-m", __name__, str(os.getpid()), "--", *cmd]
+    return [sys.executable, "-m", __name__, str(os.getpid()), *(["--nice", str(nice)] if nice else []), "--", *cmd]
 
 
-def spawn(cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+def spawn(cmd: Sequence[str], nice: int = 0, **popen_kwargs) -> subprocess.Popen:
     """``subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)`` under a keeper (module docstring).
 
     The ``Popen``'s pid is the keeper's: signals to it reach ``cmd``, its exit status is ``cmd``'s, and
-    it leads the new session and process group, which ``cmd`` shares.
+    it leads the new session and process group, which ``cmd`` shares. ``nice`` > 0: the tree runs at
+    that lower CPU priority (Linux; elsewhere the command starts at this process's).
     """
-    return subprocess.Popen(kept(cmd), start_new_session=True, **popen_kwargs)
+    return subprocess.Popen(kept(cmd, nice), start_new_session=True, **popen_kwargs)
+
+
+def lower_priority(nice: int) -> None:
+    """Lower this process's CPU priority by ``nice``, and that of the session it leads.
+
+    Where the kernel groups each session for scheduling (``CONFIG_SCHED_AUTOGROUP``, on by default on
+    most distributions), a process's own nice value only weighs against its session's other processes,
+    so the session's group gets it too (``/proc/self/autogroup``); without autogroups, ``os.nice``
+    weighs against every process. Lowering needs no privilege.
+    """
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:  # no autogroups in this kernel, or disabled: os.nice is what counts
+        pass
 
 
 def stop(popen: subprocess.Popen, timeout: float) -> None:
@@ -209,12 +228,22 @@ def _exit_like(status: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def main(argv: list[str]) -> None:
-    """The keeper: ``PARENT_PID -- CMD...`` (see the module docstring)."""
+def _parse(argv: list[str]) -> tuple[int, int, list[str]]:
+    """(parent pid, nice, command) of ``PARENT_PID [--nice N] -- CMD...``."""
+    nice = 0
+    if len(argv) > 2 and argv[1] == "--nice":
+        nice, argv = int(argv[2]), [argv[0], *argv[3:]]
     if len(argv) < 3 or argv[1] != "--":
-        sys.exit("usage: python -m megarl.utils.keeper PARENT_PID -- CMD [ARG...]")
+        sys.exit("usage: python -m megarl.utils.keeper PARENT_PID [--nice N] -- CMD [ARG...]")
+    return int(argv[0]), nice, argv[2:]
+
+
+def main(argv: list[str]) -> None:
+    """The keeper: ``PARENT_PID [--nice N] -- CMD...`` (see the module docstring)."""
+    parent, nice, cmd = _parse(argv)
     logging.basicConfig(level=logging.WARNING, format="megarl keeper %(process)d: %(message)s")
-    parent, cmd = int(argv[0]), argv[2:]
+    if nice:
+        lower_priority(nice)  # before the command starts: all it starts inherits it
     signal.signal(_PARENT_GONE, functools.partial(_on_parent_signal, parent))
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     _prctl(_PR_SET_PDEATHSIG, _PARENT_GONE)

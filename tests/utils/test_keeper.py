@@ -6,6 +6,7 @@ grandchild in a session of its own (as torchrun starts its ranks); the starter i
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -133,3 +134,27 @@ def test_what_the_command_leaves_behind_is_stopped(tmp_path):
     assert not left, "the exited command's grandchild outlived the keeper"
     for proc in left:
         proc.kill()
+
+
+_PRIORITY = (
+    "import os; print(os.nice(0), open('/proc/self/autogroup').read().split()[-1] "
+    "if os.path.exists('/proc/self/autogroup') else '-')"
+)
+
+
+def _priority(nice: int) -> tuple[int, str]:
+    """(nice value, session group's nice or "-") of a command ``spawn`` started at ``nice``."""
+    proc = spawn([sys.executable, "-c", _PRIORITY], nice=nice, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    value, group = out.split()
+    return int(value), group
+
+
+def test_nice_lowers_the_commands_priority_and_its_sessions():
+    """A server sharing the trainer's cores runs below it: its own nice value, and its session's scheduling
+    group (``/proc/self/autogroup``), without which the nice value would not weigh against the trainer."""
+    own = os.nice(0)
+    value, group = _priority(7)
+    assert value == own + 7
+    assert group in ("-", "7")  # "-": a kernel without autogroups, where the nice value is all there is
+    assert _priority(0)[0] == own

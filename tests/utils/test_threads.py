@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -50,3 +54,42 @@ def test_machine_share_is_split_among_local_ranks(one_thread, monkeypatch):
     threads = TrainerThreads.for_this_rank("elastic", on_cpu=True, servers_idle=None)
     assert (threads.share, threads.machine) == (1, 2)
     assert _seen(threads) == 1 and _seen(threads, servers_paused=True) == 2
+
+
+_TWO_THREADS = """
+import json, os, threading, torch
+from megarl.utils.threads import set_compute_threads
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+set_compute_threads(2)
+torch.randn(1 << 22).add_(1)  # the caller computes on two threads: its OpenMP team starts here
+ready, done, seen = threading.Event(), threading.Event(), {}
+
+def other():  # as a gloo thread copying a gradient bucket does
+    before = tasks()
+    torch.randn(1 << 22).add_(1)
+    seen.update(threads=torch.get_num_threads(), started=tasks() - before)
+    ready.set()
+    done.wait()  # alive, as gloo's threads are for the whole run
+
+thread = threading.Thread(target=other)
+thread.start()
+ready.wait()
+print(json.dumps({"caller": torch.get_num_threads(), **seen}))
+done.set()
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info(),
+    reason="the libgomp build of torch (Linux); elsewhere set_compute_threads is torch.set_num_threads",
+)
+def test_only_the_caller_computes_on_several_threads():
+    """Another thread's operator runs on one thread and starts no OpenMP team of its own (a second team
+    makes libgomp stop spinning between parallel regions, process-wide)."""
+    out = subprocess.run([sys.executable, "-c", _TWO_THREADS], capture_output=True, text=True, timeout=120, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["caller"] == 2
+    assert seen["threads"] == 1 and seen["started"] == 0, seen
