@@ -34,7 +34,9 @@ class ClusterConfig:
     work: the weight sync (paused) and a recompute or update that starts with no episode running
     (synchronous RL, or the pool already at its staleness bound). ``shared``: ``elastic``, and the
     servers run on every core too, for synchronous RL (``rollout.max_staleness: 0``) where server
-    and trainer take turns. ``benchmarks/e2e_step.py`` measures them."""
+    and trainer take turns; the servers at a lower CPU priority (``nice`` 10,
+    ``megarl.launcher.serve.SHARED_CORES_NICE``), so the trainer's update goes first when both have
+    work. ``benchmarks/e2e_step.py`` measures them."""
 
     def check(self) -> None:
         require(self.n_nodes >= 1, "n_nodes", self.n_nodes, "must be >= 1")
