@@ -59,6 +59,9 @@ def set_compute_threads(n: int) -> None:
     torch.set_num_threads(1 if setters else n)
     for setter in setters or ():
         setter(n)
+    if torch.get_num_threads() != n:  # the libgomp found is not the one torch computes with
+        logger.warning("set_compute_threads: could not set this thread's OpenMP count; torch.set_num_threads(%d)", n)
+        torch.set_num_threads(n)
 
 
 class TrainerThreads:

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from megarl.utils import threads
 from megarl.utils.threads import TrainerThreads
 
 
@@ -93,3 +94,11 @@ def test_only_the_caller_computes_on_several_threads():
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["caller"] == 2
     assert seen["threads"] == 1 and seen["started"] == 0, seen
+
+
+def test_a_runtime_that_ignores_the_thread_count_falls_back_to_torch(one_thread, monkeypatch, caplog):
+    """If the libgomp found is not the one torch computes with, the caller still gets its threads."""
+    monkeypatch.setattr(threads, "_thread_local_setters", lambda: (lambda n: None,))
+    threads.set_compute_threads(2)
+    assert torch.get_num_threads() == 2
+    assert "could not set this thread's OpenMP count" in caplog.text
