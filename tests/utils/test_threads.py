@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megarl.utils import threads
+from megarl.utils import threads as thread_policy
 from megarl.utils.threads import TrainerThreads
 
 
@@ -98,7 +98,7 @@ def test_only_the_caller_computes_on_several_threads():
 
 def test_a_runtime_that_ignores_the_thread_count_falls_back_to_torch(one_thread, monkeypatch, caplog):
     """If the libgomp found is not the one torch computes with, the caller still gets its threads."""
-    monkeypatch.setattr(threads, "_thread_local_setters", lambda: (lambda n: None,))
-    threads.set_compute_threads(2)
+    monkeypatch.setattr(thread_policy, "_thread_local_setters", lambda: (lambda n: None,))
+    thread_policy.set_compute_threads(2)
     assert torch.get_num_threads() == 2
     assert "could not set this thread's OpenMP count" in caplog.text
