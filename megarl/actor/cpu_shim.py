@@ -14,6 +14,10 @@ module answers those calls on the CPU and nothing else:
   Megatron code runs. The engine enters it around its public calls only, so the
   rest of the process (HF reference models, data code) sees plain torch.
 
+:func:`install` also skips the gradient reduce-scatter and parameter all-gather of Megatron's
+distributed optimizer over a group of one rank (:func:`_skip_one_rank_collectives`): gloo copies
+a buffer onto itself there, two passes over the model's memory every step of a one-rank trainer.
+
 On a CUDA machine both are no-ops: the GPU path never depends on this module.
 """
 
@@ -136,6 +140,33 @@ def _patch_megatron() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
+def _one_rank_shortcut(collective):
+    """``collective`` (an all-gather or reduce-scatter into ``output`` from ``input``), which over a group
+    of one rank is a copy: gloo makes it one even when the two are the same memory, as they are in
+    Megatron's gradient and parameter buffers (each rank's shard of a one-rank group is the whole
+    buffer). That is a pass over the fp32 gradients and another over the parameters every step."""
+
+    def call(output, input, group=None, async_op=False, **kwargs):
+        if torch.distributed.get_world_size(group) != 1:
+            return collective(output, input, group=group, async_op=async_op, **kwargs)
+        if output.data_ptr() != input.data_ptr() or output.numel() != input.numel():
+            output.copy_(input.view(output.shape))
+        return _InertStream() if async_op else None
+
+    call.__wrapped__ = collective
+    return call
+
+
+def _skip_one_rank_collectives() -> None:
+    """Megatron's distributed optimizer reduce-scatters the gradients and all-gathers the parameters
+    over the data-parallel group each step; with one data-parallel rank (a CPU run's usual layout)
+    both are copies of a buffer onto itself, skipped here."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+        setattr(buffers, name, _one_rank_shortcut(getattr(buffers, name)))
+
+
 def install() -> None:
     """Patch ``torch.cuda`` and Megatron for CPU execution (once; no-op with CUDA)."""
     if cuda_available():
@@ -145,6 +176,7 @@ def install() -> None:
             return
         _patch_torch_cuda()
         _patch_megatron()
+        _skip_one_rank_collectives()
         torch.cuda._megarl_cpu_shim = True
     logger.info("CUDA unavailable: Megatron-Core runs on CPU through megarl.actor.cpu_shim")
 
