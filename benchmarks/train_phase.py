@@ -58,7 +58,7 @@ import torch
 
 from benchmarks._harness import DTYPE_CHOICES, cpu_dtypes_to_run, cpu_kind, main_for
 from benchmarks.actor_step import _time_alternating
-from megarl.utils.memory import release_freed_memory
+from megarl.utils.memory import keep_freed_memory, release_freed_memory
 
 TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, the arithmetic job's 64 sequences): breakdown, vs a plain HF step and a real run"
 REPO = Path(__file__).resolve().parents[1]
@@ -373,6 +373,7 @@ def run(quick: bool, on_rows=None) -> list[dict]:
     from megarl.utils.threads import set_compute_threads
 
     set_compute_threads(torch.get_num_threads())  # as the trainer does: one OpenMP team in the process
+    keep_freed_memory()  # and a heap that keeps each phase's pages for the next
     steps = 2 if quick else 5
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -65,7 +65,7 @@ from megarl.utils import heartbeat, stats_tracker
 from megarl.utils.auth import load_run_key
 from megarl.utils.console import Console, Progress, open_console, record_stop
 from megarl.utils.gc_pauses import freeze_startup_objects
-from megarl.utils.memory import PeakRSS, release_freed_memory
+from megarl.utils.memory import PeakRSS, keep_freed_memory
 from megarl.utils.mpi import discover_ranks
 from megarl.utils.threads import TrainerThreads, set_compute_threads
 
@@ -206,8 +206,6 @@ def phase(t: Trainer, name: str, servers_paused: bool = False):
     ):
         stats_tracker.scalar(**{f"threads/{name}": torch.get_num_threads()})
         yield
-    if t.config.device == "cpu":
-        release_freed_memory()
 
 
 def nvtx_range(t: Trainer, name: str):
@@ -452,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     discover_ranks()  # under mpirun: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI (torchrun sets them itself)
     if config.device == "cpu":  # before gloo's and the rollout's threads run torch work: one OpenMP team
         set_compute_threads(torch.get_num_threads())
+        if not keep_freed_memory():  # a heap that keeps a phase's pages for the next
+            logger.info("not glibc: the CPU heap's free pages go back to the OS as the C library decides")
     load_run_key(config.run_dir)  # started by hand without $MEGARL_API_KEY: the key megarl serve made there
     rank = int(os.environ.get("RANK", "0"))
     log_name = "trainer.log" if rank == 0 else f"trainer-rank{rank}.log"  # one writer per file, on any filesystem
