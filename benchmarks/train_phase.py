@@ -34,7 +34,9 @@ and there is no recompute pass; Adam, clipping 1.0). One process, one rank (gloo
 ``vs_hf`` = the faster HF step's time / megarl's train-phase time (above 1: megarl is faster);
 ``s_per_1k_tokens``: the train phase per 1,000 packed tokens (the real run's: the median over its steps);
 ``vs_in_process`` = the real run's ``s_per_1k_tokens`` / the in-process one (the job's batches are not
-the benchmark's: a raw ratio of seconds would compare different work). megarl's and HF's steps take
+the benchmark's: a raw ratio of seconds would compare different work); ``matmul_gflops``: the matmul work
+of the phase per second (6 x the matmul parameters per packed token) and ``of_machine_matmul`` its share
+of ``machine_gflops``, one large ``torch.mm`` in the same dtype on this machine. megarl's and HF's steps take
 turns (a, b, c, a, b, c, ...), so that a machine whose speed drifts during the run (a shared virtual
 machine's often does, by a third) slows them alike.
 
@@ -58,6 +60,8 @@ import torch
 
 from benchmarks._harness import DTYPE_CHOICES, cpu_dtypes_to_run, cpu_kind, main_for
 from benchmarks.actor_step import _time_alternating
+from benchmarks.bf16_matmul import gflops
+from megarl.models.flops import MatmulShape
 from megarl.utils.memory import keep_freed_memory, release_freed_memory
 
 TITLE = "Train phase of a GRPO step on CPU (SmolLM2-135M shape, the arithmetic job's 64 sequences): breakdown, vs a plain HF step and a real run"
@@ -369,6 +373,8 @@ CLI_OPTIONS = {"--dtype": (DTYPES_ENV, DTYPE_CHOICES)}
 
 
 def run(quick: bool, on_rows=None) -> list[dict]:
+    from transformers import AutoConfig
+
     from megarl.models import resolve_model_path
     from megarl.utils.threads import set_compute_threads
 
@@ -389,6 +395,9 @@ def run(quick: bool, on_rows=None) -> list[dict]:
             }
             total, hf, megarl = megarl_rows(model_dir, batch, dtype, steps, hf_steps, random_weights=quick)
             megarl[0].update(vs_hf=round(min(hf.values()) / total, 3))
+            rate = gflops(DTYPES[dtype], 256 if quick else 1024, 3)  # the machine's matmul rate, this dtype
+            flops = MatmulShape.from_hf_config(AutoConfig.from_pretrained(model_dir)).matmul_params * 6e-9
+            megarl[0].update(machine_gflops=round(rate, 1), **matmul_share(megarl[0], flops, rate))
             rows += megarl
             for name, seconds in hf.items():
                 rows.append(_row(dtype, "hf", name, seconds, seconds, tokens=tokens, threads=torch.get_num_threads()))
@@ -400,11 +409,20 @@ def run(quick: bool, on_rows=None) -> list[dict]:
                 real[0].update(
                     vs_in_process=round(real[0]["s_per_1k_tokens"] / megarl[0]["s_per_1k_tokens"], 3),
                     vs_hf=round(min(hf.values()) / real[0]["seconds"], 3),
+                    **matmul_share(real[0], flops, rate),
                 )
                 rows += real
             if on_rows is not None:  # a run cut off later keeps this dtype's rows
                 on_rows(rows)
     return rows
+
+
+def matmul_share(row: dict, gflop_per_token: float, machine_gflops: float) -> dict[str, float]:
+    """The matmul work a train phase did per second (``6 x`` matmul parameters per packed token: the
+    tokens megarl computes, each group's prompt once; attention's scores, under 1% of it at these lengths,
+    left out) and its share of ``machine_gflops``, the rate of one large ``torch.mm`` in the same dtype."""
+    done = gflop_per_token * 1000 / row["s_per_1k_tokens"]
+    return {"matmul_gflops": round(done, 1), "of_machine_matmul": round(done / machine_gflops, 3)}
 
 
 def summary(rows: list[dict]) -> str:

@@ -37,3 +37,9 @@ def test_real_run_time_per_token_is_the_median_over_its_steps():
         {"timeperf/train_step": 7.5, "ppo_actor/packed_tokens": 1000.0},
     ]
     assert train_phase.seconds_per_1k_tokens(steps) == 7.5
+
+
+def test_matmul_share_is_the_phase_matmul_work_per_second_over_the_machine_rate():
+    row = {"s_per_1k_tokens": 4.0}  # 1,000 packed tokens in 4 s
+    share = train_phase.matmul_share(row, gflop_per_token=0.8, machine_gflops=1000.0)
+    assert share == {"matmul_gflops": 200.0, "of_machine_matmul": 0.2}
