@@ -34,7 +34,7 @@ def keep_freed_memory() -> bool:
     By default glibc serves every allocation above 32 MiB with a fresh ``mmap`` and returns it at once,
     and hands a heap's free top back above a threshold: each train phase of a CPU trainer then touches
     its activations as new pages, every one a page fault the kernel zero-fills (about 600,000 per bf16
-    phase of the arithmetic job on a 2-core EPYC, ``docs/guides/performance.md``). With
+    phase of the arithmetic job on a 2-core EPYC, ``docs/development.md``). With
     ``mmap`` off for allocations (``M_MMAP_MAX`` 0) and no trimming (``M_TRIM_THRESHOLD`` at its
     maximum) the next phase reuses the same pages, as CUDA's caching allocator reuses device memory;
     the price is that the process stays at the size of its largest phase.
