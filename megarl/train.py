@@ -65,7 +65,7 @@ from megarl.utils import heartbeat, stats_tracker
 from megarl.utils.auth import load_run_key
 from megarl.utils.console import Console, Progress, open_console, record_stop
 from megarl.utils.gc_pauses import freeze_startup_objects
-from megarl.utils.memory import PeakRSS, keep_freed_memory
+from megarl.utils.memory import HeapBound, PeakRSS, keep_freed_memory
 from megarl.utils.mpi import discover_ranks
 from megarl.utils.threads import TrainerThreads, set_compute_threads
 
@@ -96,6 +96,7 @@ class Trainer:
     threads: TrainerThreads
     console: Console = field(default_factory=lambda: Console(None))
     memory: PeakRSS = field(default_factory=PeakRSS)
+    heap: HeapBound = field(default_factory=lambda: HeapBound(None))
     skipped_rows: list[str] = field(default_factory=list)
     """Why each dataset row skipped at load was (``bad_rows: skip``), shown on the console at start."""
     stats_logger: StatsLogger | None = None
@@ -166,6 +167,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
         with stats_tracker.record_timing("save"), heartbeat.phase("save"):
             t.saver.maybe_save(t.checkpointed, epoch, epoch_step, global_step)
             t.recover.maybe_dump(t.checkpointed, recover_info(t, global_step))
+    t.heap.end_step()  # a CPU trainer's kept heap back to the OS if it grew past cluster.cpu_heap_growth
     stats = {k: v for step in ppo_stats for k, v in step.items()}
     stats.update(stats_tracker.export())
     stats.update(eval_stats() or {})
@@ -344,6 +346,7 @@ def build(config: GRPOConfig) -> Trainer:
         evaluator=Evaluator(config.evaluator, steps_per_epoch),
         recover=RecoverHandler(config.recover, config.run_dir),
         skipped_rows=skipped_rows,
+        heap=HeapBound(config.cluster.cpu_heap_growth),
         threads=TrainerThreads.for_this_rank(
             config.cluster.cpu_threads, config.device == "cpu", rollout.pool_idle if rollout is not None else None
         ),

@@ -37,11 +37,22 @@ class ClusterConfig:
     and trainer take turns; the servers at a lower CPU priority (``nice`` 10,
     ``megarl.launcher.serve.SHARED_CORES_NICE``), so the trainer's update goes first when both have
     work. ``benchmarks/e2e_step.py`` measures them."""
+    cpu_heap_growth: float | None = 1.25
+    """CPU only: the trainer keeps the memory a phase frees for the next one (no page faults to pay
+    again), and batches of new sizes slowly fragment that heap; once its resident size at the end of a
+    step passes this many times its size after the second step, the free part goes back to the OS
+    (``memory/heap_trims`` counts it; the next phases fault their pages in again). ``null``: never."""
 
     def check(self) -> None:
         require(self.n_nodes >= 1, "n_nodes", self.n_nodes, "must be >= 1")
         require(self.n_gpus_per_node >= 1, "n_gpus_per_node", self.n_gpus_per_node, "must be >= 1")
         require(bool(self.fileroot), "fileroot", self.fileroot, "an output directory is required")
+        require(
+            self.cpu_heap_growth is None or self.cpu_heap_growth > 1,
+            "cpu_heap_growth",
+            self.cpu_heap_growth,
+            "must be > 1 (a multiple of the settled size), or null",
+        )
 
 
 DATASET_TYPES = ("gsm8k", "chat")

@@ -27,6 +27,9 @@ def _libc():
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 """glibc ``mallopt`` parameters (``malloc.h``)."""
 
+_kept = False
+"""Whether :func:`keep_freed_memory` took in this process (``mallopt`` is process-wide)."""
+
 
 def keep_freed_memory() -> bool:
     """Make this process's heap keep what it frees for the next allocation (glibc; returns whether it took).
@@ -39,10 +42,12 @@ def keep_freed_memory() -> bool:
     maximum) the next phase reuses the same pages, as CUDA's caching allocator reuses device memory;
     the price is that the process stays at the size of its largest phase.
     """
+    global _kept
     libc = _libc()
     if libc is None:
         return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    _kept = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    return _kept
 
 
 def release_freed_memory() -> None:
@@ -51,6 +56,38 @@ def release_freed_memory() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+class HeapBound:
+    """Keeps a kept heap (:func:`keep_freed_memory`) within ``growth`` times its settled size.
+
+    Batches of new sizes leave a kept heap in pieces it cannot reuse, so a long CPU run grows (the
+    arithmetic job in bf16: about 28 MB a step, ``docs/guides/memory.md``). The process's resident size
+    at the end of step ``settle_steps`` is its settled size; at the end of a later step above
+    ``growth`` times it, :func:`release_freed_memory` hands the free part back, and the next phases pay
+    their page faults once more. ``growth`` None never trims; in a process whose heap is not kept
+    (not glibc, or a GPU trainer) :meth:`end_step` does nothing.
+    """
+
+    def __init__(self, growth: float | None, settle_steps: int = 2):
+        self.growth = growth
+        self.settle_steps = settle_steps
+        self.steps = 0
+        self.settled_bytes: int | None = None
+        self.trims = 0
+
+    def end_step(self) -> None:
+        """Count a step; trim if over the bound. Records ``memory/heap_trims`` (the run's, so far)."""
+        if not _kept or self.growth is None:
+            return
+        self.steps += 1
+        rss = rss_bytes()
+        if self.steps == self.settle_steps:
+            self.settled_bytes = rss
+        elif self.settled_bytes is not None and rss > self.growth * self.settled_bytes:
+            release_freed_memory()
+            self.trims += 1
+        stats_tracker.scalar(**{"memory/heap_trims": float(self.trims)})
 
 
 def minor_page_faults() -> int:

@@ -379,6 +379,7 @@ BAD += [
     ),
     case("fileroot-is-file", ["cluster.fileroot=@files/chat.jsonl/out"], "cluster.fileroot", "is a file"),
     case("fileroot-unwritable", ["cluster.fileroot=/proc/megarl"], "cluster.fileroot", "cannot write in /proc"),
+    case("heap-growth-not-above-1", ["cluster.cpu_heap_growth=1.0"], "cluster.cpu_heap_growth", "must be > 1"),
     case(
         "disk-path-unwritable",
         ["weight_update.mode=disk", "weight_update.disk_path=/proc/megarl"],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -40,3 +43,40 @@ def test_each_phase_records_its_own_peak(monkeypatch, sampler_delay_s):
     big, small = stats["memory/big_peak_gb"], stats["memory/small_peak_gb"]
     assert big * 2**30 >= base + 250 * 2**20
     assert small * 2**30 < base + 150 * 2**20, "the second phase does not inherit the first one's peak"
+
+
+HEAP_BOUND = """
+import json, sys
+import torch
+from megarl.utils import stats_tracker
+from megarl.utils.memory import HeapBound, keep_freed_memory, rss_bytes
+
+kept = sys.argv[1] == "kept" and keep_freed_memory()  # as the CPU trainer's main() does
+bound, trims, rss = HeapBound(1.5), [], []
+for mib in (256, 256, 256, 1024, 256):  # a step's activations, freed at its end; the fourth step's are 4x
+    blocks = [torch.ones(mib << 16) for _ in range(4)]  # 4 tensors of mib / 4 MiB each
+    del blocks
+    bound.end_step()
+    trims.append(stats_tracker.export().get("memory/heap_trims"))
+    rss.append(rss_bytes())
+print(json.dumps({"kept": kept, "trims": trims, "rss": rss, "settled": bound.settled_bytes}))
+"""
+
+
+def _heap_bound(mode: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", HEAP_BOUND, mode], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_kept_heap_goes_back_to_the_os_once_it_outgrows_its_bound():
+    """``cluster.cpu_heap_growth``: a step that leaves the kept heap past 1.5x its size after the second
+    step hands the free part back (the resident size falls by the 1 GiB it freed), steps within it keep
+    their pages, and a process whose heap is not kept records nothing."""
+    kept = _heap_bound("kept")
+    assert kept["kept"], "glibc's mallopt took the settings"
+    assert kept["trims"] == [0.0, 0.0, 0.0, 1.0, 1.0], kept
+    settled, rss = kept["settled"], kept["rss"]
+    assert settled == rss[1] and rss[2] > settled - 64 * 2**20, "a step within the bound keeps the heap"
+    assert rss[3] < settled + 256 * 2**20, f"the 1 GiB freed in step 4 went back: {rss[3] / 2**20:.0f} MiB"
+    assert _heap_bound("default")["trims"] == [None] * 5, "not kept: no trims, no stat"
