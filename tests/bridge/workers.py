@@ -246,49 +246,6 @@ def e2e_sync(
     return out
 
 
-def e2e_modes_same_weights(
-    model_dir: str, alloc: str, servers: list, modes: list[str], disk_dir: str, steps: int = 1, lr: float = 1e-2
-) -> dict:
-    """``steps`` optimizer steps, then the same weights through every mode: servers' probe scores per mode."""
-    from megarl.actor.engine import MegatronEngine
-    from megarl.bridge.consistency import compare, trainer_probe_scores
-    from megarl.config.bridge import WeightUpdateConfig
-    from megarl.config.train import OptimizerConfig
-    from megarl.run.weight_sync import WeightUpdateMeta, connect_engine
-    from megarl.serving import make_control
-    from tests.actor.workers import engine_config, make_batch
-
-    optimizer = OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=0.0, use_distributed_optimizer=False)
-    engine = MegatronEngine(engine_config(model_dir, dtype="auto", optimizer=optimizer))
-    engine.create_process_group(alloc)
-    engine.initialize()
-    config = WeightUpdateConfig(
-        mode=modes[0],
-        extra_modes=list(modes[1:]),
-        disk_path=disk_dir,
-        bucket_mb=1,
-        consistency_threshold=0,
-        probe_sequences=2,
-        probe_tokens=24,
-        probe_every=1,
-    )
-    controls = [make_control("vllm", address, tp, 300) for address, tp in servers]
-    sync = connect_engine(engine, None, WeightUpdateMeta(config), servers=controls)
-    batch = make_batch([32, 24, 40, 16], seed=1, vocab=engine.desc.dims.vocab_size)
-    for _ in range(steps):
-        engine.train_batch(batch, nll_loss, lambda mb: float(mb["label_mask"].sum()))
-    ours = trainer_probe_scores(engine, sync.probe)[0]
-    scores = lambda: sync.bridge.broadcast_object(
-        [s.score(sync.probe) for s in controls] if dist.get_rank() == 0 else None
-    )
-    out = {"trainer": ours, "before": scores(), "after": {}, "probe": sync.probe}
-    for version, mode in enumerate(modes, start=1):
-        stats = sync.update_weights(WeightUpdateMeta(config, version=version, mode=mode))
-        out["after"][mode] = {"scores": scores(), "stats": stats}
-    out["before_diff"] = compare(ours, {"s": out["before"][0]}, 0).as_dict()
-    return out
-
-
 def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int = 300) -> dict:
     """Generations in flight through a RemoteInferenceEngine while ``update_weights`` pauses, syncs and resumes."""
     import asyncio
