@@ -41,7 +41,8 @@ class ClusterConfig:
     """CPU only: the trainer keeps the memory a phase frees for the next one (no page faults to pay
     again), and batches of new sizes slowly fragment that heap; once its resident size at the end of a
     step passes this many times its size after the second step, the free part goes back to the OS
-    (``memory/heap_trims`` counts it; the next phases fault their pages in again). ``null``: never."""
+    (``memory/heap_trims`` counts it; the next phases fault their pages in again), and two steps later
+    the size settles again (the larger one kept). ``null``: never."""
 
     def check(self) -> None:
         require(self.n_nodes >= 1, "n_nodes", self.n_nodes, "must be >= 1")

@@ -65,28 +65,31 @@ class HeapBound:
     arithmetic job in bf16: about 28 MB a step, ``docs/guides/memory.md``). The process's resident size
     at the end of step ``settle_steps`` is its settled size; at the end of a later step above
     ``growth`` times it, :func:`release_freed_memory` hands the free part back, and the next phases pay
-    their page faults once more. ``growth`` None never trims; in a process whose heap is not kept
-    (not glibc, or a GPU trainer) :meth:`end_step` does nothing.
+    their page faults once more. ``settle_steps`` steps after a trim the resident size settles again,
+    and the larger of the two sizes is kept: a run whose batches grew for good (a working set past the
+    bound) trims once for it, not every step. ``growth`` None never trims; in a process whose heap is
+    not kept (not glibc, or a GPU trainer) :meth:`end_step` does nothing.
     """
 
     def __init__(self, growth: float | None, settle_steps: int = 2):
         self.growth = growth
         self.settle_steps = settle_steps
-        self.steps = 0
-        self.settled_bytes: int | None = None
+        self.steps_since_trim = 0
+        """Steps since the first one or the last trim."""
+        self.settled_bytes = 0
         self.trims = 0
 
     def end_step(self) -> None:
         """Count a step; trim if over the bound. Records ``memory/heap_trims`` (the run's, so far)."""
         if not _kept or self.growth is None:
             return
-        self.steps += 1
-        rss = rss_bytes()
-        if self.steps == self.settle_steps:
-            self.settled_bytes = rss
-        elif self.settled_bytes is not None and rss > self.growth * self.settled_bytes:
+        self.steps_since_trim += 1
+        if self.steps_since_trim == self.settle_steps:
+            self.settled_bytes = max(self.settled_bytes, rss_bytes())
+        elif self.steps_since_trim > self.settle_steps and rss_bytes() > self.growth * self.settled_bytes:
             release_freed_memory()
             self.trims += 1
+            self.steps_since_trim = 0
         stats_tracker.scalar(**{"memory/heap_trims": float(self.trims)})
 
 
