@@ -52,7 +52,7 @@ from megarl.utils import stats_tracker
 from megarl.utils.memory import HeapBound, keep_freed_memory, rss_bytes
 
 kept = sys.argv[1] == "kept" and keep_freed_memory()  # as the CPU trainer's main() does
-bound, trims, rss = HeapBound(1.5), [], []
+bound, trims, rss = HeapBound(2.0), [], []  # margins for a heap that also fragments
 for mib in json.loads(sys.argv[2]):  # each step's activations, freed at its end
     blocks = [torch.ones(mib << 16) for _ in range(4)]  # 4 tensors of mib / 4 MiB each
     del blocks
@@ -71,21 +71,23 @@ def _heap_bound(mode: str, step_mib: list[int]) -> dict:
 
 
 def test_a_kept_heap_goes_back_to_the_os_once_it_outgrows_its_bound():
-    """``cluster.cpu_heap_growth``: a step that leaves the kept heap past 1.5x its size after the second
-    step hands the free part back (the resident size falls by the 1 GiB it freed), steps within it keep
+    """``cluster.cpu_heap_growth``: a step that leaves the kept heap past 2x its size after the second
+    step hands the free part back (the resident size falls by the 1.5 GiB it freed), steps within it keep
     their pages, and a process whose heap is not kept records nothing."""
-    kept = _heap_bound("kept", [256, 256, 256, 1024, 256])
+    kept = _heap_bound("kept", [128, 128, 128, 1536, 128])
     assert kept["kept"], "glibc's mallopt took the settings"
     assert kept["trims"] == [0.0, 0.0, 0.0, 1.0, 1.0], kept
     settled, rss = kept["settled"], kept["rss"]
-    assert settled == rss[1] and rss[2] > settled - 64 * 2**20, "a step within the bound keeps the heap"
-    assert rss[3] < settled + 256 * 2**20, f"the 1 GiB freed in step 4 went back: {rss[3] / 2**20:.0f} MiB"
+    assert abs(settled - rss[1]) < 64 * 2**20 and rss[2] > settled - 64 * 2**20, (
+        "a step within the bound keeps the heap"
+    )
+    assert rss[3] < settled + 256 * 2**20, f"the 1.5 GiB freed in step 4 went back: {rss[3] / 2**20:.0f} MiB"
     assert _heap_bound("default", [256] * 5)["trims"] == [None] * 5, "not kept: no trims, no stat"
 
 
 def test_a_kept_heap_settles_again_after_a_trim():
     """Batches that grew for good (1 GiB of activations a step from the third on) cost one trim, after
     which the bound is taken from the new working set: not a trim (and a phase of page faults) every step."""
-    kept = _heap_bound("kept", [256, 256, 1024, 1024, 1024, 1024, 1024])
+    kept = _heap_bound("kept", [64, 64, 1024, 1024, 1024, 1024, 1024])
     assert kept["trims"] == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0], kept
-    assert kept["settled"] == kept["rss"][4] > kept["rss"][1] + 512 * 2**20, kept
+    assert abs(kept["settled"] - kept["rss"][4]) < 64 * 2**20 and kept["settled"] > kept["rss"][1] + 512 * 2**20, kept
