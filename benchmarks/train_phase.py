@@ -388,6 +388,7 @@ def run(quick: bool, on_rows=None) -> list[dict]:
             _write_config(model_dir, QUICK)
         batch = grpo_batch((QUICK if quick else SMOLLM2_135M)["vocab_size"])
         tokens = int(batch["attention_mask"].sum())
+        gflop_per_token = MatmulShape.from_hf_config(AutoConfig.from_pretrained(model_dir)).matmul_params * 6e-9
         for dtype in cpu_dtypes_to_run(DTYPES_ENV):
             hf_steps = {
                 HF_PADDED: hf_step(model_dir, batch, dtype, random_weights=quick),
@@ -396,8 +397,7 @@ def run(quick: bool, on_rows=None) -> list[dict]:
             total, hf, megarl = megarl_rows(model_dir, batch, dtype, steps, hf_steps, random_weights=quick)
             megarl[0].update(vs_hf=round(min(hf.values()) / total, 3))
             rate = gflops(DTYPES[dtype], 256 if quick else 1024, 3)  # the machine's matmul rate, this dtype
-            flops = MatmulShape.from_hf_config(AutoConfig.from_pretrained(model_dir)).matmul_params * 6e-9
-            megarl[0].update(machine_gflops=round(rate, 1), **matmul_share(megarl[0], flops, rate))
+            megarl[0].update(machine_gflops=round(rate, 1), **matmul_share(megarl[0], gflop_per_token, rate))
             rows += megarl
             for name, seconds in hf.items():
                 rows.append(_row(dtype, "hf", name, seconds, seconds, tokens=tokens, threads=torch.get_num_threads()))
@@ -409,7 +409,7 @@ def run(quick: bool, on_rows=None) -> list[dict]:
                 real[0].update(
                     vs_in_process=round(real[0]["s_per_1k_tokens"] / megarl[0]["s_per_1k_tokens"], 3),
                     vs_hf=round(min(hf.values()) / real[0]["seconds"], 3),
-                    **matmul_share(real[0], flops, rate),
+                    **matmul_share(real[0], gflop_per_token, rate),
                 )
                 rows += real
             if on_rows is not None:  # a run cut off later keeps this dtype's rows
