@@ -25,7 +25,8 @@ Steps 1-2 and the dz of step 4 are :class:`ChunkOps`. On CUDA (``backend`` "cuda
 the kernels apply) they are the kernels of ``csrc/``: the fused forward in its storing variant
 (one pass gives the chunk's split statistics and writes its raw fp32 logits), then
 ``softmax_grad.cu`` turning the stored logits into bf16 dz; the gradient GEMMs are cuBLAS. With
-torch ops, steps 1-2 are an fp32 GEMM and elementwise passes; when the loss has no entropy term
+torch ops, steps 1-2 are an fp32 GEMM (of bf16 values on a CPU with native bf16: in
+``bf16_products``, at bf16's rate) and elementwise passes; when the loss has no entropy term
 (g_ent = 0 for the whole chunk) step 4's dz = g_lp (1[v = y] - p) takes one pass after p (``softmax_grad_``). Memory: the torch ops keep three
 fp32 chunk buffers ``[tc, V_local]``, the kernels one fp32 and one bf16 (by default tc ≈ T·H/V_local
 tokens, so one fp32 buffer is about the size of fp32 hidden states); plus the fp32 gradients dH
@@ -54,12 +55,13 @@ import torch.distributed as dist
 from megarl.kernels import _cuda
 from megarl.kernels._cuda import _addmm_fp32
 from megarl.kernels.backend import Backend
-from megarl.kernels.logprob import _check_inputs, _resolve_shard, logprobs_backend, reduce_over_tp
+from megarl.kernels.logprob import _check_inputs, _resolve_shard, bf16_valued, logprobs_backend, reduce_over_tp
 from megarl.kernels.reference import (
     VocabShard,
     _chunks,
     _label_in_chunk,
     _scaled_logits,
+    bf16_products,
     chunk_triple,
     finalize_stats,
     softmax_grad_,
@@ -250,6 +252,7 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
         low = hidden.is_cuda and hidden.dtype == weight.dtype == torch.bfloat16
         w = weight[: shard.valid] if low else weight[: shard.valid].float()  # [Vv,H]
         grads_bf16 = _bf16_grads(hidden, weight)
+        exact_bf16 = bf16_valued(hidden, weight)  # the logits GEMM at bf16's rate (fp32 copies of bf16 values)
         w_grad = weight[: shard.valid] if grads_bf16 else w  # the dH GEMM's operand
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         opts = {"dtype": torch.float32, "device": hidden.device}
@@ -262,7 +265,8 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
         outside = torch.zeros_like(hit)
         for t0, t1 in _chunks(num_tokens, spec.chunk_tokens):
             h_c = hidden[t0:t1] if low else hidden[t0:t1].float()  # [tc,H]
-            logits, m, s, u, label_logit = ops.logits_and_stats(h_c, w, labels[t0:t1], shard, inv_tau)
+            with bf16_products(exact_bf16):
+                logits, m, s, u, label_logit = ops.logits_and_stats(h_c, w, labels[t0:t1], shard, inv_tau)
             m, s, u, label_logit = reduce_over_tp(m, s, u, label_logit, spec.tp_group, spec.tp_size)
             threshold = None
             if spec.truncation is not None:  # from the chunk's logits: a topk, no GEMM

@@ -25,12 +25,14 @@ from megarl.kernels import _cuda
 from megarl.kernels.backend import Backend, pick_backend
 from megarl.kernels.reference import (
     VocabShard,
+    bf16_products,
     finalize_stats,
     grads_chunked,
     local_stats_chunked,
     rescale_stats,
 )
 from megarl.kernels.truncation import Truncation, truncated_stats
+from megarl.utils.hardware import cpu_bf16_native
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,13 @@ class _Spec:
     chunk_vocab: int
     reduce_grad_hidden: bool
     truncation: Truncation | None = None
+
+
+def bf16_valued(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fp32 copies the torch path makes of ``hidden`` and ``weight`` hold bf16 values on a
+    CPU that multiplies bf16 natively: their logits GEMMs may then run in :func:`bf16_products`."""
+    bf16 = hidden.dtype == weight.dtype == torch.bfloat16
+    return bf16 and hidden.device.type == "cpu" and cpu_bf16_native()[0]
 
 
 def reduce_over_tp(m, s, u, label_logit, tp_group: dist.ProcessGroup | None, tp_size: int):
@@ -75,9 +84,10 @@ class _FusedLogprobEntropy(torch.autograd.Function):
             if spec.backend == "cuda":
                 stats = _cuda.local_stats(hidden, weight, labels, spec.shard, spec.inv_tau)
             else:
-                stats = local_stats_chunked(
-                    hidden, weight, labels, spec.shard, spec.inv_tau, spec.chunk_tokens, spec.chunk_vocab
-                )
+                with bf16_products(bf16_valued(hidden, weight)):
+                    stats = local_stats_chunked(
+                        hidden, weight, labels, spec.shard, spec.inv_tau, spec.chunk_tokens, spec.chunk_vocab
+                    )
             m, s, u, label_logit = reduce_over_tp(*stats, spec.tp_group, spec.tp_size)
         hit = (labels >= 0) & (labels < spec.shard.vocab_size)
         logprob, entropy, lse, mean_z = finalize_stats(m, s, u, label_logit, hit)

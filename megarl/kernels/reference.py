@@ -18,12 +18,15 @@ the vocabulary merge exactly (``merge_stats``), across chunks, CUDA splits or TP
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "VocabShard",
+    "bf16_products",
     "chunk_triple",
     "finalize_stats",
     "grads_chunked",
@@ -82,6 +85,27 @@ def finalize_stats(
 def _chunks(n: int, size: int):
     for start in range(0, n, size):
         yield start, min(start + size, n)
+
+
+@contextlib.contextmanager
+def bf16_products(enabled: bool = True) -> Iterator[None]:
+    """fp32 CPU matmuls inside multiply in bf16 and sum in fp32 (oneDNN's bf16 math mode,
+    ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``); a CPU without native bf16 keeps fp32.
+
+    Only for fp32 copies of bf16 tensors (the chunks' logits GEMMs of a bf16 model): their values are
+    bf16 already, so every product is exact and only the order of the fp32 sums differs, while the GEMM
+    runs at bf16's rate. The mode is process-wide while it lasts; the previous one is put back.
+    """
+    if not enabled:
+        yield
+        return
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
 
 
 def _scaled_logits(h_c: torch.Tensor, w_c: torch.Tensor, inv_tau: float) -> torch.Tensor:

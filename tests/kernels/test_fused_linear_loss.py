@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megarl.kernels import fused_logprobs_entropy, linear_loss
+from megarl.kernels import fused_logprobs_entropy, linear_loss, logprob, reference
 from megarl.kernels.linear_loss import (
     GPU_CHUNK_LOGITS_BYTES,
     MIN_CHUNK_TOKENS,
@@ -177,6 +177,42 @@ def test_bf16_gradient_gemms_round_dz_to_bf16(monkeypatch, T):
     ):
         assert_within(a, b, bound + 2 * u16 * (terms + b.abs() + bound), name)
     assert torch.all(got[4][vocab:] == 0), "padding rows must get zero gradient"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("path", ["training", "no-grad"])
+def test_logits_gemms_of_bf16_operands_run_in_bf16_products(monkeypatch, dtype, path):
+    """On a CPU with native bf16 the logits GEMMs of bf16 hidden states and weights (fp32 copies of
+    bf16 values) run in oneDNN's bf16 math mode, exact products at bf16's rate (the bf16 tests above
+    and in test_fused_logprob_reference hold their results to the float32 bound); fp32 operands
+    keep the mode they had, and it is put back afterwards."""
+    monkeypatch.setattr(logprob, "cpu_bf16_native", lambda: (True, "native bf16 (test)"))
+    module = linear_loss if path == "training" else reference  # where each path's GEMM is looked up
+    modes, gemm = [], module._scaled_logits
+
+    def spy(h_c, w_c, inv_tau):
+        modes.append(torch.backends.mkldnn.matmul.fp32_precision)
+        return gemm(h_c, w_c, inv_tau)
+
+    monkeypatch.setattr(module, "_scaled_logits", spy)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    hidden, weight, labels, vocab, _ = make_case(2, 20, 16, 40, 3)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    if path == "training":
+        _fused(hidden, weight, labels, _coefs(20, 2), vocab_size=vocab, chunk_tokens=8)
+    else:
+        with torch.no_grad():
+            fused_logprobs_entropy(hidden, weight, labels, vocab_size=vocab, backend="torch")
+    assert modes and set(modes) == {"bf16" if dtype == torch.bfloat16 else before}
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+
+
+def test_bf16_products_puts_the_mode_back_after_an_error():
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    with pytest.raises(RuntimeError), reference.bf16_products():
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        raise RuntimeError("inside")
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
 
 
 def _bf16_case(T: int):

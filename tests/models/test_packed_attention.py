@@ -1,4 +1,5 @@
-"""SDPACoreAttention on packed batches: padded buckets give exactly the per-sequence attention.
+"""SDPACoreAttention on packed batches: padded buckets give exactly the per-sequence attention,
+through torch's SDPA and through the grouped math path that short rows take on CPU.
 
 The reference attends each segment on its own with an explicit causal mask (over its prefix's
 keys too, for a shared-prefix branch), in plain torch, float64 like the layer under test: the
@@ -15,14 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megarl.models import layers
 from megarl.models.layers import PaddedAttentionPlan, SDPACoreAttention, SharedPrefixSeqParams
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 TOL = dict(rtol=1e-9, atol=1e-9)  # float64 on both sides
 
 
-def _layer() -> SDPACoreAttention:
-    config = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0)
+def _layer(dropout: float = 0.0) -> SDPACoreAttention:
+    config = SimpleNamespace(context_parallel_size=1, attention_dropout=dropout)
     return SDPACoreAttention(config, layer_number=1, attn_mask_type=None, attention_type="self")
 
 
@@ -58,8 +60,14 @@ CASES = {
 }
 
 
+PATHS = {"sdpa": 0, "grouped-math": layers.CPU_MATH_ATTENTION_MAX_KEYS}
+"""``CPU_MATH_ATTENTION_MAX_KEYS`` for each path (every row of these cases has fewer keys than the default)."""
+
+
+@pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_padded_buckets_equal_per_sequence_attention(case):
+def test_padded_buckets_equal_per_sequence_attention(monkeypatch, case, path):
+    monkeypatch.setattr(layers, "CPU_MATH_ATTENTION_MAX_KEYS", PATHS[path])
     cu_seqlens, parents = CASES[case]
     params = SharedPrefixSeqParams(cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32), parents=parents)
     q, k, v = _inputs(cu_seqlens[-1])
@@ -85,3 +93,43 @@ def test_an_rl_batch_of_short_answers_is_a_few_calls_with_bounded_padding():
     padded = sum(b.query_rows.numel() for b in plan.buckets)
     assert padded <= PaddedAttentionPlan.GROWTH * sum(lengths)
     assert sorted(plan.token_rows.tolist()) == plan.token_rows.unique().tolist()  # one row per token
+
+
+@pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
+def test_a_plain_batch_is_causal_attention_per_row(monkeypatch, path):
+    """Without packing ([s, b, n, hn]): each row attends causally to itself, as SDPA's reference math."""
+    monkeypatch.setattr(layers, "CPU_MATH_ATTENTION_MAX_KEYS", PATHS[path])
+    s, b = 13, 3
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(s, b, n, DIM, generator=gen, dtype=torch.float64) for n in (HEADS, KV_HEADS, KV_HEADS))
+    got = _layer().forward(q, k, v, None)
+    for row in range(b):
+        spans = [0, s]
+        want = _reference(q[:, row], k[:, row], v[:, row], spans, ())
+        torch.testing.assert_close(got[:, row], want, **TOL)
+
+
+@pytest.mark.parametrize(
+    "keys, dropout, flash",
+    [(40, 0.0, False), (layers.CPU_MATH_ATTENTION_MAX_KEYS + 1, 0.0, True), (40, 0.1, True)],
+    ids=["short rows: grouped math", "long rows: SDPA", "dropout: SDPA"],
+)
+def test_short_rows_on_cpu_skip_the_flash_kernel(monkeypatch, keys, dropout, flash):
+    """Rows of at most CPU_MATH_ATTENTION_MAX_KEYS keys, without dropout, are two batched GEMMs and a
+    softmax on CPU (faster than the flash kernel there); longer rows and dropout stay with SDPA."""
+    calls = []
+    sdpa = layers.F.scaled_dot_product_attention
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    q, k, v = (torch.randn(keys, 2, n, DIM) for n in (HEADS, KV_HEADS, KV_HEADS))
+    _layer(dropout).train().forward(q, k, v, None)
+    assert bool(calls) == flash
+
+
+def test_grouped_math_attention_gives_bf16_inputs_bf16_outputs_computed_in_fp32():
+    """A bf16 layer attends in fp32 (CPU_ATTENTION_IN_FP32) on either path: the same result up to the
+    final rounding to bf16."""
+    q, k, v = (torch.randn(17, 2, n, DIM, dtype=torch.float64) for n in (HEADS, KV_HEADS, KV_HEADS))
+    want = _layer().forward(*(x.bfloat16().double() for x in (q, k, v)), None)
+    got = _layer().forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-6)
