@@ -6,7 +6,8 @@ These two small modules replace them in :func:`megarl.models.spec.layer_spec` wh
 TransformerEngine is absent (always on CPU):
 
 * :class:`SDPACoreAttention` calls ``torch.nn.functional.scaled_dot_product_attention``
-  (flash / memory-efficient kernels on GPU, the flash kernel for CPU on CPU). Packed batches
+  (flash / memory-efficient kernels on GPU, the flash kernel for CPU on CPU; on CPU rows of few
+  keys are two batched GEMMs and a softmax instead, :func:`grouped_math_attention`). Packed batches
   (Megatron's THD format, ``PackedSeqParams.cu_seqlens_q``) are attended as a few padded
   batches (:class:`PaddedAttentionPlan`): the segments, sorted into buckets of similar
   length, are gathered into right-padded ``[b, n, s, hn]`` rows and attended causally in one
@@ -63,7 +64,8 @@ most this many fp32 values per query and head, beside the flash kernel's one."""
 
 
 class SDPACoreAttention(MegatronModule):
-    """Causal attention through torch SDPA; drop-in for Megatron's ``core_attention`` slot."""
+    """Causal attention through torch SDPA (short rows on CPU: :func:`grouped_math_attention`); drop-in
+    for Megatron's ``core_attention`` slot."""
 
     def __init__(
         self,
