@@ -67,7 +67,6 @@ from megarl.kernels.reference import (
     softmax_grad_,
 )
 from megarl.kernels.truncation import Truncation, truncated_stats_of_logits
-from megarl.utils.hardware import cpu_bf16_native
 
 TokenLossFn = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
 """``fn(t0, t1, logprob [t1-t0], entropy [t1-t0]) -> per-token loss [t1-t0]`` of tokens [t0, t1).
@@ -199,9 +198,7 @@ def _bf16_grads(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     GEMM runs at 2-3x (AVX-512 BF16) or many times (AMX) fp32's rate. dz's rounding is the error of
     any bf16 backward (the model's own layers take theirs in bf16); the GEMMs still sum in fp32
     (:class:`_WeightGrad`). Without native bf16 they stay fp32: emulated bf16 is slower than fp32."""
-    if not hidden.dtype == weight.dtype == torch.bfloat16:
-        return False
-    return hidden.is_cuda or (hidden.device.type == "cpu" and cpu_bf16_native()[0])
+    return bf16_valued(hidden, weight) or (hidden.is_cuda and hidden.dtype == weight.dtype == torch.bfloat16)
 
 
 class _WeightGrad:
