@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 import threading
@@ -13,6 +14,15 @@ import pytest
 from megarl.utils import memory as memory_module
 from megarl.utils import stats_tracker
 from megarl.utils.memory import PeakRSS, rss_bytes
+
+
+def _resident_block(size: int) -> mmap.mmap:
+    """``size`` bytes of new pages, each written: resident, whatever the heap already holds (a heap that
+    kept freed pages, as the CPU trainer's does, would serve a ``bytearray`` from pages already counted)."""
+    block = mmap.mmap(-1, size)
+    for offset in range(0, size, mmap.PAGESIZE):
+        block[offset] = 1
+    return block
 
 
 @pytest.mark.parametrize("sampler_delay_s", [0.0, 0.3], ids=["idle", "sampler-waits-for-a-core"])
@@ -30,13 +40,13 @@ def test_each_phase_records_its_own_peak(monkeypatch, sampler_delay_s):
     memory = PeakRSS(interval=0.005)
     base = rss_bytes()
     with memory.peak("big"):
-        block = bytearray(300 * 2**20)  # 300 MiB, zero-filled: resident
+        block = _resident_block(300 * 2**20)
         # the block stays until the sampling thread has seen it, however long that thread waits for a
         # core (no fixed sleep is long enough on a loaded machine); one that never samples fails at the deadline
         deadline = time.monotonic() + 60
         while memory.peak_so_far() < base + 250 * 2**20 and time.monotonic() < deadline:
             time.sleep(0.01)
-        del block
+        block.close()
     with memory.peak("small"):
         time.sleep(0.05)
     stats = stats_tracker.export()
