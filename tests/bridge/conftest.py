@@ -11,11 +11,12 @@ from megarl.serving import launch_servers, vllm_launch_spec
 from megarl.utils.network import find_free_ports
 
 
-def bridge_server_specs(model_dir, tps: list[int], max_model_len: int = 512):
+def bridge_server_specs(model_dir, tps: list[int], max_model_len: int = 512, enforce_eager: bool = True):
     """Launch specs of vLLM servers (one per TP size) with megarl's weight-transfer engine."""
     specs, cores = [], 0
     for tp, port in zip(tps, find_free_ports(len(tps))):
-        config = VLLMConfig(max_model_len=max_model_len, max_num_seqs=16)  # dtype auto, as the trainer
+        # dtype auto, as the trainer
+        config = VLLMConfig(max_model_len=max_model_len, max_num_seqs=16, enforce_eager=enforce_eager)
         devices = [(cores + i) % os.cpu_count() for i in range(tp)]
         cores += tp
         spec = vllm_launch_spec(config, str(model_dir), "127.0.0.1", port, tp=tp, devices=devices, insecure=True)
@@ -34,6 +35,19 @@ def llama_servers(tiny_model_dir, tmp_path_factory):
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def compiled_llama_server(tiny_model_dir, tmp_path_factory):
+    """A TP-1 vLLM server on the tiny llama, compiled (``enforce_eager=False``, as the CPU configs):
+    (model dir, [(address, 1)])."""
+    model_dir = tiny_model_dir("llama")
+    specs = bridge_server_specs(model_dir, [1], enforce_eager=False)
+    servers = launch_servers(specs, timeout=900, log_dir=tmp_path_factory.mktemp("vllm_compiled_logs"), name="compiled")
+    try:
+        yield model_dir, [(servers[0].address, 1)]
+    finally:
+        servers[0].stop()
 
 
 @pytest.fixture(scope="module")

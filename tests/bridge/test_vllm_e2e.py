@@ -38,13 +38,37 @@ def test_actor_updates_vllm_servers(alloc, llama_servers, tmp_path):
     )
     logger.info("%s: %s", alloc, [(r["mode"], r["before"], r["after"]) for r in results[0]])
     for rank_result in results:
-        assert [r["mode"] for r in rank_result] == MODES
-        for version, r in enumerate(rank_result, start=1):
-            assert r["version"] == version
-            assert r["before"]["logprob_diff_max"] > MEASURABLE, r
-            assert r["after"]["logprob_diff_max"] < BF16_TOLERANCE, r
-            for i in range(len(servers)):
-                assert r["after"][f"server{i}/logprob_diff_max"] < BF16_TOLERANCE, r
+        assert_each_update_lands(rank_result, n_servers=len(servers))
+
+
+def assert_each_update_lands(rank_result: list[dict], n_servers: int) -> None:
+    """Each mode's update, in order: the servers measurably behind before it, every one level after."""
+    assert [r["mode"] for r in rank_result] == MODES
+    for version, r in enumerate(rank_result, start=1):
+        assert r["version"] == version
+        assert r["before"]["logprob_diff_max"] > MEASURABLE, r
+        assert r["after"]["logprob_diff_max"] < BF16_TOLERANCE, r
+        for i in range(n_servers):
+            assert r["after"][f"server{i}/logprob_diff_max"] < BF16_TOLERANCE, r
+
+
+def test_actor_updates_a_compiled_vllm_server(compiled_llama_server, tmp_path):
+    """A compiled server (``vllm.enforce_eager=false``, the CPU configs' choice) serves each update's
+    weights: its compiled graph reads the parameters the receiver wrote in place, not copies of them."""
+    model_dir, servers = compiled_llama_server
+    results = run_ranks(
+        2,
+        "tests.bridge.workers:e2e_sync",
+        timeout=900,
+        model_dir=str(model_dir),
+        alloc="megatron:d1p1t2",
+        servers=servers,
+        modes=MODES,
+        disk_dir=str(tmp_path / "disk"),
+    )
+    logger.info("compiled: %s", [(r["mode"], r["before"], r["after"]) for r in results[0]])
+    for rank_result in results:
+        assert_each_update_lands(rank_result, n_servers=1)
 
 
 def test_moe_actor_ep2_updates_vllm_server(moe_server, tmp_path):
@@ -66,10 +90,7 @@ def test_moe_actor_ep2_updates_vllm_server(moe_server, tmp_path):
         threshold=0.1,
     )
     logger.info("moe ep2: %s", [(r["mode"], r["before"], r["after"]) for r in results[0]])
-    for version, r in enumerate(results[0], start=1):
-        assert r["version"] == version
-        assert r["before"]["logprob_diff_max"] > MEASURABLE, r
-        assert r["after"]["logprob_diff_max"] < BF16_TOLERANCE, r
+    assert_each_update_lands(results[0], n_servers=1)
 
 
 def test_pause_abort_resume_around_an_update(llama_servers):
