@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -24,39 +26,37 @@ def bridge_server_specs(model_dir, tps: list[int], max_model_len: int = 512, enf
     return specs
 
 
-@pytest.fixture(scope="module")
-def llama_servers(tiny_model_dir, tmp_path_factory):
-    """A TP-1 and a TP-2 vLLM server on the tiny llama, for the module: [(address, tp)]."""
-    model_dir = tiny_model_dir("llama")
-    specs = bridge_server_specs(model_dir, [1, 2])
-    servers = launch_servers(specs, timeout=900, log_dir=tmp_path_factory.mktemp("vllm_logs"), name="bridge-vllm")
+@contextlib.contextmanager
+def serving(model_dir, tps: list[int], tmp_path_factory, name: str, **options) -> Iterator[list[tuple[str, int]]]:
+    """Servers of ``bridge_server_specs(model_dir, tps, **options)``, healthy, stopped on exit: [(address, tp)]."""
+    specs = bridge_server_specs(model_dir, tps, **options)
+    servers = launch_servers(specs, timeout=900, log_dir=tmp_path_factory.mktemp(f"{name}_logs"), name=name)
     try:
-        yield model_dir, [(s.address, tp) for s, tp in zip(servers, [1, 2])]
+        yield [(server.address, tp) for server, tp in zip(servers, tps)]
     finally:
         for server in servers:
             server.stop()
 
 
 @pytest.fixture(scope="module")
-def compiled_llama_server(tiny_model_dir, tmp_path_factory):
-    """A TP-1 vLLM server on the tiny llama, compiled (``enforce_eager=False``, as the CPU configs):
-    (model dir, [(address, 1)])."""
+def llama_servers(tiny_model_dir, tmp_path_factory):
+    """A TP-1 and a TP-2 vLLM server on the tiny llama, for the module: [(address, tp)]."""
     model_dir = tiny_model_dir("llama")
-    specs = bridge_server_specs(model_dir, [1], enforce_eager=False)
-    servers = launch_servers(specs, timeout=900, log_dir=tmp_path_factory.mktemp("vllm_compiled_logs"), name="compiled")
-    try:
-        yield model_dir, [(servers[0].address, 1)]
-    finally:
-        servers[0].stop()
+    with serving(model_dir, [1, 2], tmp_path_factory, "bridge-vllm") as servers:
+        yield model_dir, servers
+
+
+@pytest.fixture(scope="module")
+def compiled_llama_server(tiny_model_dir, tmp_path_factory):
+    """A TP-1 vLLM server on the tiny llama, compiled (``enforce_eager=False``): (model dir, [(address, 1)])."""
+    model_dir = tiny_model_dir("llama")
+    with serving(model_dir, [1], tmp_path_factory, "compiled", enforce_eager=False) as servers:
+        yield model_dir, servers
 
 
 @pytest.fixture(scope="module")
 def moe_server(tiny_model_dir, tmp_path_factory):
     """A TP-2 vLLM server on the tiny Qwen3-MoE (4 experts, top 2): (model dir, [(address, 2)])."""
     model_dir = tiny_model_dir("qwen3_moe")
-    specs = bridge_server_specs(model_dir, [2])
-    servers = launch_servers(specs, timeout=900, log_dir=tmp_path_factory.mktemp("vllm_moe_logs"), name="bridge-moe")
-    try:
-        yield model_dir, [(servers[0].address, 2)]
-    finally:
-        servers[0].stop()
+    with serving(model_dir, [2], tmp_path_factory, "bridge-moe") as servers:
+        yield model_dir, servers

@@ -26,7 +26,15 @@ MEASURABLE = 0.2  # one lr=1e-2 Adam step moves the probe logprobs by more than 
 @pytest.mark.parametrize("alloc", ["megatron:d1p1t2", "megatron:d1p2t1"])
 def test_actor_updates_vllm_servers(alloc, llama_servers, tmp_path):
     model_dir, servers = llama_servers
-    results = run_ranks(
+    results = sync_each_mode(model_dir, alloc, servers, tmp_path)
+    logger.info("%s: %s", alloc, [(r["mode"], r["before"], r["after"]) for r in results[0]])
+    for rank_result in results:
+        assert_each_update_lands(rank_result, n_servers=len(servers))
+
+
+def sync_each_mode(model_dir, alloc: str, servers: list, tmp_path, **options) -> list[list[dict]]:
+    """Two trainer ranks in layout ``alloc``: one optimizer step and one update per mode of ``MODES``."""
+    return run_ranks(
         2,
         "tests.bridge.workers:e2e_sync",
         timeout=900,
@@ -35,10 +43,8 @@ def test_actor_updates_vllm_servers(alloc, llama_servers, tmp_path):
         servers=servers,
         modes=MODES,
         disk_dir=str(tmp_path / "disk"),
+        **options,
     )
-    logger.info("%s: %s", alloc, [(r["mode"], r["before"], r["after"]) for r in results[0]])
-    for rank_result in results:
-        assert_each_update_lands(rank_result, n_servers=len(servers))
 
 
 def assert_each_update_lands(rank_result: list[dict], n_servers: int) -> None:
@@ -53,19 +59,10 @@ def assert_each_update_lands(rank_result: list[dict], n_servers: int) -> None:
 
 
 def test_actor_updates_a_compiled_vllm_server(compiled_llama_server, tmp_path):
-    """A compiled server (``vllm.enforce_eager=false``, the CPU configs' choice) serves each update's
+    """A compiled server (``vllm.enforce_eager=false``, for long CPU runs) serves each update's
     weights: its compiled graph reads the parameters the receiver wrote in place, not copies of them."""
     model_dir, servers = compiled_llama_server
-    results = run_ranks(
-        2,
-        "tests.bridge.workers:e2e_sync",
-        timeout=900,
-        model_dir=str(model_dir),
-        alloc="megatron:d1p1t2",
-        servers=servers,
-        modes=MODES,
-        disk_dir=str(tmp_path / "disk"),
-    )
+    results = sync_each_mode(model_dir, "megatron:d1p1t2", servers, tmp_path)
     logger.info("compiled: %s", [(r["mode"], r["before"], r["after"]) for r in results[0]])
     for rank_result in results:
         assert_each_update_lands(rank_result, n_servers=1)
@@ -78,17 +75,7 @@ def test_moe_actor_ep2_updates_vllm_server(moe_server, tmp_path):
     it; without it the served logprobs drift by ~0.5 after three steps).
     """
     model_dir, servers = moe_server
-    results = run_ranks(
-        2,
-        "tests.bridge.workers:e2e_sync",
-        timeout=900,
-        model_dir=str(model_dir),
-        alloc="megatron:d2p1t1e2",
-        servers=servers,
-        modes=MODES,
-        disk_dir=str(tmp_path / "disk"),
-        threshold=0.1,
-    )
+    results = sync_each_mode(model_dir, "megatron:d2p1t1e2", servers, tmp_path, threshold=0.1)
     logger.info("moe ep2: %s", [(r["mode"], r["before"], r["after"]) for r in results[0]])
     assert_each_update_lands(results[0], n_servers=1)
 
