@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.bridge.groups import destroy_group
-from megarl.bridge.transport import wire_dtype
+from megarl.bridge.transport import ReceiveBuffers, wire_dtype
 from megarl.bridge.transport_broadcast import BroadcastReceiver
 from megarl.bridge.transport_disk import iter_checkpoint
 from megarl.bridge.transport_sharded import ShardedReceiver
@@ -77,6 +77,8 @@ class WorkerReceiver:
         self.dtype = wire_dtype(init.dtype)
         self.broadcast_groups: list = []
         self.sharded_group = None
+        self.buffers = ReceiveBuffers(keep=self.device.type == "cpu" and init.stage)
+        """Kept between updates on a CPU worker that stages (:class:`~megarl.bridge.transport.ReceiveBuffers`)."""
 
     def connect(self) -> None:
         """Join every bridge group (blocks until the trainer ranks join too)."""
@@ -101,11 +103,11 @@ class WorkerReceiver:
         if mode not in self.specs:
             raise ValueError(f"this worker was not wired for {mode!r} updates (wired: {sorted(self.specs)})")
         if mode == "broadcast":
-            receiver = BroadcastReceiver(self.specs[mode], self.broadcast_groups, self.dtype, self.device)
+            receiver = BroadcastReceiver(self.specs[mode], self.broadcast_groups, self.dtype, self.device, self.buffers)
             for bucket in receiver.receive():
                 yield Received(mode, named=bucket, bytes=sum(t.numel() * t.element_size() for _, t in bucket))
             return
-        receiver = ShardedReceiver(self.specs[mode], self.sharded_group, self.dtype, self.device)
+        receiver = ShardedReceiver(self.specs[mode], self.sharded_group, self.dtype, self.device, self.buffers)
         for items in receiver.receive():
             yield Received(mode, pieces=items, bytes=sum(d.numel() * d.element_size() for *_, d in items))
 
@@ -113,12 +115,16 @@ class WorkerReceiver:
         """Receive one update; ``apply`` gets it whole (``stage``) or per bucket. Returns bytes received."""
         total = 0
         staged: list[Received] = []
-        for part in self.stream(mode, path):
-            total += part.bytes
-            if self.init.stage and mode != "disk":
-                staged.append(part)  # every bucket has its own receive buffer: keeping the views keeps the bytes
-            else:
-                apply(part)
+        try:
+            for part in self.stream(mode, path):
+                total += part.bytes
+                if self.init.stage and mode != "disk":
+                    staged.append(part)  # every bucket has its own receive buffer: keeping the views keeps the bytes
+                else:
+                    apply(part)
+        except BaseException:
+            self.buffers.drop()
+            raise
         if staged:
             apply(_merge(mode, staged))
         logger.info("worker %d received a %s update (%d bytes)", self.worker, mode, total)

@@ -57,6 +57,40 @@ class TransferStats:
         }
 
 
+class ReceiveBuffers:
+    """A worker's receive buffers, kept from one update to the next where ``keep`` (one per message key).
+
+    A CPU worker's new buffer is fresh pages, which the kernel maps and zeroes as the bytes arrive:
+    on a 2-core VM a 64 MB bucket then took 0.05 to 0.3 s to arrive (SmolLM2-135M, sharded, gloo),
+    against 0.02 to 0.07 s into pages already mapped. A staged update holds every buffer of the
+    update at once anyway (``ReceiverInit.stage``), so keeping them costs no memory beyond that peak.
+    Buffers are reused across updates only, never within one: what a receiver yields stays valid
+    until the update is applied.
+    """
+
+    def __init__(self, keep: bool):
+        self.keep = keep
+        self._kept: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: tuple, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """The buffer for message ``key`` of an update: last update's if kept and alike, else a new one."""
+        buf = self._kept.get(key)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            if self.keep:
+                self._kept[key] = buf
+        return buf
+
+    def drop(self) -> None:
+        """Forget the kept buffers (after a failed update: a receive still posted may write into one)."""
+        self._kept = {}
+
+    @property
+    def kept(self) -> dict[tuple, torch.Tensor]:
+        """The kept buffers by message key."""
+        return dict(self._kept)
+
+
 class TransportSender(abc.ABC):
     """Trainer side of one mode: every trainer rank calls :meth:`send` once per update."""
 

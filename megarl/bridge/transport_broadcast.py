@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megarl.bridge.schedule import BroadcastSchedule
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transfer_plan import TransferPlan
-from megarl.bridge.transport import Timer, TransferStats, TransportSender, pack, unpack
+from megarl.bridge.transport import ReceiveBuffers, Timer, TransferStats, TransportSender, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +93,28 @@ class BroadcastReceiver:
     views of a receive buffer, valid until the next bucket is requested.
     """
 
-    def __init__(self, spec: dict, groups: list[dist.ProcessGroup], dtype: torch.dtype, device):
+    def __init__(
+        self,
+        spec: dict,
+        groups: list[dist.ProcessGroup],
+        dtype: torch.dtype,
+        device,
+        buffers: ReceiveBuffers | None = None,
+    ):
         if spec["mode"] != "broadcast" or len(groups) != spec["senders"]:
             raise ValueError(f"broadcast receiver: spec for {spec['senders']} senders, {len(groups)} groups given")
         self.spec, self.groups, self.dtype, self.device = spec, groups, dtype, device
+        self.buffers = buffers or ReceiveBuffers(keep=False)
         self.stats = TransferStats()
 
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         start = time.perf_counter()
-        for group, buckets in zip(self.groups, self.spec["buckets"]):
+        for i, (group, buckets) in enumerate(zip(self.groups, self.spec["buckets"])):
             pending = None
-            for entries in buckets:
+            for b, entries in enumerate(buckets):
                 shapes = [tuple(shape) for _, shape in entries]
-                buf = torch.empty(sum(math.prod(s) for s in shapes), dtype=self.dtype, device=self.device)
+                numel = sum(math.prod(s) for s in shapes)
+                buf = self.buffers.get(("broadcast", i, b), numel, self.dtype, self.device)
                 work = dist.broadcast(buf, src=0, group=group, async_op=True)
                 if pending is not None:
                     yield self._finish(*pending)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megarl.bridge.schedule import ShardedSchedule
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transfer_plan import Piece
-from megarl.bridge.transport import Timer, TransferStats, TransportSender, pack
+from megarl.bridge.transport import ReceiveBuffers, Timer, TransferStats, TransportSender, pack
 from megarl.config.bridge import WeightUpdateConfig
 
 logger = logging.getLogger(__name__)
@@ -171,10 +171,13 @@ class ShardedReceiver:
     a receive buffer shaped like the destination rows, valid until the next round.
     """
 
-    def __init__(self, spec: dict, group: dist.ProcessGroup, dtype: torch.dtype, device):
+    def __init__(
+        self, spec: dict, group: dist.ProcessGroup, dtype: torch.dtype, device, buffers: ReceiveBuffers | None = None
+    ):
         if spec["mode"] != "sharded":
             raise ValueError(f"sharded receiver got a {spec['mode']!r} spec")
         self.spec, self.group, self.dtype, self.device = spec, group, dtype, device
+        self.buffers = buffers or ReceiveBuffers(keep=False)
         self.shapes = [tuple(t[2]) for t in spec["tensors"]]
         self.stats = TransferStats()
 
@@ -187,11 +190,12 @@ class ShardedReceiver:
     def receive(self) -> Iterator[list[tuple[int, int | None, int, int, torch.Tensor]]]:
         start = time.perf_counter()
         pending = None
-        for msgs in self.spec["rounds"]:
+        for k, msgs in enumerate(self.spec["rounds"]):
             posted = []
             for sender, pieces in msgs:
                 shapes = [self._piece_shape(slot, dim, length) for slot, dim, _, length in pieces]
-                buf = torch.empty(sum(torch.Size(s).numel() for s in shapes), dtype=self.dtype, device=self.device)
+                numel = sum(torch.Size(s).numel() for s in shapes)
+                buf = self.buffers.get(("sharded", k, sender), numel, self.dtype, self.device)
                 peer = self.spec["sender_ranks"][sender]
                 posted.append((buf, pieces, shapes, dist.P2POp(dist.irecv, buf, peer, group=self.group)))
             works = dist.batch_isend_irecv([op for *_, op in posted]) if posted else []

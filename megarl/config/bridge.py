@@ -36,8 +36,9 @@ class WeightUpdateConfig:
     stage: bool = True
     """vLLM: receive a whole update before applying it, so a failure mid-transfer leaves the old
     weights in place (costs 1 / TP of the model in memory per worker in sharded mode, the whole
-    model in broadcast mode). False applies buckets as they arrive; a failed server is then
-    marked unhealthy."""
+    model in broadcast mode; a CPU worker keeps those buffers from one update to the next,
+    :class:`~megarl.bridge.transport.ReceiveBuffers`). False applies buckets as they arrive; a
+    failed server is then marked unhealthy."""
     disk_path: str = ""
     """Disk mode and adapter sync: directory on storage shared by trainer and servers (one sub-directory
     per version); empty with adapter sync: ``{run_dir}/weight_updates``."""

@@ -4,7 +4,8 @@ Trainer ranks hold shards cut from a tiny HF checkpoint by the family mapping; w
 processes rebuild what arrives. Expected values are independent of the bridge: the HF
 tensors themselves (broadcast, disk) and the HF tensors cut by each worker's target
 layout (sharded), in the wire dtype. Two updates with different weights go through the
-same groups (created once).
+same groups (created once), the second into the first one's receive buffers (a CPU worker
+that stages keeps them: :class:`~megarl.bridge.transport.ReceiveBuffers`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from megarl.bridge.transfer_plan import build_plan
+from megarl.bridge.transport import ReceiveBuffers
 from megarl.config.allocation import TrainingAllocation
 from megarl.models.build import describe
 from megarl.models.hf_io import SafetensorsReader
@@ -61,6 +63,9 @@ def test_fake_receivers_get_exact_bytes(case, tiny_model_dir, tmp_path):
     )
     for result in results[trainer.world_size :]:
         worker, got = result["worker"], result["got"]
+        kept = got["buffers", 0]
+        assert {mode for mode, *_ in kept} == {"broadcast", "sharded"}
+        assert got["buffers", 1] == kept  # the second update arrived in the first one's buffers
         for update in range(2):
             scale = 1.0 + update
             for mode in ("broadcast", "disk"):
@@ -75,3 +80,17 @@ def test_fake_receivers_get_exact_bytes(case, tiny_model_dir, tmp_path):
             assert got["sharded_bytes", update] == plan.worker_numel(worker) * WIRE.itemsize
             model_bytes = sum(math.prod(t.shape) for t in hf.values()) * WIRE.itemsize
             assert got["sharded_bytes", update] <= model_bytes / plan.server_tp[server] * 1.05
+
+
+def test_receive_buffers_are_reused_across_updates_only_when_kept():
+    kept, fresh = ReceiveBuffers(keep=True), ReceiveBuffers(keep=False)
+    a = kept.get(("sharded", 0, 0), 10, torch.bfloat16, "cpu")
+    assert kept.get(("sharded", 0, 0), 10, torch.bfloat16, "cpu") is a  # the next update's message 0
+    assert kept.get(("sharded", 1, 0), 10, torch.bfloat16, "cpu") is not a  # another message of the update
+    assert kept.get(("sharded", 0, 0), 12, torch.bfloat16, "cpu").numel() == 12  # the plan changed: a new one
+    assert kept.get(("sharded", 0, 0), 12, torch.float32, "cpu").dtype == torch.float32
+    kept.drop()
+    assert kept.kept == {}
+    b = fresh.get(("sharded", 0, 0), 10, torch.bfloat16, "cpu")
+    assert fresh.get(("sharded", 0, 0), 10, torch.bfloat16, "cpu") is not b
+    assert fresh.kept == {}

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megarl.bridge.schedule import broadcast_schedule, receiver_spec, sharded_schedule
 from megarl.bridge.source import ShardSource, TrainerCoords
 from megarl.bridge.transfer_plan import build_plan
+from megarl.bridge.transport import ReceiveBuffers
 from megarl.bridge.transport_broadcast import BroadcastReceiver, BroadcastSender
 from megarl.bridge.transport_disk import DiskSender, iter_checkpoint
 from megarl.bridge.transport_sharded import ShardedReceiver, ShardedSender
@@ -146,12 +147,14 @@ def _worker(plan, wiring, worker: int, bucket_numel: int, disk_dir: Path, update
     bspec = receiver_spec(plan, worker, "broadcast", bucket_numel)
     sspec = receiver_spec(plan, worker, "sharded", bucket_numel, wiring.sender_ranks)
     got = {}
+    buffers = ReceiveBuffers(keep=True)  # as a CPU worker that stages: update 1 arrives in update 0's buffers
     for update in range(updates):
-        receiver = BroadcastReceiver(bspec, bgroups, WIRE, "cpu")
+        receiver = BroadcastReceiver(bspec, bgroups, WIRE, "cpu", buffers)
         got["broadcast", update] = {n: t.clone() for bucket in receiver.receive() for n, t in bucket}
-        sharded = ShardedReceiver(sspec, sgroup, WIRE, "cpu")
+        sharded = ShardedReceiver(sspec, sgroup, WIRE, "cpu", buffers)
         got["sharded", update] = assemble_sharded(sspec, sharded.receive())
         got["sharded_bytes", update] = sharded.stats.bytes_received
+        got["buffers", update] = {key: t.data_ptr() for key, t in buffers.kept.items()}
         dist.barrier()
         got["disk", update] = dict(iter_checkpoint(disk_dir / f"u{update}"))
     return {"worker": worker, "got": got}
