@@ -286,9 +286,12 @@ def pause_resume_sync(model_dir: str, address: str, tp: int, max_new_tokens: int
     async def generate_all():
         return await asyncio.gather(*(rollout.agenerate(r) for r in requests))
 
+    started = time.perf_counter()
+    asyncio.run(generate_all())  # once without an update: how long the batch takes on this server now
+    alone = time.perf_counter() - started
     thread = threading.Thread(target=lambda: responses.extend(asyncio.run(generate_all())))
     thread.start()
-    time.sleep(2.0)  # requests are generating on the server
+    time.sleep(alone / 4)  # generating, far from done (a fixed 2 s outlasted the batch on a fast machine)
     stats = sync.update_weights(meta)
     thread.join(300)
     rollout.destroy()
