@@ -61,8 +61,8 @@ class ReceiveBuffers:
     """A worker's receive buffers, kept from one update to the next where ``keep`` (one per message key).
 
     A CPU worker's new buffer is fresh pages, which the kernel maps and zeroes as the bytes arrive:
-    on a 2-core VM a 64 MB bucket then took 0.05 to 0.3 s to arrive (SmolLM2-135M, sharded, gloo),
-    against 0.02 to 0.07 s into pages already mapped. A staged update holds every buffer of the
+    slower than arriving into pages already mapped (``docs/development.md``, "The weight sync into kept
+    pages"). A staged update holds every buffer of the
     update at once anyway (``ReceiverInit.stage``), so keeping them costs no memory beyond that peak.
     Buffers are reused across updates only, never within one: what a receiver yields stays valid
     until the update is applied.
