@@ -12,6 +12,8 @@ the launch command. Beside them:
   health, restart, join, leave, readmission), which the rollout side routes with and the weight-sync
   phase asks whom to update;
 - ``launch``: starting servers and waiting for them; ``restarts``: the launcher's restart and join records.
+- ``vllm_compile_cache``: a compiled vLLM-CPU server loads its model back from vLLM's compile cache
+  (installed in the server by the vLLM plugin).
 
 The in-server half of the weight transfer (the vLLM plugin) runs inside the server and lives with the
 bridge it receives from (:mod:`megarl.bridge.receivers.vllm`).

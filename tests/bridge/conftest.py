@@ -27,9 +27,14 @@ def bridge_server_specs(model_dir, tps: list[int], max_model_len: int = 512, enf
 
 
 @contextlib.contextmanager
-def serving(model_dir, tps: list[int], tmp_path_factory, name: str, **options) -> Iterator[list[tuple[str, int]]]:
-    """Servers of ``bridge_server_specs(model_dir, tps, **options)``, healthy, stopped on exit: [(address, tp)]."""
+def serving(
+    model_dir, tps: list[int], tmp_path_factory, name: str, env: dict[str, str] | None = None, **options
+) -> Iterator[list[tuple[str, int]]]:
+    """Servers of ``bridge_server_specs(model_dir, tps, **options)`` (plus ``env``), healthy, stopped on exit:
+    [(address, tp)]. Their logs: ``<name>_logs*`` under pytest's base temporary directory."""
     specs = bridge_server_specs(model_dir, tps, **options)
+    for spec in specs:
+        spec.env.update(env or {})
     servers = launch_servers(specs, timeout=900, log_dir=tmp_path_factory.mktemp(f"{name}_logs"), name=name)
     try:
         yield [(server.address, tp) for server, tp in zip(servers, tps)]
@@ -48,10 +53,18 @@ def llama_servers(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compiled_llama_server(tiny_model_dir, tmp_path_factory):
-    """A TP-1 vLLM server on the tiny llama, compiled (``enforce_eager=False``): (model dir, [(address, 1)])."""
+    """A TP-1 vLLM server on the tiny llama, compiled (``enforce_eager=False``), started twice on a new compile
+    cache: the first start compiles the model, the second (yielded) loads it back.
+
+    Yields (model dir, [(address, 1)], [the first start's log, the second's])."""
     model_dir = tiny_model_dir("llama")
-    with serving(model_dir, [1], tmp_path_factory, "compiled", enforce_eager=False) as servers:
-        yield model_dir, servers
+    env = {"VLLM_CACHE_ROOT": str(tmp_path_factory.mktemp("vllm_cache"))}
+    with serving(model_dir, [1], tmp_path_factory, "compiling", env=env, enforce_eager=False):
+        pass
+    with serving(model_dir, [1], tmp_path_factory, "compiled", env=env, enforce_eager=False) as servers:
+        base = tmp_path_factory.getbasetemp()
+        logs = [next(base.glob(f"{name}_logs*/{name}-0.log")) for name in ("compiling", "compiled")]
+        yield model_dir, servers, logs
 
 
 @pytest.fixture(scope="module")

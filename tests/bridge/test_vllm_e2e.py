@@ -58,10 +58,21 @@ def assert_each_update_lands(rank_result: list[dict], n_servers: int) -> None:
             assert r["after"][f"server{i}/logprob_diff_max"] < BF16_TOLERANCE, r
 
 
+def test_a_compiled_server_loads_its_model_back(compiled_llama_server):
+    """The second start of a compiled server on the same compile cache loads the model the first start compiled
+    (vLLM 0.32 on CPU compiled it again at every start: ``megarl.serving.vllm_compile_cache``)."""
+    _, _, (compiling_log, compiled_log) = compiled_llama_server
+    assert "saved AOT compiled function" in compiling_log.read_text()
+    second = compiled_log.read_text()
+    assert "Directly load AOT compilation" in second
+    assert "load failure" not in second
+
+
 def test_actor_updates_a_compiled_vllm_server(compiled_llama_server, tmp_path):
-    """A compiled server (``vllm.enforce_eager=false``, for long CPU runs) serves each update's
-    weights: its compiled graph reads the parameters the receiver wrote in place, not copies of them."""
-    model_dir, servers = compiled_llama_server
+    """A compiled server (``vllm.enforce_eager=false``, for long CPU runs), its model loaded back from the
+    compile cache, serves each update's weights: its compiled graph reads the parameters the receiver wrote
+    in place, not copies of them."""
+    model_dir, servers, _ = compiled_llama_server
     results = sync_each_mode(model_dir, "megatron:d1p1t2", servers, tmp_path)
     logger.info("compiled: %s", [(r["mode"], r["before"], r["after"]) for r in results[0]])
     for rank_result in results:

@@ -51,6 +51,7 @@ from megarl.bridge.receiver import (
     write_pieces,
     zero_padding,
 )
+from megarl.serving import vllm_compile_cache
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +59,14 @@ BACKEND = "megarl"
 
 
 def register() -> None:
-    """vLLM general plugin: register megarl's weight-transfer engine (idempotent; every vLLM process calls it)."""
+    """vLLM general plugin (idempotent; every vLLM process calls it): register megarl's weight-transfer
+    engine, and let a compiled CPU server load its model back from vLLM's compile cache
+    (:mod:`megarl.serving.vllm_compile_cache`)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "MegarlWeightTransferEngine")
+    vllm_compile_cache.install()
 
 
 @dataclass
