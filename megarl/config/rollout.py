@@ -118,11 +118,11 @@ class VLLMConfig:
     cpu_kvcache_space_gb: int = 1
     """KV cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     enforce_eager: bool = True
-    """Disable CUDA graphs / ``torch.compile``: a faster start. On CPU a compiled server generates faster
-    but compiles at every start (vLLM 0.32 does not read its CPU compile cache back): on a 2-core AVX-512
-    BF16 CPU, bf16, healthy after 83-96 s against 28 s eager; the arithmetic job's steps 1.14-1.21x
-    faster, the main GSM8K job's rollout 4.0 s against 5.9 s (``docs/development.md``). False pays for
-    itself past about 50 steps of the arithmetic job and 25 of the GSM8K one."""
+    """Disable CUDA graphs / ``torch.compile``: a faster start. On CPU a compiled server's first start on a
+    machine compiles the model (about a minute more on two cores), later starts load it from vLLM's compile
+    cache (``$VLLM_CACHE_ROOT``, ``~/.cache/vllm``; one entry per CPU kind: :mod:`megarl.serving.vllm_compile_cache`).
+    On a 2-core AVX-512 BF16 CPU, bf16: healthy after 36-47 s loaded against 31-33 s eager; rollouts 0.1-0.3 s
+    shorter in both CPU jobs, about level with eager over their runs (``docs/development.md``)."""
     enable_prefix_caching: bool = True
     """Reuse KV cache across requests sharing a prefix (a GRPO group's prompt, continued generations)."""
     block_size: int | None = None
