@@ -4,6 +4,7 @@ is ``tests/bridge/test_vllm_e2e.py::test_a_compiled_server_loads_its_model_back`
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
@@ -78,11 +79,13 @@ def test_a_real_inductor_artifact_loads_with_finalize_loading(tmp_path):
     path = tmp_path / "artifact"
     compiled.save_compiled_function(str(path))
 
+    # torch's own loader (a test that loaded megarl's vLLM plugin in this process has wrapped it)
+    stock_load = inspect.unwrap(torch.compiler.load_compiled_function)
     with open(path, "rb") as file:
-        stock = torch.compiler.load_compiled_function(file)
+        stock = stock_load(file)
     assert not hasattr(stock._artifacts.compiled_fn, "finalize_loading")  # what vLLM 0.32's loader trips on
 
     with open(path, "rb") as file:
-        loaded = vllm_compile_cache.finalizable(torch.compiler.load_compiled_function)(file)
+        loaded = vllm_compile_cache.finalizable(stock_load)(file)
     loaded._artifacts.compiled_fn.finalize_loading(None)
     torch.testing.assert_close(loaded(x), f(x))
