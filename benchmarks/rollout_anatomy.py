@@ -14,7 +14,9 @@ every core as the job binds it), this times the batch and variants that isolate 
 
 Each repetition uses 8 new prompts for every variant, the prefix cache reset before each variant,
 variants in alternating order. The time per decode step of the batch is
-(batch - first token of the 64) / (tokens per sequence - 1).
+(batch - first token of the 64) / (tokens per sequence - 1). Beside it, the GEMMs of one decode step
+of 64 sequences (every layer's projections and the LM head, in the server's dtype) timed alone in
+torch before the server starts: what the step would cost if it were only its matmuls.
 """
 
 from __future__ import annotations
@@ -99,6 +101,29 @@ async def _batch(address: str, prompts: list[list[int]], gconfig, variant: dict)
         return time.perf_counter() - start, len(requests) * n, sum(tokens)
 
 
+def _decode_step_gemms(model: str, dtype: str, batch: int, reps: int) -> list[float]:
+    """Seconds of one decode step's GEMMs at ``batch`` sequences (each layer's q, k, v, o, gate, up and down
+    projections, then the LM head), timed alone in torch ``reps`` times."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    h, i = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)] * config.num_hidden_layers
+    shapes.append((h, config.vocab_size))
+    torch_dtype = getattr(torch, dtype)
+    weights = [torch.randn(k, n, dtype=torch_dtype) for k, n in shapes]
+    inputs = {k: torch.randn(batch, k, dtype=torch_dtype) for k in (h, i)}
+    seconds = []
+    for _ in range(reps + 1):  # the first warms oneDNN up
+        start = time.perf_counter()
+        for weight in weights:
+            torch.mm(inputs[weight.shape[0]], weight)
+        seconds.append(time.perf_counter() - start)
+    return seconds[1:]
+
+
 def _reset_prefix_cache(address: str) -> None:
     req = urllib.request.Request(f"http://{address}/reset_prefix_cache", data=b"", method="POST")
     urllib.request.urlopen(req, timeout=60).read()
@@ -106,10 +131,14 @@ def _reset_prefix_cache(address: str) -> None:
 
 def run(quick: bool) -> list[dict]:
     from megarl.models import resolve_model_path
+    from megarl.utils.hardware import concrete_dtype
 
     reps = 2 if quick else 10
     vconfig, gconfig = _server_and_gconfig()
     prompts = _prompts(PROMPTS * (reps + 1))
+    gemms = _decode_step_gemms(
+        resolve_model_path("smollm2"), concrete_dtype(vconfig.dtype, "cpu"), PROMPTS * SAMPLES, reps
+    )
     port = find_free_ports(1)[0]
     devices = sorted(os.sched_getaffinity(0))  # every core, as the job binds its server
     spec = vllm_launch_spec(vconfig, resolve_model_path("smollm2"), "127.0.0.1", port, devices=devices, insecure=True)
@@ -123,10 +152,10 @@ def run(quick: bool) -> list[dict]:
             for name in order:
                 _reset_prefix_cache(server.address)
                 times[name].append(asyncio.run(_batch(server.address, batch, gconfig, VARIANTS[name])))
-    return _rows(times)
+    return _rows(times, gemms)
 
 
-def _rows(times: dict[str, list[tuple[float, int, int]]]) -> list[dict]:
+def _rows(times: dict[str, list[tuple[float, int, int]]], gemms: list[float]) -> list[dict]:
     rows = []
     for name, runs in times.items():
         seconds = [r[0] for r in runs]
@@ -144,6 +173,17 @@ def _rows(times: dict[str, list[tuple[float, int, int]]]) -> list[dict]:
     batch, first = rows[0], next(r for r in rows if r["variant"] == "first token of the 64")
     steps = batch["tokens_median"] / batch["sequences"] - 1
     batch["ms_per_decode_step"] = 1000 * (batch["seconds_median"] - first["seconds_median"]) / steps
+    rows.append(
+        {
+            "variant": "one decode step's GEMMs alone (torch)",
+            "sequences": PROMPTS * SAMPLES,
+            "runs": len(gemms),
+            "seconds_median": statistics.median(gemms),
+            "seconds_min": min(gemms),
+            "seconds_max": max(gemms),
+            "ms_per_decode_step": 1000 * statistics.median(gemms),
+        }
+    )
     return rows
 
 
