@@ -25,11 +25,10 @@ import asyncio
 import os
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 
 from benchmarks._harness import cpu_kind, main_for
-from megarl.api.io_struct import GenerationHyperparameters
+from benchmarks.rollout_pool import reset_prefix_cache
 from megarl.serving import InferenceServer, VLLMBackend, vllm_launch_spec
 from megarl.serving.http import make_session
 from megarl.utils.network import find_free_ports
@@ -48,26 +47,20 @@ VARIANTS = {
 }
 
 
-def _server_and_gconfig():
-    from omegaconf import OmegaConf
+def _job_config():
+    """The arithmetic job's config, loaded as ``megarl run`` loads it (``dtype: auto`` resolved for this machine)."""
+    from megarl.config.experiment import GRPOConfig
+    from megarl.config.loader import build_config_values
 
-    from megarl.config.rollout import VLLMConfig
-
-    job = OmegaConf.load(CONFIG)
-    vconfig = VLLMConfig(**OmegaConf.to_container(job.vllm))
-    gconfig = GenerationHyperparameters(
-        n_samples=job.gconfig.n_samples, max_new_tokens=job.gconfig.max_new_tokens, temperature=job.gconfig.temperature
-    )
-    return vconfig, gconfig
+    return build_config_values(GRPOConfig, [str(CONFIG)], [])
 
 
-def _prompts(n: int) -> list[list[int]]:
+def _prompts(model: str, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from megarl.data import load_rl_dataset
-    from megarl.models import resolve_model_path
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
     rows = load_rl_dataset("arithmetic", "train", type="chat").select(range(n))
     return [
         list(tokenizer.apply_chat_template(r["messages"], tokenize=True, add_generation_prompt=True, return_dict=False))
@@ -124,24 +117,18 @@ def _decode_step_gemms(model: str, dtype: str, batch: int, reps: int) -> list[fl
     return seconds[1:]
 
 
-def _reset_prefix_cache(address: str) -> None:
-    req = urllib.request.Request(f"http://{address}/reset_prefix_cache", data=b"", method="POST")
-    urllib.request.urlopen(req, timeout=60).read()
-
-
 def run(quick: bool) -> list[dict]:
     from megarl.models import resolve_model_path
-    from megarl.utils.hardware import concrete_dtype
 
     reps = 2 if quick else 10
-    vconfig, gconfig = _server_and_gconfig()
-    prompts = _prompts(PROMPTS * (reps + 1))
-    gemms = _decode_step_gemms(
-        resolve_model_path("smollm2"), concrete_dtype(vconfig.dtype, "cpu"), PROMPTS * SAMPLES, reps
-    )
+    job = _job_config()
+    vconfig, gconfig = job.vllm, job.gconfig
+    model = resolve_model_path("smollm2")
+    prompts = _prompts(model, PROMPTS * (reps + 1))
+    gemms = _decode_step_gemms(model, vconfig.dtype, PROMPTS * SAMPLES, reps)
     port = find_free_ports(1)[0]
     devices = sorted(os.sched_getaffinity(0))  # every core, as the job binds its server
-    spec = vllm_launch_spec(vconfig, resolve_model_path("smollm2"), "127.0.0.1", port, devices=devices, insecure=True)
+    spec = vllm_launch_spec(vconfig, model, "127.0.0.1", port, devices=devices, insecure=True)
     times: dict[str, list[tuple[float, int, int]]] = {name: [] for name in VARIANTS}
     with InferenceServer(spec, name="bench-vllm").start() as server:
         server.wait_until_healthy(vconfig.startup_timeout)
@@ -150,7 +137,7 @@ def run(quick: bool) -> list[dict]:
             batch = prompts[rep * PROMPTS : (rep + 1) * PROMPTS]
             order = list(VARIANTS) if rep % 2 else list(VARIANTS)[::-1]
             for name in order:
-                _reset_prefix_cache(server.address)
+                reset_prefix_cache(server.address)
                 times[name].append(asyncio.run(_batch(server.address, batch, gconfig, VARIANTS[name])))
     return _rows(times, gemms)
 

@@ -44,7 +44,8 @@ def _prompts(tokenizer, n: int) -> tuple[list[dict], list[list[int]]]:
     return rows, ids
 
 
-def _reset_prefix_cache(address: str) -> None:
+def reset_prefix_cache(address: str) -> None:
+    """Empty the vLLM server's prefix cache (``POST /reset_prefix_cache``), so each run starts alike."""
     req = urllib.request.Request(f"http://{address}/reset_prefix_cache", data=b"", method="POST")
     urllib.request.urlopen(req, timeout=60).read()
 
@@ -117,7 +118,7 @@ def run(quick: bool) -> list[dict]:
             _through_pool(engine, workflow, rows[:concurrency])  # and the reward worker
             for rep in range(reps):  # ABBA order, so drifting machine load hits both paths alike
                 for path in ("direct", "pool") if rep % 2 == 0 else ("pool", "direct"):
-                    _reset_prefix_cache(server.address)
+                    reset_prefix_cache(server.address)
                     results[path].append(runs[path]())
         finally:
             workflow.close()
