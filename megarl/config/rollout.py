@@ -119,10 +119,8 @@ class VLLMConfig:
     """KV cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / ``torch.compile``: a faster start. On CPU a compiled server's first start on a
-    machine compiles the model (about a minute more on two cores), later starts load it from vLLM's compile
-    cache (``$VLLM_CACHE_ROOT``, ``~/.cache/vllm``; one entry per CPU kind: :mod:`megarl.serving.vllm_compile_cache`).
-    On a 2-core AVX-512 BF16 CPU, bf16: healthy after 36-47 s loaded against 31-33 s eager; rollouts 0.1-0.3 s
-    shorter in both CPU jobs, about level with eager over their runs (``docs/development.md``)."""
+    machine compiles the model, later starts load it from vLLM's compile cache (one entry per CPU kind:
+    :mod:`megarl.serving.vllm_compile_cache`); what each costs and saves: ``docs/guides/performance.md``."""
     enable_prefix_caching: bool = True
     """Reuse KV cache across requests sharing a prefix (a GRPO group's prompt, continued generations)."""
     block_size: int | None = None
