@@ -70,10 +70,12 @@ void check_chunk(const at::Tensor& x, at::ScalarType dtype, int64_t T, int64_t v
 std::vector<at::Tensor> logprob_forward(const at::Tensor& hidden, const at::Tensor& weight,
                                         const at::Tensor& labels, int64_t valid_v,
                                         int64_t vocab_start, double inv_tau, int64_t num_splits,
-                                        bool wgmma, const std::optional<at::Tensor>& logits) {
+                                        bool wgmma, const std::optional<at::Tensor>& logits,
+                                        int64_t cta_group) {
   check_operands(hidden, weight, labels);
   TORCH_CHECK(valid_v >= 0 && valid_v <= weight.size(0), "valid_v out of range: ", valid_v);
   TORCH_CHECK(num_splits >= 1, "num_splits must be >= 1, got ", num_splits);
+  TORCH_CHECK(cta_group >= 1, "cta_group must be >= 1, got ", cta_group);
   if (logits) check_chunk(*logits, at::kFloat, hidden.size(0), valid_v, "logits");
   const c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t T = hidden.size(0);
@@ -88,7 +90,8 @@ std::vector<at::Tensor> logprob_forward(const at::Tensor& hidden, const at::Tens
                  vocab_start, static_cast<float>(inv_tau), static_cast<int>(num_splits),
                  part.data_ptr<float>(), label_logit.data_ptr<float>(),
                  logits ? logits->data_ptr<float>() : nullptr,
-                 logits ? static_cast<int>(logits->stride(0)) : 0, c10::cuda::getCurrentCUDAStream()),
+                 logits ? static_cast<int>(logits->stride(0)) : 0, static_cast<int>(cta_group),
+                 c10::cuda::getCurrentCUDAStream()),
              "logprob_forward");
   return {part, label_logit};
 }
@@ -134,7 +137,7 @@ void logprob_backward_dz(const at::Tensor& hidden, const at::Tensor& weight, con
                          int64_t valid_v, int64_t vocab_start, double inv_tau, const at::Tensor& lse,
                          const at::Tensor& mean_z, const at::Tensor& g_lp, const at::Tensor& g_ent,
                          int64_t col_begin, int64_t col_count, const at::Tensor& dz, bool wgmma,
-                         const std::optional<at::Tensor>& theta) {
+                         const std::optional<at::Tensor>& theta, int64_t cta_group) {
   check_operands(hidden, weight, labels);
   const int64_t T = hidden.size(0);
   check_vec(lse, T, "lse");
@@ -149,6 +152,7 @@ void logprob_backward_dz(const at::Tensor& hidden, const at::Tensor& weight, con
   TORCH_CHECK(col_begin % 2 == 0, "col_begin must be even, got ", col_begin);
   TORCH_CHECK(col_begin >= 0 && col_count >= 0 && col_begin + col_count <= weight.size(0),
               "column range out of bounds: ", col_begin, "+", col_count);
+  TORCH_CHECK(cta_group >= 1, "cta_group must be >= 1, got ", cta_group);
   const float* theta_data = theta_ptr(theta, T);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const auto launch = use_wgmma(wgmma, valid_v) ? megarl::launch_logprob_backward_dz_sm90
@@ -159,7 +163,7 @@ void logprob_backward_dz(const at::Tensor& hidden, const at::Tensor& weight, con
                  vocab_start, static_cast<float>(inv_tau), lse.data_ptr<float>(),
                  mean_z.data_ptr<float>(), g_lp.data_ptr<float>(), g_ent.data_ptr<float>(),
                  theta_data, static_cast<int>(col_begin), static_cast<int>(col_count), dz.data_ptr(),
-                 static_cast<int>(dz.stride(0)),
+                 static_cast<int>(dz.stride(0)), static_cast<int>(cta_group),
                  c10::cuda::getCurrentCUDAStream()),
              "logprob_backward_dz");
 }
@@ -200,7 +204,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_forward", &logprob_forward, "fused logprob/entropy forward partials",
         py::arg("hidden"), py::arg("weight"), py::arg("labels"), py::arg("valid_v"),
         py::arg("vocab_start"), py::arg("inv_tau"), py::arg("num_splits"), py::arg("wgmma"),
-        py::arg("logits") = py::none());
+        py::arg("logits") = py::none(), py::arg("cta_group") = megarl::kDefaultCtaGroup);
   m.def("softmax_grad_stored", &softmax_grad_stored,
         "the training path's softmax gradient from the stored logits of a token chunk",
         py::arg("logits"), py::arg("labels"), py::arg("valid_v"), py::arg("vocab_start"),
@@ -210,7 +214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden"), py::arg("weight"), py::arg("labels"), py::arg("valid_v"),
         py::arg("vocab_start"), py::arg("inv_tau"), py::arg("lse"), py::arg("mean_z"),
         py::arg("g_lp"), py::arg("g_ent"), py::arg("col_begin"), py::arg("col_count"), py::arg("dz"),
-        py::arg("wgmma"), py::arg("theta") = py::none());
+        py::arg("wgmma"), py::arg("theta") = py::none(), py::arg("cta_group") = megarl::kDefaultCtaGroup);
   m.def("sm90_mainloop_available", &megarl::sm90_mainloop_available,
         "whether the TMA + wgmma mainloop runs on the current device");
   m.def(
@@ -225,5 +229,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TILE_TOKENS") = megarl::kTileTokens;
   m.attr("TILE_VOCAB") = megarl::kTileVocab;
   m.attr("TILE_VOCAB_SM90") = megarl::kTileVocabSm90;
+  m.attr("DEFAULT_CTA_GROUP") = megarl::kDefaultCtaGroup;
   m.attr("NUM_PPO_STATS") = static_cast<int>(megarl::kNumPPOStats);
 }

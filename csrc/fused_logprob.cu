@@ -11,6 +11,7 @@
 
 #include <cuda_bf16.h>
 
+#include "cta_order.cuh"
 #include "host_emulation.h"
 #include "kernels.h"
 #include "softmax_stats.cuh"
@@ -88,7 +89,8 @@ __device__ __forceinline__ void store_tile(const Acc& acc, int n0, int valid_v, 
   }
 }
 
-// grid = (num_splits, ceil(T / BM)); split x owns vocab tiles [x * tiles_per_split, ...).
+// One CTA per (vocab split, token block), ordered by grouped_grid (cta_order.cuh); split x owns
+// vocab tiles [x * tiles_per_split, ...).
 // kStore: also write each tile's raw logits (store_tile), for the training path.
 template <bool kStore>
 __global__ void __launch_bounds__(THREADS)
@@ -106,9 +108,10 @@ __global__ void __launch_bounds__(THREADS)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int wm = (warp >> 1) * WM;
-  const int split = blockIdx.x;
-  const int num_splits = gridDim.x;
-  const int m0 = blockIdx.y * BM;
+  const int split = grouped_col();
+  const int num_splits = gridDim.y;
+  const int m0 = grouped_row() * BM;
+  if (m0 >= T) return;  // the last group's CTAs past the last token block
 
   Stats st[MI][2];
   int label[MI][2];  // label as a row of this shard, -1 when not in its valid rows
@@ -168,7 +171,7 @@ __global__ void __launch_bounds__(THREADS)
   }
 }
 
-// grid = (ceil(col_count / BN), ceil(T / BM)).
+// One CTA per (vocab tile of the column range, token block), ordered by grouped_grid.
 __global__ void __launch_bounds__(THREADS)
     logprob_backward_dz_kernel(const __nv_bfloat16* __restrict__ hidden,  // [T,H]
                                const __nv_bfloat16* __restrict__ weight,  // [V,H]
@@ -188,8 +191,9 @@ __global__ void __launch_bounds__(THREADS)
   const int warp = threadIdx.x >> 5;
   const int wm = (warp >> 1) * WM;
   const int wn = (warp & 1) * WN;
-  const int m0 = blockIdx.y * BM;
-  const int n0 = col_begin + blockIdx.x * BN;
+  const int m0 = grouped_row() * BM;
+  const int n0 = col_begin + grouped_col() * BN;
+  if (m0 >= T) return;
   const int col_end = col_begin + col_count;
 
   Acc acc;
@@ -236,16 +240,16 @@ cudaError_t set_smem(const void* kernel) {
 cudaError_t launch_logprob_forward(const void* hidden, const void* weight, const int64_t* labels,
                                    int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                    int num_splits, float* part, float* label_logit,
-                                   float* logits, int ld, cudaStream_t stream) {
+                                   float* logits, int ld, int cta_group, cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
-  if (H % 8 != 0 || num_splits <= 0) return cudaErrorInvalidValue;
+  if (H % 8 != 0 || num_splits <= 0 || cta_group <= 0) return cudaErrorInvalidValue;
   if (logits != nullptr && (ld % 2 != 0 || ld < valid_v)) return cudaErrorInvalidValue;
   const auto kernel = logits != nullptr ? logprob_forward_kernel<true> : logprob_forward_kernel<false>;
   cudaError_t err = set_smem(reinterpret_cast<const void*>(kernel));
   if (err != cudaSuccess) return err;
   const int num_tiles = (valid_v + BN - 1) / BN;
   const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
-  const dim3 grid(num_splits, (T + BM - 1) / BM);
+  const dim3 grid = grouped_grid(num_splits, (T + BM - 1) / BM, cta_group);
   MEGARL_LAUNCH(kernel, grid, THREADS, tile::SMEM_BYTES, stream)(
       static_cast<const __nv_bfloat16*>(hidden), static_cast<const __nv_bfloat16*>(weight), labels,
       T, H, valid_v, vocab_start, inv_tau, tiles_per_split, part, label_logit, logits, ld);
@@ -256,13 +260,14 @@ cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, c
                                        int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                        const float* lse, const float* mean_z, const float* g_lp,
                                        const float* g_ent, const float* theta, int col_begin,
-                                       int col_count, void* dz, int ld, cudaStream_t stream) {
+                                       int col_count, void* dz, int ld, int cta_group,
+                                       cudaStream_t stream) {
   if (T <= 0 || col_count <= 0) return cudaSuccess;
-  if (H % 8 != 0 || col_begin % 2 != 0 || ld % 2 != 0 || ld < col_count)
+  if (H % 8 != 0 || col_begin % 2 != 0 || ld % 2 != 0 || ld < col_count || cta_group <= 0)
     return cudaErrorInvalidValue;
   cudaError_t err = set_smem(reinterpret_cast<const void*>(&logprob_backward_dz_kernel));
   if (err != cudaSuccess) return err;
-  const dim3 grid((col_count + BN - 1) / BN, (T + BM - 1) / BM);
+  const dim3 grid = grouped_grid((col_count + BN - 1) / BN, (T + BM - 1) / BM, cta_group);
   MEGARL_LAUNCH(logprob_backward_dz_kernel, grid, THREADS, tile::SMEM_BYTES, stream)(
       static_cast<const __nv_bfloat16*>(hidden), static_cast<const __nv_bfloat16*>(weight), labels,
       T, H, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, theta, col_begin, col_count,

@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "cta_order.cuh"
 #include "host_emulation.h"
 #include "kernels.h"
 #include "softmax_stats.cuh"
@@ -32,7 +33,7 @@ struct ForwardArgs {
   int valid_v;
   int64_t vocab_start;
   float inv_tau;
-  float* part;         // [3, num_splits, T]; the split is blockIdx.x, num_splits gridDim.x
+  float* part;         // [3, num_splits, T]; the split is grouped_col(), num_splits gridDim.y
   float* label_logit;  // [T]
   float* logits;       // [T, ld] raw logits, written by the storing variant only
   int ld;
@@ -117,8 +118,8 @@ struct ForwardEpilogue {
       const Stats s = quad_merge(st[h]);
       const int row = m0 + frag.row(h);
       if ((frag.lane & 3) != 0 || row >= a.T) continue;
-      const size_t plane = static_cast<size_t>(gridDim.x) * a.T;
-      const size_t at = static_cast<size_t>(blockIdx.x) * a.T + row;
+      const size_t plane = static_cast<size_t>(gridDim.y) * a.T;
+      const size_t at = static_cast<size_t>(grouped_col()) * a.T + row;
       a.part[at] = s.m;
       a.part[plane + at] = s.s;
       a.part[2 * plane + at] = s.u;
@@ -170,29 +171,33 @@ struct BackwardEpilogue {
 
 #endif  // MEGARL_SM90A
 
-// grid = (num_splits, ceil(T / BM)); split x owns vocab tiles [x * tiles_per_split, ...).
+// One CTA per (vocab split, token block), ordered by grouped_grid (cta_order.cuh); split x owns
+// vocab tiles [x * tiles_per_split, ...).
 template <bool kStore>
 __global__ void __launch_bounds__(sm90::THREADS, 1)
     logprob_forward_sm90_kernel(const __grid_constant__ CUtensorMap tm_hidden,
                                 const __grid_constant__ CUtensorMap tm_weight, ForwardArgs args,
                                 int H, int tiles_per_split, int num_tiles) {
 #ifdef MEGARL_SM90A
-  const int first = blockIdx.x * tiles_per_split;
+  const int m0 = grouped_row() * BM;
+  if (m0 >= args.T) return;  // the last group's CTAs past the last token block
+  const int first = grouped_col() * tiles_per_split;
   const int count = max(0, min(num_tiles, first + tiles_per_split) - first);
-  sm90::mainloop<ForwardEpilogue<kStore>>(tm_hidden, tm_weight, blockIdx.y * BM, first * BN, count, H, args);
+  sm90::mainloop<ForwardEpilogue<kStore>>(tm_hidden, tm_weight, m0, first * BN, count, H, args);
 #else
   __trap();  // the host launches this only where the sm_90a code is present
 #endif
 }
 
-// grid = (ceil(col_count / BN), ceil(T / BM)).
+// One CTA per (vocab tile of the column range, token block), ordered by grouped_grid.
 __global__ void __launch_bounds__(sm90::THREADS, 1)
     logprob_backward_dz_sm90_kernel(const __grid_constant__ CUtensorMap tm_hidden,
                                     const __grid_constant__ CUtensorMap tm_weight,
                                     BackwardArgs args, int H) {
 #ifdef MEGARL_SM90A
-  sm90::mainloop<BackwardEpilogue>(tm_hidden, tm_weight, blockIdx.y * BM,
-                                   args.col_begin + blockIdx.x * BN, 1, H, args);
+  const int m0 = grouped_row() * BM;
+  if (m0 >= args.T) return;
+  sm90::mainloop<BackwardEpilogue>(tm_hidden, tm_weight, m0, args.col_begin + grouped_col() * BN, 1, H, args);
 #else
   __trap();
 #endif
@@ -362,9 +367,9 @@ std::string take_launch_error_detail() { return std::exchange(g_launch_error_det
 cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
                                         int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                         int num_splits, float* part, float* label_logit,
-                                        float* logits, int ld, cudaStream_t stream) {
+                                        float* logits, int ld, int cta_group, cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
-  if (H % 8 != 0 || num_splits <= 0 || valid_v <= 0) return cudaErrorInvalidValue;
+  if (H % 8 != 0 || num_splits <= 0 || valid_v <= 0 || cta_group <= 0) return cudaErrorInvalidValue;
   if (logits != nullptr && (ld % 2 != 0 || ld < valid_v)) return cudaErrorInvalidValue;
   const auto kernel = logits != nullptr ? logprob_forward_sm90_kernel<true> : logprob_forward_sm90_kernel<false>;
   CUtensorMap tm_hidden, tm_weight;
@@ -374,7 +379,7 @@ cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, 
   const int num_tiles = (valid_v + BN - 1) / BN;
   const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
   const ForwardArgs args{labels, T, valid_v, vocab_start, inv_tau, part, label_logit, logits, ld};
-  const dim3 grid(num_splits, (T + BM - 1) / BM);
+  const dim3 grid = grouped_grid(num_splits, (T + BM - 1) / BM, cta_group);
   MEGARL_LAUNCH(kernel, grid, sm90::THREADS, sm90::SMEM_BYTES, stream)(
       tm_hidden, tm_weight, args, H, tiles_per_split, num_tiles);
   return cudaGetLastError();
@@ -385,9 +390,9 @@ cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weig
                                             int64_t vocab_start, float inv_tau, const float* lse,
                                             const float* mean_z, const float* g_lp, const float* g_ent,
                                             const float* theta, int col_begin, int col_count, void* dz,
-                                            int ld, cudaStream_t stream) {
+                                            int ld, int cta_group, cudaStream_t stream) {
   if (T <= 0 || col_count <= 0) return cudaSuccess;
-  if (H % 8 != 0 || col_begin % 2 != 0 || ld % 2 != 0 || ld < col_count || valid_v <= 0)
+  if (H % 8 != 0 || col_begin % 2 != 0 || ld % 2 != 0 || ld < col_count || valid_v <= 0 || cta_group <= 0)
     return cudaErrorInvalidValue;
   CUtensorMap tm_hidden, tm_weight;
   cudaError_t err = make_operand_maps(&tm_hidden, &tm_weight, hidden, weight, T, H, valid_v);
@@ -395,7 +400,7 @@ cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weig
   if (err != cudaSuccess) return err;
   const BackwardArgs args{labels, T, valid_v, vocab_start, inv_tau, lse, mean_z, g_lp, g_ent, theta,
                           col_begin, col_begin + col_count, static_cast<__nv_bfloat16*>(dz), ld};
-  const dim3 grid((col_count + BN - 1) / BN, (T + BM - 1) / BM);
+  const dim3 grid = grouped_grid((col_count + BN - 1) / BN, (T + BM - 1) / BM, cta_group);
   MEGARL_LAUNCH(logprob_backward_dz_sm90_kernel, grid, sm90::THREADS, sm90::SMEM_BYTES, stream)(
       tm_hidden, tm_weight, args, H);
   return cudaGetLastError();

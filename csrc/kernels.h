@@ -14,6 +14,11 @@ namespace megarl {
 constexpr int kTileTokens = 128;  // BM: token rows per CTA tile
 constexpr int kTileVocab = 128;   // BN: vocabulary rows per CTA tile
 constexpr int kTileVocabSm90 = 256;  // BN of the sm_90a mainloop
+// The CTA order of the forward and backward launches (cta_order.cuh): token blocks per group
+// (`cta_group` of the launchers; 1 is the column-fastest order of the first kernels). The default
+// comes from benchmarks/cta_order_model.py, a model of L2 reuse, until a GPU sweep
+// (benchmarks/profile_forward.py --sweep) measures it.
+constexpr int kDefaultCtaGroup = 16;
 
 // Forward of the fused logprob + entropy: per (token block, vocab split) CTA, an online
 // logsumexp over the split's vocab tiles. Writes per-split partial statistics of
@@ -22,14 +27,15 @@ constexpr int kTileVocabSm90 = 256;  // BN of the sm_90a mainloop
 // and label_logit[t] = z[t, labels[t] - vocab_start] where that row is in this shard
 // (label_logit must be zeroed by the caller; exactly one CTA writes each owned token).
 // hidden [T,H] bf16, weight [V,H] bf16 (row-major, contiguous), labels [T] int64,
-// part [3, num_splits, T] fp32. H must be a multiple of 8 (16-byte cp.async rows).
+// part [3, num_splits, T] fp32. H must be a multiple of 8 (16-byte cp.async rows). cta_group >= 1:
+// the CTA order (cta_order.cuh), which changes the speed and never the results.
 // The training path's variant: where `logits` is not null, the raw logits x = hidden . weight^T
 // (before the temperature) of the valid rows are also written, fp32, to logits[t * ld + v]
 // for v < valid_v (columns past valid_v untouched; ld even and >= valid_v, logits 8-byte aligned).
 cudaError_t launch_logprob_forward(const void* hidden, const void* weight, const int64_t* labels,
                                    int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                    int num_splits, float* part, float* label_logit, float* logits,
-                                   int ld, cudaStream_t stream);
+                                   int ld, int cta_group, cudaStream_t stream);
 
 // Backward: recompute logits for vocab rows [col_begin, col_begin + col_count) of the shard and
 // write dL/dx = inv_tau * dL/dz as bf16 into dz[t * ld + (v - col_begin)], where
@@ -38,12 +44,13 @@ cudaError_t launch_logprob_forward(const void* hidden, const void* weight, const
 // theta: null, or [T] fp32 truncation thresholds in units of z (truncation replay): p_v = 0 where
 // z_v < theta[t], and lse, mean_z are then those of the softmax over {v : z_v >= theta[t]} (the
 // label's one-hot term stays wherever it lies; -inf keeps every token of that row).
-// col_begin must be even; ld must be even.
+// col_begin must be even; ld must be even; cta_group as for the forward.
 cudaError_t launch_logprob_backward_dz(const void* hidden, const void* weight, const int64_t* labels,
                                        int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                        const float* lse, const float* mean_z, const float* g_lp,
                                        const float* g_ent, const float* theta, int col_begin,
-                                       int col_count, void* dz, int ld, cudaStream_t stream);
+                                       int col_count, void* dz, int ld, int cta_group,
+                                       cudaStream_t stream);
 
 // The training path's softmax gradient from stored logits (softmax_grad.cu): for the raw logits
 // x [T, ld_logits] fp32 that the storing forward wrote, dz[t * ld_dz + v] = bf16 of the same
@@ -72,13 +79,13 @@ std::string take_launch_error_detail();
 cudaError_t launch_logprob_forward_sm90(const void* hidden, const void* weight, const int64_t* labels,
                                         int T, int H, int valid_v, int64_t vocab_start, float inv_tau,
                                         int num_splits, float* part, float* label_logit,
-                                        float* logits, int ld, cudaStream_t stream);
+                                        float* logits, int ld, int cta_group, cudaStream_t stream);
 cudaError_t launch_logprob_backward_dz_sm90(const void* hidden, const void* weight,
                                             const int64_t* labels, int T, int H, int valid_v,
                                             int64_t vocab_start, float inv_tau, const float* lse,
                                             const float* mean_z, const float* g_lp, const float* g_ent,
                                             const float* theta, int col_begin, int col_count, void* dz,
-                                            int ld, cudaStream_t stream);
+                                            int ld, int cta_group, cudaStream_t stream);
 
 // Indices into the raw statistics vector written by launch_ppo_loss.
 enum PPOStat : int {

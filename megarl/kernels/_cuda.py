@@ -12,7 +12,8 @@ Two mainloops compute the logit tiles: TMA + wgmma on Hopper (sm_90a), ldmatrix 
 elsewhere (sm_80 and later). Before a process uses one on a device, it passes a self-check
 (``megarl.kernels.selfcheck``); one that fails gives way to the next, sm90 -> sm80 -> the torch
 path, with one warning (:func:`kernel_path`). ``MEGARL_CUDA_MAINLOOP=sm80|sm90`` forces a mainloop,
-which must pass its check too.
+which must pass its check too. ``MEGARL_CUDA_CTA_GROUP=N`` sets the order in which the kernels' CTAs
+take their tiles (:func:`cta_group`): the speed, never the results.
 """
 
 from __future__ import annotations
@@ -210,6 +211,23 @@ def _mainloop_choice() -> str:
     return choice
 
 
+def cta_group() -> int | None:
+    """Token blocks per group of the kernels' CTA order (``csrc/cta_order.cuh``), from
+    ``MEGARL_CUDA_CTA_GROUP``; None: the extension's default (``DEFAULT_CTA_GROUP``). 1 is the
+    column-fastest order (every vocab split of a token block before the next block)."""
+    value = os.environ.get("MEGARL_CUDA_CTA_GROUP", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"MEGARL_CUDA_CTA_GROUP must be an integer >= 1 (token blocks per group), got {value!r}")
+    return int(value)
+
+
+def _order(ext: ModuleType) -> int:
+    group = cta_group()
+    return ext.DEFAULT_CTA_GROUP if group is None else group
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda" and device.index is None:
         return f"cuda:{torch.cuda.current_device()}"
@@ -377,6 +395,7 @@ def local_stats(
         splits,
         wgmma,
         logits,
+        cta_group=_order(ext),
     )  # part: [3, splits, T]
     m, s, u = merge_stats(part[0], part[1], part[2])
     return m, s, u, label_logit
@@ -470,10 +489,23 @@ def grads(
     dz_buf = torch.empty(num_tokens, width, dtype=torch.bfloat16, device=hidden.device)
     vectors = [t.float().contiguous() for t in (lse, mean_z, g_logprob, g_entropy)]
     theta = _theta(threshold)
+    order = _order(ext)
     for v0 in range(0, shard.valid, chunk):
         v1 = min(v0 + chunk, shard.valid)
         ext.logprob_backward_dz(
-            hidden, weight, labels, shard.valid, shard.start, inv_tau, *vectors, v0, v1 - v0, dz_buf, wgmma, theta=theta
+            hidden,
+            weight,
+            labels,
+            shard.valid,
+            shard.start,
+            inv_tau,
+            *vectors,
+            v0,
+            v1 - v0,
+            dz_buf,
+            wgmma,
+            theta=theta,
+            cta_group=order,
         )
         dz = dz_buf[:, : v1 - v0]  # [T,vc]
         if d_weight is not None:

@@ -187,6 +187,32 @@ def test_forward_splits_merge_exactly(ext, wgmma):
         torch.testing.assert_close(p[1], parts[0][1])
 
 
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_the_cta_order_changes_no_result(ext, wgmma):
+    """MEGARL_CUDA_CTA_GROUP's orders (1: the column-fastest one; 3 leaves a last group of one token
+    block at 7 blocks) give the same bits: forward partials, label logits and the backward's dz."""
+    if (wanted := "sm90" if wgmma else "sm80") not in mainloops_to_test():
+        pytest.skip(f"MEGARL_CUDA_MAINLOOP={mainloops_to_test()[0]} in the environment: no {wanted} launch")
+    if wgmma:
+        skip_without_wgmma(ext)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    T, H, rows, valid = 7 * 128 - 5, 192, 3000, 2990
+    hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(rows, H, device="cuda", generator=g) * H**-0.5).bfloat16()
+    labels = torch.randint(0, rows, (T,), device="cuda", generator=g)
+    vectors = [torch.randn(T, device="cuda", generator=g) for _ in range(4)]  # lse, mean_z, g_lp, g_ent
+    results = []
+    for group in (1, 3, 16):
+        part, label_logit = ext.logprob_forward(hidden, weight, labels, valid, 0, 1.0, 5, wgmma, cta_group=group)
+        dz = torch.full((T, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+        ext.logprob_backward_dz(hidden, weight, labels, valid, 0, 1.0, *vectors, 2, 1000, dz, wgmma, cta_group=group)
+        results.append((part, label_logit, dz[:, :1000]))
+    for group, got in zip((3, 16), results[1:]):
+        for name, a, b in zip(("part", "label_logit", "dz"), got, results[0]):
+            assert not a.isnan().any(), f"group {group}: {name} left unwritten"
+            assert torch.equal(a, b), f"group {group}: {name} differs from group 1"
+
+
 def test_mainloops_agree_on_a_model_sized_shape(ext, monkeypatch):
     """sm_80 and sm_90a mainloops on one shape with every tail: same logprobs and gradients."""
     if len(mainloops_to_test()) < 2:

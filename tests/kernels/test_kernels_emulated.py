@@ -52,13 +52,17 @@ def _run(
     inputs: dict[str, torch.Tensor],
     async_mode="late",
     try_wait="suspend",
+    cta_group: int | None = None,
 ) -> None:
     """run_kernels OP... WORKDIR SCALARS... on these inputs, with asynchronous copies landing late
     or early (CUDA_EMU_ASYNC) and mbarrier waits that cannot complete suspended or timed out
-    (CUDA_EMU_TRY_WAIT; cuda_host_emu.h)."""
+    (CUDA_EMU_TRY_WAIT; cuda_host_emu.h); ``cta_group``: the CTA order's token blocks per group
+    (CTA_GROUP), else the launchers' default."""
     for name, tensor in inputs.items():
         tensor.contiguous().view(torch.uint8).numpy().tofile(workdir / f"{name}.bin")
     env = {**os.environ, "CUDA_EMU_ASYNC": async_mode, "CUDA_EMU_TRY_WAIT": try_wait}
+    if cta_group is not None:
+        env["CTA_GROUP"] = str(cta_group)
     cmd = [exe, *op, workdir, *map(str, scalars)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"run_kernels {' '.join(op)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
@@ -304,6 +308,55 @@ def test_backward_dz(
     e_z = gamma(H + 1, torch.float32) * (hidden.double().abs() @ weight[cols].double().abs().T) * inv_tau
     bound = _dz_bound(z, e_z, lse, mean_z, g_lp, g_ent, onehot, inv_tau)
     assert_within(got[~padding], want[~padding], bound[~padding], "dz")
+
+
+def _cta_order(run_kernels, cols: int, rows: int, group: int) -> list[tuple[int, int]]:
+    """(column block, token block) of each CTA index in turn: cta_order.cuh's grouped_tile."""
+    proc = subprocess.run(
+        [run_kernels, "cta_order", str(cols), str(rows), str(group)], check=True, capture_output=True, text=True
+    )
+    return [tuple(map(int, line.split())) for line in proc.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("cols,rows", [(1, 1), (3, 5), (16, 32), (7, 12), (5, 3)])
+@pytest.mark.parametrize("group", [1, 2, 4, 16, 64])
+def test_the_cta_order_takes_every_tile_once_in_groups_of_token_blocks(run_kernels, cols, rows, group):
+    order = _cta_order(run_kernels, cols, rows, group)
+    assert sorted(order) == [(c, r) for c in range(cols) for r in range(rows)], "a bijection onto the tiles"
+    assert order == [
+        (c, r) for g0 in range(0, rows, group) for c in range(cols) for r in range(g0, min(g0 + group, rows))
+    ]
+    if group == 1:  # the order of the first kernels: every column block of a token block, then the next
+        assert order == [(c, r) for r in range(rows) for c in range(cols)]
+
+
+# The CTA order changes which CTA computes a tile, never what it computes: forward partials, label
+# logits and the backward's dz are the same bits under every group (5 token blocks: groups of 2 end
+# in a group of one; 16 covers them all in one group).
+@pytest.mark.parametrize("mainloop", MAINLOOPS)
+def test_the_cta_order_changes_no_result(run_kernels, tmp_path, mainloop):
+    T, H, rows, valid, start, splits = 600, 48, 800, 777, 5, 3
+    hidden, weight, labels = _operands(T, H, rows, start, valid, seed=3)
+    inv_tau = _f32(1 / 0.9)
+    g = torch.Generator().manual_seed(4)
+    vectors = {name: torch.randn(T, generator=g) for name in ("lse", "mean_z", "g_lp", "g_ent")}
+    inputs = {"hidden": hidden, "weight": weight, "labels": labels, **vectors}
+    results = {}
+    for group in (1, 2, 16):
+        work = tmp_path / f"group{group}"
+        work.mkdir()
+        scalars = [T, H, rows, valid, start, repr(inv_tau)]
+        _run(run_kernels, work, ["forward", mainloop], [*scalars, splits], inputs, cta_group=group)
+        _run(run_kernels, work, ["backward", mainloop], [*scalars, 2, 700, 700], inputs, cta_group=group)
+        results[group] = [
+            _read(work, "part", torch.float32, 3, splits, T),
+            _read(work, "label_logit", torch.float32, T),
+            _read(work, "dz", torch.bfloat16, T, 700).float(),
+        ]
+        assert not any(x.isnan().any() for x in results[group]), f"group {group}: a tile left unwritten"
+    for group in (2, 16):
+        for name, got, want in zip(("part", "label_logit", "dz"), results[group], results[1]):
+            assert torch.equal(got, want), f"{mainloop} {name}: group {group} differs from group 1"
 
 
 def _dz_bound(z, e_z, lse, mean_z, g_lp, g_ent, onehot, inv_tau) -> torch.Tensor:

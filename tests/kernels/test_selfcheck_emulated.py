@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megarl.kernels import _cuda, logprobs_backend
+from megarl.kernels.reference import VocabShard
 
 from .test_training_path_emulated import EmulatedExtension, _case, _check, _fused, _reference
 
@@ -25,10 +26,14 @@ class DropsAPartialSm90Tile(EmulatedExtension):
     """An sm90 forward with a tail bug: it ignores a last vocab tile that is partial (so it is right
     on every shard of whole 256-row tiles)."""
 
-    def logprob_forward(self, hidden, weight, labels, valid_v, vocab_start, inv_tau, num_splits, wgmma, logits=None):
+    def logprob_forward(
+        self, hidden, weight, labels, valid_v, vocab_start, inv_tau, num_splits, wgmma, logits=None, **kw
+    ):
         if wgmma:
             valid_v = valid_v // self.TILE_VOCAB_SM90 * self.TILE_VOCAB_SM90
-        return super().logprob_forward(hidden, weight, labels, valid_v, vocab_start, inv_tau, num_splits, wgmma, logits)
+        return super().logprob_forward(
+            hidden, weight, labels, valid_v, vocab_start, inv_tau, num_splits, wgmma, logits, **kw
+        )
 
 
 class Sm90RaisesACudaError(EmulatedExtension):
@@ -49,8 +54,8 @@ class SoftmaxGradOffByOnePercent(EmulatedExtension):
 class IgnoresTheThreshold(EmulatedExtension):
     """Backward kernels that drop the truncation threshold (the full softmax's p below it)."""
 
-    def logprob_backward_dz(self, *args, theta=None):
-        super().logprob_backward_dz(*args)
+    def logprob_backward_dz(self, *args, theta=None, cta_group=16):
+        super().logprob_backward_dz(*args, cta_group=cta_group)
 
     def softmax_grad_stored(self, *args, theta=None):
         super().softmax_grad_stored(*args)
@@ -153,3 +158,45 @@ def test_a_forced_mainloop_is_checked_too(emulated, monkeypatch, forced):
         RuntimeError, match=r"MEGARL_CUDA_MAINLOOP=sm90 forces the sm90 kernels, but on cpu they failed"
     ):
         _cuda.kernel_path(CPU)
+
+
+class RecordsTheCtaOrder(EmulatedExtension):
+    """The real kernels, recording the CTA order each launch was given."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.groups: list[int] = []
+
+    def logprob_forward(self, *args, cta_group, **kwargs):
+        self.groups.append(cta_group)
+        return super().logprob_forward(*args, cta_group=cta_group, **kwargs)
+
+    def logprob_backward_dz(self, *args, cta_group, **kwargs):
+        self.groups.append(cta_group)
+        return super().logprob_backward_dz(*args, cta_group=cta_group, **kwargs)
+
+
+@pytest.mark.parametrize("setting,launched", [(None, 16), ("1", 1), ("3", 3)])
+def test_the_cta_order_comes_from_the_environment(emulated, monkeypatch, setting, launched):
+    """MEGARL_CUDA_CTA_GROUP reaches every forward and backward launch; unset, the extension's default."""
+    if setting is None:
+        monkeypatch.delenv("MEGARL_CUDA_CTA_GROUP", raising=False)
+    else:
+        monkeypatch.setenv("MEGARL_CUDA_CTA_GROUP", setting)
+    ext = emulated(RecordsTheCtaOrder)
+    T, H, rows = 150, 48, 300
+    hidden, weight = (x.bfloat16() for x in _case(T, H, rows, seed=5)[:2])  # as the bindings take them
+    labels = torch.randint(0, rows, (T,), generator=torch.Generator().manual_seed(6))
+    shard = VocabShard(start=0, valid=rows, vocab_size=rows)
+    m, s, u, _ = _cuda.local_stats(hidden, weight, labels, shard, 1.0, mainloop="sm80")
+    lse = m + s.log()
+    zeros = torch.zeros(T)
+    _cuda.grads(hidden, weight, labels, shard, 1.0, lse, zeros, torch.ones(T), zeros, 128, mainloop="sm80")
+    assert len(ext.groups) == 1 + 3 and set(ext.groups) == {launched}  # the forward, 3 dz chunks of 128 rows
+
+
+@pytest.mark.parametrize("setting", ["0", "-2", "eight", "1.5"])
+def test_a_cta_order_that_is_no_positive_integer_is_refused_naming_the_variable(monkeypatch, setting):
+    monkeypatch.setenv("MEGARL_CUDA_CTA_GROUP", setting)
+    with pytest.raises(ValueError, match=f"MEGARL_CUDA_CTA_GROUP must be an integer >= 1 .* got '{setting}'"):
+        _cuda.cta_group()

@@ -144,7 +144,7 @@ class EmulatedExtension:
     emulator: same arguments, same outputs (bf16 operands as the bindings take them; here fp32 tensors
     holding bf16 values, as the CPU path hands them over)."""
 
-    TILE_VOCAB, TILE_VOCAB_SM90 = 128, 256
+    TILE_VOCAB, TILE_VOCAB_SM90, DEFAULT_CTA_GROUP = 128, 256, 16
 
     def __init__(self, exe: Path, workdir: Path):
         self.exe, self.workdir = exe, workdir
@@ -152,7 +152,9 @@ class EmulatedExtension:
     def _dir(self) -> Path:
         return Path(tempfile.mkdtemp(dir=self.workdir))
 
-    def logprob_forward(self, hidden, weight, labels, valid_v, vocab_start, inv_tau, num_splits, wgmma, logits=None):
+    def logprob_forward(
+        self, hidden, weight, labels, valid_v, vocab_start, inv_tau, num_splits, wgmma, logits=None, cta_group=16
+    ):
         assert torch.equal(hidden, hidden.bfloat16().float()) and torch.equal(weight, weight.bfloat16().float())
         mainloop = "sm90" if wgmma and valid_v > 0 else "sm80"  # bindings.cpp: use_wgmma
         (T, H), rows = hidden.shape, weight.shape[0]
@@ -164,6 +166,7 @@ class EmulatedExtension:
             ["forward", mainloop],
             [T, H, rows, valid_v, vocab_start, repr(_f32(inv_tau)), num_splits, *store],
             {"hidden": hidden.bfloat16(), "weight": weight.bfloat16(), "labels": labels},
+            cta_group=cta_group,
         )
         if logits is not None:
             logits.copy_(_read(work, "logits", torch.float32, T, logits.stride(0))[:, : logits.shape[1]])
@@ -189,6 +192,7 @@ class EmulatedExtension:
         dz,
         wgmma,
         theta=None,
+        cta_group=16,
     ):
         mainloop = "sm90" if wgmma and valid_v > 0 else "sm80"  # bindings.cpp: use_wgmma
         (T, H), rows, work = hidden.shape, weight.shape[0], self._dir()
@@ -200,6 +204,7 @@ class EmulatedExtension:
             {"hidden": hidden.bfloat16(), "weight": weight.bfloat16(), "labels": labels}
             | {"lse": lse, "mean_z": mean_z, "g_lp": g_lp, "g_ent": g_ent}
             | _theta_input(theta),
+            cta_group=cta_group,
         )
         dz[:, :count].copy_(_read(work, "dz", torch.bfloat16, T, dz.stride(0))[:, :count])
 

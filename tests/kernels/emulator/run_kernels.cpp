@@ -15,7 +15,12 @@
 //       in: hidden, weight, labels, lse, mean_z, g_lp, g_ent [T] f32; theta [T] f32 as above
 //       out: dz [T,ld] bf16
 //   MAINLOOP: sm80 (launch_logprob_*, mma.sync) or sm90 (launch_logprob_*_sm90, TMA + wgmma, on
-//   an emulated device of compute capability 9.0)
+//   an emulated device of compute capability 9.0). Both take the CTA order's token blocks per
+//   group from the environment's CTA_GROUP (default kDefaultCtaGroup).
+//   run_kernels cta_order COLS ROWS GROUP
+//       launches a grid of cta_order.cuh's grouped_grid and prints, in the order the CTAs run (the
+//       emulator's is the GPU's dispatch order: x fastest, then y, then z), the (column block,
+//       token block) of each CTA that has a tile, a line "COL ROW" each
 //   run_kernels ppo DIR T eps_low eps_high dual_clip behav_cap has_prox
 //       in: logp, old_logp, adv [T] f32, mask [T] bool, prox_logp [T] f32 when has_prox
 //       out: loss_tok, grad_tok [T] f32, stats [kNumPPOStats] f32
@@ -40,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "cta_order.cuh"
 #include "cuda_host_emu.h"
 #include "kernels.h"
 #include "tile_gemm_sm90.cuh"
@@ -99,6 +105,12 @@ Logits parse_logits(char** argv) {
           std::atoll(argv[4]), std::strtof(argv[5], nullptr)};
 }
 
+// The CTA order's token blocks per group: $CTA_GROUP, else the launchers' default.
+int cta_group() {
+  const char* env = std::getenv("CTA_GROUP");
+  return env != nullptr ? std::atoi(env) : megarl::kDefaultCtaGroup;
+}
+
 // Which mainloop's launchers to call; sm90 also makes the emulated device a 9.0 one.
 bool use_sm90(const std::string& mainloop) {
   if (mainloop == "sm80") return false;
@@ -122,7 +134,7 @@ void forward(const std::string& mainloop, const std::string& dir, char** argv, b
   const auto launch = sm90 ? megarl::launch_logprob_forward_sm90 : megarl::launch_logprob_forward;
   check(launch(hidden.get(), weight.get(), labels.get(), a.T, a.H, a.valid_v, a.vocab_start,
                a.inv_tau, splits, part.get(), label_logit.get(), store ? logits.get() : nullptr, ld,
-               nullptr),
+               cta_group(), nullptr),
         "launch_logprob_forward");
   save(dir, "part", part);
   save(dir, "label_logit", label_logit);
@@ -176,7 +188,7 @@ void backward(const std::string& mainloop, const std::string& dir, char** argv,
   check(launch(hidden.get(), weight.get(), labels.get(), a.T, a.H, a.valid_v, a.vocab_start,
                a.inv_tau, lse.get(), mean_z.get(), g_lp.get(), g_ent.get(),
                theta.data.empty() ? nullptr : theta.get(), col_begin, col_count, dz.get(), ld,
-               nullptr),
+               cta_group(), nullptr),
         "launch_logprob_backward_dz");
   save(dir, "dz", dz);
 }
@@ -211,7 +223,8 @@ void tma_refused() {
   Buffer<int64_t> labels(T, 0);
   Buffer<float> part(3 * T, kNaN), label_logit(T, 0.f);
   check(megarl::launch_logprob_forward_sm90(hidden.get() + 1, weight.get(), labels.get(), T, H, rows, 0,
-                                            1.f, 1, part.get(), label_logit.get(), nullptr, 0, nullptr),
+                                            1.f, 1, part.get(), label_logit.get(), nullptr, 0,
+                                            cta_group(), nullptr),
         "launch_logprob_forward_sm90");
   std::printf("tma_refused: the launch succeeded\n");
 }
@@ -239,6 +252,17 @@ void mbar_hang(char** argv) {
   std::printf("mbar_hang: the kernel returned\n");
 }
 
+__global__ void cta_order_kernel(int rows) {
+  if (threadIdx.x == 0 && megarl::grouped_row() < rows)
+    std::printf("%d %d\n", megarl::grouped_col(), megarl::grouped_row());
+}
+
+void cta_order(char** argv) {
+  const int cols = std::atoi(argv[0]), rows = std::atoi(argv[1]), group = std::atoi(argv[2]);
+  if (cols < 1 || rows < 1 || group < 1) die("cta_order: COLS, ROWS and GROUP must be >= 1");
+  MEGARL_LAUNCH(cta_order_kernel, megarl::grouped_grid(cols, rows, group), dim3(32), 0, nullptr)(rows);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,6 +279,8 @@ int main(int argc, char** argv) {
     tma_refused();
   } else if (op == "mbar_hang" && argc == 5) {
     mbar_hang(argv + 2);
+  } else if (op == "cta_order" && argc == 5) {
+    cta_order(argv + 2);
   } else {
     die("usage: see the comment at the top of run_kernels.cpp");
   }
