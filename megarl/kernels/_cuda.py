@@ -355,11 +355,16 @@ def _wgmma(device: torch.device, mainloop: str | None) -> bool:
 
 
 def num_splits(num_tokens: int, valid: int, device: torch.device, vocab_tile: int = TILE) -> int:
+    """Vocab splits per token block on ``device``: :func:`splits_for` with its SM count."""
+    return splits_for(num_tokens, valid, _num_sms(device.index or 0), vocab_tile)
+
+
+def splits_for(num_tokens: int, valid: int, num_sms: int, vocab_tile: int = TILE) -> int:
     """Vocab splits per token block: enough CTAs for two waves, and at least 16 splits so that
     the CTAs running together share few token blocks of hidden (L2 reuse)."""
     token_blocks = math.ceil(num_tokens / TILE)
     vocab_tiles = max(1, math.ceil(valid / vocab_tile))
-    wanted = max(16, math.ceil(2 * _num_sms(device.index or 0) / token_blocks))
+    wanted = max(16, math.ceil(2 * num_sms / token_blocks))
     return min(vocab_tiles, wanted)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import cta_order_model
 from megarl.actor import fused_ppo_loss as ppo_module
 from megarl.actor.losses import policy_loss
 from megarl.kernels.reference import finalize_stats, merge_stats
@@ -328,6 +329,7 @@ def test_the_cta_order_takes_every_tile_once_in_groups_of_token_blocks(run_kerne
     ]
     if group == 1:  # the order of the first kernels: every column block of a token block, then the next
         assert order == [(c, r) for r in range(rows) for c in range(cols)]
+    assert order == cta_order_model.launch_order(cols, rows, group)  # what the L2 model replays
 
 
 # The CTA order changes which CTA computes a tile, never what it computes: forward partials, label
