@@ -17,8 +17,9 @@ constexpr int kTileVocabSm90 = 256;  // BN of the sm_90a mainloop
 // The CTA order of the forward and backward launches (cta_order.cuh): token blocks per group
 // (`cta_group` of the launchers; 1 is the column-fastest order of the first kernels). The default
 // comes from benchmarks/cta_order_model.py, a model of L2 reuse, until a GPU sweep
-// (benchmarks/profile_forward.py --sweep) measures it.
-constexpr int kDefaultCtaGroup = 16;
+// (benchmarks/profile_forward.py --sweep) measures it; megarl's drivers pass their own
+// (megarl/kernels/_cuda.py cta_group: fewer blocks where the hidden size is large).
+constexpr int kDefaultCtaGroup = 32;
 
 // Forward of the fused logprob + entropy: per (token block, vocab split) CTA, an online
 // logsumexp over the split's vocab tiles. Writes per-split partial statistics of

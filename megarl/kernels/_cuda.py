@@ -211,21 +211,23 @@ def _mainloop_choice() -> str:
     return choice
 
 
-def cta_group() -> int | None:
-    """Token blocks per group of the kernels' CTA order (``csrc/cta_order.cuh``), from
-    ``MEGARL_CUDA_CTA_GROUP``; None: the extension's default (``DEFAULT_CTA_GROUP``). 1 is the
-    column-fastest order (every vocab split of a token block before the next block)."""
+CTA_GROUP_MAX = 32
+"""Token blocks per group of the default CTA order, at most (``DEFAULT_CTA_GROUP`` of the extension)."""
+CTA_GROUP_HIDDEN_BYTES = 32 * 2**20
+"""And at most this much of hidden rows per group (bf16 ``[TILE, H]`` per token block): 16 blocks at H = 8192."""
+
+
+def cta_group(hidden_size: int) -> int:
+    """Token blocks per group of the kernels' CTA order (``csrc/cta_order.cuh``): ``MEGARL_CUDA_CTA_GROUP``
+    when set (1 is the column-fastest order, every vocab split of a token block before the next block),
+    else :data:`CTA_GROUP_MAX` token blocks whose hidden rows fit :data:`CTA_GROUP_HIDDEN_BYTES`: the
+    groups that ``benchmarks/cta_order_model.py`` finds to move the least DRAM traffic on an H200."""
     value = os.environ.get("MEGARL_CUDA_CTA_GROUP", "")
     if not value:
-        return None
+        return max(1, min(CTA_GROUP_MAX, CTA_GROUP_HIDDEN_BYTES // (TILE * hidden_size * 2)))
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"MEGARL_CUDA_CTA_GROUP must be an integer >= 1 (token blocks per group), got {value!r}")
     return int(value)
-
-
-def _order(ext: ModuleType) -> int:
-    group = cta_group()
-    return ext.DEFAULT_CTA_GROUP if group is None else group
 
 
 def _device_name(device: torch.device) -> str:
@@ -400,7 +402,7 @@ def local_stats(
         splits,
         wgmma,
         logits,
-        cta_group=_order(ext),
+        cta_group=cta_group(hidden.shape[1]),
     )  # part: [3, splits, T]
     m, s, u = merge_stats(part[0], part[1], part[2])
     return m, s, u, label_logit
@@ -494,7 +496,7 @@ def grads(
     dz_buf = torch.empty(num_tokens, width, dtype=torch.bfloat16, device=hidden.device)
     vectors = [t.float().contiguous() for t in (lse, mean_z, g_logprob, g_entropy)]
     theta = _theta(threshold)
-    order = _order(ext)
+    order = cta_group(hidden.shape[1])
     for v0 in range(0, shard.valid, chunk):
         v1 = min(v0 + chunk, shard.valid)
         ext.logprob_backward_dz(

@@ -54,7 +54,7 @@ class SoftmaxGradOffByOnePercent(EmulatedExtension):
 class IgnoresTheThreshold(EmulatedExtension):
     """Backward kernels that drop the truncation threshold (the full softmax's p below it)."""
 
-    def logprob_backward_dz(self, *args, theta=None, cta_group=16):
+    def logprob_backward_dz(self, *args, theta=None, cta_group=32):
         super().logprob_backward_dz(*args, cta_group=cta_group)
 
     def softmax_grad_stored(self, *args, theta=None):
@@ -176,9 +176,9 @@ class RecordsTheCtaOrder(EmulatedExtension):
         return super().logprob_backward_dz(*args, cta_group=cta_group, **kwargs)
 
 
-@pytest.mark.parametrize("setting,launched", [(None, 16), ("1", 1), ("3", 3)])
+@pytest.mark.parametrize("setting,launched", [(None, 32), ("1", 1), ("3", 3)])
 def test_the_cta_order_comes_from_the_environment(emulated, monkeypatch, setting, launched):
-    """MEGARL_CUDA_CTA_GROUP reaches every forward and backward launch; unset, the extension's default."""
+    """MEGARL_CUDA_CTA_GROUP reaches every forward and backward launch; unset, the default group."""
     if setting is None:
         monkeypatch.delenv("MEGARL_CUDA_CTA_GROUP", raising=False)
     else:
@@ -199,4 +199,10 @@ def test_the_cta_order_comes_from_the_environment(emulated, monkeypatch, setting
 def test_a_cta_order_that_is_no_positive_integer_is_refused_naming_the_variable(monkeypatch, setting):
     monkeypatch.setenv("MEGARL_CUDA_CTA_GROUP", setting)
     with pytest.raises(ValueError, match=f"MEGARL_CUDA_CTA_GROUP must be an integer >= 1 .* got '{setting}'"):
-        _cuda.cta_group()
+        _cuda.cta_group(4096)
+
+
+@pytest.mark.parametrize("hidden_size,group", [(48, 32), (4096, 32), (8192, 16), (16384, 8), (1 << 20, 1)])
+def test_the_default_cta_group_keeps_a_groups_hidden_rows_within_32_mib(monkeypatch, hidden_size, group):
+    monkeypatch.delenv("MEGARL_CUDA_CTA_GROUP", raising=False)
+    assert _cuda.cta_group(hidden_size) == group

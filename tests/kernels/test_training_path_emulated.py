@@ -144,7 +144,7 @@ class EmulatedExtension:
     emulator: same arguments, same outputs (bf16 operands as the bindings take them; here fp32 tensors
     holding bf16 values, as the CPU path hands them over)."""
 
-    TILE_VOCAB, TILE_VOCAB_SM90, DEFAULT_CTA_GROUP = 128, 256, 16
+    TILE_VOCAB, TILE_VOCAB_SM90, DEFAULT_CTA_GROUP = 128, 256, 32  # kDefaultCtaGroup
 
     def __init__(self, exe: Path, workdir: Path):
         self.exe, self.workdir = exe, workdir
@@ -153,7 +153,7 @@ class EmulatedExtension:
         return Path(tempfile.mkdtemp(dir=self.workdir))
 
     def logprob_forward(
-        self, hidden, weight, labels, valid_v, vocab_start, inv_tau, num_splits, wgmma, logits=None, cta_group=16
+        self, hidden, weight, labels, valid_v, vocab_start, inv_tau, num_splits, wgmma, logits=None, cta_group=32
     ):
         assert torch.equal(hidden, hidden.bfloat16().float()) and torch.equal(weight, weight.bfloat16().float())
         mainloop = "sm90" if wgmma and valid_v > 0 else "sm80"  # bindings.cpp: use_wgmma
@@ -192,7 +192,7 @@ class EmulatedExtension:
         dz,
         wgmma,
         theta=None,
-        cta_group=16,
+        cta_group=32,
     ):
         mainloop = "sm90" if wgmma and valid_v > 0 else "sm80"  # bindings.cpp: use_wgmma
         (T, H), rows, work = hidden.shape, weight.shape[0], self._dir()
