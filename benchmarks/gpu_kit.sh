@@ -35,11 +35,13 @@
 # The kernels and actor steps write fused_logprob_gpu.{md,json} and actor_step_gpu.{md,json}.
 # A failed or timed-out step does not stop the next.
 #
-# --call: the prepared GPU call, the steps that measure rather than check (CALL_STEPS): env, build,
-# the wgmma tests (the self-check), the training path's grid (fused_logprob --grid train), the
-# 28-layer Qwen2.5-1.5B actor step with the kernels off and on, then Qwen2.5-7B's 4 layers if time
-# remains. OUTDIR then holds at most MAX_FILES files: the summary and the JSON records stay, the rest
-# (the tables' Markdown, kit.log) go into rest.tar.gz.
+# --call: the prepared GPU call, the steps that measure rather than check (CALL_STEPS), in the order
+# of what matters most: env, build, the wgmma tests (the self-check), the forward's CTA-order sweep
+# (profile_forward --sweep: kernel and op time against cuBLAS at the TP-1 shapes), Nsight Compute's
+# DRAM and L2 bytes of the profiled shape in the old order and the default one (ncu_forward.txt), the
+# training path's grid (fused_logprob --grid train), the 28-layer Qwen2.5-1.5B actor step with the
+# kernels off and on. OUTDIR then holds at most MAX_FILES files: the summary and the JSON records
+# stay, the rest (the tables' Markdown, ncu_forward.txt, kit.log) go into rest.tar.gz.
 #
 # --dry (automatic when torch sees no CUDA GPU): the CUDA steps report "skipped: no GPU", the
 # rest runs, so the kit's logic can be checked on a CPU (tests/benchmarks/test_gpu_kit.py).
@@ -82,11 +84,12 @@ KILL_AFTER=5       # what `timeout` waits after TERM before KILL
 
 STEPS=(env build tests_sm80 tests_sm90 kernels actor)
 declare -A BUDGET=([setup]=30 [env]=30 [build]=140 [kernels]=75 [actor]=135)
-CALL_STEPS=(env build tests_sm90 train_grid actor_28l actor_7b4l)
-declare -A CALL_BUDGET=([setup]=30 [env]=20 [build]=60 [train_grid]=110 [actor_28l]=180 [actor_7b4l]=75)
+CALL_STEPS=(env build tests_sm90 forward_sweep ncu_forward train_grid actor_28l)
+declare -A CALL_BUDGET=([setup]=30 [env]=20 [build]=50 [forward_sweep]=75 [ncu_forward]=45 [train_grid]=110
+  [actor_28l]=145)
 MAX_FILES=8 # what one call may bring back
 declare -A NEEDS_GPU=([build]=1 [tests_sm80]=1 [tests_sm90]=1 [kernels]=1 [actor]=1 [train_grid]=1 [actor_28l]=1
-  [actor_7b4l]=1)
+  [actor_7b4l]=1 [forward_sweep]=1 [ncu_forward]=1)
 declare -A NEEDS_MEGATRON=([actor]=1 [actor_28l]=1 [actor_7b4l]=1)
 # The test files that use the gpu marker, FILE:BUDGET. Each runs in its own pytest process
 # under each mainloop, named explicitly: a collection error in one cannot stop the others.
@@ -154,6 +157,19 @@ step_actor_shape() { # $1: a GPU shape of benchmarks/actor_step.py, both rows, i
   MEGARL_ACTOR_STEP_SHAPE=$1 "$PY" -m benchmarks.actor_step --kit "$OUTDIR"
 }
 step_actor_28l() { step_actor_shape qwen2.5-1.5b; }
+step_forward_sweep() { "$PY" -m benchmarks.profile_forward --sweep --out "$OUTDIR"; }
+step_ncu_forward() { # the profiled shape (results/profile_forward_gpu_ncu.txt) in the old CTA order, then the default
+  local rc=0 shape=(--tokens 16384 --hidden 4096 --vocab 32768 --repeats 1)
+  local ncu=(ncu --clock-control none --profile-from-start off -k "regex:logprob_forward|nvjet|gemm|cutlass"
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed)
+  {
+    echo "== MEGARL_CUDA_CTA_GROUP=1: the order before the knob"
+    MEGARL_CUDA_CTA_GROUP=1 "${ncu[@]}" "$PY" -m benchmarks.profile_forward "${shape[@]}" || rc=$?
+    echo "== MEGARL_CUDA_CTA_GROUP unset: the default order"
+    env -u MEGARL_CUDA_CTA_GROUP "${ncu[@]}" "$PY" -m benchmarks.profile_forward "${shape[@]}" || rc=$?
+  } >"$OUTDIR/ncu_forward.txt" 2>&1
+  return $rc
+}
 step_actor_7b4l() { step_actor_shape qwen2.5-7b-4L; }
 
 # ---------------------------------------------------------------- setup
@@ -318,6 +334,10 @@ skip_reason() { # why step $1 does not run, or nothing
     return
   fi
   local hook="MEGARL_KIT_CMD_$1"
+  if [ "$1" = ncu_forward ] && [ -z "${!hook:-}" ] && ! command -v ncu >/dev/null; then
+    echo "ncu (Nsight Compute) not on PATH"
+    return
+  fi
   if [ -n "${NEEDS_MEGATRON[$1]:-}" ] && [ -z "${!hook:-}" ] && ! "$PY" -c "import megatron.core" 2>/dev/null; then
     echo "megatron-core not installed (run the wheel script)"
   fi

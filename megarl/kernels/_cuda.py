@@ -217,14 +217,19 @@ CTA_GROUP_HIDDEN_BYTES = 32 * 2**20
 """And at most this much of hidden rows per group (bf16 ``[TILE, H]`` per token block): 16 blocks at H = 8192."""
 
 
+def default_cta_group(hidden_size: int) -> int:
+    """At most :data:`CTA_GROUP_MAX` token blocks whose hidden rows fit :data:`CTA_GROUP_HIDDEN_BYTES`: the
+    groups that ``benchmarks/cta_order_model.py`` finds to move the least DRAM traffic on an H200."""
+    return max(1, min(CTA_GROUP_MAX, CTA_GROUP_HIDDEN_BYTES // (TILE * hidden_size * 2)))
+
+
 def cta_group(hidden_size: int) -> int:
     """Token blocks per group of the kernels' CTA order (``csrc/cta_order.cuh``): ``MEGARL_CUDA_CTA_GROUP``
     when set (1 is the column-fastest order, every vocab split of a token block before the next block),
-    else :data:`CTA_GROUP_MAX` token blocks whose hidden rows fit :data:`CTA_GROUP_HIDDEN_BYTES`: the
-    groups that ``benchmarks/cta_order_model.py`` finds to move the least DRAM traffic on an H200."""
+    else :func:`default_cta_group`."""
     value = os.environ.get("MEGARL_CUDA_CTA_GROUP", "")
     if not value:
-        return max(1, min(CTA_GROUP_MAX, CTA_GROUP_HIDDEN_BYTES // (TILE * hidden_size * 2)))
+        return default_cta_group(hidden_size)
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"MEGARL_CUDA_CTA_GROUP must be an integer >= 1 (token blocks per group), got {value!r}")
     return int(value)

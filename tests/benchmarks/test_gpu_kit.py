@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,12 +155,55 @@ def test_the_prepared_call_runs_its_steps_within_the_limit_dry(tmp_path):
     out = tmp_path / "out"
     proc = _kit(out, "--call", "--dry", MEGARL_KIT_WHEELS_DIR=str(tmp_path / "no_wheels"))
     assert proc.returncode == 0, proc.stderr
-    skipped = ("build", "tests_sm90", "train_grid", "actor_28l", "actor_7b4l")
+    skipped = ("build", "tests_sm90", "forward_sweep", "ncu_forward", "train_grid", "actor_28l")
     assert _statuses(out) == {"env": "ok", **{step: "skipped: no GPU" for step in skipped}}
     line = _setup_line(out, "budgets (s)")
     budgets = dict(re.findall(r"(\S+)=(\d+)", line))
     assert sum(map(int, budgets.values())) == int(re.search(r"\(sum (\d+) of 540\)", line).group(1)) <= KIT_LIMIT
     assert "tests_sm80" not in line and (out / "summary.md").read_text().startswith("# GPU kit (the prepared call)")
+
+
+def test_the_ncu_step_is_skipped_by_name_where_nsight_compute_is_missing(tmp_path):
+    out = tmp_path / "out"
+    bin_dir = tmp_path / "bin"  # bash and the coreutils, no ncu
+    bin_dir.mkdir()
+    for tool in ("bash", "date", "mkdir", "cat", "awk", "tr", "find", "sort", "git", "head", "sed", "timeout"):
+        if found := shutil.which(tool):
+            (bin_dir / tool).symlink_to(found)
+    proc = _kit(
+        out,
+        "--call",
+        MEGARL_KIT_DRY="0",
+        MEGARL_KIT_STEPS="ncu_forward",
+        MEGARL_KIT_WHEELS_DIR=str(tmp_path / "no_wheels"),
+        PATH=str(bin_dir),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _statuses(out) == {"ncu_forward": "skipped: ncu (Nsight Compute) not on PATH"}
+
+
+def test_the_ncu_step_profiles_the_old_order_then_the_default(tmp_path):
+    """The step's own command, with an ncu on PATH that records how it was called."""
+    out, bin_dir = tmp_path / "out", tmp_path / "bin"
+    bin_dir.mkdir()
+    ncu = bin_dir / "ncu"
+    ncu.write_text('#!/bin/bash\necho "ncu group=${MEGARL_CUDA_CTA_GROUP:-unset} $*"\n')
+    ncu.chmod(0o755)
+    proc = _kit(
+        out,
+        "--call",
+        MEGARL_KIT_DRY="0",
+        MEGARL_KIT_STEPS="ncu_forward",
+        MEGARL_KIT_WHEELS_DIR=str(tmp_path / "no_wheels"),
+        MEGARL_CUDA_CTA_GROUP="7",  # the operator's setting must not leak into the default run
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _statuses(out) == {"ncu_forward": "ok"}
+    calls = [line for line in (out / "ncu_forward.txt").read_text().splitlines() if line.startswith("ncu ")]
+    assert [call.split()[1] for call in calls] == ["group=1", "group=unset"]
+    assert all("--clock-control none" in call and "dram__bytes_read.sum" in call for call in calls)
+    assert all(call.endswith("-m benchmarks.profile_forward --tokens 16384 --hidden 4096 --vocab 32768 --repeats 1") for call in calls)
 
 
 def test_the_prepared_call_brings_back_at_most_eight_files_json_records_kept(tmp_path):
