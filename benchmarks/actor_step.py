@@ -28,7 +28,10 @@ HF's steps take turns).
   ``compute_logp`` on the first two sequences (on the GPU, every row: fused kernels on and off).
 
 ``python -m benchmarks.actor_step [--quick] [--dtype both|bfloat16|float32]`` runs it here; on a GPU
-``--shape NAME`` runs one shape (into ``actor_step_gpu_NAME``) and ``--fused on|off`` one of its rows;
+``--shape NAME`` runs one shape (into ``actor_step_gpu_NAME``), ``--fused off|on|stock|on,stock|off,on,stock`` those
+rows (``stock``: stock Megatron-LM's head, bf16 logits and ``vocab_parallel_cross_entropy``, a row a Megatron user
+can compare with) and ``--profile on`` adds the top 20 kernels of one step after each row, with the share of
+each kind (GEMM, attention, head, optimizer, elementwise);
 ``python -m benchmarks.actor_step --kit OUTDIR`` is the GPU kit's step
 (``benchmarks/gpu_kit.sh``): it runs the GPU rows (the 4-layer shape with ``--quick``) and
 writes ``actor_step_gpu.{json,md}`` to OUTDIR.
@@ -103,20 +106,42 @@ def _nll(head, mb: dict) -> torch.Tensor:
     return loss
 
 
+def _nll_stock(head, mb: dict) -> torch.Tensor:
+    """The same token-mean NLL as a stock Megatron-LM GPT step computes it: the output layer's bf16
+    logits ``[T, V]`` (one rank: ColumnParallelLinear is a matmul), then
+    ``tensor_parallel.vocab_parallel_cross_entropy`` (fp32 inside), as ``compute_language_model_loss``
+    does without TE's fused cross entropy. Every logit exists, and autograd keeps them for the backward."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = head.hidden @ head.weight.t()
+    nll = vocab_parallel_cross_entropy(logits[:, None], mb["labels"][:, None])[:, 0]
+    mask = mb["label_mask"]
+    return (nll * mask).sum() / mask.sum().clamp(min=1)
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def _time_steps(step, steps: int) -> float:
-    """Median seconds of ``step`` over ``steps`` runs after one warm-up run."""
-    return _time_alternating({"step": step}, steps)["step"]
+def _time_steps(step, steps: int) -> tuple[list[float], object]:
+    """(seconds of each of ``steps`` runs of ``step``, what its warm-up run returned)."""
+    first = step()
+    times = []
+    for _ in range(steps):
+        _sync()
+        start = time.perf_counter()
+        step()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return times, first
 
 
 def _engine(model_dir: Path, batch: dict, dtype: str, fused: bool | None, parallel=None, mb_tokens=None):
     """An initialised one-rank MegatronEngine from random weights (``parallel`` reuses the groups);
     the batch is one micro-batch unless ``mb_tokens`` caps it."""
     from megarl.actor.engine import MegatronEngine
+    from megarl.actor.parallel import seed_everything
     from megarl.config.train import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
     from megarl.utils.network import find_free_port
 
@@ -133,14 +158,16 @@ def _engine(model_dir: Path, batch: dict, dtype: str, fused: bool | None, parall
     )
     engine = MegatronEngine(cfg)
     if parallel is None:
-        engine.create_process_group("d1p1t1")
+        engine.create_process_group("d1p1t1")  # seeds the RNGs
+    else:
+        seed_everything(1, parallel)  # as the first engine was: every row trains the same initial weights
     engine.initialize(parallel=parallel)
     return engine
 
 
-def _train_step(engine, batch: dict):
+def _train_step(engine, batch: dict, loss_fn=_nll):
     weight = lambda mb: mb["label_mask"].sum()
-    return lambda: engine.train_batch(batch, _nll, weight)
+    return lambda: engine.train_batch(batch, loss_fn, weight)
 
 
 def _time_alternating(steps_of: dict, steps: int) -> dict[str, float]:
@@ -200,11 +227,24 @@ def _row(name: str, shape: tuple, impl: str, step_s: float, **extra) -> dict:
     return {"shape": name, "impl": impl, "tokens/step": tokens, "step_s": step_s, "tokens/s": tokens / step_s, **extra}
 
 
-def gpu_row(name: str, shape: tuple, fused: bool | None, step_s: float, peak_gib: float, logp_gap=None) -> dict:
-    """A GPU table row: step time, tokens/s, TFLOP/s, MFU, peak memory, and the logprob gap to HF."""
+def gpu_row(
+    name: str,
+    shape: tuple,
+    fused: bool | None,
+    step_s: float,
+    peak_gib: float,
+    logp_gap=None,
+    step_times: list[float] | None = None,
+    head: str = "megarl",
+) -> dict:
+    """A GPU table row: step time (the median of ``step_times`` when given, with their min and max),
+    tokens/s, TFLOP/s, MFU, peak memory, and the logprob gap to HF. ``head``: ``megarl`` (its training
+    path, the fused kernels on or off) or ``megatron`` (stock Megatron-LM's: :func:`_nll_stock`)."""
     tflops, util = mfu(shape, step_s)
     megatron_util = mfu(shape, step_s, convention="megatron")[1]
-    row = _row(name, shape, "megatron", step_s, fused_kernels=fused, **{"TFLOP/s": tflops, "MFU": util})
+    row = _row(name, shape, "megatron", step_s, head=head, fused_kernels=fused, **{"TFLOP/s": tflops, "MFU": util})
+    if step_times:
+        row["step_s_min"], row["step_s_max"] = min(step_times), max(step_times)
     row["MFU_megatron"] = megatron_util
     row["peak_GiB"] = peak_gib
     if logp_gap is not None:
@@ -264,25 +304,87 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def actor_rows(name: str, shape: tuple, dtype: str, steps: int, fused_flags=(False, True)) -> list[dict]:
-    """One row per ``use_fused_kernels`` flag: step time, MFU, peak memory; the first row also
-    carries the logprob gap to HF transformers with the same weights."""
+STOCK = "stock"
+"""In ``heads``: stock Megatron-LM's head (:func:`_nll_stock`) instead of megarl's."""
+
+
+def actor_rows(
+    name: str, shape: tuple, dtype: str, steps: int, heads=(False, True), profile: bool = False
+) -> list[dict]:
+    """One row per head: ``use_fused_kernels`` False / True / None (megarl's training path) or
+    :data:`STOCK`: step time (median, min, max), MFU, peak memory, the first step's loss (before any
+    update: the same weights in every row); the first row also carries the logprob gap to HF
+    transformers with the same weights. ``profile``: after each row, the top kernels of one step
+    (:func:`profile_rows`, on a GPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows, parallel = [], None
     with tempfile.TemporaryDirectory() as tmp:
         _write_config(Path(tmp), shape)
         batch = _batch(shape, device)
-        for i, fused in enumerate(fused_flags):
+        for i, which in enumerate(heads):
+            stock = which == STOCK
+            fused = False if stock else which
             _reset_peak()
             engine = _engine(Path(tmp), batch, dtype, fused, parallel, GPU_MB_TOKENS.get(name))
             parallel = engine.parallel
-            step_s = _time_steps(_train_step(engine, batch), steps)
+            step = _train_step(engine, batch, _nll_stock if stock else _nll)
+            times, first = _time_steps(step, steps)
             peak = _peak_gib()
             gap = _hf_gap(engine, batch, getattr(torch, dtype), device) if i == 0 else None
-            rows.append(gpu_row(name, shape, fused, step_s, peak, gap) | _path_taken(engine))
+            head = "megatron" if stock else "megarl"
+            row = gpu_row(name, shape, None if stock else fused, statistics.median(times), peak, gap, times, head)
+            rows.append(row | {"first_loss": float(first["loss"])} | _path_taken(engine))
+            if profile and device == "cuda":
+                rows += profile_rows(name, head, fused, step)
             engine.destroy()
             del engine
     return rows
+
+
+KERNEL_KINDS = (  # (kind, what its kernels' names hold), first match wins
+    ("head", ("logprob", "softmax_grad", "cross_entropy", "crossentropy", "ppo_loss")),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "softmax")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "matmul", "sm90_", "sm80_")),
+    ("optimizer", ("adam", "multi_tensor", "optimizer")),
+    ("communication", ("nccl",)),
+    ("memory", ("memcpy", "memset")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """What a CUDA kernel does, from its name: :data:`KERNEL_KINDS`, else ``elementwise/other``."""
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "elementwise/other")
+
+
+def profile_rows(name: str, head: str, fused: bool | None, step, top: int = 20) -> list[dict]:
+    """The ``top`` CUDA kernels of one step by device time (``impl`` "profile"), each with its kind
+    (:func:`kernel_kind`) and share of the step's kernel time: where a step's time goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync()
+    kernels = {}
+    for event in prof.key_averages():
+        if event.device_type == DeviceType.CUDA:
+            kernels[event.key] = (getattr(event, "self_device_time_total", None) or event.self_cuda_time_total) / 1e3
+    return top_kernel_rows(name, head, fused, kernels, top)
+
+
+def top_kernel_rows(name: str, head: str, fused: bool | None, kernels: dict[str, float], top: int) -> list[dict]:
+    """Rows of the ``top`` kernels of ``kernels`` (name: ms), and one per kind over all of them."""
+    total = sum(kernels.values()) or 1.0
+    base = {"shape": name, "impl": "profile", "head": head, "fused_kernels": fused}
+    ranked = sorted(kernels.items(), key=lambda kv: kv[1], reverse=True)
+    rows = [base | {"kernel": k[:120], "kind": kernel_kind(k), "ms": ms, "share": ms / total} for k, ms in ranked[:top]]
+    by_kind: dict[str, float] = {}
+    for kernel, ms in kernels.items():
+        by_kind[kernel_kind(kernel)] = by_kind.get(kernel_kind(kernel), 0.0) + ms
+    return rows + [
+        base | {"kernel": f"all {kind}", "kind": kind, "ms": ms, "share": ms / total} for kind, ms in by_kind.items()
+    ]
 
 
 def _run_cpu(quick: bool) -> list[dict]:
@@ -306,11 +408,16 @@ DTYPES_ENV = "MEGARL_ACTOR_STEP_DTYPES"
 SHAPE_ENV = "MEGARL_ACTOR_STEP_SHAPE"
 """Set by ``--shape``: the one GPU shape to run (its rows go to ``actor_step_gpu_SHAPE``)."""
 FUSED_ENV = "MEGARL_ACTOR_STEP_FUSED"
-"""Set by ``--fused``: ``on`` or ``off`` runs only that GPU row of each shape."""
+"""Set by ``--fused``: the GPU rows of each shape, comma-separated, in order: ``off`` (megarl's head on
+the torch path), ``on`` (on the fused kernels), ``stock`` (stock Megatron-LM's head); default ``off,on``."""
+FUSED_CHOICES = ("off", "on", "stock", "off,on", "on,stock", "off,on,stock")
+PROFILE_ENV = "MEGARL_ACTOR_STEP_PROFILE"
+"""Set by ``--profile on``: after each GPU row, the top 20 kernels of one step and each kind's share."""
 CLI_OPTIONS = {
     "--dtype": (DTYPES_ENV, DTYPE_CHOICES),
     "--shape": (SHAPE_ENV, {name: name for name in {**GPU_SHAPES_QUICK, **GPU_SHAPES}}),
-    "--fused": (FUSED_ENV, {"on": "on", "off": "off"}),
+    "--fused": (FUSED_ENV, {choice: choice for choice in FUSED_CHOICES}),
+    "--profile": (PROFILE_ENV, {"on": "1"}),
 }
 
 
@@ -322,39 +429,44 @@ def _gpu_shapes(quick: bool) -> dict[str, tuple]:
     return GPU_SHAPES_QUICK if quick else GPU_SHAPES
 
 
-def _fused_flags() -> tuple[bool, ...]:
-    """The torch path first, then the kernels (a kernel fault must not cost the other row), or ``--fused``'s."""
-    return {"on": (True,), "off": (False,)}.get(os.environ.get(FUSED_ENV, ""), (False, True))
+def _heads() -> tuple:
+    """``--fused``'s rows as :func:`actor_rows` takes them; by default the torch path first, then the
+    kernels (a kernel fault must not cost the other row)."""
+    chosen = os.environ.get(FUSED_ENV) or "off,on"
+    if chosen not in FUSED_CHOICES:
+        raise ValueError(f"{FUSED_ENV} must be one of {FUSED_CHOICES}, got {chosen!r}")
+    return tuple({"off": False, "on": True, "stock": STOCK}[part] for part in chosen.split(","))
 
 
 def _run_gpu(quick: bool, on_rows=None) -> list[dict]:
     rows = []
+    profile = os.environ.get(PROFILE_ENV) == "1"
     for name, shape in _gpu_shapes(quick).items():
-        for fused in _fused_flags():
-            rows.append(_row_in_own_process(name, shape, fused, 3 if quick else 5))
+        for which in _heads():
+            rows += _rows_in_own_process(name, shape, which, 3 if quick else 5, profile)
             if on_rows is not None:  # written now: a step budget that ends the next row keeps this one
                 on_rows(rows)
     return rows
 
 
-def _row_in_own_process(name: str, shape: tuple, fused: bool, steps: int) -> dict:
-    """One GPU row in a fresh process (own CUDA context and process group); an error, the
-    process's death included, becomes the row's ``error``."""
+def _rows_in_own_process(name: str, shape: tuple, which, steps: int, profile: bool) -> list[dict]:
+    """One GPU row (and its profile's) in a fresh process (own CUDA context and process group); an
+    error, the process's death included, becomes the row's ``error``."""
     ctx = multiprocessing.get_context("spawn")
     try:
         with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            return pool.submit(_gpu_rows_with_gap, name, shape, fused, steps).result()
+            return pool.submit(actor_rows, name, shape, "bfloat16", steps, (which,), profile).result()
     except Exception as exc:  # noqa: BLE001 (BrokenProcessPool included)
-        return {
-            "shape": name,
-            "impl": "megatron",
-            "fused_kernels": fused,
-            "error": f"{type(exc).__name__}: {exc}"[:300],
-        }
-
-
-def _gpu_rows_with_gap(name: str, shape: tuple, fused: bool, steps: int) -> dict:
-    return actor_rows(name, shape, "bfloat16", steps, fused_flags=(fused,))[0]
+        stock = which == STOCK
+        return [
+            {
+                "shape": name,
+                "impl": "megatron",
+                "head": "megatron" if stock else "megarl",
+                "fused_kernels": None if stock else which,
+                "error": f"{type(exc).__name__}: {exc}"[:300],
+            }
+        ]
 
 
 def results_name() -> str:

@@ -40,7 +40,7 @@
 # (profile_forward --sweep: kernel and op time against cuBLAS at the TP-1 shapes), Nsight Compute's
 # DRAM and L2 bytes of the profiled shape in the old order and the default one (ncu_forward.txt), the
 # training path's grid (fused_logprob --grid train), the 28-layer Qwen2.5-1.5B actor step with the
-# kernels off and on. OUTDIR then holds at most MAX_FILES files: the summary and the JSON records
+# kernels on and with stock Megatron-LM's head, each followed by its top kernels. OUTDIR then holds at most MAX_FILES files: the summary and the JSON records
 # stay, the rest (the tables' Markdown, ncu_forward.txt, kit.log) go into rest.tar.gz.
 #
 # --dry (automatic when torch sees no CUDA GPU): the CUDA steps report "skipped: no GPU", the
@@ -156,7 +156,8 @@ step_train_grid() { MEGARL_FUSED_GRID=train fused_logprob_into_outdir; }
 step_actor_shape() { # $1: a GPU shape of benchmarks/actor_step.py, both rows, into OUTDIR
   MEGARL_ACTOR_STEP_SHAPE=$1 "$PY" -m benchmarks.actor_step --kit "$OUTDIR"
 }
-step_actor_28l() { step_actor_shape qwen2.5-1.5b; }
+# megarl's head on the fused kernels, then stock Megatron-LM's head; each row's top kernels after it
+step_actor_28l() { MEGARL_ACTOR_STEP_FUSED=on,stock MEGARL_ACTOR_STEP_PROFILE=1 step_actor_shape qwen2.5-1.5b; }
 step_forward_sweep() { "$PY" -m benchmarks.profile_forward --sweep --out "$OUTDIR"; }
 step_ncu_forward() { # the profiled shape (results/profile_forward_gpu_ncu.txt) in the old CTA order, then the default
   local rc=0 shape=(--tokens 16384 --hidden 4096 --vocab 32768 --repeats 1)

@@ -203,7 +203,10 @@ def test_the_ncu_step_profiles_the_old_order_then_the_default(tmp_path):
     calls = [line for line in (out / "ncu_forward.txt").read_text().splitlines() if line.startswith("ncu ")]
     assert [call.split()[1] for call in calls] == ["group=1", "group=unset"]
     assert all("--clock-control none" in call and "dram__bytes_read.sum" in call for call in calls)
-    assert all(call.endswith("-m benchmarks.profile_forward --tokens 16384 --hidden 4096 --vocab 32768 --repeats 1") for call in calls)
+    assert all(
+        call.endswith("-m benchmarks.profile_forward --tokens 16384 --hidden 4096 --vocab 32768 --repeats 1")
+        for call in calls
+    )
 
 
 def test_the_prepared_call_brings_back_at_most_eight_files_json_records_kept(tmp_path):
@@ -553,15 +556,15 @@ class _Killed(BaseException):
 def test_an_actor_step_killed_in_its_second_row_keeps_the_first_on_disk(tmp_path, monkeypatch):
     from benchmarks import actor_step
 
-    def row(name, shape, fused, steps):
+    def rows(name, shape, fused, steps, profile):
         if fused:
             raise _Killed
-        return {"shape": name, "impl": "megatron", "fused_kernels": False, "step_s": 2.0, "kernel_path": "torch"}
+        return [{"shape": name, "impl": "megatron", "fused_kernels": False, "step_s": 2.0, "kernel_path": "torch"}]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "stub GPU")
     monkeypatch.setattr(_harness, "gpu_driver_version", lambda: "580.65.06")
-    monkeypatch.setattr(actor_step, "_row_in_own_process", row)
+    monkeypatch.setattr(actor_step, "_rows_in_own_process", rows)
     with pytest.raises(_Killed):
         _harness.run_benchmark("actor_step", quick=True, results_dir=tmp_path)
     record = json.loads((tmp_path / "actor_step_gpu.json").read_text())
