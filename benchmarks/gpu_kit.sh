@@ -40,7 +40,8 @@
 # (profile_forward --sweep: kernel and op time against cuBLAS at the TP-1 shapes), Nsight Compute's
 # DRAM and L2 bytes of the profiled shape in the old order and the default one (ncu_forward.txt), the
 # training path's grid (fused_logprob --grid train), the 28-layer Qwen2.5-1.5B actor step with the
-# kernels on and with stock Megatron-LM's head, each followed by its top kernels. OUTDIR then holds at most MAX_FILES files: the summary and the JSON records
+# kernels on and with stock Megatron-LM's head, each followed by its top kernels, and the weight
+# bridge's smoke test (benchmarks/bridge_smoke.py: a bridge group on NCCL, the sender's own rate). OUTDIR then holds at most MAX_FILES files: the summary and the JSON records
 # stay, the rest (the tables' Markdown, ncu_forward.txt, kit.log) go into rest.tar.gz.
 #
 # --dry (automatic when torch sees no CUDA GPU): the CUDA steps report "skipped: no GPU", the
@@ -84,12 +85,12 @@ KILL_AFTER=5       # what `timeout` waits after TERM before KILL
 
 STEPS=(env build tests_sm80 tests_sm90 kernels actor)
 declare -A BUDGET=([setup]=30 [env]=30 [build]=140 [kernels]=75 [actor]=135)
-CALL_STEPS=(env build tests_sm90 forward_sweep ncu_forward train_grid actor_28l)
-declare -A CALL_BUDGET=([setup]=30 [env]=20 [build]=50 [forward_sweep]=75 [ncu_forward]=45 [train_grid]=110
-  [actor_28l]=145)
+CALL_STEPS=(env build tests_sm90 forward_sweep ncu_forward train_grid actor_28l bridge_smoke)
+declare -A CALL_BUDGET=([setup]=30 [env]=20 [build]=50 [forward_sweep]=70 [ncu_forward]=40 [train_grid]=95
+  [actor_28l]=135 [bridge_smoke]=35)
 MAX_FILES=8 # what one call may bring back
 declare -A NEEDS_GPU=([build]=1 [tests_sm80]=1 [tests_sm90]=1 [kernels]=1 [actor]=1 [train_grid]=1 [actor_28l]=1
-  [actor_7b4l]=1 [forward_sweep]=1 [ncu_forward]=1)
+  [actor_7b4l]=1 [forward_sweep]=1 [ncu_forward]=1 [bridge_smoke]=1)
 declare -A NEEDS_MEGATRON=([actor]=1 [actor_28l]=1 [actor_7b4l]=1)
 # The test files that use the gpu marker, FILE:BUDGET. Each runs in its own pytest process
 # under each mainloop, named explicitly: a collection error in one cannot stop the others.
@@ -142,15 +143,18 @@ PY
 step_test_file() { # $1: a test file; MEGARL_CUDA_MAINLOOP comes from the step
   "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu "$1"
 }
-fused_logprob_into_outdir() { # KIT_QUICK=1: the quick shape; the table goes to OUTDIR
-  "$PY" - <<'PY'
+benchmark_into_outdir() { # $1: a benchmark; KIT_QUICK=1: its quick sizes; the table goes to OUTDIR
+  KIT_BENCHMARK=$1 "$PY" - <<'PY'
 import os, pathlib
 from benchmarks._harness import print_record, run_benchmark
 quick = os.environ.get("KIT_QUICK") == "1"
-print_record(run_benchmark("fused_logprob", quick=quick, results_dir=pathlib.Path(os.environ["OUTDIR"])))
+out = pathlib.Path(os.environ["OUTDIR"])
+print_record(run_benchmark(os.environ["KIT_BENCHMARK"], quick=quick, results_dir=out))
 PY
 }
+fused_logprob_into_outdir() { benchmark_into_outdir fused_logprob; }
 step_kernels() { KIT_QUICK=1 fused_logprob_into_outdir; }
+step_bridge_smoke() { benchmark_into_outdir bridge_smoke; }
 step_actor() { "$PY" -m benchmarks.actor_step --kit "$OUTDIR" --quick; }
 step_train_grid() { MEGARL_FUSED_GRID=train fused_logprob_into_outdir; }
 step_actor_shape() { # $1: a GPU shape of benchmarks/actor_step.py, both rows, into OUTDIR

@@ -155,7 +155,7 @@ def test_the_prepared_call_runs_its_steps_within_the_limit_dry(tmp_path):
     out = tmp_path / "out"
     proc = _kit(out, "--call", "--dry", MEGARL_KIT_WHEELS_DIR=str(tmp_path / "no_wheels"))
     assert proc.returncode == 0, proc.stderr
-    skipped = ("build", "tests_sm90", "forward_sweep", "ncu_forward", "train_grid", "actor_28l")
+    skipped = ("build", "tests_sm90", "forward_sweep", "ncu_forward", "train_grid", "actor_28l", "bridge_smoke")
     assert _statuses(out) == {"env": "ok", **{step: "skipped: no GPU" for step in skipped}}
     line = _setup_line(out, "budgets (s)")
     budgets = dict(re.findall(r"(\S+)=(\d+)", line))
