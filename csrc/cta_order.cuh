@@ -1,5 +1,5 @@
 // The order in which a launch's CTAs take the tiles of the logit kernels (forward and backward,
-// both mainloops): the CTA order knob, MEGARL_CUDA_CTA_GROUP (docs/guides/gpu.md).
+// both mainloops): the CTA order knob, MEGARL_CUDA_CTA_GROUP (docs/guides/gpu-kit.md).
 //
 // Each kernel covers a grid of [token blocks x column blocks]: a column block is a vocab split of
 // several tiles in the forward, one vocab tile in the backward. The GPU starts CTAs in launch
@@ -23,7 +23,9 @@ namespace megarl {
 
 // The grid of `cols` column blocks x `rows` token blocks in groups of `group` (>= 1) token blocks.
 // Where `group` does not divide `rows`, the last group's CTAs past the last token block have no
-// tile (grouped_row() >= rows) and return at once.
+// tile (grouped_row() >= rows) and return at once. CUDA bounds y and z by 65,535: column blocks
+// (vocab tiles of 128 or 256 rows) and groups stay far below it for any vocabulary shard and
+// micro-batch (8M rows, or 8M tokens in groups of one).
 inline dim3 grouped_grid(int cols, int rows, int group) {
   const int size = group < rows ? group : rows;
   return dim3(size, cols, (rows + size - 1) / size);
