@@ -17,8 +17,11 @@ unit of epilogue; its K loop reads the token block's hidden rows and the tile's 
 ``K_EVENTS`` even steps. L2 is one LRU cache of ``l2_mb``: 50 MB (the whole L2) with SMs within 5%, or
 25 MB (one of its two partitions, which is what an SM reads from near) with SMs within 25%. Real L2 is
 neither, so read the columns as a range; what the model is for is the ratio between orders.
-``vs_group_1``: the modelled traffic over group 1's at the same shape and setting. The calibration row:
-the profiled shape's measured traffic beside its modelled group 1.
+``vs_group_1``: the modelled traffic over group 1's at the same shape and setting. ``dram_ms``: that
+traffic at the H200's 4.8 TB/s. Two checks against what the H200 measured in the old order: the profiled
+shape's measured traffic (``measured_GB``) beside its modelled group 1, and at every shape the forward's
+measured time (``measured_fwd_ms``, ``results/fused_logprob_gpu.json``'s ``cuda`` rows, group 1) beside
+``dram_ms``: a model whose traffic took longer than the whole forward would be wrong.
 
     python -m benchmarks.cta_order_model [--quick]
 """
@@ -26,11 +29,13 @@ the profiled shape's measured traffic beside its modelled group 1.
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import random
 from collections import OrderedDict
+from pathlib import Path
 
-from benchmarks._harness import main_for
+from benchmarks._harness import RESULTS_DIR, main_for
 from benchmarks.fused_logprob import GPU_SHAPES
 from megarl.kernels._cuda import TILE, splits_for
 
@@ -42,7 +47,8 @@ EPILOGUE = 0.1
 GROUPS = (1, 4, 8, 16, 32, 64)
 SETTINGS = {"L2 50 MB, SMs within 5%": (50, 0.05), "L2 25 MB, SMs within 25%": (25, 0.25)}
 PROFILED = (16384, 4096, 32768)
-MEASURED_GB = round(0.6901 * 4.8e12 * 7.79e-3 / 1e9, 1)
+DRAM_BYTES_PER_S = 4.8e12  # an H200's HBM3e
+MEASURED_GB = round(0.6901 * DRAM_BYTES_PER_S * 7.79e-3 / 1e9, 1)
 """The profiled shape's DRAM traffic at group 1: ncu's DRAM throughput (69.01% of the H200's 4.8 TB/s) for
 its 7.79 ms (``results/profile_forward_gpu_ncu.txt``, commit 59e9375)."""
 
@@ -106,9 +112,23 @@ def dram_gb(T: int, H: int, V: int, group: int, l2_mb: float, jitter: float, see
     return missed / 1e9
 
 
+def measured_forward_ms(results: Path = RESULTS_DIR / "fused_logprob_gpu.json") -> dict[tuple, float]:
+    """The H200's forward time (median ms) of megarl's ``cuda`` rows at TP 1, by (T, H, V), from the
+    committed results (run in the old CTA order); empty where there are none."""
+    if not results.exists():
+        return {}
+    rows = json.loads(results.read_text())["rows"]
+    return {
+        (r["T"], r["H"], r["V"]): r["fwd_ms"]
+        for r in rows
+        if r.get("variant") == "cuda" and r.get("tp") == 1 and r.get("fwd_ms")
+    }
+
+
 def run(quick: bool) -> list[dict]:
     shapes = [(4096, 2048, 32768)] if quick else [PROFILED] + [s for s in GPU_SHAPES if s != PROFILED]
     groups = (1, 16) if quick else GROUPS
+    measured = measured_forward_ms()
     rows = []
     for T, H, V in shapes:
         inputs_gb = (T + V) * H * 2 / 1e9
@@ -127,7 +147,11 @@ def run(quick: bool) -> list[dict]:
                         "dram_GB": round(gb, 2),
                         "inputs_GB": round(inputs_gb, 3),
                         "vs_group_1": round(gb / base, 3),
+                        "dram_ms": round(gb * 1e9 / DRAM_BYTES_PER_S * 1e3, 2),
                         "measured_GB": MEASURED_GB if (T, H, V) == PROFILED and group == 1 else None,
+                        "measured_fwd_ms": round(measured[T, H, V], 2)
+                        if group == 1 and (T, H, V) in measured
+                        else None,
                     }
                 )
     return rows
@@ -148,6 +172,13 @@ def summary(rows: list[dict]) -> str:
             f"{setting}: group {best} moves {means[best]:.2f}x group 1's DRAM traffic (geometric mean over "
             f"{len(by_group[best])} shapes; at most {worst:.2f}x)"
         )
+    for setting in SETTINGS:
+        shares = [r["dram_ms"] / r["measured_fwd_ms"] for r in rows if r["setting"] == setting and r["measured_fwd_ms"]]
+        if shares:
+            lines.append(
+                f"{setting}: group 1's traffic at 4.8 TB/s takes {min(shares):.2f}-{max(shares):.2f} of the forward "
+                f"the H200 measured ({len(shares)} shapes)"
+            )
     return "; ".join(lines) + "."
 
 

@@ -42,3 +42,13 @@ def test_quick_rows_and_summary():
     assert [(r["group"], r["vs_group_1"] == 1.0) for r in rows[:2]] == [(1, True), (16, False)]
     assert len(rows) == 2 * len(model.SETTINGS)
     assert "group 16 moves" in model.summary(rows)
+
+
+def test_the_measured_forward_times_come_from_the_committed_gpu_results(tmp_path):
+    measured = model.measured_forward_ms()
+    assert set(measured) == set(model.GPU_SHAPES)  # the 12 TP-1 shapes, megarl's kernels
+    assert 5 < measured[model.PROFILED] < 10  # ms: the profiled shape, 7.65 ms on the H200
+    assert model.measured_forward_ms(tmp_path / "absent.json") == {}
+    row = model.run(quick=True)[0]
+    assert row["dram_ms"] == pytest.approx(row["dram_GB"] / 4.8, abs=0.01)
+    assert row["measured_fwd_ms"] == round(measured[4096, 2048, 32768], 2)
