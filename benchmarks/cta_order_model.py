@@ -21,7 +21,7 @@ neither, so read the columns as a range; what the model is for is the ratio betw
 traffic at the H200's 4.8 TB/s. Two checks against what the H200 measured in the old order: the profiled
 shape's measured traffic (``measured_GB``) beside its modelled group 1, and at every shape the forward's
 measured time (``measured_fwd_ms``, ``results/fused_logprob_gpu.json``'s ``cuda`` rows, group 1) beside
-``dram_ms``: a model whose traffic took longer than the whole forward would be wrong.
+``dram_ms`` (``dram_vs_measured``): a model whose traffic took longer than the whole forward would be wrong.
 
     python -m benchmarks.cta_order_model [--quick]
 """
@@ -131,30 +131,31 @@ def run(quick: bool) -> list[dict]:
     measured = measured_forward_ms()
     rows = []
     for T, H, V in shapes:
-        inputs_gb = (T + V) * H * 2 / 1e9
         for setting, (l2_mb, jitter) in SETTINGS.items():
-            base = None
-            for group in groups:
-                gb = dram_gb(T, H, V, group, l2_mb, jitter)
-                base = base or gb
-                rows.append(
-                    {
-                        "T": T,
-                        "H": H,
-                        "V": V,
-                        "setting": setting,
-                        "group": group,
-                        "dram_GB": round(gb, 2),
-                        "inputs_GB": round(inputs_gb, 3),
-                        "vs_group_1": round(gb / base, 3),
-                        "dram_ms": round(gb * 1e9 / DRAM_BYTES_PER_S * 1e3, 2),
-                        "measured_GB": MEASURED_GB if (T, H, V) == PROFILED and group == 1 else None,
-                        "measured_fwd_ms": round(measured[T, H, V], 2)
-                        if group == 1 and (T, H, V) in measured
-                        else None,
-                    }
-                )
+            traffic = {group: dram_gb(T, H, V, group, l2_mb, jitter) for group in groups}
+            rows += [
+                _row(T, H, V, setting, group, gb, traffic[1], measured.get((T, H, V))) for group, gb in traffic.items()
+            ]
     return rows
+
+
+def _row(T: int, H: int, V: int, setting: str, group: int, gb: float, group_1_gb: float, fwd_ms: float | None) -> dict:
+    dram_ms = gb * 1e9 / DRAM_BYTES_PER_S * 1e3
+    measured = fwd_ms if group == 1 else None  # the H200 ran the old order
+    return {
+        "T": T,
+        "H": H,
+        "V": V,
+        "setting": setting,
+        "group": group,
+        "dram_GB": round(gb, 2),
+        "inputs_GB": round((T + V) * H * 2 / 1e9, 3),
+        "vs_group_1": round(gb / group_1_gb, 3),
+        "dram_ms": round(dram_ms, 2),
+        "measured_GB": MEASURED_GB if (T, H, V) == PROFILED and group == 1 else None,
+        "measured_fwd_ms": None if measured is None else round(measured, 2),
+        "dram_vs_measured": None if measured is None else round(dram_ms / measured, 3),
+    }
 
 
 def summary(rows: list[dict]) -> str:
@@ -173,7 +174,7 @@ def summary(rows: list[dict]) -> str:
             f"{len(by_group[best])} shapes; at most {worst:.2f}x)"
         )
     for setting in SETTINGS:
-        shares = [r["dram_ms"] / r["measured_fwd_ms"] for r in rows if r["setting"] == setting and r["measured_fwd_ms"]]
+        shares = [r["dram_vs_measured"] for r in rows if r["setting"] == setting and r["dram_vs_measured"]]
         if shares:
             lines.append(
                 f"{setting}: group 1's traffic at 4.8 TB/s takes {min(shares):.2f}-{max(shares):.2f} of the forward "
