@@ -167,7 +167,8 @@ def test_the_ncu_step_is_skipped_by_name_where_nsight_compute_is_missing(tmp_pat
     out = tmp_path / "out"
     bin_dir = tmp_path / "bin"  # bash and the coreutils, no ncu
     bin_dir.mkdir()
-    for tool in ("bash", "date", "mkdir", "cat", "awk", "tr", "find", "sort", "git", "head", "sed", "timeout"):
+    tools = ("bash", "date", "mkdir", "cat", "awk", "tr", "find", "sort", "git", "head", "sed", "timeout")
+    for tool in (*tools, "dirname", "basename", "wc", "realpath", "hostname", "grep", "rm", "tail", "env", "tar"):
         if found := shutil.which(tool):
             (bin_dir / tool).symlink_to(found)
     proc = _kit(
