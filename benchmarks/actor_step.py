@@ -360,17 +360,9 @@ def kernel_kind(name: str) -> str:
 def profile_rows(name: str, head: str, fused: bool | None, step, top: int = 20) -> list[dict]:
     """The ``top`` CUDA kernels of one step by device time (``impl`` "profile"), each with its kind
     (:func:`kernel_kind`) and share of the step's kernel time: where a step's time goes."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.profile_forward import kernel_times
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        _sync()
-    kernels = {}
-    for event in prof.key_averages():
-        if event.device_type == DeviceType.CUDA:
-            kernels[event.key] = (getattr(event, "self_device_time_total", None) or event.self_cuda_time_total) / 1e3
-    return top_kernel_rows(name, head, fused, kernels, top)
+    return top_kernel_rows(name, head, fused, kernel_times(step), top)
 
 
 def top_kernel_rows(name: str, head: str, fused: bool | None, kernels: dict[str, float], top: int) -> list[dict]:

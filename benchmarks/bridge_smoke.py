@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import actor_step
 from benchmarks._harness import cpu_kind, main_for
 
 TITLE = "Weight bridge on one device: a bridge group (NCCL on a GPU) and the sender's own rate"
-SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab: Qwen2-shaped, untied head
-    "qwen2.5-1.5b-4L": (1536, 4, 12, 2, 8960, 151936),
-    "small": (256, 2, 4, 2, 512, 8192),
+SHAPES = {  # actor_step's shapes (Qwen2-shaped, untied head): its GPU kit one, its quick CPU one
+    "qwen2.5-1.5b-4L": actor_step.GPU_SHAPES_QUICK["qwen2.5-1.5b-4L"],
+    "small": actor_step.CPU_SHAPES_QUICK["tiny"],
 }
 BUCKET_MB = {"cuda": 1024, "cpu": 64}  # WeightUpdateConfig.bucket_bytes's defaults
 WIRE = torch.bfloat16
@@ -43,20 +44,10 @@ def write_checkpoint(out: Path, shape: tuple) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hidden, layers, heads, kv, inter, vocab = shape
-    config = AutoConfig.for_model(
-        "qwen2",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=inter,
-        vocab_size=vocab,
-        tie_word_embeddings=False,
-    )
-    config.save_pretrained(out)
+    actor_step._write_config(out, shape)
     with torch.device("meta"):
-        names = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
+    names = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     gen = torch.Generator().manual_seed(0)
     save_file({n: torch.randn(s, generator=gen).to(WIRE) * 0.02 for n, s in names.items()}, out / "model.safetensors")
 

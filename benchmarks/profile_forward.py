@@ -35,22 +35,8 @@ FORWARD_KERNEL = "logprob_forward"
 """What the fused forward kernel's name holds (both mainloops)."""
 
 
-def _timed(fn, repeats: int) -> list[float]:
-    """CUDA-event milliseconds of ``repeats`` calls of ``fn``, one each, after a warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def _kernel_ms(fn, repeats: int, name: str | None) -> float:
-    """Device time per call of the kernels whose name holds ``name`` (the costliest kernel when None)."""
+def kernel_times(fn, repeats: int = 1) -> dict[str, float]:
+    """Device milliseconds per call of each CUDA kernel that ``repeats`` calls of ``fn`` ran (``torch.profiler``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -58,12 +44,17 @@ def _kernel_ms(fn, repeats: int, name: str | None) -> float:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize()
-    kernels = {}
-    for event in prof.key_averages():
-        if event.device_type == DeviceType.CUDA:
-            kernels[event.key] = getattr(event, "self_device_time_total", None) or event.self_cuda_time_total
-    chosen = [t for key, t in kernels.items() if name in key] if name else [max(kernels.values(), default=0.0)]
-    return sum(chosen) / 1e3 / repeats
+    return {
+        event.key: (getattr(event, "self_device_time_total", None) or event.self_cuda_time_total) / 1e3 / repeats
+        for event in prof.key_averages()
+        if event.device_type == DeviceType.CUDA
+    }
+
+
+def _kernel_ms(fn, repeats: int, name: str | None) -> float:
+    """Device time per call of the kernels whose name holds ``name`` (the costliest kernel when None)."""
+    kernels = kernel_times(fn, repeats)
+    return sum(t for key, t in kernels.items() if name in key) if name else max(kernels.values(), default=0.0)
 
 
 def sweep_row(T: int, H: int, V: int, variant: str, op_times: list[float], kernel_ms: float) -> dict:
@@ -120,18 +111,22 @@ def _shape_rows(T: int, H: int, V: int, repeats: int, groups) -> list[dict]:
 
     hidden, weight, labels = fused_logprob._inputs(T, H, V, torch.bfloat16, "cuda")
 
+    def op_times(variant: str) -> list[float]:  # fused_logprob's timing of a row's fwd_ms
+        times = fused_logprob._measure_gpu(variant, hidden, weight, labels, False, repeats)[0]
+        if times is None:
+            raise torch.cuda.OutOfMemoryError(f"{variant} at T={T} H={H} V={V}")
+        return times
+
     def gemm():
         fused_logprob._step("matmul", hidden, weight, labels, backward=False)
 
     def fused():
         fused_logprob._step("cuda", hidden, weight, labels, backward=False)
 
-    rows = [sweep_row(T, H, V, "cublas", _timed(gemm, repeats), _kernel_ms(gemm, repeats, None))]
+    rows = [sweep_row(T, H, V, "cublas", op_times("matmul"), _kernel_ms(gemm, repeats, None))]
     for group in groups:
         os.environ["MEGARL_CUDA_CTA_GROUP"] = str(group)
-        row = sweep_row(
-            T, H, V, f"cuda group {group}", _timed(fused, repeats), _kernel_ms(fused, repeats, FORWARD_KERNEL)
-        )
+        row = sweep_row(T, H, V, f"cuda group {group}", op_times("cuda"), _kernel_ms(fused, repeats, FORWARD_KERNEL))
         row.update(
             group=group, default=group == _cuda.default_cta_group(H), kernel_path=_cuda.active_path(hidden.device)
         )

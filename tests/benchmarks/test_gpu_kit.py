@@ -163,6 +163,14 @@ def test_the_prepared_call_runs_its_steps_within_the_limit_dry(tmp_path):
     assert "tests_sm80" not in line and (out / "summary.md").read_text().startswith("# GPU kit (the prepared call)")
 
 
+def _ncu_step(out: Path, **env: str) -> subprocess.CompletedProcess:
+    """The prepared call's ncu_forward step alone, on a node that says it has a GPU."""
+    no_wheels = str(out.parent / "no_wheels")
+    return _kit(
+        out, "--call", MEGARL_KIT_DRY="0", MEGARL_KIT_STEPS="ncu_forward", MEGARL_KIT_WHEELS_DIR=no_wheels, **env
+    )
+
+
 def test_the_ncu_step_is_skipped_by_name_where_nsight_compute_is_missing(tmp_path):
     out = tmp_path / "out"
     bin_dir = tmp_path / "bin"  # bash and the coreutils, no ncu
@@ -171,14 +179,7 @@ def test_the_ncu_step_is_skipped_by_name_where_nsight_compute_is_missing(tmp_pat
     for tool in (*tools, "dirname", "basename", "wc", "realpath", "hostname", "grep", "rm", "tail", "env", "tar"):
         if found := shutil.which(tool):
             (bin_dir / tool).symlink_to(found)
-    proc = _kit(
-        out,
-        "--call",
-        MEGARL_KIT_DRY="0",
-        MEGARL_KIT_STEPS="ncu_forward",
-        MEGARL_KIT_WHEELS_DIR=str(tmp_path / "no_wheels"),
-        PATH=str(bin_dir),
-    )
+    proc = _ncu_step(out, PATH=str(bin_dir))
     assert proc.returncode == 0, proc.stderr
     assert _statuses(out) == {"ncu_forward": "skipped: ncu (Nsight Compute) not on PATH"}
 
@@ -190,12 +191,8 @@ def test_the_ncu_step_profiles_the_old_order_then_the_default(tmp_path):
     ncu = bin_dir / "ncu"
     ncu.write_text('#!/bin/bash\necho "ncu group=${MEGARL_CUDA_CTA_GROUP:-unset} $*"\n')
     ncu.chmod(0o755)
-    proc = _kit(
+    proc = _ncu_step(
         out,
-        "--call",
-        MEGARL_KIT_DRY="0",
-        MEGARL_KIT_STEPS="ncu_forward",
-        MEGARL_KIT_WHEELS_DIR=str(tmp_path / "no_wheels"),
         MEGARL_CUDA_CTA_GROUP="7",  # the operator's setting must not leak into the default run
         PATH=f"{bin_dir}:{os.environ['PATH']}",
     )
