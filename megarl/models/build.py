@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
-from megarl.models.families import Family, family_of
+from megarl.models.families import Family, family_of, sliding_window
 from megarl.models.mapping import FamilyMapping, ModelDims
 from megarl.models.spec import block_spec
 
@@ -90,8 +90,7 @@ def _check_supported(hf_config, family: Family, tp: int) -> None:
         raise ValueError(
             "MoE models whose layers are not all sparse (mlp_only_layers / decoder_sparse_step) are not supported"
         )
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported")
+    sliding_window(hf_config)  # a malformed window or layer_types fails here, naming itself
 
 
 def rope_parameters(hf_config) -> dict:
@@ -175,6 +174,7 @@ def transformer_config(
         "context_parallel_size": alloc.cp,
         "sequence_parallel": sequence_parallel and alloc.tp > 1,
     }
+    kwargs.update(_window_kwargs(hf))
     if recompute != "none":
         kwargs.update(recompute_granularity=recompute)
         if recompute == "full":
@@ -182,6 +182,19 @@ def transformer_config(
     if desc.family.moe:
         kwargs.update(_moe_kwargs(hf, moe_dispatcher, moe_aux_loss_coeff))
     return TransformerConfig(**kwargs)
+
+
+def _window_kwargs(hf) -> dict:
+    """Megatron's sliding-window settings (TransformerEngine's and :class:`~megarl.models.layers.SDPACoreAttention`'s):
+    ``window_size`` (keys before, after) and, where only some layers slide, a 0/1 flag per layer."""
+    window = sliding_window(hf)
+    if window is None:
+        return {}
+    every_layer = all(window.layers)
+    return {
+        "window_size": (window.size - 1, 0),
+        "window_attn_skip_freq": None if every_layer else [int(flag) for flag in window.layers],
+    }
 
 
 def _moe_kwargs(hf, dispatcher: str, aux_loss_coeff: float) -> dict:

@@ -9,7 +9,9 @@ A token of a packed sequence of length S costs, forward and backward:
 * attention's two matmuls (scores and the weighted sum of values): ``12 L S d`` per token with the
   full S x S scores (``d`` = heads x head_dim), Megatron-LM's convention (``convention="megatron"``),
   or ``6 L S d`` (``"causal"``, megarl's default): a causal mask leaves half of them out, and
-  FlashAttention-style kernels skip that half.
+  FlashAttention-style kernels skip that half. In a layer with a sliding window of W < S tokens
+  (Mistral's ``sliding_window``) ``"causal"`` counts the scores a query computes, ``12 d (S W - W^2 / 2)``
+  per sequence instead of ``6 d S^2``; Megatron-LM's formula counts S x S whatever the window.
 
 MFU is model FLOPs per second over the device's dense bf16 peak (:func:`peak_bf16_flops`). As
 Megatron and NeMo-RL count it, the FLOPs are the model's (a recomputed forward is not counted).
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from megarl.models.families import sliding_window
 
 CONVENTIONS = ("causal", "megatron")
 
@@ -60,11 +64,16 @@ class MatmulShape:
     vocab: int
     experts: int = 0
     """Routed experts (0: dense): each token's router scores all of them."""
+    window: int = 0
+    """Sliding attention window in tokens (0: none)."""
+    windowed_layers: int = 0
+    """How many of the layers attend through ``window``."""
 
     @classmethod
     def from_hf_config(cls, config) -> MatmulShape:
         """From a ``transformers`` config (dense or MoE, every layer alike)."""
         heads = config.num_attention_heads
+        window = sliding_window(config)
         experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
         if experts:
             routed = config.num_experts_per_tok * (
@@ -82,6 +91,8 @@ class MatmulShape:
             mlp_width=mlp_width,
             vocab=config.vocab_size,
             experts=experts,
+            window=window.size if window else 0,
+            windowed_layers=window.windowed_layers if window else 0,
         )
 
     @property
@@ -98,5 +109,11 @@ def train_flops(shape: MatmulShape, seq_lens: Iterable[int], convention: str = "
         raise ValueError(f"convention {convention!r}: expected one of {', '.join(CONVENTIONS)}")
     lens = [int(n) for n in seq_lens]
     per_score = 6 if convention == "causal" else 12  # x L d S^2 for a sequence of S tokens
-    attention = per_score * shape.layers * shape.heads * shape.head_dim * sum(n * n for n in lens)
+    full = sum(n * n for n in lens)
+    scores = shape.layers * full
+    if convention == "causal" and shape.windowed_layers:
+        w = shape.window
+        windowed = sum(n * n if n <= w else 2 * n * w - w * w for n in lens)  # 2x the visible pairs
+        scores += shape.windowed_layers * (windowed - full)
+    attention = per_score * shape.heads * shape.head_dim * scores
     return 6 * shape.matmul_params * sum(lens) + attention

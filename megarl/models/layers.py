@@ -19,7 +19,8 @@ TransformerEngine is absent (always on CPU):
   THD RoPE already does) and kept on the ``PackedSeqParams`` every layer shares. With
   :class:`SharedPrefixSeqParams` a segment may continue another (a branch after the
   prompt it shares with its group, ``megarl.actor.packing``): its queries also see every
-  key of that prefix.
+  key of that prefix. A layer with a sliding window (Mistral's ``sliding_window``: Megatron's
+  ``window_size``) masks, in the rows longer than the window, the keys a query no longer sees.
 * :class:`RMSNorm` computes as HF's ``LlamaRMSNorm`` (fp32 statistics) and tags its
   weight for the sequence-parallel gradient all-reduce.
 """
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 
 @dataclass
@@ -86,6 +88,7 @@ class SDPACoreAttention(MegatronModule):
             )
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.window = layer_window(config, layer_number)
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
@@ -97,22 +100,23 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params, dropout)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, n, s, hn]
-        out = self._sdpa(q, k, v, dropout)  # [b, np, s, hn]
+        out = self._sdpa(q, k, v, dropout, plain_mask(q.shape[2], self.window, q.device))  # [b, np, s, hn]
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def _packed(self, query, key, value, params, dropout):
-        plan = PaddedAttentionPlan.of(params, query.device)
+        plan = PaddedAttentionPlan.of(params, query.device, self.window)
         outs = []
         for bucket in plan.buckets:
             q = _gather(query, bucket.query_rows)  # [b, np, s, hn]
             k, v = (_gather(x, bucket.key_rows) for x in (key, value))
-            out = self._sdpa(q, k, v, dropout, bucket)  # [b, np, s, hn]
+            out = self._sdpa(q, k, v, dropout, bucket.mask, bucket.biases)  # [b, np, s, hn]
             outs.append(out.transpose(1, 2).reshape(-1, out.shape[1] * out.shape[3]))
         return torch.cat(outs, dim=0).index_select(0, plan.token_rows)  # back to the packed order
 
-    def _sdpa(self, q, k, v, dropout, bucket: PaddedBucket | None = None):
-        """[b, n, s, hn] tensors; k/v may hold fewer (grouped) heads. ``bucket``: the packed rows'
-        bucket, whose ``mask`` says which keys each query sees when some row has a prefix; else causal.
+    def _sdpa(self, q, k, v, dropout, mask: torch.Tensor | None, biases: dict | None = None):
+        """[b, n, s, hn] tensors; k/v may hold fewer (grouped) heads. ``mask`` [b or 1, 1, s_q, s_k]:
+        which keys each query sees (a row with a prefix, or a sliding window), None: causal.
+        ``biases``: where the math path's additive masks are kept from one layer to the next.
 
         On CPU a bf16 / fp16 attention runs in fp32 (:data:`CPU_ATTENTION_IN_FP32`) and its output is
         cast back; rows of few keys take :func:`grouped_math_attention` (:data:`CPU_MATH_ATTENTION_MAX_KEYS`)."""
@@ -121,8 +125,7 @@ class SDPACoreAttention(MegatronModule):
             q, k, v = q.float(), k.float(), v.float()
         if q.device.type == "cpu" and dropout == 0.0 and k.shape[2] <= CPU_MATH_ATTENTION_MAX_KEYS:
             scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
-            return grouped_math_attention(q, k, v, _math_bias(bucket, q, k), scale).to(dtype)
-        mask = bucket.mask if bucket is not None else None
+            return grouped_math_attention(q, k, v, _math_bias(mask, q, k, biases), scale).to(dtype)
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -149,12 +152,24 @@ def grouped_math_attention(q, k, v, bias: torch.Tensor, scale: float) -> torch.T
     return torch.bmm(scores.softmax(-1), v.reshape(b * n_kv, s_k, hn)).view(b, n, s, hn)
 
 
-def _math_bias(bucket: PaddedBucket | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The bucket's additive mask for :func:`grouped_math_attention` (a plain batch: causal)."""
+def _math_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, biases: dict | None) -> torch.Tensor:
+    """:func:`grouped_math_attention`'s additive mask (causal where ``mask`` is None), kept in ``biases``
+    (a bucket's, shared by every layer) when given."""
     kv_heads, groups = k.shape[1], q.shape[1] // k.shape[1]
-    if bucket is None:
-        return causal_bias(q.shape[2], groups, q.dtype, q.device)
-    return bucket.bias(kv_heads, groups, q.dtype)
+    key = (kv_heads, groups, q.dtype)
+    if biases is not None and key in biases:
+        return biases[key]
+    if mask is None:
+        bias = causal_bias(q.shape[2], groups, q.dtype, q.device)
+    elif mask.dim() == 2:  # [s_q, s_k], every row alike
+        bias = _additive(mask).to(q.dtype).repeat(groups, 1)
+    else:  # [b, 1, s_q, s_k]: the same for each head of a row
+        b, _, s_q, s_k = mask.shape
+        rows = _additive(mask[:, None]).to(q.dtype).expand(b, kv_heads, groups, s_q, s_k)
+        bias = rows.reshape(b * kv_heads, groups * s_q, s_k)
+    if biases is not None:
+        biases[key] = bias
+    return bias
 
 
 def causal_bias(s: int, groups: int, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -177,26 +192,14 @@ def _gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 class PaddedBucket:
     """Segments of similar length attended together: ``query_rows`` [b, s_q] and ``key_rows``
     [b, s_k] index the packed tokens (padding points at token 0, its outputs are dropped);
-    ``mask`` [b, 1, s_q, s_k] where a row has a prefix, else None (plain causal)."""
+    ``mask`` [b, 1, s_q, s_k] where a row has a prefix or is longer than the sliding window, else
+    None (plain causal); ``biases``: the math path's additive masks, made on the first layer and kept
+    for the others."""
 
     query_rows: torch.Tensor
     key_rows: torch.Tensor
     mask: torch.Tensor | None
-    _biases: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def bias(self, kv_heads: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """:func:`grouped_math_attention`'s additive mask for ``kv_heads`` KV heads of ``groups`` query
-        heads each, made on the first layer and kept for the others: ``[b * kv_heads, groups * s_q,
-        s_k]`` where rows have prefixes (the same for each head of a row), else causal ``[groups * s_q, s_q]``."""
-        key = (kv_heads, groups, dtype)
-        if key not in self._biases:
-            b, s_q = self.query_rows.shape
-            if self.mask is None:
-                self._biases[key] = causal_bias(s_q, groups, dtype, self.query_rows.device)
-            else:
-                rows = _additive(self.mask[:, None]).to(dtype).expand(b, kv_heads, groups, s_q, -1)
-                self._biases[key] = rows.reshape(b * kv_heads, groups * s_q, -1)
-        return self._biases[key]
+    biases: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -212,16 +215,16 @@ class PaddedAttentionPlan:
     padding costs at most ~1.25x the attention work of the segments it holds."""
 
     @classmethod
-    def of(cls, params: PackedSeqParams, device) -> PaddedAttentionPlan:
-        """The plan of ``params``, computed on its first layer and kept on it for the others."""
-        plan = getattr(params, "_megarl_attention_plan", None)
-        if plan is None:
-            plan = cls.build(params.cu_seqlens_q.tolist(), getattr(params, "parents", ()), device)
-            params._megarl_attention_plan = plan
-        return plan
+    def of(cls, params: PackedSeqParams, device, window: int | None = None) -> PaddedAttentionPlan:
+        """The plan of ``params`` for layers of sliding ``window`` (None: none), computed on the first
+        such layer and kept on ``params`` for the others."""
+        plans = params.__dict__.setdefault("_megarl_attention_plans", {})
+        if window not in plans:
+            plans[window] = cls.build(params.cu_seqlens_q.tolist(), getattr(params, "parents", ()), device, window)
+        return plans[window]
 
     @classmethod
-    def build(cls, cu_seqlens: list[int], parents: tuple, device) -> PaddedAttentionPlan:
+    def build(cls, cu_seqlens: list[int], parents: tuple, device, window: int | None = None) -> PaddedAttentionPlan:
         spans = list(itertools.pairwise(cu_seqlens))
         segments = []  # (key rows, number of prefix keys, own span)
         for i, (start, end) in enumerate(spans):
@@ -234,7 +237,7 @@ class PaddedAttentionPlan:
             first_len = len(segments[order[0]][0])
             take = [i for i in order if len(segments[i][0]) <= first_len * cls.GROWTH]
             order = order[len(take) :]
-            bucket = cls._bucket([segments[i] for i in take], device)
+            bucket = cls._bucket([segments[i] for i in take], device, window)
             width = bucket.query_rows.shape[1]
             for row, i in enumerate(take):
                 start, end = segments[i][2]
@@ -244,7 +247,7 @@ class PaddedAttentionPlan:
         return cls(buckets, token_rows.to(device))
 
     @staticmethod
-    def _bucket(segments: list, device) -> PaddedBucket:
+    def _bucket(segments: list, device, window: int | None) -> PaddedBucket:
         s_q = max(end - start for _, _, (start, end) in segments)
         s_k = max(len(keys) for keys, _, _ in segments)
         query_rows = torch.zeros(len(segments), s_q, dtype=torch.long)
@@ -254,10 +257,43 @@ class PaddedAttentionPlan:
             query_rows[row, : end - start] = torch.arange(start, end)
             key_rows[row, : len(keys)] = torch.tensor(keys)
         mask = None
-        if bool(prefixes.any()):  # query i of a row sees its prefix and its own keys up to i
-            visible = prefixes[:, None] + torch.arange(s_q)[None, :]  # [b, s_q]
-            mask = (torch.arange(s_k)[None, None, :] <= visible[:, :, None]).unsqueeze(1).to(device)
+        if bool(prefixes.any()) or (window is not None and s_k > window):
+            # query i of a row is at position prefix + i: it sees the keys up to it, in the window;
+            # a padding query sees what the row's last query sees (a row of no key would make NaNs)
+            last = torch.tensor([len(keys) - 1 for keys, _, _ in segments])
+            position = torch.minimum(prefixes[:, None] + torch.arange(s_q)[None, :], last[:, None])  # [b, s_q]
+            mask = visible_keys(position, s_k, window).unsqueeze(1).to(device)
         return PaddedBucket(query_rows.to(device), key_rows.to(device), mask)
+
+
+def visible_keys(position: torch.Tensor, s_k: int, window: int | None) -> torch.Tensor:
+    """Which of keys ``0 .. s_k - 1`` (a row's positions) each query at ``position`` sees: those at or
+    before it and, with a sliding ``window``, after ``position - window`` (HF's rule). ``[..., s_k]``."""
+    keys = torch.arange(s_k, device=position.device)
+    visible = keys <= position[..., None]
+    if window is not None:
+        visible &= keys > position[..., None] - window
+    return visible
+
+
+def plain_mask(s: int, window: int | None, device) -> torch.Tensor | None:
+    """The ``[s, s]`` mask of an unpacked batch's rows where the sliding ``window`` is shorter than
+    them; None where causal attention is the same."""
+    if window is None or s <= window:
+        return None
+    return visible_keys(torch.arange(s, device=device), s, window)
+
+
+def layer_window(config, layer_number: int) -> int | None:
+    """The sliding window of layer ``layer_number`` (1-based, across pipeline stages) under Megatron's
+    ``window_size`` / ``window_attn_skip_freq`` (set from the HF config by ``megarl.models.build``), None: none."""
+    window_size = getattr(config, "window_size", None)
+    if not is_layer_window_attention(window_size, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return None
+    before, after = window_size
+    if after != 0 or before < 0:
+        raise ValueError(f"window_size {tuple(window_size)}: only causal windows (N, 0) are supported")
+    return before + 1
 
 
 class RMSNorm(torch.nn.Module):

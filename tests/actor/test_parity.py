@@ -161,9 +161,18 @@ def _hf_logp(model_dir, batch) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_family_at_tp2_matches_hf(tiny_model_dir, batch, family):
-    model_dir = tiny_model_dir(family)
+QWEN2_WINDOWED = {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}
+"""Qwen2 whose layers 2 and 3 attend through a window of 4 tokens, layers 0 and 1 to every earlier token."""
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [("qwen2", {}), ("qwen3", {}), ("mistral", {}), ("qwen2", QWEN2_WINDOWED)],
+    ids=["qwen2", "qwen3", "mistral-window-4", "qwen2-window-4-from-layer-2"],
+)
+def test_family_at_tp2_matches_hf(tiny_model_dir, batch, family, overrides):
+    """Sliding windows (mistral's, qwen2's on some layers) are shorter than most of the batch's rows."""
+    model_dir = tiny_model_dir(family, **overrides)
     results = run_ranks(2, "tests.actor.workers:logprobs", model_dir=str(model_dir), alloc="d1p1t2", batch=batch)
     want = _hf_logp(model_dir, batch)
     assert all((logp - want).abs().max() <= 1e-4 for logp in results)
@@ -185,6 +194,17 @@ def test_tied_embeddings_and_padded_vocab_over_tp_and_pp(tiny_model_dir, batch, 
     want = _hf_logp(model_dir, batch)
     assert all((logp - want).abs().max() <= 1e-4 for logp in results)
     assert filecmp.cmp(model_dir / "model.safetensors", tmp_path / "out" / "model.safetensors", shallow=False)
+
+
+def test_a_sliding_window_over_shared_prefixes_matches_hf(tiny_model_dir, grouped_batch):
+    """Mistral's window (4 tokens) is shorter than the groups' prompts (12): a branch's first tokens see
+    only the prompt's last keys, in megarl's packing as in HF's padded batch."""
+    model_dir = tiny_model_dir("mistral")
+    got = _run(model_dir, "d1p1t1", grouped_batch, share_prefix=True, n_mbs=2)
+    hf = _hf_reference(model_dir, grouped_batch)
+    assert (got["logp"] - hf["logp"]).abs().max() <= 1e-4
+    assert all(abs(loss - hf["loss"]) <= 1e-5 for loss in got["loss"])
+    assert_grads_close(got["grads"], hf["grads"], 1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,25 @@ def test_attention_flops_grow_with_each_sequences_square_and_megatron_counts_the
         train_flops(shape, [10], "full")
 
 
+def test_a_sliding_window_counts_the_scores_its_queries_compute():
+    """Mistral's window of 4 over a sequence of 10: 2 x (10 x 4 - 4^2 / 2) scores in place of 10^2 in
+    the causal count; Megatron's count is the full square whatever the window. A sequence no longer
+    than the window counts as without one."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, sliding_window=4,
+    )  # fmt: skip
+    shape = MatmulShape.from_hf_config(config)
+    assert (shape.window, shape.windowed_layers) == (4, 2)
+    plain = MatmulShape.from_hf_config(MistralConfig(**{**config.to_dict(), "sliding_window": None}))
+    dense = 6 * shape.matmul_params
+    assert train_flops(shape, [10]) == dense * 10 + 6 * 2 * 64 * (2 * 10 * 4 - 4 * 4)
+    assert train_flops(shape, [10], "megatron") == train_flops(plain, [10], "megatron")
+    assert train_flops(shape, [4, 3]) == train_flops(plain, [4, 3])
+
+
 def test_peaks_by_device_name():
     assert peak_bf16_flops("NVIDIA H200") == peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_bf16_flops("NVIDIA H20") == 148e12  # not the H200's

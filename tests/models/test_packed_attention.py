@@ -23,13 +23,17 @@ HEADS, KV_HEADS, DIM = 4, 2, 8
 TOL = dict(rtol=1e-9, atol=1e-9)  # float64 on both sides
 
 
-def _layer(dropout: float = 0.0) -> SDPACoreAttention:
-    config = SimpleNamespace(context_parallel_size=1, attention_dropout=dropout)
+def _layer(dropout: float = 0.0, window: int | None = None) -> SDPACoreAttention:
+    window_size = None if window is None else (window - 1, 0)  # as megarl.models.build sets it
+    config = SimpleNamespace(
+        context_parallel_size=1, attention_dropout=dropout, window_size=window_size, window_attn_skip_freq=None
+    )
     return SDPACoreAttention(config, layer_number=1, attn_mask_type=None, attention_type="self")
 
 
-def _reference(q, k, v, cu_seqlens, parents):
-    """Per segment: queries = its own tokens; keys = its parent's tokens then its own; causal."""
+def _reference(q, k, v, cu_seqlens, parents, window=None):
+    """Per segment: queries = its own tokens; keys = its parent's tokens then its own; causal and,
+    with a sliding ``window``, the last ``window`` positions only (HF's rule)."""
     spans = list(itertools.pairwise(cu_seqlens))
     out = torch.empty(q.shape[0], HEADS * DIM, dtype=q.dtype)
     for i, (start, end) in enumerate(spans):
@@ -40,7 +44,8 @@ def _reference(q, k, v, cu_seqlens, parents):
         vi = v[keys].repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)
         scores = qi @ ki.transpose(1, 2) / math.sqrt(DIM)
         prefix = len(keys) - len(own)
-        visible = torch.arange(len(keys))[None, :] <= prefix + torch.arange(len(own))[:, None]
+        distance = prefix + torch.arange(len(own))[:, None] - torch.arange(len(keys))[None, :]
+        visible = (distance >= 0) & (distance < (window or len(keys)))
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = (scores.softmax(-1) @ vi).transpose(0, 1).reshape(len(own), -1)
     return out
@@ -64,22 +69,26 @@ PATHS = {"sdpa": 0, "grouped-math": layers.CPU_MATH_ATTENTION_MAX_KEYS}
 """``CPU_MATH_ATTENTION_MAX_KEYS`` for each path (every row of these cases has fewer keys than the default)."""
 
 
+@pytest.mark.parametrize("window", [None, 4, 9], ids=["causal", "window-4", "window-9"])
 @pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_padded_buckets_equal_per_sequence_attention(monkeypatch, case, path):
+def test_padded_buckets_equal_per_sequence_attention(monkeypatch, case, path, window):
+    """Also with a sliding window shorter than most rows (Mistral's), across a shared prefix too:
+    a branch's first queries still see the prefix's last keys."""
     monkeypatch.setattr(layers, "CPU_MATH_ATTENTION_MAX_KEYS", PATHS[path])
     cu_seqlens, parents = CASES[case]
     params = SharedPrefixSeqParams(cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32), parents=parents)
     q, k, v = _inputs(cu_seqlens[-1])
-    got = _layer().forward(q, k, v, None, packed_seq_params=params)
-    want = _reference(q, k, v, cu_seqlens, parents)
+    got = _layer(window=window).forward(q, k, v, None, packed_seq_params=params)
+    want = _reference(q, k, v, cu_seqlens, parents, window)
     torch.testing.assert_close(got, want, **TOL)
     weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
     want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
     for name, g, w in zip("qkv", grads, want_grads):
         torch.testing.assert_close(g, w, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
-    assert len(PaddedAttentionPlan.of(params, q.device).buckets) > 1  # several buckets were exercised
+    assert all(g.isfinite().all() for g in grads)  # padding queries see a key in every window
+    assert len(PaddedAttentionPlan.of(params, q.device, window).buckets) > 1  # several buckets were exercised
 
 
 def test_an_rl_batch_of_short_answers_is_a_few_calls_with_bounded_padding():
@@ -95,18 +104,44 @@ def test_an_rl_batch_of_short_answers_is_a_few_calls_with_bounded_padding():
     assert sorted(plan.token_rows.tolist()) == plan.token_rows.unique().tolist()  # one row per token
 
 
+@pytest.mark.parametrize("window", [None, 5, 13], ids=["causal", "window-5", "window-of-the-row"])
 @pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
-def test_a_plain_batch_is_causal_attention_per_row(monkeypatch, path):
-    """Without packing ([s, b, n, hn]): each row attends causally to itself, as SDPA's reference math."""
+def test_a_plain_batch_is_causal_attention_per_row(monkeypatch, path, window):
+    """Without packing ([s, b, n, hn]): each row attends causally to itself (in its sliding window), as
+    SDPA's reference math."""
     monkeypatch.setattr(layers, "CPU_MATH_ATTENTION_MAX_KEYS", PATHS[path])
     s, b = 13, 3
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(s, b, n, DIM, generator=gen, dtype=torch.float64) for n in (HEADS, KV_HEADS, KV_HEADS))
-    got = _layer().forward(q, k, v, None)
+    got = _layer(window=window).forward(q, k, v, None)
     for row in range(b):
         spans = [0, s]
-        want = _reference(q[:, row], k[:, row], v[:, row], spans, ())
+        want = _reference(q[:, row], k[:, row], v[:, row], spans, (), window)
         torch.testing.assert_close(got[:, row], want, **TOL)
+
+
+@pytest.mark.parametrize(
+    "window_size, skip, windows",
+    [
+        (None, None, [None, None, None]),
+        ((7, 0), None, [8, 8, 8]),
+        ((7, 0), [0, 1, 1], [None, 8, 8]),  # Qwen2's max_window_layers: only the later layers slide
+    ],
+)
+def test_each_layer_takes_its_window_from_megatrons_settings(window_size, skip, windows):
+    config = SimpleNamespace(
+        context_parallel_size=1, attention_dropout=0.0, window_size=window_size, window_attn_skip_freq=skip
+    )
+    got = [SDPACoreAttention(config, n, None, "self").window for n in (1, 2, 3)]
+    assert got == windows
+
+
+def test_a_window_that_sees_later_tokens_is_refused():
+    config = SimpleNamespace(
+        context_parallel_size=1, attention_dropout=0.0, window_size=(7, 2), window_attn_skip_freq=None
+    )
+    with pytest.raises(ValueError, match=r"window_size \(7, 2\): only causal windows"):
+        SDPACoreAttention(config, 1, None, "self")
 
 
 @pytest.mark.parametrize(
