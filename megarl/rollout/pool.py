@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -45,7 +46,12 @@ from megarl.workflow.resolve import resolve_should_accept_fn, resolve_workflow
 
 __all__ = ["RolloutError", "RolloutPool"]
 
+logger = logging.getLogger(__name__)
+
 _POLL_S = 0.2  # prepare_batch re-checks whether to feed more data at least this often
+STUCK_SUBMIT_WARN_S = 30.0
+"""A ``submit`` blocked this long while results nobody has taken fill the output bound says why: no
+episode can start until a ``wait`` or ``prepare_batch`` (of another thread) takes them."""
 _UNFINISHED = object()  # a rollout_batch episode without an outcome yet
 
 
@@ -131,6 +137,11 @@ class RolloutPool:
     ) -> int:
         """Queue one episode; blocks while the input queue is full. Returns its task id.
 
+        Results nobody has taken hold back new episodes (the output bound, ``rollout.queue_size`` in
+        all), so one thread that submits more items than that before it waits would block for good: after
+        :data:`STUCK_SUBMIT_WARN_S` so blocked, a warning says so (``wait`` or ``prepare_batch`` from
+        another thread still unblocks it). For a list of items, :meth:`rollout_batch` has no bound.
+
         Evaluation episodes do not wait for room: the queue bounds the training data fed
         ahead, which may be parked until the trainer's next version (after the evaluation).
         A class or string ``workflow`` is instantiated on every call: pass an instance
@@ -140,19 +151,35 @@ class RolloutPool:
         """
         wf = resolve_workflow(workflow, workflow_kwargs, group_size)
         task = Task(next(self._ids), data, wf, resolve_should_accept_fn(should_accept_fn), is_eval, _watch)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        warned = False
         with self._q.cond:
             while not is_eval and len(self._q.input) >= self.queue_size and not self._q.stopping:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"submit: input queue stayed full ({self.queue_size}) for {timeout}s")
-                self._q.cond.wait(remaining)
+                self._q.cond.wait(STUCK_SUBMIT_WARN_S if remaining is None else min(remaining, STUCK_SUBMIT_WARN_S))
+                if not warned and time.monotonic() - start >= STUCK_SUBMIT_WARN_S and self._runner.output_full():
+                    warned = True
+                    self._warn_stuck_submit(time.monotonic() - start)
             self._handoff.check_running()
             self._q.input.append(task)
             if _track:  # a dataloader item: pending until its trajectory reaches the trainer
                 self._q.pending[task.task_id] = data
         self._runner.thread.wake()
         return task.task_id
+
+    def _warn_stuck_submit(self, waited: float) -> None:
+        logger.warning(
+            "submit has waited %.0f s for room in the input queue (rollout.queue_size=%d): %s, and no episode "
+            "can start until wait() or prepare_batch() takes the results ready. One thread that submits more "
+            "than rollout.queue_size items before it waits blocks for good: wait between submits, raise "
+            "rollout.queue_size, or run the items with rollout_batch(items)",
+            waited,
+            self.queue_size,
+            self._runner.describe(),  # q.cond is reentrant
+        )
 
     def wait(self, count: int, timeout: float | None = None) -> list[dict[str, Any]]:
         """Return ``count`` accepted trajectories, oldest weights first.

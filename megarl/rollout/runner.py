@@ -140,13 +140,12 @@ class EpisodeRunner:
         if self.max_concurrent - self.q.n_running <= 0:
             return None
         head = self.q.input[0]
-        if not head.budgeted or (
-            self.staleness.get_capacity(self.engine.get_version()) > 0 and not self._output_full()
-        ):
+        if not head.budgeted or (self.staleness.get_capacity(self.engine.get_version()) > 0 and not self.output_full()):
             return head
         return next((t for t in self.q.input if not t.budgeted), None)
 
-    def _output_full(self) -> bool:
+    def output_full(self) -> bool:
+        """Whether ready results plus running episodes fill the output bound (call under ``q.cond``)."""
         return len(self.q.results) + self.q.n_running >= max(self.queue_size, self.q.demand)
 
     def _launch_ready(self, running: set[asyncio.Task]) -> bool:

@@ -124,6 +124,36 @@ def test_batches_larger_than_the_queue_bound_complete(pool_factory):
     submitter.join(5)
 
 
+def test_a_submit_that_no_wait_can_unblock_says_why(pool_factory, monkeypatch, caplog):
+    """AReaL's loop of submits then one wait, with more items than the queue holds: the results fill the
+    output bound and the input queue stays full, so the submitting thread would wait in silence. It is
+    told what blocks it; a wait from another thread still unblocks it."""
+    import megarl.rollout.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "STUCK_SUBMIT_WARN_S", 0.3)
+    pool, _ = pool_factory(batch_size=2, max_concurrent_rollouts=2, queue_size=2, max_staleness=100)
+    done = threading.Event()
+
+    def submit_all():
+        for i in range(5):  # 2 results, 2 queued, the fifth has no room
+            pool.submit({"id": i, "chunk_delays": [0.0]}, SimWorkflow())
+        done.set()
+
+    thread = threading.Thread(target=submit_all)
+    with caplog.at_level("WARNING", logger="megarl.rollout.pool"):
+        thread.start()
+        deadline = time.monotonic() + 10
+        while "submit has waited" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert not done.is_set()
+    assert "rollout.queue_size=2" in caplog.text and "2 queued, 2 result(s) ready" in caplog.text
+    assert "rollout_batch(items)" in caplog.text
+    got = pool.wait(2, timeout=5) + pool.wait(2, timeout=5)
+    thread.join(5)
+    assert done.is_set() and len(got) + len(pool.wait(1, timeout=5)) == 5
+    assert caplog.text.count("submit has waited") == 1  # once per blocked submit
+
+
 def test_wait_timeout_keeps_partial_results(pool_factory):
     pool, _ = pool_factory(batch_size=2)
     pool.submit({"id": 0, "chunk_delays": [0.0]}, SimWorkflow())
