@@ -10,7 +10,10 @@ run and the two paths alternate (ABBA). Target: pool tokens/s >= 0.95x direct.
 
 ``pool_overhead_ms_per_request`` is measured inside the pool: the mean episode time
 minus the mean time spent in ``agenerate`` (chat template, reward in a worker process,
-trajectory tensors, scheduling). On a shared 2-core machine the throughput ratio moves
+trajectory tensors, scheduling). ``client_cpu_ms_per_request``: the CPU time the client side used
+per request (user + system, this process's threads and its child processes but the server's: the
+pool's reward worker), the CPU a 2-core machine takes from its server; unlike the ratio it
+hardly depends on how fast the server is, so it carries from one CPU kind to another. On a shared 2-core machine the throughput ratio moves
 by several percent from run to run with the load of other processes. One table per CPU kind
 (:func:`results_name`).
 """
@@ -18,9 +21,12 @@ by several percent from run to run with the load of other processes. One table p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 import urllib.request
+
+import psutil
 
 from benchmarks._harness import cpu_kind, main_for
 from megarl.api.io_struct import GenerationHyperparameters
@@ -89,6 +95,27 @@ def _through_pool(engine: RemoteInferenceEngine, workflow, rows: list[dict]):
     return elapsed, tokens, stats["rollout/episode_seconds"], stats["rollout/generate_latency_s"]
 
 
+def client_cpu_seconds(server_pid: int) -> float:
+    """CPU seconds (user + system) used so far by this process and its children outside the process tree
+    of ``server_pid``; those that ended are not counted, so take a difference over a span they live through."""
+    me = psutil.Process()
+    server = psutil.Process(server_pid)
+    skip = {server_pid, *(p.pid for p in server.children(recursive=True))}
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        if child.pid not in skip:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += sum(child.cpu_times()[:2])
+    return total
+
+
+def _with_cpu(server_pid: int, fn):
+    """``fn()``'s result with the client CPU seconds it used appended."""
+    before = client_cpu_seconds(server_pid)
+    result = fn()
+    return (*result, client_cpu_seconds(server_pid) - before)
+
+
 def run(quick: bool) -> list[dict]:
     from transformers import AutoTokenizer
 
@@ -119,7 +146,7 @@ def run(quick: bool) -> list[dict]:
             for rep in range(reps):  # ABBA order, so drifting machine load hits both paths alike
                 for path in ("direct", "pool") if rep % 2 == 0 else ("pool", "direct"):
                     reset_prefix_cache(server.address)
-                    results[path].append(runs[path]())
+                    results[path].append(_with_cpu(server.pid, runs[path]))
         finally:
             workflow.close()
             engine.destroy()
@@ -138,6 +165,7 @@ def _rows(results: dict, n: int, m: int, concurrency: int) -> list[dict]:
     direct_latency = statistics.fmean(statistics.fmean(r[2]) for r in results["direct"])
     episode = statistics.fmean(r[2] for r in results["pool"])
     generation = statistics.fmean(r[3] for r in results["pool"])
+    cpu_ms = {path: 1000 * statistics.fmean(r[-1] for r in runs) / n for path, runs in results.items()}
     common = {"requests": n, "tokens_per_request": m, "concurrency": concurrency, "runs": len(results["pool"])}
     return [
         {
@@ -146,6 +174,7 @@ def _rows(results: dict, n: int, m: int, concurrency: int) -> list[dict]:
             "tokens_per_s": direct_tps,
             "ratio_to_direct": 1.0,
             "mean_request_s": direct_latency,
+            "client_cpu_ms_per_request": cpu_ms["direct"],
         },
         {
             "path": "RolloutPool + RLVRWorkflow",
@@ -154,6 +183,7 @@ def _rows(results: dict, n: int, m: int, concurrency: int) -> list[dict]:
             "ratio_to_direct": pool_tps / direct_tps,
             "mean_request_s": episode,
             "pool_overhead_ms_per_request": 1000 * (episode - generation),
+            "client_cpu_ms_per_request": cpu_ms["pool"],
         },
     ]
 
