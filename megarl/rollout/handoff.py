@@ -21,6 +21,9 @@ from megarl.utils import stats_tracker
 
 MAX_STALE_RERUNS = 3
 """A dataloader item whose trajectory came too late runs again this often at most."""
+STUCK_WAIT_WARN_S = 30.0
+"""A wait blocked this long for more results than are ready, running or queued says so: only items
+submitted from now on (by another thread) can complete it."""
 
 
 class HandOff:
@@ -51,8 +54,10 @@ class HandOff:
         ``fail_on_stale``: raise at once when stale drops leave fewer than ``min_count`` that
         can still arrive (queued, running or ready), rather than wait for the timeout.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         dropped: list[int] = []
+        warned = False
         with self._q.cond:
             try:
                 while True:
@@ -72,8 +77,11 @@ class HandOff:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return []
+                    if not warned and can_arrive < min_count and time.monotonic() - start >= STUCK_WAIT_WARN_S:
+                        warned = True
+                        logger.warning(self._short_message(min_count, can_arrive, time.monotonic() - start))
                     self._raise_demand(min_count)
-                    self._q.cond.wait(remaining)
+                    self._q.cond.wait(STUCK_WAIT_WARN_S if remaining is None else min(remaining, STUCK_WAIT_WARN_S))
             finally:
                 self._q.demand = 0
 
@@ -126,6 +134,14 @@ class HandOff:
             f"version {self.staleness.min_allowed_version(version)} or newer), so only {can_arrive} of the {wanted} "
             "asked for can still arrive. Call set_version() once per training step, not more, or raise "
             "rollout.max_staleness."
+        )
+
+    def _short_message(self, wanted: int, can_arrive: int, waited: float) -> str:
+        return (
+            f"wait has waited {waited:.0f} s for {wanted} trajectories; {can_arrive} are ready, running or queued, "
+            "so it ends only when more items are submitted (from another thread). Episodes whose trajectory "
+            "should_accept_fn rejected, or that failed on the servers and were dropped, do not count: ask "
+            "wait for what was accepted, or submit more"
         )
 
     def _raise_demand(self, count: int) -> None:

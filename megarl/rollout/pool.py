@@ -186,7 +186,9 @@ class RolloutPool:
 
         Raises ``TimeoutError`` if they are not there within ``timeout`` seconds (the
         ones that are stay queued), and :class:`RolloutError` if a workflow raised or, at
-        once, if trajectories dropped as stale leave fewer than ``count`` that can arrive.
+        once, if trajectories dropped as stale leave fewer than ``count`` that can arrive. Waiting
+        for more than are ready, running or queued (rejected and dropped episodes do not count) logs
+        a warning after ``megarl.rollout.handoff.STUCK_WAIT_WARN_S``: only new submits can end it.
         """
         if count <= 0:
             return []

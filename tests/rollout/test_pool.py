@@ -154,6 +154,26 @@ def test_a_submit_that_no_wait_can_unblock_says_why(pool_factory, monkeypatch, c
     assert caplog.text.count("submit has waited") == 1  # once per blocked submit
 
 
+def test_a_wait_for_more_than_can_arrive_says_why(pool_factory, monkeypatch, caplog):
+    """Four submitted, one rejected by should_accept_fn, wait(4): only a later submit can end the wait.
+    It is told so once, and such a submit still completes it."""
+    import megarl.rollout.handoff as handoff
+
+    monkeypatch.setattr(handoff, "STUCK_WAIT_WARN_S", 0.3)
+    pool, _ = pool_factory(batch_size=2, max_concurrent_rollouts=2, max_staleness=100)
+    for i in range(4):
+        pool.submit(
+            {"id": i, "chunk_delays": [0.0]}, SimWorkflow(), should_accept_fn=lambda t: int(t["rewards"][0]) != 1
+        )
+    later = threading.Timer(1.5, lambda: pool.submit({"id": 4, "chunk_delays": [0.0]}, SimWorkflow()))
+    with caplog.at_level("WARNING", logger="megarl.rollout.pool"):
+        later.start()
+        got = pool.wait(4, timeout=30)
+    assert sorted(int(t["rewards"][0]) for t in got) == [0, 2, 3, 4]
+    assert caplog.text.count("wait has waited") == 1
+    assert "for 4 trajectories; 3 are ready, running or queued" in caplog.text and "should_accept_fn" in caplog.text
+
+
 def test_wait_timeout_keeps_partial_results(pool_factory):
     pool, _ = pool_factory(batch_size=2)
     pool.submit({"id": 0, "chunk_delays": [0.0]}, SimWorkflow())
