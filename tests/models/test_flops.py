@@ -66,10 +66,8 @@ def test_a_sliding_window_counts_the_scores_its_queries_compute():
     than the window counts as without one."""
     from transformers import MistralConfig
 
-    config = MistralConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=100, sliding_window=4,
-    )  # fmt: skip
+    sizes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    config = MistralConfig(**sizes, num_key_value_heads=2, head_dim=16, vocab_size=100, sliding_window=4)
     shape = MatmulShape.from_hf_config(config)
     assert (shape.window, shape.windowed_layers) == (4, 2)
     plain = MatmulShape.from_hf_config(MistralConfig(**{**config.to_dict(), "sliding_window": None}))

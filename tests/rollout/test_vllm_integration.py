@@ -14,6 +14,7 @@ from megarl.api import ModelRequest
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.data import create_dataloader, load_rl_dataset
 from megarl.reward import gsm8k_reward_fn
+from megarl.utils.auth import auth_headers
 from megarl.workflow import MultiTurnReflectionWorkflow, RLVRWorkflow, reflection_token_ids
 from tests.rollout.conftest import VLLM_MAX_MODEL_LEN, make_engine, model_vocab_size
 
@@ -50,9 +51,9 @@ def engine(vllm_server, vllm_model_dir):
 def rescore(address: str, ids: list[int]) -> list[float]:
     """The server's logprob of each token of ``ids`` given the ones before (first: None)."""
     body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
-    req = urllib.request.Request(
-        f"http://{address}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    # a server launched while this process held a run key (another test's) is guarded by it
+    headers = {"Content-Type": "application/json", **auth_headers()}
+    req = urllib.request.Request(f"http://{address}/v1/completions", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=60) as resp:
         entries = json.loads(resp.read())["choices"][0]["prompt_logprobs"]
     return [None if e is None else e[str(t)]["logprob"] for e, t in zip(entries, ids)]
