@@ -91,6 +91,11 @@ def _check_supported(hf_config, family: Family, tp: int) -> None:
             "MoE models whose layers are not all sparse (mlp_only_layers / decoder_sparse_step) are not supported"
         )
     sliding_window(hf_config)  # a malformed window or layer_types fails here, naming itself
+    for key, what in (("attention_bias", "q/k/v/o projection biases"), ("mlp_bias", "MLP projection biases")):
+        if getattr(hf_config, key, False):  # the mappings would leave these tensors in the checkpoint
+            raise ValueError(
+                f"{key}: true ({what}) is not supported: megarl's {family.name} layers have no such biases"
+            )
 
 
 def rope_parameters(hf_config) -> dict:
