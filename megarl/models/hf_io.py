@@ -126,6 +126,13 @@ class SafetensorsReader:
 def load_hf_weights(chunks: list, desc: ModelDesc, hf_dir: str | os.PathLike, coords: ShardCoords) -> int:
     """Copy this rank's shards of the HF checkpoint into ``chunks``; returns the parameter count loaded."""
     reader = SafetensorsReader(hf_dir)
+    left = desc.mapping.hf_names_not_loaded(reader.keys(), desc.tie_word_embeddings)
+    if left:
+        raise ValueError(
+            f"{hf_dir} holds {len(left)} tensor(s) that megarl's {desc.family.name} layers have no place for "
+            f"({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}): the model would lose them and differ "
+            "from the checkpoint's (a config feature megarl does not support, or a checkpoint of another layout)"
+        )
     loaded = 0
     with torch.no_grad():
         for chunk in chunks:

@@ -31,7 +31,7 @@ HF loading, HF export and the weight bridge all go through these two.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,6 +110,19 @@ class FamilyMapping:
     def __init__(self, rules: tuple[ParamRule, ...]):
         self.rules = rules
         self._patterns = [(_template_regex(rule.megatron), rule) for rule in rules]
+
+    def hf_names_not_loaded(self, hf_names: Iterable[str], tied: bool) -> list[str]:
+        """The names among ``hf_names`` (an HF checkpoint's tensors) that no rule loads, sorted: a feature
+        the family's layers lack. RoPE's cached inverse frequencies and, when ``tied``, a checkpoint's own
+        ``lm_head.weight`` (HF ignores it then too) are not reported."""
+        patterns = [_template_regex(name) for rule in self.rules for name in rule.hf]
+        return sorted(
+            name
+            for name in hf_names
+            if not name.endswith("rotary_emb.inv_freq")
+            and not (tied and name == "lm_head.weight")
+            and not any(p.match(name) for p in patterns)
+        )
 
     def match(self, megatron_name: str) -> tuple[ParamRule, dict[str, int]]:
         """The rule for ``megatron_name`` and its ``layer`` / ``expert`` fields."""

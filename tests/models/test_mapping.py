@@ -150,3 +150,39 @@ def test_the_model_tables_old_name_warns_until_0_2_0():
 
     with pytest.warns(DeprecationWarning, match="MODEL_FAMILIES .*0.2.0"):
         assert families.FAMILIES is MODEL_FAMILIES
+
+
+def test_checkpoint_tensors_no_rule_loads_are_named():
+    """An o_proj bias (Llama's attention_bias) has no rule; RoPE's cached frequencies and a tied model's
+    own lm_head copy are not weights megarl should hold."""
+    mapping = MODEL_FAMILIES["llama"].mapping(tie_word_embeddings=True)
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.3.self_attn.q_proj.weight",
+        "model.layers.3.self_attn.o_proj.bias",
+        "model.layers.3.self_attn.rotary_emb.inv_freq",
+        "lm_head.weight",
+        "model.norm.weight",
+    ]
+    assert mapping.hf_names_not_loaded(names, tied=True) == ["model.layers.3.self_attn.o_proj.bias"]
+    untied = MODEL_FAMILIES["llama"].mapping(tie_word_embeddings=False)
+    assert untied.hf_names_not_loaded(names, tied=False) == ["model.layers.3.self_attn.o_proj.bias"]
+
+
+def test_loading_a_checkpoint_with_tensors_megarl_has_no_place_for_fails_naming_them(tiny_model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models.build import describe
+    from megarl.models.hf_io import ShardCoords, load_hf_weights
+
+    source = tiny_model_dir("llama")
+    shutil.copytree(source, tmp_path / "m")
+    tensors = load_file(source / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.bias"] = torch.zeros(128)
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"1 tensor\(s\) that megarl's llama layers have no place for \(model.layers.0.mlp"
+    ):
+        load_hf_weights([], describe(source), tmp_path / "m", ShardCoords())
