@@ -190,16 +190,10 @@ def transformer_config(
 
 
 def _window_kwargs(hf) -> dict:
-    """Megatron's sliding-window settings (TransformerEngine's and :class:`~megarl.models.layers.SDPACoreAttention`'s):
-    ``window_size`` (keys before, after) and, where only some layers slide, a 0/1 flag per layer."""
+    """Megatron's sliding-window setting (TransformerEngine's and :class:`~megarl.models.layers.SDPACoreAttention`'s):
+    ``window_size`` = (keys before each query, keys after it), on every layer."""
     window = sliding_window(hf)
-    if window is None:
-        return {}
-    every_layer = all(window.layers)
-    return {
-        "window_size": (window.size - 1, 0),
-        "window_attn_skip_freq": None if every_layer else [int(flag) for flag in window.layers],
-    }
+    return {} if window is None else {"window_size": (window - 1, 0)}
 
 
 def _moe_kwargs(hf, dispatcher: str, aux_loss_coeff: float) -> dict:

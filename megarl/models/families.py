@@ -112,43 +112,28 @@ def family_of(hf_config) -> Family:
     return MODEL_FAMILIES[model_type]
 
 
-@dataclass(frozen=True)
-class SlidingWindow:
-    """Sliding-window attention as HF configs declare it (Mistral's ``sliding_window``, Qwen2's
-    ``use_sliding_window`` from ``max_window_layers`` on): a windowed layer's query sees itself and
-    the ``size - 1`` tokens before it, HF's and vLLM's rule."""
+def sliding_window(hf_config) -> int | None:
+    """The sliding attention window of an HF config, in tokens (a query sees itself and the ``window - 1``
+    tokens before it, HF's and vLLM's rule), on every layer; None when there is none.
 
-    size: int
-    layers: tuple[bool, ...]
-    """Per layer (0-based), whether it attends through the window; the others attend to every earlier token."""
-
-    @property
-    def windowed_layers(self) -> int:
-        return sum(self.layers)
-
-
-def sliding_window(hf_config) -> SlidingWindow | None:
-    """The :class:`SlidingWindow` of an HF config, None when every layer attends to every earlier token.
-
-    Per layer from ``layer_types`` ("sliding_attention" / "full_attention", transformers 5) where the
-    config has them, else every layer (Mistral, Mixtral); a config whose ``use_sliding_window`` is false
-    (Qwen2 and Qwen3 keep a ``sliding_window`` they do not use) has none."""
+    Mistral's and Mixtral's ``sliding_window``. Refused, naming the key: Qwen2's and Qwen3's
+    ``use_sliding_window: true`` (a window on the layers from ``max_window_layers`` on, which vLLM does not
+    serve; no released Qwen2 or Qwen3 checkpoint turns it on), ``layer_types`` that mix sliding and full
+    layers, and a window that is not a positive number of tokens."""
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(
+            "use_sliding_window: true is not supported: its window covers only the layers from "
+            "max_window_layers on, which vLLM does not serve"
+        )
     size = getattr(hf_config, "sliding_window", None)
-    if size is None or not getattr(hf_config, "use_sliding_window", True):
+    if size is None or hasattr(hf_config, "use_sliding_window"):  # Qwen2 / Qwen3 keep the key unused
         return None
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"sliding_window {size!r} must be a positive number of tokens or null")
-    layers = tuple(getattr(hf_config, "layer_types", None) or ())
-    if not layers:
-        return SlidingWindow(size, (True,) * hf_config.num_hidden_layers)
-    unknown = sorted(set(layers) - {"sliding_attention", "full_attention"})
-    if unknown or len(layers) != hf_config.num_hidden_layers:
-        raise ValueError(
-            f"layer_types {list(layers)} must give each of the {hf_config.num_hidden_layers} layers "
-            "'sliding_attention' or 'full_attention'"
-        )
-    windowed = tuple(kind == "sliding_attention" for kind in layers)
-    return SlidingWindow(size, windowed) if any(windowed) else None
+    kinds = set(getattr(hf_config, "layer_types", None) or ["sliding_attention"])
+    if kinds != {"sliding_attention"}:
+        raise ValueError(f"layer_types {sorted(kinds)}: a sliding window on some layers only is not supported")
+    return size
 
 
 # ``FAMILIES``, the table's name before 0.1.0 (the add-a-model-family guide named it)

@@ -65,15 +65,12 @@ class MatmulShape:
     experts: int = 0
     """Routed experts (0: dense): each token's router scores all of them."""
     window: int = 0
-    """Sliding attention window in tokens (0: none)."""
-    windowed_layers: int = 0
-    """How many of the layers attend through ``window``."""
+    """Sliding attention window of every layer, in tokens (0: none)."""
 
     @classmethod
     def from_hf_config(cls, config) -> MatmulShape:
         """From a ``transformers`` config (dense or MoE, every layer alike)."""
         heads = config.num_attention_heads
-        window = sliding_window(config)
         experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
         if experts:
             routed = config.num_experts_per_tok * (
@@ -91,8 +88,7 @@ class MatmulShape:
             mlp_width=mlp_width,
             vocab=config.vocab_size,
             experts=experts,
-            window=window.size if window else 0,
-            windowed_layers=window.windowed_layers if window else 0,
+            window=sliding_window(config) or 0,
         )
 
     @property
@@ -109,11 +105,7 @@ def train_flops(shape: MatmulShape, seq_lens: Iterable[int], convention: str = "
         raise ValueError(f"convention {convention!r}: expected one of {', '.join(CONVENTIONS)}")
     lens = [int(n) for n in seq_lens]
     per_score = 6 if convention == "causal" else 12  # x L d S^2 for a sequence of S tokens
-    full = sum(n * n for n in lens)
-    scores = shape.layers * full
-    if convention == "causal" and shape.windowed_layers:
-        w = shape.window
-        windowed = sum(n * n if n <= w else 2 * n * w - w * w for n in lens)  # 2x the visible pairs
-        scores += shape.windowed_layers * (windowed - full)
-    attention = per_score * shape.heads * shape.head_dim * scores
+    w = shape.window if convention == "causal" else 0
+    scores = sum(n * n if not w or n <= w else 2 * n * w - w * w for n in lens)  # 2x the visible pairs
+    attention = per_score * shape.layers * shape.heads * shape.head_dim * scores
     return 6 * shape.matmul_params * sum(lens) + attention

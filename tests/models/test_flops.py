@@ -69,7 +69,7 @@ def test_a_sliding_window_counts_the_scores_its_queries_compute():
     sizes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
     config = MistralConfig(**sizes, num_key_value_heads=2, head_dim=16, vocab_size=100, sliding_window=4)
     shape = MatmulShape.from_hf_config(config)
-    assert (shape.window, shape.windowed_layers) == (4, 2)
+    assert shape.window == 4
     plain = MatmulShape.from_hf_config(MistralConfig(**{**config.to_dict(), "sliding_window": None}))
     dense = 6 * shape.matmul_params
     assert train_flops(shape, [10]) == dense * 10 + 6 * 2 * 64 * (2 * 10 * 4 - 4 * 4)

@@ -125,7 +125,7 @@ def test_a_plain_batch_is_causal_attention_per_row(monkeypatch, path, window):
     [
         (None, None, [None, None, None]),
         ((7, 0), None, [8, 8, 8]),
-        ((7, 0), [0, 1, 1], [None, 8, 8]),  # Qwen2's max_window_layers: only the later layers slide
+        ((7, 0), [0, 1, 1], [None, 8, 8]),  # Megatron's per-layer flags (megarl's builds slide every layer)
     ],
 )
 def test_each_layer_takes_its_window_from_megatrons_settings(window_size, skip, windows):
