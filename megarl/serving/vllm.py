@@ -17,6 +17,9 @@ Verified against vLLM 0.32 (``vllm/entrypoints/openai/completion/protocol.py`` a
   with ``finish_reason: "abort"`` and the tokens so far, and queues new ones;
   ``POST /resume`` lets them run. ``clear_cache`` (default true) drops the prefix cache,
   which new weights make stale.
+* Every sampling field a generation request leaves out comes from the model's
+  ``generation_config.json`` (``--generation-config auto``, the default): megarl's requests name them
+  all (:data:`~megarl.serving.backend.NO_PENALTIES`).
 * ``--logprobs-mode processed_logprobs`` makes logprobs those of the distribution
   actually sampled from (after temperature / top-p / top-k), which is what the PPO
   ratio needs; vLLM's default is the raw model's.
@@ -53,7 +56,7 @@ import numpy as np
 
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import VLLM_LORA_RANKS, VLLMConfig
-from megarl.serving.backend import GenerationChunk, HttpCall, InferenceBackend, split_routes
+from megarl.serving.backend import NO_PENALTIES, GenerationChunk, HttpCall, InferenceBackend, split_routes
 from megarl.serving.control import ServerControl, ServerControlError
 from megarl.serving.http import SERVER_KEEPALIVE_S, MalformedResponseError, http_json
 from megarl.serving.kept_http import KeptConnections
@@ -101,6 +104,7 @@ class VLLMBackend(InferenceBackend):
             "top_p": 1.0 if gconfig.greedy else gconfig.top_p,
             "top_k": -1 if gconfig.greedy else gconfig.top_k,
             "min_p": 0.0 if gconfig.greedy else gconfig.min_p,
+            **NO_PENALTIES,  # not the model's generation_config.json
             "logprobs": 0,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,

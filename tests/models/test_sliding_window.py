@@ -1,6 +1,6 @@
 """Sliding windows read from HF configs, as Megatron's setting (the attention itself:
 ``test_packed_attention.py``; against HF and vLLM: ``tests/actor/test_parity.py``,
-``tests/serving/test_sliding_window_served.py``)."""
+``tests/serving/test_served_model_config.py``)."""
 
 from __future__ import annotations
 

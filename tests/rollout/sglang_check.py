@@ -16,6 +16,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.sglang_stub import prepare_sglang  # noqa: E402
@@ -37,6 +38,16 @@ def main() -> None:
     from sglang.srt.server_args import ServerArgs
 
     known = {f.name for f in dataclasses.fields(GenerateReqInput)}
+    # what SGLang fills, for a request that leaves it out, from a model's generation_config.json
+    # (--sampling-defaults model, its default): a file that sets every field it can
+    from sglang.srt.configs.model_config import ModelConfig
+    from transformers import GenerationConfig
+
+    every = GenerationConfig(repetition_penalty=1.5, temperature=0.5, top_k=3, top_p=0.5, min_p=0.2)
+    model_defaults = ModelConfig.get_default_sampling_params(
+        SimpleNamespace(sampling_defaults="model", hf_generation_config=every)
+    )
+    assert model_defaults, "SGLang's model defaults are read another way now: update this check"
     for payload in request["generate"]:
         unknown = set(payload) - known
         assert not unknown, f"fields GenerateReqInput does not have: {sorted(unknown)}"
@@ -51,6 +62,8 @@ def main() -> None:
             assert obj.return_routed_experts is True, obj
             assert obj.routed_experts_start_len == payload["routed_experts_start_len"], obj
         SamplingParams(**payload["sampling_params"]).verify(vocab_size=request["vocab_size"])
+        missing = set(model_defaults) - set(payload["sampling_params"])
+        assert not missing, f"sampling fields SGLang would take from generation_config.json: {sorted(missing)}"
     pause = TypeAdapter(PauseGenerationReqInput).validate_python(request["pause"])
     assert pause.mode == "abort", pause
     TypeAdapter(ContinueGenerationReqInput).validate_python(request["resume"])
