@@ -114,8 +114,9 @@ class SDPACoreAttention(MegatronModule):
         return torch.cat(outs, dim=0).index_select(0, plan.token_rows)  # back to the packed order
 
     def _sdpa(self, q, k, v, dropout, mask: torch.Tensor | None, biases: dict | None = None):
-        """[b, n, s, hn] tensors; k/v may hold fewer (grouped) heads. ``mask`` [b or 1, 1, s_q, s_k]:
-        which keys each query sees (a row with a prefix, or a sliding window), None: causal.
+        """[b, n, s, hn] tensors; k/v may hold fewer (grouped) heads. ``mask``: which keys each query sees
+        (a row with a prefix, or longer than the sliding window), ``[b, 1, s_q, s_k]`` per packed row or
+        ``[s_q, s_k]`` for every row alike; None: causal.
         ``biases``: where the math path's additive masks are kept from one layer to the next.
 
         On CPU a bf16 / fp16 attention runs in fp32 (:data:`CPU_ATTENTION_IN_FP32`) and its output is
