@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
-from megarl.models.families import Family, family_of, sliding_window
+from megarl.models.families import Family, check_layers_hold, family_of, sliding_window
 from megarl.models.mapping import FamilyMapping, ModelDims
 from megarl.models.spec import block_spec
 
@@ -90,12 +90,7 @@ def _check_supported(hf_config, family: Family, tp: int) -> None:
         raise ValueError(
             "MoE models whose layers are not all sparse (mlp_only_layers / decoder_sparse_step) are not supported"
         )
-    sliding_window(hf_config)  # a malformed window or layer_types fails here, naming itself
-    for key, what in (("attention_bias", "q/k/v/o projection biases"), ("mlp_bias", "MLP projection biases")):
-        if getattr(hf_config, key, False):  # the mappings would leave these tensors in the checkpoint
-            raise ValueError(
-                f"{key}: true ({what}) is not supported: megarl's {family.name} layers have no such biases"
-            )
+    check_layers_hold(hf_config)
 
 
 def rope_parameters(hf_config) -> dict:

@@ -136,5 +136,15 @@ def sliding_window(hf_config) -> int | None:
     return size
 
 
+def check_layers_hold(hf_config) -> None:
+    """ValueError naming the key when an HF config (or its ``config.json`` as attributes) asks for what
+    megarl's layers do not hold: projection biases (``attention_bias``, ``mlp_bias``) or a sliding window
+    other than every layer's (:func:`sliding_window`). Run before launch and again at model build."""
+    for key, what in (("attention_bias", "q/k/v/o projection biases"), ("mlp_bias", "MLP projection biases")):
+        if getattr(hf_config, key, False):  # the mappings would leave these tensors in the checkpoint
+            raise ValueError(f"{key}: true ({what}) is not supported: megarl's layers have no such biases")
+    sliding_window(hf_config)
+
+
 # ``FAMILIES``, the table's name before 0.1.0 (the add-a-model-family guide named it)
 __getattr__ = renamed_in(__name__, {"FAMILIES": "MODEL_FAMILIES"}, globals())

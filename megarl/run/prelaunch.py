@@ -27,6 +27,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from megarl.api.workflow_api import is_agent, is_rollout_workflow
@@ -39,6 +40,7 @@ from megarl.config.rollout import RUN_ARGUMENTS, WorkflowConfig
 from megarl.config.run import DatasetConfig
 from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
 from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row_mapper
+from megarl.models.families import check_layers_hold
 from megarl.models.names import MODEL_SHAPES, known_name, short_names
 from megarl.models.peft_files import PEFT_CONFIG
 from megarl.reward.call import TrainerState
@@ -387,6 +389,11 @@ def read_model_config(path: str, key: str) -> dict | None:
         value = config.get(name)
         if (value is not None or name != "num_key_value_heads") and not (type(value) is int and value >= 1):
             problems.append(f"{name}={value!r} (expected an integer >= 1)")
+    if not problems:
+        try:
+            check_layers_hold(SimpleNamespace(**config))
+        except ValueError as err:
+            problems.append(str(err))
     if problems:
         raise ConfigError(key, f"{path!r}: {file} cannot build a model: {'; '.join(problems)}")
     return config

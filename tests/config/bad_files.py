@@ -21,6 +21,8 @@ def write_bad_files(root: Path) -> str:
         "list": [1, 2],
         "gpt2": {**MODEL_FIELDS, "model_type": "gpt2"},
         "heads_str": {**MODEL_FIELDS, "num_attention_heads": "8"},
+        "attention_bias": {**MODEL_FIELDS, "attention_bias": True},
+        "qwen2_window": {**MODEL_FIELDS, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8},
     }
     for name, config in models.items():
         (root / name).mkdir()

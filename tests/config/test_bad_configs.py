@@ -344,6 +344,8 @@ BAD += [
     case("model-config-json", ["actor.path=@files/bad_json"], "actor.path", "bad_json/config.json"),
     case("model-type", ["actor.path=@files/gpt2"], "actor.path", "model_type 'gpt2'"),
     case("model-heads-string", ["actor.path=@files/heads_str"], "actor.path", "num_attention_heads='8'"),
+    case("model-attention-bias", ["actor.path=@files/attention_bias"], "actor.path", "attention_bias: true"),
+    case("model-qwen2-window", ["actor.path=@files/qwen2_window"], "actor.path", "use_sliding_window: true"),
     case("ref-config-fields", ["ref.path=@files/no_heads", "actor.kl_ctl=0.1"], "ref.path", "cannot build a model"),
     case(
         "critic-config-fields",
