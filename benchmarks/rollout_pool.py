@@ -13,8 +13,9 @@ minus the mean time spent in ``agenerate`` (chat template, reward in a worker pr
 trajectory tensors, scheduling). ``client_cpu_ms_per_request``: the CPU time the client side used
 per request (user + system, this process's threads and its child processes but the server's: the
 pool's reward worker), the CPU a 2-core machine takes from its server; unlike the ratio it
-hardly depends on how fast the server is, so it carries from one CPU kind to another. On a shared 2-core machine the throughput ratio moves
-by several percent from run to run with the load of other processes. One table per CPU kind
+hardly depends on how fast the server is, so it carries from one CPU kind to another. On a shared
+2-core machine the throughput ratio moves by several percent from run to run with the load of
+other processes. One table per CPU kind
 (:func:`results_name`).
 """
 

@@ -79,7 +79,7 @@ class HandOff:
                         return []
                     if not warned and can_arrive < min_count and time.monotonic() - start >= STUCK_WAIT_WARN_S:
                         warned = True
-                        logger.warning(self._short_message(min_count, can_arrive, time.monotonic() - start))
+                        logger.warning(self._too_few_message(min_count, can_arrive, time.monotonic() - start))
                     self._raise_demand(min_count)
                     self._q.cond.wait(STUCK_WAIT_WARN_S if remaining is None else min(remaining, STUCK_WAIT_WARN_S))
             finally:
@@ -136,7 +136,7 @@ class HandOff:
             "rollout.max_staleness."
         )
 
-    def _short_message(self, wanted: int, can_arrive: int, waited: float) -> str:
+    def _too_few_message(self, wanted: int, can_arrive: int, waited: float) -> str:
         return (
             f"wait has waited {waited:.0f} s for {wanted} trajectories; {can_arrive} are ready, running or queued, "
             "so it ends only when more items are submitted (from another thread). Episodes whose trajectory "

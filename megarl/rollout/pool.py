@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -37,7 +36,7 @@ from megarl.api.engine_api import GenerationEngine
 from megarl.api.trajectory import concat_padded_tensors
 from megarl.api.workflow_api import RolloutWorkflow, WorkflowLike
 from megarl.config.rollout import InferenceEngineConfig
-from megarl.rollout.episodes import EpisodeFailures, EpisodeQueues, Result, RolloutError, Task
+from megarl.rollout.episodes import EpisodeFailures, EpisodeQueues, Result, RolloutError, Task, logger
 from megarl.rollout.handoff import HandOff
 from megarl.rollout.runner import EpisodeRunner
 from megarl.rollout.staleness import StalenessManager
@@ -45,8 +44,6 @@ from megarl.workflow.dump import TrajectoryDumper
 from megarl.workflow.resolve import resolve_should_accept_fn, resolve_workflow
 
 __all__ = ["RolloutError", "RolloutPool"]
-
-logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2  # prepare_batch re-checks whether to feed more data at least this often
 STUCK_SUBMIT_WARN_S = 30.0

@@ -48,14 +48,19 @@ def engine(vllm_server, vllm_model_dir):
     engine.destroy()
 
 
-def rescore(address: str, ids: list[int]) -> list[float]:
-    """The server's logprob of each token of ``ids`` given the ones before (first: None)."""
-    body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
-    # a server launched while this process held a run key (another test's) is guarded by it
+def complete(address: str, body: dict) -> dict:
+    """The server's first choice for a ``/v1/completions`` ``body``; with this process's run key, since a
+    server launched while the process held one (another test's) is guarded by it."""
     headers = {"Content-Type": "application/json", **auth_headers()}
     req = urllib.request.Request(f"http://{address}/v1/completions", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=60) as resp:
-        entries = json.loads(resp.read())["choices"][0]["prompt_logprobs"]
+        return json.loads(resp.read())["choices"][0]
+
+
+def rescore(address: str, ids: list[int]) -> list[float]:
+    """The server's logprob of each token of ``ids`` given the ones before (first: None)."""
+    body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+    entries = complete(address, body)["prompt_logprobs"]
     return [None if e is None else e[str(t)]["logprob"] for e, t in zip(entries, ids)]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import urllib.request
 
 import pytest
 import torch
@@ -22,9 +21,8 @@ import torch
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.serving import VLLMBackend
 from megarl.serving.backend import NO_PENALTIES
-from megarl.utils.auth import auth_headers
 from tests.conftest import serve_vllm
-from tests.rollout.test_vllm_integration import rescore
+from tests.rollout.test_vllm_integration import complete, rescore
 
 pytestmark = pytest.mark.vllm
 
@@ -66,10 +64,7 @@ def test_the_server_attends_through_the_models_window(mistral_dir, server):
 
 
 def _greedy_tokens(address: str, payload: dict) -> list[int]:
-    headers = {"Content-Type": "application/json", **auth_headers()}
-    req = urllib.request.Request(f"http://{address}/v1/completions", data=json.dumps(payload).encode(), headers=headers)
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())["choices"][0]["token_ids"]
+    return complete(address, payload)["token_ids"]
 
 
 def test_requests_sample_without_the_models_generation_config_defaults(server):
