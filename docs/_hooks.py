@@ -90,6 +90,12 @@ TESTED: list[tuple[str, str, str]] = [
     ),
     ("MPI rank discovery", "tests/launcher/test_mpi.py", "MPICH's `mpiexec` on one machine"),
     (
+        "Context parallel",
+        "tests/actor/test_parity.py",
+        "gloo trainer ranks on one machine, megarl's attention (keys and values all-gathered); "
+        "TransformerEngine's context-parallel attention not run",
+    ),
+    (
         "SGLang",
         "tests/rollout/test_sglang_contract.py",
         "no SGLang server (it serves on CUDA only): megarl's requests and launch command checked "

@@ -163,6 +163,11 @@ def train_seconds(rates: Rates, work: Workload, alloc: AllocationMode) -> float:
     train = alloc.train
     if train is None:
         raise AllocationError(f"allocation_mode '{alloc}' has no training part to plan")
+    if train.cp > 1:
+        raise AllocationError(
+            f"no trainer rate for context parallel c{train.cp} (allocation_mode '{alloc}'): the rates are "
+            "measured per PP x TP without it; plan the layout with those devices in d, t or p"
+        )
     rate = rates.trainer.get((train.pp, train.tp))
     if rate is None:
         shapes = ", ".join(f"p{p}t{t}" for p, t in sorted(rates.trainer))

@@ -100,6 +100,8 @@ def test_missing_rates_name_the_layout_and_what_there_is():
         predict(rates(), WORK, alloc("vllm:d1t4+megatron:d1p1t1"), 0)
     with pytest.raises(AllocationError, match=r"no trainer rate for PP 2 x TP 1 .*p1t1, p1t2"):
         predict(rates(), WORK, alloc("vllm:d1t1+megatron:d1p2t1"), 0)
+    with pytest.raises(AllocationError, match=r"no trainer rate for context parallel c2 .*d1p1t1c2"):
+        predict(rates(), WORK, alloc("vllm:d1t1+megatron:d1p1t1c2"), 0)  # p1t1 has a rate: c2 does not
     with pytest.raises(ValueError, match="max_staleness must be >= 0, got -1"):
         predict(rates(), WORK, alloc("vllm:d1t1+megatron:d1p1t1"), -1)
 

@@ -46,7 +46,7 @@ def export_hf(engine, path: str | os.PathLike, dtype: torch.dtype | None = None)
         "value": lambda q: merged[names[id(q)]]() if names.get(id(q)) in merged else q.detach(),
     }
     # One replica of each tensor is gathered over TP / ETP; one TP / ETP peer sends it.
-    dense = gather_hf_tensors(engine.model, include=lambda r: not r.is_expert and p.dp_rank == 0, **common)
+    dense = gather_hf_tensors(engine.model, include=lambda r: not r.is_expert and p.replica_rank == 0, **common)
     experts = gather_hf_tensors(engine.model, include=lambda r: r.is_expert and p.edp_rank == 0, **common)
     local = {**(dense if p.tp_rank == 0 else {}), **(experts if p.etp_rank == 0 else {})}
     parts = [None] * p.world_size if p.rank == 0 else None
@@ -64,7 +64,7 @@ def export_peft(engine, path: str | os.PathLike, dtype: torch.dtype | None = Non
 
     p = engine.parallel
     full = lora.gather_full(engine.model, engine.coords)  # over each adapter's TP group
-    local = full if p.tp_rank == 0 and p.dp_rank == 0 else {}
+    local = full if p.tp_rank == 0 and p.replica_rank == 0 else {}
     parts = [None] * p.world_size if p.rank == 0 else None
     dist.gather_object(local, parts, dst=0)  # one copy per pipeline stage
     try:
@@ -235,7 +235,7 @@ def _sharded_state(engine, with_optim: bool, is_loading: bool) -> dict:
         p, alloc = engine.parallel, engine.parallel.alloc
         # one RNG state per model-parallel coordinate; data-parallel replicas share it on resume
         state["rng_state"] = ShardedObject(
-            "rng_state", rng_state(), (alloc.pp, alloc.tp), (p.pp_rank, p.tp_rank), replica_id=p.dp_rank
+            "rng_state", rng_state(), (alloc.pp, alloc.tp), (p.pp_rank, p.tp_rank), replica_id=p.replica_rank
         )
     state["engine"] = {
         "version": engine.get_version(),

@@ -29,8 +29,9 @@ from functools import partial
 import torch
 
 from megarl.actor import cpu_shim
-from megarl.actor.engine import MegatronEngine
+from megarl.actor.engine import MegatronEngine, export_stats
 from megarl.actor.losses import aggregate
+from megarl.actor.packing import MicroBatch
 from megarl.actor.ppo import ppo_loss_weight, split_minibatches
 from megarl.config.ppo import PPOCriticConfig
 from megarl.models.hf_io import unwrap
@@ -99,8 +100,9 @@ class MegatronCritic(MegatronEngine):
                 chunk.output_layer.weight.requires_grad_(False)  # a critic has no use for the LM head
         self.desc = dataclasses.replace(self.desc, mapping=FamilyMapping(self.desc.mapping.rules + VALUE_HEAD_RULES))
 
-    def _head(self, model, output: torch.Tensor) -> torch.Tensor:
-        """fp32 values ``[T]`` of the micro-batch's tokens from the last stage's hidden states ``[s, 1, H]``."""
+    def _head(self, model, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """fp32 values ``[T]`` of the micro-batch's tokens from the last stage's hidden states ``[s, 1, H]``
+        (with context parallelism, of this rank's tokens, gathered into the whole stream)."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         chunk = unwrap(model)
@@ -110,7 +112,8 @@ class MegatronCritic(MegatronEngine):
                 output, tensor_parallel_output_grad=False, group=self.parallel.tp_group
             )
         head = chunk.value_head
-        return head(output.to(head.weight.dtype)).reshape(-1).float()
+        values = head(output.to(head.weight.dtype)).reshape(-1).float()
+        return values if mb.context is None else mb.context.gather(values)
 
     @torch.no_grad()
     def compute_values(self, data: dict) -> torch.Tensor:
@@ -135,5 +138,5 @@ class MegatronCritic(MegatronEngine):
                 with stats_tracker.scope("ppo_critic"):
                     step = self.train_batch(minibatch, loss_fn, weight_fn)
                     stats_tracker.scalar(**{k: step[k] for k in ("loss", "grad_norm", "lr", "update_successful")})
-                all_stats.append(stats_tracker.export())
+                all_stats.append(export_stats(self.parallel))
         return all_stats

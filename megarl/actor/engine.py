@@ -51,6 +51,7 @@ from megarl.models.build import (
     transformer_config,
 )
 from megarl.models.hf_io import ShardCoords, load_hf_weights, unwrap
+from megarl.utils import stats_tracker
 from megarl.utils.part_clock import PartClock
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class MegatronEngine:
             self.config.use_fused_kernels, self.tconfig.params_dtype, self.tconfig.hidden_size
         )
         logger.info("fused kernels: %s", kernel_summary(self.kernel_backend))  # runs their self-check on a GPU
-        self.share_prefix = settings.share_prefix(self.config)
+        self.share_prefix = settings.share_prefix(self.config, alloc.cp)
         with cpu_shim.device_mode():
             chunks = build_chunks(self.desc, self.tconfig, use_te=settings.use_transformer_engine(self.config))
             chunks = [chunk.to(cpu_shim.device()) for chunk in chunks]
@@ -222,9 +223,9 @@ class MegatronEngine:
         """Pack ``batch`` by the token budget; count and length agree across DP ranks (and fit VPP)."""
         return plan_microbatches(batch, self.config.mb_spec, self.parallel, self.share_prefix)
 
-    def _head(self, model, output: torch.Tensor) -> LMHeadOutput:
+    def _head(self, model, output: torch.Tensor, mb: MicroBatch) -> LMHeadOutput:
         return make_lm_head_output(
-            unwrap(model), output, self.desc.dims.vocab_size, self.parallel.tp_group, self.kernel_backend
+            unwrap(model), output, self.desc.dims.vocab_size, self.parallel.tp_group, self.kernel_backend, mb.context
         )
 
     def _run_schedule(self, mbs: list[MicroBatch], extras: list, head_fn, forward_only: bool) -> list:
@@ -274,18 +275,19 @@ class MegatronEngine:
     def _loss_scales(
         self, mbs: list[MicroBatch], loss_weight_fn: LossWeightFn, extra_weight: float = 0.0
     ) -> tuple[list[float], float]:
-        """Per-micro-batch factors turning Megatron's mean over micro-batches and DP into a global weighted mean."""
+        """Per-micro-batch factors turning Megatron's mean over micro-batches and DP into a global weighted
+        mean. Context-parallel peers hold the same micro-batches (their weights count once) and compute the
+        same loss, which Megatron's schedule multiplies by the CP size against the DP x CP gradient mean."""
         weights = [float(loss_weight_fn(mb.data)) if mb.seq_indices else 0.0 for mb in mbs]
         total = torch.tensor([sum(weights) + extra_weight], dtype=torch.float64, device=cpu_shim.device())
-        if self.parallel.alloc.dp * self.parallel.alloc.cp > 1:
-            dist.all_reduce(total, group=self.parallel.dp_group)
+        if self.parallel.alloc.dp > 1:
+            dist.all_reduce(total, group=self.parallel.data_group)
         total = float(total.item())
-        dp = self.parallel.alloc.dp * self.parallel.alloc.cp
-        scale = dp * len(mbs) / total if total > 0 else 0.0
+        scale = self.parallel.alloc.dp * len(mbs) / total if total > 0 else 0.0
         return [w * scale for w in weights], total
 
     def _train_head(self, loss_fn: LossFn, model, mb: MicroBatch, scale: float, output: torch.Tensor):
-        head = self._head(model, output)
+        head = self._head(model, output, mb)
         if not mb.seq_indices:  # padding-only micro-batch: keep the graph, contribute nothing
             loss = output.sum() * 0.0
         else:
@@ -293,14 +295,14 @@ class MegatronEngine:
         return loss * scale, {"weighted_loss": loss.detach() * scale}
 
     def _weighted_loss(self, outputs: list, n_mbs: int) -> float:
-        """Global weighted-mean loss, the same on every rank (summed over DP, taken from the last stage)."""
-        dp = self.parallel.alloc.dp * self.parallel.alloc.cp
+        """Global weighted-mean loss, the same on every rank (summed over DP, taken from the last stage;
+        context-parallel peers compute the same loss)."""
         buf = torch.zeros(1, dtype=torch.float64, device=cpu_shim.device())
         for out in outputs:  # only the last pipeline stage has outputs
             buf += out["weighted_loss"].double()
-        buf /= n_mbs * dp  # undo the dp * n_mbs folded into the scales
-        if dp > 1:
-            dist.all_reduce(buf, group=self.parallel.dp_group)
+        buf /= n_mbs * self.parallel.alloc.dp  # undo the dp * n_mbs folded into the scales
+        if self.parallel.alloc.dp > 1:
+            dist.all_reduce(buf, group=self.parallel.data_group)
         if self.parallel.alloc.pp > 1:
             dist.all_reduce(buf, group=self.parallel.pp_group)
         return float(buf.item())
@@ -334,7 +336,7 @@ class MegatronEngine:
         return self.forward(data, hook)
 
     def _forward_head(self, hook: PostHook, model, mb: MicroBatch, _extra, output: torch.Tensor):
-        out = hook(self._head(model, output), mb.data)
+        out = hook(self._head(model, output, mb), mb.data)
         return torch.zeros((), device=output.device), {"out": out.detach()}
 
     def _from_last_stage(self, result: torch.Tensor | None) -> torch.Tensor:
@@ -376,3 +378,12 @@ class MegatronEngine:
 
         with cpu_shim.device_mode():
             checkpoint.load(self, meta)
+
+
+def export_stats(parallel: ParallelState) -> dict[str, float]:
+    """What ``stats_tracker`` recorded since the last export, reduced over every trainer rank (a
+    collective). Tensor- and context-parallel peers record the same statistics of the same tokens:
+    only the first of them contributes, so a count such as ``n_tokens`` counts each token once."""
+    if parallel.tp_rank != 0 or parallel.cp_rank != 0:
+        stats_tracker.export(local=True)  # this rank's copies of its first peer's statistics
+    return stats_tracker.export()

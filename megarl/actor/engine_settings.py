@@ -27,8 +27,9 @@ def use_transformer_engine(config: TrainEngineConfig) -> bool:
     return resolve_use_te(requested, cpu_shim.cuda_available())
 
 
-def share_prefix(config: TrainEngineConfig) -> bool:
-    """``mb_spec.share_prefix`` resolved: only megarl's SDPA attention reads a shared-prefix layout."""
+def share_prefix(config: TrainEngineConfig, context_parallel: int = 1) -> bool:
+    """``mb_spec.share_prefix`` resolved: only megarl's SDPA attention reads a shared-prefix layout, and
+    only without context parallelism (``context_parallel`` ranks split each sequence)."""
     requested = config.mb_spec.share_prefix
     te = use_transformer_engine(config)
     if requested and te:
@@ -36,7 +37,12 @@ def share_prefix(config: TrainEngineConfig) -> bool:
             "actor.mb_spec.share_prefix=true needs megarl's SDPA attention, but this engine uses "
             "TransformerEngine's: set megatron.use_transformer_engine=false, or share_prefix=null/false"
         )
-    return not te if requested is None else requested
+    if requested and context_parallel > 1:
+        raise ValueError(
+            f"actor.mb_spec.share_prefix=true packs a group's prompt once, which context parallel "
+            f"c{context_parallel} cannot split: set share_prefix=null/false, or drop 'c' from allocation_mode"
+        )
+    return not te and context_parallel == 1 if requested is None else requested
 
 
 def recompute_granularity(config: TrainEngineConfig) -> str:

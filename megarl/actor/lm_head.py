@@ -10,11 +10,13 @@ head's ``backend`` (from the engine's ``use_fused_kernels``) picks its CUDA or t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megarl.actor.context_parallel import ContextSplit
 from megarl.kernels import Backend, Truncation, fused_logprobs_entropy
 from megarl.kernels.linear_loss import TokenLossFn, fused_linear_token_loss
 
@@ -37,6 +39,10 @@ class LMHeadOutput:
     """All-reduce the hidden-state gradient over TP (False when a sequence-parallel gather does it)."""
     backend: Backend = "auto"
     """Kernel backend of the logprob / entropy (and the actor's PPO loss): see ``megarl.kernels.backend``."""
+    context: ContextSplit | None = None
+    """With context parallelism, ``hidden`` holds this rank's tokens only (``megarl.actor.context_parallel``):
+    the methods take and return per-token tensors of the whole packed stream all the same, and run the
+    head on this rank's tokens."""
 
     def logprobs_entropy(
         self,
@@ -54,6 +60,12 @@ class LMHeadOutput:
         truncated distribution (``megarl.kernels.truncation``); ``return_outside`` adds the bool
         ``[T]`` of labels that fell below their truncation threshold.
         """
+        if self.context is not None:
+            ctx = self.context
+            mine = ctx.real.to(self.hidden.device) if where is None else ctx.local(where)
+            out = self._local().logprobs_entropy(ctx.local(labels), temperature, mine, truncation, True)
+            out = tuple(ctx.gather(x) for x in out)
+            return out if return_outside else out[:2]
         if where is None:
             out = self._logprobs_entropy(self.hidden, labels, temperature, truncation)
             return out if return_outside else out[:2]
@@ -100,6 +112,8 @@ class LMHeadOutput:
         entropy [T]); the last two detached, 0 outside ``where``. ``truncation`` and
         ``return_outside`` as :meth:`logprobs_entropy`'s.
         """
+        if self.context is not None:
+            return self._token_loss_over_context(labels, token_loss_fn, temperature, where, truncation, return_outside)
         rows = where.nonzero().squeeze(-1)  # [N]
         zeros = torch.zeros(labels.shape, dtype=torch.float32, device=self.hidden.device)
         no = torch.zeros(labels.shape, dtype=torch.bool, device=self.hidden.device)
@@ -123,6 +137,30 @@ class LMHeadOutput:
         out = (loss, zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy))
         return (*out, no.index_copy(0, rows, outside)) if return_outside else out
 
+    def _token_loss_over_context(self, labels, token_loss_fn, temperature, where, truncation, return_outside):
+        """:meth:`token_loss` on this rank's tokens: ``token_loss_fn`` still sees positions among the
+        whole stream's rows ``where`` (this rank's are scattered into them); the loss is summed over the
+        context-parallel group, the per-token results gathered."""
+        ctx = self.context
+        rows = where.nonzero().squeeze(-1)
+        position = torch.full(where.shape, -1, dtype=torch.long, device=where.device)
+        position[rows] = torch.arange(rows.numel(), device=where.device)  # among the stream's rows
+        mine = ctx.local(where)
+        mine_position = ctx.local(position)[mine]  # this rank's rows, in order (the head's order)
+
+        def local_fn(t0, t1, logp, entropy):
+            at = mine_position[t0:t1]
+            whole = (logp.new_zeros(rows.numel()).index_copy(0, at, x) for x in (logp, entropy))
+            return token_loss_fn(0, rows.numel(), *whole).index_select(0, at)
+
+        local = self._local().token_loss(ctx.local(labels), local_fn, temperature, mine, truncation, True)
+        out = (ctx.sum(local[0]), *(ctx.gather(x) for x in local[1:]))
+        return out if return_outside else out[:3]
+
+    def _local(self) -> LMHeadOutput:
+        """This head on this rank's tokens alone (per-token tensors of ``hidden``'s rows)."""
+        return dataclasses.replace(self, context=None)
+
     def logprobs(
         self, labels: torch.Tensor, temperature: float = 1.0, truncation: Truncation | None = None
     ) -> torch.Tensor:
@@ -137,6 +175,9 @@ class LMHeadOutput:
         K logprob passes would cost K times the head's GEMM. Each distinct row is multiplied once, so
         memory grows with the distinct candidates (at most this rank's vocabulary), not with K (the
         probe's K is k per server)."""
+        if self.context is not None:
+            local = self._local().candidate_logprobs(self.context.local(candidates), temperature)
+            return self.context.gather(local)
         with torch.no_grad():
             valid = (candidates >= 0) & (candidates < self.vocab_size)
             anchor = torch.where(valid, candidates, self.vocab_size).min(dim=1, keepdim=True).values
@@ -153,14 +194,21 @@ class LMHeadOutput:
             return (z[:, 1:] - lse[:, None]) * valid
 
     def local_logits(self) -> torch.Tensor:
-        """``[T, V_local]`` logits of this rank's shard (debugging and tests; not for losses)."""
+        """``[T, V_local]`` logits of this rank's shard (debugging and tests; not for losses); with context
+        parallelism, of this rank's tokens only."""
         return self.hidden @ self.weight.t()
 
 
 def make_lm_head_output(
-    model, hidden: torch.Tensor, vocab_size: int, tp_group, backend: Backend = "auto"
+    model,
+    hidden: torch.Tensor,
+    vocab_size: int,
+    tp_group,
+    backend: Backend = "auto",
+    context: ContextSplit | None = None,
 ) -> LMHeadOutput:
-    """Wrap a GPTModel chunk's final hidden states ``[s, 1, H]`` (sequence-parallel shard or whole)."""
+    """Wrap a GPTModel chunk's final hidden states ``[s, 1, H]`` (sequence-parallel shard or whole;
+    ``context``: of this context-parallel rank's tokens)."""
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     sequence_parallel = model.config.sequence_parallel
@@ -183,4 +231,5 @@ def make_lm_head_output(
         tp_group=tp_group,
         reduce_grad_hidden=not sequence_parallel,
         backend=backend,
+        context=context,
     )

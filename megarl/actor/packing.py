@@ -34,6 +34,8 @@ from typing import Protocol
 
 import torch
 
+from megarl.actor.context_parallel import ContextSplit
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -90,6 +92,9 @@ class MicroBatch:
     padded_len: int
     cu_seqlens: torch.Tensor = field(repr=False)
     """int32 segment boundaries in the stream (the trailing padding is one more segment)."""
+    context: ContextSplit | None = field(default=None, repr=False)
+    """With context parallelism, how the model's input is split over the context-parallel ranks
+    (``megarl.actor.context_parallel``); ``data`` stays the whole stream."""
 
     @property
     def num_tokens(self) -> int:

@@ -42,6 +42,11 @@ class ParallelState:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    """Data-parallel rank: which share of each batch this rank trains on (its context-parallel peers get the same)."""
+    cp_rank: int
+    """Rank among the context-parallel peers that split each sequence of the share (0 without CP)."""
+    replica_rank: int
+    """Rank among the copies of this rank's dense weights (data x context parallel; ``dp_rank`` without CP)."""
     ep_rank: int
     etp_rank: int
     edp_rank: int
@@ -59,6 +64,16 @@ class ParallelState:
     def dp_group(self):
         """Data-parallel group including context parallelism (gradients average over it)."""
         return self.groups.dp_cp
+
+    @property
+    def data_group(self):
+        """Data-parallel group without context parallelism: one rank per distinct share of the batch."""
+        return self.groups.dp
+
+    @property
+    def cp_group(self):
+        """Context-parallel group: the ranks that split the same sequences."""
+        return self.groups.cp
 
     @property
     def ep_group(self):
@@ -118,7 +133,7 @@ def init_parallel(alloc: TrainingAllocation, *, seed: int = 1, timeout_minutes: 
     state = _read_state(alloc)
     seed_everything(seed, state)
     logger.info(
-        "rank %d/%d: tp %d/%d pp %d/%d dp %d/%d ep %d/%d etp %d/%d",
+        "rank %d/%d: tp %d/%d pp %d/%d dp %d/%d cp %d/%d ep %d/%d etp %d/%d",
         state.rank,
         state.world_size,
         state.tp_rank,
@@ -127,6 +142,8 @@ def init_parallel(alloc: TrainingAllocation, *, seed: int = 1, timeout_minutes: 
         alloc.pp,
         state.dp_rank,
         alloc.dp,
+        state.cp_rank,
+        alloc.cp,
         state.ep_rank,
         alloc.ep,
         state.etp_rank,
@@ -159,7 +176,9 @@ def _read_state(alloc: TrainingAllocation) -> ParallelState:
         world_size=dist.get_world_size(),
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(with_context_parallel=True),
+        dp_rank=mpu.get_data_parallel_rank(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        replica_rank=mpu.get_data_parallel_rank(with_context_parallel=True),
         ep_rank=mpu.get_expert_model_parallel_rank(),
         etp_rank=mpu.get_expert_tensor_parallel_rank(),
         edp_rank=mpu.get_expert_data_parallel_rank(),

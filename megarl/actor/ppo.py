@@ -27,7 +27,7 @@ import torch
 
 from megarl.actor import advantages as adv_fns
 from megarl.actor import losses
-from megarl.actor.engine import MegatronEngine
+from megarl.actor.engine import MegatronEngine, export_stats
 from megarl.actor.gap import GapMeter, version_lag
 from megarl.actor.moe_routing import RoutingMeter, RoutingReplay, add_server_routing
 from megarl.actor.ppo_loss import (  # the loss of one micro-batch; its public names also load from here
@@ -188,7 +188,7 @@ class MegatronPPOActor(MegatronEngine):
                     # 90 / 80: the sm90 / sm80 CUDA mainloop (verified by its self-check), 0: torch
                     stats_tracker.scalar(fused_kernel_path=PATH_CODES[self.fused_kernel_path()])
                     self.gap.finish(self.parallel.dp_group)
-                all_stats.append(stats_tracker.export())
+                all_stats.append(export_stats(self.parallel))
         return all_stats
 
     def _minibatches(self, data: dict):

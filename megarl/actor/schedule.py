@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.actor import cpu_shim
+from megarl.actor.context_parallel import padded_length, split_for_context
 from megarl.actor.packing import (
     MicroBatch,
     MicroBatchHook,
@@ -48,7 +49,20 @@ def plan_microbatches(
     groups += [[] for _ in range(n_groups - len(groups))]
     longest = max(sum(sizes[i] for i in g) for g in groups)
     (longest,) = all_reduce_max([longest], parallel)
-    return pack(batch, [[units[i] for i in g] for g in groups], round_up(max(longest, 1), alloc.tp))
+    mbs = pack(batch, [[units[i] for i in g] for g in groups], round_up(max(longest, 1), alloc.tp))
+    return split_over_context(mbs, parallel) if alloc.cp > 1 else mbs
+
+
+def split_over_context(mbs: list[MicroBatch], parallel: ParallelState) -> list[MicroBatch]:
+    """``mbs`` with their context-parallel layout (``megarl.actor.context_parallel``): one padded length
+    for every micro-batch and data-parallel rank, whose share of each context-parallel rank splits
+    evenly over the tensor-parallel ranks (sequence parallelism)."""
+    cp = parallel.alloc.cp
+    lengths = [[s.length for s in mb.segments if s.rows] for mb in mbs]  # the trailing padding is not one
+    (longest,) = all_reduce_max([max(padded_length(n, cp) for n in lengths)], parallel)
+    padded_len = round_up(max(longest, 1), 2 * cp * parallel.alloc.tp)
+    split = partial(split_for_context, padded_len=padded_len, size=cp, rank=parallel.cp_rank, group=parallel.cp_group)
+    return [dataclasses.replace(mb, context=split(n, mb.padded_len)) for n, mb in zip(lengths, mbs)]
 
 
 def all_reduce_max(values: list[int], parallel: ParallelState) -> list[int]:
@@ -60,9 +74,21 @@ def all_reduce_max(values: list[int], parallel: ParallelState) -> list[int]:
 
 
 def packed_seq_params(mb: MicroBatch):
-    """Megatron's ``PackedSeqParams`` of ``mb`` (THD layout; with shared prefixes, their parents too)."""
+    """Megatron's ``PackedSeqParams`` of ``mb`` (THD layout; with shared prefixes, their parents too; with
+    context parallelism, of the padded stream, whose padding is each segment's last tokens)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    if mb.context is not None:
+        cu, longest = mb.context.cu_seqlens.to(cpu_shim.device()), mb.context.max_seqlen
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
     cu = mb.cu_seqlens.to(cpu_shim.device())
     thd = dict(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen
@@ -91,7 +117,7 @@ def run_schedule(
         data_iterator=[iter(items) for _ in chunks],
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(mbs),
-        seq_length=mbs[0].padded_len,
+        seq_length=mbs[0].context.padded_len if mbs[0].context is not None else mbs[0].padded_len,
         micro_batch_size=1,
         forward_only=forward_only,
     )
@@ -110,7 +136,8 @@ def _forward_step(head_fn, total: int, forward_only: bool, hooks: list[MicroBatc
         mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
         for hook in hooks:
             hook.before_forward(model, mb.data)
-        ids = mb.data["input_ids"][None]
+        ids = mb.data["input_ids"]
+        ids = (ids if mb.context is None else mb.context.local(ids))[None]
         # RoPE at each token's column in its row: only a shared prefix's branches need it
         positions = mb.data["position_ids"][None] if mb.shares_prefixes else None
         output = clock.timed("forward", model)(  # the model's forward, then the head's (below)

@@ -42,7 +42,7 @@ class TrainerCoords:
     def from_parallel(cls, state) -> TrainerCoords:
         """From the actor's :class:`~megarl.actor.parallel.ParallelState`."""
         return cls(
-            state.rank, state.pp_rank, state.tp_rank, state.dp_rank, state.ep_rank, state.etp_rank, state.edp_rank
+            state.rank, state.pp_rank, state.tp_rank, state.replica_rank, state.ep_rank, state.etp_rank, state.edp_rank
         )
 
     def holds(self, owner: Owner) -> bool:

@@ -255,24 +255,13 @@ def _training(sizes: dict[str, int], part: str, spec: str) -> TrainingAllocation
 
 def check_supported(alloc: AllocationMode) -> None:
     """Refuse what the grammar reads but megarl cannot run yet: pipeline parallelism inside an inference
-    server (``p`` > 1 on the inference side) and context parallelism (``c`` > 1).
-
-    The launchers start tensor-parallel servers only. For context parallelism Megatron-Core would take the size, but nothing splits a sequence over context-parallel
-    ranks here (the packed batches, logprobs and loss are whole sequences per rank), so a
-    run would train wrong or fail deep in the model: it is refused when the config is checked.
+    server (``p`` > 1 on the inference side). The launchers start tensor-parallel servers only.
     """
     inference = alloc.inference
     if inference is not None and inference.pp > 1:
         raise AllocationError(
             f"allocation_mode '{alloc}': {inference.backend} servers here are tensor-parallel only: pipeline "
             f"parallel p{inference.pp} is not started; use t{inference.tp * inference.pp} or more replicas (d)"
-        )
-    train = alloc.train
-    if train is not None and train.cp > 1:
-        raise AllocationError(
-            f"allocation_mode '{alloc}': context parallel c{train.cp} is not supported yet (megarl does not "
-            f"split sequences over context-parallel ranks); drop 'c{train.cp}' and give its devices to "
-            f"d, t or p, e.g. '{replace(train, cp=1, dp=train.dp * train.cp)}'"
         )
 
 
@@ -287,8 +276,8 @@ def validate_allocation(
 
     The cluster must hold exactly the devices the allocation uses. On several nodes
     the launcher gives inference and training whole nodes of their own, so each part
-    must fill whole nodes, and no inference server may span nodes. Context parallel (``c`` > 1)
-    is refused (:func:`check_supported`).
+    must fill whole nodes, and no inference server may span nodes. Pipeline-parallel servers are
+    refused (:func:`check_supported`).
     """
     check_supported(alloc)
     if n_nodes is not None and n_gpus_per_node is not None:

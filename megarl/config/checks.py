@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 def check_experiment(config: GRPOConfig, alloc: AllocationMode) -> None:
     """Every cross-section check of ``config``, whose allocation is ``alloc``."""
     check_batching(config, alloc)
+    check_context_parallel(config, alloc)
     check_sampling(config)
     check_servers(config, alloc)
     check_rollout(config, alloc)
@@ -292,3 +293,37 @@ MANAGED_SERVER_FLAGS = {
     },
 }
 """Server flags megarl sets from a config key (flag -> key): ``extra_args`` may not repeat them."""
+
+
+def check_context_parallel(config: GRPOConfig, alloc: AllocationMode) -> None:
+    """What context parallelism (``c`` > 1: each sequence split over ranks) cannot take yet: a prompt
+    packed once for its group, and the MoE routes of each packed token (replay, or the servers' for
+    the routing meter), which are not split with the tokens."""
+    cp = alloc.train.cp
+    if cp == 1:
+        return
+    for key, engine in (("actor", config.actor), ("ref", config.ref), ("critic", config.critic)):
+        if engine is not None:
+            require(
+                not engine.mb_spec.share_prefix,
+                f"{key}.mb_spec.share_prefix",
+                True,
+                f"packs a group's prompt once, which context parallel c{cp} cannot split: set it to null or false",
+                related=("allocation_mode",),
+            )
+    require(
+        config.actor.routing_replay == "none",
+        "actor.routing_replay",
+        config.actor.routing_replay,
+        f"replays each packed token's MoE routes, which context parallel c{cp} does not split over its "
+        "ranks yet: set actor.routing_replay=none, or drop 'c' from allocation_mode",
+        related=("allocation_mode",),
+    )
+    require(
+        not config.rollout.return_routed_experts,
+        "rollout.return_routed_experts",
+        True,
+        f"the servers' routes are compared per packed token, which context parallel c{cp} does not split "
+        "over its ranks yet: set it to false, or drop 'c' from allocation_mode",
+        related=("allocation_mode",),
+    )

@@ -21,6 +21,9 @@ TransformerEngine is absent (always on CPU):
   prompt it shares with its group, ``megarl.actor.packing``): its queries also see every
   key of that prefix. A layer with a sliding window (Mistral's ``sliding_window``: Megatron's
   ``window_size``) masks, in the rows longer than the window, the keys a query no longer sees.
+  Under context parallelism a rank holds two chunks of each segment (:func:`context_chunks`):
+  it all-gathers the keys and values of the group and attends its own queries to them, each
+  masked by its position (``megarl.actor.context_parallel``).
 * :class:`RMSNorm` computes as HF's ``LlamaRMSNorm`` (fp32 statistics) and tags its
   weight for the sequence-parallel gradient all-reduce.
 """
@@ -81,11 +84,11 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"SDPACoreAttention does not support context parallelism "
-                f"(context_parallel_size={config.context_parallel_size}); use TransformerEngine"
-            )
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.window = layer_window(config, layer_number)
@@ -104,7 +107,11 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def _packed(self, query, key, value, params, dropout):
-        plan = PaddedAttentionPlan.of(params, query.device, self.window)
+        context = None
+        if self.cp_group is not None:  # this rank's chunks of every sequence: all keys and values from all
+            context = (self.cp_group.size(), self.cp_group.rank())
+            key, value = (_gather_context(x, params, self.cp_group) for x in (key, value))
+        plan = PaddedAttentionPlan.of(params, query.device, self.window, context)
         outs = []
         for bucket in plan.buckets:
             q = _gather(query, bucket.query_rows)  # [b, np, s, hn]
@@ -183,6 +190,44 @@ def _additive(visible: torch.Tensor) -> torch.Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
+def context_chunks(length: int, cp: int, rank: int) -> tuple[range, range]:
+    """The positions of a sequence of ``length`` tokens (a multiple of ``2 * cp``) that context-parallel
+    rank ``rank`` holds: chunks ``rank`` and ``2 * cp - 1 - rank`` of its ``2 * cp`` equal chunks, the
+    load-balanced split of Megatron-Core and TransformerEngine (every rank gets as many early queries,
+    which see few keys, as late ones)."""
+    if length % (2 * cp):
+        raise ValueError(f"a sequence of {length} tokens does not split into 2 x {cp} context-parallel chunks")
+    c = length // (2 * cp)
+    return range(rank * c, (rank + 1) * c), range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+
+
+def context_positions(cu_seqlens: list[int], cp: int, rank: int) -> list[int]:
+    """Where in the packed stream (``cu_seqlens``: every segment a multiple of ``2 * cp``) each token
+    that context-parallel rank ``rank`` holds sits, in the rank's order: segment by segment, its two
+    chunks (:func:`context_chunks`)."""
+    out = []
+    for start, end in itertools.pairwise(cu_seqlens):
+        for chunk in context_chunks(end - start, cp, rank):
+            out += [start + i for i in chunk]
+    return out
+
+
+def _gather_context(x: torch.Tensor, params: PackedSeqParams, group) -> torch.Tensor:
+    """Every context-parallel rank's tokens of ``x`` [t, n, hn], in the packed stream's order; the backward
+    sums each token's gradient over the ranks whose queries saw it and hands it to the rank that holds it."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    order = params.__dict__.get("_megarl_context_order")
+    if order is None:
+        cu, cp = params.cu_seqlens_q.tolist(), group.size()
+        ranks = [p for r in range(cp) for p in context_positions(cu, cp, r)]  # gathered row -> stream position
+        order = torch.empty(len(ranks), dtype=torch.long)
+        order[torch.tensor(ranks)] = torch.arange(len(ranks))
+        order = params.__dict__.setdefault("_megarl_context_order", order.to(x.device))
+    full = gather_from_sequence_parallel_region(x.contiguous(), tensor_parallel_output_grad=True, group=group)
+    return full.index_select(0, order)
+
+
 def _gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` [b, s] of ``x`` [t, n, hn] as a padded batch [b, n, s, hn]."""
     b, s = rows.shape
@@ -193,9 +238,9 @@ def _gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 class PaddedBucket:
     """Segments of similar length attended together: ``query_rows`` [b, s_q] and ``key_rows``
     [b, s_k] index the packed tokens (padding points at token 0, its outputs are dropped);
-    ``mask`` [b, 1, s_q, s_k] where a row has a prefix or is longer than the sliding window, else
-    None (plain causal); ``biases``: the math path's additive masks, made on the first layer and kept
-    for the others."""
+    ``mask`` [b, 1, s_q, s_k] where a row has a prefix, is longer than the sliding window or holds a
+    context-parallel rank's chunks, else None (plain causal); ``biases``: the math path's additive
+    masks, made on the first layer and kept for the others."""
 
     query_rows: torch.Tensor
     key_rows: torch.Tensor
@@ -216,55 +261,103 @@ class PaddedAttentionPlan:
     padding costs at most ~1.25x the attention work of the segments it holds."""
 
     @classmethod
-    def of(cls, params: PackedSeqParams, device, window: int | None = None) -> PaddedAttentionPlan:
+    def of(
+        cls, params: PackedSeqParams, device, window: int | None = None, context: tuple[int, int] | None = None
+    ) -> PaddedAttentionPlan:
         """The plan of ``params`` for layers of sliding ``window`` (None: none), computed on the first
-        such layer and kept on ``params`` for the others."""
+        such layer and kept on ``params`` for the others. ``context``: (size, rank) of context parallelism
+        (:meth:`build`)."""
         plans = params.__dict__.setdefault("_megarl_attention_plans", {})
         if window not in plans:
-            plans[window] = cls.build(params.cu_seqlens_q.tolist(), getattr(params, "parents", ()), device, window)
+            cu = params.cu_seqlens_q.tolist()
+            plans[window] = cls.build(cu, getattr(params, "parents", ()), device, window, context)
         return plans[window]
 
     @classmethod
-    def build(cls, cu_seqlens: list[int], parents: tuple, device, window: int | None = None) -> PaddedAttentionPlan:
-        spans = list(itertools.pairwise(cu_seqlens))
-        segments = []  # (key rows, number of prefix keys, own span)
-        for i, (start, end) in enumerate(spans):
-            parent = parents[i] if parents else None
-            prefix = list(range(*spans[parent])) if parent is not None else []
-            segments.append((prefix + list(range(start, end)), len(prefix), (start, end)))
-        order = sorted(range(len(segments)), key=lambda i: len(segments[i][0]))
-        buckets, token_rows, row_base = [], torch.empty(cu_seqlens[-1], dtype=torch.long), 0
+    def build(
+        cls,
+        cu_seqlens: list[int],
+        parents: tuple,
+        device,
+        window: int | None = None,
+        context: tuple[int, int] | None = None,
+    ) -> PaddedAttentionPlan:
+        """Without ``context``, the queries are the packed tokens and the keys the same tokens. With
+        ``context`` (size, rank), the queries are the tokens this rank holds (:func:`context_positions`)
+        and the keys every rank's, gathered into the stream's order."""
+        rows = _context_rows(cu_seqlens, *context) if context else _packed_rows(cu_seqlens, parents)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].keys))
+        buckets, row_base = [], 0
+        token_rows = torch.empty(sum(len(row.queries) for row in rows), dtype=torch.long)
         while order:
-            first_len = len(segments[order[0]][0])
-            take = [i for i in order if len(segments[i][0]) <= first_len * cls.GROWTH]
+            first_len = len(rows[order[0]].keys)
+            take = [i for i in order if len(rows[i].keys) <= first_len * cls.GROWTH]
             order = order[len(take) :]
-            bucket = cls._bucket([segments[i] for i in take], device, window)
+            bucket = cls._bucket([rows[i] for i in take], device, window)
             width = bucket.query_rows.shape[1]
-            for row, i in enumerate(take):
-                start, end = segments[i][2]
-                token_rows[start:end] = torch.arange(end - start) + row_base + row * width
+            for slot, i in enumerate(take):
+                queries = rows[i].queries
+                token_rows[queries] = torch.arange(len(queries)) + row_base + slot * width
             row_base += len(take) * width
             buckets.append(bucket)
         return cls(buckets, token_rows.to(device))
 
     @staticmethod
-    def _bucket(segments: list, device, window: int | None) -> PaddedBucket:
-        s_q = max(end - start for _, _, (start, end) in segments)
-        s_k = max(len(keys) for keys, _, _ in segments)
-        query_rows = torch.zeros(len(segments), s_q, dtype=torch.long)
-        key_rows = torch.zeros(len(segments), s_k, dtype=torch.long)
-        prefixes = torch.tensor([prefix for _, prefix, _ in segments])
-        for row, (keys, _, (start, end)) in enumerate(segments):
-            query_rows[row, : end - start] = torch.arange(start, end)
-            key_rows[row, : len(keys)] = torch.tensor(keys)
+    def _bucket(rows: list[AttentionRow], device, window: int | None) -> PaddedBucket:
+        s_q = max(len(row.queries) for row in rows)
+        s_k = max(len(row.keys) for row in rows)
+        query_rows = torch.zeros(len(rows), s_q, dtype=torch.long)
+        key_rows = torch.zeros(len(rows), s_k, dtype=torch.long)
+        # a padding query sees what the row's last key sees (a query of no key would make NaNs)
+        position = torch.zeros(len(rows), s_q, dtype=torch.long)
+        for slot, row in enumerate(rows):
+            query_rows[slot, : len(row.queries)] = torch.as_tensor(row.queries)
+            key_rows[slot, : len(row.keys)] = torch.as_tensor(row.keys)
+            position[slot] = len(row.keys) - 1
+            position[slot, : len(row.queries)] = torch.as_tensor(row.positions)
         mask = None
-        if bool(prefixes.any()) or (window is not None and s_k > window):
-            # query i of a row is at position prefix + i: it sees the keys up to it, in the window;
-            # a padding query sees what the row's last query sees (a row of no key would make NaNs)
-            last = torch.tensor([len(keys) - 1 for keys, _, _ in segments])
-            position = torch.minimum(prefixes[:, None] + torch.arange(s_q)[None, :], last[:, None])  # [b, s_q]
+        if not all(row.causal for row in rows) or (window is not None and s_k > window):
+            # a query sees the keys of its row up to its position, in the window
             mask = visible_keys(position, s_k, window).unsqueeze(1).to(device)
         return PaddedBucket(query_rows.to(device), key_rows.to(device), mask)
+
+
+@dataclass(frozen=True)
+class AttentionRow:
+    """One padded row of a :class:`PaddedAttentionPlan`: its queries (rows of the query tensor), each
+    query's position among the row's keys, and the keys (rows of the key tensor, in position order).
+    ``causal``: query ``i`` is at position ``i`` (plain causal attention needs no mask)."""
+
+    queries: list[int]
+    positions: list[int]
+    keys: list[int]
+
+    @property
+    def causal(self) -> bool:
+        return self.positions == list(range(len(self.positions)))
+
+
+def _packed_rows(cu_seqlens: list[int], parents: tuple) -> list[AttentionRow]:
+    """A row per segment; a branch's keys start with its prefix's (its queries' positions after them)."""
+    spans = list(itertools.pairwise(cu_seqlens))
+    rows = []
+    for i, (start, end) in enumerate(spans):
+        parent = parents[i] if parents else None
+        prefix = list(range(*spans[parent])) if parent is not None else []
+        own = list(range(start, end))
+        rows.append(AttentionRow(own, [len(prefix) + j for j in range(end - start)], prefix + own))
+    return rows
+
+
+def _context_rows(cu_seqlens: list[int], cp: int, rank: int) -> list[AttentionRow]:
+    """A row per segment: this rank's two chunks of it as queries, the whole segment as keys."""
+    rows, local = [], 0
+    for start, end in itertools.pairwise(cu_seqlens):
+        positions = [p for chunk in context_chunks(end - start, cp, rank) for p in chunk]
+        queries = list(range(local, local + len(positions)))
+        rows.append(AttentionRow(queries, positions, list(range(start, end))))
+        local += len(positions)
+    return rows
 
 
 def visible_keys(position: torch.Tensor, s_k: int, window: int | None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """DistRolloutCoordinator: rollout batches for an SPMD trainer.
 
-Only data-parallel heads (tensor- and pipeline-rank 0 of each DP rank) hold a rollout
+Only data-parallel heads (tensor-, pipeline- and context-rank 0 of each DP rank) hold a rollout
 engine and drive its pool, each over its own shard of the prompts. A training batch is
 then made whole across the trainer:
 
@@ -9,7 +9,8 @@ then made whole across the trainer:
    same number of whole groups (GRPO normalises within a group, so a group is never cut)
    with balanced token counts (longest groups first, each to the lightest rank);
 3. each head broadcasts its share to the other ranks of its model-parallel group
-   (TP x PP peers need the very same data).
+   (TP x PP peers need the very same data), through its context-parallel peers first when
+   sequences are split over CP ranks (they too train on the very same rows).
 
 When no server can take requests because the launcher restarted them and they wait for the
 trainer's weights, a head stops waiting; every rank learns it through the same exchanges and
@@ -39,23 +40,31 @@ class DataParallelLayout:
     dp_rank: int
     dp_size: int
     is_head: bool
-    """Drives a rollout pool (tensor- and pipeline-rank 0 of its DP rank)."""
+    """Drives a rollout pool (tensor-, pipeline- and context-rank 0 of its DP rank)."""
     head_group: Any = None
     """Group of all DP heads (the heads' data-parallel group); None in a one-rank DP."""
     mp_group: Any = None
-    """This DP rank's model-parallel group (TP x PP peers); None when it is this rank alone."""
+    """This rank's model-parallel group (TP x PP peers); None when it is this rank alone."""
     mp_src: int = 0
-    """Global rank of this DP rank's head (the broadcast source in ``mp_group``)."""
+    """Global rank of the TP 0, PP 0 rank of ``mp_group`` (the broadcast source in it)."""
+    cp_group: Any = None
+    """The context-parallel peers of a TP 0, PP 0 rank (they split the same sequences); None elsewhere
+    and without context parallelism."""
+    cp_src: int = 0
+    """Global rank of this DP rank's head (the broadcast source in ``cp_group``)."""
 
     @classmethod
     def from_parallel(cls, parallel) -> DataParallelLayout:
         """From a trainer's :class:`~megarl.actor.parallel.ParallelState`."""
         alloc = parallel.alloc
-        is_head = parallel.tp_rank == 0 and parallel.pp_rank == 0
+        mp_first = parallel.tp_rank == 0 and parallel.pp_rank == 0
         mp_group = parallel.groups.mp if alloc.tp * alloc.pp > 1 else None
         mp_src = dist.get_global_rank(mp_group, 0) if mp_group is not None else parallel.rank
-        head_group = parallel.dp_group if alloc.dp > 1 else None
-        return cls(parallel.dp_rank, alloc.dp, is_head, head_group, mp_group, mp_src)
+        head_group = parallel.data_group if alloc.dp > 1 else None
+        cp_group = parallel.cp_group if alloc.cp > 1 and mp_first else None
+        cp_src = dist.get_global_rank(cp_group, 0) if cp_group is not None else parallel.rank
+        is_head = mp_first and parallel.cp_rank == 0
+        return cls(parallel.dp_rank, alloc.dp, is_head, head_group, mp_group, mp_src, cp_group, cp_src)
 
 
 class DistRolloutCoordinator:
@@ -117,11 +126,17 @@ class DistRolloutCoordinator:
         return concat_padded_tensors([groups[i] for i in shares[self.layout.dp_rank]])
 
     def _broadcast_in_mp(self, batch: dict[str, Any] | object | None) -> dict[str, Any] | object:
-        if self.layout.mp_group is None:
-            return batch
-        box = [_READMIT_WIRE if batch is _READMIT else batch]
-        dist.broadcast_object_list(box, src=self.layout.mp_src, group=self.layout.mp_group)
-        return _READMIT if box[0] == _READMIT_WIRE else box[0]
+        """The head's share on every rank of its DP rank: to its CP peers, then each to its TP x PP peers."""
+        batch = _broadcast(batch, self.layout.cp_group, self.layout.cp_src)
+        return _broadcast(batch, self.layout.mp_group, self.layout.mp_src)
+
+
+def _broadcast(batch: dict[str, Any] | object | None, group, src: int) -> dict[str, Any] | object | None:
+    if group is None:
+        return batch
+    box = [_READMIT_WIRE if batch is _READMIT else batch]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return _READMIT if box[0] == _READMIT_WIRE else box[0]
 
 
 _READMIT = object()  # a head stopped gathering: push the weights to restarted servers first

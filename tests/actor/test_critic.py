@@ -217,7 +217,7 @@ def test_single_rank_critic_matches_hf_token_classification(critic_dir, batch, s
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(  # DP alone splits rows only, as for the actor: with the slow tests
-    "alloc", ["d1p1t2", "d1p2t1", pytest.param("d2p1t1", marks=pytest.mark.slow)]
+    "alloc", ["d1p1t2", "d1p2t1", "d1p1t1c2", pytest.param("d2p1t1", marks=pytest.mark.slow)]
 )
 def test_critic_layout_matches_single_rank(critic_dir, batch, single_rank, alloc):
     """TP2 (sequence parallel: the replicated head's gradient is split back, not summed), PP2 (the head

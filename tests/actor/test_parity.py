@@ -137,6 +137,10 @@ def test_packed_and_unpacked_logprobs_agree(llama_ref):
         "d1p2t1v2",
         "d1p2t2",
         pytest.param("d2p1t1", marks=pytest.mark.slow),
+        "d1p1t1c2",
+        "d1p1t2c2",
+        pytest.param("d1p2t1c2", marks=pytest.mark.slow),
+        pytest.param("d2p1t1c2", marks=pytest.mark.slow),
     ],
 )
 def test_llama_layout_matches_single_rank(llama_dir, llama_ref, batch, alloc):
@@ -144,7 +148,7 @@ def test_llama_layout_matches_single_rank(llama_dir, llama_ref, batch, alloc):
 
 
 # EP2 alone runs with the slow tests: d1p1t2e2et1 has the same two expert ranks, with TP2 and sequence parallelism
-@pytest.mark.parametrize("alloc", [pytest.param("d2p1t1e2", marks=pytest.mark.slow), "d1p1t2e2et1"])
+@pytest.mark.parametrize("alloc", [pytest.param("d2p1t1e2", marks=pytest.mark.slow), "d1p1t2e2et1", "d1p1t1e2c2"])
 def test_moe_layout_matches_single_rank(moe_dir, moe_ref, batch, alloc):
     _assert_matches(_run(moe_dir, alloc, batch, n_mbs=2), moe_ref)
 
@@ -215,6 +219,24 @@ def test_shared_prefixes_match_hf(llama_dir, grouped_batch, alloc):
     hf = _hf_reference(llama_dir, grouped_batch)
     seqlens = grouped_batch["attention_mask"].sum().item()
     assert max(got["packed_tokens"]) <= seqlens - 3 * 3 * 10  # 3 of each 4 rows skip 10 prompt tokens
+    assert (got["logp"] - hf["logp"]).abs().max() <= 1e-4
+    assert all(abs(loss - hf["loss"]) <= 1e-5 for loss in got["loss"])
+    assert_grads_close(got["grads"], hf["grads"], 1e-4)
+
+
+def test_context_parallel_over_rows_past_the_math_path_matches_single_rank(llama_dir):
+    """Rows longer than ``CPU_MATH_ATTENTION_MAX_KEYS`` go through torch's flash kernel with a mask; odd
+    lengths pad each row to a multiple of 2 x c (the padding never reaches a real token)."""
+    long_batch = make_batch([151, 37, 263, 9], seed=4)
+    _assert_matches(_run(llama_dir, "d1p1t1c2", long_batch, n_mbs=2), _run(llama_dir, "d1p1t1", long_batch, n_mbs=2))
+
+
+def test_context_parallel_with_a_sliding_window_matches_hf(tiny_model_dir, batch):
+    """Mistral's window (4 tokens) is shorter than a rank's chunks: each rank's queries see the keys of
+    the other rank's chunks only inside the window."""
+    model_dir = tiny_model_dir("mistral")
+    got = _run(model_dir, "d1p1t1c2", batch, n_mbs=2)
+    hf = _hf_reference(model_dir, batch)
     assert (got["logp"] - hf["logp"]).abs().max() <= 1e-4
     assert all(abs(loss - hf["loss"]) <= 1e-5 for loss in got["loss"])
     assert_grads_close(got["grads"], hf["grads"], 1e-4)

@@ -75,7 +75,9 @@ def test_first_minibatch_loss_matches_pure_functions_on_hf_logprobs(llama_dir, b
     assert tp1["stats"][0]["ppo_actor/importance_weight/avg"] == pytest.approx(1.0)  # on-policy first step
 
 
-@pytest.mark.parametrize("alloc", ["d1p1t2", pytest.param("d2p1t1", marks=pytest.mark.slow)])  # DP: also test_routing
+@pytest.mark.parametrize(
+    "alloc", ["d1p1t2", "d1p1t1c2", pytest.param("d2p1t1", marks=pytest.mark.slow)]
+)  # DP: also test_routing
 def test_ppo_update_matches_single_rank(llama_dir, batch, tp1, alloc):
     results = run_ranks(2, "tests.actor.workers:ppo_actor_step", model_dir=str(llama_dir), alloc=alloc, batch=batch)
     for want, got in zip(tp1["stats"], results[0]["stats"]):
@@ -92,6 +94,8 @@ def test_ppo_update_matches_single_rank(llama_dir, batch, tp1, alloc):
             # abs: the first mini-batch is on-policy, so approx_kl is a mean of fp32 rounding noise
             # (logprobs near -10, one ulp ~1e-6; TP reduces in another order): seen at -1.5e-7 vs 0.
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+        counts = [k for k in want if k.endswith("n_tokens") or k.endswith("n_seqs")]
+        assert counts and {k: got[k] for k in counts} == {k: want[k] for k in counts}  # no rank counted twice
     dp, group = (2 if alloc.startswith("d2") else 1), 2
     after = torch.zeros_like(tp1["logp_after"])
     for r in results:  # rank r holds groups r::dp (split_groups)

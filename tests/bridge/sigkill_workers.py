@@ -30,7 +30,7 @@ class _Engine:
         self.model_path, self.desc = model_dir, describe(model_dir, 1)
         layout = TrainingAllocation()
         self.parallel = SimpleNamespace(
-            alloc=layout, rank=0, pp_rank=0, tp_rank=0, dp_rank=0, ep_rank=0, etp_rank=0, edp_rank=0
+            alloc=layout, rank=0, pp_rank=0, tp_rank=0, dp_rank=0, replica_rank=0, ep_rank=0, etp_rank=0, edp_rank=0
         )
         self.model = [torch.nn.Linear(1, 1)]  # where the weights live: the CPU
         self.config = SimpleNamespace(lora=SimpleNamespace(enabled=False))

@@ -190,10 +190,8 @@ def test_model_shape_from_hf_config_dict_and_object():
 
 
 @pytest.mark.parametrize("spec", ["vllm:d1t1+megatron:d1p1t1c2", "megatron:d2p2t2c4", "vllm:d2t1|megatron:d1p1t1c2"])
-def test_context_parallel_parses_but_is_refused_until_it_runs(spec):
-    alloc = AllocationMode.from_str(spec)  # the grammar reads it (megarl plan, the table) ...
-    with pytest.raises(AllocationError) as err:
-        validate_allocation(alloc)  # ... but no run takes it
-    message = str(err.value)
-    assert f"'{alloc}'" in message and f"context parallel c{alloc.train.cp} is not supported yet" in message
-    assert f"megatron:d{alloc.train.dp * alloc.train.cp}p{alloc.train.pp}t{alloc.train.tp}'" in message
+def test_context_parallel_is_a_layout_like_the_others(spec):
+    alloc = AllocationMode.from_str(spec)
+    validate_allocation(alloc)
+    assert alloc.train.world_size == alloc.train.dp * alloc.train.pp * alloc.train.tp * alloc.train.cp
+    assert alloc.train.dense_replicas == alloc.train.dp * alloc.train.cp

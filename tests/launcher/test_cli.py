@@ -116,8 +116,9 @@ def test_two_servers_joining_together_get_two_indices(tmp_path):
     assert joined_index(config) == servers + 2  # the first's join line does not count it twice
 
 
-def test_the_console_script_refuses_context_parallel(tmp_path):
-    """``megarl config`` as a user types it: CP is refused, naming the key, the value and why."""
+def test_the_console_script_takes_context_parallel_and_names_what_it_cannot_split(tmp_path):
+    """``megarl config`` as a user types it: a CP layout is a run; asking it to share a group's prompt
+    is refused, naming the key, the value and why."""
     exe = shutil.which("megarl", path=str(Path(sys.executable).parent))
     argv = [
         exe,
@@ -127,11 +128,14 @@ def test_the_console_script_refuses_context_parallel(tmp_path):
         "allocation_mode=vllm:d1t1+megatron:d1p1t1c2",
         "cluster.n_gpus_per_node=3",
     ]
-    result = subprocess.run(
-        argv, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "megatron:d1p1t1c2" in result.stdout
+    argv.append("actor.mb_spec.share_prefix=true")
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env)
     assert result.returncode == 2 and result.stdout == "", result.stderr
-    assert result.stderr.startswith("megarl config: error: config error at 'allocation_mode':"), result.stderr
-    assert (
-        "'vllm:d1t1+megatron:d1p1t1c2'" in result.stderr and "context parallel c2 is not supported yet" in result.stderr
+    assert result.stderr.startswith("megarl config: error: config error at 'actor.mb_spec.share_prefix':"), (
+        result.stderr
     )
+    assert "context parallel c2 cannot split" in result.stderr

@@ -1,4 +1,4 @@
-"""DistRolloutCoordinator: DP heads drive rollout; whole groups re-split over DP; TP/PP peers get the same data."""
+"""DistRolloutCoordinator: DP heads drive rollout; whole groups re-split over DP; TP/PP/CP peers get the same data."""
 
 from __future__ import annotations
 
@@ -71,14 +71,17 @@ def coordinator_rank(alloc: str, group_size: int) -> dict:
 
 
 @pytest.mark.multiproc
-def test_dp2_tp2_heads_rebalance_and_peers_share():
-    out = run_ranks(4, "tests.rollout.test_coordinator:coordinator_rank", alloc="megatron:d2t2", group_size=2)
+@pytest.mark.parametrize("alloc, world", [("megatron:d2t2", 4), ("megatron:d2p1t2c2", 8)])
+def test_dp2_heads_rebalance_and_peers_share(alloc, world):
+    """TP peers, and with ``c2`` context-parallel peers and their TP peers, get their head's rows."""
+    out = run_ranks(world, "tests.rollout.test_coordinator:coordinator_rank", alloc=alloc, group_size=2)
     assert sum(r["is_head"] for r in out) == 2
     by_dp = {}
     for r in out:
         by_dp.setdefault(r["dp_rank"], []).append(r)
     for peers in by_dp.values():
-        assert peers[0]["rewards"] == peers[1]["rewards"], "TP peers must train on the same rows"
+        assert len(peers) == world // 2
+        assert all(p["rewards"] == peers[0]["rewards"] for p in peers), "peers must train on the same rows"
     shares = [by_dp[d][0]["rewards"] for d in sorted(by_dp)]
     assert all(len(s) == 6 for s in shares)
     every = sorted(x for s in shares for x in s)
