@@ -6,6 +6,8 @@ builds GPTModels that return final hidden states). Losses and hooks receive an
 ``megarl.kernels.fused_logprobs_entropy``, which reduces each rank's vocabulary
 shard to per-token statistics: the ``[T, V]`` logits never exist, on any rank. The
 head's ``backend`` (from the engine's ``use_fused_kernels``) picks its CUDA or torch path.
+Under context parallelism the hidden states are this rank's tokens only; the methods still take
+and return per-token tensors of the whole packed stream (``megarl.actor.context_parallel``).
 """
 
 from __future__ import annotations
