@@ -3,8 +3,7 @@
 
 What shows the split trainer computes what the server does: the consistency probe after every weight
 update compares the trainer's logprobs (each rank's head on its chunks, gathered) with the server's on
-the same tokens, and stops the run past its tolerance; the per-token gap of the trained tokens is
-reported.
+the same tokens (its sampled tokens and each position's top-k), and stops the run past its tolerance.
 """
 
 from __future__ import annotations
@@ -30,8 +29,9 @@ def test_a_context_parallel_trainer_matches_its_server(tmp_path):
     steps = read_metrics(run_dir)
     assert len(steps) == 2
     for step in steps:
-        # fp32 on both sides: the gap is the two implementations' rounding (~1e-5 on this model)
-        assert step["ppo_actor/gap/lag_0/abs_logp_diff/avg"] < 1e-3, step
-        assert step["weight_sync/topk_logprob_diff_max"] < 1e-2, step
+        # fp32 on both sides: what differs is the two implementations' rounding (~1e-5 on this model;
+        # the gathered keys left in rank order instead of the stream's stopped the run, 3.1 mean, 11 max)
+        assert step["weight_sync/logprob_diff_max"] < 1e-3, step
+        assert step["weight_sync/topk_logprob_diff_max"] < 1e-3, step
     console = (tmp_path / "console.txt").read_text()
     assert "megatron:d1p1t1c2" in console
