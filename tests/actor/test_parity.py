@@ -2,10 +2,10 @@
 
 References: the single-rank Megatron model (d1p1t1), itself checked against the HF
 transformers model on the same batch and loss (logprobs within 1e-4, gradients within
-1e-4 relative). Layouts: TP2, PP2, PP2 x VPP2, TP2 x PP2 (Llama); EP2 and EP2 x TP2 with
-ETP1 (Qwen3-MoE). Each layout's logprobs must be within 1e-5 of the reference (fp32), its
-one-step PPO loss and gathered gradients must match, and so must the logprobs after the
-Adam step. Data parallel ranks get rows ``rank::dp`` of the batch.
+1e-4 relative). Layouts: TP2, PP2, PP2 x VPP2, TP2 x PP2, and context parallel CP2 alone and
+with TP2, PP2, PP2 x VPP2 or DP2 (Llama); EP2, EP2 x TP2 with ETP1 and EP2 x CP2 (Qwen3-MoE).
+Each layout's logprobs must be within 1e-5 of the reference (fp32), its one-step PPO loss and
+gathered gradients must match, and so must the logprobs after the Adam step. Data parallel ranks get rows ``rank::dp`` of the batch.
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ def test_packed_and_unpacked_logprobs_agree(llama_ref):
         "d1p1t1c2",
         "d1p1t2c2",
         pytest.param("d1p2t1c2", marks=pytest.mark.slow),
+        pytest.param("d1p2t1v2c2", marks=pytest.mark.slow),
         pytest.param("d2p1t1c2", marks=pytest.mark.slow),
     ],
 )
