@@ -51,6 +51,7 @@ has ``column == value`` (or, with value "", has the column at all)."""
 
 SERVERS: dict[str, str] = {
     "arithmetic_baseline": "vLLM",
+    "context_parallel": "vLLM",
     "e2e_step": "vLLM",
     "learning_arithmetic": "vLLM",
     "learning_lora": "vLLM",
@@ -73,7 +74,15 @@ on a CPU machine, vLLM's CUDA build on a GPU one), ``SGLang``, or ``simulated`` 
 servers, ``tests/rollout/fake_server.py`` or the scale simulation's). A script not listed runs no
 server (a kernel, a train step, a config parse)."""
 
-RL_STEP = {"e2e_step", "learning_arithmetic", "learning_lora", "learning_moe", "learning_variants", "main_job"}
+RL_STEP = {
+    "context_parallel",
+    "e2e_step",
+    "learning_arithmetic",
+    "learning_lora",
+    "learning_moe",
+    "learning_variants",
+    "main_job",
+}
 """Benchmark scripts whose runs are whole RL steps (rollout, update, weight update)."""
 
 TESTED: list[tuple[str, str, str]] = [
