@@ -59,7 +59,7 @@ def run(quick: bool, on_rows) -> list[dict]:
                     "last 5": last,
                     "gain": last - first,
                     "gap, lag 0 (mean)": _mean(metrics, "ppo_actor/gap/lag_0/abs_logp_diff/avg"),
-                    "probe max |diff|": max(m.get("weight_sync/logprob_diff_max", 0.0) for m in metrics),
+                    "probe max abs diff": max(m.get("weight_sync/logprob_diff_max", 0.0) for m in metrics),
                     "train s (median)": statistics.median(m["timeperf/train_step"] for m in metrics),
                     "step s (median)": statistics.median(m["timeperf/step"] for m in metrics),
                     "wall min": minutes,
