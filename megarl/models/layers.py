@@ -311,10 +311,10 @@ class PaddedAttentionPlan:
         # a padding query sees what the row's last key sees (a query of no key would make NaNs)
         position = torch.zeros(len(rows), s_q, dtype=torch.long)
         for slot, row in enumerate(rows):
-            query_rows[slot, : len(row.queries)] = torch.as_tensor(row.queries)
-            key_rows[slot, : len(row.keys)] = torch.as_tensor(row.keys)
+            query_rows[slot, : len(row.queries)] = row.queries
+            key_rows[slot, : len(row.keys)] = row.keys
             position[slot] = len(row.keys) - 1
-            position[slot, : len(row.queries)] = torch.as_tensor(row.positions)
+            position[slot, : len(row.queries)] = row.positions
         mask = None
         if not all(row.causal for row in rows) or (window is not None and s_k > window):
             # a query sees the keys of its row up to its position, in the window
@@ -325,16 +325,13 @@ class PaddedAttentionPlan:
 @dataclass(frozen=True)
 class AttentionRow:
     """One padded row of a :class:`PaddedAttentionPlan`: its queries (rows of the query tensor), each
-    query's position among the row's keys, and the keys (rows of the key tensor, in position order).
-    ``causal``: query ``i`` is at position ``i`` (plain causal attention needs no mask)."""
+    query's position among the row's keys, and the keys (rows of the key tensor, in position order),
+    all int64 ``[n]``. ``causal``: query ``i`` is at position ``i`` (plain causal attention needs no mask)."""
 
-    queries: list[int]
-    positions: list[int]
-    keys: list[int]
-
-    @property
-    def causal(self) -> bool:
-        return self.positions == list(range(len(self.positions)))
+    queries: torch.Tensor
+    positions: torch.Tensor
+    keys: torch.Tensor
+    causal: bool
 
 
 def _packed_rows(cu_seqlens: list[int], parents: tuple) -> list[AttentionRow]:
@@ -343,9 +340,10 @@ def _packed_rows(cu_seqlens: list[int], parents: tuple) -> list[AttentionRow]:
     rows = []
     for i, (start, end) in enumerate(spans):
         parent = parents[i] if parents else None
-        prefix = list(range(*spans[parent])) if parent is not None else []
-        own = list(range(start, end))
-        rows.append(AttentionRow(own, [len(prefix) + j for j in range(end - start)], prefix + own))
+        own = torch.arange(start, end)
+        prefix = torch.arange(*spans[parent]) if parent is not None else own[:0]
+        positions = torch.arange(len(prefix), len(prefix) + end - start)
+        rows.append(AttentionRow(own, positions, torch.cat([prefix, own]), causal=parent is None))
     return rows
 
 
@@ -353,9 +351,11 @@ def _context_rows(cu_seqlens: list[int], cp: int, rank: int) -> list[AttentionRo
     """A row per segment: this rank's two chunks of it as queries, the whole segment as keys."""
     rows, local = [], 0
     for start, end in itertools.pairwise(cu_seqlens):
-        positions = [p for chunk in context_chunks(end - start, cp, rank) for p in chunk]
-        queries = list(range(local, local + len(positions)))
-        rows.append(AttentionRow(queries, positions, list(range(start, end))))
+        positions = torch.cat(
+            [torch.arange(chunk.start, chunk.stop) for chunk in context_chunks(end - start, cp, rank)]
+        )
+        queries = torch.arange(local, local + len(positions))
+        rows.append(AttentionRow(queries, positions, torch.arange(start, end), causal=False))
         local += len(positions)
     return rows
 
