@@ -17,7 +17,8 @@ holds, layer-major, the top-k experts of the forward that produces token ``t + 1
 that measures the gap (the recompute pass, or the update's own forward); over the tokens trained
 it counts the (token, MoE layer) pairs whose top-k expert *sets* are equal on both sides:
 ``ppo_actor/gap/routing/topk_match`` (a share in [0, 1]) and ``ppo_actor/gap/routing/n_pairs``.
-Each pipeline stage counts its own layers; sequence-parallel ranks their slice of the tokens.
+Each pipeline stage counts its own layers; sequence-parallel ranks their slice of the tokens, and
+context-parallel ranks their chunks of each sequence.
 
 **Replaying** (:class:`RoutingReplay`, ``actor.routing_replay``) removes the difference from the
 trainer's side:
@@ -37,7 +38,8 @@ a multi-turn prompt the server never saw) takes the router's own choice;
 ``ppo_actor/routing_replay/replayed_share`` says which share of (token, MoE layer) pairs was
 replayed. The load-balancing loss (``megatron.moe_router_load_balancing_type: aux_loss``, off by
 default in RL) is computed from the router's own top-k, not the replayed one, as Megatron defines it.
-Megatron numbers its MoE layers globally, so each pipeline stage replays its own.
+Megatron numbers its MoE layers globally, so each pipeline stage replays its own; under context
+parallelism each rank replays the routes of its chunks (``megarl.actor.context_parallel``).
 
 Both are micro-batch hooks of the engine (``MegatronEngine.microbatch_hooks``): told each packed
 micro-batch before a model chunk's forward (``before_forward``) and after it (``after_forward``).
@@ -103,8 +105,11 @@ class RoutingMeter:
         self._matched = torch.zeros((), dtype=torch.float64)
         self._pairs = torch.zeros((), dtype=torch.float64)
 
-    def before_forward(self, chunk, data: dict) -> None:
-        self._data = data if _SERVER_KEY in data else None
+    def before_forward(self, chunk, mb: MicroBatch) -> None:
+        """The micro-batch's servers' routes and mask, of the tokens this rank's model sees."""
+        self._data = None
+        if _SERVER_KEY in mb.data:
+            self._data = {key: _model_tokens(mb, mb.data[key]) for key in (_SERVER_KEY, _MASK_KEY)}
 
     def after_forward(self, chunk, mb: MicroBatch) -> None:
         pass
@@ -149,6 +154,12 @@ class RoutingMeter:
         stats_tracker.scalar(**{"gap/routing/n_pairs": pairs})
         if pairs:
             stats_tracker.scalar(**{"gap/routing/topk_match": matched / pairs})
+
+
+def _model_tokens(mb: MicroBatch, stream: torch.Tensor) -> torch.Tensor:
+    """A per-token tensor of ``mb``'s packed stream restricted to the tokens the model runs on here: all
+    of them, or this context-parallel rank's (padding: 0 / False)."""
+    return stream if mb.context is None else mb.context.local(stream)
 
 
 REPLAY_KEY = "replay_routes"  # [B, S, layers * top-k], position-aligned, -1 where the router chooses itself
@@ -312,14 +323,14 @@ class RoutingReplay:
 
     # ------------------------------------------------------------------ micro-batches
 
-    def before_forward(self, chunk, data: dict) -> None:
+    def before_forward(self, chunk, mb: MicroBatch) -> None:
         """Give ``chunk``'s routers their part of the micro-batch's routes (replaying only)."""
         if self.action != RouterReplayAction.REPLAY_FORWARD:
             return
-        tokens = data["attention_mask"].bool()  # packing's padding routes itself
-        routes = data.get(REPLAY_KEY)
+        tokens = _model_tokens(mb, mb.data["attention_mask"].bool())  # padding (packing's, CP's) routes itself
+        routes = mb.data.get(REPLAY_KEY)
         if routes is not None:
-            routes = self._local_slice(torch.where(tokens[:, None], routes.long(), -1))
+            routes = self._local_slice(torch.where(tokens[:, None], _model_tokens(mb, routes.long()), -1))
         tokens = self._local_slice(tokens)
         for router in self._chunk_routers[id(chunk)]:
             k, layer = router.topk, router.layer_number - 1
@@ -331,7 +342,10 @@ class RoutingReplay:
         if self.action != RouterReplayAction.RECORD:
             return
         for router in self._chunk_routers[id(chunk)]:
-            recorded = self._full_sequence(router.router_replay.recorded_topk_idx).to(torch.int16).cpu()
+            recorded = self._full_sequence(router.router_replay.recorded_topk_idx)
+            if mb.context is not None:  # every context-parallel rank's tokens, in the packed stream
+                recorded = mb.context.gather(recorded.long())
+            recorded = recorded.to(torch.int16).cpu()
             k, layer = router.topk, router.layer_number - 1
             offset = 0
             for segment in mb.segments:  # a shared prefix's routes go to every row it stands for

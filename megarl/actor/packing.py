@@ -116,9 +116,10 @@ class MicroBatch:
 
 class MicroBatchHook(Protocol):
     """What the engine tells around each model chunk's forward on a packed micro-batch (e.g. the MoE
-    routing meter and replay of :mod:`megarl.actor.moe_routing`): ``data`` is on the model's device."""
+    routing meter and replay of :mod:`megarl.actor.moe_routing`): ``mb.data`` is on the model's device
+    (the whole packed stream; under context parallelism the model sees ``mb.context``'s part of it)."""
 
-    def before_forward(self, chunk, data: dict) -> None: ...
+    def before_forward(self, chunk, mb: MicroBatch) -> None: ...
 
     def after_forward(self, chunk, mb: MicroBatch) -> None: ...
 

@@ -135,7 +135,7 @@ def _forward_step(head_fn, total: int, forward_only: bool, hooks: list[MicroBatc
         # packing happens on the host; losses and hooks see the micro-batch on the model's device
         mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
         for hook in hooks:
-            hook.before_forward(model, mb.data)
+            hook.before_forward(model, mb)
         ids = mb.data["input_ids"]
         ids = (ids if mb.context is None else mb.context.local(ids))[None]
         # RoPE at each token's column in its row: only a shared prefix's branches need it

@@ -297,8 +297,7 @@ MANAGED_SERVER_FLAGS = {
 
 def check_context_parallel(config: GRPOConfig, alloc: AllocationMode) -> None:
     """What context parallelism (``c`` > 1: each sequence split over ranks) cannot take yet: a prompt
-    packed once for its group, and the MoE routes of each packed token (replay, or the servers' for
-    the routing meter), which are not split with the tokens."""
+    packed once for its group (its rows' branches attend to a prefix held in chunks elsewhere)."""
     cp = alloc.train.cp
     if cp == 1:
         return
@@ -311,19 +310,3 @@ def check_context_parallel(config: GRPOConfig, alloc: AllocationMode) -> None:
                 f"packs a group's prompt once, which context parallel c{cp} cannot split: set it to null or false",
                 related=("allocation_mode",),
             )
-    require(
-        config.actor.routing_replay == "none",
-        "actor.routing_replay",
-        config.actor.routing_replay,
-        f"replays each packed token's MoE routes, which context parallel c{cp} does not split over its "
-        "ranks yet: set actor.routing_replay=none, or drop 'c' from allocation_mode",
-        related=("allocation_mode",),
-    )
-    require(
-        not config.rollout.return_routed_experts,
-        "rollout.return_routed_experts",
-        True,
-        f"the servers' routes are compared per packed token, which context parallel c{cp} does not split "
-        "over its ranks yet: set it to false, or drop 'c' from allocation_mode",
-        related=("allocation_mode",),
-    )

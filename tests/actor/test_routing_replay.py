@@ -2,7 +2,8 @@
 
 The reference is independent of megarl: the HF model, one sequence at a time, its gates sent to the given
 experts (``tests/actor/replay_workers.py``). Layouts: EP2 (experts on two DP ranks), EP2 with TP2 and
-sequence parallelism (each TP rank routes half of the tokens), PP2 (two MoE layers on each stage).
+sequence parallelism (each TP rank routes half of the tokens), PP2 (two MoE layers on each stage), EP2
+with CP2 (each context-parallel rank routes its chunks of every sequence).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ LAYOUTS = [
     pytest.param("d2p1t1e2", 2, marks=pytest.mark.slow),
     ("d1p1t2e2et1", 2),
     ("d1p2t1", 2),
+    ("d1p1t1e2c2", 2),  # each context-parallel rank routes its chunks of every sequence
 ]
 
 
@@ -164,7 +166,9 @@ def test_without_replay_the_trainer_routes_itself(moe_dir, routed):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("alloc, world", [pytest.param("d1p1t2", 2, marks=pytest.mark.slow), ("d1p2t1", 2)])
+@pytest.mark.parametrize(
+    "alloc, world", [pytest.param("d1p1t2", 2, marks=pytest.mark.slow), ("d1p2t1", 2), ("d1p1t1e2c2", 2)]
+)
 def test_r2_records_the_proximal_routing_and_replays_it(moe_dir, routed, alloc, world):
     """R2 records the trainer's own routing in the proximal pass (sequence-parallel halves gathered, each
     pipeline stage its own layers) and the update replays it for every token, each at its own position."""

@@ -110,12 +110,6 @@ BAD = [
         "actor.mb_spec.share_prefix",
         "context parallel c2 cannot split",
     ),
-    case(
-        "context-parallel-routing-replay",
-        ["allocation_mode=vllm:d1t1+megatron:d1p1t1c2", "cluster.n_gpus_per_node=3", "actor.routing_replay=R3"],
-        "actor.routing_replay",
-        "context parallel c2 does not split",
-    ),
     case("malformed-allocation", ["allocation_mode=vllm:d1t1,megatron:d1p1t1"], "allocation_mode", "'d1t1,megatron"),
     case("no-inference-part", ["allocation_mode=megatron:d2p1t1"], "allocation_mode", "'megatron:d2p1t1'"),
     case(
