@@ -26,8 +26,10 @@ attention does not look ahead) and gathers back to nowhere.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -57,10 +59,22 @@ class ContextSplit:
     group: object = field(repr=False, default=None)
     """The context-parallel process group."""
 
-    @property
+    def to(self, device) -> ContextSplit:
+        """This split with its index tensors on ``device`` (where the micro-batch's tensors are)."""
+        return dataclasses.replace(
+            self, local_index=self.local_index.to(device), gathered_index=self.gathered_index.to(device)
+        )
+
+    @cached_property
     def real(self) -> torch.Tensor:
         """bool ``[padded_len / size]``: which of this rank's tokens are the micro-batch's (not padding)."""
         return self.local_index >= 0
+
+    @cached_property
+    def _gathered_real(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of an all-gather that are the micro-batch's tokens, their places in the unpadded stream)."""
+        rows = (self.gathered_index >= 0).nonzero().squeeze(-1)
+        return rows, self.gathered_index.index_select(0, rows)
 
     def local(self, stream: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a per-token tensor of the unpadded stream (``[stream_len, ...]``);
@@ -81,11 +95,9 @@ class ContextSplit:
         everyone = gather_from_sequence_parallel_region(
             local.contiguous(), tensor_parallel_output_grad=False, group=self.group
         )
-        index = self.gathered_index.to(local.device)
-        real = (index >= 0).nonzero().squeeze(-1)
+        rows, places = (x.to(local.device) for x in self._gathered_real)
         out = torch.zeros((self.stream_len, *local.shape[1:]), dtype=local.dtype, device=local.device)
-        out = out.index_copy(0, index.index_select(0, real), everyone.index_select(0, real))
-        return out.to(dtype)
+        return out.index_copy(0, places, everyone.index_select(0, rows)).to(dtype)
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the group; the backward passes the gradient through as is (every rank

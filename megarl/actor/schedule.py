@@ -78,21 +78,12 @@ def packed_seq_params(mb: MicroBatch):
     context parallelism, of the padded stream, whose padding is each segment's last tokens)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    if mb.context is not None:
-        cu, longest = mb.context.cu_seqlens.to(cpu_shim.device()), mb.context.max_seqlen
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            cu_seqlens_q_padded=cu,
-            cu_seqlens_kv_padded=cu,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-        )
-    cu = mb.cu_seqlens.to(cpu_shim.device())
-    thd = dict(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen
-    )
+    split = mb.context
+    cu, longest = (mb.cu_seqlens, mb.max_seqlen) if split is None else (split.cu_seqlens, split.max_seqlen)
+    cu = cu.to(cpu_shim.device())
+    thd = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    if split is not None:  # TransformerEngine reads the padded bounds (here the same)
+        return PackedSeqParams(**thd, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
     if mb.shares_prefixes:
         return SharedPrefixSeqParams(**thd, parents=mb.parents)
     return PackedSeqParams(**thd)
@@ -133,7 +124,8 @@ def _forward_step(head_fn, total: int, forward_only: bool, hooks: list[MicroBatc
         heartbeat.step(f"micro-batch {what} {next(calls)} of {total}")  # the watchdog names where a rank is
         mb, extra = next(data_iterator)
         # packing happens on the host; losses and hooks see the micro-batch on the model's device
-        mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()})
+        context = mb.context.to(device) if mb.context is not None else None
+        mb = dataclasses.replace(mb, data={k: _to(v, device) for k, v in mb.data.items()}, context=context)
         for hook in hooks:
             hook.before_forward(model, mb)
         ids = mb.data["input_ids"]
