@@ -3,14 +3,17 @@
 * :func:`export_hf` writes an HF directory (``model.safetensors`` + the source's config and
   tokenizer files) that ``transformers`` loads; global rank 0 writes, every rank calls.
 * :func:`save` / :func:`load` write and read a Megatron distributed checkpoint
-  (``megatron.core.dist_checkpointing``) of the model, the optimizer (sharded state, so a
-  different data-parallel size can resume it), the LR scheduler, the RNG states and the
-  engine's version / step counters. LoRA adapters are model parameters like the others,
-  recorded with their tensor-parallel split (``megarl.models.lora``), their optimizer state with them.
+  (``megatron.core.dist_checkpointing``) of the model, the optimizer, the LR scheduler, the RNG
+  states and the engine's version / step counters. Weights and optimizer state are recorded per
+  parameter with their place in the whole tensor, so another layout (TP, PP, VPP, EP, ETP, CP, DP)
+  loads them; the distributed optimizer's state only when written so (``optimizer.checkpoint_layout``).
+  LoRA adapters are model parameters like the others, recorded with their tensor-parallel split
+  (``megarl.models.lora``), their optimizer state with them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -89,9 +92,14 @@ class SaveLoadMeta:
     """Include optimizer, LR scheduler and RNG state (megatron format)."""
 
 
-# Per-bucket optimizer shards: parallel save / load, resumable with another DP size
-# (0.16.1 rejects the flattened ranges of "fully_sharded_model_space").
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# The distributed optimizer's state in Megatron's formats (``optimizer.checkpoint_layout``): whole
+# parameters, loadable at any layout; or per-bucket shards, parallel save / load, another DP size only.
+# (0.16.1 rejects the flattened ranges of "fully_sharded_model_space".)
+_OPTIMIZER_FORMATS = {"any": "fully_reshardable", "data_parallel": "dp_reshardable"}
+_LAYOUT_KEYS = ("pp", "tp", "vpp")
+_EXPERT_LAYOUT_KEYS = ("ep", "expert_tp")
+"""What a ``dp_reshardable`` optimizer state must be loaded at as it was saved (its buckets' contents):
+the layout keys, and the expert ones for a model with experts."""
 
 
 def save(engine, meta: SaveLoadMeta) -> None:
@@ -117,17 +125,15 @@ def load(engine, meta: SaveLoadMeta) -> None:
 
     if meta.with_optim and engine.optimizer is not None:
         _prime_adam_state(engine.optimizer)
-    state = _sharded_state(engine, meta.with_optim, is_loading=True)
-    saved = dist_checkpointing.load_common_state_dict(meta.path)["engine"]
+    common = dist_checkpointing.load_common_state_dict(meta.path)
+    saved = common["engine"]
+    # a checkpoint from before checkpoint_layout existed holds per-bucket shards
+    optimizer_format = saved.get("optimizer_format", "dp_reshardable")
+    state = _sharded_state(engine, meta.with_optim, is_loading=True, optimizer_format=optimizer_format)
+    if "optimizer" in state and saved.get("distributed_optimizer") and optimizer_format == "dp_reshardable":
+        _require_bucket_layout(meta.path, saved, state["engine"])
     saved_at = saved.get("model_parallel")
     if "rng_state" in state and saved_at is not None and saved_at != state["engine"]["model_parallel"]:
-        if saved.get("distributed_optimizer") or state["engine"]["distributed_optimizer"]:
-            raise ValueError(
-                f"checkpoint {meta.path} was written at (PP, TP) {tuple(saved_at)}, this engine is "
-                f"{tuple(state['engine']['model_parallel'])}: the distributed optimizer's state reshards over "
-                "data parallelism only; load it at the same PP and TP (another DP size is fine), or save it "
-                "with optimizer.use_distributed_optimizer=false"
-            )
         # one RNG state per model-parallel rank: another layout has other ranks (weights and optimizer reshard)
         del state["rng_state"]
         logger.info(
@@ -139,7 +145,7 @@ def load(engine, meta: SaveLoadMeta) -> None:
     for key, chunk in _chunk_keys(engine):
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if meta.with_optim and engine.optimizer is not None:
-        engine.optimizer.load_state_dict(loaded["optimizer"])
+        _load_optimizer_state(engine.optimizer, loaded["optimizer"], common["optimizer"])
         use_fused_adam(engine.optimizer)  # a state saved before the switch says fused=False
         _restore_adam_step(engine.optimizer, loaded["optimizer"])
         _dither_if_saved_undithered(engine, loaded["engine"].get("main_params_rounding", "nearest"))
@@ -148,6 +154,77 @@ def load(engine, meta: SaveLoadMeta) -> None:
             set_rng_state(loaded["rng_state"])
     engine.set_version(int(loaded["engine"]["version"]))
     logger.info("loaded a Megatron distributed checkpoint from %s", meta.path)
+
+
+def _require_bucket_layout(path: str, saved: dict, now: dict) -> None:
+    """A ``dp_reshardable`` optimizer state loads where its buckets are the same: refuse another model layout."""
+    saved_layout = saved.get("layout") or dict(zip(("pp", "tp"), saved.get("model_parallel", ())))
+    changed = {k: (v, now["layout"][k]) for k, v in saved_layout.items() if now["layout"][k] != v}
+    if changed:
+        differs = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+        raise ValueError(
+            f"checkpoint {path} holds the distributed optimizer's state as per-rank shards "
+            f"(optimizer.checkpoint_layout=data_parallel), which load at another data-parallel size only, "
+            f"and this engine's layout differs ({differs}): load it at the layout that wrote it, or write "
+            f"the checkpoint with optimizer.checkpoint_layout=any"
+        )
+
+
+def _load_optimizer_state(optimizer, loaded, saved) -> None:
+    """Load the optimizer's part of a checkpoint: ``loaded`` as ``dist_checkpointing.load`` returned it,
+    ``saved`` the checkpoint's common (non-tensor) part of it."""
+    if _sharding_type(saved) != "fully_reshardable":
+        optimizer.load_state_dict(loaded)
+        return
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt, param_state, rest in zip(chained, _param_states(loaded, len(chained)), _whole_parts(saved), strict=False):
+        opt.load_state_dict(rest)  # param groups (torch's AdamW: with ``step`` put into every state)
+        if not HAVE_APEX_OR_TE:
+            # Megatron 0.16.1 then copies every state entry, ``step`` included, from a source that has none
+            # (``KeyError: 'step'``); _restore_adam_step puts the step back
+            for each in opt.optimizer.state.values():
+                each.pop("step", None)
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+
+
+def _sharding_type(saved) -> str | None:
+    """The distributed optimizer's format in a checkpoint's common optimizer state (None: not distributed)."""
+    parts = [saved] if "param_state_sharding_type" in saved else [v for _, v in sorted(saved.items())]
+    return parts[0].get("param_state_sharding_type") if parts and isinstance(parts[0], dict) else None
+
+
+def _param_states(loaded, n: int) -> list:
+    """Each of this engine's ``n`` distributed optimizers' parameter states (as it asked for them)."""
+    return [loaded["param_state"]] if n == 1 else [loaded[i]["param_state"] for i in range(n)]
+
+
+def _whole_parts(saved) -> itertools.repeat:
+    """What each distributed optimizer loads besides its parameter states: the saved param groups of
+    every optimizer that wrote the checkpoint. Another expert-parallel size has another number of them
+    (experts get an optimizer of their own when their data-parallel group differs); Megatron matches
+    groups by their identifying keys (weight decay, LR multiplier, expert-parallel or not), so a group
+    saved at expert-parallel size 1 also stands for its expert-parallel twin (same LR, step, decay)."""
+    parts = [saved] if "param_state_sharding_type" in saved else [v for _, v in sorted(saved.items())]
+    groups = [group for part in parts for group in part["optimizer"]["param_groups"]]
+    known = {_group_key(group) for group in groups}
+    for group in list(groups):
+        twin = {**group, "is_expert_parallel": not group.get("is_expert_parallel", False)}
+        if _group_key(twin) not in known:
+            groups.append(twin)
+    whole = {**parts[0], "optimizer": {**parts[0]["optimizer"], "param_groups": groups}}
+    return itertools.repeat({k: v for k, v in whole.items() if k != "param_state"})
+
+
+def _layout_keys(engine) -> tuple[str, ...]:
+    return _LAYOUT_KEYS + (_EXPERT_LAYOUT_KEYS if engine.desc.family.moe else ())
+
+
+def _group_key(group: dict) -> tuple:
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return tuple(group.get(key, group.get(f"pre_{key}")) for key in param_group_identifier_keys)
 
 
 def _main_params_rounding(engine) -> str:
@@ -222,17 +299,27 @@ def _chunk_keys(engine) -> list[tuple[str, torch.nn.Module]]:
     return [(f"model{i}", chunk) for i, chunk in enumerate(engine.model)]
 
 
-def _sharded_state(engine, with_optim: bool, is_loading: bool) -> dict:
+def _sharded_state(engine, with_optim: bool, is_loading: bool, optimizer_format: str | None = None) -> dict:
+    """The checkpoint's state for ``dist_checkpointing``; ``optimizer_format``: the distributed optimizer's
+    (Megatron's ``distrib_optim_sharding_type``; None: the one ``optimizer.checkpoint_layout`` asks for)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state = {key: unwrap(chunk).sharded_state_dict() for key, chunk in _chunk_keys(engine)}
     model_state = dict(state)
+    alloc = engine.parallel.alloc
+    distributed = engine.config.optimizer is not None and engine.config.optimizer.use_distributed_optimizer
+    if optimizer_format is None:
+        optimizer_format = _OPTIMIZER_FORMATS[engine.config.optimizer.checkpoint_layout] if distributed else None
     if with_optim and engine.optimizer is not None:
         state["optimizer"] = engine.optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata=_OPTIM_METADATA
+            model_state,
+            is_loading=is_loading,
+            # whole parameters keyed by name alone, not by which of the chained optimizers holds them
+            # (dense and expert weights have one optimizer or two, depending on the expert-parallel size)
+            metadata={"distrib_optim_sharding_type": optimizer_format, "chained_optim_avoid_prefix": True},
         )
         state["lr_scheduler"] = engine.lr_scheduler.state_dict()
-        p, alloc = engine.parallel, engine.parallel.alloc
+        p = engine.parallel
         # one RNG state per model-parallel coordinate; data-parallel replicas share it on resume
         state["rng_state"] = ShardedObject(
             "rng_state", rng_state(), (alloc.pp, alloc.tp), (p.pp_rank, p.tp_rank), replica_id=p.replica_rank
@@ -240,10 +327,11 @@ def _sharded_state(engine, with_optim: bool, is_loading: bool) -> dict:
     state["engine"] = {
         "version": engine.get_version(),
         "main_params_rounding": _main_params_rounding(engine),
-        "model_parallel": [engine.parallel.alloc.pp, engine.parallel.alloc.tp],  # the layout of rng_state
+        "model_parallel": [alloc.pp, alloc.tp],  # the layout of rng_state
+        "layout": {key: getattr(alloc, key) for key in _layout_keys(engine)},
         # a frozen engine (no optimizer: a reference model, a conversion) has no optimizer state
-        "distributed_optimizer": engine.config.optimizer is not None
-        and engine.config.optimizer.use_distributed_optimizer,
+        "distributed_optimizer": distributed,
+        "optimizer_format": optimizer_format,
     }
     return state
 

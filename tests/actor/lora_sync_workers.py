@@ -9,7 +9,7 @@ import torch
 
 from megarl.config.train import LoRAConfig
 from tests.actor.lora_workers import ALPHA, DENSE, RANK, _lora_engine, nonzero_adapter
-from tests.actor.workers import ppo_token_loss, split_rows, token_weight
+from tests.actor.workers import optimizer_state_per_param, ppo_token_loss, split_rows, token_weight
 
 
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
@@ -89,7 +89,7 @@ def lora_checkpoint_at(
 ) -> dict:
     """``save``: one Adam step from :func:`nonzero_adapter`'s adapters at ``alloc``, then a checkpoint; else a
     fresh engine at ``alloc`` loads it. Either way, on rank 0: the full adapters and the full Adam moments of
-    each (gathered over tensor parallelism; not with the ``distributed`` optimizer), and the optimizer's step."""
+    each (gathered over tensor parallelism), and the optimizer's step."""
     from megarl.actor.checkpoint import SaveLoadMeta
     from megarl.models import lora
 
@@ -104,7 +104,9 @@ def lora_checkpoint_at(
     else:
         engine.load(SaveLoadMeta(ckpt))
     out = {"adapters": lora.gather_full(engine.model, engine.coords)}
-    for key in () if distributed else ("exp_avg", "exp_avg_sq"):  # the distributed optimizer keys its own shards
-        out[key] = lora.gather_full(engine.model, engine.coords, value=lambda q, key=key: inner.state[q][key])
+    # the distributed optimizer keys its own shards of the parameters: read it by parameter from its buffers
+    state = optimizer_state_per_param(engine) if distributed else {id(q): inner.state[q] for q in inner.state}
+    for key in ("exp_avg", "exp_avg_sq"):
+        out[key] = lora.gather_full(engine.model, engine.coords, value=lambda q, key=key: state[id(q)][key])
     out["steps"] = sorted({int(inner.state[q]["step"]) for group in inner.param_groups for q in group["params"]})
     return out if p.rank == 0 else {}

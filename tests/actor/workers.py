@@ -181,7 +181,7 @@ def logprobs_and_export(model_dir: str, alloc: str, batch: dict, export_dir: str
     return logp
 
 
-def _ckpt_engine(model_dir, alloc, dtype):
+def _ckpt_engine(model_dir, alloc, dtype, checkpoint_layout="any"):
     from megarl.actor.engine import MegatronEngine
 
     optimizer = OptimizerConfig(
@@ -191,6 +191,7 @@ def _ckpt_engine(model_dir, alloc, dtype):
         lr_scheduler_type="cosine",
         warmup_steps_proportion=0.2,
         use_distributed_optimizer=True,
+        checkpoint_layout=checkpoint_layout,
     )
     engine = MegatronEngine(engine_config(model_dir, dtype=dtype, optimizer=optimizer, n_mbs=2))
     engine.create_process_group(alloc)
@@ -206,27 +207,78 @@ def _step(engine, batch) -> float:
 
 
 def checkpoint_save_then_train(
-    model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32"
+    model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32", checkpoint_layout: str = "any"
 ) -> dict:
     """Step on batches[0], step again, save, then step on batches[1] and [2]: the losses a resume must reproduce."""
     from megarl.actor.checkpoint import SaveLoadMeta
 
-    engine = _ckpt_engine(model_dir, alloc, dtype)
+    engine = _ckpt_engine(model_dir, alloc, dtype, checkpoint_layout)
     _step(engine, batches[0])
     _step(engine, batches[0])
     engine.set_version(2)
     engine.save(SaveLoadMeta(ckpt_dir))
-    return {"losses": [_step(engine, b) for b in batches[1:]], "lr": engine.current_lr}
+    state = full_optimizer_state(engine)
+    return {"losses": [_step(engine, b) for b in batches[1:]], "lr": engine.current_lr, "state": state}
 
 
 def checkpoint_load_then_train(
-    model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32"
+    model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32", checkpoint_layout: str = "any"
 ) -> dict:
     from megarl.actor.checkpoint import SaveLoadMeta
 
-    engine = _ckpt_engine(model_dir, alloc, dtype)
+    engine = _ckpt_engine(model_dir, alloc, dtype, checkpoint_layout)
     engine.load(SaveLoadMeta(ckpt_dir))
-    return {"losses": [_step(engine, b) for b in batches[1:]], "lr": engine.current_lr, "version": engine.get_version()}
+    state = full_optimizer_state(engine)
+    losses = [_step(engine, b) for b in batches[1:]]
+    return {"losses": losses, "lr": engine.current_lr, "version": engine.get_version(), "state": state}
+
+
+def optimizer_state_per_param(engine) -> dict:
+    """The distributed optimizer's main parameter and Adam moments of each of this rank's model parameters,
+    ``{id(param): {"param" | "exp_avg" | "exp_avg_sq": tensor shaped like it}}``, read from its live buffers
+    (gathered over data parallelism by Megatron)."""
+    from megarl.actor import cpu_shim
+
+    per_param = {}
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        with cpu_shim.device_mode():
+            world = opt.get_parameter_state_dp_zero(return_on_all_ranks=True)
+        for index, buffer in enumerate(opt.buffers):
+            (tensors,) = world[index].values()
+            for q, (start, end, _) in buffer.param_index_map.items():
+                per_param[id(q)] = {key: tensors[key][start:end].view(q.shape) for key in OPTIMIZER_STATE_KEYS}
+    return per_param
+
+
+OPTIMIZER_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def full_optimizer_state(engine) -> dict:
+    """On rank 0, :func:`optimizer_state_per_param` as whole HF-named tensors (``{key: {name: tensor}}``):
+    gathered over (expert) tensor parallelism as the HF export gathers weights, over pipeline stages by
+    ``gather_object``; ``{}`` on the other ranks."""
+    import torch.distributed as dist
+
+    from megarl.models.hf_io import gather_hf_tensors
+
+    per_param = optimizer_state_per_param(engine)
+    p = engine.parallel
+    local = {
+        key: gather_hf_tensors(
+            engine.model,
+            engine.desc,
+            engine.coords,
+            p.tp_group,
+            p.etp_group,
+            value=lambda q, key=key: per_param[id(q)][key],
+        )
+        for key in OPTIMIZER_STATE_KEYS
+    }
+    parts = [None] * p.world_size if p.rank == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    if p.rank != 0:
+        return {}
+    return {key: {n: t for part in parts for n, t in part[key].items()} for key in OPTIMIZER_STATE_KEYS}
 
 
 def _ppo_actor(model_dir: str, alloc: str, overrides: dict, n_mbs: int = 2, **fields):
