@@ -286,11 +286,9 @@ def build(config: GRPOConfig) -> Trainer:
         workflow, eval_workflow = build_workflows(config, tokenizer)
     dataloader, n_batches, skipped_rows = None, None, []
     if layout.is_head:
-        dataset = load_rl_dataset(
+        dataset = load_rl_dataset(  # the whole dataset: each head takes its share of every global batch
             config.train_dataset.path,
             config.train_dataset.split,
-            rank=layout.dp_rank,
-            world_size=layout.dp_size,
             type=config.train_dataset.type,
             max_prompt_tokens=config.train_dataset.max_prompt_tokens,
             tokenizer=tokenizer,
@@ -304,6 +302,8 @@ def build(config: GRPOConfig) -> Trainer:
             seed=config.seed,
             drop_last=True,
             num_workers=config.train_dataset.num_workers,
+            rank=layout.dp_rank,
+            world_size=layout.dp_size,
         )
         n_batches = len(dataloader)
     valid_items = load_valid_items(config, tokenizer, skipped_rows) if dist.get_rank() == 0 else []
@@ -371,7 +371,8 @@ def all_gather(value) -> list:
 
 def restore(t: Trainer) -> RecoverInfo | None:
     """Resume from the recover point (``recover.mode``): model, optimizer, data position, run utilities."""
-    info = t.recover.load(t.checkpointed)
+    layout = t.coordinator.layout
+    info = t.recover.load(t.checkpointed, share=(layout.dp_rank, layout.dp_size) if layout.is_head else None)
     if t.rollout is not None:
         t.rollout.set_version(t.actor.get_version())
     if info is None:

@@ -40,13 +40,16 @@ class OptimizerConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron's DistributedOptimizer)."""
-    checkpoint_layout: Literal["any", "data_parallel"] = "any"
+    checkpoint_layout: Literal["data_parallel", "any"] = "data_parallel"
     """What layouts the distributed optimizer's state in a checkpoint (and recover point) loads at.
-    ``any``: each parameter's state whole (Megatron's ``fully_reshardable``: gathered over data
-    parallelism on the host while saving), so a run resumes at another tensor, pipeline, expert,
-    context or data-parallel size. ``data_parallel``: each rank writes its own shard as it is
-    (``dp_reshardable``: no gather, no host copy), loadable at another data-parallel size only.
-    Without the distributed optimizer every checkpoint loads at any layout."""
+    ``data_parallel``: each rank writes its own shard as it is (Megatron's ``dp_reshardable``: no
+    gather, no extra memory), loadable at another data-parallel (or context-parallel) size only.
+    ``any``: each parameter's state whole (``fully_reshardable``), so a run resumes at another tensor,
+    pipeline, virtual pipeline or expert-parallel size too; saving gathers the state over data
+    parallelism, which holds about twice the model-parallel shard's fp32 weights and moments (2 x 12
+    bytes a parameter over TP x PP) in each rank's host memory while it saves
+    (``benchmarks/checkpoint_layout.py``). Without the distributed optimizer every checkpoint loads at
+    any layout."""
     bf16_rounding: Literal["dithered", "nearest"] = "dithered"
     """How the bf16 (or fp16) weights the model computes with, and the servers are sent, follow
     the fp32 main parameters the optimizer updates. ``nearest`` is Megatron's own copy: weights

@@ -15,6 +15,7 @@ and only then are dumps beyond ``recover.keep_last`` deleted. The recover point 
 interrupted; a file missing or of another size) is skipped with a warning, so a crash at any
 moment, or a file lost later, falls back to the previous point. A full disk fails the dump
 with a message saying so, removes the partial dump and leaves the previous points as they were.
+A point written at one trainer layout loads at another (:meth:`RecoverHandler.load`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from megarl.run.saver import (
 
 logger = logging.getLogger(__name__)
 
-# Layout fields that must match for a dump to load: only DP may differ (the optimizer reshards over DP).
 _MODEL_PARALLEL = ("pp", "tp", "ep", "expert_tp", "vpp", "cp")
 
 
@@ -172,14 +172,17 @@ class RecoverHandler:
             logger.warning("recover point %s is incomplete (%s): skipped, trying the one before", path, reason)
         return None
 
-    def load(self, engines) -> RecoverInfo | None:
+    def load(self, engines, share: tuple[int, int] | None = None) -> RecoverInfo | None:
         """Restore ``engines`` (as for :meth:`maybe_dump`) and this rank's RNG from the recover point;
         its RecoverInfo, or None.
 
-        The world may differ from the dump's in data parallelism only: the Megatron
-        checkpoint reshards over DP, rank ``r`` takes the info of saved rank
-        ``min(r, saved_world - 1)`` and keeps the RNG the checkpoint restored (one state
-        per pipeline / tensor-parallel coordinate) instead of another rank's.
+        The trainer's layout may differ from the dump's (data, tensor, pipeline, virtual pipeline,
+        expert, context parallel sizes): the Megatron checkpoints reshard (the distributed optimizer's
+        state when written per parameter, ``optimizer.checkpoint_layout: any``); every rank takes rank
+        0's run and data position (the same on every rank), keeps the RNG the checkpoint restored (one
+        state per pipeline / tensor-parallel coordinate) instead of another rank's, and ``share``, a
+        data-parallel head's ``(dp_rank, dp_size)``, gets its part of all the prompts in flight at the
+        dump; other ranks get none.
         """
         if self.config.mode == "disabled":
             if self.points():
@@ -194,20 +197,14 @@ class RecoverHandler:
                 raise FileNotFoundError(f"recover.mode=resume but {self.root} holds no complete recover point: {found}")
             logger.info("no recover point in %s: starting fresh", self.root)
             return None
-        return self._load(named_engines(engines), path)
+        return self._load(named_engines(engines), path, share)
 
-    def _load(self, engines: dict, path: Path) -> RecoverInfo:
+    def _load(self, engines: dict, path: Path, share: tuple[int, int] | None) -> RecoverInfo:
         from megarl.actor.checkpoint import SaveLoadMeta
 
         engine = engines["model"]
-        saved = json.loads((path / "layout.json").read_text())
+        saved = {"cp": 1, **json.loads((path / "layout.json").read_text())}  # points from before CP: 1
         now = _layout(engine)
-        changed = [k for k in _MODEL_PARALLEL if saved[k] != now[k]]
-        if changed:
-            raise ValueError(
-                f"recover point {path} was written with layout {saved}, this run has {now}: "
-                f"only the data-parallel size may change (differs: {changed})"
-            )
         for name, each in engines.items():
             if not (path / name).is_dir():
                 raise FileNotFoundError(
@@ -215,11 +212,28 @@ class RecoverHandler:
                     f"by a run without one (recover.mode=disabled, or another trial_name, starts fresh)"
                 )
             each.load(SaveLoadMeta(str(path / name), weight_format="megatron", with_optim=True))
-        rank = engine.parallel.rank
-        info = RecoverInfo(**torch.load(path / f"info_rank{min(rank, saved['world_size'] - 1)}.pt", weights_only=True))
-        if saved["world_size"] == now["world_size"]:
+        if saved == now:
+            info = RecoverInfo(**_read_info(path, engine.parallel.rank))
             set_rng_state(info.rng_state)
+        else:
+            info = self._info_at_another_layout(path, saved, share)
+            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v)
+            logger.info("recover point %s was written at another layout (%s): resharded", path, changed)
         self.freq.load_state_dict(info.recover_state)
         self._last_step = info.global_step
         logger.info("recovered from %s at global step %d", path, info.global_step)
         return info
+
+    @staticmethod
+    def _info_at_another_layout(path: Path, saved: dict, share: tuple[int, int] | None) -> RecoverInfo:
+        """Rank 0's info without its RNG, and this rank's share of every saved rank's prompts in flight."""
+        info = RecoverInfo(**_read_info(path, 0))
+        pending = []
+        for rank in range(saved["world_size"]) if share is not None else ():
+            pending += _read_info(path, rank)["extra"].get("pending_items", [])
+        mine = pending[share[0] :: share[1]] if share is not None else []
+        return dataclasses.replace(info, rng_state={}, extra={**info.extra, "pending_items": mine})
+
+
+def _read_info(path: Path, rank: int) -> dict:
+    return torch.load(path / f"info_rank{rank}.pt", weights_only=True)

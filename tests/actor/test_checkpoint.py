@@ -1,6 +1,7 @@
 """Megatron distributed checkpoints: saved at one parallel layout, resumed at another.
 
-Two steps (distributed optimizer, clipping, warmup + cosine LR) at one layout, save, then two more
+Two steps (distributed optimizer, clipping, warmup + cosine LR) at one layout, save (the optimizer's
+state as per-rank shards, the default, or per parameter: ``optimizer.checkpoint_layout: any``), then two more
 steps; a fresh engine at another layout loads the checkpoint. Right after the load its main
 parameters and Adam moments, read from the optimizer's live buffers and gathered into whole HF
 tensors, must equal the saver's bit for bit; then it must reproduce both next losses (the first
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.multiproc
 WORLD = {"d1p1t1": 1, "d2p1t1": 2, "d1p1t1c2": 2, "d1p1t2": 2, "d1p2t1": 2, "d1p2t1v2": 2, "d2p1t1e2": 2}
 
 
-def save_then_load(model_dir, tmp_path, save_alloc, load_alloc, dtype, checkpoint_layout="any"):
+def save_then_load(model_dir, tmp_path, save_alloc, load_alloc, dtype, checkpoint_layout="data_parallel"):
     batches = [make_batch([7, 12, 5, 9], seed=s) for s in range(3)]
     common = {
         "model_dir": str(model_dir),
@@ -54,7 +55,8 @@ def assert_resumed(want: dict, got: dict, first_rel: float, second_rel: float) -
     ],
 )
 def test_checkpoint_resumes_at_another_dp_size(tiny_model_dir, tmp_path, save_alloc, load_alloc):
-    """bf16 weights: the losses to bf16's rounding of the same computation split otherwise."""
+    """The default per-rank shards; bf16 weights: the losses to bf16's rounding of the same computation
+    split otherwise."""
     want, got = save_then_load(tiny_model_dir("llama"), tmp_path, save_alloc, load_alloc, "bfloat16")
     assert_resumed(want, got, first_rel=1e-6, second_rel=1e-4)
 
@@ -70,7 +72,7 @@ def test_checkpoint_resumes_at_another_dp_size(tiny_model_dir, tmp_path, save_al
 def test_checkpoint_resumes_at_another_model_parallel_layout(tiny_model_dir, tmp_path, save_alloc, load_alloc):
     """fp32: the resumed losses differ from the saver's by the summation order of another split only
     (a relative error of a few float32 epsilons per reduction, far below 1e-5)."""
-    want, got = save_then_load(tiny_model_dir("llama"), tmp_path, save_alloc, load_alloc, "float32")
+    want, got = save_then_load(tiny_model_dir("llama"), tmp_path, save_alloc, load_alloc, "float32", "any")
     assert_resumed(want, got, first_rel=1e-5, second_rel=1e-5)
 
 
@@ -80,13 +82,13 @@ def test_checkpoint_resumes_at_another_model_parallel_layout(tiny_model_dir, tmp
 def test_an_moe_checkpoint_resumes_at_another_expert_parallel_size(tiny_model_dir, tmp_path, save_alloc, load_alloc):
     """Expert-parallel ranks hold different experts and their optimizer state (a second optimizer, over the
     expert data-parallel group); at EP 1 one rank holds them all, in one optimizer."""
-    want, got = save_then_load(tiny_model_dir("qwen3_moe"), tmp_path, save_alloc, load_alloc, "float32")
+    want, got = save_then_load(tiny_model_dir("qwen3_moe"), tmp_path, save_alloc, load_alloc, "float32", "any")
     assert_resumed(want, got, first_rel=1e-5, second_rel=1e-5)
 
 
 def test_per_rank_optimizer_shards_at_another_model_parallel_layout_are_refused_by_name(tiny_model_dir, tmp_path):
-    """``checkpoint_layout: data_parallel`` writes each rank's buckets as they are: another TP size is
-    refused before anything loads, naming the setting that would have made it loadable."""
+    """``checkpoint_layout: data_parallel`` (the default) writes each rank's buckets as they are: another
+    TP size is refused before anything loads, naming the setting that would have made it loadable."""
     with pytest.raises(
         RuntimeError,
         match=r"optimizer.checkpoint_layout=data_parallel.*layout differs \(tp 2 -> 1\).*checkpoint_layout=any",

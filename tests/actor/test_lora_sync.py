@@ -90,7 +90,7 @@ def test_a_checkpoint_with_adapters_resumes_at_another_tensor_parallel_size(
 ):
     """Adapters and their Adam moments saved at one TP size load at another: each adapter's TP split is
     recorded in the checkpoint, so the gathered matrices and moments are bit-identical, with the plain
-    optimizer and with the distributed one (whose state is written per parameter by default)."""
+    optimizer and with the distributed one (its state written per parameter: ``checkpoint_layout: any``)."""
     common = {"model_dir": str(llama_dir), "batch": make_batch([7, 12, 5, 9], seed=3), "ckpt": str(tmp_path / "c")}
     world = {"d1p1t1": 1, "d1p1t2": 2}
     saved = run_ranks(world[saved_at], CHECKPOINT_AT, alloc=saved_at, save=True, distributed=distributed, **common)[0]

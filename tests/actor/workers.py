@@ -181,7 +181,7 @@ def logprobs_and_export(model_dir: str, alloc: str, batch: dict, export_dir: str
     return logp
 
 
-def _ckpt_engine(model_dir, alloc, dtype, checkpoint_layout="any"):
+def _ckpt_engine(model_dir, alloc, dtype, checkpoint_layout="data_parallel"):
     from megarl.actor.engine import MegatronEngine
 
     optimizer = OptimizerConfig(
@@ -207,7 +207,12 @@ def _step(engine, batch) -> float:
 
 
 def checkpoint_save_then_train(
-    model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32", checkpoint_layout: str = "any"
+    model_dir: str,
+    alloc: str,
+    batches: list,
+    ckpt_dir: str,
+    dtype: str = "float32",
+    checkpoint_layout: str = "data_parallel",
 ) -> dict:
     """Step on batches[0], step again, save, then step on batches[1] and [2]: the losses a resume must reproduce."""
     from megarl.actor.checkpoint import SaveLoadMeta
@@ -222,7 +227,12 @@ def checkpoint_save_then_train(
 
 
 def checkpoint_load_then_train(
-    model_dir: str, alloc: str, batches: list, ckpt_dir: str, dtype: str = "float32", checkpoint_layout: str = "any"
+    model_dir: str,
+    alloc: str,
+    batches: list,
+    ckpt_dir: str,
+    dtype: str = "float32",
+    checkpoint_layout: str = "data_parallel",
 ) -> dict:
     from megarl.actor.checkpoint import SaveLoadMeta
 

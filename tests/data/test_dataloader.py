@@ -89,9 +89,54 @@ def test_a_new_iterator_after_an_abandoned_one_is_a_new_epoch(rows):
     assert ids(loader) == reference[1]
 
 
+def shares(world_size: int, **kwargs) -> list:
+    """A loader per data-parallel rank, each over the whole dataset, of ``BATCH // world_size`` rows a batch."""
+    return [
+        create_dataloader(batch_size=BATCH // world_size, rank=r, world_size=world_size, **kwargs)
+        for r in range(world_size)
+    ]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_data_parallel_ranks_share_each_global_batch(rows, num_workers):
+    """Rank r's k-th batch is the r-th part of the k-th batch one rank would get: the same prompts per
+    step at any data-parallel size, no row twice, and the state alike on every rank."""
+    reference = epochs(create_dataloader(rows, batch_size=BATCH, num_workers=num_workers), 2)
+    for world_size in (2, 4):
+        loaders = shares(world_size, dataset=rows, num_workers=num_workers)
+        per_rank = [epochs(loader, 2) for loader in loaders]
+        for epoch in range(2):
+            steps = zip(*(share[epoch] for share in per_rank), strict=True)
+            assert [list(itertools.chain(*parts)) for parts in steps] == reference[epoch]
+        assert len({str(loader.state_dict()) for loader in loaders}) == 1
+
+
+@pytest.mark.parametrize("saved_world,resumed_world", [(2, 1), (1, 4), (4, 2)])
+def test_a_state_resumes_at_another_data_parallel_size(rows, tmp_path, saved_world, resumed_world):
+    """A recover point written by ``saved_world`` ranks after 2 steps continues at step 3 of the same
+    order with ``resumed_world`` ranks, and the epoch after it is the uninterrupted run's."""
+    reference = epochs(create_dataloader(rows, batch_size=BATCH), 2)
+    saved = shares(saved_world, dataset=rows)
+    for loader in saved:
+        list(itertools.islice(iter(loader), 2))
+    torch.save(saved[-1].state_dict(), tmp_path / "loader.pt")
+    resumed = shares(resumed_world, dataset=rows)
+    for loader in resumed:
+        loader.load_state_dict(torch.load(tmp_path / "loader.pt", weights_only=False))
+    for epoch, want in ((0, reference[0][2:]), (1, reference[1])):
+        steps = zip(*(ids(loader) for loader in resumed), strict=True)
+        assert [list(itertools.chain(*parts)) for parts in steps] == want, epoch
+
+
 def test_collate_is_picklable_and_bad_sizes_are_rejected(rows):
     assert pickle.loads(pickle.dumps(collate_rows))([{"a": 1}]) == [{"a": 1}]
-    with pytest.raises(ValueError, match="batch_size=30 exceeds the 22 rows"):
+    with pytest.raises(ValueError, match="batch_size=30 x world_size=1 exceeds the 22 rows"):
         create_dataloader(rows, batch_size=30)
+    with pytest.raises(ValueError, match="batch_size=6 x world_size=4 exceeds the 22 rows"):
+        create_dataloader(rows, batch_size=6, rank=0, world_size=4)
+    with pytest.raises(ValueError, match="rank=2 must satisfy 0 <= rank < world_size=2"):
+        create_dataloader(rows, batch_size=2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="world_size=2: ranks share whole global batches only"):
+        create_dataloader(rows, batch_size=2, rank=0, world_size=2, drop_last=False)
     with pytest.raises(ValueError, match="batch_size=0"):
         create_dataloader(rows, batch_size=0)

@@ -236,21 +236,34 @@ def test_recover_state_restores_the_dump_frequency(tmp_path):
     assert [resumed.maybe_dump(stub, info_at(s)) for s in (1, 2, 3)] == [False, False, True]
 
 
-def test_rng_restored_on_the_same_world_only(tmp_path):
+def test_rng_restored_on_the_same_layout_only(tmp_path):
     dump(tmp_path, 1)
     expected = draws()
     load(tmp_path)
     assert draws() == expected
     load(tmp_path, rank=1, dp=2)  # DP 1 -> 2: rank 1 takes rank 0's info, keeps its own RNG
     assert draws() != expected
+    load(tmp_path, rank=0, tp=2)  # the same rank 0 at another layout: its RNG belongs to another coordinate
+    assert draws() != expected
 
 
-def test_only_the_data_parallel_size_may_change(tmp_path):
-    dump(tmp_path, 1)
-    stub, info = load(tmp_path, rank=1, dp=2)
-    assert info.global_step == 1 and stub.version == 1
-    with pytest.raises(ValueError, match=r"only the data-parallel size may change \(differs: \['tp', 'expert_tp'\]\)"):
-        load(tmp_path, tp=2)
+def test_another_layout_loads_and_shares_the_prompts_in_flight(tmp_path):
+    """At another layout every rank takes rank 0's position; the prompts in flight at the dump are dealt
+    out over the new data-parallel heads, each once, and non-head ranks get none."""
+    stub = StubEngine()
+    stub.version = 4
+    info = RecoverInfo(0, 4, 4, 4, dataloader_state={"epoch": 0, "yielded": 20}, extra={"pending_items": list("abcde")})
+    RecoverHandler(RecoverConfig(mode="auto"), tmp_path).maybe_dump(stub, info, force=True)
+    got = {}
+    for rank, share, layout in ((0, (0, 2), {"dp": 2}), (1, (1, 2), {"dp": 2}), (1, None, {"tp": 2})):
+        stub = StubEngine(rank=rank, **layout)
+        got[rank, share] = RecoverHandler(RecoverConfig(mode="auto"), tmp_path).load(stub, share=share)
+        assert stub.version == 4 and got[rank, share].dataloader_state == {"epoch": 0, "yielded": 20}
+    assert got[0, (0, 2)].extra["pending_items"] == ["a", "c", "e"]
+    assert got[1, (1, 2)].extra["pending_items"] == ["b", "d"]
+    assert got[1, None].extra["pending_items"] == []
+    same = RecoverHandler(RecoverConfig(mode="auto"), tmp_path).load(StubEngine(), share=(0, 1))
+    assert same.extra["pending_items"] == list("abcde")
 
 
 def test_a_critic_is_dumped_and_loaded_beside_the_actor(tmp_path):
