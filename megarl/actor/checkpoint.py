@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-import itertools
+import copy
 import logging
 import os
 import random
@@ -179,8 +179,10 @@ def _load_optimizer_state(optimizer, loaded, saved) -> None:
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
 
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    for opt, param_state, rest in zip(chained, _param_states(loaded, len(chained)), _whole_parts(saved), strict=False):
-        opt.load_state_dict(rest)  # param groups (torch's AdamW: with ``step`` put into every state)
+    rest = _all_param_groups(saved)
+    for opt, param_state in zip(chained, _param_states(loaded, len(chained)), strict=True):
+        # param groups (torch's AdamW: with ``step`` put into every state); each optimizer its own copy
+        opt.load_state_dict(copy.deepcopy(rest))
         if not HAVE_APEX_OR_TE:
             # Megatron 0.16.1 then copies every state entry, ``step`` included, from a source that has none
             # (``KeyError: 'step'``); _restore_adam_step puts the step back
@@ -189,9 +191,14 @@ def _load_optimizer_state(optimizer, loaded, saved) -> None:
         opt.load_parameter_state_from_fully_reshardable(param_state)
 
 
+def _saved_parts(saved) -> list:
+    """A checkpoint's common optimizer state, one entry per optimizer that wrote it (one, or the chained ones)."""
+    return [saved] if "param_state_sharding_type" in saved else [v for _, v in sorted(saved.items())]
+
+
 def _sharding_type(saved) -> str | None:
     """The distributed optimizer's format in a checkpoint's common optimizer state (None: not distributed)."""
-    parts = [saved] if "param_state_sharding_type" in saved else [v for _, v in sorted(saved.items())]
+    parts = _saved_parts(saved)
     return parts[0].get("param_state_sharding_type") if parts and isinstance(parts[0], dict) else None
 
 
@@ -200,13 +207,13 @@ def _param_states(loaded, n: int) -> list:
     return [loaded["param_state"]] if n == 1 else [loaded[i]["param_state"] for i in range(n)]
 
 
-def _whole_parts(saved) -> itertools.repeat:
+def _all_param_groups(saved) -> dict:
     """What each distributed optimizer loads besides its parameter states: the saved param groups of
     every optimizer that wrote the checkpoint. Another expert-parallel size has another number of them
     (experts get an optimizer of their own when their data-parallel group differs); Megatron matches
     groups by their identifying keys (weight decay, LR multiplier, expert-parallel or not), so a group
     saved at expert-parallel size 1 also stands for its expert-parallel twin (same LR, step, decay)."""
-    parts = [saved] if "param_state_sharding_type" in saved else [v for _, v in sorted(saved.items())]
+    parts = _saved_parts(saved)
     groups = [group for part in parts for group in part["optimizer"]["param_groups"]]
     known = {_group_key(group) for group in groups}
     for group in list(groups):
@@ -214,7 +221,8 @@ def _whole_parts(saved) -> itertools.repeat:
         if _group_key(twin) not in known:
             groups.append(twin)
     whole = {**parts[0], "optimizer": {**parts[0]["optimizer"], "param_groups": groups}}
-    return itertools.repeat({k: v for k, v in whole.items() if k != "param_state"})
+    whole.pop("param_state", None)
+    return whole
 
 
 def _layout_keys(engine) -> tuple[str, ...]:
