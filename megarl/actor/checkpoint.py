@@ -127,6 +127,7 @@ def load(engine, meta: SaveLoadMeta) -> None:
         _prime_adam_state(engine.optimizer)
     common = dist_checkpointing.load_common_state_dict(meta.path)
     saved = common["engine"]
+    _require_same_model(meta.path, saved.get("model"), _model_shape(engine))
     # a checkpoint from before checkpoint_layout existed holds per-bucket shards
     optimizer_format = saved.get("optimizer_format", "dp_reshardable")
     state = _sharded_state(engine, meta.with_optim, is_loading=True, optimizer_format=optimizer_format)
@@ -154,6 +155,46 @@ def load(engine, meta: SaveLoadMeta) -> None:
             set_rng_state(loaded["rng_state"])
     engine.set_version(int(loaded["engine"]["version"]))
     logger.info("loaded a Megatron distributed checkpoint from %s", meta.path)
+
+
+_MODEL_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_local_experts",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+"""The HF config entries that decide a checkpoint's tensors (those a config has)."""
+
+
+def _model_shape(engine) -> dict:
+    """What decides the tensors a checkpoint holds: the model's shape, and its LoRA adapters."""
+    config = engine.desc.hf_config
+    shape = {key: getattr(config, key) for key in _MODEL_KEYS if getattr(config, key, None) is not None}
+    lora = engine.config.lora
+    if lora is not None and lora.rank > 0:
+        shape["lora"] = {"rank": lora.rank, "target_modules": sorted(lora.target_modules)}
+    return shape
+
+
+def _require_same_model(path: str, saved: dict | None, now: dict) -> None:
+    """Refuse a checkpoint of another model by name (checkpoints from before this record are not checked)."""
+    if saved is None or saved == now:
+        return
+    differs = ", ".join(
+        f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted({*saved, *now}) if saved.get(k) != now.get(k)
+    )
+    raise ValueError(
+        f"checkpoint {path} holds another model than this engine's ({differs}): load it with the model "
+        f"and adapters it was trained with (actor.path, actor.lora; critic.* for a critic), or start fresh "
+        f"(recover.mode=disabled, or another trial_name)"
+    )
 
 
 def _require_bucket_layout(path: str, saved: dict, now: dict) -> None:
@@ -337,6 +378,7 @@ def _sharded_state(engine, with_optim: bool, is_loading: bool, optimizer_format:
         "main_params_rounding": _main_params_rounding(engine),
         "model_parallel": [alloc.pp, alloc.tp],  # the layout of rng_state
         "layout": {key: getattr(alloc, key) for key in _layout_keys(engine)},
+        "model": _model_shape(engine),
         # a frozen engine (no optimizer: a reference model, a conversion) has no optimizer state
         "distributed_optimizer": distributed,
         "optimizer_format": optimizer_format,

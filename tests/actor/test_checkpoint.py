@@ -94,3 +94,15 @@ def test_per_rank_optimizer_shards_at_another_model_parallel_layout_are_refused_
         match=r"optimizer.checkpoint_layout=data_parallel.*layout differs \(tp 2 -> 1\).*checkpoint_layout=any",
     ):
         save_then_load(tiny_model_dir("llama"), tmp_path, "d1p1t2", "d2p1t1", "float32", "data_parallel")
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(tiny_model_dir, tmp_path):
+    """A run resumed with another actor.path (here a wider MLP) gets the model's difference named, not
+    Megatron's shape mismatch of one tensor."""
+    batches = [make_batch([7, 12, 5, 9], seed=s) for s in range(3)]
+    common = {"batches": batches, "ckpt_dir": str(tmp_path / "ckpt"), "alloc": "d1p1t1"}
+    save, load = "tests.actor.workers:checkpoint_save_then_train", "tests.actor.workers:checkpoint_load_then_train"
+    run_ranks(1, save, model_dir=str(tiny_model_dir("llama")), **common)
+    wider = tiny_model_dir("llama", intermediate_size=96)
+    with pytest.raises(RuntimeError, match=r"holds another model than this engine's \(intermediate_size \d+ -> 96\)"):
+        run_ranks(1, load, model_dir=str(wider), **common)
