@@ -98,6 +98,7 @@ class SaveLoadMeta:
 _OPTIMIZER_FORMATS = {"any": "fully_reshardable", "data_parallel": "dp_reshardable"}
 _LAYOUT_KEYS = ("pp", "tp", "vpp")
 _EXPERT_LAYOUT_KEYS = ("ep", "expert_tp")
+_ALL_LAYOUT_KEYS = _LAYOUT_KEYS + _EXPERT_LAYOUT_KEYS
 """What a ``dp_reshardable`` optimizer state must be loaded at as it was saved (its buckets' contents):
 the layout keys, and the expert ones for a model with experts."""
 
@@ -118,7 +119,8 @@ def save(engine, meta: SaveLoadMeta) -> None:
 
 @torch.no_grad()
 def load(engine, meta: SaveLoadMeta) -> None:
-    """Restore ``engine``'s state from ``meta.path`` (collective); any DP size may have written it."""
+    """Restore ``engine``'s state from ``meta.path`` (collective), written at any layout (the distributed
+    optimizer's state: as ``optimizer.checkpoint_layout`` allows); another model is refused by name."""
     if meta.weight_format != "megatron":
         raise ValueError(f"load() reads weight_format 'megatron' checkpoints, got {meta.weight_format!r}")
     from megatron.core import dist_checkpointing
@@ -127,12 +129,15 @@ def load(engine, meta: SaveLoadMeta) -> None:
         _prime_adam_state(engine.optimizer)
     common = dist_checkpointing.load_common_state_dict(meta.path)
     saved = common["engine"]
-    _require_same_model(meta.path, saved.get("model"), _model_shape(engine))
+    layout = {key: getattr(engine.parallel.alloc, key) for key in _ALL_LAYOUT_KEYS}
+    problem = model_problem(saved, _model_shape(engine))
+    if problem is None and meta.with_optim and engine.optimizer is not None:
+        problem = layout_problem(saved, layout)
+    if problem is not None:
+        raise ValueError(f"checkpoint {meta.path} {problem}")
     # a checkpoint from before checkpoint_layout existed holds per-bucket shards
     optimizer_format = saved.get("optimizer_format", "dp_reshardable")
     state = _sharded_state(engine, meta.with_optim, is_loading=True, optimizer_format=optimizer_format)
-    if "optimizer" in state and saved.get("distributed_optimizer") and optimizer_format == "dp_reshardable":
-        _require_bucket_layout(meta.path, saved, state["engine"])
     saved_at = saved.get("model_parallel")
     if "rng_state" in state and saved_at is not None and saved_at != state["engine"]["model_parallel"]:
         # one RNG state per model-parallel rank: another layout has other ranks (weights and optimizer reshard)
@@ -173,42 +178,58 @@ _MODEL_KEYS = (
 """The HF config entries that decide a checkpoint's tensors (those a config has)."""
 
 
-def _model_shape(engine) -> dict:
-    """What decides the tensors a checkpoint holds: the model's shape, and its LoRA adapters."""
-    config = engine.desc.hf_config
-    shape = {key: getattr(config, key) for key in _MODEL_KEYS if getattr(config, key, None) is not None}
-    lora = engine.config.lora
+def model_shape(hf_config: dict, lora=None) -> dict:
+    """What decides the tensors a checkpoint holds: the entries of an HF config (``to_dict()``) that
+    shape the model, and the LoRA adapters (a ``LoRAConfig``, or None)."""
+    shape = {key: hf_config[key] for key in _MODEL_KEYS if hf_config.get(key) is not None}
     if lora is not None and lora.rank > 0:
         shape["lora"] = {"rank": lora.rank, "target_modules": sorted(lora.target_modules)}
     return shape
 
 
-def _require_same_model(path: str, saved: dict | None, now: dict) -> None:
-    """Refuse a checkpoint of another model by name (checkpoints from before this record are not checked)."""
-    if saved is None or saved == now:
-        return
-    differs = ", ".join(
-        f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted({*saved, *now}) if saved.get(k) != now.get(k)
-    )
-    raise ValueError(
-        f"checkpoint {path} holds another model than this engine's ({differs}): load it with the model "
-        f"and adapters it was trained with (actor.path, actor.lora; critic.* for a critic), or start fresh "
+def _model_shape(engine) -> dict:
+    return model_shape(engine.desc.hf_config.to_dict(), engine.config.lora)
+
+
+def read_checkpoint_record(path: str | os.PathLike) -> dict:
+    """What a checkpoint directory says of the engine that wrote it (version, layout, optimizer format,
+    model shape); no process group needed."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(path))["engine"]
+
+
+def model_problem(saved: dict, model: dict) -> str | None:
+    """Why a checkpoint whose record (:func:`read_checkpoint_record`) is ``saved`` cannot load into an
+    engine of ``model`` (:func:`model_shape`), or None (a record from before the shape was kept: None)."""
+    known = saved.get("model")
+    if known is None or known == model:
+        return None
+    keys = sorted({*known, *model})
+    differs = ", ".join(f"{k} {known.get(k)!r} -> {model.get(k)!r}" for k in keys if known.get(k) != model.get(k))
+    return (
+        f"holds another model than this engine's ({differs}): load it with the model and adapters it was "
+        f"trained with (actor.path, actor.lora; critic.* for a critic), or start fresh "
         f"(recover.mode=disabled, or another trial_name)"
     )
 
 
-def _require_bucket_layout(path: str, saved: dict, now: dict) -> None:
-    """A ``dp_reshardable`` optimizer state loads where its buckets are the same: refuse another model layout."""
+def layout_problem(saved: dict, layout: dict) -> str | None:
+    """Why a checkpoint whose record is ``saved`` cannot load with its optimizer state at ``layout``
+    (sizes by ``TrainingAllocation`` name), or None: per-rank shards of the distributed optimizer load
+    where their buckets are the same, at another data-parallel size only."""
+    if not saved.get("distributed_optimizer") or saved.get("optimizer_format", "dp_reshardable") != "dp_reshardable":
+        return None
     saved_layout = saved.get("layout") or dict(zip(("pp", "tp"), saved.get("model_parallel", ())))
-    changed = {k: (v, now["layout"][k]) for k, v in saved_layout.items() if now["layout"][k] != v}
-    if changed:
-        differs = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-        raise ValueError(
-            f"checkpoint {path} holds the distributed optimizer's state as per-rank shards "
-            f"(optimizer.checkpoint_layout=data_parallel), which load at another data-parallel size only, "
-            f"and this engine's layout differs ({differs}): load it at the layout that wrote it, or write "
-            f"the checkpoint with optimizer.checkpoint_layout=any"
-        )
+    changed = {k: (v, layout[k]) for k, v in saved_layout.items() if layout[k] != v}
+    if not changed:
+        return None
+    differs = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    return (
+        f"holds the distributed optimizer's state as per-rank shards (optimizer.checkpoint_layout=data_parallel), "
+        f"which load at another data-parallel size only, and this engine's layout differs ({differs}): load it "
+        f"at the layout that wrote it, or write the checkpoint with optimizer.checkpoint_layout=any"
+    )
 
 
 def _load_optimizer_state(optimizer, loaded, saved) -> None:

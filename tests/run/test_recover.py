@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.config.allocation import TrainingAllocation
+from megarl.config.allocation import AllocationMode, TrainingAllocation
 from megarl.config.run import RecoverConfig
 from megarl.run.recover import RecoverHandler, RecoverInfo
 from tests.actor.dist_utils import run_ranks
@@ -281,3 +281,54 @@ def test_a_critic_is_dumped_and_loaded_beside_the_actor(tmp_path):
         RecoverHandler(RecoverConfig(mode="auto"), tmp_path / "grpo").load(
             {"model": StubEngine(), "critic": StubEngine()}
         )
+
+
+# ---------------------------------------------------------------------------------- checked before the run
+
+
+def dump_a_point(model_dir: str, run_dir: str, alloc: str, checkpoint_layout: str) -> None:
+    """A step, then a recover point, at ``alloc``."""
+    from tests.actor.workers import _ckpt_engine, _step, make_batch
+
+    engine = _ckpt_engine(model_dir, alloc, "float32", checkpoint_layout)
+    _step(engine, make_batch([7, 12, 5, 9]))
+    RecoverHandler(RecoverConfig(mode="auto"), Path(run_dir)).maybe_dump(engine, info_at(0), force=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("checkpoint_layout", ["data_parallel", "any"])
+def test_the_config_check_says_what_the_recover_point_cannot_load(tiny_model_dir, tmp_path, checkpoint_layout):
+    """``megarl config`` / ``megarl run`` read the point a resume would load, before any server starts: per-rank
+    optimizer shards at another pipeline size are refused naming allocation_mode, another model naming actor.path;
+    another data-parallel size, or the shards written per parameter, pass."""
+    from megarl.config.experiment import GRPOConfig
+    from megarl.run.prelaunch import load_expr_config
+    from megarl.utils.errors import ConfigError
+
+    model = str(tiny_model_dir("llama"))
+    run_ranks(
+        2,
+        "tests.run.test_recover:dump_a_point",
+        model_dir=model,
+        run_dir=str(tmp_path / "gsm8k-grpo-cpu" / "trial0"),
+        alloc="d1p2t1",
+        checkpoint_layout=checkpoint_layout,
+    )
+
+    def check(trainer: str, path: str = model) -> None:
+        ranks = AllocationMode.from_str(f"vllm:d1t1+megatron:{trainer}").train.world_size
+        overrides = [f"cluster.fileroot={tmp_path}", f"actor.path={path}", "recover.mode=resume"]
+        overrides += [f"allocation_mode=vllm:d1t1+megatron:{trainer}", f"cluster.n_gpus_per_node={1 + ranks}"]
+        load_expr_config(["--config", "configs/gsm8k_grpo_cpu.yaml", *overrides], GRPOConfig)
+
+    check("d1p2t1")
+    check("d2p2t1")  # another data-parallel size
+    if checkpoint_layout == "any":
+        check("d2p1t1")
+    else:
+        with pytest.raises(ConfigError, match=r"per-rank shards .* layout differs \(pp 2 -> 1\)") as err:
+            check("d2p1t1")
+        assert err.value.key == "allocation_mode" and "actor.optimizer.checkpoint_layout" in err.value.related
+    with pytest.raises(ConfigError, match=r"another model than this engine's \(intermediate_size \d+ -> 96\)") as err:
+        check("d1p2t1", str(tiny_model_dir("llama", intermediate_size=96)))
+    assert err.value.key == "actor.path"
