@@ -247,15 +247,16 @@ def test_critic_on_shared_prefixes_matches_hf(critic_dir):
 
 
 @pytest.mark.multiproc
-def test_critic_checkpoint_resumes_and_exports_to_hf(critic_dir, batch, tmp_path):
+@pytest.mark.parametrize("saved_at", ["d2p1t1", pytest.param("d1p1t2", marks=pytest.mark.slow)])
+def test_critic_checkpoint_resumes_and_exports_to_hf(critic_dir, batch, tmp_path, saved_at):
     """A Megatron checkpoint of the critic (head and Adam state) resumes the same second update at
-    another DP size; the HF export loads as AutoModelForTokenClassification with the same values."""
+    another DP (or TP) size; the HF export loads as AutoModelForTokenClassification with the same values."""
     ckpt, export = tmp_path / "ckpt", tmp_path / "hf"
     saved = run_ranks(
         2,
         "tests.actor.workers:critic_save_then_train",
         model_dir=str(critic_dir),
-        alloc="d2p1t1",
+        alloc=saved_at,
         batch=batch,
         ckpt_dir=str(ckpt),
         export_dir=str(export),
