@@ -5,9 +5,9 @@ shards (``data_parallel``, ``dp_reshardable``).
 Two gloo ranks on CPU hold SmolLM2-135M's shape (random weights, fp32, Adam, the distributed optimizer
 over DP 2) after one training step; each format is saved ``REPEATS`` times and loaded back at the same
 layout, and the ``any`` checkpoint at pipeline-parallel 2 too. Per row: seconds to save and to load
-(median of the repeats, rank 0), the checkpoint's size, and how much the larger of the two ranks' peak
-resident memory grew while saving (the gather holds the model-parallel shard's whole fp32 state on
-every data-parallel rank); each format in processes of its own. ``--quick``: one repeat.
+(median of the repeats, rank 0), the checkpoint's size, and how much each rank's peak resident memory
+grew while saving (the gather holds the model-parallel shard's whole fp32 state on data-parallel rank
+0); each format in processes of its own. ``--quick``: one repeat.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def _rank(rank: int, layout: str, port: int, model_dir: str, out_dir: str, repea
             "load s, same layout": loads["d2p1t1"],
             "load s, at d1p2t1": loads.get("d1p2t1"),
             "size MB": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20,
-            "peak RSS growth MB, rank": max(grown),
+            "peak RSS growth MB, rank 0": grown[0],
+            "peak RSS growth MB, rank 1": grown[1],
         }
     engine.destroy()
     dist.destroy_process_group()
@@ -124,8 +125,9 @@ def summary(rows: list[dict]) -> str:
     return (
         f"any: save {any_['save s (median)']:.1f} s vs {dp['save s (median)']:.1f} s per-rank shards, "
         f"load {any_['load s, same layout']:.1f} vs {dp['load s, same layout']:.1f} s, "
-        f"at another layout {any_['load s, at d1p2t1']:.1f} s; peak RSS growth "
-        f"{any_['peak RSS growth MB, rank']:.0f} vs {dp['peak RSS growth MB, rank']:.0f} MB a rank"
+        f"at another layout {any_['load s, at d1p2t1']:.1f} s; peak RSS growth on ranks 0 / 1 "
+        f"{any_['peak RSS growth MB, rank 0']:.0f} / {any_['peak RSS growth MB, rank 1']:.0f} vs "
+        f"{dp['peak RSS growth MB, rank 0']:.0f} / {dp['peak RSS growth MB, rank 1']:.0f} MB"
     )
 
 

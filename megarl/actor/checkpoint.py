@@ -386,7 +386,12 @@ def _sharded_state(engine, with_optim: bool, is_loading: bool, optimizer_format:
             is_loading=is_loading,
             # whole parameters keyed by name alone, not by which of the chained optimizers holds them
             # (dense and expert weights have one optimizer or two, depending on the expert-parallel size)
-            metadata={"distrib_optim_sharding_type": optimizer_format, "chained_optim_avoid_prefix": True},
+            metadata={
+                "distrib_optim_sharding_type": optimizer_format,
+                "chained_optim_avoid_prefix": True,
+                # gathered over gloo onto each DP group's first rank, not onto every rank (nor into GPU memory)
+                "distrib_optim_fully_reshardable_mem_efficient": True,
+            },
         )
         state["lr_scheduler"] = engine.lr_scheduler.state_dict()
         p = engine.parallel

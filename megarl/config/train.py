@@ -46,10 +46,10 @@ class OptimizerConfig:
     gather, no extra memory), loadable at another data-parallel (or context-parallel) size only.
     ``any``: each parameter's state whole (``fully_reshardable``), so a run resumes at another tensor,
     pipeline, virtual pipeline or expert-parallel size too; saving gathers the state over data
-    parallelism, which holds about twice the model-parallel shard's fp32 weights and moments (2 x 12
-    bytes a parameter over TP x PP) in each rank's host memory while it saves
-    (``benchmarks/checkpoint_layout.py``). Without the distributed optimizer every checkpoint loads at
-    any layout."""
+    parallelism onto its first rank (through host memory, Megatron's memory-efficient variant), which
+    holds about twice the model-parallel shard's fp32 weights and moments (2 x 12 bytes a parameter
+    over TP x PP) while it saves, and writes them alone (``benchmarks/checkpoint_layout.py``). Without
+    the distributed optimizer every checkpoint loads at any layout."""
     bf16_rounding: Literal["dithered", "nearest"] = "dithered"
     """How the bf16 (or fp16) weights the model computes with, and the servers are sent, follow
     the fp32 main parameters the optimizer updates. ``nearest`` is Megatron's own copy: weights
