@@ -203,37 +203,15 @@ def _check_models(config: GRPOConfig) -> None:
 
 
 def _check_recover_point(config: GRPOConfig) -> None:
-    """The recover point the run would resume from loads into its models at its layout: another model,
-    or per-rank optimizer shards at another model-parallel layout, is said before anything starts."""
-    train = config.allocation.train
+    """The recover point the run would resume from loads into its models at its layout
+    (:func:`megarl.run.recover.check_point_loads`); before anything starts."""
     points = config.run_dir / "recover"
-    if config.recover.mode == "disabled" or train is None or not any(points.glob("step*/MANIFEST.json")):
-        return  # (what reads a point imports Megatron: only when there is one)
+    if config.recover.mode == "disabled" or not any(points.glob("step*/MANIFEST.json")):
+        return  # reading a point imports Megatron: only when there is one
     with warnings.catch_warnings():  # Megatron's import says TransformerEngine / Apex are missing: the log's
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed", category=UserWarning)
-        from megarl.actor.checkpoint import layout_problem, model_problem, model_shape, read_checkpoint_record
-        from megarl.models.build import load_hf_config
-        from megarl.run.recover import RecoverHandler
-    point = RecoverHandler(config.recover, config.run_dir).latest()
-    if point is None:
-        return
-    layout = {key: getattr(train, key) for key in ("pp", "tp", "vpp", "ep", "expert_tp")}
-    for key, settings, name in (("actor", config.actor, "model"), ("critic", config.critic, "critic")):
-        if settings is None or not (point / name).is_dir():
-            continue  # a point without the critic's checkpoint: the trainer says so
-        saved = read_checkpoint_record(point / name)
-        local = Path(settings.path).expanduser()
-        if (local / "config.json").is_file():  # a short name not fetched yet is checked when the trainer loads
-            problem = model_problem(saved, model_shape(load_hf_config(local).to_dict(), settings.lora))
-            require(problem is None, f"{key}.path", settings.path, f"recover point {point / name} {problem}")
-        problem = layout_problem(saved, layout)
-        require(
-            problem is None,
-            "allocation_mode",
-            config.allocation_mode,
-            f"recover point {point / name} {problem}",
-            related=(f"{key}.optimizer.checkpoint_layout",),
-        )
+        from megarl.run.recover import check_point_loads
+    check_point_loads(config)
 
 
 def _check_adapter_start(init_from: str | None, multi_node: bool) -> None:

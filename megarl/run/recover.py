@@ -32,8 +32,17 @@ from typing import Any
 
 import torch
 
-from megarl.actor.checkpoint import rng_state, set_rng_state
+from megarl.actor.checkpoint import (
+    layout_problem,
+    model_problem,
+    model_shape,
+    read_checkpoint_record,
+    rng_state,
+    set_rng_state,
+)
+from megarl.config.experiment import GRPOConfig
 from megarl.config.run import RecoverConfig
+from megarl.models.build import load_hf_config
 from megarl.run.saver import (
     FrequencyControl,
     all_ranks_ok,
@@ -44,6 +53,7 @@ from megarl.run.saver import (
     publish_dir,
     start_tmp_dir,
 )
+from megarl.utils.errors import require
 
 logger = logging.getLogger(__name__)
 
@@ -237,3 +247,30 @@ class RecoverHandler:
 
 def _read_info(path: Path, rank: int) -> dict:
     return torch.load(path / f"info_rank{rank}.pt", weights_only=True)
+
+
+def check_point_loads(config: GRPOConfig) -> None:
+    """The recover point ``config``'s run would resume from loads into its models at its layout: another
+    model or other LoRA adapters are refused naming ``actor.path`` (``critic.path``), per-rank optimizer
+    shards at another model-parallel layout naming ``allocation_mode``."""
+    train = config.allocation.train
+    point = RecoverHandler(config.recover, config.run_dir).latest()
+    if point is None or train is None:
+        return
+    layout = {key: getattr(train, key) for key in ("pp", "tp", "vpp", "ep", "expert_tp")}
+    for key, settings, name in (("actor", config.actor, "model"), ("critic", config.critic, "critic")):
+        if settings is None or not (point / name).is_dir():
+            continue  # a point without the critic's checkpoint: the trainer says so
+        saved = read_checkpoint_record(point / name)
+        local = Path(settings.path).expanduser()
+        if (local / "config.json").is_file():  # a short name not fetched yet is checked when the trainer loads
+            problem = model_problem(saved, model_shape(load_hf_config(local).to_dict(), settings.lora))
+            require(problem is None, f"{key}.path", settings.path, f"recover point {point / name} {problem}")
+        problem = layout_problem(saved, layout)
+        require(
+            problem is None,
+            "allocation_mode",
+            config.allocation_mode,
+            f"recover point {point / name} {problem}",
+            related=(f"{key}.optimizer.checkpoint_layout",),
+        )

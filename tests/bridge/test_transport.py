@@ -36,6 +36,21 @@ SLOW = {"llama-tp2pp2"}
 every layout in tests/bridge/test_transfer_plan.py and PP-2 senders in tests/bridge/test_sglang.py)."""
 
 
+def run_with_fresh_ports(world_size: int, attempts: int = 3, **kwargs) -> list:
+    """The transfer on ``world_size`` ranks. Its groups' 16 ports are found free before the ranks bind
+    them, seconds later: a test running beside it may take one in between (EADDRINUSE), and then the
+    ranks run again on other ports."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return run_ranks(
+                world_size, "tests.bridge.workers:transfer", timeout=400, ports=find_free_ports(16), **kwargs
+            )
+        except RuntimeError as exc:
+            if attempt == attempts or "EADDRINUSE" not in str(exc):
+                raise
+    return []  # not reached: the last attempt returns or raises
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_fake_receivers_get_exact_bytes(case, tiny_model_dir, tmp_path):
     family, layout, server_tp = CASES[case]
@@ -50,14 +65,11 @@ def test_fake_receivers_get_exact_bytes(case, tiny_model_dir, tmp_path):
         tuple(server_tp),
     )
     bucket = 300_000  # elements: several buckets per sender, some tensors alone in theirs
-    results = run_ranks(
+    results = run_with_fresh_ports(
         trainer.world_size + len(plan.workers),
-        "tests.bridge.workers:transfer",
-        timeout=400,
         model_dir=str(model_dir),
         layout=layout,
         server_tp=server_tp,
-        ports=find_free_ports(16),
         bucket_numel=bucket,
         disk_dir=str(tmp_path / "disk"),
     )
