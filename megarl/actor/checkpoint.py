@@ -98,7 +98,6 @@ class SaveLoadMeta:
 _OPTIMIZER_FORMATS = {"any": "fully_reshardable", "data_parallel": "dp_reshardable"}
 _LAYOUT_KEYS = ("pp", "tp", "vpp")
 _EXPERT_LAYOUT_KEYS = ("ep", "expert_tp")
-_ALL_LAYOUT_KEYS = _LAYOUT_KEYS + _EXPERT_LAYOUT_KEYS
 """What a ``dp_reshardable`` optimizer state must be loaded at as it was saved (its buckets' contents):
 the layout keys, and the expert ones for a model with experts."""
 
@@ -129,10 +128,9 @@ def load(engine, meta: SaveLoadMeta) -> None:
         _prime_adam_state(engine.optimizer)
     common = dist_checkpointing.load_common_state_dict(meta.path)
     saved = common["engine"]
-    layout = {key: getattr(engine.parallel.alloc, key) for key in _ALL_LAYOUT_KEYS}
     problem = model_problem(saved, _model_shape(engine))
     if problem is None and meta.with_optim and engine.optimizer is not None:
-        problem = layout_problem(saved, layout)
+        problem = layout_problem(saved, engine.parallel.alloc)
     if problem is not None:
         raise ValueError(f"checkpoint {meta.path} {problem}")
     # a checkpoint from before checkpoint_layout existed holds per-bucket shards
@@ -214,14 +212,14 @@ def model_problem(saved: dict, model: dict) -> str | None:
     )
 
 
-def layout_problem(saved: dict, layout: dict) -> str | None:
-    """Why a checkpoint whose record is ``saved`` cannot load with its optimizer state at ``layout``
-    (sizes by ``TrainingAllocation`` name), or None: per-rank shards of the distributed optimizer load
-    where their buckets are the same, at another data-parallel size only."""
+def layout_problem(saved: dict, layout) -> str | None:
+    """Why a checkpoint whose record is ``saved`` cannot load with its optimizer state at ``layout`` (a
+    ``TrainingAllocation``), or None: per-rank shards of the distributed optimizer load where their
+    buckets are the same, at another data-parallel size only."""
     if not saved.get("distributed_optimizer") or saved.get("optimizer_format", "dp_reshardable") != "dp_reshardable":
         return None
     saved_layout = saved.get("layout") or dict(zip(("pp", "tp"), saved.get("model_parallel", ())))
-    changed = {k: (v, layout[k]) for k, v in saved_layout.items() if layout[k] != v}
+    changed = {k: (v, getattr(layout, k)) for k, v in saved_layout.items() if getattr(layout, k) != v}
     if not changed:
         return None
     differs = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())

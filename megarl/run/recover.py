@@ -238,10 +238,14 @@ class RecoverHandler:
     def _info_at_another_layout(path: Path, saved: dict, share: tuple[int, int] | None) -> RecoverInfo:
         """Rank 0's info without its RNG, and this rank's share of every saved rank's prompts in flight."""
         info = RecoverInfo(**_read_info(path, 0))
-        pending = []
-        for rank in range(saved["world_size"]) if share is not None else ():
-            pending += _read_info(path, rank)["extra"].get("pending_items", [])
-        mine = pending[share[0] :: share[1]] if share is not None else []
+        mine = []
+        if share is not None:
+            pending = [
+                item
+                for r in range(saved["world_size"])
+                for item in _read_info(path, r)["extra"].get("pending_items", [])
+            ]
+            mine = pending[share[0] :: share[1]]
         return dataclasses.replace(info, rng_state={}, extra={**info.extra, "pending_items": mine})
 
 
@@ -257,7 +261,6 @@ def check_point_loads(config: GRPOConfig) -> None:
     point = RecoverHandler(config.recover, config.run_dir).latest()
     if point is None or train is None:
         return
-    layout = {key: getattr(train, key) for key in ("pp", "tp", "vpp", "ep", "expert_tp")}
     for key, settings, name in (("actor", config.actor, "model"), ("critic", config.critic, "critic")):
         if settings is None or not (point / name).is_dir():
             continue  # a point without the critic's checkpoint: the trainer says so
@@ -266,7 +269,7 @@ def check_point_loads(config: GRPOConfig) -> None:
         if (local / "config.json").is_file():  # a short name not fetched yet is checked when the trainer loads
             problem = model_problem(saved, model_shape(load_hf_config(local).to_dict(), settings.lora))
             require(problem is None, f"{key}.path", settings.path, f"recover point {point / name} {problem}")
-        problem = layout_problem(saved, layout)
+        problem = layout_problem(saved, train)
         require(
             problem is None,
             "allocation_mode",
