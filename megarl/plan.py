@@ -42,6 +42,7 @@ from megarl.config.allocation import (
     ModelShape,
     validate_allocation,
 )
+from megarl.models.peft_files import covered_modules
 
 
 @dataclass(frozen=True)
@@ -334,17 +335,21 @@ def for_config(rates: Rates, config) -> Rates:
     )
 
 
-_HF_MODULES = {  # Megatron target -> (input size, output size) of each HF module it covers, in order
-    "linear_qkv": (("hidden", "q_out"), ("hidden", "kv_out"), ("hidden", "kv_out")),  # q, k, v
-    "linear_proj": (("q_out", "hidden"),),  # o
-    "linear_fc1": (("hidden", "inter"), ("hidden", "inter")),  # gate, up
-    "linear_fc2": (("inter", "hidden"),),  # down
+_HF_MODULE_SIZES = {  # HF module -> (input size, output size)
+    "q_proj": ("hidden", "q_out"),
+    "k_proj": ("hidden", "kv_out"),
+    "v_proj": ("hidden", "kv_out"),
+    "o_proj": ("q_out", "hidden"),
+    "gate_proj": ("hidden", "inter"),
+    "up_proj": ("hidden", "inter"),
+    "down_proj": ("inter", "hidden"),
 }
 
 
 def lora_numel(hf_config: dict, rank: int, target_modules) -> int:
     """Numbers in a PEFT adapter of ``rank`` on the dense ``target_modules`` of a model (what adapter sync
-    sends per update): ``rank x (in + out)`` per HF module per layer; expert targets are not counted."""
+    sends per update): ``rank x (in + out)`` per HF module per layer, whether the modules of a fused linear
+    share one ``A`` (its Megatron name) or have their own (HF names); expert targets are not counted."""
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or hidden // heads
     sizes = {
@@ -353,8 +358,9 @@ def lora_numel(hf_config: dict, rank: int, target_modules) -> int:
         "kv_out": (hf_config.get("num_key_value_heads") or heads) * head_dim,
         "inter": hf_config.get("intermediate_size", 0),
     }
+    modules = covered_modules(target_modules)
     per_layer = sum(
-        rank * (sizes[n_in] + sizes[n_out]) for target in target_modules for n_in, n_out in _HF_MODULES.get(target, ())
+        rank * (sizes[n_in] + sizes[n_out]) for m, (n_in, n_out) in _HF_MODULE_SIZES.items() if m in modules
     )
     return per_layer * hf_config["num_hidden_layers"]
 

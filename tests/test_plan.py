@@ -320,6 +320,11 @@ def test_lora_numel_counts_what_the_peft_export_writes(tmp_path):
     targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     assert lora_numel(hf, RANK, targets) == written == 4_884_480
     assert lora_numel(hf, RANK, ["linear_qkv"]) == 30 * RANK * (3 * 576 + 576 + 2 * 192)
+    # an adapter per HF module (PEFT's form) writes as many numbers as one adapter per fused linear
+    assert (
+        lora_numel(hf, RANK, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) == written
+    )
+    assert lora_numel(hf, RANK, ["q_proj", "v_proj"]) == 30 * RANK * (2 * 576 + 576 + 192)
 
 
 def test_routed_experts_bytes_are_in_the_plan(tiny_model_dir):

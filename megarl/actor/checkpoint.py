@@ -72,7 +72,8 @@ def export_peft(engine, path: str | os.PathLike, dtype: torch.dtype | None = Non
     dist.gather_object(local, parts, dst=0)  # one copy per pipeline stage
     try:
         if p.rank == 0:
-            tensors = lora.peft_tensors({name: t for part in parts for name, t in part.items()}, engine.desc)
+            tensors = {name: t for part in parts for name, t in part.items()}
+            tensors = lora.peft_tensors(tensors, engine.desc, engine.config.lora.target_modules)
             if dtype is not None:
                 tensors = {name: t.to(dtype) for name, t in tensors.items()}
             lora.write_peft_dir(tensors, engine.config.lora, engine.model_path, path)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megarl.config.base import require
+from megarl.models.peft_files import HF_LORA_TARGETS
 from megarl.utils.deprecation import moved_names
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
@@ -125,7 +126,8 @@ class MegatronConfig:
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts.linear_fc1", "experts.linear_fc2")
 """Megatron linears ``actor.lora.target_modules`` can name: attention's fused QKV and output projection,
-the dense MLP's fused gate/up and down projection, and the same two in each routed expert of a MoE layer."""
+the dense MLP's fused gate/up and down projection, and the same two in each routed expert of a MoE layer.
+A fused linear named this way gets one adapter (one ``A`` shared by its HF modules)."""
 
 
 @dataclass
@@ -145,12 +147,16 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input during training (not on the base linear's)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS[:4]))
-    """Which linears get an adapter, by name (:data:`LORA_TARGETS`). ``linear_fc1`` / ``linear_fc2`` are the
-    dense MLP's; a MoE model's experts are named ``experts.linear_fc1`` / ``experts.linear_fc2``."""
+    """Which linears get an adapter, by Megatron name (:data:`LORA_TARGETS`: a fused ``linear_qkv`` or
+    ``linear_fc1`` gets one adapter, one ``A`` shared by its HF modules) or by HF module name
+    (:data:`HF_LORA_TARGETS`: ``q_proj``, ``v_proj``, ... each get an adapter of their own, as in PEFT).
+    ``linear_fc1`` / ``linear_fc2`` are the dense MLP's; a MoE model's experts are named
+    ``experts.linear_fc1`` / ``experts.linear_fc2``. A linear named both ways is refused."""
     init_from: str | None = None
-    """A PEFT adapter directory to start from (as ``MegatronEngine.export_adapters`` writes it): its ``r`` and
-    ``lora_alpha`` must be ``rank`` and ``alpha``, and the HF modules of one fused linear (``q_proj``,
-    ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``) must share one ``lora_A``. None: PEFT's initialisation."""
+    """A PEFT adapter directory to start from (PEFT's, TRL's, or ``MegatronEngine.export_adapters``'): its ``r``
+    and ``lora_alpha`` must be ``rank`` and ``alpha``, and its modules those ``target_modules`` names. Where
+    its HF modules of one fused linear have different ``lora_A`` (any adapter trained with PEFT), name them by
+    their HF names (``q_proj``, ``k_proj``, ...). None: PEFT's initialisation."""
 
     @property
     def enabled(self) -> bool:
@@ -161,8 +167,19 @@ class LoRAConfig:
         require(self.rank >= 0, "rank", self.rank, "must be >= 0 (0 turns LoRA off)")
         require(self.alpha > 0, "alpha", self.alpha, "must be > 0")
         require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
-        unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
-        require(not unknown, "target_modules", unknown, f"unknown module name(s); known: {list(LORA_TARGETS)}")
+        unknown = [name for name in self.target_modules if name not in LORA_TARGETS and name not in HF_LORA_TARGETS]
+        known = [*LORA_TARGETS, *HF_LORA_TARGETS]
+        require(not unknown, "target_modules", unknown, f"unknown module name(s); known: {known}")
+        both = sorted(
+            {HF_LORA_TARGETS[n] for n in self.target_modules if HF_LORA_TARGETS.get(n) in self.target_modules}
+        )
+        require(
+            not both,
+            "target_modules",
+            self.target_modules,
+            f"names {', '.join(both)} both by its Megatron name and by HF module names: one adapter shared by its "
+            "HF modules (the Megatron name) or one per HF module (the HF names), not both",
+        )
         require(not self.enabled or bool(self.target_modules), "target_modules", self.target_modules, "names no module")
         require(self.init_from is None or self.enabled, "init_from", self.init_from, "needs adapters: set rank > 0")
 

@@ -71,7 +71,7 @@ from megatron.core.tensor_parallel import mappings
 from megarl.models.build import ModelDesc
 from megarl.models.hf_io import ShardCoords, canonical_params, unwrap
 from megarl.models.mapping import export_from_shards, load_shard
-from megarl.models.peft_files import PEFT_CONFIG, PEFT_WEIGHTS
+from megarl.models.peft_files import HF_LORA_TARGETS, PEFT_CONFIG, PEFT_WEIGHTS, adapter_problems, hf_module
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,22 @@ class AdapterParam:
 
 
 class LoRAAdapter(torch.nn.Module):
-    """``(alpha / r) * B A dropout(x)`` beside one Megatron column- or row-parallel linear."""
+    """``(alpha / r) * B A dropout(x)`` beside one Megatron column- or row-parallel linear.
 
-    def __init__(self, base: torch.nn.Module, rank: int, alpha: float, dropout: float, gated: bool):
+    ``row_blocks`` (a column-parallel base holding several HF modules, each adapted on its own): the block
+    of each row of this rank's shard of ``W`` (-1: a module without an adapter). Then ``A`` stacks one
+    ``[r, in]`` matrix per block and each row of ``B`` has ``r`` values, in its block's columns (the rest
+    masked to zero): PEFT's adapter per HF module, computed as one adapter of rank ``blocks * r``."""
+
+    def __init__(
+        self,
+        base: torch.nn.Module,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        gated: bool,
+        row_blocks: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.row = isinstance(base, tpl.RowParallelLinear)
         self.group = base.tp_group  # the expert-TP group on an expert linear
@@ -118,8 +131,14 @@ class LoRAAdapter(torch.nn.Module):
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         out_local, in_local = base.weight.shape
         dtype, device = base.weight.dtype, base.weight.device
-        self.lora_a = torch.nn.Parameter(torch.zeros(rank, in_local, dtype=dtype, device=device))
-        self.lora_b = torch.nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
+        blocks = 1 if row_blocks is None else int(row_blocks.max()) + 1
+        self.lora_a = torch.nn.Parameter(torch.zeros(blocks * rank, in_local, dtype=dtype, device=device))
+        self.lora_b = torch.nn.Parameter(torch.zeros(out_local, blocks * rank, dtype=dtype, device=device))
+        mask = None
+        if row_blocks is not None:
+            column_blocks = torch.arange(blocks * rank, device=device) // rank
+            mask = (row_blocks.to(device)[:, None] == column_blocks[None, :]).to(dtype)
+        self.register_buffer("b_mask", mask, persistent=False)
         self.splits: dict[str, AdapterSplit] = (
             {"lora_a": "row", "lora_b": "replicated"}
             if self.row
@@ -147,10 +166,14 @@ class LoRAAdapter(torch.nn.Module):
             h = mappings.gather_from_sequence_parallel_region(h, group=self.group)
         elif not self.local:
             h = mappings.copy_to_tensor_model_parallel_region(h, group=self.group)
-        out = (h @ self.lora_b.t()) * self.scale
+        out = (h @ self.b().t()) * self.scale
         if self.row and self.sequence_parallel:
             out = mappings.scatter_to_sequence_parallel_region(out, group=self.group)
         return out
+
+    def b(self) -> torch.Tensor:
+        """``B`` as the adapter computes with it: each row's values outside its block masked to zero."""
+        return self.lora_b if self.b_mask is None else self.lora_b * self.b_mask
 
 
 def _add_adapter_output(module: torch.nn.Module, args: tuple, kwargs: dict, output: tuple) -> tuple:
@@ -179,7 +202,48 @@ def _require_local_linear(name: str, module: torch.nn.Module) -> None:
         )
 
 
-def add_adapters(chunks: list, settings: LoRASettings) -> int:
+def module_blocks(names: tuple[str, ...], targets) -> tuple[int | None, ...]:
+    """The adapter block of each HF module of a linear (``names``: its HF weights) whose HF name is among
+    ``targets`` (PEFT's names, :data:`~megarl.models.peft_files.HF_LORA_TARGETS`), numbered in order; None
+    for the others."""
+    blocks, count = [], 0
+    for name in names:
+        blocks.append(count if hf_module(name) in targets else None)
+        count += blocks[-1] is not None
+    return tuple(blocks)
+
+
+def _row_blocks(linear, rule, names: tuple[str, ...], blocks: tuple, coords: ShardCoords, desc: ModelDesc):
+    """The block of each row of this rank's shard of a fused linear's weight (-1: its module has no adapter):
+    the block numbers laid out by the family's mapping as it lays out the HF weights' rows."""
+    rank, size = coords.split_for(rule.is_expert)
+    out_first = linear.weight.shape[0] * size // len(names)  # the first HF module's rows (gate_up's halves)
+
+    def read(name, dim, start, stop):
+        block = blocks[names.index(name)]
+        return torch.full((stop - start,), -1 if block is None else block, dtype=torch.long)
+
+    return load_shard(rule, names, read, (out_first,), rank, size, desc.dims)
+
+
+def _adapter_form(linear, target: str, targets: set, canonical: str, desc: ModelDesc, coords: ShardCoords):
+    """How a linear is adapted: ``(True, None)`` one adapter (its Megatron name is targeted, or it holds one
+    targeted HF module); ``(True, row_blocks)`` one per targeted HF module; ``(False, None)`` none."""
+    if target in targets:
+        return True, None
+    if target not in HF_LORA_TARGETS.values():  # an expert linear, or no linear: Megatron names only
+        return False, None
+    rule, fields = desc.mapping.match(canonical)
+    names = rule.hf_names(**fields)
+    blocks = module_blocks(names, targets)
+    if all(block is None for block in blocks):
+        return False, None
+    if len(names) == 1:
+        return True, None
+    return True, _row_blocks(linear, rule, names, blocks, coords, desc)
+
+
+def add_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: ShardCoords) -> int:
     """Give every targeted linear of ``chunks`` an adapter and freeze everything else; returns
     the number of adapters. Call after the base weights are loaded and before the DDP wrap, so
     that Megatron's DDP and optimizer see only the adapters as trainable."""
@@ -191,12 +255,21 @@ def add_adapters(chunks: list, settings: LoRASettings) -> int:
         if getattr(model, "pre_process", False):
             model.embedding.register_forward_hook(_input_requires_grad)
         gated = bool(model.config.gated_linear_unit)
+        canonical = {id(param): name for name, param in canonical_params(chunk, coords).items()}
         for name, module in list(model.named_modules()):
-            if _target_name(name) not in targets:
+            weight = getattr(module, "weight", None)
+            if weight is None or id(weight) not in canonical:
+                continue
+            adapted, row_blocks = _adapter_form(
+                module, _target_name(name), targets, canonical[id(weight)], desc, coords
+            )
+            if not adapted:
                 continue
             _require_local_linear(name, module)
             fc1 = name.endswith("linear_fc1")
-            module.adapter = LoRAAdapter(module, settings.rank, settings.alpha, settings.dropout, gated and fc1)
+            module.adapter = LoRAAdapter(
+                module, settings.rank, settings.alpha, settings.dropout, gated and fc1, row_blocks
+            )
             module.register_forward_hook(_add_adapter_output, with_kwargs=True)
             module.sharded_state_dict = partial(_sharded_state_dict, module, module.sharded_state_dict)
             count += 1
@@ -238,7 +311,7 @@ def merged_weight(linear: torch.nn.Module) -> torch.Tensor:
     for ``linear_fc1`` its gate rows then its up rows, as the adapter's output adds to the base's);
     a row-parallel base has ``B`` whole and the columns of ``A`` it holds of ``W``. ``W`` is not written."""
     adapter, base = linear.adapter, linear.weight.detach()
-    a, b = adapter.lora_a.detach().float(), adapter.lora_b.detach().float()
+    a, b = adapter.lora_a.detach().float(), adapter.b().detach().float()
     return torch.addmm(base.float(), b, a, alpha=adapter.scale).to(base.dtype)
 
 
@@ -333,20 +406,40 @@ def peft_init(seed: int = 0) -> Callable[[str, tuple[int, int]], torch.Tensor]:
     return full_of
 
 
-def peft_tensors(full: dict[str, torch.Tensor], desc: ModelDesc) -> dict[str, torch.Tensor]:
+def _blocks_of(prefix: str, names: tuple[str, ...], targets) -> tuple[int | None, ...] | None:
+    """The adapter block of each HF module of the adapted linear ``prefix`` (:func:`module_blocks`), or None
+    when it has one adapter for all of them (its Megatron name is targeted, or it holds one module)."""
+    if len(names) == 1 or _target_name(prefix) in targets:
+        return None
+    return module_blocks(names, targets)
+
+
+def peft_tensors(full: dict[str, torch.Tensor], desc: ModelDesc, targets) -> dict[str, torch.Tensor]:
     """PEFT's tensors (``base_model.model.<HF module>.lora_A.weight`` / ``lora_B``) of full adapters named
-    canonically. A fused linear's ``A`` becomes each of its HF modules' ``lora_A`` (``q_proj``, ``k_proj``
-    and ``v_proj`` share it), and its ``B`` is split into theirs by the family's HF mapping: exact."""
+    canonically, on ``targets`` (``lora.target_modules``). An adapter per HF module gives each its ``A``
+    and its rows of ``B`` in its block's columns; a fused linear's one adapter gives its ``A`` to each of
+    its HF modules (``q_proj``, ``k_proj`` and ``v_proj`` share it) and its ``B`` split into theirs by the
+    family's HF mapping. Exact either way."""
     out = {}
     for prefix in sorted({name.rsplit(".adapter.", 1)[0] for name in full}):
         rule, fields = desc.mapping.match(f"{prefix}.weight")
         if rule.is_expert:
             raise NotImplementedError(f"PEFT export of expert adapters ({prefix}) is not supported yet")
-        b_parts = export_from_shards(rule, rule.hf_names(**fields), [full[f"{prefix}.adapter.lora_b"]], desc.dims)
-        for hf_name, b in b_parts.items():
+        names = rule.hf_names(**fields)
+        a = full[f"{prefix}.adapter.lora_a"]
+        b_parts = export_from_shards(rule, names, [full[f"{prefix}.adapter.lora_b"]], desc.dims)
+        blocks = _blocks_of(prefix, names, targets)
+        rank = a.shape[0] // (1 if blocks is None else sum(j is not None for j in blocks))
+        for i, (hf_name, b) in enumerate(b_parts.items()):
             module = f"base_model.model.{hf_name.removesuffix('.weight')}"
-            out[f"{module}.lora_A.weight"] = full[f"{prefix}.adapter.lora_a"].clone()  # no shared storage on disk
-            out[f"{module}.lora_B.weight"] = b.contiguous()
+            if blocks is None:  # one A for all; .clone(): no shared storage on disk
+                out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = a.clone(), b.contiguous()
+            elif blocks[i] is not None:
+                cols = slice(blocks[i] * rank, (blocks[i] + 1) * rank)
+                out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = (
+                    a[cols].clone(),
+                    b[:, cols].contiguous(),
+                )
     return out
 
 
@@ -376,18 +469,17 @@ def write_peft_dir(
 
 
 def peft_full(path: str | os.PathLike, desc: ModelDesc, settings: LoRASettings) -> Callable:
-    """``full_of`` for :func:`load_full` from a PEFT adapter directory (what :func:`write_peft_dir` writes):
-    each fused linear's ``A`` from its HF modules' ``lora_A`` (which must be equal), its ``B`` from
-    theirs, merged by the family's HF mapping."""
+    """``full_of`` for :func:`load_full` from a PEFT adapter directory (PEFT's, or what :func:`write_peft_dir`
+    writes). An adapter per HF module (HF names in ``target_modules``) takes each module's ``lora_A`` and
+    ``lora_B`` as they are; one adapter of a fused linear (its Megatron name) takes the ``lora_A`` its HF
+    modules share (they must be equal) and their ``lora_B``, merged by the family's HF mapping. What the
+    directory holds beyond ``target_modules``, or settings megarl's adapters cannot hold, is refused."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = json.loads((path / PEFT_CONFIG).read_text())
-    if (config.get("r"), float(config.get("lora_alpha", 0))) != (settings.rank, float(settings.alpha)):
-        raise ValueError(
-            f"lora.init_from={path}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')} in "
-            f"{PEFT_CONFIG}, but lora.rank={settings.rank}, lora.alpha={settings.alpha}"
-        )
+    problems = adapter_problems(path, settings.rank, settings.alpha, settings.target_modules, desc.family.moe)
+    if problems:
+        raise ValueError("; ".join(f"{key}: {why}" for key, why in problems))
     tensors = load_file(str(path / PEFT_WEIGHTS))
 
     def peft_tensor(module_weight: str, which: str) -> torch.Tensor:
@@ -396,22 +488,46 @@ def peft_full(path: str | os.PathLike, desc: ModelDesc, settings: LoRASettings) 
             raise ValueError(f"lora.init_from={path}: no {key} in {PEFT_WEIGHTS} (its target_modules differ?)")
         return tensors[key]
 
+    def shared_a(prefix: str, names: tuple[str, ...]) -> torch.Tensor:
+        a = [peft_tensor(hf_name, "lora_A") for hf_name in names]
+        if any(not torch.equal(a[0], other) for other in a[1:]):
+            modules = [hf_module(n) for n in names]
+            raise ValueError(
+                f"lora.init_from={path}: {', '.join(names)} have different lora_A, but the target "
+                f"{_target_name(prefix)} gives the fused {prefix} one A: name its HF modules in "
+                f"actor.lora.target_modules ({', '.join(modules)}) for an adapter each (docs/guides/lora.md)"
+            )
+        return a[0]
+
+    def b_rows(names: tuple[str, ...], blocks, width: int):
+        """Reads each HF module's ``lora_B`` rows in its block's columns of a ``width``-wide ``B`` (zeros for
+        a module without an adapter), for :func:`load_shard`."""
+
+        def read(hf_name, dim, start, stop):
+            block = None if blocks is None else blocks[names.index(hf_name)]
+            if blocks is not None and block is None:
+                return torch.zeros(stop - start, width)
+            b = peft_tensor(hf_name, "lora_B")
+            b = b if dim is None else b.narrow(dim, start, stop - start)
+            if blocks is None:
+                return b
+            return torch.nn.functional.pad(b, (block * settings.rank, width - (block + 1) * settings.rank))
+
+        return read
+
     def full_of(name: str, shape: tuple[int, int]) -> torch.Tensor:
         prefix, which = name.rsplit(".adapter.", 1)
         rule, fields = desc.mapping.match(f"{prefix}.weight")
         names = rule.hf_names(**fields)
-        if which == "lora_a":
-            a = [peft_tensor(hf_name, "lora_A") for hf_name in names]
-            if any(not torch.equal(a[0], other) for other in a[1:]):
-                raise ValueError(
-                    f"lora.init_from={path}: {', '.join(names)} have different lora_A, but megarl's fused "
-                    f"{prefix} shares one A (docs/guides/lora.md)"
-                )
-            full = a[0]
+        blocks = _blocks_of(prefix, names, settings.target_modules)
+        if which == "lora_a" and blocks is None:
+            full = shared_a(prefix, names)
+        elif which == "lora_a":
+            full = torch.cat([peft_tensor(n, "lora_A") for n, j in zip(names, blocks) if j is not None])
         else:
-            b = {hf_name: peft_tensor(hf_name, "lora_B") for hf_name in names}
-            read = lambda n, dim, start, stop: b[n] if dim is None else b[n].narrow(dim, start, stop - start)
-            full = load_shard(rule, names, read, tuple(b[names[0]].shape), 0, 1, desc.dims)
+            first = next(n for i, n in enumerate(names) if blocks is None or blocks[i] is not None)
+            out_first = peft_tensor(first, "lora_B").shape[0]
+            full = load_shard(rule, names, b_rows(names, blocks, shape[1]), (out_first, shape[1]), 0, 1, desc.dims)
         if tuple(full.shape) != tuple(shape):
             raise ValueError(f"lora.init_from={path}: {name} is {tuple(full.shape)} on disk, {tuple(shape)} here")
         return full
@@ -422,7 +538,7 @@ def peft_full(path: str | os.PathLike, desc: ModelDesc, settings: LoRASettings) 
 def add_and_load_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: ShardCoords) -> int:
     """Adapters on ``chunks`` (:func:`add_adapters`), started from ``settings.init_from`` (a PEFT directory)
     or PEFT's initialisation; the number of adapters."""
-    n_adapters = add_adapters(chunks, settings)
+    n_adapters = add_adapters(chunks, settings, desc, coords)
     start = peft_full(settings.init_from, desc, settings) if settings.init_from else peft_init()
     load_full(chunks, coords, start)
     trainable = sum(q.numel() for chunk in chunks for q in chunk.parameters() if q.requires_grad)

@@ -43,7 +43,7 @@ from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows,
 from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row_mapper
 from megarl.models.families import check_layers_hold
 from megarl.models.names import MODEL_SHAPES, known_name, short_names
-from megarl.models.peft_files import PEFT_CONFIG
+from megarl.models.peft_files import check_adapter_start
 from megarl.reward.call import TrainerState
 from megarl.reward.executor import call_reward
 from megarl.reward.failures import RewardFailure
@@ -135,7 +135,8 @@ class Prelaunch:
         if isinstance(config, GRPOConfig):
             _check_models(config)
             _check_recover_point(config)
-            _check_adapter_start(config.actor.lora.init_from, multi_node)
+            shape = read_model_shape(config.actor.path) if config.actor.lora.init_from else None
+            check_adapter_start(config.actor.lora, multi_node, None if shape is None else shape.num_experts > 0)
             _check_reward(config.reward_fn, row, config.reward.timeout_seconds)
             # several nodes: this may be a login node; each trainer rank refuses on its own node (megarl.train)
             check_open_files(config, refuse=not multi_node)
@@ -212,22 +213,6 @@ def _check_recover_point(config: GRPOConfig) -> None:
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed", category=UserWarning)
         from megarl.run.recover import check_point_loads
     check_point_loads(config)
-
-
-def _check_adapter_start(init_from: str | None, multi_node: bool) -> None:
-    """``actor.lora.init_from`` is a PEFT adapter directory (an absolute path missing here is accepted on
-    a multi-node cluster: the nodes may mount storage this machine does not)."""
-    if init_from is None:
-        return
-    local = Path(init_from).expanduser()
-    if (local / PEFT_CONFIG).is_file() or (multi_node and local.is_absolute() and not local.exists()):
-        return
-    found = "is a directory without it" if local.is_dir() else "is a file" if local.exists() else "does not exist"
-    raise ConfigError(
-        "actor.lora.init_from",
-        f"{init_from!r} is invalid: expected a PEFT adapter directory with {PEFT_CONFIG} (as "
-        f"MegatronEngine.export_adapters writes it); this path {found}",
-    )
 
 
 REWARD_ROLES = dict(

@@ -88,10 +88,12 @@ def lora_run(
     recompute: bool = False,
     peft_dir: str | None = None,
     init_from: str | None = None,
+    peft_dir_after: str | None = None,
 ) -> dict:
     """On this rank's DP share of ``batch``, with :func:`nonzero_adapter`'s adapters: logprobs, PPO loss and the
     full adapter gradients, the frozen base's state, one Adam step (logprobs after, base unchanged), and
-    the optimizer / grad-buffer footprint (``measure_full``: also of the same engine without LoRA)."""
+    the optimizer / grad-buffer footprint (``measure_full``: also of the same engine without LoRA). The
+    adapters are exported as PEFT directories to ``peft_dir`` before the step and ``peft_dir_after`` after."""
     from megarl.actor import cpu_shim
     from megarl.models import lora
 
@@ -118,6 +120,8 @@ def lora_run(
     out["base_unchanged"] = torch.equal(base_before, torch.cat([q.detach().flatten() for q in base]))
     out["adapters_after"] = lora.gather_full(engine.model, engine.coords)
     out["logp_after"] = engine.eval().forward(local)
+    if peft_dir_after is not None:
+        engine.export_adapters(peft_dir_after)
     if wrong_splits:
         out["wrong"] = {what: _logp_with_split(engine, local, split) for what, split in WRONG_SPLITS.items()}
     if measure_full:

@@ -15,6 +15,7 @@ LoRA model's logprobs; PP2 (and TP2 x PP2) start from the single-rank export (``
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import pytest
@@ -105,6 +106,12 @@ def _hf_with_lora(model_dir, batch, shapes: dict) -> dict:
         for hf_name, b in b_parts.items():
             hook = partial(_add_lora, a=leaves[f"{prefix}.adapter.lora_a"], b=b)
             model.get_submodule(hf_name.removesuffix(".weight")).register_forward_hook(hook)
+    return {**_hf_logp_and_loss(model, batch), "grads": {name: t.grad for name, t in leaves.items()}}
+
+
+def _hf_logp_and_loss(model, batch) -> dict:
+    """An HF model's logprobs of ``batch`` (zero-padded as the engine returns them) and its token-mean PPO
+    loss, whose gradient is left in the model."""
     ids, attn = batch["input_ids"], batch["attention_mask"]
     logp = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
     mask = batch["loss_mask"][:, 1:].bool() & attn[:, 1:]
@@ -114,7 +121,7 @@ def _hf_with_lora(model_dir, batch, shapes: dict) -> dict:
     loss.backward()
     padded = torch.zeros(ids.shape)
     padded[:, :-1] = logp.detach() * attn[:, 1:]
-    return {"logp": padded, "loss": loss.item(), "grads": {name: t.grad for name, t in leaves.items()}}
+    return {"logp": padded, "loss": loss.item()}
 
 
 def test_single_rank_lora_matches_torch_lora_on_hf(llama_dir, llama_ref, batch):
@@ -157,23 +164,26 @@ def test_parity_catches_a_swapped_split(tp2, llama_ref, what):
 
 def test_peft_export_gives_the_same_model_in_peft(llama_dir, llama_ref, batch, peft_dirs):
     """The exported adapter directory, loaded by HF ``peft`` on the HF model: the LoRA model's logprobs."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
+    assert (_peft_logp(llama_dir, peft_dirs("d1p1t1"), batch) - llama_ref["logp"]).abs().max() <= 1e-4
+    base = _peft_logp(llama_dir, peft_dirs("d1p1t1"), batch, adapter=False)
+    assert (base - llama_ref["logp"]).abs().max() > 1e-2  # the adapters matter: the base model is far off
+
+
+def _peft_logp(model_dir, peft_dir, batch, adapter: bool = True) -> torch.Tensor:
+    """HF ``peft``'s logprobs of ``batch`` with the adapter ``peft_dir`` on the HF model (``adapter=False``:
+    with it disabled)."""
+    import peft
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(model, peft_dirs("d1p1t1")).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, str(peft_dir)).eval()
     ids, attn = batch["input_ids"], batch["attention_mask"]
-
-    def logp() -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=attn).logits
-        out = torch.zeros(ids.shape)
-        out[:, :-1] = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0] * attn[:, 1:]
-        return out
-
-    assert (logp() - llama_ref["logp"]).abs().max() <= 1e-4
-    with model.disable_adapter():  # the adapters matter: the base model is far off
-        assert (logp() - llama_ref["logp"]).abs().max() > 1e-2
+    with torch.no_grad(), contextlib.nullcontext() if adapter else model.disable_adapter():
+        logits = model(input_ids=ids, attention_mask=attn).logits
+    out = torch.zeros(ids.shape)
+    out[:, :-1] = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0] * attn[:, 1:]
+    return out
 
 
 def _peft_tensors(path: str) -> dict:
@@ -238,9 +248,99 @@ def test_init_from_refuses_what_the_fused_adapters_cannot_hold(llama_dir, llama_
     desc, settings = describe(str(llama_dir)), LoRAConfig(rank=RANK, alpha=ALPHA)
     full_of = peft_full(tmp_path / "peft", desc, settings)
     name = "decoder.layers.0.self_attention.linear_qkv.adapter.lora_a"
-    with pytest.raises(ValueError, match="k_proj.weight.*have different lora_A"):
+    with pytest.raises(ValueError, match="k_proj.weight.*have different lora_A.*name its HF modules in actor.lora"):
         full_of(name, tuple(llama_ref["grads"][name].shape))
     config = tmp_path / "peft" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 2 * ALPHA}))
-    with pytest.raises(ValueError, match="lora_alpha=16.0 in adapter_config.json, but lora.rank=4, lora.alpha=8.0"):
+    with pytest.raises(ValueError, match="lora_alpha=16.0 in adapter_config.json, but actor.lora.alpha=8.0"):
         peft_full(tmp_path / "peft", desc, settings)
+
+
+# --- an adapter per HF module (PEFT's form): target_modules by HF name --------------------------------------
+
+PEFT_TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""k_proj left out: its rows of the fused QKV get no adapter, between the q and v rows of every query group."""
+
+
+@pytest.fixture(scope="module")
+def trained_elsewhere(llama_dir, tmp_path_factory):
+    """A PEFT adapter made by HF ``peft`` on the HF model, as one trained with PEFT or TRL: every module its
+    own ``lora_A`` and ``lora_B``, all nonzero (random), saved by ``save_pretrained``."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=PEFT_TARGETS)
+    model = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                scale = param.shape[1] ** -0.5 if ".lora_A." in name else 0.05
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    out = tmp_path_factory.mktemp("peft_elsewhere")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def per_module(llama_dir, batch, trained_elsewhere, peft_dirs):
+    """The single-rank engine with PEFT's modules as targets, started from :func:`trained_elsewhere`."""
+    kwargs = {"targets": PEFT_TARGETS, "init_from": str(trained_elsewhere), "peft_dir": peft_dirs("per-module")}
+    return _run(llama_dir, "d1p1t1", batch, peft_dir_after=peft_dirs("per-module-after"), **kwargs)
+
+
+def _peft_reference(model_dir, peft_dir, batch) -> dict:
+    """HF ``peft``'s model of ``peft_dir`` on the HF model: logprobs, loss and the adapters' gradients by PEFT name."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, str(peft_dir), is_trainable=True)
+    out = _hf_logp_and_loss(model, batch)
+    out["grads"] = {n.replace(".default", ""): q.grad for n, q in model.named_parameters() if q.requires_grad}
+    return out
+
+
+def test_adapters_per_hf_module_start_from_a_peft_adapter_and_match_peft(
+    llama_dir, batch, per_module, trained_elsewhere, peft_dirs
+):
+    """An adapter trained elsewhere (each module its own lora_A) loads, computes what HF ``peft`` computes
+    with it (logprobs, loss, every adapter matrix's gradient), and exports back bit for bit."""
+    from megarl.models.build import describe
+    from megarl.models.lora import peft_tensors
+
+    ref = _peft_reference(llama_dir, trained_elsewhere, batch)
+    assert len(ref["grads"]) == 4 * len(PEFT_TARGETS) * 2
+    assert (per_module["logp"] - ref["logp"]).abs().max() <= 1e-4
+    assert abs(per_module["loss"][0] - ref["loss"]) <= 1e-5
+    assert_grads_close(peft_tensors(per_module["grads"], describe(str(llama_dir)), PEFT_TARGETS), ref["grads"], 1e-4)
+    got, want = _peft_tensors(peft_dirs("per-module")), _peft_tensors(str(trained_elsewhere))
+    assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want)
+    assert per_module["base_frozen"] == [True] and per_module["base_unchanged"] == [True]
+
+
+def test_adapters_per_hf_module_stay_per_module_as_they_train(llama_dir, batch, per_module, peft_dirs):
+    """After an Adam step the trained model is still PEFT's form: its export, loaded by HF ``peft``, gives the
+    engine's logprobs after the step (a fused linear's rows learning from other modules' A would not export)."""
+    assert (per_module["logp_after"] - per_module["logp"]).abs().max() > 1e-3  # the step moved the adapters
+    assert (_peft_logp(llama_dir, peft_dirs("per-module-after"), batch) - per_module["logp_after"]).abs().max() <= 1e-4
+
+
+def test_adapters_per_hf_module_over_tp2_match_single_rank(llama_dir, batch, per_module, trained_elsewhere):
+    """TP2 with sequence parallelism: each rank's rows of the fused QKV (grouped q, k, v) and gate / up keep
+    their own module's adapter; logprobs, gradients and the step after within 1e-5 of one rank."""
+    kwargs = {"targets": PEFT_TARGETS, "init_from": str(trained_elsewhere)}
+    _assert_matches(_run(llama_dir, "d1p1t2", batch, **kwargs), per_module)
+
+
+def test_one_fused_adapter_refuses_a_peft_adapter_naming_the_way_out(llama_dir, trained_elsewhere):
+    """With Megatron's names (one adapter per fused linear) PEFT's adapter on q, v, o, gate, up and down is
+    refused before anything loads, naming the modules it lacks and the ones it has."""
+    from megarl.config.train import LoRAConfig
+    from megarl.models.build import describe
+    from megarl.models.lora import peft_full
+
+    settings = LoRAConfig(rank=RANK, alpha=ALPHA)
+    with pytest.raises(ValueError, match=r"adapt \['k_proj'\], which the adapter has no weights for \(its modules"):
+        peft_full(trained_elsewhere, describe(str(llama_dir)), settings)

@@ -24,7 +24,12 @@ def in_repo_offline(monkeypatch):
         ("actor.lora.rank=-1", "actor.lora.rank", "must be >= 0"),
         ("actor.lora.alpha=0", "actor.lora.alpha", "must be > 0"),
         ("actor.lora.dropout=1.0", "actor.lora.dropout", "must be in [0, 1)"),
-        ("actor.lora.target_modules=[linear_qkv,q_proj]", "actor.lora.target_modules", "'q_proj'"),
+        ("actor.lora.target_modules=[linear_q]", "actor.lora.target_modules", "unknown module name(s)"),
+        (
+            "actor.lora.target_modules=[linear_qkv,q_proj]",
+            "actor.lora.target_modules",
+            "names linear_qkv both by its Megatron name and by HF module names",
+        ),
         ("actor.lora.init_from=/some/adapter", "actor.lora.init_from", "set rank > 0"),
         ("weight_update.lora=folded", "weight_update.lora", "['merged', 'adapter']"),
         (
@@ -108,3 +113,59 @@ def test_lora_builds_the_local_spec_when_transformer_engine_is_installed(transfo
     assert use_transformer_engine(config.actor) is False
     full, _ = load_expr_config(["--config", CPU_YAML], GRPOConfig)
     assert use_transformer_engine(full.actor) is True  # the stub is seen: without LoRA, TE is picked
+
+
+def _peft_dir(path: Path, modules: list[str], **config) -> Path:
+    """A PEFT adapter directory of rank 8 on ``modules`` of one layer (shapes do not matter before launch)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    prefix = "base_model.model.model.layers.0"
+    tensors = {}
+    for module in modules:
+        where = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        tensors[f"{prefix}.{where}.{module}.lora_A.weight"] = torch.zeros(8, 4)
+        tensors[f"{prefix}.{where}.{module}.lora_B.weight"] = torch.zeros(4, 8)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": modules, "bias": "none"}
+    (path / "adapter_config.json").write_text(json.dumps({**settings, **config}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "modules,config,targets,key,fragment",
+    [
+        (["q_proj", "v_proj"], {"r": 4}, "[q_proj,v_proj]", "actor.lora.rank", "r=4 in adapter_config.json"),
+        (["q_proj", "v_proj"], {"use_rslora": True}, "[q_proj,v_proj]", "actor.lora.init_from", "rank-stabilised"),
+        (["q_proj", "v_proj"], {"use_dora": True}, "[q_proj,v_proj]", "actor.lora.init_from", "DoRA"),
+        (["q_proj", "v_proj"], {"rank_pattern": {"q_proj": 4}}, "[q_proj,v_proj]", "actor.lora.init_from", "ranks per"),
+        (["q_proj", "v_proj"], {"modules_to_save": ["lm_head"]}, "[q_proj,v_proj]", "actor.lora.init_from", "fully"),
+        (["q_proj", "v_proj"], {}, "[q_proj]", "actor.lora.target_modules", "has modules ['v_proj'] that"),
+        (["q_proj", "v_proj"], {}, "[linear_qkv]", "actor.lora.target_modules", "adapt ['k_proj'], which the adapter"),
+    ],
+)
+def test_a_peft_adapter_to_start_from_is_checked_before_launch(tmp_path, modules, config, targets, key, fragment):
+    """What megarl's adapters cannot hold, or what the targets and the adapter disagree on, fails when the
+    config loads, naming the key to change (a PEFT adapter made with PEFT's defaults has q_proj and v_proj)."""
+    adapter = _peft_dir(tmp_path / "adapter", modules, **config)
+    argv = ["--config", CPU_YAML, "actor.lora.rank=8", "actor.lora.alpha=16", f"actor.lora.target_modules={targets}"]
+    with pytest.raises(ConfigError) as err:
+        load_expr_config([*argv, f"actor.lora.init_from={adapter}"], GRPOConfig)
+    assert err.value.key == key, str(err.value)
+    assert fragment in str(err.value)
+
+
+def test_a_peft_adapter_on_its_own_modules_is_taken(tmp_path):
+    adapter = _peft_dir(tmp_path / "adapter", ["q_proj", "v_proj"])
+    argv = [
+        "--config",
+        CPU_YAML,
+        "actor.lora.rank=8",
+        "actor.lora.alpha=16",
+        "actor.lora.target_modules=[q_proj,v_proj]",
+    ]
+    config, _ = load_expr_config([*argv, f"actor.lora.init_from={adapter}"], GRPOConfig)
+    assert config.actor.lora.init_from == str(adapter) and config.actor.lora.target_modules == ["q_proj", "v_proj"]

@@ -59,7 +59,7 @@ def nonzero_peft_dir(out: Path) -> Path:
             full[f"{prefix}.lora_a"] = torch.randn(RANK, n_in, generator=gen) / n_in**0.5
             full[f"{prefix}.lora_b"] = 0.01 * torch.randn(n_out, RANK, generator=gen)
     settings = LoRAConfig(rank=RANK, alpha=ALPHA)
-    return lora.write_peft_dir(lora.peft_tensors(full, desc), settings, path, out)
+    return lora.write_peft_dir(lora.peft_tensors(full, desc, settings.target_modules), settings, path, out)
 
 
 def adapter_effect(peft_dir: Path) -> float:
