@@ -25,7 +25,9 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return out
 
 
-def lora_sync_run(model_dir: str, alloc: str, batch: dict, out_dir: str, distributed_optimizer: bool) -> dict:
+def lora_sync_run(
+    model_dir: str, alloc: str, batch: dict, out_dir: str, distributed_optimizer: bool, targets: list[str] = DENSE
+) -> dict:
     """One Adam step from :func:`nonzero_adapter`'s adapters, then: the HF tensors the weight bridge
     gathers (merged), whether the base weights kept their bits, the PEFT and merged HF exports, and a
     checkpoint saved, perturbed and loaded (adapters and optimizer state before and after)."""
@@ -35,7 +37,7 @@ def lora_sync_run(model_dir: str, alloc: str, batch: dict, out_dir: str, distrib
     from megarl.models import lora
 
     out = Path(out_dir)
-    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=DENSE)
+    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets)
     engine = _lora_engine(model_dir, alloc, settings, 2, distributed_optimizer, False, sequence_parallel=True)
     p = engine.parallel
     lora.load_full(engine.model, engine.coords, nonzero_adapter)
@@ -85,7 +87,7 @@ def lora_sync_run(model_dir: str, alloc: str, batch: dict, out_dir: str, distrib
 
 
 def lora_checkpoint_at(
-    model_dir: str, alloc: str, batch: dict, ckpt: str, save: bool, distributed: bool = False
+    model_dir: str, alloc: str, batch: dict, ckpt: str, save: bool, distributed: bool = False, targets=DENSE
 ) -> dict:
     """``save``: one Adam step from :func:`nonzero_adapter`'s adapters at ``alloc``, then a checkpoint; else a
     fresh engine at ``alloc`` loads it. Either way, on rank 0: the full adapters and the full Adam moments of
@@ -93,7 +95,7 @@ def lora_checkpoint_at(
     from megarl.actor.checkpoint import SaveLoadMeta
     from megarl.models import lora
 
-    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=DENSE)
+    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets)
     engine = _lora_engine(model_dir, alloc, settings, 2, distributed, False, sequence_parallel=True)
     p = engine.parallel
     inner = engine.optimizer.optimizer

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.actor.dist_utils import run_ranks
+from tests.actor.lora_workers import DENSE
 from tests.actor.workers import make_batch
 
 pytestmark = pytest.mark.multiproc
@@ -36,8 +37,15 @@ def _peft_merged(model_dir, peft_dir) -> dict[str, torch.Tensor]:
     return peft.PeftModel.from_pretrained(model, str(peft_dir)).merge_and_unload().state_dict()
 
 
-@pytest.mark.parametrize("alloc,distributed", [("d1p1t1", True), ("d1p1t2", False)])
-def test_merged_sync_and_checkpoint_carry_the_adapters(llama_dir, tmp_path, alloc, distributed):
+PER_MODULE = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Adapters per HF module (PEFT's form), k_proj left without one."""
+
+
+@pytest.mark.parametrize(
+    "alloc,distributed,targets",
+    [("d1p1t1", True, DENSE), ("d1p1t2", False, DENSE), pytest.param("d1p1t2", False, PER_MODULE, id="per-module")],
+)
+def test_merged_sync_and_checkpoint_carry_the_adapters(llama_dir, tmp_path, alloc, distributed, targets):
     from megarl.models.hf_io import SafetensorsReader
 
     world = 2 if alloc.endswith("t2") else 1
@@ -50,6 +58,7 @@ def test_merged_sync_and_checkpoint_carry_the_adapters(llama_dir, tmp_path, allo
         batch=batch,
         out_dir=str(tmp_path),
         distributed_optimizer=distributed,
+        targets=targets,
     )
     for r in results:
         assert r["n_merged"] == 4 * 4  # qkv, proj, fc1, fc2 of 4 layers
@@ -70,28 +79,31 @@ def test_merged_sync_and_checkpoint_carry_the_adapters(llama_dir, tmp_path, allo
         assert (tensor - want[name]).abs().max().item() <= 1e-6, name
         assert (exported(name, None, 0, 0) - want[name]).abs().max().item() <= 1e-6, name
         moved += (tensor - base(name, None, 0, 0)).abs().max().item() > 1e-4
-    assert moved == 4 * 7  # q, k, v, o, gate, up, down of 4 layers: the adapters are in
+    # q, k, v, o, gate, up, down of 4 layers: the adapters are in (k has none per module: k_proj keeps its bits)
+    assert moved == 4 * (7 if targets == DENSE else 6)
 
 
 CHECKPOINT_AT = "tests.actor.lora_sync_workers:lora_checkpoint_at"
 
 
 @pytest.mark.parametrize(
-    "saved_at,loaded_at,distributed",
+    "saved_at,loaded_at,distributed,targets",
     # TP1 -> TP2 splits what TP2 -> TP1 gathers: the other direction runs with the slow tests
     [
-        ("d1p1t2", "d1p1t1", False),
-        ("d1p1t2", "d1p1t1", True),
-        pytest.param("d1p1t1", "d1p1t2", False, marks=pytest.mark.slow),
+        ("d1p1t2", "d1p1t1", False, DENSE),
+        ("d1p1t2", "d1p1t1", True, DENSE),
+        pytest.param("d1p1t1", "d1p1t2", False, DENSE, marks=pytest.mark.slow),
+        pytest.param("d1p1t2", "d1p1t1", True, PER_MODULE, id="per-module"),
     ],
 )
 def test_a_checkpoint_with_adapters_resumes_at_another_tensor_parallel_size(
-    llama_dir, tmp_path, saved_at, loaded_at, distributed
+    llama_dir, tmp_path, saved_at, loaded_at, distributed, targets
 ):
     """Adapters and their Adam moments saved at one TP size load at another: each adapter's TP split is
     recorded in the checkpoint, so the gathered matrices and moments are bit-identical, with the plain
     optimizer and with the distributed one (its state written per parameter: ``checkpoint_layout: any``)."""
-    common = {"model_dir": str(llama_dir), "batch": make_batch([7, 12, 5, 9], seed=3), "ckpt": str(tmp_path / "c")}
+    batch = make_batch([7, 12, 5, 9], seed=3)
+    common = {"model_dir": str(llama_dir), "batch": batch, "ckpt": str(tmp_path / "c"), "targets": targets}
     world = {"d1p1t1": 1, "d1p1t2": 2}
     saved = run_ranks(world[saved_at], CHECKPOINT_AT, alloc=saved_at, save=True, distributed=distributed, **common)[0]
     loaded = run_ranks(world[loaded_at], CHECKPOINT_AT, alloc=loaded_at, save=False, distributed=distributed, **common)
