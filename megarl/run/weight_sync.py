@@ -255,9 +255,12 @@ class WeightSync:
             self._resume()
             raise
         # the probe is scored by servers that have no episodes to generate yet: it takes a fraction
-        # of a second instead of waiting behind a whole batch's decoding
+        # of a second instead of waiting behind a whole batch's decoding. A served LoRA adapter's is scored
+        # before the interrupted generations go on too: vLLM maps a LoRA's prompt logprobs right only for a
+        # request alone in its batch (vllm-project/vllm#16668; beside another request, the worker fails)
+        alone = probing and report.ok and report.adapter is not None
         resuming = time.perf_counter()
-        self._resume(episodes=not (probing and report.ok))
+        self._resume(episodes=not (probing and report.ok), generations=not alone)
         try:
             stats = {
                 "pause_seconds": paused - start,
@@ -275,11 +278,11 @@ class WeightSync:
             if probing:
                 heartbeat.step("weight sync: consistency probe")
                 probe_start = time.perf_counter()
-                stats.update(self.check_consistency())
+                stats.update(self.check_consistency(release=alone))
                 stats["probe_seconds"] = time.perf_counter() - probe_start
         finally:
             if probing and report.ok and self.rollout is not None:
-                self.rollout.start_episodes()
+                self.rollout.resume(start_episodes=True, servers=False)  # generations held for the probe too
         self.n_updates += 1
         return stats
 
@@ -325,15 +328,20 @@ class WeightSync:
         if dist.is_initialized():
             dist.barrier()  # no head sends a request stamped with the old version once a server pauses
 
-    def _resume(self, episodes: bool = True) -> None:
-        """Rank 0 resumes the servers, every head its generations (and new episodes unless ``episodes`` is
-        False), once every head has the new version."""
+    def _resume(self, episodes: bool = True, generations: bool = True) -> None:
+        """Rank 0 resumes the servers, every head its generations (unless ``generations`` is False: the
+        probe runs alone first) and new episodes (unless ``episodes`` is False), once every head has the
+        new version."""
         heartbeat.step("weight sync: resuming the servers")
         if dist.is_initialized():
             dist.barrier()
-        if self.rollout is not None:
-            servers = self.bridge.is_driver and not self.servers_pause_themselves
+        if self.rollout is None:
+            return
+        servers = self.bridge.is_driver and not self.servers_pause_themselves
+        if generations:
             self.rollout.resume(start_episodes=episodes, servers=servers)
+        elif servers:
+            self.server_set.control_all(self.server_set.backend.resume_calls())
 
     def _after(self, report: UpdateReport, version: int) -> list[str]:
         """Version bump where the update landed; failed servers out of rotation, the restarted or joined
@@ -357,10 +365,11 @@ class WeightSync:
         if self.server_set is not None:
             self.server_set.adapter = name
 
-    def check_consistency(self) -> dict[str, float]:
+    def check_consistency(self, release: bool = False) -> dict[str, float]:
         """Probe logprobs: trainer vs every updated server; ConsistencyError above the threshold. With
         ``probe_topk``, each server's top-k logprobs too, against the trainer's of the same tokens (a
-        warning above the gap threshold). One request per server, one trainer forward (collective)."""
+        warning above the gap threshold). One request per server, one trainer forward (collective).
+        ``release``: the heads' generations were held for the servers' scoring and go on once it is done."""
         if not self.probe:
             return {}
         k = self.config.probe_topk
@@ -370,6 +379,8 @@ class WeightSync:
             futures = score_all(self._in_rotation(), lambda s: s.aprobe(self.probe, k, adapter))
             theirs = {address: f.result() for address, f in futures.items()}
         theirs = self.bridge.broadcast_object(theirs)
+        if release and self.rollout is not None:
+            self.rollout.resume(start_episodes=False, servers=False)
         scores = {address: scored for address, (scored, _) in theirs.items()}
         topk = {address: top for address, (_, top) in theirs.items() if top is not None}
         ids = topk_ids(topk, self.probe, k) if topk else None

@@ -451,20 +451,28 @@ class VLLMControl(ServerControl):
 
     async def _prompt_logprobs(self, sequences: list[list[int]], k: int, adapter: str | None) -> list[list]:
         """Per sequence, the reply's ``prompt_logprobs`` past its first token (``k`` top logprobs each):
-        one request with every sequence as a prompt of its own (choices come in the prompts' order)."""
-        payload = {
-            "model": await self._model_name(adapter),
-            "prompt": [list(seq) for seq in sequences],
-            "max_tokens": 1,
-            "temperature": 1.0,
-            "prompt_logprobs": k,
-        }
-        reply = await self._ajson("/v1/completions", payload)
-        try:
-            choices = sorted(reply["choices"], key=lambda choice: choice["index"])
-            entries = [choice["prompt_logprobs"][1:] for choice in choices]
-        except (KeyError, IndexError, TypeError) as e:
-            raise ServerControlError(self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})") from None
+        one request with every sequence as a prompt of its own (choices come in the prompts' order). With
+        a LoRA ``adapter``, one request per sequence, one after the other: vLLM maps a LoRA's prompt
+        logprobs right only for a request alone in its batch (vllm-project/vllm#16668)."""
+        model = await self._model_name(adapter)
+        groups = [[seq] for seq in sequences] if adapter is not None else [sequences]
+        entries = []
+        for group in groups:
+            payload = {
+                "model": model,
+                "prompt": [list(seq) for seq in group],
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "prompt_logprobs": k,
+            }
+            reply = await self._ajson("/v1/completions", payload)
+            try:
+                choices = sorted(reply["choices"], key=lambda choice: choice["index"])
+                entries += [choice["prompt_logprobs"][1:] for choice in choices]
+            except (KeyError, IndexError, TypeError) as e:
+                raise ServerControlError(
+                    self.address, "/v1/completions", f"no prompt_logprobs in reply ({e})"
+                ) from None
         lengths = [len(e) for e in entries]
         if lengths != [len(seq) - 1 for seq in sequences]:
             raise ServerControlError(

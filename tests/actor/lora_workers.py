@@ -45,6 +45,26 @@ def nonzero_adapter(name: str, shape: tuple[int, int]) -> torch.Tensor:
     return full / shape[1] ** 0.5 if name.endswith("lora_a") else 0.05 * full
 
 
+def random_peft_adapter(model_dir, out, targets: list[str], rank: int, alpha: float, b_scale: float = 0.05):
+    """A PEFT adapter made by HF ``peft`` on the HF model at ``model_dir``, as one trained with PEFT or TRL:
+    each of ``targets`` (HF module names) its own random ``lora_A`` and ``lora_B`` (``b_scale`` x N(0, 1)),
+    saved by ``save_pretrained`` to ``out``; returns ``out``."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
+    model = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                scale = param.shape[1] ** -0.5 if ".lora_A." in name else b_scale
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    model.save_pretrained(out)
+    return out
+
+
 def _lora_engine(
     model_dir: str, alloc: str, lora: LoRAConfig, n_mbs: int, distributed: bool, recompute: bool, **megatron
 ):

@@ -23,7 +23,7 @@ import torch
 
 from megarl.config.allocation import AllocationMode
 from tests.actor.dist_utils import assert_grads_close, dp_rows, run_ranks
-from tests.actor.lora_workers import ALPHA, RANK, WRONG_SPLITS, nonzero_adapter
+from tests.actor.lora_workers import ALPHA, RANK, WRONG_SPLITS, nonzero_adapter, random_peft_adapter
 from tests.actor.workers import make_batch
 
 pytestmark = pytest.mark.multiproc
@@ -266,21 +266,8 @@ PEFT_TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj
 def trained_elsewhere(llama_dir, tmp_path_factory):
     """A PEFT adapter made by HF ``peft`` on the HF model, as one trained with PEFT or TRL: every module its
     own ``lora_A`` and ``lora_B``, all nonzero (random), saved by ``save_pretrained``."""
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
-    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=PEFT_TARGETS)
-    model = peft.get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_" in name:
-                scale = param.shape[1] ** -0.5 if ".lora_A." in name else 0.05
-                param.copy_(torch.randn(param.shape, generator=gen) * scale)
-    out = tmp_path_factory.mktemp("peft_elsewhere")
-    model.save_pretrained(out)
-    return out
+    pytest.importorskip("peft")
+    return random_peft_adapter(llama_dir, tmp_path_factory.mktemp("peft_elsewhere"), PEFT_TARGETS, RANK, ALPHA)
 
 
 @pytest.fixture(scope="module")

