@@ -5,7 +5,10 @@
 * **full fine-tuning**, the config as it is, :data:`COST_STEPS` steps;
 * **LoRA, merged sync** (``weight_update.lora=merged``: the servers get base + BA), :data:`COST_STEPS` steps;
 * **LoRA, adapter sync** (``weight_update.lora=adapter``: the servers load the adapters alone), :data:`STEPS`
-  steps, in this CPU's ``auto`` dtype and in the other one (bf16 and fp32 both: GPUs train in bf16).
+  steps, in this CPU's ``auto`` dtype and in the other one (bf16 and fp32 both: GPUs train in bf16);
+* **LoRA per HF module, merged sync**: ``target_modules`` by HF name (``q_proj`` ... ``down_proj``, each its
+  own adapter, PEFT's form), :data:`STEPS` steps in both dtypes too. ``--setups per-module`` runs this one
+  alone (results ``learning_lora_per_module``).
 
 LoRA: rank :data:`RANK` on all four dense targets (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
 ``linear_fc2``), ``alpha`` 32, learning rate :data:`LORA_LR`: ten times the config's full fine-tuning rate
@@ -21,6 +24,7 @@ mean |dlogp|. ``--quick`` runs 6 steps of each, in the ``auto`` dtype only.
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from benchmarks._harness import main_for
@@ -33,14 +37,34 @@ LORA_LR = 1.0e-4
 """Ten times the config's full fine-tuning learning rate (1e-5)."""
 GAIN_BAR = 0.15
 LORA = [f"actor.lora.rank={RANK}", f"actor.lora.alpha={ALPHA}", f"actor.optimizer.lr={LORA_LR:g}"]
+PER_MODULE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SETUPS = {
     "full fine-tuning": ([], COST_STEPS),
     "LoRA, merged sync": ([*LORA, "weight_update.lora=merged"], COST_STEPS),
     "LoRA, adapter sync": ([*LORA, "weight_update.lora=adapter"], STEPS),
+    "LoRA per HF module, merged sync": ([*LORA, f"actor.lora.target_modules=[{','.join(PER_MODULE)}]"], STEPS),
 }
 """Name -> (overrides, steps)."""
-LEARNING_SETUP = "LoRA, adapter sync"
-"""The setup also run in the dtype ``auto`` does not pick."""
+LEARNING_SETUPS = ("LoRA, adapter sync", "LoRA per HF module, merged sync")
+"""The setups also run in the dtype ``auto`` does not pick."""
+CLI_OPTIONS = {"--setups": ("MEGARL_LEARNING_LORA_SETUPS", {"all": "all", "per-module": "per-module"})}
+
+
+def results_name() -> str:
+    """``learning_lora``, or ``learning_lora_per_module`` for that setup alone (``--setups per-module``)."""
+    return "learning_lora_per_module" if _per_module_only() else "learning_lora"
+
+
+def _per_module_only() -> bool:
+    return os.environ.get("MEGARL_LEARNING_LORA_SETUPS", "all") == "per-module"
+
+
+def _selected(name: str, auto_dtype: bool) -> bool:
+    """Whether setup ``name`` runs in this dtype: every one in the ``auto`` dtype (the costs are compared
+    there), the learning setups in both; ``--setups per-module``: that one alone, in both."""
+    if _per_module_only():
+        return name == LEARNING_SETUPS[1]
+    return auto_dtype or name in LEARNING_SETUPS
 
 
 def _dtypes(quick: bool) -> list[str]:
@@ -54,8 +78,8 @@ def run(quick: bool) -> list[dict]:
     rows = []
     for i, dtype in enumerate(_dtypes(quick)):
         for name, (overrides, steps) in SETUPS.items():
-            if i > 0 and name != LEARNING_SETUP:
-                continue  # the costs are compared in the auto dtype
+            if not _selected(name, auto_dtype=i == 0):
+                continue
             steps = QUICK_STEPS if quick else steps
             metrics, minutes = run_arithmetic([*dtype_overrides(dtype), *overrides, f"total_train_steps={steps}"])
             rows.append(_row(name, dtype, overrides, metrics, minutes))
