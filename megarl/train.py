@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.ppo import MegatronPPOActor, replayed_truncation
+from megarl.actor.reference import AdapterReference
 from megarl.api import context as workflow_context
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config import GRPOConfig, save_config
@@ -78,7 +79,7 @@ class Trainer:
 
     config: GRPOConfig
     actor: MegatronPPOActor
-    ref: MegatronEngine | None
+    ref: MegatronEngine | AdapterReference | None
     critic: MegatronCritic | None
     rollout: RemoteInferenceEngine | None
     coordinator: DistRolloutCoordinator
@@ -313,7 +314,7 @@ def build(config: GRPOConfig) -> Trainer:
         total_steps = min(total_steps, config.total_train_steps)
     workflow_context.set_run_length(total_steps, steps_per_epoch)  # a reward's trainer_state.max_steps, epoch
     actor.initialize(ft_spec=total_steps)
-    ref = build_ref(config, parallel)
+    ref = build_ref(config, parallel, actor)
     critic = build_critic(config, parallel, total_steps)
 
     rollout = None

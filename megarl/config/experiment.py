@@ -147,7 +147,8 @@ class GRPOConfig(BaseExperimentConfig):
     actor: PPOActorConfig = field(default_factory=lambda: PPOActorConfig(group_size=GROUP))
     """The policy."""
     ref: TrainEngineConfig | None = None
-    """Frozen reference model for the KL penalty; None uses the actor's initial weights when ``actor.kl_ctl > 0``."""
+    """Frozen reference model for the KL penalty; None uses the actor's initial weights when ``actor.kl_ctl > 0``
+    (a LoRA actor's: its own model with the adapters it started from, no second model)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """GRPO (group baseline) or PPO with a critic (GAE): ``algorithm.adv_estimator``."""
     critic: PPOCriticConfig | None = None

@@ -52,6 +52,7 @@ install with megatron-core 0.16.1), and the wheel requires ``transformer-engine[
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -227,20 +228,19 @@ def _row_blocks(linear, rule, names: tuple[str, ...], blocks: tuple, coords: Sha
 
 
 def _adapter_form(linear, target: str, targets: set, canonical: str, desc: ModelDesc, coords: ShardCoords):
-    """How a linear is adapted: ``(True, None)`` one adapter (its Megatron name is targeted, or it holds one
-    targeted HF module); ``(True, row_blocks)`` one per targeted HF module; ``(False, None)`` none."""
+    """How a linear is adapted: the targets that name it (empty: no adapter) and, with an adapter per targeted
+    HF module inside a fused linear, the block of each of its rows (None: one adapter)."""
     if target in targets:
-        return True, None
+        return {target}, None
     if target not in HF_LORA_TARGETS.values():  # an expert linear, or no linear: Megatron names only
-        return False, None
+        return set(), None
     rule, fields = desc.mapping.match(canonical)
     names = rule.hf_names(**fields)
     blocks = module_blocks(names, targets)
-    if all(block is None for block in blocks):
-        return False, None
-    if len(names) == 1:
-        return True, None
-    return True, _row_blocks(linear, rule, names, blocks, coords, desc)
+    named = {hf_module(name) for name, block in zip(names, blocks) if block is not None}
+    if not named or len(names) == 1:
+        return named, None
+    return named, _row_blocks(linear, rule, names, blocks, coords, desc)
 
 
 def add_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: ShardCoords) -> int:
@@ -248,7 +248,7 @@ def add_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: 
     the number of adapters. Call after the base weights are loaded and before the DDP wrap, so
     that Megatron's DDP and optimizer see only the adapters as trainable."""
     targets = set(settings.target_modules)
-    count = 0
+    count, matched = 0, set()
     for chunk in chunks:
         model = unwrap(chunk)
         model.requires_grad_(False)
@@ -260,11 +260,10 @@ def add_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: 
             weight = getattr(module, "weight", None)
             if weight is None or id(weight) not in canonical:
                 continue
-            adapted, row_blocks = _adapter_form(
-                module, _target_name(name), targets, canonical[id(weight)], desc, coords
-            )
-            if not adapted:
+            named, row_blocks = _adapter_form(module, _target_name(name), targets, canonical[id(weight)], desc, coords)
+            if not named:
                 continue
+            matched |= named
             _require_local_linear(name, module)
             fc1 = name.endswith("linear_fc1")
             module.adapter = LoRAAdapter(
@@ -275,6 +274,8 @@ def add_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: 
             count += 1
     if count == 0:
         raise ValueError(f"lora.target_modules {list(settings.target_modules)} matched no linear of this model")
+    if targets - matched:  # a MoE model has no dense MLP: its experts are experts.linear_fc1 / _fc2
+        logger.warning("lora.target_modules %s matched no linear of this model: not adapted", sorted(targets - matched))
     return count
 
 
@@ -535,14 +536,45 @@ def peft_full(path: str | os.PathLike, desc: ModelDesc, settings: LoRASettings) 
     return full_of
 
 
+def initial_full(settings: LoRASettings, desc: ModelDesc) -> Callable[[str, tuple[int, int]], torch.Tensor]:
+    """``full_of`` of the adapters a run starts from: ``settings.init_from``'s (a PEFT directory), else
+    PEFT's initialisation (``B = 0``: the base model)."""
+    return peft_full(settings.init_from, desc, settings) if settings.init_from else peft_init()
+
+
 def add_and_load_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: ShardCoords) -> int:
-    """Adapters on ``chunks`` (:func:`add_adapters`), started from ``settings.init_from`` (a PEFT directory)
-    or PEFT's initialisation; the number of adapters."""
+    """Adapters on ``chunks`` (:func:`add_adapters`), started from :func:`initial_full`; the number of adapters."""
     n_adapters = add_adapters(chunks, settings, desc, coords)
-    start = peft_full(settings.init_from, desc, settings) if settings.init_from else peft_init()
-    load_full(chunks, coords, start)
+    load_full(chunks, coords, initial_full(settings, desc))
     trainable = sum(q.numel() for chunk in chunks for q in chunk.parameters() if q.requires_grad)
     logger.info(
         "LoRA: %d adapters (rank %d), %d trainable parameters on this rank", n_adapters, settings.rank, trainable
     )
     return n_adapters
+
+
+def initial_values(chunks: list, coords: ShardCoords, settings: LoRASettings, desc: ModelDesc) -> list[tuple]:
+    """``(parameter, this rank's part of its initial value)`` for every adapter matrix of ``chunks``: what
+    :func:`add_and_load_adapters` loaded, in the parameter's dtype, also after a resume (the run's adapters
+    have trained since; these are read again from where they started)."""
+    full_of = initial_full(settings, desc)
+    return [
+        (item.param, shard(full_of(item.name, full_shape(item)), item.split, item.rank, item.size).to(item.param.dtype))
+        for item in adapter_params(chunks, coords)
+    ]
+
+
+@contextlib.contextmanager
+def holding(values: list[tuple]) -> Iterator[None]:
+    """Inside the block each parameter holds the value paired with it (:func:`initial_values`); after it, its
+    own again, bit for bit."""
+    with torch.no_grad():
+        kept = [param.detach().clone() for param, _ in values]
+        for param, value in values:
+            param.copy_(value)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (param, _), own in zip(values, kept):
+                param.copy_(own)

@@ -1,6 +1,6 @@
 """The parts of a GRPO run that the trainer script builds from its config, beside the actor.
 
-The rollout workflows (training and evaluation), the frozen reference model of the KL term, PPO's
+The rollout workflows (training and evaluation), the frozen reference of the KL term, PPO's
 critic, the tokenizer and the evaluation prompts: each from its config section, so that
 :func:`megarl.train.build` reads as a list of what a trainer rank holds.
 """
@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
+from megarl.actor.reference import AdapterReference
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config import GRPOConfig
 from megarl.config.train import TrainEngineConfig
@@ -36,11 +37,15 @@ def build_workflows(config: GRPOConfig, tokenizer) -> tuple[RolloutWorkflow, Rol
     return workflow, build_eval_workflow(config.eval_workflow, config.workflow, workflow, eval_run)
 
 
-def build_ref(config: GRPOConfig, parallel) -> MegatronEngine | None:
-    """The frozen reference model of the KL term: ``config.ref``, else the actor's initial weights."""
+def build_ref(config: GRPOConfig, parallel, actor: MegatronEngine) -> MegatronEngine | AdapterReference | None:
+    """The frozen reference of the KL term: a model of ``config.ref``, else the actor's initial weights (a LoRA
+    actor's own model with its initial adapters, :class:`~megarl.actor.reference.AdapterReference`: no second
+    copy of the weights)."""
     if config.actor.kl_ctl <= 0:
         return None
     a = config.actor
+    if config.ref is None and a.lora.enabled:
+        return AdapterReference(actor)
     ref = MegatronEngine(
         config.ref or TrainEngineConfig(path=a.path, dtype=a.dtype, mb_spec=a.mb_spec, megatron=a.megatron)
     )

@@ -171,3 +171,25 @@ def _full_model_footprint(lora_engine) -> dict:
     engine = MegatronEngine(cfg)
     engine.initialize(parallel=lora_engine.parallel)
     return _trainable_footprint(engine)
+
+
+def lora_reference_run(model_dir: str, alloc: str, batch: dict, targets: list[str] = DENSE, init_from=None) -> dict:
+    """A LoRA actor's KL reference scored by its own model (``AdapterReference``): its logprobs before and after
+    an Adam step, the actor's own after the step, and whether the actor's adapters kept their bits."""
+    from megarl.actor.engine import MegatronEngine
+    from megarl.actor.reference import AdapterReference
+    from megarl.models import lora
+
+    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets, init_from=init_from)
+    engine = _lora_engine(model_dir, alloc, settings, 2, False, False, sequence_parallel=True)
+    p = engine.parallel
+    local = split_rows(batch, p.dp_rank, p.alloc.dp)
+    reference = AdapterReference(engine)
+    out = {"dp_rank": p.dp_rank, "ref_before": reference.compute_logp(local)}
+    engine.train_batch(local, ppo_token_loss, token_weight)
+    trained = [item.param.detach().clone() for item in lora.adapter_params(engine.model, engine.coords)]
+    out["ref_after"] = reference.compute_logp(local)
+    kept = [item.param.detach() for item in lora.adapter_params(engine.model, engine.coords)]
+    out["adapters_kept"] = all(torch.equal(a, b) for a, b in zip(trained, kept))
+    out["logp"] = MegatronEngine.compute_logp(engine, local)
+    return out

@@ -331,3 +331,33 @@ def test_one_fused_adapter_refuses_a_peft_adapter_naming_the_way_out(llama_dir, 
     settings = LoRAConfig(rank=RANK, alpha=ALPHA)
     with pytest.raises(ValueError, match=r"adapt \['k_proj'\], which the adapter has no weights for \(its modules"):
         peft_full(trained_elsewhere, describe(str(llama_dir)), settings)
+
+
+# --- the KL reference of a LoRA actor: its own model with the adapters it started from ------------------------
+
+
+@pytest.mark.parametrize(
+    "alloc,start", [("d1p1t1", "peft-init"), ("d1p1t1", "init-from"), ("d1p1t2", "init-from")], ids=str
+)
+def test_a_lora_actor_scores_its_own_kl_reference(llama_dir, batch, trained_elsewhere, alloc, start):
+    """Without a reference model the KL reference is the actor's initial weights, scored by the actor's model
+    with the adapters it started from: the base model (HF) after PEFT's initialisation (B = 0), the base with
+    the adapter it started from (HF ``peft``) after ``init_from``; before and after an Adam step, within 1e-4
+    of HF in fp32, while the actor's own logprobs have moved; the actor's adapters keep every bit."""
+    kwargs = {"targets": PEFT_TARGETS, "init_from": str(trained_elsewhere)} if start == "init-from" else {}
+    world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
+    results = run_ranks(
+        world,
+        "tests.actor.lora_workers:lora_reference_run",
+        model_dir=str(llama_dir),
+        alloc=alloc,
+        batch=batch,
+        **kwargs,
+    )
+    got = {key: dp_rows(results, key, batch["input_ids"].shape) for key in ("ref_before", "ref_after", "logp")}
+    want = _peft_logp(llama_dir, trained_elsewhere, batch, adapter=start == "init-from")
+    assert (got["ref_before"] - want).abs().max() <= 1e-4
+    assert (got["ref_after"] - want).abs().max() <= 1e-4
+    moved = (got["logp"] - want).abs().max()
+    assert moved > 1e-3, moved  # the actor moved; its reference did not
+    assert all(r["adapters_kept"] for r in results)
