@@ -100,6 +100,14 @@ class MegatronCritic(MegatronEngine):
                 chunk.output_layer.weight.requires_grad_(False)  # a critic has no use for the LM head
         self.desc = dataclasses.replace(self.desc, mapping=FamilyMapping(self.desc.mapping.rules + VALUE_HEAD_RULES))
 
+    def _add_adapters(self, chunks: list) -> None:
+        """LoRA on the critic: the adapters train, and so does the value head (new on a base model, as PEFT's
+        ``modules_to_save``); the rest stays frozen."""
+        super()._add_adapters(chunks)
+        for chunk in chunks:
+            if chunk.post_process:
+                chunk.value_head.requires_grad_(True)
+
     def _head(self, model, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """fp32 values ``[T]`` of the micro-batch's tokens from the last stage's hidden states ``[s, 1, H]``
         (with context parallelism, of this rank's tokens, gathered into the whole stream)."""

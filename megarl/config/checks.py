@@ -236,7 +236,8 @@ def _check_minibatches(batch_size: int, dp: int, n_minibatches: int, model: str)
 
 
 def check_lora(config: GRPOConfig) -> None:
-    """LoRA adapters run on the actor (not on ref or critic yet); adapter sync serves what servers can load."""
+    """LoRA adapters run on the actor and the critic (not on a frozen ref model); adapter sync serves what servers
+    can load."""
     if config.adapter_sync:
         experts = [m for m in config.actor.lora.target_modules if m.startswith("experts.")]
         require(
@@ -252,15 +253,14 @@ def check_lora(config: GRPOConfig) -> None:
             config.actor.lora.rank,
             f"adapter sync: vLLM serves LoRA ranks up to {MAX_SERVED_LORA_RANK}; use 'merged' above that",
         )
-    for key, cfg in (("ref", config.ref), ("critic", config.critic)):
-        if cfg is not None:
-            require(
-                not cfg.lora.enabled,
-                f"{key}.lora.rank",
-                cfg.lora.rank,
-                f"LoRA adapters on the {key} model are not supported yet (the actor's are): set rank 0 "
-                "(docs/guides/lora.md)",
-            )
+    if config.ref is not None:
+        require(
+            not config.ref.lora.enabled,
+            "ref.lora.rank",
+            config.ref.lora.rank,
+            "the reference model is frozen: adapters would not train (a LoRA actor without a ref block scores its "
+            "reference with its own model and initial adapters: docs/concepts/algorithms.md): set rank 0",
+        )
 
 
 MANAGED_SERVER_FLAGS = {

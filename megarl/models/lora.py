@@ -478,7 +478,7 @@ def peft_full(path: str | os.PathLike, desc: ModelDesc, settings: LoRASettings) 
     from safetensors.torch import load_file
 
     path = Path(path)
-    problems = adapter_problems(path, settings.rank, settings.alpha, settings.target_modules, desc.family.moe)
+    problems = adapter_problems(path, settings.rank, settings.alpha, settings.target_modules, desc.family.moe, "lora")
     if problems:
         raise ValueError("; ".join(f"{key}: {why}" for key, why in problems))
     tensors = load_file(str(path / PEFT_WEIGHTS))

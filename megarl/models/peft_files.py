@@ -44,13 +44,14 @@ def covered_modules(target_modules) -> set[str]:
 
 
 def adapter_problems(
-    path: str | os.PathLike, rank: int, alpha: float, target_modules, moe: bool | None = None
+    path: str | os.PathLike, rank: int, alpha: float, target_modules, moe: bool | None = None, key: str = "actor.lora"
 ) -> list[tuple[str, str]]:
     """What keeps the PEFT adapter directory ``path`` from starting a run with adapters of ``rank`` and
     ``alpha`` on ``target_modules``: ``(config key, why)`` pairs, empty when it can. Reads its
     ``adapter_config.json`` and the names (not the values) in its weights file. ``moe``: whether the
     model's MLPs are experts (they have no dense ``gate_proj`` / ``up_proj`` / ``down_proj`` to adapt);
-    None: not known, and the modules the targets name but the file lacks are not looked for."""
+    None: not known, and the modules the targets name but the file lacks are not looked for. ``key``: the
+    config block the keys are named under (``actor.lora``, ``critic.lora``)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -61,15 +62,11 @@ def adapter_problems(
         found.append((key, f"{path}: {why}"))
 
     if config.get("peft_type", "LORA") != "LORA":
-        refuse(
-            "actor.lora.init_from", f"peft_type {config.get('peft_type')!r} in {PEFT_CONFIG}: only LORA adapters load"
-        )
+        refuse(f"{key}.init_from", f"peft_type {config.get('peft_type')!r} in {PEFT_CONFIG}: only LORA adapters load")
     if config.get("r") != rank:
-        refuse("actor.lora.rank", f"r={config.get('r')} in {PEFT_CONFIG}, but actor.lora.rank={rank}")
+        refuse(f"{key}.rank", f"r={config.get('r')} in {PEFT_CONFIG}, but {key}.rank={rank}")
     if float(config.get("lora_alpha", 0)) != float(alpha):
-        refuse(
-            "actor.lora.alpha", f"lora_alpha={config.get('lora_alpha')} in {PEFT_CONFIG}, but actor.lora.alpha={alpha}"
-        )
+        refuse(f"{key}.alpha", f"lora_alpha={config.get('lora_alpha')} in {PEFT_CONFIG}, but {key}.alpha={alpha}")
     unsupported = {
         "rank_pattern": "ranks per module",
         "alpha_pattern": "alphas per module",
@@ -79,15 +76,15 @@ def adapter_problems(
         "fan_in_fan_out": "transposed (Conv1D) weights",
         "lora_bias": "biases on lora_B",
     }
-    for key, what in unsupported.items():
-        if config.get(key):
+    for setting, what in unsupported.items():
+        if config.get(setting):
             refuse(
-                "actor.lora.init_from",
-                f"{key}={config[key]!r} in {PEFT_CONFIG}: {what}, which megarl's adapters do not hold",
+                f"{key}.init_from",
+                f"{setting}={config[setting]!r} in {PEFT_CONFIG}: {what}, which megarl's adapters do not hold",
             )
     if config.get("bias", "none") != "none":
         refuse(
-            "actor.lora.init_from",
+            f"{key}.init_from",
             f"bias={config['bias']!r} in {PEFT_CONFIG}: trained biases, which megarl's adapters do not hold",
         )
     with safe_open(str(path / PEFT_WEIGHTS), framework="pt") as f:
@@ -96,21 +93,21 @@ def adapter_problems(
     wanted = covered_modules(target_modules) - (set(_MLP_MODULES) if moe else set())
     if in_file - wanted:
         refuse(
-            "actor.lora.target_modules",
+            f"{key}.target_modules",
             f"the adapter has modules {sorted(in_file - wanted)} that target_modules {list(target_modules)} leave out "
             f"(its modules: {sorted(in_file)}; name them to start from it)",
         )
     if moe is not None and wanted - in_file:
         refuse(
-            "actor.lora.target_modules",
+            f"{key}.target_modules",
             f"target_modules {list(target_modules)} adapt {sorted(wanted - in_file)}, which the adapter has no "
             f"weights for (its modules: {sorted(in_file)}; name those, by their HF names, to start from it)",
         )
     return found
 
 
-def check_adapter_start(lora, multi_node: bool, moe: bool | None = None) -> None:
-    """``actor.lora.init_from`` is a PEFT adapter directory (an absolute path missing here is accepted on
+def check_adapter_start(lora, multi_node: bool, moe: bool | None = None, key: str = "actor.lora") -> None:
+    """``{key}.init_from`` (``actor.lora``'s, ``critic.lora``'s) is a PEFT adapter directory (an absolute path missing here is accepted on
     a multi-node cluster: the nodes may mount storage this machine does not) that adapters of ``lora``'s
     rank, alpha and targets can start from (:func:`adapter_problems`)."""
     if lora.init_from is None:
@@ -121,12 +118,12 @@ def check_adapter_start(lora, multi_node: bool, moe: bool | None = None) -> None
     if not (local / PEFT_CONFIG).is_file():
         found = "is a directory without it" if local.is_dir() else "is a file" if local.exists() else "does not exist"
         raise ConfigError(
-            "actor.lora.init_from",
+            f"{key}.init_from",
             f"{lora.init_from!r} is invalid: expected a PEFT adapter directory with {PEFT_CONFIG} (as "
             f"PEFT's save_pretrained or MegatronEngine.export_adapters writes it); this path {found}",
         )
-    problems = adapter_problems(local, lora.rank, lora.alpha, lora.target_modules, moe)
+    problems = adapter_problems(local, lora.rank, lora.alpha, lora.target_modules, moe, key)
     if problems:
-        key, why = problems[0]
+        problem_key, why = problems[0]
         more = "".join(f"; {k}: {w}" for k, w in problems[1:])
-        raise ConfigError(key, f"{why}{more}", related=("actor.lora.init_from",))
+        raise ConfigError(problem_key, f"{why}{more}", related=(f"{key}.init_from",))

@@ -135,8 +135,7 @@ class Prelaunch:
         if isinstance(config, GRPOConfig):
             _check_models(config)
             _check_recover_point(config)
-            shape = read_model_shape(config.actor.path) if config.actor.lora.init_from else None
-            check_adapter_start(config.actor.lora, multi_node, None if shape is None else shape.num_experts > 0)
+            _check_adapter_starts(config, multi_node)
             _check_reward(config.reward_fn, row, config.reward.timeout_seconds)
             # several nodes: this may be a login node; each trainer rank refuses on its own node (megarl.train)
             check_open_files(config, refuse=not multi_node)
@@ -213,6 +212,15 @@ def _check_recover_point(config: GRPOConfig) -> None:
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed", category=UserWarning)
         from megarl.run.recover import check_point_loads
     check_point_loads(config)
+
+
+def _check_adapter_starts(config: GRPOConfig, multi_node: bool) -> None:
+    """The actor's and the critic's ``lora.init_from`` (:func:`~megarl.models.peft_files.check_adapter_start`)."""
+    for key, model in (("actor", config.actor), ("critic", config.critic)):
+        if model is not None and model.lora.init_from:
+            shape = read_model_shape(model.path or config.actor.path)
+            moe = None if shape is None else shape.num_experts > 0
+            check_adapter_start(model.lora, multi_node, moe, f"{key}.lora")
 
 
 REWARD_ROLES = dict(

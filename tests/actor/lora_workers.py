@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from functools import partial
 
 import torch
 
@@ -192,4 +193,39 @@ def lora_reference_run(model_dir: str, alloc: str, batch: dict, targets: list[st
     kept = [item.param.detach() for item in lora.adapter_params(engine.model, engine.coords)]
     out["adapters_kept"] = all(torch.equal(a, b) for a, b in zip(trained, kept))
     out["logp"] = MegatronEngine.compute_logp(engine, local)
+    return out
+
+
+def critic_lora_run(model_dir: str, alloc: str, batch: dict, init_from: str, targets: list[str]) -> dict:
+    """A LoRA critic started from the PEFT adapter ``init_from``: values, value loss, the gradients of its
+    adapters and value head (full, by canonical and HF name), one ``ppo_update``, the values after it, and
+    whether the base stayed and the head moved."""
+    from megarl.actor.critic import critic_loss
+    from megarl.actor.ppo import ppo_loss_weight
+    from megarl.models import lora
+    from megarl.models.hf_io import unwrap
+    from tests.actor.workers import _critic
+
+    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets, init_from=init_from)
+    critic = _critic(model_dir, alloc, lr=1e-3, lora=settings)
+    p = critic.parallel
+    local = split_rows(batch, p.dp_rank, p.alloc.dp)
+    out = {"dp_rank": p.dp_rank, "values": critic.compute_values(local)}
+    weight = partial(ppo_loss_weight, mode="token-mean")
+    out["loss"] = critic.forward_backward(local, partial(critic_loss, eps_clip=0.2), weight)["loss"]
+    out["grads"] = lora.gather_full(critic.model, critic.coords, value=lambda q: q.main_grad.float())
+    heads = [unwrap(chunk).value_head for chunk in critic.model if unwrap(chunk).post_process]
+    for head in heads:
+        out["grads"].update({f"score.{n}": q.main_grad.float().clone() for n, q in head.named_parameters()})
+    adapters = {id(item.param) for item in lora.adapter_params(critic.model, critic.coords)}
+    trained = adapters | {id(q) for head in heads for q in head.parameters()}
+    base = [q for chunk in critic.model for q in chunk.parameters() if id(q) not in trained]
+    base_before = [q.detach().clone() for q in base]
+    head_before = [q.detach().clone() for head in heads for q in head.parameters()]
+    critic.ppo_update(local)
+    out["values_after"] = critic.compute_values(local)
+    out["base_frozen"] = all(not q.requires_grad for q in base)
+    out["base_unchanged"] = all(torch.equal(a, q.detach()) for a, q in zip(base_before, base))
+    head_after = [q.detach() for head in heads for q in head.parameters()]
+    out["head_moved"] = bool(heads) and any(not torch.equal(a, b) for a, b in zip(head_before, head_after))
     return out

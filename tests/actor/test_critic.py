@@ -280,3 +280,89 @@ def test_critic_checkpoint_resumes_and_exports_to_hf(critic_dir, batch, tmp_path
     has_next = torch.zeros_like(batch["attention_mask"])
     has_next[:, :-1] = batch["attention_mask"][:, 1:]
     assert (hf_values * has_next - saved_values).abs().max() <= 1e-4
+
+
+# ---------------------------------------------------------------------------- LoRA on the critic
+
+CRITIC_TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def critic_adapter(critic_dir, tmp_path_factory):
+    """A PEFT adapter of the base model (HF ``peft``, random nonzero), for the critic to start from."""
+    pytest.importorskip("peft")
+    from tests.actor.lora_workers import ALPHA, RANK, random_peft_adapter
+
+    return random_peft_adapter(critic_dir, tmp_path_factory.mktemp("critic_adapter"), CRITIC_TARGETS, RANK, ALPHA)
+
+
+def _lora_critic(critic_dir, alloc: str, batch, adapter) -> dict:
+    from megarl.config.allocation import AllocationMode
+
+    world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
+    kwargs = {"init_from": str(adapter), "targets": CRITIC_TARGETS}
+    results = run_ranks(
+        world, "tests.actor.lora_workers:critic_lora_run", model_dir=str(critic_dir), alloc=alloc, batch=batch, **kwargs
+    )
+    merged = {key: dp_rows(results, key, batch["input_ids"].shape) for key in ("values", "values_after")}
+    merged["grads"] = {name: g for r in results for name, g in r["grads"].items()}
+    for key in ("loss", "base_frozen", "base_unchanged", "head_moved"):
+        merged[key] = [r[key] for r in results]
+    return merged
+
+
+@pytest.fixture(scope="module")
+def lora_critic(critic_dir, batch, critic_adapter):
+    return _lora_critic(critic_dir, "d1p1t1", batch, critic_adapter)
+
+
+def _hf_critic_with_adapter(critic_dir, adapter) -> torch.nn.Module:
+    """The HF token-classification critic with the PEFT adapter merged into its weights by hand:
+    ``W + (alpha / r) B A`` per module."""
+    import json
+
+    from safetensors.torch import load_file
+
+    model = _hf_critic(critic_dir)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for name, a in tensors.items():
+            if ".lora_A." in name:
+                b = tensors[name.replace(".lora_A.", ".lora_B.")]
+                module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                weight = model.get_submodule(module).weight
+                weight += config["lora_alpha"] / config["r"] * (b @ a)
+    return model
+
+
+@pytest.mark.multiproc
+def test_a_lora_critic_trains_its_adapters_and_value_head(critic_dir, batch, critic_adapter, lora_critic):
+    """LoRA on the critic: its values are the HF critic's with the adapter merged, and an update trains the
+    adapters and the value head (a base model's score head is new: PEFT's ``modules_to_save``) while the base
+    stays frozen, bit for bit."""
+    hf = _hf_critic_with_adapter(critic_dir, critic_adapter)
+    attn = batch["attention_mask"]
+    has_next = torch.zeros_like(attn)
+    has_next[:, :-1] = attn[:, 1:]
+    with torch.no_grad():
+        want = hf(batch["input_ids"], attention_mask=attn).logits[..., 0].float() * has_next
+    plain = _hf_critic(critic_dir)(batch["input_ids"], attention_mask=attn).logits[..., 0].detach() * has_next
+    assert (lora_critic["values"] - want).abs().max() <= 1e-4
+    assert (plain - want).abs().max() > 1e-2  # the adapter matters
+    assert lora_critic["base_frozen"] == [True] and lora_critic["base_unchanged"] == [True]
+    assert lora_critic["head_moved"] == [True]
+    assert {"score.weight", "score.bias"} <= set(lora_critic["grads"])
+    mask = batch["loss_mask"].bool()
+    before = (lora_critic["values"] - batch["returns"])[mask].square().mean()
+    after = (lora_critic["values_after"] - batch["returns"])[mask].square().mean()
+    assert after < before  # one Adam step toward the returns
+
+
+@pytest.mark.multiproc
+def test_a_lora_critic_over_tp2_matches_one_rank(critic_dir, batch, critic_adapter, lora_critic):
+    got = _lora_critic(critic_dir, "d1p1t2", batch, critic_adapter)
+    assert (got["values"] - lora_critic["values"]).abs().max() <= VALUE_TOL
+    assert all(loss == pytest.approx(lora_critic["loss"][0], rel=1e-5) for loss in got["loss"])
+    assert_grads_close(got["grads"], lora_critic["grads"], GRAD_RTOL)
+    assert (got["values_after"] - lora_critic["values_after"]).abs().max() <= 10 * VALUE_TOL

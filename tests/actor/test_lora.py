@@ -252,7 +252,7 @@ def test_init_from_refuses_what_the_fused_adapters_cannot_hold(llama_dir, llama_
         full_of(name, tuple(llama_ref["grads"][name].shape))
     config = tmp_path / "peft" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 2 * ALPHA}))
-    with pytest.raises(ValueError, match="lora_alpha=16.0 in adapter_config.json, but actor.lora.alpha=8.0"):
+    with pytest.raises(ValueError, match="lora_alpha=16.0 in adapter_config.json, but lora.alpha=8.0"):
         peft_full(tmp_path / "peft", desc, settings)
 
 

@@ -169,3 +169,20 @@ def test_a_peft_adapter_on_its_own_modules_is_taken(tmp_path):
     ]
     config, _ = load_expr_config([*argv, f"actor.lora.init_from={adapter}"], GRPOConfig)
     assert config.actor.lora.init_from == str(adapter) and config.actor.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_the_critic_takes_adapters_checked_under_its_own_keys(tmp_path):
+    """``critic.lora`` builds a LoRA critic; its adapter to start from is checked as the actor's, named
+    ``critic.lora.*``; a frozen ``ref`` model takes none."""
+    ppo = ["--config", CPU_YAML, "algorithm.adv_estimator=gae", "critic={}", "critic.optimizer.lr=1e-4"]
+    config, _ = load_expr_config([*ppo, "critic.lora.rank=8"], GRPOConfig)
+    assert config.critic.lora.enabled and not config.actor.lora.enabled
+    adapter = _peft_dir(tmp_path / "adapter", ["q_proj", "v_proj"], r=4)
+    with pytest.raises(ConfigError) as err:
+        load_expr_config(
+            [*ppo, "critic.lora.rank=8", "critic.lora.alpha=16", f"critic.lora.init_from={adapter}"], GRPOConfig
+        )
+    assert err.value.key == "critic.lora.rank" and "but critic.lora.rank=8" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_expr_config(["--config", CPU_YAML, "ref.path=smollm2-135m-instruct", "ref.lora.rank=8"], GRPOConfig)
+    assert err.value.key == "ref.lora.rank" and "the reference model is frozen" in str(err.value)
