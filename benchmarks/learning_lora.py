@@ -8,13 +8,15 @@
   steps, in this CPU's ``auto`` dtype and in the other one (bf16 and fp32 both: GPUs train in bf16);
 * **LoRA per HF module, merged sync**: ``target_modules`` by HF name (``q_proj`` ... ``down_proj``, each its
   own adapter, PEFT's form), :data:`STEPS` steps in both dtypes too;
+* **PPO, LoRA actor and critic** (``algorithm.adv_estimator=gae``, ``critic.lora`` as the actor's),
+  :data:`PPO_STEPS` steps in both dtypes;
 * **LoRA + KL, reference model** and **LoRA + KL, the actor's own** (``actor.kl_ctl`` :data:`KL`): the
   reference scored by a model of its own (a ``ref`` block naming the actor's model) or by the LoRA actor
   with its initial adapters (no ``ref`` block), :data:`COST_STEPS` steps in the ``auto`` dtype: the memory
   and time the second model costs.
 
-``--setups per-module`` or ``--setups kl-reference`` runs those alone (results ``learning_lora_per_module``,
-``learning_lora_kl_reference``).
+``--setups per-module``, ``ppo-critic`` or ``kl-reference`` runs those alone (results
+``learning_lora_per_module``, ``learning_lora_ppo_critic``, ``learning_lora_kl_reference``).
 
 LoRA: rank :data:`RANK` on all four dense targets (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
 ``linear_fc2``), ``alpha`` 32, learning rate :data:`LORA_LR`: ten times the config's full fine-tuning rate
@@ -44,6 +46,15 @@ LORA_LR = 1.0e-4
 GAIN_BAR = 0.15
 KL = 0.01
 """``actor.kl_ctl`` of the KL setups."""
+PPO_STEPS = 15
+PPO_LORA_CRITIC = [
+    "algorithm.adv_estimator=gae",
+    "critic={}",
+    f"critic.optimizer.lr={LORA_LR:g}",
+    f"critic.lora.rank={RANK}",
+    f"critic.lora.alpha={ALPHA}",
+]
+"""PPO with a critic (GAE), adapters on the critic too (its value head trains whole)."""
 LORA = [f"actor.lora.rank={RANK}", f"actor.lora.alpha={ALPHA}", f"actor.optimizer.lr={LORA_LR:g}"]
 PER_MODULE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SETUPS = {
@@ -53,12 +64,14 @@ SETUPS = {
     "LoRA per HF module, merged sync": ([*LORA, f"actor.lora.target_modules=[{','.join(PER_MODULE)}]"], STEPS),
     "LoRA + KL, reference model": ([*LORA, f"actor.kl_ctl={KL}", "ref.path=smollm2-135m-instruct"], COST_STEPS),
     "LoRA + KL, the actor's own": ([*LORA, f"actor.kl_ctl={KL}"], COST_STEPS),
+    "PPO, LoRA actor and critic": ([*LORA, *PPO_LORA_CRITIC], PPO_STEPS),
 }
 """Name -> (overrides, steps)."""
-LEARNING_SETUPS = ("LoRA, adapter sync", "LoRA per HF module, merged sync")
+LEARNING_SETUPS = ("LoRA, adapter sync", "LoRA per HF module, merged sync", "PPO, LoRA actor and critic")
 """The setups also run in the dtype ``auto`` does not pick."""
 GROUPS = {
     "per-module": ("LoRA per HF module, merged sync",),
+    "ppo-critic": ("PPO, LoRA actor and critic",),
     "kl-reference": ("LoRA + KL, reference model", "LoRA + KL, the actor's own"),
 }
 """``--setups`` choices besides ``all``: the setups each runs."""
