@@ -282,7 +282,10 @@ class WeightSync:
                 stats["probe_seconds"] = time.perf_counter() - probe_start
         finally:
             if probing and report.ok and self.rollout is not None:
-                self.rollout.resume(start_episodes=True, servers=False)  # generations held for the probe too
+                if alone:  # the generations were held for the probe too
+                    self.rollout.resume(start_episodes=True, servers=False)
+                else:
+                    self.rollout.start_episodes()
         self.n_updates += 1
         return stats
 

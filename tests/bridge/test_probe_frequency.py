@@ -43,7 +43,7 @@ def _sync(probe_every: int, monkeypatch) -> tuple[WeightSync, list[int]]:
     )  # one rank: a broadcast returns its input
     monkeypatch.setattr(update_mod.ShardSource, "from_engine", staticmethod(lambda engine: None))
     probed: list[int] = []
-    sync.check_consistency = lambda: probed.append(sync.n_updates) or {"logprob_diff_max": 0.0}
+    sync.check_consistency = lambda release=False: probed.append(sync.n_updates) or {"logprob_diff_max": 0.0}
     return sync, probed
 
 
@@ -87,7 +87,7 @@ def test_probe_runs_before_new_episodes_start(monkeypatch):
     sync, probed = _sync(2, monkeypatch)
     sync.rollout = rollout = _Rollout()
     during_probe = []
-    sync.check_consistency = lambda: during_probe.append(rollout.episodes) or {}
+    sync.check_consistency = lambda release=False: during_probe.append(rollout.episodes) or {}
     sync.update(1)  # probed
     sync.update(2)  # not probed
     assert during_probe == [False], "servers score the probe with no episode generating"
@@ -98,7 +98,7 @@ def test_episodes_start_again_when_the_probe_fails(monkeypatch):
     sync, _ = _sync(1, monkeypatch)
     sync.rollout = rollout = _Rollout()
 
-    def broken():
+    def broken(release=False):
         raise RuntimeError("server gone")
 
     sync.check_consistency = broken

@@ -269,5 +269,5 @@ def test_a_served_adapter_is_probed_before_the_interrupted_generations_go_on(mon
         ("resume", False, True),  # servers and generations on, no new episodes yet
         ("servers score",),
         ("trainer scores",),
-        ("resume", True, False),
+        ("start_episodes",),
     ]
