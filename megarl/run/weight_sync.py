@@ -254,10 +254,9 @@ class WeightSync:
         except BaseException:
             self._resume()
             raise
-        # the probe is scored by servers that have no episodes to generate yet: it takes a fraction
-        # of a second instead of waiting behind a whole batch's decoding. A served LoRA adapter's is scored
-        # before the interrupted generations go on too: vLLM maps a LoRA's prompt logprobs right only for a
-        # request alone in its batch (vllm-project/vllm#16668; beside another request, the worker fails)
+        # the probe is scored by servers with no episodes yet (a fraction of a second, not behind a batch's
+        # decoding); a served LoRA adapter's before the interrupted generations go on too: vLLM scores a LoRA's
+        # prompt logprobs right only for a request alone in its batch (vllm-project/vllm#16668)
         alone = probing and report.ok and report.adapter is not None
         resuming = time.perf_counter()
         self._resume(episodes=not (probing and report.ok), generations=not alone)
@@ -332,9 +331,8 @@ class WeightSync:
             dist.barrier()  # no head sends a request stamped with the old version once a server pauses
 
     def _resume(self, episodes: bool = True, generations: bool = True) -> None:
-        """Rank 0 resumes the servers, every head its generations (unless ``generations`` is False: the
-        probe runs alone first) and new episodes (unless ``episodes`` is False), once every head has the
-        new version."""
+        """Once every head has the new version: rank 0 resumes the servers, every head its generations (unless
+        ``generations`` is False: the probe runs alone first) and new episodes (unless ``episodes`` is False)."""
         heartbeat.step("weight sync: resuming the servers")
         if dist.is_initialized():
             dist.barrier()
