@@ -203,7 +203,7 @@ def _require_local_linear(name: str, module: torch.nn.Module) -> None:
         )
 
 
-def module_blocks(names: tuple[str, ...], targets) -> tuple[int | None, ...]:
+def _module_blocks(names: tuple[str, ...], targets) -> tuple[int | None, ...]:
     """The adapter block of each HF module of a linear (``names``: its HF weights) whose HF name is among
     ``targets`` (PEFT's names, :data:`~megarl.models.peft_files.HF_LORA_TARGETS`), numbered in order; None
     for the others."""
@@ -236,7 +236,7 @@ def _adapter_form(linear, target: str, targets: set, canonical: str, desc: Model
         return set(), None
     rule, fields = desc.mapping.match(canonical)
     names = rule.hf_names(**fields)
-    blocks = module_blocks(names, targets)
+    blocks = _module_blocks(names, targets)
     named = {hf_module(name) for name, block in zip(names, blocks) if block is not None}
     if not named or len(names) == 1:
         return named, None
@@ -371,12 +371,19 @@ def full_shape(item: AdapterParam) -> tuple[int, int]:
     return rows, cols
 
 
+def _local_parts(
+    chunks: list, coords: ShardCoords, full_of: Callable
+) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """``(adapter matrix, this rank's part of full_of(canonical name, full shape))`` for every adapter of ``chunks``."""
+    for item in adapter_params(chunks, coords):
+        yield item.param, shard(full_of(item.name, full_shape(item)), item.split, item.rank, item.size)
+
+
 @torch.no_grad()
 def load_full(chunks: list, coords: ShardCoords, full_of: Callable[[str, tuple[int, int]], torch.Tensor]) -> None:
     """Set every adapter matrix from ``full_of(canonical name, full shape)`` (a full matrix), split for this rank."""
-    for item in adapter_params(chunks, coords):
-        full = full_of(item.name, full_shape(item))
-        item.param.copy_(shard(full, item.split, item.rank, item.size))
+    for param, part in _local_parts(chunks, coords, full_of):
+        param.copy_(part)
 
 
 def gather_full(chunks: list, coords: ShardCoords, value=None) -> dict[str, torch.Tensor]:
@@ -408,11 +415,11 @@ def peft_init(seed: int = 0) -> Callable[[str, tuple[int, int]], torch.Tensor]:
 
 
 def _blocks_of(prefix: str, names: tuple[str, ...], targets) -> tuple[int | None, ...] | None:
-    """The adapter block of each HF module of the adapted linear ``prefix`` (:func:`module_blocks`), or None
+    """The adapter block of each HF module of the adapted linear ``prefix`` (:func:`_module_blocks`), or None
     when it has one adapter for all of them (its Megatron name is targeted, or it holds one module)."""
     if len(names) == 1 or _target_name(prefix) in targets:
         return None
-    return module_blocks(names, targets)
+    return _module_blocks(names, targets)
 
 
 def peft_tensors(full: dict[str, torch.Tensor], desc: ModelDesc, targets) -> dict[str, torch.Tensor]:
@@ -557,11 +564,7 @@ def initial_values(chunks: list, coords: ShardCoords, settings: LoRASettings, de
     """``(parameter, this rank's part of its initial value)`` for every adapter matrix of ``chunks``: what
     :func:`add_and_load_adapters` loaded, in the parameter's dtype, also after a resume (the run's adapters
     have trained since; these are read again from where they started)."""
-    full_of = initial_full(settings, desc)
-    return [
-        (item.param, shard(full_of(item.name, full_shape(item)), item.split, item.rank, item.size).to(item.param.dtype))
-        for item in adapter_params(chunks, coords)
-    ]
+    return [(param, part.to(param.dtype)) for param, part in _local_parts(chunks, coords, initial_full(settings, desc))]
 
 
 @contextlib.contextmanager

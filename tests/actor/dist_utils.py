@@ -67,6 +67,14 @@ def run_ranks(world_size: int, target: str, timeout: float = 300.0, **kwargs) ->
         return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+def run_layout(alloc: str, target: str, **kwargs) -> list:
+    """:func:`run_ranks` on every rank of the trainer layout ``alloc`` (``d1p2t1``), which ``target`` is also given."""
+    from megarl.config.allocation import AllocationMode
+
+    world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
+    return run_ranks(world, target, alloc=alloc, **kwargs)
+
+
 def _lost_the_port(logs: str, port: int) -> bool:
     """Whether the ranks failed because their rendezvous port was taken before rank 0 bound it."""
     return "EADDRINUSE" in logs and f"port: {port}," in logs

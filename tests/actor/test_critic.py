@@ -17,7 +17,7 @@ from megarl.actor import advantages as adv_fns
 from megarl.actor.critic import value_loss
 from megarl.actor.ppo import MegatronPPOActor
 from megarl.config.ppo import PPOActorConfig
-from tests.actor.dist_utils import assert_grads_close, dp_rows, run_ranks
+from tests.actor.dist_utils import assert_grads_close, dp_rows, run_layout, run_ranks
 from tests.actor.workers import make_critic_batch
 
 LENGTHS = [7, 12, 5, 9, 11, 6]
@@ -168,17 +168,8 @@ def _hf_reference(model_dir, batch) -> dict:
 
 
 def _run(model_dir, alloc: str, batch, **cfg) -> dict:
-    from megarl.config.allocation import AllocationMode
-
-    world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
-    results = run_ranks(
-        world,
-        "tests.actor.workers:critic_run",
-        model_dir=str(model_dir),
-        alloc=alloc,
-        batch=batch,
-        eps_clip=EPS_CLIP,
-        **cfg,
+    results = run_layout(
+        alloc, "tests.actor.workers:critic_run", model_dir=str(model_dir), batch=batch, eps_clip=EPS_CLIP, **cfg
     )
     merged = {
         "loss": [r["loss"] for r in results],
@@ -297,13 +288,9 @@ def critic_adapter(critic_dir, tmp_path_factory):
 
 
 def _lora_critic(critic_dir, alloc: str, batch, adapter) -> dict:
-    from megarl.config.allocation import AllocationMode
-
-    world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
     kwargs = {"init_from": str(adapter), "targets": CRITIC_TARGETS}
-    results = run_ranks(
-        world, "tests.actor.lora_workers:critic_lora_run", model_dir=str(critic_dir), alloc=alloc, batch=batch, **kwargs
-    )
+    target = "tests.actor.lora_workers:critic_lora_run"
+    results = run_layout(alloc, target, model_dir=str(critic_dir), batch=batch, **kwargs)
     merged = {key: dp_rows(results, key, batch["input_ids"].shape) for key in ("values", "values_after")}
     merged["grads"] = {name: g for r in results for name, g in r["grads"].items()}
     for key in ("loss", "base_frozen", "base_unchanged", "head_moved"):

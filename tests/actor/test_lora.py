@@ -21,8 +21,7 @@ from functools import partial
 import pytest
 import torch
 
-from megarl.config.allocation import AllocationMode
-from tests.actor.dist_utils import assert_grads_close, dp_rows, run_ranks
+from tests.actor.dist_utils import assert_grads_close, dp_rows, run_layout
 from tests.actor.lora_workers import ALPHA, RANK, WRONG_SPLITS, nonzero_adapter, random_peft_adapter
 from tests.actor.workers import make_batch
 
@@ -40,10 +39,7 @@ def batch():
 
 def _run(model_dir, alloc: str, batch, **kwargs) -> dict:
     """``lora_run`` on every rank of ``alloc``: DP rows merged, per-stage / per-expert gradients merged."""
-    world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
-    results = run_ranks(
-        world, "tests.actor.lora_workers:lora_run", model_dir=str(model_dir), alloc=alloc, batch=batch, **kwargs
-    )
+    results = run_layout(alloc, "tests.actor.lora_workers:lora_run", model_dir=str(model_dir), batch=batch, **kwargs)
     merged = {key: [r[key] for r in results] for key in results[0] if key not in ("logp", "logp_after", "wrong")}
     for key in ("logp", "logp_after"):
         merged[key] = dp_rows(results, key, batch["input_ids"].shape)
@@ -345,15 +341,8 @@ def test_a_lora_actor_scores_its_own_kl_reference(llama_dir, batch, trained_else
     the adapter it started from (HF ``peft``) after ``init_from``; before and after an Adam step, within 1e-4
     of HF in fp32, while the actor's own logprobs have moved; the actor's adapters keep every bit."""
     kwargs = {"targets": PEFT_TARGETS, "init_from": str(trained_elsewhere)} if start == "init-from" else {}
-    world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
-    results = run_ranks(
-        world,
-        "tests.actor.lora_workers:lora_reference_run",
-        model_dir=str(llama_dir),
-        alloc=alloc,
-        batch=batch,
-        **kwargs,
-    )
+    target = "tests.actor.lora_workers:lora_reference_run"
+    results = run_layout(alloc, target, model_dir=str(llama_dir), batch=batch, **kwargs)
     got = {key: dp_rows(results, key, batch["input_ids"].shape) for key in ("ref_before", "ref_after", "logp")}
     want = _peft_logp(llama_dir, trained_elsewhere, batch, adapter=start == "init-from")
     assert (got["ref_before"] - want).abs().max() <= 1e-4

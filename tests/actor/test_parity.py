@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.config.allocation import AllocationMode
-from tests.actor.dist_utils import assert_grads_close, dp_rows, run_ranks
+from tests.actor.dist_utils import assert_grads_close, dp_rows, run_layout, run_ranks
 from tests.actor.workers import make_batch, make_grouped_batch
 
 pytestmark = pytest.mark.multiproc
@@ -31,10 +30,7 @@ def batch():
 
 def _run(model_dir, alloc: str, batch, **kwargs) -> dict:
     """Run ``parity_run`` on every rank of ``alloc``; merge DP rows and per-stage gradients."""
-    world = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
-    results = run_ranks(
-        world, "tests.actor.workers:parity_run", model_dir=str(model_dir), alloc=alloc, batch=batch, **kwargs
-    )
+    results = run_layout(alloc, "tests.actor.workers:parity_run", model_dir=str(model_dir), batch=batch, **kwargs)
     merged = {
         "loss": [r["loss"] for r in results],
         "grad_norm": [r["grad_norm"] for r in results],
