@@ -45,6 +45,10 @@ class LaunchSpec:
     health_endpoint: str = "/health"
     nice: int = 0
     """CPU priority below this process's (``nice``; Linux): the server's whole process tree runs at it."""
+    scratch_env: tuple[str, ...] = ()
+    """Environment variables that name where the server puts its sockets and scratch files (vLLM's
+    ``VLLM_RPC_BASE_PATH``): each is pointed at a directory of this server's own, removed when it stops,
+    however it stops. A variable already set in this process's environment is left as it is."""
 
     @property
     def address(self) -> str:
@@ -57,10 +61,8 @@ class InferenceServer:
     def __init__(self, spec: LaunchSpec, log_path: str | os.PathLike | None = None, name: str = "server"):
         self.spec = spec
         self.name = name
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix=f"megarl-{name}-", suffix=".log")
-            os.close(fd)
-        self.log_path = Path(log_path)
+        self.log_path = None if log_path is None else Path(log_path)
+        """Where its output goes; without one, a temporary file made when it starts."""
         self.proc: Child | None = None
 
     @property
@@ -76,17 +78,32 @@ class InferenceServer:
         """Launch the process (returns at once; see :meth:`wait_until_healthy`)."""
         if self.proc is not None:
             raise RuntimeError(f"{self.name} at {self.address} was already started")
+        if self.log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"megarl-{self.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env}
+        scratch_env = [name for name in self.spec.scratch_env if name not in os.environ]
+        scratch = tempfile.mkdtemp(prefix=f"megarl-{self.name}-") if scratch_env else None
+        env.update(dict.fromkeys(scratch_env, scratch))
         logger.info("starting %s at %s (log %s): %s", self.name, self.address, self.log_path, " ".join(self.spec.cmd))
         with open(self.log_path, "ab") as log:
             self.proc = Child(
-                self.spec.cmd, env, nice=self.spec.nice, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.spec.cmd,
+                env,
+                nice=self.spec.nice,
+                scratch=scratch,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
         return self
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the server's log."""
+        if self.log_path is None:
+            return f"({self.name} was not started: no log)"
         try:
             with open(self.log_path, errors="replace") as f:
                 return "".join(deque(f, maxlen=lines))

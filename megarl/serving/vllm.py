@@ -327,7 +327,14 @@ def vllm_launch_spec(
     if api_key():
         env["VLLM_API_KEY"] = api_key()  # vLLM's own check of /v1, from the environment (not on the command line)
     cmd += WEIGHT_TRANSFER_ARGS + list(config.extra_args)
-    return LaunchSpec(cmd=cmd, env=env, host=host, port=port, health_endpoint=VLLMBackend.health_endpoint)
+    return LaunchSpec(
+        cmd=cmd,
+        env=env,
+        host=host,
+        port=port,
+        health_endpoint=VLLMBackend.health_endpoint,
+        scratch_env=("VLLM_RPC_BASE_PATH",),  # its ZMQ sockets, which vLLM leaves behind in /tmp
+    )
 
 
 def lora_args(rank: int) -> list[str]:

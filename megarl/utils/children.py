@@ -18,6 +18,7 @@ are its parts.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
 
 from megarl.utils import keeper
@@ -25,12 +26,24 @@ from megarl.utils.process import LaunchMark, cancel_kill_on_exit, kill_on_exit, 
 
 
 class Child:
-    """One started command (see the module doc); ``popen_kwargs`` go to ``subprocess.Popen``."""
+    """One started command (see the module doc); ``popen_kwargs`` go to ``subprocess.Popen``.
 
-    def __init__(self, cmd: Sequence[str], env: dict[str, str] | None = None, nice: int = 0, **popen_kwargs):
+    ``scratch``: a directory of the command's own, removed once it stopped (by its keeper, or by
+    :meth:`stop` when the keeper could not).
+    """
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        env: dict[str, str] | None = None,
+        nice: int = 0,
+        scratch: str | None = None,
+        **popen_kwargs,
+    ):
         self.mark = LaunchMark.new()
+        self.scratch = scratch
         env = {**(os.environ if env is None else env), **self.mark.env}
-        self.popen = keeper.spawn(cmd, env=env, nice=nice, **popen_kwargs)
+        self.popen = keeper.spawn(cmd, env=env, nice=nice, scratch=scratch, **popen_kwargs)
         kill_on_exit(self.popen)
         self._stopped = False
 
@@ -62,7 +75,8 @@ class Child:
         return keeper.command_pid(self.popen)
 
     def stop(self, timeout: float, whole_tree: bool = False) -> None:
-        """Stop the command (SIGTERM, SIGKILL after ``timeout`` s) and kill what it left behind; idempotent.
+        """Stop the command (SIGTERM, SIGKILL after ``timeout`` s), kill what it left behind and remove its
+        scratch directory; idempotent.
 
         The keeper passes SIGTERM on to the command once and stops the rest after it exits; with
         ``whole_tree`` every process of the tree gets it at once (torchrun's ranks: each rank must see
@@ -77,3 +91,5 @@ class Child:
         else:
             keeper.stop(self.popen, timeout)
         stop_leftovers(self.popen.pid, self.mark)
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)

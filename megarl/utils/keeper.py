@@ -13,7 +13,9 @@ small process between the caller and the command that
   the same signal when the command was);
 * passes SIGTERM, SIGINT and SIGHUP on to the command, which gets SIGTERM if the keeper itself dies;
 * with ``nice``, lowers the CPU priority of the session it leads, and so of the whole tree (see
-  :func:`lower_priority`).
+  :func:`lower_priority`);
+* with ``scratch``, removes that directory once the tree is gone: the command's sockets and files that
+  nobody else would remove when it was killed.
 
 Why a process and not ``PR_SET_PDEATHSIG`` on the child alone: the setting is not inherited through
 ``fork``, so it would reach vLLM's server and torchrun but not the engine core or the ranks they start,
@@ -35,6 +37,7 @@ import functools
 import logging
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,21 +79,25 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(errno, f"prctl({option}, {value}): {os.strerror(errno)}")
 
 
-def kept(cmd: Sequence[str], nice: int = 0) -> list[str]:
-    """``cmd`` run under a keeper that ends it (and all it starts) when this process dies, at ``nice``."""
+def kept(cmd: Sequence[str], nice: int = 0, scratch: str | None = None) -> list[str]:
+    """``cmd`` run under a keeper that ends it (and all it starts) when this process dies, at ``nice``;
+    the directory ``scratch`` is removed once the command's whole tree is gone."""
     if not supported():
         return list(cmd)
-    return [sys.executable, "-m", __name__, str(os.getpid()), *(["--nice", str(nice)] if nice else []), "--", *cmd]
+    options = [*(["--nice", str(nice)] if nice else []), *(["--scratch", scratch] if scratch else [])]
+    return [sys.executable, "-m", __name__, str(os.getpid()), *options, "--", *cmd]
 
 
-def spawn(cmd: Sequence[str], nice: int = 0, **popen_kwargs) -> subprocess.Popen:
+def spawn(cmd: Sequence[str], nice: int = 0, scratch: str | None = None, **popen_kwargs) -> subprocess.Popen:
     """``subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)`` under a keeper (module docstring).
 
     The ``Popen``'s pid is the keeper's: signals to it reach ``cmd``, its exit status is ``cmd``'s, and
     it leads the new session and process group, which ``cmd`` shares. ``nice`` > 0: the tree runs at
-    that lower CPU priority (Linux; elsewhere the command starts at this process's).
+    that lower CPU priority (Linux; elsewhere the command starts at this process's). ``scratch``: a
+    directory of the command's own (its sockets, say), removed by the keeper after the whole tree
+    stopped, however it stopped (elsewhere the caller removes it).
     """
-    return subprocess.Popen(kept(cmd, nice), start_new_session=True, **popen_kwargs)
+    return subprocess.Popen(kept(cmd, nice, scratch), start_new_session=True, **popen_kwargs)
 
 
 def lower_priority(nice: int) -> None:
@@ -228,19 +235,29 @@ def _exit_like(status: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def _parse(argv: list[str]) -> tuple[int, int, list[str]]:
-    """(parent pid, nice, command) of ``PARENT_PID [--nice N] -- CMD...``."""
-    nice = 0
-    if len(argv) > 2 and argv[1] == "--nice":
-        nice, argv = int(argv[2]), [argv[0], *argv[3:]]
-    if len(argv) < 3 or argv[1] != "--":
-        sys.exit("usage: python -m megarl.utils.keeper PARENT_PID [--nice N] -- CMD [ARG...]")
-    return int(argv[0]), nice, argv[2:]
+_USAGE = "usage: python -m megarl.utils.keeper PARENT_PID [--nice N] [--scratch DIR] -- CMD [ARG...]"
+
+
+def _parse(argv: list[str]) -> tuple[int, int, str | None, list[str]]:
+    """(parent pid, nice, scratch directory, command) of ``PARENT_PID [--nice N] [--scratch DIR] -- CMD...``."""
+    options = {"--nice": "0", "--scratch": None}
+    parent, rest = argv[:1], argv[1:]
+    while len(rest) > 1 and rest[0] in options:
+        options[rest[0]], rest = rest[1], rest[2:]
+    if not parent or len(rest) < 2 or rest[0] != "--":
+        sys.exit(_USAGE)
+    return int(parent[0]), int(options["--nice"]), options["--scratch"], rest[1:]
+
+
+def _stop_tree_and_clean(grace: float, scratch: str | None) -> None:
+    _stop_tree(grace)
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main(argv: list[str]) -> None:
-    """The keeper: ``PARENT_PID [--nice N] -- CMD...`` (see the module docstring)."""
-    parent, nice, cmd = _parse(argv)
+    """The keeper: ``PARENT_PID [--nice N] [--scratch DIR] -- CMD...`` (see the module docstring)."""
+    parent, nice, scratch, cmd = _parse(argv)
     logging.basicConfig(level=logging.WARNING, format="megarl keeper %(process)d: %(message)s")
     if nice:
         lower_priority(nice)  # before the command starts: all it starts inherits it
@@ -258,11 +275,11 @@ def main(argv: list[str]) -> None:
     except _ParentGone:
         signal.signal(_PARENT_GONE, signal.SIG_IGN)
         logger.warning("pid %d that started %s died: stopping its process tree", parent, cmd[0])
-        _stop_tree(_GRACE_S)
+        _stop_tree_and_clean(_GRACE_S, scratch)
         os._exit(1)
     for signum in (_PARENT_GONE, *_FORWARDED):  # the command exited: its leftovers go either way
         signal.signal(signum, signal.SIG_IGN)
-    _stop_tree(_LEFTOVER_GRACE_S)
+    _stop_tree_and_clean(_LEFTOVER_GRACE_S, scratch)
     _exit_like(status)
 
 

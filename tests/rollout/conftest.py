@@ -19,9 +19,17 @@ from tests.rollout.fake_server import VOCAB_SIZE
 FAKE_SERVER = str(Path(__file__).with_name("fake_server.py"))
 
 
-def start_fake_servers(n: int, dialect: str = "vllm", token_delay: float = 0.005, eos_every: int = 0, **faults):
+def start_fake_servers(
+    n: int,
+    dialect: str = "vllm",
+    token_delay: float = 0.005,
+    eos_every: int = 0,
+    log_dir: Path | None = None,
+    **faults,
+):
     """Start ``n`` fake server processes and wait until they answer; returns InferenceServers.
 
+    ``log_dir``: where their logs go (``server-<port>.log``; a temporary file each without it).
     ``faults``: the fake server's random-fault flags (``fail_rate``, ``delay_rate``, ``max_delay``,
     ``seed``; server ``i`` draws with ``seed + i``).
     """
@@ -41,19 +49,20 @@ def start_fake_servers(n: int, dialect: str = "vllm", token_delay: float = 0.005
         ]
         for name, value in faults.items():
             cmd += [f"--{name.replace('_', '-')}", str(value + i if name == "seed" else value)]
-        servers.append(InferenceServer(LaunchSpec(cmd=cmd, port=port), name=f"fake-{dialect}").start())
+        log_path = None if log_dir is None else log_dir / f"server-{port}.log"
+        servers.append(InferenceServer(LaunchSpec(cmd=cmd, port=port), log_path, name=f"fake-{dialect}").start())
     for server in servers:
         server.wait_until_healthy(30)
     return servers
 
 
 @pytest.fixture
-def fake_servers():
+def fake_servers(tmp_path):
     """Factory ``(n, dialect="vllm", token_delay=0.005, eos_every=0) -> [InferenceServer]``; stopped after the test."""
     started: list[InferenceServer] = []
 
     def make(n: int = 1, **kwargs) -> list[InferenceServer]:
-        servers = start_fake_servers(n, **kwargs)
+        servers = start_fake_servers(n, log_dir=tmp_path, **kwargs)
         started.extend(servers)
         return servers
 

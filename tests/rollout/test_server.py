@@ -49,6 +49,7 @@ def test_vllm_command_tp1_cpu():
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_API_KEY": "test-run-key",
     }
+    assert spec.scratch_env == ("VLLM_RPC_BASE_PATH",)  # where vLLM puts its ZMQ sockets
     assert "--middleware megarl.utils.auth.RequireApiKey" in cmd and "test-run-key" not in cmd  # not in ps
     assert spec.address == "127.0.0.1:8000"
 
@@ -212,6 +213,52 @@ def test_context_manager_stops_server(tmp_path):
         server.wait_until_healthy(30)
         assert server.is_healthy()
     assert server.proc.returncode is not None and not server.is_healthy(timeout=1)
+
+
+_SCRATCH_SERVER = """
+import http.server, os, socket
+where = os.environ["MEGARL_TEST_SOCKETS"]
+socket.socket(socket.AF_UNIX).bind(os.path.join(where, "engine.sock"))  # as vLLM's ZMQ sockets, never unlinked
+http.server.HTTPServer(('127.0.0.1', {port}), http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("how", ["stop", "server died"])
+def test_server_scratch_directory_is_removed_when_it_stops(tmp_path, how):
+    port = find_free_ports(1)[0]
+    spec = LaunchSpec(
+        cmd=[sys.executable, "-c", _SCRATCH_SERVER.format(port=port)],
+        port=port,
+        health_endpoint="/",
+        scratch_env=("MEGARL_TEST_SOCKETS",),
+    )
+    server = InferenceServer(spec, tmp_path / "s.log", name="scratchy").start()
+    try:
+        server.wait_until_healthy(30)
+        scratch = server.proc.scratch
+        assert os.path.basename(scratch).startswith("megarl-scratchy-") and os.listdir(scratch) == ["engine.sock"]
+        if how == "server died":  # the keeper removes it once the tree is gone, with nobody calling stop
+            os.kill(server.pid, signal.SIGKILL)
+            server.proc.wait(30)
+            assert not os.path.exists(scratch), "the keeper left a dead server's scratch directory"
+    finally:
+        server.stop()
+    assert not os.path.exists(scratch)
+
+
+def test_server_scratch_variable_set_by_the_user_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGARL_TEST_SOCKETS", str(tmp_path))
+    port = find_free_ports(1)[0]
+    spec = LaunchSpec(
+        cmd=[sys.executable, "-c", _SCRATCH_SERVER.format(port=port)],
+        port=port,
+        health_endpoint="/",
+        scratch_env=("MEGARL_TEST_SOCKETS",),
+    )
+    with InferenceServer(spec, tmp_path / "s.log").start() as server:
+        server.wait_until_healthy(30)
+        assert server.proc.scratch is None
+    assert (tmp_path / "engine.sock").exists(), "the user's own directory is theirs"
 
 
 def test_resolve_server_addrs(monkeypatch):

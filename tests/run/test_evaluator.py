@@ -88,8 +88,8 @@ class ScoredWorkflow:
 
 
 @pytest.fixture(scope="module")
-def rollout():
-    (server,) = start_fake_servers(1, token_delay=0.001)
+def rollout(tmp_path_factory):
+    (server,) = start_fake_servers(1, token_delay=0.001, log_dir=tmp_path_factory.mktemp("server"))
     engine = make_engine([server.address], batch_size=2)
     yield engine
     engine.destroy()

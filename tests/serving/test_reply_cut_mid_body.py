@@ -105,8 +105,8 @@ def cut_server(request):
 
 
 @pytest.fixture(scope="module")
-def good_server():
-    (server,) = start_fake_servers(1)
+def good_server(tmp_path_factory):
+    (server,) = start_fake_servers(1, log_dir=tmp_path_factory.mktemp("good-server"))
     yield server
     server.stop(timeout=5)
 

@@ -40,7 +40,7 @@ _STARTER = textwrap.dedent(
     from megarl.utils.keeper import spawn
 
     def start():
-        spawn([sys.executable, "-c", sys.argv[1], sys.argv[2], "600"])
+        spawn([sys.executable, "-c", sys.argv[1], sys.argv[2], "600"], scratch=sys.argv[4])
 
     if sys.argv[3] == "thread":
         thread = threading.Thread(target=start)
@@ -83,7 +83,9 @@ def _wait_all_gone(procs: list[psutil.Process], timeout: float = _GONE_WITHIN_S)
 def _start_tree(tmp_path: Path, how: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
     """The starter, and every process below it (the keeper, the child, the grandchild) once all run."""
     pids = tmp_path / "pids"
-    starter = subprocess.Popen([sys.executable, "-c", _STARTER, _CHILD, str(pids), how])
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "engine.sock").touch()
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, _CHILD, str(pids), how, str(tmp_path / "scratch")])
     started = set(_read_pids(pids))
     tree = psutil.Process(starter.pid).children(recursive=True)
     assert started <= {proc.pid for proc in tree}
@@ -103,6 +105,7 @@ def test_sigkilled_starter_takes_child_and_grandchild_with_it(tmp_path, how):
         starter.wait()
         left = _wait_all_gone(tree)
         assert not left, f"{len(left)} of {len(tree)} outlived a SIGKILLed starter: {[p.cmdline() for p in left]}"
+        assert not (tmp_path / "scratch").exists(), "the keeper left the command's scratch directory"
     finally:
         starter.kill()
         for proc in still_running(tree):
@@ -124,8 +127,12 @@ def test_sigterm_reaches_the_command():
 
 def test_what_the_command_leaves_behind_is_stopped(tmp_path):
     pids = tmp_path / "pids"
-    proc = spawn([sys.executable, "-c", _CHILD, str(pids), "0"])  # the child exits at once, its grandchild runs
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    # the child exits at once, its grandchild runs
+    proc = spawn([sys.executable, "-c", _CHILD, str(pids), "0"], scratch=str(scratch))
     assert proc.wait(timeout=60) == 0
+    assert not scratch.exists(), "the keeper left the exited command's scratch directory"
     _, grandchild = _read_pids(pids)
     try:
         left = _wait_all_gone([psutil.Process(grandchild)], timeout=0)
