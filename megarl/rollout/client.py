@@ -151,8 +151,11 @@ class GenerationClient(GenerationEngine):
             try:
                 server = self.servers.choose(req.rid)
             except NoHealthyServerError:
-                if self.servers.awaiting_push() and time.monotonic() < restart_deadline:
-                    await asyncio.sleep(_RESTART_POLL_S)  # a restarted server comes back once the trainer pushed
+                # a restarted server comes back once the trainer pushed; under a launcher that restarts servers,
+                # a dead one may not be recorded yet (the update that found it dead took it out of rotation)
+                restart_coming = self.servers.awaiting_push() or self.servers.restartable
+                if restart_coming and time.monotonic() < restart_deadline:
+                    await asyncio.sleep(_RESTART_POLL_S)
                     continue
                 outages += 1
                 if outages > self.policy.retries or not await self.servers.wait_for_a_server():

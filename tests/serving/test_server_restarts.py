@@ -102,6 +102,35 @@ def test_with_every_server_restarted_requests_wait_for_the_push(fake_servers, tm
     assert resp.output_tokens == expected_tokens(3, 6)[0]
 
 
+def test_a_server_whose_update_found_it_dead_is_waited_for_until_its_restart_is_recorded(fake_servers, tmp_path):
+    """The only server died just before a weight update, which failed on it and took it out of rotation,
+    and the launcher records its restart only after stopping what it left (seconds later): requests wait
+    for the restart and the push instead of failing their episodes at once (every one of them within
+    milliseconds, which ended a run at ``rollout.max_failed_episodes``)."""
+    (a,) = fake_servers(1)
+    engine = RemoteInferenceEngine(fast_config(), "vllm")
+    engine.initialize(server_addrs=[a.address], batch_size=2, dump_dir=str(tmp_path))
+    engine.servers._restarts.poll_s = 0.0
+    engine.servers.record_update([], {a.address: "ServerControlError: connection failed: ConnectionRefusedError"})
+
+    async def generate_across_the_restart():
+        gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=6)
+        request = asyncio.ensure_future(engine.agenerate(ModelRequest(input_ids=[1, 2, 3], gconfig=gconfig)))
+        await asyncio.sleep(0.5)
+        assert not request.done(), "the request waits for a restart instead of failing"
+        _record_restart(tmp_path, a.address)
+        due = await asyncio.to_thread(engine.readmit_due)
+        engine.servers.mark_healthy(a.address)  # the trainer pushed its weights
+        return due, await asyncio.wait_for(request, 10)
+
+    try:
+        due, resp = asyncio.run(generate_across_the_restart())
+    finally:
+        engine.destroy()
+    assert due
+    assert resp.output_tokens == expected_tokens(3, 6)[0]
+
+
 def test_under_a_launcher_a_server_death_reruns_every_episode_it_had(fake_servers, tmp_path):
     """With the run directory (a launcher that restarts servers), a request on a server that dies fails its
     episode even with no token yet: the episode's samples that finished before the death are not kept."""
