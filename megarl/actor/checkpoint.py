@@ -60,9 +60,10 @@ def export_hf(engine, path: str | os.PathLike, dtype: torch.dtype | None = None)
     dist.barrier()
 
 
-def export_peft(engine, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+def export_peft(engine, path: str | os.PathLike, dtype: torch.dtype | None = None, for_servers: bool = False) -> None:
     """Write the engine's LoRA adapters as a PEFT adapter directory at ``path`` (collective: every rank
-    calls), in ``dtype`` (None: the adapters' own). Every rank returns after rank 0 has written, or failed to."""
+    calls), in ``dtype`` (None: the adapters' own); ``for_servers``: as :func:`megarl.models.lora.write_peft_dir`.
+    Every rank returns after rank 0 has written, or failed to."""
     from megarl.models import lora
 
     p = engine.parallel
@@ -76,7 +77,7 @@ def export_peft(engine, path: str | os.PathLike, dtype: torch.dtype | None = Non
             tensors = lora.peft_tensors(tensors, engine.desc, engine.config.lora.target_modules)
             if dtype is not None:
                 tensors = {name: t.to(dtype) for name, t in tensors.items()}
-            lora.write_peft_dir(tensors, engine.config.lora, engine.model_path, path)
+            lora.write_peft_dir(tensors, engine.config.lora, engine.model_path, path, for_servers)
     finally:
         dist.barrier()  # a failed write raises on rank 0 only after the others are released
 

@@ -355,14 +355,15 @@ class MegatronEngine:
 
         export_hf(self, path, dtype)
 
-    def export_adapters(self, path, dtype: torch.dtype | None = None) -> None:
+    def export_adapters(self, path, dtype: torch.dtype | None = None, for_servers: bool = False) -> None:
         """Write the LoRA adapters as a PEFT adapter directory (collective; global rank 0 writes), in
-        ``dtype`` (None: the adapters' own)."""
+        ``dtype`` (None: the adapters' own). ``for_servers``: the scale as plain ``lora_alpha / r``, the
+        form every inference server reads (adapter weight sync)."""
         from megarl.actor.checkpoint import export_peft
 
         if not self.config.lora.enabled:
             raise ValueError("export_adapters() needs LoRA adapters (lora.rank > 0)")
-        export_peft(self, path, dtype)
+        export_peft(self, path, dtype, for_servers)
 
     def save(self, meta) -> None:
         """Save a resumable Megatron checkpoint, or an HF export (``SaveLoadMeta.weight_format``); LoRA

@@ -54,7 +54,8 @@ class AdapterBridge(ServerBridge):
     Args:
         config: The ``weight_update`` config (``disk_path``: where the adapter directories go).
         export: ``export(path, dtype)`` writes this trainer's adapters as a PEFT directory (collective;
-            the engine's ``export_adapters``).
+            the engine's ``export_adapters`` with ``for_servers=True``: the scale in the form every server
+            reads).
         dtype: Dtype the adapters are written in (the wire dtype).
         rank: This rank's global rank (rank 0 drives the servers).
         group: Process group of all trainer ranks (None: the default group).

@@ -133,7 +133,8 @@ A fused linear named this way gets one adapter (one ``A`` shared by its HF modul
 @dataclass
 class LoRAConfig:
     """LoRA adapters on the Megatron model (``megarl.models.lora``): the base weights are frozen and
-    each targeted linear ``W`` computes ``W x + (alpha / rank) * B A dropout(x)``; only ``A`` and ``B`` train.
+    each targeted linear ``W`` computes ``W x + (alpha / rank) * B A dropout(x)`` (``alpha / sqrt(rank)``
+    with ``use_rslora``); only ``A`` and ``B`` train.
 
     Unless ``init_from`` names adapters to start from, ``A`` starts as PEFT's (Kaiming-uniform) and
     ``B`` at zero, so the adapted model starts as the base model; the initial values do not depend
@@ -143,7 +144,12 @@ class LoRAConfig:
     rank: int = 0
     """Adapter rank ``r``; 0 turns LoRA off (the whole model trains)."""
     alpha: float = 16.0
-    """Scale numerator: the adapter's output is multiplied by ``alpha / rank``."""
+    """Scale numerator: the adapter's output is multiplied by ``alpha / rank`` (``alpha / sqrt(rank)`` with
+    ``use_rslora``)."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA (PEFT's ``use_rslora``): scale the adapter's output by ``alpha / sqrt(rank)``
+    instead of ``alpha / rank``, so that a higher rank does not shrink its updates. An ``init_from`` adapter
+    must say the same."""
     dropout: float = 0.0
     """Dropout on the adapter's input during training (not on the base linear's)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS[:4]))
@@ -154,7 +160,8 @@ class LoRAConfig:
     ``experts.linear_fc1`` / ``experts.linear_fc2``. A linear named both ways is refused."""
     init_from: str | None = None
     """A PEFT adapter directory to start from (PEFT's, TRL's, or ``MegatronEngine.export_adapters``'): its ``r``
-    and ``lora_alpha`` must be ``rank`` and ``alpha``, and its modules those ``target_modules`` names. Where
+    ``lora_alpha`` and ``use_rslora`` must be ``rank``, ``alpha`` and ``use_rslora``, and its modules those
+    ``target_modules`` names. Where
     its HF modules of one fused linear have different ``lora_A`` (any adapter trained with PEFT), name them by
     their HF names (``q_proj``, ``k_proj``, ...). None: PEFT's initialisation."""
 

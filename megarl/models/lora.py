@@ -72,7 +72,7 @@ from megatron.core.tensor_parallel import mappings
 from megarl.models.build import ModelDesc
 from megarl.models.hf_io import ShardCoords, canonical_params, unwrap
 from megarl.models.mapping import export_from_shards, load_shard
-from megarl.models.peft_files import HF_LORA_TARGETS, PEFT_CONFIG, PEFT_WEIGHTS, adapter_problems, hf_module
+from megarl.models.peft_files import HF_LORA_TARGETS, PEFT_CONFIG, PEFT_WEIGHTS, adapter_problems, hf_module, lora_scale
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class LoRASettings(Protocol):
 
     rank: int
     alpha: float
+    use_rslora: bool
     dropout: float
     target_modules: list[str]
 
@@ -112,7 +113,7 @@ class LoRAAdapter(torch.nn.Module):
         self,
         base: torch.nn.Module,
         rank: int,
-        alpha: float,
+        scale: float,
         dropout: float,
         gated: bool,
         row_blocks: torch.Tensor | None = None,
@@ -128,7 +129,7 @@ class LoRAAdapter(torch.nn.Module):
             )
         self.local = base.explicit_expert_comm or self.size == 1  # no communication of its own
         self.sequence_parallel = bool(base.sequence_parallel) and not self.local
-        self.scale = alpha / rank
+        self.scale = scale
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         out_local, in_local = base.weight.shape
         dtype, device = base.weight.dtype, base.weight.device
@@ -266,9 +267,8 @@ def add_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: 
             matched |= named
             _require_local_linear(name, module)
             fc1 = name.endswith("linear_fc1")
-            module.adapter = LoRAAdapter(
-                module, settings.rank, settings.alpha, settings.dropout, gated and fc1, row_blocks
-            )
+            scale = lora_scale(settings.rank, settings.alpha, settings.use_rslora)
+            module.adapter = LoRAAdapter(module, settings.rank, scale, settings.dropout, gated and fc1, row_blocks)
             module.register_forward_hook(_add_adapter_output, with_kwargs=True)
             module.sharded_state_dict = partial(_sharded_state_dict, module, module.sharded_state_dict)
             count += 1
@@ -452,9 +452,17 @@ def peft_tensors(full: dict[str, torch.Tensor], desc: ModelDesc, targets) -> dic
 
 
 def write_peft_dir(
-    tensors: dict[str, torch.Tensor], settings: LoRASettings, base_model: str, out_dir: str | os.PathLike
+    tensors: dict[str, torch.Tensor],
+    settings: LoRASettings,
+    base_model: str,
+    out_dir: str | os.PathLike,
+    for_servers: bool = False,
 ) -> Path:
-    """Write ``tensors`` (:func:`peft_tensors`) and their ``adapter_config.json`` as a PEFT adapter directory."""
+    """Write ``tensors`` (:func:`peft_tensors`) and their ``adapter_config.json`` as a PEFT adapter directory.
+
+    ``for_servers``: the scale written as plain ``lora_alpha / r`` (``lora_alpha`` = scale x ``r``, no
+    ``use_rslora``), which every server reads alike (SGLang ignores ``use_rslora``); else as configured,
+    which PEFT and ``init_from`` read back as it was."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -466,12 +474,16 @@ def write_peft_dir(
         "base_model_name_or_path": base_model,
         "r": settings.rank,
         "lora_alpha": settings.alpha,
+        "use_rslora": settings.use_rslora,
         "lora_dropout": settings.dropout,
         "target_modules": sorted({name.split(".")[-3] for name in tensors}),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
     }
+    if for_servers and settings.use_rslora:
+        config["lora_alpha"] = lora_scale(settings.rank, settings.alpha, use_rslora=True) * settings.rank
+        config["use_rslora"] = False
     (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -485,7 +497,7 @@ def peft_full(path: str | os.PathLike, desc: ModelDesc, settings: LoRASettings) 
     from safetensors.torch import load_file
 
     path = Path(path)
-    problems = adapter_problems(path, settings.rank, settings.alpha, settings.target_modules, desc.family.moe, "lora")
+    problems = adapter_problems(path, settings, desc.family.moe, "lora")
     if problems:
         raise ValueError("; ".join(f"{key}: {why}" for key, why in problems))
     tensors = load_file(str(path / PEFT_WEIGHTS))

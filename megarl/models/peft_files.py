@@ -1,10 +1,12 @@
 """PEFT adapter directories (what ``MegatronEngine.export_adapters`` writes and ``actor.lora.init_from``
 reads) without Megatron-Core: their file names, the HF module names LoRA can target, and the checks a
-directory must pass before a run starts from it (the config checks run these before launch)."""
+directory must pass before a run starts from it (the config checks run these before launch), and an
+adapter's output scale."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -30,6 +32,12 @@ linear. The dense layers' only: a MoE model's experts are named as Megatron's (`
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
+def lora_scale(rank: int, alpha: float, use_rslora: bool = False) -> float:
+    """What an adapter's ``B A x`` is multiplied by: ``alpha / rank``, or ``alpha / sqrt(rank)`` with
+    rank-stabilised LoRA (PEFT's ``use_rslora``)."""
+    return alpha / (math.sqrt(rank) if use_rslora else rank)
+
+
 def hf_module(hf_name: str) -> str:
     """The module's own name in an HF tensor or module name: ``q_proj`` of
     ``model.layers.0.self_attn.q_proj.weight`` or of ``...q_proj.lora_A.weight``."""
@@ -44,10 +52,11 @@ def covered_modules(target_modules) -> set[str]:
 
 
 def adapter_problems(
-    path: str | os.PathLike, rank: int, alpha: float, target_modules, moe: bool | None = None, key: str = "actor.lora"
+    path: str | os.PathLike, lora, moe: bool | None = None, key: str = "actor.lora"
 ) -> list[tuple[str, str]]:
-    """What keeps the PEFT adapter directory ``path`` from starting a run with adapters of ``rank`` and
-    ``alpha`` on ``target_modules``: ``(config key, why)`` pairs, empty when it can. Reads its
+    """What keeps the PEFT adapter directory ``path`` from starting a run with the adapters ``lora``
+    describes (its ``rank``, ``alpha``, ``use_rslora`` and ``target_modules``; a ``LoRAConfig``): ``(config
+    key, why)`` pairs, empty when it can. Reads its
     ``adapter_config.json`` and the names (not the values) in its weights file. ``moe``: whether the
     model's MLPs are experts (they have no dense ``gate_proj`` / ``up_proj`` / ``down_proj`` to adapt);
     None: not known, and the modules the targets name but the file lacks are not looked for. ``key``: the
@@ -63,14 +72,19 @@ def adapter_problems(
 
     if config.get("peft_type", "LORA") != "LORA":
         refuse(f"{key}.init_from", f"peft_type {config.get('peft_type')!r} in {PEFT_CONFIG}: only LORA adapters load")
-    if config.get("r") != rank:
-        refuse(f"{key}.rank", f"r={config.get('r')} in {PEFT_CONFIG}, but {key}.rank={rank}")
-    if float(config.get("lora_alpha", 0)) != float(alpha):
-        refuse(f"{key}.alpha", f"lora_alpha={config.get('lora_alpha')} in {PEFT_CONFIG}, but {key}.alpha={alpha}")
+    if config.get("r") != lora.rank:
+        refuse(f"{key}.rank", f"r={config.get('r')} in {PEFT_CONFIG}, but {key}.rank={lora.rank}")
+    if float(config.get("lora_alpha", 0)) != float(lora.alpha):
+        refuse(f"{key}.alpha", f"lora_alpha={config.get('lora_alpha')} in {PEFT_CONFIG}, but {key}.alpha={lora.alpha}")
+    if bool(config.get("use_rslora", False)) != bool(lora.use_rslora):
+        refuse(
+            f"{key}.use_rslora",
+            f"use_rslora={config.get('use_rslora', False)} in {PEFT_CONFIG}, but {key}.use_rslora={lora.use_rslora} "
+            "(the adapter's output scale, alpha / sqrt(r) or alpha / r, must be the one it was trained with)",
+        )
     unsupported = {
         "rank_pattern": "ranks per module",
         "alpha_pattern": "alphas per module",
-        "use_rslora": "rank-stabilised scaling (alpha / sqrt(r))",
         "use_dora": "DoRA's magnitude vectors",
         "modules_to_save": "fully trained modules beside the adapters",
         "fan_in_fan_out": "transposed (Conv1D) weights",
@@ -90,6 +104,7 @@ def adapter_problems(
     with safe_open(str(path / PEFT_WEIGHTS), framework="pt") as f:
         names = [name for name in f.keys() if name.endswith(".lora_A.weight")]
     in_file = {hf_module(name) for name in names}
+    target_modules = lora.target_modules
     wanted = covered_modules(target_modules) - (set(_MLP_MODULES) if moe else set())
     if in_file - wanted:
         refuse(
@@ -122,7 +137,7 @@ def check_adapter_start(lora, multi_node: bool, moe: bool | None = None, key: st
             f"{lora.init_from!r} is invalid: expected a PEFT adapter directory with {PEFT_CONFIG} (as "
             f"PEFT's save_pretrained or MegatronEngine.export_adapters writes it); this path {found}",
         )
-    problems = adapter_problems(local, lora.rank, lora.alpha, lora.target_modules, moe, key)
+    problems = adapter_problems(local, lora, moe, key)
     if problems:
         problem_key, why = problems[0]
         more = "".join(f"; {k}: {w}" for k, w in problems[1:])

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -156,7 +157,8 @@ class WeightSync:
         self.bridge: ServerBridge
         if self.adapters:
             dtype = wire_dtype(concrete_dtype(config.dtype, device.type))
-            self.bridge = AdapterBridge(config, engine.export_adapters, dtype, coords.rank)
+            export = partial(engine.export_adapters, for_servers=True)  # the scale as every server reads it
+            self.bridge = AdapterBridge(config, export, dtype, coords.rank)
         else:
             reader = SafetensorsReader(engine.model_path)
             self.bridge = WeightBridge(

@@ -46,15 +46,17 @@ def nonzero_adapter(name: str, shape: tuple[int, int]) -> torch.Tensor:
     return full / shape[1] ** 0.5 if name.endswith("lora_a") else 0.05 * full
 
 
-def random_peft_adapter(model_dir, out, targets: list[str], rank: int, alpha: float, b_scale: float = 0.05):
+def random_peft_adapter(
+    model_dir, out, targets: list[str], rank: int, alpha: float, b_scale: float = 0.05, use_rslora: bool = False
+):
     """A PEFT adapter made by HF ``peft`` on the HF model at ``model_dir``, as one trained with PEFT or TRL:
     each of ``targets`` (HF module names) its own random ``lora_A`` and ``lora_B`` (``b_scale`` x N(0, 1)),
-    saved by ``save_pretrained`` to ``out``; returns ``out``."""
+    saved by ``save_pretrained`` to ``out``; returns ``out``. ``use_rslora``: rank-stabilised scaling."""
     import peft
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, use_rslora=use_rslora)
     model = peft.get_peft_model(model, config)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -110,6 +112,7 @@ def lora_run(
     peft_dir: str | None = None,
     init_from: str | None = None,
     peft_dir_after: str | None = None,
+    use_rslora: bool = False,
 ) -> dict:
     """On this rank's DP share of ``batch``, with :func:`nonzero_adapter`'s adapters: logprobs, PPO loss and the
     full adapter gradients, the frozen base's state, one Adam step (logprobs after, base unchanged), and
@@ -118,7 +121,7 @@ def lora_run(
     from megarl.actor import cpu_shim
     from megarl.models import lora
 
-    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets, init_from=init_from)
+    settings = LoRAConfig(rank=RANK, alpha=ALPHA, use_rslora=use_rslora, target_modules=targets, init_from=init_from)
     engine = _lora_engine(
         model_dir, alloc, settings, n_mbs, distributed_optimizer, recompute, sequence_parallel=sequence_parallel
     )

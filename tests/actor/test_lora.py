@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,6 +302,26 @@ def test_adapters_per_hf_module_start_from_a_peft_adapter_and_match_peft(
     got, want = _peft_tensors(peft_dirs("per-module")), _peft_tensors(str(trained_elsewhere))
     assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want)
     assert per_module["base_frozen"] == [True] and per_module["base_unchanged"] == [True]
+
+
+def test_an_rslora_adapter_computes_what_peft_does_with_it(llama_dir, batch, peft_dirs, tmp_path_factory):
+    """An adapter trained with rank-stabilised scaling (``alpha / sqrt(r)``: twice ``alpha / r`` at rank 4)
+    gives HF ``peft``'s logprobs, loss and gradients with ``use_rslora``, and exports as it came."""
+    import json
+
+    from megarl.models.build import describe
+    from megarl.models.lora import peft_tensors
+
+    out = tmp_path_factory.mktemp("peft_rslora")
+    rslora = random_peft_adapter(llama_dir, out, PEFT_TARGETS, RANK, ALPHA, use_rslora=True)
+    kwargs = {"targets": PEFT_TARGETS, "init_from": str(rslora), "use_rslora": True, "peft_dir": peft_dirs("rslora")}
+    run = _run(llama_dir, "d1p1t1", batch, **kwargs)
+    ref = _peft_reference(llama_dir, rslora, batch)
+    assert (run["logp"] - ref["logp"]).abs().max() <= 1e-4
+    assert abs(run["loss"][0] - ref["loss"]) <= 1e-5
+    assert_grads_close(peft_tensors(run["grads"], describe(str(llama_dir)), PEFT_TARGETS), ref["grads"], 1e-4)
+    exported = json.loads((Path(peft_dirs("rslora")) / "adapter_config.json").read_text())
+    assert exported["use_rslora"] is True and exported["lora_alpha"] == ALPHA
 
 
 def test_adapters_per_hf_module_stay_per_module_as_they_train(llama_dir, batch, per_module, peft_dirs):

@@ -139,7 +139,7 @@ def _peft_dir(path: Path, modules: list[str], **config) -> Path:
     "modules,config,targets,key,fragment",
     [
         (["q_proj", "v_proj"], {"r": 4}, "[q_proj,v_proj]", "actor.lora.rank", "r=4 in adapter_config.json"),
-        (["q_proj", "v_proj"], {"use_rslora": True}, "[q_proj,v_proj]", "actor.lora.init_from", "rank-stabilised"),
+        (["q_proj", "v_proj"], {"use_rslora": True}, "[q_proj,v_proj]", "actor.lora.use_rslora", "alpha / sqrt(r)"),
         (["q_proj", "v_proj"], {"use_dora": True}, "[q_proj,v_proj]", "actor.lora.init_from", "DoRA"),
         (["q_proj", "v_proj"], {"rank_pattern": {"q_proj": 4}}, "[q_proj,v_proj]", "actor.lora.init_from", "ranks per"),
         (["q_proj", "v_proj"], {"modules_to_save": ["lm_head"]}, "[q_proj,v_proj]", "actor.lora.init_from", "fully"),
@@ -158,17 +158,34 @@ def test_a_peft_adapter_to_start_from_is_checked_before_launch(tmp_path, modules
     assert fragment in str(err.value)
 
 
+QV_RANK_8 = [
+    "--config",
+    CPU_YAML,
+    "actor.lora.rank=8",
+    "actor.lora.alpha=16",
+    "actor.lora.target_modules=[q_proj,v_proj]",
+]
+"""A run with adapters of rank 8 and alpha 16 on q_proj and v_proj (what :func:`_peft_dir` makes)."""
+
+
 def test_a_peft_adapter_on_its_own_modules_is_taken(tmp_path):
     adapter = _peft_dir(tmp_path / "adapter", ["q_proj", "v_proj"])
-    argv = [
-        "--config",
-        CPU_YAML,
-        "actor.lora.rank=8",
-        "actor.lora.alpha=16",
-        "actor.lora.target_modules=[q_proj,v_proj]",
-    ]
+    argv = QV_RANK_8
     config, _ = load_expr_config([*argv, f"actor.lora.init_from={adapter}"], GRPOConfig)
     assert config.actor.lora.init_from == str(adapter) and config.actor.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_an_rslora_adapter_is_taken_with_use_rslora_and_only_with_it(tmp_path):
+    """An adapter trained with rank-stabilised scaling starts a run that scales as it did, and a plain one a
+    run that does not: the other way round each is refused naming ``actor.lora.use_rslora``."""
+    argv = QV_RANK_8
+    rslora = _peft_dir(tmp_path / "rslora", ["q_proj", "v_proj"], use_rslora=True)
+    config, _ = load_expr_config([*argv, "actor.lora.use_rslora=true", f"actor.lora.init_from={rslora}"], GRPOConfig)
+    assert config.actor.lora.use_rslora
+    plain = _peft_dir(tmp_path / "plain", ["q_proj", "v_proj"])
+    with pytest.raises(ConfigError) as err:
+        load_expr_config([*argv, "actor.lora.use_rslora=true", f"actor.lora.init_from={plain}"], GRPOConfig)
+    assert err.value.key == "actor.lora.use_rslora" and "use_rslora=False in adapter_config.json" in str(err.value)
 
 
 def test_the_critic_takes_adapters_checked_under_its_own_keys(tmp_path):

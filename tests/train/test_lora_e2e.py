@@ -114,12 +114,14 @@ def test_an_adapter_run_serves_each_version_as_a_lora_adapter(tmp_path, per_modu
     as ``megarl-lora-v<N>``, at the start and after each of two updates; the probe after every update
     reads fp32 noise while the adapters move the logprobs by far more, and an update sends a few percent of
     the model's bytes. ``per_module``: the targets are HF module names and the run starts from an adapter
-    made by HF ``peft`` (each module its own ``lora_A``, as one trained with PEFT or TRL)."""
+    made by HF ``peft`` (each module its own ``lora_A``, as one trained with PEFT or TRL), with rank-stabilised
+    scaling (``alpha / sqrt(r)``, 4x ``alpha / r`` at rank 16: the server must serve that scale)."""
     pytest.importorskip("peft")
     targets = []
     if per_module:
-        peft_dir = random_peft_adapter(resolve_model_path(MODEL), tmp_path / "adapters", PER_MODULE, RANK, ALPHA, 0.01)
-        targets = [f"actor.lora.target_modules=[{','.join(PER_MODULE)}]"]
+        model = resolve_model_path(MODEL)
+        peft_dir = random_peft_adapter(model, tmp_path / "adapters", PER_MODULE, RANK, ALPHA, 0.0025, use_rslora=True)
+        targets = [f"actor.lora.target_modules=[{','.join(PER_MODULE)}]", "actor.lora.use_rslora=true"]
     else:
         peft_dir = nonzero_peft_dir(tmp_path / "adapters")
     console = megarl_run(
