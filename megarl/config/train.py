@@ -176,7 +176,8 @@ class LoRAConfig:
         require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
         unknown = [name for name in self.target_modules if name not in LORA_TARGETS and name not in HF_LORA_TARGETS]
         known = [*LORA_TARGETS, *HF_LORA_TARGETS]
-        require(not unknown, "target_modules", unknown, f"unknown module name(s); known: {known}")
+        every_linear = f" (PEFT's all-linear: [{','.join(HF_LORA_TARGETS)}])" if "all-linear" in unknown else ""
+        require(not unknown, "target_modules", unknown, f"unknown module name(s); known: {known}{every_linear}")
         both = sorted(
             {HF_LORA_TARGETS[n] for n in self.target_modules if HF_LORA_TARGETS.get(n) in self.target_modules}
         )

@@ -46,7 +46,7 @@ class LaunchSpec:
     nice: int = 0
     """CPU priority below this process's (``nice``; Linux): the server's whole process tree runs at it."""
     scratch_env: tuple[str, ...] = ()
-    """Environment variables that name where the server puts its sockets and scratch files (vLLM's
+    """Environment variables that name where the server puts its sockets (vLLM's
     ``VLLM_RPC_BASE_PATH``): each is pointed at a directory of this server's own, removed when it stops,
     however it stops. A variable already set in this process's environment is left as it is."""
 

@@ -26,6 +26,11 @@ def in_repo_offline(monkeypatch):
         ("actor.lora.dropout=1.0", "actor.lora.dropout", "must be in [0, 1)"),
         ("actor.lora.target_modules=[linear_q]", "actor.lora.target_modules", "unknown module name(s)"),
         (
+            "actor.lora.target_modules=[all-linear]",
+            "actor.lora.target_modules",
+            "(PEFT's all-linear: [q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj])",
+        ),
+        (
             "actor.lora.target_modules=[linear_qkv,q_proj]",
             "actor.lora.target_modules",
             "names linear_qkv both by its Megatron name and by HF module names",
