@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megarl.actor.optim import dither_main_params, use_fused_adam
 from megarl.models.hf_io import gather_hf_tensors, unwrap, write_hf_dir
+from megarl.models.peft_files import lora_scale
 
 logger = logging.getLogger(__name__)
 
@@ -179,11 +180,13 @@ _MODEL_KEYS = (
 
 
 def model_shape(hf_config: dict, lora=None) -> dict:
-    """What decides the tensors a checkpoint holds: the entries of an HF config (``to_dict()``) that
-    shape the model, and the LoRA adapters (a ``LoRAConfig``, or None)."""
+    """What decides the model a checkpoint holds: the entries of an HF config (``to_dict()``) that
+    shape the model, and the LoRA adapters (a ``LoRAConfig``, or None): their tensors, and the scale
+    their output is multiplied by (the same tensors at another scale are another model)."""
     shape = {key: hf_config[key] for key in _MODEL_KEYS if hf_config.get(key) is not None}
     if lora is not None and lora.rank > 0:
-        shape["lora"] = {"rank": lora.rank, "target_modules": sorted(lora.target_modules)}
+        scale = lora_scale(lora.rank, lora.alpha, lora.use_rslora)
+        shape["lora"] = {"rank": lora.rank, "target_modules": sorted(lora.target_modules), "scale": scale}
     return shape
 
 
@@ -203,7 +206,11 @@ def model_problem(saved: dict, model: dict) -> str | None:
     """Why a checkpoint whose record (:func:`read_checkpoint_record`) is ``saved`` cannot load into an
     engine of ``model`` (:func:`model_shape`), or None (a record from before the shape was kept: None)."""
     known = saved.get("model")
-    if known is None or known == model:
+    if known is None:
+        return None
+    if "lora" in model and "scale" not in known.get("lora", {}):  # adapters recorded before their scale was
+        model = {**model, "lora": {k: v for k, v in model["lora"].items() if k != "scale"}}
+    if known == model:
         return None
     keys = sorted({*known, *model})
     differs = ", ".join(f"{k} {known.get(k)!r} -> {model.get(k)!r}" for k in keys if known.get(k) != model.get(k))

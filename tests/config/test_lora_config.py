@@ -193,6 +193,24 @@ def test_an_rslora_adapter_is_taken_with_use_rslora_and_only_with_it(tmp_path):
     assert err.value.key == "actor.lora.use_rslora" and "use_rslora=False in adapter_config.json" in str(err.value)
 
 
+def test_a_checkpoint_of_adapters_at_another_scale_is_another_model():
+    """The same adapter tensors at another scale (``alpha``, ``use_rslora``) compute another policy: a resume
+    with them is refused, naming the scales; a record from before the scale was kept compares the rest."""
+    from megarl.actor.checkpoint import model_problem, model_shape
+    from megarl.config.train import LoRAConfig
+
+    hf = {"hidden_size": 64, "num_hidden_layers": 2}
+    saved = {"model": model_shape(hf, LoRAConfig(rank=16, alpha=32.0))}
+    assert model_problem(saved, model_shape(hf, LoRAConfig(rank=16, alpha=32.0))) is None
+    problem = model_problem(saved, model_shape(hf, LoRAConfig(rank=16, alpha=32.0, use_rslora=True)))
+    assert problem is not None and "'scale': 2.0} -> {" in problem and "'scale': 8.0}" in problem
+    older = {
+        "model": {**saved["model"], "lora": {"rank": 16, "target_modules": saved["model"]["lora"]["target_modules"]}}
+    }
+    assert model_problem(older, model_shape(hf, LoRAConfig(rank=16, alpha=64.0))) is None
+    assert "'rank': 16" in model_problem(older, model_shape(hf, LoRAConfig(rank=8, alpha=16.0)))
+
+
 def test_the_critic_takes_adapters_checked_under_its_own_keys(tmp_path):
     """``critic.lora`` builds a LoRA critic; its adapter to start from is checked as the actor's, named
     ``critic.lora.*``; a frozen ``ref`` model takes none."""
