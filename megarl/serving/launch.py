@@ -48,7 +48,8 @@ class LaunchSpec:
     scratch_env: tuple[str, ...] = ()
     """Environment variables that name where the server puts its sockets (vLLM's
     ``VLLM_RPC_BASE_PATH``): each is pointed at a directory of this server's own, removed when it stops,
-    however it stops. A variable already set in this process's environment is left as it is."""
+    however it stops (unless its keeper is SIGKILLed with it). A variable already set in this process's
+    environment is left as it is."""
 
     @property
     def address(self) -> str:
