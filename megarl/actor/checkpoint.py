@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from megarl.actor.optim import dither_main_params, use_fused_adam
 from megarl.models.hf_io import gather_hf_tensors, unwrap, write_hf_dir
-from megarl.models.peft_files import lora_scale
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +184,7 @@ def model_shape(hf_config: dict, lora=None) -> dict:
     their output is multiplied by (the same tensors at another scale are another model)."""
     shape = {key: hf_config[key] for key in _MODEL_KEYS if hf_config.get(key) is not None}
     if lora is not None and lora.rank > 0:
-        scale = lora_scale(lora.rank, lora.alpha, lora.use_rslora)
-        shape["lora"] = {"rank": lora.rank, "target_modules": sorted(lora.target_modules), "scale": scale}
+        shape["lora"] = {"rank": lora.rank, "target_modules": sorted(lora.target_modules), "scale": lora.scale}
     return shape
 
 

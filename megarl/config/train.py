@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megarl.config.base import require
-from megarl.models.peft_files import HF_LORA_TARGETS
+from megarl.models.peft_files import HF_LORA_TARGETS, lora_scale
 from megarl.utils.deprecation import moved_names
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
@@ -169,6 +169,11 @@ class LoRAConfig:
     def enabled(self) -> bool:
         """Whether adapters are built (``rank > 0``)."""
         return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """What an adapter's output is multiplied by: ``alpha / rank``, or ``alpha / sqrt(rank)`` with ``use_rslora``."""
+        return lora_scale(self.rank, self.alpha, self.use_rslora)
 
     def check(self) -> None:
         require(self.rank >= 0, "rank", self.rank, "must be >= 0 (0 turns LoRA off)")

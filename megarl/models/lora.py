@@ -72,7 +72,7 @@ from megatron.core.tensor_parallel import mappings
 from megarl.models.build import ModelDesc
 from megarl.models.hf_io import ShardCoords, canonical_params, unwrap
 from megarl.models.mapping import export_from_shards, load_shard
-from megarl.models.peft_files import HF_LORA_TARGETS, PEFT_CONFIG, PEFT_WEIGHTS, adapter_problems, hf_module, lora_scale
+from megarl.models.peft_files import HF_LORA_TARGETS, PEFT_CONFIG, PEFT_WEIGHTS, adapter_problems, hf_module
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class LoRASettings(Protocol):
     rank: int
     alpha: float
     use_rslora: bool
+    scale: float
     dropout: float
     target_modules: list[str]
 
@@ -267,8 +268,9 @@ def add_adapters(chunks: list, settings: LoRASettings, desc: ModelDesc, coords: 
             matched |= named
             _require_local_linear(name, module)
             fc1 = name.endswith("linear_fc1")
-            scale = lora_scale(settings.rank, settings.alpha, settings.use_rslora)
-            module.adapter = LoRAAdapter(module, settings.rank, scale, settings.dropout, gated and fc1, row_blocks)
+            module.adapter = LoRAAdapter(
+                module, settings.rank, settings.scale, settings.dropout, gated and fc1, row_blocks
+            )
             module.register_forward_hook(_add_adapter_output, with_kwargs=True)
             module.sharded_state_dict = partial(_sharded_state_dict, module, module.sharded_state_dict)
             count += 1
@@ -482,7 +484,7 @@ def write_peft_dir(
         "inference_mode": True,
     }
     if for_servers and settings.use_rslora:
-        config["lora_alpha"] = lora_scale(settings.rank, settings.alpha, use_rslora=True) * settings.rank
+        config["lora_alpha"] = settings.scale * settings.rank
         config["use_rslora"] = False
     (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -151,10 +151,9 @@ class GenerationClient(GenerationEngine):
             try:
                 server = self.servers.choose(req.rid)
             except NoHealthyServerError:
-                # a restarted server comes back once the trainer pushed; under a launcher that restarts servers,
-                # a dead one may not be recorded yet (the update that found it dead took it out of rotation)
-                restart_coming = self.servers.awaiting_push() or self.servers.restartable
-                if restart_coming and time.monotonic() < restart_deadline:
+                # under a launcher that restarts servers, a restarted (or joined) one comes back once the trainer
+                # pushed; a dead one may not be recorded yet (the update that found it dead took it out of rotation)
+                if self.servers.restartable and time.monotonic() < restart_deadline:
                     await asyncio.sleep(_RESTART_POLL_S)
                     continue
                 outages += 1

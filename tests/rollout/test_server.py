@@ -223,15 +223,16 @@ http.server.HTTPServer(('127.0.0.1', {port}), http.server.SimpleHTTPRequestHandl
 """
 
 
+def _scratch_server_spec() -> LaunchSpec:
+    """A server that binds a socket in ``$MEGARL_TEST_SOCKETS``, its scratch variable."""
+    port = find_free_ports(1)[0]
+    cmd = [sys.executable, "-c", _SCRATCH_SERVER.format(port=port)]
+    return LaunchSpec(cmd=cmd, port=port, health_endpoint="/", scratch_env=("MEGARL_TEST_SOCKETS",))
+
+
 @pytest.mark.parametrize("how", ["stop", "server died"])
 def test_server_scratch_directory_is_removed_when_it_stops(tmp_path, how):
-    port = find_free_ports(1)[0]
-    spec = LaunchSpec(
-        cmd=[sys.executable, "-c", _SCRATCH_SERVER.format(port=port)],
-        port=port,
-        health_endpoint="/",
-        scratch_env=("MEGARL_TEST_SOCKETS",),
-    )
+    spec = _scratch_server_spec()
     server = InferenceServer(spec, tmp_path / "s.log", name="scratchy").start()
     try:
         server.wait_until_healthy(30)
@@ -248,13 +249,7 @@ def test_server_scratch_directory_is_removed_when_it_stops(tmp_path, how):
 
 def test_server_scratch_variable_set_by_the_user_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGARL_TEST_SOCKETS", str(tmp_path))
-    port = find_free_ports(1)[0]
-    spec = LaunchSpec(
-        cmd=[sys.executable, "-c", _SCRATCH_SERVER.format(port=port)],
-        port=port,
-        health_endpoint="/",
-        scratch_env=("MEGARL_TEST_SOCKETS",),
-    )
+    spec = _scratch_server_spec()
     with InferenceServer(spec, tmp_path / "s.log").start() as server:
         server.wait_until_healthy(30)
         assert server.proc.scratch is None

@@ -85,21 +85,25 @@ def test_with_every_server_restarted_requests_wait_for_the_push(fake_servers, tm
     engine.servers._restarts.poll_s = 0.0
     _record_restart(tmp_path, a.address)
 
-    async def generate_while_pushing():
-        gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=6)
-        request = asyncio.ensure_future(engine.agenerate(ModelRequest(input_ids=[1, 2, 3], gconfig=gconfig)))
-        await asyncio.sleep(0.5)
-        assert not request.done(), "the request waits for the push"
-        due = await asyncio.to_thread(engine.readmit_due)
-        engine.servers.mark_healthy(a.address)
-        return due, await asyncio.wait_for(request, 10)
-
     try:
-        due, resp = asyncio.run(generate_while_pushing())
+        due, resp = asyncio.run(_generate_across_a_push(engine, a.address))
     finally:
         engine.destroy()
     assert due
     assert resp.output_tokens == expected_tokens(3, 6)[0]
+
+
+async def _generate_across_a_push(engine, address: str, before_push=lambda: None):
+    """A request made while no server is in rotation: it must still wait 0.5 s later; then ``before_push()``,
+    the pool's ask for a push (``readmit_due``) and the push (``mark_healthy``). ``(due, the response)``."""
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=6)
+    request = asyncio.ensure_future(engine.agenerate(ModelRequest(input_ids=[1, 2, 3], gconfig=gconfig)))
+    await asyncio.sleep(0.5)
+    assert not request.done(), "the request waits for the push instead of failing"
+    before_push()
+    due = await asyncio.to_thread(engine.readmit_due)
+    engine.servers.mark_healthy(address)  # the trainer pushed its weights
+    return due, await asyncio.wait_for(request, 10)
 
 
 def test_a_server_whose_update_found_it_dead_is_waited_for_until_its_restart_is_recorded(fake_servers, tmp_path):
@@ -113,18 +117,10 @@ def test_a_server_whose_update_found_it_dead_is_waited_for_until_its_restart_is_
     engine.servers._restarts.poll_s = 0.0
     engine.servers.record_update([], {a.address: "ServerControlError: connection failed: ConnectionRefusedError"})
 
-    async def generate_across_the_restart():
-        gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=6)
-        request = asyncio.ensure_future(engine.agenerate(ModelRequest(input_ids=[1, 2, 3], gconfig=gconfig)))
-        await asyncio.sleep(0.5)
-        assert not request.done(), "the request waits for a restart instead of failing"
-        _record_restart(tmp_path, a.address)
-        due = await asyncio.to_thread(engine.readmit_due)
-        engine.servers.mark_healthy(a.address)  # the trainer pushed its weights
-        return due, await asyncio.wait_for(request, 10)
-
-    try:
-        due, resp = asyncio.run(generate_across_the_restart())
+    try:  # the restart is recorded while the request waits
+        due, resp = asyncio.run(
+            _generate_across_a_push(engine, a.address, lambda: _record_restart(tmp_path, a.address))
+        )
     finally:
         engine.destroy()
     assert due
