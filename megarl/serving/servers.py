@@ -124,6 +124,7 @@ class ServerSet:
         self._rotation_until = -math.inf
         """The usable servers, kept until a server's health changes or a marked one's interval ends (a
         request's choice does not go over the whole fleet)."""
+        self._why_none: str | None = None  # why no server is usable, kept the same way
         self.adapter: str | None = None
         """The LoRA adapter the servers serve the trainer's policy under (adapter weight sync sets it once
         every server loaded it): what every generation request and probe asks for; None: the base model."""
@@ -162,14 +163,7 @@ class ServerSet:
                 return server
             usable = self._usable(now)
             if not usable:
-                why = "; ".join(f"{s.address}: {s.why_unhealthy}" for s in self._servers)
-                raise NoHealthyServerError(
-                    ",".join(self.addresses),
-                    "",
-                    f"every inference server is marked unhealthy ({why})",
-                    0,
-                    kind="no_server",
-                )
+                raise NoHealthyServerError(_some(self._addresses), "", self._why_none_usable(), 0, kind="no_server")
             if self.config.schedule_policy == "round_robin":
                 server = usable[next(self._rr) % len(usable)]
             else:
@@ -189,9 +183,22 @@ class ServerSet:
             )
         return self._rotation
 
+    def _why_none_usable(self) -> str:
+        """Why no server is in rotation, by reason with a few addresses each (call holding the lock); kept
+        until a server's health changes: while every server is out, each waiting request asks again."""
+        if self._why_none is None:
+            by_reason: dict[str, list[str]] = collections.defaultdict(list)
+            for server in self._servers:
+                by_reason[server.why_unhealthy].append(server.address)
+            self._why_none = f"all {len(self._servers)} inference servers are marked unhealthy: " + "; ".join(
+                f"[{_some(addresses)}] {why}" for why, addresses in by_reason.items()
+            )
+        return self._why_none
+
     def _health_changed(self) -> None:
         """A server's ``unhealthy_until`` changed, or one was added (call holding the lock)."""
         self._rotation_until = -math.inf
+        self._why_none = None
 
     def awaiting_push(self) -> bool:
         """Whether some server waits for the trainer's weights (restarted or joined)."""
@@ -387,3 +394,10 @@ class ServerSet:
             if server.control is None:
                 server.control = make_control(self.backend.name, address, tp, timeout)
         return [by_address[a].control for a in addresses]
+
+
+def _some(addresses: list[str], shown: int = 3) -> str:
+    """``addresses`` for an error message: all of a few, else the first ``shown`` and a count of the rest."""
+    if len(addresses) <= shown:
+        return ", ".join(addresses)
+    return ", ".join(addresses[:shown]) + f" and {len(addresses) - shown} more"

@@ -341,7 +341,7 @@ def test_all_servers_dead_surfaces_error(fake_servers):
     finally:
         engine.destroy()
     assert info.value.kind == "no_server" and time.monotonic() - start >= 0.5
-    assert f"every inference server is marked unhealthy ({server.address}: " in str(info.value)
+    assert f"all 1 inference servers are marked unhealthy: [{server.address}] " in str(info.value)
     assert "connection failed" in str(info.value)
 
 

@@ -3,11 +3,14 @@ cost that does not grow with the fleet (a head at 1,024 servers chooses for ever
 
 from __future__ import annotations
 
+import re
 import time
+
+import pytest
 
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.serving import make_backend
-from megarl.serving.servers import Server, ServerSet
+from megarl.serving.servers import NoHealthyServerError, Server, ServerSet
 
 FLEET = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(1024)]
 
@@ -57,3 +60,29 @@ def test_choosing_does_not_go_over_the_fleet_per_request(monkeypatch):
         if i == 1000:
             servers.mark_unhealthy(FLEET[5], "failed an update")
     assert reads <= 4 * len(FLEET) + 2000, f"{reads:,} reads of a server's health for 2,000 choices"
+
+
+def test_with_no_server_in_rotation_a_failed_choice_is_short_and_cheap():
+    """Every one of 1,024 servers out of rotation (a fleet-wide restart): each waiting request asks again
+    twice a second, so the error names each reason once with a few addresses (not 1,024 lines: 110 kB a
+    choice before), and is formatted once per change of health."""
+    servers = _servers()
+    for address in FLEET[:1000]:
+        servers.mark_unhealthy(address, "restarted by the launcher")
+    for address in FLEET[1000:]:
+        servers.mark_unhealthy(address, "failed an update")
+    errors = []
+    for rid in range(2000):
+        with pytest.raises(NoHealthyServerError) as info:
+            servers.choose(f"r{rid}")
+        errors.append(info.value)
+    message = str(errors[0])
+    assert len(message) < 400, message
+    assert "all 1024 inference servers are marked unhealthy" in message
+    assert f"[{FLEET[0]}, {FLEET[1]}, {FLEET[2]} and 997 more] restarted by the launcher" in message
+    assert f"[{FLEET[1000]}, {FLEET[1001]}, {FLEET[1002]} and 21 more] failed an update" in message
+    assert all(e.reason is errors[0].reason for e in errors), "the reason was formatted again"
+    servers.mark_healthy(FLEET[7])
+    servers.mark_failed(servers._servers[7], ConnectionError("refused"))
+    with pytest.raises(NoHealthyServerError, match=re.escape(f"[{FLEET[7]}] refused")):
+        servers.choose()
