@@ -180,7 +180,8 @@ def trainer_command(config: GRPOConfig, config_file: Path, plan: Placement) -> l
     """``torchrun`` of the trainer entry on this node.
 
     ``--standalone`` binds the rendezvous to ``localhost:0``: the OS picks a free port,
-    so runs side by side never collide.
+    so runs side by side never collide. torchrun's own directory (its ranks' error files) is the run's
+    ``logs/torchrun``, not a new ``/tmp/torchelastic_*`` per run.
     """
     entry = config.launcher.trainer_entry
     target = [entry] if entry.endswith(".py") else ["-m", entry]
@@ -190,6 +191,7 @@ def trainer_command(config: GRPOConfig, config_file: Path, plan: Placement) -> l
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={plan.trainer_procs_per_node}",
+        f"--log-dir={config.run_dir / 'logs' / 'torchrun'}",
         *target,
         "--config",
         str(config_file),

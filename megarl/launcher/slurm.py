@@ -218,7 +218,8 @@ def _trainer(config: GRPOConfig, cfg: str, plan: Placement) -> list[str]:
     torchrun = (
         f"{visible}torchrun --nnodes={len(nodes)} --nproc-per-node={plan.trainer_procs_per_node} "
         f"--node-rank=$SLURM_NODEID --master-addr=$MEGARL_TRAIN_MASTER --master-port={slurm.trainer_port} "
-        f"--rdzv-conf=timeout={slurm.rendezvous_timeout} {target} --config {cfg}"
+        f"--rdzv-conf=timeout={slurm.rendezvous_timeout} "
+        f"--log-dir={shlex.quote(str(config.run_dir.resolve() / 'logs' / 'torchrun'))} {target} --config {cfg}"
     )
     return [
         f'export MEGARL_TRAIN_MASTER="${{NODES[{nodes[0]}]}}"',

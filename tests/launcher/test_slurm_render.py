@@ -36,6 +36,7 @@ def test_128gpu_script(tmp_path):
     assert "torchrun --nnodes=8 --nproc-per-node=8" in script
     assert 'MEGARL_TRAIN_MASTER="${NODES[8]}"' in script and "-m megarl.train" in script
     assert f"--config {tmp_path / 'config.yaml'}" in script
+    assert f"--log-dir={cfg.run_dir.resolve() / 'logs' / 'torchrun'} " in script  # torchrun's files: the run's
     # servers start, become healthy, then the trainer starts; the first step to end decides
     assert script.index("megarl serve") < script.index("MEGARL_LLM_SERVER_ADDRS") < script.index("torchrun")
     assert "wait -n" in script

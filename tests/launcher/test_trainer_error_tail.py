@@ -1,12 +1,17 @@
-"""When the trainer fails, the console shows why: the failed rank's exception, not torchrun's report of it."""
+"""When the trainer fails, the console shows why: the failed rank's exception, not torchrun's report of it;
+torchrun's own files stay with the run."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
+from pathlib import Path
 
-from megarl.launcher.local import _tail
+from megarl.config import GRPOConfig
+from megarl.launcher.local import _tail, check_local, trainer_command, trainer_env
+from megarl.run.prelaunch import build_config
+
+CPU_YAML = str(Path(__file__).resolve().parents[2] / "configs" / "gsm8k_grpo_cpu.yaml")
 
 FAILING = textwrap.dedent(  # a rank of a process group: torch prints its exception as "[rank0]: ..." lines
     """
@@ -25,11 +30,20 @@ FAILING = textwrap.dedent(  # a rank of a process group: torch prints its except
 
 
 def test_the_console_tail_is_the_failed_ranks_exception(tmp_path):
-    script, log = tmp_path / "fail.py", tmp_path / "trainer.log"
+    script, log, tmp = tmp_path / "fail.py", tmp_path / "trainer.log", tmp_path / "tmp"
     script.write_text(FAILING)
+    tmp.mkdir()
+    config = build_config(
+        GRPOConfig, [CPU_YAML], [f"launcher.trainer_entry={script}", f"cluster.fileroot={tmp_path / 'runs'}"]
+    )
+    plan = check_local(config)
+    cmd = trainer_command(config, tmp_path / "config.yaml", plan)
+    env = {**trainer_env(config, plan, ["127.0.0.1:8000"]), "TMPDIR": str(tmp)}
     with open(log, "wb") as out:  # as the launcher runs the trainer: torchrun, its ranks' output in one log
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(script)]
-        assert subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=120, check=False).returncode == 1
+        run = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=120, check=False)
+    assert run.returncode == 1, log.read_text()
+    assert not list(tmp.iterdir()), "torchrun left files in the temporary directory"
+    assert list((config.run_dir / "logs" / "torchrun").iterdir()), "torchrun's directory is not the run's"
     text = log.read_text()
     why = "ConsistencyError: servers' probe logprobs differ from the trainer's by 0.23"
     assert why in text and why not in "\n".join(text.splitlines()[-20:])  # torchrun's report ends the log

@@ -37,6 +37,7 @@ def test_the_launcher_runs_the_script_with_its_config_and_servers(tmp_path, monk
     assert cmd[cmd.index("torch.distributed.run") + 1 :] == [
         "--standalone",
         "--nproc-per-node=1",
+        f"--log-dir={config.run_dir / 'logs' / 'torchrun'}",
         SCRIPT,
         "--config",
         str(config_file),
