@@ -203,20 +203,32 @@ def read_checkpoint_record(path: str | os.PathLike) -> dict:
 def model_problem(saved: dict, model: dict) -> str | None:
     """Why a checkpoint whose record (:func:`read_checkpoint_record`) is ``saved`` cannot load into an
     engine of ``model`` (:func:`model_shape`), or None (a record from before the shape was kept: None)."""
-    known = saved.get("model")
-    if known is None:
+    keys = model_differences(saved, model)
+    if not keys:
         return None
-    if "lora" in model and "scale" not in known.get("lora", {}):  # adapters recorded before their scale was
-        model = {**model, "lora": {k: v for k, v in model["lora"].items() if k != "scale"}}
-    if known == model:
-        return None
-    keys = sorted({*known, *model})
-    differs = ", ".join(f"{k} {known.get(k)!r} -> {model.get(k)!r}" for k in keys if known.get(k) != model.get(k))
+    known, model = _comparable(saved, model)
+    differs = ", ".join(f"{k} {known.get(k)!r} -> {model.get(k)!r}" for k in keys)
     return (
         f"holds another model than this engine's ({differs}): load it with the model and adapters it was "
         f"trained with (actor.path, actor.lora; critic.* for a critic), or start fresh "
         f"(recover.mode=disabled, or another trial_name)"
     )
+
+
+def model_differences(saved: dict, model: dict) -> list[str]:
+    """The entries of :func:`model_shape` (``lora``, ``hidden_size``, ...) in which the checkpoint whose
+    record is ``saved`` and an engine of ``model`` differ; none for a record from before the shape was kept."""
+    known, model = _comparable(saved, model)
+    return [k for k in sorted({*known, *model}) if known.get(k) != model.get(k)] if known else []
+
+
+def _comparable(saved: dict, model: dict) -> tuple[dict, dict]:
+    """The record's model shape and ``model`` as they compare: adapters recorded before their scale was
+    compare without it."""
+    known = saved.get("model") or {}
+    if "lora" in model and "scale" not in known.get("lora", {}):
+        model = {**model, "lora": {k: v for k, v in model["lora"].items() if k != "scale"}}
+    return known, model
 
 
 def layout_problem(saved: dict, layout) -> str | None:

@@ -34,6 +34,7 @@ import torch
 
 from megarl.actor.checkpoint import (
     layout_problem,
+    model_differences,
     model_problem,
     model_shape,
     read_checkpoint_record,
@@ -255,8 +256,9 @@ def _read_info(path: Path, rank: int) -> dict:
 
 def check_point_loads(config: GRPOConfig) -> None:
     """The recover point ``config``'s run would resume from loads into its models at its layout: another
-    model or other LoRA adapters are refused naming ``actor.path`` (``critic.path``), per-rank optimizer
-    shards at another model-parallel layout naming ``allocation_mode``."""
+    model is refused naming ``actor.path`` (``critic.path``), other LoRA adapters (rank, targets, scale)
+    ``actor.lora`` (``critic.lora``), per-rank optimizer shards at another model-parallel layout
+    ``allocation_mode``."""
     train = config.allocation.train
     point = RecoverHandler(config.recover, config.run_dir).latest()
     if point is None or train is None:
@@ -267,7 +269,10 @@ def check_point_loads(config: GRPOConfig) -> None:
         saved = read_checkpoint_record(point / name)
         local = Path(settings.path).expanduser()
         if (local / "config.json").is_file():  # a short name not fetched yet is checked when the trainer loads
-            problem = model_problem(saved, model_shape(load_hf_config(local).to_dict(), settings.lora))
+            shape = model_shape(load_hf_config(local).to_dict(), settings.lora)
+            problem = model_problem(saved, shape)
+            if model_differences(saved, shape) == ["lora"]:  # the same model, other adapters
+                require(problem is None, f"{key}.lora", settings.lora, f"recover point {point / name} {problem}")
             require(problem is None, f"{key}.path", settings.path, f"recover point {point / name} {problem}")
         problem = layout_problem(saved, train)
         require(

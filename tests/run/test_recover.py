@@ -299,8 +299,9 @@ def dump_a_point(model_dir: str, run_dir: str, alloc: str, checkpoint_layout: st
 @pytest.mark.parametrize("checkpoint_layout", ["data_parallel", "any"])
 def test_the_config_check_says_what_the_recover_point_cannot_load(tiny_model_dir, tmp_path, checkpoint_layout):
     """``megarl config`` / ``megarl run`` read the point a resume would load, before any server starts: per-rank
-    optimizer shards at another pipeline size are refused naming allocation_mode, another model naming actor.path;
-    another data-parallel size, or the shards written per parameter, pass."""
+    optimizer shards at another pipeline size are refused naming allocation_mode, another model naming actor.path,
+    adapters it was not trained with actor.lora; another data-parallel size, or the shards written per parameter,
+    pass."""
     from megarl.config.experiment import GRPOConfig
     from megarl.run.prelaunch import load_expr_config
     from megarl.utils.errors import ConfigError
@@ -315,9 +316,9 @@ def test_the_config_check_says_what_the_recover_point_cannot_load(tiny_model_dir
         checkpoint_layout=checkpoint_layout,
     )
 
-    def check(trainer: str, path: str = model) -> None:
+    def check(trainer: str, path: str = model, *more: str) -> None:
         ranks = AllocationMode.from_str(f"vllm:d1t1+megatron:{trainer}").train.world_size
-        overrides = [f"cluster.fileroot={tmp_path}", f"actor.path={path}", "recover.mode=resume"]
+        overrides = [f"cluster.fileroot={tmp_path}", f"actor.path={path}", "recover.mode=resume", *more]
         overrides += [f"allocation_mode=vllm:d1t1+megatron:{trainer}", f"cluster.n_gpus_per_node={1 + ranks}"]
         load_expr_config(["--config", "configs/gsm8k_grpo_cpu.yaml", *overrides], GRPOConfig)
 
@@ -332,3 +333,6 @@ def test_the_config_check_says_what_the_recover_point_cannot_load(tiny_model_dir
     with pytest.raises(ConfigError, match=r"another model than this engine's \(intermediate_size \d+ -> 96\)") as err:
         check("d1p2t1", str(tiny_model_dir("llama", intermediate_size=96)))
     assert err.value.key == "actor.path"
+    with pytest.raises(ConfigError, match=r"another model than this engine's \(lora None -> \{'rank': 8") as err:
+        check("d1p2t1", model, "actor.lora.rank=8")  # the same model, adapters it was not trained with
+    assert err.value.key == "actor.lora"
