@@ -29,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -110,8 +112,15 @@ def soak(
     from tests.rollout.conftest import make_engine, start_fake_servers
     from tests.rollout.helpers import OneShotWorkflow, expected_tokens
 
+    logs = tempfile.TemporaryDirectory(prefix="megarl-pool-load-")
     servers = start_fake_servers(
-        n_servers, token_delay=0.002, fail_rate=fail_rate, delay_rate=delay_rate, max_delay=max_delay, seed=seed
+        n_servers,
+        token_delay=0.002,
+        log_dir=Path(logs.name),
+        fail_rate=fail_rate,
+        delay_rate=delay_rate,
+        max_delay=max_delay,
+        seed=seed,
     )
     engine = make_engine(
         [s.address for s in servers],
@@ -159,6 +168,7 @@ def soak(
         engine.destroy()
         for server in servers:
             server.stop()
+        logs.cleanup()
     warm = max(1, len(samples.rss_mb) // 10)  # the first tenth of the run is warm-up
     rss_start = statistics.median(samples.rss_mb[warm : 2 * warm]) if len(samples.rss_mb) > 2 else samples.rss_mb[0]
     rss_end = statistics.median(samples.rss_mb[-warm:])

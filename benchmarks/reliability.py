@@ -120,7 +120,8 @@ def _reply_outcomes() -> tuple[list[str], list[str]]:
     from tests.rollout.conftest import start_fake_servers
     from tests.rollout.fake_server import CORRUPTIONS, TRANSPORT_FAULTS
 
-    (server,) = start_fake_servers(1)
+    logs = tempfile.TemporaryDirectory(prefix="megarl-reliability-")
+    (server,) = start_fake_servers(1, log_dir=Path(logs.name))
     requests, episodes = [], []
     try:
         for fault in [*TRANSPORT_FAULTS, *CORRUPTIONS]:
@@ -129,6 +130,7 @@ def _reply_outcomes() -> tuple[list[str], list[str]]:
             episodes.append(_episode_outcome(server.address, fault, 1 if refused_at_once else 3))
     finally:
         server.stop()
+        logs.cleanup()
     return requests, episodes
 
 
