@@ -163,7 +163,9 @@ class ServerSet:
                 return server
             usable = self._usable(now)
             if not usable:
-                raise NoHealthyServerError(_some(self._addresses), "", self._why_none_usable(), 0, kind="no_server")
+                if self._why_none is None:  # each request waiting out a fleet-wide restart asks again
+                    self._why_none = _why_none_usable(self._servers)
+                raise NoHealthyServerError(_some(self._addresses), "", self._why_none, 0, kind="no_server")
             if self.config.schedule_policy == "round_robin":
                 server = usable[next(self._rr) % len(usable)]
             else:
@@ -182,18 +184,6 @@ class ServerSet:
                 (s.unhealthy_until for s in self._servers if not s.usable(now)), default=math.inf
             )
         return self._rotation
-
-    def _why_none_usable(self) -> str:
-        """Why no server is in rotation, by reason with a few addresses each (call holding the lock); kept
-        until a server's health changes: while every server is out, each waiting request asks again."""
-        if self._why_none is None:
-            by_reason: dict[str, list[str]] = collections.defaultdict(list)
-            for server in self._servers:
-                by_reason[server.why_unhealthy].append(server.address)
-            self._why_none = f"all {len(self._servers)} inference servers are marked unhealthy: " + "; ".join(
-                f"[{_some(addresses)}] {why}" for why, addresses in by_reason.items()
-            )
-        return self._why_none
 
     def _health_changed(self) -> None:
         """A server's ``unhealthy_until`` changed, or one was added (call holding the lock)."""
@@ -394,6 +384,16 @@ class ServerSet:
             if server.control is None:
                 server.control = make_control(self.backend.name, address, tp, timeout)
         return [by_address[a].control for a in addresses]
+
+
+def _why_none_usable(servers: list[Server]) -> str:
+    """Why none of ``servers`` is in rotation: each reason once, with a few of its servers."""
+    by_reason: dict[str, list[str]] = collections.defaultdict(list)
+    for server in servers:
+        by_reason[server.why_unhealthy].append(server.address)
+    return f"all {len(servers)} inference servers are marked unhealthy: " + "; ".join(
+        f"[{_some(addresses)}] {why}" for why, addresses in by_reason.items()
+    )
 
 
 def _some(addresses: list[str], shown: int = 3) -> str:
