@@ -245,7 +245,8 @@ def layout_problem(saved: dict, layout) -> str | None:
     return (
         f"holds the distributed optimizer's state as per-rank shards (optimizer.checkpoint_layout=data_parallel), "
         f"which load at another data-parallel size only, and this engine's layout differs ({differs}): load it "
-        f"at the layout that wrote it, or write the checkpoint with optimizer.checkpoint_layout=any"
+        f"at the layout that wrote it, convert a recover point (megarl convert-point, with the run's config), or "
+        f"write the checkpoint with optimizer.checkpoint_layout=any"
     )
 
 

@@ -274,6 +274,52 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         close_log_file()
 
 
+def _cmd_convert_point(args: argparse.Namespace, console: Console) -> int:
+    import subprocess
+
+    from megarl.run.convert_point import point_to_convert, saved_world_size
+
+    args.overrides.append("recover.mode=disabled")  # the config check would refuse the very point this converts
+    config = _load(args)
+    point = point_to_convert(config)
+    ranks = saved_world_size(point)
+    if config.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < ranks:
+            raise ConfigError(
+                "allocation_mode",
+                f"recover point {point} was written by {ranks} ranks and this machine has "
+                f"{torch.cuda.device_count()} GPUs: run `python -m megarl.run.convert_point --config FILE` on "
+                f"{ranks} ranks under your cluster's launcher (srun torchrun ...)",
+            )
+    config_file = save_config(config, config.run_dir / "convert_point.yaml").resolve()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        f"--log-dir={config.run_dir / 'logs' / 'torchrun'}",
+        "-m",
+        "megarl.run.convert_point",
+        "--config",
+        str(config_file),
+    ]
+    console.print(f"megarl convert-point: rewriting {point} on {ranks} ranks", markup=False, highlight=False)
+    if subprocess.run(cmd, check=False).returncode != 0:
+        console.print(f"megarl convert-point: failed; {point} is as it was", markup=False, highlight=False)
+        return 1
+    console.print(
+        f"megarl convert-point: {point} now loads at any layout (optimizer.checkpoint_layout=any); resume it with "
+        f"recover.mode=resume and the new allocation_mode (set actor.optimizer.checkpoint_layout=any to keep "
+        f"writing it so)",
+        markup=False,
+        highlight=False,
+    )
+    return 0
+
+
 CONFIG_ARGS_HELP = "CONFIG.yaml files (an experiment, then e.g. a parallel preset), then key.path=value overrides"
 
 
@@ -344,6 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(run, CONFIG_ARGS_HELP)
     run.set_defaults(func=_cmd_run)
+
+    convert = sub.add_parser(
+        "convert-point",
+        help="rewrite the run's newest recover point so that it resumes at another TP / PP / EP size "
+        "(optimizer.checkpoint_layout=any), on as many ranks as wrote it",
+    )
+    _add_config_args(convert, CONFIG_ARGS_HELP)
+    convert.set_defaults(func=_cmd_convert_point)
 
     watchdog = sub.add_parser(
         "watchdog", help="watch a Slurm job's trainer and servers for stalls (the sbatch script starts it)"

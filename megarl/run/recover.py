@@ -158,6 +158,12 @@ class RecoverHandler:
         self._last_step = info.global_step
         return True
 
+    def rewrite(self, engines, info: RecoverInfo) -> None:
+        """Write the point just loaded (:meth:`load` returned ``info``) again as ``engines`` now save it, e.g.
+        with another ``optimizer.checkpoint_layout``; collective. The old point stays until the new is complete."""
+        self._last_step = None
+        self.maybe_dump(engines, info, force=True)
+
     def _prune(self) -> None:
         """Delete interrupted ``.tmp`` dumps and all but the ``keep_last`` newest points."""
         for path in self.root.glob("step*.tmp"):

@@ -151,7 +151,8 @@ def publish_dir(tmp: Path, final: Path) -> None:
     """Publish a fully written ``tmp`` directory as ``final`` (replacing an older ``final``).
 
     Every file is flushed to disk, then :data:`MANIFEST` is written and flushed, then the
-    directory renamed: after a crash at any point ``final`` is either absent or complete.
+    directory renamed: after a crash at any point ``final`` is either absent or complete. An older
+    ``final`` is removed only once the new one is in place (put back if the rename fails).
     """
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
@@ -160,10 +161,20 @@ def publish_dir(tmp: Path, final: Path) -> None:
     manifest = tmp / MANIFEST
     manifest.write_text(json.dumps({"files": files}, indent=0))
     _fsync(manifest)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    if not final.exists():
+        tmp.rename(final)
+        _fsync(final.parent)
+        return
+    old = final.with_name(final.name + ".old")  # the older final stays whole until the new one is in place
+    shutil.rmtree(old, ignore_errors=True)
+    final.rename(old)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        old.rename(final)
+        raise
     _fsync(final.parent)
+    shutil.rmtree(old)
 
 
 def incomplete_reason(path: Path) -> str | None:

@@ -263,10 +263,10 @@ def optimizer_state_per_param(engine) -> dict:
 OPTIMIZER_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
-def full_optimizer_state(engine) -> dict:
+def full_optimizer_state(engine, include=None) -> dict:
     """On rank 0, :func:`optimizer_state_per_param` as whole HF-named tensors (``{key: {name: tensor}}``):
     gathered over (expert) tensor parallelism as the HF export gathers weights, over pipeline stages by
-    ``gather_object``; ``{}`` on the other ranks."""
+    ``gather_object``; ``{}`` on the other ranks. ``include``: which mapping rules (``gather_hf_tensors``'s)."""
     import torch.distributed as dist
 
     from megarl.models.hf_io import gather_hf_tensors
@@ -281,6 +281,7 @@ def full_optimizer_state(engine) -> dict:
             p.tp_group,
             p.etp_group,
             value=lambda q, key=key: per_param[id(q)][key],
+            **({} if include is None else {"include": include}),
         )
         for key in OPTIMIZER_STATE_KEYS
     }

@@ -192,3 +192,33 @@ def test_saver_writes_the_critic_beside_the_actor(tmp_path):
     assert json.loads((ckpt / "meta.json").read_text())["version"] == 4
     with pytest.raises(ValueError, match="actor under 'model'"):
         saver.maybe_save({"critic": critic}, 0, 1, 1)
+
+
+def test_an_older_directory_stays_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """Publishing over an older ``final`` (a recover point written again, ``megarl convert-point``): the old
+    one is whole whenever the new one is not, and gone once it is."""
+    final = tmp_path / "step3"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+
+    def new_dir() -> Path:
+        tmp = tmp_path / "step3.tmp"
+        tmp.mkdir()
+        (tmp / "new.txt").write_text("new")
+        return tmp
+
+    rename = Path.rename
+
+    def failing(self, target):
+        if self.name == "step3.tmp":
+            raise OSError("injected: the rename failed")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(OSError, match="injected"):
+        saver_mod.publish_dir(new_dir(), final)
+    assert (final / "old.txt").read_text() == "old" and not (tmp_path / "step3.old").exists()
+    monkeypatch.setattr(Path, "rename", rename)
+    saver_mod.publish_dir(tmp_path / "step3.tmp", final)
+    assert sorted(p.name for p in final.iterdir()) == ["MANIFEST.json", "new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step3"]

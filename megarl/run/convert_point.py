@@ -1,0 +1,101 @@
+"""Rewrite a run's newest recover point so that it loads at any parallel layout.
+
+A point written with ``optimizer.checkpoint_layout: data_parallel`` (the default) holds the distributed
+optimizer's state as each rank's shard, which loads at another data-parallel size only: a run that
+must go on at another tensor, pipeline or expert-parallel size (it ran out of memory, it got more
+GPUs) cannot resume it. This module loads the point at the layout that wrote it, on as many ranks as
+wrote it, and writes it again in place with the state per parameter (``checkpoint_layout: any``):
+weights, optimizer state, LR schedule, counters, RNG states and the prompts in flight are the same.
+
+``megarl convert-point CONFIG [key=value ...]`` runs it under torchrun on this machine; on a cluster,
+run ``python -m megarl.run.convert_point --config FILE`` with the point's world size under your
+launcher (one process per rank, ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` set as torchrun sets them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from megarl.actor.critic import MegatronCritic
+from megarl.actor.engine import MegatronEngine
+from megarl.config import GRPOConfig
+from megarl.config.allocation import TrainingAllocation
+from megarl.run.prelaunch import load_expr_config
+from megarl.run.recover import RecoverHandler
+
+logger = logging.getLogger(__name__)
+
+_LR_STEPS = 1_000_000
+"""The LR schedule's length the engines are built with: the point's own schedule replaces it on load."""
+
+
+def point_to_convert(config: GRPOConfig) -> Path:
+    """The newest complete recover point of ``config``'s run; FileNotFoundError naming the run without one."""
+    handler = RecoverHandler(replace(config.recover, mode="resume"), config.run_dir)
+    point = handler.latest()
+    if point is None:
+        raise FileNotFoundError(f"{handler.root} holds no complete recover point to convert")
+    return point
+
+
+def saved_allocation(point: Path) -> TrainingAllocation:
+    """The parallel layout that wrote ``point`` (its ``layout.json``)."""
+    saved = {"cp": 1, **json.loads((point / "layout.json").read_text())}
+    return TrainingAllocation(
+        dp=saved["dp"],
+        pp=saved["pp"],
+        tp=saved["tp"],
+        ep=saved["ep"],
+        etp=saved["expert_tp"],
+        vpp=saved["vpp"],
+        cp=saved["cp"],
+    )
+
+
+def saved_world_size(point: Path) -> int:
+    """How many ranks wrote ``point``: the converter runs on as many."""
+    return int(json.loads((point / "layout.json").read_text())["world_size"])
+
+
+def convert(config: GRPOConfig) -> Path:
+    """Load the newest recover point at its own layout and write it again with ``checkpoint_layout: any``;
+    collective over the point's world size. Returns the point."""
+    point = point_to_convert(config)
+    per_parameter = replace(config.actor.optimizer, checkpoint_layout="any")
+    actor = MegatronEngine(replace(config.actor, optimizer=per_parameter))
+    parallel = actor.create_process_group(saved_allocation(point), seed=config.seed)
+    actor.initialize(ft_spec=_LR_STEPS)
+    engines = {"model": actor}
+    if config.critic is not None and (point / "critic").is_dir():
+        critic_optimizer = replace(config.critic.optimizer, checkpoint_layout="any")
+        critic_config = replace(config.critic, path=config.critic.path or config.actor.path, optimizer=critic_optimizer)
+        engines["critic"] = MegatronCritic(critic_config)
+        engines["critic"].initialize(parallel=parallel, ft_spec=_LR_STEPS)
+    handler = RecoverHandler(replace(config.recover, mode="resume"), config.run_dir)
+    try:
+        info = handler.load(engines)
+        handler.rewrite(engines, info)
+    finally:
+        for engine in engines.values():
+            engine.destroy()
+    return point
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    # recover.mode=disabled: the config check would refuse the very point this converts
+    args = [*(sys.argv[1:] if argv is None else argv), "recover.mode=disabled"]
+    config, rest = load_expr_config(args, GRPOConfig)
+    if rest:
+        raise SystemExit(f"megarl.run.convert_point: unexpected arguments {rest}; overrides are key.path=value")
+    point = convert(replace(config, recover=replace(config.recover, mode="resume")))
+    logger.info("recover point %s rewritten with optimizer.checkpoint_layout=any: it loads at any layout", point)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
