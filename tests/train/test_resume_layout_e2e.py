@@ -16,34 +16,41 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.cli_run import ARITHMETIC, megarl_run, read_metrics
+from tests.train.cli_run import ARITHMETIC, megarl, megarl_run, read_metrics
 from tests.train.test_recover_e2e import TINY_RUN, assert_same_step
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 RUN = [
     *(o for o in TINY_RUN if not o.startswith("total_train_steps=")),  # each run says its own
-    "actor.optimizer.checkpoint_layout=any",  # the distributed optimizer's state loadable at another PP size
     "cluster.n_gpus_per_node=3",
     "actor.dtype=float32",
     "vllm.dtype=float32",
 ]
 
 
-def _run(fileroot: Path, trainer: str, steps: int) -> tuple[str, Path]:
+def _run(fileroot: Path, trainer: str, steps: int, layout: str = "any") -> tuple[str, Path]:
+    """``layout``: how the distributed optimizer's state is written (``any``: loadable at another PP size)."""
     log = megarl_run(
         ARITHMETIC,
         f"cluster.fileroot={fileroot}",
         f"allocation_mode=vllm:d1t1+megatron:{trainer}",
         f"total_train_steps={steps}",
+        f"actor.optimizer.checkpoint_layout={layout}",
         *RUN,
         timeout=1800,
     )
     return log, fileroot / "arithmetic-grpo-cpu" / "trial0"
 
 
-def test_a_run_resumed_at_another_layout_continues_as_the_uninterrupted_one(tmp_path):
-    _, run_dir = _run(tmp_path / "resumed", "d2p1t1", 2)
+@pytest.mark.parametrize("written", ["any", "data_parallel"])
+def test_a_run_resumed_at_another_layout_continues_as_the_uninterrupted_one(tmp_path, written):
+    """``data_parallel``: the point is written per rank, refused at ``d1p2t1`` until ``megarl convert-point``."""
+    _, run_dir = _run(tmp_path / "resumed", "d2p1t1", 2, written)
+    if written == "data_parallel":
+        at = [ARITHMETIC, f"cluster.fileroot={tmp_path / 'resumed'}", "allocation_mode=vllm:d1t1+megatron:d1p2t1", *RUN]
+        assert "per-rank shards" in megarl_run(*at, "total_train_steps=4", expect=2)  # refused before anything starts
+        assert "now loads at any layout" in megarl("convert-point", *at, timeout=900)
     log, _ = _run(tmp_path / "resumed", "d1p2t1", 4)
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "was written at another layout (dp 2 -> 1, pp 1 -> 2): resharded" in trainer_log, trainer_log[-5000:]
