@@ -205,17 +205,28 @@ def _join_config(run_dir: Path, args: argparse.Namespace) -> GRPOConfig:
 
 
 def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
-    from megarl.launcher.slurm import render_sbatch, submit
+    from megarl.launcher.slurm import render_convert_sbatch, render_sbatch, submit
+    from megarl.run.convert_point import point_to_convert, saved_world_size
 
+    if args.convert_point:
+        args.overrides.append("recover.mode=disabled")  # the config check would refuse the point this converts
     config = _load(args)
-    config_file = (config.run_dir / "config.yaml").resolve()
-    script = render_sbatch(config, config_file, requeue=args.requeue)
+    if args.convert_point:
+        config_file = (config.run_dir / "convert_point.yaml").resolve()
+        script = render_convert_sbatch(config, config_file, saved_world_size(point_to_convert(config)))
+    else:
+        config_file = (config.run_dir / "config.yaml").resolve()
+        script = render_sbatch(config, config_file, requeue=args.requeue)
     if args.dry_run:
         console.print(script, end="", markup=False, highlight=False)
         return 0
     save_config(config, config_file)
     (config.run_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch --output does not create it
-    path = Path(args.output) if args.output else config.run_dir / "job.sbatch"
+    path = (
+        Path(args.output)
+        if args.output
+        else config.run_dir / ("convert.sbatch" if args.convert_point else "job.sbatch")
+    )
     job = submit(script, path)
     console.print(f"submitted job {job}: {path} (config {config_file})", markup=False)
     return 0
@@ -378,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--requeue", action="store_true", help="let Slurm requeue the job; it resumes (recover.mode=auto)"
     )
     slurm.add_argument("--output", help="where to write the script (default {run_dir}/job.sbatch)")
+    slurm.add_argument(
+        "--convert-point",
+        action="store_true",
+        help="submit `megarl convert-point` instead: the run's newest recover point rewritten on the ranks "
+        "that wrote it (default script {run_dir}/convert.sbatch)",
+    )
     _add_config_args(slurm, CONFIG_ARGS_HELP)
     slurm.set_defaults(func=_cmd_slurm)
 

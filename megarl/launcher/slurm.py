@@ -38,13 +38,14 @@ from megarl.utils.heartbeat import flight_recorder_env
 from megarl.utils.network import INTERFACE_ENV
 
 
-def _sbatch_header(config: GRPOConfig, requeue: bool) -> list[str]:
+def _sbatch_header(config: GRPOConfig, requeue: bool, nodes: int | None = None, job: str = "") -> list[str]:
+    """``nodes``: the job's node count (default the cluster's); ``job``: a suffix of its name."""
     slurm = config.launcher.slurm
     run_dir = config.run_dir.resolve()
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={config.experiment_name}-{config.trial_name}",
-        f"#SBATCH --nodes={config.cluster.n_nodes}",
+        f"#SBATCH --job-name={config.experiment_name}-{config.trial_name}{job}",
+        f"#SBATCH --nodes={nodes or config.cluster.n_nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --time={slurm.time_limit}",
         f"#SBATCH --output={run_dir}/slurm/%j.out",
@@ -72,9 +73,7 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool 
     slurm = config.launcher.slurm
     run_dir = config.run_dir.resolve()
     cfg = shlex.quote(str(config_file))
-    lines = ["set -uo pipefail", *slurm.setup]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in config.launcher.env.items()]
-    lines += _interface_env(slurm.network_interface, config.launcher.env)
+    lines = _job_environment(config)
     lines += [
         "# the run's API key: servers refuse requests without it (megarl.utils.auth); kept out of the script",
         f'export {API_KEY_ENV}="${{{API_KEY_ENV}:-$(python3 -c "import secrets; print(secrets.token_urlsafe(32))")}}"',
@@ -107,6 +106,14 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool 
     lines += ["", "# 3. trainer", *_flight_recorder(config), *_trainer(config, cfg, plan), *_watchdog(config, cfg)]
     lines += ["", "# 4. the first step to end decides the job's fate", *_first_exit(config, requeue)]
     return lines
+
+
+def _job_environment(config: GRPOConfig) -> list[str]:
+    """The job's first lines: strict bash, ``launcher.slurm.setup``, ``launcher.env``, the cluster interface."""
+    slurm = config.launcher.slurm
+    lines = ["set -uo pipefail", *slurm.setup]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in config.launcher.env.items()]
+    return lines + _interface_env(slurm.network_interface, config.launcher.env)
 
 
 def _flight_recorder(config: GRPOConfig) -> list[str]:
@@ -205,21 +212,27 @@ def _interface_env(interface: str | None, env: dict[str, str]) -> list[str]:
 
 
 def _trainer(config: GRPOConfig, cfg: str, plan: Placement) -> list[str]:
-    slurm = config.launcher.slurm
     entry = config.launcher.trainer_entry
     target = shlex.quote(entry) if entry.endswith(".py") else f"-m {shlex.quote(entry)}"
     nodes = plan.trainer_nodes
-    node_list = ",".join(f"${{NODES[{n}]}}" for n in nodes)
     visible = ""
     if config.cluster.device != "cpu" and len(nodes) == 1 and config.cluster.n_nodes == 1:
         visible = f"CUDA_VISIBLE_DEVICES={','.join(map(str, plan.trainer_devices))} "
+    return _torchrun_step(config, nodes, plan.trainer_procs_per_node, f"{target} --config {cfg}", visible)
+
+
+def _torchrun_step(config: GRPOConfig, nodes: list[int], procs_per_node: int, command: str, visible: str) -> list[str]:
+    """One ``srun`` step of ``torchrun`` running ``command`` on ``nodes`` (indexes into NODES), in the
+    background as ``$TRAINER``."""
+    slurm = config.launcher.slurm
+    node_list = ",".join(f"${{NODES[{n}]}}" for n in nodes)
     # a static rendezvous on the step's first node (SLURM_NODEID counts the step's nodes from 0): the
     # c10d one's store lives in that node's agent, which may exit first and fail the others' shutdown
     torchrun = (
-        f"{visible}torchrun --nnodes={len(nodes)} --nproc-per-node={plan.trainer_procs_per_node} "
+        f"{visible}torchrun --nnodes={len(nodes)} --nproc-per-node={procs_per_node} "
         f"--node-rank=$SLURM_NODEID --master-addr=$MEGARL_TRAIN_MASTER --master-port={slurm.trainer_port} "
         f"--rdzv-conf=timeout={slurm.rendezvous_timeout} "
-        f"--log-dir={shlex.quote(str(config.run_dir.resolve() / 'logs' / 'torchrun'))} {target} --config {cfg}"
+        f"--log-dir={shlex.quote(str(config.run_dir.resolve() / 'logs' / 'torchrun'))} {command}"
     )
     return [
         f'export MEGARL_TRAIN_MASTER="${{NODES[{nodes[0]}]}}"',
@@ -288,6 +301,35 @@ def render_sbatch(config: GRPOConfig, config_file: Path, *, requeue: bool = Fals
         )
     plan = plan_placement(config.allocation, config.cluster.n_nodes, config.cluster.n_gpus_per_node)
     return "\n".join(_sbatch_header(config, requeue) + [""] + _body(config, config_file, plan, requeue)) + "\n"
+
+
+def render_convert_sbatch(config: GRPOConfig, config_file: Path, world_size: int) -> str:
+    """The sbatch script that converts the run's newest recover point (``megarl convert-point``) on the
+    ``world_size`` ranks that wrote it: a GPU node's devices each, or every rank on one node on CPU."""
+    per_node = world_size if config.cluster.device == "cpu" else min(world_size, config.cluster.n_gpus_per_node)
+    if world_size % per_node:
+        raise ValueError(
+            f"the recover point was written by {world_size} ranks, which {per_node} GPUs a node "
+            f"(cluster.n_gpus_per_node) do not divide: convert it with `python -m megarl.run.convert_point` by hand"
+        )
+    nodes = world_size // per_node
+    body = [
+        *_job_environment(config),
+        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "",
+        f"# the newest recover point, rewritten in place with the optimizer state per parameter ({world_size} ranks)",
+        *_torchrun_step(
+            config,
+            list(range(nodes)),
+            per_node,
+            f"-m megarl.run.convert_point --config {shlex.quote(str(config_file))}",
+            "",
+        ),
+        'wait "$TRAINER"; status=$?',
+        'echo "megarl: the conversion exited with status $status"',
+        "exit $status",
+    ]
+    return "\n".join(_sbatch_header(config, False, nodes=nodes, job="-convert") + [""] + body) + "\n"
 
 
 def submit(script: str, path: Path) -> str:

@@ -180,3 +180,23 @@ def test_a_failed_trainer_requeues_a_requeueable_job_within_recover_retries(tmp_
     assert last_lines(requeueable, 1, 2) == (1, []), "recover.retries spent"
     assert last_lines(requeueable, 0, 0) == (0, []), "a finished trainer is not requeued"
     assert last_lines(plain, 1, 0) == (1, []), "rendered without --requeue"
+
+
+def test_the_conversion_job_runs_on_the_ranks_that_wrote_the_point(tmp_path):
+    """``megarl slurm --convert-point``: the point's world size decides the job's nodes and ranks per node."""
+    from megarl.launcher.slurm import render_convert_sbatch
+
+    cfg = config("gsm8k_grpo_qwen2.5-7b_128gpu.yaml", "launcher.slurm.partition=gpu")
+    script = render_convert_sbatch(cfg, tmp_path / "convert.yaml", 64)  # the trainer's d16p1t4 ranks
+    assert "#SBATCH --nodes=8" in script.splitlines() and "#SBATCH --gpus-per-node=8" in script.splitlines()
+    assert (
+        "#SBATCH --partition=gpu" in script and f"--job-name={cfg.experiment_name}-{cfg.trial_name}-convert" in script
+    )
+    assert "torchrun --nnodes=8 --nproc-per-node=8" in script and "CUDA_VISIBLE_DEVICES" not in script
+    assert f"-m megarl.run.convert_point --config {tmp_path / 'convert.yaml'}" in script
+    assert "megarl serve" not in script and script.rstrip().endswith("exit $status")
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    cpu = render_convert_sbatch(config("gsm8k_grpo_cpu.yaml"), tmp_path / "c.yaml", 2)
+    assert "#SBATCH --nodes=1" in cpu and "torchrun --nnodes=1 --nproc-per-node=2" in cpu
+    with pytest.raises(ValueError, match="written by 12 ranks, which 8 GPUs a node"):
+        render_convert_sbatch(cfg, tmp_path / "convert.yaml", 12)
