@@ -231,11 +231,19 @@ def _comparable(saved: dict, model: dict) -> tuple[dict, dict]:
     return known, model
 
 
+def holds_per_rank_optimizer(saved: dict) -> bool:
+    """Whether the checkpoint whose record is ``saved`` holds the distributed optimizer's state as per-rank
+    shards (``optimizer.checkpoint_layout: data_parallel``), which load at another data-parallel size only."""
+    return (
+        bool(saved.get("distributed_optimizer")) and saved.get("optimizer_format", "dp_reshardable") == "dp_reshardable"
+    )
+
+
 def layout_problem(saved: dict, layout) -> str | None:
     """Why a checkpoint whose record is ``saved`` cannot load with its optimizer state at ``layout`` (a
     ``TrainingAllocation``), or None: per-rank shards of the distributed optimizer load where their
     buckets are the same, at another data-parallel size only."""
-    if not saved.get("distributed_optimizer") or saved.get("optimizer_format", "dp_reshardable") != "dp_reshardable":
+    if not holds_per_rank_optimizer(saved):
         return None
     saved_layout = saved.get("layout") or dict(zip(("pp", "tp"), saved.get("model_parallel", ())))
     changed = {k: (v, getattr(layout, k)) for k, v in saved_layout.items() if getattr(layout, k) != v}

@@ -206,14 +206,18 @@ def _join_config(run_dir: Path, args: argparse.Namespace) -> GRPOConfig:
 
 def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
     from megarl.launcher.slurm import render_convert_sbatch, render_sbatch, submit
-    from megarl.run.convert_point import point_to_convert, saved_world_size
 
     if args.convert_point:
         args.overrides.append("recover.mode=disabled")  # the config check would refuse the point this converts
     config = _load(args)
     if args.convert_point:
+        from megarl.run.convert_point import point_to_convert, saved_world_size
+
+        point = point_to_convert(config)
+        if _already_converted(point, console):
+            return 0
         config_file = (config.run_dir / "convert_point.yaml").resolve()
-        script = render_convert_sbatch(config, config_file, saved_world_size(point_to_convert(config)))
+        script = render_convert_sbatch(config, config_file, saved_world_size(point))
     else:
         config_file = (config.run_dir / "config.yaml").resolve()
         script = render_sbatch(config, config_file, requeue=args.requeue)
@@ -285,6 +289,20 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         close_log_file()
 
 
+def _already_converted(point: Path, console: Console) -> bool:
+    """Whether ``point`` loads at any layout already (nothing to convert), said on the console."""
+    from megarl.run.convert_point import needs_conversion
+
+    if needs_conversion(point):
+        return False
+    console.print(
+        f"megarl convert-point: {point} already loads at any layout (no optimizer state as per-rank shards)",
+        markup=False,
+        highlight=False,
+    )
+    return True
+
+
 def _cmd_convert_point(args: argparse.Namespace, console: Console) -> int:
     import subprocess
 
@@ -293,6 +311,8 @@ def _cmd_convert_point(args: argparse.Namespace, console: Console) -> int:
     args.overrides.append("recover.mode=disabled")  # the config check would refuse the very point this converts
     config = _load(args)
     point = point_to_convert(config)
+    if _already_converted(point, console):
+        return 0
     ranks = saved_world_size(point)
     if config.device == "cuda":
         import torch

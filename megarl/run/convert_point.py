@@ -20,6 +20,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from megarl.actor.checkpoint import holds_per_rank_optimizer, read_checkpoint_record
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
 from megarl.config import GRPOConfig
@@ -40,6 +41,12 @@ def point_to_convert(config: GRPOConfig) -> Path:
     if point is None:
         raise FileNotFoundError(f"{handler.root} holds no complete recover point to convert")
     return point
+
+
+def needs_conversion(point: Path) -> bool:
+    """Whether a model of ``point`` (the actor's, the critic's) holds its optimizer state as per-rank shards."""
+    models = [point / name for name in ("model", "critic") if (point / name).is_dir()]
+    return any(holds_per_rank_optimizer(read_checkpoint_record(path)) for path in models)
 
 
 def saved_allocation(point: Path) -> TrainingAllocation:

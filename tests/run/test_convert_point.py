@@ -121,6 +121,10 @@ def test_a_per_rank_point_converted_resumes_at_another_pipeline_size(tiny_model_
             for name, tensor in tensors.items():
                 assert torch.equal(tensor, loaded[model][key][name]), f"the {model}'s {key} of {name} changed"
     assert sorted(p.name for p in (run_dir / "recover").iterdir()) == ["step0"]  # rewritten in place
+    manifest = (run_dir / "recover" / "step0" / "MANIFEST.json").stat().st_mtime_ns
+    again = subprocess.run([*cmd, *config[1:]], capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode == 0 and "already loads at any layout" in again.stdout, again.stdout + again.stderr
+    assert (run_dir / "recover" / "step0" / "MANIFEST.json").stat().st_mtime_ns == manifest, "written again"
 
 
 def test_a_run_without_a_recover_point_is_told_so(tmp_path, capsys):
