@@ -38,7 +38,7 @@ from megarl.actor import cpu_shim
 from megarl.actor import engine_settings as settings
 from megarl.actor.bf16_emulation import compute_mode
 from megarl.actor.lm_head import LMHeadOutput, make_lm_head_output
-from megarl.actor.optim import build_optimizer_and_schedule, wrap_chunks
+from megarl.actor.optim import build_optimizer_and_schedule, finish_param_gathers, wrap_chunks
 from megarl.actor.packing import MicroBatch, MicroBatchHook, unpack
 from megarl.actor.parallel import ParallelState, init_parallel
 from megarl.actor.schedule import plan_microbatches, run_schedule
@@ -243,6 +243,7 @@ class MegatronEngine:
         stats = self.forward_backward(input_, loss_fn, loss_weight_fn, extra_weight)
         with cpu_shim.device_mode(), self.train_clock.part("optimizer"):
             update_successful, grad_norm, _ = self.optimizer.step()
+            finish_param_gathers(self.model)  # the weights are the step's when this returns
         stats.update(grad_norm=float(grad_norm or 0.0), lr=self.current_lr, update_successful=float(update_successful))
         return stats
 

@@ -206,3 +206,15 @@ def build_optimizer_and_schedule(
             f"{cfg.warmup_steps_proportion} need ft_spec (total training steps)"
         )
     return optimizer, build_lr_scheduler(cfg, optimizer, total_steps or 1)
+
+
+def finish_param_gathers(chunks: list) -> None:
+    """Wait for the distributed optimizer's parameter all-gathers of the last step
+    (``megatron.overlap_param_gather``, which Megatron leaves to the next forward's hooks); collective.
+    Without it the weight sync, a checkpoint or the HF export right after a step read each rank's own shard
+    updated and every other one from the step before."""
+    for chunk in chunks:
+        config = getattr(chunk, "ddp_config", None)
+        if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
+            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                group.finish_param_sync(skip_next_bucket_dispatch=True)

@@ -30,17 +30,5 @@ class AdapterReference:
     def compute_logp(self, data: dict, temperature: float = 1.0, truncation: Truncation | None = None) -> torch.Tensor:
         """The reference's next-token logprobs ``[B, S]`` of ``data`` (as :meth:`MegatronEngine.compute_logp`;
         a MoE actor routes them itself, as a reference model does)."""
-        _settle_param_gathers(self.actor.model)
-        with lora.holding(self.initial):
+        with lora.holding(self.initial):  # the step's parameter all-gathers have landed (train_batch)
             return MegatronEngine.compute_logp(self.actor, data, temperature, truncation)
-
-
-def _settle_param_gathers(chunks: list) -> None:
-    """Wait for the distributed optimizer's overlapped parameter all-gathers still in flight
-    (``megatron.overlap_param_gather``): one landing during the reference's pass would overwrite the
-    adapters set for it (and be undone by their restoring after)."""
-    for chunk in chunks:
-        config = getattr(chunk, "ddp_config", None)
-        if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
-            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
-                group.finish_param_sync(skip_next_bucket_dispatch=True)

@@ -107,7 +107,10 @@ class MegatronConfig:
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduce with backward."""
     overlap_param_gather: bool = False
-    """Overlap the distributed optimizer's parameter all-gather with forward."""
+    """Dispatch the distributed optimizer's parameter all-gather asynchronously, bucket by bucket. megarl
+    waits for it at the end of each step: the weight sync, checkpoints and the HF export read every
+    parameter right after, so in an RL step it overlaps the buckets' all-gathers with each other, not
+    with the next forward as in pretraining."""
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "alltoall"
     """MoE token dispatcher; the CPU path forces ``allgather`` (gloo lacks what alltoall needs)."""
     moe_router_load_balancing_type: Literal["aux_loss", "none"] = "none"

@@ -177,15 +177,19 @@ def _full_model_footprint(lora_engine) -> dict:
     return _trainable_footprint(engine)
 
 
-def lora_reference_run(model_dir: str, alloc: str, batch: dict, targets: list[str] = DENSE, init_from=None) -> dict:
+def lora_reference_run(
+    model_dir: str, alloc: str, batch: dict, targets: list[str] = DENSE, init_from=None, overlap: bool = False
+) -> dict:
     """A LoRA actor's KL reference scored by its own model (``AdapterReference``): its logprobs before and after
-    an Adam step, the actor's own after the step, and whether the actor's adapters kept their bits."""
+    an Adam step, the actor's own after the step, and whether the actor's adapters kept their bits.
+    ``overlap``: the distributed optimizer with its overlapped reduce-scatter and all-gather."""
     from megarl.actor.engine import MegatronEngine
     from megarl.actor.reference import AdapterReference
     from megarl.models import lora
 
     settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets, init_from=init_from)
-    engine = _lora_engine(model_dir, alloc, settings, 2, False, False, sequence_parallel=True)
+    overlapped = {"overlap_grad_reduce": overlap, "overlap_param_gather": overlap}
+    engine = _lora_engine(model_dir, alloc, settings, 2, overlap, False, sequence_parallel=True, **overlapped)
     p = engine.parallel
     local = split_rows(batch, p.dp_rank, p.alloc.dp)
     reference = AdapterReference(engine)

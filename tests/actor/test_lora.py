@@ -354,18 +354,24 @@ def test_one_fused_adapter_refuses_a_peft_adapter_naming_the_way_out(llama_dir, 
 
 
 @pytest.mark.parametrize(
-    "alloc,start", [("d1p1t1", "peft-init"), ("d1p1t1", "init-from"), ("d1p1t2", "init-from")], ids=str
+    "alloc,start",
+    [("d1p1t1", "peft-init"), ("d1p1t1", "init-from"), ("d1p1t2", "init-from"), ("d2p1t1", "init-from-overlap")],
+    ids=str,
 )
 def test_a_lora_actor_scores_its_own_kl_reference(llama_dir, batch, trained_elsewhere, alloc, start):
     """Without a reference model the KL reference is the actor's initial weights, scored by the actor's model
     with the adapters it started from: the base model (HF) after PEFT's initialisation (B = 0), the base with
     the adapter it started from (HF ``peft``) after ``init_from``; before and after an Adam step, within 1e-4
-    of HF in fp32, while the actor's own logprobs have moved; the actor's adapters keep every bit."""
-    kwargs = {"targets": PEFT_TARGETS, "init_from": str(trained_elsewhere)} if start == "init-from" else {}
+    of HF in fp32, while the actor's own logprobs have moved; the actor's adapters keep every bit. Also with
+    the distributed optimizer's all-gather of the trained adapters overlapped with the next forward (the
+    reference's): it lands before the reference sets its adapters, not during its pass."""
+    kwargs = {"targets": PEFT_TARGETS, "init_from": str(trained_elsewhere)} if start != "peft-init" else {}
+    if start == "init-from-overlap":
+        kwargs["overlap"] = True
     target = "tests.actor.lora_workers:lora_reference_run"
     results = run_layout(alloc, target, model_dir=str(llama_dir), batch=batch, **kwargs)
     got = {key: dp_rows(results, key, batch["input_ids"].shape) for key in ("ref_before", "ref_after", "logp")}
-    want = _peft_logp(llama_dir, trained_elsewhere, batch, adapter=start == "init-from")
+    want = _peft_logp(llama_dir, trained_elsewhere, batch, adapter=start != "peft-init")
     assert (got["ref_before"] - want).abs().max() <= 1e-4
     assert (got["ref_after"] - want).abs().max() <= 1e-4
     moved = (got["logp"] - want).abs().max()
