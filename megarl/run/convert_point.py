@@ -21,10 +21,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from megarl.actor.checkpoint import holds_per_rank_optimizer, read_checkpoint_record
-from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
 from megarl.config import GRPOConfig
 from megarl.config.allocation import TrainingAllocation
+from megarl.run.components import build_critic
 from megarl.run.prelaunch import load_expr_config
 from megarl.run.recover import RecoverHandler
 
@@ -72,16 +72,13 @@ def convert(config: GRPOConfig) -> Path:
     """Load the newest recover point at its own layout and write it again with ``checkpoint_layout: any``;
     collective over the point's world size. Returns the point."""
     point = point_to_convert(config)
-    per_parameter = replace(config.actor.optimizer, checkpoint_layout="any")
-    actor = MegatronEngine(replace(config.actor, optimizer=per_parameter))
+    config = per_parameter(config)
+    actor = MegatronEngine(config.actor)
     parallel = actor.create_process_group(saved_allocation(point), seed=config.seed)
     actor.initialize(ft_spec=_LR_STEPS)
     engines = {"model": actor}
     if config.critic is not None and (point / "critic").is_dir():
-        critic_optimizer = replace(config.critic.optimizer, checkpoint_layout="any")
-        critic_config = replace(config.critic, path=config.critic.path or config.actor.path, optimizer=critic_optimizer)
-        engines["critic"] = MegatronCritic(critic_config)
-        engines["critic"].initialize(parallel=parallel, ft_spec=_LR_STEPS)
+        engines["critic"] = build_critic(config, parallel, _LR_STEPS)
     handler = RecoverHandler(replace(config.recover, mode="resume"), config.run_dir)
     try:
         info = handler.load(engines)
@@ -90,6 +87,15 @@ def convert(config: GRPOConfig) -> Path:
         for engine in engines.values():
             engine.destroy()
     return point
+
+
+def per_parameter(config: GRPOConfig) -> GRPOConfig:
+    """``config`` with the actor's and the critic's optimizer state written per parameter (``any``)."""
+    actor = replace(config.actor, optimizer=replace(config.actor.optimizer, checkpoint_layout="any"))
+    critic = config.critic
+    if critic is not None and critic.optimizer is not None:
+        critic = replace(critic, optimizer=replace(critic.optimizer, checkpoint_layout="any"))
+    return replace(config, actor=actor, critic=critic)
 
 
 def main(argv: list[str] | None = None) -> int:
