@@ -69,7 +69,14 @@ def random_peft_adapter(
 
 
 def _lora_engine(
-    model_dir: str, alloc: str, lora: LoRAConfig, n_mbs: int, distributed: bool, recompute: bool, **megatron
+    model_dir: str,
+    alloc: str,
+    lora: LoRAConfig,
+    n_mbs: int,
+    distributed: bool,
+    recompute: bool,
+    layout: str = "any",  # the checkpoint tests load at another TP size
+    **megatron,
 ):
     from megarl.actor.engine import MegatronEngine
 
@@ -78,7 +85,7 @@ def _lora_engine(
         weight_decay=0.0,
         gradient_clipping=0.0,
         use_distributed_optimizer=distributed,
-        checkpoint_layout="any",  # the checkpoint tests load at another TP size
+        checkpoint_layout=layout,
     )
     cfg = engine_config(model_dir, optimizer=optimizer, n_mbs=n_mbs, **megatron)
     cfg.lora = lora

@@ -13,7 +13,7 @@ import pytest
 from megarl.utils.network import find_free_ports
 from tests.actor.dist_utils import run_ranks
 from tests.launcher.test_slurm_e2e import CPU_YAML, OFFLINE, ROOT, job_env
-from tests.run.test_convert_point import RUN, _overrides
+from tests.run.test_convert_point import CRITIC, RUN, _overrides
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
 
@@ -26,7 +26,10 @@ def test_the_conversion_job_rewrites_the_point(cluster, tiny_model_dir, tmp_path
     model = str(tiny_model_dir("llama"))
     run_dir = tmp_path.joinpath(*RUN)
     run_ranks(2, "tests.run.test_convert_point:dump_with_state", model_dir=model, run_dir=str(run_dir), alloc="d1p2t1")
-    overrides = [*_overrides(tmp_path, model, "d2p1t1"), *(f"launcher.env.{k}={v}" for k, v in OFFLINE.items())]
+    overrides = [
+        *_overrides(tmp_path, model, "d2p1t1", *CRITIC),
+        *(f"launcher.env.{k}={v}" for k, v in OFFLINE.items()),
+    ]
     with pytest.raises(ConfigError, match=r"per-rank shards"):
         load_expr_config(["--config", str(CPU_YAML), *overrides, "recover.mode=resume"], GRPOConfig)
 

@@ -1,6 +1,7 @@
 """``megarl convert-point``: a recover point whose optimizer state was written per rank (``data_parallel``,
-refused at another pipeline size) is rewritten per parameter, and then resumes at another layout with
-the same weights and Adam moments of the actor and PPO's critic, every one bit for bit."""
+refused at another pipeline or tensor-parallel size) is rewritten per parameter, and then resumes at
+another layout with the same weights and Adam moments (the actor's and PPO's critic's; a LoRA actor's
+adapters'), every one bit for bit, and the same learning rate."""
 
 from __future__ import annotations
 
@@ -76,54 +77,121 @@ def load_at(model_dir: str, run_dir: str, alloc: str) -> dict:
     }
 
 
-def _overrides(tmp_path, model: str, trainer: str) -> list[str]:
+def _adapter_state(engine) -> dict:
+    """A LoRA actor's adapters and their Adam moments, whole (canonical names), and its learning rate."""
+    from megarl.models import lora
+    from tests.actor.workers import OPTIMIZER_STATE_KEYS, optimizer_state_per_param
+
+    per_param = optimizer_state_per_param(engine)
+    state = {
+        key: lora.gather_full(engine.model, engine.coords, value=lambda q, key=key: per_param[id(q)][key])
+        for key in OPTIMIZER_STATE_KEYS
+    }
+    return {"actor": state, "lr": engine.current_lr}
+
+
+def dump_lora(model_dir: str, run_dir: str, alloc: str) -> dict:
+    """A LoRA actor's step, then a recover point with per-rank optimizer shards, at ``alloc``."""
+    from pathlib import Path
+
+    from megarl.config.run import RecoverConfig
+    from megarl.config.train import LoRAConfig
+    from megarl.run.recover import RecoverHandler
+    from tests.actor.lora_workers import ALPHA, DENSE, RANK, _lora_engine
+    from tests.actor.workers import _step, make_batch
+    from tests.run.test_recover import info_at
+
+    settings = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=DENSE)
+    engine = _lora_engine(model_dir, alloc, settings, 2, True, False, layout="data_parallel")
+    _step(engine, make_batch([7, 12, 5, 9]))
+    RecoverHandler(RecoverConfig(mode="auto"), Path(run_dir)).maybe_dump(engine, info_at(0), force=True)
+    return _adapter_state(engine)
+
+
+def load_lora_at(model_dir: str, run_dir: str, alloc: str) -> dict:
+    """The LoRA actor's recover point loaded at ``alloc``: what :func:`dump_lora` returns, and the step."""
+    from pathlib import Path
+
+    from megarl.config.run import RecoverConfig
+    from megarl.config.train import LoRAConfig
+    from megarl.run.recover import RecoverHandler
+    from tests.actor.lora_workers import ALPHA, DENSE, RANK, _lora_engine
+
+    engine = _lora_engine(model_dir, alloc, LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=DENSE), 2, True, False)
+    info = RecoverHandler(RecoverConfig(mode="resume"), Path(run_dir)).load(engine)
+    return {**_adapter_state(engine), "step": info.global_step}
+
+
+def _convert(config: list[str]) -> str:
+    """``megarl convert-point`` with the run's ``config`` (files and overrides); its console."""
+    cmd = [sys.executable, "-m", "megarl.launcher.cli", "convert-point", *config]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _assert_same_state(written: dict, loaded: dict, models: tuple[str, ...]) -> None:
+    assert loaded["step"] == 0 and loaded["lr"] == written["lr"]  # the point's schedule, not the converter's config's
+    for model in models:
+        for key, tensors in written[model].items():
+            assert tensors.keys() == loaded[model][key].keys()
+            for name, tensor in tensors.items():
+                assert torch.equal(tensor, loaded[model][key][name]), f"the {model}'s {key} of {name} changed"
+
+
+CRITIC = ["algorithm.adv_estimator=gae", "critic={}", "critic.dtype=float32"]
+LORA = [
+    "actor.lora.rank=4",
+    "actor.lora.alpha=8",
+    "actor.lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+]
+"""The overrides of the run whose point :func:`dump_lora` writes (``tests.actor.lora_workers``'s adapters)."""
+
+
+def _overrides(tmp_path, model: str, trainer: str, *more: str) -> list[str]:
     ranks = AllocationMode.from_str(f"vllm:d1t1+megatron:{trainer}").train.world_size
     return [
         f"cluster.fileroot={tmp_path}",
         f"actor.path={model}",
         "actor.dtype=float32",
-        "algorithm.adv_estimator=gae",
-        "critic={}",
-        "critic.dtype=float32",
         f"allocation_mode=vllm:d1t1+megatron:{trainer}",
         f"cluster.n_gpus_per_node={1 + ranks}",
+        *more,
     ]
 
 
 @pytest.mark.multiproc
-def test_a_per_rank_point_converted_resumes_at_another_pipeline_size(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "actor,written_at,more,refused",
+    [
+        ("full", "d1p2t1", CRITIC, r"\(pp 2 -> 1\)"),  # the actor and PPO's critic
+        ("lora", "d1p1t2", LORA, r"\(tp 2 -> 1\)"),  # a LoRA actor: its adapters' optimizer state
+    ],
+)
+def test_a_per_rank_point_converted_resumes_at_another_layout(
+    tiny_model_dir, tmp_path, actor, written_at, more, refused
+):
     from megarl.config.experiment import GRPOConfig
     from megarl.run.prelaunch import load_expr_config
     from megarl.utils.errors import ConfigError
 
     model = str(tiny_model_dir("llama"))
     run_dir = tmp_path.joinpath(*RUN)
-    written = run_ranks(
-        2, "tests.run.test_convert_point:dump_with_state", model_dir=model, run_dir=str(run_dir), alloc="d1p2t1"
-    )[0]
-    config = ["--config", "configs/gsm8k_grpo_cpu.yaml", *_overrides(tmp_path, model, "d2p1t1")]
-    with pytest.raises(ConfigError, match=r"per-rank shards .* layout differs \(pp 2 -> 1\)"):
-        load_expr_config([*config, "recover.mode=resume"], GRPOConfig)
+    dump, load = ("dump_with_state", "load_at") if actor == "full" else ("dump_lora", "load_lora_at")
+    worker = "tests.run.test_convert_point:"
+    written = run_ranks(2, worker + dump, model_dir=model, run_dir=str(run_dir), alloc=written_at)[0]
+    config = ["configs/gsm8k_grpo_cpu.yaml", *_overrides(tmp_path, model, "d2p1t1", *more)]
+    with pytest.raises(ConfigError, match=rf"per-rank shards .* layout differs {refused}"):
+        load_expr_config(["--config", *config, "recover.mode=resume"], GRPOConfig)
 
-    cmd = [sys.executable, "-m", "megarl.launcher.cli", "convert-point"]
-    done = subprocess.run([*cmd, *config[1:]], capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "now loads at any layout" in done.stdout and "on 2 ranks" in done.stdout
-    load_expr_config([*config, "recover.mode=resume"], GRPOConfig)  # the check passes now
-
-    loaded = run_ranks(
-        2, "tests.run.test_convert_point:load_at", model_dir=model, run_dir=str(run_dir), alloc="d2p1t1"
-    )[0]
-    assert loaded["step"] == 0 and loaded["lr"] == written["lr"]  # the point's schedule, not the converter's config's
-    for model in ("actor", "critic"):
-        for key, tensors in written[model].items():
-            assert tensors.keys() == loaded[model][key].keys()
-            for name, tensor in tensors.items():
-                assert torch.equal(tensor, loaded[model][key][name]), f"the {model}'s {key} of {name} changed"
+    console = _convert(config)
+    assert "now loads at any layout" in console and "on 2 ranks" in console
+    load_expr_config(["--config", *config, "recover.mode=resume"], GRPOConfig)  # the check passes now
+    loaded = run_ranks(2, worker + load, model_dir=model, run_dir=str(run_dir), alloc="d2p1t1")[0]
+    _assert_same_state(written, loaded, ("actor", "critic") if actor == "full" else ("actor",))
     assert sorted(p.name for p in (run_dir / "recover").iterdir()) == ["step0"]  # rewritten in place
     manifest = (run_dir / "recover" / "step0" / "MANIFEST.json").stat().st_mtime_ns
-    again = subprocess.run([*cmd, *config[1:]], capture_output=True, text=True, timeout=600, check=False)
-    assert again.returncode == 0 and "already loads at any layout" in again.stdout, again.stdout + again.stderr
+    assert "already loads at any layout" in _convert(config)
     assert (run_dir / "recover" / "step0" / "MANIFEST.json").stat().st_mtime_ns == manifest, "written again"
 
 
