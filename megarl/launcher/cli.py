@@ -306,6 +306,7 @@ def _already_converted(point: Path, console: Console) -> bool:
 def _cmd_convert_point(args: argparse.Namespace, console: Console) -> int:
     import subprocess
 
+    from megarl.launcher.local import torchrun_command
     from megarl.run.convert_point import point_to_convert, saved_world_size
 
     args.overrides.append("recover.mode=disabled")  # the config check would refuse the very point this converts
@@ -314,31 +315,11 @@ def _cmd_convert_point(args: argparse.Namespace, console: Console) -> int:
     if _already_converted(point, console):
         return 0
     ranks = saved_world_size(point)
-    if config.device == "cuda":
-        import torch
-
-        if torch.cuda.device_count() < ranks:
-            raise ConfigError(
-                "allocation_mode",
-                f"recover point {point} was written by {ranks} ranks and this machine has "
-                f"{torch.cuda.device_count()} GPUs: run `python -m megarl.run.convert_point --config FILE` on "
-                f"{ranks} ranks under your cluster's launcher (srun torchrun ...)",
-            )
+    _require_devices(config, point, ranks)
     config_file = save_config(config, config.run_dir / "convert_point.yaml").resolve()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={ranks}",
-        f"--log-dir={config.run_dir / 'logs' / 'torchrun'}",
-        "-m",
-        "megarl.run.convert_point",
-        "--config",
-        str(config_file),
-    ]
     console.print(f"megarl convert-point: rewriting {point} on {ranks} ranks", markup=False, highlight=False)
-    if subprocess.run(cmd, check=False).returncode != 0:
+    command = torchrun_command(config, ranks, ["-m", "megarl.run.convert_point", "--config", str(config_file)])
+    if subprocess.run(command, check=False).returncode != 0:
         console.print(f"megarl convert-point: failed; {point} is as it was", markup=False, highlight=False)
         return 1
     console.print(
@@ -349,6 +330,21 @@ def _cmd_convert_point(args: argparse.Namespace, console: Console) -> int:
         highlight=False,
     )
     return 0
+
+
+def _require_devices(config: GRPOConfig, point: Path, ranks: int) -> None:
+    """On GPUs, a GPU for each of the ``ranks`` that wrote ``point`` on this machine."""
+    if config.device != "cuda":
+        return
+    import torch
+
+    if torch.cuda.device_count() < ranks:
+        raise ConfigError(
+            "allocation_mode",
+            f"recover point {point} was written by {ranks} ranks and this machine has {torch.cuda.device_count()} "
+            f"GPUs: submit the conversion with `megarl slurm --convert-point`, or run `python -m "
+            f"megarl.run.convert_point --config FILE` on {ranks} ranks under your cluster's launcher",
+        )
 
 
 CONFIG_ARGS_HELP = "CONFIG.yaml files (an experiment, then e.g. a parallel preset), then key.path=value overrides"

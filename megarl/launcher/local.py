@@ -185,16 +185,20 @@ def trainer_command(config: GRPOConfig, config_file: Path, plan: Placement) -> l
     """
     entry = config.launcher.trainer_entry
     target = [entry] if entry.endswith(".py") else ["-m", entry]
+    return torchrun_command(config, plan.trainer_procs_per_node, [*target, "--config", str(config_file)])
+
+
+def torchrun_command(config: GRPOConfig, procs: int, target: list[str]) -> list[str]:
+    """``torchrun --standalone`` of ``target`` (a script or ``-m module``, and its arguments) on ``procs``
+    ranks of this node, its directory under the run (see :func:`trainer_command`)."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc-per-node={plan.trainer_procs_per_node}",
+        f"--nproc-per-node={procs}",
         f"--log-dir={config.run_dir / 'logs' / 'torchrun'}",
         *target,
-        "--config",
-        str(config_file),
     ]
 
 
