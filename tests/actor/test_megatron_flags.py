@@ -1,7 +1,8 @@
 """The Megatron settings the GPU presets turn on, each run on CPU (gloo) against the same steps without it:
 the distributed optimizer's overlapped gradient reduce-scatter and parameter all-gather
 (``actor.megatron.overlap_grad_reduce``, ``overlap_param_gather``: the dense 7B presets) and selective
-activation recompute (``recompute_granularity: selective``: the 8-GPU 7B and the MoE presets). Each must
+activation recompute (``recompute_granularity: selective``: the 8-GPU 7B and the MoE presets, the latter
+with experts over expert parallelism). Each must
 give the same losses, logprobs and weights, bit for bit; the weights as the weight sync, a checkpoint or
 the HF export read them right after the step."""
 
@@ -45,14 +46,21 @@ def flagged_steps(model_dir: str, alloc: str, batches: list, megatron: dict) -> 
 
 
 @pytest.mark.parametrize(
-    "alloc,megatron",
-    [("d2p1t1", OVERLAP), ("d2p2t1", OVERLAP), ("d2p1t2", OVERLAP), ("d2p1t1", SELECTIVE), ("d1p1t2", SELECTIVE)],
+    "family,alloc,megatron",
+    [
+        ("llama", "d2p1t1", OVERLAP),
+        ("llama", "d2p2t1", OVERLAP),
+        ("llama", "d2p1t2", OVERLAP),
+        ("llama", "d2p1t1", SELECTIVE),
+        ("llama", "d1p1t2", SELECTIVE),
+        ("qwen3_moe", "d1p1t2e2et1", SELECTIVE),  # as the MoE presets: experts over EP, attention over TP
+    ],
     ids=lambda v: v if isinstance(v, str) else "+".join(v),
 )
-def test_a_presets_setting_changes_nothing(tiny_model_dir, alloc, megatron):
+def test_a_presets_setting_changes_nothing(tiny_model_dir, family, alloc, megatron):
     from tests.actor.workers import make_batch
 
-    model = str(tiny_model_dir("llama"))
+    model = str(tiny_model_dir(family))
     batches = [make_batch([7, 12, 5, 9], seed=s) for s in range(3)]
     ranks = AllocationMode.from_str(f"megatron:{alloc}").train.world_size
     target = "tests.actor.test_megatron_flags:flagged_steps"
