@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
@@ -446,6 +447,7 @@ def close(t: Trainer) -> None:
         t.critic.destroy()
 
 
+@record  # a failed rank's exception in torchrun's report and in {run_dir}/logs/torchrun/.../error.json
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     config, rest = load_expr_config(sys.argv[1:] if argv is None else argv, GRPOConfig)

@@ -52,3 +52,21 @@ def test_the_console_tail_is_the_failed_ranks_exception(tmp_path):
     plain = tmp_path / "plain.log"
     plain.write_text("\n".join(f"line {i}" for i in range(30)))
     assert _tail(plain) == "\n".join(f"line {i}" for i in range(10, 30))  # no failure report: the last lines
+
+
+def test_a_failed_trainer_rank_leaves_its_error_with_the_run(tmp_path):
+    """megarl's trainer records its exception for torchrun: the report at the end of the log names it with its
+    traceback (on a cluster, which rank failed first), and its error file stays under the run's logs."""
+    config = build_config(GRPOConfig, [CPU_YAML], [f"cluster.fileroot={tmp_path / 'runs'}"])
+    plan = check_local(config)
+    cmd = trainer_command(config, tmp_path / "missing.yaml", plan)  # the trainer cannot read its config
+    log = tmp_path / "trainer.log"
+    with open(log, "wb") as out:
+        run = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=trainer_env(config, plan, []), timeout=300)
+    assert run.returncode == 1, log.read_text()[-3000:]
+    report = log.read_text().split("ChildFailedError", 1)[-1]
+    assert "missing.yaml" in report and "traceback : Traceback" in report, report[-3000:]
+    (error_file,) = (config.run_dir / "logs" / "torchrun").rglob("error.json")
+    assert "missing.yaml" in error_file.read_text()
+    tail = _tail(log)  # the console still shows the rank's own exception, not the report
+    assert "missing.yaml" in tail and "ChildFailedError" not in tail and "error_file" not in tail, tail
