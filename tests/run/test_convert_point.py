@@ -167,6 +167,7 @@ def _overrides(tmp_path, model: str, trainer: str, *more: str) -> list[str]:
         ("full", "d1p2t1", CRITIC, r"\(pp 2 -> 1\)"),  # the actor and PPO's critic
         ("lora", "d1p1t2", LORA, r"\(tp 2 -> 1\)"),  # a LoRA actor: its adapters' optimizer state
     ],
+    ids=["actor-and-critic", "lora-actor"],
 )
 def test_a_per_rank_point_converted_resumes_at_another_layout(
     tiny_model_dir, tmp_path, actor, written_at, more, refused
