@@ -208,17 +208,15 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
     from megarl.launcher.slurm import render_convert_sbatch, render_sbatch, submit
 
     if args.convert_point:
-        args.overrides.append("recover.mode=disabled")  # the config check would refuse the point this converts
-    config = _load(args)
-    if args.convert_point:
-        from megarl.run.convert_point import point_to_convert, saved_world_size
+        from megarl.run.convert_point import saved_world_size
 
-        point = point_to_convert(config)
-        if _already_converted(point, console):
+        config, point = _point_to_convert(args, console)
+        if point is None:
             return 0
-        config_file = (config.run_dir / "convert_point.yaml").resolve()
+        config_file = (config.run_dir / CONVERT_CONFIG).resolve()
         script = render_convert_sbatch(config, config_file, saved_world_size(point))
     else:
+        config = _load(args)
         config_file = (config.run_dir / "config.yaml").resolve()
         script = render_sbatch(config, config_file, requeue=args.requeue)
     if args.dry_run:
@@ -289,34 +287,40 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         close_log_file()
 
 
-def _already_converted(point: Path, console: Console) -> bool:
-    """Whether ``point`` loads at any layout already (nothing to convert), said on the console."""
-    from megarl.run.convert_point import needs_conversion
+CONVERT_CONFIG = "convert_point.yaml"
+"""The config a recover point's conversion reads, in the run directory (``convert-point``, ``slurm --convert-point``)."""
 
+
+def _point_to_convert(args: argparse.Namespace, console: Console) -> tuple[GRPOConfig, Path | None]:
+    """The run's config and its newest recover point; None for a point that loads at any layout already
+    (said on the console: nothing to convert)."""
+    from megarl.run.convert_point import needs_conversion, point_to_convert
+
+    args.overrides.append("recover.mode=disabled")  # the config check would refuse the very point this converts
+    config = _load(args)
+    point = point_to_convert(config)
     if needs_conversion(point):
-        return False
+        return config, point
     console.print(
         f"megarl convert-point: {point} already loads at any layout (no optimizer state as per-rank shards)",
         markup=False,
         highlight=False,
     )
-    return True
+    return config, None
 
 
 def _cmd_convert_point(args: argparse.Namespace, console: Console) -> int:
     import subprocess
 
     from megarl.launcher.local import torchrun_command
-    from megarl.run.convert_point import point_to_convert, saved_world_size
+    from megarl.run.convert_point import saved_world_size
 
-    args.overrides.append("recover.mode=disabled")  # the config check would refuse the very point this converts
-    config = _load(args)
-    point = point_to_convert(config)
-    if _already_converted(point, console):
+    config, point = _point_to_convert(args, console)
+    if point is None:
         return 0
     ranks = saved_world_size(point)
     _require_devices(config, point, ranks)
-    config_file = save_config(config, config.run_dir / "convert_point.yaml").resolve()
+    config_file = save_config(config, config.run_dir / CONVERT_CONFIG).resolve()
     console.print(f"megarl convert-point: rewriting {point} on {ranks} ranks", markup=False, highlight=False)
     command = torchrun_command(config, ranks, ["-m", "megarl.run.convert_point", "--config", str(config_file)])
     if subprocess.run(command, check=False).returncode != 0:

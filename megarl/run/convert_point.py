@@ -14,7 +14,6 @@ launcher (one process per rank, ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` set 
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import replace
@@ -26,7 +25,7 @@ from megarl.config import GRPOConfig
 from megarl.config.allocation import TrainingAllocation
 from megarl.run.components import build_critic
 from megarl.run.prelaunch import load_expr_config
-from megarl.run.recover import RecoverHandler
+from megarl.run.recover import RecoverHandler, saved_layout
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +35,16 @@ _LR_STEPS = 1_000_000
 
 def point_to_convert(config: GRPOConfig) -> Path:
     """The newest complete recover point of ``config``'s run; FileNotFoundError naming the run without one."""
-    handler = RecoverHandler(replace(config.recover, mode="resume"), config.run_dir)
+    handler = _handler(config)
     point = handler.latest()
     if point is None:
         raise FileNotFoundError(f"{handler.root} holds no complete recover point to convert")
     return point
+
+
+def _handler(config: GRPOConfig) -> RecoverHandler:
+    """The run's recover points, read (and written) whatever ``recover.mode`` the config says."""
+    return RecoverHandler(replace(config.recover, mode="resume"), config.run_dir)
 
 
 def needs_conversion(point: Path) -> bool:
@@ -50,22 +54,16 @@ def needs_conversion(point: Path) -> bool:
 
 
 def saved_allocation(point: Path) -> TrainingAllocation:
-    """The parallel layout that wrote ``point`` (its ``layout.json``)."""
-    saved = {"cp": 1, **json.loads((point / "layout.json").read_text())}
+    """The parallel layout that wrote ``point``."""
+    s = saved_layout(point)
     return TrainingAllocation(
-        dp=saved["dp"],
-        pp=saved["pp"],
-        tp=saved["tp"],
-        ep=saved["ep"],
-        etp=saved["expert_tp"],
-        vpp=saved["vpp"],
-        cp=saved["cp"],
+        dp=s["dp"], pp=s["pp"], tp=s["tp"], ep=s["ep"], etp=s["expert_tp"], vpp=s["vpp"], cp=s["cp"]
     )
 
 
 def saved_world_size(point: Path) -> int:
     """How many ranks wrote ``point``: the converter runs on as many."""
-    return int(json.loads((point / "layout.json").read_text())["world_size"])
+    return int(saved_layout(point)["world_size"])
 
 
 def convert(config: GRPOConfig) -> Path:
@@ -79,7 +77,7 @@ def convert(config: GRPOConfig) -> Path:
     engines = {"model": actor}
     if config.critic is not None and (point / "critic").is_dir():
         engines["critic"] = build_critic(config, parallel, _LR_STEPS)
-    handler = RecoverHandler(replace(config.recover, mode="resume"), config.run_dir)
+    handler = _handler(config)
     try:
         info = handler.load(engines)
         handler.rewrite(engines, info)
@@ -105,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     config, rest = load_expr_config(args, GRPOConfig)
     if rest:
         raise SystemExit(f"megarl.run.convert_point: unexpected arguments {rest}; overrides are key.path=value")
-    point = convert(replace(config, recover=replace(config.recover, mode="resume")))
+    point = convert(config)
     logger.info("recover point %s rewritten with optimizer.checkpoint_layout=any: it loads at any layout", point)
     return 0
 

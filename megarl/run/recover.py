@@ -87,6 +87,11 @@ class RecoverInfo:
     """Anything else the trainer wants back."""
 
 
+def saved_layout(point: Path) -> dict:
+    """The trainer layout that wrote the recover point ``point`` (world size, dp and each model-parallel size)."""
+    return {"cp": 1, **json.loads((point / "layout.json").read_text())}  # points from before CP: 1
+
+
 def _layout(engine) -> dict:
     alloc = engine.parallel.alloc
     return {"world_size": engine.parallel.world_size, "dp": alloc.dp, **{k: getattr(alloc, k) for k in _MODEL_PARALLEL}}
@@ -220,7 +225,7 @@ class RecoverHandler:
         from megarl.actor.checkpoint import SaveLoadMeta
 
         engine = engines["model"]
-        saved = {"cp": 1, **json.loads((path / "layout.json").read_text())}  # points from before CP: 1
+        saved = saved_layout(path)
         now = _layout(engine)
         for name, each in engines.items():
             if not (path / name).is_dir():
