@@ -49,6 +49,7 @@ from megarl.run.saver import (
     all_ranks_ok,
     barrier,
     due,
+    finish_interrupted_publish,
     incomplete_reason,
     named_engines,
     publish_dir,
@@ -187,6 +188,7 @@ class RecoverHandler:
 
     def latest(self) -> Path | None:
         """The newest complete recover point, or None; newer incomplete ones are skipped with a warning."""
+        finish_interrupted_publish(self.root)
         for path in self.points():
             reason = incomplete_reason(path)
             if reason is None:

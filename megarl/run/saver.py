@@ -177,6 +177,24 @@ def publish_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old)
 
 
+def finish_interrupted_publish(root: Path) -> None:
+    """Undo what a crash between :func:`publish_dir`'s two renames left in ``root``: a ``{name}.old``
+    (the complete older directory) without its ``{name}`` is put back, one beside its ``{name}`` is removed.
+
+    Safe on several ranks at once (on a shared file system each may find the other's rename done).
+    """
+    for old in root.glob("*.old") if root.is_dir() else ():
+        final = old.with_name(old.name.removesuffix(".old"))
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            continue
+        try:
+            old.rename(final)
+        except FileNotFoundError:  # another rank put it back first
+            continue
+        logger.warning("%s was being replaced when the run stopped: the older %s is back in place", final, final.name)
+
+
 def incomplete_reason(path: Path) -> str | None:
     """Why the checkpoint directory ``path`` cannot be loaded (see :data:`MANIFEST`), or None."""
     try:
@@ -258,6 +276,7 @@ class Saver:
 
     def _prune(self) -> None:
         """Delete interrupted ``.tmp`` dirs and all but the ``keep_last`` newest checkpoints."""
+        finish_interrupted_publish(self.root)
         steps = {}
         for path in self.root.iterdir():
             match = re.fullmatch(r"globalstep(\d+)(\.tmp)?", path.name)

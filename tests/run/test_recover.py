@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import random
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -154,6 +155,22 @@ def test_crash_mid_dump_leaves_previous_point_and_next_dump_cleans_up(tmp_path):
     assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["step3", "step4"]
     dump(tmp_path, 5)  # keep_last=2
     assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["step4", "step5"]
+
+
+def test_a_crash_while_a_point_is_replaced_leaves_the_older_one_loadable(tmp_path, caplog):
+    """``megarl convert-point`` writes a point again in place: killed between moving the older one aside and
+    moving the new one in, the older one is found and put back (not lost behind a ``.old`` name)."""
+    dump(tmp_path, 3)
+    dump(tmp_path, 4)
+    root = tmp_path / "recover"
+    shutil.copytree(root / "step4", root / "step4.tmp")
+    (root / "step4").rename(root / "step4.old")  # publish_dir's first rename, then the crash
+    stub, info = load(tmp_path)
+    assert info.global_step == 4 and stub.loaded_from == str(root / "step4" / "model")
+    assert "step4 was being replaced when the run stopped" in caplog.text
+    shutil.copytree(root / "step4", root / "step4.old")  # a crash after the second rename
+    assert load(tmp_path)[1].global_step == 4
+    assert not (root / "step4.old").exists()
 
 
 @pytest.mark.parametrize(

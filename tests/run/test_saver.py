@@ -151,7 +151,10 @@ def test_saver_keeps_last_n_and_cleans_interrupted_writes(tmp_path):
     saver, engine = Saver(SaverConfig(freq_steps=1, keep_last=2), tmp_path), StubEngine()
     interrupted = tmp_path / "checkpoints" / "globalstep0.tmp" / "model"
     interrupted.mkdir(parents=True)  # a crash mid-save of step 0: redoing step 0 must not trip over it
-    run_steps(saver, engine, range(5))
+    (tmp_path / "checkpoints" / "globalstep3.old").mkdir()  # a crash while step 3 was written again: put back
+    run_steps(saver, engine, range(3))
+    assert (tmp_path / "checkpoints" / "globalstep3").is_dir()
+    run_steps(saver, engine, range(3, 5))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["globalstep3", "globalstep4"]
     assert not (tmp_path / "checkpoints" / "globalstep4" / "hf").exists()  # export_hf off
     newest = tmp_path / "checkpoints" / "globalstep4"
