@@ -130,14 +130,21 @@ def _patch_torch_cuda() -> None:
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` on CPU: the tensor is already there, but the alltoall
+    dispatcher's split sizes must still become the numpy arrays ``all_to_all_single`` takes as lists."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     # megatron-core 0.16.1 only defines this name when TransformerEngine imports.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
 
 
 def _one_rank_shortcut(collective):

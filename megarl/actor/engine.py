@@ -127,7 +127,7 @@ class MegatronEngine:
             alloc,
             sequence_parallel=self.config.megatron.sequence_parallel,
             dtype=self.dtype,
-            moe_dispatcher=settings.moe_dispatcher(self.config),
+            moe_dispatcher=self.config.megatron.moe_token_dispatcher_type,
             moe_aux_loss_coeff=settings.moe_aux_loss_coeff(self.config),
             recompute=settings.recompute_granularity(self.config),
             perform_initialization=self.config.init_from_scratch,

@@ -50,12 +50,6 @@ def recompute_granularity(config: TrainEngineConfig) -> str:
     return "full" if config.gradient_checkpointing else config.megatron.recompute_granularity
 
 
-def moe_dispatcher(config: TrainEngineConfig) -> str:
-    """The MoE token dispatcher: the configured one on a GPU; ``allgather`` on CPU, since gloo lacks what
-    the alltoall dispatcher needs (``all_to_all_single`` with split sizes)."""
-    return config.megatron.moe_token_dispatcher_type if cpu_shim.cuda_available() else "allgather"
-
-
 def moe_aux_loss_coeff(config: TrainEngineConfig) -> float:
     """The load-balancing loss's weight: ``megatron.moe_aux_loss_coeff`` under ``aux_loss`` balancing, else 0."""
     megatron = config.megatron

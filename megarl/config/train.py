@@ -112,7 +112,8 @@ class MegatronConfig:
     parameter right after, so in an RL step it overlaps the buckets' all-gathers with each other, not
     with the next forward as in pretraining."""
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "alltoall"
-    """MoE token dispatcher; the CPU path forces ``allgather`` (gloo lacks what alltoall needs)."""
+    """MoE token dispatcher: ``alltoall`` sends each token to its experts' ranks only; ``allgather`` gathers
+    every token on every expert-parallel rank (fewer, larger collectives). Both run on CPU (gloo) too."""
     moe_router_load_balancing_type: Literal["aux_loss", "none"] = "none"
     """Router load-balancing loss during RL (usually off): ``aux_loss`` adds Megatron's auxiliary loss,
     weighted by ``moe_aux_loss_coeff``, to the gradient of the routers."""

@@ -123,7 +123,7 @@ def transformer_config(
     *,
     sequence_parallel: bool = False,
     dtype: str = "bfloat16",
-    moe_dispatcher: str = "allgather",
+    moe_dispatcher: str = "alltoall",
     moe_aux_loss_coeff: float = 0.0,
     recompute: str = "none",
     use_cpu_initialization: bool = True,

@@ -144,10 +144,29 @@ def test_llama_layout_matches_single_rank(llama_dir, llama_ref, batch, alloc):
     _assert_matches(_run(llama_dir, alloc, batch, n_mbs=2), llama_ref)
 
 
-# EP2 alone runs with the slow tests: d1p1t2e2et1 has the same two expert ranks, with TP2 and sequence parallelism
-@pytest.mark.parametrize("alloc", [pytest.param("d2p1t1e2", marks=pytest.mark.slow), "d1p1t2e2et1", "d1p1t1e2c2"])
-def test_moe_layout_matches_single_rank(moe_dir, moe_ref, batch, alloc):
-    _assert_matches(_run(moe_dir, alloc, batch, n_mbs=2), moe_ref)
+# EP2 alone runs with the slow tests: d1p1t2e2et1 has the same two expert ranks, with TP2 and sequence parallelism.
+# d2p1t2e2et1 holds two copies of each expert (expert data parallel 2; the 256-GPU preset has eight), whose
+# gradients and Adam state the distributed optimizer shards over the two.
+@pytest.mark.parametrize(
+    "alloc,dispatcher,distributed_optimizer",
+    [
+        pytest.param("d2p1t1e2", "alltoall", False, marks=pytest.mark.slow),
+        ("d1p1t2e2et1", "alltoall", False),
+        ("d1p1t2e2et1", "allgather", False),
+        ("d1p1t1e2c2", "alltoall", False),
+        ("d2p1t2e2et1", "alltoall", True),
+    ],
+)
+def test_moe_layout_matches_single_rank(moe_dir, moe_ref, batch, alloc, dispatcher, distributed_optimizer):
+    run = _run(
+        moe_dir,
+        alloc,
+        batch,
+        n_mbs=2,
+        moe_token_dispatcher_type=dispatcher,
+        distributed_optimizer=distributed_optimizer,
+    )
+    _assert_matches(run, moe_ref)
 
 
 def _hf_logp(model_dir, batch) -> torch.Tensor:
