@@ -284,7 +284,8 @@ _TORCHRUN_LOG = re.compile(r"[EWI]\d{4} \d")
 
 def _tail(path: Path, lines: int = 20) -> str:
     """The end of the trainer's log for the console: its last ``lines`` lines, or, when torchrun's report of
-    a failed rank ends it (which says nothing of why), the end of the rank's own traceback before it."""
+    a failed rank ends it (which says nothing of why), the end of the rank's own traceback before it (its
+    ``[rankN]:`` lines where torch marks them: what other processes print meanwhile is left out)."""
     with open(path, "rb") as f:
         f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
         text = f.read().decode(errors="replace").splitlines()
@@ -297,7 +298,8 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "\n".join(text[-lines:])
     block = rank[-1]
     end = next((i for i, line in enumerate(block) if _TORCHRUN_LOG.match(line)), len(block))
-    return "\n".join([*block[:end][-lines:], "(torchrun's report of the failed rank follows in the log)"])
+    block = [line for line in block[:end] if _RANK_PREFIX.match(line)] or block[:end]
+    return "\n".join([*block[-lines:], "(torchrun's report of the failed rank follows in the log)"])
 
 
 def _run_trainer_once(

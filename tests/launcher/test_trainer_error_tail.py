@@ -15,12 +15,20 @@ CPU_YAML = str(Path(__file__).resolve().parents[2] / "configs" / "gsm8k_grpo_cpu
 
 FAILING = textwrap.dedent(  # a rank of a process group: torch prints its exception as "[rank0]: ..." lines
     """
+    import atexit
+    import subprocess
+    import sys
+
     import torch.distributed as dist
 
     class ConsistencyError(RuntimeError):
         pass
 
     dist.init_process_group("gloo")
+    # A process the rank started writes to the log after the rank's traceback (as data-loader workers
+    # importing Megatron print its warnings), before torchrun's report.
+    noise = "import sys; [print(f'UserWarning: Apex is not installed ({i})', file=sys.stderr) for i in range(30)]"
+    atexit.register(subprocess.run, [sys.executable, "-c", noise])
 
     for line in range(40):
         print(f"step output {line}")
@@ -49,6 +57,7 @@ def test_the_console_tail_is_the_failed_ranks_exception(tmp_path):
     assert why in text and why not in "\n".join(text.splitlines()[-20:])  # torchrun's report ends the log
     tail = _tail(log)
     assert why in tail and "ChildFailedError" not in tail and "step output 39" not in tail, tail
+    assert "Apex is not installed (29)" in text and "Apex" not in tail, tail
     plain = tmp_path / "plain.log"
     plain.write_text("\n".join(f"line {i}" for i in range(30)))
     assert _tail(plain) == "\n".join(f"line {i}" for i in range(10, 30))  # no failure report: the last lines
