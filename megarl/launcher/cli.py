@@ -222,6 +222,8 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
     if args.dry_run:
         console.print(script, end="", markup=False, highlight=False)
         return 0
+    if not args.convert_point:
+        _keep_earlier_run(config, console)
     save_config(config, config_file)
     (config.run_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch --output does not create it
     path = (
@@ -271,6 +273,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
             console.print(f"megarl: {line}", markup=False, highlight=False)
         console.print("megarl run --check: the config checks out; nothing was started", markup=False)
         return 0
+    _keep_earlier_run(config, console)
     log_file = config.run_dir / "logs" / "launcher.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     setup_logging("INFO", log_file=str(log_file), console_level="INFO" if config.launcher.verbose else "WARNING")
@@ -285,6 +288,14 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         return 130
     finally:
         close_log_file()
+
+
+def _keep_earlier_run(config: GRPOConfig, console: Console) -> None:
+    from megarl.run.earlier_run import keep_earlier_run
+
+    moved = keep_earlier_run(config)
+    if moved:
+        console.print(f"megarl: {moved}", markup=False, highlight=False)
 
 
 CONVERT_CONFIG = "convert_point.yaml"
