@@ -99,6 +99,13 @@ TESTED: list[tuple[str, str, str]] = [
     ),
     ("MPI rank discovery", "tests/launcher/test_mpi.py", "MPICH's `mpiexec` on one machine"),
     (
+        "MoE token dispatchers, expert data parallel",
+        "tests/actor/test_parity.py",
+        "gloo trainer ranks on one machine: Megatron's `alltoall` and `allgather` dispatchers at EP2, and two "
+        "copies of each expert (`d2p1t2e2et1`) with the distributed optimizer, against the one-rank model; "
+        "NCCL's all-to-all not run",
+    ),
+    (
         "Context parallel",
         "tests/actor/test_parity.py",
         "gloo trainer ranks on one machine, megarl's attention (keys and values all-gathered); "

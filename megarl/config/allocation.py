@@ -102,6 +102,13 @@ class TrainingAllocation:
         """Expert data parallel size (ranks holding identical expert shards)."""
         return self.dp * self.tp * self.cp // (self.ep * self.expert_tp)
 
+    # AReaL's ParallelStrategy names (``allocation_mode.train.dp_size`` in its tutorials)
+    dp_size = property(lambda self: self.dp, doc="``dp``, by AReaL's name.")
+    tp_size = property(lambda self: self.tp, doc="``tp``, by AReaL's name.")
+    pp_size = property(lambda self: self.pp, doc="``pp``, by AReaL's name.")
+    cp_size = property(lambda self: self.cp, doc="``cp``, by AReaL's name.")
+    ep_size = property(lambda self: self.ep, doc="``ep``, by AReaL's name.")
+
     @property
     def dense_replicas(self) -> int:
         """Ranks holding identical copies of each dense (non-expert) shard: ``dp * cp``."""

@@ -48,7 +48,7 @@ def check_batching(config: GRPOConfig, alloc: AllocationMode) -> None:
         config.actor.group_size,
         f"must equal gconfig.n_samples={n}"
         + (f" x workflow.group_size={g} = {n * g}" if g > 1 else "")
-        + " (write `group_size: ${gconfig.n_samples}`)",
+        + (f" (write `group_size: {n * g}`)" if g > 1 else " (write `group_size: ${gconfig.n_samples}`)"),
     )
 
 

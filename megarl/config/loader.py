@@ -43,6 +43,7 @@ AREAL_ALIASES: dict[str, str] = {
     "rollout.fileroot": "cluster.fileroot",
     "rollout.tokenizer_path": "tokenizer_path",
     "rollout.group_size": "workflow.group_size",
+    "rollout.max_head_offpolicyness": "rollout.max_staleness",
 }
 """AReaL key -> megarl key of the same meaning, so that an AReaL YAML or command line loads.
 
@@ -186,6 +187,8 @@ def _merge_layers(schema, layers: list[tuple[str, Any]]):
 
 def _load_yaml(path: str):
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError("", f"config file {path!r} is a directory; expected a YAML file")
     if not file.is_file():
         raise ConfigError("", f"config file {path!r} does not exist")
     try:
@@ -200,6 +203,7 @@ def _load_yaml(path: str):
 def _dotlist(overrides: list[str]):
     layers = []
     for arg in overrides:
+        arg = arg.removeprefix("++").removeprefix("+")  # Hydra's "add the key" (AReaL's commands use it)
         key = arg.split("=", 1)[0]
         if not key or key.startswith(".") or key.endswith(".") or ".." in key:
             raise ConfigError(key, f"override {arg!r} is not of the form key.path=value")
@@ -286,6 +290,8 @@ def _merge(base, layer, source: str):
         expected = _expected(base, key) if key else None
         if named and expected == "a single value":  # a block that is null in ``base``: OmegaConf's words say
             expected = _shape_in(err) or expected
+        if named and OmegaConf.select(layer, key, default="") is None:  # `key=`, or `key:` with nothing after it
+            raise _empty_value(base, key, source) from None
         if key is None or (named and expected == "a single value"):
             # OmegaConf's own words name a scalar's value ("Value 'abc' of type 'str' could not be converted
             # to Integer"); a list or a mapping given the wrong shape gets ours, which names the value
@@ -294,6 +300,13 @@ def _merge(base, layer, source: str):
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value, resolve=False)
         raise ConfigError(key, f"{value!r} is invalid: expected {expected} (in {source})") from None
+
+
+def _empty_value(base, key: str, source: str) -> ConfigError:
+    """``key`` given no value (null), which it does not take: say so, and what it takes."""
+    current = OmegaConf.select(base, key, default=None)
+    kind = f" of type {type(current).__name__}" if current is not None else ""
+    return ConfigError(key, f"the value is empty (null); expected a value{kind} (in {source})")
 
 
 def _failing_key(base, layer, prefix: str = "") -> str | None:

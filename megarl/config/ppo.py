@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from megarl.config.base import require
 from megarl.config.train import OptimizerConfig, TrainEngineConfig
+from megarl.utils.plugins import builtin_or_plugin_problem
 
 LOSS_PRESETS: dict[str, dict] = {
     "ppo": {},
@@ -227,6 +228,8 @@ class PPOActorConfig(TrainEngineConfig):
         super().check()
         require(self.ppo_n_minibatches >= 1, "ppo_n_minibatches", self.ppo_n_minibatches, "must be >= 1")
         require(self.ppo_n_epochs >= 1, "ppo_n_epochs", self.ppo_n_epochs, "must be >= 1")
+        problem = builtin_or_plugin_problem(self.loss, BUILTIN_LOSSES, "loss")
+        require(problem is None, "loss", self.loss, problem)
         require(
             self.loss not in BUILTIN_LOSSES or not self.loss_kwargs,
             "loss_kwargs",

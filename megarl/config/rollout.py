@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from megarl.api.io_struct import GenerationHyperparameters  # noqa: F401 - the schema of `gconfig`, defined with the requests
 from megarl.config.base import require
+from megarl.utils.plugins import builtin_or_plugin_problem
 
 
 @dataclass
@@ -189,6 +190,8 @@ WORKFLOW_SHORT_NAMES = {
     "multi_turn": "megarl.workflow.multi_turn.MultiTurnReflectionWorkflow",
 }
 """Built-in workflows by short name (``workflow.type``)."""
+CLASS_FORMS = "'package.module.Class' or 'path/to/file.py:Class'"
+"""The two spellings of a workflow class, for messages."""
 RUN_ARGUMENTS = ("reward_fn", "gconfig", "tokenizer", "max_context_len", "reward_config")
 """Constructor arguments the trainer fills in from the run when a workflow takes them and
 ``kwargs`` does not give them: the imported ``reward_fn``, ``gconfig`` (evaluation: greedy, one
@@ -266,9 +269,5 @@ class WorkflowConfig:
             self.type,
             "a grouped rollout is any workflow run several times per prompt: set group_size: N instead",
         )
-        require(
-            "." in self.class_path,
-            "type",
-            self.type,
-            f"neither a built-in {sorted(WORKFLOW_SHORT_NAMES)} nor 'package.module.Class' or 'path/to/file.py:Class'",
-        )
+        problem = builtin_or_plugin_problem(self.type, WORKFLOW_SHORT_NAMES, "workflow", CLASS_FORMS)
+        require(problem is None, "type", self.type, problem)

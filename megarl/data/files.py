@@ -8,6 +8,7 @@ standard library and pyarrow (parquet) are used here: no torch, no ``datasets``.
 
 from __future__ import annotations
 
+import functools
 import json
 import types
 from collections.abc import Iterator
@@ -39,8 +40,8 @@ def first_rows(file: Path, n: int = _ROWS_CHECKED) -> list[Any]:
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        batches = pq.ParquetFile(file).iter_batches(batch_size=n)
-        return next(batches).to_pylist() if file.stat().st_size else []
+        batch = next(pq.ParquetFile(file).iter_batches(batch_size=n), None)  # None: a schema but no rows
+        return batch.to_pylist() if batch is not None else []
     if file.suffix == ".json":
         rows = _load_json(file)
         return rows[:n]
@@ -66,6 +67,23 @@ def jsonl_lines(file: Path) -> Iterator[tuple[int, Any, str | None]]:
             except (UnicodeDecodeError, ValueError) as err:
                 value, error = None, str(err)
             yield number, value, error
+
+
+def jsonl_row_line(file: str, index: int) -> int | None:
+    """The line of ``file`` holding its row ``index`` (0-based, counting its JSON objects as
+    ``megarl.data`` reads them); None when ``file`` is no ``.jsonl`` file (a parquet has no lines)."""
+    path = Path(file)
+    if path.suffix != ".jsonl" or not path.is_file():
+        return None
+    stat = path.stat()
+    lines = _object_lines(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    return lines[index] if 0 <= index < len(lines) else None
+
+
+@functools.lru_cache(maxsize=4)
+def _object_lines(file: str, mtime_ns: int, size: int) -> tuple[int, ...]:
+    """The line numbers of the JSON objects of ``file`` (its modification time and size key the cache)."""
+    return tuple(number for number, value, _ in jsonl_lines(Path(file)) if isinstance(value, dict))
 
 
 def count_rows(file: Path) -> int:

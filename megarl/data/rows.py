@@ -20,6 +20,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from megarl.data.files import jsonl_row_line
 from megarl.utils.errors import ConfigError
 from megarl.utils.plugins import FORMS, import_plugin, is_plugin_path, signature_problem
 
@@ -41,28 +42,36 @@ class DatasetRowError(ValueError):
     """A dataset row lacks a field its dataset type needs (or holds a bad value)."""
 
 
-def _require(row: Mapping[str, Any], key: str, index: int, source: str) -> Any:
+def _where(source: str, index: int) -> str:
+    """``source: row N``, and the file's line where it has lines (``row 14 (line 15)``: rows count from 0)."""
+    line = jsonl_row_line(source, index)
+    return f"{source}: row {index}" + (f" (line {line})" if line is not None else "")
+
+
+def _require(row: Mapping[str, Any], key: str, index: int, source: str, expected: str) -> Any:
     value = row.get(key)
+    if value is None and key in row:
+        raise DatasetRowError(f"{_where(source, index)}: {key!r} is null; expected {expected}")
     if value is None:
-        raise DatasetRowError(f"{source}: row {index} has no {key!r} field (keys present: {sorted(row)})")
+        raise DatasetRowError(f"{_where(source, index)} has no {key!r} field (keys present: {sorted(row)})")
     return value
 
 
 def _require_text(row: Mapping[str, Any], key: str, index: int, source: str) -> str:
-    value = _require(row, key, index, source)
+    value = _require(row, key, index, source, "non-empty text")
     if not isinstance(value, str) or not value.strip():
-        raise DatasetRowError(f"{source}: row {index}: {key!r} must be non-empty text, got {value!r:.80}")
+        raise DatasetRowError(f"{_where(source, index)}: {key!r} must be non-empty text, got {value!r:.80}")
     return value
 
 
 def _answer_text(row: Mapping[str, Any], index: int, source: str) -> str:
-    answer = _require(row, "answer", index, source)
+    answer = _require(row, "answer", index, source, "a non-empty string or number")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
         raise DatasetRowError(
-            f"{source}: row {index}: 'answer' must be a non-empty string or number, got {answer!r:.80}"
+            f"{_where(source, index)}: 'answer' must be a non-empty string or number, got {answer!r:.80}"
         )
     if isinstance(answer, float) and not math.isfinite(answer):
-        raise DatasetRowError(f"{source}: row {index}: 'answer' must be a finite number, got {answer!r}")
+        raise DatasetRowError(f"{_where(source, index)}: 'answer' must be a finite number, got {answer!r}")
     return str(answer)
 
 
@@ -90,7 +99,7 @@ def map_gsm8k_row(row: dict, index: int, source: str) -> dict:
     try:
         answer = gsm8k_final_answer(solution)
     except ValueError as exc:
-        raise DatasetRowError(f"{source}: row {index}: {exc}") from exc
+        raise DatasetRowError(f"{_where(source, index)}: {exc}") from exc
     rest = {k: v for k, v in row.items() if k != "question"}
     return {
         **rest,
@@ -107,21 +116,21 @@ def map_chat_row(row: dict, index: int, source: str) -> dict:
     if messages is None:
         if row.get("prompt") is None:
             raise DatasetRowError(
-                f"{source}: row {index} has neither 'messages' nor 'prompt' (keys present: {sorted(row)})"
+                f"{_where(source, index)} has neither 'messages' nor 'prompt' (keys present: {sorted(row)})"
             )
         messages = [{"role": "user", "content": _require_text(row, "prompt", index, source)}]
     if not isinstance(messages, list) or not messages or not all(_is_turn(m) for m in messages):
         raise DatasetRowError(
-            f"{source}: row {index}: 'messages' must be a non-empty list of "
+            f"{_where(source, index)}: 'messages' must be a non-empty list of "
             f"{{'role', 'content'}} dicts with text, got {messages!r:.200}"
         )
     unknown = next(((i, m["role"]) for i, m in enumerate(messages) if m["role"] not in CHAT_ROLES), None)
     if unknown is not None:
         raise DatasetRowError(
-            f"{source}: row {index}: message {unknown[0]} has role {unknown[1]!r}; a role is one of {list(CHAT_ROLES)}"
+            f"{_where(source, index)}: message {unknown[0]} has role {unknown[1]!r}; a role is one of {list(CHAT_ROLES)}"
         )
     if not any(m["content"].strip() for m in messages):
-        raise DatasetRowError(f"{source}: row {index}: every message of 'messages' is empty")
+        raise DatasetRowError(f"{_where(source, index)}: every message of 'messages' is empty")
     rest = {k: v for k, v in row.items() if k != "prompt"}  # the chat now; a 'prompt' column would reach the reward
     return {**rest, "messages": messages, "answer": answer}
 
@@ -158,7 +167,7 @@ def row_mapper(type: str, key: str = "type") -> RowMapper:
         clash = sorted(set(out) & set(REWARD_ARGUMENTS))
         if clash:
             raise DatasetRowError(
-                f"{source}: row {index} has column(s) {clash}, which a reward function receives as its own "
+                f"{_where(source, index)} has column(s) {clash}, which a reward function receives as its own "
                 f"arguments {list(REWARD_ARGUMENTS)}: rename them"
             )
         return out
@@ -183,11 +192,11 @@ def adapter_mapper(path: str, key: str = "type") -> RowMapper:
             out = fn(dict(row))
         except Exception as exc:  # noqa: BLE001 -- the user's code, on this row: name both
             raise DatasetRowError(
-                f"{source}: row {index}: row adapter {path} raised {type(exc).__name__}: {exc}"
+                f"{_where(source, index)}: row adapter {path} raised {type(exc).__name__}: {exc}"
             ) from exc
         if not isinstance(out, Mapping):
             raise DatasetRowError(
-                f"{source}: row {index}: row adapter {path} returned {type(out).__name__} {out!r:.80}, "
+                f"{_where(source, index)}: row adapter {path} returned {type(out).__name__} {out!r:.80}, "
                 "expected a dict with 'messages' (or 'prompt') and 'answer'"
             )
         try:

@@ -40,6 +40,8 @@ def _cmd_config(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_allocation(args: argparse.Namespace, console: Console) -> int:
+    if (args.nodes is None) != (args.gpus_per_node is None):
+        raise ValueError("--nodes and --gpus-per-node go together: give both to check the device count, or neither")
     alloc = AllocationMode.from_str(args.mode)
     model = None
     if args.model:
@@ -132,7 +134,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from megarl.launcher.serve import joined_index, serve, server_host
     from megarl.utils.network import find_free_ports
 
-    devices = [int(d) for d in args.devices.split(",")] if args.devices else []
+    devices = args.devices
     addr_file = Path(args.addr_file) if args.addr_file else None
     if args.join is None:
         if args.port is None:
@@ -362,6 +364,25 @@ def _require_devices(config: GRPOConfig, point: Path, ranks: int) -> None:
         )
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return value
+
+
+def _device_ids(text: str) -> list[int]:
+    """An argparse type: comma-separated device ids (``0,1``); ``""`` for none."""
+    ids = [part.strip() for part in text.split(",")] if text else []
+    if not all(part.isdecimal() for part in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated device ids, e.g. 0,1")
+    return [int(part) for part in ids]
+
+
 CONFIG_ARGS_HELP = "CONFIG.yaml files (an experiment, then e.g. a parallel preset), then key.path=value overrides"
 
 
@@ -381,14 +402,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     alloc = sub.add_parser("allocation", help="parse and check an allocation_mode string")
     alloc.add_argument("mode", help="e.g. vllm:d4t2+megatron:d2p2t2e2")
-    alloc.add_argument("--nodes", type=int, help="cluster nodes (with --gpus-per-node: check the device count)")
-    alloc.add_argument("--gpus-per-node", type=int, help="devices per node")
+    alloc.add_argument(
+        "--nodes", type=_positive_int, help="cluster nodes (with --gpus-per-node: check the device count)"
+    )
+    alloc.add_argument("--gpus-per-node", type=_positive_int, help="devices per node")
     alloc.add_argument("--model", help="HF model directory: check heads, layers and experts split evenly")
     alloc.set_defaults(func=_cmd_allocation)
 
     serve = sub.add_parser("serve", help="start one inference server of an experiment (used by the launchers)")
     serve.add_argument("--index", type=int, default=0, help="which server of the allocation's inference part")
-    serve.add_argument("--devices", default="", help="comma-separated device ids (GPUs, or CPU cores on CPU)")
+    serve.add_argument(
+        "--devices", type=_device_ids, default="", help="comma-separated device ids (GPUs, or CPU cores on CPU)"
+    )
     serve.add_argument("--port", type=int, help="port to listen on (with --join: a free one by default)")
     serve.add_argument("--addr-file", help="write host:port here once the server is healthy")
     serve.add_argument(
@@ -466,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--mode", help="predict this allocation_mode only (e.g. vllm:d48t2+megatron:d4p2t4)")
     plan.add_argument(
-        "--devices", type=int, help="rank the splits of this many devices (default: the config's cluster)"
+        "--devices", type=_positive_int, help="rank the splits of this many devices (default: the config's cluster)"
     )
     plan.add_argument(
         "--max-staleness", type=int, help="0: synchronous; >= 1: rollout overlaps training (default: the config's)"
@@ -475,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--gen-tokens", type=float, help="mean generated tokens per sample (default: the rates file's workload)"
     )
-    plan.add_argument("--top", type=int, default=10, help="how many splits to show")
+    plan.add_argument("--top", type=_positive_int, default=10, help="how many splits to show")
     _add_config_args(plan, "key.path=value overrides of the --config files")
     plan.set_defaults(func=_cmd_plan)
 

@@ -460,3 +460,9 @@ def startup_lines(config: GRPOConfig, plan: Placement) -> list[str]:
             idle, policy = "", "colocated: the servers sleep while it computes"
         lines.append(f"threads: {cores}; trainer {share} per rank{idle} ({policy})")
     return lines
+
+
+if __name__ == "__main__":  # AReaL's `python -m areal.launcher.local <script> --config <file> [key=value ...]`
+    from megarl.launcher import areal_command
+
+    areal_command.main("local")

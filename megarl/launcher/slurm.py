@@ -340,3 +340,9 @@ def submit(script: str, path: Path) -> str:
     if result.returncode != 0:
         raise RuntimeError(f"sbatch {path} failed ({result.returncode}): {result.stderr.strip()}")
     return result.stdout.strip().split(";")[0]
+
+
+if __name__ == "__main__":  # AReaL's `python -m areal.launcher.slurm <script> --config <file> [key=value ...]`
+    from megarl.launcher import areal_command
+
+    areal_command.main("slurm")

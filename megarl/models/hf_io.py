@@ -28,13 +28,12 @@ import torch.distributed as dist
 from megarl.models.build import ModelDesc
 from megarl.models.mapping import export_from_shards, load_shard
 from megarl.models.spec import canonical_name
+from megarl.models.weight_files import INDEX_NAME, WEIGHTS_NAME, weight_files
 
 logger = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT_RE = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -93,13 +92,8 @@ class SafetensorsReader:
         from safetensors import safe_open
 
         hf_dir = Path(hf_dir)
-        index = hf_dir / INDEX_NAME
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = [WEIGHTS_NAME]
         self._handles = {}
-        for file in files:
+        for file in weight_files(hf_dir):
             handle = safe_open(str(hf_dir / file), framework="pt")
             for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 self._handles[key] = handle

@@ -64,7 +64,7 @@ def call_reward(
             value = reward_fn(*args, **kwargs)
         except _RewardTimeout:
             return RewardFailure("timeout"), dict(call.logged)
-        except Exception as e:  # noqa: BLE001 -- the user's code: reported to the parent with its traceback
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- the user's code (sys.exit too): reported with its traceback
             trace = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
             return RewardFailure("raised", trace), dict(call.logged)
     return as_reward(value), dict(call.logged)

@@ -91,8 +91,14 @@ def _normalize(candidate: str) -> str | None:
     return _canonical_number(numbers[-1]) if numbers else None
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer stated in ``text``, normalised, or None when there is none."""
+def extract_answer(text: str, data_name: str | None = None, use_last_number: bool = True) -> str | None:
+    """The final answer stated in ``text``, normalised, or None when there is none.
+
+    A ``\\boxed{}``, a ``#### answer`` line or "the answer is ...", else (``use_last_number``) the last
+    number in the text. ``data_name`` is AReaL's (its parser's dataset-specific rules); megarl's one parser
+    serves every dataset, so calls written for AReaL (``extract_answer(text, "math", use_last_number=True)``)
+    run unchanged.
+    """
     if not text:
         return None
     text = text.translate(_MINUS_SIGNS)
@@ -105,7 +111,7 @@ def extract_answer(text: str) -> str | None:
             found = _normalize(matches[-1].splitlines()[0] if matches[-1] else "")
             if found is not None:
                 return found
-    numbers = _NUMBER_RE.findall(text)
+    numbers = _NUMBER_RE.findall(text) if use_last_number else []
     return _canonical_number(numbers[-1]) if numbers else None
 
 
@@ -121,12 +127,15 @@ def to_fraction(s: str) -> Fraction | None:
         return None
 
 
-def math_equal(pred: str, ref: str, timeout_seconds: int | None = 5) -> bool:
+def math_equal(pred: str, ref: str, timeout: bool = True, timeout_seconds: int | None = 5) -> bool:
     """Whether two extracted answers are mathematically equal.
 
     Plain numbers compare exactly; other forms go through math-verify with
     ``timeout_seconds`` (ignored off the main thread, where signals cannot be used).
+    ``timeout=False`` (AReaL's argument) compares without a time limit.
     """
+    if not timeout:
+        timeout_seconds = None
     a, b = to_fraction(pred), to_fraction(ref)
     if a is not None and b is not None:
         return a == b

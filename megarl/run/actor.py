@@ -79,10 +79,16 @@ class PPOActor(MegatronPPOActor):
         granularity: int | None = None,
         workflow=None,
         should_accept_fn: Callable[[dict], bool] | None = None,
+        should_accept: Callable[[dict], bool] | None = None,
     ) -> dict[str, Any]:
         """This rank's share of the next training batch (collective): the data-parallel heads gather
         ``dataloader.batch_size`` prompts' accepted trajectories, which are re-split across the trainer in
-        whole groups. ``granularity``: rows per group (default ``config.group_size``)."""
+        whole groups. ``granularity``: rows per group (default ``config.group_size``). ``should_accept``:
+        ``should_accept_fn`` by the name of AReaL's multi-turn notebook."""
+        if should_accept is not None:
+            if should_accept_fn is not None:
+                raise TypeError("prepare_batch takes should_accept_fn or should_accept (its older name), not both")
+            should_accept_fn = should_accept
         coordinator = self._connected().coordinator
         if granularity is not None and granularity != coordinator.granularity:
             coordinator = DistRolloutCoordinator(coordinator.rollout, coordinator.layout, granularity)

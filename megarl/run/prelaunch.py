@@ -44,6 +44,7 @@ from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row
 from megarl.models.families import check_layers_hold
 from megarl.models.names import MODEL_SHAPES, known_name, short_names
 from megarl.models.peft_files import check_adapter_start
+from megarl.models.weight_files import weights_problem
 from megarl.reward.call import TrainerState
 from megarl.reward.executor import call_reward
 from megarl.reward.failures import RewardFailure
@@ -179,6 +180,7 @@ def _check_models(config: GRPOConfig) -> None:
         problem = model_path_problem(path, config.cluster.n_nodes > 1)
         require(problem is None, key, path, problem or "")
         shape = read_model_shape(path, key)
+        _check_model_files(config, key, Path(path).expanduser())
         if shape is not None and shape.vocab_size and key == "actor.path":
             too_big = [i for i in config.gconfig.stop_token_ids if i >= shape.vocab_size]
             require(
@@ -200,6 +202,17 @@ def _check_models(config: GRPOConfig) -> None:
                 validate_model(alloc, shape)
             except AllocationError as err:
                 raise ConfigError("allocation_mode", f"{err} (model {path})", related=(key,)) from None
+
+
+def _check_model_files(config: GRPOConfig, key: str, local: Path) -> None:
+    """A local model's weights are whole (headers read); the actor's has a tokenizer, or ``tokenizer_path`` one."""
+    block = {"actor.path": config.actor, "ref.path": config.ref, "critic.path": config.critic}[key]
+    if not (local / "config.json").is_file():
+        return  # a short name (provisioned when the run starts), or a path only the nodes see
+    problem = None if block.init_from_scratch else weights_problem(local)
+    require(problem is None, key, str(local), problem or "")
+    tokenizer = key != "actor.path" or config.tokenizer_path or any((local / f).is_file() for f in TOKENIZER_FILES)
+    require(bool(tokenizer), "tokenizer_path", "", f"{local} has no tokenizer (none of {TOKENIZER_FILES})", (key,))
 
 
 def _check_recover_point(config: GRPOConfig) -> None:

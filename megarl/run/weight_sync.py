@@ -95,6 +95,11 @@ class WeightUpdateMeta:
         from megarl.config.allocation import AllocationMode
 
         alloc = AllocationMode.from_str(allocation_mode) if isinstance(allocation_mode, str) else allocation_mode
+        if not isinstance(alloc, AllocationMode):  # e.g. AReaL's from_disk(config.saver)
+            raise TypeError(
+                f"WeightUpdateMeta takes the allocation mode (config.allocation_mode, or its string), "
+                f"not {type(allocation_mode).__name__}: e.g. WeightUpdateMeta.from_disk(config.allocation_mode)"
+            )
         if alloc.inference is None:
             raise ValueError(f"allocation mode '{alloc}' has no inference part to send weights to")
         return cls(config, inference_tp=alloc.inference.tp)
@@ -105,6 +110,9 @@ class WeightUpdateMeta:
         GPUs, gloo on CPUs) into the servers of ``allocation_mode``; ``config`` None: the ``weight_update``
         defaults."""
         return cls.from_allocation(config if config is not None else WeightUpdateConfig(), allocation_mode)
+
+    from_fsdp_xccl = from_megatron_xccl
+    """AReaL's FSDP spelling of :meth:`from_megatron_xccl`: the same update (megarl's trainer is Megatron)."""
 
     @classmethod
     def from_disk(

@@ -26,13 +26,14 @@ seconds with the key named, not after the servers came up.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.machinery
 import inspect
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,16 @@ _MAIN = "__main__"
 def is_plugin_path(value: str) -> bool:
     """Whether ``value`` is spelled as a plug-in path (else it may be a built-in's short name)."""
     return bool(_DOTTED.fullmatch(value) or _FILE_FORM.fullmatch(value))
+
+
+def builtin_or_plugin_problem(value: str, builtins: Collection[str], what: str, forms: str = FORMS) -> str | None:
+    """Why ``value`` is neither one of the built-in ``what`` names ``builtins`` nor spelled as a plug-in
+    (the built-ins listed, the closest suggested), else None."""
+    if value in builtins or is_plugin_path(value):
+        return None
+    close = difflib.get_close_matches(value, list(builtins), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"neither a built-in {what} {sorted(builtins)}{hint} nor {forms}"
 
 
 def locate_plugin(path: str, key: str, folders: Sequence[str | os.PathLike] = ()) -> str:
@@ -166,6 +177,8 @@ def _import_module(module_name: str, path: str, key: str):
         return importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(key, f"{path!r}: cannot import module {module_name!r}: {err}") from None
+    except SystemExit as err:  # the user's module called sys.exit: megarl would stop without a word
+        raise ConfigError(key, f"{path!r}: importing {module_name!r} called sys.exit({err.code!r})") from None
     except Exception as err:  # noqa: BLE001 -- the user's module itself raised while importing
         raise ConfigError(key, f"{path!r}: importing {module_name!r} raised {type(err).__name__}: {err}") from None
 

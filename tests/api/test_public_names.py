@@ -111,6 +111,30 @@ def test_weight_update_meta_constructors_name_the_servers_tp_and_mode():
     assert (disk.inference_tp, disk.config.mode, disk.path) == (2, "disk", "/shared/weights")
 
 
+def test_the_tutorials_spellings_of_megarl_calls_bind():
+    """What the walkthrough and the multi-turn notebook write, verbatim: AReaL's parallel-strategy sizes, its
+    FSDP-named weight-update constructor, the notebook's ``should_accept=``; and a saver config given where
+    the allocation goes is a TypeError saying what goes there, not an AttributeError from inside."""
+    import inspect
+
+    from megarl.config import AllocationMode
+    from megarl.run.actor import PPOActor
+    from megarl.run.weight_sync import WeightUpdateMeta
+
+    alloc = AllocationMode.from_str("sglang:d1p1t1+megatron:d2p1t2c2")
+    strategy = alloc.train
+    assert (strategy.dp_size, strategy.tp_size, strategy.pp_size, strategy.cp_size) == (2, 2, 1, 2)
+    assert WeightUpdateMeta.from_fsdp_xccl(alloc).config.mode == WeightUpdateMeta.from_megatron_xccl(alloc).config.mode
+    inspect.signature(PPOActor.prepare_batch).bind(None, [], granularity=1, workflow="w", should_accept=bool)
+    actor = PPOActor.__new__(PPOActor)
+    with pytest.raises(TypeError, match="not both"):
+        actor.prepare_batch([], should_accept_fn=bool, should_accept=bool)
+    from megarl.config.run import SaverConfig
+
+    with pytest.raises(TypeError, match=r"takes the allocation mode .*not SaverConfig"):
+        WeightUpdateMeta.from_disk(SaverConfig())
+
+
 def test_finetune_spec_sizes_the_schedule_as_arealS():
     from megarl.api.io_struct import FinetuneSpec
 

@@ -3,6 +3,9 @@
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 MODEL_FIELDS = {  # a minimal config.json the checks accept (a llama of no particular size)
     "model_type": "llama",
     "num_attention_heads": 8,
@@ -12,6 +15,17 @@ MODEL_FIELDS = {  # a minimal config.json the checks accept (a llama of no parti
     "intermediate_size": 128,
     "vocab_size": 1000,
 }
+
+
+def write_model_dir(path: Path, config: dict) -> Path:
+    """A stand-in HF model directory the pre-launch checks accept: ``config`` as its ``config.json``, a
+    ``model.safetensors`` that holds no tensor and a tokenizer file (the checks read headers and names)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    header = b"{}"
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    (path / "tokenizer.json").write_text("{}")
+    return path
 
 
 def write_bad_files(root: Path) -> str:
@@ -38,6 +52,9 @@ def write_bad_files(root: Path) -> str:
     (root / "latin1.jsonl").write_bytes('{"question": "caf\u00e9", "answer": "#### 1"}\n'.encode("latin-1"))
     (root / "two_rows.jsonl").write_text(
         "".join(json.dumps({"question": "q", "answer": f"#### {i}"}) + "\n" for i in (1, 2))
+    )
+    pq.write_table(
+        pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), root / "no_rows.parquet"
     )
     (root / "runs").mkdir()
     return str(root)

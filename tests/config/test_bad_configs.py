@@ -5,7 +5,6 @@ run scripts call and through ``megarl config`` (exit status 2, one line on stder
 already in ``test_loader.py`` are not repeated here.
 """
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from megarl.config import ConfigError, GRPOConfig
 from megarl.data.files import DATASET_SHORT_NAMES
 from megarl.launcher.cli import main
 from megarl.run.prelaunch import MODEL_SHORT_NAMES, load_expr_config, read_model_shape
-from tests.config.bad_files import MODEL_FIELDS, write_bad_files
+from tests.config.bad_files import MODEL_FIELDS, write_bad_files, write_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_YAML = "configs/gsm8k_grpo_cpu.yaml"
@@ -334,6 +333,12 @@ BAD += [
     case("kv-cache-over-memory", ["vllm.cpu_kvcache_space_gb=100000"], "vllm.cpu_kvcache_space_gb", "GiB of memory"),
     # merge and type errors that named neither key nor expected type
     case("block-as-string", ["actor.adv_norm=str"], "actor.adv_norm", "NormConfig block"),
+    case(
+        "empty-value",
+        ["experiment_name="],
+        "experiment_name",
+        "the value is empty (null); expected a value of type str",
+    ),
     case("block-as-int", ["actor=3"], "actor", "PPOActorConfig block"),
     case("block-as-list", ["gconfig=[1]"], "gconfig", "GenerationHyperparameters block"),
     case("env-as-list", ["launcher.env=[a,b]"], "launcher.env", "a mapping of names"),
@@ -368,6 +373,9 @@ BAD += [
     ),
     case("dataset-row-list", ["train_dataset.path=@files/lists.jsonl"], "train_dataset.path", "row 0 is a list"),
     case("dataset-empty", ["train_dataset.path=@files/empty.jsonl"], "train_dataset.path", "holds no rows"),
+    case(
+        "dataset-parquet-no-rows", ["train_dataset.path=@files/no_rows.parquet"], "train_dataset.path", "holds no rows"
+    ),
     case("dataset-json-dict", ["train_dataset.path=@files/dict.json"], "train_dataset.path", "holds a dict"),
     case("dataset-invalid-utf8", ["train_dataset.path=@files/latin1.jsonl"], "train_dataset.path", "utf-8"),
     case(
@@ -453,8 +461,8 @@ def test_hub_dataset_passes_when_online(monkeypatch):
 
 
 def test_local_model_dir_is_accepted_and_checked(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps({**MODEL_FIELDS, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4})
+    write_model_dir(
+        tmp_path, {**MODEL_FIELDS, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4}
     )
     load_expr_config(["--config", CPU_YAML, f"actor.path={tmp_path}"], GRPOConfig)
     with pytest.raises(ConfigError, match="t4 does not divide the model's 2 key/value heads"):

@@ -1,6 +1,5 @@
 """load_expr_config: YAML + overrides into typed, validated configs with key-path errors."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -8,7 +7,7 @@ import pytest
 from megarl.config import ConfigError, GRPOConfig, save_config, to_yaml
 from megarl.config.train import OptimizerConfig
 from megarl.run.prelaunch import load_expr_config
-from tests.config.bad_files import MODEL_FIELDS
+from tests.config.bad_files import MODEL_FIELDS, write_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_YAML = str(REPO / "configs" / "gsm8k_grpo_cpu.yaml")
@@ -94,11 +93,8 @@ def test_batch_size_must_split_over_dp_and_minibatches():
 
 
 def test_model_dir_is_checked_against_layout(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(
-        json.dumps({**MODEL_FIELDS, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30})
-    )
+    config = {**MODEL_FIELDS, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
+    model = write_model_dir(tmp_path / "model", config)
     with pytest.raises(ConfigError, match="t2 does not divide the model's 9 attention heads"):
         load(f"actor.path={model}", "allocation_mode=vllm:d1t1+megatron:d1p1t2", "cluster.n_gpus_per_node=3")
     config, _ = load(f"actor.path={model}", "allocation_mode=vllm:d1t1+megatron:d1p1t3", "cluster.n_gpus_per_node=4")
@@ -195,9 +191,10 @@ def test_areal_rollout_keys_on_the_command_line(tmp_path, caplog):
             f"rollout.fileroot={tmp_path}",
             "rollout.tokenizer_path=smollm2-135m-instruct",
             "rollout.group_size=2",
-            "actor.group_size=8",
+            "+actor.group_size=8",  # Hydra's "add the key", as AReaL's commands write some overrides
+            "rollout.max_head_offpolicyness=3",
         )
-    assert config.rollout.dump_trajectories is True
+    assert config.rollout.dump_trajectories is True and config.rollout.max_staleness == 3
     assert config.cluster.fileroot == str(tmp_path) and config.run_dir == tmp_path / "gsm8k-grpo-cpu" / "trial0"
     assert config.tokenizer_path == "smollm2-135m-instruct"
     assert config.workflow.group_size == 2 and config.group_size == 8

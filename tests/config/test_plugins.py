@@ -16,6 +16,8 @@ from megarl.run.prelaunch import build_config
 BASE = ["configs/arithmetic_grpo_cpu.yaml"]
 
 USER_MODULE = """
+import sys
+
 from megarl.api.workflow_api import RolloutWorkflow
 
 
@@ -46,6 +48,10 @@ def trl_named_reward(prompt, completion, prompt_ids, completion_ids, **row):
 
 def areal_named_reward(prompt, completions, prompt_ids, completion_ids, **row):
     return 1.0
+
+
+def exiting_reward(prompt, completions, prompt_ids, completion_ids, **row):
+    sys.exit(3)
 
 
 def needs_solution_reward(prompt, completions, prompt_ids, completion_ids, answer, solution):
@@ -108,7 +114,9 @@ def test_user_workflow_class_is_imported_and_its_constructor_checked(user_module
     err = _error("workflow.type=no_such_package.Workflow")
     assert "cannot import module 'no_such_package'" in err.message
     err = _error("workflow.type=reflection")
-    assert "neither a built-in ['multi_turn', 'rlvr'] nor 'package.module.Class'" in err.message
+    assert "neither a built-in workflow ['multi_turn', 'rlvr'] nor 'package.module.Class'" in err.message
+    err = _error("workflow.type=multiturn")
+    assert "['multi_turn', 'rlvr'] (did you mean 'multi_turn'?) nor" in err.message, err.message
 
 
 def test_an_agent_class_is_a_workflow_by_config():
@@ -132,6 +140,7 @@ def test_grouped_rollout_is_group_size_and_the_grpo_group_follows_it():
     assert "set group_size: N instead" in err.message
     err = _error("workflow.group_size=2")  # the arithmetic config's actor.group_size is ${gconfig.n_samples} = 8
     assert err.key == "actor.group_size" and "gconfig.n_samples=8 x workflow.group_size=2 = 16" in err.message
+    assert "(write `group_size: 16`)" in err.message  # the hint is the product: n_samples alone fails again
     config = _load("workflow.group_size=4", "gconfig.n_samples=2", "actor.group_size=8")
     assert config.group_size == 8
 
@@ -174,6 +183,15 @@ def test_the_reward_check_calls_it_with_the_rows_columns(user_module, prompt_com
     assert err.key == "reward_fn" and "missing a required argument: 'solution'" in err.message, err.message
 
 
+def test_a_reward_calling_sys_exit_is_a_config_error_naming_it_and_the_exit_code(user_module, tmp_path):
+    """sys.exit raises SystemExit, which ``except Exception`` lets through: megarl would stop without a word."""
+    err = _error(f"reward_fn={user_module}.exiting_reward")
+    assert err.key == "reward_fn" and "it raised:" in err.message and "SystemExit: 3" in err.message, err.message
+    (tmp_path / "exits_on_import.py").write_text("import sys\n\nsys.exit('bye')\n")
+    err = _error(f"reward_fn={tmp_path / 'exits_on_import.py'}:fn")
+    assert err.key == "reward_fn" and "importing 'exits_on_import' called sys.exit('bye')" in err.message, err.message
+
+
 def test_user_loss_is_imported_and_its_signature_checked(user_module):
     assert (
         _load("actor.loss=examples.losses.cispo.cispo_loss").actor.loss
@@ -181,8 +199,11 @@ def test_user_loss_is_imported_and_its_signature_checked(user_module):
     )
     err = _error(f"actor.loss={user_module}.two_argument_loss")
     assert err.key == "actor.loss" and "cu_seqlens, config" in err.message
-    err = _error("actor.loss=ppo2")
-    assert err.key == "actor.loss" and "not of the form 'package.module.name' or 'path/to/file.py:name'" in err.message
+    err = _error("actor.loss=grpoo")
+    assert err.key == "actor.loss" and (
+        "'grpoo' is invalid: neither a built-in loss ['dapo', 'dr_grpo', 'grpo', 'gspo', 'ppo'] "
+        "(did you mean 'grpo'?) nor 'package.module.name' or 'path/to/file.py:name'"
+    ) in str(err)
 
 
 def test_gae_whitens_advantages_over_the_batch_unless_the_config_says_otherwise():

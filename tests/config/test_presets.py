@@ -2,7 +2,6 @@
 that each composes with every experiment config through ``megarl config`` and ``megarl slurm
 --dry-run``, and that launch/*.sbatch are rendered from them."""
 
-import json
 import logging
 import os
 import subprocess
@@ -15,6 +14,7 @@ import yaml
 from megarl.config import AllocationMode, GRPOConfig, ModelShape, to_yaml, validate_allocation
 from megarl.launcher.cli import main
 from megarl.run.prelaunch import load_expr_config
+from tests.config.bad_files import write_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "parallel").glob("*.yaml"))
@@ -113,9 +113,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         ("gsm8k_grpo_qwen2.5-7b_128gpu", QWEN25_7B),
         ("gsm8k_grpo_qwen3-30b-a3b_256gpu", QWEN3_30B_A3B),
     ):
-        model = tmp_path_factory.mktemp(config["model_type"])
-        (model / "config.json").write_text(json.dumps(config))
-        dirs[experiment] = str(model)
+        dirs[experiment] = str(write_model_dir(tmp_path_factory.mktemp(config["model_type"]), config))
     return dirs
 
 

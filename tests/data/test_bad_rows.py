@@ -13,8 +13,8 @@ from megarl.data import DatasetRowError, load_rl_dataset
 GOOD = {"gsm8k": {"question": "1+1?", "answer": "#### 2"}, "chat": {"prompt": "1+1?", "answer": "2"}}
 # kind -> (dataset type, the bad line as written to the .jsonl file, what the error says)
 BAD = {
-    "missing-question": ("gsm8k", json.dumps({"answer": "#### 1"}), "row 1 has no 'question'"),
-    "missing-answer": ("gsm8k", json.dumps({"question": "q"}), "row 1 has no 'answer'"),
+    "missing-question": ("gsm8k", json.dumps({"answer": "#### 1"}), "row 1 (line 2) has no 'question'"),
+    "missing-answer": ("gsm8k", json.dumps({"question": "q"}), "row 1 (line 2) has no 'answer'"),
     "empty-question": (
         "gsm8k",
         json.dumps({"question": "  ", "answer": "#### 1"}),
@@ -39,7 +39,7 @@ BAD = {
     "reward-argument-column": (
         "gsm8k",
         json.dumps({"question": "q", "answer": "#### 1", "prompt_ids": [1, 2]}),
-        "row 1 has column(s) ['prompt_ids'], which a reward function receives as its own arguments",
+        "row 1 (line 2) has column(s) ['prompt_ids'], which a reward function receives as its own arguments",
     ),
     "empty-prompt": ("chat", json.dumps({"prompt": "", "answer": "1"}), "'prompt' must be non-empty text"),
     "no-messages": ("chat", json.dumps({"messages": [], "answer": "1"}), "'messages' must be a non-empty list"),
@@ -61,7 +61,7 @@ BAD = {
         json.dumps(
             {"messages": [{"role": "system", "content": "s"}, {"role": "human", "content": "q"}], "answer": "1"}
         ),
-        "row 1: message 1 has role 'human'; a role is one of ['system', 'user', 'assistant', 'tool']",
+        "row 1 (line 2): message 1 has role 'human'; a role is one of ['system', 'user', 'assistant', 'tool']",
     ),
     "not-json": ("chat", '{"prompt": "p", "answer": ', "line 2 is not a JSON object"),
     "json-list": ("chat", "[1, 2]", "line 2 is not a JSON object: a JSON list"),
@@ -110,7 +110,7 @@ def test_skipped_rows_are_handed_to_the_caller(tmp_path):
     path = write(tmp_path, "gsm8k", json.dumps({"question": "q", "answer": "#### ?"}))
     skipped: list[str] = []
     load_rl_dataset(path, "train", bad_rows="skip", skipped=skipped)
-    assert skipped == [f"{path}: row 1: GSM8K solution's final answer after '####' is not a number: '?'"]
+    assert skipped == [f"{path}: row 1 (line 2): GSM8K solution's final answer after '####' is not a number: '?'"]
 
 
 def test_a_chat_prompt_becomes_the_chat_and_does_not_reach_the_reward_twice(tmp_path):

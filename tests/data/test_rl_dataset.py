@@ -103,16 +103,37 @@ def test_bad_row_error_names_file_row_and_key(tmp_path):
         tmp_path / "broken.jsonl",
         [
             {"question": "fine", "answer": "#### 1"},
-            {"question": "no answer here", "answer": None},
+            {"question": "no answer here"},
         ],
     )
-    with pytest.raises(DatasetRowError, match=r"broken\.jsonl: row 1 has no 'answer'"):
+    with pytest.raises(DatasetRowError, match=r"broken\.jsonl: row 1 \(line 2\) has no 'answer' field \(keys present"):
+        load_rl_dataset(str(file), "train")
+
+
+def test_a_row_is_named_by_its_line_too_where_the_file_has_lines(tmp_path):
+    """Rows count from 0 and skip blank lines; the line is the one an editor shows."""
+    (tmp_path / "blank.jsonl").write_text('{"prompt": "p", "answer": "1"}\n\n{"prompt": "q"}\n')
+    with pytest.raises(DatasetRowError, match=r"blank\.jsonl: row 1 \(line 3\) has no 'answer' field"):
+        load_rl_dataset(str(tmp_path / "blank.jsonl"), "train", type="chat")
+    datasets.Dataset.from_dict({"prompt": ["p", "q"], "answer": ["1", None]}).to_parquet(tmp_path / "rows.parquet")
+    with pytest.raises(DatasetRowError) as err:
+        load_rl_dataset(str(tmp_path / "rows.parquet"), "train", type="chat")
+    assert (
+        str(err.value) == f"{tmp_path / 'rows.parquet'}: row 1: 'answer' is null; expected a non-empty string or number"
+    )
+
+
+def test_a_null_field_is_called_null_not_missing(tmp_path):
+    file = write_jsonl(tmp_path / "null.jsonl", [{"question": None, "answer": "#### 1"}])
+    with pytest.raises(
+        DatasetRowError, match=r"null\.jsonl: row 0 \(line 1\): 'question' is null; expected non-empty text$"
+    ):
         load_rl_dataset(str(file), "train")
 
 
 def test_chat_row_without_prompt_or_messages_is_rejected(tmp_path):
     file = write_jsonl(tmp_path / "chat.jsonl", [{"question": "x", "answer": "1"}])
-    with pytest.raises(DatasetRowError, match="row 0 has neither 'messages' nor 'prompt'"):
+    with pytest.raises(DatasetRowError, match=r"row 0 \(line 1\) has neither 'messages' nor 'prompt'"):
         load_rl_dataset(str(file), "train", type="chat")
 
 

@@ -60,12 +60,33 @@ def test_run_check_checks_and_starts_and_writes_nothing(tmp_path, capsys):
         (["config", "--config", "missing.yaml"], "'missing.yaml' does not exist"),
         (["allocation", "vllm:d4t2+megatron:d2p2t2", "--nodes", "1", "--gpus-per-node", "8"], "= 16 devices"),
         (["allocation", "vllm:d4q2"], "unknown size 'q'2"),
+        (["allocation", "vllm:d1t1", "--nodes", "1"], "--nodes and --gpus-per-node go together"),
+        (["config", "--config", str(Path(CPU_YAML).parent)], "is a directory; expected a YAML file"),
         (["allocation", "vllm:d1t1", "--model", "/nonexistent"], "'/nonexistent' is not a directory"),
     ],
 )
 def test_errors_exit_2_and_name_the_value(argv, needle, capsys):
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            ["serve", "--port", "1", "--devices", "a,b"],
+            "argument --devices: 'a,b': expected comma-separated device ids",
+        ),
+        (["plan", "--rates", "r.yaml", "--top", "0"], "argument --top: '0': expected a whole number >= 1"),
+        (["plan", "--rates", "r.yaml", "--devices", "0"], "argument --devices: '0': expected a whole number >= 1"),
+        (["allocation", "vllm:d1t1", "--nodes", "-1", "--gpus-per-node", "2"], "argument --nodes: '-1'"),
+    ],
+)
+def test_bad_arguments_are_refused_by_argparse_naming_them(argv, needle, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2
+    assert f"megarl {argv[0]}: error: {needle}" in capsys.readouterr().err
 
 
 def test_allocation_table(capsys):
@@ -139,3 +160,23 @@ def test_the_console_script_takes_context_parallel_and_names_what_it_cannot_spli
         result.stderr
     )
     assert "context parallel c2 cannot split" in result.stderr
+
+
+def test_arealS_launcher_modules_start_a_script_as_megarl_does(tmp_path):
+    """``python -m megarl.launcher.local <script> --config <file>`` (AReaL's command, areal -> megarl) is
+    ``megarl run --config <file> launcher.trainer_entry=<script>``; ``.slurm`` is ``megarl slurm``'s. Without
+    a script: usage, status 2 (it used to exit 0 having done nothing)."""
+    script = Path(__file__).resolve().parents[2] / "examples" / "areal" / "gsm8k_rl.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    common = [str(script), "--config", str(Path(CPU_YAML).resolve()), f"cluster.fileroot={tmp_path}"]
+
+    def launch(module: str, *argv: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", f"megarl.launcher.{module}", *argv]
+        return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env)
+
+    local = launch("local", *common, "--check")
+    assert local.returncode == 0 and "the config checks out" in local.stdout, local.stderr
+    slurm = launch("slurm", *common, "--dry-run")
+    assert slurm.returncode == 0 and f"{script} --config {tmp_path}" in slurm.stdout, slurm.stderr
+    bare = launch("local")
+    assert bare.returncode == 2 and "python -m megarl.launcher.local SCRIPT --config FILE" in bare.stderr

@@ -198,3 +198,30 @@ def test_warm_up_starts_every_worker_before_the_first_call():
         assert spawned == workers, "the first call ran in the warmed workers, none started for it"
     finally:
         wrapper.close()
+
+
+def test_the_areal_notebooks_reward_cell_runs_unchanged():
+    """The multi-turn notebook's reward (its cell, with areal -> megarl): AReaL's arguments are accepted, so its
+    bare ``except`` does not turn every answer into 0.0."""
+    from megarl.reward.math_parser import extract_answer, math_equal
+
+    def reward_fn(generated, answer):
+        try:
+            x = extract_answer(generated, "math", use_last_number=True)
+            y = extract_answer(answer, "math", use_last_number=True)
+
+            if x is None or x.strip() in ["None", "none", ""]:
+                return 0.0
+            elif y is None or y.strip() in ["None", "none", ""]:
+                return 0.0
+            return float(math_equal(x, y, timeout=False))
+        except:  # noqa: E722 (the notebook's)
+            return 0.0
+
+    gsm8k = (
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips in all.\n#### 72"
+    )
+    assert reward_fn("\\boxed{72}", gsm8k) == 1.0 and reward_fn("\\boxed{71}", gsm8k) == 0.0
+    assert reward_fn("so it is 72", gsm8k) == 1.0
+    assert extract_answer("so it is 72", use_last_number=False) is None
+    assert math_equal("\\frac{1}{2}", "0.5", timeout=False)
