@@ -290,7 +290,7 @@ class MegatronEngine:
     def _train_head(self, loss_fn: LossFn, model, mb: MicroBatch, scale: float, output: torch.Tensor):
         head = self._head(model, output, mb)
         if not mb.seq_indices:  # padding-only micro-batch: keep the graph, contribute nothing
-            loss = output.sum() * 0.0
+            loss = head.zero()
         else:
             loss = loss_fn(head, mb.data)
         return loss * scale, {"weighted_loss": loss.detach() * scale}

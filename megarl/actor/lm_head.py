@@ -74,7 +74,7 @@ class LMHeadOutput:
         rows = where.nonzero().squeeze(-1)  # [N]
         no = torch.zeros(labels.shape, dtype=torch.bool, device=self.hidden.device)
         if rows.numel() == 0:  # nothing to score: zeros that still belong to the graph
-            zeros = torch.zeros(labels.shape, device=self.hidden.device) + self.hidden.sum().float() * 0.0
+            zeros = torch.zeros(labels.shape, device=self.hidden.device) + self.zero()
             return (zeros, zeros, no) if return_outside else (zeros, zeros)
         logp, entropy, outside = self._logprobs_entropy(
             self.hidden.index_select(0, rows), labels.index_select(0, rows), temperature, truncation
@@ -82,6 +82,13 @@ class LMHeadOutput:
         zeros = torch.zeros(labels.shape, dtype=logp.dtype, device=logp.device)
         out = (zeros.index_copy(0, rows, logp), zeros.index_copy(0, rows, entropy))
         return (*out, no.index_copy(0, rows, outside)) if return_outside else out
+
+    def zero(self) -> torch.Tensor:
+        """A loss of 0 whose gradient (zeros) reaches every parameter the hidden states came from and the head's
+        weight: Megatron's overlapped gradient reduction (``overlap_grad_reduce``) starts a bucket's reduction
+        when each of its parameters has its gradient, and a micro-batch with nothing to score must not leave
+        one out."""
+        return (self.hidden.sum().float() + self.weight.sum().float()) * 0.0
 
     def _logprobs_entropy(self, hidden, labels, temperature, truncation=None):
         return fused_logprobs_entropy(
@@ -120,7 +127,7 @@ class LMHeadOutput:
         zeros = torch.zeros(labels.shape, dtype=torch.float32, device=self.hidden.device)
         no = torch.zeros(labels.shape, dtype=torch.bool, device=self.hidden.device)
         if rows.numel() == 0:  # nothing to score: a zero that still belongs to the graph
-            out = (self.hidden.sum().float() * 0.0, zeros, zeros)
+            out = (self.zero(), zeros, zeros)
             return (*out, no) if return_outside else out
         loss, logp, entropy, outside = fused_linear_token_loss(
             self.hidden.index_select(0, rows),

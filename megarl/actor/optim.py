@@ -209,12 +209,26 @@ def build_optimizer_and_schedule(
 
 
 def finish_param_gathers(chunks: list) -> None:
-    """Wait for the distributed optimizer's parameter all-gathers of the last step
-    (``megatron.overlap_param_gather``, which Megatron leaves to the next forward's hooks); collective.
-    Without it the weight sync, a checkpoint or the HF export right after a step read each rank's own shard
-    updated and every other one from the step before."""
-    for chunk in chunks:
-        config = getattr(chunk, "ddp_config", None)
-        if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
-            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
-                group.finish_param_sync(skip_next_bucket_dispatch=True)
+    """Gather the parameters the distributed optimizer's last step updated (``megatron.overlap_param_gather``,
+    where Megatron leaves the all-gather to the next forward's hooks); collective. Without it the weight
+    sync, a checkpoint or the HF export right after a step read each rank's own shard updated and every
+    other one from the step before.
+
+    Every bucket group gathers anew, all dispatched before any is waited for: Megatron marks a group
+    gathered from the forward that gathered it until the next pass's gradient reduction, so a step that
+    ran no pass (nothing to learn on any rank) would otherwise keep the other ranks' shards of the step
+    before."""
+    groups = [
+        group
+        for chunk in chunks
+        if (config := getattr(chunk, "ddp_config", None)) is not None
+        and config.use_distributed_optimizer
+        and config.overlap_param_gather
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups
+    ]
+    for group in groups:
+        if group.param_gather_handle is not None:
+            group.start_param_sync(force_sync=True)  # only waits for the gather an earlier forward left open
+        group.start_param_sync()  # asynchronous under overlap_param_gather
+    for group in groups:
+        group.finish_param_sync(skip_next_bucket_dispatch=True)

@@ -76,7 +76,7 @@ def load_rl_dataset(
     if skipped is not None:
         skipped.extend(bad)
     if max_prompt_tokens is not None:
-        dataset = _filter_prompt_length(dataset, tokenizer, max_prompt_tokens)
+        dataset = _filter_prompt_length(dataset, tokenizer, max_prompt_tokens, source)
     logger.info("%s [%s]: %d rows, rank %d of %d", source, split, len(dataset), rank, world_size)
     return split_dataset_by_node(dataset, rank=rank, world_size=world_size)
 
@@ -104,7 +104,20 @@ def _map_rows(rows: list, mapper, source: str, bad_rows: str, skipped: list[str]
     try:
         return datasets.Dataset.from_list(mapped)
     except (TypeError, ValueError) as err:  # pyarrow: a column whose rows hold different types
-        raise ValueError(f"{source}: its rows cannot form one table (a column of mixed types?): {err}") from None
+        why = _mixed_column(mapped) or "a column of mixed types?"
+        raise ValueError(f"{source}: its rows cannot form one table ({why}): {err}") from None
+
+
+def _mixed_column(rows: list[dict]) -> str | None:
+    """The first field whose rows hold values of two types (nulls aside), with a row of each, or None."""
+    first: dict[str, tuple[str, int]] = {}  # field -> (type, row) of its first value
+    for index, row in enumerate(rows):
+        for key, value in row.items():
+            kind = "number" if type(value) in (int, float) else type(value).__name__  # ints and floats mix
+            seen = first.setdefault(key, (kind, index)) if value is not None else (kind, index)
+            if seen[0] != kind:
+                return f"field {key!r} is {seen[0]} in row {seen[1]} and {kind} in row {index}"
+    return None
 
 
 def _load_rows(path: str, split: str, type: str, bad_rows: str) -> tuple[list, str, list[str]]:
@@ -196,8 +209,12 @@ def _unreachable(name: str, why: str) -> HubUnreachableError:
     )
 
 
-def _filter_prompt_length(dataset: datasets.Dataset, tokenizer, max_prompt_tokens: int) -> datasets.Dataset:
-    """Drop rows whose prompt, as the rollout sends it (chat template applied), is too long."""
+def _filter_prompt_length(
+    dataset: datasets.Dataset, tokenizer, max_prompt_tokens: int, source: str = "the dataset"
+) -> datasets.Dataset:
+    """Drop rows whose prompt, as the rollout sends it (chat template applied), is too long; a ValueError
+    naming the limit and the shortest prompt when none is left."""
+    dropped: list[int] = []  # the lengths of the prompts dropped
 
     def short_enough(batch: dict) -> list[bool]:
         if getattr(tokenizer, "chat_template", None):
@@ -206,10 +223,18 @@ def _filter_prompt_length(dataset: datasets.Dataset, tokenizer, max_prompt_token
             ]
         else:
             texts = ["\n".join(turn["content"] for turn in m) for m in batch["messages"]]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [len(x) <= max_prompt_tokens for x in ids]
+        lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        dropped.extend(n for n in lengths if n > max_prompt_tokens)
+        return [n <= max_prompt_tokens for n in lengths]
 
     before = len(dataset)
     dataset = dataset.filter(short_enough, batched=True, keep_in_memory=True)
-    logger.info("prompt length filter (<= %d tokens) kept %d of %d rows", max_prompt_tokens, len(dataset), before)
+    if len(dataset) == 0:
+        raise ValueError(
+            f"{source}: max_prompt_tokens={max_prompt_tokens} drops all {before} rows (the shortest prompt has "
+            f"{min(dropped)} tokens, chat template applied): raise max_prompt_tokens (and the servers' "
+            f"max_model_len with it) or shorten the prompts"
+        )
+    log = logger.warning if dropped else logger.info
+    log("%s: prompt length filter (<= %d tokens) kept %d of %d rows", source, max_prompt_tokens, len(dataset), before)
     return dataset

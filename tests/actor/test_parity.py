@@ -146,7 +146,8 @@ def test_llama_layout_matches_single_rank(llama_dir, llama_ref, batch, alloc):
 
 # EP2 alone runs with the slow tests: d1p1t2e2et1 has the same two expert ranks, with TP2 and sequence parallelism.
 # d2p1t2e2et1 holds two copies of each expert (expert data parallel 2; the 256-GPU preset has eight), whose
-# gradients and Adam state the distributed optimizer shards over the two.
+# gradients and Adam state the distributed optimizer shards over the two; d1p2t2e2et1 splits the layers over two
+# pipeline stages as well.
 @pytest.mark.parametrize(
     "alloc,dispatcher,distributed_optimizer",
     [
@@ -155,6 +156,7 @@ def test_llama_layout_matches_single_rank(llama_dir, llama_ref, batch, alloc):
         ("d1p1t2e2et1", "allgather", False),
         ("d1p1t1e2c2", "alltoall", False),
         ("d2p1t2e2et1", "alltoall", True),
+        ("d1p2t2e2et1", "alltoall", True),  # experts over EP on each of two pipeline stages, as the MoE presets
     ],
 )
 def test_moe_layout_matches_single_rank(moe_dir, moe_ref, batch, alloc, dispatcher, distributed_optimizer):

@@ -190,3 +190,20 @@ def test_prompt_length_filter_counts_chat_templated_tokens(tmp_path, smollm2_dir
     assert all(n_tokens(m) <= limit for m in kept["messages"])
     with pytest.raises(ValueError, match="needs a tokenizer"):
         load_rl_dataset("gsm8k", "test", max_prompt_tokens=10)
+    shortest = min(lengths)  # a limit below every prompt: said so, not an empty dataset for the loader to refuse
+    with pytest.raises(
+        ValueError, match=rf"max_prompt_tokens={shortest - 1} drops all 60 rows .* has {shortest} tokens"
+    ):
+        load_rl_dataset(str(file), "x", type="chat", max_prompt_tokens=shortest - 1, tokenizer=tokenizer)
+
+
+def test_a_field_of_two_types_is_named_with_a_row_of_each(tmp_path):
+    rows = [
+        {"question": "q", "answer": "#### 1", "id": i if i != 2 else "x2", "score": [1, 0.5][i % 2]} for i in range(4)
+    ]
+    file = tmp_path / "mixed.jsonl"
+    file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(
+        ValueError, match=r"rows cannot form one table \(field 'id' is number in row 0 and str in row 2\)"
+    ):
+        load_rl_dataset(str(file), "train")
