@@ -101,9 +101,9 @@ TESTED: list[tuple[str, str, str]] = [
     (
         "MoE token dispatchers, expert data parallel",
         "tests/actor/test_parity.py",
-        "gloo trainer ranks on one machine: Megatron's `alltoall` and `allgather` dispatchers at EP2, and two "
-        "copies of each expert (`d2p1t2e2et1`) with the distributed optimizer, against the one-rank model; "
-        "NCCL's all-to-all not run",
+        "gloo trainer ranks on one machine: Megatron's `alltoall` and `allgather` dispatchers at EP2, two "
+        "copies of each expert (`d2p1t2e2et1`) with the distributed optimizer, experts on two pipeline stages "
+        "(`d1p2t2e2et1`) and over expert TP 2 (`d2p1t2e2`), against the one-rank model; NCCL's all-to-all not run",
     ),
     (
         "Context parallel",

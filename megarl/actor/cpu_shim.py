@@ -136,7 +136,42 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+def _uneven_gather(original):
+    """Megatron's ``_gather_along_first_dim``, whose blocks of uneven sizes (``output_split_sizes``: the
+    alltoall dispatcher's tokens per expert-tensor-parallel rank) gloo cannot all-gather: each block is
+    padded to the largest, gathered, and cut back."""
+
+    def call(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        blocks = input_.new_empty((group.size() * padded.shape[0], *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(blocks, padded.contiguous(), group=group)
+        return torch.cat([block[:n] for block, n in zip(blocks.chunk(group.size()), sizes)])
+
+    return call
+
+
+def _uneven_reduce_scatter(original):
+    """Megatron's ``_reduce_scatter_along_first_dim`` (the backward of :func:`_uneven_gather`), whose
+    uneven blocks gloo cannot reduce-scatter: the whole tensor is all-reduced and this rank's block kept."""
+
+    def call(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        sizes, rank = [int(n) for n in input_split_sizes], group.rank()
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(sizes[:rank])
+        return total[start : start + sizes[rank]].clone()
+
+    return call
+
+
 def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -145,6 +180,8 @@ def _patch_megatron() -> None:
         moe_utils.te_general_gemm = None
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
 
 
 def _one_rank_shortcut(collective):

@@ -157,6 +157,8 @@ def test_llama_layout_matches_single_rank(llama_dir, llama_ref, batch, alloc):
         ("d1p1t1e2c2", "alltoall", False),
         ("d2p1t2e2et1", "alltoall", True),
         ("d1p2t2e2et1", "alltoall", True),  # experts over EP on each of two pipeline stages, as the MoE presets
+        ("d2p1t2e2", "alltoall", False),  # each expert split over expert TP 2 as well
+        ("d2p1t2e2", "allgather", False),
     ],
 )
 def test_moe_layout_matches_single_rank(moe_dir, moe_ref, batch, alloc, dispatcher, distributed_optimizer):
