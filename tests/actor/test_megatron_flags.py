@@ -68,6 +68,7 @@ def flagged_steps(model_dir: str, alloc: str, batches: list, megatron: dict, dty
         ("llama", "d2p1t1", SELECTIVE, "float32"),
         ("llama", "d1p1t2", SELECTIVE, "float32"),
         ("llama", "d2p2t1", OVERLAP | SELECTIVE, "bfloat16"),  # the 8-GPU 7B preset's settings and layout
+        ("llama", "d2p2t2", OVERLAP, "bfloat16"),  # the 32-GPU preset's shape (eight ranks)
         ("qwen3_moe", "d1p1t2e2et1", SELECTIVE, "float32"),  # as the MoE presets: experts over EP, attention over TP
         ("qwen3_moe", "d1p2t2e2et1", SELECTIVE, "float32"),  # ... and two pipeline stages
     ],

@@ -38,7 +38,7 @@ def test_stop_ends_the_command_and_what_it_started_and_forgets_it():
     command = child.command_pid()
     assert command != child.pid, "the command runs under its keeper"
     assert _registered(child), "stopped at this process's exit"
-    assert psutil.Process(grandchild).environ()[process.LAUNCH_TAG_ENV] == child.mark.tag
+    assert _environ(grandchild).get(process.LAUNCH_TAG_ENV) == child.mark.tag
     child.stop(5.0)
     deadline = time.monotonic() + 10
     while not (_gone(grandchild) and _gone(command)) and time.monotonic() < deadline:
@@ -46,6 +46,15 @@ def test_stop_ends_the_command_and_what_it_started_and_forgets_it():
     assert _gone(command) and _gone(grandchild)
     assert child.poll() is not None and not _registered(child)
     child.stop(5.0)  # idempotent
+
+
+def _environ(pid: int, timeout: float = 5.0) -> dict[str, str]:
+    """The environment of process ``pid``; read again while it comes back empty (a loaded machine can show a
+    process's environment empty for a moment after it started)."""
+    deadline = time.monotonic() + timeout
+    while not (environ := psutil.Process(pid).environ()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return environ
 
 
 def test_stop_after_the_command_died_kills_its_leftovers():
