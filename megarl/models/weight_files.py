@@ -45,8 +45,11 @@ def _file_problem(path: Path, hidden_size: int | None) -> str | None:
         length, header = read_header(path)
     except (OSError, ValueError) as err:  # json's errors are ValueErrors
         return str(err)
-    header.pop("__metadata__", None)
-    placed = max((tensor["data_offsets"][1] for tensor in header.values()), default=0)
+    try:
+        header.pop("__metadata__", None)
+        placed = max((int(tensor["data_offsets"][1]) for tensor in header.values()), default=0)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        return f"{path.name} is not a safetensors file (its header does not place its tensors)"
     held = path.stat().st_size - 8 - length
     if held < placed:
         return f"{path.name} is cut short: its header places {placed:,} bytes of tensors, it holds {held:,}"

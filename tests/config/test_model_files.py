@@ -74,6 +74,12 @@ DAMAGE = [
         "model.safetensors.index.json is unreadable",
     ),
     (
+        "header-not-safetensors",
+        lambda m: (m / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"[]"),
+        "actor.path",
+        "model.safetensors is not a safetensors file (its header does not place its tensors)",
+    ),
+    (
         "not-safetensors",
         lambda m: (m / "model.safetensors").write_text("x" * 100),
         "actor.path",
