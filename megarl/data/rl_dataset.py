@@ -113,8 +113,10 @@ def _mixed_column(rows: list[dict]) -> str | None:
     first: dict[str, tuple[str, int]] = {}  # field -> (type, row) of its first value
     for index, row in enumerate(rows):
         for key, value in row.items():
+            if value is None:
+                continue
             kind = "number" if type(value) in (int, float) else type(value).__name__  # ints and floats mix
-            seen = first.setdefault(key, (kind, index)) if value is not None else (kind, index)
+            seen = first.setdefault(key, (kind, index))
             if seen[0] != kind:
                 return f"field {key!r} is {seen[0]} in row {seen[1]} and {kind} in row {index}"
     return None

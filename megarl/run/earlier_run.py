@@ -16,10 +16,15 @@ from pathlib import Path
 from megarl.config import GRPOConfig
 
 
-def _resumes(config: GRPOConfig) -> bool:
-    """Whether the run continues from a recover point in its directory (as :mod:`megarl.run.recover` finds
-    one) instead of starting fresh."""
-    return config.recover.mode != "disabled" and any((config.run_dir / "recover").glob("step*/MANIFEST.json"))
+def has_recover_point(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a written recover point (``recover/step{N}/MANIFEST.json``; loading it checks
+    that it is whole)."""
+    return any((run_dir / "recover").glob("step*/MANIFEST.json"))
+
+
+def resumes(config: GRPOConfig) -> bool:
+    """Whether the run continues from a recover point in its directory instead of starting fresh."""
+    return config.recover.mode != "disabled" and has_recover_point(config.run_dir)
 
 
 def _steps_logged(run_dir: Path) -> int:
@@ -47,7 +52,7 @@ def keep_earlier_run(config: GRPOConfig) -> str | None:
     was done, for the console, or None when nothing was (no earlier steps, or this run resumes them)."""
     run_dir = config.run_dir
     steps = _steps_logged(run_dir)
-    if steps == 0 or _resumes(config):
+    if steps == 0 or resumes(config):
         return None
     target = _aside(run_dir)
     run_dir.rename(target)

@@ -48,6 +48,7 @@ from megarl.models.weight_files import weights_problem
 from megarl.reward.call import TrainerState
 from megarl.reward.executor import call_reward
 from megarl.reward.failures import RewardFailure
+from megarl.run.earlier_run import has_recover_point, resumes
 from megarl.run.open_files import check_open_files
 from megarl.utils.logging import is_rank0
 from megarl.utils.plugins import accepted_parameters, import_plugin, locate_plugin, signature_problem
@@ -154,7 +155,7 @@ def _check_outputs(config: BaseExperimentConfig, multi_node: bool) -> None:
     points = config.run_dir / "recover"
     require(
         config.recover.mode != "resume"
-        or any(points.glob("step*/MANIFEST.json"))
+        or has_recover_point(config.run_dir)
         or (multi_node and not config.run_dir.exists()),
         "recover.mode",
         config.recover.mode,
@@ -218,8 +219,7 @@ def _check_model_files(config: GRPOConfig, key: str, local: Path) -> None:
 def _check_recover_point(config: GRPOConfig) -> None:
     """The recover point the run would resume from loads into its models at its layout
     (:func:`megarl.run.recover.check_point_loads`); before anything starts."""
-    points = config.run_dir / "recover"
-    if config.recover.mode == "disabled" or not any(points.glob("step*/MANIFEST.json")):
+    if not resumes(config):
         return  # reading a point imports Megatron: only when there is one
     with warnings.catch_warnings():  # Megatron's import says TransformerEngine / Apex are missing: the log's
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed", category=UserWarning)
