@@ -83,8 +83,8 @@ class RemoteInferenceEngine(InferenceEngine):
 
         Args:
             server_addrs: ``host:port`` list; default: ``config.server_addrs`` or the env variable.
-            batch_size: Trajectories per training step (the staleness unit); default
-                ``config.max_concurrent_rollouts``.
+            batch_size: Trajectories per training step (the staleness unit): ``prepare_batch``'s
+                dataloader ``batch_size``; default ``config.max_concurrent_rollouts``.
             dump_dir: The run directory (``{fileroot}/{experiment}/{trial}``): for
                 ``config.dump_trajectories``, and where the launcher records server restarts.
             tokenizer: Decodes dumped trajectories; agent workflows given none render their chat with it.

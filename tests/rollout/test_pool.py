@@ -65,6 +65,27 @@ def test_prepare_batch_pads_and_concatenates(pool_factory):
         assert batch["versions"][row, :2].eq(-1).all() and batch["loss_mask"][row, 2:n].eq(1).all()
 
 
+def test_a_dataloader_batch_larger_than_the_pools_is_refused_not_waited_on(pool_factory):
+    """At max_staleness=0 the budget admits the pool's batch size per version: a batch of 8 on a pool
+    sized 4 (AReaL's ``initialize()`` sized by max_concurrent_rollouts) could never fill."""
+    pool, _ = pool_factory(batch_size=4, max_concurrent_rollouts=4, max_staleness=0)
+    give_up = time.monotonic() + 5  # without the check, prepare_batch waits until interrupted
+    with pytest.raises(
+        ValueError, match=r"batch_size 8 is larger than the pool's batch size 4.*initialize\(batch_size=8\)"
+    ):
+        pool.prepare_batch(
+            ListLoader(sim_items(16, seed=1), 8), SimWorkflow(), interrupt=lambda: time.monotonic() > give_up
+        )
+    assert pool.staleness.get_stats().submitted == 0
+
+
+def test_a_dataloader_batch_smaller_than_the_pools_is_served_with_a_warning(pool_factory, caplog):
+    pool, _ = pool_factory(batch_size=4, max_staleness=0)
+    batch = pool.prepare_batch(ListLoader(sim_items(8, seed=1, slow_p=0.0), 2), SimWorkflow())
+    assert batch["rewards"].shape == (2,)
+    assert "batch_size 2 is smaller than the pool's batch size 4" in caplog.text
+
+
 def test_rollout_batch_keeps_item_order_and_drops_rejected(pool_factory):
     pool, _ = pool_factory(batch_size=6, max_concurrent_rollouts=6)
     items = [{"id": i, "chunk_delays": [0.02 - 0.003 * i], "reject": i == 2} for i in range(6)]
