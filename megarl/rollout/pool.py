@@ -275,7 +275,7 @@ class RolloutPool:
         wf = resolve_workflow(workflow, workflow_kwargs, group_size)
         should_accept_fn = resolve_should_accept_fn(should_accept_fn)
         if self._data_source is not dataloader:
-            self._check_batch_size(batch_size)
+            _check_batch_size(batch_size, self.staleness)
             self._data_source, self._data_iter = dataloader, _cycle(dataloader)
         results, self._held = self._held, []
         while len(results) < batch_size:
@@ -288,31 +288,6 @@ class RolloutPool:
                 progress(len(results))
         self._handoff.record(results, batch=True)
         return concat_padded_tensors([r.traj for r in results])
-
-    def _check_batch_size(self, batch_size: int) -> None:
-        """The staleness budget admits the pool's batch size per weight version: a larger dataloader
-        batch would stop filling (at the first step when ``max_staleness=0``) and wait for good; a
-        smaller one generates trajectories that are dropped as stale."""
-        budget, staleness = self.staleness.consumer_batch_size, self.staleness.max_staleness
-        sizing = "initialize(batch_size=...), by default rollout.max_concurrent_rollouts"
-        if batch_size > budget:
-            raise ValueError(
-                f"prepare_batch: the dataloader's batch_size {batch_size} is larger than the pool's batch size "
-                f"{budget} ({sizing}): rollout.max_staleness={staleness} admits {budget} trajectories per weight "
-                f"version, so batches of {batch_size} would stop filling and wait for good. "
-                f"Start the engine with initialize(batch_size={batch_size})"
-            )
-        if batch_size < budget:
-            logger.warning(
-                "prepare_batch: the dataloader's batch_size %d is smaller than the pool's batch size %d (%s): "
-                "the pool generates %d trajectories per weight version and the ones the trainer does not take "
-                "are dropped as stale. Start the engine with initialize(batch_size=%d)",
-                batch_size,
-                budget,
-                sizing,
-                budget,
-                batch_size,
-            )
 
     def _feed(self, wf: RolloutWorkflow, should_accept_fn, batch_size: int) -> None:
         """Submit the next dataloader batch if the queue has room and the budget could use it."""
@@ -368,6 +343,32 @@ class RolloutPool:
     def notify_version(self) -> None:
         """The version changed: capacity may have grown."""
         self._runner.thread.wake()
+
+
+def _check_batch_size(batch_size: int, staleness: StalenessManager) -> None:
+    """The staleness budget admits the pool's batch size per weight version: a larger dataloader
+    batch would stop filling (at the first step when ``max_staleness=0``) and wait for good; a
+    smaller one generates trajectories that are dropped as stale."""
+    budget, max_staleness = staleness.consumer_batch_size, staleness.max_staleness
+    sizing = "initialize(batch_size=...), by default rollout.max_concurrent_rollouts"
+    if batch_size > budget:
+        raise ValueError(
+            f"prepare_batch: the dataloader's batch_size {batch_size} is larger than the pool's batch size "
+            f"{budget} ({sizing}): rollout.max_staleness={max_staleness} admits {budget} trajectories per weight "
+            f"version, so batches of {batch_size} would stop filling and wait for good. "
+            f"Start the engine with initialize(batch_size={batch_size})"
+        )
+    if batch_size < budget:
+        logger.warning(
+            "prepare_batch: the dataloader's batch_size %d is smaller than the pool's batch size %d (%s): "
+            "the pool generates %d trajectories per weight version and the ones the trainer does not take "
+            "are dropped as stale. Start the engine with initialize(batch_size=%d)",
+            batch_size,
+            budget,
+            sizing,
+            budget,
+            batch_size,
+        )
 
 
 def _cycle(dataloader: Iterable) -> Iterator:

@@ -2,10 +2,10 @@
 
 ``megarl.config`` checks a config's values and how they fit together. What the config *names*
 is checked here, by reading it: the model directories (their ``config.json`` against the
-allocation), the datasets (their first rows against ``type``, their size against the batch),
-the tokenizer, the directories the run writes, a recover point to resume, the user's own
-code (reward, workflow, loss: imported, their signatures checked), and the open files a trainer
-head needs (``RLIMIT_NOFILE``, :mod:`megarl.run.open_files`). Hub ids become local
+allocation), the datasets (:mod:`megarl.run.dataset_check`: their split, their first rows
+against ``type``, their size against the batch), the tokenizer, the directories the run writes, a
+recover point to resume, the user's own code (reward, workflow, loss: imported, their signatures
+checked), and the open files a trainer head needs (``RLIMIT_NOFILE``, :mod:`megarl.run.open_files`). Hub ids become local
 snapshot directories here, and plug-in files absolute paths, so every process of the run reads
 the same files.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import os
 import pickle
 import re
 import sys
@@ -38,9 +37,7 @@ from megarl.config.base import ConfigError, require
 from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
 from megarl.config.ppo import BUILTIN_LOSSES, USER_LOSS_CALL
 from megarl.config.rollout import RUN_ARGUMENTS, WorkflowConfig
-from megarl.config.run import DatasetConfig
-from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
-from megarl.data.rows import REWARD_ARGUMENTS, ROW_MAPPERS, DatasetRowError, row_mapper
+from megarl.data.rows import REWARD_ARGUMENTS
 from megarl.models.families import check_layers_hold
 from megarl.models.names import MODEL_SHAPES, known_name, short_names
 from megarl.models.peft_files import check_adapter_start
@@ -48,6 +45,7 @@ from megarl.models.weight_files import weights_problem
 from megarl.reward.call import TrainerState
 from megarl.reward.executor import call_reward
 from megarl.reward.failures import RewardFailure
+from megarl.run.dataset_check import HUB_DATASET_ID, check_dataset
 from megarl.run.earlier_run import has_recover_point, resumes
 from megarl.run.open_files import check_open_files
 from megarl.utils.logging import is_rank0
@@ -58,10 +56,7 @@ T = TypeVar("T")
 
 MODEL_SHORT_NAMES = {name: ModelShape(**MODEL_SHAPES[known_name(name)]) for name in short_names()}
 """Model short names (lower case) and the shapes that constrain a parallel layout (:mod:`megarl.models.names`)."""
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_HUB_MODEL_ID = re.compile(_HUB_ID.pattern + r"(?:@[\w./-]+)?")  # megarl.models.provision.HUB_ID
-_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-_TRUE = frozenset({"1", "on", "yes", "true"})
+_HUB_MODEL_ID = re.compile(HUB_DATASET_ID.pattern + r"(?:@[\w./-]+)?")  # megarl.models.provision.HUB_ID
 
 MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 """``model_type`` values megarl builds (``megarl.models.families.MODEL_FAMILIES``; a test checks they agree)."""
@@ -127,9 +122,9 @@ class Prelaunch:
                 if workflow is not None:
                     _check_workflow(key, workflow)
             _check_disk_path(config)
-        row = _check_dataset("train_dataset", config.train_dataset, multi_node)
+        row = check_dataset("train_dataset", config.train_dataset, multi_node)
         if config.valid_dataset is not None:
-            _check_dataset("valid_dataset", config.valid_dataset, multi_node)
+            check_dataset("valid_dataset", config.valid_dataset, multi_node)
         if config.tokenizer_path:
             problem = model_path_problem(config.tokenizer_path, multi_node, TOKENIZER_FILES)
             require(problem is None, "tokenizer_path", config.tokenizer_path, problem or "")
@@ -507,94 +502,3 @@ def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...
         else ""
     )
     return f"neither a known short name {known} nor a directory with {' or '.join(marker_files)}{hint}"
-
-
-def _check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> dict | None:
-    """Raise unless ``megarl.data.load_rl_dataset`` can load ``data.path`` and ``data.split``; the first
-    row as the run will see it, when rows can be read here (else None).
-
-    Mirrors its lookup: a bundled short name (whose splits are known here), an existing
-    local file or directory, else a hub name ``owner/name[:config]``, which fails when an
-    offline variable is set (the loader refuses the hub then). As for models, an absolute
-    path that does not exist here is accepted on a multi-node cluster. A row adapter
-    (``type``) is imported and its signature checked, whether or not rows can be read here.
-    """
-    row_mapper(data.type, f"{key}.type")
-    bundled = DATASET_SHORT_NAMES.get(data.path)
-    if bundled is not None:
-        splits = sorted(f.stem for f in bundled.glob("*") if f.suffix in DATASET_SUFFIXES)
-        require(data.split in splits, f"{key}.split", data.split, f"the bundled {data.path!r} has splits {splits}")
-        return _check_rows(key, data, dataset_file(data.path, data.split, bundled))
-    local = Path(data.path).expanduser()
-    if local.is_file():
-        suffixes = ", ".join(DATASET_SUFFIXES)
-        require(local.suffix in DATASET_SUFFIXES, f"{key}.path", data.path, f"a dataset file must end in {suffixes}")
-        return _check_rows(key, data, local)
-    if local.is_dir() or (local.is_absolute() and multi_node):
-        file = dataset_file(data.path, data.split, None)
-        # else the split is resolved at load time (a hub snapshot, or on the nodes)
-        return _check_rows(key, data, file) if file is not None else None
-    looks_local = data.path.startswith(("/", ".", "~")) or local.suffix in DATASET_SUFFIXES
-    require(not looks_local, f"{key}.path", data.path, "no such file or directory")
-    require(
-        _HUB_ID.fullmatch(data.path.partition(":")[0]) is not None,
-        f"{key}.path",
-        data.path,
-        f"neither a bundled dataset {sorted(DATASET_SHORT_NAMES)}, a local file or directory, "
-        "nor a hub name 'owner/name[:config]'",
-    )
-    offline = next((var for var in _OFFLINE_VARS if os.environ.get(var, "").strip().lower() in _TRUE), None)
-    require(
-        offline is None,
-        f"{key}.path",
-        data.path,
-        f"a hub dataset, but {offline} is set so it cannot be downloaded; "
-        f"use a bundled dataset {sorted(DATASET_SHORT_NAMES)} or a local .jsonl/.json/.parquet file or directory",
-    )
-
-
-def _check_rows(key: str, data: DatasetConfig, file: Path) -> dict | None:
-    """The first rows of ``file`` fit ``data.type``, and a ``drop_last`` loader gets at least one batch;
-    the first row that maps, as the run sees it."""
-    try:
-        rows = first_rows(file)
-        n_rows = count_rows(file) if data.drop_last else None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        if data.bad_rows == "skip" and not isinstance(err, OSError):
-            return None  # unreadable lines are skipped at load
-        raise ConfigError(f"{key}.path", f"{data.path!r}: cannot read {file}: {err}") from None
-    require(bool(rows), f"{key}.path", data.path, f"{file} holds no rows")
-    mapper, failures, mapped = row_mapper(data.type, f"{key}.type"), [], []
-    for index, row in enumerate(rows):
-        require(
-            isinstance(row, dict),
-            f"{key}.path",
-            data.path,
-            f"{file} row {index} is a {type(row).__name__}, expected a mapping of fields",
-        )
-        try:
-            mapped.append(mapper(row, index, str(file)))
-        except DatasetRowError as err:
-            failures.append((row, err))
-    # under bad_rows=skip a bad row is dropped at load: the check fails only when none of the first rows maps
-    if failures and (data.bad_rows == "raise" or len(failures) == len(rows)):
-        row, err = failures[0]
-        fits = [name for name, mapper in ROW_MAPPERS.items() if name != data.type and _maps(mapper, row)]
-        hint = f"; its rows fit type {fits[0]!r}" if fits else ""
-        raise ConfigError(f"{key}.type", f"{data.type!r} is invalid for these rows: {err}{hint}")
-    if n_rows is not None:
-        require(
-            n_rows >= data.batch_size,
-            f"{key}.batch_size",
-            data.batch_size,
-            f"{file} has {n_rows} rows, fewer than one batch (drop_last would leave no step)",
-        )
-    return mapped[0] if mapped else None
-
-
-def _maps(mapper, row: dict) -> bool:
-    try:
-        mapper(row, 0, "")
-    except DatasetRowError:
-        return False
-    return True

@@ -56,5 +56,11 @@ def write_bad_files(root: Path) -> str:
     pq.write_table(
         pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), root / "no_rows.parquet"
     )
+    (root / "hub_layout" / "data").mkdir(parents=True)  # a hub snapshot's layout: one split, train
+    pq.write_table(
+        pa.table({"question": ["q"], "answer": ["#### 1"]}),
+        root / "hub_layout" / "data" / "train-00000-of-00001.parquet",
+    )
+    (root / "no_data").mkdir()
     (root / "runs").mkdir()
     return str(root)

@@ -387,6 +387,19 @@ BAD += [
     case(
         "dataset-dir-split", ["train_dataset.path=@files", "train_dataset.split=chat"], "train_dataset.type", "'gsm8k'"
     ),
+    case(
+        "dataset-dir-no-split",
+        ["valid_dataset.path=megarl/data/gsm8k", "valid_dataset.split=dev"],
+        "valid_dataset.split",
+        "finds in it are ['test', 'train']",
+    ),
+    case(
+        "dataset-hub-dir-split",
+        ["train_dataset.path=@files/hub_layout", "train_dataset.split=test"],
+        "train_dataset.split",
+        "finds in it are ['train']",
+    ),
+    case("dataset-dir-empty", ["train_dataset.path=@files/no_data"], "train_dataset.path", "holds no data files"),
     case("fileroot-is-file", ["cluster.fileroot=@files/chat.jsonl/out"], "cluster.fileroot", "is a file"),
     case("fileroot-unwritable", ["cluster.fileroot=/proc/megarl"], "cluster.fileroot", "cannot write in /proc"),
     case("heap-growth-not-above-1", ["cluster.cpu_heap_growth=1.0"], "cluster.cpu_heap_growth", "must be > 1"),
@@ -442,7 +455,6 @@ def test_shipped_configs_pass_offline(path, capsys):
         ["actor.path=SmolLM2"],  # short names ignore case, as resolve_model_path does
         ["ref.path=smollm2", "actor.kl_ctl=0.1"],
         ["cluster.n_nodes=2", "cluster.n_gpus_per_node=1", "actor.path=/shared/models/SmolLM2"],  # read on the nodes
-        ["valid_dataset.path=megarl/data/gsm8k", "valid_dataset.split=dev"],  # a directory's splits are read late
         ["gconfig.greedy=true", "gconfig.n_samples=1", "gconfig.temperature=0", "actor.adv_norm.mean_level=batch"],
         ["gconfig.max_new_tokens=512"],  # 512 + 512 fills max_model_len 1024 exactly
         ["algorithm.adv_estimator=gae", "critic={}", "gconfig.n_samples=1", "actor.group_size=1"],  # PPO, one sample
@@ -452,6 +464,11 @@ def test_shipped_configs_pass_offline(path, capsys):
 )
 def test_good_edge_cases_pass(overrides):
     load_expr_config(["--config", CPU_YAML, *overrides], GRPOConfig)
+
+
+def test_a_directory_in_a_hub_snapshots_layout_passes(bad_files):
+    config, _ = load_expr_config(["--config", CPU_YAML, f"train_dataset.path={bad_files}/hub_layout"], GRPOConfig)
+    assert config.train_dataset.split == "train"
 
 
 def test_hub_dataset_passes_when_online(monkeypatch):
