@@ -77,9 +77,8 @@ class HandOff:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return []
-                    if not warned and can_arrive < min_count and time.monotonic() - start >= STUCK_WAIT_WARN_S:
-                        warned = True
-                        logger.warning(self._too_few_message(min_count, can_arrive, time.monotonic() - start))
+                    if not warned and time.monotonic() - start >= STUCK_WAIT_WARN_S:
+                        warned = self._warn_stuck(min_count, can_arrive, time.monotonic() - start)
                     self._raise_demand(min_count)
                     self._q.cond.wait(STUCK_WAIT_WARN_S if remaining is None else min(remaining, STUCK_WAIT_WARN_S))
             finally:
@@ -136,13 +135,27 @@ class HandOff:
             "rollout.max_staleness."
         )
 
-    def _too_few_message(self, wanted: int, can_arrive: int, waited: float) -> str:
-        return (
-            f"wait has waited {waited:.0f} s for {wanted} trajectories; {can_arrive} are ready, running or queued, "
-            "so it ends only when more items are submitted (from another thread). Episodes whose trajectory "
-            "should_accept_fn rejected, or that failed on the servers and were dropped, do not count: ask "
-            "wait for what was accepted, or submit more"
+    def _warn_stuck(self, wanted: int, can_arrive: int, waited: float) -> bool:
+        """Say why a long wait cannot end by itself, if it cannot (lock held); whether it said so."""
+        if can_arrive < wanted:
+            logger.warning(
+                f"wait has waited {waited:.0f} s for {wanted} trajectories; {can_arrive} are ready, running or "
+                "queued, so it ends only when more items are submitted (from another thread). Episodes whose "
+                "trajectory should_accept_fn rejected, or that failed on the servers and were dropped, do not "
+                "count: ask wait for what was accepted, or submit more"
+            )
+            return True
+        version = self.engine.get_version()
+        if self._q.n_running or not self._q.input or self.staleness.budget(version) > 0:
+            return False
+        logger.warning(
+            f"wait has waited {waited:.0f} s for {wanted} trajectories; {len(self._q.results)} are ready and "
+            f"{len(self._q.input)} queued, but the staleness budget starts no more episodes at version {version} "
+            f"(rollout.max_staleness={self.staleness.max_staleness} admits {self.staleness.consumer_batch_size} "
+            "per version, the batch size of initialize(batch_size=...)): it ends only when set_version() moves on "
+            "(from another thread). Ask wait for at most the batch size per training step"
         )
+        return True
 
     def _raise_demand(self, count: int) -> None:
         """Let the loop run past the output bound until ``count`` results exist (lock held)."""

@@ -195,6 +195,20 @@ def test_a_wait_for_more_than_can_arrive_says_why(pool_factory, monkeypatch, cap
     assert "for 4 trajectories; 3 are ready, running or queued" in caplog.text and "should_accept_fn" in caplog.text
 
 
+def test_a_wait_beyond_the_staleness_budget_says_why(pool_factory, monkeypatch, caplog):
+    """Batch size 2 at max_staleness=0: wait(4) gets 2 and the other 2 stay queued until the version moves."""
+    import megarl.rollout.handoff as handoff
+
+    monkeypatch.setattr(handoff, "STUCK_WAIT_WARN_S", 0.3)
+    pool, _ = pool_factory(batch_size=2, max_concurrent_rollouts=4, max_staleness=0)
+    for i in range(4):
+        pool.submit({"id": i, "chunk_delays": [0.0]}, SimWorkflow())
+    with caplog.at_level("WARNING", logger="megarl.rollout.pool"), pytest.raises(TimeoutError, match="only 2 of 4"):
+        pool.wait(4, timeout=1.5)
+    assert caplog.text.count("wait has waited") == 1
+    assert "2 are ready and 2 queued, but the staleness budget starts no more episodes at version 0" in caplog.text
+
+
 def test_wait_timeout_keeps_partial_results(pool_factory):
     pool, _ = pool_factory(batch_size=2)
     pool.submit({"id": 0, "chunk_delays": [0.0]}, SimWorkflow())
