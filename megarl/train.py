@@ -55,7 +55,7 @@ from megarl.run.console_text import (
     stop_line,
     warn_on_gap,
 )
-from megarl.run.evaluator import Evaluator, pass_at_1
+from megarl.run.evaluator import Evaluator, pass_at_1, pass_at_k
 from megarl.run.open_files import check_open_files
 from megarl.run.prelaunch import load_expr_config
 from megarl.run.recover import RecoverHandler, RecoverInfo
@@ -253,10 +253,13 @@ def record_batch_stats(batch: dict, sync_stats: dict[str, float]) -> None:
 
 
 def evaluate(t: Trainer) -> dict[str, float]:
-    """Greedy pass@1 on the validation prompts (rank 0 runs it; others return nothing)."""
+    """pass@1 (greedy or sampled) and pass@k on the validation prompts (rank 0 runs it; others return nothing)."""
     if t.rollout is None or dist.get_rank() != 0 or not t.valid_items:
         return {}
-    return pass_at_1(t.rollout, t.valid_items, t.eval_workflow)
+    n_samples = t.config.evaluator.n_samples
+    if n_samples == 1 and t.config.evaluator.temperature is None:
+        return pass_at_1(t.rollout, t.valid_items, t.eval_workflow)
+    return pass_at_k(t.rollout, t.valid_items, t.eval_workflow, n_samples)
 
 
 def recover_info(t: Trainer, global_step: int) -> RecoverInfo:

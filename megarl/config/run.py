@@ -134,7 +134,7 @@ class SaverConfig:
 
 @dataclass
 class EvaluatorConfig:
-    """Periodic greedy evaluation on the validation split (pass@1)."""
+    """Periodic evaluation on the validation split: greedy pass@1, or pass@k of sampled sequences."""
 
     freq_epochs: int | None = None
     """Evaluate every this many epochs."""
@@ -147,12 +147,21 @@ class EvaluatorConfig:
     before_training: bool = False
     """Also evaluate before the first step (not after a recovery): the summary then shows pass@1
     before training beside the last evaluations'."""
+    n_samples: int = 1
+    """Sequences per prompt. 1 decodes greedily (unless ``temperature`` is set); above 1 they are sampled
+    (``temperature``, else ``gconfig.temperature``) and the step also logs ``eval/pass@k`` for k = 2, 4, ...
+    up to ``n_samples`` (the unbiased estimator), ``eval/pass@1`` being the mean over all sequences."""
+    temperature: float | None = None
+    """Sampling temperature of the evaluation; None: greedy with one sample, ``gconfig.temperature`` with more."""
 
     def check(self) -> None:
         for name in ("freq_epochs", "freq_steps", "freq_secs", "max_samples"):
             value = getattr(self, name)
             if value is not None:
                 require(value >= 1, name, value, "must be >= 1 (or null to disable)")
+        require(self.n_samples >= 1, "n_samples", self.n_samples, "must be >= 1")
+        if self.temperature is not None:
+            require(self.temperature > 0, "temperature", self.temperature, "must be > 0 (null decodes greedily)")
 
 
 @dataclass

@@ -17,12 +17,13 @@ from megarl.config import GRPOConfig
 from megarl.config.train import TrainEngineConfig
 from megarl.data import load_rl_dataset
 from megarl.models import resolve_model_path
+from megarl.run.evaluator import evaluation_gconfig
 from megarl.utils.plugins import import_plugin
 from megarl.workflow.build import build_eval_workflow, build_workflow
 
 
 def build_workflows(config: GRPOConfig, tokenizer) -> tuple[RolloutWorkflow, RolloutWorkflow]:
-    """``config.workflow`` and ``config.eval_workflow`` (or the greedy twin of the first), warmed up."""
+    """``config.workflow`` and ``config.eval_workflow`` (or the first's twin sampling as ``evaluator`` says), warmed up."""
     run = {
         "reward_fn": import_plugin(config.reward_fn, "reward_fn"),
         "gconfig": config.gconfig,
@@ -33,7 +34,7 @@ def build_workflows(config: GRPOConfig, tokenizer) -> tuple[RolloutWorkflow, Rol
     workflow = build_workflow(config.workflow, run)
     if hasattr(workflow, "warm_up"):
         workflow.warm_up()  # its reward workers start while the model loads and the servers come up
-    eval_run = {**run, "gconfig": config.gconfig.new(n_samples=1, greedy=True)}
+    eval_run = {**run, "gconfig": evaluation_gconfig(config.evaluator, config.gconfig)}
     return workflow, build_eval_workflow(config.eval_workflow, config.workflow, workflow, eval_run)
 
 

@@ -1,13 +1,15 @@
-"""Periodic evaluation (AReaL's ``Evaluator``) and greedy pass@1 through the rollout pool."""
+"""Periodic evaluation (AReaL's ``Evaluator``): greedy pass@1, or pass@k of sampled sequences, through the rollout pool."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.run import EvaluatorConfig
 from megarl.run.saver import FrequencyControl, check_epoch_frequency, due
 
@@ -70,6 +72,13 @@ class Evaluator:
         self.freq.load_state_dict(state["freq"])
 
 
+def evaluation_gconfig(config: EvaluatorConfig, gconfig: GenerationHyperparameters) -> GenerationHyperparameters:
+    """The evaluation's sampling: the run's ``gconfig`` with ``config.n_samples``, greedy unless it samples."""
+    if config.n_samples == 1 and config.temperature is None:
+        return gconfig.new(n_samples=1, greedy=True)
+    return gconfig.new(n_samples=config.n_samples, greedy=False, temperature=config.temperature or gconfig.temperature)
+
+
 def pass_at_1(rollout, items: list[dict[str, Any]], workflow, max_samples: int | None = None) -> dict[str, float]:
     """Greedy pass@1 of ``workflow`` on ``items`` (the first ``max_samples`` of them when given).
 
@@ -81,6 +90,21 @@ def pass_at_1(rollout, items: list[dict[str, Any]], workflow, max_samples: int |
     (sequences scored) and ``eval/reward`` (their mean reward); 0 when none came back.
     """
     _warn_if_sampling(workflow)
+    return pass_at_k(rollout, items, workflow, 1, max_samples)
+
+
+def pass_at_k(
+    rollout, items: list[dict[str, Any]], workflow, n_samples: int, max_samples: int | None = None
+) -> dict[str, float]:
+    """pass@k of ``workflow`` sampling ``n_samples`` sequences per item (``gconfig.n_samples``, as the
+    built-in workflows do), on the first ``max_samples`` of ``items`` when given.
+
+    Returns what :func:`pass_at_1` does, ``eval/pass@1`` being the mean over all sequences, and
+    ``eval/pass@k`` for k = 2, 4, ... and ``n_samples``: the share of items solved by at least one of k
+    sequences drawn from their ``n_samples``, by the unbiased estimator (Chen et al., 2021,
+    ``1 - C(n - c, k) / C(n, k)`` for ``c`` solved of ``n``). Without ``n_samples`` sequences of each
+    item returned (a workflow that returns another count), only pass@1 is given, with a warning.
+    """
     items = items[:max_samples] if max_samples is not None else items
     traj = rollout.rollout_batch(items, workflow, is_eval=True)
     rewards = traj.get("rewards")
@@ -88,12 +112,32 @@ def pass_at_1(rollout, items: list[dict[str, Any]], workflow, max_samples: int |
     if n == 0:
         logger.warning("evaluation returned no sequences for %d items (all rejected?)", len(items))
         return {"eval/pass@1": 0.0, "eval/n_samples": 0.0, "eval/reward": 0.0}
-    rewards = rewards.float()
-    return {
-        "eval/pass@1": (rewards > _CORRECT).float().mean().item(),
+    rewards = rewards.double().flatten()
+    solved = rewards > _CORRECT
+    stats = {
+        "eval/pass@1": solved.double().mean().item(),
         "eval/n_samples": float(n),
         "eval/reward": rewards.mean().item(),
     }
+    if n_samples == 1:
+        return stats
+    if n % n_samples:
+        logger.warning("evaluation: %d sequences came back, not %d per item: pass@k is not computed", n, n_samples)
+        return stats
+    counts = solved.view(-1, n_samples).sum(1).tolist()
+    for k in _ks(n_samples):
+        stats[f"eval/pass@{k}"] = sum(_pass_at(n_samples, c, k) for c in counts) / len(counts)
+    return stats
+
+
+def _ks(n: int) -> list[int]:
+    """2, 4, 8, ... below ``n``, then ``n``."""
+    return [2**i for i in range(1, n.bit_length()) if 2**i < n] + [n]
+
+
+def _pass_at(n: int, c: int, k: int) -> float:
+    """The chance that k of n sequences, c of them solved, drawn without replacement hold a solved one."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def _warn_if_sampling(workflow) -> None:

@@ -400,6 +400,8 @@ BAD += [
         "finds in it are ['train']",
     ),
     case("dataset-dir-empty", ["train_dataset.path=@files/no_data"], "train_dataset.path", "holds no data files"),
+    case("eval-no-samples", ["evaluator.n_samples=0"], "evaluator.n_samples", "must be >= 1"),
+    case("eval-temperature-zero", ["evaluator.temperature=0"], "evaluator.temperature", "null decodes greedily"),
     case("fileroot-is-file", ["cluster.fileroot=@files/chat.jsonl/out"], "cluster.fileroot", "is a file"),
     case("fileroot-unwritable", ["cluster.fileroot=/proc/megarl"], "cluster.fileroot", "cannot write in /proc"),
     case("heap-growth-not-above-1", ["cluster.cpu_heap_growth=1.0"], "cluster.cpu_heap_growth", "must be > 1"),

@@ -280,6 +280,21 @@ def test_workflows_are_built_with_the_run_arguments_they_take():
         wf.close()
 
 
+def test_the_evaluation_twin_samples_as_the_evaluator_says():
+    from transformers import AutoTokenizer
+
+    from megarl.models import resolve_model_path
+    from megarl.run.components import build_workflows
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    for overrides, sampling in (((), (1, True)), (("evaluator.n_samples=4", "evaluator.temperature=0.6"), (4, False))):
+        workflow, evaluation = build_workflows(_load(*overrides), tokenizer)
+        assert (evaluation.gconfig.n_samples, evaluation.gconfig.greedy) == sampling
+        assert workflow.gconfig.n_samples == 8 and not workflow.gconfig.greedy  # training samples as before
+        workflow.close()
+    assert evaluation.gconfig.temperature == 0.6
+
+
 def test_a_user_loss_takes_its_own_keyword_arguments_from_the_config(user_module):
     config = _load(f"actor.loss={user_module}.scaled_loss", "actor.loss_kwargs.beta=0.5")
     assert config.actor.loss_kwargs == {"beta": 0.5}

@@ -1,13 +1,16 @@
-"""Evaluator frequency and greedy pass@1 through a real rollout client on a fake server."""
+"""Evaluator frequency, greedy pass@1 and sampled pass@k through a real rollout client on a fake server."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 
-from megarl.api import ModelRequest, make_trajectory
+from megarl.api import ModelRequest, concat_padded_tensors, make_trajectory
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.run import EvaluatorConfig
-from megarl.run.evaluator import Evaluator, pass_at_1
+from megarl.run.evaluator import Evaluator, evaluation_gconfig, pass_at_1, pass_at_k
 from megarl.workflow import workflow_context
 from tests.rollout.conftest import make_engine, start_fake_servers
 
@@ -119,3 +122,53 @@ def test_pass_at_1_with_every_episode_rejected_is_zero(rollout, caplog):
 def test_pass_at_1_warns_about_a_sampling_workflow(rollout, caplog):
     pass_at_1(rollout, [{"reward": 1.0}], ScoredWorkflow(greedy=False))
     assert "not greedy pass@1" in caplog.text
+
+
+class SampledWorkflow:
+    """``n_samples`` generations per item; sample i's reward is ``data["rewards"][i]``."""
+
+    def __init__(self, n_samples: int):
+        self.gconfig = GenerationHyperparameters(n_samples=n_samples, max_new_tokens=2, greedy=False)
+
+    async def arun_episode(self, engine, data):
+        rows = []
+        for reward in data["rewards"]:
+            resp = await engine.agenerate(ModelRequest(input_ids=[11, 12], gconfig=self.gconfig.new(n_samples=1)))
+            rows.append(
+                make_trajectory(
+                    resp.input_tokens, resp.output_tokens, resp.output_logprobs, resp.output_versions, reward
+                )
+            )
+        return concat_padded_tensors(rows)
+
+
+def reference_pass_at_k(solved: list[list[bool]], k: int) -> float:
+    """Every k-subset of each item's sequences counted: the share holding a solved one, averaged over items."""
+    shares = [sum(any(subset) for subset in itertools.combinations(row, k)) / math.comb(len(row), k) for row in solved]
+    return sum(shares) / len(shares)
+
+
+def test_pass_at_k_of_sampled_sequences_matches_counting_every_subset(rollout):
+    rewards = [[1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0] * 6, [1.0, 1.0, 0.0, 1.0, 0.0, 0.0], [1.0] * 6]
+    stats = pass_at_k(rollout, [{"rewards": r} for r in rewards], SampledWorkflow(6), 6)
+    solved = [[r > 0.5 for r in row] for row in rewards]
+    assert set(stats) == {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/pass@6", "eval/n_samples", "eval/reward"}
+    for k in (1, 2, 4, 6):
+        assert stats[f"eval/pass@{k}"] == pytest.approx(reference_pass_at_k(solved, k), abs=1e-12), k
+    assert stats["eval/pass@6"] == 0.75 and stats["eval/n_samples"] == 24.0
+
+
+def test_pass_at_k_without_n_sequences_per_item_gives_pass_at_1_and_says_why(rollout, caplog):
+    stats = pass_at_k(rollout, [{"rewards": [1.0, 0.0]}, {"rewards": [1.0]}], SampledWorkflow(2), 2)
+    assert stats == {"eval/pass@1": pytest.approx(2 / 3), "eval/n_samples": 3.0, "eval/reward": pytest.approx(2 / 3)}
+    assert "3 sequences came back, not 2 per item" in caplog.text
+
+
+def test_the_evaluations_sampling_follows_the_evaluator_config():
+    gconfig = GenerationHyperparameters(n_samples=8, temperature=0.7)
+    greedy = evaluation_gconfig(EvaluatorConfig(), gconfig)
+    assert (greedy.n_samples, greedy.greedy) == (1, True)
+    sampled = evaluation_gconfig(EvaluatorConfig(n_samples=4), gconfig)
+    assert (sampled.n_samples, sampled.greedy, sampled.temperature) == (4, False, 0.7)
+    hotter = evaluation_gconfig(EvaluatorConfig(n_samples=1, temperature=1.0), gconfig)
+    assert (hotter.n_samples, hotter.greedy, hotter.temperature) == (1, False, 1.0)

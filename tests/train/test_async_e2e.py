@@ -24,6 +24,11 @@ def test_a_run_at_staleness_one_trains_on_the_weights_before_the_last_update(tmp
         "total_train_steps=4",
         "rollout.max_staleness=1",
         "actor.skip_zero_advantage=false",  # every step runs its loss (two samples often share one reward)
+        # and, at the last step, an evaluation sampling 4 answers per prompt (evaluator.n_samples)
+        "valid_dataset={path: arithmetic, type: chat, split: test, batch_size: 4}",
+        "evaluator.freq_steps=4",
+        "evaluator.max_samples=4",
+        "evaluator.n_samples=4",
     )
     steps = read_metrics(tmp_path / "arithmetic-grpo-cpu" / "trial0")
     assert len(steps) == 4
@@ -33,3 +38,8 @@ def test_a_run_at_staleness_one_trains_on_the_weights_before_the_last_update(tmp
     # the decoupled loss: the behaviour weight pi_prox / pi_behav of tokens sampled by older weights
     assert all(step["ppo_actor/behave_imp_weight/avg"] > 0 for step in stale)
     assert all(step["ppo_actor/loss"] == step["ppo_actor/loss"] for step in steps)  # finite
+    evaluation = steps[-1]
+    assert evaluation["eval/n_samples"] == 16  # 4 prompts x 4 sampled answers
+    pass_at = [evaluation[f"eval/pass@{k}"] for k in (1, 2, 4)]
+    assert 0 <= pass_at[0] <= pass_at[1] <= pass_at[2] <= 1, pass_at
+    assert not any("eval/" in key for step in steps[:-1] for key in step)
