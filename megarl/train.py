@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from megarl.actor.advantages import shape_rewards
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.ppo import MegatronPPOActor, replayed_truncation
@@ -40,6 +41,7 @@ from megarl.actor.reference import AdapterReference
 from megarl.api import context as workflow_context
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config import GRPOConfig, save_config
+from megarl.config.ppo import PPOActorConfig
 from megarl.data import create_dataloader, load_rl_dataset
 from megarl.reward.executor import describe_in_flight as describe_rewards_in_flight
 from megarl.reward.failures import find_reward_error
@@ -124,7 +126,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
         nvtx_range(t, "rollout"),
         rollout_bar(t.progress if t.rollout is not None else None, batch_per_head(t)) as progress,
     ):
-        accept = should_accept_fn(cfg.dynamic_filter, cfg.group_size)
+        accept = should_accept_fn(cfg.dynamic_filter, cfg.group_size, cfg.workflow.group_size, cfg.actor)
         batch = t.coordinator.prepare_batch(t.dataloader, t.workflow, accept, progress, lambda: readmit_servers(t))
     if t.rollout is not None:
         with stats_tracker.scope("rollout"):
@@ -217,22 +219,42 @@ def nvtx_range(t: Trainer, name: str):
     return torch.cuda.nvtx.range(name) if t.config.device == "cuda" else contextlib.nullcontext()
 
 
-def should_accept_fn(dynamic_filter: str, granularity: int):
+def should_accept_fn(dynamic_filter: str, granularity: int, runs: int = 1, actor: PPOActorConfig | None = None):
     """The rollout filter: one GRPO group of ``granularity`` rows per prompt, then ``config.dynamic_filter``.
 
     A workflow that returns another number of rows than ``granularity`` fails the step with
-    a message saying so (the advantages would otherwise mix prompts).
+    a message saying so (the advantages would otherwise mix prompts), unless the group is a grouped
+    rollout (``runs`` = ``workflow.group_size`` > 1) some of whose runs were rejected: that prompt is
+    rejected (GRPO needs whole groups), with a warning the first time in a step. ``uniform_reward`` judges the
+    rewards as the advantages see them: shaped by ``actor``'s ``reward_bias``, ``reward_scaling`` and
+    ``reward_clip``.
     """
+    per_run, warned = granularity // runs, []
 
     def accept(traj: dict) -> bool:
         rows = traj["attention_mask"].shape[0]
+        if rows < granularity and runs > 1 and rows % per_run == 0:
+            if not warned:
+                warned.append(True)
+                logger.warning(
+                    "a grouped rollout returned %d of %d trajectories for a prompt (%d of its workflow.group_size=%d "
+                    "runs rejected): the prompt is not trained on, as GRPO needs whole groups",
+                    rows,
+                    granularity,
+                    runs - rows // per_run,
+                    runs,
+                )
+            return False
         if rows != granularity:
             raise ValueError(
                 f"the workflow returned {rows} trajectories for one prompt, but a GRPO group here is {granularity} "
                 "(gconfig.n_samples x workflow.group_size = actor.group_size)"
             )
         if dynamic_filter == "uniform_reward":
-            return bool(traj["rewards"].numel() > 1 and traj["rewards"].std() > 0)
+            rewards = traj["rewards"].float()
+            if actor is not None:
+                rewards = shape_rewards(rewards, actor.reward_bias, actor.reward_scaling, actor.reward_clip)
+            return bool(rewards.numel() > 1 and rewards.std() > 0)
         return True
 
     return accept
@@ -401,7 +423,9 @@ def train(t: Trainer) -> dict[str, float]:
             t.actor.get_version(),
             info.extra.get("pending_items", []),
             t.workflow,
-            should_accept_fn(t.config.dynamic_filter, t.config.group_size),
+            should_accept_fn(
+                t.config.dynamic_filter, t.config.group_size, t.config.workflow.group_size, t.config.actor
+            ),
         )
     rank0 = dist.get_rank() == 0
     t.stats_logger = StatsLogger(

@@ -4,6 +4,11 @@ Sequences arrive grouped: ``group_size`` consecutive sequences answer the same
 prompt (the rollout side keeps groups contiguous and the coordinator splits the
 batch on group boundaries). Tensors are packed token tensors [T] with
 ``cu_seqlens`` [N+1], as in :mod:`megarl.actor.losses`.
+
+Each data-parallel rank holds a share of the batch: statistics at the ``batch`` level are sums
+all-reduced over ``group`` (the data-parallel group without context parallelism), so the
+advantages do not depend on the data-parallel size. Group-level statistics need no
+communication: a group never spans two ranks.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
+from megarl.actor import cpu_shim
 from megarl.actor.segments import sequence_ids
 
 NormLevel = Literal["group", "batch", "none"]
@@ -29,45 +36,57 @@ def normalize_rewards(
     std_level: NormLevel = "group",
     leave_one_out: bool = False,
     eps: float = 1e-5,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """GRPO-style normalisation of per-sequence rewards [N] → advantages [N].
 
     ``mean_level``/``std_level`` pick the statistics' scope (each prompt's group or the
-    whole batch); ``none`` skips that step (Dr.GRPO: ``std_level="none"``). With
-    ``leave_one_out`` the baseline of a sample is the mean of the *other* samples of
-    its scope (RLOO), which keeps the estimator unbiased.
+    whole batch, over the data-parallel ``group``'s shares); ``none`` skips that step (Dr.GRPO:
+    ``std_level="none"``). With ``leave_one_out`` the baseline of a sample is the mean of the
+    *other* samples of its scope (RLOO), which keeps the estimator unbiased. The std is the
+    population std.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [N], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of group_size={group_size}")
-    adv = rewards.float()
+    rewards = rewards.float()
+    adv = rewards
     if mean_level != "none":
-        adv = adv - _baseline(adv, _scope(adv, group_size, mean_level), leave_one_out)
+        total, count = _scope_sums(rewards, group_size, mean_level, group)
+        if not leave_one_out:
+            adv = adv - total / count
+        elif int(count.min()) < 2:
+            raise ValueError("leave-one-out baselines need at least 2 samples per scope")
+        else:
+            adv = adv - (total - rewards) / (count - 1)
     if std_level != "none":
-        scoped = _scope(rewards.float(), group_size, std_level)
-        std = scoped.std(dim=1, unbiased=False, keepdim=True).expand_as(scoped).reshape(-1)
-        adv = adv / (std + eps)
+        total, count = _scope_sums(rewards, group_size, std_level, group)
+        squares, _ = _scope_sums((rewards - total / count).square(), group_size, std_level, group)
+        adv = adv / ((squares / count).sqrt() + eps)
     return adv
 
 
-def _scope(values: torch.Tensor, group_size: int, level: NormLevel) -> torch.Tensor:
-    """[groups, members] view of ``values`` for the statistics of ``level``."""
+def _scope_sums(
+    values: torch.Tensor, group_size: int, level: NormLevel, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] sum of the ``values`` of each one's scope, and the scope's size (its group, or the whole batch)."""
     if level == "group":
-        return values.view(-1, group_size)
+        sums = values.view(-1, group_size).sum(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
+        return sums, torch.full_like(values, group_size)
     if level == "batch":
-        return values.view(1, -1)
+        total = batch_sum(torch.stack([values.sum(), torch.tensor(float(values.numel()))]), group)
+        return total[0].expand_as(values), total[1].expand_as(values)
     raise ValueError(f"unknown normalisation level {level!r}; expected 'group', 'batch' or 'none'")
 
 
-def _baseline(values: torch.Tensor, scoped: torch.Tensor, leave_one_out: bool) -> torch.Tensor:
-    members = scoped.shape[1]
-    if not leave_one_out:
-        return scoped.mean(dim=1, keepdim=True).expand_as(scoped).reshape(-1)
-    if members < 2:
-        raise ValueError("leave-one-out baselines need at least 2 samples per scope")
-    total = scoped.sum(dim=1, keepdim=True)
-    return ((total - scoped) / (members - 1)).reshape(-1)
+def batch_sum(local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``local`` summed over the data-parallel ranks of ``group`` (each holding a share of the batch)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return local
+    total = local.to(cpu_shim.device(), copy=True)  # NCCL reduces device tensors
+    dist.all_reduce(total, group=group)
+    return total.to(local.device)
 
 
 def broadcast_to_tokens(per_sequence: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -145,6 +164,7 @@ def grpo_advantages(
     eps: float = 1e-5,
     kl_token_rewards: torch.Tensor | None = None,
     gamma: float = 1.0,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Token advantages [T] for GRPO.
 
@@ -153,7 +173,7 @@ def grpo_advantages(
     return-to-go of those per-token penalties is added, so a token is charged for
     the divergence of itself and what follows it.
     """
-    seq_adv = normalize_rewards(rewards, group_size, mean_level, std_level, leave_one_out, eps)
+    seq_adv = normalize_rewards(rewards, group_size, mean_level, std_level, leave_one_out, eps, group)
     mask = loss_mask.bool()
     adv = torch.where(
         mask, broadcast_to_tokens(seq_adv, cu_seqlens, mask.numel()), torch.zeros_like(mask, dtype=torch.float32)
@@ -177,6 +197,7 @@ def gae_advantages(
     std_level: NormLevel = "batch",
     eps: float = 1e-5,
     kl_token_rewards: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token advantages [T] and returns [T] for PPO with a critic (``algorithm.adv_estimator: gae``).
 
@@ -192,7 +213,7 @@ def gae_advantages(
     if kl_token_rewards is not None:
         token_rewards = token_rewards + kl_token_rewards.float()
     advantages, returns = gae(token_rewards, values, mask, cu_seqlens, gamma=gamma, lam=lam)
-    advantages = normalize_token_advantages(advantages, mask, cu_seqlens, group_size, mean_level, std_level, eps)
+    advantages = normalize_token_advantages(advantages, mask, cu_seqlens, group_size, mean_level, std_level, eps, group)
     return advantages, returns
 
 
@@ -204,8 +225,10 @@ def normalize_token_advantages(
     mean_level: NormLevel = "batch",
     std_level: NormLevel = "batch",
     eps: float = 1e-5,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Whiten token advantages [T] over the loss tokens of each group (or the whole batch).
+    """Whiten token advantages [T] over the loss tokens of each group (or the whole batch, over the
+    data-parallel ``group``'s shares).
 
     The mean and the (population) std are taken over the loss tokens of the scope; ``none``
     skips that step. Tokens outside ``loss_mask`` stay 0.
@@ -217,10 +240,11 @@ def normalize_token_advantages(
     seq = sequence_ids(cu_seqlens, mask.numel())
     out = advantages.float()
     if mean_level != "none":
-        mean, _ = _token_moments(out, mask, _token_scope(seq, group_size, mean_level))
+        mean, _ = _token_moments(out, mask, _token_scope(seq, group_size, mean_level), _batch(mean_level, group))
         out = out - mean
     if std_level != "none":
-        _, var = _token_moments(advantages.float(), mask, _token_scope(seq, group_size, std_level))
+        scope = _token_scope(seq, group_size, std_level)
+        _, var = _token_moments(advantages.float(), mask, scope, _batch(std_level, group))
         out = out / (var.sqrt() + eps)
     return torch.where(mask, out, torch.zeros_like(out))
 
@@ -234,17 +258,23 @@ def _token_scope(seq: torch.Tensor, group_size: int, level: NormLevel) -> torch.
     raise ValueError(f"unknown normalisation level {level!r}; expected 'group', 'batch' or 'none'")
 
 
-def _token_moments(values: torch.Tensor, mask: torch.Tensor, scope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T] mean and variance of the masked ``values`` of each token's scope."""
+def _batch(level: NormLevel, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    return group if level == "batch" else None
+
+
+def _token_moments(
+    values: torch.Tensor, mask: torch.Tensor, scope: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T] mean and variance of the masked ``values`` of each token's scope (sums over ``group`` when given)."""
     zeros = torch.zeros(int(scope.max()) + 1 if scope.numel() else 1, device=values.device)
     weights = mask.float()
-    count = zeros.index_add(0, scope, weights).clamp(min=1)
-    mean = zeros.index_add(0, scope, values * weights) / count
-    var = zeros.index_add(0, scope, (values - mean[scope]).square() * weights) / count
+    count = batch_sum(zeros.index_add(0, scope, weights), group).clamp(min=1)
+    mean = batch_sum(zeros.index_add(0, scope, values * weights), group) / count
+    var = batch_sum(zeros.index_add(0, scope, (values - mean[scope]).square() * weights), group) / count
     return mean[scope], var[scope]
 
 
-def grpo_estimate(rewards, values, loss_mask, cu_seqlens, cfg, kl_token_rewards=None):
+def grpo_estimate(rewards, values, loss_mask, cu_seqlens, cfg, kl_token_rewards=None, group=None):
     """``algorithm.adv_estimator: grpo`` with the actor's settings: (advantages [T], None)."""
     norm = cfg.adv_norm
     advantages = grpo_advantages(
@@ -258,11 +288,12 @@ def grpo_estimate(rewards, values, loss_mask, cu_seqlens, cfg, kl_token_rewards=
         eps=norm.eps,
         kl_token_rewards=kl_token_rewards,
         gamma=cfg.discount,
+        group=group,
     )
     return advantages, None
 
 
-def gae_estimate(rewards, values, loss_mask, cu_seqlens, cfg, kl_token_rewards=None):
+def gae_estimate(rewards, values, loss_mask, cu_seqlens, cfg, kl_token_rewards=None, group=None):
     """``algorithm.adv_estimator: gae`` with the actor's settings and a critic's ``values`` [T]:
     (advantages [T], returns [T])."""
     norm = cfg.adv_norm
@@ -278,9 +309,11 @@ def gae_estimate(rewards, values, loss_mask, cu_seqlens, cfg, kl_token_rewards=N
         std_level=norm.std_level,
         eps=norm.eps,
         kl_token_rewards=kl_token_rewards,
+        group=group,
     )
 
 
 ADVANTAGE_ESTIMATORS = {"grpo": grpo_estimate, "gae": gae_estimate}
 """``actor.adv_estimator`` -> ``fn(rewards [N], values [T] | None, loss_mask [T], cu_seqlens, actor config,
-kl_token_rewards [T] | None) -> (advantages [T], returns [T] | None)``: pure, it returns what it computes."""
+kl_token_rewards [T] | None, group) -> (advantages [T], returns [T] | None)``: it returns what it computes;
+``group``, the data-parallel group, is where batch-level statistics are summed."""

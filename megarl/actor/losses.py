@@ -146,7 +146,8 @@ def weigh_by_behaviour(
             weights = behaviour_weights(proximal_logprobs, old_logprobs, mask, correction, cu_seqlens)
         else:
             weights = capped_weights(proximal_logprobs, old_logprobs, mask, behav_imp_weight_cap)
-        loss = loss * weights.weight
+        # masked first: a masked token's weight may be inf (exp of a huge log-ratio), and 0 * inf has no gradient
+        loss = loss * torch.where(weights.masked, torch.zeros_like(weights.weight), weights.weight)
         behav_weight, capped, truncated = weights.raw, weights.masked, weights.truncated
     kept = mask & ~capped
     return PolicyLossOutput(
@@ -205,17 +206,28 @@ def policy_loss(
     )
 
 
+K3_LOG_RATIO_BOUND = 20.0
+K3_BOUND = 10.0
+"""verl's bounds on the k3 estimator (``low_var_kl``): the log-ratio, then the estimate."""
+
+
 def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Literal["k1", "k2", "k3"]
 ) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3)."""
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3).
+
+    k3 is bounded as verl's ``low_var_kl`` is: the log-ratio clamped to [-20, 20], the estimate to at
+    most 10, so a token the reference finds near impossible neither overflows nor dominates the loss
+    (its gradient is 0 beyond the bounds).
+    """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     if estimator == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1.0
+        log_ratio = log_ratio.clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+        return (torch.exp(-log_ratio) + log_ratio - 1.0).clamp(max=K3_BOUND)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 

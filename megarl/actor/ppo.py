@@ -154,7 +154,8 @@ class MegatronPPOActor(MegatronEngine):
         kl_token_rewards = kl_rewards.flatten() if cfg.kl_in_reward and cfg.kl_ctl > 0 else None
         values = data["values"].flatten() if "values" in data else None
         estimate = adv_fns.ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
-        advantages, returns = estimate(rewards, values, loss_mask.flatten(), cu_seqlens, cfg, kl_token_rewards)
+        group = self.parallel.data_group if self.parallel is not None else None  # batch-level statistics
+        advantages, returns = estimate(rewards, values, loss_mask.flatten(), cu_seqlens, cfg, kl_token_rewards, group)
         if returns is not None:  # the critic regresses on them
             data["returns"] = returns.view(batch_size, seq_len)
             data["values"] = data["values"].float() * loss_mask
@@ -169,7 +170,7 @@ class MegatronPPOActor(MegatronEngine):
         cfg = self.config
         if cfg.kl_ctl > 0 and not cfg.kl_in_reward and "ref_logp" not in data:
             raise ValueError("a KL loss (kl_ctl > 0, kl_in_reward False) needs data['ref_logp']")
-        norm_len = cfg.dr_grpo_norm_len or data["attention_mask"].shape[1]
+        norm_len = cfg.dr_grpo_norm_len or self._batch_width(data)
         loss_fn = partial(ppo_loss, cfg=cfg, norm_len=norm_len, surrogate_fn=policy_surrogate(cfg))  # resolved once
         weight_fn = partial(ppo_loss_weight, mode=cfg.loss_agg_mode)
         all_stats = []
@@ -190,6 +191,12 @@ class MegatronPPOActor(MegatronEngine):
                     self.gap.finish(self.parallel.dp_group)
                 all_stats.append(export_stats(self.parallel))
         return all_stats
+
+    def _batch_width(self, data: dict) -> int:
+        """The padded length of the whole batch: the longest of the data-parallel shares' (Dr. GRPO's
+        constant divisor when ``dr_grpo_norm_len`` is null, the same on every rank)."""
+        width = data["attention_mask"].shape[1]
+        return width if self.parallel is None else all_reduce_max([width], self.parallel)[0]
 
     def _minibatches(self, data: dict):
         """``(epoch, index, mini-batch)``: ``ppo_n_epochs`` passes over ``ppo_n_minibatches`` mini-batches."""

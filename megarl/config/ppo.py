@@ -222,7 +222,8 @@ class PPOActorConfig(TrainEngineConfig):
     stats (entropy, ratios) then cover the sequences trained on; ``ppo_actor/skipped_seqs`` counts the rest."""
     dr_grpo_norm_len: int | None = None
     """Constant divisor of a sequence's token-loss sum for ``seq-mean-token-sum-norm`` (Dr.GRPO):
-    the generation budget (max_new_tokens). None uses the padded length of the batch."""
+    the generation budget (max_new_tokens). None uses the padded length of the whole batch (the longest
+    of the data-parallel shares', the same on every rank)."""
 
     def check(self) -> None:
         super().check()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megarl.actor.losses import aggregate, clipped_surrogate, kl_penalty, policy_loss
+from megarl.config.ppo import RolloutCorrectionConfig
 from tests.numerics import assert_within, ppo_token_relative_error, unit_roundoff
 
 T = torch.tensor
@@ -70,6 +71,28 @@ def test_decoupled_ppo_weights_and_caps_behaviour_ratio():
     assert torch.isclose(total / weight, T(-2.6 / 3))  # as AReaL: a capped token still counts in the denominator
 
 
+@pytest.mark.parametrize("mode", ["none", "mask", "two_sided_mask"])
+def test_a_masked_token_whose_behaviour_weight_overflows_has_a_zero_gradient(mode):
+    """prox - old = 94 makes exp() inf in fp32: the token is masked (zero loss), and its gradient is 0, not
+    the NaN of 0 * inf that would reach every parameter."""
+    logp = T([-1.0, -1.2, -0.5]).requires_grad_()
+    prox, old = T([-1.0, -1.1, -0.6]), T([-1.1, -1.0, -95.0])
+    correction = RolloutCorrectionConfig(mode=mode, upper=5.0) if mode != "none" else None
+    out = policy_loss(
+        logp,
+        old,
+        T([1.0, -1.0, 0.5]),
+        T([1, 1, 1]),
+        eps_clip=0.2,
+        proximal_logprobs=prox,
+        behav_imp_weight_cap=5.0,
+        correction=correction,
+    )
+    out.loss.sum().backward()
+    assert out.capped.tolist() == [False, False, True] and out.loss[2] == 0
+    assert torch.isfinite(logp.grad).all() and logp.grad[2] == 0, logp.grad
+
+
 def test_policy_gradient_flows_only_through_logprobs():
     logp = T([math.log(0.5), math.log(0.5)]).requires_grad_()
     prox = T([math.log(0.5), math.log(0.5)])
@@ -109,6 +132,12 @@ def test_kl_estimators_by_hand():
     assert torch.allclose(kl_penalty(logp, ref, "k2"), T([0.5 * d * d]))
     assert torch.allclose(kl_penalty(logp, ref, "k3"), T([0.5 + d - 1.0]))  # ref/p - log(ref/p) - 1
     assert torch.all(kl_penalty(T([-1.0, -2.0]), T([-1.0, -2.0]), "k3") == 0)
+    # bounded as verl's low_var_kl: a near-impossible token under the reference neither overflows nor dominates
+    far = T([-95.0, -30.0, -1.5]).requires_grad_()
+    k3 = kl_penalty(far, T([-1.0, -1.0, -1.0]), "k3")
+    k3.sum().backward()
+    assert k3[:2].tolist() == [10.0, 10.0] and far.grad[:2].tolist() == [0.0, 0.0]
+    assert k3[2].item() == pytest.approx(math.exp(0.5) - 0.5 - 1.0)  # inside the bounds: the estimate itself
     with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
         kl_penalty(logp, ref, "k4")
 

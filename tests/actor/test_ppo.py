@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megarl.actor import losses
+from megarl.config.ppo import NormConfig
 from tests.actor.dist_utils import run_ranks
 from tests.actor.test_advantages import group_normalized_bounds
 from tests.actor.workers import make_batch
@@ -102,3 +103,29 @@ def test_ppo_update_matches_single_rank(llama_dir, batch, tp1, alloc):
         rows = [g * group + i for g in range(r["dp_rank"], len(LENGTHS) // group, dp) for i in range(group)]
         after[rows] = r["logp_after"]
     assert (after - tp1["logp_after"]).abs().max() <= 1e-4
+
+
+BATCH_LEVEL = [  # batch-level statistics: over the whole batch, not a rank's share
+    {"adv_estimator": "grpo", "adv_norm": NormConfig(mean_level="batch", std_level="batch")},
+    {"adv_estimator": "grpo", "adv_norm": NormConfig(mean_level="batch", std_level="group", mean_leave1out=True)},
+    {"adv_estimator": "gae", "adv_norm": NormConfig(mean_level="batch", std_level="batch")},
+]
+
+
+def test_batch_level_advantages_do_not_depend_on_the_data_parallel_split(llama_dir, batch):
+    """DP2 shares hold 4 rows each, each cut to its own longest row: the batch mean, std and Dr. GRPO's
+    padded length are the whole batch's, as on one rank."""
+    batch = {**batch, "values": torch.randn(batch["attention_mask"].shape, generator=torch.Generator().manual_seed(3))}
+    kwargs = dict(model_dir=str(llama_dir), batch=batch, settings=BATCH_LEVEL)
+    (one,) = run_ranks(1, "tests.actor.workers:advantages_on_shares", alloc="d1p1t1", **kwargs)
+    two = run_ranks(2, "tests.actor.workers:advantages_on_shares", alloc="d2p1t1", **kwargs)
+    shape = batch["attention_mask"].shape
+    for i, setting in enumerate(BATCH_LEVEL):
+        want = one["advantages"][i]
+        got = torch.zeros(shape)
+        for r in two:  # rank r holds groups r::2 (split_groups), cut to its own width
+            rows = [g * 2 + j for g in range(r["dp_rank"], shape[0] // 2, 2) for j in range(2)]
+            got[rows, : r["advantages"][i].shape[1]] = r["advantages"][i]
+        # fp32 sums of 8 rewards or ~70 token advantages in another order: a few ulps of values near 1
+        assert (got[:, : want.shape[1]] - want).abs().max() <= 1e-5, setting
+    assert [r["batch_width"] for r in two] == [one["batch_width"]] * 2 == [max(LENGTHS)] * 2

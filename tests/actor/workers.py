@@ -324,6 +324,27 @@ def ppo_actor_step(model_dir: str, alloc: str, batch: dict, **overrides) -> dict
     return {"stats": stats, "data": data, "logp_after": actor.compute_logp(data), "dp_rank": p.dp_rank}
 
 
+def advantages_on_shares(model_dir: str, alloc: str, batch: dict, settings: list[dict]) -> dict:
+    """compute_advantages of MegatronPPOActor under each of ``settings`` (config fields) on this rank's DP
+    share, cut to its own longest row as the rollout side hands it over; and Dr. GRPO's batch width."""
+    actor = _ppo_actor(model_dir, alloc, {})
+    p = actor.parallel
+    share = split_groups(batch, p.dp_rank, p.alloc.dp, actor.config.group_size)
+    width = int(share["attention_mask"].sum(1).max())
+    share = {k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in share.items()}
+    share["prox_logp"] = share["logprobs"].clone()
+    advantages = []
+    for fields in settings:
+        for key, value in fields.items():
+            setattr(actor.config, key, value)
+        data = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in share.items()}
+        if actor.config.adv_estimator != "gae":
+            del data["values"]  # a critic's, for GAE only
+        actor.compute_advantages(data)
+        advantages.append(data["advantages"])
+    return {"advantages": advantages, "dp_rank": p.dp_rank, "batch_width": actor._batch_width(share)}
+
+
 def prox_paths(model_dir: str, batch: dict, **overrides) -> dict:
     """Loss and gradients of one PPO update with the proximal logprobs from a pass of their own vs
     from the update's forward (``needs_prox_pass`` False): same weights, same batch."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megarl.config.base import ConfigError
+from megarl.config.ppo import PPOActorConfig
 from megarl.train import should_accept_fn
 from megarl.utils.plugins import import_plugin
 
@@ -25,6 +26,23 @@ def test_uniform_reward_filter_rejects_groups_without_signal():
     assert not should_accept_fn("uniform_reward", 2)(_group([0.0, 0.0]))
     assert not should_accept_fn("uniform_reward", 1)(_group([1.0])), "a group of one has no baseline to learn against"
     assert should_accept_fn("none", 4)(_group([1.0, 1.0, 1.0, 1.0]))
+
+
+def test_uniform_reward_filter_judges_the_shaped_rewards():
+    """Rewards 25, 30, 21 and 40 differ, but clipped at 20 they are one reward: no advantage, dropped."""
+    actor = PPOActorConfig(path="unused", reward_clip=20.0)
+    assert not should_accept_fn("uniform_reward", 4, actor=actor)(_group([25.0, 30.0, 21.0, 40.0]))
+    assert should_accept_fn("uniform_reward", 4, actor=actor)(_group([25.0, 30.0, 21.0, 10.0]))
+
+
+def test_a_grouped_rollout_with_a_rejected_run_rejects_the_prompt(caplog):
+    """workflow.group_size=2 of 2 samples: one run rejected leaves 2 of 4 rows, a prompt not to train on."""
+    accept = should_accept_fn("none", 4, runs=2)
+    assert not accept(_group([1.0, 0.0])) and not accept(_group([1.0, 1.0]))
+    assert caplog.text.count("returned 2 of 4 trajectories for a prompt (1 of its workflow.group_size=2") == 1
+    assert accept(_group([1.0, 0.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="returned 3 trajectories for one prompt"):  # not whole runs: a bug
+        accept(_group([1.0, 0.0, 1.0]))
 
 
 def test_a_workflow_returning_another_group_size_fails_naming_the_keys():
