@@ -465,7 +465,7 @@ def close(t: Trainer) -> None:
     if t.stats_logger is not None:
         t.stats_logger.close()
     for wf in (t.workflow, t.eval_workflow):
-        if wf is not None:
+        if hasattr(wf, "close"):  # a workflow need only have arun_episode
             wf.close()
     if t.rollout is not None:
         t.rollout.destroy()

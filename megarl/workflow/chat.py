@@ -22,22 +22,32 @@ _ANCHOR = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y
 
 
 def render_chat_ids(
-    tokenizer, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None, add_generation_prompt: bool = False
+    tokenizer,
+    messages: Sequence[dict[str, Any]],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = False,
+    **template_kwargs: Any,
 ) -> list[int]:
-    """``messages`` (and ``tools``, for templates that render them) through the chat template, as ids."""
+    """``messages`` (and ``tools``, for templates that render them) through the chat template, as ids;
+    ``template_kwargs`` (e.g. ``enable_thinking``) are the template's variables."""
     ids = tokenizer.apply_chat_template(
         list(messages),
         tools=tools or None,
         tokenize=True,
         add_generation_prompt=add_generation_prompt,
         return_dict=False,
+        **template_kwargs,
     )
     return list(ids)
 
 
-def next_turn_ids(tokenizer, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+def next_turn_ids(
+    tokenizer, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None, **template_kwargs: Any
+) -> list[int]:
     """Ids the chat template puts after an assistant turn's end-of-sequence token, up to the next
-    generation prompt: the rest of that turn (a ChatML newline), then ``messages``.
+    generation prompt: the rest of that turn (a ChatML newline), then ``messages``. The template
+    renders with ``template_kwargs``: those of the conversation's first prompt (e.g. ``enable_thinking``,
+    whose generation prompt differs on Qwen3), so that every turn is prompted alike.
 
     Appended to sampled ids that end with the EOS token, they give what the template renders
     for the whole conversation. Found as AReaL's ``concat`` mode finds them: an anchor
@@ -46,13 +56,13 @@ def next_turn_ids(tokenizer, messages: Sequence[dict[str, Any]], tools: list[dic
     that render the last assistant turn differently, e.g. Qwen3's empty think block.)
     """
     eos = tokenizer.eos_token_id
-    k = render_chat_ids(tokenizer, _ANCHOR, tools).count(eos) if eos is not None else 0
+    k = render_chat_ids(tokenizer, _ANCHOR, tools, **template_kwargs).count(eos) if eos is not None else 0
     if k == 0:
         raise ValueError(
             f"the chat template does not end an assistant turn with the tokenizer's EOS token "
             f"({tokenizer.eos_token!r}); multi-turn token-in/token-out needs it"
         )
-    full = render_chat_ids(tokenizer, _ANCHOR + list(messages), tools, add_generation_prompt=True)
+    full = render_chat_ids(tokenizer, _ANCHOR + list(messages), tools, add_generation_prompt=True, **template_kwargs)
     ends = [i for i, token in enumerate(full) if token == eos]
     if len(ends) < k:
         raise ValueError("the chat template renders earlier turns differently when more follow; cannot split it")

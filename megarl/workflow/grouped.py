@@ -13,7 +13,8 @@ from megarl.api.workflow_api import RolloutWorkflow
 class GroupedRolloutWorkflow(RolloutWorkflow):
     """Runs ``workflow.arun_episode`` ``group_size`` times concurrently and concatenates.
 
-    Members that return None are dropped; if all do, the group is None (rejected).
+    Members that return None are dropped; if all do, the group is None (rejected). ``warm_up``
+    and ``close`` reach the inner workflow where it has them.
     """
 
     def __init__(self, workflow: RolloutWorkflow, group_size: int):
@@ -35,3 +36,13 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
         if not valid:
             return None
         return concat_padded_tensors(valid)
+
+    def warm_up(self) -> None:
+        """Warm up the inner workflow (e.g. start its reward workers), if it has a ``warm_up``."""
+        if hasattr(self.workflow, "warm_up"):
+            self.workflow.warm_up()
+
+    def close(self) -> None:
+        """Close the inner workflow (e.g. stop its reward workers), if it has a ``close``."""
+        if hasattr(self.workflow, "close"):
+            self.workflow.close()

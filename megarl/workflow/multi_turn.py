@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -29,15 +30,18 @@ from megarl.workflow.rlvr import (
     default_get_input_ids_fn,
 )
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_REFLECTION_PROMPT = (
     "\nYour answer is either wrong or not parsable to the reward function. Please try to answer it again."
 )
 
 
-def reflection_token_ids(tokenizer, prompt: str = DEFAULT_REFLECTION_PROMPT) -> list[int]:
+def reflection_token_ids(tokenizer, prompt: str = DEFAULT_REFLECTION_PROMPT, **template_kwargs: Any) -> list[int]:
     """Token ids that follow an answer's end-of-sequence token: the user turn ``prompt`` and the
-    next generation prompt, as the chat template renders them (:func:`next_turn_ids`)."""
-    return next_turn_ids(tokenizer, [{"role": "user", "content": prompt}])
+    next generation prompt, as the chat template renders them with ``template_kwargs`` (those of the
+    first prompt, e.g. ``enable_thinking``; :func:`next_turn_ids`)."""
+    return next_turn_ids(tokenizer, [{"role": "user", "content": prompt}], **template_kwargs)
 
 
 class MultiTurnReflectionWorkflow(RolloutWorkflow):
@@ -51,7 +55,9 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         turn_discount: Reward factor per extra turn.
         reflection_prompt: User message injected after a wrong answer.
         max_context_len: Stop before a turn whose prompt plus ``max_new_tokens`` would
-            exceed this (the server's context length); None: no limit.
+            exceed this (the server's context length); None: no limit. A first prompt that
+            leaves no room for an answer rejects the episode (None), with a warning.
+        enable_thinking: Passed to the chat template for every turn's prompt (Qwen3-style thinking).
         reward_config: As for :class:`RLVRWorkflow`.
     """
 
@@ -87,7 +93,8 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         self.max_turns = max_turns
         self.turn_discount = turn_discount
         self.max_context_len = max_context_len
-        self.reflection_ids = reflection_token_ids(tokenizer, reflection_prompt)
+        self.reflection_ids = reflection_token_ids(tokenizer, reflection_prompt, enable_thinking=enable_thinking)
+        self._warned_prompt_too_long = False
 
     def _turn_budget(self, prompt_len: int) -> int:
         if self.max_context_len is None:
@@ -118,12 +125,26 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         final = reward * discount
         return episode.to_trajectory(final)
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any]:
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any] | None:
         rlvr = self.rlvr
         prompt_ids = rlvr.get_input_ids_fn(rlvr.data_extract_prompt_fn(data), self.tokenizer, rlvr.enable_thinking)
+        if self._turn_budget(len(prompt_ids)) < 1:
+            self._warn_prompt_too_long(len(prompt_ids))
+            return None
         samples = range(self.gconfig.n_samples)
         trajs = await asyncio.gather(*(self._run_one(engine, data, prompt_ids, i) for i in samples))
         return concat_padded_tensors(trajs)
+
+    def _warn_prompt_too_long(self, prompt_len: int) -> None:
+        """Say (once per workflow) that an episode was rejected: its prompt leaves no room for an answer."""
+        if not self._warned_prompt_too_long:
+            self._warned_prompt_too_long = True
+            logger.warning(
+                "MultiTurnReflectionWorkflow: a prompt of %d tokens leaves no room for an answer in "
+                "max_context_len=%d; its episode is rejected (this warning is not repeated for later ones)",
+                prompt_len,
+                self.max_context_len,
+            )
 
     def with_gconfig(self, gconfig: GenerationHyperparameters) -> MultiTurnReflectionWorkflow:
         """This workflow sampling with ``gconfig`` (e.g. greedy evaluation); it shares the reward workers."""

@@ -13,14 +13,16 @@ agent's session on the proxy (:mod:`megarl.workflow.openai_proxy`)::
 
 :class:`OpenAIAgentWorkflow` runs it ``gconfig.n_samples`` times per dataset item,
 concurrently, each run in its own session (and on its own deep copy of the item), and
-turns each run's recorded calls and reward into trajectories. The reward is AReaL's: a float
-is the last call's; a dict sets calls by completion id (``completion.id``); each earlier
-call then adds the next one's reward times ``turn_discount``.
+turns each run's recorded calls and reward into trajectories. The reward is AReaL's: a number
+(an int, a float, a bool, a numpy scalar or a one-element tensor) is the last call's; a dict sets
+calls by completion id (``completion.id``); each earlier call then adds the next one's reward
+times ``turn_discount``. The last call is the last one started (as in AReaL); a call the agent
+gave up on (its client timed out or hung up) is cancelled and not recorded.
 
 Export styles (AReaL's names):
 
 * ``concat`` (default): one row per run, the run's final conversation: the last call (the
-  last to finish) and the calls it continues (token in, token out). Their prompt, tool and
+  last started) and the calls it continues (token in, token out). Their prompt, tool and
   user ids have ``loss_mask`` 0, their sampled ids 1 with their own logprobs and versions.
   Its reward is the last call's (the float the run returned). One row per run keeps a GRPO
   group at ``n_samples`` rows. Calls off that conversation (a side question, an edited history) are
@@ -33,13 +35,16 @@ Export styles (AReaL's names):
 
 A run that raises fails the episode, its exception chained; so does a run that made no
 LLM call through the proxy, or whose call failed in the inference engine (even if the
-agent caught the error).
+agent caught the error). A run whose every call was refused because its prompt filled the
+context (``context_length_exceeded``, which the agent caught to stop) rejects the episode
+(None, with a warning once per workflow): its item is not trained on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import uuid
 from collections.abc import Coroutine
 from typing import Any, Literal
@@ -52,6 +57,8 @@ from megarl.reward.failures import RewardFailure, RewardFunctionError, as_reward
 from megarl.utils import stats_tracker
 from megarl.workflow.chat import Episode
 from megarl.workflow.openai_proxy import CallRecord, OpenAIProxy, ProxySession
+
+logger = logging.getLogger(__name__)
 
 ExportStyle = Literal["concat", "individual"]
 
@@ -81,8 +88,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     """Runs an agent behind the OpenAI-compatible proxy (AReaL's ``OpenAIProxyWorkflow``, inline mode).
 
     Args:
-        agent: An instance with ``async def run(self, data, **extra_kwargs)`` returning a float,
-            or a dict of floats by completion id.
+        agent: An instance with ``async def run(self, data, **extra_kwargs)`` returning a number,
+            or a dict of numbers by completion id.
         gconfig: Sampling of every call (what a request may change: :mod:`~megarl.workflow.openai_proxy`);
             ``n_samples`` runs per item. None: one run, the defaults.
         tokenizer: Its chat template renders the messages. None: the engine's (the tokenizer
@@ -120,12 +127,13 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.export_style = export_style
         self.turn_discount = turn_discount
         self.proxy = OpenAIProxy()
+        self._warned_context_rejection = False
 
     @property
     def agent_name(self) -> str:
         return type(self.agent).__qualname__
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any]:
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any] | None:
         tokenizer = self.tokenizer or getattr(engine, "tokenizer", None)
         if tokenizer is None:
             raise ValueError(
@@ -138,10 +146,12 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             for i in range(self.gconfig.n_samples)
         ]
         runs = await _gather_or_cancel([self._run(session, data) for session in sessions])
+        if any(rows is None for rows in runs):  # a GRPO group needs every run: the item is rejected
+            return None
         return concat_padded_tensors([row for rows in runs for row in rows])
 
-    async def _run(self, session: ProxySession, data: dict[str, Any]) -> list[dict[str, Any]]:
-        """One run of the agent in ``session``: its rows."""
+    async def _run(self, session: ProxySession, data: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """One run of the agent in ``session``: its rows, or None when its prompt did not fit the context."""
         async with self.proxy.serve(session) as extra_kwargs:
             try:
                 result = await self.agent.run(copy.deepcopy(data), **extra_kwargs)
@@ -149,6 +159,9 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 self._raise_if_a_call_failed(session)  # an engine failure behind the agent's error is the cause
                 raise AgentRunError(f"agent {self.agent_name}.run raised {type(e).__name__}: {e}") from e
         self._raise_if_a_call_failed(session)
+        if not session.calls and session.context_refusals:
+            self._warn_context_rejection(session.context_refusals)
+            return None
         if not session.calls:
             raise AgentRunError(
                 f"agent {self.agent_name}.run made no LLM call through the proxy: build its "
@@ -163,6 +176,18 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     def _raise_if_a_call_failed(self, session: ProxySession) -> None:
         if session.error is not None:
             raise AgentRunError(f"agent {self.agent_name}: an LLM call failed: {session.error!r}") from session.error
+
+    def _warn_context_rejection(self, refusals: int) -> None:
+        """Say (once per workflow) that an episode was rejected: its prompt did not fit the context."""
+        if not self._warned_context_rejection:
+            self._warned_context_rejection = True
+            logger.warning(
+                "agent %s: every LLM call of a run (%d) was refused, its prompt longer than max_context_len=%s "
+                "(context_length_exceeded); its episode is rejected (this warning is not repeated for later ones)",
+                self.agent_name,
+                refusals,
+                self.max_context_len,
+            )
 
     def with_gconfig(self, gconfig: GenerationHyperparameters) -> OpenAIAgentWorkflow:
         """This agent sampled with ``gconfig`` (e.g. greedy evaluation); the twin shares the proxy."""
@@ -187,11 +212,11 @@ def call_rewards(calls: list[CallRecord], result: Any, turn_discount: float, age
         unknown = sorted(set(own) - {call.id for call in calls})
         if unknown:
             raise AgentRunError(f"agent {agent_name}.run returned rewards of unknown completion ids {unknown}")
-    elif isinstance(result, int | float):
+    elif _is_number(result):
         own = {calls[-1].id: _finite(result, f"agent {agent_name}.run's reward")}
     else:
         raise AgentRunError(
-            f"agent {agent_name}.run returned {result!r}; expected its reward (a float) or a "
+            f"agent {agent_name}.run returned {result!r}; expected its reward (a number) or a "
             "dict of rewards by completion id"
         )
     rewards, carried = [], 0.0
@@ -199,6 +224,12 @@ def call_rewards(calls: list[CallRecord], result: Any, turn_discount: float, age
         carried = carried * turn_discount + own.get(call.id, 0.0)
         rewards.append(carried)
     return rewards[::-1]
+
+
+def _is_number(value: Any) -> bool:
+    """Whether ``value`` is a number as a reward function may return one (an int, a float, a bool, a numpy
+    scalar, a tensor): whatever ``float()`` takes, text aside."""
+    return hasattr(type(value), "__float__")
 
 
 def _finite(value: Any, what: str) -> float:

@@ -1,18 +1,20 @@
-"""Small parts of the trainer entry: the rollout filter and the plug-in import."""
+"""Small parts of the trainer entry: the rollout filter, the plug-in import, closing the workflows."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megarl.config.base import ConfigError
 from megarl.config.ppo import PPOActorConfig
-from megarl.train import should_accept_fn
+from megarl.train import close, should_accept_fn
 from megarl.utils.plugins import import_plugin
+from megarl.workflow import GroupedRolloutWorkflow
 
 
 def _group(rewards: list[float]) -> dict:
@@ -60,6 +62,43 @@ def test_plugin_import_errors_name_the_setting():
         import_plugin("megarl.reward.gsm8k.missing", "reward_fn")
     with pytest.raises(ConfigError, match="not of the form 'package.module.name'"):
         import_plugin("gsm8k_reward_fn", "reward_fn")
+
+
+class _Closing:
+    """A workflow with reward workers or a proxy to stop: ``close`` notes it in ``closed``."""
+
+    def __init__(self, closed: list):
+        self.closed = closed
+
+    async def arun_episode(self, engine, data):
+        return None
+
+    def close(self) -> None:
+        self.closed.append(self)
+
+
+class _NotebookWorkflow:
+    """The contract's least: ``arun_episode`` only, no ``close``."""
+
+    async def arun_episode(self, engine, data):
+        return None
+
+
+@pytest.mark.parametrize("eval_workflow", [None, _NotebookWorkflow()], ids=["no-eval", "eval-without-close"])
+def test_closing_the_trainer_closes_a_grouped_workflow_and_skips_one_without_close(eval_workflow):
+    closed, destroyed = [], []
+    inner = _Closing(closed)
+    t = SimpleNamespace(
+        stats_logger=None,
+        workflow=GroupedRolloutWorkflow(inner, 4),
+        eval_workflow=eval_workflow,
+        rollout=SimpleNamespace(destroy=lambda: destroyed.append("rollout")),
+        actor=SimpleNamespace(destroy=lambda: destroyed.append("actor")),
+        critic=None,
+    )
+    close(t)
+    assert closed == [inner], "the grouped workflow closes its inner one"
+    assert destroyed == ["rollout", "actor"]
 
 
 KEPT_HEAP = """

@@ -11,6 +11,7 @@ import asyncio
 import json
 
 import aiohttp
+import numpy as np
 import openai
 import pytest
 import torch
@@ -437,6 +438,17 @@ def test_an_agents_non_finite_reward_stops_the_run_as_a_reward_functions_does(to
     workflow = OpenAIAgentWorkflow(ToolAgent(turns=1, reward=reward), tokenizer=tokenizer)
     with pytest.raises(RewardFunctionError, match=match):
         run_episode(workflow, ScriptedLLM(tokenizer))
+
+
+@pytest.mark.parametrize(
+    "reward", [np.float32(0.5), np.int64(1), torch.tensor(0.5), True], ids=["np.float32", "np.int64", "tensor", "bool"]
+)
+def test_an_agent_may_return_any_number_as_its_reward(tokenizer, reward):
+    """As a reward function may: a numpy scalar, a one-element tensor or a bool counts as in a dict of rewards."""
+    traj = run_episode(
+        OpenAIAgentWorkflow(ToolAgent(turns=1, reward=reward), tokenizer=tokenizer), ScriptedLLM(tokenizer)
+    )
+    assert traj["rewards"].tolist() == [float(reward)]
 
 
 class SwallowsErrors:

@@ -21,8 +21,17 @@ from megarl.workflow import (
     reflection_token_ids,
     resolve_workflow,
 )
+from megarl.workflow.multi_turn import DEFAULT_REFLECTION_PROMPT
 
 ROW = {"messages": [{"role": "user", "content": "Natalia sold 48 clips..."}], "answer": "#### 72"}
+QWEN3_LIKE_TEMPLATE = (  # Qwen3's generation prompt (an empty think block unless thinking) on a ChatML body
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +39,15 @@ def tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen3_like_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.chat_template = QWEN3_LIKE_TEMPLATE
+    return tokenizer
 
 
 class ScriptedEngine:
@@ -127,6 +145,39 @@ def test_multi_turn_gives_up_after_max_turns(tokenizer):
     assert traj["rewards"].tolist() == [0.0] and len(engine.requests) == 2
 
 
+def test_multi_turn_rejects_a_prompt_that_leaves_no_room_for_an_answer(tokenizer, caplog):
+    engine = ScriptedEngine(tokenizer, [])
+    gconfig = GenerationHyperparameters(n_samples=2, max_new_tokens=16)
+    workflow = MultiTurnReflectionWorkflow(gsm8k_reward_fn, gconfig, tokenizer, max_context_len=64)
+    row = {"messages": [{"role": "user", "content": "word " * 80}], "answer": "#### 1"}
+    prompt_len = len(tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_dict=False))
+    try:
+        assert asyncio.run(workflow.arun_episode(engine, row)) is None
+        assert asyncio.run(workflow.arun_episode(engine, row)) is None
+    finally:
+        workflow.close()
+    assert engine.requests == [], "nothing to generate"
+    warning = f"a prompt of {prompt_len} tokens leaves no room for an answer in max_context_len=64"
+    assert caplog.text.count(warning) == 1, "warned once per workflow"
+
+
+def test_multi_turn_prompts_every_turn_with_the_first_turns_template_kwargs(qwen3_like_tokenizer):
+    """enable_thinking=False: a reflection turn's prompt ends with the empty think block, as the first
+    turn's does, not with the thinking generation prompt."""
+    tokenizer = qwen3_like_tokenizer
+    engine = ScriptedEngine(tokenizer, ["71", "\\boxed{72}"])
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=16)
+    workflow = MultiTurnReflectionWorkflow(gsm8k_reward_fn, gconfig, tokenizer, max_turns=2, enable_thinking=False)
+    try:
+        asyncio.run(workflow.arun_episode(engine, ROW))
+    finally:
+        workflow.close()
+    first, second = (tokenizer.decode(request.input_ids) for request in engine.requests)
+    no_think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    reflection = f"<|im_start|>user\n{DEFAULT_REFLECTION_PROMPT}<|im_end|>\n"
+    assert first.endswith(no_think) and second == first + "71<|im_end|>\n" + reflection + no_think
+
+
 class _Maybe(RolloutWorkflow):
     def __init__(self, results):
         self.results = list(results)
@@ -168,6 +219,18 @@ def test_grouped_drops_none_members():
     assert asyncio.run(GroupedRolloutWorkflow(_Maybe([None, None]), 2).arun_episode(None, {})) is None
     with pytest.raises(ValueError, match="group_size"):
         GroupedRolloutWorkflow(_Maybe([]), 0)
+
+
+def test_grouped_warms_up_and_closes_its_inner_workflow():
+    inner, calls = _Maybe([]), []
+    inner.warm_up, inner.close = lambda: calls.append("warm_up"), lambda: calls.append("close")
+    grouped = GroupedRolloutWorkflow(inner, 2)
+    grouped.warm_up()
+    grouped.close()
+    assert calls == ["warm_up", "close"]
+    bare = GroupedRolloutWorkflow(_Maybe([]), 2)  # an inner workflow with neither: nothing to do
+    bare.warm_up()
+    bare.close()
 
 
 class Plain:

@@ -12,10 +12,12 @@ What a request may ask, and why:
 * ``temperature``, ``top_p``: omitted, or equal to the workflow's ``gconfig``. The trainer
   scores the sampled tokens at ``gconfig``'s temperature; a call sampled at another would
   carry behaviour logprobs of another distribution. Sampling follows ``gconfig`` (greedy
-  for evaluation, whatever the agent asks).
+  for evaluation, whatever the agent asks). With ``gconfig.seed``, each call of a session
+  draws its own seed (the same messages asked again give another sample), the same in every run.
 * ``max_tokens`` / ``max_completion_tokens``: an upper bound, lowered to
   ``gconfig.max_new_tokens`` and to what the context length leaves. A prompt that fills the
-  context is a 400 with code ``context_length_exceeded``, which an agent may catch to stop.
+  context is a 400 with code ``context_length_exceeded``, which an agent may catch to stop
+  (a run whose every call is refused so rejects its episode).
 * ``stop`` adds to ``gconfig.stop``. ``tools`` are rendered by the chat template, and Hermes /
   Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the output come
   back as ``tool_calls`` with ``finish_reason: "tool_calls"`` (not with ``tool_choice: "none"``).
@@ -33,7 +35,8 @@ a token-id prompt is used as given.
 
 Errors: a malformed request is a 4xx whose OpenAI-shaped body names what was wrong. Any
 other failure (the inference engine's) is a 500 and fails the session, so the episode fails
-even when the agent catches the error: no run that lost a call is trained on.
+even when the agent catches the error: no run that lost a call is trained on. A call whose
+client hangs up (the agent's timeout) is cancelled and not recorded: it is not trained on.
 
 Its parts: :mod:`~megarl.workflow.openai_proxy.protocol` (what a request may ask, checked; errors,
 messages and tool calls in OpenAI's shapes), :mod:`~megarl.workflow.openai_proxy.session` (an agent

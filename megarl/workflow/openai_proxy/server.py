@@ -60,7 +60,8 @@ class _Server:
     async def start(cls, app: web.Application, host: str) -> _Server:
         import httpx
 
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a client that hangs up (its timeout) cancels its call's handler (see _post)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, host, 0).start()
         host, port = runner.addresses[0][:2]
@@ -170,12 +171,17 @@ class OpenAIProxy:
 
     async def _post(self, answer: Callable[..., Awaitable[dict]], request: web.Request) -> web.Response:
         """Run ``answer(session, body)`` in the episode's context (its stats scope); a failure
-        other than a bad request fails the session."""
+        other than a bad request fails the session. A call whose client hung up (the agent gave up
+        on it) is cancelled: its generation stops and it is not recorded, so it is not trained on."""
         session = self._session_of(request)
         body = await _json_body(request)
         task = asyncio.get_running_loop().create_task(answer(session, body), context=session.context)
         try:
             return web.json_response(await task)
+        except asyncio.CancelledError:
+            task.cancel()
+            logger.info("agent session %s: a call was cancelled (its client hung up); it is not recorded", session.id)
+            raise
         except ProxyError:
             raise
         except Exception as e:  # reported to the agent, and it fails the episode

@@ -4,6 +4,7 @@ sampling, the engine call, and the record of what each call produced (see :mod:`
 
 from __future__ import annotations
 
+import bisect
 import contextvars
 import time
 import uuid
@@ -49,6 +50,8 @@ class CallRecord:
     """The request's tools as canonical JSON: a chat continues only a call with the same tools."""
     parent: CallRecord | None = None
     """The earlier call this one continues, if any."""
+    ordinal: int = 0
+    """The call's number in its session, counted as the calls start (its seed; the last call is the last started)."""
 
     def chain(self) -> list[CallRecord]:
         """The calls of this call's conversation, first to this one."""
@@ -69,7 +72,7 @@ class ProxySession:
     gconfig: GenerationHyperparameters
     """Sampling of every call (what a request may change: :mod:`megarl.workflow.openai_proxy`)."""
     index: int = 0
-    """The run's index among its episode's runs (with ``gconfig.seed``: its seed)."""
+    """The run's index among its episode's runs (with ``gconfig.seed``: its calls' seeds)."""
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Routing key of the calls: an episode's runs share a server and its prefix cache."""
     max_context_len: int | None = None
@@ -77,7 +80,11 @@ class ProxySession:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """The session's name in its base_url and api_key."""
     calls: list[CallRecord] = field(default_factory=list)
-    """Every finished call, in the order they finished."""
+    """Every finished call, in the order they started (as in AReaL, the last call is the last started)."""
+    started: int = 0
+    """Calls started on the engine so far: the next call's ordinal."""
+    context_refusals: int = 0
+    """Calls refused because their prompt filled the context (``context_length_exceeded``)."""
     error: BaseException | None = None
     """The first failure of a call (not a bad request): the run must not be trained on."""
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
@@ -117,8 +124,12 @@ class ProxySession:
             400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt"
         )
 
-    def sampling(self, body: dict[str, Any], prompt_ids: list[int]) -> GenerationHyperparameters:
-        """``gconfig`` for this call: its seed, the request's token budget and stop strings."""
+    def sampling(self, body: dict[str, Any], prompt_ids: list[int], ordinal: int = 0) -> GenerationHyperparameters:
+        """``gconfig`` for call ``ordinal``: its seed, the request's token budget and stop strings.
+
+        With ``gconfig.seed``, each call of each run draws its own seed, the same in every run of the
+        trainer: sample ``index + ordinal * n_samples`` of its prompt (a call repeated draws anew).
+        """
         g = self.gconfig
         require_equal(body, "temperature", g.temperature)
         require_equal(body, "top_p", g.top_p)
@@ -126,6 +137,7 @@ class ProxySession:
         if self.max_context_len is not None:
             room = self.max_context_len - len(prompt_ids)
             if room < 1:
+                self.context_refusals += 1
                 raise ProxyError(
                     400,
                     f"the prompt is {len(prompt_ids)} tokens; the context length is {self.max_context_len}",
@@ -133,21 +145,27 @@ class ProxySession:
                     "context_length_exceeded",
                 )
             budget = min(budget, room)
-        return g.for_sample(prompt_ids, self.index).new(
+        return g.for_sample(prompt_ids, self.index + ordinal * g.n_samples).new(
             max_new_tokens=budget, min_new_tokens=min(g.min_new_tokens, budget), stop=[*g.stop, *stop_strings(body)]
         )
 
-    async def generate(self, prompt_ids: list[int], body: dict[str, Any]) -> ModelResponse:
-        """One call on the engine; a failure is the session's (the caller records it)."""
+    async def generate(self, prompt_ids: list[int], body: dict[str, Any]) -> tuple[int, ModelResponse]:
+        """One call on the engine: its ordinal and response; a failure is the session's (the caller records it)."""
         if self.error is not None:
             raise ProxyError(500, f"an earlier call of this agent run failed ({self.error!r}); the episode fails")
-        gconfig = self.sampling(body, prompt_ids)
+        ordinal = self.started
+        gconfig = self.sampling(body, prompt_ids, ordinal)
+        self.started += 1
         req = ModelRequest(rid=self.rid, input_ids=prompt_ids, gconfig=gconfig, tokenizer=self.tokenizer)
         resp = await self.engine.agenerate(req)
         resp.check_aligned()
         if resp.stop_reason not in STOP_REASONS:
             raise RuntimeError(f"generation ended with stop_reason {resp.stop_reason!r} (the engine was destroyed?)")
-        return resp
+        return ordinal, resp
+
+    def record(self, call: CallRecord) -> None:
+        """Keep a finished call, among the others in the order they started."""
+        bisect.insort(self.calls, call, key=lambda c: c.ordinal)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -160,15 +178,15 @@ async def chat_completion(session: ProxySession, body: dict[str, Any]) -> dict[s
     tools = body.get("tools") or None
     parse_tools = tool_choice_of(body) != "none" and tools is not None
     parent, prompt_ids = session.chat_prompt(messages, tools)
-    resp = await session.generate(prompt_ids, body)
+    ordinal, resp = await session.generate(prompt_ids, body)
     text = session.decode(resp.output_tokens)
     content, tool_calls = parse_tool_calls(text) if parse_tools else (text, [])
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
     conversation = [canonical_message(m) for m in [*messages, message]]
-    call = CallRecord(f"chatcmpl-{uuid.uuid4().hex}", "chat", conversation, resp, tools_key(tools), parent)
-    session.calls.append(call)
+    call = CallRecord(f"chatcmpl-{uuid.uuid4().hex}", "chat", conversation, resp, tools_key(tools), parent, ordinal)
+    session.record(call)
     finish = "tool_calls" if tool_calls and resp.stop_reason == "stop" else resp.stop_reason
     return _reply(call, "chat.completion", body, {"message": message, "finish_reason": finish})
 
@@ -177,11 +195,11 @@ async def text_completion(session: ProxySession, body: dict[str, Any]) -> dict[s
     """Answer a ``completions`` request and record the call."""
     check_params(body, COMPLETION_PARAMS)
     kind, parent, prompt_ids = session.text_prompt(body.get("prompt"))
-    resp = await session.generate(prompt_ids, body)
+    ordinal, resp = await session.generate(prompt_ids, body)
     text = session.decode(resp.output_tokens)
     conversation = body["prompt"] + text if kind == "text" else resp.input_tokens + resp.output_tokens
-    call = CallRecord(f"cmpl-{uuid.uuid4().hex}", kind, conversation, resp, parent=parent)
-    session.calls.append(call)
+    call = CallRecord(f"cmpl-{uuid.uuid4().hex}", kind, conversation, resp, parent=parent, ordinal=ordinal)
+    session.record(call)
     return _reply(call, "text_completion", body, {"text": text, "finish_reason": resp.stop_reason})
 
 
