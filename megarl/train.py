@@ -166,11 +166,11 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
         sync_stats = t.weight_sync.update_weights(replace(t.weight_meta, version=global_step + 1))
     record_batch_stats(batch, sync_stats)
     epoch, epoch_step = t.position(global_step)
-    # the servers evaluate the new weights while the trainer writes them out
+    # the servers evaluate the new weights while the trainer writes them out (the recover point follows
+    # the step's metrics line: see train())
     with t.evaluator.evaluating(lambda: evaluate(t), epoch, epoch_step, global_step) as eval_stats:
         with stats_tracker.record_timing("save"), heartbeat.phase("save"):
             t.saver.maybe_save(t.checkpointed, epoch, epoch_step, global_step)
-            t.recover.maybe_dump(t.checkpointed, recover_info(t, global_step))
     t.heap.end_step()  # a CPU trainer's kept heap back to the OS if it grew past cluster.cpu_heap_growth
     stats = {k: v for step in ppo_stats for k, v in step.items()}
     stats.update(stats_tracker.export())
@@ -416,6 +416,12 @@ def train(t: Trainer) -> dict[str, float]:
     """Run the steps left; returns the StatsLogger's summary (rank 0) or {}."""
     info = restore(t)
     start = 0 if info is None else info.global_step + 1
+    if start > t.total_steps:
+        raise ValueError(
+            f"the recover point is after step {start - 1}, but this run has {t.total_steps} steps "
+            f"(total_train_steps / total_train_epochs): resuming would overwrite its checkpoints with later "
+            f"weights. Raise total_train_steps to {start} or more, or start fresh (another trial_name)"
+        )
     # The servers may hold other weights (a restarted trainer, servers kept up): push ours first.
     t.weight_sync.update_weights(replace(t.weight_meta, version=t.actor.get_version()))
     if info is not None and t.rollout is not None:  # prompts in flight at the recover point go first
@@ -448,13 +454,19 @@ def train(t: Trainer) -> dict[str, float]:
         stats["timeperf/step"] = time.perf_counter() - step_start
         epoch, epoch_step = t.position(global_step)
         t.stats_logger.commit(epoch, epoch_step, global_step, stats)
+        # after the step's line, and at the last step too: a trainer stopped between the two retrains the step,
+        # and a finished run can be resumed for more steps from where it ended
+        with heartbeat.phase("save"):
+            last = global_step == t.total_steps - 1
+            t.recover.maybe_dump(t.checkpointed, recover_info(t, global_step), force=last)
         if t.progress is not None:
             t.progress.write(step_line(global_step, t.total_steps, stats))
             t.progress.advance()
     if t.progress is not None:
         t.progress.close()
     epoch, epoch_step = t.position(t.total_steps - 1)
-    t.saver.maybe_save(t.checkpointed, epoch, epoch_step, t.total_steps - 1, force=True)
+    if start < t.total_steps:  # a finished run resumed with nothing left to train keeps its checkpoints
+        t.saver.maybe_save(t.checkpointed, epoch, epoch_step, t.total_steps - 1, force=True)
     summary = t.stats_logger.summary() if rank0 else {}
     if baseline and rank0:
         summary.setdefault("eval/pass@1", {})["before_training"] = baseline["eval/pass@1"]

@@ -13,6 +13,7 @@ then constant, or linear / cosine decay to ``min_lr_ratio * lr`` at ``total_step
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -129,13 +130,16 @@ def dither_main_params(optimizer, dtype: torch.dtype, seed: int = 0) -> None:
 
 
 def build_lr_scheduler(cfg: OptimizerConfig, optimizer, total_steps: int):
-    """Warmup + constant / linear / cosine schedule over ``total_steps`` optimizer steps."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    """Warmup + constant / linear / cosine schedule over ``total_steps`` optimizer steps.
 
+    On resume the step count comes from the checkpoint and the settings from ``cfg`` (Megatron's
+    ``override_opt_param_scheduler``): a run resumed with another ``lr`` or ``total_train_steps``
+    follows them from its step on, with a warning naming what changed.
+    """
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1 for the LR schedule, got {total_steps}")
     warmup = int(cfg.warmup_steps_proportion * total_steps)
-    return OptimizerParamScheduler(
+    return _config_scheduler_class()(
         optimizer,
         init_lr=0.0 if warmup > 0 else cfg.lr,
         max_lr=cfg.lr,
@@ -147,8 +151,29 @@ def build_lr_scheduler(cfg: OptimizerConfig, optimizer, total_steps: int):
         end_wd=cfg.weight_decay,
         wd_incr_steps=total_steps,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
+
+
+@functools.cache
+def _config_scheduler_class():
+    """Megatron's ``OptimizerParamScheduler`` whose settings, on resume, are the config's (imported late)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class ConfigScheduler(OptimizerParamScheduler):
+        def _check_and_set(self, cls_value, sd_value, name):
+            if cls_value != sd_value:
+                logger.warning(
+                    "resumed with %s %s, the recover point's was %s: the schedule follows the config from step %d on",
+                    name,
+                    cls_value,
+                    sd_value,
+                    self.num_steps,
+                )
+            return cls_value
+
+    return ConfigScheduler
 
 
 def wrap_chunks(chunks: list, tconfig, config) -> list:

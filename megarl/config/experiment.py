@@ -114,7 +114,7 @@ class BaseExperimentConfig:
             recover.mode == "disabled" or recover.freq_steps is not None or recover.freq_secs is not None,
             "recover.mode",
             recover.mode,
-            "no recover point would ever be written (recover.freq_steps and freq_secs are null): set one, "
+            "no recover point would be written before the last step (recover.freq_steps and freq_secs are null): set one, "
             "or recover.mode=disabled",
         )
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from rich.console import Console
@@ -224,16 +226,16 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
     if args.dry_run:
         console.print(script, end="", markup=False, highlight=False)
         return 0
-    if not args.convert_point:
-        _keep_earlier_run(config, console)
-    save_config(config, config_file)
-    (config.run_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch --output does not create it
-    path = (
-        Path(args.output)
-        if args.output
-        else config.run_dir / ("convert.sbatch" if args.convert_point else "job.sbatch")
-    )
-    job = submit(script, path)
+    # held while it writes and submits, not by the job: it runs on the cluster, after this command exits
+    with nullcontext() if args.convert_point else _run_dir_held(config, console):
+        save_config(config, config_file)
+        (config.run_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch --output does not create it
+        path = (
+            Path(args.output)
+            if args.output
+            else config.run_dir / ("convert.sbatch" if args.convert_point else "job.sbatch")
+        )
+        job = submit(script, path)
     console.print(f"submitted job {job}: {path} (config {config_file})", markup=False)
     return 0
 
@@ -264,9 +266,7 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     config = _load(args)  # every config error before any process starts
 
-    from megarl.launcher.local import check_local, run_local, server_specs, startup_lines
-    from megarl.serving.launch import ServerLaunchError
-    from megarl.utils.logging import close_log_file, setup_logging
+    from megarl.launcher.local import check_local, server_specs, startup_lines
 
     plan = check_local(config)  # placement errors too before anything is written
     if args.check:
@@ -275,7 +275,15 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
             console.print(f"megarl: {line}", markup=False, highlight=False)
         console.print("megarl run --check: the config checks out; nothing was started", markup=False)
         return 0
-    _keep_earlier_run(config, console)
+    with _run_dir_held(config, console):  # for the run's whole life: a second start on it is refused
+        return _run_here(config)
+
+
+def _run_here(config: GRPOConfig) -> int:
+    from megarl.launcher.local import run_local
+    from megarl.serving.launch import ServerLaunchError
+    from megarl.utils.logging import close_log_file, setup_logging
+
     log_file = config.run_dir / "logs" / "launcher.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     setup_logging("INFO", log_file=str(log_file), console_level="INFO" if config.launcher.verbose else "WARNING")
@@ -292,12 +300,20 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         close_log_file()
 
 
-def _keep_earlier_run(config: GRPOConfig, console: Console) -> None:
-    from megarl.run.earlier_run import keep_earlier_run
+@contextmanager
+def _run_dir_held(config: GRPOConfig, console: Console) -> Iterator[None]:
+    """The run directory held by this command (an earlier run in it moved aside first, said on the
+    console); one that a run still going holds is refused (exit 2) before anything in it is touched."""
+    from megarl.run.earlier_run import claim_run_dir
 
-    moved = keep_earlier_run(config)
-    if moved:
-        console.print(f"megarl: {moved}", markup=False, highlight=False)
+    lock, moved = claim_run_dir(config)
+    try:
+        if moved:
+            console.print(f"megarl: {moved}", markup=False, highlight=False)
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 CONVERT_CONFIG = "convert_point.yaml"

@@ -6,20 +6,36 @@ or ``resume`` with a recover point there) continues the earlier one's files; a r
 would replace its ``config.yaml`` and drop its ``metrics.jsonl``. ``megarl run`` and ``megarl slurm``
 call :func:`keep_earlier_run` before they write anything: the earlier run's directory is renamed to
 ``{trial_name}-{time it started}`` beside it, whole.
+
+A run that is still going is no earlier run: ``megarl run`` holds its directory for its whole life with
+an exclusive ``flock`` on ``{run_dir}/.megarl.lock`` (:func:`claim_run_dir`), and a second start on it
+(``megarl run`` or ``megarl slurm``) is refused before it touches the directory.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
+import socket
 import time
 from pathlib import Path
 
 from megarl.config import GRPOConfig
+from megarl.run.saver import incomplete_reason
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".megarl.lock"
+"""The file in the run directory that a live ``megarl run`` holds an exclusive ``flock`` on; it says who."""
 
 
 def has_recover_point(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a written recover point (``recover/step{N}/MANIFEST.json``; loading it checks
-    that it is whole)."""
-    return any((run_dir / "recover").glob("step*/MANIFEST.json"))
+    """Whether ``run_dir`` holds a whole recover point (``recover/step{N}/``, its files as its manifest lists
+    them): one the trainer would resume from. A run whose points are all damaged starts fresh."""
+    return any(
+        incomplete_reason(manifest.parent) is None for manifest in (run_dir / "recover").glob("step*/MANIFEST.json")
+    )
 
 
 def resumes(config: GRPOConfig) -> bool:
@@ -61,3 +77,81 @@ def keep_earlier_run(config: GRPOConfig) -> str | None:
         f"(recover.mode={config.recover.mode}): the earlier run was moved to {target}, whole; "
         f"trial_name=... keeps runs apart, recover.mode=auto continues a run from its recover point"
     )
+
+
+class RunDirInUse(ValueError):
+    """The run directory is held by a live run (another ``megarl run`` on the same trial)."""
+
+
+class RunDirLock:
+    """An exclusive ``flock`` on ``{run_dir}/.megarl.lock``: held until :meth:`release`, or until this
+    process ends however it ends (the kernel drops the lock with the last descriptor, on SIGKILL too).
+    The descriptor is close-on-exec and no child is forked without exec, so the servers and the trainer,
+    which outlive a killed launcher for a few seconds, do not keep the lock."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the lock
+            self._fd = None
+
+
+_unlockable_warned = False
+
+
+def lock_run_dir(run_dir: Path) -> RunDirLock | None:
+    """Hold ``run_dir`` (made if missing) for this process, or raise :class:`RunDirInUse` naming its
+    holder, having changed nothing; None where the filesystem takes no ``flock`` (warned once).
+
+    ``flock`` on a network filesystem needs the filesystem's support for it (NFS emulates it with its
+    byte-range locks; Lustre needs the ``flock`` mount option). Where it is missing the run goes on
+    unguarded rather than not at all.
+    """
+    global _unlockable_warned
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # no O_TRUNC: the holder's text stays
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "a process that has not said which yet"
+        os.close(fd)
+        raise RunDirInUse(
+            f"{run_dir} is in use by a run that is still going ({holder}; it holds {path}): wait for it to end, "
+            f"stop it, or start this one with another trial_name=..."
+        ) from None
+    except OSError as err:
+        os.close(fd)
+        if not _unlockable_warned:
+            _unlockable_warned = True
+            logger.warning(
+                "cannot lock %s (%s): the filesystem takes no flock, so a second start on this trial "
+                "would not see that this run is going; give each run its own trial_name",
+                path,
+                err,
+            )
+        return None
+    holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{holder}\n".encode(), 0)
+    return RunDirLock(path, fd)
+
+
+def claim_run_dir(config: GRPOConfig) -> tuple[RunDirLock | None, str | None]:
+    """Hold the run directory for this process (:func:`lock_run_dir`), first moving an earlier run aside
+    (:func:`keep_earlier_run`); the lock and what was moved, for the console. A directory that a live
+    run holds raises :class:`RunDirInUse` before anything in it is touched."""
+    lock = lock_run_dir(config.run_dir)  # held while the earlier run moves: no second start moves it too
+    try:
+        moved = keep_earlier_run(config)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    if moved is None:
+        return lock, None
+    if lock is not None:
+        lock.release()  # its file went with the earlier run; the new directory gets its own
+    return lock_run_dir(config.run_dir), moved

@@ -271,11 +271,20 @@ def check_point_loads(config: GRPOConfig) -> None:
     """The recover point ``config``'s run would resume from loads into its models at its layout: another
     model is refused naming ``actor.path`` (``critic.path``), other LoRA adapters (rank, targets, scale)
     ``actor.lora`` (``critic.lora``), per-rank optimizer shards at another model-parallel layout
-    ``allocation_mode``."""
+    ``allocation_mode``; a ``total_train_steps`` the point has reached already, ``total_train_steps``."""
     train = config.allocation.train
     point = RecoverHandler(config.recover, config.run_dir).latest()
     if point is None or train is None:
         return
+    after = int(point.name.removeprefix("step").removesuffix(".old"))
+    require(
+        config.total_train_steps is None or config.total_train_steps > after,
+        "total_train_steps",
+        config.total_train_steps,
+        f"the recover point {point} is after step {after} (the run's step {after + 1}): resuming would have "
+        f"nothing to train and overwrite its checkpoints with later weights; set total_train_steps={after + 2} "
+        "or more to train on, or start fresh (another trial_name)",
+    )
     for key, settings, name in (("actor", config.actor, "model"), ("critic", config.critic, "critic")):
         if settings is None or not (point / name).is_dir():
             continue  # a point without the critic's checkpoint: the trainer says so

@@ -47,6 +47,23 @@ def test_schedule_needs_positive_total_steps():
         build_lr_scheduler(OptimizerConfig(), _FakeOptimizer(), 0)
 
 
+def test_a_resumed_schedule_follows_the_config_from_its_step(caplog):
+    """Cosine over 3 steps, saved after 3; resumed with lr 5e-5 over 5 steps: step 3 of the new schedule,
+    not the saved one (whose lr there is its minimum, 0), with a warning naming what changed."""
+    first = build_lr_scheduler(OptimizerConfig(lr=1e-5, lr_scheduler_type="cosine"), _FakeOptimizer(), 3)
+    first.step(3)
+    saved = first.state_dict()
+    longer = OptimizerConfig(lr=5e-5, lr_scheduler_type="cosine")
+    opt = _FakeOptimizer()
+    resumed = build_lr_scheduler(longer, opt, 5)
+    resumed.load_state_dict(saved)
+    resumed.step(0)  # sets the group's lr at the restored step count
+    assert resumed.num_steps == 3
+    assert opt.param_groups[0]["lr"] == pytest.approx(_lrs(longer, 5)[3])
+    assert "resumed with learning rate 5e-05, the recover point's was 1e-05" in caplog.text
+    assert "resumed with total number of iterations 5, the recover point's was 3" in caplog.text
+
+
 class _MegatronLike:
     """What use_fused_adam reads of Megatron's optimizer: the torch optimizer it wraps."""
 

@@ -353,3 +353,18 @@ def test_the_config_check_says_what_the_recover_point_cannot_load(tiny_model_dir
     with pytest.raises(ConfigError, match=r"another model than this engine's \(lora None -> \{'rank': 8") as err:
         check("d1p2t1", model, "actor.lora.rank=8")  # the same model, adapters it was not trained with
     assert err.value.key == "actor.lora"
+
+
+def test_the_config_check_refuses_a_run_that_ends_before_its_recover_point(tmp_path):
+    """Resuming after step 3 a run of 3 steps would train nothing and write step 3's weights as its last
+    checkpoint (step 2's): refused, naming total_train_steps (4 steps, nothing left to train, pass: the
+    multi-process check above resumes its step-0 point)."""
+    from megarl.config.experiment import GRPOConfig
+    from megarl.run.prelaunch import load_expr_config
+    from megarl.utils.errors import ConfigError
+
+    dump(tmp_path / "arithmetic-grpo-cpu" / "trial0", 3)
+    base = ["--config", "configs/arithmetic_grpo_cpu.yaml", f"cluster.fileroot={tmp_path}", "recover.mode=resume"]
+    with pytest.raises(ConfigError, match=r"recover point .*step3 is after step 3 .* total_train_steps=5") as err:
+        load_expr_config([*base, "total_train_steps=3"], GRPOConfig)
+    assert err.value.key == "total_train_steps"

@@ -29,6 +29,9 @@ def test_a_run_at_staleness_one_trains_on_the_weights_before_the_last_update(tmp
         "evaluator.freq_steps=4",
         "evaluator.max_samples=4",
         "evaluator.n_samples=4",
+        # and recover points every 3 steps and after the last: the run can be resumed for more steps
+        "recover.mode=auto",
+        "recover.freq_steps=3",
     )
     steps = read_metrics(tmp_path / "arithmetic-grpo-cpu" / "trial0")
     assert len(steps) == 4
@@ -43,3 +46,5 @@ def test_a_run_at_staleness_one_trains_on_the_weights_before_the_last_update(tmp
     pass_at = [evaluation[f"eval/pass@{k}"] for k in (1, 2, 4)]
     assert 0 <= pass_at[0] <= pass_at[1] <= pass_at[2] <= 1, pass_at
     assert not any("eval/" in key for step in steps[:-1] for key in step)
+    recover = tmp_path / "arithmetic-grpo-cpu" / "trial0" / "recover"
+    assert sorted(p.name for p in recover.iterdir()) == ["step2", "step3"]
