@@ -402,6 +402,7 @@ def restore(t: Trainer) -> RecoverInfo | None:
     info = t.recover.load(t.checkpointed, share=(layout.dp_rank, layout.dp_size) if layout.is_head else None)
     if t.rollout is not None:
         t.rollout.set_version(t.actor.get_version())
+        t.rollout.set_aside_earlier_dumps()  # an earlier start's trajectories of the steps trained again
     if info is None:
         return None
     if t.dataloader is not None:

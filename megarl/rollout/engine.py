@@ -51,6 +51,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._servers: ServerSet | None = None  # initialize() finds them
         self._client: GenerationClient | None = None  # initialize() builds it on the servers
         self._version = 0  # the policy version set before initialize()
+        self._dumper: TrajectoryDumper | None = None  # rollout.dump_trajectories
         self.pool: RolloutPool | None = None
 
     @property
@@ -111,6 +112,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._client.set_version(self._version)
         if self.config.switch_interval_ms > 0:  # the pool's loop thread shares the lock with the trainer's Python
             sys.setswitchinterval(self.config.switch_interval_ms / 1000)
+        self._dumper = dumper
         self.pool = RolloutPool(self.client, self.config, batch_size, dumper).start()
         logger.info("inference engine ready: %d %s server(s) %s", len(addrs), self.backend.name, addrs)
         return self
@@ -224,6 +226,14 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def use_adapter(self, name: str | None) -> None:
         self.servers.adapter = name
+
+    def set_aside_earlier_dumps(self) -> None:
+        """With ``rollout.dump_trajectories``: the trajectories an earlier start of the run dumped at the current
+        version or later (the steps this start trains again) are moved aside
+        (:meth:`~megarl.workflow.dump.TrajectoryDumper.set_aside_from`). The trainer calls it once it has set
+        the version it starts at, before any episode."""
+        if self._dumper is not None:
+            self._dumper.set_aside_from(self.get_version())
 
     def get_version(self) -> int:
         return self._version if self._client is None else self._client.get_version()

@@ -67,7 +67,8 @@ class StatsLogger:
         if config.tensorboard.enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)
+            # purged from start_step on, 0 included: a trainer restarted fresh drops the failed attempt's steps
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step)
 
     @property
     def metrics_path(self) -> Path:

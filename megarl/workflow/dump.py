@@ -1,7 +1,8 @@
 """Write trajectories to JSONL for debugging (``rollout.dump_trajectories``).
 
 Layout: ``{run_dir}/{rollout|eval-rollout}/{version}/{task_id}.jsonl`` where ``run_dir``
-is ``{fileroot}/{experiment_name}/{trial_name}``; one line per trajectory row::
+is ``{fileroot}/{experiment_name}/{trial_name}`` (those an earlier start of the run left at the versions a
+restart trains again are under ``{rollout|eval-rollout}/superseded-{time}/``); one line per trajectory row::
 
     {"task_id": 42, "sample_idx": 0, "seqlen": 256, "prompt_len": 128,
      "head_version": 5, "tail_version": 5, "reward": 1.0,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,28 @@ class TrajectoryDumper:
         """Where the trajectory of ``task_id`` finished at ``version`` goes."""
         kind = "eval-rollout" if is_eval else "rollout"
         return self.run_dir / kind / str(version) / f"{task_id}.jsonl"
+
+    def set_aside_from(self, version: int) -> list[Path]:
+        """Move the version directories ``version`` and later, left by an earlier start of the run (a trainer
+        restarted fresh, or resumed at ``version``: episodes it never trained on), into
+        ``{kind}/superseded-{time}/``, so that ``{kind}/{v}/`` holds this start's trajectories only. Returns
+        where they went."""
+        moved = []
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for kind in ("rollout", "eval-rollout"):
+            root = self.run_dir / kind
+            later = [d for d in root.iterdir() if d.name.isdigit() and int(d.name) >= version] if root.is_dir() else []
+            for directory in later:
+                target = root / f"superseded-{stamp}" / directory.name
+                target.parent.mkdir(exist_ok=True)
+                try:
+                    directory.rename(target)
+                except FileNotFoundError:  # another data-parallel head's engine moved it first
+                    continue
+                moved.append(target)
+        if moved:
+            logger.info("trajectories of an earlier start (versions >= %d) moved to %s", version, moved[0].parent)
+        return moved
 
     def dump(self, traj: dict[str, Any], task_id: int, version: int, is_eval: bool = False) -> Path:
         """Write every row of ``traj``; returns the file."""

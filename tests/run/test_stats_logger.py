@@ -102,9 +102,16 @@ def test_recovery_drops_redone_steps_everywhere(tmp_path):
 
 
 def test_a_fresh_start_in_an_old_run_dir_starts_the_metrics_over(tmp_path):
-    log_steps(StatsLogger(quiet(), tmp_path), range(3))
-    log_steps(StatsLogger(quiet(), tmp_path), range(2), run=1)
+    """As a trainer restarted before its first recover point: TensorBoard too holds the new steps only."""
+    config = quiet(tensorboard=TensorBoardConfig(enabled=True))
+    first = StatsLogger(config, tmp_path)
+    log_steps(first, range(3))
+    first.close()
+    again = StatsLogger(config, tmp_path)
+    log_steps(again, range(2), run=1)
+    again.close()
     assert metric_points(tmp_path, "rollout/reward") == [(0, 1.0), (1, 1.1)]
+    assert tensorboard_points(tmp_path, "rollout/reward") == [(0, 1.0), (1, 1.1)]
 
 
 def test_offline_wandb_run_is_resumed_after_recovery(tmp_path, monkeypatch):

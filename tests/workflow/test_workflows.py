@@ -294,6 +294,26 @@ def test_dumper_format(tokenizer, tmp_path):
     )
 
 
+def test_a_restart_sets_aside_the_trajectories_of_the_steps_it_trains_again(tokenizer, tmp_path):
+    """An earlier start dumped versions 0-3; this one resumes at version 2: versions 2 and 3 (episodes of
+    steps it trains again, task ids it will reuse) move aside, 0 and 1 stay; nothing is appended to them."""
+    prompt, answer = tokenizer.encode("Q: 2+2?", add_special_tokens=False), tokenizer.encode(" 4")
+    traj = make_trajectory(prompt, answer, [-0.1] * len(answer), [0] * len(answer), reward=1.0)
+    earlier = TrajectoryDumper(tmp_path, tokenizer)
+    for version in range(4):
+        earlier.dump(traj, task_id=0, version=version)
+    earlier.dump(traj, task_id=0, version=3, is_eval=True)
+    moved = TrajectoryDumper(tmp_path, tokenizer).set_aside_from(2)
+    assert sorted(p.name for p in (tmp_path / "rollout").iterdir() if p.name.isdigit()) == ["0", "1"]
+    assert sorted(str(p.relative_to(tmp_path)).split("/")[0::2] for p in moved) == [
+        ["eval-rollout", "3"],
+        ["rollout", "2"],
+        ["rollout", "3"],
+    ]
+    assert all(p.parent.name.startswith("superseded-") and (p / "0.jsonl").is_file() for p in moved)
+    assert TrajectoryDumper(tmp_path, tokenizer).set_aside_from(0) != []  # a fresh restart: all of them
+
+
 def test_pool_dumps_trajectories(tokenizer, tmp_path):
     engine = ScriptedEngine(tokenizer, ["\\boxed{72}", "wrong"])
     workflow = RLVRWorkflow(
