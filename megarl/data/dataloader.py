@@ -80,12 +80,29 @@ class EpochSampler(Sampler[int]):
         self.epoch, self.yielded = epoch + 1, 0
 
     def state_dict(self) -> dict:
-        """Epoch in progress and rows already yielded in it, over all ranks."""
+        """Epoch in progress and rows already yielded in it, over all ranks; and what the order depends on."""
         batches, offset = divmod(self.yielded, self.batch_size)
-        return {"epoch": self.epoch, "yielded": batches * self._global_batch + offset * self.world_size}
+        yielded = batches * self._global_batch + offset * self.world_size
+        return {"epoch": self.epoch, "yielded": yielded, **self._order_settings()}
+
+    def _order_settings(self) -> dict:
+        return {"num_rows": self.num_rows, "shuffle": self.shuffle, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at the row after the last one yielded when ``state`` was taken (by any number of ranks)."""
+        """Resume at the row after the last one yielded when ``state`` was taken (by any number of ranks).
+
+        Another order than the state's (another ``seed``, ``shuffle`` or number of rows) is followed from
+        the restored position, with a warning: the rest of the epoch then skips some rows and repeats others.
+        """
+        changed = {k: (state[k], v) for k, v in self._order_settings().items() if k in state and state[k] != v}
+        if changed and self.rank == 0:
+            logger.warning(
+                "the dataset order differs from the recover point's (%s): the rest of epoch %d follows this "
+                "run's order from row %d, so some of its prompts are skipped and others trained twice",
+                ", ".join(f"{k} {was} -> {now}" for k, (was, now) in changed.items()),
+                int(state["epoch"]),
+                int(state["yielded"]),
+            )
         batches, rest = divmod(int(state["yielded"]), self._global_batch)
         self.epoch, self.yielded = int(state["epoch"]), batches * self.batch_size + rest // self.world_size
         self._resuming = True

@@ -82,6 +82,19 @@ def test_state_saved_after_a_finished_epoch_starts_the_next(rows, tmp_path):
     assert ids(restart(loader, tmp_path, dataset=rows)) == reference[1]
 
 
+def test_a_resume_in_another_order_says_so(rows, tmp_path, caplog):
+    """A resumed run with another seed follows its own order from the restored row: the rest of the epoch
+    skips some prompts and repeats others, which the warning says (the same seed says nothing)."""
+    loader = create_dataloader(rows, batch_size=BATCH, seed=1)
+    batches = iter(loader)
+    next(batches), next(batches)
+    with caplog.at_level("WARNING", logger="megarl.data.dataloader"):
+        next(iter(restart(loader, tmp_path, dataset=rows, seed=1)))  # the sampler's state is read at iter()
+        assert "dataset order differs" not in caplog.text
+        next(iter(restart(loader, tmp_path, dataset=rows, seed=2)))
+    assert "differs from the recover point's (seed 1 -> 2): the rest of epoch 0 follows" in caplog.text
+
+
 def test_a_new_iterator_after_an_abandoned_one_is_a_new_epoch(rows):
     reference = epochs(create_dataloader(rows, batch_size=BATCH), 2)
     loader = create_dataloader(rows, batch_size=BATCH)
