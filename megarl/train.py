@@ -469,8 +469,9 @@ def train(t: Trainer) -> dict[str, float]:
     if start < t.total_steps:  # a finished run resumed with nothing left to train keeps its checkpoints
         t.saver.maybe_save(t.checkpointed, epoch, epoch_step, t.total_steps - 1, force=True)
     summary = t.stats_logger.summary() if rank0 else {}
-    if baseline and rank0:
-        summary.setdefault("eval/pass@1", {})["before_training"] = baseline["eval/pass@1"]
+    before = t.stats_logger.before_training_stats  # this start's, or the resumed run's first start's
+    if "eval/pass@1" in before and rank0:
+        summary.setdefault("eval/pass@1", {})["before_training"] = before["eval/pass@1"]
     return summary
 
 

@@ -57,11 +57,14 @@ class StatsLogger:
         """Per plotted key: (global step, value) of each step that logged it."""
         self.baseline: dict[str, float] = {}
         """Plotted values measured before the first step (the evaluation before training)."""
+        self.before_training_stats: dict[str, float] = {}
+        """Every value of the evaluation before training (this start's, or a resumed run's from its file)."""
         self._wandb = self._tb = None
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._reload_metrics(start_step)
+        self._reload_baseline(start_step)
         if config.wandb.mode != "disabled":
             self._wandb = self._init_wandb(exp_config, resume=start_step > 0)
         if config.tensorboard.enabled:
@@ -122,12 +125,33 @@ class StatsLogger:
             if key in stats:
                 self.history[key].append((global_step, float(stats[key])))
 
+    @property
+    def baseline_path(self) -> Path:
+        """``{run_dir}/before_training.json``: the evaluation before the first step, kept for a resumed run."""
+        return self.run_dir / "before_training.json"
+
     def before_training(self, stats: dict[str, float]) -> None:
         """Values measured before the first step (``eval/pass@1`` of the evaluation before training): the
-        curves start from them, at step 0."""
+        curves start from them, at step 0; written to :attr:`baseline_path`, so a resumed run keeps them."""
         if self.active:
-            self.baseline.update({key: float(stats[key]) for key in self.config.plot_keys if key in stats})
+            stats = {key: float(value) for key, value in stats.items()}
+            tmp = self.baseline_path.with_name(self.baseline_path.name + ".tmp")
+            tmp.write_text(json.dumps(stats))
+            os.replace(tmp, self.baseline_path)
+            self._set_baseline(stats)
             self._draw()
+
+    def _set_baseline(self, stats: dict[str, float]) -> None:
+        self.before_training_stats = stats
+        self.baseline.update({key: stats[key] for key in self.config.plot_keys if key in stats})
+
+    def _reload_baseline(self, start_step: int) -> None:
+        """A resumed run's evaluation before training, from :attr:`baseline_path` (a fresh start measures anew)."""
+        if start_step > 0 and self.baseline_path.is_file():
+            try:
+                self._set_baseline(json.loads(self.baseline_path.read_text()))
+            except (OSError, ValueError) as err:
+                logger.warning("cannot read %s (%s): the curves start without it", self.baseline_path, err)
 
     def commit(self, epoch: int, epoch_step: int, global_step: int, stats: dict[str, float]) -> None:
         """Log one step's ``stats`` to every configured output."""

@@ -114,6 +114,19 @@ def test_a_fresh_start_in_an_old_run_dir_starts_the_metrics_over(tmp_path):
     assert tensorboard_points(tmp_path, "rollout/reward") == [(0, 1.0), (1, 1.1)]
 
 
+def test_a_resumed_run_keeps_the_evaluation_before_training(tmp_path):
+    """The curves and the summary of a resumed run start from the first start's evaluation before
+    training (which a resumed run does not repeat); a fresh start measures anew."""
+    first = StatsLogger(quiet(), tmp_path)
+    first.before_training({"eval/pass@1": 0.5, "eval/reward": 0.25})
+    log_steps(first, range(3))
+    first.close()
+    resumed = StatsLogger(quiet(), tmp_path, start_step=2)
+    assert resumed.before_training_stats == {"eval/pass@1": 0.5, "eval/reward": 0.25}
+    assert resumed.baseline == {"eval/pass@1": 0.5}  # a plotted key: the curve starts from it at step 0
+    assert StatsLogger(quiet(), tmp_path).before_training_stats == {}
+
+
 def test_offline_wandb_run_is_resumed_after_recovery(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
