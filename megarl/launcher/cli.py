@@ -226,7 +226,8 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
     if args.dry_run:
         console.print(script, end="", markup=False, highlight=False)
         return 0
-    # held while it writes and submits, not by the job: it runs on the cluster, after this command exits
+    # held while it writes; the job holds it from its start (the script's lock lines), so it is released
+    # before the job is submitted: a job starting at once would find it held
     with nullcontext() if args.convert_point else _run_dir_held(config, console):
         save_config(config, config_file)
         (config.run_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch --output does not create it
@@ -235,7 +236,7 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
             if args.output
             else config.run_dir / ("convert.sbatch" if args.convert_point else "job.sbatch")
         )
-        job = submit(script, path)
+    job = submit(script, path)
     console.print(f"submitted job {job}: {path} (config {config_file})", markup=False)
     return 0
 

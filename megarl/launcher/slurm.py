@@ -32,6 +32,7 @@ from pathlib import Path
 
 from megarl.config.experiment import GRPOConfig
 from megarl.launcher.placement import Placement, plan_placement
+from megarl.run.earlier_run import LOCK_FILE
 from megarl.serving.restarts import RESTARTS_FILE
 from megarl.utils.auth import API_KEY_ENV, KEY_FILE
 from megarl.utils.heartbeat import flight_recorder_env
@@ -79,6 +80,7 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool 
         f'export {API_KEY_ENV}="${{{API_KEY_ENV}:-$(python3 -c "import secrets; print(secrets.token_urlsafe(32))")}}"',
         f"RUN_DIR={shlex.quote(str(run_dir))}",
         'mkdir -p "$RUN_DIR/servers" "$RUN_DIR/slurm"',
+        *_hold_run_dir(),
         f'(umask 077; echo "${API_KEY_ENV}" > "$RUN_DIR/{KEY_FILE}")  # the key of servers that join the run later',
         'rm -f "$RUN_DIR"/servers/*.addr "$RUN_DIR/watchdog.stopped"',
         'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
@@ -106,6 +108,26 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool 
     lines += ["", "# 3. trainer", *_flight_recorder(config), *_trainer(config, cfg, plan), *_watchdog(config, cfg)]
     lines += ["", "# 4. the first step to end decides the job's fate", *_first_exit(config, requeue)]
     return lines
+
+
+def _hold_run_dir() -> list[str]:
+    """The job holds ``$RUN_DIR`` while it runs, as ``megarl run`` does (an exclusive ``flock`` on its lock
+    file, :func:`megarl.run.earlier_run.lock_run_dir`): a second start of the trial is refused, and this job
+    ends at once if another run holds it. A filesystem without ``flock`` support runs unguarded, warned."""
+    lock = f'"$RUN_DIR/{LOCK_FILE}"'
+    return [
+        "# the run directory is this job's while it runs: a second start of the trial is refused",
+        f"exec {{RUN_LOCK}}>>{lock}",
+        'flock -n -E 75 "$RUN_LOCK"; locked=$?',
+        'if [ "$locked" = 75 ]; then',
+        f'  echo "megarl: $RUN_DIR is in use by a run that is still going ($(cat {lock})); this job ends" >&2',
+        "  exit 1",
+        'elif [ "$locked" != 0 ]; then',
+        '  echo "megarl: cannot lock $RUN_DIR (no flock on this filesystem?): a second start would not see this" >&2',
+        "else",
+        f'  echo "slurm job $SLURM_JOB_ID on $(hostname), since $(date +%Y-%m-%dT%H:%M:%S)" > {lock}',
+        "fi",
+    ]
 
 
 def _job_environment(config: GRPOConfig) -> list[str]:

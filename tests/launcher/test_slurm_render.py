@@ -200,3 +200,30 @@ def test_the_conversion_job_runs_on_the_ranks_that_wrote_the_point(tmp_path):
     assert "#SBATCH --nodes=1" in cpu and "torchrun --nnodes=1 --nproc-per-node=2" in cpu
     with pytest.raises(ValueError, match="written by 12 ranks, which 8 GPUs a node"):
         render_convert_sbatch(cfg, tmp_path / "convert.yaml", 12)
+
+
+def test_the_job_holds_its_run_directory_as_megarl_run_does(tmp_path):
+    """The script's lock lines, run by bash: a job refuses a directory a live ``megarl run`` holds, and
+    while a job holds it ``megarl run``'s lock (the same flock) names the job."""
+    from megarl.run.earlier_run import RunDirInUse, lock_run_dir
+
+    script = render_sbatch(config("gsm8k_grpo_cpu.yaml"), tmp_path / "c.yaml").splitlines()
+    start = script.index("# the run directory is this job's while it runs: a second start of the trial is refused")
+    hold = "\n".join(script[start : script.index("fi", start) + 1])
+    env = {"RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "7", "PATH": "/usr/bin:/bin"}
+    lock = lock_run_dir(tmp_path)
+    refused = subprocess.run(["bash", "-c", f"{hold}\necho went on"], env=env, capture_output=True, text=True)
+    assert refused.returncode == 1 and "went on" not in refused.stdout
+    assert f"{tmp_path} is in use by a run that is still going (pid " in refused.stderr
+    lock.release()
+    job = subprocess.Popen(
+        ["bash", "-c", f"{hold}\necho holding; sleep 30"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert job.stdout.readline() == "holding\n"
+        with pytest.raises(RunDirInUse, match=r"in use by a run that is still going \(slurm job 7 on "):
+            lock_run_dir(tmp_path)
+    finally:
+        job.kill()
+        job.wait()
+    lock_run_dir(tmp_path).release()  # the job's end freed it
