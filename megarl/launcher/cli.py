@@ -344,16 +344,23 @@ def _cmd_convert_point(args: argparse.Namespace, console: Console) -> int:
 
     from megarl.launcher.local import torchrun_command
     from megarl.run.convert_point import saved_world_size
+    from megarl.run.earlier_run import lock_run_dir
 
     config, point = _point_to_convert(args, console)
     if point is None:
         return 0
     ranks = saved_world_size(point)
     _require_devices(config, point, ranks)
-    config_file = save_config(config, config.run_dir / CONVERT_CONFIG).resolve()
-    console.print(f"megarl convert-point: rewriting {point} on {ranks} ranks", markup=False, highlight=False)
-    command = torchrun_command(config, ranks, ["-m", "megarl.run.convert_point", "--config", str(config_file)])
-    if subprocess.run(command, check=False).returncode != 0:
+    lock = lock_run_dir(config.run_dir)  # not while the run writes its points (refused, naming the run)
+    try:
+        config_file = save_config(config, config.run_dir / CONVERT_CONFIG).resolve()
+        console.print(f"megarl convert-point: rewriting {point} on {ranks} ranks", markup=False, highlight=False)
+        command = torchrun_command(config, ranks, ["-m", "megarl.run.convert_point", "--config", str(config_file)])
+        converted = subprocess.run(command, check=False).returncode == 0
+    finally:
+        if lock is not None:
+            lock.release()
+    if not converted:
         console.print(f"megarl convert-point: failed; {point} is as it was", markup=False, highlight=False)
         return 1
     console.print(

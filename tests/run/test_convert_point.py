@@ -201,3 +201,27 @@ def test_a_run_without_a_recover_point_is_told_so(tmp_path, capsys):
 
     assert main(["convert-point", "configs/gsm8k_grpo_cpu.yaml", f"cluster.fileroot={tmp_path}"]) == 2
     assert "holds no complete recover point to convert" in capsys.readouterr().err
+
+
+def test_a_point_of_a_run_still_going_is_not_rewritten(tmp_path, capsys, monkeypatch):
+    """While ``megarl run`` holds the trial, convert-point refuses it (exit 2, naming the run) and starts nothing."""
+    import megarl.launcher.cli as cli
+    import megarl.launcher.local as local
+    import megarl.run.convert_point as convert_point
+    from megarl.config import GRPOConfig
+    from megarl.run.earlier_run import lock_run_dir
+    from megarl.run.prelaunch import build_config
+
+    config = build_config(GRPOConfig, ["configs/gsm8k_grpo_cpu.yaml"], [f"cluster.fileroot={tmp_path}"])
+    point = config.run_dir / "recover" / "step3"
+    monkeypatch.setattr(cli, "_point_to_convert", lambda args, console: (config, point))  # a point to convert
+    monkeypatch.setattr(convert_point, "saved_world_size", lambda point: 1)
+    monkeypatch.setattr(local, "torchrun_command", lambda *a: pytest.fail("a live run's point was rewritten"))
+    lock = lock_run_dir(config.run_dir)
+    try:
+        assert cli.main(["convert-point", "configs/gsm8k_grpo_cpu.yaml", f"cluster.fileroot={tmp_path}"]) == 2
+    finally:
+        lock.release()
+    err = capsys.readouterr().err
+    assert f"{config.run_dir} is in use by a run that is still going (pid " in err
+    assert not (config.run_dir / cli.CONVERT_CONFIG).exists()
