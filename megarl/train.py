@@ -278,10 +278,9 @@ def evaluate(t: Trainer) -> dict[str, float]:
     """pass@1 (greedy or sampled) and pass@k on the validation prompts (rank 0 runs it; others return nothing)."""
     if t.rollout is None or dist.get_rank() != 0 or not t.valid_items:
         return {}
-    n_samples = t.config.evaluator.n_samples
-    if n_samples == 1 and t.config.evaluator.temperature is None:
+    if t.config.evaluator.greedy:
         return pass_at_1(t.rollout, t.valid_items, t.eval_workflow)
-    return pass_at_k(t.rollout, t.valid_items, t.eval_workflow, n_samples)
+    return pass_at_k(t.rollout, t.valid_items, t.eval_workflow, t.config.evaluator.n_samples)
 
 
 def recover_info(t: Trainer, global_step: int) -> RecoverInfo:

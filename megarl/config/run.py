@@ -163,6 +163,11 @@ class EvaluatorConfig:
         if self.temperature is not None:
             require(self.temperature > 0, "temperature", self.temperature, "must be > 0 (null decodes greedily)")
 
+    @property
+    def greedy(self) -> bool:
+        """One greedy answer per prompt (greedy pass@1), not sampled ones."""
+        return self.n_samples == 1 and self.temperature is None
+
 
 @dataclass
 class RecoverConfig:

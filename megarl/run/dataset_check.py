@@ -16,7 +16,7 @@ from megarl.config.run import DatasetConfig
 from megarl.data.files import DATASET_SHORT_NAMES, DATASET_SUFFIXES, count_rows, dataset_file, first_rows
 from megarl.data.rows import ROW_MAPPERS, DatasetRowError, row_mapper
 
-HUB_DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``owner/name``: a hub repository id (a dataset's, before an optional ``:config``)."""
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _TRUE = frozenset({"1", "on", "yes", "true"})
@@ -61,7 +61,7 @@ def check_dataset(key: str, data: DatasetConfig, multi_node: bool) -> dict | Non
     looks_local = data.path.startswith(("/", ".", "~")) or local.suffix in DATASET_SUFFIXES
     require(not looks_local, f"{key}.path", data.path, "no such file or directory")
     require(
-        HUB_DATASET_ID.fullmatch(data.path.partition(":")[0]) is not None,
+        _HUB_DATASET_ID.fullmatch(data.path.partition(":")[0]) is not None,
         f"{key}.path",
         data.path,
         f"neither a bundled dataset {sorted(DATASET_SHORT_NAMES)}, a local file or directory, "

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from megarl.config import GRPOConfig
 from megarl.run.saver import incomplete_reason
+from megarl.utils.logging import WarnOnce
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class RunDirLock:
             self._fd = None
 
 
-_unlockable_warned = False
+_warn_unlockable = WarnOnce(logger)  # a filesystem without flock: said once per process
 
 
 def lock_run_dir(run_dir: Path) -> RunDirLock | None:
@@ -109,7 +110,6 @@ def lock_run_dir(run_dir: Path) -> RunDirLock | None:
     byte-range locks; Lustre needs the ``flock`` mount option). Where it is missing the run goes on
     unguarded rather than not at all.
     """
-    global _unlockable_warned
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # no O_TRUNC: the holder's text stays
@@ -124,14 +124,12 @@ def lock_run_dir(run_dir: Path) -> RunDirLock | None:
         ) from None
     except OSError as err:
         os.close(fd)
-        if not _unlockable_warned:
-            _unlockable_warned = True
-            logger.warning(
-                "cannot lock %s (%s): the filesystem takes no flock, so a second start on this trial "
-                "would not see that this run is going; give each run its own trial_name",
-                path,
-                err,
-            )
+        _warn_unlockable(
+            "cannot lock %s (%s): the filesystem takes no flock, so a second start on this trial "
+            "would not see that this run is going; give each run its own trial_name",
+            path,
+            err,
+        )
         return None
     holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
     os.ftruncate(fd, 0)

@@ -74,7 +74,7 @@ class Evaluator:
 
 def evaluation_gconfig(config: EvaluatorConfig, gconfig: GenerationHyperparameters) -> GenerationHyperparameters:
     """The evaluation's sampling: the run's ``gconfig`` with ``config.n_samples``, greedy unless it samples."""
-    if config.n_samples == 1 and config.temperature is None:
+    if config.greedy:
         return gconfig.new(n_samples=1, greedy=True)
     return gconfig.new(n_samples=config.n_samples, greedy=False, temperature=config.temperature or gconfig.temperature)
 

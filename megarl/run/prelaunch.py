@@ -5,9 +5,9 @@ is checked here, by reading it: the model directories (their ``config.json`` aga
 allocation), the datasets (:mod:`megarl.run.dataset_check`: their split, their first rows
 against ``type``, their size against the batch), the tokenizer, the directories the run writes, a
 recover point to resume, the user's own code (reward, workflow, loss: imported, their signatures
-checked), and the open files a trainer head needs (``RLIMIT_NOFILE``, :mod:`megarl.run.open_files`). Hub ids become local
-snapshot directories here, and plug-in files absolute paths, so every process of the run reads
-the same files.
+checked), and the open files a trainer head needs (``RLIMIT_NOFILE``, :mod:`megarl.run.open_files`).
+Hub ids become local snapshot directories here, and plug-in files absolute paths, so every process
+of the run reads the same files.
 
 They run where the config is loaded: ``megarl config``, ``megarl run`` and each trainer rank
 (``megarl.train``) load it with :func:`load_expr_config`, which is
@@ -21,7 +21,6 @@ import inspect
 import json
 import logging
 import pickle
-import re
 import sys
 import tempfile
 import warnings
@@ -41,11 +40,12 @@ from megarl.data.rows import REWARD_ARGUMENTS
 from megarl.models.families import check_layers_hold
 from megarl.models.names import MODEL_SHAPES, known_name, short_names
 from megarl.models.peft_files import check_adapter_start
+from megarl.models.provision import HUB_ID
 from megarl.models.weight_files import weights_problem
 from megarl.reward.call import TrainerState
 from megarl.reward.executor import call_reward
 from megarl.reward.failures import RewardFailure
-from megarl.run.dataset_check import HUB_DATASET_ID, check_dataset
+from megarl.run.dataset_check import check_dataset
 from megarl.run.earlier_run import has_recover_point, resumes
 from megarl.run.open_files import check_open_files
 from megarl.utils.logging import is_rank0
@@ -56,7 +56,6 @@ T = TypeVar("T")
 
 MODEL_SHORT_NAMES = {name: ModelShape(**MODEL_SHAPES[known_name(name)]) for name in short_names()}
 """Model short names (lower case) and the shapes that constrain a parallel layout (:mod:`megarl.models.names`)."""
-_HUB_MODEL_ID = re.compile(HUB_DATASET_ID.pattern + r"(?:@[\w./-]+)?")  # megarl.models.provision.HUB_ID
 
 MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 """``model_type`` values megarl builds (``megarl.models.families.MODEL_FAMILIES``; a test checks they agree)."""
@@ -453,7 +452,7 @@ def resolve_hub_id(path: str, key: str, multi_node: bool, weights: bool = True) 
     """
     local = Path(path).expanduser()
     if (
-        not _HUB_MODEL_ID.fullmatch(path)
+        not HUB_ID.fullmatch(path)
         or path.lower() in MODEL_SHORT_NAMES
         or local.exists()
         or (multi_node and local.is_absolute())
@@ -498,7 +497,7 @@ def model_path_problem(path: str, multi_node: bool, marker_files: tuple[str, ...
         return None
     hint = (
         "; a Hugging Face hub id becomes its local directory when the config is loaded (megarl.run.prelaunch.load_expr_config)"
-        if _HUB_MODEL_ID.fullmatch(path)
+        if HUB_ID.fullmatch(path)
         else ""
     )
     return f"neither a known short name {known} nor a directory with {' or '.join(marker_files)}{hint}"

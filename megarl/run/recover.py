@@ -276,7 +276,7 @@ def check_point_loads(config: GRPOConfig) -> None:
     point = RecoverHandler(config.recover, config.run_dir).latest()
     if point is None or train is None:
         return
-    after = int(point.name.removeprefix("step").removesuffix(".old"))
+    after = int(point.name.removeprefix("step"))  # latest() put back any step{N}.old
     require(
         config.total_train_steps is None or config.total_train_steps > after,
         "total_train_steps",

@@ -55,8 +55,6 @@ class StatsLogger:
         self.active = rank == 0
         self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
         """Per plotted key: (global step, value) of each step that logged it."""
-        self.baseline: dict[str, float] = {}
-        """Plotted values measured before the first step (the evaluation before training)."""
         self.before_training_stats: dict[str, float] = {}
         """Every value of the evaluation before training (this start's, or a resumed run's from its file)."""
         self._wandb = self._tb = None
@@ -138,18 +136,19 @@ class StatsLogger:
             tmp = self.baseline_path.with_name(self.baseline_path.name + ".tmp")
             tmp.write_text(json.dumps(stats))
             os.replace(tmp, self.baseline_path)
-            self._set_baseline(stats)
+            self.before_training_stats = stats
             self._draw()
 
-    def _set_baseline(self, stats: dict[str, float]) -> None:
-        self.before_training_stats = stats
-        self.baseline.update({key: stats[key] for key in self.config.plot_keys if key in stats})
+    @property
+    def baseline(self) -> dict[str, float]:
+        """Plotted values measured before the first step (the evaluation before training)."""
+        return {key: value for key, value in self.before_training_stats.items() if key in self.config.plot_keys}
 
     def _reload_baseline(self, start_step: int) -> None:
         """A resumed run's evaluation before training, from :attr:`baseline_path` (a fresh start measures anew)."""
         if start_step > 0 and self.baseline_path.is_file():
             try:
-                self._set_baseline(json.loads(self.baseline_path.read_text()))
+                self.before_training_stats = json.loads(self.baseline_path.read_text())
             except (OSError, ValueError) as err:
                 logger.warning("cannot read %s (%s): the curves start without it", self.baseline_path, err)
 

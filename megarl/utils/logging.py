@@ -113,3 +113,16 @@ def get_logger(name: str) -> logging.Logger:
 def is_rank0() -> bool:
     """Whether this process logs for the run: not a trainer rank other than 0 (``RANK`` unset counts as 0)."""
     return os.environ.get("RANK", "0") == "0"
+
+
+class WarnOnce:
+    """A warning logged the first time it is called only (``warn(msg, *args)``), for a condition that
+    would otherwise repeat with every episode or call; one per object that owns it."""
+
+    def __init__(self, log: logging.Logger):
+        self.log, self.said = log, False
+
+    def __call__(self, msg: str, *args) -> None:
+        if not self.said:
+            self.said = True
+            self.log.warning(msg, *args)

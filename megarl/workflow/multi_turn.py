@@ -23,6 +23,7 @@ from megarl.api.trajectory import concat_padded_tensors
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config.rollout import RewardConfig
 from megarl.utils import stats_tracker
+from megarl.utils.logging import WarnOnce
 from megarl.workflow.chat import Episode, end_turn, next_turn_ids
 from megarl.workflow.rlvr import (
     RLVRWorkflow,
@@ -94,7 +95,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         self.turn_discount = turn_discount
         self.max_context_len = max_context_len
         self.reflection_ids = reflection_token_ids(tokenizer, reflection_prompt, enable_thinking=enable_thinking)
-        self._warned_prompt_too_long = False
+        self._warn_prompt_too_long = WarnOnce(logger)  # an episode rejected: its prompt leaves no room
 
     def _turn_budget(self, prompt_len: int) -> int:
         if self.max_context_len is None:
@@ -129,22 +130,16 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         rlvr = self.rlvr
         prompt_ids = rlvr.get_input_ids_fn(rlvr.data_extract_prompt_fn(data), self.tokenizer, rlvr.enable_thinking)
         if self._turn_budget(len(prompt_ids)) < 1:
-            self._warn_prompt_too_long(len(prompt_ids))
+            self._warn_prompt_too_long(
+                "MultiTurnReflectionWorkflow: a prompt of %d tokens leaves no room for an answer in "
+                "max_context_len=%d; its episode is rejected (this warning is not repeated for later ones)",
+                len(prompt_ids),
+                self.max_context_len,
+            )
             return None
         samples = range(self.gconfig.n_samples)
         trajs = await asyncio.gather(*(self._run_one(engine, data, prompt_ids, i) for i in samples))
         return concat_padded_tensors(trajs)
-
-    def _warn_prompt_too_long(self, prompt_len: int) -> None:
-        """Say (once per workflow) that an episode was rejected: its prompt leaves no room for an answer."""
-        if not self._warned_prompt_too_long:
-            self._warned_prompt_too_long = True
-            logger.warning(
-                "MultiTurnReflectionWorkflow: a prompt of %d tokens leaves no room for an answer in "
-                "max_context_len=%d; its episode is rejected (this warning is not repeated for later ones)",
-                prompt_len,
-                self.max_context_len,
-            )
 
     def with_gconfig(self, gconfig: GenerationHyperparameters) -> MultiTurnReflectionWorkflow:
         """This workflow sampling with ``gconfig`` (e.g. greedy evaluation); it shares the reward workers."""

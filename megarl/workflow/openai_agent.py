@@ -55,6 +55,7 @@ from megarl.api.trajectory import concat_padded_tensors, response_trajectory
 from megarl.api.workflow_api import RolloutWorkflow, is_agent
 from megarl.reward.failures import RewardFailure, RewardFunctionError, as_reward
 from megarl.utils import stats_tracker
+from megarl.utils.logging import WarnOnce
 from megarl.workflow.chat import Episode
 from megarl.workflow.openai_proxy import CallRecord, OpenAIProxy, ProxySession
 
@@ -127,7 +128,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.export_style = export_style
         self.turn_discount = turn_discount
         self.proxy = OpenAIProxy()
-        self._warned_context_rejection = False
+        self._warn_context_rejection = WarnOnce(logger)  # an episode rejected: its prompt did not fit
 
     @property
     def agent_name(self) -> str:
@@ -160,7 +161,13 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 raise AgentRunError(f"agent {self.agent_name}.run raised {type(e).__name__}: {e}") from e
         self._raise_if_a_call_failed(session)
         if not session.calls and session.context_refusals:
-            self._warn_context_rejection(session.context_refusals)
+            self._warn_context_rejection(
+                "agent %s: every LLM call of a run (%d) was refused, its prompt longer than max_context_len=%s "
+                "(context_length_exceeded); its episode is rejected (this warning is not repeated for later ones)",
+                self.agent_name,
+                session.context_refusals,
+                self.max_context_len,
+            )
             return None
         if not session.calls:
             raise AgentRunError(
@@ -176,18 +183,6 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     def _raise_if_a_call_failed(self, session: ProxySession) -> None:
         if session.error is not None:
             raise AgentRunError(f"agent {self.agent_name}: an LLM call failed: {session.error!r}") from session.error
-
-    def _warn_context_rejection(self, refusals: int) -> None:
-        """Say (once per workflow) that an episode was rejected: its prompt did not fit the context."""
-        if not self._warned_context_rejection:
-            self._warned_context_rejection = True
-            logger.warning(
-                "agent %s: every LLM call of a run (%d) was refused, its prompt longer than max_context_len=%s "
-                "(context_length_exceeded); its episode is rejected (this warning is not repeated for later ones)",
-                self.agent_name,
-                refusals,
-                self.max_context_len,
-            )
 
     def with_gconfig(self, gconfig: GenerationHyperparameters) -> OpenAIAgentWorkflow:
         """This agent sampled with ``gconfig`` (e.g. greedy evaluation); the twin shares the proxy."""

@@ -21,6 +21,7 @@ from megarl.launcher.cli import main
 from megarl.run import earlier_run as earlier_run_module
 from megarl.run.earlier_run import LOCK_FILE, RunDirInUse, keep_earlier_run, lock_run_dir
 from megarl.run.prelaunch import build_config
+from megarl.utils.logging import WarnOnce
 
 CPU_YAML = str(Path(__file__).resolve().parents[2] / "configs" / "arithmetic_grpo_cpu.yaml")
 
@@ -145,7 +146,7 @@ def test_a_filesystem_without_flock_runs_unguarded_with_one_warning(tmp_path, mo
         raise OSError(errno.ENOLCK, "No locks available")
 
     warned = []  # not caplog: the session's setup_logging may have cut the megarl logger off from the root
-    monkeypatch.setattr(earlier_run_module, "_unlockable_warned", False)
+    monkeypatch.setattr(earlier_run_module, "_warn_unlockable", WarnOnce(earlier_run_module.logger))
     monkeypatch.setattr(earlier_run_module.logger, "warning", lambda msg, *args: warned.append(msg % args))
     monkeypatch.setattr(fcntl, "flock", no_flock)
     assert lock_run_dir(tmp_path / "a") is None and lock_run_dir(tmp_path / "b") is None
