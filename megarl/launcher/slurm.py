@@ -104,7 +104,7 @@ def _body(config: GRPOConfig, config_file: Path, plan: Placement, requeue: bool 
         "done",
     ]
     if plan.servers:
-        lines += _wait_for_servers(slurm.server_wait_timeout)
+        lines += _wait_for_servers(slurm.server_wait_timeout, config.rollout.server_addrs_env)
     lines += ["", "# 3. trainer", *_flight_recorder(config), *_trainer(config, cfg, plan), *_watchdog(config, cfg)]
     lines += ["", "# 4. the first step to end decides the job's fate", *_first_exit(config, requeue)]
     return lines
@@ -190,9 +190,11 @@ def _serve_slot(config: GRPOConfig, cfg: str) -> list[str]:
     ]
 
 
-def _wait_for_servers(timeout: int) -> list[str]:
+def _wait_for_servers(timeout: int, addrs_env: str = "MEGARL_LLM_SERVER_ADDRS") -> list[str]:
     """Wait for every slot's address, then list them in slot order: the trainer's ``server-i`` (the i-th of
-    ``MEGARL_LLM_SERVER_ADDRS``) is slot i, not the i-th file of a glob (0, 1, 10, 11, ..., 2)."""
+    ``MEGARL_LLM_SERVER_ADDRS``) is slot i, not the i-th file of a glob (0, 1, 10, 11, ..., 2). The list
+    is also exported as ``addrs_env`` (``rollout.server_addrs_env``), where the trainer reads it."""
+    also = [f'export {addrs_env}="$MEGARL_LLM_SERVER_ADDRS"'] if addrs_env != "MEGARL_LLM_SERVER_ADDRS" else []
     return [
         "",
         "# 2. wait until every server is healthy (each wrote its address to $RUN_DIR/servers/<slot>.addr)",
@@ -219,6 +221,7 @@ def _wait_for_servers(timeout: int) -> list[str]:
         "  sleep 2",
         "done",
         "export MEGARL_LLM_SERVER_ADDRS",
+        *also,
         'echo "megarl: servers at $MEGARL_LLM_SERVER_ADDRS"',
     ]
 

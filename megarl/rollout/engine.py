@@ -15,6 +15,7 @@ sync drives around an update: pause, resume, sleep, wake, versions and the serve
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterable
@@ -78,6 +79,7 @@ class RemoteInferenceEngine(InferenceEngine):
         tokenizer: Any = None,
         wait_healthy: bool = True,
         vocab_size: int | None = None,
+        head: tuple[int, int] = (0, 1),
         **_: Any,
     ) -> RemoteInferenceEngine:
         """Find the servers, check their health and start the rollout pool.
@@ -92,6 +94,9 @@ class RemoteInferenceEngine(InferenceEngine):
             wait_healthy: Wait (up to ``config.setup_timeout``) until every server answers.
             vocab_size: The trainer's vocabulary size: a reply holding a token id at or beyond it is
                 refused like any reply that cannot be trained on (None: not checked).
+            head: ``(index, count)`` of the data-parallel heads that each run an engine for the same run:
+                this engine's task ids are ``index, index + count, ...``, so that no two heads share one
+                (in the logs, and in the file names of dumped trajectories).
         """
         addrs = list(server_addrs) if server_addrs else resolve_server_addrs(self.config)
         self.backend.vocab_size = vocab_size
@@ -113,7 +118,9 @@ class RemoteInferenceEngine(InferenceEngine):
         if self.config.switch_interval_ms > 0:  # the pool's loop thread shares the lock with the trainer's Python
             sys.setswitchinterval(self.config.switch_interval_ms / 1000)
         self._dumper = dumper
-        self.pool = RolloutPool(self.client, self.config, batch_size, dumper).start()
+        index, count = head
+        task_ids = itertools.count(index, count)
+        self.pool = RolloutPool(self.client, self.config, batch_size, dumper, task_ids).start()
         logger.info("inference engine ready: %d %s server(s) %s", len(addrs), self.backend.name, addrs)
         return self
 

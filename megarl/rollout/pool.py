@@ -60,6 +60,7 @@ class RolloutPool:
         config: Concurrency, staleness and queue bounds.
         batch_size: Trajectories the trainer consumes per step (the staleness unit).
         dumper: Writes every trajectory to JSONL when given.
+        task_ids: The ids given to submitted tasks, in order (default 0, 1, 2, ...).
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class RolloutPool:
         config: InferenceEngineConfig,
         batch_size: int,
         dumper: TrajectoryDumper | None = None,
+        task_ids: Iterator[int] | None = None,
     ):
         self.engine = engine
         self.max_concurrent = config.max_concurrent_rollouts or batch_size
@@ -83,7 +85,7 @@ class RolloutPool:
         self._runner = EpisodeRunner(
             engine, self._q, self.staleness, self.max_concurrent, self.queue_size, failures, dumper
         )
-        self._ids = itertools.count()
+        self._ids = task_ids if task_ids is not None else itertools.count()
         self._data_source: Any = None
         self._data_iter: Iterator | None = None
         self._held: list[Result] = []  # gathered by an interrupted prepare_batch, for the next call

@@ -10,6 +10,10 @@ call :func:`keep_earlier_run` before they write anything: the earlier run's dire
 A run that is still going is no earlier run: ``megarl run`` holds its directory for its whole life with
 an exclusive ``flock`` on ``{run_dir}/.megarl.lock`` (:func:`claim_run_dir`), and a second start on it
 (``megarl run`` or ``megarl slurm``) is refused before it touches the directory.
+
+A run that resumes with settings changed from the run's (:func:`keep_resumed_config`) keeps the
+config the earlier steps were trained with as ``config-until-step{N}.yaml`` beside the new
+``config.yaml`` and says what changed: a run's directory tells which steps ran under which settings.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import socket
 import time
 from pathlib import Path
 
-from megarl.config import GRPOConfig
+from omegaconf import OmegaConf
+
+from megarl.config import GRPOConfig, to_yaml
 from megarl.run.saver import incomplete_reason
 from megarl.utils.logging import WarnOnce
 
@@ -34,9 +40,13 @@ LOCK_FILE = ".megarl.lock"
 def has_recover_point(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a whole recover point (``recover/step{N}/``, its files as its manifest lists
     them): one the trainer would resume from. A run whose points are all damaged starts fresh."""
-    return any(
-        incomplete_reason(manifest.parent) is None for manifest in (run_dir / "recover").glob("step*/MANIFEST.json")
-    )
+    return bool(_whole_point_steps(run_dir))
+
+
+def _whole_point_steps(run_dir: Path) -> list[int]:
+    """The steps of the whole recover points in ``run_dir`` (``recover/step{N}/``)."""
+    points = [manifest.parent for manifest in (run_dir / "recover").glob("step*/MANIFEST.json")]
+    return [int(p.name[4:]) for p in points if p.name[4:].isdigit() and incomplete_reason(p) is None]
 
 
 def resumes(config: GRPOConfig) -> bool:
@@ -65,11 +75,14 @@ def _aside(run_dir: Path) -> Path:
 
 
 def keep_earlier_run(config: GRPOConfig) -> str | None:
-    """Move the run directory aside when it holds an earlier run's steps and this run starts fresh; what
-    was done, for the console, or None when nothing was (no earlier steps, or this run resumes them)."""
+    """Move the run directory aside when it holds an earlier run's steps and this run starts fresh, or
+    keep its config when this run resumes it with other settings (:func:`keep_resumed_config`); what was
+    done, for the console, or None when nothing was."""
     run_dir = config.run_dir
+    if resumes(config):
+        return keep_resumed_config(config)
     steps = _steps_logged(run_dir)
-    if steps == 0 or resumes(config):
+    if steps == 0:
         return None
     target = _aside(run_dir)
     run_dir.rename(target)
@@ -78,6 +91,57 @@ def keep_earlier_run(config: GRPOConfig) -> str | None:
         f"(recover.mode={config.recover.mode}): the earlier run was moved to {target}, whole; "
         f"trial_name=... keeps runs apart, recover.mode=auto continues a run from its recover point"
     )
+
+
+CHANGES_SHOWN = 12
+"""Changed settings a resumed run lists by name; the rest are counted."""
+
+
+def config_changes(before: dict, after: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """The settings whose values differ between two config trees, as (dotted key, before, after); a key
+    only one of them has is None in the other. Lists are compared whole."""
+    changes = []
+    for key in sorted(set(before) | set(after), key=str):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += config_changes(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changes.append((f"{prefix}{key}", old, new))
+    return changes
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def keep_resumed_config(config: GRPOConfig) -> str | None:
+    """For a run that resumes: when ``config`` differs from the run's saved ``config.yaml`` (which the
+    new one replaces), keep the saved one as ``config-until-step{N}.yaml`` (N: the recover point's step)
+    and say which settings changed, for the console and the log; None when nothing changed."""
+    saved = config.run_dir / "config.yaml"
+    if not saved.is_file():
+        return None
+    before = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
+    after = OmegaConf.to_container(OmegaConf.create(to_yaml(config)), resolve=True)
+    changes = config_changes(before, after)
+    if not changes:
+        return None
+    step = max(_whole_point_steps(config.run_dir), default=0)
+    kept = saved.with_name(f"config-until-step{step}.yaml")
+    n = 2
+    while kept.exists():
+        kept = saved.with_name(f"config-until-step{step}-{n}.yaml")
+        n += 1
+    kept.write_bytes(saved.read_bytes())
+    listed = "; ".join(f"{key} {_short(old)} -> {_short(new)}" for key, old, new in changes[:CHANGES_SHOWN])
+    more = f"; and {len(changes) - CHANGES_SHOWN} more" if len(changes) > CHANGES_SHOWN else ""
+    message = (
+        f"{config.run_dir} resumes after step {step} with {len(changes)} setting(s) changed from the run's "
+        f"config (kept as {kept.name}; the steps from {step + 1} on follow the new one): {listed}{more}"
+    )
+    logger.warning(message)
+    return message
 
 
 class RunDirInUse(ValueError):
@@ -139,8 +203,8 @@ def lock_run_dir(run_dir: Path) -> RunDirLock | None:
 
 def claim_run_dir(config: GRPOConfig) -> tuple[RunDirLock | None, str | None]:
     """Hold the run directory for this process (:func:`lock_run_dir`), first moving an earlier run aside
-    (:func:`keep_earlier_run`); the lock and what was moved, for the console. A directory that a live
-    run holds raises :class:`RunDirInUse` before anything in it is touched."""
+    or keeping a resumed run's config (:func:`keep_earlier_run`); the lock and what was done, for the
+    console. A directory that a live run holds raises :class:`RunDirInUse` before anything in it is touched."""
     lock = lock_run_dir(config.run_dir)  # held while the earlier run moves: no second start moves it too
     try:
         moved = keep_earlier_run(config)
@@ -148,8 +212,8 @@ def claim_run_dir(config: GRPOConfig) -> tuple[RunDirLock | None, str | None]:
         if lock is not None:
             lock.release()
         raise
-    if moved is None:
-        return lock, None
+    if moved is None or resumes(config):  # a resumed run's directory stays where it is
+        return lock, moved
     if lock is not None:
         lock.release()  # its file went with the earlier run; the new directory gets its own
     return lock_run_dir(config.run_dir), moved

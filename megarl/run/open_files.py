@@ -12,7 +12,6 @@ before the build (:mod:`megarl.train`), on the node the connections are opened f
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from megarl.config.base import ConfigError
 from megarl.config.experiment import GRPOConfig
@@ -66,7 +65,9 @@ def trainer_open_files(config: GRPOConfig) -> OpenFilesPlan:
     if alloc.inference is not None:
         servers, workers = alloc.inference.dp, alloc.inference.world_size
     else:  # servers started elsewhere: the addresses the trainer will be given
-        addrs = rollout.server_addrs or [a for a in os.environ.get(rollout.server_addrs_env, "").split(",") if a]
+        from megarl.serving.launch import env_server_addrs  # the HTTP stack only where it is needed
+
+        addrs = rollout.server_addrs or env_server_addrs(rollout)[0]
         servers = workers = len(addrs)
     groups = -(-servers // config.weight_update.group_servers(servers)) if servers else 1
     bridge = 0 if set(config.weight_update.modes) == {"disk"} else 2 * (workers + groups)

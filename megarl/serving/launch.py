@@ -178,17 +178,32 @@ def launch_servers(
     return servers
 
 
+AREAL_SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
+"""AReaL's variable for the server list: read when ``rollout.server_addrs_env``'s is unset or empty, so
+servers started the AReaL way are found as they are."""
+
+
+def env_server_addrs(config: InferenceEngineConfig) -> tuple[list[str], str]:
+    """The server addresses in ``$config.server_addrs_env``, else in ``$AREAL_LLM_SERVER_ADDRS`` (empty when
+    neither is set), and where they were read, for messages."""
+    raw = ""
+    for name in (config.server_addrs_env, AREAL_SERVER_ADDRS_ENV):
+        raw = os.environ.get(name, "")
+        if raw.strip():
+            break
+    return [a.strip() for a in raw.split(",") if a.strip()], f"${name}={raw!r}"
+
+
 def resolve_server_addrs(config: InferenceEngineConfig) -> list[str]:
-    """Server addresses from ``config.server_addrs``, else from ``$config.server_addrs_env``."""
+    """Server addresses from ``config.server_addrs``, else from the environment (:func:`env_server_addrs`)."""
     addrs = list(config.server_addrs)
     source = "rollout.server_addrs"
     if not addrs:
-        raw = os.environ.get(config.server_addrs_env, "")
-        addrs = [a.strip() for a in raw.split(",") if a.strip()]
-        source = f"${config.server_addrs_env}={raw!r}"
+        addrs, source = env_server_addrs(config)
     if not addrs:
         raise ValueError(
-            f"no inference servers: set rollout.server_addrs or ${config.server_addrs_env} (comma-separated host:port)"
+            f"no inference servers: set rollout.server_addrs or ${config.server_addrs_env} (comma-separated "
+            f"host:port; ${AREAL_SERVER_ADDRS_ENV} is read when it is unset)"
         )
     for addr in addrs:
         try:

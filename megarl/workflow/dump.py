@@ -2,7 +2,9 @@
 
 Layout: ``{run_dir}/{rollout|eval-rollout}/{version}/{task_id}.jsonl`` where ``run_dir``
 is ``{fileroot}/{experiment_name}/{trial_name}`` (those an earlier start of the run left at the versions a
-restart trains again are under ``{rollout|eval-rollout}/superseded-{time}/``); one line per trajectory row::
+restart trains again are under ``{rollout|eval-rollout}/superseded-{time}/``; with several data-parallel
+heads, each with its rollout engine, the task ids of one never repeat another's, so a file holds one
+episode); one line per trajectory row::
 
     {"task_id": 42, "sample_idx": 0, "seqlen": 256, "prompt_len": 128,
      "head_version": 5, "tail_version": 5, "reward": 1.0,

@@ -42,8 +42,9 @@ def _block(script: str, first: str, last: str) -> str:
     return "\n".join(lines[start : end + 1])
 
 
-def _server_addrs(script: str, run_dir) -> subprocess.CompletedProcess:
-    """Step 2 of ``script`` (wait for every server's address, export them) with its servers' table."""
+def _server_addrs(script: str, run_dir, env: str = "MEGARL_LLM_SERVER_ADDRS") -> subprocess.CompletedProcess:
+    """Step 2 of ``script`` (wait for every server's address, export them) with its servers' table; prints
+    ``ADDRS=`` and what the variable ``env`` holds after it, in a child process as the trainer would."""
     body = "\n".join(
         [
             "set -uo pipefail",
@@ -51,7 +52,7 @@ def _server_addrs(script: str, run_dir) -> subprocess.CompletedProcess:
             "PIDS=()",
             _block(script, "SERVERS=(", ")"),
             _block(script, "# 2. wait until every server is healthy", 'echo "megarl: servers at'),
-            'echo "ADDRS=$MEGARL_LLM_SERVER_ADDRS"',
+            f"bash -c 'echo ADDRS=${env}'",  # exported: what the trainer, a child, sees
         ]
     )
     return subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=60, check=False)
@@ -72,6 +73,14 @@ def _listed(result: subprocess.CompletedProcess) -> list[str]:
 def test_the_trainer_gets_the_addresses_in_slot_order(tmp_path):
     _write_addresses(tmp_path / "run", range(N))
     assert _listed(_server_addrs(_script(tmp_path), tmp_path / "run")) == ADDRESSES
+
+
+def test_the_trainer_finds_them_under_the_variable_the_config_names(tmp_path):
+    """``rollout.server_addrs_env``: the trainer reads the list from it (under Slurm the job exported only
+    ``MEGARL_LLM_SERVER_ADDRS``, and a run with another name found no servers)."""
+    _write_addresses(tmp_path / "run", range(N))
+    script = _script(tmp_path, "rollout.server_addrs_env=MY_ADDRS")
+    assert _listed(_server_addrs(script, tmp_path / "run", env="MY_ADDRS")) == ADDRESSES
 
 
 def test_a_slot_without_its_address_is_named(tmp_path):

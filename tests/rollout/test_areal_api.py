@@ -105,6 +105,32 @@ def test_rollout_batch_is_eval(fake_servers, tmp_path):
         engine.destroy()
 
 
+def test_data_parallel_heads_dump_each_episode_to_its_own_file(tmp_path, fake_servers):
+    """Two data-parallel heads, each with its engine, dumping into one run directory: the task ids of
+    one never repeat the other's, so no trajectory file holds two heads' episodes (they were both
+    counted from 0 and appended to the same ``{task_id}.jsonl``)."""
+    (server,) = fake_servers(1)
+    engines = [RemoteInferenceEngine(fast_config(max_concurrent_rollouts=2, dump_trajectories=True)) for _ in range(2)]
+    try:
+        for index, engine in enumerate(engines):
+            engine.initialize(
+                server_addrs=[server.address], dump_dir=str(tmp_path), tokenizer=_Decoder(), head=(index, 2)
+            )
+        ids = [
+            [engine.submit({"id": i}, workflow=WORKFLOW, workflow_kwargs=KWARGS) for i in range(3)]
+            for engine in engines
+        ]
+        assert ids == [[0, 2, 4], [1, 3, 5]]
+        for engine in engines:
+            engine.wait(3, timeout=20)
+        files = sorted((tmp_path / "rollout" / "0").glob("*.jsonl"))
+        assert [p.stem for p in files] == ["0", "1", "2", "3", "4", "5"]
+        assert all(len(p.read_text().splitlines()) == 1 for p in files)  # one episode of one row each
+    finally:
+        for engine in engines:
+            engine.destroy()
+
+
 def test_wait_raise_timeout_false_returns_empty(areal_engine):
     assert areal_engine.wait(1, timeout=0.2, raise_timeout=False) == []
     with pytest.raises(TimeoutError, match="only 0 of 1"):

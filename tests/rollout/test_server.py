@@ -265,6 +265,24 @@ def test_resolve_server_addrs(monkeypatch):
         resolve_server_addrs(InferenceEngineConfig(server_addrs_env="MY_ADDRS"))
 
 
+def test_servers_started_the_areal_way_are_found(monkeypatch):
+    """AReaL's ``AREAL_LLM_SERVER_ADDRS`` is read when megarl's variable is unset or empty; megarl's wins."""
+    monkeypatch.delenv("MEGARL_LLM_SERVER_ADDRS", raising=False)
+    monkeypatch.setenv("AREAL_LLM_SERVER_ADDRS", "h1:10,h2:20")
+    assert resolve_server_addrs(InferenceEngineConfig()) == ["h1:10", "h2:20"]
+    monkeypatch.setenv("MEGARL_LLM_SERVER_ADDRS", " ")
+    assert resolve_server_addrs(InferenceEngineConfig()) == ["h1:10", "h2:20"]
+    monkeypatch.setenv("MEGARL_LLM_SERVER_ADDRS", "h3:30")
+    assert resolve_server_addrs(InferenceEngineConfig()) == ["h3:30"]
+    monkeypatch.setenv("MEGARL_LLM_SERVER_ADDRS", "")
+    monkeypatch.setenv("AREAL_LLM_SERVER_ADDRS", "h1")
+    with pytest.raises(ValueError, match=r"AREAL_LLM_SERVER_ADDRS='h1'"):
+        resolve_server_addrs(InferenceEngineConfig())
+    monkeypatch.delenv("AREAL_LLM_SERVER_ADDRS")
+    with pytest.raises(ValueError, match=r"no inference servers: .*MEGARL_LLM_SERVER_ADDRS"):
+        resolve_server_addrs(InferenceEngineConfig())
+
+
 def _http_spec(port: int) -> LaunchSpec:
     code = f"""
     import http.server

@@ -8,6 +8,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,10 +17,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megarl.config import GRPOConfig
+from megarl.config import GRPOConfig, save_config
 from megarl.launcher.cli import main
 from megarl.run import earlier_run as earlier_run_module
-from megarl.run.earlier_run import LOCK_FILE, RunDirInUse, keep_earlier_run, lock_run_dir
+from megarl.run.earlier_run import (
+    CHANGES_SHOWN,
+    LOCK_FILE,
+    RunDirInUse,
+    claim_run_dir,
+    keep_earlier_run,
+    lock_run_dir,
+)
 from megarl.run.prelaunch import build_config
 from megarl.utils.logging import WarnOnce
 
@@ -65,11 +73,46 @@ def test_a_fresh_run_moves_the_earlier_one_aside(tmp_path, mode, recover_point):
 def test_a_resumed_run_or_one_without_steps_keeps_its_directory(tmp_path):
     config = config_at(tmp_path, "recover.mode=auto")
     earlier_run(config.run_dir, 3, recover_point=True)
+    save_config(config)  # resumed with the run's own settings
     assert keep_earlier_run(config) is None and (config.run_dir / "metrics.jsonl").exists()
+    assert sorted(p.name for p in config.run_dir.glob("config*")) == ["config.yaml"]
     empty = config_at(tmp_path, "trial_name=failed_at_start")
     earlier_run(empty.run_dir, 0)  # an earlier run that logged no step: nothing to keep
     assert keep_earlier_run(empty) is None and (empty.run_dir / "config.yaml").exists()
     assert keep_earlier_run(config_at(tmp_path, "trial_name=new")) is None  # no directory yet
+
+
+def test_a_run_resumed_with_other_settings_keeps_the_earlier_config_and_names_each_change(tmp_path):
+    earlier = config_at(tmp_path, "recover.mode=auto")
+    earlier_run(earlier.run_dir, 3, recover_point=True)  # its point: recover/step2
+    save_config(earlier)
+    written = (earlier.run_dir / "config.yaml").read_text()
+    config = config_at(tmp_path, "recover.mode=resume", "actor.loss=grpo", "total_train_steps=50")
+    lock, said = claim_run_dir(config)
+    try:
+        assert config.run_dir.is_dir() and (config.run_dir / "metrics.jsonl").exists()  # not moved aside
+        assert (config.run_dir / "config-until-step2.yaml").read_text() == written
+        assert "resumes after step 2 with 4 setting(s) changed" in said and "config-until-step2.yaml" in said
+        assert "actor.loss 'ppo' -> 'grpo'" in said and "total_train_steps 25 -> 50" in said
+        assert "actor.loss_agg_mode 'token-mean' -> 'seq-mean-token-mean'" in said  # what the loss name set
+        assert "recover.mode 'auto' -> 'resume'" in said and "more" not in said
+    finally:
+        lock.release()
+    save_config(config)  # the run starts and writes its own; resumed again with another change
+    again = config_at(tmp_path, "recover.mode=resume", "actor.loss=grpo", "total_train_steps=60")
+    said = keep_earlier_run(again)
+    assert "with 1 setting(s) changed" in said and "config-until-step2-2.yaml" in said
+    assert "total_train_steps: 50" in (config.run_dir / "config-until-step2-2.yaml").read_text()
+
+
+def test_many_changed_settings_are_counted_past_the_first_few(tmp_path):
+    earlier = config_at(tmp_path, "recover.mode=auto")
+    earlier_run(earlier.run_dir, 3, recover_point=True)
+    (earlier.run_dir / "config.yaml").write_text("earlier: config\n")  # every setting differs from this
+    said = keep_earlier_run(earlier)
+    changed = int(re.search(r"with (\d+) setting\(s\) changed", said)[1])
+    assert changed > CHANGES_SHOWN and said.count(" -> ") == CHANGES_SHOWN
+    assert said.endswith(f"; and {changed - CHANGES_SHOWN} more")
 
 
 # --------------------------------------------------------------------------------------
