@@ -122,10 +122,15 @@ def keep_resumed_config(config: GRPOConfig) -> str | None:
     saved = config.run_dir / "config.yaml"
     if not saved.is_file():
         return None
-    before = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
     after = OmegaConf.to_container(OmegaConf.create(to_yaml(config)), resolve=True)
-    changes = config_changes(before, after)
-    if not changes:
+    try:
+        before = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
+    except Exception as err:  # a damaged file must not stop the resume: it is kept and said
+        before, unreadable = None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    else:
+        unreadable = None if isinstance(before, dict) else f"it holds a {type(before).__name__}, not settings"
+    changes = config_changes(before, after) if unreadable is None else []
+    if unreadable is None and not changes:
         return None
     step = max(_whole_point_steps(config.run_dir), default=0)
     kept = saved.with_name(f"config-until-step{step}.yaml")
@@ -134,12 +139,15 @@ def keep_resumed_config(config: GRPOConfig) -> str | None:
         kept = saved.with_name(f"config-until-step{step}-{n}.yaml")
         n += 1
     kept.write_bytes(saved.read_bytes())
-    listed = "; ".join(f"{key} {_short(old)} -> {_short(new)}" for key, old, new in changes[:CHANGES_SHOWN])
-    more = f"; and {len(changes) - CHANGES_SHOWN} more" if len(changes) > CHANGES_SHOWN else ""
-    message = (
-        f"{config.run_dir} resumes after step {step} with {len(changes)} setting(s) changed from the run's "
-        f"config (kept as {kept.name}; the steps from {step + 1} on follow the new one): {listed}{more}"
-    )
+    where = f"(kept as {kept.name}; the steps from {step + 1} on follow the new one)"
+    if unreadable is not None:
+        message = (
+            f"{config.run_dir} resumes after step {step}; the run's config {where} could not be read: {unreadable}"
+        )
+    else:
+        listed = "; ".join(f"{key} {_short(old)} -> {_short(new)}" for key, old, new in changes[:CHANGES_SHOWN])
+        more = f"; and {len(changes) - CHANGES_SHOWN} more" if len(changes) > CHANGES_SHOWN else ""
+        message = f"{config.run_dir} resumes after step {step} with {len(changes)} setting(s) changed from the run's config {where}: {listed}{more}"
     logger.warning(message)
     return message
 

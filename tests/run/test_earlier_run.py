@@ -115,6 +115,16 @@ def test_many_changed_settings_are_counted_past_the_first_few(tmp_path):
     assert said.endswith(f"; and {changed - CHANGES_SHOWN} more")
 
 
+@pytest.mark.parametrize("text", ["actor: [unclosed\n", "- a list\n", "x: ${nowhere}\n"])
+def test_a_resumed_run_whose_saved_config_cannot_be_read_still_resumes_and_keeps_it(tmp_path, text):
+    config = config_at(tmp_path, "recover.mode=auto")
+    earlier_run(config.run_dir, 3, recover_point=True)
+    (config.run_dir / "config.yaml").write_text(text)
+    said = keep_earlier_run(config)
+    assert "resumes after step 2; the run's config (kept as config-until-step2.yaml" in said
+    assert "could not be read" in said and (config.run_dir / "config-until-step2.yaml").read_text() == text
+
+
 # --------------------------------------------------------------------------------------
 # A run still going is no earlier run: it holds its directory, and a second start is refused.
 # --------------------------------------------------------------------------------------
