@@ -190,7 +190,7 @@ def _serve_slot(config: GRPOConfig, cfg: str) -> list[str]:
     ]
 
 
-def _wait_for_servers(timeout: int, addrs_env: str = "MEGARL_LLM_SERVER_ADDRS") -> list[str]:
+def _wait_for_servers(timeout: int, addrs_env: str) -> list[str]:
     """Wait for every slot's address, then list them in slot order: the trainer's ``server-i`` (the i-th of
     ``MEGARL_LLM_SERVER_ADDRS``) is slot i, not the i-th file of a glob (0, 1, 10, 11, ..., 2). The list
     is also exported as ``addrs_env`` (``rollout.server_addrs_env``), where the trainer reads it."""

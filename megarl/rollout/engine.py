@@ -98,6 +98,11 @@ class RemoteInferenceEngine(InferenceEngine):
                 this engine's task ids are ``index, index + count, ...``, so that no two heads share one
                 (in the logs, and in the file names of dumped trajectories).
         """
+        index, count = head
+        if not 0 <= index < count:
+            raise ValueError(
+                f"RemoteInferenceEngine.initialize: head={head} is not (index, count) with 0 <= index < count"
+            )
         addrs = list(server_addrs) if server_addrs else resolve_server_addrs(self.config)
         self.backend.vocab_size = vocab_size
         batch_size = batch_size or self.config.max_concurrent_rollouts
@@ -118,9 +123,7 @@ class RemoteInferenceEngine(InferenceEngine):
         if self.config.switch_interval_ms > 0:  # the pool's loop thread shares the lock with the trainer's Python
             sys.setswitchinterval(self.config.switch_interval_ms / 1000)
         self._dumper = dumper
-        index, count = head
-        task_ids = itertools.count(index, count)
-        self.pool = RolloutPool(self.client, self.config, batch_size, dumper, task_ids).start()
+        self.pool = RolloutPool(self.client, self.config, batch_size, dumper, itertools.count(*head)).start()
         logger.info("inference engine ready: %d %s server(s) %s", len(addrs), self.backend.name, addrs)
         return self
 

@@ -147,7 +147,10 @@ def keep_resumed_config(config: GRPOConfig) -> str | None:
     else:
         listed = "; ".join(f"{key} {_short(old)} -> {_short(new)}" for key, old, new in changes[:CHANGES_SHOWN])
         more = f"; and {len(changes) - CHANGES_SHOWN} more" if len(changes) > CHANGES_SHOWN else ""
-        message = f"{config.run_dir} resumes after step {step} with {len(changes)} setting(s) changed from the run's config {where}: {listed}{more}"
+        message = (
+            f"{config.run_dir} resumes after step {step} with {len(changes)} setting(s) changed from the run's "
+            f"config {where}: {listed}{more}"
+        )
     logger.warning(message)
     return message
 
@@ -220,7 +223,7 @@ def claim_run_dir(config: GRPOConfig) -> tuple[RunDirLock | None, str | None]:
         if lock is not None:
             lock.release()
         raise
-    if moved is None or resumes(config):  # a resumed run's directory stays where it is
+    if moved is None or config.run_dir.is_dir():  # still there: a resumed run's config kept, nothing moved
         return lock, moved
     if lock is not None:
         lock.release()  # its file went with the earlier run; the new directory gets its own

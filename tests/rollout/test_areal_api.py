@@ -7,6 +7,8 @@ evaluation, without a training step between calls, and mix it with ``submit / wa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megarl.rollout import RemoteInferenceEngine
@@ -129,6 +131,12 @@ def test_data_parallel_heads_dump_each_episode_to_its_own_file(tmp_path, fake_se
     finally:
         for engine in engines:
             engine.destroy()
+
+
+@pytest.mark.parametrize("head", [(2, 2), (0, 0), (-1, 2)])
+def test_a_head_outside_its_count_is_refused(head):
+    with pytest.raises(ValueError, match=re.escape(f"head={head} is not (index, count)")):
+        RemoteInferenceEngine(fast_config()).initialize(server_addrs=["127.0.0.1:1"], head=head)
 
 
 def test_wait_raise_timeout_false_returns_empty(areal_engine):
