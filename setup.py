@@ -73,7 +73,7 @@ EXTRAS = {
     "peers": ["trl==1.16.0"],
     # openai: the client the agent tests and examples/workflows/openai_agent.py call megarl's proxy with
     "dev": [
-        "pytest>=8",
+        "pytest>=8,<9.2",  # 9.2 breaks pytest-xdist 3.8's --dist loadgroup (pytest-xdist #1386)
         "pytest-timeout>=2.3",
         "pytest-xdist>=3.6",  # make test: two workers, the longest test files first (--no-loadscope-reorder)
         "hypothesis>=6.100",

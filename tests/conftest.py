@@ -14,6 +14,7 @@ DURATIONS = Path(__file__).with_name("durations.json")
 ``python -m tests.durations <log of pytest --durations=0>`` writes it."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): a test file's tests
     share a worker, so its module fixtures start once, and every test that starts a real Slurm
@@ -21,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
 
     The groups run longest first (``make test`` passes ``--no-loadscope-reorder``, so the workers take
     them in this order): a group of a few minutes left for the end would run alone on one worker
-    while the other has nothing left to do."""
+    while the other has nothing left to do. ``tests/test_groups.py`` checks that the groups hold."""
     groups = {}
     for item in items:
         group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
