@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -17,7 +18,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pip
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,10 @@ def venv(tmp_path):
     path = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     (site,) = path.glob("lib/python*/site-packages")
-    (site / "pip").symlink_to(Path(pip.__file__).parent)
+    # located by its metadata, neither imported nor looked up as a module: either turns setuptools'
+    # distutils shim off for the whole process, and a later test that imports setuptools (through
+    # Megatron or torch's cpp_extension) then fails on the standard library's distutils
+    (site / "pip").symlink_to(importlib.metadata.distribution("pip").locate_file("pip"))
     return path
 
 
