@@ -141,20 +141,18 @@ class SessionServers:
 
     def __init__(self, model_dir: Path, tmp_path_factory, serve=serve_vllm):
         self.model_dir, self.tmp_path_factory, self.serve = model_dir, tmp_path_factory, serve
-        self.running: dict[str, tuple[contextlib.ExitStack, object]] = {}
+        self.running: dict[str, object] = {}
+        self.stack = contextlib.ExitStack()  # every running server's exit, closed together
 
     def get(self, dtype: str):
         if dtype not in self.running:
-            stack = contextlib.ExitStack()
             log_dir = self.tmp_path_factory.mktemp(f"vllm_{dtype}")
-            server = stack.enter_context(self.serve(self.model_dir, log_dir, dtype=dtype))
-            self.running[dtype] = (stack, server)
-        return self.running[dtype][1]
+            self.running[dtype] = self.stack.enter_context(self.serve(self.model_dir, log_dir, dtype=dtype))
+        return self.running[dtype]
 
     def stop(self) -> None:
-        while self.running:
-            stack, _ = self.running.popitem()[1]
-            stack.close()
+        self.stack.close()
+        self.running.clear()
 
 
 SERVERS_KEY = pytest.StashKey[SessionServers]()
