@@ -201,8 +201,9 @@ sample), the tokenizer, the servers' context length and the ``reward`` section (
 
 @dataclass
 class RewardConfig:
-    """How the built-in workflows call ``reward_fn``: in worker processes, each call bounded in time,
-    and what happens when the function fails (it is the user's code: :mod:`megarl.reward.failures`).
+    """How the built-in workflows call ``reward_fn``: in worker processes (an ``async def`` one on the
+    rollout's event loop), each call bounded in time, with ``kwargs`` beside the row's fields, and what
+    happens when the function fails (it is the user's code: :mod:`megarl.reward.failures`).
 
     A call *fails* when the function raises, runs past ``timeout_seconds`` or kills its worker: it scores 0,
     is counted in ``rollout/reward/error`` or ``rollout/reward/timeout`` and shown on the step's console
@@ -213,16 +214,23 @@ class RewardConfig:
 
     timeout_seconds: float = 15.0
     """Bound on one reward call, from when a worker process starts it (a cold worker's start-up is not
-    counted). A call still running then scores 0 and counts as a failed call (``rollout/reward/timeout``)."""
+    counted; an ``async def`` reward's from its start, cancelled then). A call still running then scores 0
+    and counts as a failed call (``rollout/reward/timeout``)."""
     max_error_fraction: float = 0.5
     """The run stops when more than this fraction of the last ``error_window`` reward calls failed
     (raised or timed out); 1.0: only the first calls' rule and bad values stop it."""
     error_window: int = 64
     """Reward calls over which ``max_error_fraction`` is measured (a sliding window, from the run's
     ``error_window``-th call on)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments every call gets beside the row's fields: a reward service's ``url``
+    (:mod:`megarl.reward.remote`), a judge's ``judge_url`` and ``judge_model`` (:mod:`megarl.reward.judge`),
+    your own reward's settings. A name that is also a column of the dataset's rows is refused."""
 
     def check(self) -> None:
         require(self.timeout_seconds > 0, "timeout_seconds", self.timeout_seconds, "must be > 0 seconds")
+        bad = [name for name in self.kwargs if not str(name).isidentifier()]
+        require(not bad, "kwargs", self.kwargs, f"{bad} cannot be keyword argument names")
         require(
             0 < self.max_error_fraction <= 1,
             "max_error_fraction",

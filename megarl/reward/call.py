@@ -9,6 +9,7 @@ the step's stats), each name the mean of the values logged during the step.
 
 from __future__ import annotations
 
+import contextvars
 import numbers
 from collections import defaultdict
 from collections.abc import Iterator
@@ -51,28 +52,31 @@ class RewardCall:
     logged: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
 
 
-_CURRENT = RewardCall()
+_CURRENT: contextvars.ContextVar[RewardCall] = contextvars.ContextVar("megarl_reward_call", default=RewardCall())
+"""The reward call running now: a context variable, so that the ``async def`` rewards awaited side by side
+on one event loop (each in its own task) each log into their own call."""
 
 
 @contextmanager
 def reward_call(trainer_state: TrainerState) -> Iterator[RewardCall]:
-    """Run a reward call (in the worker) at ``trainer_state``, collecting what it logs."""
-    global _CURRENT
-    previous, _CURRENT = _CURRENT, RewardCall(trainer_state)
+    """Run a reward call at ``trainer_state`` (in a worker, or in a task of the rollout's loop), collecting
+    what it logs."""
+    call = RewardCall(trainer_state)
+    token = _CURRENT.set(call)
     try:
-        yield _CURRENT
+        yield call
     finally:
-        _CURRENT = previous
+        _CURRENT.reset(token)
 
 
 def current_trainer_state() -> TrainerState:
     """The run's state for the reward call running now."""
-    return _CURRENT.trainer_state
+    return _CURRENT.get().trainer_state
 
 
 def log_metric(name: str, value: float) -> None:
     """Log a number from a reward (TRL's ``log_metric``): the step's stats show the mean of its values."""
-    _CURRENT.logged[name].append(float(value))
+    _CURRENT.get().logged[name].append(float(value))
 
 
 def log_extra(column: str, values: list) -> None:

@@ -7,6 +7,10 @@ loop thread and holds sockets is unsafe) and waits at most ``timeout_seconds``. 
 the workers a task runs on the process's main thread, so math-verify's own signal-based
 timeouts work there too.
 
+An ``async def`` reward (one that waits on a reward service or an LLM judge: :mod:`megarl.reward.remote`,
+:mod:`megarl.reward.judge`) is awaited on the caller's event loop instead, under the same timeout and
+the same failure rules: no worker process, so thousands of calls can wait side by side.
+
 Spawned workers import the parent's main module, so a training script must guard its
 entry point with ``if __name__ == "__main__":`` (as with any spawn-based pool); without
 it, the first reward call fails with multiprocessing's "bootstrapping phase" error.
@@ -18,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import inspect
 import logging
 import multiprocessing
 import signal
@@ -86,12 +91,38 @@ def _alarm_after(timeout: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def is_async_reward(reward_fn: Callable[..., Any]) -> bool:
+    """``reward_fn`` is an ``async def`` (or an object whose ``__call__`` is one): it is awaited on the
+    caller's event loop, not sent to a worker process."""
+    return inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(getattr(reward_fn, "__call__", None))
+
+
+async def call_reward_async(
+    reward_fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float, trainer_state: TrainerState
+) -> tuple[ScoredReward | RewardFailure, dict[str, list[float]]]:
+    """:func:`call_reward` for an ``async def`` reward, on the caller's event loop: awaited for at most
+    ``timeout`` seconds (then cancelled). A ``TimeoutError`` of the reward's own (an HTTP client's, say) is
+    an exception it raised, reported with its traceback; only the bound's expiry is a timeout."""
+    with reward_call(trainer_state) as call:
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                value = await reward_fn(*args, **kwargs)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- the user's code, as in call_reward
+            if isinstance(e, TimeoutError) and deadline.expired():
+                return RewardFailure("timeout"), dict(call.logged)
+            trace = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+            return RewardFailure("raised", trace), dict(call.logged)
+    return as_reward(value), dict(call.logged)
+
+
 def _import_reward(reward_fn: Callable[..., Any]) -> None:
     """Worker side of ``warm_up``: unpickling ``reward_fn`` imported its module; nothing else to do."""
 
 
 class AsyncRewardWrapper:
-    """``await wrapper(*args, **kwargs)`` runs ``reward_fn`` in a process pool.
+    """``await wrapper(*args, **kwargs)`` runs ``reward_fn`` in a process pool (an ``async def`` one: awaited
+    on the caller's event loop).
 
     A call that exceeds ``timeout_seconds``, crashes its worker or raises scores 0 (a failed call);
     :class:`~megarl.reward.failures.RewardFunctionError` is raised when the function is broken: each of
@@ -101,8 +132,10 @@ class AsyncRewardWrapper:
     errors and timeouts) to ``stats_tracker`` in the caller's scope.
 
     Args:
-        reward_fn: A picklable (module-level) function returning a float or a ScoredReward.
-        timeout_seconds: Bound on one call once a worker runs it (a SIGALRM in the worker).
+        reward_fn: A picklable (module-level) function returning a float or a ScoredReward, or an
+            ``async def`` one.
+        timeout_seconds: Bound on one call once a worker runs it (a SIGALRM in the worker; an
+            ``async def`` reward is cancelled).
         max_workers: Worker processes (default: CPU count, at most 8).
         startup_grace_seconds: Extra wait for a free, started worker (spawn imports the
             trainer's modules); past ``timeout_seconds`` plus this the call scores 0 and
@@ -110,6 +143,8 @@ class AsyncRewardWrapper:
         max_error_fraction: Share of the last ``error_window`` calls that may fail before the
             function counts as broken (``reward.max_error_fraction``).
         error_window: How many recent calls that share is taken over (``reward.error_window``).
+        kwargs: Keyword arguments every call gets beside the row's fields (``reward.kwargs``: a reward
+            service's address, a judge's model), taking precedence over a row field of the same name.
     """
 
     FAILURE_OUTCOMES = ("no_answer", "bad_reference", "error", "timeout")
@@ -122,10 +157,13 @@ class AsyncRewardWrapper:
         startup_grace_seconds: float = 300.0,
         max_error_fraction: float = 0.5,
         error_window: int = 64,
+        kwargs: dict[str, Any] | None = None,
     ):
         if timeout_seconds <= 0:
             raise ValueError(f"AsyncRewardWrapper: timeout_seconds must be > 0, got {timeout_seconds}")
         self.reward_fn = reward_fn
+        self.is_async = is_async_reward(reward_fn)
+        self.kwargs = dict(kwargs or {})
         self.name = f"{getattr(reward_fn, '__module__', '?')}.{getattr(reward_fn, '__qualname__', repr(reward_fn))}"
         self.failures = RewardFailures(self.name, timeout_seconds, max_error_fraction, error_window)
         self.timeout_seconds = timeout_seconds
@@ -146,6 +184,7 @@ class AsyncRewardWrapper:
             max_workers,
             max_error_fraction=config.max_error_fraction,
             error_window=config.error_window,
+            kwargs=config.kwargs,
         )
 
     def _get_executor(self) -> concurrent.futures.ProcessPoolExecutor:
@@ -161,7 +200,9 @@ class AsyncRewardWrapper:
         """Start every worker now, not at the first call: each spawned worker imports the
         trainer's and the reward's modules, seconds of CPU that would otherwise delay the
         first step's rewards (and slow the servers decoding beside them). Returns the imports'
-        futures (for whoever wants to wait for them)."""
+        futures (for whoever wants to wait for them); none for an ``async def`` reward, which needs no worker."""
+        if self.is_async:
+            return []
         executor = self._get_executor()
         # a submit with no idle worker spawns one
         return [executor.submit(_import_reward, self.reward_fn) for _ in range(self.max_workers)]
@@ -179,15 +220,17 @@ class AsyncRewardWrapper:
 
     async def __call__(self, *args: Any, **kwargs: Any) -> ScoredReward:
         with _REWARD_CALLS.track(self.name, workflow_context.get().task_id):
-            result, logged = await self._score(*args, **kwargs)
+            result, logged = await self._score(*args, **{**kwargs, **self.kwargs})
         _record_logged(logged)
         reward = self.failures.record(result, describe_call(args, kwargs))  # raises when the function is broken
         self._record(reward.outcome)
         return reward
 
     async def _score(self, *args: Any, **kwargs: Any) -> tuple[ScoredReward | RewardFailure, dict[str, list[float]]]:
-        executor = self._get_executor()
         state = episode_trainer_state()
+        if self.is_async:
+            return await call_reward_async(self.reward_fn, args, kwargs, self.timeout_seconds, state)
+        executor = self._get_executor()
         call = functools.partial(call_reward, self.reward_fn, args, kwargs, self.timeout_seconds, state)
         try:
             future = asyncio.get_running_loop().run_in_executor(executor, call)

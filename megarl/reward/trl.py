@@ -16,6 +16,7 @@ contract): ``prompts``, ``completions``, ``completion_ids``, every row column as
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,10 +55,16 @@ class TRLReward:
         self.__qualname__ = f"from_trl({self.__name__})"  # how errors and logs name the reward
 
     def __call__(self, prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], **row) -> float:
-        prompts, samples = self._prompt_and_completion(prompt, completions, row)
+        return self._score(self.fn(**self._arguments(prompt, completions, completion_ids, row)))
+
+    def _arguments(self, prompt: str, completion: str, completion_ids: list[int], row: Mapping[str, Any]) -> dict:
+        """The keyword arguments TRL passes a reward for a batch of this one sample."""
+        prompts, samples = self._prompt_and_completion(prompt, completion, row)
         run = {"trainer_state": current_trainer_state(), "log_extra": log_extra, "log_metric": log_metric}
         batch = {"prompts": prompts, "completions": samples, "completion_ids": [list(completion_ids)]}
-        scores = self.fn(**batch, **{**self._columns(row), **run})
+        return {**batch, **self._columns(row), **run}
+
+    def _score(self, scores: Any) -> float:
         if not isinstance(scores, (list, tuple)) or len(scores) != 1:
             raise TypeError(f"TRL reward {self.__name__} returned {scores!r:.80}; expected a list of one score")
         return 0.0 if scores[0] is None else float(scores[0])
@@ -79,11 +86,23 @@ class TRLReward:
         return columns
 
 
+class AsyncTRLReward(TRLReward):
+    """An ``async def`` TRL reward (an LLM judge, say; TRL awaits those side by side) called for one
+    sample: awaited on the rollout's event loop, as megarl awaits its own ``async def`` rewards."""
+
+    async def __call__(  # type: ignore[override]
+        self, prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], **row
+    ) -> float:
+        return self._score(await self.fn(**self._arguments(prompt, completions, completion_ids, row)))
+
+
 def from_trl(
     fn: Callable[..., list], conversational: bool | None = None, columns: Mapping[str, str] | None = None
 ) -> TRLReward:
-    """A megarl reward calling TRL reward ``fn`` (see the module doc). ``conversational``: prompts and
-    completions as message lists or as text; None (the default) decides per row as TRL does (a
-    ``messages`` or ``prompt`` column holding a message list: conversational). ``columns``: row names
-    passed under TRL's names too (default ``{"answer": "solution"}``)."""
-    return TRLReward(fn, conversational, TRL_REFERENCE_COLUMNS if columns is None else columns)
+    """A megarl reward calling TRL reward ``fn`` (see the module doc), an :class:`AsyncTRLReward` when
+    ``fn`` is an ``async def``. ``conversational``: prompts and completions as message lists or as text;
+    None (the default) decides per row as TRL does (a ``messages`` or ``prompt`` column holding a message
+    list: conversational). ``columns``: row names passed under TRL's names too (default
+    ``{"answer": "solution"}``)."""
+    kind = AsyncTRLReward if inspect.iscoroutinefunction(fn) else TRLReward
+    return kind(fn, conversational, TRL_REFERENCE_COLUMNS if columns is None else columns)

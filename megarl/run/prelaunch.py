@@ -17,6 +17,7 @@ They run where the config is loaded: ``megarl config``, ``megarl run`` and each 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -35,7 +36,7 @@ from megarl.config.allocation import AllocationError, ModelShape, validate_model
 from megarl.config.base import ConfigError, require
 from megarl.config.experiment import BaseExperimentConfig, GRPOConfig
 from megarl.config.ppo import BUILTIN_LOSSES, USER_LOSS_CALL
-from megarl.config.rollout import RUN_ARGUMENTS, WorkflowConfig
+from megarl.config.rollout import RUN_ARGUMENTS, RewardConfig, WorkflowConfig
 from megarl.data.rows import REWARD_ARGUMENTS
 from megarl.models.families import check_layers_hold
 from megarl.models.names import MODEL_SHAPES, known_name, short_names
@@ -43,7 +44,7 @@ from megarl.models.peft_files import check_adapter_start
 from megarl.models.provision import HUB_ID
 from megarl.models.weight_files import weights_problem
 from megarl.reward.call import TrainerState
-from megarl.reward.executor import call_reward
+from megarl.reward.executor import call_reward, call_reward_async, is_async_reward
 from megarl.reward.failures import RewardFailure
 from megarl.run.dataset_check import check_dataset
 from megarl.run.earlier_run import has_recover_point, resumes
@@ -132,7 +133,7 @@ class Prelaunch:
             _check_models(config)
             _check_recover_point(config)
             _check_adapter_starts(config, multi_node)
-            _check_reward(config.reward_fn, row, config.reward.timeout_seconds)
+            _check_reward(config.reward_fn, row, config.reward)
             # several nodes: this may be a login node; each trainer rank refuses on its own node (megarl.train)
             check_open_files(config, refuse=not multi_node)
 
@@ -235,15 +236,17 @@ REWARD_ROLES = dict(
 )
 
 
-def _check_reward(reward_fn: str, row: dict | None, timeout: float) -> None:
+def _check_reward(reward_fn: str, row: dict | None, reward: RewardConfig) -> None:
     """The reward takes the call the run makes: ``fn(prompt, completions, prompt_ids, completion_ids,
-    **row)`` with the dataset's first row (when it can be read here), so a row column that lands on one
-    of its four positional parameters is refused here, naming both, not at every call; then it is
-    called so (:func:`_check_reward_call`)."""
+    **row, **reward.kwargs)`` with the dataset's first row (when it can be read here), so a row column
+    or a ``reward.kwargs`` name that lands on one of its four positional parameters, and a
+    ``reward.kwargs`` name that is also a row column, are refused here, naming both, not at every call;
+    then it is called so (:func:`_check_reward_call`)."""
     fn = import_plugin(reward_fn, "reward_fn")
     expected = "expected fn(prompt, completions, prompt_ids, completion_ids, **row) -> float"
     positional = _positional_names(fn)
-    clash = [(column, i) for i, column in enumerate(positional[:4]) if row is not None and column in row]
+    columns = list(row or {})
+    clash = [(column, i) for i, column in enumerate(positional[:4]) if column in columns]
     require(
         not clash,
         "reward_fn",
@@ -254,31 +257,47 @@ def _check_reward(reward_fn: str, row: dict | None, timeout: float) -> None:
             for column, i in clash
         ),
     )
-    args, kwargs = ("prompt", "completion", [], []), dict(row or {})
+    taken = [name for name in reward.kwargs if name in positional[:4] or name in REWARD_ARGUMENTS]
+    require(not taken, "reward.kwargs", reward.kwargs, f"{taken}: the reward's four positional arguments' names")
+    shadowed = [name for name in reward.kwargs if name in columns]
+    require(
+        not shadowed,
+        "reward.kwargs",
+        reward.kwargs,
+        f"{shadowed} {'is' if len(shadowed) == 1 else 'are'} also the dataset's row column(s): rename one",
+    )
+    args, kwargs = ("prompt", "completion", [], []), {**(row or {}), **reward.kwargs}
     problem = signature_problem(fn, args, kwargs, partial=row is None)
     require(problem is None, "reward_fn", reward_fn, f"{expected}: {problem}")
     if row is not None:
-        _check_reward_call(reward_fn, fn, row, timeout)
+        _check_reward_call(reward_fn, fn, row, reward)
 
 
-def _check_reward_call(reward_fn: str, fn: Callable, row: dict, timeout: float) -> None:
-    """Call the reward once on the dataset's first row, as a reward worker would: sent through pickle,
-    under its timeout, at ``trainer_state`` global step 0 (max_steps 0: the run's length is not known
-    yet). No server has generated a completion yet, so the prompt is the row's messages as text and
-    the completion a stand-in: the row's ``answer`` as text, with no token ids. Refused: a reward that
-    cannot be sent, raises, or returns no finite number; one past its timeout is only warned about."""
-    try:
-        sent = pickle.loads(pickle.dumps(fn))
-    except Exception as e:  # noqa: BLE001 -- whatever pickle raises, the reward cannot reach the workers
-        raise ConfigError(
-            "reward_fn", f"{reward_fn!r} cannot be sent to the reward worker processes (pickle): {e!r}"
-        ) from None
+def _check_reward_call(reward_fn: str, fn: Callable, row: dict, reward: RewardConfig) -> None:
+    """Call the reward once on the dataset's first row, as the run would: a plain function sent through
+    pickle, as to a reward worker; an ``async def`` one awaited (so a reward service or judge that cannot
+    be reached is found now); under its timeout, at ``trainer_state`` global step 0 (max_steps 0: the run's
+    length is not known yet). No server has generated a completion yet, so the prompt is the row's
+    messages as text and the completion a stand-in: the row's ``answer`` as text, with no token ids.
+    Refused: a reward that cannot be sent, raises, or returns no finite number; one past its timeout is
+    only warned about."""
     completion = str(row.get("answer", ""))
-    args = (_stand_in_prompt(row), completion, [], [])
-    result, _ = call_reward(sent, args, dict(row), timeout, TrainerState())
+    args, kwargs = (_stand_in_prompt(row), completion, [], []), {**row, **reward.kwargs}
+    if is_async_reward(fn):
+        result, _ = asyncio.run(call_reward_async(fn, args, kwargs, reward.timeout_seconds, TrainerState()))
+    else:
+        try:
+            sent = pickle.loads(pickle.dumps(fn))
+        except Exception as e:  # noqa: BLE001 -- whatever pickle raises, the reward cannot reach the workers
+            raise ConfigError(
+                "reward_fn", f"{reward_fn!r} cannot be sent to the reward worker processes (pickle): {e!r}"
+            ) from None
+        result, _ = call_reward(sent, args, kwargs, reward.timeout_seconds, TrainerState())
     called = f"called on the dataset's first row with the stand-in completion {completion!r:.60}"
     if isinstance(result, RewardFailure) and result.kind == "timeout":
-        logger.warning("reward_fn %s ran past reward.timeout_seconds=%g s when %s", reward_fn, timeout, called)
+        logger.warning(
+            "reward_fn %s ran past reward.timeout_seconds=%g s when %s", reward_fn, reward.timeout_seconds, called
+        )
     elif isinstance(result, RewardFailure):
         what = (
             "it raised:\n" + result.detail.rstrip()
