@@ -2,7 +2,9 @@
 
 A reward function has AReaL's signature
 ``reward_fn(prompt, completions, prompt_ids, completion_ids, **data) -> float`` and lives
-at module level (it is sent to worker processes by reference).
+at module level (it is sent to worker processes by reference); an ``async def`` one is awaited
+on the rollout's event loop instead (a reward service: :mod:`megarl.reward.remote`; an LLM judge:
+:mod:`megarl.reward.judge`).
 """
 
 from megarl.reward.base import OUTCOMES, ScoredReward

@@ -42,8 +42,12 @@ FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
 WARN_EVERY_S = 60.0
 """A service that keeps failing is named in the log at most this often (per address)."""
 
+MAX_CONNECTIONS = 256
+"""Reward requests of one event loop open at most this many connections at once (the rest wait for one)."""
+
 logger = logging.getLogger(__name__)
 _LAST_WARNED: dict[str, float] = {}
+_SESSIONS: dict[asyncio.AbstractEventLoop, tuple[Any, aiohttp.ClientSession]] = {}
 
 
 class RemoteRewardError(RuntimeError):
@@ -105,18 +109,41 @@ async def fetch_json(url: str, payload: dict | None = None, headers: dict[str, s
     data = None if payload is None else json.dumps(payload, default=_jsonable)
     headers = {"Content-Type": "application/json", **(headers or {})}
     backoff = FIRST_BACKOFF_S
-    async with aiohttp.ClientSession() as session:
-        while True:
-            try:
-                async with session.request("GET" if data is None else "POST", url, data=data, headers=headers) as resp:
-                    text = await resp.text()
-                    if resp.status not in RETRIED_STATUSES:
-                        return _json_reply(url, resp.status, text)
-                    _warn_retrying(url, f"HTTP {resp.status}: {_start(text)}")
-            except aiohttp.ClientConnectionError as e:  # refused, reset, DNS: it may be starting or restarting
-                _warn_retrying(url, f"{type(e).__name__}: {e}")
-            await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, MAX_BACKOFF_S)
+    session = await loop_session()
+    while True:
+        try:
+            async with session.request("GET" if data is None else "POST", url, data=data, headers=headers) as resp:
+                text = await resp.text()
+                if resp.status not in RETRIED_STATUSES:
+                    return _json_reply(url, resp.status, text)
+                _warn_retrying(url, f"HTTP {resp.status}: {_start(text)}")
+        except aiohttp.ClientConnectionError as e:  # refused, reset, DNS: it may be starting or restarting
+            _warn_retrying(url, f"{type(e).__name__}: {e}")
+        await asyncio.sleep(backoff)
+        backoff = min(2 * backoff, MAX_BACKOFF_S)
+
+
+async def loop_session() -> aiohttp.ClientSession:
+    """The running event loop's session for reward requests: its connections are kept and reused, as a
+    connection a call would open and close leaves its port waiting a minute (thousands of rewards a
+    second would run out of ports). At most :data:`MAX_CONNECTIONS` at once, others queue.
+
+    It is opened inside an async generator that stays suspended while the loop runs: the loop's
+    ``shutdown_asyncgens`` (which ``asyncio.run`` and the rollout pool's loop run before they close)
+    resumes it, and its ``async with`` closes the session on its own loop."""
+    loop = asyncio.get_running_loop()
+    held = _SESSIONS.get(loop)
+    if held is None or held[1].closed:
+        for closed in [other for other, (_, session) in _SESSIONS.items() if session.closed]:
+            del _SESSIONS[closed]  # its loop ended: nothing else holds it
+        holder = _hold_session()
+        held = _SESSIONS[loop] = (holder, await anext(holder))
+    return held[1]
+
+
+async def _hold_session():
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS)) as session:
+        yield session
 
 
 def _warn_retrying(url: str, problem: str) -> None:

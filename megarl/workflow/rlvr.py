@@ -37,11 +37,12 @@ class RLVRWorkflow(RolloutWorkflow):
     """Generates ``gconfig.n_samples`` completions concurrently and scores each.
 
     Returns ``[n_samples, seq_len]`` tensors (see :mod:`megarl.api.trajectory`).
-    Rewards run in worker processes with a timeout (:class:`AsyncRewardWrapper`); a reward function
-    that is broken stops the run (:mod:`megarl.reward.failures`).
+    Rewards run in worker processes with a timeout (:class:`AsyncRewardWrapper`; an ``async def`` one is
+    awaited on the loop); a reward function that is broken stops the run (:mod:`megarl.reward.failures`).
 
     Args:
-        reward_fn: Module-level ``fn(prompt, completions, prompt_ids, completion_ids, **data) -> float``.
+        reward_fn: Module-level ``fn(prompt, completions, prompt_ids, completion_ids, **data) -> float``
+            (or ``async def``).
         gconfig: Sampling settings; ``n_samples`` is the group size.
         tokenizer: HF tokenizer (chat template, decoding).
         enable_thinking: Passed to the chat template (Qwen3-style thinking).

@@ -12,13 +12,14 @@ import json
 import logging
 from collections.abc import Callable
 
+import aiohttp
 from aiohttp import web
 
 from megarl.api import context as workflow_context
 from megarl.config.rollout import RewardConfig
 from megarl.reward import AsyncRewardWrapper
 from megarl.reward.failures import FIRST_CALLS, RewardFunctionError
-from megarl.reward.remote import remote_reward_fn
+from megarl.reward.remote import RemoteRewardError, remote_reward_fn
 from megarl.utils.network import find_free_ports
 
 Reply = Callable[[int, dict], web.Response]
@@ -32,7 +33,8 @@ def _serve_and_score(reply: Reply, completions: list[str], timeout: float = 10.0
 
     async def handle(request: web.Request) -> web.Response:
         body = await request.json()
-        received.append({**body, "_headers": dict(request.headers)})
+        port = request.transport.get_extra_info("peername")[1]
+        received.append({**body, "_headers": dict(request.headers), "_port": port})
         return reply(len(received) - 1, body)
 
     async def main():
@@ -64,7 +66,7 @@ def test_the_service_gets_slimes_fields_and_the_row_and_its_number_is_the_reward
         lambda n, body: web.json_response(float(body["response"] == body["label"])), ["42", "41"]
     )
     assert [float(r) for r in rewards] == [1.0, 0.0]
-    body = {k: v for k, v in received[0].items() if k != "_headers"}
+    body = {k: v for k, v in received[0].items() if not k.startswith("_")}
     assert body == {
         "prompt": "<prompt>",
         "response": "42",
@@ -74,6 +76,17 @@ def test_the_service_gets_slimes_fields_and_the_row_and_its_number_is_the_reward
         "row": {"level": 3},
     }
     assert "Authorization" not in received[0]["_headers"]
+
+
+def test_the_calls_of_a_loop_share_their_connection_and_the_loops_end_closes_it():
+    """Eight calls one after another: one connection (a connection per call would leave a port waiting a
+    minute after each). The loop's end closes the session, with nothing left for the garbage collector
+    to complain about."""
+    from megarl.reward import remote
+
+    rewards, received = _serve_and_score(lambda n, body: web.json_response(1), ["a"] * 8)
+    assert len(received) == 8 and len({r["_port"] for r in received}) == 1, [r["_port"] for r in received]
+    assert all(session.closed for _, session in remote._SESSIONS.values())
 
 
 def test_an_object_with_a_reward_or_a_score_is_read():
@@ -143,3 +156,43 @@ def test_the_api_key_comes_from_the_named_environment_variable(monkeypatch):
         lambda n, body: web.json_response(1), ["a"] * FIRST_CALLS, api_key_env="MY_RM_KEY"
     )
     assert received == [] and "api_key_env='MY_RM_KEY': that environment variable is not set" in str(rewards[-1])
+
+
+def test_the_example_service_scores_as_the_reward_it_wraps():
+    """``examples/rewards/reward_service.py`` behind ``remote_reward_fn`` gives the arithmetic reward's own
+    scores, a body that lacks fields gets a 400 naming them, and a reward that raises fails the call at
+    once with its error (not retried as a busy service)."""
+    from examples.rewards.reward_service import make_app
+    from megarl.reward.arithmetic import arithmetic_reward_fn
+
+    completions, answer = ["12", "The answer is 12.", "13", ""], "12"
+
+    def broken_on_boom(prompt, completion, prompt_ids, completion_ids, answer, **row):
+        if answer == "boom":
+            raise ValueError("cannot score against 'boom'")
+        return arithmetic_reward_fn(prompt, completion, prompt_ids, completion_ids, answer, **row)
+
+    async def main():
+        runner = web.AppRunner(make_app(broken_on_boom))
+        await runner.setup()
+        port = find_free_ports(1)[0]
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}/score"
+        try:
+            remote = [await remote_reward_fn("<prompt>", c, [], [], url=url, answer=answer) for c in completions]
+            async with aiohttp.ClientSession() as session, session.post(url, json={"prompt": "p"}) as resp:
+                bad = (resp.status, await resp.text())
+            raised = "no error"
+            try:
+                await asyncio.wait_for(remote_reward_fn("<prompt>", "12", [], [], url=url, answer="boom"), 5)
+            except RemoteRewardError as e:
+                raised = str(e)
+        finally:
+            await runner.cleanup()
+        return remote, bad, raised
+
+    remote, bad, raised = asyncio.run(main())
+    assert remote == [float(arithmetic_reward_fn("<prompt>", c, [], [], answer=answer)) for c in completions]
+    assert len(set(remote)) > 1, "the completions score differently"
+    assert bad == (400, "missing field(s) ['response', 'label', 'prompt_ids', 'completion_ids', 'row']")
+    assert "answered HTTP 422" in raised and "ValueError: cannot score against 'boom'" in raised, raised

@@ -127,6 +127,32 @@ def test_single_turn_rlvr_end_to_end(engine, tokenizer, gsm8k_rows):
         assert batch["logprobs"][row, n : n + gen].lt(0).all()
 
 
+def test_rlvr_with_an_llm_judge_as_its_reward_end_to_end(engine, tokenizer, gsm8k_rows, vllm_server):
+    """The pool's episodes await an ``async def`` reward on the pool's loop: here the LLM judge, served by
+    the same server (its reply held to the score object by vLLM's regex form, as the random model would
+    otherwise fill it with whitespace). Every sample gets a grade on the judge's scale, none fails."""
+    from megarl.config.rollout import RewardConfig
+    from megarl.reward.judge import judge_reward_fn
+    from megarl.utils import stats_tracker
+
+    compact = {"response_format": None, "structured_outputs": {"regex": r'\{"score": [0-4]\}'}}
+    judge = {"judge_url": f"http://{vllm_server.address}/v1", "max_score": 4, "extra_body": compact}
+    gconfig = GenerationHyperparameters(n_samples=2, max_new_tokens=8)
+    workflow = RLVRWorkflow(
+        judge_reward_fn, gconfig, tokenizer, reward_config=RewardConfig(timeout_seconds=120, kwargs=judge)
+    )
+    stats_tracker.export(local=True)  # earlier tests' counts out of the way
+    try:
+        batch = engine.rollout_batch(gsm8k_rows[:2], workflow)
+    finally:
+        workflow.close()
+    assert workflow.async_reward_fn.is_async and workflow.async_reward_fn._executor is None
+    assert set(batch["rewards"].tolist()) <= {0.0, 0.25, 0.5, 0.75, 1.0} and batch["rewards"].shape == (4,)
+    stats = stats_tracker.export(local=True)
+    calls = {k: v for k, v in stats.items() if k.endswith("reward/n_calls") or k.endswith("reward/ok")}
+    assert calls and all(v == 4 for v in calls.values()), stats
+
+
 def test_multi_turn_reflection_end_to_end(engine, tokenizer, gsm8k_rows):
     gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=8)
     workflow = MultiTurnReflectionWorkflow(
