@@ -243,3 +243,25 @@ def test_verdicts_equal_humaneval_own_checker(humaneval):
     assert not disagree, disagree
     assert sum(ours[0::3]) == len(humaneval), "every canonical solution passes"
     assert not any(ours[1::3]), "no empty solution passes"
+
+
+def test_the_humaneval_row_adapter_gives_rows_its_answers_pass(humaneval):
+    """``examples/code/humaneval_rows.py``: each row is a chat row whose reference ``answer`` passes its own
+    ``tests`` (what the config check runs), and whose prompt alone does not."""
+    from examples.code.humaneval_rows import to_row
+    from megarl.data.rows import map_chat_row
+
+    rows = [to_row(problem) for problem in humaneval[:20]]
+    assert all(map_chat_row(dict(row), i, "humaneval")["tests"] == row["tests"] for i, row in enumerate(rows))
+
+    async def both():
+        answers = [code_reward_fn("p", row["answer"], [], [], tests=row["tests"]) for row in rows]
+        prompts = [
+            code_reward_fn("p", fenced(problem["prompt"] + "    pass\n"), [], [], tests=row["tests"])
+            for problem, row in zip(humaneval, rows)
+        ]
+        return await asyncio.gather(*answers), await asyncio.gather(*prompts)
+
+    answers, stubs = asyncio.run(both())
+    assert [r.outcome for r in answers] == ["correct"] * len(rows)
+    assert not any(float(r) for r in stubs)
