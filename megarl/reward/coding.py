@@ -13,8 +13,8 @@ Each dataset row carries a ``tests`` column (a JSON string of it works too) in o
   ``{"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}``, or a list of ``{"input": ..., "output": ...}``
   (DeepCoder, LiveCodeBench's stdin tests);
 * a function call (APPS's call-based problems, LeetCode style): the same with ``"fn_name": "add"``, each
-  input the list of arguments as JSON and each output the expected return value (a top-level function, or
-  a method of ``Solution``);
+  input the list of arguments (or its JSON text) and each output the expected return value (a top-level
+  function, or a method of ``Solution``);
 * assertions (MBPP's ``test_list``; HumanEval as ``[test + "\\ncheck(" + entry_point + ")"]``):
   ``{"asserts": ["assert add(1, 2) == 3", ...]}`` or the bare list.
 
@@ -182,7 +182,7 @@ def parse_tests(tests: Any, code: str) -> list[Test]:
         tests = {"asserts": tests}
     if not isinstance(tests, dict):
         return []
-    if "asserts" in tests:
+    if tests.get("asserts") is not None:  # a dataset of mixed forms holds None for another form's keys
         asserts = tests["asserts"]
         if not isinstance(asserts, list) or not all(isinstance(a, str) for a in asserts):
             return []
@@ -192,14 +192,15 @@ def parse_tests(tests: Any, code: str) -> list[Test]:
         return []
     if fn_name := tests.get("fn_name"):
         return [
-            Test(code + _CALL.format(fn_name=fn_name, args=_json(i), expected=_json(o)))
+            Test(code + _CALL.format(fn_name=fn_name, args=_arguments(i), expected=json.dumps(o)))
             for i, o in zip(inputs, outputs)
         ]
     return [Test(code, _text(i), _text(o)) for i, o in zip(inputs, outputs)]
 
 
-def _json(value: Any) -> str:
-    """A call's arguments or result as JSON text (datasets store them parsed or as text)."""
+def _arguments(value: Any) -> str:
+    """A call's arguments as JSON text: datasets store the list parsed or as its text (a return value
+    that is text is a string, not JSON)."""
     return value if isinstance(value, str) else json.dumps(value)
 
 

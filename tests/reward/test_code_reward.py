@@ -132,6 +132,18 @@ def test_assertions_and_function_calls_are_tests_too():
         "correct",
     ), "a tuple returned equals the list JSON holds"
     assert outcome(solution, {**calls, "outputs": [3, 8]}) == (0.0, "incorrect")
+    greet = fenced("def greet(name):\n    return 'hi ' + name")
+    assert outcome(greet, {"fn_name": "greet", "inputs": [["ann"]], "outputs": ["hi ann"]}) == (1.0, "correct"), (
+        "a return value that is text is the string itself, not JSON"
+    )
+
+
+def test_a_dataset_of_mixed_forms_reads_each_row_by_the_form_it_fills():
+    """``datasets`` gives every row of a file all the keys any row has, None where a row has none."""
+    stdin = {**ADD, "asserts": None, "fn_name": None}
+    asserts = {"inputs": None, "outputs": None, "fn_name": None, "asserts": ["assert add(1, 2) == 3"]}
+    assert outcome(fenced(ADD_SOLUTION), stdin) == (1.0, "correct")
+    assert outcome(fenced("def add(a, b):\n    return a + b"), asserts) == (1.0, "correct")
 
 
 def test_the_row_forms_of_stdin_tests_read_the_same():
