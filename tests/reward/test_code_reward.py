@@ -152,6 +152,8 @@ def test_the_row_forms_of_stdin_tests_read_the_same():
     for tests in (ADD, json.dumps(ADD), deepcoder, json.dumps(deepcoder), as_lists):
         assert outcome(fenced(ADD_SOLUTION), tests) == (1.0, "correct"), tests
     assert parse_tests([{"input": "1"}], "x") == [], "a test without an output"
+    functional = [{"input": "1\n2", "output": "3", "testtype": "functional"}]
+    assert parse_tests(functional, "x") == [], "not read as standard input: the function's name is not in it"
     assert parse_tests({"asserts": "assert x"}, "x") == [], "asserts must be a list"
 
 
