@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import re
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.reward.base import ScoredReward
+from megarl.utils.logging import LogEvery
 
 MAX_PROGRAMS = max(2, os.cpu_count() or 2)
 """Programs one process runs at once; the others wait (waiting does not count against a test's limits)."""
@@ -85,6 +87,12 @@ def _megarl_call():
 _megarl_call()
 """
 """Appended to the program for a call-based test: APPS wraps the expected value in a list, so both count."""
+
+logger = logging.getLogger(__name__)
+_EXAMPLES = LogEvery(logger, 60.0)
+"""One example a minute of each way programs fail, in ``trainer.log``: what a runaway count of
+``runtime_error`` or ``incorrect`` means is usually plain from one (a prompt printed by ``input()``, a
+missing import)."""
 
 _SLOTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 
@@ -221,11 +229,20 @@ async def run_test(test: Test, limits: Limits, float_tolerance: float, python: s
     if returncode is None or returncode == -signal.SIGXCPU:
         return "time_limit"
     if returncode != 0:
-        failed_assertion = test.expected is None and _last_line(stderr).startswith("AssertionError")
-        return "incorrect" if failed_assertion else "runtime_error"
-    if test.expected is None:
+        error = _last_line(stderr) or f"exit status {returncode}"
+        outcome = "incorrect" if test.expected is None and error.startswith("AssertionError") else "runtime_error"
+        _EXAMPLES(outcome, logging.INFO, "code reward, an example of %s (one a minute): %.300s", outcome, error)
+        return outcome
+    if test.expected is None or same_output(stdout, test.expected, float_tolerance):
         return "correct"
-    return "correct" if same_output(stdout, test.expected, float_tolerance) else "incorrect"
+    _EXAMPLES(
+        "incorrect",
+        logging.INFO,
+        "code reward, an example of incorrect (one a minute): printed %.150r, expected %.150r",
+        stdout,
+        test.expected,
+    )
+    return "incorrect"
 
 
 def _slot() -> asyncio.Semaphore:

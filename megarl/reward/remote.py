@@ -31,10 +31,11 @@ import asyncio
 import json
 import logging
 import os
-import time
 from typing import Any
 
 import aiohttp
+
+from megarl.utils.logging import LogEvery
 
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
 """Replies that say "later" (overloaded, restarting, behind a proxy that lost it): retried."""
@@ -46,7 +47,7 @@ MAX_CONNECTIONS = 256
 """Reward requests of one event loop open at most this many connections at once (the rest wait for one)."""
 
 logger = logging.getLogger(__name__)
-_LAST_WARNED: dict[str, float] = {}
+_RETRY_WARNINGS = LogEvery(logger, WARN_EVERY_S)
 _SESSIONS: dict[asyncio.AbstractEventLoop, tuple[Any, aiohttp.ClientSession]] = {}
 
 
@@ -147,10 +148,9 @@ async def _hold_session():
 
 
 def _warn_retrying(url: str, problem: str) -> None:
-    now = time.monotonic()
-    if now - _LAST_WARNED.get(url, -WARN_EVERY_S) >= WARN_EVERY_S:
-        _LAST_WARNED[url] = now
-        logger.warning("reward service %s: %s; retrying until the call's reward.timeout_seconds", url, problem)
+    _RETRY_WARNINGS(
+        url, logging.WARNING, "reward service %s: %s; retrying until the call's reward.timeout_seconds", url, problem
+    )
 
 
 def _json_reply(url: str, status: int, text: str) -> Any:

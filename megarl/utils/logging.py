@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +127,22 @@ class WarnOnce:
         if not self.said:
             self.said = True
             self.log.warning(msg, *args)
+
+
+class LogEvery:
+    """A message logged at most once every ``seconds`` per key (``log(key, level, msg, *args)``), for a
+    condition that repeats with every call: a service that keeps failing, a kind of failure worth one
+    example now and then."""
+
+    def __init__(self, log: logging.Logger, seconds: float):
+        self.log, self.seconds = log, seconds
+        self._last: dict[str, float] = {}
+
+    def __call__(self, key: str, level: int, msg: str, *args) -> bool:
+        """Log unless ``key`` was logged less than ``seconds`` ago; whether it logged."""
+        now = time.monotonic()
+        if now - self._last.get(key, -self.seconds) < self.seconds:
+            return False
+        self._last[key] = now
+        self.log.log(level, msg, *args)
+        return True

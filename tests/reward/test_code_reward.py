@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -279,3 +280,21 @@ def test_the_humaneval_row_adapter_gives_rows_its_answers_pass(humaneval):
     answers, stubs = asyncio.run(both())
     assert [r.outcome for r in answers] == ["correct"] * len(rows)
     assert not any(float(r) for r in stubs)
+
+
+def test_one_example_of_each_failure_a_minute_is_logged(monkeypatch, caplog):
+    """A run's count of runtime errors or wrong outputs says how many, ``trainer.log`` shows why: the
+    program's last error line, or what it printed against what was expected, once a minute per kind."""
+    from megarl.reward import coding
+    from megarl.utils.logging import LogEvery
+
+    monkeypatch.setattr(coding, "_EXAMPLES", LogEvery(coding.logger, 60.0))
+    caplog.set_level(logging.INFO, logger=coding.logger.name)
+    prompting = fenced("a, b = map(int, input('Enter two numbers: ').split())\nprint(a + b)")
+    for _ in range(2):
+        assert outcome(fenced("import sys\nprint(undefined_name)")) == (0.0, "runtime_error")
+        assert outcome(prompting) == (0.0, "incorrect")
+    examples = [r.getMessage() for r in caplog.records if r.name == coding.logger.name]
+    assert len(examples) == 2, examples
+    assert "NameError: name 'undefined_name' is not defined" in examples[0]
+    assert "printed 'Enter two numbers: 3\\n', expected '3\\n'" in examples[1]
