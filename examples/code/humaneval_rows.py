@@ -9,7 +9,7 @@ adapter for the evaluation set, with the code reward as the run's reward::
 
 Each problem is a chat asking to complete the function (its signature and docstring in a code block);
 its ``tests`` are HumanEval's ``check`` applied to the entry point, and its ``answer`` the canonical
-solution (the config check runs it against the tests). HumanEval is an evaluation set: train on other
+solution (the config check's stand-in completion). HumanEval is an evaluation set: train on other
 problems.
 """
 

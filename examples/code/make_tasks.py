@@ -3,8 +3,8 @@
     python examples/code/make_tasks.py examples/code/data
 
 Each row is a chat asking for a Python program, the ``tests`` its program must pass
-(``{"inputs": [...], "outputs": [...]}``: APPS's layout) and, as ``answer``, a reference program (the
-config check runs it against the tests before a run starts, so a task whose tests are wrong is found then).
+(``{"inputs": [...], "outputs": [...]}``: APPS's layout) and, as ``answer``, a reference program that passes
+them (the config check's stand-in completion; tests/reward/test_code_reward.py checks every row's).
 Tasks are one-liners over one line of input (two integers, one integer, a word), each with its own
 constant, so a small model can learn them on a CPU; real training sets (APPS, TACO, DeepCoder,
 LiveCodeBench) have the same columns after a row adapter.

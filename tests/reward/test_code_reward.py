@@ -298,3 +298,22 @@ def test_one_example_of_each_failure_a_minute_is_logged(monkeypatch, caplog):
     assert len(examples) == 2, examples
     assert "NameError: name 'undefined_name' is not defined" in examples[0]
     assert "printed 'Enter two numbers: 3\\n', expected '3\\n'" in examples[1]
+
+
+def test_every_example_task_is_passed_by_its_reference_answer():
+    """``examples/code/data``: each row's ``answer`` (a reference program) passes the row's tests, and a
+    program printing a constant passes no row's (a chance match of one test aside)."""
+    from pathlib import Path
+
+    rows = [
+        json.loads(line) for split in ("train", "test") for line in open(Path("examples/code/data") / f"{split}.jsonl")
+    ]
+
+    async def both():
+        answers = [code_reward_fn("p", row["answer"], [], [], tests=row["tests"]) for row in rows]
+        constant = [code_reward_fn("p", fenced("print(7)"), [], [], tests=row["tests"]) for row in rows]
+        return await asyncio.gather(*answers), await asyncio.gather(*constant)
+
+    answers, constant = asyncio.run(both())
+    assert len(rows) == 60 and [r.outcome for r in answers] == ["correct"] * 60
+    assert not any(float(r) for r in constant)
