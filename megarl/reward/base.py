@@ -23,18 +23,22 @@ class ScoredReward(float):
     """
 
     outcome: str
+    feedback: str
+    """What the reward can tell the model about its answer ("" when nothing): a failing test's error, say.
+    A multi-turn workflow's reflection prompt may quote it (:mod:`megarl.workflow.multi_turn`)."""
 
-    def __new__(cls, value: float, outcome: str) -> Self:
+    def __new__(cls, value: float, outcome: str, feedback: str = "") -> Self:
         obj = super().__new__(cls, value)
-        obj.outcome = outcome
+        obj.outcome, obj.feedback = outcome, feedback
         return obj
 
     def __reduce__(self):
-        # Rewards cross process boundaries (process pool): keep the outcome.
-        return (ScoredReward, (float(self), self.outcome))
+        # Rewards cross process boundaries (process pool): keep the outcome and feedback.
+        return (ScoredReward, (float(self), self.outcome, self.feedback))
 
     def __repr__(self) -> str:
-        return f"ScoredReward({float(self)!r}, {self.outcome!r})"
+        feedback = f", {self.feedback!r}" if self.feedback else ""
+        return f"ScoredReward({float(self)!r}, {self.outcome!r}{feedback})"
 
 
 def score_final_answer(

@@ -28,8 +28,9 @@ The reward is 1.0 when every test passes, else 0.0 (tests stop at the first fail
 gives the fraction passed. The outcome (``rollout/reward/<outcome>`` in the step's stats) says how it was
 decided: ``correct``, ``incorrect`` (wrong output or a failed assertion), ``runtime_error`` (it raised,
 ran out of memory or wrote too much), ``time_limit``, ``syntax_error``, ``no_answer`` (no code block) and
-``bad_reference`` (the row's tests are missing or unreadable). At most :data:`MAX_PROGRAMS` programs run at
-once per process.
+``bad_reference`` (the row's tests are missing or unreadable). A failure's ``feedback`` says how it failed
+(the first failing test's input and output, error or assertion), for a multi-turn workflow to quote back
+(:mod:`megarl.workflow.multi_turn`). At most :data:`MAX_PROGRAMS` programs run at once per process.
 
 These limits stop runaway programs, not hostile ones: the programs run as the trainer's user, with its
 network. For code you do not trust, run it in a sandbox (SandboxFusion, a container per call) from an
@@ -123,6 +124,8 @@ class Test:
     stdin: str = ""
     expected: str | None = None
     """Standard output to match; None: passing is exiting with status 0."""
+    shown: str = ""
+    """The test as feedback names it: its input, its assertion or its call."""
 
 
 async def code_reward_fn(
@@ -146,11 +149,13 @@ async def code_reward_fn(
     that runs the programs (default: the trainer's)."""
     code = extract_code(completions)
     if code is None:
-        return ScoredReward(0.0, "no_answer")
+        return ScoredReward(0.0, "no_answer", "the answer holds no ```python code block")
     try:
         compile(code, "solution.py", "exec")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return ScoredReward(0.0, "syntax_error")
+    except SyntaxError as e:
+        return ScoredReward(0.0, "syntax_error", f"SyntaxError: {e.msg} (line {e.lineno})")
+    except (ValueError, RecursionError, MemoryError) as e:
+        return ScoredReward(0.0, "syntax_error", f"{type(e).__name__}: {e}")
     cases = parse_tests(tests, code)
     if not cases:
         return ScoredReward(0.0, "bad_reference")
@@ -158,15 +163,16 @@ async def code_reward_fn(
     limits = Limits(time_limit_s, memory_mb, max_output_kb)
     passed, first_failure = 0, None
     for case in cases:
-        outcome = await run_test(case, limits, float_tolerance, python or sys.executable)
+        outcome, feedback = await run_test(case, limits, float_tolerance, python or sys.executable)
         if outcome == "correct":
             passed += 1
             continue
-        first_failure = first_failure or outcome
+        first_failure = first_failure or (outcome, feedback)
         if not partial:
             break
-    value = passed / len(cases) if partial else float(first_failure is None)
-    return ScoredReward(value, first_failure or "correct")
+    if first_failure is None:
+        return ScoredReward(1.0, "correct")
+    return ScoredReward(passed / len(cases) if partial else 0.0, *first_failure)
 
 
 def extract_code(completion: str) -> str | None:
@@ -194,16 +200,19 @@ def parse_tests(tests: Any, code: str) -> list[Test]:
         asserts = tests["asserts"]
         if not isinstance(asserts, list) or not all(isinstance(a, str) for a in asserts):
             return []
-        return [Test(f"{code}\n\n{check}\n") for check in asserts]
+        return [Test(f"{code}\n\n{check}\n", shown=check.strip()) for check in asserts]
     inputs, outputs = tests.get("inputs"), tests.get("outputs")
     if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
         return []
     if fn_name := tests.get("fn_name"):
         return [
-            Test(code + _CALL.format(fn_name=fn_name, args=_arguments(i), expected=json.dumps(o)))
+            Test(
+                code + _CALL.format(fn_name=fn_name, args=_arguments(i), expected=json.dumps(o)),
+                shown=f"{fn_name}(*{_arguments(i)})",
+            )
             for i, o in zip(inputs, outputs)
         ]
-    return [Test(code, _text(i), _text(o)) for i, o in zip(inputs, outputs)]
+    return [Test(code, _text(i), _text(o), f"the input {_text(i)!r:.100}") for i, o in zip(inputs, outputs)]
 
 
 def _arguments(value: Any) -> str:
@@ -217,9 +226,9 @@ def _text(value: Any) -> str:
     return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-async def run_test(test: Test, limits: Limits, float_tolerance: float, python: str) -> str:
-    """Run one test in its own process and directory: ``correct``, ``incorrect``, ``runtime_error`` or
-    ``time_limit``."""
+async def run_test(test: Test, limits: Limits, float_tolerance: float, python: str) -> tuple[str, str]:
+    """Run one test in its own process and directory: its outcome (``correct``, ``incorrect``,
+    ``runtime_error`` or ``time_limit``) and, for a failure, feedback saying how it failed."""
     async with _slot():
         workdir = tempfile.mkdtemp(prefix="megarl-code-")
         try:
@@ -227,22 +236,20 @@ async def run_test(test: Test, limits: Limits, float_tolerance: float, python: s
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     if returncode is None or returncode == -signal.SIGXCPU:
-        return "time_limit"
+        return _failed("time_limit", f"on {test.shown} it ran past the time limit ({limits.time_limit_s:g} s)")
     if returncode != 0:
         error = _last_line(stderr) or f"exit status {returncode}"
-        outcome = "incorrect" if test.expected is None and error.startswith("AssertionError") else "runtime_error"
-        _EXAMPLES(outcome, logging.INFO, "code reward, an example of %s (one a minute): %.300s", outcome, error)
-        return outcome
+        if test.expected is None and error.startswith("AssertionError"):
+            return _failed("incorrect", f"{test.shown} failed" + error.removeprefix("AssertionError"))
+        return _failed("runtime_error", f"on {test.shown}: {error}")
     if test.expected is None or same_output(stdout, test.expected, float_tolerance):
-        return "correct"
-    _EXAMPLES(
-        "incorrect",
-        logging.INFO,
-        "code reward, an example of incorrect (one a minute): printed %.150r, expected %.150r",
-        stdout,
-        test.expected,
-    )
-    return "incorrect"
+        return "correct", ""
+    return _failed("incorrect", f"on {test.shown} it printed {stdout!r:.150}, expected {test.expected!r:.150}")
+
+
+def _failed(outcome: str, feedback: str) -> tuple[str, str]:
+    _EXAMPLES(outcome, logging.INFO, "code reward, an example of %s (one a minute): %.400s", outcome, feedback)
+    return outcome, feedback
 
 
 def _slot() -> asyncio.Semaphore:

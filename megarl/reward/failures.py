@@ -65,7 +65,9 @@ def as_reward(value: Any) -> ScoredReward | RewardFailure:
         return RewardFailure("bad_value", _value_text(value))
     if number != number or number in (float("inf"), float("-inf")):
         return RewardFailure("bad_value", _value_text(value))
-    return ScoredReward(number, value.outcome if isinstance(value, ScoredReward) else "ok")
+    if isinstance(value, ScoredReward):
+        return ScoredReward(number, value.outcome, value.feedback)
+    return ScoredReward(number, "ok")
 
 
 def _value_text(value: Any) -> str:

@@ -6,6 +6,10 @@ user turn, computed once up front: decoding and re-encoding a sequence does not 
 give back the same ids; see :mod:`megarl.workflow.chat`). The
 trajectory is the whole conversation; only the model's tokens are trained on. The
 reward of a correct answer at turn ``t`` (0-based) is ``turn_discount ** t``.
+
+A reflection prompt holding ``{feedback}`` quotes what the reward said about the wrong answer (its
+:class:`~megarl.reward.ScoredReward`'s ``feedback``: the code reward's failing test, say), so the model
+retries with execution feedback (:data:`FEEDBACK_REFLECTION_PROMPT`); its ids are then computed each turn.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ DEFAULT_REFLECTION_PROMPT = (
 )
 
 
+FEEDBACK_REFLECTION_PROMPT = "\nYour answer is wrong: {feedback}\nPlease fix it and answer again."
+"""A reflection prompt that quotes the reward's feedback (what ``workflow.kwargs.reflection_prompt`` may be)."""
+
+
 def reflection_token_ids(tokenizer, prompt: str = DEFAULT_REFLECTION_PROMPT, **template_kwargs: Any) -> list[int]:
     """Token ids that follow an answer's end-of-sequence token: the user turn ``prompt`` and the
     next generation prompt, as the chat template renders them with ``template_kwargs`` (those of the
@@ -54,7 +62,8 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         tokenizer: HF tokenizer with a chat template.
         max_turns: Attempts before giving up.
         turn_discount: Reward factor per extra turn.
-        reflection_prompt: User message injected after a wrong answer.
+        reflection_prompt: User message injected after a wrong answer; a ``{feedback}`` in it is replaced
+            by the reward's feedback on that answer (:data:`FEEDBACK_REFLECTION_PROMPT`).
         max_context_len: Stop before a turn whose prompt plus ``max_new_tokens`` would
             exceed this (the server's context length); None: no limit. A first prompt that
             leaves no room for an answer rejects the episode (None), with a warning.
@@ -94,6 +103,7 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
         self.max_turns = max_turns
         self.turn_discount = turn_discount
         self.max_context_len = max_context_len
+        self.reflection_prompt, self.enable_thinking = reflection_prompt, enable_thinking
         self.reflection_ids = reflection_token_ids(tokenizer, reflection_prompt, enable_thinking=enable_thinking)
         self._warn_prompt_too_long = WarnOnce(logger)  # an episode rejected: its prompt leaves no room
 
@@ -121,10 +131,19 @@ class MultiTurnReflectionWorkflow(RolloutWorkflow):
             if reward > 0 or turns == self.max_turns:
                 break
             discount *= self.turn_discount
-            next_prompt = end_turn(episode.input_ids, self.tokenizer.eos_token_id) + self.reflection_ids
+            next_prompt = end_turn(episode.input_ids, self.tokenizer.eos_token_id) + self._reflection(reward)
         stats_tracker.scalar(turns=turns)
         final = reward * discount
         return episode.to_trajectory(final)
+
+    def _reflection(self, reward: float) -> list[int]:
+        """The reflection turn's ids after a wrong answer scored ``reward``, its feedback quoted when the
+        prompt asks for it (none given: "no details")."""
+        if "{feedback}" not in self.reflection_prompt:
+            return self.reflection_ids
+        feedback = getattr(reward, "feedback", "") or "no details"
+        prompt = self.reflection_prompt.replace("{feedback}", feedback)
+        return reflection_token_ids(self.tokenizer, prompt, enable_thinking=self.enable_thinking)
 
     async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any] | None:
         rlvr = self.rlvr

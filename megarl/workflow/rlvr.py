@@ -13,6 +13,7 @@ from megarl.api.io_struct import GenerationHyperparameters, ModelRequest, ModelR
 from megarl.api.trajectory import concat_padded_tensors, response_trajectory
 from megarl.api.workflow_api import RolloutWorkflow
 from megarl.config.rollout import RewardConfig
+from megarl.reward.base import ScoredReward
 from megarl.reward.executor import AsyncRewardWrapper
 from megarl.utils import stats_tracker
 
@@ -84,13 +85,14 @@ class RLVRWorkflow(RolloutWorkflow):
         """Start the reward workers now rather than at the first reward (see ``AsyncRewardWrapper.warm_up``)."""
         self.async_reward_fn.warm_up()
 
-    async def score(self, resp: ModelResponse, data: dict[str, Any]) -> float:
-        """The reward of one response (decoded, then scored in a worker process)."""
+    async def score(self, resp: ModelResponse, data: dict[str, Any]) -> ScoredReward:
+        """The reward of one response (decoded, then scored in a worker process), with its outcome and
+        feedback."""
         prompt_str = self.tokenizer.decode(resp.input_tokens)
         completion_str = self.tokenizer.decode(resp.output_tokens)
         reward = await self.async_reward_fn(prompt_str, completion_str, resp.input_tokens, resp.output_tokens, **data)
         stats_tracker.scalar(reward=float(reward), completion_len=resp.output_len)
-        return float(reward)
+        return reward
 
     async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, Any]:
         input_ids = self.get_input_ids_fn(self.data_extract_prompt_fn(data), self.tokenizer, self.enable_thinking)

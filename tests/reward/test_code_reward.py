@@ -317,3 +317,27 @@ def test_every_example_task_is_passed_by_its_reference_answer():
     answers, constant = asyncio.run(both())
     assert len(rows) == 60 and [r.outcome for r in answers] == ["correct"] * 60
     assert not any(float(r) for r in constant)
+
+
+def test_each_failure_says_how_in_its_feedback():
+    """``ScoredReward.feedback``: what a multi-turn reflection prompt can quote back to the model."""
+    add = fenced("def add(a, b):\n    return a - b")
+    cases = [
+        (
+            fenced("a, b = map(int, input().split())\nprint(a - b)"),
+            ADD,
+            "on the input '1 2\\n' it printed '-1\\n', expected '3\\n'",
+        ),
+        (fenced("print(undefined)"), ADD, "on the input '1 2\\n': NameError: name 'undefined' is not defined"),
+        (fenced("while True: pass"), ADD, "on the input '1 2\\n' it ran past the time limit (0.5 s)"),
+        (fenced("def f(:\n  pass"), ADD, "SyntaxError: invalid syntax (line 1)"),
+        ("no code here", ADD, "the answer holds no ```python code block"),
+        (add, ["assert add(1, 2) == 3"], "assert add(1, 2) == 3 failed"),
+        (add, {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}, "add(*[1, 2]) failed: returned -1, expected 3"),
+        (fenced(ADD_SOLUTION), ADD, ""),
+    ]
+    for completion, tests, feedback in cases:
+        reward = score(completion, tests, time_limit_s=0.5)
+        assert reward.feedback == feedback, (reward, feedback)
+    partial = score(fenced("a, b = map(int, input().split())\nprint(a + b if a > 0 else a - b)"), partial=True)
+    assert partial.feedback == "on the input '-3 3\\n' it printed '-6\\n', expected '0\\n'", "the first failing test's"

@@ -13,13 +13,14 @@ import asyncio
 import pytest
 
 from megarl.api import context as workflow_context
-from megarl.reward import AsyncRewardWrapper
+from megarl.reward import AsyncRewardWrapper, ScoredReward
 from megarl.reward.failures import FIRST_CALLS, RewardFailures, RewardFunctionError, reward_failures_note
 from megarl.utils import stats_tracker
 
 PROMPT = "<|im_start|>user\nWhat is 17 + 25? Reply with digits only.<|im_end|>\n<|im_start|>assistant\n"
 TIMEOUT_S = 2.0
 VALUES = {"none": None, "text": "1.0", "inf": float("inf"), "nan": float("nan"), "list": [1.0], "one": 1, "true": True}
+VALUES["feedback"] = ScoredReward(0.0, "incorrect", "it printed 41")
 
 
 def user_reward(prompt, completion, prompt_ids, completion_ids, **row):
@@ -61,6 +62,12 @@ def _run(wrapper: AsyncRewardWrapper, rows: list[dict], scope: str, **failures) 
         return out
 
     return asyncio.run(main())
+
+
+def test_an_outcome_and_feedback_come_back_from_the_worker(wrapper):
+    """A ``ScoredReward`` keeps its outcome and feedback through the worker process and the wrapper."""
+    (reward,) = _run(wrapper, [{"do": "feedback"}], "feedback")
+    assert (float(reward), reward.outcome, reward.feedback) == (0.0, "incorrect", "it printed 41")
 
 
 def test_a_function_raising_on_every_call_stops_at_its_first_calls(wrapper):

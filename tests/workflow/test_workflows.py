@@ -134,6 +134,32 @@ def test_multi_turn_reflection_discount_and_layout(tokenizer):
     assert torch.equal(traj["versions"][0] >= 0, traj["loss_mask"][0].bool())
 
 
+def test_multi_turn_quotes_the_rewards_feedback_when_its_prompt_asks(tokenizer):
+    """With ``{feedback}`` in the reflection prompt, the next turn tells the model how its answer failed
+    (here the code reward's failing test), and the fixed program earns the discounted reward."""
+    from megarl.reward.coding import code_reward_fn
+    from megarl.workflow.multi_turn import FEEDBACK_REFLECTION_PROMPT
+
+    wrong = "```python\na, b = map(int, input().split())\nprint(a - b)\n```"
+    fixed = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    row = {**ROW, "tests": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
+    engine = ScriptedEngine(tokenizer, [wrong, fixed])
+    gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=64)
+    workflow = MultiTurnReflectionWorkflow(
+        code_reward_fn, gconfig, tokenizer, turn_discount=0.5, reflection_prompt=FEEDBACK_REFLECTION_PROMPT
+    )
+    try:
+        traj = asyncio.run(workflow.arun_episode(engine, row))
+    finally:
+        workflow.close()
+    assert traj["rewards"].tolist() == [0.5]
+    first, second = engine.requests[0].input_ids, engine.requests[1].input_ids
+    feedback = "on the input '1 2\\n' it printed '-1\\n', expected '3\\n'"
+    reflection = reflection_token_ids(tokenizer, FEEDBACK_REFLECTION_PROMPT.replace("{feedback}", feedback))
+    assert second[-len(reflection) :] == reflection, tokenizer.decode(second[len(first) :])
+    assert "Your answer is wrong: on the input '1 2\\n' it printed '-1\\n'" in tokenizer.decode(second)
+
+
 def test_multi_turn_gives_up_after_max_turns(tokenizer):
     engine = ScriptedEngine(tokenizer, ["no", "no", "no"])
     gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=8)
