@@ -109,6 +109,11 @@ class Limits:
     max_output_kb: int = 1024
     """Bytes it may write to any file, standard output included, KiB."""
 
+    def __post_init__(self) -> None:
+        bad = {name: value for name, value in vars(self).items() if not value > 0}
+        if bad:
+            raise ValueError(f"code_reward_fn: {bad} must be > 0 (reward.kwargs)")
+
     @property
     def wall_clock_s(self) -> float:
         """When a program that sleeps or waits is stopped: three times its CPU seconds plus two, as a
@@ -147,6 +152,7 @@ async def code_reward_fn(
     """1.0 when the completion's program passes every one of the row's ``tests`` (see the module doc);
     ``partial``: the fraction passed. ``max_tests``: run only the first so many; ``python``: the interpreter
     that runs the programs (default: the trainer's)."""
+    limits = Limits(time_limit_s, memory_mb, max_output_kb)  # bad values refused before any completion is read
     code = extract_code(completions)
     if code is None:
         return ScoredReward(0.0, "no_answer", "the answer holds no ```python code block")
@@ -160,7 +166,6 @@ async def code_reward_fn(
     if not cases:
         return ScoredReward(0.0, "bad_reference")
     cases = cases[:max_tests] if max_tests else cases
-    limits = Limits(time_limit_s, memory_mb, max_output_kb)
     passed, first_failure = 0, None
     for case in cases:
         outcome, feedback = await run_test(case, limits, float_tolerance, python or sys.executable)

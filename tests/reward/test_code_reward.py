@@ -341,3 +341,12 @@ def test_each_failure_says_how_in_its_feedback():
         assert reward.feedback == feedback, (reward, feedback)
     partial = score(fenced("a, b = map(int, input().split())\nprint(a + b if a > 0 else a - b)"), partial=True)
     assert partial.feedback == "on the input '-3 3\\n' it printed '-6\\n', expected '0\\n'", "the first failing test's"
+
+
+def test_a_limit_that_is_not_positive_is_refused_naming_it():
+    """reward.kwargs with time_limit_s 0 would fail every program as too slow: the call raises instead (the
+    config check refuses it before the run, naming the value)."""
+    with pytest.raises(ValueError, match=r"\{'time_limit_s': 0\} must be > 0"):
+        score(fenced(ADD_SOLUTION), time_limit_s=0)
+    with pytest.raises(ValueError, match=r"\{'memory_mb': -1\} must be > 0"):
+        score("no code at all", memory_mb=-1)
