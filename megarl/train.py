@@ -47,7 +47,14 @@ from megarl.reward.executor import describe_in_flight as describe_rewards_in_fli
 from megarl.reward.failures import find_reward_error
 from megarl.rollout import RemoteInferenceEngine
 from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinator
-from megarl.run.components import build_critic, build_ref, build_workflows, load_tokenizer, load_valid_items
+from megarl.run.components import (
+    build_critic,
+    build_ref,
+    build_teacher,
+    build_workflows,
+    load_tokenizer,
+    load_valid_items,
+)
 from megarl.run.console_text import (
     baseline_line,
     print_summary,
@@ -269,6 +276,10 @@ def record_batch_stats(batch: dict, sync_stats: dict[str, float]) -> None:
             seq_len=batch["attention_mask"].sum(-1).float(),
             denominator="n_seqs",
         )
+    if "teacher_reverse_kl" in batch:  # on-policy distillation: how far the policy is from its teacher
+        with stats_tracker.scope("teacher"):
+            stats_tracker.denominator(n_tokens=batch["loss_mask"].bool())
+            stats_tracker.stat(reverse_kl=batch["teacher_reverse_kl"], denominator="n_tokens")
     if sync_stats:
         with stats_tracker.scope("weight_sync"):
             stats_tracker.scalar(**sync_stats)
@@ -351,6 +362,7 @@ def build(config: GRPOConfig) -> Trainer:
             tokenizer=tokenizer,
             vocab_size=actor.desc.dims.vocab_size,  # a server's token id beyond it is refused
             head=(layout.dp_rank, layout.dp_size),  # task ids unique across the heads (dumped trajectories' files)
+            teacher=build_teacher(config, tokenizer),
         )
     meta = WeightUpdateMeta.from_allocation(config.weight_update, config.allocation)
     weight_sync = connect_engine(actor, rollout, meta)

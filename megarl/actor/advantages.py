@@ -184,6 +184,35 @@ def grpo_advantages(
     return adv
 
 
+TEACHER_LOG_RATIO_BOUND = 20.0
+"""The per-token reverse KL to the teacher is clamped to [-20, 20] nats (the bound of the KL's k3): a token the
+teacher finds all but impossible (a logprob of -9999 where it reports -inf) would otherwise outweigh the batch."""
+
+
+def teacher_advantages(
+    policy_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    coef: float,
+    gamma: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation's term of the advantages [T], and the per-token reverse KL [T] it comes from.
+
+    ``reverse_kl_t = log pi(o_t) - log pi_teacher(o_t)`` (clamped to :data:`TEACHER_LOG_RATIO_BOUND`) on the loss
+    tokens; the term is the return-to-go of ``-coef * reverse_kl`` with discount ``gamma`` (0: each token its
+    own, as slime and Tinker). It is added after the estimator's normalisation, so the task reward keeps its
+    scale beside it. Both are 0 outside ``loss_mask``.
+    """
+    mask = loss_mask.bool()
+    reverse_kl = (policy_logp.float() - teacher_logp.float()).clamp(-TEACHER_LOG_RATIO_BOUND, TEACHER_LOG_RATIO_BOUND)
+    reverse_kl = torch.where(mask, reverse_kl, torch.zeros_like(reverse_kl))
+    if gamma == 0:
+        return -coef * reverse_kl, reverse_kl
+    term, _ = gae(-coef * reverse_kl, None, mask, cu_seqlens, gamma=gamma, lam=1.0)
+    return term, reverse_kl
+
+
 def gae_advantages(
     rewards: torch.Tensor,
     values: torch.Tensor,

@@ -28,6 +28,7 @@ def check_experiment(config: GRPOConfig, alloc: AllocationMode) -> None:
     check_rollout(config, alloc)
     check_critic(config, alloc)
     check_lora(config)
+    check_teacher(config)
 
 
 def check_batching(config: GRPOConfig, alloc: AllocationMode) -> None:
@@ -310,3 +311,45 @@ def check_context_parallel(config: GRPOConfig, alloc: AllocationMode) -> None:
                 f"packs a group's prompt once, which context parallel c{cp} cannot split: set it to null or false",
                 related=("allocation_mode",),
             )
+
+
+NO_REWARD_FN = "megarl.reward.base.no_reward_fn"
+"""Pure on-policy distillation's reward: 0 for every completion."""
+
+
+def check_teacher(config: GRPOConfig) -> None:
+    """A teacher block is used only through ``actor.teacher_coef``; without a reward, it is the whole signal."""
+    if config.reward_fn == NO_REWARD_FN:
+        require(
+            config.teacher is not None,
+            "reward_fn",
+            config.reward_fn,
+            "scores every completion 0: without a teacher block nothing would be learned",
+            related=("teacher",),
+        )
+        require(
+            config.dynamic_filter != "uniform_reward",
+            "dynamic_filter",
+            config.dynamic_filter,
+            f"drops groups whose rewards are all equal, and reward_fn={NO_REWARD_FN} makes every group so: no "
+            "batch would ever fill (set dynamic_filter: none)",
+            related=("reward_fn",),
+        )
+        require(
+            config.valid_dataset is None or config.eval_workflow is not None,
+            "eval_workflow",
+            None,
+            f"the evaluation would score with reward_fn={NO_REWARD_FN}, 0 for every answer: give eval_workflow "
+            "a reward of the task (e.g. {type: rlvr, kwargs: {reward_fn: ...}}) or drop valid_dataset",
+            related=("reward_fn", "valid_dataset"),
+        )
+    if config.teacher is None:
+        return
+    require(
+        config.actor.teacher_coef > 0,
+        "actor.teacher_coef",
+        config.actor.teacher_coef,
+        "must be > 0 with a teacher block: the teacher servers would score every trajectory for nothing "
+        "(remove the teacher block, or give its term a weight)",
+        related=("teacher",),
+    )

@@ -17,6 +17,7 @@ from megarl.config.rollout import (
     InferenceEngineConfig,
     RewardConfig,
     SGLangConfig,
+    TeacherConfig,
     VLLMConfig,
     WorkflowConfig,
 )
@@ -149,6 +150,9 @@ class GRPOConfig(BaseExperimentConfig):
     ref: TrainEngineConfig | None = None
     """Frozen reference model for the KL penalty; None uses the actor's initial weights when ``actor.kl_ctl > 0``
     (a LoRA actor's: its own model with the adapters it started from, no second model)."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation: the servers of a teacher model that score each sampled trajectory; the actor's
+    advantages gain ``-actor.teacher_coef`` x the per-token reverse KL to it. None: no teacher."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """GRPO (group baseline) or PPO with a critic (GAE): ``algorithm.adv_estimator``."""
     critic: PPOCriticConfig | None = None

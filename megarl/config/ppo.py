@@ -198,6 +198,13 @@ class PPOActorConfig(TrainEngineConfig):
     """KL estimator (Schulman's k1, k2, k3)."""
     kl_in_reward: bool = False
     """Apply the KL penalty to the reward (PPO-style) instead of the loss (GRPO-style)."""
+    teacher_coef: float = 1.0
+    """On-policy distillation (a ``teacher`` block): each generated token's advantage gains
+    ``-teacher_coef * (log pi(o_t) - log pi_teacher(o_t))``, the per-token reverse KL to the teacher (slime's
+    ``opd_kl_coef``). Unused without a teacher."""
+    teacher_discount: float = 0.0
+    """gamma of the teacher term over the tokens that follow: 0 charges each token its own divergence (slime,
+    Tinker), 1 the divergence of itself and all it leads to."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     reward_scaling: float = 1.0
@@ -275,6 +282,8 @@ class PPOActorConfig(TrainEngineConfig):
         self._check_rollout_correction()
         require(self.kl_ctl >= 0, "kl_ctl", self.kl_ctl, "must be >= 0")
         require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff, "must be >= 0")
+        require(self.teacher_coef >= 0, "teacher_coef", self.teacher_coef, "must be >= 0")
+        require(0 <= self.teacher_discount <= 1, "teacher_discount", self.teacher_discount, "must be in [0, 1]")
         require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")
         require(
             self.reward_scaling > 0,

@@ -241,6 +241,41 @@ class RewardConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher: inference servers serving it, which score every trajectory the
+    policy samples (the teacher's logprob of each of its tokens) before the trainer takes it; the actor's
+    advantages then gain ``-actor.teacher_coef * (log pi(o_t) - log pi_teacher(o_t))`` per generated token
+    (:func:`megarl.actor.advantages.teacher_advantages`; ``docs/concepts/algorithms.md``).
+
+    The teacher must share the actor's tokenizer (checked at start). It runs on servers of its own (vLLM or
+    SGLang, any size and tensor-parallel layout), started as for an LLM judge: megarl does not start them.
+    """
+
+    addresses: list[str] = field(default_factory=list)
+    """``host:port`` of each server serving the teacher; requests go to the least busy."""
+    backend: Literal["vllm", "sglang"] = "vllm"
+    """The teacher servers' family."""
+    request_timeout: float = 600.0
+    """Seconds one scoring request may take, its retries included; a server that fails it is passed over
+    for the next, and a trajectory no server could score fails its episode (the run stops, naming it)."""
+    request_retries: int = 3
+    """Retries of a failed scoring request (connection error, 5xx, timeout) on one server."""
+    max_connections: int = 64
+    """Connections open to the teacher servers at once (requests beyond it wait for one)."""
+
+    def check(self) -> None:
+        require(bool(self.addresses), "addresses", self.addresses, "name at least one 'host:port' serving the teacher")
+        for i, addr in enumerate(self.addresses):
+            host, sep, port = addr.rpartition(":")
+            require(bool(host) and sep == ":" and port.isdigit(), f"addresses[{i}]", addr, "expected 'host:port'")
+            require(1 <= int(port) <= 65535, f"addresses[{i}]", addr, "the port must be in [1, 65535]")
+        require(self.backend in ("vllm", "sglang"), "backend", self.backend, "must be vllm or sglang")
+        require(self.request_timeout > 0, "request_timeout", self.request_timeout, "must be > 0 seconds")
+        require(self.request_retries >= 0, "request_retries", self.request_retries, "must be >= 0")
+        require(self.max_connections >= 1, "max_connections", self.max_connections, "must be >= 1")
+
+
+@dataclass
 class WorkflowConfig:
     """The rollout workflow the trainer runs on each prompt: a built-in or a user's class.
 

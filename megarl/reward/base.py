@@ -66,3 +66,9 @@ def score_final_answer(
     except Exception as e:  # noqa: BLE001
         logger.debug("reward failed on %r vs %r: %r", completion[-200:], answer, e)
         return ScoredReward(0.0, "error")
+
+
+def no_reward_fn(prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], **row: Any) -> float:
+    """0 for every completion: pure on-policy distillation, whose whole signal is the teacher's (a ``teacher``
+    block); rows need no answer. Evaluate with a real reward (``eval_workflow``'s ``reward_fn``)."""
+    return 0.0

@@ -27,6 +27,7 @@ from megarl.api.workflow_api import WorkflowLike
 from megarl.config.rollout import InferenceEngineConfig
 from megarl.rollout.client import GenerationClient
 from megarl.rollout.pool import RolloutPool
+from megarl.rollout.teacher import TeacherScorer
 from megarl.serving import make_backend
 from megarl.serving.backend import HttpCall, InferenceBackend
 from megarl.serving.launch import resolve_server_addrs
@@ -80,6 +81,7 @@ class RemoteInferenceEngine(InferenceEngine):
         wait_healthy: bool = True,
         vocab_size: int | None = None,
         head: tuple[int, int] = (0, 1),
+        teacher: TeacherScorer | None = None,
         **_: Any,
     ) -> RemoteInferenceEngine:
         """Find the servers, check their health and start the rollout pool.
@@ -97,6 +99,7 @@ class RemoteInferenceEngine(InferenceEngine):
             head: ``(index, count)`` of the data-parallel heads that each run an engine for the same run:
                 this engine's task ids are ``index, index + count, ...``, so that no two heads share one
                 (in the logs, and in the file names of dumped trajectories).
+            teacher: On-policy distillation: scores every accepted training trajectory (``teacher_logp``).
         """
         index, count = head
         if not 0 <= index < count:
@@ -123,7 +126,7 @@ class RemoteInferenceEngine(InferenceEngine):
         if self.config.switch_interval_ms > 0:  # the pool's loop thread shares the lock with the trainer's Python
             sys.setswitchinterval(self.config.switch_interval_ms / 1000)
         self._dumper = dumper
-        self.pool = RolloutPool(self.client, self.config, batch_size, dumper, itertools.count(*head)).start()
+        self.pool = RolloutPool(self.client, self.config, batch_size, dumper, itertools.count(*head), teacher).start()
         logger.info("inference engine ready: %d %s server(s) %s", len(addrs), self.backend.name, addrs)
         return self
 

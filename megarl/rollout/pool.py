@@ -40,6 +40,7 @@ from megarl.rollout.episodes import EpisodeFailures, EpisodeQueues, Result, Roll
 from megarl.rollout.handoff import HandOff
 from megarl.rollout.runner import EpisodeRunner
 from megarl.rollout.staleness import StalenessManager
+from megarl.rollout.teacher import TeacherScorer
 from megarl.workflow.dump import TrajectoryDumper
 from megarl.workflow.resolve import resolve_should_accept_fn, resolve_workflow
 
@@ -61,6 +62,7 @@ class RolloutPool:
         batch_size: Trajectories the trainer consumes per step (the staleness unit).
         dumper: Writes every trajectory to JSONL when given.
         task_ids: The ids given to submitted tasks, in order (default 0, 1, 2, ...).
+        teacher: Scores every accepted training trajectory (on-policy distillation) when given.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class RolloutPool:
         batch_size: int,
         dumper: TrajectoryDumper | None = None,
         task_ids: Iterator[int] | None = None,
+        teacher: TeacherScorer | None = None,
     ):
         self.engine = engine
         self.max_concurrent = config.max_concurrent_rollouts or batch_size
@@ -83,7 +86,7 @@ class RolloutPool:
         self._q = EpisodeQueues()
         failures = EpisodeFailures(config.episode_retries, config.max_failed_episodes)
         self._runner = EpisodeRunner(
-            engine, self._q, self.staleness, self.max_concurrent, self.queue_size, failures, dumper
+            engine, self._q, self.staleness, self.max_concurrent, self.queue_size, failures, dumper, teacher
         )
         self._ids = task_ids if task_ids is not None else itertools.count()
         self._data_source: Any = None

@@ -22,6 +22,7 @@ from megarl.rollout.episodes import EpisodeFailures, EpisodeQueues, Result, Roll
 from megarl.rollout.gate import RELEASE_PER_TURN
 from megarl.rollout.loop_thread import LoopThread
 from megarl.rollout.staleness import StalenessManager
+from megarl.rollout.teacher import TeacherScorer
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import Heartbeat
 from megarl.utils.host_tensors import host_tensor
@@ -50,6 +51,7 @@ class EpisodeRunner:
         queue_size: Results kept ready plus episodes running, at most (unless a trainer waits for more).
         failures: Decides what happens to an episode that failed on the servers.
         dumper: Writes every trajectory to JSONL when given.
+        teacher: Scores every accepted training trajectory (on-policy distillation) when given.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class EpisodeRunner:
         queue_size: int,
         failures: EpisodeFailures,
         dumper: TrajectoryDumper | None = None,
+        teacher: TeacherScorer | None = None,
     ):
         self.engine = engine
         self.q = queues
@@ -69,6 +72,7 @@ class EpisodeRunner:
         self.queue_size = queue_size
         self.failures = failures
         self.dumper = dumper
+        self.teacher = teacher
         self.thread = LoopThread("megarl-rollout")
         self._seq = itertools.count()
         self._heartbeat: Heartbeat | None = None
@@ -132,6 +136,8 @@ class EpisodeRunner:
         aclose = getattr(self.engine, "aclose", None)
         if aclose is not None:
             await aclose()
+        if self.teacher is not None:
+            await self.teacher.aclose()
 
     # ------------------------------------------------------------------ starting episodes
 
@@ -181,6 +187,10 @@ class EpisodeRunner:
                 traj = await task.workflow.arun_episode(self.engine, task.data)
                 check_trajectory_rewards(traj, f"workflow {type(task.workflow).__qualname__} (task {task.task_id})")
                 accepted = traj is not None and (task.should_accept_fn is None or bool(task.should_accept_fn(traj)))
+                if accepted and self.teacher is not None and not task.is_eval:
+                    scoring = time.perf_counter()
+                    await self.teacher.score(traj)
+                    stats_tracker.scalar(teacher_seconds=time.perf_counter() - scoring)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 -- surfaced to the trainer by wait()

@@ -1,7 +1,7 @@
 """The parts of a GRPO run that the trainer script builds from its config, beside the actor.
 
 The rollout workflows (training and evaluation), the frozen reference of the KL term, PPO's
-critic, the tokenizer and the evaluation prompts: each from its config section, so that
+critic, on-policy distillation's teacher scorer, the tokenizer and the evaluation prompts: each from its config section, so that
 :func:`megarl.train.build` reads as a list of what a trainer rank holds.
 """
 
@@ -17,6 +17,7 @@ from megarl.config import GRPOConfig
 from megarl.config.train import TrainEngineConfig
 from megarl.data import load_rl_dataset
 from megarl.models import resolve_model_path
+from megarl.rollout.teacher import TeacherScorer
 from megarl.run.evaluator import evaluation_gconfig
 from megarl.utils.plugins import import_plugin
 from megarl.workflow.build import build_eval_workflow, build_workflow
@@ -52,6 +53,16 @@ def build_ref(config: GRPOConfig, parallel, actor: MegatronEngine) -> MegatronEn
     )
     ref.initialize(parallel=parallel)
     return ref
+
+
+def build_teacher(config: GRPOConfig, tokenizer) -> TeacherScorer | None:
+    """On-policy distillation's scorer of ``config.teacher``'s servers, once each showed it tokenizes as
+    ``tokenizer`` does (a DP head's; None without a teacher block)."""
+    if config.teacher is None:
+        return None
+    scorer = TeacherScorer(config.teacher)
+    scorer.check_tokenizer(tokenizer, timeout=config.rollout.setup_timeout)
+    return scorer
 
 
 def build_critic(config: GRPOConfig, parallel, total_steps: int) -> MegatronCritic | None:

@@ -69,12 +69,14 @@ def rollout_bar(progress: Progress | None, total: int) -> Iterator[Callable[[int
 
 
 def step_line(global_step: int, total_steps: int, stats: dict[str, float]) -> str:
-    """The console's line for a step: reward, evaluation, where the time went, the train phase's
-    tokens/s per rank (and MFU on a GPU)."""
+    """The console's line for a step: reward, the distance to a teacher (on-policy distillation), evaluation,
+    where the time went, the train phase's tokens/s per rank (and MFU on a GPU)."""
     timing = [(label, stats.get(f"timeperf/{key}")) for label, key in STEP_TIMINGS]
     parts = [f"step {global_step + 1}/{total_steps}", f"reward {stats.get('batch/reward/avg', float('nan')):.3f}"]
     if (failed := reward_failures_note(stats)) is not None:
         parts.append(f"failed rewards: {failed}")
+    if "teacher/reverse_kl/avg" in stats:  # on-policy distillation: the distance to the teacher, per token
+        parts.append(f"teacher KL {stats['teacher/reverse_kl/avg']:.3f}")
     if "eval/pass@1" in stats:
         parts.append(f"pass@1 {stats['eval/pass@1']:.3f}")
     spent = " ".join(f"{label} {seconds:.1f}" for label, seconds in timing if seconds is not None)

@@ -181,6 +181,16 @@ class InferenceBackend(abc.ABC):
         """The chunk in a generate reply; ``MalformedResponseError`` if the body is not one."""
 
     @abc.abstractmethod
+    def score_payload(self, prompt: list[int] | str) -> dict[str, Any]:
+        """Body of a request for the server's logprob of each token of ``prompt`` (token ids, or a text it
+        tokenizes) given the tokens before it, at temperature 1: a teacher's logprobs (on-policy distillation)."""
+
+    @abc.abstractmethod
+    def parse_score(self, body: Any) -> list[tuple[int, float]]:
+        """``(token id, logprob)`` of the prompt's tokens from the second on, in a reply to :meth:`score_payload`;
+        ``MalformedResponseError`` if the body is not one."""
+
+    @abc.abstractmethod
     def pause_calls(self) -> list[HttpCall]:
         """Calls that stop generation on a server, aborting in-flight requests with their tokens so far."""
 

@@ -124,6 +124,24 @@ class SGLangBackend(InferenceBackend):
             logprob_field="meta_info.output_token_logprobs[{}][0]",
         )
 
+    def score_payload(self, prompt: list[int] | str) -> dict[str, Any]:
+        return {
+            ("text" if isinstance(prompt, str) else "input_ids"): prompt,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "skip_special_tokens": False},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "stream": False,
+        }
+
+    def parse_score(self, body: Any) -> list[tuple[int, float]]:
+        try:
+            entries = body["meta_info"]["input_token_logprobs"]
+            return [(int(e[1]), float(e[0])) for e in entries[1:]]  # the first token has no logprob (None)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise MalformedResponseError(
+                f"not a /generate reply with input_token_logprobs ({type(e).__name__}: {e})"
+            ) from None
+
     def pause_calls(self) -> list[HttpCall]:
         return [HttpCall("/pause_generation", payload={"mode": "abort"})]
 

@@ -154,6 +154,23 @@ class VLLMBackend(InferenceBackend):
             logprob_field="choices[0].logprobs.token_logprobs[{}]",
         )
 
+    def score_payload(self, prompt: list[int] | str) -> dict[str, Any]:
+        # one token must be generated (vLLM refuses max_tokens 0); the prompt's own logprobs are the answer
+        return {"prompt": prompt, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "stream": False}
+
+    def parse_score(self, body: Any) -> list[tuple[int, float]]:
+        try:
+            entries = body["choices"][0]["prompt_logprobs"]
+            if not entries or entries[0] is not None:
+                raise MalformedResponseError("choices[0].prompt_logprobs does not start with null (the first token)")
+            return [_scored_token(entry) for entry in entries[1:]]
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+            if isinstance(e, MalformedResponseError):
+                raise
+            raise MalformedResponseError(
+                f"not a /v1/completions reply with prompt_logprobs ({type(e).__name__}: {e})"
+            ) from None
+
     def pause_calls(self) -> list[HttpCall]:
         return [HttpCall("/pause", params={"mode": "abort"})]
 
@@ -194,6 +211,13 @@ def _routed_experts(choice: dict, n_tokens: int) -> tuple[list[list[int]] | None
         )
     rows = routes.reshape(routes.shape[0], -1).astype(np.int64).tolist()
     return split_routes(rows, len(prompt), n_tokens, "choices[0].routed_experts")
+
+
+def _scored_token(entry: dict) -> tuple[int, float]:
+    """A prompt position's ``{"<token id>": {"logprob": x, ...}}`` as ``(id, x)``: with ``prompt_logprobs: 0`` the
+    prompt's own token only (its entry comes first where the top-1 token is another)."""
+    token, info = next(iter(entry.items()))
+    return int(token), float(info["logprob"])
 
 
 def _token_id(token: str) -> int:

@@ -222,6 +222,39 @@ BAD = [
         "train_dataset.batch_size",
         "critic.ppo_n_minibatches 3",
     ),
+    # on-policy distillation
+    case("teacher-no-address", ["teacher={}"], "teacher.addresses", "at least one"),
+    case("teacher-bad-address", ["teacher.addresses=[teacher-node]"], "teacher.addresses[0]", "'teacher-node'"),
+    case(
+        "teacher-unused",
+        ["teacher.addresses=[node:8000]", "actor.teacher_coef=0"],
+        "actor.teacher_coef",
+        "would score every trajectory for nothing",
+    ),
+    case("teacher-discount", ["actor.teacher_discount=1.5"], "actor.teacher_discount", "must be in [0, 1]"),
+    case(
+        "no-reward-no-teacher",
+        ["reward_fn=megarl.reward.base.no_reward_fn"],
+        "reward_fn",
+        "without a teacher block nothing would be learned",
+    ),
+    case(
+        "no-reward-filtered",
+        [
+            "reward_fn=megarl.reward.base.no_reward_fn",
+            "teacher.addresses=[node:8000]",
+            "dynamic_filter=uniform_reward",
+            "valid_dataset=null",
+        ],
+        "dynamic_filter",
+        "no batch would ever fill",
+    ),
+    case(
+        "no-reward-evaluated",
+        ["reward_fn=megarl.reward.base.no_reward_fn", "teacher.addresses=[node:8000]"],
+        "eval_workflow",
+        "0 for every answer",
+    ),
 ]
 
 

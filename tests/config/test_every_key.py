@@ -34,6 +34,7 @@ SECTIONS = {
     "ref": ["ref.path=smollm2", "actor.kl_ctl=0.1"],
     "critic": ["algorithm.adv_estimator=gae", "critic={}", "gconfig.n_samples=1", "actor.group_size=1"],
     "eval_workflow": ["eval_workflow={}"],
+    "teacher": ["teacher.addresses=[teacher-node:8000]"],
 }
 """Blocks that are null in the CPU config, and the overrides that give them (their keys are tried there)."""
 STAYS_NULL = {"ref.optimizer": "the reference model is frozen"}

@@ -5,7 +5,7 @@ utilities) although request parsing never uses it; the torchvision on PyPI is a 
 build that breaks this CPU torch, so it is not installed. This script runs in its own
 process and gives ``torchvision`` an inert stand-in, so nothing else is affected.
 
-Reads JSON ``{"generate": [...], "pause": {...}, "resume": {...}, "launch_args": [...]}``
+Reads JSON ``{"generate": [...], "score": [...], "pause": {...}, "resume": {...}, "launch_args": [...]}``
 on stdin; prints ``{"ok": true}`` or the first error.
 """
 
@@ -64,6 +64,16 @@ def main() -> None:
         SamplingParams(**payload["sampling_params"]).verify(vocab_size=request["vocab_size"])
         missing = set(model_defaults) - set(payload["sampling_params"])
         assert not missing, f"sampling fields SGLang would take from generation_config.json: {sorted(missing)}"
+    for payload in request.get("score", []):  # a teacher's logprobs of a given sequence (on-policy distillation)
+        unknown = set(payload) - known
+        assert not unknown, f"fields GenerateReqInput does not have: {sorted(unknown)}"
+        error = generate_contract_error(payload)
+        assert error is None, error
+        obj = TypeAdapter(GenerateReqInput).validate_python(payload)
+        obj.normalize_batch_and_arguments()
+        assert obj.return_logprob is True and obj.logprob_start_len == 0, obj
+        assert obj.input_ids == payload.get("input_ids") and obj.text == payload.get("text"), obj
+        SamplingParams(**payload["sampling_params"]).verify(vocab_size=request["vocab_size"])
     pause = TypeAdapter(PauseGenerationReqInput).validate_python(request["pause"])
     assert pause.mode == "abort", pause
     TypeAdapter(ContinueGenerationReqInput).validate_python(request["resume"])

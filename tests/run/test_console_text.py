@@ -41,6 +41,12 @@ def test_step_line_shows_the_failed_rewards():
     assert "failed" not in step_line(0, 3, {"batch/reward/avg": 0.25, "rollout/reward/n_calls": 16.0})
 
 
+def test_step_line_shows_the_distance_to_a_teacher_when_distilling():
+    stats = {"batch/reward/avg": 0.0, "teacher/reverse_kl/avg": 0.3146, "eval/pass@1": 0.5}
+    assert "reward 0.000  teacher KL 0.315  pass@1 0.500" in step_line(4, 15, stats)
+    assert "teacher" not in step_line(4, 15, {"batch/reward/avg": 0.25})
+
+
 def test_step_line_shows_the_train_phases_throughput_and_mfu_where_measured():
     stats = {"batch/reward/avg": 0.25, "timeperf/step": 3.0, "perf/train_tokens_per_s": 12345.6}
     assert step_line(0, 3, stats).endswith("  train 12,346 tok/s")
