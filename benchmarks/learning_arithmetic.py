@@ -54,15 +54,20 @@ def dtype_overrides(dtype: str) -> list[str]:
     return ["actor.dtype=bfloat16", "actor.emulate_bf16=true", "vllm.dtype=float32"]
 
 
-def run_arithmetic(overrides: list[str]) -> tuple[list[dict], float]:
-    """``megarl run configs/arithmetic_grpo_cpu.yaml *overrides``: its metrics per step and wall minutes."""
+def run_arithmetic(
+    overrides: list[str], files: list[str] = (), fileroot: str | None = None
+) -> tuple[list[dict], float]:
+    """``megarl run configs/arithmetic_grpo_cpu.yaml *files *overrides``: its metrics per step and wall minutes.
+    The run's directory is under ``fileroot`` (kept), else under a temporary directory (removed)."""
     with tempfile.TemporaryDirectory(prefix="megarl_learning_") as tmp:
+        tmp = fileroot or tmp
         cmd = [
             sys.executable,
             "-m",
             "megarl.launcher.cli",
             "run",
             str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml"),
+            *files,
             f"cluster.fileroot={tmp}",
             "stats_logger.wandb.mode=disabled",
             *overrides,
