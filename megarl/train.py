@@ -50,10 +50,12 @@ from megarl.rollout.coordinator import DataParallelLayout, DistRolloutCoordinato
 from megarl.run.components import (
     build_critic,
     build_ref,
-    build_teacher,
+    build_teacher_model,
+    build_teacher_scorer,
     build_workflows,
     load_tokenizer,
     load_valid_items,
+    teacher_logprobs,
 )
 from megarl.run.console_text import (
     baseline_line,
@@ -90,6 +92,8 @@ class Trainer:
     config: GRPOConfig
     actor: MegatronPPOActor
     ref: MegatronEngine | AdapterReference | None
+    teacher: MegatronEngine | None
+    """On-policy distillation's teacher in the trainer (``teacher.path``); served teachers score in the pool."""
     critic: MegatronCritic | None
     rollout: RemoteInferenceEngine | None
     coordinator: DistRolloutCoordinator
@@ -151,6 +155,9 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
         with phase(t, "ref_logp"):
             # the KL compares the policy and the reference on the same (truncated) distribution
             batch["ref_logp"] = t.ref.compute_logp(batch, cfg.actor.temperature, replayed_truncation(cfg.actor))
+    if t.teacher is not None:
+        with phase(t, "teacher_logp"):
+            batch["teacher_logp"] = teacher_logprobs(t.teacher, batch)
     if t.critic is not None:
         with phase(t, "critic_values"):
             batch["values"] = t.critic.compute_values(batch)
@@ -351,6 +358,7 @@ def build(config: GRPOConfig) -> Trainer:
     workflow_context.set_run_length(total_steps, steps_per_epoch)  # a reward's trainer_state.max_steps, epoch
     actor.initialize(ft_spec=total_steps)
     ref = build_ref(config, parallel, actor)
+    teacher = build_teacher_model(config, parallel, tokenizer)
     critic = build_critic(config, parallel, total_steps)
 
     rollout = None
@@ -362,7 +370,7 @@ def build(config: GRPOConfig) -> Trainer:
             tokenizer=tokenizer,
             vocab_size=actor.desc.dims.vocab_size,  # a server's token id beyond it is refused
             head=(layout.dp_rank, layout.dp_size),  # task ids unique across the heads (dumped trajectories' files)
-            teacher=build_teacher(config, tokenizer),
+            teacher=build_teacher_scorer(config, tokenizer),
         )
     meta = WeightUpdateMeta.from_allocation(config.weight_update, config.allocation)
     weight_sync = connect_engine(actor, rollout, meta)
@@ -370,6 +378,7 @@ def build(config: GRPOConfig) -> Trainer:
         config=config,
         actor=actor,
         ref=ref,
+        teacher=teacher,
         critic=critic,
         rollout=rollout,
         coordinator=DistRolloutCoordinator(rollout, layout, config.group_size),

@@ -249,10 +249,15 @@ class TeacherConfig:
 
     The teacher must share the actor's tokenizer (checked at start). It runs on servers of its own (vLLM or
     SGLang, any size and tensor-parallel layout), started as for an LLM judge: megarl does not start them.
+    Or, with ``path``, in the trainer's own processes, as the KL's reference model does (slime's
+    ``opd_type`` megatron): a model of a family megarl trains, in the actor's layout and dtype.
     """
 
     addresses: list[str] = field(default_factory=list)
     """``host:port`` of each server serving the teacher; requests go to the least busy."""
+    path: str | None = None
+    """Instead of servers: the teacher model (an HF directory or a short name) loaded by the trainer, which
+    scores each batch in a forward pass of its own (phase ``teacher_logp``) before the advantages."""
     backend: Literal["vllm", "sglang"] = "vllm"
     """The teacher servers' family."""
     request_timeout: float = 600.0
@@ -264,7 +269,14 @@ class TeacherConfig:
     """Connections open to the teacher servers at once (requests beyond it wait for one)."""
 
     def check(self) -> None:
-        require(bool(self.addresses), "addresses", self.addresses, "name at least one 'host:port' serving the teacher")
+        require(
+            bool(self.addresses) != bool(self.path),
+            "addresses",
+            self.addresses,
+            "name at least one 'host:port' serving the teacher, or its model as teacher.path (one of the two)"
+            if not self.path
+            else f"a teacher in the trainer (path={self.path!r}) takes no servers: give one of the two",
+        )
         for i, addr in enumerate(self.addresses):
             host, sep, port = addr.rpartition(":")
             require(bool(host) and sep == ":" and port.isdigit(), f"addresses[{i}]", addr, "expected 'host:port'")

@@ -45,6 +45,16 @@ LOGPROB_SLACK = 1e-3
 """A teacher logprob above this is refused (a probability above 1, beyond rounding)."""
 
 
+def check_same_tokenizer(teacher_tokenizer, tokenizer, teacher: str) -> None:
+    """Refuse a teacher (``teacher`` names it) whose tokenizer splits :data:`TOKENIZER_PROBE` otherwise."""
+    got, expected = (list(t(TOKENIZER_PROBE)["input_ids"]) for t in (teacher_tokenizer, tokenizer))
+    if got != expected:
+        raise TeacherError(
+            f"{teacher} tokenizes {TOKENIZER_PROBE!r} as {got} and the actor's tokenizer as {expected}: on-policy "
+            "distillation needs a teacher with the actor's tokenizer"
+        )
+
+
 class TeacherError(RuntimeError):
     """No teacher server could score a trajectory, or a teacher does not share the actor's tokenizer."""
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from megarl.actor.critic import MegatronCritic
 from megarl.actor.engine import MegatronEngine
 from megarl.actor.reference import AdapterReference
@@ -17,7 +19,7 @@ from megarl.config import GRPOConfig
 from megarl.config.train import TrainEngineConfig
 from megarl.data import load_rl_dataset
 from megarl.models import resolve_model_path
-from megarl.rollout.teacher import TeacherScorer
+from megarl.rollout.teacher import TeacherScorer, check_same_tokenizer
 from megarl.run.evaluator import evaluation_gconfig
 from megarl.utils.plugins import import_plugin
 from megarl.workflow.build import build_eval_workflow, build_workflow
@@ -55,14 +57,35 @@ def build_ref(config: GRPOConfig, parallel, actor: MegatronEngine) -> MegatronEn
     return ref
 
 
-def build_teacher(config: GRPOConfig, tokenizer) -> TeacherScorer | None:
+def build_teacher_scorer(config: GRPOConfig, tokenizer) -> TeacherScorer | None:
     """On-policy distillation's scorer of ``config.teacher``'s servers, once each showed it tokenizes as
-    ``tokenizer`` does (a DP head's; None without a teacher block)."""
-    if config.teacher is None:
+    ``tokenizer`` does (a DP head's; None without teacher servers)."""
+    if config.teacher is None or not config.teacher.addresses:
         return None
     scorer = TeacherScorer(config.teacher)
     scorer.check_tokenizer(tokenizer, timeout=config.rollout.setup_timeout)
     return scorer
+
+
+def build_teacher_model(config: GRPOConfig, parallel, tokenizer) -> MegatronEngine | None:
+    """On-policy distillation's teacher in the trainer (``teacher.path``): a frozen model in the actor's layout
+    and dtype, whose tokenizer must split text as ``tokenizer`` does (None without one)."""
+    if config.teacher is None or not config.teacher.path:
+        return None
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(config.teacher.path)
+    check_same_tokenizer(AutoTokenizer.from_pretrained(path), tokenizer, f"teacher.path={config.teacher.path!r}")
+    a = config.actor
+    teacher = MegatronEngine(TrainEngineConfig(path=path, dtype=a.dtype, mb_spec=a.mb_spec, megatron=a.megatron))
+    teacher.initialize(parallel=parallel)
+    return teacher
+
+
+def teacher_logprobs(teacher: MegatronEngine, batch: dict) -> torch.Tensor:
+    """The trainer's teacher's logprob of each token of ``batch`` under its own distribution (temperature 1,
+    untruncated), aligned as the teacher servers' are: position ``i`` holds token ``i``'s (0 at position 0)."""
+    return torch.roll(teacher.compute_logp(batch), shifts=1, dims=-1)
 
 
 def build_critic(config: GRPOConfig, parallel, total_steps: int) -> MegatronCritic | None:

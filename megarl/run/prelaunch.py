@@ -85,7 +85,7 @@ class Prelaunch:
         """Make every path the run's processes resolve the same wherever they start; before the checks.
         ``folders(key)``: the folder of the config file that set ``key``.
 
-        A hub id in ``tokenizer_path``, ``actor.path``, ``ref.path`` or ``critic.path`` becomes its
+        A hub id in ``tokenizer_path``, ``actor.path``, ``ref.path``, ``critic.path`` or ``teacher.path`` becomes its
         local snapshot (:func:`resolve_hub_id`); each plug-in path found in a folder (the config
         file's, then the working directory) becomes the file's absolute path (:func:`locate_plugin`).
         """
@@ -110,6 +110,8 @@ class Prelaunch:
         for key, model in (("actor", config.actor), ("ref", config.ref), ("critic", config.critic)):
             if model is not None:
                 model.path = resolve_hub_id(model.path, f"{key}.path", multi_node)
+        if config.teacher is not None and config.teacher.path:
+            config.teacher.path = resolve_hub_id(config.teacher.path, "teacher.path", multi_node)
 
     def check(self, config: Any) -> None:
         """Everything ``config`` names exists and fits; after the config's own checks."""
@@ -172,6 +174,8 @@ def _check_models(config: GRPOConfig) -> None:
     models = [("actor.path", config.actor.path)] + ([("ref.path", config.ref.path)] if config.ref else [])
     if config.critic is not None and config.critic.path:
         models.append(("critic.path", config.critic.path))
+    if config.teacher is not None and config.teacher.path:
+        models.append(("teacher.path", config.teacher.path))
     for key, path in models:
         problem = model_path_problem(path, config.cluster.n_nodes > 1)
         require(problem is None, key, path, problem or "")
@@ -202,10 +206,10 @@ def _check_models(config: GRPOConfig) -> None:
 
 def _check_model_files(config: GRPOConfig, key: str, local: Path) -> None:
     """A local model's weights are whole (headers read); the actor's has a tokenizer, or ``tokenizer_path`` one."""
-    block = {"actor.path": config.actor, "ref.path": config.ref, "critic.path": config.critic}[key]
+    block = {"actor.path": config.actor, "ref.path": config.ref, "critic.path": config.critic}.get(key)
     if not (local / "config.json").is_file():
         return  # a short name (provisioned when the run starts), or a path only the nodes see
-    problem = None if block.init_from_scratch else weights_problem(local)
+    problem = None if getattr(block, "init_from_scratch", False) else weights_problem(local)
     require(problem is None, key, str(local), problem or "")
     tokenizer = key != "actor.path" or config.tokenizer_path or any((local / f).is_file() for f in TOKENIZER_FILES)
     require(bool(tokenizer), "tokenizer_path", "", f"{local} has no tokenizer (none of {TOKENIZER_FILES})", (key,))

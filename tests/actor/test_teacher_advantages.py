@@ -81,3 +81,24 @@ def test_without_teacher_logprobs_the_advantages_are_grpos():
     actor.compute_advantages(data)
     assert "teacher_reverse_kl" not in data
     assert data["advantages"][0, :2].gt(0).all() and data["advantages"][1, :2].lt(0).all()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("alloc", ["d1p1t1", "d1p2t2"])
+def test_a_teacher_in_the_trainer_scores_as_hf_aligned_as_the_servers(tiny_model_dir, alloc):
+    """``teacher.path``: the trainer's teacher gives each token's logprob at its own position (as the teacher
+    servers do: 0 at position 0 and past each row's end), equal to HF's on the same model. fp32 on both sides
+    (a log-sum-exp over 49,152 logits, summed in different orders): 2e-3, ten times the expected difference
+    where a token shifted by one position is off by nats."""
+    from tests.actor.dist_utils import run_layout
+    from tests.actor.workers import make_batch
+    from tests.rollout.test_teacher import hf_logprobs
+
+    model_dir = str(tiny_model_dir("llama"))
+    batch = make_batch([12, 7], seed=3)
+    got = run_layout(alloc, "tests.actor.workers:teacher_in_trainer", model_dir=model_dir, batch=batch)[0]
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    for row, n in enumerate(lengths):
+        ids = batch["input_ids"][row, :n].tolist()
+        torch.testing.assert_close(got[row, 1:n], hf_logprobs(model_dir, ids), atol=2e-3, rtol=0)
+        assert got[row, 0] == 0 and got[row, n:].eq(0).all()
