@@ -233,6 +233,13 @@ BAD = [
     ),
     case("teacher-discount", ["actor.teacher_discount=1.5"], "actor.teacher_discount", "must be in [0, 1]"),
     case(
+        "teacher-servers-and-path",
+        ["teacher.addresses=[node:8000]", "teacher.path=smollm2"],
+        "teacher.addresses",
+        "takes no servers",
+    ),
+    case("teacher-path-missing", ["teacher.path=/no/such/teacher"], "teacher.path", "'/no/such/teacher'"),
+    case(
         "no-reward-no-teacher",
         ["reward_fn=megarl.reward.base.no_reward_fn"],
         "reward_fn",
