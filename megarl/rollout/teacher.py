@@ -47,7 +47,10 @@ LOGPROB_SLACK = 1e-3
 
 def check_same_tokenizer(teacher_tokenizer, tokenizer, teacher: str) -> None:
     """Refuse a teacher (``teacher`` names it) whose tokenizer splits :data:`TOKENIZER_PROBE` otherwise."""
-    got, expected = (list(t(TOKENIZER_PROBE)["input_ids"]) for t in (teacher_tokenizer, tokenizer))
+    _same_tokens(teacher, *(list(t(TOKENIZER_PROBE)["input_ids"]) for t in (teacher_tokenizer, tokenizer)))
+
+
+def _same_tokens(teacher: str, got: list[int], expected: list[int]) -> None:
     if got != expected:
         raise TeacherError(
             f"{teacher} tokenizes {TOKENIZER_PROBE!r} as {got} and the actor's tokenizer as {expected}: on-policy "
@@ -90,12 +93,7 @@ class TeacherScorer:
                 raise TeacherError(
                     f"teacher server {address} ({self.config.backend}) did not score a probe text on {endpoint}: {e}"
                 ) from e
-            if got != expected:
-                raise TeacherError(
-                    f"teacher server {address} tokenizes {TOKENIZER_PROBE!r} as {got} (from the second token "
-                    f"on) and the actor's tokenizer as {expected}: on-policy distillation needs a teacher with "
-                    "the actor's tokenizer"
-                )
+            _same_tokens(f"teacher server {address} (from the second token on)", got, expected)
 
     # ------------------------------------------------------------------ scoring
 
