@@ -120,7 +120,7 @@ class MegatronPPOActor(MegatronEngine):
         group-normalised rewards, or GAE over ``data["values"]`` (a critic's
         :meth:`~megarl.actor.critic.MegatronCritic.compute_values`), which also adds the
         ``returns`` the critic regresses on. Once per batch: it aligns the batch in place. Adds ``advantages``, ``kl_rewards``, ``tot_rewards``
-        (with the teacher servers' ``teacher_logp``: its term of the advantages and ``teacher_reverse_kl``)
+        (with a teacher's ``teacher_logp``, its servers' or the trainer's: its term and ``teacher_reverse_kl``)
         and (decoupled PPO) ``prox_logp``; and for the train–inference gap (:mod:`megarl.actor.gap`)
         ``behaviour_logp``, ``version_lag`` and, when the pool stamped the episodes' servers, ``token_server``.
         """
@@ -157,7 +157,7 @@ class MegatronPPOActor(MegatronEngine):
         estimate = adv_fns.ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
         group = self.parallel.data_group if self.parallel is not None else None  # batch-level statistics
         advantages, returns = estimate(rewards, values, loss_mask.flatten(), cu_seqlens, cfg, kl_token_rewards, group)
-        if "teacher_logp" in data:  # on-policy distillation: the teacher servers scored every token
+        if "teacher_logp" in data:  # on-policy distillation: the teacher scored every token
             teacher_logp = torch.roll(data["teacher_logp"].float(), shifts=-1, dims=-1)
             term, reverse_kl = adv_fns.teacher_advantages(
                 data.get("prox_logp", old_logp).flatten(),

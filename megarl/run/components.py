@@ -1,8 +1,9 @@
 """The parts of a GRPO run that the trainer script builds from its config, beside the actor.
 
 The rollout workflows (training and evaluation), the frozen reference of the KL term, PPO's
-critic, on-policy distillation's teacher scorer, the tokenizer and the evaluation prompts: each from its config section, so that
-:func:`megarl.train.build` reads as a list of what a trainer rank holds.
+critic, on-policy distillation's teacher (its servers' scorer, or a model in the trainer), the tokenizer
+and the evaluation prompts: each from its config section, so that :func:`megarl.train.build` reads as a
+list of what a trainer rank holds.
 """
 
 from __future__ import annotations
