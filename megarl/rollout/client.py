@@ -15,7 +15,6 @@ no episode keeps samples from before a server's death beside samples from after 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Any
 
@@ -31,7 +30,7 @@ from megarl.serving.http import (
     ServerUnavailableError,
     arequest_with_retry,
 )
-from megarl.serving.kept_http import KeptConnections
+from megarl.serving.kept_http import LoopConnections
 from megarl.serving.servers import NoHealthyServerError, Server, ServerSet
 from megarl.utils import stats_tracker
 from megarl.utils.heartbeat import InFlight
@@ -72,9 +71,7 @@ class GenerationClient(GenerationEngine):
         self.tokenizer = tokenizer
         self._gate = Gate()  # closed while paused; released once stopped
         self._version = 0
-        self._max_connections = max_connections
-        self._connections: dict[asyncio.AbstractEventLoop, KeptConnections] = {}
-        self._lock = threading.Lock()
+        self._connections = LoopConnections(max_connections)
         self._requests = InFlight("request(s) outstanding")  # by server, for the watchdog
 
     @property
@@ -114,23 +111,9 @@ class GenerationClient(GenerationEngine):
 
     # ------------------------------------------------------------------ connections
 
-    def _connections_here(self) -> KeptConnections:
-        """The running event loop's connections (one set per loop: connections are loop-bound)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            connections = self._connections.get(loop)
-            if connections is None or connections.closed:
-                for old in [lp for lp in self._connections if lp.is_closed()]:
-                    del self._connections[old]
-                connections = self._connections[loop] = KeptConnections(self._max_connections)
-            return connections
-
     async def aclose(self) -> None:
         """Close the running loop's connections (the pool calls this when it stops)."""
-        with self._lock:
-            connections = self._connections.pop(asyncio.get_running_loop(), None)
-        if connections is not None:
-            connections.close()
+        self._connections.close_here()
 
     # ------------------------------------------------------------------ generation
 
@@ -211,7 +194,7 @@ class GenerationClient(GenerationEngine):
         try:
             with self._requests.track(server.address, workflow_context.get().task_id):
                 return await arequest_with_retry(
-                    self._connections_here(),
+                    self._connections.here(),
                     server.address,
                     self.backend.generate_endpoint,
                     payload,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import threading
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from megarl.serving.http import (
     arequest_with_retry,
     http_json,
 )
-from megarl.serving.kept_http import KeptConnections
+from megarl.serving.kept_http import LoopConnections
 from megarl.utils.host_tensors import host_list, host_tensor
 
 logger = logging.getLogger(__name__)
@@ -75,8 +74,7 @@ class TeacherScorer:
         self.backend = backend or make_backend(config.backend)
         self.policy = RetryPolicy(config.request_timeout, config.request_retries)
         self.in_flight = dict.fromkeys(config.addresses, 0)  # requests per server, on the pool's loop
-        self._connections: dict[asyncio.AbstractEventLoop, KeptConnections] = {}
-        self._lock = threading.Lock()
+        self._connections = LoopConnections(config.max_connections)
 
     # ------------------------------------------------------------------ at start
 
@@ -115,7 +113,7 @@ class TeacherScorer:
             self.in_flight[address] += 1
             try:
                 return await arequest_with_retry(
-                    self._connections_here(),
+                    self._connections.here(),
                     address,
                     self.backend.generate_endpoint,
                     payload,
@@ -128,20 +126,9 @@ class TeacherScorer:
                 self.in_flight[address] -= 1
         raise TeacherError(f"no teacher server scored a {len(tokens)}-token trajectory: " + "; ".join(failures))
 
-    def _connections_here(self) -> KeptConnections:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            connections = self._connections.get(loop)
-            if connections is None or connections.closed:
-                connections = self._connections[loop] = KeptConnections(self.config.max_connections)
-            return connections
-
     async def aclose(self) -> None:
         """Close the running loop's connections (the pool calls this when it stops)."""
-        with self._lock:
-            connections = self._connections.pop(asyncio.get_running_loop(), None)
-        if connections is not None:
-            connections.close()
+        self._connections.close_here()
 
 
 def _checked(scored: list[tuple[int, float]], tokens: list[int]) -> list[float]:

@@ -19,6 +19,7 @@ does for generation; an update call is not). Deadlines are the event loop's cloc
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -304,3 +305,35 @@ class KeptConnections:
         self.closed = True
         for connection in list(self._open):
             connection.close()
+
+
+class LoopConnections:
+    """One :class:`KeptConnections` per event loop (connections are bound to the loop that opened them),
+    made on first use there: what a client used from several loops holds.
+
+    Args:
+        limit: Each loop's :class:`KeptConnections` limit (0: no limit).
+    """
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self._by_loop: dict[asyncio.AbstractEventLoop, KeptConnections] = {}
+        self._lock = threading.Lock()
+
+    def here(self) -> KeptConnections:
+        """The running event loop's connections (those of loops that ended are dropped)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            connections = self._by_loop.get(loop)
+            if connections is None or connections.closed:
+                for old in [lp for lp in self._by_loop if lp.is_closed()]:
+                    del self._by_loop[old]
+                connections = self._by_loop[loop] = KeptConnections(self.limit)
+            return connections
+
+    def close_here(self) -> None:
+        """Close the running loop's connections."""
+        with self._lock:
+            connections = self._by_loop.pop(asyncio.get_running_loop(), None)
+        if connections is not None:
+            connections.close()
