@@ -55,7 +55,7 @@ def dtype_overrides(dtype: str) -> list[str]:
 
 
 def run_arithmetic(
-    overrides: list[str], files: list[str] = (), fileroot: str | None = None
+    overrides: list[str], files: tuple[str, ...] | list[str] = (), fileroot: str | None = None
 ) -> tuple[list[dict], float]:
     """``megarl run configs/arithmetic_grpo_cpu.yaml *files *overrides``: its metrics per step and wall minutes.
     The run's directory is under ``fileroot`` (kept), else under a temporary directory (removed)."""

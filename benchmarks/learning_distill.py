@@ -21,14 +21,15 @@ trainer: the times say what distillation costs on such a machine, not on GPUs wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks._harness import main_for
@@ -84,45 +85,30 @@ def _hf_export(fileroot: Path) -> Path:
     return hf
 
 
-class serving:
+@contextlib.contextmanager
+def serving(model: Path, dtype: str, workdir: Path) -> Iterator[str]:
     """``megarl serve`` of the teacher at ``model`` in ``dtype`` while the block runs (its ``host:port``)."""
+    from megarl.utils.network import find_free_ports
+    from megarl.utils.process import terminate_process_tree
 
-    def __init__(self, model: Path, dtype: str, workdir: Path):
-        self.model, self.dtype, self.workdir = model, dtype, workdir
-
-    def __enter__(self) -> str:
-        from megarl.utils.network import find_free_ports
-
-        self.workdir.mkdir(parents=True)
-        addr_file = self.workdir / "teacher.addr"
-        server_dtype = [o for o in dtype_overrides(self.dtype) if o.startswith("vllm.dtype=")]
-        cmd = [sys.executable, "-m", "megarl.launcher.cli", "serve", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml")]
-        cmd += [f"actor.path={self.model}", f"cluster.fileroot={self.workdir}", *server_dtype]
-        cmd += ["--port", str(find_free_ports(1)[0]), "--addr-file", str(addr_file), "--insecure"]
-        env = {k: v for k, v in os.environ.items() if k != "MEGARL_API_KEY"}
-        self.log = open(self.workdir / "serve.log", "w")  # noqa: SIM115 -- closed in __exit__
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + SERVER_START_S
-        while not addr_file.is_file():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(
-                    f"the teacher server did not start: {(self.workdir / 'serve.log').read_text()[-3000:]}"
-                )
-            time.sleep(1)
-        return addr_file.read_text().strip()
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+    workdir.mkdir(parents=True)
+    addr_file, log_file = workdir / "teacher.addr", workdir / "serve.log"
+    server_dtype = [o for o in dtype_overrides(dtype) if o.startswith("vllm.dtype=")]
+    cmd = [sys.executable, "-m", "megarl.launcher.cli", "serve", str(ROOT / "configs" / "arithmetic_grpo_cpu.yaml")]
+    cmd += [f"actor.path={model}", f"cluster.fileroot={workdir}", *server_dtype]
+    cmd += ["--port", str(find_free_ports(1)[0]), "--addr-file", str(addr_file), "--insecure"]
+    env = {k: v for k, v in os.environ.items() if k != "MEGARL_API_KEY"}
+    with open(log_file, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + SERVER_START_S
+            while not addr_file.is_file():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the teacher server did not start: {log_file.read_text()[-3000:]}")
+                time.sleep(1)
+            yield addr_file.read_text().strip()
+        finally:
+            terminate_process_tree(proc, timeout=60)
 
 
 def _row(setup: str, dtype: str, metrics: list[dict], minutes: float, before: float | None = None) -> dict:
