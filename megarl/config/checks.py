@@ -349,7 +349,7 @@ def check_teacher(config: GRPOConfig) -> None:
         config.actor.teacher_coef > 0,
         "actor.teacher_coef",
         config.actor.teacher_coef,
-        "must be > 0 with a teacher block: the teacher servers would score every trajectory for nothing "
+        "must be > 0 with a teacher block: the teacher would score every trajectory for nothing "
         "(remove the teacher block, or give its term a weight)",
         related=("teacher",),
     )

@@ -160,16 +160,15 @@ class VLLMBackend(InferenceBackend):
 
     def parse_score(self, body: Any) -> list[tuple[int, float]]:
         try:
-            entries = body["choices"][0]["prompt_logprobs"]
-            if not entries or entries[0] is not None:
-                raise MalformedResponseError("choices[0].prompt_logprobs does not start with null (the first token)")
-            return [_scored_token(entry) for entry in entries[1:]]
+            first, *rest = body["choices"][0]["prompt_logprobs"]
+            scored = [_scored_token(entry) for entry in rest]
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
-            if isinstance(e, MalformedResponseError):
-                raise
             raise MalformedResponseError(
                 f"not a /v1/completions reply with prompt_logprobs ({type(e).__name__}: {e})"
             ) from None
+        if first is not None:
+            raise MalformedResponseError("choices[0].prompt_logprobs does not start with null (the first token)")
+        return scored
 
     def pause_calls(self) -> list[HttpCall]:
         return [HttpCall("/pause", params={"mode": "abort"})]
