@@ -215,7 +215,7 @@ def _routed_experts(choice: dict, n_tokens: int) -> tuple[list[list[int]] | None
 def _scored_token(entry: dict) -> tuple[int, float]:
     """A prompt position's ``{"<token id>": {"logprob": x, ...}}`` as ``(id, x)``: with ``prompt_logprobs: 0`` the
     prompt's own token only (its entry comes first where the top-1 token is another)."""
-    token, info = next(iter(entry.items()))
+    token, info = [*entry.items()][0]  # an empty entry: IndexError, as a malformed reply
     return int(token), float(info["logprob"])
 
 

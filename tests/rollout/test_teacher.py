@@ -21,6 +21,7 @@ from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import TeacherConfig
 from megarl.rollout.teacher import TOKENIZER_PROBE, TeacherError, TeacherScorer
 from megarl.serving import SGLangBackend, VLLMBackend
+from megarl.serving.http import MalformedResponseError
 from megarl.utils.network import find_free_ports
 from tests.rollout.conftest import make_engine, model_vocab_size
 from tests.rollout.test_sglang_contract import CHECK_SCRIPT, SGLANG
@@ -144,6 +145,9 @@ def test_vllm_scoring_request_and_reply():
     assert payload["prompt"] == [5, 6, 7] and payload["prompt_logprobs"] == 0 and payload["max_tokens"] == 1
     entries = [None, {"6": {"logprob": -0.5, "rank": 1}}, {"7": {"logprob": -2.0, "rank": 4}}]
     assert backend.parse_score({"choices": [{"prompt_logprobs": entries}]}) == [(6, -0.5), (7, -2.0)]
+    for bad in ([None, {}], [], [{"5": {"logprob": -1.0}}], None):  # an empty position, none, no leading null
+        with pytest.raises(MalformedResponseError, match="prompt_logprobs"):
+            backend.parse_score({"choices": [{"prompt_logprobs": bad}]})
 
 
 # ---------------------------------------------------------------------------- faults, on small servers
