@@ -12,8 +12,13 @@
    * **distillation, no reward**: ``examples/distill/distill_cpu.yaml`` (``reward_fn: no_reward_fn``: the
      teacher's per-token reverse KL is the whole signal; the evaluation keeps the arithmetic reward).
 
+``--students top-k`` (results ``learning_distill_topk``) trains, per dtype, instead of GRPO's student one
+distilled on the teacher's top k, no reward (``teacher.top_k`` :data:`TOP_K`: the forward KL over the
+teacher's k most likely tokens, a term of the loss), beside the one distilled on the sampled token's reverse
+KL, both from the same teacher's server.
+
 Per run: pass@1 at each evaluation, the per-token reverse KL to the teacher over the first and the last 3
-steps (distillation), the median time a trajectory's scoring took, the median step (its rollout includes
+steps (distillation; with the top k also the forward KL over them), the median time a trajectory's scoring took, the median step (its rollout includes
 the scoring), wall minutes. On 2 cores the teacher's server takes cores from the student's server and
 trainer: the times say what distillation costs on such a machine, not on GPUs where the teacher has its own.
 ``--quick`` trains the teacher 6 steps and each student 5 steps, in the ``auto`` dtype only.
@@ -41,6 +46,14 @@ EVAL_EVERY = 5
 EVALUATE = ["evaluator.before_training=true", f"evaluator.freq_steps={EVAL_EVERY}"]
 DISTILL_FILE = str(ROOT / "examples" / "distill" / "distill_cpu.yaml")
 SERVER_START_S = 600
+TOP_K = 8
+STUDENTS = "MEGARL_DISTILL_STUDENTS"
+CLI_OPTIONS = {"--students": (STUDENTS, {"grpo": "grpo", "top-k": "top-k"})}
+"""``grpo`` (default): GRPO and distillation students; ``top-k``: distillation on the sampled token and on the top k."""
+
+
+def results_name() -> str:
+    return "learning_distill_topk" if os.environ.get(STUDENTS) == "top-k" else "learning_distill"
 
 
 def run(quick: bool) -> list[dict]:
@@ -62,18 +75,25 @@ def run(quick: bool) -> list[dict]:
         )
         teacher = _hf_export(Path(tmp))
         rows.append(_row("teacher (GRPO)", auto, metrics, minutes))
+        top_k = os.environ.get(STUDENTS) == "top-k"
         for dtype in dtypes:
             steps = f"total_train_steps={QUICK_STEPS if quick else STEPS}"
-            rows.append(_student("GRPO", dtype, [*dtype_overrides(dtype), *EVALUATE, steps], [], Path(tmp)))
+            if not top_k:
+                rows.append(_student("GRPO", dtype, [*dtype_overrides(dtype), *EVALUATE, steps], [], Path(tmp)))
             with serving(teacher, dtype, Path(tmp) / f"teacher-{dtype}") as address:
                 overrides = [*dtype_overrides(dtype), *EVALUATE, steps, f"teacher.addresses=[{address}]"]
                 rows.append(_student("distillation, no reward", dtype, overrides, [DISTILL_FILE], Path(tmp)))
+                if top_k:
+                    more = [*overrides, f"teacher.top_k={TOP_K}"]
+                    rows.append(
+                        _student(f"top-{TOP_K} distillation, no reward", dtype, more, [DISTILL_FILE], Path(tmp))
+                    )
     return rows
 
 
 def _student(setup: str, dtype: str, overrides: list[str], files: list[str], tmp: Path) -> dict:
     """One student run, its row with the evaluation before training (``before_training.json``) as step 0."""
-    fileroot = tmp / f"{setup.split(',')[0].replace(' ', '-')}-{dtype}"
+    fileroot = tmp / f"{setup.split(',')[0].replace(' ', '-')}-{dtype}"  # e.g. top-8-distillation-float32
     metrics, minutes = run_arithmetic(overrides, files=files, fileroot=str(fileroot))
     before = json.loads((fileroot / "arithmetic-grpo-cpu" / "trial0" / "before_training.json").read_text())
     return _row(setup, dtype, metrics, minutes, before.get("eval/pass@1"))
@@ -116,6 +136,7 @@ def _row(setup: str, dtype: str, metrics: list[dict], minutes: float, before: fl
     if before is not None:
         evals[0] = before
     kl = [m["teacher/reverse_kl/avg"] for m in metrics if "teacher/reverse_kl/avg" in m]
+    forward = [m["ppo_actor/teacher_topk_kl/avg"] for m in metrics if "ppo_actor/teacher_topk_kl/avg" in m]
     scoring = [m["rollout/teacher_seconds"] for m in metrics if "rollout/teacher_seconds" in m]
     return {
         "setup": setup,
@@ -126,6 +147,8 @@ def _row(setup: str, dtype: str, metrics: list[dict], minutes: float, before: fl
         "pass@1 last": evals[max(evals)] if evals else None,
         "reverse KL, first 3": statistics.fmean(kl[:3]) if kl else None,
         "reverse KL, last 3": statistics.fmean(kl[-3:]) if kl else None,
+        "top-k forward KL, first 3": statistics.fmean(forward[:3]) if forward else None,
+        "top-k forward KL, last 3": statistics.fmean(forward[-3:]) if forward else None,
         "scoring s per trajectory (median)": statistics.median(scoring) if scoring else None,
         "step s (median)": statistics.median(m["timeperf/step"] for m in metrics if "timeperf/step" in m),
         "wall min": minutes,
@@ -138,6 +161,10 @@ def summary(rows: list[dict]) -> str:
         part = f"{row['setup']} ({row['dtype']}): pass@1 {row['pass@1 per evaluation']}"
         if row["reverse KL, first 3"] is not None:
             part += f"; reverse KL {row['reverse KL, first 3']:.3f} -> {row['reverse KL, last 3']:.3f}"
+        if row.get("top-k forward KL, first 3") is not None:
+            part += (
+                f"; top-k forward KL {row['top-k forward KL, first 3']:.3f} -> {row['top-k forward KL, last 3']:.3f}"
+            )
         parts.append(part + f"; step {row['step s (median)']:.1f} s")
     return "\n".join(f"- {p}" for p in parts) + "\n\npass@1: greedy, the job's 64 test prompts (step: after it)"
 

@@ -55,7 +55,7 @@ from megarl.run.components import (
     build_workflows,
     load_tokenizer,
     load_valid_items,
-    teacher_logprobs,
+    teacher_scores,
 )
 from megarl.run.console_text import (
     baseline_line,
@@ -157,7 +157,7 @@ def rl_step(t: Trainer, global_step: int) -> dict[str, float]:
             batch["ref_logp"] = t.ref.compute_logp(batch, cfg.actor.temperature, replayed_truncation(cfg.actor))
     if t.teacher is not None:
         with phase(t, "teacher_logp"):
-            batch["teacher_logp"] = teacher_logprobs(t.teacher, batch)
+            batch.update(teacher_scores(t.teacher, batch, cfg.teacher.top_k))
     if t.critic is not None:
         with phase(t, "critic_values"):
             batch["values"] = t.critic.compute_values(batch)

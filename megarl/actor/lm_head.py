@@ -202,6 +202,66 @@ class LMHeadOutput:
             lse = z[:, 0] - self.logprobs(anchor.squeeze(1), temperature)
             return (z[:, 1:] - lse[:, None]) * valid
 
+    def candidate_logit_gaps(
+        self, candidates: torch.Tensor, labels: torch.Tensor, where: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """``[T, K]`` ``(z_c - z_label) / temperature`` of ``K`` candidate ids per token (``candidates`` ``[T, K]``),
+        differentiable, 0 outside ``where`` (bool ``[T]``) and for an id outside the vocabulary.
+
+        With the label's logprob from :meth:`logprobs_entropy` or :meth:`token_loss`, each candidate's logprob
+        is ``logprob(label) + gap``: K + 1 dot products per token, no pass over the vocabulary (the teacher's
+        top-k distillation term, :mod:`megarl.actor.teacher_loss`). A row's TP rank gives its logit, a SUM
+        all-reduce the others (and the hidden state's gradient sums over the group as the head's own does)."""
+        if self.context is not None:
+            raise ValueError("candidate_logit_gaps does not run under context parallelism (actor's cp > 1)")
+        rows = where.nonzero().squeeze(-1)
+        ids = torch.cat([labels[rows, None], candidates[rows]], dim=1)  # [N, 1 + K]: the label first
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0]) & (ids >= 0) & (ids < self.vocab_size)
+        hidden = self.hidden.index_select(0, rows)
+        tp = self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
+        if tp and self.reduce_grad_hidden:
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
+        z = _RowDots.apply(hidden, self.weight, torch.where(mine, local, 0), mine)
+        if tp:
+            from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+            z = reduce_from_tensor_model_parallel_region(z, group=self.tp_group)
+        valid = (ids[:, 1:] >= 0) & (ids[:, 1:] < self.vocab_size)
+        gaps = (z[:, 1:] - z[:, :1]) * (valid / temperature)
+        out = torch.zeros(candidates.shape, dtype=gaps.dtype, device=gaps.device)
+        return out.index_copy(0, rows, gaps) if rows.numel() else out + self.zero()
+
+    @torch.no_grad()
+    def top_k_logprobs(self, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most likely token ids ``[T, k]`` (int64) of each token's next-token distribution and their
+        logprobs ``[T, k]`` (fp32), most likely first; not differentiable. Each rank takes the top k of its
+        shard and its log-sum-exp, a chunk of tokens at a time (the chunk's logits are the only ``[tc, V_local]``
+        tensor); with TP both are gathered and merged (a teacher's top k, ``teacher.top_k``)."""
+        if self.context is not None:
+            raise ValueError("top_k_logprobs does not run under context parallelism (cp > 1)")
+        rows = self.weight.shape[0]
+        real = (torch.arange(rows, device=self.weight.device) + self.vocab_start) < self.vocab_size
+        step = max(1, _RowDots.ELEMENTS // rows)
+        tp = self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
+        out_ids, out_logp = [], []
+        for a in range(0, self.hidden.shape[0], step):
+            z = (self.hidden[a : a + step].float() @ self.weight.float().T).div_(temperature)
+            z.masked_fill_(~real, float("-inf"))  # padding rows of the vocabulary
+            top, ids = z.topk(min(k, rows), dim=-1)
+            lse = z.logsumexp(-1, keepdim=True)
+            ids = ids + self.vocab_start
+            if tp:
+                top, ids, lse = (_gathered(x, self.tp_group) for x in (top, ids, lse))
+                lse = lse.logsumexp(-1, keepdim=True)
+                top, at = top.topk(k, dim=-1)
+                ids = ids.gather(1, at)
+            out_ids.append(ids)
+            out_logp.append(top - lse)
+        return torch.cat(out_ids), torch.cat(out_logp)
+
     def local_logits(self) -> torch.Tensor:
         """``[T, V_local]`` logits of this rank's shard (debugging and tests; not for losses); with context
         parallelism, of this rank's tokens only."""
@@ -242,3 +302,43 @@ def make_lm_head_output(
         backend=backend,
         context=context,
     )
+
+
+def _gathered(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` ``[n, m]`` of every rank of ``group`` side by side: ``[n, m * ranks]``."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+class _RowDots(torch.autograd.Function):
+    """``z[n, j] = hidden[n] · weight[rows[n, j]]`` where ``keep[n, j]``, else 0, in fp32, a chunk of tokens at a
+    time: memory grows with a chunk's ``[n, K, H]`` gathered rows, which the backward gathers again instead of
+    keeping them (``d weight`` is one dense fp32 ``[V_local, H]``, as the head's own)."""
+
+    ELEMENTS = 1 << 24
+    """Gathered row elements per chunk (64 MiB in fp32)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, rows, keep):
+        z = torch.zeros(rows.shape, dtype=torch.float32, device=hidden.device)
+        for a, b in _RowDots.chunks(rows, hidden.shape[1]):
+            z[a:b] = torch.bmm(weight[rows[a:b]].float(), hidden[a:b].float().unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(hidden, weight, rows, keep)
+        return z * keep
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, rows, keep = ctx.saved_tensors
+        g = grad.float() * keep
+        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for a, b in _RowDots.chunks(rows, hidden.shape[1]):
+            d_hidden[a:b] = torch.bmm(g[a:b].unsqueeze(1), weight[rows[a:b]].float()).squeeze(1)
+            d_weight.index_add_(0, rows[a:b].flatten(), (g[a:b, :, None] * hidden[a:b, None, :].float()).flatten(0, 1))
+        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None
+
+    @staticmethod
+    def chunks(rows: torch.Tensor, width: int):
+        step = max(1, _RowDots.ELEMENTS // max(1, rows.shape[1] * width))
+        return ((a, min(a + step, rows.shape[0])) for a in range(0, rows.shape[0], step))

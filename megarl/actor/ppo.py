@@ -40,6 +40,7 @@ from megarl.actor.ppo_loss import (  # the loss of one micro-batch; its public n
     user_surrogate,
 )
 from megarl.actor.schedule import all_reduce_max
+from megarl.actor.teacher_loss import TOPK_KEYS
 from megarl.config.ppo import BUILTIN_LOSSES, PPOActorConfig
 from megarl.kernels import PATH_CODES, Truncation
 from megarl.utils import stats_tracker
@@ -120,7 +121,8 @@ class MegatronPPOActor(MegatronEngine):
         group-normalised rewards, or GAE over ``data["values"]`` (a critic's
         :meth:`~megarl.actor.critic.MegatronCritic.compute_values`), which also adds the
         ``returns`` the critic regresses on. Once per batch: it aligns the batch in place. Adds ``advantages``, ``kl_rewards``, ``tot_rewards``
-        (with a teacher's ``teacher_logp``, its servers' or the trainer's: its term and ``teacher_reverse_kl``)
+        (with a teacher's ``teacher_logp``, its servers' or the trainer's: its term and ``teacher_reverse_kl``; with
+        its top k, ``teacher.top_k``, those are rolled as ``logprobs`` and the term is the loss's, not the advantages')
         and (decoupled PPO) ``prox_logp``; and for the train–inference gap (:mod:`megarl.actor.gap`)
         ``behaviour_logp``, ``version_lag`` and, when the pool stamped the episodes' servers, ``token_server``.
         """
@@ -167,8 +169,12 @@ class MegatronPPOActor(MegatronEngine):
                 cfg.teacher_coef,
                 cfg.teacher_discount,
             )
-            advantages = advantages + term
+            if TOPK_KEYS[0] not in data:  # with the teacher's top k, its term is the loss's (megarl.actor.teacher_loss)
+                advantages = advantages + term
             data["teacher_reverse_kl"] = reverse_kl.view(batch_size, seq_len)
+        for key in TOPK_KEYS:
+            if key in data:
+                data[key] = torch.roll(data[key], shifts=-1, dims=1)
         if returns is not None:  # the critic regresses on them
             data["returns"] = returns.view(batch_size, seq_len)
             data["values"] = data["values"].float() * loss_mask
@@ -290,10 +296,10 @@ def inert_rows(data: dict, cfg: PPOActorConfig) -> torch.Tensor:
     """[B] bool: rows whose loss and gradient are exactly zero, so the update can leave them out.
 
     The clipped surrogate of a token is ``-A * ratio`` (times the behaviour weight), zero with
-    its gradient wherever the advantage ``A`` is 0; a KL loss or an entropy bonus would still
-    pull on such a row, so then no row is inert.
+    its gradient wherever the advantage ``A`` is 0; a KL loss, an entropy bonus or the teacher's
+    top-k term would still pull on such a row, so then no row is inert.
     """
-    if not _drops_inert_rows(cfg):
+    if not _drops_inert_rows(cfg) or TOPK_KEYS[0] in data:
         return torch.zeros(data["attention_mask"].shape[0], dtype=torch.bool)
     return ~((data["advantages"] != 0) & data["loss_mask"].bool()).any(-1)
 

@@ -25,6 +25,7 @@ from megarl.actor import losses
 from megarl.actor.fused_ppo_loss import fused_ppo_loss, ppo_loss_backend
 from megarl.actor.gap import GapMeter
 from megarl.actor.lm_head import LMHeadOutput
+from megarl.actor.teacher_loss import TeacherTopK, teacher_topk, token_term
 from megarl.config.ppo import BUILTIN_LOSSES, PPOActorConfig
 from megarl.kernels import Truncation, logprobs_backend
 from megarl.utils import stats_tracker
@@ -66,17 +67,20 @@ def ppo_loss(
     function) weighted by the behaviour weight (``losses.weigh_by_behaviour``); or the fused CUDA
     epilogue of ``megarl.actor.fused_ppo_loss`` where :func:`_fused_surrogate` allows it (the same loss).
     ``surrogate_fn``: ``policy_surrogate(cfg)``, resolved once per update by ``ppo_update``.
-    ``gap``: records the train–inference gap of the micro-batch's tokens when given.
+    ``gap``: records the train–inference gap of the micro-batch's tokens when given. With the teacher's top k
+    in the micro-batch (``teacher.top_k``), the loss gains ``actor.teacher_coef`` x their forward KL
+    (:mod:`megarl.actor.teacher_loss`), aggregated as the surrogate.
     """
     mask = _mask(mb)
     truncation = replayed_truncation(cfg)
+    top = teacher_topk(head, mb, mask, cfg.temperature)
     if _grads_in_forward(cfg, head):
-        return _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap, truncation)
+        return _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap, truncation, top)
     logp, entropy, outside = head.logprobs_entropy(
         mb["labels"], cfg.temperature, where=mask, truncation=truncation, return_outside=True
     )  # no head work on prompts
     _record_truncation(truncation, mask, outside)
-    return _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap)
+    return _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap, top)
 
 
 def _record_truncation(truncation: Truncation | None, mask: torch.Tensor, outside: torch.Tensor) -> None:
@@ -92,11 +96,13 @@ def replayed_truncation(cfg: PPOActorConfig) -> Truncation | None:
     return truncation if cfg.replay_truncation and truncation.active else None
 
 
-def _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap) -> torch.Tensor:
+def _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap, top=None) -> torch.Tensor:
     """The loss of :func:`ppo_loss` from the micro-batch's logprobs and entropies; records the stats."""
     old, prox = _anchors(cfg, mb, logp)
     if gap is not None:
         gap.record(mb, mb["prox_logp"] if "prox_logp" in mb else logp, mask)
+    if top is not None:
+        _record_teacher_topk(top, mask, logp)
     fused = _fused_surrogate(cfg, head, logp)
     logger.debug(
         "ppo_loss: logprobs on the %s path, surrogate via %s",
@@ -104,11 +110,11 @@ def _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn
         "fused_ppo_loss" if fused else "losses.policy_loss",
     )
     if fused:
-        return _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox)
+        return _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox, top)
     cu_seqlens = mb["cu_seqlens"].long()
     surrogate_fn = surrogate_fn or policy_surrogate(cfg)
     out, surrogate_stats = _policy_loss(cfg, surrogate_fn, mb, mask, logp, old, prox, cu_seqlens)
-    token_loss, kl = _add_penalties(out.loss, cfg, mb, mask, logp, entropy)
+    token_loss, kl = _add_penalties(out.loss, cfg, mb, mask, logp, entropy, top)
     total, weight = losses.aggregate(token_loss, mask, cfg.loss_agg_mode, cu_seqlens, norm_len)
     _record_stats(mask, logp, entropy, prox if prox is not None else old, kl, out.behav_weight, surrogate_stats)
     return total / weight.clamp(min=1)
@@ -135,31 +141,37 @@ def _token_weights(mask: torch.Tensor, cfg: PPOActorConfig, cu_seqlens: torch.Te
     return coeff / weight.detach().clamp(min=1)
 
 
-def _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap, truncation=None) -> torch.Tensor:
+def _ppo_loss_grads_in_forward(head, mb, cfg, norm_len, mask, gap, truncation=None, top=None) -> torch.Tensor:
     """:func:`ppo_loss` on the training path: the same loss, its gradient made chunk by chunk in the
     head's forward (``LMHeadOutput.token_loss``; ``truncation``: of the replayed sampling
     distribution, the threshold from each chunk's logits), and the same statistics (from the
-    detached logprobs)."""
+    detached logprobs). The teacher's top-k term (``top``) splits: its part in the sampled token's
+    logprob goes into the chunks' terms, its logit gaps beside them, weighted alike."""
     logger.debug("ppo_loss: training path (grads in the head's forward), surrogate via losses.policy_loss")
     rows = mask.nonzero().squeeze(-1)  # the head's rows
-    coeff = _token_weights(mask, cfg, mb["cu_seqlens"].long(), norm_len)[rows]
+    weights = _token_weights(mask, cfg, mb["cu_seqlens"].long(), norm_len)
+    coeff = weights[rows]
     keys = [k for k in ("logprobs", "prox_logp", "ref_logp", "advantages") if k in mb]
     sub = {k: mb[k][rows] for k in keys}
+    top_rows = top.rows(rows) if top is not None else None
 
     def terms(t0, t1, logp, entropy):
         chunk = {k: v[t0:t1] for k, v in sub.items()}
         on = torch.ones(logp.shape, dtype=torch.bool, device=logp.device)
         old, prox = _anchors(cfg, chunk, logp)
         out, _ = _policy_loss(cfg, _clipped_surrogate, chunk, on, logp, old, prox, None)
-        token_loss, _ = _add_penalties(out.loss, cfg, chunk, on, logp, entropy)
+        top_chunk = TeacherTopK(top_rows.q[t0:t1], None) if top_rows is not None else None
+        token_loss, _ = _add_penalties(out.loss, cfg, chunk, on, logp, entropy, top_chunk)
         return token_loss * coeff[t0:t1]
 
     loss, logp, entropy, outside = head.token_loss(
         mb["labels"], terms, cfg.temperature, where=mask, truncation=truncation, return_outside=True
     )
+    if top is not None:
+        loss = loss + cfg.teacher_coef * (top.gap_term * weights).sum()
     _record_truncation(truncation, mask, outside)
     with torch.no_grad():  # statistics only
-        _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, policy_surrogate(cfg), gap)
+        _loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, policy_surrogate(cfg), gap, top)
     return loss
 
 
@@ -217,7 +229,7 @@ def _fused_surrogate(cfg: PPOActorConfig, head: LMHeadOutput, logp: torch.Tensor
     return supported and ppo_loss_backend(head.backend, logp) == "cuda"
 
 
-def _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox) -> torch.Tensor:
+def _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox, top=None) -> torch.Tensor:
     """Token-mean loss with the surrogate from the fused epilogue and the penalties added in torch."""
     surrogate, stats = fused_ppo_loss(
         logp,
@@ -231,7 +243,7 @@ def _fused_ppo_loss(head, mb, cfg, mask, logp, entropy, old, prox) -> torch.Tens
         behav_imp_weight_cap=cfg.behav_imp_weight_cap if prox is not None else None,
         backend=head.backend,
     )
-    penalties, kl = _add_penalties(torch.zeros_like(logp), cfg, mb, mask, logp, entropy)
+    penalties, kl = _add_penalties(torch.zeros_like(logp), cfg, mb, mask, logp, entropy, top)
     total, weight = losses.aggregate(penalties, mask, "token-mean")
     anchor = (prox if prox is not None else old).float()
     behav_weight = None if prox is None else torch.exp(prox.float() - old)
@@ -303,15 +315,27 @@ def user_surrogate(fn, logp, anchor, advantages, mask, *, cu_seqlens, config: PP
     return losses.SurrogateOutput(loss, ratio, none, none), {k: v.detach().float() for k, v in stats.items()}
 
 
-def _add_penalties(token_loss, cfg: PPOActorConfig, mb: dict, mask, logp, entropy):
-    """``token_loss`` plus the KL-to-reference loss and minus the entropy bonus; and the KL (or None)."""
+def _add_penalties(token_loss, cfg: PPOActorConfig, mb: dict, mask, logp, entropy, top: TeacherTopK | None = None):
+    """``token_loss`` plus the KL-to-reference loss, minus the entropy bonus, plus the teacher's top-k forward
+    KL (``top``: its gap term too where it has one); and the KL to the reference (or None)."""
     kl = None
     if cfg.kl_ctl > 0 and not cfg.kl_in_reward:
         kl = losses.kl_penalty(logp, mb["ref_logp"].float(), cfg.kl_estimator)
         token_loss = token_loss + cfg.kl_ctl * torch.where(mask, kl, torch.zeros_like(kl))
     if cfg.entropy_coeff > 0:
         token_loss = token_loss - cfg.entropy_coeff * torch.where(mask, entropy, torch.zeros_like(entropy))
+    if top is not None:
+        term = token_term(top, logp) if top.gap_term is None else token_term(top, logp) + top.gap_term
+        token_loss = token_loss + cfg.teacher_coef * term
     return token_loss, kl
+
+
+def _record_teacher_topk(top: TeacherTopK, mask, logp) -> None:
+    """The forward KL from the teacher's top k per token, and the share of the teacher's probability they hold."""
+    with torch.no_grad():
+        kl = token_term(top, logp.detach().float()) + top.gap_term.detach()
+        stats_tracker.denominator(teacher_topk_tokens=mask)
+        stats_tracker.stat(denominator="teacher_topk_tokens", teacher_topk_kl=kl, teacher_topk_mass=top.q.sum(-1))
 
 
 def _record_stats(mask, logp, entropy, anchor, kl, behav_weight, surrogate_stats: dict) -> None:

@@ -240,6 +240,10 @@ class RewardConfig:
         require(self.error_window >= 1, "error_window", self.error_window, "must be >= 1")
 
 
+MAX_TEACHER_TOP_K = 64
+"""The most tokens per position a teacher's top k (``teacher.top_k``) may hold."""
+
+
 @dataclass
 class TeacherConfig:
     """On-policy distillation's teacher: inference servers serving it, which score every trajectory the
@@ -260,6 +264,12 @@ class TeacherConfig:
     scores each batch in a forward pass of its own (phase ``teacher_logp``) before the advantages."""
     backend: Literal["vllm", "sglang"] = "vllm"
     """The teacher servers' family."""
+    top_k: int = 0
+    """0: the teacher's logprob of each sampled token, whose reverse KL goes into the advantages. k > 0: also
+    its k most likely tokens at each generated position, and the teacher's term is instead the forward KL
+    ``sum_j q_j (log q_j - log pi(v_j))`` over them, a term of the actor's loss weighted by ``actor.teacher_coef``
+    (NeMo-RL's distillation loss; :mod:`megarl.actor.teacher_loss`). At most :data:`MAX_TEACHER_TOP_K`; a vLLM
+    teacher serves up to its ``--max-logprobs`` (20 by default)."""
     request_timeout: float = 600.0
     """Seconds one scoring request may take, its retries included; a server that fails it is passed over
     for the next, and a trajectory no server could score fails its episode (the run stops, naming it)."""
@@ -282,6 +292,12 @@ class TeacherConfig:
             require(bool(host) and sep == ":" and port.isdigit(), f"addresses[{i}]", addr, "expected 'host:port'")
             require(1 <= int(port) <= 65535, f"addresses[{i}]", addr, "the port must be in [1, 65535]")
         require(self.backend in ("vllm", "sglang"), "backend", self.backend, "must be vllm or sglang")
+        require(
+            0 <= self.top_k <= MAX_TEACHER_TOP_K,
+            "top_k",
+            self.top_k,
+            f"must be in [0, {MAX_TEACHER_TOP_K}] (0: the sampled token only)",
+        )
         require(self.request_timeout > 0, "request_timeout", self.request_timeout, "must be > 0 seconds")
         require(self.request_retries >= 0, "request_retries", self.request_retries, "must be >= 0")
         require(self.max_connections >= 1, "max_connections", self.max_connections, "must be >= 1")

@@ -3,7 +3,10 @@
 The rollout pool hands each accepted training trajectory to :meth:`TeacherScorer.score` before the trainer
 can take it; the trajectory gains ``teacher_logp`` ([rows, length], aligned as ``logprobs``: position ``i``
 holds ``log pi_teacher(token i | tokens < i)``, 0 at position 0 and on padding). The actor turns it into
-per-token advantages (:func:`megarl.actor.advantages.teacher_advantages`).
+per-token advantages (:func:`megarl.actor.advantages.teacher_advantages`). With ``teacher.top_k`` the same
+request brings the teacher's k most likely tokens at each position too: ``teacher_topk_ids`` and
+``teacher_topk_logp`` ([rows, length, k], aligned alike, most likely first), the forward KL term of the actor's
+loss (:mod:`megarl.actor.teacher_loss`).
 
 Each row is one request to the least busy teacher server (``teacher.addresses``): vLLM's ``prompt_logprobs``
 or SGLang's ``input_token_logprobs`` of the row's tokens (:meth:`~megarl.serving.backend.InferenceBackend.score_payload`).
@@ -96,18 +99,30 @@ class TeacherScorer:
     # ------------------------------------------------------------------ scoring
 
     async def score(self, traj: dict[str, Any]) -> None:
-        """Add ``traj["teacher_logp"]`` (see the module doc), scoring its rows concurrently."""
+        """Add ``traj["teacher_logp"]`` (and with ``top_k`` the teacher's top k; see the module doc), scoring its
+        rows concurrently."""
         ids, lengths = traj["input_ids"], traj["attention_mask"].sum(-1)
         rows = [host_list(ids[b, : int(lengths[b])]) for b in range(ids.shape[0])]
         scored = await asyncio.gather(*(self.score_tokens(row) for row in rows))
-        out = [[0.0, *logps] + [0.0] * (ids.shape[1] - 1 - len(logps)) for logps in scored]
+        width, k = ids.shape[1], self.config.top_k
+        out = [[0.0, *logps] + [0.0] * (width - 1 - len(logps)) for logps, _ in scored]
         traj["teacher_logp"] = host_tensor(out, torch.float32)
+        if k:
+            top = [
+                [[(0, 0.0)] * k, *positions] + [[(0, 0.0)] * k] * (width - 1 - len(positions))
+                for _, positions in scored
+            ]
+            pairs = torch.tensor(top, dtype=torch.float64)  # [rows, width, k, 2]: ids exact in float64
+            traj["teacher_topk_ids"] = pairs[..., 0].long()
+            traj["teacher_topk_logp"] = pairs[..., 1].float()
 
-    async def score_tokens(self, tokens: list[int]) -> list[float]:
-        """The teacher's logprob of ``tokens[1:]``, each given those before it."""
+    async def score_tokens(self, tokens: list[int]) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """The teacher's logprob of ``tokens[1:]``, each given those before it, and with ``top_k`` its top k
+        ``(token id, logprob)`` at each of those positions (else ``[]``)."""
         if len(tokens) < 2:
-            return []
-        payload = self.backend.score_payload(tokens)
+            return [], []
+        k = self.config.top_k
+        payload = self.backend.score_payload(tokens, k)
         failures = []
         for address in sorted(self.in_flight, key=self.in_flight.get):  # least busy first
             self.in_flight[address] += 1
@@ -118,7 +133,10 @@ class TeacherScorer:
                     self.backend.generate_endpoint,
                     payload,
                     policy=self.policy,
-                    parse=lambda body: _checked(self.backend.parse_score(body), tokens),
+                    parse=lambda body: (
+                        _checked(self.backend.parse_score(body), tokens),
+                        _checked_top(self.backend.parse_top_k(body, k), len(tokens) - 1) if k else [],
+                    ),
                 )
             except InferenceServerError as e:
                 failures.append(f"{address}: {e}")
@@ -131,6 +149,24 @@ class TeacherScorer:
         self._connections.close_here()
 
 
+def _checked_top(top: list[list[tuple[int, float]]], positions: int) -> list[list[tuple[int, float]]]:
+    """A teacher's top k at each of ``positions`` positions, if its logprobs are numbers <= 0."""
+    if len(top) != positions:
+        raise MalformedResponseError(f"the teacher's top k covers {len(top)} positions, not the {positions} scored")
+    for i, entry in enumerate(top):
+        bad = _first_bad([logp for _, logp in entry])
+        if bad is not None:
+            raise MalformedResponseError(
+                f"teacher logprob {entry[bad][1]!r} in the top k at position {i + 1} is not a log-probability"
+            )
+    return top
+
+
+def _first_bad(logps: list[float]) -> int | None:
+    """The index of the first of ``logps`` that is not a number <= 0 (within :data:`LOGPROB_SLACK`), or None."""
+    return next((i for i, x in enumerate(logps) if math.isnan(x) or x > LOGPROB_SLACK), None)
+
+
 def _checked(scored: list[tuple[int, float]], tokens: list[int]) -> list[float]:
     """The logprobs of a teacher's reply, if it scored exactly ``tokens[1:]`` with numbers <= 0."""
     got = [token for token, _ in scored]
@@ -141,7 +177,7 @@ def _checked(scored: list[tuple[int, float]], tokens: list[int]) -> list[float]:
             f"they differ from position {first + 1}"
         )
     logps = [logp for _, logp in scored]
-    bad = next((i for i, x in enumerate(logps) if math.isnan(x) or x > LOGPROB_SLACK), None)
+    bad = _first_bad(logps)
     if bad is not None:
         raise MalformedResponseError(f"teacher logprob {logps[bad]!r} at position {bad + 1} is not a log-probability")
     return logps

@@ -83,10 +83,27 @@ def build_teacher_model(config: GRPOConfig, parallel, tokenizer) -> MegatronEngi
     return teacher
 
 
-def teacher_logprobs(teacher: MegatronEngine, batch: dict) -> torch.Tensor:
+def teacher_scores(teacher: MegatronEngine, batch: dict, top_k: int = 0) -> dict[str, torch.Tensor]:
     """The trainer's teacher's logprob of each token of ``batch`` under its own distribution (temperature 1,
-    untruncated), aligned as the teacher servers' are: position ``i`` holds token ``i``'s (0 at position 0)."""
-    return torch.roll(teacher.compute_logp(batch), shifts=1, dims=-1)
+    untruncated) as ``teacher_logp``, and with ``top_k`` its top k at each position (``teacher_topk_ids``,
+    ``teacher_topk_logp``), all aligned as the teacher servers' are: position ``i`` holds token ``i``'s (0 at
+    position 0)."""
+    if top_k == 0:
+        return {"teacher_logp": torch.roll(teacher.compute_logp(batch), shifts=1, dims=-1)}
+
+    def hook(head, mb: dict) -> torch.Tensor:  # one tensor per token: the label's logprob, the ids, their logprobs
+        ids, logp = head.top_k_logprobs(top_k)
+        label = head.logprobs(mb["labels"])[:, None]
+        return torch.cat([label.double(), ids.double(), logp.double()], dim=1) * mb["label_mask"][:, None]
+
+    teacher.eval()
+    with torch.no_grad():
+        out = torch.roll(teacher.forward(batch, hook), shifts=1, dims=1)  # ids exact in float64
+    return {
+        "teacher_logp": out[..., 0].float(),
+        "teacher_topk_ids": out[..., 1 : 1 + top_k].long(),
+        "teacher_topk_logp": out[..., 1 + top_k :].float(),
+    }
 
 
 def build_critic(config: GRPOConfig, parallel, total_steps: int) -> MegatronCritic | None:

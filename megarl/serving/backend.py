@@ -181,14 +181,21 @@ class InferenceBackend(abc.ABC):
         """The chunk in a generate reply; ``MalformedResponseError`` if the body is not one."""
 
     @abc.abstractmethod
-    def score_payload(self, prompt: list[int] | str) -> dict[str, Any]:
+    def score_payload(self, prompt: list[int] | str, top_k: int = 0) -> dict[str, Any]:
         """Body of a request for the server's logprob of each token of ``prompt`` (token ids, or a text it
-        tokenizes) given the tokens before it, at temperature 1: a teacher's logprobs (on-policy distillation)."""
+        tokenizes) given the tokens before it, at temperature 1: a teacher's logprobs (on-policy distillation);
+        with ``top_k``, its ``top_k`` most likely tokens at each position too (:meth:`parse_top_k`)."""
 
     @abc.abstractmethod
     def parse_score(self, body: Any) -> list[tuple[int, float]]:
         """``(token id, logprob)`` of the prompt's tokens from the second on, in a reply to :meth:`score_payload`;
         ``MalformedResponseError`` if the body is not one."""
+
+    @abc.abstractmethod
+    def parse_top_k(self, body: Any, k: int) -> list[list[tuple[int, float]]]:
+        """The ``k`` most likely ``(token id, logprob)`` at each of the prompt's positions from the second on,
+        most likely first, in a reply to :meth:`score_payload` with ``top_k=k``; ``MalformedResponseError`` if
+        the body is not one or a position holds fewer."""
 
     @abc.abstractmethod
     def pause_calls(self) -> list[HttpCall]:
@@ -206,3 +213,11 @@ class InferenceBackend(abc.ABC):
     @abc.abstractmethod
     def wake_calls(self) -> list[HttpCall]:
         """Calls that bring a sleeping server's weights and KV cache back (new weights are pushed next)."""
+
+
+def each_of_top_k(top: list[list[tuple[int, float]]], k: int, field: str) -> list[list[tuple[int, float]]]:
+    """``top``, if every position holds ``k`` tokens; else ``MalformedResponseError`` naming the first that does not."""
+    short = next((i for i, entry in enumerate(top) if len(entry) != k), None)
+    if short is not None:
+        raise MalformedResponseError(f"{field} holds {len(top[short])} of the top {k} tokens at position {short + 1}")
+    return top

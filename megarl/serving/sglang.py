@@ -42,7 +42,14 @@ import numpy as np
 
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import SGLangConfig
-from megarl.serving.backend import NO_PENALTIES, GenerationChunk, HttpCall, InferenceBackend, split_routes
+from megarl.serving.backend import (
+    NO_PENALTIES,
+    GenerationChunk,
+    HttpCall,
+    InferenceBackend,
+    each_of_top_k,
+    split_routes,
+)
 from megarl.serving.control import ServerControl, ServerControlError
 from megarl.serving.http import MalformedResponseError, http_json
 from megarl.serving.init_specs import worker_specs
@@ -124,14 +131,17 @@ class SGLangBackend(InferenceBackend):
             logprob_field="meta_info.output_token_logprobs[{}][0]",
         )
 
-    def score_payload(self, prompt: list[int] | str) -> dict[str, Any]:
-        return {
+    def score_payload(self, prompt: list[int] | str, top_k: int = 0) -> dict[str, Any]:
+        body = {
             ("text" if isinstance(prompt, str) else "input_ids"): prompt,
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "skip_special_tokens": False},
             "return_logprob": True,
             "logprob_start_len": 0,
             "stream": False,
         }
+        if top_k:
+            body["top_logprobs_num"] = top_k
+        return body
 
     def parse_score(self, body: Any) -> list[tuple[int, float]]:
         try:
@@ -141,6 +151,17 @@ class SGLangBackend(InferenceBackend):
             raise MalformedResponseError(
                 f"not a /generate reply with input_token_logprobs ({type(e).__name__}: {e})"
             ) from None
+
+    def parse_top_k(self, body: Any, k: int) -> list[list[tuple[int, float]]]:
+        # each position: [logprob, token id, text or None], most likely first (TokenizerManager's meta_info)
+        try:
+            entries = body["meta_info"]["input_top_logprobs"][1:]
+            top = [[(int(e[1]), float(e[0])) for e in entry[:k]] for entry in entries]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise MalformedResponseError(
+                f"not a /generate reply with input_top_logprobs ({type(e).__name__}: {e})"
+            ) from None
+        return each_of_top_k(top, k, "meta_info.input_top_logprobs")
 
     def pause_calls(self) -> list[HttpCall]:
         return [HttpCall("/pause_generation", payload={"mode": "abort"})]

@@ -56,7 +56,14 @@ import numpy as np
 
 from megarl.api.io_struct import GenerationHyperparameters
 from megarl.config.rollout import VLLM_LORA_RANKS, VLLMConfig
-from megarl.serving.backend import NO_PENALTIES, GenerationChunk, HttpCall, InferenceBackend, split_routes
+from megarl.serving.backend import (
+    NO_PENALTIES,
+    GenerationChunk,
+    HttpCall,
+    InferenceBackend,
+    each_of_top_k,
+    split_routes,
+)
 from megarl.serving.control import ServerControl, ServerControlError
 from megarl.serving.http import SERVER_KEEPALIVE_S, MalformedResponseError, http_json
 from megarl.serving.kept_http import KeptConnections
@@ -154,9 +161,9 @@ class VLLMBackend(InferenceBackend):
             logprob_field="choices[0].logprobs.token_logprobs[{}]",
         )
 
-    def score_payload(self, prompt: list[int] | str) -> dict[str, Any]:
+    def score_payload(self, prompt: list[int] | str, top_k: int = 0) -> dict[str, Any]:
         # one token must be generated (vLLM refuses max_tokens 0); the prompt's own logprobs are the answer
-        return {"prompt": prompt, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "stream": False}
+        return {"prompt": prompt, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": top_k, "stream": False}
 
     def parse_score(self, body: Any) -> list[tuple[int, float]]:
         try:
@@ -169,6 +176,22 @@ class VLLMBackend(InferenceBackend):
         if first is not None:
             raise MalformedResponseError("choices[0].prompt_logprobs does not start with null (the first token)")
         return scored
+
+    def parse_top_k(self, body: Any, k: int) -> list[list[tuple[int, float]]]:
+        # each position: the prompt's own token and the top k, each with its rank (1: most likely)
+        try:
+            ranked = [
+                sorted(entry.items(), key=lambda kv: kv[1]["rank"])
+                for entry in body["choices"][0]["prompt_logprobs"][1:]
+            ]
+            top = [
+                [(int(token), float(info["logprob"])) for token, info in entry if info["rank"] <= k] for entry in ranked
+            ]
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+            raise MalformedResponseError(
+                f"not a /v1/completions reply with prompt_logprobs of the top {k} ({type(e).__name__}: {e})"
+            ) from None
+        return each_of_top_k(top, k, "choices[0].prompt_logprobs")
 
     def pause_calls(self) -> list[HttpCall]:
         return [HttpCall("/pause", params={"mode": "abort"})]

@@ -89,16 +89,29 @@ def test_a_teacher_in_the_trainer_scores_as_hf_aligned_as_the_servers(tiny_model
     """``teacher.path``: the trainer's teacher gives each token's logprob at its own position (as the teacher
     servers do: 0 at position 0 and past each row's end), equal to HF's on the same model. fp32 on both sides
     (a log-sum-exp over 49,152 logits, summed in different orders): 2e-3, ten times the expected difference
-    where a token shifted by one position is off by nats."""
+    where a token shifted by one position is off by nats. With ``teacher.top_k``, each position's top k are
+    HF's most likely tokens (within that 2e-3 of HF's k-th), most likely first, at HF's logprobs."""
     from tests.actor.dist_utils import run_layout
     from tests.actor.workers import make_batch
     from tests.rollout.test_teacher import hf_logprobs
 
     model_dir = str(tiny_model_dir("llama"))
     batch = make_batch([12, 7], seed=3)
-    got = run_layout(alloc, "tests.actor.workers:teacher_in_trainer", model_dir=model_dir, batch=batch)[0]
+    k = 4
+    worker = "tests.actor.workers:teacher_in_trainer"
+    sampled, top = run_layout(alloc, worker, model_dir=model_dir, batch=batch, top_k=k)[0]
+    assert sampled.keys() == {"teacher_logp"} and top["teacher_topk_ids"].shape == (*batch["input_ids"].shape, k)
     lengths = batch["attention_mask"].sum(-1).tolist()
     for row, n in enumerate(lengths):
         ids = batch["input_ids"][row, :n].tolist()
-        torch.testing.assert_close(got[row, 1:n], hf_logprobs(model_dir, ids), atol=2e-3, rtol=0)
-        assert got[row, 0] == 0 and got[row, n:].eq(0).all()
+        want = hf_logprobs(model_dir, ids, full=True)  # [n - 1, V]
+        for got in (sampled["teacher_logp"], top["teacher_logp"]):
+            torch.testing.assert_close(
+                got[row, 1:n], want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0], atol=2e-3, rtol=0
+            )
+            assert got[row, 0] == 0 and got[row, n:].eq(0).all()
+        top_ids, top_logp = top["teacher_topk_ids"][row], top["teacher_topk_logp"][row]
+        torch.testing.assert_close(top_logp[1:n], want.gather(1, top_ids[1:n]), atol=2e-3, rtol=0)
+        assert (top_logp[1:n, :-1] >= top_logp[1:n, 1:]).all(), "most likely first"
+        assert (top_logp[1:n, -1] >= want.topk(k, dim=-1).values[:, -1] - 2e-3).all(), "HF's top k"
+        assert top_ids[0].eq(0).all() and top_ids[n:].eq(0).all() and top_logp[n:].eq(0).all()

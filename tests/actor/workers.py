@@ -646,16 +646,17 @@ def train_clock_parts(model_dir: str, alloc: str, batch: dict) -> dict:
     return {"parts": dict(engine.train_clock.seconds), "wall": time.perf_counter() - start}
 
 
-def teacher_in_trainer(model_dir: str, alloc: str, batch: dict) -> torch.Tensor:
-    """On-policy distillation's teacher in the trainer (``teacher.path``) as the run builds it, scoring ``batch``."""
+def teacher_in_trainer(model_dir: str, alloc: str, batch: dict, top_k: int) -> tuple[dict, dict]:
+    """On-policy distillation's teacher in the trainer (``teacher.path``) as the run builds it, scoring ``batch``:
+    the sampled tokens only, then with the top ``top_k`` too."""
     from transformers import AutoTokenizer
 
     from megarl.config import GRPOConfig
     from megarl.config.rollout import TeacherConfig
-    from megarl.run.components import build_teacher_model, teacher_logprobs
+    from megarl.run.components import build_teacher_model, teacher_scores
 
     config = GRPOConfig(teacher=TeacherConfig(path=model_dir))
     config.actor.path, config.actor.dtype = model_dir, "float32"
     actor = _engine(model_dir, alloc)  # the process groups the run's actor makes
     teacher = build_teacher_model(config, actor.parallel, AutoTokenizer.from_pretrained(model_dir))
-    return teacher_logprobs(teacher, batch)
+    return teacher_scores(teacher, batch), teacher_scores(teacher, batch, top_k)

@@ -34,6 +34,9 @@ def case(id, overrides, key, fragment):
     return pytest.param(overrides, key, fragment, id=id)
 
 
+TOP_K = ["teacher.addresses=[node:8000]", "teacher.top_k=4"]
+"""A served teacher's top 4: the forward-KL term of the loss."""
+
 # (overrides of the CPU YAML, key path the error names, text of the bad value in the message)
 BAD = [
     # the cluster interface servers bind on Slurm
@@ -256,6 +259,20 @@ BAD = [
         "dynamic_filter",
         "no batch would ever fill",
     ),
+    case("teacher-top-k", ["teacher.addresses=[node:8000]", "teacher.top_k=65"], "teacher.top_k", "must be in [0, 64]"),
+    case(
+        "teacher-top-k-context-parallel",
+        [*TOP_K, "allocation_mode=vllm:d1t1+megatron:d1p1t1c2", "cluster.n_gpus_per_node=3"],
+        "allocation_mode",
+        "which the teacher's top-k term does not run on yet",
+    ),
+    case(
+        "teacher-top-k-truncated",
+        [*TOP_K, "gconfig.top_p=0.9", "actor.top_p=0.9"],
+        "actor.replay_truncation",
+        "'top_p': 0.9",
+    ),
+    case("teacher-top-k-discount", [*TOP_K, "actor.teacher_discount=0.5"], "actor.teacher_discount", "replaces"),
     case(
         "no-reward-evaluated",
         ["reward_fn=megarl.reward.base.no_reward_fn", "teacher.addresses=[node:8000]"],

@@ -42,13 +42,16 @@ def tokenizer(vllm_model_dir):
     return AutoTokenizer.from_pretrained(vllm_model_dir)
 
 
-def hf_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
-    """HF's fp32 logprob of each of ``ids[1:]`` given those before it: the independent reference."""
+def hf_logprobs(model_dir, ids: list[int], full: bool = False) -> torch.Tensor:
+    """HF's fp32 logprob of each of ``ids[1:]`` given those before it: the independent reference (``full``: of
+    every token of the vocabulary, ``[len(ids) - 1, V]``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    if full:
+        return torch.log_softmax(logits, -1)
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
@@ -56,8 +59,11 @@ def hf_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
 def test_a_vllm_teacher_scores_each_token_as_hf_does(vllm_server_fp32, vllm_model_dir, tokenizer):
     """fp32 on both sides: a logprob is a log-sum-exp over 49,152 logits of a 64-wide model, each side summing
     in its own order; fp32's unit roundoff (6e-8) times those lengths bounds their difference near 1e-4 per
-    logit, so 2e-3 on a logprob leaves a margin of ten while a wrong token or position is off by 1 or more."""
-    teacher = scorer([vllm_server_fp32.address], request_timeout=120.0)
+    logit, so 2e-3 on a logprob leaves a margin of ten while a wrong token or position is off by 1 or more.
+    With ``top_k``: each position's top k are HF's most likely tokens (within that 2e-3 of HF's k-th), most
+    likely first, at HF's logprobs."""
+    k = 5
+    teacher = scorer([vllm_server_fp32.address], request_timeout=120.0, top_k=k)
     teacher.check_tokenizer(tokenizer)
     ids = tokenizer("Natalia sold clips to 48 of her friends in April. How many clips did she sell?")["input_ids"]
     short = ids[:6]
@@ -72,6 +78,14 @@ def test_a_vllm_teacher_scores_each_token_as_hf_does(vllm_server_fp32, vllm_mode
     torch.testing.assert_close(got[0, 1:], reference, atol=2e-3, rtol=0)
     torch.testing.assert_close(got[1, 1 : len(short)], reference[: len(short) - 1], atol=2e-3, rtol=0)
     assert got[:, 0].eq(0).all() and got[1, len(short) :].eq(0).all()  # position 0 and padding
+    full = hf_logprobs(vllm_model_dir, ids, full=True)
+    top_ids, top_logp = traj["teacher_topk_ids"], traj["teacher_topk_logp"]
+    assert top_ids.shape == (2, len(ids), k) and top_ids.dtype == torch.int64 and top_logp.dtype == torch.float32
+    torch.testing.assert_close(top_logp[0, 1:], full.gather(1, top_ids[0, 1:]), atol=2e-3, rtol=0)
+    assert (top_logp[0, 1:, :-1] >= top_logp[0, 1:, 1:]).all(), "most likely first"
+    assert (top_logp[0, 1:, -1] >= full.topk(k, dim=-1).values[:, -1] - 2e-3).all(), "HF's top k"
+    assert top_ids[1, : len(short)].equal(top_ids[0, : len(short)])  # the same prefix, the same top k
+    assert top_ids[:, 0].eq(0).all() and top_ids[1, len(short) :].eq(0).all() and top_logp[1, len(short) :].eq(0).all()
 
 
 async def _score_and_close(teacher: TeacherScorer, traj: dict) -> None:
@@ -103,11 +117,11 @@ def test_the_pool_scores_training_trajectories_and_not_evaluation_ones(vllm_serv
     lengths = batch["attention_mask"].sum(-1)
     for row in range(batch["input_ids"].shape[0]):
         ids = batch["input_ids"][row, : int(lengths[row])].tolist()
-        expected = asyncio.run(_score_tokens(scorer([vllm_server.address], request_timeout=120.0), ids))
+        expected, _ = asyncio.run(_score_tokens(scorer([vllm_server.address], request_timeout=120.0), ids))
         assert batch["teacher_logp"][row, 1 : len(ids)].tolist() == pytest.approx(expected, abs=1e-6)
 
 
-async def _score_tokens(teacher: TeacherScorer, ids: list[int]) -> list[float]:
+async def _score_tokens(teacher: TeacherScorer, ids: list[int]) -> tuple[list[float], list]:
     try:
         return await teacher.score_tokens(ids)
     finally:
@@ -125,7 +139,11 @@ def test_sglang_scoring_requests_pass_its_request_types_and_its_replies_parse():
     request = {
         "vocab_size": 49152,
         "generate": [],
-        "score": [backend.score_payload([1, 2, 3, 4]), backend.score_payload(TOKENIZER_PROBE)],
+        "score": [
+            backend.score_payload([1, 2, 3, 4]),
+            backend.score_payload(TOKENIZER_PROBE),
+            backend.score_payload([1, 2, 3, 4], top_k=5),
+        ],
         "pause": pause.payload,
         "resume": resume.payload,
         "launch_args": ["--model-path", "/models/teacher"],
@@ -137,6 +155,13 @@ def test_sglang_scoring_requests_pass_its_request_types_and_its_replies_parse():
     # the reply as SGLang's tokenizer manager writes it: (logprob, token id, text or None), the first logprob None
     reply = {"text": "", "meta_info": {"input_token_logprobs": [[None, 1, None], [-0.5, 2, None], [-1.25, 3, None]]}}
     assert backend.parse_score(reply) == [(2, -0.5), (3, -1.25)]
+    # with top_logprobs_num: the k most likely at each position, most likely first (the first position: None)
+    tops = [None, [[-0.1, 7, None], [-0.5, 2, None]], [[-0.3, 3, None], [-1.5, 9, None]]]
+    reply["meta_info"]["input_top_logprobs"] = tops
+    assert backend.parse_top_k(reply, 2) == [[(7, -0.1), (2, -0.5)], [(3, -0.3), (9, -1.5)]]
+    assert backend.score_payload([1, 2], top_k=2)["top_logprobs_num"] == 2
+    with pytest.raises(MalformedResponseError, match="input_top_logprobs holds 2 of the top 3 tokens at position 1"):
+        backend.parse_top_k(reply, 3)
 
 
 def test_vllm_scoring_request_and_reply():
@@ -148,6 +173,18 @@ def test_vllm_scoring_request_and_reply():
     for bad in ([None, {}], [], [{"5": {"logprob": -1.0}}], None):  # an empty position, none, no leading null
         with pytest.raises(MalformedResponseError, match="prompt_logprobs"):
             backend.parse_score({"choices": [{"prompt_logprobs": bad}]})
+    # prompt_logprobs k: each position holds the top k by rank and the prompt's own token (here rank 4)
+    assert backend.score_payload([5, 6, 7], top_k=2)["prompt_logprobs"] == 2
+    entries[2] = {
+        "7": {"logprob": -2.0, "rank": 4},
+        "3": {"logprob": -0.75, "rank": 2},
+        "8": {"logprob": -0.5, "rank": 1},
+    }
+    reply = {"choices": [{"prompt_logprobs": entries}]}
+    with pytest.raises(MalformedResponseError, match="prompt_logprobs holds 1 of the top 2 tokens at position 1"):
+        backend.parse_top_k(reply, 2)
+    entries[1]["9"] = {"logprob": -1.5, "rank": 2}
+    assert backend.parse_top_k(reply, 2) == [[(6, -0.5), (9, -1.5)], [(8, -0.5), (3, -0.75)]]
 
 
 # ---------------------------------------------------------------------------- faults, on small servers
@@ -198,7 +235,8 @@ def test_a_dead_teacher_server_is_passed_over_for_a_live_one():
             finally:
                 await teacher.aclose()
 
-    assert asyncio.run(main()) == pytest.approx([-0.2, -0.3])
+    scores, top = asyncio.run(main())
+    assert scores == pytest.approx([-0.2, -0.3]) and top == []
 
 
 @pytest.mark.parametrize(
@@ -207,13 +245,16 @@ def test_a_dead_teacher_server_is_passed_over_for_a_live_one():
         (lambda prompt: [(t + 1, -0.1) for t in prompt[1:]], "differ from position 1"),
         (lambda prompt: [(t, -0.1) for t in prompt[2:]], "scored 1 tokens, not the 2 sent"),
         (lambda prompt: [(t, 0.5) for t in prompt[1:]], "0.5 at position 1 is not a log-probability"),
+        (good, "holds 1 of the top 3 tokens at position 1"),  # teacher.top_k 3: the reply holds the token alone
     ],
-    ids=["other-tokens", "too-few", "above-one"],
+    ids=["other-tokens", "too-few", "above-one", "fewer-than-top-k"],
 )
 def test_a_reply_that_is_not_the_scores_of_the_tokens_sent_fails_naming_each_server(answer, named):
+    top_k = 3 if answer is good else 0
+
     async def main():
         async with serving(fake_teacher(answer), fake_teacher(answer)) as addresses:
-            teacher = scorer(addresses, request_retries=0)
+            teacher = scorer(addresses, request_retries=0, top_k=top_k)
             try:
                 with pytest.raises(TeacherError) as caught:
                     await teacher.score_tokens([10, 20, 30])

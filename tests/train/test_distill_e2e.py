@@ -8,6 +8,10 @@ tokens (``ppo_actor/gap/abs_logp_diff``) plus what two forward paths of the same
 (0.05: bf16's 2^-8 relative rounding on logits of magnitude ~10); a token scored one position off would be
 off by nats. Served, the teacher is a vLLM server of the same weights and dtype: within the same 0.05 of
 the student's server. Both runs show the term's metrics on every step.
+
+With ``teacher.top_k``, the term is the forward KL over the teacher's top k, a term of the loss: with the
+teacher equal to the student it is ``sum_j q_j (log q_j - log p(v_j))``, each difference of logprobs within
+the same bound, so ``|KL| <= M x bound`` (``M <= 1`` the top k's mass) on every token of the first step.
 """
 
 from __future__ import annotations
@@ -54,3 +58,31 @@ def test_a_served_teacher(tmp_path, smollm2_dir):
     steps = read_metrics(run_dir)
     assert len(steps) == 2 and steps[0]["rollout/teacher_seconds"] > 0
     _check_first_step(steps, SAME_WEIGHTS)
+
+
+def _check_top_k_first_step(steps: list[dict], bound: float) -> None:
+    first = steps[0]
+    kl = max(abs(first["ppo_actor/teacher_topk_kl/max"]), abs(first["ppo_actor/teacher_topk_kl/min"]))
+    assert first["ppo_actor/teacher_topk_tokens"] > 0 and kl <= bound, first
+    assert 0 < first["ppo_actor/teacher_topk_mass/avg"] <= 1
+    for step in steps:  # the term is the loss's: no row is skipped although every reward is 0
+        assert "ppo_actor/teacher_topk_kl/avg" in step and step["ppo_actor/skipped_seqs"] == 0
+
+
+def test_the_teachers_top_k_in_the_trainer(tmp_path):
+    run_dir = _run(tmp_path, *PURE, "teacher.path=smollm2-135m-instruct", "teacher.top_k=8")
+    steps = read_metrics(run_dir)
+    assert len(steps) == 2 and "timeperf/teacher_logp" in steps[0]
+    _check_top_k_first_step(steps, steps[0]["ppo_actor/gap/abs_logp_diff/max"] + SAME_WEIGHTS)
+
+
+def test_the_top_k_of_a_served_teacher(tmp_path, smollm2_dir):
+    from megarl.utils.hardware import concrete_dtype
+    from tests.conftest import serve_vllm
+
+    (tmp_path / "teacher").mkdir()
+    with serve_vllm(smollm2_dir, tmp_path / "teacher", dtype=concrete_dtype("auto", "cpu")) as teacher:
+        run_dir = _run(tmp_path, *PURE, f"teacher.addresses=[{teacher.address}]", "teacher.top_k=8")
+    steps = read_metrics(run_dir)
+    assert len(steps) == 2 and steps[0]["rollout/teacher_seconds"] > 0
+    _check_top_k_first_step(steps, steps[0]["ppo_actor/gap/abs_logp_diff/max"] + SAME_WEIGHTS)
