@@ -246,9 +246,10 @@ class LMHeadOutput:
         real = (torch.arange(rows, device=self.weight.device) + self.vocab_start) < self.vocab_size
         step = max(1, _RowDots.ELEMENTS // rows)
         tp = self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
+        weight = self.weight.float()
         out_ids, out_logp = [], []
         for a in range(0, self.hidden.shape[0], step):
-            z = (self.hidden[a : a + step].float() @ self.weight.float().T).div_(temperature)
+            z = (self.hidden[a : a + step].float() @ weight.T).div_(temperature)
             z.masked_fill_(~real, float("-inf"))  # padding rows of the vocabulary
             top, ids = z.topk(min(k, rows), dim=-1)
             lse = z.logsumexp(-1, keepdim=True)
@@ -330,13 +331,18 @@ class _RowDots(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, rows, keep = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[:2]  # a frozen head (LoRA) takes no d weight
         g = grad.float() * keep
-        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for a, b in _RowDots.chunks(rows, hidden.shape[1]):
-            d_hidden[a:b] = torch.bmm(g[a:b].unsqueeze(1), weight[rows[a:b]].float()).squeeze(1)
-            d_weight.index_add_(0, rows[a:b].flatten(), (g[a:b, :, None] * hidden[a:b, None, :].float()).flatten(0, 1))
-        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None
+            if want_hidden:
+                d_hidden[a:b] = torch.bmm(g[a:b].unsqueeze(1), weight[rows[a:b]].float()).squeeze(1)
+            if want_weight:
+                spread = g[a:b, :, None] * hidden[a:b, None, :].float()  # [n, K, H]
+                d_weight.index_add_(0, rows[a:b].flatten(), spread.flatten(0, 1))
+        cast = (None if d is None else d.to(x.dtype) for d, x in ((d_hidden, hidden), (d_weight, weight)))
+        return *cast, None, None
 
     @staticmethod
     def chunks(rows: torch.Tensor, width: int):

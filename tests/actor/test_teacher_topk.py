@@ -192,3 +192,15 @@ def test_the_term_over_tensor_parallel_ranks():
         assert_within(got["loss"], want["loss"], 2 * want["loss_bound"], f"the loss on rank {rank}")
         assert_within(got["d_hidden"], want["d_hidden"], 2 * want["d_hidden_bound"], f"d hidden on rank {rank}")
         assert_within(got["d_weight"], want["d_weight"][rows], 2 * want["d_weight_bound"][rows], f"d weight {rank}")
+
+
+def test_a_frozen_head_takes_the_term_through_the_hidden_states_alone():
+    """A LoRA actor's LM head is frozen: the term's gradient reaches the hidden states (as the full softmax's
+    does), and the head gets none."""
+    case = _case()
+    head = _head(case)
+    head.weight.requires_grad_(False)
+    got = _loss_and_grads(head, case["mb"], _config())
+    want = _reference(case)
+    assert got["d_weight"] is None
+    assert_within(got["d_hidden"], want["d_hidden"], want["d_hidden_bound"], "d hidden")
