@@ -211,9 +211,14 @@ class LMHeadOutput:
         With the label's logprob from :meth:`logprobs_entropy` or :meth:`token_loss`, each candidate's logprob
         is ``logprob(label) + gap``: K + 1 dot products per token, no pass over the vocabulary (the teacher's
         top-k distillation term, :mod:`megarl.actor.teacher_loss`). A row's TP rank gives its logit, a SUM
-        all-reduce the others (and the hidden state's gradient sums over the group as the head's own does)."""
+        all-reduce the others (and the hidden state's gradient sums over the group as the head's own does);
+        under context parallelism each rank its own tokens', gathered (differentiable) into the whole stream."""
         if self.context is not None:
-            raise ValueError("candidate_logit_gaps does not run under context parallelism (actor's cp > 1)")
+            ctx = self.context
+            local = self._local().candidate_logit_gaps(
+                ctx.local(candidates), ctx.local(labels), ctx.local(where), temperature
+            )
+            return ctx.gather(local)
         rows = where.nonzero().squeeze(-1)
         ids = torch.cat([labels[rows, None], candidates[rows]], dim=1)  # [N, 1 + K]: the label first
         local = ids - self.vocab_start
@@ -239,9 +244,11 @@ class LMHeadOutput:
         """The ``k`` most likely token ids ``[T, k]`` (int64) of each token's next-token distribution and their
         logprobs ``[T, k]`` (fp32), most likely first; not differentiable. Each rank takes the top k of its
         shard and its log-sum-exp, a chunk of tokens at a time (the chunk's logits are the only ``[tc, V_local]``
-        tensor); with TP both are gathered and merged (a teacher's top k, ``teacher.top_k``)."""
+        tensor); with TP both are gathered and merged (a teacher's top k, ``teacher.top_k``); under context
+        parallelism each rank takes its own tokens', gathered into the whole stream."""
         if self.context is not None:
-            raise ValueError("top_k_logprobs does not run under context parallelism (cp > 1)")
+            ids, logp = self._local().top_k_logprobs(k, temperature)
+            return self.context.gather(ids), self.context.gather(logp)
         rows = self.weight.shape[0]
         real = (torch.arange(rows, device=self.weight.device) + self.vocab_start) < self.vocab_size
         step = max(1, _RowDots.ELEMENTS // rows)

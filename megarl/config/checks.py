@@ -29,7 +29,7 @@ def check_experiment(config: GRPOConfig, alloc: AllocationMode) -> None:
     check_critic(config, alloc)
     check_lora(config)
     check_teacher(config)
-    check_teacher_top_k(config, alloc)
+    check_teacher_top_k(config)
 
 
 def check_batching(config: GRPOConfig, alloc: AllocationMode) -> None:
@@ -356,21 +356,13 @@ def check_teacher(config: GRPOConfig) -> None:
     )
 
 
-def check_teacher_top_k(config: GRPOConfig, alloc: AllocationMode) -> None:
-    """The teacher's top-k term (``teacher.top_k``) is a term of the actor's loss over the full softmax: not under
-    context parallelism, nor beside a replayed truncation (the loss's logprobs are then the truncated
-    distribution's); its discount is the reverse-KL advantage's, which it replaces."""
+def check_teacher_top_k(config: GRPOConfig) -> None:
+    """The teacher's top-k term (``teacher.top_k``) is a term of the actor's loss over the full softmax: not beside
+    a replayed truncation (the loss's logprobs are then the truncated distribution's); its discount is the
+    reverse-KL advantage's, which it replaces."""
     if config.teacher is None or config.teacher.top_k == 0:
         return
     top_k = ("teacher.top_k",)
-    require(
-        alloc.train.cp == 1,
-        "allocation_mode",
-        config.allocation_mode,
-        f"splits each sequence over {alloc.train.cp} context-parallel ranks, which the teacher's top-k term "
-        "does not run on yet: train at c1, or set teacher.top_k: 0 (the sampled token's reverse KL)",
-        related=top_k,
-    )
     actor = config.actor
     truncation = {key: getattr(actor, key) for key in ("top_k", "top_p", "min_p")}
     truncated = actor.top_k > 0 or actor.top_p < 1 or actor.min_p > 0

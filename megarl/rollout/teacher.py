@@ -82,17 +82,24 @@ class TeacherScorer:
     # ------------------------------------------------------------------ at start
 
     def check_tokenizer(self, tokenizer, timeout: float = 60.0) -> None:
-        """Ask every teacher server to score :data:`TOKENIZER_PROBE` as text, and refuse one whose tokens are
-        not ``tokenizer``'s (its logprobs would be of other tokens). Blocking; raises :class:`TeacherError`."""
+        """Ask every teacher server to score :data:`TOKENIZER_PROBE` as text (with ``top_k``, its top k too: a
+        server that cannot answer as many is refused now, not at the first trajectory), and refuse one whose
+        tokens are not ``tokenizer``'s (its logprobs would be of other tokens). Blocking; raises
+        :class:`TeacherError`."""
         expected = list(tokenizer(TOKENIZER_PROBE)["input_ids"])[1:]
+        k = self.config.top_k
         for address in self.config.addresses:
             endpoint = self.backend.generate_endpoint
             try:
-                body = http_json(address, endpoint, self.backend.score_payload(TOKENIZER_PROBE), timeout=timeout)
+                body = http_json(address, endpoint, self.backend.score_payload(TOKENIZER_PROBE, k), timeout=timeout)
                 got = [token for token, _ in self.backend.parse_score(body)]
+                if k:
+                    _checked_top(self.backend.parse_top_k(body, k), len(got))
             except (OSError, RuntimeError, MalformedResponseError) as e:
+                asked = f" with its top {k} (teacher.top_k; a vLLM server answers up to its max_logprobs)" if k else ""
                 raise TeacherError(
-                    f"teacher server {address} ({self.config.backend}) did not score a probe text on {endpoint}: {e}"
+                    f"teacher server {address} ({self.config.backend}) did not score a probe text{asked} on "
+                    f"{endpoint}: {e}"
                 ) from e
             _same_tokens(f"teacher server {address} (from the second token on)", got, expected)
 

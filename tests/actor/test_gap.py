@@ -44,15 +44,15 @@ def recorded_gap_step(model_dir: str, alloc: str, batch: dict, offsets: torch.Te
     recorded = []
     loss_of_logprobs = ppo_loss._loss_of_logprobs
 
-    def recording(head, mb, cfg, norm_len, mask, *rest):
-        if rest[-1] is not None:  # the gap meter: this micro-batch's gap is recorded
+    def recording(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap, *rest):
+        if gap is not None:  # the gap meter: this micro-batch's gap is recorded
             assert ppo_loss.replayed_truncation(cfg) is None and head.vocab_start == 0, "a full softmax on one rank"
             rows = mask.nonzero().squeeze(-1)
             hidden, weight = head.hidden.detach()[rows], head.weight.detach()[: head.vocab_size]
             coefs = torch.zeros(2, rows.numel())
             bound = softmax_head_bounds(hidden, weight, mb["labels"][rows], coefs, cfg.temperature, torch.float32)
             recorded.append(torch.stack([mb["behaviour_logp"][rows].double(), bound.logprob]))
-        return loss_of_logprobs(head, mb, cfg, norm_len, mask, *rest)
+        return loss_of_logprobs(head, mb, cfg, norm_len, mask, logp, entropy, surrogate_fn, gap, *rest)
 
     ppo_loss._loss_of_logprobs = recording
     stats = gap_step(model_dir, alloc, batch, offsets)

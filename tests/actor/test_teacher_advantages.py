@@ -84,7 +84,8 @@ def test_without_teacher_logprobs_the_advantages_are_grpos():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("alloc", ["d1p2t2"])  # pipeline and tensor parallel: the scores gathered from the last stage
+# pipeline and tensor parallel: the scores gathered from the last stage; context parallel: from each rank's tokens
+@pytest.mark.parametrize("alloc", ["d1p2t2", "d1p1t1c2"])
 def test_a_teacher_in_the_trainer_scores_as_hf_aligned_as_the_servers(tiny_model_dir, alloc):
     """``teacher.path``: the trainer's teacher gives each token's logprob at its own position (as the teacher
     servers do: 0 at position 0 and past each row's end), equal to HF's on the same model. fp32 on both sides

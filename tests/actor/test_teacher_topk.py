@@ -204,3 +204,51 @@ def test_a_frozen_head_takes_the_term_through_the_hidden_states_alone():
     want = _reference(case)
     assert got["d_weight"] is None
     assert_within(got["d_hidden"], want["d_hidden"], want["d_hidden_bound"], "d hidden")
+
+
+# ---------------------------------------------------------------- the actor, at other layouts
+
+LENGTHS = [7, 12, 5, 9, 11, 6, 8, 10]
+
+
+@pytest.fixture(scope="module")
+def topk_batch():
+    """A trajectory batch whose teacher reported its top 4 at every position (random ids, most likely first)."""
+    from tests.actor.workers import make_batch
+
+    batch = make_batch(LENGTHS, seed=1)
+    batch["rewards"] = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    g = torch.Generator().manual_seed(7)
+    rows, width = batch["input_ids"].shape
+    batch["teacher_topk_ids"] = torch.randint(0, 49152, (rows, width, 4), generator=g)
+    q = torch.randn(rows, width, 5, generator=g).softmax(-1)[..., :4]  # the fifth: the rest of the mass
+    batch["teacher_topk_logp"] = q.log().sort(-1, descending=True).values
+    return batch
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_model_dir, topk_batch):
+    from tests.actor.dist_utils import run_ranks
+
+    model = str(tiny_model_dir("llama"))
+    return run_ranks(1, "tests.actor.workers:ppo_actor_step", model_dir=model, alloc="d1p1t1", batch=topk_batch)[0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("alloc", ["d1p1t2", "d1p1t1c2"])
+def test_the_actors_term_at_another_layout_matches_single_rank(tiny_model_dir, topk_batch, single_rank, alloc):
+    """compute_advantages → ppo_update of MegatronPPOActor with the teacher's top k: over two TP ranks and over two
+    context-parallel ranks, every step's loss, gradient norm and term equal one rank's (tolerances set by hand,
+    as tests/actor/test_ppo.py's: other reductions' orders over a whole model), and so do the weights after."""
+    from tests.actor.dist_utils import run_ranks
+
+    model = str(tiny_model_dir("llama"))
+    got = run_ranks(2, "tests.actor.workers:ppo_actor_step", model_dir=model, alloc=alloc, batch=topk_batch)[0]
+    assert len(got["stats"]) == len(single_rank["stats"]) == 2
+    for want, have in zip(single_rank["stats"], got["stats"]):
+        assert want["ppo_actor/teacher_topk_kl/avg"] > 0.1  # random teachers: far from the policy
+        for key in ("ppo_actor/loss", "ppo_actor/grad_norm", "ppo_actor/teacher_topk_kl/avg"):
+            assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+        assert have["ppo_actor/teacher_topk_tokens"] == want["ppo_actor/teacher_topk_tokens"]
+        assert have["ppo_actor/skipped_seqs"] == 0
+    assert (got["logp_after"] - single_rank["logp_after"]).abs().max() <= 1e-4

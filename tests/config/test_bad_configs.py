@@ -261,12 +261,6 @@ BAD = [
     ),
     case("teacher-top-k", ["teacher.addresses=[node:8000]", "teacher.top_k=65"], "teacher.top_k", "must be in [0, 64]"),
     case(
-        "teacher-top-k-context-parallel",
-        [*TOP_K, "allocation_mode=vllm:d1t1+megatron:d1p1t1c2", "cluster.n_gpus_per_node=3"],
-        "allocation_mode",
-        "which the teacher's top-k term does not run on yet",
-    ),
-    case(
         "teacher-top-k-truncated",
         [*TOP_K, "gconfig.top_p=0.9", "actor.top_p=0.9"],
         "actor.replay_truncation",

@@ -88,6 +88,17 @@ def test_a_vllm_teacher_scores_each_token_as_hf_does(vllm_server_fp32, vllm_mode
     assert top_ids[:, 0].eq(0).all() and top_ids[1, len(short) :].eq(0).all() and top_logp[1, len(short) :].eq(0).all()
 
 
+@pytest.mark.vllm
+def test_a_vllm_teacher_that_cannot_answer_the_top_k_is_refused_at_start(vllm_server_fp32, tokenizer):
+    """vLLM answers at most its ``max_logprobs`` (20 by default) per position: asking for 21 stops the run at
+    start, naming the server and vLLM's reason, not at the first trajectory."""
+    teacher = scorer([vllm_server_fp32.address], request_timeout=120.0, top_k=21)
+    with pytest.raises(TeacherError) as caught:
+        teacher.check_tokenizer(tokenizer)
+    message = str(caught.value)
+    assert vllm_server_fp32.address in message and "with its top 21" in message and "HTTP 400" in message, message
+
+
 async def _score_and_close(teacher: TeacherScorer, traj: dict) -> None:
     try:
         await teacher.score(traj)
