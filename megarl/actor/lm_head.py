@@ -192,8 +192,7 @@ class LMHeadOutput:
             anchor = torch.where(valid, candidates, self.vocab_size).min(dim=1, keepdim=True).values
             anchor = anchor.clamp(max=self.vocab_size - 1)  # a token without a valid candidate: any id
             ids = torch.cat([anchor, candidates], dim=1)  # [T, 1 + K]
-            local = ids - self.vocab_start
-            mine = (local >= 0) & (local < self.weight.shape[0]) & (ids < self.vocab_size)
+            local, mine = self._own_rows(ids)
             rows, column = torch.unique(torch.where(mine, local, 0), return_inverse=True)  # [U], [T, 1 + K]
             z = (self.hidden.float() @ self.weight[rows].float().T).gather(1, column)  # [T, 1 + K]
             z = z.div_(temperature) * mine
@@ -221,8 +220,7 @@ class LMHeadOutput:
             return ctx.gather(local)
         rows = where.nonzero().squeeze(-1)
         ids = torch.cat([labels[rows, None], candidates[rows]], dim=1)  # [N, 1 + K]: the label first
-        local = ids - self.vocab_start
-        mine = (local >= 0) & (local < self.weight.shape[0]) & (ids >= 0) & (ids < self.vocab_size)
+        local, mine = self._own_rows(ids)
         hidden = self.hidden.index_select(0, rows)
         tp = self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
         if tp and self.reduce_grad_hidden:
@@ -240,35 +238,50 @@ class LMHeadOutput:
         return out.index_copy(0, rows, gaps) if rows.numel() else out + self.zero()
 
     @torch.no_grad()
-    def top_k_logprobs(self, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` most likely token ids ``[T, k]`` (int64) of each token's next-token distribution and their
-        logprobs ``[T, k]`` (fp32), most likely first; not differentiable. Each rank takes the top k of its
-        shard and its log-sum-exp, a chunk of tokens at a time (the chunk's logits are the only ``[tc, V_local]``
-        tensor); with TP both are gathered and merged (a teacher's top k, ``teacher.top_k``); under context
-        parallelism each rank takes its own tokens', gathered into the whole stream."""
+    def label_and_top_k_logprobs(
+        self, labels: torch.Tensor, k: int, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The logprob ``[T]`` of ``labels``, and the ``k`` most likely token ids ``[T, k]`` (int64) of each token's
+        next-token distribution with their logprobs ``[T, k]`` (fp32), most likely first, from one pass of the
+        head; not differentiable. Each rank takes its shard's label logit, top k and log-sum-exp, a chunk of
+        tokens at a time (the chunk's logits are the only ``[tc, V_local]`` tensor); with TP they are gathered
+        and merged (a teacher's top k, ``teacher.top_k``); under context parallelism each rank takes its own
+        tokens', gathered into the whole stream."""
         if self.context is not None:
-            ids, logp = self._local().top_k_logprobs(k, temperature)
-            return self.context.gather(ids), self.context.gather(logp)
+            ctx = self.context
+            return tuple(
+                ctx.gather(x) for x in self._local().label_and_top_k_logprobs(ctx.local(labels), k, temperature)
+            )
         rows = self.weight.shape[0]
         real = (torch.arange(rows, device=self.weight.device) + self.vocab_start) < self.vocab_size
         step = max(1, _RowDots.ELEMENTS // rows)
         tp = self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
         weight = self.weight.float()
-        out_ids, out_logp = [], []
+        out_label, out_ids, out_logp = [], [], []
         for a in range(0, self.hidden.shape[0], step):
             z = (self.hidden[a : a + step].float() @ weight.T).div_(temperature)
             z.masked_fill_(~real, float("-inf"))  # padding rows of the vocabulary
+            local = labels[a : a + step, None] - self.vocab_start
+            inside = (local >= 0) & (local < rows)
+            label = torch.where(inside, z.gather(1, local.clamp(0, rows - 1)), 0.0)  # [tc, 1]: on its row's rank
             top, ids = z.topk(min(k, rows), dim=-1)
             lse = z.logsumexp(-1, keepdim=True)
             ids = ids + self.vocab_start
             if tp:
-                top, ids, lse = (_gathered(x, self.tp_group) for x in (top, ids, lse))
-                lse = lse.logsumexp(-1, keepdim=True)
+                label, top, ids, lse = (_gathered(x, self.tp_group) for x in (label, top, ids, lse))
+                label, lse = label.sum(-1, keepdim=True), lse.logsumexp(-1, keepdim=True)
                 top, at = top.topk(k, dim=-1)
                 ids = ids.gather(1, at)
+            out_label.append((label - lse).squeeze(1))
             out_ids.append(ids)
             out_logp.append(top - lse)
-        return torch.cat(out_ids), torch.cat(out_logp)
+        return torch.cat(out_label), torch.cat(out_ids), torch.cat(out_logp)
+
+    def _own_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ``ids`` as rows of this rank's shard of the head, and whether this rank holds them (a real
+        token of its shard: not a padding row, not an id outside the vocabulary)."""
+        local = ids - self.vocab_start
+        return local, (local >= 0) & (local < self.weight.shape[0]) & (ids < self.vocab_size)
 
     def local_logits(self) -> torch.Tensor:
         """``[T, V_local]`` logits of this rank's shard (debugging and tests; not for losses); with context

@@ -40,7 +40,7 @@ from megarl.actor.ppo_loss import (  # the loss of one micro-batch; its public n
     user_surrogate,
 )
 from megarl.actor.schedule import all_reduce_max
-from megarl.actor.teacher_loss import TOPK_KEYS
+from megarl.actor.teacher_loss import TOPK_KEYS, in_batch
 from megarl.config.ppo import BUILTIN_LOSSES, PPOActorConfig
 from megarl.kernels import PATH_CODES, Truncation
 from megarl.utils import stats_tracker
@@ -169,7 +169,7 @@ class MegatronPPOActor(MegatronEngine):
                 cfg.teacher_coef,
                 cfg.teacher_discount,
             )
-            if TOPK_KEYS[0] not in data:  # with the teacher's top k, its term is the loss's (megarl.actor.teacher_loss)
+            if not in_batch(data):  # with the teacher's top k, its term is the loss's (megarl.actor.teacher_loss)
                 advantages = advantages + term
             data["teacher_reverse_kl"] = reverse_kl.view(batch_size, seq_len)
         for key in TOPK_KEYS:
@@ -299,7 +299,7 @@ def inert_rows(data: dict, cfg: PPOActorConfig) -> torch.Tensor:
     its gradient wherever the advantage ``A`` is 0; a KL loss, an entropy bonus or the teacher's
     top-k term would still pull on such a row, so then no row is inert.
     """
-    if not _drops_inert_rows(cfg) or TOPK_KEYS[0] in data:
+    if not _drops_inert_rows(cfg) or in_batch(data):
         return torch.zeros(data["attention_mask"].shape[0], dtype=torch.bool)
     return ~((data["advantages"] != 0) & data["loss_mask"].bool()).any(-1)
 

@@ -325,7 +325,9 @@ def _add_penalties(token_loss, cfg: PPOActorConfig, mb: dict, mask, logp, entrop
     if cfg.entropy_coeff > 0:
         token_loss = token_loss - cfg.entropy_coeff * torch.where(mask, entropy, torch.zeros_like(entropy))
     if top is not None:
-        term = token_term(top, logp) if top.gap_term is None else token_term(top, logp) + top.gap_term
+        term = token_term(top, logp)
+        if top.gap_term is not None:  # a chunk of the training path adds its gaps beside (megarl.actor.teacher_loss)
+            term = term + top.gap_term
         token_loss = token_loss + cfg.teacher_coef * term
     return token_loss, kl
 

@@ -92,9 +92,8 @@ def teacher_scores(teacher: MegatronEngine, batch: dict, top_k: int = 0) -> dict
         return {"teacher_logp": torch.roll(teacher.compute_logp(batch), shifts=1, dims=-1)}
 
     def hook(head, mb: dict) -> torch.Tensor:  # one tensor per token: the label's logprob, the ids, their logprobs
-        ids, logp = head.top_k_logprobs(top_k)
-        label = head.logprobs(mb["labels"])[:, None]
-        return torch.cat([label.double(), ids.double(), logp.double()], dim=1) * mb["label_mask"][:, None]
+        label, ids, logp = head.label_and_top_k_logprobs(mb["labels"], top_k)
+        return torch.cat([label[:, None].double(), ids.double(), logp.double()], dim=1) * mb["label_mask"][:, None]
 
     teacher.eval()
     with torch.no_grad():
